@@ -1,0 +1,615 @@
+//! The storage cases: every statement under `# Behavior` and `# Errors` of the `KvStore` trait,
+//! each as one function named after what it proves.
+
+use std::sync::Arc;
+
+use ipam_core::kv::{Condition, KvError, KvStore, Op, Revision, Txn, MAX_TXN_OPS, MAX_VALUE_BYTES};
+
+use crate::StoreFactory;
+
+async fn value_of(store: &dyn KvStore, key: &str) -> Option<Vec<u8>> {
+    store
+        .get(key)
+        .await
+        .unwrap_or_else(|e| panic!("get {key:?} failed: {e}"))
+        .map(|kv| kv.value)
+}
+
+async fn revision_of(store: &dyn KvStore, key: &str) -> Revision {
+    store
+        .get(key)
+        .await
+        .unwrap_or_else(|e| panic!("get {key:?} failed: {e}"))
+        .unwrap_or_else(|| panic!("{key:?} should exist"))
+        .revision
+}
+
+fn assert_conflict_on<T: std::fmt::Debug>(result: Result<T, KvError>, key: &str) {
+    match result {
+        Err(KvError::Conflict { key: failed }) => {
+            assert_eq!(failed, key, "conflict names the wrong key")
+        }
+        other => panic!("expected a conflict on {key:?}, got {other:?}"),
+    }
+}
+
+fn assert_invalid<T: std::fmt::Debug>(result: Result<T, KvError>) {
+    match result {
+        Err(KvError::InvalidArgument { .. }) => {}
+        other => panic!("expected an invalid-argument error, got {other:?}"),
+    }
+}
+
+/// `get` of a key never written returns `None`.
+pub async fn get_missing_key_is_none<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    assert_eq!(t.store.get("never/written").await.expect("get"), None);
+}
+
+/// `create` stores the value, and `get` returns it with the revision `create` returned.
+pub async fn create_then_get_returns_value_and_revision<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let rev = t.store.create("k", b"v1".to_vec()).await.expect("create");
+    assert!(rev > Revision::NONE);
+    let kv = t.store.get("k").await.expect("get").expect("present");
+    assert_eq!(kv.key, "k");
+    assert_eq!(kv.value, b"v1");
+    assert_eq!(kv.revision, rev);
+}
+
+/// `create` on an existing key is a conflict and leaves the old value.
+pub async fn create_on_existing_key_is_conflict<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let rev = t
+        .store
+        .create("k", b"first".to_vec())
+        .await
+        .expect("create");
+    assert_conflict_on(t.store.create("k", b"second".to_vec()).await, "k");
+    let kv = t.store.get("k").await.expect("get").expect("present");
+    assert_eq!(kv.value, b"first");
+    assert_eq!(kv.revision, rev);
+}
+
+/// `update` at the current revision replaces the value and returns a greater revision.
+pub async fn update_with_current_revision_replaces_value<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r1 = t.store.create("k", b"a".to_vec()).await.expect("create");
+    let r2 = t
+        .store
+        .update("k", r1, b"b".to_vec())
+        .await
+        .expect("update");
+    assert!(r2 > r1);
+    assert_eq!(value_of(&*t.store, "k").await, Some(b"b".to_vec()));
+    assert_eq!(revision_of(&*t.store, "k").await, r2);
+}
+
+/// `update` with a stale revision is a conflict and writes nothing.
+pub async fn update_with_stale_revision_is_conflict_and_writes_nothing<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let r1 = t.store.create("k", b"a".to_vec()).await.expect("create");
+    let r2 = t
+        .store
+        .update("k", r1, b"b".to_vec())
+        .await
+        .expect("update");
+    assert_conflict_on(t.store.update("k", r1, b"stale".to_vec()).await, "k");
+    assert_eq!(value_of(&*t.store, "k").await, Some(b"b".to_vec()));
+    assert_eq!(revision_of(&*t.store, "k").await, r2);
+}
+
+/// `update` of a missing key is a conflict and does not create it.
+pub async fn update_on_missing_key_is_conflict<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let other = t.store.put("other", b"x".to_vec()).await.expect("put");
+    assert_conflict_on(
+        t.store.update("missing", other, b"v".to_vec()).await,
+        "missing",
+    );
+    assert_eq!(value_of(&*t.store, "missing").await, None);
+}
+
+/// Deleting a key that does not exist succeeds and changes nothing else.
+pub async fn delete_missing_key_succeeds<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    t.store.put("keep", b"x".to_vec()).await.expect("put");
+    t.store
+        .delete("missing")
+        .await
+        .expect("delete of a missing key succeeds");
+    assert_eq!(value_of(&*t.store, "keep").await, Some(b"x".to_vec()));
+    assert_eq!(value_of(&*t.store, "missing").await, None);
+}
+
+/// `delete_at` with the current revision removes the key.
+pub async fn delete_at_current_revision_removes_key<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r = t.store.create("k", b"v".to_vec()).await.expect("create");
+    t.store.delete_at("k", r).await.expect("delete_at");
+    assert_eq!(t.store.get("k").await.expect("get"), None);
+    assert!(t.store.list("").await.expect("list").is_empty());
+}
+
+/// `delete_at` with a stale revision, or on a missing key, is a conflict and keeps the key.
+pub async fn delete_at_stale_revision_is_conflict_and_keeps_key<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r1 = t.store.create("k", b"a".to_vec()).await.expect("create");
+    let r2 = t
+        .store
+        .update("k", r1, b"b".to_vec())
+        .await
+        .expect("update");
+    assert_conflict_on(t.store.delete_at("k", r1).await, "k");
+    assert_eq!(revision_of(&*t.store, "k").await, r2);
+    assert_conflict_on(t.store.delete_at("missing", r2).await, "missing");
+}
+
+/// A deleted key reads as absent, so `create` works on it again with a newer revision.
+pub async fn deleted_key_can_be_created_again<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r1 = t.store.create("k", b"a".to_vec()).await.expect("create");
+    t.store.delete("k").await.expect("delete");
+    let r2 = t
+        .store
+        .create("k", b"b".to_vec())
+        .await
+        .expect("create again");
+    assert!(r2 > r1);
+    assert_eq!(value_of(&*t.store, "k").await, Some(b"b".to_vec()));
+}
+
+/// When every condition holds, every put and delete applies.
+pub async fn transaction_applies_every_op_when_conditions_hold<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ra = t.store.create("a", b"a0".to_vec()).await.expect("create a");
+    t.store
+        .create("gone", b"g".to_vec())
+        .await
+        .expect("create gone");
+    let rev = t
+        .store
+        .commit(
+            Txn::new()
+                .when(Condition::at_revision("a", ra))
+                .when(Condition::absent("b"))
+                .then(Op::put("a", b"a1".to_vec()))
+                .then(Op::put("b", b"b1".to_vec()))
+                .then(Op::delete("gone")),
+        )
+        .await
+        .expect("commit");
+    assert_eq!(value_of(&*t.store, "a").await, Some(b"a1".to_vec()));
+    assert_eq!(value_of(&*t.store, "b").await, Some(b"b1".to_vec()));
+    assert_eq!(value_of(&*t.store, "gone").await, None);
+    assert_eq!(revision_of(&*t.store, "a").await, rev);
+}
+
+/// One failed condition among many leaves every key untouched.
+pub async fn transaction_with_one_failed_condition_writes_nothing<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let mut revisions = Vec::new();
+    for i in 0..5 {
+        revisions.push(
+            t.store
+                .create(&format!("k{i}"), vec![i])
+                .await
+                .expect("create"),
+        );
+    }
+    let mut txn = Txn::new();
+    for (i, rev) in revisions.iter().enumerate() {
+        // k3's condition names a stale revision; all others hold.
+        let expected = if i == 3 {
+            Revision(rev.0.saturating_sub(1))
+        } else {
+            *rev
+        };
+        txn = txn.when(Condition::at_revision(format!("k{i}"), expected));
+        txn = txn.then(Op::put(format!("k{i}"), b"changed".to_vec()));
+    }
+    txn = txn
+        .then(Op::put("new", b"n".to_vec()))
+        .then(Op::delete("also-new"));
+    t.store.put("also-new", b"a".to_vec()).await.expect("put");
+    let before = t.store.list("").await.expect("list");
+    assert_conflict_on(t.store.commit(txn).await, "k3");
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "store changed after a failed transaction"
+    );
+}
+
+/// The conflict error names the first condition, in order, that failed.
+pub async fn conflict_names_first_failed_key<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    t.store
+        .create("exists1", b"1".to_vec())
+        .await
+        .expect("create");
+    t.store
+        .create("exists2", b"2".to_vec())
+        .await
+        .expect("create");
+    let txn = Txn::new()
+        .when(Condition::absent("free"))
+        .when(Condition::absent("exists2"))
+        .when(Condition::absent("exists1"))
+        .then(Op::put("free", b"x".to_vec()));
+    assert_conflict_on(t.store.commit(txn).await, "exists2");
+    assert_eq!(value_of(&*t.store, "free").await, None);
+}
+
+/// A transaction's deletes and puts land together or not at all, as seen by a later list.
+pub async fn transaction_mixing_puts_and_deletes_is_atomic<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    for i in 0..10 {
+        t.store
+            .put(&format!("old/{i}"), vec![i])
+            .await
+            .expect("put");
+    }
+    let mut txn = Txn::new();
+    for i in 0..10 {
+        txn = txn.then(Op::delete(format!("old/{i}")));
+        txn = txn.then(Op::put(format!("new/{i}"), vec![i]));
+    }
+    t.store.commit(txn).await.expect("commit");
+    assert!(t.store.list_dir("old").await.expect("list").is_empty());
+    let new: Vec<_> = t
+        .store
+        .list_dir("new")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.value)
+        .collect();
+    assert_eq!(new, (0..10).map(|i| vec![i]).collect::<Vec<_>>());
+}
+
+/// Each write returns a revision greater than every one before it, whichever key it touches.
+pub async fn revisions_only_grow_across_keys<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let mut last = Revision::NONE;
+    for i in 0..20u8 {
+        let key = format!("key{}", i % 3);
+        let rev = if i % 5 == 4 {
+            t.store.delete(&key).await.expect("delete")
+        } else {
+            t.store.put(&key, vec![i]).await.expect("put")
+        };
+        assert!(rev > last, "revision {rev} after {last} did not grow");
+        last = rev;
+        for kv in t.store.list("").await.expect("list") {
+            assert!(
+                kv.revision <= last,
+                "a stored revision is ahead of the last write"
+            );
+        }
+    }
+}
+
+/// Every key a transaction puts carries the revision the commit returned.
+pub async fn every_key_put_carries_the_commit_revision<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    t.store.put("untouched", b"u".to_vec()).await.expect("put");
+    let rev = t
+        .store
+        .commit(
+            Txn::new()
+                .then(Op::put("x", b"1".to_vec()))
+                .then(Op::put("y", b"2".to_vec())),
+        )
+        .await
+        .expect("commit");
+    assert_eq!(revision_of(&*t.store, "x").await, rev);
+    assert_eq!(revision_of(&*t.store, "y").await, rev);
+    assert!(revision_of(&*t.store, "untouched").await < rev);
+}
+
+/// A failed transaction neither changes keys nor makes the next write's revision go backwards.
+pub async fn failed_transaction_does_not_advance_visible_revisions<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r1 = t.store.create("k", b"v".to_vec()).await.expect("create");
+    assert!(t.store.create("k", b"w".to_vec()).await.is_err());
+    assert_eq!(revision_of(&*t.store, "k").await, r1);
+    let r2 = t.store.put("other", b"o".to_vec()).await.expect("put");
+    assert!(r2 > r1);
+}
+
+async fn keys_of(store: &dyn KvStore, prefix: &str) -> Vec<String> {
+    store
+        .list(prefix)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect()
+}
+
+/// `list("a/b")` is a plain string prefix: it returns `a/b`, `a/b/...` and `a/bc...`.
+pub async fn list_prefix_is_a_string_prefix<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    for key in ["a/a", "a/b", "a/b/c", "a/bc/d", "a/c", "b"] {
+        t.store
+            .put(key, key.as_bytes().to_vec())
+            .await
+            .expect("put");
+    }
+    assert_eq!(keys_of(&*t.store, "a/b").await, ["a/b", "a/b/c", "a/bc/d"]);
+    assert_eq!(keys_of(&*t.store, "a/b/").await, ["a/b/c"]);
+    assert_eq!(keys_of(&*t.store, "zz").await, Vec::<String>::new());
+}
+
+/// `list_dir("a/b")` returns only keys under `a/b/`, at any depth, never `a/bc`.
+pub async fn list_dir_returns_only_children<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    for key in ["a/b", "a/b/c", "a/b/c/d", "a/bc/d", "a/b0"] {
+        t.store.put(key, Vec::new()).await.expect("put");
+    }
+    let children: Vec<String> = t
+        .store
+        .list_dir("a/b")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(children, ["a/b/c", "a/b/c/d"]);
+    let same: Vec<String> = t
+        .store
+        .list_dir("a/b/")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(same, children);
+}
+
+/// Listing is sorted by key bytes, whatever the order of writing.
+pub async fn list_is_sorted_by_key<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let keys = ["p/9", "p/10", "p/1", "p/Z", "p/a", "p/ä", "p/-", "p/~"];
+    for key in keys {
+        t.store.put(key, Vec::new()).await.expect("put");
+    }
+    let mut expected: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    expected.sort(); // String's Ord is byte-wise on UTF-8
+    assert_eq!(keys_of(&*t.store, "p/").await, expected);
+}
+
+/// An empty prefix lists every key in the store.
+pub async fn empty_prefix_lists_everything<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    for key in ["x", "y/z", "\u{263a}"] {
+        t.store.put(key, Vec::new()).await.expect("put");
+    }
+    assert_eq!(keys_of(&*t.store, "").await, ["x", "y/z", "\u{263a}"]);
+}
+
+/// Each listed entry carries the revision of its own last write.
+pub async fn list_reports_each_key_revision<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let r1 = t.store.put("d/1", b"1".to_vec()).await.expect("put");
+    let r2 = t.store.put("d/2", b"2".to_vec()).await.expect("put");
+    let r3 = t.store.put("d/1", b"1b".to_vec()).await.expect("put");
+    let listed: Vec<(String, Vec<u8>, Revision)> = t
+        .store
+        .list_dir("d")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| (kv.key, kv.value, kv.revision))
+        .collect();
+    assert!(r3 > r1);
+    assert_eq!(
+        listed,
+        vec![
+            ("d/1".into(), b"1b".to_vec(), r3),
+            ("d/2".into(), b"2".to_vec(), r2)
+        ]
+    );
+}
+
+/// An empty value is stored and read back as empty, distinct from absent.
+pub async fn empty_value_round_trips<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    t.store.create("empty", Vec::new()).await.expect("create");
+    assert_eq!(value_of(&*t.store, "empty").await, Some(Vec::new()));
+    assert_conflict_on(t.store.create("empty", b"x".to_vec()).await, "empty");
+}
+
+/// A 1 MiB value round-trips byte for byte.
+pub async fn one_mebibyte_value_round_trips<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let value: Vec<u8> = (0..1024 * 1024)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    t.store.put("big", value.clone()).await.expect("put 1 MiB");
+    let back = value_of(&*t.store, "big").await.expect("present");
+    assert_eq!(back.len(), value.len());
+    assert!(
+        back == value,
+        "1 MiB value changed on the way through the store"
+    );
+}
+
+/// Keys with `/`, `:`, spaces and non-ASCII characters round-trip unchanged.
+pub async fn keys_with_slash_colon_and_unicode_round_trip<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let keys = [
+        "/calico/ipam/v2/assignment/ipv4/block/10.0.0.0-26",
+        "handle/k8s-pod-network.abc:def",
+        "fd00::/122",
+        "nœud/東京/🚀",
+        "with space",
+    ];
+    for (i, key) in keys.iter().enumerate() {
+        t.store.create(key, vec![i as u8]).await.expect("create");
+    }
+    for (i, key) in keys.iter().enumerate() {
+        let kv = t.store.get(key).await.expect("get").expect("present");
+        assert_eq!(kv.key, *key);
+        assert_eq!(kv.value, vec![i as u8]);
+    }
+    let mut listed = keys_of(&*t.store, "").await;
+    let mut expected: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    expected.sort();
+    listed.sort();
+    assert_eq!(listed, expected);
+}
+
+/// An empty key is refused as an invalid argument, in reads and writes.
+pub async fn empty_key_is_invalid_argument<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    assert_invalid(t.store.get("").await);
+    assert_invalid(t.store.put("", b"v".to_vec()).await);
+    assert!(t.store.list("").await.expect("list").is_empty());
+}
+
+/// Writing one key twice in a transaction is invalid, and nothing of it is written.
+pub async fn key_written_twice_in_one_transaction_is_invalid_and_writes_nothing<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let txn = Txn::new()
+        .then(Op::put("other", b"o".to_vec()))
+        .then(Op::put("k", b"1".to_vec()))
+        .then(Op::delete("k"));
+    assert_invalid(t.store.commit(txn).await);
+    assert!(t.store.list("").await.expect("list").is_empty());
+}
+
+/// A transaction with conditions but no operation is invalid.
+pub async fn transaction_without_ops_is_invalid<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    assert_invalid(
+        t.store
+            .commit(Txn::new().when(Condition::absent("k")))
+            .await,
+    );
+}
+
+/// More than `MAX_TXN_OPS` operations is invalid, and nothing is written.
+pub async fn too_many_ops_is_invalid_argument<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let mut txn = Txn::new();
+    for i in 0..=MAX_TXN_OPS {
+        txn = txn.then(Op::put(format!("k{i}"), Vec::new()));
+    }
+    assert_invalid(t.store.commit(txn).await);
+    assert!(t.store.list("").await.expect("list").is_empty());
+    let mut at_limit = Txn::new();
+    for i in 0..MAX_TXN_OPS {
+        at_limit = at_limit.then(Op::put(format!("k{i:03}"), Vec::new()));
+    }
+    t.store
+        .commit(at_limit)
+        .await
+        .expect("exactly MAX_TXN_OPS operations are accepted");
+    assert_eq!(t.store.list("").await.expect("list").len(), MAX_TXN_OPS);
+}
+
+/// A value over `MAX_VALUE_BYTES` is invalid and not written.
+pub async fn oversized_value_is_invalid_argument<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    assert_invalid(t.store.put("huge", vec![0u8; MAX_VALUE_BYTES + 1]).await);
+    assert_eq!(value_of(&*t.store, "huge").await, None);
+}
+
+/// Reads a little-endian counter, treating a missing key as zero.
+pub async fn read_counter(
+    store: &dyn KvStore,
+    key: &str,
+) -> Result<(u64, Option<Revision>), KvError> {
+    Ok(match store.get(key).await? {
+        None => (0, None),
+        Some(kv) => {
+            let bytes: [u8; 8] = kv
+                .value
+                .as_slice()
+                .try_into()
+                .map_err(|_| KvError::corrupt(Some(key), "counter is not 8 bytes"))?;
+            (u64::from_le_bytes(bytes), Some(kv.revision))
+        }
+    })
+}
+
+/// Adds one to a counter with compare-and-swap, retrying on conflict; returns the attempts used.
+pub async fn cas_increment(store: &dyn KvStore, key: &str) -> Result<u32, KvError> {
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let (count, revision) = read_counter(store, key).await?;
+        let next = (count + 1).to_le_bytes().to_vec();
+        let result = match revision {
+            None => store.create(key, next).await,
+            Some(rev) => store.update(key, rev, next).await,
+        };
+        match result {
+            Ok(_) => return Ok(attempts),
+            Err(KvError::Conflict { .. }) => continue,
+            Err(e) if e.is_retryable() => {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// 16 workers × 100 compare-and-swap increments on one key end at exactly 1600.
+pub async fn concurrent_cas_increments_sum_exactly<F: StoreFactory>(factory: &F) {
+    const WORKERS: usize = 16;
+    const INCREMENTS: usize = 100;
+    let t = factory.fresh().await;
+    let mut tasks = Vec::new();
+    for _ in 0..WORKERS {
+        let store = Arc::clone(&t.store);
+        tasks.push(tokio::spawn(async move {
+            let mut attempts = 0u32;
+            for _ in 0..INCREMENTS {
+                attempts += cas_increment(&*store, "counter").await.expect("increment");
+            }
+            attempts
+        }));
+    }
+    let mut attempts = 0u32;
+    for task in tasks {
+        attempts += task.await.expect("worker panicked");
+    }
+    let (count, _) = read_counter(&*t.store, "counter").await.expect("read");
+    assert_eq!(
+        count,
+        (WORKERS * INCREMENTS) as u64,
+        "lost or duplicated increments"
+    );
+    assert!(attempts as usize >= WORKERS * INCREMENTS);
+}
+
+/// Of 16 concurrent `create`s of one key exactly one succeeds; the rest are conflicts.
+pub async fn concurrent_creates_of_one_key_have_one_winner<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let mut tasks = Vec::new();
+    for i in 0..16u8 {
+        let store = Arc::clone(&t.store);
+        tasks.push(tokio::spawn(async move {
+            (i, store.create("lock", vec![i]).await)
+        }));
+    }
+    let mut winners = Vec::new();
+    for task in tasks {
+        let (i, result) = task.await.expect("task panicked");
+        match result {
+            Ok(_) => winners.push(i),
+            Err(KvError::Conflict { key }) => assert_eq!(key, "lock"),
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    assert_eq!(value_of(&*t.store, "lock").await, Some(vec![winners[0]]));
+}

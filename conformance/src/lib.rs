@@ -1,0 +1,122 @@
+//! The conformance suite: store factories, the cases every backend must pass, and the macros that
+//! expand them into one named `#[tokio::test]` per case in each backend's `tests/conformance.rs`.
+
+pub mod embedded;
+pub mod kv;
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ipam_core::KvStore;
+
+/// A store handed to one case, with whatever must live exactly as long as the case does
+/// (a temporary directory, a unique etcd key prefix) in `guard`.
+pub struct TestStore {
+    /// The store under test, empty when handed over.
+    pub store: Arc<dyn KvStore>,
+    /// Dropped after the case ends; cleans up what the factory created.
+    pub guard: Box<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for TestStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestStore")
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Makes fresh, empty stores of one backend.
+#[async_trait]
+pub trait StoreFactory: Send + Sync + 'static {
+    /// A short backend name used in messages ("sled", "etcd", ...).
+    fn backend_name(&self) -> &'static str;
+
+    /// A new, empty store that no other case sees.
+    async fn fresh(&self) -> TestStore;
+}
+
+/// Expands every generic storage case into one `#[tokio::test]`, inside a module `kv`.
+///
+/// `$factory` is an expression building a [`StoreFactory`]; it is evaluated once per case.
+#[macro_export]
+macro_rules! kv_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(kv, $crate::kv, $factory;
+            get_missing_key_is_none,
+            create_then_get_returns_value_and_revision,
+            create_on_existing_key_is_conflict,
+            update_with_current_revision_replaces_value,
+            update_with_stale_revision_is_conflict_and_writes_nothing,
+            update_on_missing_key_is_conflict,
+            delete_missing_key_succeeds,
+            delete_at_current_revision_removes_key,
+            delete_at_stale_revision_is_conflict_and_keeps_key,
+            deleted_key_can_be_created_again,
+            transaction_applies_every_op_when_conditions_hold,
+            transaction_with_one_failed_condition_writes_nothing,
+            conflict_names_first_failed_key,
+            transaction_mixing_puts_and_deletes_is_atomic,
+            revisions_only_grow_across_keys,
+            every_key_put_carries_the_commit_revision,
+            failed_transaction_does_not_advance_visible_revisions,
+            list_prefix_is_a_string_prefix,
+            list_dir_returns_only_children,
+            list_is_sorted_by_key,
+            empty_prefix_lists_everything,
+            list_reports_each_key_revision,
+            empty_value_round_trips,
+            one_mebibyte_value_round_trips,
+            keys_with_slash_colon_and_unicode_round_trip,
+            empty_key_is_invalid_argument,
+            key_written_twice_in_one_transaction_is_invalid_and_writes_nothing,
+            transaction_without_ops_is_invalid,
+            too_many_ops_is_invalid_argument,
+            oversized_value_is_invalid_argument,
+            concurrent_cas_increments_sum_exactly,
+            concurrent_creates_of_one_key_have_one_winner,
+        );
+    };
+}
+
+/// Internal: expands a list of case names into `#[tokio::test]` functions inside module `$module`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __expand_cases {
+    ($module:ident, $cases:path, $factory:expr; $($case:ident),+ $(,)?) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    let factory = $factory;
+                    {
+                        use $cases as cases;
+                        cases::$case(&factory).await;
+                    }
+                }
+            )+
+        }
+    };
+}
+
+/// The factory for the in-memory reference store.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct MemoryFactory;
+
+#[async_trait]
+impl StoreFactory for MemoryFactory {
+    fn backend_name(&self) -> &'static str {
+        "memory"
+    }
+
+    async fn fresh(&self) -> TestStore {
+        TestStore {
+            store: Arc::new(ipam_core::MemoryStore::new()),
+            guard: Box::new(()),
+        }
+    }
+}

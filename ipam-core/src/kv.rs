@@ -1,0 +1,485 @@
+//! The KV-with-revisions storage trait that every blockipam store adapter implements.
+//!
+//! The model follows etcd v3: string keys, byte values, a store-wide revision that only grows, and
+//! one atomic conditional transaction from which every other write is derived.
+
+use std::fmt;
+
+use async_trait::async_trait;
+
+/// Largest number of operations (puts plus deletes) one transaction may carry.
+///
+/// etcd's default `--max-txn-ops` is 128; every backend enforces the same limit so that code
+/// written against one store behaves the same on all of them.
+pub const MAX_TXN_OPS: usize = 128;
+
+/// Largest number of conditions one transaction may carry (same reason as [`MAX_TXN_OPS`]).
+pub const MAX_TXN_CONDITIONS: usize = 128;
+
+/// Largest value a store must accept, in bytes (etcd's default request limit is 1.5 MiB).
+pub const MAX_VALUE_BYTES: usize = 1024 * 1024 + 4096;
+
+/// A point in a store's history.
+///
+/// Every successful write produces a revision greater than every revision read or written before
+/// it on the same store. Revisions are not promised to be contiguous. `Revision::NONE` (zero) is
+/// never the revision of a stored key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Revision(pub u64);
+
+impl Revision {
+    /// The revision before any write.
+    pub const NONE: Revision = Revision(0);
+
+    /// The raw number.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Revision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// One stored key with its value and the revision of the write that last changed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    /// The key, as the caller wrote it (adapters strip any prefix of their own).
+    pub key: String,
+    /// The stored bytes.
+    pub value: Vec<u8>,
+    /// Revision of the transaction that last put this key.
+    pub revision: Revision,
+}
+
+/// What a transaction requires of one key before it applies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Condition {
+    /// The key must not exist.
+    Absent {
+        /// The key tested.
+        key: String,
+    },
+    /// The key must exist and have been last written at exactly this revision.
+    AtRevision {
+        /// The key tested.
+        key: String,
+        /// The revision it must carry.
+        revision: Revision,
+    },
+}
+
+impl Condition {
+    /// The key this condition tests.
+    pub fn key(&self) -> &str {
+        match self {
+            Condition::Absent { key } | Condition::AtRevision { key, .. } => key,
+        }
+    }
+
+    /// Builds the condition "key is absent".
+    pub fn absent(key: impl Into<String>) -> Self {
+        Condition::Absent { key: key.into() }
+    }
+
+    /// Builds the condition "key exists at exactly `revision`".
+    pub fn at_revision(key: impl Into<String>, revision: Revision) -> Self {
+        Condition::AtRevision {
+            key: key.into(),
+            revision,
+        }
+    }
+
+    /// True when a key currently stored at `current` (None: absent) satisfies this condition.
+    pub fn holds_for(&self, current: Option<Revision>) -> bool {
+        match (self, current) {
+            (Condition::Absent { .. }, None) => true,
+            (Condition::AtRevision { revision, .. }, Some(found)) => *revision == found,
+            _ => false,
+        }
+    }
+}
+
+/// One write inside a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Store `value` under `key`, creating or replacing it.
+    Put {
+        /// The key written.
+        key: String,
+        /// The bytes stored.
+        value: Vec<u8>,
+    },
+    /// Remove `key`; removing a key that does not exist is not an error.
+    Delete {
+        /// The key removed.
+        key: String,
+    },
+}
+
+impl Op {
+    /// The key this operation writes.
+    pub fn key(&self) -> &str {
+        match self {
+            Op::Put { key, .. } | Op::Delete { key } => key,
+        }
+    }
+
+    /// Builds a put.
+    pub fn put(key: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        Op::Put {
+            key: key.into(),
+            value: value.into(),
+        }
+    }
+
+    /// Builds a delete.
+    pub fn delete(key: impl Into<String>) -> Self {
+        Op::Delete { key: key.into() }
+    }
+}
+
+/// An atomic conditional transaction: if every condition holds, every operation applies;
+/// otherwise nothing is written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Txn {
+    /// What must hold before anything is written.
+    pub conditions: Vec<Condition>,
+    /// What is written when the conditions hold, in order.
+    pub ops: Vec<Op>,
+}
+
+impl Txn {
+    /// An empty transaction.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a condition.
+    pub fn when(mut self, condition: Condition) -> Self {
+        self.conditions.push(condition);
+        self
+    }
+
+    /// Adds an operation.
+    pub fn then(mut self, op: Op) -> Self {
+        self.ops.push(op);
+        self
+    }
+
+    /// Checks the shape rules every backend enforces before touching the store.
+    ///
+    /// # Errors
+    /// [`KvError::InvalidArgument`] when the transaction has no operation, too many conditions or
+    /// operations, an empty key, a key written twice, a key tested twice, or a value that is too large.
+    pub fn validate(&self) -> Result<(), KvError> {
+        if self.ops.is_empty() {
+            return Err(KvError::invalid(
+                "a transaction needs at least one operation",
+            ));
+        }
+        if self.ops.len() > MAX_TXN_OPS {
+            return Err(KvError::invalid(format!(
+                "a transaction may carry at most {MAX_TXN_OPS} operations, this one has {}",
+                self.ops.len()
+            )));
+        }
+        if self.conditions.len() > MAX_TXN_CONDITIONS {
+            return Err(KvError::invalid(format!(
+                "a transaction may carry at most {MAX_TXN_CONDITIONS} conditions, this one has {}",
+                self.conditions.len()
+            )));
+        }
+        let mut written = std::collections::HashSet::new();
+        for op in &self.ops {
+            validate_key(op.key())?;
+            if !written.insert(op.key()) {
+                return Err(KvError::invalid(format!(
+                    "key {:?} is written twice in one transaction",
+                    op.key()
+                )));
+            }
+            if let Op::Put { value, .. } = op {
+                if value.len() > MAX_VALUE_BYTES {
+                    return Err(KvError::invalid(format!(
+                        "value for key {:?} is {} bytes, the limit is {MAX_VALUE_BYTES}",
+                        op.key(),
+                        value.len()
+                    )));
+                }
+            }
+        }
+        let mut tested = std::collections::HashSet::new();
+        for condition in &self.conditions {
+            validate_key(condition.key())?;
+            if !tested.insert(condition.key()) {
+                return Err(KvError::invalid(format!(
+                    "key {:?} is tested twice in one transaction",
+                    condition.key()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The first condition (in order) that does not hold, given a lookup of current revisions.
+    ///
+    /// Backends that evaluate conditions themselves use this so that all of them name the same key.
+    pub fn first_failed_condition<F>(
+        &self,
+        mut current_revision: F,
+    ) -> Result<Option<&Condition>, KvError>
+    where
+        F: FnMut(&str) -> Result<Option<Revision>, KvError>,
+    {
+        for condition in &self.conditions {
+            if !condition.holds_for(current_revision(condition.key())?) {
+                return Ok(Some(condition));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Rejects keys no backend can store faithfully.
+///
+/// # Errors
+/// [`KvError::InvalidArgument`] for an empty key or one containing a NUL character.
+pub fn validate_key(key: &str) -> Result<(), KvError> {
+    if key.is_empty() {
+        return Err(KvError::invalid("keys may not be empty"));
+    }
+    if key.contains('\0') {
+        return Err(KvError::invalid(format!(
+            "key {key:?} contains a NUL character"
+        )));
+    }
+    Ok(())
+}
+
+/// Everything that can go wrong talking to a store.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvError {
+    /// A transaction condition did not hold; nothing was written.
+    #[error("condition failed on key {key:?}: nothing was written")]
+    Conflict {
+        /// The first key (in condition order) whose condition did not hold.
+        key: String,
+    },
+    /// The store could not be reached or is busy; nothing was written. Retrying may succeed.
+    #[error("store unavailable: {message}")]
+    Unavailable {
+        /// What happened, naming the endpoint or path.
+        message: String,
+    },
+    /// The write may or may not have been applied; re-read before deciding anything.
+    #[error("outcome unknown, re-read the store: {message}")]
+    Indeterminate {
+        /// What happened.
+        message: String,
+    },
+    /// Stored bytes are not what this software writes.
+    #[error("corrupt data{}: {message}", key.as_ref().map(|k| format!(" at key {k:?}")).unwrap_or_default())]
+    Corrupt {
+        /// The key whose bytes are bad, when known.
+        key: Option<String>,
+        /// What is wrong.
+        message: String,
+    },
+    /// The request itself is malformed; retrying will not help.
+    #[error("invalid argument: {message}")]
+    InvalidArgument {
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A permanent failure not covered above (permissions, configuration, engine errors).
+    #[error("store error: {message}")]
+    Other {
+        /// What happened.
+        message: String,
+    },
+}
+
+impl KvError {
+    /// True when the same request may succeed if simply tried again later
+    /// (the store was unavailable). A conflict is not retryable as-is: re-read first.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, KvError::Unavailable { .. })
+    }
+
+    /// True when a condition failed.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, KvError::Conflict { .. })
+    }
+
+    /// Shorthand for [`KvError::InvalidArgument`].
+    pub fn invalid(message: impl Into<String>) -> Self {
+        KvError::InvalidArgument {
+            message: message.into(),
+        }
+    }
+
+    /// Shorthand for [`KvError::Unavailable`].
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        KvError::Unavailable {
+            message: message.into(),
+        }
+    }
+
+    /// Shorthand for [`KvError::Other`].
+    pub fn other(message: impl Into<String>) -> Self {
+        KvError::Other {
+            message: message.into(),
+        }
+    }
+
+    /// Shorthand for [`KvError::Corrupt`].
+    pub fn corrupt(key: Option<&str>, message: impl Into<String>) -> Self {
+        KvError::Corrupt {
+            key: key.map(str::to_owned),
+            message: message.into(),
+        }
+    }
+}
+
+/// Returns `prefix` with a trailing `/` added when it lacks one: the prefix that lists exactly the
+/// children of a directory-like key.
+pub fn dir_prefix(dir: &str) -> String {
+    if dir.ends_with('/') {
+        dir.to_owned()
+    } else {
+        format!("{dir}/")
+    }
+}
+
+/// A key-value store with revisions and atomic conditional transactions.
+///
+/// Adapters implement [`get`](KvStore::get), [`list`](KvStore::list) and
+/// [`commit`](KvStore::commit); the convenience writes are provided on top of `commit`.
+/// The trait is object safe: binaries hold an `Arc<dyn KvStore>` chosen at run time.
+#[async_trait]
+pub trait KvStore: Send + Sync + fmt::Debug {
+    /// Reads one key.
+    ///
+    /// # Behavior
+    /// - returns the value with the revision of the write that last changed it;
+    /// - returns `None` for a key that was never written or was deleted.
+    ///
+    /// # Errors
+    /// - [`KvError::InvalidArgument`] for an empty key;
+    /// - [`KvError::Unavailable`] when the store cannot be reached;
+    /// - [`KvError::Corrupt`] when the stored record cannot be decoded.
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError>;
+
+    /// Lists every key that starts with `prefix`, compared as a plain string.
+    ///
+    /// # Behavior
+    /// - the prefix is a string prefix: `list("a/b")` returns `a/b`, `a/b/c` **and** `a/bc`;
+    ///   use [`list_dir`](KvStore::list_dir) (or a prefix ending in `/`) for a directory's children;
+    /// - results are sorted by key, byte-wise ascending, each with its revision;
+    /// - an empty prefix lists the whole store.
+    ///
+    /// # Errors
+    /// - [`KvError::Unavailable`] when the store cannot be reached;
+    /// - [`KvError::Corrupt`] when a stored record cannot be decoded.
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError>;
+
+    /// Applies a transaction atomically.
+    ///
+    /// # Behavior
+    /// - when every condition holds, every operation applies, in order, and the call returns the
+    ///   revision of the write, greater than any revision read or written before on this store;
+    ///   every key put carries that revision;
+    /// - when any condition fails, nothing is written;
+    /// - deleting a key that does not exist is not an error;
+    /// - the write is durable when the call returns `Ok`.
+    ///
+    /// # Errors
+    /// - [`KvError::Conflict`] naming the first failed condition's key, with nothing written;
+    /// - [`KvError::InvalidArgument`] when [`Txn::validate`] rejects the transaction (nothing written);
+    /// - [`KvError::Unavailable`] when the store could not be reached (nothing written);
+    /// - [`KvError::Indeterminate`] when the write may or may not have landed.
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError>;
+
+    /// Lists the children of a directory-like key: `list_dir("a/b")` is `list("a/b/")`.
+    ///
+    /// # Behavior
+    /// - never returns `a/bc` for `a/b`; returns every key below `a/b/`, at any depth.
+    ///
+    /// # Errors
+    /// As [`list`](KvStore::list).
+    async fn list_dir(&self, dir: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.list(&dir_prefix(dir)).await
+    }
+
+    /// Creates `key` only if it does not exist.
+    ///
+    /// # Behavior
+    /// - returns the revision of the new key.
+    ///
+    /// # Errors
+    /// - [`KvError::Conflict`] when the key exists (nothing written); otherwise as [`commit`](KvStore::commit).
+    async fn create(&self, key: &str, value: Vec<u8>) -> Result<Revision, KvError> {
+        self.commit(
+            Txn::new()
+                .when(Condition::absent(key))
+                .then(Op::put(key, value)),
+        )
+        .await
+    }
+
+    /// Replaces `key` only if it is stored at exactly `revision`.
+    ///
+    /// # Behavior
+    /// - returns the key's new revision.
+    ///
+    /// # Errors
+    /// - [`KvError::Conflict`] when the key is missing or at another revision (nothing written);
+    ///   otherwise as [`commit`](KvStore::commit).
+    async fn update(
+        &self,
+        key: &str,
+        revision: Revision,
+        value: Vec<u8>,
+    ) -> Result<Revision, KvError> {
+        self.commit(
+            Txn::new()
+                .when(Condition::at_revision(key, revision))
+                .then(Op::put(key, value)),
+        )
+        .await
+    }
+
+    /// Deletes `key` only if it is stored at exactly `revision`.
+    ///
+    /// # Errors
+    /// - [`KvError::Conflict`] when the key is missing or at another revision (nothing deleted);
+    ///   otherwise as [`commit`](KvStore::commit).
+    async fn delete_at(&self, key: &str, revision: Revision) -> Result<Revision, KvError> {
+        self.commit(
+            Txn::new()
+                .when(Condition::at_revision(key, revision))
+                .then(Op::delete(key)),
+        )
+        .await
+    }
+
+    /// Stores `value` under `key` whatever was there.
+    ///
+    /// # Errors
+    /// As [`commit`](KvStore::commit), never a conflict.
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<Revision, KvError> {
+        self.commit(Txn::new().then(Op::put(key, value))).await
+    }
+
+    /// Deletes `key` whatever its revision; deleting a missing key succeeds.
+    ///
+    /// # Errors
+    /// As [`commit`](KvStore::commit), never a conflict.
+    async fn delete(&self, key: &str) -> Result<Revision, KvError> {
+        self.commit(Txn::new().then(Op::delete(key))).await
+    }
+}
