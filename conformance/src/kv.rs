@@ -613,3 +613,35 @@ pub async fn concurrent_creates_of_one_key_have_one_winner<F: StoreFactory>(fact
     assert_eq!(winners.len(), 1, "winners: {winners:?}");
     assert_eq!(value_of(&*t.store, "lock").await, Some(vec![winners[0]]));
 }
+
+/// `read_many` answers every get and list in request order, as the single calls would.
+pub async fn read_many_answers_each_read_in_order<F: StoreFactory>(factory: &F) {
+    use ipam_core::kv::{Read, ReadResult};
+    let t = factory.fresh().await;
+    let ra = t.store.put("d/a", b"a".to_vec()).await.expect("put");
+    let rb = t.store.put("d/b", b"b".to_vec()).await.expect("put");
+    t.store.put("e", b"e".to_vec()).await.expect("put");
+    let results = t
+        .store
+        .read_many(&[
+            Read::List("d/".into()),
+            Read::Get("missing".into()),
+            Read::Get("e".into()),
+            Read::List("zz".into()),
+        ])
+        .await
+        .expect("read_many");
+    assert_eq!(results.len(), 4);
+    let listed: Vec<(String, Revision)> = match &results[0] {
+        ReadResult::Listed(kvs) => kvs.iter().map(|kv| (kv.key.clone(), kv.revision)).collect(),
+        other => panic!("expected a list result, got {other:?}"),
+    };
+    assert_eq!(
+        listed,
+        vec![("d/a".to_string(), ra), ("d/b".to_string(), rb)]
+    );
+    assert_eq!(results[1], ReadResult::Got(None));
+    assert!(matches!(&results[2], ReadResult::Got(Some(kv)) if kv.value == b"e"));
+    assert_eq!(results[3], ReadResult::Listed(Vec::new()));
+    assert_invalid(t.store.read_many(&[Read::Get(String::new())]).await);
+}

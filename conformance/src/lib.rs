@@ -77,6 +77,7 @@ macro_rules! kv_conformance_tests {
             oversized_value_is_invalid_argument,
             concurrent_cas_increments_sum_exactly,
             concurrent_creates_of_one_key_have_one_winner,
+            read_many_answers_each_read_in_order,
         );
     };
 }

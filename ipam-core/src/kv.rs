@@ -355,6 +355,52 @@ pub fn dir_prefix(dir: &str) -> String {
     }
 }
 
+/// One read inside a [`KvStore::read_many`] batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Read {
+    /// Read one key, as [`KvStore::get`].
+    Get(String),
+    /// List a string prefix, as [`KvStore::list`].
+    List(String),
+}
+
+/// The answer to one [`Read`], in the same position as the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadResult {
+    /// Answer to [`Read::Get`].
+    Got(Option<KeyValue>),
+    /// Answer to [`Read::List`].
+    Listed(Vec<KeyValue>),
+}
+
+impl ReadResult {
+    /// The value of a `Get`, or an invalid-argument error if this answered a `List`.
+    ///
+    /// # Errors
+    /// [`KvError::InvalidArgument`] when the result is of the other kind.
+    pub fn into_got(self) -> Result<Option<KeyValue>, KvError> {
+        match self {
+            ReadResult::Got(kv) => Ok(kv),
+            ReadResult::Listed(_) => Err(KvError::invalid(
+                "expected a get result, found a list result",
+            )),
+        }
+    }
+
+    /// The entries of a `List`, or an invalid-argument error if this answered a `Get`.
+    ///
+    /// # Errors
+    /// [`KvError::InvalidArgument`] when the result is of the other kind.
+    pub fn into_listed(self) -> Result<Vec<KeyValue>, KvError> {
+        match self {
+            ReadResult::Listed(kvs) => Ok(kvs),
+            ReadResult::Got(_) => Err(KvError::invalid(
+                "expected a list result, found a get result",
+            )),
+        }
+    }
+}
+
 /// A key-value store with revisions and atomic conditional transactions.
 ///
 /// Adapters implement [`get`](KvStore::get), [`list`](KvStore::list) and
@@ -403,6 +449,28 @@ pub trait KvStore: Send + Sync + fmt::Debug {
     /// - [`KvError::Unavailable`] when the store could not be reached (nothing written);
     /// - [`KvError::Indeterminate`] when the write may or may not have landed.
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError>;
+
+    /// Performs several reads as one request where the backend can (etcd: one `Txn` of ranges,
+    /// one round trip, one snapshot).
+    ///
+    /// # Behavior
+    /// - returns one [`ReadResult`] per [`Read`], in request order, each as `get` / `list` would;
+    /// - backends that override it answer every read from one snapshot; the default performs the
+    ///   reads one after another, so callers that need consistency must still guard their writes
+    ///   with transaction conditions.
+    ///
+    /// # Errors
+    /// As [`get`](KvStore::get) and [`list`](KvStore::list).
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let mut results = Vec::with_capacity(reads.len());
+        for read in reads {
+            results.push(match read {
+                Read::Get(key) => ReadResult::Got(self.get(key).await?),
+                Read::List(prefix) => ReadResult::Listed(self.list(prefix).await?),
+            });
+        }
+        Ok(results)
+    }
 
     /// Lists the children of a directory-like key: `list_dir("a/b")` is `list("a/b/")`.
     ///

@@ -1,8 +1,22 @@
 //! blockipam's core: the storage trait, the in-memory reference store, and the block-affinity allocator.
 
+pub mod allocator;
+pub mod check;
+pub mod counting;
+pub mod error;
 pub mod kv;
 pub mod lockfile;
 pub mod memory;
+pub mod model;
 
-pub use kv::{Condition, KeyValue, KvError, KvStore, Op, Revision, Txn};
+pub use allocator::{
+    AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,
+    BlockUsage, HostRelease, Ipam, PoolDeletion, PoolSpec, PoolUsage, ReleaseOutcome,
+    ReleaseRequest, RetryPolicy, Utilization,
+};
+pub use check::{CheckReport, Problem};
+pub use counting::{CountingStore, RoundTrips};
+pub use error::IpamError;
+pub use kv::{Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn};
 pub use memory::MemoryStore;
+pub use model::{Family, IpamConfig, Pool};

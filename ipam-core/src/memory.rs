@@ -5,7 +5,7 @@ use std::sync::Mutex;
 
 use async_trait::async_trait;
 
-use crate::kv::{validate_key, KeyValue, KvError, KvStore, Op, Revision, Txn};
+use crate::kv::{validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn};
 
 #[derive(Debug, Default)]
 struct MemoryState {
@@ -57,6 +57,34 @@ impl KvStore for MemoryStore {
                 revision: *revision,
             })
             .collect())
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let state = self.lock()?;
+        let snapshot = |kv: (&String, &(Vec<u8>, Revision))| KeyValue {
+            key: kv.0.clone(),
+            value: kv.1 .0.clone(),
+            revision: kv.1 .1,
+        };
+        reads
+            .iter()
+            .map(|read| match read {
+                Read::Get(key) => {
+                    validate_key(key)?;
+                    Ok(ReadResult::Got(
+                        state.entries.get_key_value(key).map(snapshot),
+                    ))
+                }
+                Read::List(prefix) => Ok(ReadResult::Listed(
+                    state
+                        .entries
+                        .range(prefix.clone()..)
+                        .take_while(|(key, _)| key.starts_with(prefix.as_str()))
+                        .map(snapshot)
+                        .collect(),
+                )),
+            })
+            .collect()
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {

@@ -1,0 +1,1821 @@
+//! The block-affinity allocator: Calico's IPAM behaviour over the storage trait, with every block
+//! change and its handle change committed in one transaction.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::error::IpamError;
+use crate::kv::{Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn};
+use crate::model::{
+    decode, default_pool_name, encode, keys, validate_handle, validate_host, validate_pool_name,
+    Attribute, Block, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
+    DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+};
+
+/// Metadata key recording the host an allocation was made for.
+pub const ATTR_NODE: &str = "node";
+/// Most addresses one request may ask for, per family.
+pub const MAX_ADDRESSES_PER_REQUEST: u32 = 32;
+/// Blocks moved or deleted per transaction when releasing a host's affinities.
+const BLOCKS_PER_TXN: usize = 32;
+
+/// How conflicts between concurrent writers are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts before giving up with [`IpamError::RetriesExhausted`].
+    pub max_attempts: u32,
+    /// Backoff before the second attempt; doubled after each conflict up to `max_backoff`, jittered.
+    pub base_backoff: Duration,
+    /// Largest backoff between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 100,
+            base_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(40),
+        }
+    }
+}
+
+/// What an auto-assign asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AutoAssignRequest {
+    /// The owner of the addresses (`<network>.<container id>` for the CNI plugin).
+    pub handle: String,
+    /// The host the addresses are for; its affine blocks are used first.
+    pub host: String,
+    /// IPv4 addresses wanted.
+    pub num_v4: u32,
+    /// IPv6 addresses wanted.
+    pub num_v6: u32,
+    /// IPv4 pools to use, by name or CIDR; empty means every enabled IPv4 pool.
+    pub v4_pools: Vec<String>,
+    /// IPv6 pools to use, by name or CIDR; empty means every enabled IPv6 pool.
+    pub v6_pools: Vec<String>,
+    /// Metadata recorded with each address (the allocator adds `node`).
+    pub attributes: BTreeMap<String, String>,
+    /// When the handle already holds addresses, return them instead of allocating more.
+    pub reuse_existing: bool,
+}
+
+/// One address handed out.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AssignedAddress {
+    /// The address.
+    pub ip: IpAddr,
+    /// The block it came from (its prefix length is what the CNI result reports).
+    pub block: IpNet,
+}
+
+impl AssignedAddress {
+    /// The address with its block's prefix length (`10.0.0.5/26`).
+    pub fn with_block_prefix(&self) -> IpNet {
+        IpNet::new(self.ip, self.block.prefix_len()).unwrap_or_else(|_| IpNet::from(self.ip))
+    }
+}
+
+/// What an auto-assign handed out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AutoAssignResult {
+    /// IPv4 addresses.
+    pub v4: Vec<AssignedAddress>,
+    /// IPv6 addresses.
+    pub v6: Vec<AssignedAddress>,
+    /// True when the handle already held these and nothing new was allocated.
+    pub reused: bool,
+}
+
+/// Assign given addresses to one handle.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AssignIpsRequest {
+    /// The addresses.
+    pub ips: Vec<IpAddr>,
+    /// Their owner.
+    pub handle: String,
+    /// The host they are for.
+    pub host: String,
+    /// Metadata recorded with each (the allocator adds `node`).
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// Release one address, optionally only if it was allocated at a given block sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseRequest {
+    /// The address.
+    pub ip: IpAddr,
+    /// When set, the release is refused if the address was re-allocated since this sequence number.
+    pub sequence: Option<u64>,
+}
+
+/// What a release by address did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseOutcome {
+    /// Addresses freed.
+    pub released: Vec<IpAddr>,
+    /// Addresses that were not allocated (not an error).
+    pub not_allocated: Vec<IpAddr>,
+    /// Addresses left alone because they were re-allocated since the given sequence number.
+    pub sequence_mismatch: Vec<IpAddr>,
+}
+
+/// Everything known about one allocated address.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationInfo {
+    /// The address.
+    pub ip: IpAddr,
+    /// Its block.
+    pub block: IpNet,
+    /// The block's affine host, if any.
+    pub block_host: Option<String>,
+    /// The owner.
+    pub handle: String,
+    /// Recorded metadata.
+    pub attributes: BTreeMap<String, String>,
+    /// Block sequence number at allocation (pass it to a guarded release).
+    pub sequence: u64,
+}
+
+/// How to create a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolSpec {
+    /// The pool's network.
+    pub cidr: IpNet,
+    /// Name; derived from the CIDR when absent.
+    pub name: Option<String>,
+    /// Block prefix length; the family default when absent.
+    pub block_size: Option<u8>,
+    /// Create it disabled.
+    pub disabled: bool,
+}
+
+/// What deleting a pool did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolDeletion {
+    /// The deleted pool.
+    pub pool: Pool,
+    /// Addresses released because of `force`.
+    pub released_addresses: u64,
+    /// Blocks deleted.
+    pub deleted_blocks: u64,
+}
+
+/// What releasing a host's affinities did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostRelease {
+    /// Empty blocks deleted.
+    pub deleted_blocks: Vec<IpNet>,
+    /// Non-empty blocks that lost their affinity (deleted when their last address goes).
+    pub unassigned_blocks: Vec<IpNet>,
+    /// Addresses released (when addresses were asked for too).
+    pub released_addresses: Vec<IpAddr>,
+}
+
+/// Usage of one block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockUsage {
+    /// The block.
+    pub cidr: IpNet,
+    /// Its pool's name, if it lies in one.
+    pub pool: Option<String>,
+    /// Its affine host.
+    pub host: Option<String>,
+    /// Addresses in it.
+    pub capacity: u64,
+    /// Allocated.
+    pub in_use: u64,
+    /// Free.
+    pub free: u64,
+}
+
+/// Usage of one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolUsage {
+    /// The pool.
+    pub pool: Pool,
+    /// Addresses the pool spans (saturating at `u128::MAX`).
+    pub capacity: u128,
+    /// Allocated.
+    pub in_use: u64,
+    /// Free.
+    pub free: u128,
+    /// Blocks that exist in the pool.
+    pub blocks: Vec<BlockUsage>,
+}
+
+/// Usage of the whole store.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Utilization {
+    /// Per pool, sorted by CIDR.
+    pub pools: Vec<PoolUsage>,
+    /// Blocks that lie in no pool.
+    pub orphan_blocks: Vec<BlockUsage>,
+}
+
+/// A decoded object with where and when it was read.
+#[derive(Debug, Clone)]
+pub(crate) struct Stored<T> {
+    pub key: String,
+    pub revision: Revision,
+    pub value: T,
+}
+
+pub(crate) fn decode_stored<T: serde::de::DeserializeOwned>(
+    kv: KeyValue,
+) -> Result<Stored<T>, IpamError> {
+    Ok(Stored {
+        value: decode(&kv.key, &kv.value)?,
+        key: kv.key,
+        revision: kv.revision,
+    })
+}
+
+/// A block being changed by one attempt.
+#[derive(Debug, Clone)]
+pub(crate) struct WorkingBlock {
+    /// Key and revision it was read at; `None` for a block this attempt creates.
+    pub read: Option<(String, Revision)>,
+    pub block: Block,
+    pub dirty: bool,
+}
+
+impl WorkingBlock {
+    fn from_stored(stored: Stored<Block>) -> Self {
+        WorkingBlock {
+            read: Some((stored.key, stored.revision)),
+            block: stored.value,
+            dirty: false,
+        }
+    }
+}
+
+/// Accumulates the conditions and writes of one transaction, one entry per key.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    conditions: BTreeMap<String, Condition>,
+    writes: BTreeMap<String, Option<Vec<u8>>>,
+}
+
+impl Plan {
+    pub fn expect(&mut self, key: &str, revision: Option<Revision>) {
+        self.conditions
+            .entry(key.to_owned())
+            .or_insert_with(|| match revision {
+                Some(r) => Condition::at_revision(key, r),
+                None => Condition::absent(key),
+            });
+    }
+
+    pub fn put(&mut self, key: &str, value: Vec<u8>) {
+        self.writes.insert(key.to_owned(), Some(value));
+    }
+
+    pub fn delete(&mut self, key: &str) {
+        self.writes.insert(key.to_owned(), None);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    pub fn into_txn(self) -> Txn {
+        Txn {
+            conditions: self.conditions.into_values().collect(),
+            ops: self
+                .writes
+                .into_iter()
+                .map(|(key, value)| match value {
+                    Some(value) => Op::Put { key, value },
+                    None => Op::Delete { key },
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds the writes of a block changed by this attempt.
+    pub fn write_block(&mut self, working: &WorkingBlock) -> Result<(), IpamError> {
+        if !working.dirty {
+            return Ok(());
+        }
+        let block = &working.block;
+        let key = keys::block(block.affinity.as_deref(), &block.cidr);
+        match &working.read {
+            None => {
+                let claim = keys::block_claim(&block.cidr);
+                self.expect(&key, None);
+                self.expect(&claim, None);
+                self.put(&claim, encode(&block.affinity)?);
+            }
+            Some((read_key, revision)) => {
+                self.expect(read_key, Some(*revision));
+                if *read_key != key {
+                    // The block moved (affinity changed): new location and claim owner.
+                    self.expect(&key, None);
+                    self.delete(read_key);
+                    self.put(&keys::block_claim(&block.cidr), encode(&block.affinity)?);
+                }
+            }
+        }
+        if block.is_empty() && block.affinity.is_none() {
+            // Calico's rule: an empty block with no affinity is deleted.
+            self.delete(&key);
+            self.delete(&keys::block_claim(&block.cidr));
+        } else {
+            let mut block = block.clone();
+            block.sequence += 1;
+            self.put(&key, encode(&block)?);
+        }
+        Ok(())
+    }
+}
+
+/// Outcome of one optimistic attempt.
+pub(crate) enum Attempt<T> {
+    Done(T),
+    Conflict,
+}
+
+/// FNV-1a of the host name: the start index of the host's new-block search, stable across builds.
+pub(crate) fn host_hash(host: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in host.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// The allocator: every IPAM operation, over any [`KvStore`].
+#[derive(Debug, Clone)]
+pub struct Ipam {
+    store: Arc<dyn KvStore>,
+    retry: RetryPolicy,
+}
+
+impl Ipam {
+    /// An allocator over `store` with the default retry policy.
+    pub fn new(store: Arc<dyn KvStore>) -> Self {
+        Ipam {
+            store,
+            retry: RetryPolicy::default(),
+        }
+    }
+
+    /// Replaces the retry policy.
+    pub fn with_retry_policy(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The store underneath.
+    pub fn store(&self) -> &Arc<dyn KvStore> {
+        &self.store
+    }
+
+    /// Runs `attempt` until it is done, retrying conflicts with jittered exponential backoff.
+    pub(crate) async fn retrying<T, F, Fut>(&self, mut attempt: F) -> Result<T, IpamError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Attempt<T>, IpamError>>,
+    {
+        let mut backoff = self.retry.base_backoff;
+        for number in 1..=self.retry.max_attempts {
+            match attempt().await {
+                Ok(Attempt::Done(value)) => return Ok(value),
+                Ok(Attempt::Conflict) | Err(IpamError::Store(KvError::Conflict { .. })) => {
+                    if number == self.retry.max_attempts {
+                        break;
+                    }
+                    let jitter = rand::random::<f64>() + 0.5;
+                    tokio::time::sleep(backoff.mul_f64(jitter)).await;
+                    backoff = (backoff * 2).min(self.retry.max_backoff);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(IpamError::RetriesExhausted {
+            attempts: self.retry.max_attempts,
+        })
+    }
+
+    /// Commits a plan; a failed condition becomes [`Attempt::Conflict`].
+    pub(crate) async fn commit_plan<T>(
+        &self,
+        plan: Plan,
+        value: T,
+    ) -> Result<Attempt<T>, IpamError> {
+        if plan.is_empty() {
+            return Ok(Attempt::Done(value));
+        }
+        match self.store.commit(plan.into_txn()).await {
+            Ok(_) => Ok(Attempt::Done(value)),
+            Err(KvError::Conflict { .. }) => Ok(Attempt::Conflict),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reading
+    // -----------------------------------------------------------------------------------------
+
+    pub(crate) fn decode_pools(kvs: Vec<KeyValue>) -> Result<Vec<Stored<Pool>>, IpamError> {
+        let mut pools: Vec<Stored<Pool>> = kvs
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        pools.sort_by_key(|p| {
+            (
+                Family::of_net(&p.value.cidr),
+                p.value.cidr.network(),
+                p.value.cidr.prefix_len(),
+            )
+        });
+        Ok(pools)
+    }
+
+    pub(crate) fn decode_config(
+        kv: Option<KeyValue>,
+    ) -> Result<(IpamConfig, Option<Revision>), IpamError> {
+        match kv {
+            None => Ok((IpamConfig::default(), None)),
+            Some(kv) => {
+                let stored: Stored<IpamConfig> = decode_stored(kv)?;
+                Ok((stored.value, Some(stored.revision)))
+            }
+        }
+    }
+
+    pub(crate) fn decode_handle(
+        kv: Option<KeyValue>,
+    ) -> Result<(Handle, Option<Revision>), IpamError> {
+        match kv {
+            None => Ok((Handle::default(), None)),
+            Some(kv) => {
+                let stored: Stored<Handle> = decode_stored(kv)?;
+                Ok((stored.value, Some(stored.revision)))
+            }
+        }
+    }
+
+    /// Reads the blocks with these CIDRs (wherever their affinity puts them): two round trips.
+    pub(crate) async fn load_blocks(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+    ) -> Result<BTreeMap<IpNet, Stored<Block>>, IpamError> {
+        let mut found = BTreeMap::new();
+        if cidrs.is_empty() {
+            return Ok(found);
+        }
+        let claims: Vec<Read> = cidrs
+            .iter()
+            .map(|c| Read::Get(keys::block_claim(c)))
+            .collect();
+        let mut block_reads = Vec::new();
+        for (cidr, result) in cidrs.iter().zip(self.store.read_many(&claims).await?) {
+            if let Some(kv) = result.into_got()? {
+                let owner: Option<String> = decode(&kv.key, &kv.value)?;
+                block_reads.push(Read::Get(keys::block(owner.as_deref(), cidr)));
+            }
+        }
+        if block_reads.is_empty() {
+            return Ok(found);
+        }
+        for result in self.store.read_many(&block_reads).await? {
+            if let Some(kv) = result.into_got()? {
+                let stored: Stored<Block> = decode_stored(kv)?;
+                found.insert(stored.value.cidr, stored);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Every block in the store.
+    pub(crate) async fn all_blocks(&self) -> Result<Vec<Stored<Block>>, IpamError> {
+        self.store
+            .list(&keys::blocks_dir())
+            .await?
+            .into_iter()
+            .map(decode_stored)
+            .collect()
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Pools
+    // -----------------------------------------------------------------------------------------
+
+    /// Every pool, sorted by family then address.
+    ///
+    /// # Errors
+    /// Store failures; corrupt pool objects.
+    pub async fn list_pools(&self) -> Result<Vec<Pool>, IpamError> {
+        let kvs = self.store.list(&keys::pools_dir()).await?;
+        Ok(Self::decode_pools(kvs)?
+            .into_iter()
+            .map(|p| p.value)
+            .collect())
+    }
+
+    /// Finds a pool by name, or by CIDR.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`] when none matches.
+    pub async fn get_pool(&self, name_or_cidr: &str) -> Result<Pool, IpamError> {
+        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+        find_pool(&pools, name_or_cidr).map(|p| p.value.clone())
+    }
+
+    /// Validates a spec into the pool it would create.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for host bits in the CIDR, a block size out of range or
+    /// larger than the pool, or a bad name.
+    pub fn pool_from_spec(spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let cidr = spec.cidr;
+        if cidr.trunc() != cidr {
+            return Err(IpamError::invalid(format!(
+                "{cidr} is not a network address (did you mean {}?)",
+                cidr.trunc()
+            )));
+        }
+        let family = Family::of_net(&cidr);
+        let (default, range) = match family {
+            Family::V4 => (DEFAULT_V4_BLOCK_SIZE, V4_BLOCK_SIZES),
+            Family::V6 => (DEFAULT_V6_BLOCK_SIZE, V6_BLOCK_SIZES),
+        };
+        let block_size = spec.block_size.unwrap_or(default);
+        if !range.contains(&block_size) {
+            return Err(IpamError::invalid(format!(
+                "block size /{block_size} is out of range for {family} (allowed /{} to /{})",
+                range.start(),
+                range.end()
+            )));
+        }
+        if block_size < cidr.prefix_len() {
+            return Err(IpamError::invalid(format!(
+                "pool {cidr} is smaller than one /{block_size} block"
+            )));
+        }
+        let name = spec
+            .name
+            .clone()
+            .unwrap_or_else(|| default_pool_name(&cidr));
+        validate_pool_name(&name)?;
+        Ok(Pool {
+            name,
+            cidr,
+            block_size,
+            disabled: spec.disabled,
+        })
+    }
+
+    /// Creates a pool.
+    ///
+    /// # Errors
+    /// Validation errors as [`pool_from_spec`](Ipam::pool_from_spec); [`IpamError::PoolExists`];
+    /// [`IpamError::PoolOverlap`]; store failures.
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let pool = Self::pool_from_spec(spec)?;
+        self.retrying(|| self.try_create_pool(&pool, false)).await
+    }
+
+    /// Creates a pool unless an identical one (same CIDR and block size) exists under any name;
+    /// safe when many processes race to do it.
+    ///
+    /// # Errors
+    /// As [`create_pool`](Ipam::create_pool) when a different pool is in the way.
+    pub async fn ensure_pool(&self, spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let pool = Self::pool_from_spec(spec)?;
+        self.retrying(|| self.try_create_pool(&pool, true)).await
+    }
+
+    async fn try_create_pool(
+        &self,
+        pool: &Pool,
+        accept_identical: bool,
+    ) -> Result<Attempt<Pool>, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::pool_generation()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let generation = next_got(&mut results)?;
+        for existing in &pools {
+            let same =
+                existing.value.cidr == pool.cidr && existing.value.block_size == pool.block_size;
+            if accept_identical && same {
+                return Ok(Attempt::Done(existing.value.clone()));
+            }
+            if existing.value.name == pool.name {
+                return Err(IpamError::PoolExists(pool.name.clone()));
+            }
+            if existing.value.cidr.contains(&pool.cidr.network())
+                || pool.cidr.contains(&existing.value.cidr.network())
+            {
+                return Err(IpamError::PoolOverlap {
+                    cidr: pool.cidr,
+                    existing: existing.value.name.clone(),
+                    existing_cidr: existing.value.cidr,
+                });
+            }
+        }
+        let mut plan = Plan::default();
+        self.bump_pool_generation(&mut plan, generation)?;
+        let key = keys::pool(&pool.name);
+        plan.expect(&key, None);
+        plan.put(&key, encode(pool)?);
+        self.commit_plan(plan, pool.clone()).await
+    }
+
+    fn bump_pool_generation(
+        &self,
+        plan: &mut Plan,
+        generation: Option<KeyValue>,
+    ) -> Result<(), IpamError> {
+        let key = keys::pool_generation();
+        let (count, revision) = match generation {
+            None => (0u64, None),
+            Some(kv) => {
+                let stored: Stored<u64> = decode_stored(kv)?;
+                (stored.value, Some(stored.revision))
+            }
+        };
+        plan.expect(&key, revision);
+        plan.put(&key, encode(&(count + 1))?);
+        Ok(())
+    }
+
+    /// Enables or disables a pool. A disabled pool is never allocated from; its addresses stay.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; store failures.
+    pub async fn set_pool_disabled(
+        &self,
+        name_or_cidr: &str,
+        disabled: bool,
+    ) -> Result<Pool, IpamError> {
+        self.retrying(|| async {
+            let results = self
+                .store
+                .read_many(&[
+                    Read::List(keys::pools_dir()),
+                    Read::Get(keys::pool_generation()),
+                ])
+                .await?;
+            let mut results = results.into_iter();
+            let pools = Self::decode_pools(next_listed(&mut results)?)?;
+            let generation = next_got(&mut results)?;
+            let found = find_pool(&pools, name_or_cidr)?;
+            let mut pool = found.value.clone();
+            pool.disabled = disabled;
+            let mut plan = Plan::default();
+            self.bump_pool_generation(&mut plan, generation)?;
+            plan.expect(&found.key, Some(found.revision));
+            plan.put(&found.key, encode(&pool)?);
+            self.commit_plan(plan, pool).await
+        })
+        .await
+    }
+
+    /// Deletes a pool and its empty blocks. Refuses while any address in it is allocated, unless
+    /// `force`, which releases those addresses first (updating their handles).
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; [`IpamError::PoolInUse`]; store failures.
+    pub async fn delete_pool(
+        &self,
+        name_or_cidr: &str,
+        force: bool,
+    ) -> Result<PoolDeletion, IpamError> {
+        let pool = self.get_pool(name_or_cidr).await?;
+        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
+        let in_use: u64 = self
+            .all_blocks()
+            .await?
+            .iter()
+            .filter(|b| in_pool(&b.value))
+            .map(|b| u64::from(b.value.in_use()))
+            .sum();
+        if in_use > 0 && !force {
+            return Err(IpamError::PoolInUse {
+                pool: pool.name.clone(),
+                in_use,
+            });
+        }
+        // Disable first so nothing new lands in it while we empty it.
+        self.set_pool_disabled(&pool.name, true).await?;
+        let mut released_addresses = 0u64;
+        let mut deleted_blocks = 0u64;
+        let blocks: Vec<Stored<Block>> = self
+            .all_blocks()
+            .await?
+            .into_iter()
+            .filter(|b| in_pool(&b.value))
+            .collect();
+        for stored in blocks {
+            let cidr = stored.value.cidr;
+            let (released, deleted) = self
+                .retrying(|| self.try_empty_and_delete_block(cidr))
+                .await?;
+            released_addresses += released;
+            deleted_blocks += u64::from(deleted);
+        }
+        self.retrying(|| async {
+            let results = self
+                .store
+                .read_many(&[
+                    Read::List(keys::pools_dir()),
+                    Read::Get(keys::pool_generation()),
+                ])
+                .await?;
+            let mut results = results.into_iter();
+            let pools = Self::decode_pools(next_listed(&mut results)?)?;
+            let generation = next_got(&mut results)?;
+            let Some(found) = pools.iter().find(|p| p.value.name == pool.name) else {
+                return Ok(Attempt::Done(()));
+            };
+            let mut plan = Plan::default();
+            self.bump_pool_generation(&mut plan, generation)?;
+            plan.expect(&found.key, Some(found.revision));
+            plan.delete(&found.key);
+            self.commit_plan(plan, ()).await
+        })
+        .await?;
+        Ok(PoolDeletion {
+            pool,
+            released_addresses,
+            deleted_blocks,
+        })
+    }
+
+    /// Releases every address of one block (fixing their handles) and deletes the block.
+    async fn try_empty_and_delete_block(
+        &self,
+        cidr: IpNet,
+    ) -> Result<Attempt<(u64, bool)>, IpamError> {
+        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
+        let Some(stored) = blocks.into_values().next() else {
+            return Ok(Attempt::Done((0, false)));
+        };
+        let mut handles: BTreeMap<String, u32> = BTreeMap::new();
+        for ordinal in stored.value.allocations.keys() {
+            if let Some(attribute) = stored.value.attribute_of(*ordinal) {
+                *handles.entry(attribute.handle.clone()).or_insert(0) += 1;
+            }
+        }
+        let released = u64::from(stored.value.in_use());
+        let mut plan = Plan::default();
+        self.release_from_handles(&mut plan, &handles, cidr).await?;
+        plan.expect(&stored.key, Some(stored.revision));
+        plan.delete(&stored.key);
+        plan.delete(&keys::block_claim(&cidr));
+        self.commit_plan(plan, (released, true)).await
+    }
+
+    /// Adds to `plan` the handle updates for releasing `counts` addresses of `block`.
+    async fn release_from_handles(
+        &self,
+        plan: &mut Plan,
+        counts: &BTreeMap<String, u32>,
+        block: IpNet,
+    ) -> Result<(), IpamError> {
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let reads: Vec<Read> = counts.keys().map(|h| Read::Get(keys::handle(h))).collect();
+        for ((handle_id, count), result) in counts.iter().zip(self.store.read_many(&reads).await?) {
+            let (mut handle, revision) = Self::decode_handle(result.into_got()?)?;
+            let key = keys::handle(handle_id);
+            plan.expect(&key, revision);
+            handle.remove(block, *count);
+            if handle.blocks.is_empty() {
+                if revision.is_some() {
+                    plan.delete(&key);
+                }
+            } else {
+                plan.put(&key, encode(&handle)?);
+            }
+        }
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Config
+    // -----------------------------------------------------------------------------------------
+
+    /// The IPAM configuration (defaults when never set).
+    ///
+    /// # Errors
+    /// Store failures; a corrupt config object.
+    pub async fn get_config(&self) -> Result<IpamConfig, IpamError> {
+        Ok(Self::decode_config(self.store.get(&keys::config()).await?)?.0)
+    }
+
+    /// Replaces the IPAM configuration.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn set_config(&self, config: &IpamConfig) -> Result<(), IpamError> {
+        self.store.put(&keys::config(), encode(config)?).await?;
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Auto-assign
+    // -----------------------------------------------------------------------------------------
+
+    /// Hands out `num_v4` IPv4 and `num_v6` IPv6 addresses to a handle on a host, Calico's way:
+    /// the host's affine blocks first, then a newly claimed block (search starting at a hash of
+    /// the host name), then — unless strict affinity is on — a free address borrowed from any
+    /// block. Both families commit in one transaction together with the handle: either every
+    /// address is handed out or none is.
+    ///
+    /// Steady state (an affine block has room): one batched read and one transaction.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`]; pool errors for requested pools; [`IpamError::BlockLimit`];
+    /// [`IpamError::Exhausted`]; [`IpamError::RetriesExhausted`]; store failures.
+    pub async fn auto_assign(
+        &self,
+        request: &AutoAssignRequest,
+    ) -> Result<AutoAssignResult, IpamError> {
+        validate_handle(&request.handle)?;
+        validate_host(&request.host)?;
+        for (family, n) in [(Family::V4, request.num_v4), (Family::V6, request.num_v6)] {
+            if n > MAX_ADDRESSES_PER_REQUEST {
+                return Err(IpamError::invalid(format!(
+                    "{n} {family} addresses asked for; at most {MAX_ADDRESSES_PER_REQUEST} per request"
+                )));
+            }
+        }
+        self.retrying(|| self.try_auto_assign(request)).await
+    }
+
+    async fn try_auto_assign(
+        &self,
+        request: &AutoAssignRequest,
+    ) -> Result<Attempt<AutoAssignResult>, IpamError> {
+        let handle_key = keys::handle(&request.handle);
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::config()),
+                Read::List(keys::host_blocks_dir(&request.host)),
+                Read::Get(handle_key.clone()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        let host_blocks: Vec<Stored<Block>> = next_listed(&mut results)?
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+
+        if request.reuse_existing && handle.total() > 0 {
+            let held = self
+                .addresses_in_blocks(&request.handle, &handle, &host_blocks)
+                .await?;
+            return Ok(Attempt::Done(AutoAssignResult {
+                v4: held.iter().filter(|a| a.ip.is_ipv4()).cloned().collect(),
+                v6: held.iter().filter(|a| a.ip.is_ipv6()).cloned().collect(),
+                reused: true,
+            }));
+        }
+
+        let attribute = Attribute {
+            handle: request.handle.clone(),
+            metadata: with_node(&request.attributes, &request.host),
+        };
+        let mut working: BTreeMap<IpNet, WorkingBlock> = BTreeMap::new();
+        for stored in host_blocks {
+            working.insert(stored.value.cidr, WorkingBlock::from_stored(stored));
+        }
+        let mut all_blocks: Option<Vec<Stored<Block>>> = None;
+        let mut plan = Plan::default();
+        let mut result = AutoAssignResult::default();
+        let mut used_pools: BTreeSet<String> = BTreeSet::new();
+        let mut config_used = false;
+
+        for (family, wanted, requested_pools) in [
+            (Family::V4, request.num_v4, &request.v4_pools),
+            (Family::V6, request.num_v6, &request.v6_pools),
+        ] {
+            if wanted == 0 {
+                continue;
+            }
+            let candidates = candidate_pools(&pools, family, requested_pools)?;
+            let in_candidates = |cidr: &IpNet| {
+                candidates
+                    .iter()
+                    .any(|p| p.value.cidr.contains(&cidr.network()))
+            };
+            let mut got: Vec<AssignedAddress> = Vec::new();
+
+            // 1. The host's affine blocks, in address order.
+            let affine: Vec<IpNet> = working
+                .values()
+                .filter(|w| w.block.affinity.as_deref() == Some(request.host.as_str()))
+                .map(|w| w.block.cidr)
+                .filter(|c| Family::of_net(c) == family && in_candidates(c))
+                .collect();
+            take_from_blocks(&mut working, &affine, &attribute, wanted, &mut got);
+
+            // 2. New blocks for this host.
+            let mut limit_hit: Option<u32> = None;
+            if (got.len() as u32) < wanted && config.auto_allocate_blocks {
+                config_used = true;
+                let owned = working
+                    .values()
+                    .filter(|w| {
+                        w.block.affinity.as_deref() == Some(request.host.as_str())
+                            && Family::of_net(&w.block.cidr) == family
+                    })
+                    .count() as u32;
+                let mut owned = owned;
+                while (got.len() as u32) < wanted {
+                    if config.max_blocks_per_host != 0 && owned >= config.max_blocks_per_host {
+                        limit_hit = Some(owned);
+                        break;
+                    }
+                    let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                    let Some(cidr) =
+                        find_unclaimed_block(&candidates, &request.host, existing, &working)
+                    else {
+                        break;
+                    };
+                    working.insert(
+                        cidr,
+                        WorkingBlock {
+                            read: None,
+                            block: Block::new(cidr, Some(request.host.clone())),
+                            dirty: true,
+                        },
+                    );
+                    owned += 1;
+                    take_from_blocks(&mut working, &[cidr], &attribute, wanted, &mut got);
+                }
+            }
+            if let Some(owned) = limit_hit {
+                if (got.len() as u32) < wanted {
+                    return Err(IpamError::BlockLimit {
+                        host: request.host.clone(),
+                        family,
+                        owned,
+                        limit: config.max_blocks_per_host,
+                    });
+                }
+            }
+
+            // 3. Borrow from any other block, unless strict affinity forbids it.
+            if (got.len() as u32) < wanted && !config.strict_affinity {
+                config_used = true;
+                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                let mut lenders: Vec<&Stored<Block>> = existing
+                    .iter()
+                    .filter(|b| Family::of_net(&b.value.cidr) == family)
+                    .filter(|b| b.value.affinity.as_deref() != Some(request.host.as_str()))
+                    .filter(|b| in_candidates(&b.value.cidr) && b.value.free() > 0)
+                    .collect();
+                // Blocks nobody owns first, then other hosts' blocks; each in address order.
+                lenders.sort_by_key(|b| (b.value.affinity.is_some(), b.value.cidr.network()));
+                let lender_cidrs: Vec<IpNet> = lenders.iter().map(|b| b.value.cidr).collect();
+                for stored in lenders {
+                    working
+                        .entry(stored.value.cidr)
+                        .or_insert_with(|| WorkingBlock::from_stored(stored.clone()));
+                }
+                take_from_blocks(&mut working, &lender_cidrs, &attribute, wanted, &mut got);
+            }
+
+            if (got.len() as u32) < wanted {
+                return Err(IpamError::Exhausted {
+                    family,
+                    requested: wanted,
+                    found: got.len() as u32,
+                    pools: candidates.iter().map(|p| p.value.name.clone()).collect(),
+                });
+            }
+            for address in &got {
+                if let Some(pool) = candidates
+                    .iter()
+                    .find(|p| p.value.cidr.contains(&address.ip))
+                {
+                    used_pools.insert(pool.value.name.clone());
+                }
+                handle.add(address.block, 1);
+            }
+            match family {
+                Family::V4 => result.v4 = got,
+                Family::V6 => result.v6 = got,
+            }
+        }
+
+        if result.v4.is_empty() && result.v6.is_empty() {
+            return Ok(Attempt::Done(result));
+        }
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        // Pools and config that decided this allocation must not have changed under it.
+        for pool in pools.iter().filter(|p| used_pools.contains(&p.value.name)) {
+            plan.expect(&pool.key, Some(pool.revision));
+        }
+        if config_used {
+            plan.expect(&keys::config(), config_revision);
+        }
+        plan.expect(&handle_key, handle_revision);
+        plan.put(&handle_key, encode(&handle)?);
+        self.commit_plan(plan, result).await
+    }
+
+    async fn ensure_all_blocks<'a>(
+        &self,
+        cache: &'a mut Option<Vec<Stored<Block>>>,
+    ) -> Result<&'a Vec<Stored<Block>>, IpamError> {
+        if cache.is_none() {
+            *cache = Some(self.all_blocks().await?);
+        }
+        cache
+            .as_ref()
+            .ok_or_else(|| IpamError::Internal("block cache vanished".into()))
+    }
+
+    /// The addresses a handle holds, reading only the blocks not already in hand.
+    async fn addresses_in_blocks(
+        &self,
+        handle_id: &str,
+        handle: &Handle,
+        in_hand: &[Stored<Block>],
+    ) -> Result<Vec<AssignedAddress>, IpamError> {
+        let mut blocks: BTreeMap<IpNet, Block> = in_hand
+            .iter()
+            .filter(|b| handle.blocks.contains_key(&b.value.cidr))
+            .map(|b| (b.value.cidr, b.value.clone()))
+            .collect();
+        let missing: BTreeSet<IpNet> = handle
+            .blocks
+            .keys()
+            .filter(|c| !blocks.contains_key(c))
+            .copied()
+            .collect();
+        for (cidr, stored) in self.load_blocks(&missing).await? {
+            blocks.insert(cidr, stored.value);
+        }
+        let mut addresses = Vec::new();
+        for block in blocks.values() {
+            for ordinal in block.ordinals_of_handle(handle_id) {
+                addresses.push(AssignedAddress {
+                    ip: block.ip_of(ordinal),
+                    block: block.cidr,
+                });
+            }
+        }
+        addresses.sort();
+        Ok(addresses)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Specific addresses
+    // -----------------------------------------------------------------------------------------
+
+    /// Assigns the given addresses to a handle, all or none. Each must lie in an enabled pool; its
+    /// block is claimed for `host` when it does not exist. An address the same handle already holds
+    /// is accepted as is.
+    ///
+    /// # Errors
+    /// [`IpamError::NotInPool`]; [`IpamError::AlreadyAssigned`]; [`IpamError::AffinityConflict`]
+    /// under strict affinity; store failures.
+    pub async fn assign_ips(
+        &self,
+        request: &AssignIpsRequest,
+    ) -> Result<Vec<AssignedAddress>, IpamError> {
+        validate_handle(&request.handle)?;
+        validate_host(&request.host)?;
+        if request.ips.is_empty() || request.ips.len() > MAX_ADDRESSES_PER_REQUEST as usize {
+            return Err(IpamError::invalid(format!(
+                "between 1 and {MAX_ADDRESSES_PER_REQUEST} addresses may be assigned at once"
+            )));
+        }
+        let unique: BTreeSet<IpAddr> = request.ips.iter().copied().collect();
+        if unique.len() != request.ips.len() {
+            return Err(IpamError::invalid("an address is listed twice"));
+        }
+        self.retrying(|| self.try_assign_ips(request)).await
+    }
+
+    async fn try_assign_ips(
+        &self,
+        request: &AssignIpsRequest,
+    ) -> Result<Attempt<Vec<AssignedAddress>>, IpamError> {
+        let handle_key = keys::handle(&request.handle);
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::config()),
+                Read::Get(handle_key.clone()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+
+        let mut targets: Vec<(IpAddr, IpNet, &Stored<Pool>)> = Vec::new();
+        for ip in &request.ips {
+            let pool = pools
+                .iter()
+                .find(|p| !p.value.disabled && p.value.cidr.contains(ip))
+                .ok_or(IpamError::NotInPool(*ip))?;
+            let block = pool
+                .value
+                .block_containing(*ip)
+                .ok_or(IpamError::NotInPool(*ip))?;
+            targets.push((*ip, block, pool));
+        }
+        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
+        let mut working: BTreeMap<IpNet, WorkingBlock> = self
+            .load_blocks(&cidrs)
+            .await?
+            .into_iter()
+            .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
+            .collect();
+        let attribute = Attribute {
+            handle: request.handle.clone(),
+            metadata: with_node(&request.attributes, &request.host),
+        };
+        let mut plan = Plan::default();
+        let mut assigned = Vec::new();
+        for (ip, cidr, pool) in &targets {
+            let entry = working.entry(*cidr).or_insert_with(|| WorkingBlock {
+                read: None,
+                block: Block::new(*cidr, Some(request.host.clone())),
+                dirty: true,
+            });
+            if let Some(owner) = entry.block.affinity.as_deref() {
+                if owner != request.host && config.strict_affinity {
+                    return Err(IpamError::AffinityConflict {
+                        ip: *ip,
+                        block: *cidr,
+                        owner: owner.to_owned(),
+                    });
+                }
+            }
+            let ordinal = entry
+                .block
+                .ordinal_of(*ip)
+                .ok_or_else(|| IpamError::Internal(format!("{ip} is not inside {cidr}")))?;
+            if let Some(holder) = entry.block.attribute_of(ordinal) {
+                if holder.handle == request.handle {
+                    assigned.push(AssignedAddress {
+                        ip: *ip,
+                        block: *cidr,
+                    });
+                    continue;
+                }
+                return Err(IpamError::AlreadyAssigned {
+                    ip: *ip,
+                    handle: holder.handle.clone(),
+                });
+            }
+            entry.block.allocate_ordinal(ordinal, &attribute);
+            entry.dirty = true;
+            handle.add(*cidr, 1);
+            plan.expect(&pool.key, Some(pool.revision));
+            assigned.push(AssignedAddress {
+                ip: *ip,
+                block: *cidr,
+            });
+        }
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        if !plan.is_empty() {
+            plan.expect(&keys::config(), config_revision);
+            plan.expect(&handle_key, handle_revision);
+            plan.put(&handle_key, encode(&handle)?);
+        }
+        self.commit_plan(plan, assigned).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Release
+    // -----------------------------------------------------------------------------------------
+
+    /// Releases addresses. Addresses not allocated are reported, not errors; with a sequence
+    /// number, an address re-allocated since then is left alone and reported.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn release_ips(
+        &self,
+        requests: &[ReleaseRequest],
+    ) -> Result<ReleaseOutcome, IpamError> {
+        self.retrying(|| self.try_release_ips(requests)).await
+    }
+
+    async fn try_release_ips(
+        &self,
+        requests: &[ReleaseRequest],
+    ) -> Result<Attempt<ReleaseOutcome>, IpamError> {
+        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+        let mut outcome = ReleaseOutcome::default();
+        let mut targets: Vec<(ReleaseRequest, IpNet)> = Vec::new();
+        for request in requests {
+            match pools
+                .iter()
+                .find_map(|p| p.value.block_containing(request.ip))
+            {
+                Some(block) => targets.push((*request, block)),
+                None => outcome.not_allocated.push(request.ip),
+            }
+        }
+        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
+        let mut working: BTreeMap<IpNet, WorkingBlock> = self
+            .load_blocks(&cidrs)
+            .await?
+            .into_iter()
+            .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
+            .collect();
+        let mut handle_counts: BTreeMap<IpNet, BTreeMap<String, u32>> = BTreeMap::new();
+        for (request, cidr) in targets {
+            let Some(entry) = working.get_mut(&cidr) else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            let Some(ordinal) = entry.block.ordinal_of(request.ip) else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            let Some(allocation) = entry.block.allocations.get(&ordinal).copied() else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            if request.sequence.is_some_and(|s| s != allocation.sequence) {
+                outcome.sequence_mismatch.push(request.ip);
+                continue;
+            }
+            if let Some(attribute) = entry.block.release_ordinal(ordinal) {
+                *handle_counts
+                    .entry(cidr)
+                    .or_default()
+                    .entry(attribute.handle)
+                    .or_insert(0) += 1;
+            }
+            entry.dirty = true;
+            outcome.released.push(request.ip);
+        }
+        let mut plan = Plan::default();
+        let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
+        for (cidr, counts) in handle_counts {
+            for (handle, count) in counts {
+                per_handle.entry(handle).or_default().push((cidr, count));
+            }
+        }
+        self.release_counts_from_handles(&mut plan, &per_handle)
+            .await?;
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        self.commit_plan(plan, outcome).await
+    }
+
+    async fn release_counts_from_handles(
+        &self,
+        plan: &mut Plan,
+        per_handle: &BTreeMap<String, Vec<(IpNet, u32)>>,
+    ) -> Result<(), IpamError> {
+        if per_handle.is_empty() {
+            return Ok(());
+        }
+        let reads: Vec<Read> = per_handle
+            .keys()
+            .map(|h| Read::Get(keys::handle(h)))
+            .collect();
+        for ((handle_id, releases), result) in
+            per_handle.iter().zip(self.store.read_many(&reads).await?)
+        {
+            let (mut handle, revision) = Self::decode_handle(result.into_got()?)?;
+            let key = keys::handle(handle_id);
+            plan.expect(&key, revision);
+            for (cidr, count) in releases {
+                handle.remove(*cidr, *count);
+            }
+            if handle.blocks.is_empty() {
+                if revision.is_some() {
+                    plan.delete(&key);
+                }
+            } else {
+                plan.put(&key, encode(&handle)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every address a handle holds and deletes the handle. An unknown handle is success.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn release_handle(&self, handle_id: &str) -> Result<Vec<IpAddr>, IpamError> {
+        validate_handle(handle_id)?;
+        self.retrying(|| self.try_release_handle(handle_id)).await
+    }
+
+    async fn try_release_handle(&self, handle_id: &str) -> Result<Attempt<Vec<IpAddr>>, IpamError> {
+        let key = keys::handle(handle_id);
+        let Some(kv) = self.store.get(&key).await? else {
+            return Ok(Attempt::Done(Vec::new()));
+        };
+        let stored: Stored<Handle> = decode_stored(kv)?;
+        let cidrs: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
+        let mut released = Vec::new();
+        let mut plan = Plan::default();
+        for (_, block) in self.load_blocks(&cidrs).await? {
+            let mut working = WorkingBlock::from_stored(block);
+            for ordinal in working.block.ordinals_of_handle(handle_id) {
+                released.push(working.block.ip_of(ordinal));
+                working.block.release_ordinal(ordinal);
+                working.dirty = true;
+            }
+            plan.write_block(&working)?;
+        }
+        plan.expect(&key, Some(stored.revision));
+        plan.delete(&key);
+        released.sort();
+        self.commit_plan(plan, released).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Queries
+    // -----------------------------------------------------------------------------------------
+
+    /// The addresses a handle holds (empty for an unknown handle).
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn ips_by_handle(&self, handle_id: &str) -> Result<Vec<AssignedAddress>, IpamError> {
+        validate_handle(handle_id)?;
+        let (handle, _) = Self::decode_handle(self.store.get(&keys::handle(handle_id)).await?)?;
+        self.addresses_in_blocks(handle_id, &handle, &[]).await
+    }
+
+    /// Who holds an address, if anyone.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn get_assignment(&self, ip: IpAddr) -> Result<Option<AllocationInfo>, IpamError> {
+        let pools = self.list_pools().await?;
+        let Some(cidr) = pools.iter().find_map(|p| p.block_containing(ip)) else {
+            return Ok(None);
+        };
+        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
+        let Some(stored) = blocks.get(&cidr) else {
+            return Ok(None);
+        };
+        Ok(allocation_info(&stored.value, ip))
+    }
+
+    /// Every allocated address in the store.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn list_allocations(&self) -> Result<Vec<AllocationInfo>, IpamError> {
+        let mut all = Vec::new();
+        for stored in self.all_blocks().await? {
+            for ordinal in stored.value.allocations.keys() {
+                if let Some(info) = allocation_info(&stored.value, stored.value.ip_of(*ordinal)) {
+                    all.push(info);
+                }
+            }
+        }
+        all.sort_by_key(|a| a.ip);
+        Ok(all)
+    }
+
+    /// Per-pool and per-block capacity, use and free space.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn utilization(&self) -> Result<Utilization, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::List(keys::blocks_dir()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let mut blocks: Vec<Block> = next_listed(&mut results)?
+            .into_iter()
+            .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
+            .collect::<Result<_, _>>()?;
+        blocks.sort_by_key(|b| (Family::of_net(&b.cidr), b.cidr.network()));
+        let mut usage = Utilization::default();
+        for pool in &pools {
+            usage.pools.push(PoolUsage {
+                pool: pool.value.clone(),
+                capacity: pool.value.capacity(),
+                in_use: 0,
+                free: pool.value.capacity(),
+                blocks: Vec::new(),
+            });
+        }
+        for block in blocks {
+            let pool_index = pools
+                .iter()
+                .position(|p| p.value.cidr.contains(&block.cidr.network()));
+            let row = BlockUsage {
+                cidr: block.cidr,
+                pool: pool_index.map(|i| pools[i].value.name.clone()),
+                host: block.affinity.clone(),
+                capacity: u64::from(block.capacity()),
+                in_use: u64::from(block.in_use()),
+                free: u64::from(block.free()),
+            };
+            match pool_index {
+                Some(i) => {
+                    let entry = &mut usage.pools[i];
+                    entry.in_use += row.in_use;
+                    entry.free = entry.free.saturating_sub(u128::from(row.in_use));
+                    entry.blocks.push(row);
+                }
+                None => usage.orphan_blocks.push(row),
+            }
+        }
+        Ok(usage)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Affinity
+    // -----------------------------------------------------------------------------------------
+
+    /// Claims for `host` every block inside `cidr` (which must lie in one enabled pool and be at
+    /// least one block large): missing blocks are created, blocks with no affinity are taken.
+    /// Returns the blocks claimed (already-owned blocks included).
+    ///
+    /// # Errors
+    /// [`IpamError::NotInPool`]; [`IpamError::BlockOwnedByOtherHost`]; [`IpamError::InvalidArgument`].
+    pub async fn claim_affinity(&self, host: &str, cidr: IpNet) -> Result<Vec<IpNet>, IpamError> {
+        validate_host(host)?;
+        if cidr.trunc() != cidr {
+            return Err(IpamError::invalid(format!(
+                "{cidr} is not a network address"
+            )));
+        }
+        self.retrying(|| self.try_claim_affinity(host, cidr)).await
+    }
+
+    async fn try_claim_affinity(
+        &self,
+        host: &str,
+        cidr: IpNet,
+    ) -> Result<Attempt<Vec<IpNet>>, IpamError> {
+        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+        let pool = pools
+            .iter()
+            .find(|p| !p.value.disabled && p.value.cidr.contains(&cidr))
+            .ok_or(IpamError::NotInPool(cidr.network()))?;
+        if cidr.prefix_len() > pool.value.block_size {
+            return Err(IpamError::invalid(format!(
+                "{cidr} is smaller than one /{} block of pool {}",
+                pool.value.block_size, pool.value.name
+            )));
+        }
+        let count = 1u128 << (pool.value.block_size - cidr.prefix_len());
+        if count > BLOCKS_PER_TXN as u128 {
+            return Err(IpamError::invalid(format!(
+                "{cidr} spans {count} blocks; claim at most {BLOCKS_PER_TXN} at a time"
+            )));
+        }
+        let sub = Pool {
+            cidr,
+            ..pool.value.clone()
+        };
+        let wanted: BTreeSet<IpNet> = (0..count).filter_map(|i| sub.block_at(i)).collect();
+        let existing = self.load_blocks(&wanted).await?;
+        let mut plan = Plan::default();
+        plan.expect(&pool.key, Some(pool.revision));
+        for block_cidr in &wanted {
+            let working = match existing.get(block_cidr) {
+                None => WorkingBlock {
+                    read: None,
+                    block: Block::new(*block_cidr, Some(host.to_owned())),
+                    dirty: true,
+                },
+                Some(stored) => match stored.value.affinity.as_deref() {
+                    Some(owner) if owner == host => continue,
+                    Some(owner) => {
+                        return Err(IpamError::BlockOwnedByOtherHost {
+                            block: *block_cidr,
+                            owner: owner.to_owned(),
+                        })
+                    }
+                    None => {
+                        let mut w = WorkingBlock::from_stored(stored.clone());
+                        w.block.affinity = Some(host.to_owned());
+                        w.dirty = true;
+                        w
+                    }
+                },
+            };
+            plan.write_block(&working)?;
+        }
+        self.commit_plan(plan, wanted.into_iter().collect()).await
+    }
+
+    /// Releases `host`'s affinity to one block: deleted if empty, else left without affinity.
+    ///
+    /// # Errors
+    /// [`IpamError::BlockOwnedByOtherHost`] when the block is not the host's; store failures.
+    pub async fn release_affinity(&self, host: &str, block: IpNet) -> Result<(), IpamError> {
+        validate_host(host)?;
+        self.retrying(|| async {
+            let found = self.load_blocks(&BTreeSet::from([block])).await?;
+            let Some(stored) = found.into_values().next() else {
+                return Ok(Attempt::Done(()));
+            };
+            match stored.value.affinity.as_deref() {
+                Some(owner) if owner == host => {}
+                Some(owner) => {
+                    return Err(IpamError::BlockOwnedByOtherHost {
+                        block,
+                        owner: owner.to_owned(),
+                    })
+                }
+                None => return Ok(Attempt::Done(())),
+            }
+            let mut working = WorkingBlock::from_stored(stored);
+            working.block.affinity = None;
+            working.dirty = true;
+            let mut plan = Plan::default();
+            plan.write_block(&working)?;
+            self.commit_plan(plan, ()).await
+        })
+        .await
+    }
+
+    /// Retires a host: its empty blocks are deleted and its other blocks lose their affinity.
+    /// With `release_addresses`, every address whose `node` attribute is this host is released
+    /// first (by handle, so handles stay exact).
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn release_host(
+        &self,
+        host: &str,
+        release_addresses: bool,
+    ) -> Result<HostRelease, IpamError> {
+        validate_host(host)?;
+        let mut report = HostRelease::default();
+        if release_addresses {
+            let handles: BTreeSet<String> = self
+                .list_allocations()
+                .await?
+                .into_iter()
+                .filter(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host))
+                .map(|a| a.handle)
+                .collect();
+            for handle in handles {
+                report
+                    .released_addresses
+                    .extend(self.release_handle(&handle).await?);
+            }
+            report.released_addresses.sort();
+        }
+        loop {
+            let host_blocks: Vec<Stored<Block>> = self
+                .store
+                .list(&keys::host_blocks_dir(host))
+                .await?
+                .into_iter()
+                .map(decode_stored)
+                .collect::<Result<_, _>>()?;
+            if host_blocks.is_empty() {
+                break;
+            }
+            let mut plan = Plan::default();
+            let mut deleted = Vec::new();
+            let mut unassigned = Vec::new();
+            for stored in host_blocks.into_iter().take(BLOCKS_PER_TXN) {
+                let mut working = WorkingBlock::from_stored(stored);
+                working.block.affinity = None;
+                working.dirty = true;
+                if working.block.is_empty() {
+                    deleted.push(working.block.cidr);
+                } else {
+                    unassigned.push(working.block.cidr);
+                }
+                plan.write_block(&working)?;
+            }
+            // A conflict here just means a block changed: list again and carry on.
+            if let Attempt::Done(()) = self.commit_plan(plan, ()).await? {
+                report.deleted_blocks.extend(deleted);
+                report.unassigned_blocks.extend(unassigned);
+            } else {
+                tokio::time::sleep(self.retry.base_backoff).await;
+            }
+        }
+        Ok(report)
+    }
+}
+
+fn next_listed(
+    results: &mut impl Iterator<Item = crate::kv::ReadResult>,
+) -> Result<Vec<KeyValue>, IpamError> {
+    results
+        .next()
+        .ok_or_else(|| IpamError::Internal("read_many returned too few results".into()))?
+        .into_listed()
+        .map_err(IpamError::from)
+}
+
+fn next_got(
+    results: &mut impl Iterator<Item = crate::kv::ReadResult>,
+) -> Result<Option<KeyValue>, IpamError> {
+    results
+        .next()
+        .ok_or_else(|| IpamError::Internal("read_many returned too few results".into()))?
+        .into_got()
+        .map_err(IpamError::from)
+}
+
+fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<String, String> {
+    let mut metadata = attributes.clone();
+    metadata
+        .entry(ATTR_NODE.to_owned())
+        .or_insert_with(|| host.to_owned());
+    metadata
+}
+
+fn allocation_info(block: &Block, ip: IpAddr) -> Option<AllocationInfo> {
+    let ordinal = block.ordinal_of(ip)?;
+    let allocation = block.allocations.get(&ordinal)?;
+    let attribute = block.attribute_of(ordinal)?;
+    Some(AllocationInfo {
+        ip,
+        block: block.cidr,
+        block_host: block.affinity.clone(),
+        handle: attribute.handle.clone(),
+        attributes: attribute.metadata.clone(),
+        sequence: allocation.sequence,
+    })
+}
+
+/// Finds a pool by name or by CIDR text.
+pub(crate) fn find_pool<'a>(
+    pools: &'a [Stored<Pool>],
+    name_or_cidr: &str,
+) -> Result<&'a Stored<Pool>, IpamError> {
+    if let Some(found) = pools.iter().find(|p| p.value.name == name_or_cidr) {
+        return Ok(found);
+    }
+    if let Ok(cidr) = name_or_cidr.parse::<IpNet>() {
+        if let Some(found) = pools.iter().find(|p| p.value.cidr == cidr) {
+            return Ok(found);
+        }
+    }
+    Err(IpamError::PoolNotFound(name_or_cidr.to_owned()))
+}
+
+/// The pools an auto-assign may use for one family.
+fn candidate_pools<'a>(
+    pools: &'a [Stored<Pool>],
+    family: Family,
+    requested: &[String],
+) -> Result<Vec<&'a Stored<Pool>>, IpamError> {
+    if requested.is_empty() {
+        return Ok(pools
+            .iter()
+            .filter(|p| p.value.family() == family && !p.value.disabled)
+            .collect());
+    }
+    let mut chosen = Vec::new();
+    for wanted in requested {
+        let pool = find_pool(pools, wanted)?;
+        if pool.value.family() != family {
+            return Err(IpamError::PoolWrongFamily {
+                pool: wanted.clone(),
+                family,
+            });
+        }
+        if pool.value.disabled {
+            return Err(IpamError::PoolDisabled(pool.value.name.clone()));
+        }
+        if !chosen
+            .iter()
+            .any(|c: &&Stored<Pool>| c.value.name == pool.value.name)
+        {
+            chosen.push(pool);
+        }
+    }
+    Ok(chosen)
+}
+
+/// Allocates from `order` until `got` holds `wanted` addresses.
+fn take_from_blocks(
+    working: &mut BTreeMap<IpNet, WorkingBlock>,
+    order: &[IpNet],
+    attribute: &Attribute,
+    wanted: u32,
+    got: &mut Vec<AssignedAddress>,
+) {
+    for cidr in order {
+        let Some(entry) = working.get_mut(cidr) else {
+            continue;
+        };
+        while (got.len() as u32) < wanted {
+            match entry.block.allocate_next(attribute) {
+                Some(ordinal) => {
+                    entry.dirty = true;
+                    got.push(AssignedAddress {
+                        ip: entry.block.ip_of(ordinal),
+                        block: entry.block.cidr,
+                    });
+                }
+                None => break,
+            }
+        }
+        if (got.len() as u32) >= wanted {
+            return;
+        }
+    }
+}
+
+/// The first block of the candidate pools that does not exist yet, searching each pool from an
+/// index seeded by the host name and wrapping around.
+fn find_unclaimed_block(
+    candidates: &[&Stored<Pool>],
+    host: &str,
+    existing: &[Stored<Block>],
+    working: &BTreeMap<IpNet, WorkingBlock>,
+) -> Option<IpNet> {
+    let taken: Vec<IpNet> = existing
+        .iter()
+        .map(|b| b.value.cidr)
+        .chain(working.keys().copied())
+        .collect();
+    let overlaps = |candidate: &IpNet| {
+        taken
+            .iter()
+            .any(|t| t.contains(&candidate.network()) || candidate.contains(&t.network()))
+    };
+    for pool in candidates {
+        let count = pool.value.block_count();
+        let in_pool = taken
+            .iter()
+            .filter(|t| pool.value.cidr.contains(&t.network()))
+            .count() as u128;
+        // A free block is found within (blocks already taken in this pool + 1) steps.
+        let steps = count.min(in_pool + 1);
+        let start = u128::from(host_hash(host)) % count;
+        for step in 0..steps.max(1) {
+            let index = (start + step) % count;
+            let Some(candidate) = pool.value.block_at(index) else {
+                continue;
+            };
+            if !overlaps(&candidate) {
+                return Some(candidate);
+            }
+        }
+        // Taken blocks may be spread out: a full scan settles it.
+        if steps < count {
+            let mut index = (start + steps) % count;
+            for _ in steps..count.min(1 << 20) {
+                if let Some(candidate) = pool.value.block_at(index) {
+                    if !overlaps(&candidate) {
+                        return Some(candidate);
+                    }
+                }
+                index = (index + 1) % count;
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_hash_is_stable_fnv1a() {
+        assert_eq!(host_hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(host_hash("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(host_hash("node-1"), host_hash("node-2"));
+    }
+}

@@ -1,0 +1,473 @@
+//! The consistency check: every way the stored IPAM objects can disagree with each other, and the
+//! repairs that are safe to make automatically.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::{decode_stored, Ipam, Plan, Stored};
+use crate::error::IpamError;
+use crate::kv::{KvError, Read};
+use crate::model::{decode, encode, keys, Block, Family, Handle, IpamConfig, Pool};
+
+/// Kinds of inconsistency, as stable strings (they appear in JSON output).
+pub mod kinds {
+    /// A stored object cannot be decoded.
+    pub const CORRUPT_OBJECT: &str = "corrupt-object";
+    /// A block's key and content disagree (location, CIDR or affinity).
+    pub const BLOCK_MISPLACED: &str = "block-misplaced";
+    /// A block lies outside every pool.
+    pub const BLOCK_OUTSIDE_POOLS: &str = "block-outside-pools";
+    /// A block's size differs from its pool's block size.
+    pub const BLOCK_SIZE_MISMATCH: &str = "block-size-mismatch";
+    /// Two blocks overlap, or one CIDR is stored twice.
+    pub const OVERLAPPING_BLOCKS: &str = "overlapping-blocks";
+    /// A block's free list and allocations disagree (an address both free and used, duplicates, ...).
+    pub const FREE_LIST: &str = "free-list";
+    /// A claim index entry has no block.
+    pub const ORPHANED_CLAIM: &str = "orphaned-claim";
+    /// A block has no claim index entry, or the entry names another host.
+    pub const CLAIM_MISMATCH: &str = "claim-mismatch";
+    /// A handle's per-block counts differ from what the blocks hold.
+    pub const HANDLE_COUNT: &str = "handle-count-mismatch";
+    /// Blocks hold addresses for a handle that has no handle object.
+    pub const MISSING_HANDLE: &str = "missing-handle";
+    /// An empty block without affinity (should have been deleted).
+    pub const EMPTY_UNAFFINE_BLOCK: &str = "empty-unaffine-block";
+    /// Two pools overlap.
+    pub const OVERLAPPING_POOLS: &str = "overlapping-pools";
+}
+
+/// One inconsistency.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Problem {
+    /// One of [`kinds`].
+    pub kind: String,
+    /// What exactly is wrong, naming the objects.
+    pub detail: String,
+    /// Whether `check --repair` fixes this kind.
+    pub repairable: bool,
+}
+
+/// The result of a check (and of a repair, when asked).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckReport {
+    /// What is wrong (before any repair).
+    pub problems: Vec<Problem>,
+    /// What the repair changed.
+    pub repaired: Vec<String>,
+    /// Objects examined.
+    pub blocks_checked: u64,
+    /// Handles examined.
+    pub handles_checked: u64,
+    /// Allocated addresses seen.
+    pub allocations_checked: u64,
+}
+
+impl CheckReport {
+    fn problem(&mut self, kind: &str, repairable: bool, detail: String) {
+        self.problems.push(Problem {
+            kind: kind.to_owned(),
+            detail,
+            repairable,
+        });
+    }
+}
+
+/// Everything the check reads, from one batched read.
+struct Snapshot {
+    pools: Vec<Stored<Pool>>,
+    blocks: Vec<Stored<Block>>,
+    claims: BTreeMap<IpNet, Stored<Option<String>>>,
+    handles: BTreeMap<String, Stored<Handle>>,
+}
+
+impl Ipam {
+    /// Checks every stored object against the others; with `repair`, fixes what is safe to fix:
+    /// handle counts (rewritten from the blocks, which are the authority), claim index entries,
+    /// and empty blocks without affinity. Each repair is its own guarded transaction, so a repair
+    /// racing a live allocator changes nothing it should not.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn check(&self, repair: bool) -> Result<CheckReport, IpamError> {
+        let mut report = CheckReport::default();
+        let snapshot = self.read_snapshot(&mut report).await?;
+        let mut expected_handles: BTreeMap<String, BTreeMap<IpNet, u32>> = BTreeMap::new();
+        let mut seen_cidrs: BTreeMap<IpNet, String> = BTreeMap::new();
+
+        for (i, a) in snapshot.pools.iter().enumerate() {
+            for b in &snapshot.pools[i + 1..] {
+                if a.value.cidr.contains(&b.value.cidr.network())
+                    || b.value.cidr.contains(&a.value.cidr.network())
+                {
+                    report.problem(
+                        kinds::OVERLAPPING_POOLS,
+                        false,
+                        format!(
+                            "pools {} ({}) and {} ({}) overlap",
+                            a.value.name, a.value.cidr, b.value.name, b.value.cidr
+                        ),
+                    );
+                }
+            }
+        }
+
+        for stored in &snapshot.blocks {
+            report.blocks_checked += 1;
+            let block = &stored.value;
+            report.allocations_checked += u64::from(block.in_use());
+            let expected_key = keys::block(block.affinity.as_deref(), &block.cidr);
+            if stored.key != expected_key {
+                report.problem(
+                    kinds::BLOCK_MISPLACED,
+                    false,
+                    format!(
+                        "block {} (affinity {:?}) is stored at {} instead of {}",
+                        block.cidr, block.affinity, stored.key, expected_key
+                    ),
+                );
+            }
+            if let Some(previous) = seen_cidrs.insert(block.cidr, stored.key.clone()) {
+                report.problem(
+                    kinds::OVERLAPPING_BLOCKS,
+                    false,
+                    format!(
+                        "block {} is stored twice: {} and {}",
+                        block.cidr, previous, stored.key
+                    ),
+                );
+            }
+            match snapshot
+                .pools
+                .iter()
+                .find(|p| p.value.cidr.contains(&block.cidr.network()))
+            {
+                None => report.problem(
+                    kinds::BLOCK_OUTSIDE_POOLS,
+                    false,
+                    format!("block {} lies in no pool", block.cidr),
+                ),
+                Some(pool) if pool.value.block_size != block.cidr.prefix_len() => report.problem(
+                    kinds::BLOCK_SIZE_MISMATCH,
+                    false,
+                    format!(
+                        "block {} is /{} but pool {} uses /{} blocks",
+                        block.cidr,
+                        block.cidr.prefix_len(),
+                        pool.value.name,
+                        pool.value.block_size
+                    ),
+                ),
+                Some(_) => {}
+            }
+            for detail in block.self_check() {
+                report.problem(
+                    kinds::FREE_LIST,
+                    false,
+                    format!("block {}: {detail}", block.cidr),
+                );
+            }
+            if block.is_empty() && block.affinity.is_none() {
+                report.problem(
+                    kinds::EMPTY_UNAFFINE_BLOCK,
+                    true,
+                    format!("block {} is empty and has no affinity", block.cidr),
+                );
+            }
+            match snapshot.claims.get(&block.cidr) {
+                None => report.problem(
+                    kinds::CLAIM_MISMATCH,
+                    true,
+                    format!("block {} has no claim index entry", block.cidr),
+                ),
+                Some(claim) if claim.value != block.affinity => report.problem(
+                    kinds::CLAIM_MISMATCH,
+                    true,
+                    format!(
+                        "claim index says block {} belongs to {:?}, the block says {:?}",
+                        block.cidr, claim.value, block.affinity
+                    ),
+                ),
+                Some(_) => {}
+            }
+            for ordinal in block.allocations.keys() {
+                if let Some(attribute) = block.attribute_of(*ordinal) {
+                    *expected_handles
+                        .entry(attribute.handle.clone())
+                        .or_default()
+                        .entry(block.cidr)
+                        .or_insert(0) += 1;
+                }
+            }
+        }
+        let mut sorted: Vec<&Stored<Block>> = snapshot.blocks.iter().collect();
+        sorted.sort_by_key(|b| {
+            (
+                Family::of_net(&b.value.cidr),
+                b.value.cidr.network(),
+                b.value.cidr.prefix_len(),
+            )
+        });
+        for pair in sorted.windows(2) {
+            let (a, b) = (&pair[0].value.cidr, &pair[1].value.cidr);
+            if a != b && (a.contains(&b.network()) || b.contains(&a.network())) {
+                report.problem(
+                    kinds::OVERLAPPING_BLOCKS,
+                    false,
+                    format!("blocks {a} and {b} overlap"),
+                );
+            }
+        }
+        for cidr in snapshot.claims.keys() {
+            if !seen_cidrs.contains_key(cidr) {
+                report.problem(
+                    kinds::ORPHANED_CLAIM,
+                    true,
+                    format!("claim index entry for {cidr} has no block"),
+                );
+            }
+        }
+        for (id, stored) in &snapshot.handles {
+            report.handles_checked += 1;
+            let expected = expected_handles.get(id).cloned().unwrap_or_default();
+            if stored.value.blocks != expected {
+                report.problem(
+                    kinds::HANDLE_COUNT,
+                    true,
+                    format!(
+                        "handle {id:?} records {:?} but the blocks hold {:?}",
+                        counts_text(&stored.value.blocks),
+                        counts_text(&expected)
+                    ),
+                );
+            }
+        }
+        for (id, counts) in &expected_handles {
+            if !snapshot.handles.contains_key(id) {
+                report.problem(
+                    kinds::MISSING_HANDLE,
+                    true,
+                    format!(
+                        "blocks hold {:?} for handle {id:?}, which does not exist",
+                        counts_text(counts)
+                    ),
+                );
+            }
+        }
+        if repair && report.problems.iter().any(|p| p.repairable) {
+            self.repair(&snapshot, &expected_handles, &mut report)
+                .await?;
+        }
+        Ok(report)
+    }
+
+    async fn read_snapshot(&self, report: &mut CheckReport) -> Result<Snapshot, IpamError> {
+        let results = self
+            .store()
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::List(keys::blocks_dir()),
+                Read::List(keys::claims_dir()),
+                Read::List(keys::handles_dir()),
+                Read::Get(keys::config()),
+            ])
+            .await?;
+        let mut lists = Vec::new();
+        let mut config = None;
+        for result in results {
+            match result {
+                crate::kv::ReadResult::Listed(kvs) => lists.push(kvs),
+                crate::kv::ReadResult::Got(kv) => config = kv,
+            }
+        }
+        let [pools, blocks, claims, handles]: [Vec<crate::kv::KeyValue>; 4] =
+            lists.try_into().map_err(|_| {
+                IpamError::Store(KvError::other(
+                    "read_many returned the wrong number of results",
+                ))
+            })?;
+        let mut snapshot = Snapshot {
+            pools: Vec::new(),
+            blocks: Vec::new(),
+            claims: BTreeMap::new(),
+            handles: BTreeMap::new(),
+        };
+        let mut corrupt = |key: &str, e: IpamError| {
+            report.problem(kinds::CORRUPT_OBJECT, false, format!("{key}: {e}"));
+        };
+        if let Some(kv) = config {
+            if let Err(e) = decode::<IpamConfig>(&kv.key, &kv.value) {
+                corrupt(&kv.key, e);
+            }
+        }
+        for kv in pools {
+            let key = kv.key.clone();
+            match decode_stored::<Pool>(kv) {
+                Ok(p) => snapshot.pools.push(p),
+                Err(e) => corrupt(&key, e),
+            }
+        }
+        for kv in blocks {
+            let key = kv.key.clone();
+            match decode_stored::<Block>(kv) {
+                Ok(b) => snapshot.blocks.push(b),
+                Err(e) => corrupt(&key, e),
+            }
+        }
+        for kv in claims {
+            let key = kv.key.clone();
+            let Some(cidr) = key
+                .strip_prefix(&keys::claims_dir())
+                .and_then(keys::parse_cidr_segment)
+            else {
+                corrupt(&key, IpamError::invalid("key does not name a CIDR"));
+                continue;
+            };
+            match decode_stored::<Option<String>>(kv) {
+                Ok(c) => {
+                    snapshot.claims.insert(cidr, c);
+                }
+                Err(e) => corrupt(&key, e),
+            }
+        }
+        for kv in handles {
+            let key = kv.key.clone();
+            let id = key
+                .strip_prefix(&keys::handles_dir())
+                .unwrap_or(&key)
+                .to_owned();
+            match decode_stored::<Handle>(kv) {
+                Ok(h) => {
+                    snapshot.handles.insert(id, h);
+                }
+                Err(e) => corrupt(&key, e),
+            }
+        }
+        Ok(snapshot)
+    }
+
+    async fn repair(
+        &self,
+        snapshot: &Snapshot,
+        expected_handles: &BTreeMap<String, BTreeMap<IpNet, u32>>,
+        report: &mut CheckReport,
+    ) -> Result<(), IpamError> {
+        let mut outcomes: Vec<(String, Result<(), IpamError>)> = Vec::new();
+        // Handle counts: the blocks are the authority.
+        let ids: BTreeSet<&String> = snapshot
+            .handles
+            .keys()
+            .chain(expected_handles.keys())
+            .collect();
+        for id in ids {
+            let expected = expected_handles.get(id).cloned().unwrap_or_default();
+            let stored = snapshot.handles.get(id);
+            if stored.map(|s| &s.value.blocks) == Some(&expected) {
+                continue;
+            }
+            let key = keys::handle(id);
+            let mut plan = Plan::default();
+            plan.expect(&key, stored.map(|s| s.revision));
+            // The blocks this handle is counted in must not change under the repair either.
+            for block in snapshot
+                .blocks
+                .iter()
+                .filter(|b| expected.contains_key(&b.value.cidr))
+            {
+                plan.expect(&block.key, Some(block.revision));
+            }
+            let action = if expected.is_empty() {
+                plan.delete(&key);
+                format!("deleted handle {id:?}, which holds no address")
+            } else {
+                plan.put(
+                    &key,
+                    encode(&Handle {
+                        blocks: expected.clone(),
+                    })?,
+                );
+                format!("rewrote handle {id:?} as {:?}", counts_text(&expected))
+            };
+            outcomes.push((action, self.commit_repair(plan).await));
+        }
+        // Claim index entries.
+        for stored in &snapshot.blocks {
+            let block = &stored.value;
+            let claim_key = keys::block_claim(&block.cidr);
+            let claim = snapshot.claims.get(&block.cidr);
+            if claim.map(|c| &c.value) == Some(&block.affinity) {
+                continue;
+            }
+            if snapshot
+                .blocks
+                .iter()
+                .filter(|b| b.value.cidr == block.cidr)
+                .count()
+                > 1
+            {
+                continue; // stored twice: needs a person
+            }
+            let mut plan = Plan::default();
+            plan.expect(&stored.key, Some(stored.revision));
+            plan.expect(&claim_key, claim.map(|c| c.revision));
+            plan.put(&claim_key, encode(&block.affinity)?);
+            outcomes.push((
+                format!(
+                    "set claim index entry of {} to {:?}",
+                    block.cidr, block.affinity
+                ),
+                self.commit_repair(plan).await,
+            ));
+        }
+        for (cidr, claim) in &snapshot.claims {
+            if snapshot.blocks.iter().any(|b| b.value.cidr == *cidr) {
+                continue;
+            }
+            let mut plan = Plan::default();
+            plan.expect(&claim.key, Some(claim.revision));
+            plan.delete(&claim.key);
+            // The block must still be absent wherever it could live.
+            plan.expect(&keys::block(claim.value.as_deref(), cidr), None);
+            outcomes.push((
+                format!("deleted orphaned claim index entry {cidr}"),
+                self.commit_repair(plan).await,
+            ));
+        }
+        // Empty blocks without affinity.
+        for stored in snapshot
+            .blocks
+            .iter()
+            .filter(|b| b.value.is_empty() && b.value.affinity.is_none())
+        {
+            let mut plan = Plan::default();
+            plan.expect(&stored.key, Some(stored.revision));
+            plan.delete(&stored.key);
+            plan.delete(&keys::block_claim(&stored.value.cidr));
+            outcomes.push((
+                format!("deleted empty block {} with no affinity", stored.value.cidr),
+                self.commit_repair(plan).await,
+            ));
+        }
+        for (action, outcome) in outcomes {
+            match outcome {
+                Ok(()) => report.repaired.push(action),
+                Err(IpamError::Store(KvError::Conflict { .. })) => report.repaired.push(format!(
+                    "skipped (changed while repairing; run check again): {action}"
+                )),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn commit_repair(&self, plan: Plan) -> Result<(), IpamError> {
+        self.store().commit(plan.into_txn()).await?;
+        Ok(())
+    }
+}
+
+fn counts_text(counts: &BTreeMap<IpNet, u32>) -> BTreeMap<String, u32> {
+    counts.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}

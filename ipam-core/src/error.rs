@@ -1,0 +1,140 @@
+//! The allocator's error type: what went wrong, in terms an operator or a CNI runtime can act on.
+
+use std::net::IpAddr;
+
+use crate::kv::KvError;
+use crate::model::Family;
+
+/// Everything an IPAM operation can fail with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum IpamError {
+    /// The store failed (unreachable, indeterminate write, ...); see [`KvError`].
+    #[error(transparent)]
+    Store(#[from] KvError),
+    /// A stored object could not be decoded.
+    #[error("corrupt IPAM object at {key:?}: {message}")]
+    Corrupt {
+        /// The key whose bytes are bad.
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A request argument is malformed (bad CIDR, bad name, block size out of range, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// No pool has this name or CIDR.
+    #[error("no IP pool named or with CIDR {0:?}")]
+    PoolNotFound(String),
+    /// A requested pool is disabled.
+    #[error("IP pool {0:?} is disabled")]
+    PoolDisabled(String),
+    /// A requested pool is of the other family.
+    #[error("IP pool {pool:?} is not an {family} pool")]
+    PoolWrongFamily {
+        /// The pool.
+        pool: String,
+        /// The family asked for.
+        family: Family,
+    },
+    /// A pool with this name exists already.
+    #[error("an IP pool named {0:?} already exists")]
+    PoolExists(String),
+    /// The new pool overlaps an existing one.
+    #[error("IP pool {cidr} overlaps existing pool {existing:?} ({existing_cidr})")]
+    PoolOverlap {
+        /// The requested CIDR.
+        cidr: ipnet::IpNet,
+        /// The pool it overlaps.
+        existing: String,
+        /// That pool's CIDR.
+        existing_cidr: ipnet::IpNet,
+    },
+    /// The pool still has allocated addresses.
+    #[error("IP pool {pool:?} still has {in_use} allocated addresses (release them or force)")]
+    PoolInUse {
+        /// The pool.
+        pool: String,
+        /// Addresses allocated in it.
+        in_use: u64,
+    },
+    /// The address is in no enabled pool.
+    #[error("address {0} is not in any enabled IP pool")]
+    NotInPool(IpAddr),
+    /// The address is allocated already.
+    #[error("address {ip} is already assigned (handle {handle:?})")]
+    AlreadyAssigned {
+        /// The address.
+        ip: IpAddr,
+        /// Who holds it.
+        handle: String,
+    },
+    /// Strict affinity forbids using this address from another host's block.
+    #[error(
+        "address {ip} is in block {block} affine to host {owner:?}, and strict affinity is on"
+    )]
+    AffinityConflict {
+        /// The address.
+        ip: IpAddr,
+        /// Its block.
+        block: ipnet::IpNet,
+        /// The block's host.
+        owner: String,
+    },
+    /// Not enough free addresses in the candidate pools.
+    #[error("no free {family} address: wanted {requested}, found {found} in pools {pools:?}")]
+    Exhausted {
+        /// The family asked for.
+        family: Family,
+        /// How many were asked for.
+        requested: u32,
+        /// How many could be had.
+        found: u32,
+        /// The candidate pools searched.
+        pools: Vec<String>,
+    },
+    /// The host owns `max_blocks_per_host` blocks and none has room.
+    #[error("host {host:?} owns {owned} {family} blocks, the per-host block limit is {limit}, and they are full")]
+    BlockLimit {
+        /// The host.
+        host: String,
+        /// The family.
+        family: Family,
+        /// Blocks it owns.
+        owned: u32,
+        /// The configured limit.
+        limit: u32,
+    },
+    /// The block is affine to another host.
+    #[error("block {block} is affine to host {owner:?}")]
+    BlockOwnedByOtherHost {
+        /// The block.
+        block: ipnet::IpNet,
+        /// Its host.
+        owner: String,
+    },
+    /// Every attempt lost a race with another writer; try again later.
+    #[error("gave up after {attempts} attempts: the store kept changing under concurrent writers, try again later")]
+    RetriesExhausted {
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// A bug: an invariant the code relies on did not hold.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl IpamError {
+    /// True when retrying later may succeed (store unavailable, retries exhausted).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            IpamError::Store(e) => e.is_retryable() || matches!(e, KvError::Indeterminate { .. }),
+            IpamError::RetriesExhausted { .. } => true,
+            _ => false,
+        }
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        IpamError::InvalidArgument(message.into())
+    }
+}

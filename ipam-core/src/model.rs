@@ -1,0 +1,735 @@
+//! The stored IPAM objects (pools, blocks, handles, config), their key layout and their versioned
+//! binary encoding. `docs/data-model.md` describes the same layout for operators.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::error::IpamError;
+
+/// Every key blockipam writes starts with this.
+pub const ROOT: &str = "ipam/v1/";
+/// Format version written as the first byte of every stored value.
+pub const FORMAT_VERSION: u8 = 1;
+
+/// Default IPv4 block prefix length (64 addresses), as Calico.
+pub const DEFAULT_V4_BLOCK_SIZE: u8 = 26;
+/// Default IPv6 block prefix length (64 addresses), as Calico.
+pub const DEFAULT_V6_BLOCK_SIZE: u8 = 122;
+/// Allowed IPv4 block prefix lengths.
+pub const V4_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 20..=32;
+/// Allowed IPv6 block prefix lengths.
+pub const V6_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 116..=128;
+
+/// IP family of a pool, block or address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Family {
+    /// IPv4.
+    V4,
+    /// IPv6.
+    V6,
+}
+
+impl Family {
+    /// The family of an address.
+    pub fn of(ip: IpAddr) -> Family {
+        match ip {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+
+    /// The family of a network.
+    pub fn of_net(net: &IpNet) -> Family {
+        Family::of(net.addr())
+    }
+
+    /// The path segment used in keys: `v4` or `v6`.
+    pub fn segment(self) -> &'static str {
+        match self {
+            Family::V4 => "v4",
+            Family::V6 => "v6",
+        }
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys
+// ---------------------------------------------------------------------------------------------
+
+/// The key layout, in one place.
+pub mod keys {
+    use super::*;
+
+    /// The IPAM configuration object.
+    pub fn config() -> String {
+        format!("{ROOT}config")
+    }
+
+    /// Bumped on every pool write, so that pool writes (and their overlap checks) serialise.
+    pub fn pool_generation() -> String {
+        format!("{ROOT}pool-generation")
+    }
+
+    /// Prefix of every pool.
+    pub fn pools_dir() -> String {
+        format!("{ROOT}pools/")
+    }
+
+    /// One pool, by name.
+    pub fn pool(name: &str) -> String {
+        format!("{ROOT}pools/{name}")
+    }
+
+    /// Prefix of every block, affine or not.
+    pub fn blocks_dir() -> String {
+        format!("{ROOT}blocks/")
+    }
+
+    /// Prefix of the blocks affine to `host` (all families).
+    pub fn host_blocks_dir(host: &str) -> String {
+        format!("{ROOT}blocks/host/{host}/")
+    }
+
+    /// Where a block lives: under its host when it has an affinity, else under `unaffine/`.
+    pub fn block(affinity: Option<&str>, cidr: &IpNet) -> String {
+        match affinity {
+            Some(host) => format!("{ROOT}blocks/host/{host}/{}", cidr_segment(cidr)),
+            None => format!("{ROOT}blocks/unaffine/{}", cidr_segment(cidr)),
+        }
+    }
+
+    /// The claim index entry of a block CIDR: exists exactly while the block exists, value = the
+    /// block's affine host (empty for none). Creating it with an "absent" condition is what makes
+    /// two hosts unable to claim the same CIDR.
+    pub fn block_claim(cidr: &IpNet) -> String {
+        format!("{ROOT}claims/{}", cidr_segment(cidr))
+    }
+
+    /// Prefix of every claim index entry.
+    pub fn claims_dir() -> String {
+        format!("{ROOT}claims/")
+    }
+
+    /// One handle.
+    pub fn handle(id: &str) -> String {
+        format!("{ROOT}handles/{id}")
+    }
+
+    /// Prefix of every handle.
+    pub fn handles_dir() -> String {
+        format!("{ROOT}handles/")
+    }
+
+    /// A CIDR as one key segment: `10.0.0.0/26` → `10.0.0.0-26`.
+    pub fn cidr_segment(cidr: &IpNet) -> String {
+        format!("{}-{}", cidr.network(), cidr.prefix_len())
+    }
+
+    /// Parses a key segment written by [`cidr_segment`].
+    pub fn parse_cidr_segment(segment: &str) -> Option<IpNet> {
+        let (addr, len) = segment.rsplit_once('-')?;
+        let addr: IpAddr = addr.parse().ok()?;
+        let len: u8 = len.parse().ok()?;
+        IpNet::new(addr, len).ok()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+// ---------------------------------------------------------------------------------------------
+
+fn bincode_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<{ 16 * 1024 * 1024 }>()
+}
+
+/// Encodes a stored object: one format-version byte, then bincode.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, IpamError> {
+    let mut out = vec![FORMAT_VERSION];
+    let body = bincode::serde::encode_to_vec(value, bincode_config())
+        .map_err(|e| IpamError::Internal(format!("cannot encode: {e}")))?;
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Decodes a stored object written by [`encode`]; any damage is a [`IpamError::Corrupt`] naming the key.
+pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
+    let corrupt = |message: String| IpamError::Corrupt {
+        key: key.to_owned(),
+        message,
+    };
+    let (&version, body) = bytes
+        .split_first()
+        .ok_or_else(|| corrupt("empty value".into()))?;
+    if version != FORMAT_VERSION {
+        return Err(corrupt(format!(
+            "format version {version}, this build reads version {FORMAT_VERSION}"
+        )));
+    }
+    let (value, used) = bincode::serde::decode_from_slice(body, bincode_config())
+        .map_err(|e| corrupt(format!("cannot decode: {e}")))?;
+    if used != body.len() {
+        return Err(corrupt(format!("{} trailing bytes", body.len() - used)));
+    }
+    Ok(value)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Objects
+// ---------------------------------------------------------------------------------------------
+
+/// IPAM-wide settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpamConfig {
+    /// When true, a host never borrows addresses from blocks affine to other hosts (or to none).
+    pub strict_affinity: bool,
+    /// When true, a host claims new blocks as it needs them.
+    pub auto_allocate_blocks: bool,
+    /// Most blocks of one family a host may own; 0 means unlimited.
+    pub max_blocks_per_host: u32,
+}
+
+impl Default for IpamConfig {
+    fn default() -> Self {
+        IpamConfig {
+            strict_affinity: false,
+            auto_allocate_blocks: true,
+            max_blocks_per_host: 20,
+        }
+    }
+}
+
+/// A range of addresses that blocks are carved from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pool {
+    /// Unique name (letters, digits, `.`, `_`, `-`, `:`).
+    pub name: String,
+    /// The pool's network (a network address, no host bits).
+    pub cidr: IpNet,
+    /// Prefix length of the pool's blocks.
+    pub block_size: u8,
+    /// A disabled pool is never allocated from.
+    pub disabled: bool,
+}
+
+impl Pool {
+    /// The pool's family.
+    pub fn family(&self) -> Family {
+        Family::of_net(&self.cidr)
+    }
+
+    /// Number of blocks the pool holds (saturating at `u128::MAX`).
+    pub fn block_count(&self) -> u128 {
+        1u128
+            .checked_shl(u32::from(self.block_size - self.cidr.prefix_len()))
+            .unwrap_or(u128::MAX)
+    }
+
+    /// The `index`th block of the pool, counting from its first address.
+    pub fn block_at(&self, index: u128) -> Option<IpNet> {
+        let step = 1u128.checked_shl(u32::from(host_bits(self.family()) - self.block_size))?;
+        let start = ip_to_u128(self.cidr.network()).checked_add(index.checked_mul(step)?)?;
+        IpNet::new(u128_to_ip(self.family(), start), self.block_size).ok()
+    }
+
+    /// The block of this pool that contains `ip`.
+    pub fn block_containing(&self, ip: IpAddr) -> Option<IpNet> {
+        if !self.cidr.contains(&ip) {
+            return None;
+        }
+        IpNet::new(ip, self.block_size).ok().map(|n| n.trunc())
+    }
+
+    /// Number of addresses the pool spans (saturating).
+    pub fn capacity(&self) -> u128 {
+        1u128
+            .checked_shl(u32::from(host_bits(self.family()) - self.cidr.prefix_len()))
+            .unwrap_or(u128::MAX)
+    }
+}
+
+/// Total address bits of a family.
+pub fn host_bits(family: Family) -> u8 {
+    match family {
+        Family::V4 => 32,
+        Family::V6 => 128,
+    }
+}
+
+/// An address as an integer.
+pub fn ip_to_u128(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// An integer as an address of `family` (IPv4 keeps the low 32 bits).
+pub fn u128_to_ip(family: Family, value: u128) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(std::net::Ipv4Addr::from(value as u32)),
+        Family::V6 => IpAddr::V6(std::net::Ipv6Addr::from(value)),
+    }
+}
+
+/// Who an allocation belongs to and what it is for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attribute {
+    /// The allocation's owner (normally `<network>.<container id>`).
+    pub handle: String,
+    /// Free-form metadata: `node`, `namespace`, `pod`, `container_id`, `interface`, `timestamp`.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// One allocated ordinal of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Index into the block's attribute table.
+    pub attribute: u32,
+    /// The block's sequence number when this allocation was made.
+    pub sequence: u64,
+}
+
+/// A power-of-two slice of a pool, and the authority on which of its addresses are in use.
+///
+/// The free list is kept compact: ordinals from `next_fresh` up that are neither allocated nor
+/// queued in `released` were never handed out and come first, in ascending order; after them come
+/// the `released` ordinals in release order. So a /20 block costs nothing per free address, and a
+/// released address is the last to be reused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Block {
+    /// The block's network.
+    pub cidr: IpNet,
+    /// The host this block is affine to, if any.
+    pub affinity: Option<String>,
+    /// Bumped on every write of the block.
+    pub sequence: u64,
+    /// Ordinals at or above this that are not allocated and not in `released` were never used.
+    pub next_fresh: u32,
+    /// Freed ordinals, oldest first: reused in this order once fresh ordinals run out.
+    pub released: VecDeque<u32>,
+    /// Allocated ordinals.
+    pub allocations: BTreeMap<u32, Allocation>,
+    /// Attributes referenced by allocations.
+    pub attributes: Vec<Attribute>,
+}
+
+impl Block {
+    /// A new, empty block.
+    pub fn new(cidr: IpNet, affinity: Option<String>) -> Block {
+        Block {
+            cidr: cidr.trunc(),
+            affinity,
+            sequence: 0,
+            next_fresh: 0,
+            released: VecDeque::new(),
+            allocations: BTreeMap::new(),
+            attributes: Vec::new(),
+        }
+    }
+
+    /// Number of addresses in the block.
+    pub fn capacity(&self) -> u32 {
+        let bits = u32::from(host_bits(Family::of_net(&self.cidr)) - self.cidr.prefix_len());
+        1u32.checked_shl(bits).unwrap_or(u32::MAX)
+    }
+
+    /// Number of allocated addresses.
+    pub fn in_use(&self) -> u32 {
+        self.allocations.len() as u32
+    }
+
+    /// Number of free addresses.
+    pub fn free(&self) -> u32 {
+        self.capacity() - self.in_use()
+    }
+
+    /// True when nothing is allocated.
+    pub fn is_empty(&self) -> bool {
+        self.allocations.is_empty()
+    }
+
+    /// The address of an ordinal.
+    pub fn ip_of(&self, ordinal: u32) -> IpAddr {
+        u128_to_ip(
+            Family::of_net(&self.cidr),
+            ip_to_u128(self.cidr.network()) + u128::from(ordinal),
+        )
+    }
+
+    /// The ordinal of an address inside the block.
+    pub fn ordinal_of(&self, ip: IpAddr) -> Option<u32> {
+        if !self.cidr.contains(&ip) {
+            return None;
+        }
+        u32::try_from(ip_to_u128(ip) - ip_to_u128(self.cidr.network())).ok()
+    }
+
+    /// Hands out the next free ordinal in free-list order, recording `attribute` for it.
+    pub fn allocate_next(&mut self, attribute: &Attribute) -> Option<u32> {
+        let ordinal = self.next_free_ordinal()?;
+        self.take(ordinal, attribute);
+        Some(ordinal)
+    }
+
+    fn next_free_ordinal(&mut self) -> Option<u32> {
+        let capacity = self.capacity();
+        while self.next_fresh < capacity {
+            let candidate = self.next_fresh;
+            if !self.allocations.contains_key(&candidate) && !self.released.contains(&candidate) {
+                return Some(candidate);
+            }
+            self.next_fresh += 1;
+        }
+        self.released.front().copied()
+    }
+
+    /// Allocates a given ordinal; false when it is already allocated or outside the block.
+    pub fn allocate_ordinal(&mut self, ordinal: u32, attribute: &Attribute) -> bool {
+        if ordinal >= self.capacity() || self.allocations.contains_key(&ordinal) {
+            return false;
+        }
+        self.take(ordinal, attribute);
+        true
+    }
+
+    fn take(&mut self, ordinal: u32, attribute: &Attribute) {
+        if let Some(position) = self.released.iter().position(|o| *o == ordinal) {
+            self.released.remove(position);
+        }
+        if ordinal == self.next_fresh {
+            self.next_fresh += 1;
+        }
+        let index = match self.attributes.iter().position(|a| a == attribute) {
+            Some(index) => index,
+            None => {
+                self.attributes.push(attribute.clone());
+                self.attributes.len() - 1
+            }
+        };
+        self.allocations.insert(
+            ordinal,
+            Allocation {
+                attribute: index as u32,
+                sequence: self.sequence,
+            },
+        );
+    }
+
+    /// Frees an ordinal (it goes to the tail of the free list); returns the freed allocation's
+    /// attribute, or `None` when it was not allocated.
+    pub fn release_ordinal(&mut self, ordinal: u32) -> Option<Attribute> {
+        let allocation = self.allocations.remove(&ordinal)?;
+        let attribute = self.attributes.get(allocation.attribute as usize).cloned();
+        // To the tail, whether or not the fresh cursor has passed it: the cursor skips queued ordinals.
+        self.released.push_back(ordinal);
+        self.compact_attributes();
+        attribute
+    }
+
+    /// The attribute of an allocated ordinal.
+    pub fn attribute_of(&self, ordinal: u32) -> Option<&Attribute> {
+        let allocation = self.allocations.get(&ordinal)?;
+        self.attributes.get(allocation.attribute as usize)
+    }
+
+    /// Ordinals held by `handle`.
+    pub fn ordinals_of_handle(&self, handle: &str) -> Vec<u32> {
+        self.allocations
+            .iter()
+            .filter(|(_, a)| {
+                self.attributes
+                    .get(a.attribute as usize)
+                    .is_some_and(|attr| attr.handle == handle)
+            })
+            .map(|(o, _)| *o)
+            .collect()
+    }
+
+    /// Drops attributes no allocation refers to, renumbering the rest.
+    fn compact_attributes(&mut self) {
+        let mut used = vec![false; self.attributes.len()];
+        for allocation in self.allocations.values() {
+            if let Some(flag) = used.get_mut(allocation.attribute as usize) {
+                *flag = true;
+            }
+        }
+        if used.iter().all(|u| *u) {
+            return;
+        }
+        let mut remap = vec![u32::MAX; self.attributes.len()];
+        let mut kept = Vec::new();
+        for (index, attribute) in std::mem::take(&mut self.attributes).into_iter().enumerate() {
+            if used[index] {
+                remap[index] = kept.len() as u32;
+                kept.push(attribute);
+            }
+        }
+        self.attributes = kept;
+        for allocation in self.allocations.values_mut() {
+            if let Some(new) = remap.get(allocation.attribute as usize) {
+                allocation.attribute = *new;
+            }
+        }
+    }
+
+    /// Describes every way this block's own bookkeeping is inconsistent (empty when sound).
+    pub fn self_check(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let capacity = self.capacity();
+        if self.cidr.trunc() != self.cidr {
+            problems.push(format!("block CIDR {} has host bits set", self.cidr));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for ordinal in &self.released {
+            if *ordinal >= capacity {
+                problems.push(format!("free-list ordinal {ordinal} is outside the block"));
+            }
+            if !seen.insert(*ordinal) {
+                problems.push(format!("ordinal {ordinal} appears twice in the free list"));
+            }
+            if self.allocations.contains_key(ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} ({}) is both allocated and free",
+                    self.ip_of(*ordinal)
+                ));
+            }
+        }
+        for (ordinal, allocation) in &self.allocations {
+            if *ordinal >= capacity {
+                problems.push(format!("allocated ordinal {ordinal} is outside the block"));
+            }
+            if allocation.attribute as usize >= self.attributes.len() {
+                problems.push(format!(
+                    "ordinal {ordinal} refers to missing attribute {}",
+                    allocation.attribute
+                ));
+            }
+            if allocation.sequence > self.sequence {
+                problems.push(format!(
+                    "ordinal {ordinal} was allocated at sequence {} after the block's {}",
+                    allocation.sequence, self.sequence
+                ));
+            }
+        }
+        if self.next_fresh > capacity {
+            problems.push(format!(
+                "next fresh ordinal {} is past the block's {capacity} addresses",
+                self.next_fresh
+            ));
+        }
+        problems
+    }
+}
+
+/// One allocation owner: how many addresses it holds in each block.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Handle {
+    /// Addresses held, per block CIDR.
+    pub blocks: BTreeMap<IpNet, u32>,
+}
+
+impl Handle {
+    /// Total addresses held.
+    pub fn total(&self) -> u64 {
+        self.blocks.values().map(|c| u64::from(*c)).sum()
+    }
+
+    /// Adds `count` addresses in `block`.
+    pub fn add(&mut self, block: IpNet, count: u32) {
+        *self.blocks.entry(block).or_insert(0) += count;
+    }
+
+    /// Removes `count` addresses in `block`, dropping the entry at zero.
+    pub fn remove(&mut self, block: IpNet, count: u32) {
+        if let Some(held) = self.blocks.get_mut(&block) {
+            *held = held.saturating_sub(count);
+            if *held == 0 {
+                self.blocks.remove(&block);
+            }
+        }
+    }
+}
+
+/// Rejects host names that cannot be a key segment.
+pub fn validate_host(host: &str) -> Result<(), IpamError> {
+    if host.is_empty() || host.len() > 253 {
+        return Err(IpamError::InvalidArgument(format!(
+            "host name {host:?} must be 1 to 253 characters"
+        )));
+    }
+    if host.contains('/') || host.chars().any(|c| c.is_control()) {
+        return Err(IpamError::InvalidArgument(format!(
+            "host name {host:?} may not contain '/' or control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Rejects handle ids that cannot be stored faithfully.
+pub fn validate_handle(handle: &str) -> Result<(), IpamError> {
+    if handle.is_empty() || handle.len() > 512 || handle.chars().any(|c| c.is_control()) {
+        return Err(IpamError::InvalidArgument(format!(
+            "handle id {handle:?} must be 1 to 512 printable characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Rejects pool names outside `[A-Za-z0-9._:-]{1,253}`.
+pub fn validate_pool_name(name: &str) -> Result<(), IpamError> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(IpamError::InvalidArgument(format!(
+            "pool name {name:?} must be 1 to 253 of letters, digits, '.', '_', '-', ':'"
+        )))
+    }
+}
+
+/// The name a pool gets when none is given: its CIDR with `/` replaced by `-` (`10.0.0.0-16`).
+pub fn default_pool_name(cidr: &IpNet) -> String {
+    keys::cidr_segment(cidr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attr(handle: &str) -> Attribute {
+        Attribute {
+            handle: handle.into(),
+            metadata: BTreeMap::new(),
+        }
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("cidr")
+    }
+
+    #[test]
+    fn fresh_ordinals_come_first_and_released_ones_are_reused_last() {
+        let mut block = Block::new(net("10.0.0.0/30"), None);
+        let a = attr("a");
+        assert_eq!(block.allocate_next(&a), Some(0));
+        assert_eq!(block.allocate_next(&a), Some(1));
+        block.release_ordinal(0);
+        assert_eq!(block.allocate_next(&a), Some(2));
+        assert_eq!(block.allocate_next(&a), Some(3));
+        assert_eq!(block.allocate_next(&a), Some(0));
+        assert_eq!(block.allocate_next(&a), None);
+        assert!(block.self_check().is_empty());
+    }
+
+    #[test]
+    fn specific_ordinal_is_skipped_by_the_fresh_cursor_and_queued_when_released() {
+        let mut block = Block::new(net("10.0.0.0/29"), None);
+        let a = attr("a");
+        assert!(block.allocate_ordinal(3, &a));
+        assert!(!block.allocate_ordinal(3, &a));
+        block.release_ordinal(3);
+        let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next(&a)).collect();
+        assert_eq!(order, vec![0, 1, 2, 4, 5, 6, 7, 3]);
+        assert!(block.self_check().is_empty());
+    }
+
+    #[test]
+    fn unused_attributes_are_dropped_and_indices_stay_valid() {
+        let mut block = Block::new(net("10.0.0.0/29"), None);
+        block.allocate_next(&attr("a"));
+        block.allocate_next(&attr("b"));
+        block.allocate_next(&attr("a"));
+        assert_eq!(block.attributes.len(), 2);
+        block.release_ordinal(0);
+        block.release_ordinal(2);
+        assert_eq!(block.attributes.len(), 1);
+        assert_eq!(block.attribute_of(1).map(|a| a.handle.as_str()), Some("b"));
+        assert!(block.self_check().is_empty());
+    }
+
+    #[test]
+    fn large_block_encoding_is_small_when_mostly_free() {
+        let mut block = Block::new(net("10.0.0.0/20"), Some("host-a".into()));
+        for i in 0..10 {
+            block.allocate_next(&attr(&format!("h{i}")));
+        }
+        let bytes = encode(&block).expect("encode");
+        assert!(
+            bytes.len() < 1024,
+            "a /20 block with 10 allocations took {} bytes",
+            bytes.len()
+        );
+        let back: Block = decode("k", &bytes).expect("decode");
+        assert_eq!(back, block);
+    }
+
+    #[test]
+    fn decoding_damaged_bytes_is_an_error_not_a_panic() {
+        let block = Block::new(net("fd00::/122"), Some("h".into()));
+        let bytes = encode(&block).expect("encode");
+        for cut in 0..bytes.len() {
+            assert!(
+                decode::<Block>("k", &bytes[..cut]).is_err(),
+                "truncated at {cut} decoded"
+            );
+        }
+        let mut wrong_version = bytes.clone();
+        wrong_version[0] = 99;
+        assert!(matches!(
+            decode::<Block>("k", &wrong_version),
+            Err(IpamError::Corrupt { .. })
+        ));
+        let mut trailing = bytes;
+        trailing.push(0);
+        assert!(decode::<Block>("k", &trailing).is_err());
+    }
+
+    #[test]
+    fn cidr_segments_round_trip_for_both_families() {
+        for s in ["10.0.0.0/26", "fd00::/122", "0.0.0.0/0", "2001:db8::40/122"] {
+            let n = net(s);
+            assert_eq!(keys::parse_cidr_segment(&keys::cidr_segment(&n)), Some(n));
+        }
+    }
+
+    #[test]
+    fn pool_block_arithmetic() {
+        let pool = Pool {
+            name: "p".into(),
+            cidr: net("10.1.0.0/24"),
+            block_size: 26,
+            disabled: false,
+        };
+        assert_eq!(pool.block_count(), 4);
+        assert_eq!(pool.block_at(3), Some(net("10.1.0.192/26")));
+        assert_eq!(
+            pool.block_containing("10.1.0.77".parse().expect("ip")),
+            Some(net("10.1.0.64/26"))
+        );
+        assert_eq!(pool.block_containing("10.2.0.1".parse().expect("ip")), None);
+        let v6 = Pool {
+            name: "p6".into(),
+            cidr: net("fd00::/64"),
+            block_size: 122,
+            disabled: false,
+        };
+        assert_eq!(v6.block_count(), 1u128 << 58);
+        assert_eq!(v6.block_at(1), Some(net("fd00::40/122")));
+    }
+}
