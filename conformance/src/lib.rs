@@ -2,6 +2,7 @@
 //! expand them into one named `#[tokio::test]` per case in each backend's `tests/conformance.rs`.
 
 pub mod embedded;
+pub mod ipam;
 pub mod kv;
 
 use std::any::Any;

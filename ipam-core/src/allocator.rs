@@ -1291,6 +1291,9 @@ impl Ipam {
         for working in working.values() {
             plan.write_block(working)?;
         }
+        outcome.released.sort();
+        outcome.not_allocated.sort();
+        outcome.sequence_mismatch.sort();
         self.commit_plan(plan, outcome).await
     }
 

@@ -1,0 +1,1428 @@
+//! The allocator's cases: Calico's IPAM behaviour (and blockipam's improvements on it), run over
+//! every backend through the storage trait.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipam_core::check::kinds;
+use ipam_core::model::keys;
+use ipam_core::{
+    AssignIpsRequest, AutoAssignRequest, CountingStore, Ipam, IpamConfig, IpamError, PoolSpec,
+    ReleaseRequest,
+};
+use ipnet::IpNet;
+
+use crate::StoreFactory;
+
+fn net(s: &str) -> IpNet {
+    s.parse()
+        .unwrap_or_else(|e| panic!("bad test CIDR {s}: {e}"))
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse()
+        .unwrap_or_else(|e| panic!("bad test address {s}: {e}"))
+}
+
+fn spec(cidr: &str, name: &str, block_size: u8) -> PoolSpec {
+    PoolSpec {
+        cidr: net(cidr),
+        name: Some(name.to_owned()),
+        block_size: Some(block_size),
+        disabled: false,
+    }
+}
+
+fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
+    AutoAssignRequest {
+        handle: handle.into(),
+        host: host.into(),
+        num_v4: n,
+        ..Default::default()
+    }
+}
+
+async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
+    let got = ipam
+        .auto_assign(&v4(handle, host, 1))
+        .await
+        .unwrap_or_else(|e| panic!("assign {handle} on {host}: {e}"));
+    assert_eq!(got.v4.len(), 1);
+    got.v4[0].ip
+}
+
+async fn assert_clean(ipam: &Ipam) {
+    let report = ipam.check(false).await.expect("check");
+    assert!(
+        report.problems.is_empty(),
+        "consistency check found problems: {:#?}",
+        report.problems
+    );
+}
+
+async fn ipam_with_pool(
+    factory: &impl StoreFactory,
+    cidr: &str,
+    block_size: u8,
+) -> (crate::TestStore, Ipam) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec(cidr, "pool", block_size))
+        .await
+        .expect("create pool");
+    (t, ipam)
+}
+
+/// Expands every allocator case into one `#[tokio::test]` inside a module `ipam`.
+#[macro_export]
+macro_rules! ipam_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(ipam, $crate::ipam, $factory;
+            first_assign_claims_a_block_for_the_host,
+            filling_a_block_spills_into_a_second_block,
+            two_hosts_get_different_blocks,
+            host_uses_its_affine_blocks_before_claiming_new_ones,
+            borrowing_takes_a_free_address_from_another_hosts_block,
+            strict_affinity_denies_borrowing,
+            block_limit_gives_a_block_limit_error,
+            zero_max_blocks_per_host_means_unlimited,
+            no_auto_allocate_blocks_means_no_new_blocks,
+            released_address_is_reused_last,
+            specific_ip_is_assigned_and_its_block_claimed,
+            specific_ip_in_use_is_refused,
+            specific_ip_outside_enabled_pools_is_refused,
+            strict_affinity_refuses_specific_ip_in_another_hosts_block,
+            dual_stack_assign_is_all_or_nothing,
+            dual_stack_assign_gives_both_families,
+            release_by_handle_frees_everything_and_is_idempotent,
+            release_by_address_reports_unallocated_addresses,
+            sequence_numbered_release_refuses_a_reallocated_address,
+            empty_block_without_affinity_is_deleted,
+            releasing_host_affinities_deletes_empty_blocks_and_unassigns_others,
+            release_host_with_addresses_frees_that_hosts_allocations,
+            claim_and_release_affinity,
+            requested_pools_must_exist_and_be_enabled,
+            requested_pool_restricts_allocation,
+            disabled_pool_is_never_allocated_from,
+            pool_validation_rejects_bad_specs,
+            overlapping_pool_is_refused,
+            pool_delete_is_refused_while_in_use_unless_forced,
+            concurrent_ensure_pool_creates_one_pool,
+            reuse_existing_returns_the_addresses_already_held,
+            failed_assign_changes_nothing,
+            exhausted_pool_gives_exhausted_error,
+            who_holds_an_address,
+            utilization_counts_per_pool_and_block,
+            config_round_trips_with_calico_defaults,
+            steady_state_assign_is_one_read_and_one_transaction,
+            corrupt_block_is_an_error_not_a_panic,
+            check_detects_broken_state_and_repair_fixes_it,
+            eight_hosts_assigning_concurrently_get_distinct_addresses,
+            random_operation_sequences_keep_every_invariant,
+        );
+    };
+}
+
+/// The first auto-assign on a host claims a block affine to it and hands out its first address.
+pub async fn first_assign_claims_a_block_for_the_host<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let got = ipam
+        .auto_assign(&v4("h1", "node-a", 1))
+        .await
+        .expect("assign");
+    let block = got.v4[0].block;
+    assert_eq!(block.prefix_len(), 26);
+    assert_eq!(
+        got.v4[0].ip,
+        block.network(),
+        "ordinal 0 is handed out first"
+    );
+    let usage = ipam.utilization().await.expect("usage");
+    assert_eq!(usage.pools[0].blocks.len(), 1);
+    assert_eq!(usage.pools[0].blocks[0].host.as_deref(), Some("node-a"));
+    assert_clean(&ipam).await;
+}
+
+/// 64 addresses fill one /26; the 65th comes from a second block of the same host.
+pub async fn filling_a_block_spills_into_a_second_block<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let mut blocks = BTreeSet::new();
+    let mut addresses = BTreeSet::new();
+    for i in 0..64 {
+        let got = ipam
+            .auto_assign(&v4(&format!("h{i}"), "node-a", 1))
+            .await
+            .expect("assign");
+        blocks.insert(got.v4[0].block);
+        assert!(addresses.insert(got.v4[0].ip));
+    }
+    assert_eq!(blocks.len(), 1, "64 addresses should fit one /26");
+    let got = ipam
+        .auto_assign(&v4("h64", "node-a", 1))
+        .await
+        .expect("assign 65th");
+    assert!(
+        !blocks.contains(&got.v4[0].block),
+        "the 65th address must come from a new block"
+    );
+    let usage = ipam.utilization().await.expect("usage");
+    assert!(usage.pools[0]
+        .blocks
+        .iter()
+        .all(|b| b.host.as_deref() == Some("node-a")));
+    assert_eq!(usage.pools[0].in_use, 65);
+    assert_clean(&ipam).await;
+}
+
+/// Two hosts get addresses from two different blocks, each affine to its host.
+pub async fn two_hosts_get_different_blocks<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/16", 26).await;
+    let a = ipam.auto_assign(&v4("ha", "node-a", 1)).await.expect("a");
+    let b = ipam.auto_assign(&v4("hb", "node-b", 1)).await.expect("b");
+    assert_ne!(a.v4[0].block, b.v4[0].block);
+    let usage = ipam.utilization().await.expect("usage");
+    let owners: BTreeMap<IpNet, Option<String>> = usage.pools[0]
+        .blocks
+        .iter()
+        .map(|b| (b.cidr, b.host.clone()))
+        .collect();
+    assert_eq!(
+        owners.get(&a.v4[0].block),
+        Some(&Some("node-a".to_string()))
+    );
+    assert_eq!(
+        owners.get(&b.v4[0].block),
+        Some(&Some("node-b".to_string()))
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A host with room in its affine block never claims another one.
+pub async fn host_uses_its_affine_blocks_before_claiming_new_ones<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/16", 26).await;
+    let first = ipam
+        .auto_assign(&v4("h0", "node-a", 1))
+        .await
+        .expect("assign");
+    for i in 1..10 {
+        let got = ipam
+            .auto_assign(&v4(&format!("h{i}"), "node-a", 1))
+            .await
+            .expect("assign");
+        assert_eq!(got.v4[0].block, first.v4[0].block);
+    }
+    assert_eq!(
+        ipam.utilization().await.expect("usage").pools[0]
+            .blocks
+            .len(),
+        1
+    );
+}
+
+/// With no unclaimed block left, a host borrows from another host's block (strict affinity off).
+pub async fn borrowing_takes_a_free_address_from_another_hosts_block<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/26", 26).await;
+    let a = ipam.auto_assign(&v4("ha", "node-a", 1)).await.expect("a");
+    let b = ipam
+        .auto_assign(&v4("hb", "node-b", 1))
+        .await
+        .expect("b borrows");
+    assert_eq!(b.v4[0].block, a.v4[0].block);
+    let info = ipam
+        .get_assignment(b.v4[0].ip)
+        .await
+        .expect("who")
+        .expect("allocated");
+    assert_eq!(info.block_host.as_deref(), Some("node-a"));
+    assert_eq!(
+        info.attributes.get("node").map(String::as_str),
+        Some("node-b")
+    );
+    assert_clean(&ipam).await;
+}
+
+/// With strict affinity on, a host never borrows: the request fails instead.
+pub async fn strict_affinity_denies_borrowing<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/26", 26).await;
+    ipam.set_config(&IpamConfig {
+        strict_affinity: true,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    ipam.auto_assign(&v4("ha", "node-a", 1)).await.expect("a");
+    match ipam.auto_assign(&v4("hb", "node-b", 1)).await {
+        Err(IpamError::Exhausted {
+            requested: 1,
+            found: 0,
+            ..
+        }) => {}
+        other => panic!("expected exhaustion under strict affinity, got {other:?}"),
+    }
+    assert!(ipam.ips_by_handle("hb").await.expect("query").is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// A host that owns `max_blocks_per_host` full blocks gets a block-limit error (no borrowing).
+pub async fn block_limit_gives_a_block_limit_error<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
+    ipam.set_config(&IpamConfig {
+        max_blocks_per_host: 2,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    // Another host's block with room, to show the limit does not fall back to borrowing.
+    ipam.auto_assign(&v4("other", "node-b", 1))
+        .await
+        .expect("b");
+    for i in 0..8 {
+        ipam.auto_assign(&v4(&format!("h{i}"), "node-a", 1))
+            .await
+            .expect("within two /30 blocks");
+    }
+    match ipam.auto_assign(&v4("h8", "node-a", 1)).await {
+        Err(IpamError::BlockLimit {
+            owned: 2, limit: 2, ..
+        }) => {}
+        other => panic!("expected the block limit, got {other:?}"),
+    }
+    assert_clean(&ipam).await;
+}
+
+/// `max_blocks_per_host = 0` means no limit (not Calico's surprising "0 means 20").
+pub async fn zero_max_blocks_per_host_means_unlimited<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
+    ipam.set_config(&IpamConfig {
+        max_blocks_per_host: 0,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let got = ipam
+        .auto_assign(&v4("many", "node-a", 32))
+        .await
+        .expect("32 addresses over 8 blocks");
+    let blocks: BTreeSet<IpNet> = got.v4.iter().map(|a| a.block).collect();
+    assert_eq!(blocks.len(), 8);
+    assert_clean(&ipam).await;
+}
+
+/// With `auto_allocate_blocks` off, hosts only borrow from existing blocks.
+pub async fn no_auto_allocate_blocks_means_no_new_blocks<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.claim_affinity("node-a", net("10.0.0.0/26"))
+        .await
+        .expect("claim");
+    ipam.set_config(&IpamConfig {
+        auto_allocate_blocks: false,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let b = ipam
+        .auto_assign(&v4("hb", "node-b", 1))
+        .await
+        .expect("borrow");
+    assert_eq!(b.v4[0].block, net("10.0.0.0/26"));
+    assert_eq!(
+        ipam.utilization().await.expect("usage").pools[0]
+            .blocks
+            .len(),
+        1
+    );
+}
+
+/// A released address goes to the tail of the free list: every other free address is used first.
+pub async fn released_address_is_reused_last<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/28", 28).await;
+    let first = assign_one(&ipam, "h0", "node-a").await;
+    for i in 1..4 {
+        assign_one(&ipam, &format!("h{i}"), "node-a").await;
+    }
+    ipam.release_handle("h0").await.expect("release");
+    // 12 never-used addresses remain; all of them come before the released one.
+    let mut later = Vec::new();
+    for i in 4..17 {
+        later.push(assign_one(&ipam, &format!("h{i}"), "node-a").await);
+    }
+    assert!(
+        !later[..12].contains(&first),
+        "the released address came back before fresh ones: {later:?}"
+    );
+    assert_eq!(
+        later[12], first,
+        "the released address is the last one handed out"
+    );
+}
+
+/// A specific address is assigned, and its missing block is claimed for the host.
+pub async fn specific_ip_is_assigned_and_its_block_claimed<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let got = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.0.0.77")],
+            handle: "h".into(),
+            host: "node-a".into(),
+            attributes: BTreeMap::new(),
+        })
+        .await
+        .expect("assign");
+    assert_eq!(got[0].block, net("10.0.0.64/26"));
+    let info = ipam
+        .get_assignment(ip("10.0.0.77"))
+        .await
+        .expect("who")
+        .expect("held");
+    assert_eq!(info.handle, "h");
+    assert_eq!(info.block_host.as_deref(), Some("node-a"));
+    // The auto-assign cursor skips it.
+    let next = ipam
+        .auto_assign(&v4("h2", "node-a", 1))
+        .await
+        .expect("auto");
+    assert_ne!(next.v4[0].ip, ip("10.0.0.77"));
+    assert_clean(&ipam).await;
+}
+
+/// Assigning an address someone else holds is refused, naming the holder, and changes nothing.
+pub async fn specific_ip_in_use_is_refused<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let held = assign_one(&ipam, "owner", "node-a").await;
+    let before = t.store.list("").await.expect("list");
+    let request = AssignIpsRequest {
+        ips: vec![held],
+        handle: "intruder".into(),
+        host: "node-a".into(),
+        attributes: BTreeMap::new(),
+    };
+    match ipam.assign_ips(&request).await {
+        Err(IpamError::AlreadyAssigned {
+            ip: refused,
+            handle,
+        }) => {
+            assert_eq!(refused, held);
+            assert_eq!(handle, "owner");
+        }
+        other => panic!("expected already-assigned, got {other:?}"),
+    }
+    assert_eq!(t.store.list("").await.expect("list"), before);
+    // The owner asking again for its own address is fine.
+    let again = AssignIpsRequest {
+        handle: "owner".into(),
+        ..request
+    };
+    assert_eq!(
+        ipam.assign_ips(&again).await.expect("idempotent")[0].ip,
+        held
+    );
+}
+
+/// An address outside every enabled pool is refused (including one in a disabled pool).
+pub async fn specific_ip_outside_enabled_pools_is_refused<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&PoolSpec {
+        disabled: true,
+        ..spec("10.9.0.0/24", "off", 26)
+    })
+    .await
+    .expect("disabled pool");
+    let before = t.store.list("").await.expect("list");
+    for outside in ["192.168.7.1", "10.9.0.5", "fd00::1"] {
+        let request = AssignIpsRequest {
+            ips: vec![ip(outside)],
+            handle: "h".into(),
+            host: "node-a".into(),
+            attributes: BTreeMap::new(),
+        };
+        match ipam.assign_ips(&request).await {
+            Err(IpamError::NotInPool(refused)) => assert_eq!(refused, ip(outside)),
+            other => panic!("expected not-in-pool for {outside}, got {other:?}"),
+        }
+    }
+    assert_eq!(t.store.list("").await.expect("list"), before);
+}
+
+/// Under strict affinity an address in another host's block is refused.
+pub async fn strict_affinity_refuses_specific_ip_in_another_hosts_block<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.set_config(&IpamConfig {
+        strict_affinity: true,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    ipam.claim_affinity("node-a", net("10.0.0.0/26"))
+        .await
+        .expect("claim");
+    let request = AssignIpsRequest {
+        ips: vec![ip("10.0.0.9")],
+        handle: "h".into(),
+        host: "node-b".into(),
+        attributes: BTreeMap::new(),
+    };
+    match ipam.assign_ips(&request).await {
+        Err(IpamError::AffinityConflict { owner, .. }) => assert_eq!(owner, "node-a"),
+        other => panic!("expected an affinity conflict, got {other:?}"),
+    }
+}
+
+/// When IPv6 cannot be had, no IPv4 address is kept either, and the store is unchanged.
+pub async fn dual_stack_assign_is_all_or_nothing<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("fd00::/126", "v6", 126))
+        .await
+        .expect("v6 pool");
+    let mut request = v4("h", "node-a", 1);
+    request.num_v6 = 8; // a /126 has only 4
+    let before = t.store.list("").await.expect("list");
+    match ipam.auto_assign(&request).await {
+        Err(IpamError::Exhausted {
+            family: ipam_core::Family::V6,
+            ..
+        }) => {}
+        other => panic!("expected IPv6 exhaustion, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "IPv4 address leaked by a failed dual-stack assign"
+    );
+}
+
+/// A dual-stack request gets one address of each family, both on the handle.
+pub async fn dual_stack_assign_gives_both_families<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("fd00::/120", "v6", 122))
+        .await
+        .expect("v6 pool");
+    let mut request = v4("h", "node-a", 1);
+    request.num_v6 = 1;
+    let got = ipam.auto_assign(&request).await.expect("dual stack");
+    assert_eq!((got.v4.len(), got.v6.len()), (1, 1));
+    assert!(got.v6[0].ip.is_ipv6());
+    assert_eq!(got.v6[0].block.prefix_len(), 122);
+    assert_eq!(ipam.ips_by_handle("h").await.expect("held").len(), 2);
+    assert_clean(&ipam).await;
+}
+
+/// Release by handle frees every address of the handle; doing it again, or for an unknown handle, succeeds.
+pub async fn release_by_handle_frees_everything_and_is_idempotent<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
+    let got = ipam
+        .auto_assign(&v4("h", "node-a", 6))
+        .await
+        .expect("assign over two blocks");
+    let mut released = ipam.release_handle("h").await.expect("release");
+    let mut expected: Vec<IpAddr> = got.v4.iter().map(|a| a.ip).collect();
+    released.sort();
+    expected.sort();
+    assert_eq!(released, expected);
+    assert!(ipam.release_handle("h").await.expect("again").is_empty());
+    assert!(ipam
+        .release_handle("never-existed")
+        .await
+        .expect("unknown")
+        .is_empty());
+    assert_eq!(ipam.utilization().await.expect("usage").pools[0].in_use, 0);
+    assert_clean(&ipam).await;
+}
+
+/// Release by address frees allocated addresses and reports the others without failing.
+pub async fn release_by_address_reports_unallocated_addresses<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let held = assign_one(&ipam, "h", "node-a").await;
+    let requests: Vec<ReleaseRequest> = [held, ip("10.0.0.200"), ip("172.31.0.1")]
+        .into_iter()
+        .map(|ip| ReleaseRequest { ip, sequence: None })
+        .collect();
+    let outcome = ipam.release_ips(&requests).await.expect("release");
+    assert_eq!(outcome.released, vec![held]);
+    assert_eq!(
+        outcome.not_allocated,
+        vec![ip("10.0.0.200"), ip("172.31.0.1")]
+    );
+    assert!(ipam.ips_by_handle("h").await.expect("held").is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// A release that carries the sequence number of an earlier allocation does not free a re-allocated address.
+pub async fn sequence_numbered_release_refuses_a_reallocated_address<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/30", 30).await;
+    let address = ip("10.0.0.1");
+    let assign = |handle: &str| AssignIpsRequest {
+        ips: vec![address],
+        handle: handle.into(),
+        host: "node-a".into(),
+        attributes: BTreeMap::new(),
+    };
+    ipam.assign_ips(&assign("old")).await.expect("first owner");
+    let old_sequence = ipam
+        .get_assignment(address)
+        .await
+        .expect("who")
+        .expect("held")
+        .sequence;
+    ipam.release_handle("old").await.expect("release");
+    ipam.assign_ips(&assign("new")).await.expect("second owner");
+    let late = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: address,
+            sequence: Some(old_sequence),
+        }])
+        .await
+        .expect("late release");
+    assert_eq!(late.sequence_mismatch, vec![address]);
+    assert_eq!(
+        ipam.get_assignment(address)
+            .await
+            .expect("who")
+            .expect("still held")
+            .handle,
+        "new"
+    );
+    let current = ipam
+        .get_assignment(address)
+        .await
+        .expect("who")
+        .expect("held")
+        .sequence;
+    let ok = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: address,
+            sequence: Some(current),
+        }])
+        .await
+        .expect("release");
+    assert_eq!(ok.released, vec![address]);
+}
+
+/// When the last address of a block without affinity is released, the block is deleted.
+pub async fn empty_block_without_affinity_is_deleted<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    assign_one(&ipam, "h", "node-a").await;
+    let report = ipam
+        .release_host("node-a", false)
+        .await
+        .expect("release host");
+    assert_eq!(report.unassigned_blocks.len(), 1);
+    assert_eq!(
+        ipam.utilization().await.expect("usage").pools[0].blocks[0].host,
+        None
+    );
+    ipam.release_handle("h").await.expect("release");
+    assert!(ipam.utilization().await.expect("usage").pools[0]
+        .blocks
+        .is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// Releasing a host's affinities deletes its empty blocks and un-assigns the non-empty ones.
+pub async fn releasing_host_affinities_deletes_empty_blocks_and_unassigns_others<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let used = ipam
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect("assign")
+        .v4[0]
+        .block;
+    // Claim the half of the pool the used block is not in (where it lands depends on the host hash).
+    let other_half = if net("10.0.0.0/25").contains(&used.network()) {
+        "10.0.0.128/25"
+    } else {
+        "10.0.0.0/25"
+    };
+    let claimed = ipam
+        .claim_affinity("node-a", net(other_half))
+        .await
+        .expect("claim two more");
+    assert_eq!(claimed.len(), 2);
+    let other = ipam
+        .auto_assign(&v4("hb", "node-b", 1))
+        .await
+        .expect("b")
+        .v4[0]
+        .block;
+    let report = ipam
+        .release_host("node-a", false)
+        .await
+        .expect("release host");
+    assert_eq!(report.unassigned_blocks, vec![used]);
+    let deleted: BTreeSet<IpNet> = report.deleted_blocks.into_iter().collect();
+    assert_eq!(deleted, claimed.into_iter().collect());
+    let blocks = ipam.utilization().await.expect("usage").pools[0]
+        .blocks
+        .clone();
+    let hosts: BTreeMap<IpNet, Option<String>> =
+        blocks.into_iter().map(|b| (b.cidr, b.host)).collect();
+    assert_eq!(hosts.get(&used), Some(&None));
+    assert_eq!(hosts.get(&other), Some(&Some("node-b".into())));
+    assert_eq!(hosts.len(), 2);
+    // The address stays allocated until released.
+    assert_eq!(ipam.ips_by_handle("h").await.expect("held").len(), 1);
+    assert_clean(&ipam).await;
+}
+
+/// `release_host` with addresses frees every allocation whose node is that host, and only those.
+pub async fn release_host_with_addresses_frees_that_hosts_allocations<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let a: Vec<IpAddr> = ipam
+        .auto_assign(&v4("ha", "node-a", 3))
+        .await
+        .expect("a")
+        .v4
+        .into_iter()
+        .map(|x| x.ip)
+        .collect();
+    let b = assign_one(&ipam, "hb", "node-b").await;
+    let report = ipam.release_host("node-a", true).await.expect("release");
+    assert_eq!(report.released_addresses, a);
+    assert_eq!(report.deleted_blocks.len(), 1);
+    assert!(ipam.get_assignment(b).await.expect("who").is_some());
+    assert_eq!(ipam.utilization().await.expect("usage").pools[0].in_use, 1);
+    assert_clean(&ipam).await;
+}
+
+/// Claiming creates blocks for a host; a block of another host cannot be claimed; releasing an
+/// empty affine block deletes it.
+pub async fn claim_and_release_affinity<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    assert_eq!(
+        ipam.claim_affinity("node-a", net("10.0.0.0/26"))
+            .await
+            .expect("claim"),
+        vec![net("10.0.0.0/26")]
+    );
+    assert_eq!(
+        ipam.claim_affinity("node-a", net("10.0.0.0/26"))
+            .await
+            .expect("again"),
+        vec![net("10.0.0.0/26")]
+    );
+    match ipam.claim_affinity("node-b", net("10.0.0.0/26")).await {
+        Err(IpamError::BlockOwnedByOtherHost { owner, .. }) => assert_eq!(owner, "node-a"),
+        other => panic!("expected owned-by-other-host, got {other:?}"),
+    }
+    assert!(matches!(
+        ipam.claim_affinity("node-a", net("10.1.0.0/26")).await,
+        Err(IpamError::NotInPool(_))
+    ));
+    assert!(matches!(
+        ipam.release_affinity("node-b", net("10.0.0.0/26")).await,
+        Err(IpamError::BlockOwnedByOtherHost { .. })
+    ));
+    ipam.release_affinity("node-a", net("10.0.0.0/26"))
+        .await
+        .expect("release");
+    assert!(ipam.utilization().await.expect("usage").pools[0]
+        .blocks
+        .is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// Requested pools must exist, match the family and be enabled.
+pub async fn requested_pools_must_exist_and_be_enabled<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&PoolSpec {
+        disabled: true,
+        ..spec("10.1.0.0/24", "off", 26)
+    })
+    .await
+    .expect("pool");
+    ipam.create_pool(&spec("fd00::/120", "six", 122))
+        .await
+        .expect("pool");
+    let before = t.store.list("").await.expect("list");
+    let with_pools = |pools: &[&str]| AutoAssignRequest {
+        v4_pools: pools.iter().map(|s| s.to_string()).collect(),
+        ..v4("h", "node-a", 1)
+    };
+    assert!(matches!(
+        ipam.auto_assign(&with_pools(&["nope"])).await,
+        Err(IpamError::PoolNotFound(_))
+    ));
+    assert!(matches!(
+        ipam.auto_assign(&with_pools(&["off"])).await,
+        Err(IpamError::PoolDisabled(_))
+    ));
+    assert!(matches!(
+        ipam.auto_assign(&with_pools(&["six"])).await,
+        Err(IpamError::PoolWrongFamily { .. })
+    ));
+    assert_eq!(t.store.list("").await.expect("list"), before);
+}
+
+/// Naming a pool (by name or CIDR) keeps the allocation inside it.
+pub async fn requested_pool_restricts_allocation<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "second", 26))
+        .await
+        .expect("pool");
+    for pool in ["second", "10.1.0.0/24"] {
+        let request = AutoAssignRequest {
+            v4_pools: vec![pool.into()],
+            ..v4(&format!("h-{pool}"), "node-a", 1)
+        };
+        let got = ipam.auto_assign(&request).await.expect("assign");
+        assert!(
+            net("10.1.0.0/24").contains(&got.v4[0].ip),
+            "{pool}: got {}",
+            got.v4[0].ip
+        );
+    }
+}
+
+/// A disabled pool is never allocated from, even through blocks a host already owns there.
+pub async fn disabled_pool_is_never_allocated_from<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "second", 26))
+        .await
+        .expect("pool");
+    let first = assign_one(&ipam, "h0", "node-a").await;
+    assert!(net("10.0.0.0/24").contains(&first));
+    ipam.set_pool_disabled("pool", true).await.expect("disable");
+    for i in 1..5 {
+        let got = assign_one(&ipam, &format!("h{i}"), "node-a").await;
+        assert!(
+            net("10.1.0.0/24").contains(&got),
+            "allocated {got} from a disabled pool"
+        );
+    }
+    ipam.set_pool_disabled("second", true)
+        .await
+        .expect("disable");
+    assert!(matches!(
+        ipam.auto_assign(&v4("hx", "node-a", 1)).await,
+        Err(IpamError::Exhausted { .. })
+    ));
+    ipam.set_pool_disabled("10.0.0.0/24", false)
+        .await
+        .expect("enable by CIDR");
+    assert!(net("10.0.0.0/24").contains(&assign_one(&ipam, "hy", "node-a").await));
+}
+
+/// Pool creation rejects host bits, out-of-range block sizes, blocks larger than the pool and bad names.
+pub async fn pool_validation_rejects_bad_specs<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let bad = [
+        spec("10.0.0.1/24", "hostbits", 26),
+        spec("10.0.0.0/24", "toosmall", 19),
+        spec("10.0.0.0/24", "toobig", 33),
+        spec("fd00::/64", "v6small", 115),
+        spec("10.0.0.0/28", "blockbigger", 26),
+        spec("10.0.0.0/24", "bad/name", 26),
+        spec("10.0.0.0/24", "", 26),
+    ];
+    for s in bad {
+        match ipam.create_pool(&s).await {
+            Err(IpamError::InvalidArgument(message)) => assert!(!message.is_empty()),
+            other => panic!("{s:?} should be invalid, got {other:?}"),
+        }
+    }
+    assert!(
+        t.store.list("").await.expect("list").is_empty(),
+        "an invalid pool wrote something"
+    );
+    let defaulted = ipam
+        .create_pool(&PoolSpec {
+            cidr: net("fd00::/64"),
+            name: None,
+            block_size: None,
+            disabled: false,
+        })
+        .await
+        .expect("defaults");
+    assert_eq!(defaulted.block_size, 122);
+    assert_eq!(defaulted.name, "fd00::-64");
+}
+
+/// A pool overlapping an existing one, or reusing its name, is refused.
+pub async fn overlapping_pool_is_refused<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/16", 26).await;
+    for cidr in ["10.0.5.0/24", "10.0.0.0/8", "10.0.0.0/16"] {
+        assert!(
+            matches!(
+                ipam.create_pool(&spec(cidr, &format!("p{}", cidr.len()), 26))
+                    .await,
+                Err(IpamError::PoolOverlap { .. })
+            ),
+            "{cidr} should overlap"
+        );
+    }
+    assert!(matches!(
+        ipam.create_pool(&spec("10.1.0.0/16", "pool", 26)).await,
+        Err(IpamError::PoolExists(_))
+    ));
+    assert_eq!(ipam.list_pools().await.expect("pools").len(), 1);
+}
+
+/// Deleting a pool with allocations is refused; with force its addresses are released and handles fixed.
+pub async fn pool_delete_is_refused_while_in_use_unless_forced<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "other", 26))
+        .await
+        .expect("pool");
+    let mut request = v4("h", "node-a", 1);
+    request.v4_pools = vec!["pool".into()];
+    ipam.auto_assign(&request).await.expect("assign");
+    let mut request2 = v4("h2", "node-a", 1);
+    request2.v4_pools = vec!["other".into()];
+    ipam.auto_assign(&request2).await.expect("assign");
+    match ipam.delete_pool("pool", false).await {
+        Err(IpamError::PoolInUse { in_use: 1, .. }) => {}
+        other => panic!("expected pool-in-use, got {other:?}"),
+    }
+    assert!(!ipam.get_pool("pool").await.expect("still there").disabled);
+    let deleted = ipam.delete_pool("pool", true).await.expect("force");
+    assert_eq!((deleted.released_addresses, deleted.deleted_blocks), (1, 1));
+    assert!(matches!(
+        ipam.get_pool("pool").await,
+        Err(IpamError::PoolNotFound(_))
+    ));
+    assert!(
+        t.store
+            .get(&keys::handle("h"))
+            .await
+            .expect("get")
+            .is_none(),
+        "handle of a released address left behind"
+    );
+    assert_eq!(ipam.ips_by_handle("h2").await.expect("h2").len(), 1);
+    assert_clean(&ipam).await;
+    ipam.delete_pool("10.1.0.0/24", true)
+        .await
+        .expect("delete by CIDR");
+    assert!(t
+        .store
+        .list("ipam/v1/blocks/")
+        .await
+        .expect("list")
+        .is_empty());
+}
+
+/// Many concurrent `ensure_pool` calls with the same spec create exactly one pool and all succeed.
+pub async fn concurrent_ensure_pool_creates_one_pool<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let ipam = ipam.clone();
+        tasks.push(tokio::spawn(async move {
+            ipam.ensure_pool(&spec("10.0.0.0/16", "shared", 26)).await
+        }));
+    }
+    for task in tasks {
+        let pool = task.await.expect("join").expect("ensure");
+        assert_eq!(pool.cidr, net("10.0.0.0/16"));
+    }
+    assert_eq!(ipam.list_pools().await.expect("pools").len(), 1);
+    // A different pool under the same name is an error, not silently accepted.
+    assert!(ipam
+        .ensure_pool(&spec("10.5.0.0/16", "shared", 26))
+        .await
+        .is_err());
+}
+
+/// With `reuse_existing`, a repeated request for a handle returns what it holds and allocates nothing.
+pub async fn reuse_existing_returns_the_addresses_already_held<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let mut request = v4("net.container", "node-a", 1);
+    request.reuse_existing = true;
+    let first = ipam.auto_assign(&request).await.expect("first");
+    assert!(!first.reused);
+    let before = t.store.list("").await.expect("list");
+    let second = ipam.auto_assign(&request).await.expect("second");
+    assert!(second.reused);
+    assert_eq!(second.v4, first.v4);
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a repeated request wrote something"
+    );
+}
+
+/// A failing auto-assign (exhausted) leaves the store exactly as it was.
+pub async fn failed_assign_changes_nothing<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/30", 30).await;
+    ipam.auto_assign(&v4("a", "node-a", 3))
+        .await
+        .expect("three of four");
+    let before = t.store.list("").await.expect("list");
+    assert!(ipam.auto_assign(&v4("b", "node-a", 2)).await.is_err());
+    assert_eq!(t.store.list("").await.expect("list"), before);
+    assert!(matches!(
+        ipam.auto_assign(&v4("bad/handle\n", "node-a", 1)).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ipam.auto_assign(&v4("h", "bad/host", 1)).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ipam.auto_assign(&v4("h", "node-a", 1000)).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    assert_eq!(t.store.list("").await.expect("list"), before);
+}
+
+/// When every address is taken the error says how many were wanted and found.
+pub async fn exhausted_pool_gives_exhausted_error<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/29", 30).await;
+    for i in 0..8 {
+        assign_one(
+            &ipam,
+            &format!("h{i}"),
+            if i % 2 == 0 { "node-a" } else { "node-b" },
+        )
+        .await;
+    }
+    match ipam.auto_assign(&v4("last", "node-c", 1)).await {
+        Err(IpamError::Exhausted {
+            requested: 1,
+            found: 0,
+            pools,
+            ..
+        }) => assert_eq!(pools, vec!["pool".to_string()]),
+        other => panic!("expected exhaustion, got {other:?}"),
+    }
+    let empty = factory.fresh().await;
+    let no_pools = Ipam::new(Arc::clone(&empty.store));
+    assert!(matches!(
+        no_pools.auto_assign(&v4("h", "node-a", 1)).await,
+        Err(IpamError::Exhausted { .. })
+    ));
+}
+
+/// `get_assignment` reports the holder, attributes and block; a free address reports nothing.
+pub async fn who_holds_an_address<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let mut request = v4("net.abc", "node-a", 1);
+    request.attributes.insert("pod".into(), "web-0".into());
+    request.attributes.insert("namespace".into(), "prod".into());
+    let got = ipam.auto_assign(&request).await.expect("assign");
+    let info = ipam
+        .get_assignment(got.v4[0].ip)
+        .await
+        .expect("who")
+        .expect("held");
+    assert_eq!(info.handle, "net.abc");
+    assert_eq!(info.block, got.v4[0].block);
+    assert_eq!(
+        info.attributes.get("pod").map(String::as_str),
+        Some("web-0")
+    );
+    assert_eq!(
+        info.attributes.get("node").map(String::as_str),
+        Some("node-a")
+    );
+    assert_eq!(
+        ipam.get_assignment(ip("10.0.0.250")).await.expect("who"),
+        None
+    );
+    assert_eq!(ipam.get_assignment(ip("8.8.8.8")).await.expect("who"), None);
+    assert_eq!(ipam.list_allocations().await.expect("all").len(), 1);
+}
+
+/// Utilisation adds up per block and per pool.
+pub async fn utilization_counts_per_pool_and_block<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.auto_assign(&v4("a", "node-a", 3)).await.expect("a");
+    ipam.auto_assign(&v4("b", "node-b", 2)).await.expect("b");
+    let usage = ipam.utilization().await.expect("usage");
+    let pool = &usage.pools[0];
+    assert_eq!((pool.capacity, pool.in_use, pool.free), (256, 5, 251));
+    assert_eq!(pool.blocks.len(), 2);
+    for block in &pool.blocks {
+        assert_eq!(block.capacity, 64);
+        assert_eq!(block.in_use + block.free, 64);
+        assert_eq!(block.pool.as_deref(), Some("pool"));
+    }
+    assert!(usage.orphan_blocks.is_empty());
+}
+
+/// The config defaults are Calico's, except that 0 blocks per host means unlimited; set then get round-trips.
+pub async fn config_round_trips_with_calico_defaults<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let defaults = ipam.get_config().await.expect("get");
+    assert_eq!(
+        defaults,
+        IpamConfig {
+            strict_affinity: false,
+            auto_allocate_blocks: true,
+            max_blocks_per_host: 20
+        }
+    );
+    let changed = IpamConfig {
+        strict_affinity: true,
+        auto_allocate_blocks: false,
+        max_blocks_per_host: 0,
+    };
+    ipam.set_config(&changed).await.expect("set");
+    assert_eq!(ipam.get_config().await.expect("get"), changed);
+}
+
+/// Once a host has an affine block with room, an auto-assign costs one read and one transaction.
+pub async fn steady_state_assign_is_one_read_and_one_transaction<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let counting = Arc::new(CountingStore::new(Arc::clone(&t.store)));
+    let ipam = Ipam::new(counting.clone());
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("pool");
+    ipam.auto_assign(&v4("warm", "node-a", 1))
+        .await
+        .expect("first assign claims the block");
+    counting.take();
+    ipam.auto_assign(&v4("steady", "node-a", 1))
+        .await
+        .expect("steady assign");
+    let trips = counting.take();
+    assert_eq!(
+        (trips.reads, trips.commits),
+        (1, 1),
+        "steady-state assign made {trips:?}"
+    );
+}
+
+/// A block whose stored bytes are damaged makes operations fail with a corruption error, and the
+/// check reports it; nothing panics.
+pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let got = ipam
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect("assign");
+    let key = keys::block(Some("node-a"), &got.v4[0].block);
+    let stored = t.store.get(&key).await.expect("get").expect("block exists");
+    let mut damaged = stored.value.clone();
+    damaged.truncate(damaged.len() / 2);
+    t.store.put(&key, damaged).await.expect("damage it");
+    match ipam.auto_assign(&v4("h2", "node-a", 1)).await {
+        Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
+        other => panic!("expected a corruption error, got {other:?}"),
+    }
+    let report = ipam.check(false).await.expect("check runs");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT && p.detail.contains(&key)),
+        "{report:#?}"
+    );
+    t.store.put(&key, vec![]).await.expect("empty it");
+    assert!(matches!(
+        ipam.release_handle("h").await,
+        Err(IpamError::Corrupt { .. })
+    ));
+}
+
+/// The check finds deliberately broken objects, and repair fixes what it safely can.
+pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let got = ipam
+        .auto_assign(&v4("h", "node-a", 2))
+        .await
+        .expect("assign");
+    assert_clean(&ipam).await;
+    // Break it: handle over-counts, a handle that owns nothing, an orphaned claim, a missing handle.
+    let mut wrong = ipam_core::model::Handle::default();
+    wrong.add(got.v4[0].block, 5);
+    t.store
+        .put(
+            &keys::handle("h"),
+            ipam_core::model::encode(&wrong).expect("encode"),
+        )
+        .await
+        .expect("put");
+    let mut ghost = ipam_core::model::Handle::default();
+    ghost.add(net("10.0.0.64/26"), 1);
+    t.store
+        .put(
+            &keys::handle("ghost"),
+            ipam_core::model::encode(&ghost).expect("encode"),
+        )
+        .await
+        .expect("put");
+    let existing: BTreeSet<IpNet> = ipam.utilization().await.expect("usage").pools[0]
+        .blocks
+        .iter()
+        .map(|b| b.cidr)
+        .collect();
+    let orphan = [
+        "10.0.0.0/26",
+        "10.0.0.64/26",
+        "10.0.0.128/26",
+        "10.0.0.192/26",
+    ]
+    .into_iter()
+    .map(net)
+    .find(|c| !existing.contains(c))
+    .expect("a block that does not exist");
+    t.store
+        .put(
+            &keys::block_claim(&orphan),
+            ipam_core::model::encode(&Some("node-z".to_string())).expect("encode"),
+        )
+        .await
+        .expect("put");
+    ipam.auto_assign(&v4("lost", "node-a", 1))
+        .await
+        .expect("assign");
+    t.store.delete(&keys::handle("lost")).await.expect("delete");
+
+    let report = ipam.check(false).await.expect("check");
+    let found: BTreeSet<&str> = report.problems.iter().map(|p| p.kind.as_str()).collect();
+    for kind in [
+        kinds::HANDLE_COUNT,
+        kinds::ORPHANED_CLAIM,
+        kinds::MISSING_HANDLE,
+    ] {
+        assert!(found.contains(kind), "check missed {kind}: {report:#?}");
+    }
+    assert!(report.repaired.is_empty(), "a plain check must not repair");
+    let repaired = ipam.check(true).await.expect("repair");
+    assert!(!repaired.repaired.is_empty());
+    assert_clean(&ipam).await;
+    assert_eq!(ipam.ips_by_handle("h").await.expect("h").len(), 2);
+    assert_eq!(ipam.ips_by_handle("lost").await.expect("lost").len(), 1);
+    assert!(ipam.release_handle("lost").await.expect("release").len() == 1);
+    assert_clean(&ipam).await;
+}
+
+/// 8 simulated hosts × 100 auto-assigns (4 at a time per host) against one store: every address
+/// is distinct, every handle holds exactly one, and the consistency check is clean.
+pub async fn eight_hosts_assigning_concurrently_get_distinct_addresses<F: StoreFactory>(
+    factory: &F,
+) {
+    const HOSTS: usize = 8;
+    const PER_HOST: usize = 100;
+    const PER_HOST_CONCURRENCY: usize = 4;
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/20", 26).await;
+    let mut tasks = Vec::new();
+    for host in 0..HOSTS {
+        for lane in 0..PER_HOST_CONCURRENCY {
+            let ipam = ipam.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut got = Vec::new();
+                for i in (lane..PER_HOST).step_by(PER_HOST_CONCURRENCY) {
+                    let handle = format!("net.h{host}-c{i}");
+                    let result = ipam
+                        .auto_assign(&v4(&handle, &format!("node-{host}"), 1))
+                        .await;
+                    let address = result.unwrap_or_else(|e| panic!("{handle}: {e}"));
+                    got.push((handle, address.v4[0].ip));
+                }
+                got
+            }));
+        }
+    }
+    let mut by_address: BTreeMap<IpAddr, String> = BTreeMap::new();
+    for task in tasks {
+        for (handle, address) in task.await.expect("worker panicked") {
+            if let Some(previous) = by_address.insert(address, handle.clone()) {
+                panic!("{address} handed to both {previous} and {handle}");
+            }
+        }
+    }
+    assert_eq!(by_address.len(), HOSTS * PER_HOST);
+    let allocations = ipam.list_allocations().await.expect("list");
+    assert_eq!(allocations.len(), HOSTS * PER_HOST);
+    for info in &allocations {
+        assert_eq!(by_address.get(&info.ip), Some(&info.handle));
+    }
+    assert_clean(&ipam).await;
+}
+
+/// Random sequences of assigns and releases, checked after every step against a model (the set of
+/// addresses each handle holds) and the consistency check.
+pub async fn random_operation_sequences_keep_every_invariant<F: StoreFactory>(factory: &F) {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Assign { handle: u8, host: u8, count: u8 },
+        AssignSpecific { handle: u8, host: u8, offset: u8 },
+        ReleaseHandle { handle: u8 },
+        ReleaseAddress { offset: u8 },
+        ReleaseHost { host: u8 },
+    }
+    let step = prop_oneof![
+        4 => (0u8..6, 0u8..3, 1u8..4).prop_map(|(handle, host, count)| Step::Assign { handle, host, count }),
+        1 => (0u8..6, 0u8..3, any::<u8>()).prop_map(|(handle, host, offset)| Step::AssignSpecific { handle, host, offset }),
+        2 => (0u8..6).prop_map(|handle| Step::ReleaseHandle { handle }),
+        1 => any::<u8>().prop_map(|offset| Step::ReleaseAddress { offset }),
+        1 => (0u8..3).prop_map(|host| Step::ReleaseHost { host }),
+    ];
+    let cases = std::env::var("BLOCKIPAM_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12);
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let runtime = tokio::runtime::Handle::current();
+    let result = runner.run(&proptest::collection::vec(step, 1..30), |steps| {
+        tokio::task::block_in_place(|| {
+            runtime.block_on(async {
+                let t = factory.fresh().await;
+                let ipam = Ipam::new(Arc::clone(&t.store));
+                ipam.create_pool(&spec("10.0.0.0/26", "pool", 29))
+                    .await
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                let mut model: BTreeMap<String, BTreeSet<IpAddr>> = BTreeMap::new();
+                for step in steps {
+                    match step {
+                        Step::Assign {
+                            handle,
+                            host,
+                            count,
+                        } => {
+                            let handle = format!("h{handle}");
+                            let result = ipam
+                                .auto_assign(&v4(
+                                    &handle,
+                                    &format!("node-{host}"),
+                                    u32::from(count),
+                                ))
+                                .await;
+                            match result {
+                                Ok(got) => {
+                                    prop_assert_eq!(got.v4.len(), usize::from(count));
+                                    for a in got.v4 {
+                                        let fresh =
+                                            model.values().all(|held| !held.contains(&a.ip));
+                                        prop_assert!(fresh, "{} handed out twice", a.ip);
+                                        model.entry(handle.clone()).or_default().insert(a.ip);
+                                    }
+                                }
+                                Err(IpamError::Exhausted { .. })
+                                | Err(IpamError::BlockLimit { .. }) => {
+                                    let used: usize = model.values().map(BTreeSet::len).sum();
+                                    prop_assert!(
+                                        used + usize::from(count) > 64,
+                                        "refused {} with only {} of 64 in use",
+                                        count,
+                                        used
+                                    );
+                                }
+                                Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                            }
+                        }
+                        Step::AssignSpecific {
+                            handle,
+                            host,
+                            offset,
+                        } => {
+                            let handle = format!("h{handle}");
+                            let address = ip(&format!("10.0.0.{}", offset % 64));
+                            let holder = model
+                                .iter()
+                                .find(|(_, held)| held.contains(&address))
+                                .map(|(h, _)| h.clone());
+                            let request = AssignIpsRequest {
+                                ips: vec![address],
+                                handle: handle.clone(),
+                                host: format!("node-{host}"),
+                                attributes: BTreeMap::new(),
+                            };
+                            match (ipam.assign_ips(&request).await, holder) {
+                                (Ok(_), None) => {
+                                    model.entry(handle).or_default().insert(address);
+                                }
+                                (Ok(_), Some(h)) => prop_assert_eq!(h, handle),
+                                (
+                                    Err(IpamError::AlreadyAssigned { handle: h, .. }),
+                                    Some(holder),
+                                ) => prop_assert_eq!(h, holder),
+                                (other, holder) => {
+                                    return Err(TestCaseError::fail(format!(
+                                        "{address}: {other:?} (model holder {holder:?})"
+                                    )))
+                                }
+                            }
+                        }
+                        Step::ReleaseHandle { handle } => {
+                            let handle = format!("h{handle}");
+                            let released: BTreeSet<IpAddr> = ipam
+                                .release_handle(&handle)
+                                .await
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?
+                                .into_iter()
+                                .collect();
+                            prop_assert_eq!(released, model.remove(&handle).unwrap_or_default());
+                        }
+                        Step::ReleaseAddress { offset } => {
+                            let address = ip(&format!("10.0.0.{}", offset % 64));
+                            let outcome = ipam
+                                .release_ips(&[ReleaseRequest {
+                                    ip: address,
+                                    sequence: None,
+                                }])
+                                .await
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            let held = model.values_mut().find(|held| held.contains(&address));
+                            match held {
+                                Some(held) => {
+                                    held.remove(&address);
+                                    prop_assert_eq!(outcome.released, vec![address]);
+                                }
+                                None => prop_assert_eq!(outcome.not_allocated, vec![address]),
+                            }
+                            model.retain(|_, held| !held.is_empty());
+                        }
+                        Step::ReleaseHost { host } => {
+                            ipam.release_host(&format!("node-{host}"), false)
+                                .await
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        }
+                    }
+                    // Invariants after every step.
+                    for (handle, held) in &model {
+                        let actual: BTreeSet<IpAddr> = ipam
+                            .ips_by_handle(handle)
+                            .await
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?
+                            .into_iter()
+                            .map(|a| a.ip)
+                            .collect();
+                        prop_assert_eq!(
+                            &actual,
+                            held,
+                            "handle {} holds the wrong addresses",
+                            handle
+                        );
+                    }
+                    let report = ipam
+                        .check(false)
+                        .await
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    prop_assert!(report.problems.is_empty(), "check: {:?}", report.problems);
+                    let allocated = ipam
+                        .list_allocations()
+                        .await
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?
+                        .len();
+                    prop_assert_eq!(allocated, model.values().map(BTreeSet::len).sum::<usize>());
+                }
+                Ok(())
+            })
+        })
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
