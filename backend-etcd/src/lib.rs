@@ -1,1 +1,13 @@
-//! placeholder
+//! blockipam's etcd v3 store: the `KvStore` trait on etcd, plus test support for real etcd processes.
+//!
+//! [`EtcdStore`] maps reads to etcd Range requests and every commit to exactly one etcd
+//! transaction; [`EtcdConfig`] says where etcd is and which key prefix the store owns.
+//! [`testing`] starts throwaway `etcd` processes for tests and benchmarks.
+
+mod config;
+mod error;
+mod store;
+pub mod testing;
+
+pub use config::{EtcdConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_REQUEST_TIMEOUT};
+pub use store::EtcdStore;

@@ -1,1 +1,19 @@
-//! placeholder
+//! blockipam's default local store: the [`KvStore`](ipam_core::KvStore) trait on an embedded sled database.
+//!
+//! The store is a directory holding a sled database with two trees: [`DATA_TREE`] maps each key
+//! to its record (the 8-byte big-endian revision of the write that last changed it, then the
+//! value bytes), and [`META_TREE`] holds the store-wide revision counter ([`REVISION_KEY`]) and
+//! the format marker ([`FORMAT_KEY`] = [`FORMAT`]). Every commit checks its conditions, bumps the
+//! counter and writes its records in one sled transaction, then flushes before it returns.
+//!
+//! Processes are serialised by an exclusive lock on the sibling file `<path>.lock`, taken before
+//! sled is opened and held until the store is dropped. A new store is built in `<path>.creating`
+//! and renamed into place, so a directory at `path` is always either a complete blockipam store or
+//! refused. Files are private to their owner (directories 0700, files 0600).
+
+mod config;
+mod error;
+mod store;
+
+pub use config::SledConfig;
+pub use store::{SledStore, DATA_TREE, FORMAT, FORMAT_KEY, META_TREE, REVISION_KEY};

@@ -79,6 +79,8 @@ macro_rules! kv_conformance_tests {
             concurrent_cas_increments_sum_exactly,
             concurrent_creates_of_one_key_have_one_winner,
             read_many_answers_each_read_in_order,
+            transaction_over_the_total_size_limit_is_invalid_and_writes_nothing,
+            commit_that_changes_nothing_never_goes_backwards,
         );
     };
 }

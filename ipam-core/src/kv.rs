@@ -19,6 +19,10 @@ pub const MAX_TXN_CONDITIONS: usize = 128;
 /// Largest value a store must accept, in bytes (etcd's default request limit is 1.5 MiB).
 pub const MAX_VALUE_BYTES: usize = 1024 * 1024 + 4096;
 
+/// Largest total size of one transaction's keys and values, in bytes: below etcd's default
+/// 1.5 MiB request limit with room for framing, so every backend refuses the same transactions.
+pub const MAX_TXN_BYTES: usize = 1024 * 1024 + 400 * 1024;
+
 /// A point in a store's history.
 ///
 /// Every successful write produces a revision greater than every revision read or written before
@@ -173,7 +177,8 @@ impl Txn {
     ///
     /// # Errors
     /// [`KvError::InvalidArgument`] when the transaction has no operation, too many conditions or
-    /// operations, an empty key, a key written twice, a key tested twice, or a value that is too large.
+    /// operations, an empty key, a key written twice, a key tested twice, a value that is too large,
+    /// or more than [`MAX_TXN_BYTES`] of keys and values in all.
     pub fn validate(&self) -> Result<(), KvError> {
         if self.ops.is_empty() {
             return Err(KvError::invalid(
@@ -190,6 +195,20 @@ impl Txn {
             return Err(KvError::invalid(format!(
                 "a transaction may carry at most {MAX_TXN_CONDITIONS} conditions, this one has {}",
                 self.conditions.len()
+            )));
+        }
+        let total: usize = self
+            .ops
+            .iter()
+            .map(|op| match op {
+                Op::Put { key, value } => key.len() + value.len(),
+                Op::Delete { key } => key.len(),
+            })
+            .chain(self.conditions.iter().map(|c| c.key().len()))
+            .sum();
+        if total > MAX_TXN_BYTES {
+            return Err(KvError::invalid(format!(
+                "a transaction may carry at most {MAX_TXN_BYTES} bytes of keys and values, this one has {total}"
             )));
         }
         let mut written = std::collections::HashSet::new();
@@ -439,6 +458,8 @@ pub trait KvStore: Send + Sync + fmt::Debug {
     /// - when every condition holds, every operation applies, in order, and the call returns the
     ///   revision of the write, greater than any revision read or written before on this store;
     ///   every key put carries that revision;
+    /// - a transaction that changes nothing (only deletes of keys that do not exist) may return the
+    ///   current revision instead of a new one (etcd does), but never a smaller one;
     /// - when any condition fails, nothing is written;
     /// - deleting a key that does not exist is not an error;
     /// - the write is durable when the call returns `Ok`.

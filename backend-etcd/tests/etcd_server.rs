@@ -1,0 +1,561 @@
+//! The etcd store against real etcd processes, one server (or cluster) per test: outages and
+//! restarts, prefixes, unreachable and silent endpoints, leader loss, TLS, authentication, and the
+//! test helpers' own clean-up.
+
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_etcd::testing::{
+    unique_prefix, EtcdCluster, EtcdFactory, EtcdServer, EtcdServerOptions, TestPki,
+};
+use backend_etcd::{EtcdConfig, EtcdStore};
+use conformance::StoreFactory;
+use ipam_core::kv::{Read, ReadResult};
+use ipam_core::{KvError, KvStore, Revision};
+
+/// Short timeouts so that outages are reported quickly.
+fn quick(config: EtcdConfig) -> EtcdConfig {
+    config.with_timeouts(Duration::from_secs(1), Duration::from_secs(3))
+}
+
+fn start_server() -> EtcdServer {
+    EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"))
+}
+
+async fn connect(config: EtcdConfig) -> EtcdStore {
+    EtcdStore::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("connect: {e}"))
+}
+
+fn assert_unavailable<T: std::fmt::Debug>(what: &str, result: Result<T, KvError>) {
+    match result {
+        Err(KvError::Unavailable { .. }) => {}
+        other => panic!("{what}: expected Unavailable, got {other:?}"),
+    }
+}
+
+/// A loopback port nobody listens on.
+fn unused_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind a loopback port")
+        .port()
+}
+
+async fn keys(store: &EtcdStore, prefix: &str) -> Vec<String> {
+    store
+        .list(prefix)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect()
+}
+
+/// Puts `key`, retrying while the store is unavailable (an election, a dead endpoint).
+async fn put_through_outage(
+    store: &EtcdStore,
+    key: &str,
+    value: &[u8],
+) -> Result<Revision, KvError> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match store.put(key, value.to_vec()).await {
+            Err(e) if e.is_retryable() && tries < 100 => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            other => return other,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_is_unavailable_while_etcd_is_stopped_and_works_after_restart() {
+    let mut server = start_server();
+    let store = connect(quick(server.config("/outage/"))).await;
+    let kept = store.put("kept", b"before".to_vec()).await.expect("put");
+
+    server.stop();
+    assert!(!server.is_running());
+    assert_unavailable("get while stopped", store.get("kept").await);
+    assert_unavailable("list while stopped", store.list("").await);
+    assert_unavailable(
+        "read_many while stopped",
+        store.read_many(&[Read::Get("kept".into())]).await,
+    );
+    // Nothing can have been sent: the write is reported as not done, not as indeterminate.
+    assert_unavailable("put while stopped", store.put("lost", b"x".to_vec()).await);
+
+    server.restart().expect("restart etcd");
+    let kv = store
+        .get("kept")
+        .await
+        .expect("get after restart")
+        .expect("the key written before the outage survived");
+    assert_eq!(kv.value, b"before");
+    assert_eq!(kv.revision, kept);
+    assert_eq!(store.get("lost").await.expect("get"), None);
+    let after = store
+        .put("after", b"x".to_vec())
+        .await
+        .expect("put after restart");
+    assert!(after > kept);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_with_different_prefixes_do_not_see_each_other() {
+    let server = start_server();
+    let a = connect(server.config("/tenant-a/")).await;
+    let b = connect(server.config("/tenant-b/")).await;
+    a.put("shared/key", b"a".to_vec()).await.expect("put a");
+    b.put("shared/key", b"b".to_vec()).await.expect("put b");
+    a.put("only-a", b"a".to_vec()).await.expect("put a");
+
+    assert_eq!(
+        a.get("shared/key").await.expect("get").expect("a").value,
+        b"a"
+    );
+    assert_eq!(
+        b.get("shared/key").await.expect("get").expect("b").value,
+        b"b"
+    );
+    assert_eq!(b.get("only-a").await.expect("get"), None);
+    assert_eq!(keys(&a, "").await, ["only-a", "shared/key"]);
+    assert_eq!(keys(&b, "").await, ["shared/key"]);
+    // A condition on one store's key says nothing about the other's.
+    b.create("only-a", b"b".to_vec())
+        .await
+        .expect("b can create a key that only exists under a's prefix");
+
+    // The raw key space holds both, each under its own prefix.
+    let raw = connect(server.config("")).await;
+    assert_eq!(
+        keys(&raw, "/tenant-").await,
+        [
+            "/tenant-a/only-a",
+            "/tenant-a/shared/key",
+            "/tenant-b/only-a",
+            "/tenant-b/shared/key"
+        ]
+    );
+
+    assert_eq!(b.delete_all().await.expect("delete_all"), 2);
+    assert!(keys(&b, "").await.is_empty());
+    assert_eq!(keys(&a, "").await, ["only-a", "shared/key"]);
+    assert!(matches!(
+        raw.delete_all().await,
+        Err(KvError::InvalidArgument { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_endpoint_is_unavailable_not_a_hang() {
+    let port = unused_port();
+    let config = EtcdConfig::new([format!("127.0.0.1:{port}")])
+        .with_prefix("/x/")
+        .with_timeouts(Duration::from_millis(500), Duration::from_secs(2));
+    match EtcdStore::connect(config.clone()).await {
+        Err(KvError::Unavailable { message }) => {
+            assert!(message.contains(&port.to_string()), "{message}")
+        }
+        other => panic!("expected Unavailable from connect, got {other:?}"),
+    }
+    let lazy = EtcdStore::connect_lazy(config).expect("valid configuration");
+    assert_unavailable("get", lazy.get("k").await);
+    assert_unavailable("list", lazy.list("").await);
+    assert_unavailable("put", lazy.put("k", b"v".to_vec()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_endpoint_times_out_reads_unavailable_and_writes_indeterminate() {
+    // Accepts TCP connections (the kernel does, from the backlog) but never speaks.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("address").port();
+    let store = EtcdStore::connect_lazy(
+        EtcdConfig::new([format!("127.0.0.1:{port}")])
+            .with_prefix("/x/")
+            .with_timeouts(Duration::from_millis(500), Duration::from_secs(1)),
+    )
+    .expect("valid configuration");
+    assert_unavailable("get", store.get("k").await);
+    match store.put("k", b"v".to_vec()).await {
+        Err(KvError::Indeterminate { .. }) => {}
+        other => panic!("a write with no answer must be Indeterminate, got {other:?}"),
+    }
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_continue_after_the_leader_is_killed_and_no_acknowledged_write_is_lost() {
+    let mut cluster = EtcdCluster::start(3).unwrap_or_else(|e| panic!("cannot start cluster: {e}"));
+    let prefix = unique_prefix();
+    let store = Arc::new(
+        connect(quick(
+            EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.clone()),
+        ))
+        .await,
+    );
+
+    let mut acknowledged: Vec<(String, Revision)> = Vec::new();
+    let mut uncertain: Vec<String> = Vec::new();
+    let mut last = Revision::NONE;
+    let mut write = |key: String, result: Result<Revision, KvError>| match result {
+        Ok(revision) => {
+            assert!(revision > last, "revision {revision} after {last}");
+            last = revision;
+            acknowledged.push((key, revision));
+        }
+        Err(KvError::Indeterminate { .. }) => uncertain.push(key),
+        Err(e) => panic!("write of {key} failed: {e}"),
+    };
+
+    for i in 0..20 {
+        let key = format!("before/{i:03}");
+        let result = put_through_outage(&store, &key, key.as_bytes()).await;
+        write(key, result);
+    }
+    let leader = cluster
+        .wait_for_leader(Duration::from_secs(10))
+        .expect("a leader");
+    cluster.member_mut(leader).stop();
+    for i in 0..40 {
+        let key = format!("after/{i:03}");
+        let result = put_through_outage(&store, &key, key.as_bytes()).await;
+        write(key, result);
+    }
+    assert!(
+        acknowledged
+            .iter()
+            .filter(|(k, _)| k.starts_with("after/"))
+            .count()
+            >= 35,
+        "too few writes acknowledged after the election: {uncertain:?} uncertain"
+    );
+
+    // Every acknowledged write is there with its revision; uncertain ones may or may not be.
+    let stored: std::collections::HashMap<String, (Vec<u8>, Revision)> = store
+        .list("")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| (kv.key, (kv.value, kv.revision)))
+        .collect();
+    for (key, revision) in &acknowledged {
+        let (value, stored_revision) = stored
+            .get(key)
+            .unwrap_or_else(|| panic!("acknowledged write {key} was lost"));
+        assert_eq!(value, key.as_bytes());
+        assert_eq!(stored_revision, revision);
+    }
+    assert_eq!(
+        stored.len(),
+        acknowledged.len() + uncertain.iter().filter(|k| stored.contains_key(*k)).count()
+    );
+
+    // The killed member comes back, catches up, and serves the same data.
+    cluster
+        .member_mut(leader)
+        .restart()
+        .expect("restart the old leader");
+    let rejoined = connect(quick(
+        EtcdConfig::new([cluster.members()[leader].endpoint()]).with_prefix(prefix),
+    ))
+    .await;
+    for (key, revision) in &acknowledged {
+        let kv = rejoined
+            .get(key)
+            .await
+            .expect("get through the rejoined member")
+            .unwrap_or_else(|| panic!("{key} missing on the rejoined member"));
+        assert_eq!(kv.revision, *revision);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_client_certificates_works_and_is_required() {
+    let pki = TestPki::generate().unwrap_or_else(|e| panic!("cannot make certificates: {e}"));
+    let server = EtcdServer::start_with(EtcdServerOptions {
+        tls: Some(pki.server_tls(true)),
+        ..EtcdServerOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("cannot start etcd with TLS: {e}"));
+    assert!(server.endpoint().starts_with("https://"));
+
+    let config = server
+        .config(&unique_prefix())
+        .with_ca_cert(pki.ca_cert())
+        .with_client_cert(pki.client_cert(), pki.client_key());
+    let store = connect(config.clone()).await;
+    let rev = store
+        .create("k", b"v".to_vec())
+        .await
+        .expect("create over TLS");
+    let kv = store
+        .get("k")
+        .await
+        .expect("get over TLS")
+        .expect("present");
+    assert_eq!((kv.value.as_slice(), kv.revision), (&b"v"[..], rev));
+
+    // A bare host:port with TLS files means https.
+    let port = server
+        .endpoint()
+        .rsplit(':')
+        .next()
+        .map(str::to_owned)
+        .expect("port");
+    let mut bare = config.clone();
+    bare.endpoints = vec![format!("127.0.0.1:{port}")];
+    assert!(connect(bare).await.get("k").await.expect("get").is_some());
+
+    // Without a client certificate, or trusting another CA, nothing works.
+    let no_client_cert = quick(server.config(&unique_prefix()).with_ca_cert(pki.ca_cert()));
+    assert!(
+        EtcdStore::connect(no_client_cert).await.is_err(),
+        "connected without a client certificate"
+    );
+    let other = TestPki::generate().expect("second PKI");
+    let mut wrong_ca = quick(config);
+    wrong_ca.ca_cert_file = Some(other.ca_cert());
+    assert!(
+        EtcdStore::connect(wrong_ca).await.is_err(),
+        "connected trusting the wrong CA"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_password_is_a_clear_permanent_error() {
+    let server = start_server();
+    let mut admin = etcd_client::Client::connect([server.endpoint()], None)
+        .await
+        .expect("raw client");
+    admin.role_add("root").await.expect("add root role");
+    admin
+        .user_add("root", "s3cret", None)
+        .await
+        .expect("add root user");
+    admin
+        .user_grant_role("root", "root")
+        .await
+        .expect("grant root role");
+    admin.auth_enable().await.expect("enable auth");
+
+    let prefix = unique_prefix();
+    let store = connect(server.config(&prefix).with_credentials("root", "s3cret")).await;
+    store
+        .put("k", b"v".to_vec())
+        .await
+        .expect("put with credentials");
+
+    match EtcdStore::connect(server.config(&prefix).with_credentials("root", "wrong")).await {
+        Err(KvError::Other { message }) => {
+            assert!(message.contains("user name or password"), "{message}")
+        }
+        other => panic!("expected Other for a wrong password, got {other:?}"),
+    }
+    match EtcdStore::connect(server.config(&prefix)).await {
+        Err(KvError::Other { .. }) => {}
+        other => panic!("expected Other without credentials, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_many_reads_every_key_and_prefix_from_one_snapshot() {
+    let server = start_server();
+    let store = connect(server.config(&unique_prefix())).await;
+    let mut reads = Vec::new();
+    for i in 0..150 {
+        let key = format!("k/{i:03}");
+        store.put(&key, vec![1]).await.expect("put");
+        reads.push(Read::Get(key));
+    }
+    reads.push(Read::List("k/".into()));
+    // More reads than one etcd transaction may carry: answered in batches at one revision.
+    let results = store.read_many(&reads).await.expect("read_many");
+    assert_eq!(results.len(), 151);
+    for (i, result) in results[..150].iter().enumerate() {
+        match result {
+            ReadResult::Got(Some(kv)) => assert_eq!(kv.key, format!("k/{i:03}")),
+            other => panic!("read {i}: {other:?}"),
+        }
+    }
+    match &results[150] {
+        ReadResult::Listed(kvs) => assert_eq!(kvs.len(), 150),
+        other => panic!("list: {other:?}"),
+    }
+    // No key contains NUL, so a prefix with one lists nothing, in place.
+    let results = store
+        .read_many(&[Read::List("k/\0".into()), Read::Get("k/000".into())])
+        .await
+        .expect("read_many");
+    assert_eq!(results[0], ReadResult::Listed(Vec::new()));
+    assert!(matches!(&results[1], ReadResult::Got(Some(kv)) if kv.key == "k/000"));
+    assert!(store.list("k/\0").await.expect("list").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_over_etcds_request_limit_is_invalid_argument_and_writes_nothing() {
+    // Each value is within MAX_VALUE_BYTES, but etcd's default --max-request-bytes (1.5 MiB)
+    // would refuse the request as a whole; `Txn::validate` refuses it first (MAX_TXN_BYTES),
+    // so every backend answers the same.
+    let server = start_server();
+    let store = connect(server.config(&unique_prefix())).await;
+    for count in [2, 3] {
+        let mut txn = ipam_core::Txn::new();
+        for i in 0..count {
+            txn = txn.then(ipam_core::Op::put(
+                format!("big/{i}"),
+                vec![0u8; 1024 * 1024],
+            ));
+        }
+        match store.commit(txn).await {
+            Err(KvError::InvalidArgument { message }) => {
+                assert!(message.contains("bytes"), "{message}")
+            }
+            other => panic!("{count} MiB: expected InvalidArgument, got {other:?}"),
+        }
+    }
+    assert!(store.list("").await.expect("list").is_empty());
+}
+
+/// etcd creates no revision for a transaction that changes nothing (only deletes of missing keys),
+/// so `commit` returns the current revision, as the trait allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_that_changes_nothing_returns_the_current_revision() {
+    let server = start_server();
+    let store = connect(server.config(&unique_prefix())).await;
+    let written = store.put("k", b"v".to_vec()).await.expect("put");
+    let nothing = store
+        .delete("missing")
+        .await
+        .expect("delete of a missing key");
+    assert_eq!(nothing, written);
+    let next = store.put("k", b"w".to_vec()).await.expect("put");
+    assert!(next > written);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn factory_guard_deletes_its_prefix_when_dropped() {
+    let server = start_server();
+    let factory = EtcdFactory::on(&server);
+    let case = factory.fresh().await;
+    case.store.put("a", b"1".to_vec()).await.expect("put");
+    case.store.put("b/c", b"2".to_vec()).await.expect("put");
+    let raw = connect(server.config("")).await;
+    assert_eq!(keys(&raw, "/blockipam-test/").await.len(), 2);
+    drop(case);
+    assert!(keys(&raw, "/blockipam-test/").await.is_empty());
+}
+
+#[test]
+fn dropping_a_server_kills_etcd_and_removes_its_data() {
+    let server = start_server();
+    let data = server.data_dir();
+    let port = client_port(&server);
+    assert!(server.is_running());
+    assert!(data.exists());
+    drop(server);
+    assert!(!data.exists(), "{} still exists", data.display());
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "etcd still listens"
+    );
+}
+
+fn client_port(server: &EtcdServer) -> u16 {
+    server
+        .endpoint()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("endpoint has a port")
+}
+
+const CHILD_ENV: &str = "BLOCKIPAM_ETCD_TEST_CHILD";
+
+/// Child process of `etcd_does_not_outlive_a_killed_test_process`: holds a server, reports it,
+/// and waits to be killed.
+#[test]
+#[ignore = "child process of etcd_does_not_outlive_a_killed_test_process, which starts it"]
+fn child_holds_a_server_until_killed() {
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
+    let server = start_server();
+    println!(
+        "SERVER port={} dir={}",
+        client_port(&server),
+        server.data_dir().display()
+    );
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn etcd_does_not_outlive_a_killed_test_process() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    /// Kills the child even when an assertion below fails.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    let mut child = Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--ignored",
+            "--exact",
+            "child_holds_a_server_until_killed",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start child test process");
+    let stdout = child.stdout.take().expect("child stdout");
+    let mut child = KillOnDrop(child);
+    // libtest prints "test <name> ... " first, on the same line.
+    let line = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|line| line.split_once("SERVER ").map(|(_, rest)| rest.to_owned()))
+        .expect("the child reports its server");
+    let mut port = 0u16;
+    let mut dir = String::new();
+    for field in line.split_whitespace() {
+        if let Some(p) = field.strip_prefix("port=") {
+            port = p.parse().expect("port");
+        } else if let Some(d) = field.strip_prefix("dir=") {
+            dir = d.to_owned();
+        }
+    }
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_ok(),
+        "child's etcd is up"
+    );
+
+    child.0.kill().expect("SIGKILL the child"); // no destructor runs in the child
+    child.0.wait().expect("reap the child");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let listening = TcpStream::connect(("127.0.0.1", port)).is_ok();
+        let data_left = std::path::Path::new(&dir).exists();
+        if !listening && !data_left {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "etcd outlived its test process (listening: {listening}, data left: {data_left})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,459 @@
+//! `RedbStore`: conditions, the revision counter and the records of a commit in one redb write transaction.
+
+use std::fmt;
+use std::fs::{self, OpenOptions};
+use std::io;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ipam_core::kv::{
+    validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+};
+use ipam_core::lockfile::{LockError, LockFile};
+use redb::backends::FileBackend;
+use redb::{
+    Database, DatabaseError, Durability, ReadTransaction, ReadableDatabase, ReadableTable,
+    TableDefinition, TableHandle, WriteTransaction,
+};
+
+use crate::config::RedbConfig;
+use crate::error::{task_failed, EngineResult, Stage};
+
+/// The value of [`FORMAT_KEY`] in every store this crate writes.
+pub const FORMAT: &str = "blockipam-kv-v1";
+/// The redb table holding the records, one per key.
+pub const DATA_TABLE: TableDefinition<'static, &str, &[u8]> = TableDefinition::new("blockipam/kv");
+/// The redb table holding the revision counter and the format marker.
+pub const META_TABLE: TableDefinition<'static, &str, &[u8]> =
+    TableDefinition::new("blockipam/meta");
+/// The key of the format marker in [`META_TABLE`].
+pub const FORMAT_KEY: &str = "format";
+/// The key of the store-wide revision counter (8 bytes, big-endian) in [`META_TABLE`].
+pub const REVISION_KEY: &str = "revision";
+
+/// Bytes of the revision header in front of every stored value.
+const HEADER: usize = 8;
+/// Longest pause between two attempts to take redb's own lock.
+const MAX_PAUSE: Duration = Duration::from_millis(20);
+
+/// A [`KvStore`] kept in one redb file; see the [crate documentation](crate).
+///
+/// Cloning is cheap and shares the open database; the lock on the store is released when the last
+/// clone (and the last operation still running on it) is gone.
+#[derive(Clone)]
+pub struct RedbStore {
+    inner: Arc<Inner>,
+}
+
+// Fields drop in declaration order: the database first, the inter-process lock last.
+struct Inner {
+    db: Database,
+    path: PathBuf,
+    _lock: LockFile,
+}
+
+impl fmt::Debug for RedbStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedbStore")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedbStore {
+    /// Opens the store at `config.path`, creating the file (mode 0600) when it is missing.
+    ///
+    /// Waits up to `config.lock_wait` for another process or handle that holds the store.
+    ///
+    /// # Errors
+    /// - [`KvError::Unavailable`] naming the path when the store stayed held for the whole wait;
+    /// - [`KvError::Corrupt`] when the file is not a redb database (it is left untouched), is
+    ///   damaged, or is a redb database without the blockipam format marker;
+    /// - [`KvError::Other`] for I/O and permission errors.
+    pub async fn open(config: RedbConfig) -> Result<Self, KvError> {
+        let path = config.path.clone();
+        let inner = run_blocking(Stage::Open, &path, move || Inner::open(&config)).await?;
+        Ok(RedbStore {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The store's file.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+}
+
+#[async_trait]
+impl KvStore for RedbStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        validate_key(key)?;
+        let inner = Arc::clone(&self.inner);
+        let key = key.to_owned();
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            let snapshot = inner.begin_read()?;
+            inner.get(&snapshot, key)
+        })
+        .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let inner = Arc::clone(&self.inner);
+        let prefix = prefix.to_owned();
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            let snapshot = inner.begin_read()?;
+            inner.list(&snapshot, &prefix)
+        })
+        .await
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        txn.validate()?;
+        let inner = Arc::clone(&self.inner);
+        run_blocking(Stage::Write, &self.inner.path, move || inner.commit(&txn)).await
+    }
+
+    /// Answers every read from one redb read transaction, so from one snapshot.
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        for read in reads {
+            if let Read::Get(key) = read {
+                validate_key(key)?;
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        let reads = reads.to_vec();
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            let snapshot = inner.begin_read()?;
+            reads
+                .into_iter()
+                .map(|read| match read {
+                    Read::Get(key) => inner.get(&snapshot, key).map(ReadResult::Got),
+                    Read::List(prefix) => inner.list(&snapshot, &prefix).map(ReadResult::Listed),
+                })
+                .collect()
+        })
+        .await
+    }
+}
+
+/// Runs `work` on tokio's blocking pool, turning a panic inside it into a [`KvError`].
+async fn run_blocking<T, F>(stage: Stage, path: &Path, work: F) -> Result<T, KvError>
+where
+    F: FnOnce() -> Result<T, KvError> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result,
+        Err(err) => Err(task_failed(err, stage, path)),
+    }
+}
+
+impl Inner {
+    fn open(config: &RedbConfig) -> Result<Inner, KvError> {
+        let path = &config.path;
+        let started = Instant::now();
+        let lock_path = sibling(path, "lock")?;
+        let lock =
+            LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
+        let db = open_engine(path, started, config.lock_wait)?;
+        check_or_write_format(&db, path)?;
+        restrict(path)?;
+        Ok(Inner {
+            db,
+            path: path.clone(),
+            _lock: lock,
+        })
+    }
+
+    fn begin_read(&self) -> Result<ReadTransaction, KvError> {
+        self.db.begin_read().engine(&self.path)
+    }
+
+    fn get(&self, snapshot: &ReadTransaction, key: String) -> Result<Option<KeyValue>, KvError> {
+        let path = &self.path;
+        let table = snapshot.open_table(DATA_TABLE).engine(path)?;
+        let Some(record) = table.get(key.as_str()).engine(path)? else {
+            return Ok(None);
+        };
+        let (revision, value) = decode_record(&key, record.value())?;
+        let value = value.to_vec();
+        Ok(Some(KeyValue {
+            key,
+            value,
+            revision,
+        }))
+    }
+
+    fn list(&self, snapshot: &ReadTransaction, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let path = &self.path;
+        let table = snapshot.open_table(DATA_TABLE).engine(path)?;
+        let mut listed = Vec::new();
+        for item in table.range::<&str>(prefix..).engine(path)? {
+            let (key, record) = item.engine(path)?;
+            let key = key.value();
+            if !key.starts_with(prefix) {
+                break;
+            }
+            let (revision, value) = decode_record(key, record.value())?;
+            listed.push(KeyValue {
+                key: key.to_owned(),
+                value: value.to_vec(),
+                revision,
+            });
+        }
+        Ok(listed)
+    }
+
+    fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
+        let path = &self.path;
+        let mut write = self.db.begin_write().engine(path)?;
+        write.set_durability(Durability::Immediate).map_err(|e| {
+            KvError::other(format!(
+                "redb refused immediate durability on {}: {e}",
+                path.display()
+            ))
+        })?;
+        match self.apply(&write, txn) {
+            Ok(revision) => {
+                write.commit().map_err(|e| KvError::Indeterminate {
+                    message: format!(
+                        "committing to {} failed, the write may or may not have landed: {e}",
+                        self.path.display()
+                    ),
+                })?;
+                Ok(revision)
+            }
+            Err(err) => {
+                // Nothing of the transaction is kept; an abort that fails changes nothing either.
+                let _ = write.abort();
+                Err(err)
+            }
+        }
+    }
+
+    /// Checks the conditions and stages the writes of `txn` in `write`, returning its revision.
+    fn apply(&self, write: &WriteTransaction, txn: &Txn) -> Result<Revision, KvError> {
+        let path = &self.path;
+        let mut data = write.open_table(DATA_TABLE).engine(path)?;
+        let mut meta = write.open_table(META_TABLE).engine(path)?;
+        if let Some(condition) =
+            txn.first_failed_condition(|key| match data.get(key).engine(path)? {
+                None => Ok(None),
+                Some(record) => decode_record(key, record.value()).map(|(rev, _)| Some(rev)),
+            })?
+        {
+            return Err(KvError::Conflict {
+                key: condition.key().to_owned(),
+            });
+        }
+        let current = decode_counter(
+            meta.get(REVISION_KEY)
+                .engine(path)?
+                .map(|g| g.value().to_vec()),
+        )?;
+        let next = current
+            .checked_add(1)
+            .ok_or_else(|| KvError::other("the revision counter is exhausted"))?;
+        meta.insert(REVISION_KEY, next.to_be_bytes().as_slice())
+            .engine(path)?;
+        let mut record = Vec::new();
+        for op in &txn.ops {
+            match op {
+                Op::Put { key, value } => {
+                    record.clear();
+                    record.extend_from_slice(&next.to_be_bytes());
+                    record.extend_from_slice(value);
+                    data.insert(key.as_str(), record.as_slice()).engine(path)?;
+                }
+                Op::Delete { key } => {
+                    data.remove(key.as_str()).engine(path)?;
+                }
+            }
+        }
+        Ok(Revision(next))
+    }
+}
+
+fn decode_record<'a>(key: &str, record: &'a [u8]) -> Result<(Revision, &'a [u8]), KvError> {
+    let Some((header, value)) = record.split_first_chunk::<HEADER>() else {
+        return Err(KvError::corrupt(
+            Some(key),
+            format!(
+                "the stored record is {} bytes, shorter than its {HEADER}-byte revision header",
+                record.len()
+            ),
+        ));
+    };
+    match u64::from_be_bytes(*header) {
+        0 => Err(KvError::corrupt(
+            Some(key),
+            "the stored record carries revision 0",
+        )),
+        revision => Ok((Revision(revision), value)),
+    }
+}
+
+fn decode_counter(stored: Option<Vec<u8>>) -> Result<u64, KvError> {
+    match stored {
+        None => Ok(0),
+        Some(bytes) => <[u8; 8]>::try_from(bytes.as_slice())
+            .map(u64::from_be_bytes)
+            .map_err(|_| {
+                KvError::corrupt(
+                    Some(REVISION_KEY),
+                    format!("the revision counter is {} bytes, not 8", bytes.len()),
+                )
+            }),
+    }
+}
+
+/// `<path>.<suffix>`, beside the store.
+fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
+    let Some(name) = path.file_name() else {
+        return Err(KvError::invalid(format!(
+            "the store path {} does not end in a name",
+            path.display()
+        )));
+    };
+    let mut name = name.to_owned();
+    name.push(".");
+    name.push(suffix);
+    Ok(path.with_file_name(name))
+}
+
+fn lock_error(err: LockError, path: &Path) -> KvError {
+    match err {
+        LockError::TimedOut { path: lock, waited } => KvError::unavailable(format!(
+            "the store {} is held by another process or handle: no lock on {} after {waited:?}",
+            path.display(),
+            lock.display()
+        )),
+        other => KvError::other(format!("cannot lock the store {}: {other}", path.display())),
+    }
+}
+
+/// Opens (creating with mode 0600 when missing) the redb file at `path`, retrying while redb's own
+/// lock is still held (a previous handle may still be closing) until `wait` has passed since
+/// `started`. A file that is not a redb database is refused by redb before anything is written.
+fn open_engine(path: &Path, started: Instant, wait: Duration) -> Result<Database, KvError> {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)
+            .map_err(|err| match err.kind() {
+                io::ErrorKind::IsADirectory => KvError::corrupt(
+                    None,
+                    format!(
+                        "{} is a directory, not a blockipam redb store; it was left untouched",
+                        path.display()
+                    ),
+                ),
+                _ => KvError::other(format!("cannot open {}: {err}", path.display())),
+            })?;
+        let backend = FileBackend::new(file).engine(path)?;
+        match Database::builder().create_with_backend(backend) {
+            Ok(db) => return Ok(db),
+            Err(DatabaseError::DatabaseAlreadyOpen) => {
+                let waited = started.elapsed();
+                if waited >= wait {
+                    return Err(KvError::unavailable(format!(
+                        "the store {} is held by another process or handle: redb's lock still \
+                         taken after {waited:?}",
+                        path.display()
+                    )));
+                }
+                std::thread::sleep(pause.min(wait - waited));
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+            Err(err) => return Err(err).engine(path),
+        }
+    }
+}
+
+/// Accepts a database carrying this software's format marker, writes the marker (and creates the
+/// tables) into a database with no table at all, and refuses any other.
+fn check_or_write_format(db: &Database, path: &Path) -> Result<(), KvError> {
+    let snapshot = db.begin_read().engine(path)?;
+    let tables: Vec<String> = snapshot
+        .list_tables()
+        .engine(path)?
+        .map(|table| table.name().to_owned())
+        .collect();
+    let multimap_tables = snapshot.list_multimap_tables().engine(path)?.count();
+    if tables.is_empty() && multimap_tables == 0 {
+        drop(snapshot);
+        return write_format(db, path);
+    }
+    let not_ours = || {
+        KvError::corrupt(
+            None,
+            format!(
+                "{} is a redb database but not a blockipam store (no format marker)",
+                path.display()
+            ),
+        )
+    };
+    let has = |name: &str| tables.iter().any(|t| t == name);
+    if !has(META_TABLE.name()) || !has(DATA_TABLE.name()) {
+        return Err(not_ours());
+    }
+    let meta = snapshot.open_table(META_TABLE).engine(path)?;
+    match meta.get(FORMAT_KEY).engine(path)? {
+        Some(found) if found.value() == FORMAT.as_bytes() => {}
+        Some(found) => {
+            return Err(KvError::corrupt(
+                Some(FORMAT_KEY),
+                format!(
+                    "{} has format {:?}; this build reads {FORMAT:?}",
+                    path.display(),
+                    String::from_utf8_lossy(found.value())
+                ),
+            ))
+        }
+        None => return Err(not_ours()),
+    }
+    decode_counter(
+        meta.get(REVISION_KEY)
+            .engine(path)?
+            .map(|g| g.value().to_vec()),
+    )?;
+    Ok(())
+}
+
+fn write_format(db: &Database, path: &Path) -> Result<(), KvError> {
+    let mut write = db.begin_write().engine(path)?;
+    write.set_durability(Durability::Immediate).map_err(|e| {
+        KvError::other(format!(
+            "redb refused immediate durability on {}: {e}",
+            path.display()
+        ))
+    })?;
+    {
+        let mut meta = write.open_table(META_TABLE).engine(path)?;
+        meta.insert(FORMAT_KEY, FORMAT.as_bytes()).engine(path)?;
+        meta.insert(REVISION_KEY, 0u64.to_be_bytes().as_slice())
+            .engine(path)?;
+        write.open_table(DATA_TABLE).engine(path)?;
+    }
+    write.commit().engine(path)
+}
+
+/// Removes group and other permissions from the store file (one created before this software
+/// made it 0600, or copied in).
+fn restrict(path: &Path) -> Result<(), KvError> {
+    let io_fail =
+        |err: io::Error| KvError::other(format!("cannot make {} private: {err}", path.display()));
+    let mode = fs::metadata(path).map_err(io_fail)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        fs::set_permissions(path, fs::Permissions::from_mode(0o600)).map_err(io_fail)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,203 @@
+//! Damaged, foreign and unmarked redb files give clear errors (never a panic) and are not rewritten.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use backend_redb::{RedbConfig, RedbStore, DATA_TABLE, FORMAT_KEY, META_TABLE};
+use ipam_core::{KvError, KvStore};
+use redb::{ReadableDatabase, TableDefinition};
+
+struct Location {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn new_location() -> Location {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("store");
+    Location { _dir: dir, path }
+}
+
+async fn open(path: &Path) -> Result<RedbStore, KvError> {
+    RedbStore::open(RedbConfig::new(path).with_lock_wait(Duration::from_secs(5))).await
+}
+
+/// A store at `path` holding a few keys, closed again.
+async fn store_with_keys(path: &Path) {
+    let store = open(path).await.expect("create store");
+    for i in 0..200u32 {
+        store
+            .put(&format!("key/{i:03}"), vec![7u8; 100])
+            .await
+            .expect("put");
+    }
+}
+
+fn expect_corrupt<T: std::fmt::Debug>(result: Result<T, KvError>, key: Option<&str>) -> String {
+    match result {
+        Err(KvError::Corrupt {
+            key: found,
+            message,
+        }) => {
+            assert_eq!(found.as_deref(), key, "corrupt error names the wrong key");
+            message
+        }
+        other => panic!("expected a corrupt error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn record_shorter_than_its_revision_header_is_corrupt_on_get_and_list() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    {
+        let db = redb::Database::create(&loc.path).expect("open with redb");
+        let write = db.begin_write().expect("write");
+        write
+            .open_table(DATA_TABLE)
+            .expect("data table")
+            .insert("short", &[1u8, 2, 3][..])
+            .expect("insert");
+        write.commit().expect("commit");
+    }
+    let store = open(&loc.path).await.expect("reopen");
+    let message = expect_corrupt(store.get("short").await, Some("short"));
+    assert!(message.contains("3 bytes"), "message: {message}");
+    expect_corrupt(store.list("").await, Some("short"));
+    expect_corrupt(store.list("sh").await, Some("short"));
+    // Other keys stay readable, and listing a prefix that avoids the bad record works.
+    assert!(store.get("key/000").await.expect("get").is_some());
+    assert_eq!(store.list("key/").await.expect("list").len(), 200);
+}
+
+#[tokio::test]
+async fn garbage_filled_database_file_is_an_error_on_open_and_left_as_it_was() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    let len = std::fs::metadata(&loc.path).expect("stat").len();
+    let garbage = vec![0xA5u8; len as usize];
+    std::fs::write(&loc.path, &garbage).expect("overwrite");
+    let message = expect_corrupt(open(&loc.path).await, None);
+    assert!(
+        message.contains(&loc.path.display().to_string()),
+        "message: {message}"
+    );
+    assert!(std::fs::read(&loc.path).expect("read back") == garbage);
+}
+
+#[tokio::test]
+async fn database_file_truncated_to_half_is_an_error_on_open() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&loc.path)
+        .expect("open");
+    let len = file.metadata().expect("stat").len();
+    file.set_len(len / 2).expect("truncate");
+    drop(file);
+    expect_corrupt(open(&loc.path).await, None);
+}
+
+#[tokio::test]
+async fn database_file_truncated_inside_its_header_is_an_error_on_open() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&loc.path)
+        .expect("open");
+    file.set_len(100).expect("truncate");
+    drop(file);
+    expect_corrupt(open(&loc.path).await, None);
+}
+
+/// redb trusts a valid header and may panic on the damaged pages behind it (debug builds assert);
+/// the panic stays inside the blocking task and comes back as an error.
+#[tokio::test]
+async fn damaged_pages_behind_a_valid_header_are_an_error_not_a_panic() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    let mut bytes = std::fs::read(&loc.path).expect("read");
+    for byte in bytes.iter_mut().skip(4096) {
+        *byte = 0xA5;
+    }
+    std::fs::write(&loc.path, &bytes).expect("damage");
+    let result = open(&loc.path).await;
+    expect_corrupt(result, None);
+}
+
+#[tokio::test]
+async fn redb_database_without_the_format_marker_is_refused_and_keeps_its_tables() {
+    let loc = new_location();
+    let theirs: TableDefinition<&str, &str> = TableDefinition::new("their-table");
+    {
+        let db = redb::Database::create(&loc.path).expect("create");
+        let write = db.begin_write().expect("write");
+        write
+            .open_table(theirs)
+            .expect("table")
+            .insert("k", "their value")
+            .expect("insert");
+        write.commit().expect("commit");
+    }
+    let message = expect_corrupt(open(&loc.path).await, None);
+    assert!(
+        message.contains("not a blockipam store"),
+        "message: {message}"
+    );
+    let db = redb::Database::create(&loc.path).expect("reopen with redb");
+    let read = db.begin_read().expect("read");
+    let names: Vec<String> = read
+        .list_tables()
+        .expect("tables")
+        .map(|t| redb::TableHandle::name(&t).to_owned())
+        .collect();
+    assert_eq!(names, ["their-table"]);
+    let value = read
+        .open_table(theirs)
+        .expect("table")
+        .get("k")
+        .expect("get")
+        .map(|v| v.value().to_owned());
+    assert_eq!(value.as_deref(), Some("their value"));
+}
+
+#[tokio::test]
+async fn store_with_another_format_marker_is_refused_naming_it() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    {
+        let db = redb::Database::create(&loc.path).expect("open with redb");
+        let write = db.begin_write().expect("write");
+        write
+            .open_table(META_TABLE)
+            .expect("meta table")
+            .insert(FORMAT_KEY, &b"blockipam-kv-v999"[..])
+            .expect("insert");
+        write.commit().expect("commit");
+    }
+    let message = expect_corrupt(open(&loc.path).await, Some(FORMAT_KEY));
+    assert!(message.contains("blockipam-kv-v999"), "message: {message}");
+}
+
+#[tokio::test]
+async fn directory_at_store_path_is_refused() {
+    let loc = new_location();
+    std::fs::create_dir(&loc.path).expect("mkdir");
+    expect_corrupt(open(&loc.path).await, None);
+}
+
+#[tokio::test]
+async fn existing_store_file_readable_by_others_is_made_private_on_open() {
+    use std::os::unix::fs::PermissionsExt;
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    std::fs::set_permissions(&loc.path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let _store = open(&loc.path).await.expect("open");
+    let mode = std::fs::metadata(&loc.path)
+        .expect("stat")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}

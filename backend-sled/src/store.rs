@@ -1,0 +1,612 @@
+//! `SledStore`: conditions, the revision counter and the records of a commit in one sled transaction.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ipam_core::kv::{
+    validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+};
+use ipam_core::lockfile::{LockError, LockFile};
+use sled::transaction::{
+    ConflictableTransactionError, TransactionError, UnabortableTransactionError,
+};
+use sled::Transactional;
+
+use crate::config::SledConfig;
+use crate::error::{engine_error, is_engine_lock_busy, task_failed, Stage};
+
+/// The value of [`FORMAT_KEY`] in every store this crate writes.
+pub const FORMAT: &str = "blockipam-kv-v1";
+/// The sled tree holding the records, one per key.
+pub const DATA_TREE: &str = "blockipam/kv";
+/// The sled tree holding the revision counter and the format marker.
+pub const META_TREE: &str = "blockipam/meta";
+/// The key of the format marker in [`META_TREE`].
+pub const FORMAT_KEY: &str = "format";
+/// The key of the store-wide revision counter (8 bytes, big-endian) in [`META_TREE`].
+pub const REVISION_KEY: &str = "revision";
+
+/// Bytes of the revision header in front of every stored value.
+const HEADER: usize = 8;
+/// How often a list (or batch of reads) is repeated while writes keep landing, before giving up.
+const CONSISTENT_READ_ATTEMPTS: usize = 64;
+/// The directory in which sled writes large items as files of their own, while it runs.
+const BLOBS: &str = "blobs";
+/// Longest pause between two attempts to take sled's own lock.
+const MAX_PAUSE: Duration = Duration::from_millis(20);
+
+/// A [`KvStore`] kept in a sled database directory; see the [crate documentation](crate).
+///
+/// Cloning is cheap and shares the open database; the lock on the store is released when the last
+/// clone (and the last operation still running on it) is gone.
+#[derive(Clone)]
+pub struct SledStore {
+    inner: Arc<Inner>,
+}
+
+// Fields drop in declaration order: the sled handles first, the inter-process lock last.
+struct Inner {
+    data: sled::Tree,
+    meta: sled::Tree,
+    db: sled::Db,
+    /// Files under `blobs/` already made private, so that a write only fixes the ones sled just
+    /// made (while open, sled creates files nowhere else).
+    private_blobs: Mutex<HashSet<PathBuf>>,
+    path: PathBuf,
+    _lock: LockFile,
+}
+
+impl fmt::Debug for SledStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SledStore")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SledStore {
+    /// Opens the store at `config.path`, creating it when the path is missing or an empty
+    /// directory.
+    ///
+    /// Waits up to `config.lock_wait` for another process or handle that holds the store.
+    ///
+    /// # Errors
+    /// - [`KvError::Unavailable`] naming the path when the store stayed held for the whole wait;
+    /// - [`KvError::Corrupt`] when the path holds something other than a blockipam sled store
+    ///   (a file, a foreign directory, a sled database without the format marker, damaged files);
+    ///   a file or foreign directory is left untouched;
+    /// - [`KvError::Other`] for I/O and permission errors.
+    pub async fn open(config: SledConfig) -> Result<Self, KvError> {
+        let path = config.path.clone();
+        let inner = run_blocking(Stage::Open, &path, move || Inner::open(&config)).await?;
+        Ok(SledStore {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// The store's directory.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+}
+
+#[async_trait]
+impl KvStore for SledStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        validate_key(key)?;
+        let inner = Arc::clone(&self.inner);
+        let key = key.to_owned();
+        run_blocking(Stage::Read, &self.inner.path, move || inner.get(key)).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let inner = Arc::clone(&self.inner);
+        let prefix = prefix.to_owned();
+        run_blocking(Stage::Read, &self.inner.path, move || inner.list(&prefix)).await
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        txn.validate()?;
+        let inner = Arc::clone(&self.inner);
+        run_blocking(Stage::Write, &self.inner.path, move || inner.commit(&txn)).await
+    }
+
+    /// Answers every read at one revision (repeated while writes land in between).
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        for read in reads {
+            if let Read::Get(key) = read {
+                validate_key(key)?;
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        let reads = reads.to_vec();
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            inner.read_many(&reads)
+        })
+        .await
+    }
+}
+
+/// Runs `work` on tokio's blocking pool, turning a panic inside it into a [`KvError`].
+async fn run_blocking<T, F>(stage: Stage, path: &Path, work: F) -> Result<T, KvError>
+where
+    F: FnOnce() -> Result<T, KvError> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(result) => result,
+        Err(err) => Err(task_failed(err, stage, path)),
+    }
+}
+
+/// What is at the store path before sled is asked to open it.
+enum Found {
+    /// Nothing, or an empty directory: a new store is created.
+    Nothing,
+    /// A directory holding sled's `db` and `conf` files.
+    SledDirectory,
+}
+
+impl Inner {
+    fn open(config: &SledConfig) -> Result<Inner, KvError> {
+        let path = &config.path;
+        let started = Instant::now();
+        let lock_path = sibling(path, "lock")?;
+        let lock =
+            LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
+        if let Found::Nothing = inspect(path)? {
+            create(path, started, config.lock_wait)?;
+        }
+        let db = open_engine(path, started, config.lock_wait)?;
+        let (data, meta) = check_format(&db, path)?;
+        make_private(path, &mut HashSet::new())
+            .map_err(|e| io_error("cannot make the files private in", path, &e))?;
+        let mut private_blobs = HashSet::new();
+        make_private(&path.join(BLOBS), &mut private_blobs)
+            .map_err(|e| io_error("cannot make the files private in", path, &e))?;
+        Ok(Inner {
+            data,
+            meta,
+            db,
+            private_blobs: Mutex::new(private_blobs),
+            path: path.clone(),
+            _lock: lock,
+        })
+    }
+
+    fn get(&self, key: String) -> Result<Option<KeyValue>, KvError> {
+        let Some(record) = self
+            .data
+            .get(key.as_bytes())
+            .map_err(|e| engine_error(e, &self.path))?
+        else {
+            return Ok(None);
+        };
+        let (revision, value) = decode_record(&key, &record)?;
+        let value = value.to_vec();
+        Ok(Some(KeyValue {
+            key,
+            value,
+            revision,
+        }))
+    }
+
+    /// Runs `reads` until the revision counter is the same before and after them, so the answer
+    /// is the state at one revision (sled's iterators are not snapshots, but a sled transaction
+    /// bumps the counter and writes its records atomically with respect to single reads).
+    fn at_one_revision<T>(
+        &self,
+        what: &str,
+        reads: impl Fn() -> Result<T, KvError>,
+    ) -> Result<T, KvError> {
+        for _ in 0..CONSISTENT_READ_ATTEMPTS {
+            let before = self.current_revision()?;
+            let answer = reads()?;
+            if self.current_revision()? == before {
+                return Ok(answer);
+            }
+        }
+        Err(KvError::unavailable(format!(
+            "writes to {} kept landing during {CONSISTENT_READ_ATTEMPTS} attempts to {what}",
+            self.path.display()
+        )))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.at_one_revision(&format!("list prefix {prefix:?}"), || self.scan(prefix))
+    }
+
+    fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.at_one_revision("answer a batch of reads", || {
+            reads
+                .iter()
+                .map(|read| match read {
+                    Read::Get(key) => self.get(key.clone()).map(ReadResult::Got),
+                    Read::List(prefix) => self.scan(prefix).map(ReadResult::Listed),
+                })
+                .collect()
+        })
+    }
+
+    fn scan(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let mut listed = Vec::new();
+        for item in self.data.scan_prefix(prefix.as_bytes()) {
+            let (raw_key, record) = item.map_err(|e| engine_error(e, &self.path))?;
+            let key = String::from_utf8(raw_key.to_vec()).map_err(|_| {
+                KvError::corrupt(
+                    Some(&String::from_utf8_lossy(&raw_key)),
+                    "stored key is not UTF-8",
+                )
+            })?;
+            let (revision, value) = decode_record(&key, &record)?;
+            let value = value.to_vec();
+            listed.push(KeyValue {
+                key,
+                value,
+                revision,
+            });
+        }
+        Ok(listed)
+    }
+
+    fn current_revision(&self) -> Result<u64, KvError> {
+        let stored = self
+            .meta
+            .get(REVISION_KEY)
+            .map_err(|e| engine_error(e, &self.path))?;
+        decode_counter(stored.as_deref())
+    }
+
+    fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
+        let path = &self.path;
+        let outcome = (&self.data, &self.meta).transaction(|(data, meta)| {
+            let mut engine_failure = None;
+            let failed = txn.first_failed_condition(|key| match data.get(key.as_bytes()) {
+                Ok(None) => Ok(None),
+                Ok(Some(record)) => decode_record(key, &record).map(|(rev, _)| Some(rev)),
+                Err(err) => {
+                    engine_failure = Some(err);
+                    Err(KvError::other("sled read failed"))
+                }
+            });
+            if let Some(err) = engine_failure {
+                return Err(staged(err, path));
+            }
+            if let Some(condition) = failed.map_err(ConflictableTransactionError::Abort)? {
+                return Err(ConflictableTransactionError::Abort(KvError::Conflict {
+                    key: condition.key().to_owned(),
+                }));
+            }
+            let stored = meta.get(REVISION_KEY).map_err(|e| staged(e, path))?;
+            let current =
+                decode_counter(stored.as_deref()).map_err(ConflictableTransactionError::Abort)?;
+            let next = current.checked_add(1).ok_or_else(|| {
+                ConflictableTransactionError::Abort(KvError::other(
+                    "the revision counter is exhausted",
+                ))
+            })?;
+            meta.insert(REVISION_KEY, &next.to_be_bytes())
+                .map_err(|e| staged(e, path))?;
+            for op in &txn.ops {
+                match op {
+                    Op::Put { key, value } => {
+                        data.insert(key.as_bytes(), encode_record(next, value))
+                            .map_err(|e| staged(e, path))?;
+                    }
+                    Op::Delete { key } => {
+                        data.remove(key.as_bytes()).map_err(|e| staged(e, path))?;
+                    }
+                }
+            }
+            Ok(Revision(next))
+        });
+        let revision = match outcome {
+            Ok(revision) => revision,
+            Err(TransactionError::Abort(err)) => return Err(err),
+            // Only sled's own commit step gets here: it may have applied part of the writes.
+            Err(TransactionError::Storage(err)) => {
+                return Err(KvError::Indeterminate {
+                    message: format!(
+                        "sled failed while committing to {}: {}",
+                        path.display(),
+                        engine_error(err, path)
+                    ),
+                })
+            }
+        };
+        self.db.flush().map_err(|err| KvError::Indeterminate {
+            message: format!(
+                "the write to {} was applied but flushing it to disk failed: {}",
+                path.display(),
+                engine_error(err, path)
+            ),
+        })?;
+        // The write is durable whatever happens here; a blob file that cannot be made private
+        // now is tried again after the next write and at the next open.
+        let mut known = self
+            .private_blobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = make_private(&path.join(BLOBS), &mut known);
+        Ok(revision)
+    }
+}
+
+/// Inside the transaction closure: keeps sled's conflict (which makes it retry the closure) and
+/// turns a storage error, met before anything was applied, into an abort with nothing written.
+fn staged(err: UnabortableTransactionError, path: &Path) -> ConflictableTransactionError<KvError> {
+    match err {
+        UnabortableTransactionError::Conflict => ConflictableTransactionError::Conflict,
+        UnabortableTransactionError::Storage(err) => {
+            ConflictableTransactionError::Abort(engine_error(err, path))
+        }
+    }
+}
+
+fn encode_record(revision: u64, value: &[u8]) -> Vec<u8> {
+    let mut record = Vec::with_capacity(HEADER + value.len());
+    record.extend_from_slice(&revision.to_be_bytes());
+    record.extend_from_slice(value);
+    record
+}
+
+fn decode_record<'a>(key: &str, record: &'a [u8]) -> Result<(Revision, &'a [u8]), KvError> {
+    let Some((header, value)) = record.split_first_chunk::<HEADER>() else {
+        return Err(KvError::corrupt(
+            Some(key),
+            format!(
+                "the stored record is {} bytes, shorter than its {HEADER}-byte revision header",
+                record.len()
+            ),
+        ));
+    };
+    match u64::from_be_bytes(*header) {
+        0 => Err(KvError::corrupt(
+            Some(key),
+            "the stored record carries revision 0",
+        )),
+        revision => Ok((Revision(revision), value)),
+    }
+}
+
+fn decode_counter(stored: Option<&[u8]>) -> Result<u64, KvError> {
+    match stored {
+        None => Ok(0),
+        Some(bytes) => bytes.try_into().map(u64::from_be_bytes).map_err(|_| {
+            KvError::corrupt(
+                Some(REVISION_KEY),
+                format!("the revision counter is {} bytes, not 8", bytes.len()),
+            )
+        }),
+    }
+}
+
+/// `<path>.<suffix>`, beside the store.
+fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
+    let Some(name) = path.file_name() else {
+        return Err(KvError::invalid(format!(
+            "the store path {} does not end in a name",
+            path.display()
+        )));
+    };
+    let mut name = name.to_owned();
+    name.push(".");
+    name.push(suffix);
+    Ok(path.with_file_name(name))
+}
+
+fn lock_error(err: LockError, path: &Path) -> KvError {
+    match err {
+        LockError::TimedOut { path: lock, waited } => KvError::unavailable(format!(
+            "the store {} is held by another process or handle: no lock on {} after {waited:?}",
+            path.display(),
+            lock.display()
+        )),
+        other => KvError::other(format!("cannot lock the store {}: {other}", path.display())),
+    }
+}
+
+fn io_error(what: &str, path: &Path, err: &io::Error) -> KvError {
+    KvError::other(format!("{what} {}: {err}", path.display()))
+}
+
+fn inspect(path: &Path) -> Result<Found, KvError> {
+    let metadata = match fs::metadata(path) {
+        Ok(metadata) => metadata,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing),
+        Err(err) => return Err(io_error("cannot inspect the store path", path, &err)),
+    };
+    if !metadata.is_dir() {
+        return Err(KvError::corrupt(
+            None,
+            format!(
+                "{} is not a directory, so not a blockipam sled store; it was left untouched",
+                path.display()
+            ),
+        ));
+    }
+    let mut entries =
+        fs::read_dir(path).map_err(|e| io_error("cannot read the store directory", path, &e))?;
+    if entries.next().is_none() {
+        return Ok(Found::Nothing);
+    }
+    if path.join("db").is_file() && path.join("conf").is_file() {
+        Ok(Found::SledDirectory)
+    } else {
+        Err(KvError::corrupt(
+            None,
+            format!(
+                "{} is a directory that holds no sled database; it was left untouched",
+                path.display()
+            ),
+        ))
+    }
+}
+
+/// Builds a new store in `<path>.creating` and renames it into place, so that a crash can leave
+/// a stray staging directory (removed by the next creation) but never a half-made store.
+fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> {
+    let staging = sibling(path, "creating")?;
+    match fs::remove_dir_all(&staging) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => {
+            return Err(io_error(
+                "cannot remove a stale staging directory",
+                &staging,
+                &err,
+            ))
+        }
+    }
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&staging)
+        .map_err(|e| io_error("cannot create", &staging, &e))?;
+    {
+        let db = open_engine(&staging, started, wait)?;
+        let fail = |err| engine_error(err, &staging);
+        let meta = db.open_tree(META_TREE).map_err(fail)?;
+        db.open_tree(DATA_TREE).map_err(fail)?;
+        meta.insert(REVISION_KEY, &0u64.to_be_bytes())
+            .map_err(fail)?;
+        meta.insert(FORMAT_KEY, FORMAT).map_err(fail)?;
+        db.flush().map_err(fail)?;
+    }
+    make_private(&staging, &mut HashSet::new())
+        .map_err(|e| io_error("cannot make the files private in", &staging, &e))?;
+    fs::rename(&staging, path).map_err(|e| io_error("cannot move the new store to", path, &e))?;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        fs::File::open(parent)
+            .and_then(|dir| dir.sync_all())
+            .map_err(|e| io_error("cannot sync the directory", parent, &e))?;
+    }
+    Ok(())
+}
+
+/// Opens sled at `path`, retrying while sled's own lock is still held (a previous handle, in this
+/// or another process, may still be closing) until `wait` has passed since `started`.
+fn open_engine(path: &Path, started: Instant, wait: Duration) -> Result<sled::Db, KvError> {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        // No periodic flusher thread: every commit flushes before it is acknowledged.
+        match sled::Config::new().path(path).flush_every_ms(None).open() {
+            Ok(db) => return Ok(db),
+            Err(err) if is_engine_lock_busy(&err) => {
+                let waited = started.elapsed();
+                if waited >= wait {
+                    return Err(KvError::unavailable(format!(
+                        "the store {} is held by another process or handle: sled's lock still \
+                         taken after {waited:?}",
+                        path.display()
+                    )));
+                }
+                std::thread::sleep(pause.min(wait - waited));
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+            Err(err) => return Err(engine_error(err, path)),
+        }
+    }
+}
+
+/// Checks the format marker without creating anything, and returns the data and meta trees.
+fn check_format(db: &sled::Db, path: &Path) -> Result<(sled::Tree, sled::Tree), KvError> {
+    let names = db.tree_names();
+    let has = |name: &str| names.iter().any(|n| n.as_ref() == name.as_bytes());
+    let not_ours = || {
+        KvError::corrupt(
+            None,
+            format!(
+                "{} is a sled database but not a blockipam store (no format marker)",
+                path.display()
+            ),
+        )
+    };
+    if !has(META_TREE) || !has(DATA_TREE) {
+        return Err(not_ours());
+    }
+    let fail = |err| engine_error(err, path);
+    let meta = db.open_tree(META_TREE).map_err(fail)?;
+    match meta.get(FORMAT_KEY).map_err(fail)? {
+        Some(found) if found.as_ref() == FORMAT.as_bytes() => {}
+        Some(found) => {
+            return Err(KvError::corrupt(
+                Some(FORMAT_KEY),
+                format!(
+                    "{} has format {:?}; this build reads {FORMAT:?}",
+                    path.display(),
+                    String::from_utf8_lossy(&found)
+                ),
+            ))
+        }
+        None => return Err(not_ours()),
+    }
+    decode_counter(meta.get(REVISION_KEY).map_err(fail)?.as_deref())?;
+    let data = db.open_tree(DATA_TREE).map_err(fail)?;
+    Ok((data, meta))
+}
+
+/// Makes `dir` (0700) and everything below it private (files 0600, directories 0700), skipping
+/// what is already in `known`; `known` is left holding exactly what was seen. A missing `dir` is
+/// fine.
+fn make_private(dir: &Path, known: &mut HashSet<PathBuf>) -> io::Result<()> {
+    if !known.contains(dir) {
+        restrict(dir, 0o700)?;
+    }
+    let mut seen = HashSet::with_capacity(known.len());
+    match walk_private(dir, known, &mut seen) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        other => other?,
+    }
+    seen.insert(dir.to_owned());
+    *known = seen;
+    Ok(())
+}
+
+fn walk_private(
+    dir: &Path,
+    known: &HashSet<PathBuf>,
+    seen: &mut HashSet<PathBuf>,
+) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        let file_type = match entry.file_type() {
+            Ok(file_type) => file_type,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(err),
+        };
+        if file_type.is_dir() {
+            if !known.contains(&path) {
+                restrict(&path, 0o700)?;
+            }
+            walk_private(&path, known, seen)?;
+        } else if file_type.is_file() && !known.contains(&path) {
+            restrict(&path, 0o600)?;
+        }
+        seen.insert(path);
+    }
+    Ok(())
+}
+
+/// Removes group and other permissions from `path` (sled may delete a file meanwhile: fine).
+fn restrict(path: &Path, mode: u32) -> io::Result<()> {
+    let current = match fs::metadata(path) {
+        Ok(metadata) => metadata.permissions().mode(),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(err),
+    };
+    if current & 0o077 == 0 {
+        return Ok(());
+    }
+    match fs::set_permissions(path, fs::Permissions::from_mode(mode)) {
+        Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,43 @@
+//! Runs the shared conformance suite (generic and embedded-store cases) against `SledStore`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use backend_sled::{SledConfig, SledStore};
+use conformance::embedded::EmbeddedFactory;
+use conformance::{StoreFactory, TestStore};
+use ipam_core::{KvError, KvStore};
+
+/// Hands out sled stores in fresh temporary directories.
+struct SledFactory;
+
+#[async_trait]
+impl StoreFactory for SledFactory {
+    fn backend_name(&self) -> &'static str {
+        "sled"
+    }
+
+    async fn fresh(&self) -> TestStore {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SledStore::open(SledConfig::new(dir.path().join("store")))
+            .await
+            .expect("open a fresh sled store");
+        TestStore {
+            store: Arc::new(store),
+            guard: Box::new(dir),
+        }
+    }
+}
+
+#[async_trait]
+impl EmbeddedFactory for SledFactory {
+    async fn open_at(&self, path: &Path, lock_wait: Duration) -> Result<Arc<dyn KvStore>, KvError> {
+        let config = SledConfig::new(path).with_lock_wait(lock_wait);
+        Ok(Arc::new(SledStore::open(config).await?))
+    }
+}
+
+conformance::kv_conformance_tests!(SledFactory);
+conformance::embedded_conformance_tests!(SledFactory);

@@ -1,0 +1,395 @@
+//! The blockipam CNI IPAM plugin as a library: [`run`] takes the environment, stdin, stdout and
+//! stderr of one invocation and returns the exit status, so tests drive it in-process and the
+//! binary is a thin wrapper.
+//!
+//! One call: check the environment and spec version as libcni's skeleton does, parse the
+//! netconf, take the host lock (`ipam_lock_file`), open the store, run the command under the
+//! deadline, close the store, release the lock, and only then print the result (or the error
+//! JSON) on stdout.
+
+pub mod args;
+pub mod commands;
+pub mod errors;
+pub mod logging;
+pub mod netconf;
+pub mod protocol;
+pub mod timestamp;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ipam_core::lockfile::LockFile;
+use ipam_core::Ipam;
+use serde_json::Value;
+
+use crate::args::{parse_cni_args, CniArgs};
+use crate::commands::Attachment;
+use crate::errors::{from_kv, from_lock};
+use crate::logging::Sink;
+use crate::netconf::{is_valid_cni_name, parse_header, parse_netconf, resolve_nodename, NetConf};
+use crate::protocol::{codes, is_supported, version_info, CniError, SpecVersion, CURRENT_VERSION};
+
+/// The one-line text printed (on stderr) when `CNI_COMMAND` is not set.
+pub const ABOUT: &str = concat!(
+    "blockipam v",
+    env!("CARGO_PKG_VERSION"),
+    ": CNI IPAM plugin with Calico's block-affinity allocator on sled, redb or etcd v3; CNI spec 0.1.0, 0.2.0, 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0"
+);
+
+/// Longest an etcd connection attempt may take (capped by the call's deadline).
+const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest one etcd request may take (capped by the call's deadline).
+const ETCD_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest accepted interface name (Linux `IFNAMSIZ` - 1).
+const MAX_IFNAME_LEN: usize = 15;
+
+/// A CNI command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    /// Allocate for an attachment.
+    Add,
+    /// Release an attachment's addresses.
+    Del,
+    /// Verify an attachment still holds its addresses.
+    Check,
+    /// Report supported spec versions.
+    Version,
+    /// Release allocations of attachments that no longer exist.
+    Gc,
+    /// Report whether ADD can succeed.
+    Status,
+}
+
+impl Command {
+    fn parse(text: &str) -> Option<Command> {
+        Some(match text {
+            "ADD" => Command::Add,
+            "DEL" => Command::Del,
+            "CHECK" => Command::Check,
+            "VERSION" => Command::Version,
+            "GC" => Command::Gc,
+            "STATUS" => Command::Status,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Command::Add => "ADD",
+            Command::Del => "DEL",
+            Command::Check => "CHECK",
+            Command::Version => "VERSION",
+            Command::Gc => "GC",
+            Command::Status => "STATUS",
+        }
+    }
+
+    /// The environment variables this command requires (libcni's skeleton's table).
+    fn required_env(self) -> &'static [&'static str] {
+        match self {
+            Command::Add | Command::Check => {
+                &["CNI_CONTAINERID", "CNI_NETNS", "CNI_IFNAME", "CNI_PATH"]
+            }
+            Command::Del => &["CNI_CONTAINERID", "CNI_IFNAME", "CNI_PATH"],
+            Command::Gc | Command::Status => &["CNI_PATH"],
+            Command::Version => &[],
+        }
+    }
+
+    /// The oldest spec version that has this command.
+    fn minimum_version(self) -> Option<SpecVersion> {
+        match self {
+            Command::Check => Some(SpecVersion(0, 4, 0)),
+            Command::Gc | Command::Status => Some(SpecVersion(1, 1, 0)),
+            _ => None,
+        }
+    }
+}
+
+/// Runs one invocation: `env` is the process environment (only `CNI_*` keys are read), `stdin`
+/// the netconf. The result or the error JSON goes to `stdout`; log lines (unless
+/// `log_file_path` is set) and the about text go to `stderr` when the call ends. Returns the exit
+/// status: 0 on success, 1 after an error JSON.
+pub fn run(
+    env: &BTreeMap<String, String>,
+    stdin: &mut dyn Read,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> i32 {
+    let buffer = Arc::new(Mutex::new(Vec::<u8>::new()));
+    let sink: Sink = buffer.clone();
+    let status = run_with_log_sink(env, stdin, stdout, sink);
+    let logged = match buffer.lock() {
+        Ok(mut bytes) => std::mem::take(&mut *bytes),
+        Err(poisoned) => std::mem::take(&mut *poisoned.into_inner()),
+    };
+    let _ = stderr.write_all(&logged);
+    let _ = stderr.flush();
+    status
+}
+
+/// As [`run`], with log lines written to `sink` as they happen (the binary passes its stderr).
+pub fn run_with_log_sink(
+    env: &BTreeMap<String, String>,
+    stdin: &mut dyn Read,
+    stdout: &mut dyn Write,
+    sink: Sink,
+) -> i32 {
+    let command = env.get("CNI_COMMAND").map(String::as_str).unwrap_or("");
+    if command.is_empty() {
+        let mut writer = logging::SinkWriter::new(sink);
+        let _ = writeln!(writer, "{ABOUT}");
+        return 0;
+    }
+    let early = logging::dispatch(netconf::LogLevel::Info, sink.clone(), None);
+    let mut version = CURRENT_VERSION.to_owned();
+    let outcome = tracing::dispatcher::with_default(&early, || {
+        execute(env, command, stdin, &sink, &mut version)
+    });
+    let (value, status) = match outcome {
+        Ok(None) => return 0,
+        Ok(Some(value)) => (value, 0),
+        Err(error) => (error.to_json(&version), 1),
+    };
+    let written = serde_json::to_writer_pretty(&mut *stdout, &value)
+        .map_err(std::io::Error::from)
+        .and_then(|()| stdout.write_all(b"\n"))
+        .and_then(|()| stdout.flush());
+    match written {
+        Ok(()) => status,
+        Err(_) => 1,
+    }
+}
+
+/// The parsed, validated CNI environment.
+#[derive(Debug, Clone, Default)]
+struct CniEnv {
+    container_id: String,
+    ifname: String,
+    args: String,
+}
+
+fn check_env(env: &BTreeMap<String, String>, command: Command) -> Result<CniEnv, CniError> {
+    let get = |key: &str| env.get(key).map(String::as_str).unwrap_or("");
+    let missing: Vec<&str> = command
+        .required_env()
+        .iter()
+        .copied()
+        .filter(|key| get(key).is_empty())
+        .collect();
+    if !missing.is_empty() {
+        return Err(CniError::new(
+            codes::INVALID_ENVIRONMENT,
+            format!("required env variables [{}] missing", missing.join(",")),
+        ));
+    }
+    let container_id = get("CNI_CONTAINERID").to_owned();
+    let ifname = get("CNI_IFNAME").to_owned();
+    if command.required_env().contains(&"CNI_CONTAINERID") && !is_valid_cni_name(&container_id) {
+        return Err(CniError::with_details(
+            codes::INVALID_ENVIRONMENT,
+            "invalid characters in CNI_CONTAINERID",
+            container_id,
+        ));
+    }
+    if command.required_env().contains(&"CNI_IFNAME") {
+        if ifname.len() > MAX_IFNAME_LEN {
+            return Err(CniError::with_details(
+                codes::INVALID_ENVIRONMENT,
+                "CNI_IFNAME is too long",
+                format!("interface names have at most {MAX_IFNAME_LEN} characters"),
+            ));
+        }
+        if ifname == "." || ifname == ".." {
+            return Err(CniError::new(
+                codes::INVALID_ENVIRONMENT,
+                "CNI_IFNAME is . or ..",
+            ));
+        }
+        if ifname
+            .chars()
+            .any(|c| c == '/' || c == ':' || c.is_whitespace())
+        {
+            return Err(CniError::new(
+                codes::INVALID_ENVIRONMENT,
+                "CNI_IFNAME contains / or : or whitespace characters",
+            ));
+        }
+    }
+    Ok(CniEnv {
+        container_id,
+        ifname,
+        args: get("CNI_ARGS").to_owned(),
+    })
+}
+
+fn check_version(command: Command, version: &str) -> Result<(), CniError> {
+    if let Some(minimum) = command.minimum_version() {
+        let parsed =
+            SpecVersion::parse(version).map_err(|e| CniError::new(codes::DECODING_FAILURE, e))?;
+        if parsed < minimum {
+            return Err(CniError::new(
+                codes::INCOMPATIBLE_VERSION,
+                format!("config version does not allow {}", command.name()),
+            ));
+        }
+    }
+    if !is_supported(version) {
+        return Err(CniError::with_details(
+            codes::INCOMPATIBLE_VERSION,
+            "incompatible CNI versions",
+            format!(
+                "config is {version:?}, plugin supports {:?}",
+                protocol::SUPPORTED_VERSIONS
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn execute(
+    env: &BTreeMap<String, String>,
+    command_text: &str,
+    stdin: &mut dyn Read,
+    sink: &Sink,
+    version: &mut String,
+) -> Result<Option<Value>, CniError> {
+    let command = Command::parse(command_text).ok_or_else(|| {
+        CniError::new(
+            codes::INVALID_ENVIRONMENT,
+            format!("unknown CNI_COMMAND: {command_text}"),
+        )
+    })?;
+    let cni_env = check_env(env, command)?;
+    if command == Command::Version {
+        return Ok(Some(version_info()));
+    }
+    let mut input = Vec::new();
+    stdin
+        .read_to_end(&mut input)
+        .map_err(|e| CniError::new(codes::IO_FAILURE, format!("error reading from stdin: {e}")))?;
+    let (value, name, requested_version) = parse_header(&input)?;
+    if is_supported(&requested_version) {
+        *version = requested_version.clone();
+    }
+    check_version(command, &requested_version)?;
+    let conf = parse_netconf(&value, name, requested_version)?;
+    let dispatch = logging::dispatch(conf.log_level, sink.clone(), conf.log_file_path.as_deref());
+    tracing::dispatcher::with_default(&dispatch, || {
+        let outcome = serve(command, &cni_env, &conf);
+        match &outcome {
+            Ok(_) => {}
+            Err(e) => tracing::error!(
+                command = command.name(),
+                container = %cni_env.container_id,
+                ifname = %cni_env.ifname,
+                code = e.code,
+                "{}",
+                e.msg
+            ),
+        }
+        outcome
+    })
+}
+
+fn serve(command: Command, env: &CniEnv, conf: &NetConf) -> Result<Option<Value>, CniError> {
+    let args = match command {
+        Command::Add | Command::Del | Command::Check => parse_cni_args(&env.args)?,
+        _ => CniArgs::default(),
+    };
+    let node = resolve_nodename(conf)?;
+    let outcome = locked(command, env, conf, &args, &node);
+    if command == Command::Status {
+        // STATUS speaks in one code: the plugin is not available, and why.
+        return outcome.map_err(|e| match e.code {
+            codes::INVALID_NETWORK_CONFIG
+            | codes::UNSUPPORTED_FIELD
+            | codes::DECODING_FAILURE
+            | codes::PLUGIN_NOT_AVAILABLE => e,
+            _ => CniError::with_details(
+                codes::PLUGIN_NOT_AVAILABLE,
+                format!("the IPAM store is not usable: {}", e.msg),
+                e.details,
+            ),
+        });
+    }
+    outcome
+}
+
+fn locked(
+    command: Command,
+    env: &CniEnv,
+    conf: &NetConf,
+    args: &CniArgs,
+    node: &str,
+) -> Result<Option<Value>, CniError> {
+    let lock = LockFile::acquire(&conf.lock_file, conf.lock_wait).map_err(|e| from_lock(&e))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::new(codes::IO_FAILURE, format!("cannot start the runtime: {e}")))?;
+    let outcome = runtime.block_on(async {
+        match tokio::time::timeout(conf.timeout, with_store(command, env, conf, args, node)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(CniError::new(
+                codes::TRY_AGAIN_LATER,
+                format!(
+                    "{} did not finish within its deadline of {:?} (timeout_seconds)",
+                    command.name(),
+                    conf.timeout
+                ),
+            )),
+        }
+    });
+    // Every store handle is closed (and any blocking store work finished) before the lock goes.
+    drop(runtime);
+    drop(lock);
+    outcome
+}
+
+async fn with_store(
+    command: Command,
+    env: &CniEnv,
+    conf: &NetConf,
+    args: &CniArgs,
+    node: &str,
+) -> Result<Option<Value>, CniError> {
+    let mut settings = conf.datastore.clone();
+    settings.etcd_timeouts = Some((
+        ETCD_CONNECT_TIMEOUT.min(conf.timeout),
+        ETCD_REQUEST_TIMEOUT.min(conf.timeout),
+    ));
+    tracing::debug!(store = %settings.describe(), "opening the store");
+    let store = settings.open().await.map_err(|e| from_kv(&e, true))?;
+    let ipam = Ipam::new(store);
+    let attachment = Attachment {
+        conf,
+        container_id: &env.container_id,
+        ifname: &env.ifname,
+        args,
+        node,
+    };
+    let outcome = match command {
+        Command::Add => commands::add(&ipam, &attachment).await.map(|result| {
+            let addresses: Vec<String> = result.ips.iter().map(|i| i.address.to_string()).collect();
+            tracing::info!(
+                handle = %attachment.handle(),
+                ifname = %env.ifname,
+                %node,
+                ?addresses,
+                "ADD done"
+            );
+            Some(result.render(&conf.cni_version))
+        }),
+        Command::Del => commands::del(&ipam, &attachment).await.map(|_| None),
+        Command::Check => commands::check(&ipam, &attachment).await.map(|()| None),
+        Command::Gc => commands::gc(&ipam, conf, node).await.map(|_| None),
+        Command::Status => commands::status(&ipam, conf, node).await.map(|()| None),
+        Command::Version => Ok(Some(version_info())),
+    };
+    // Close the store before anything is printed.
+    drop(ipam);
+    outcome
+}

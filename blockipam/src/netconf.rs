@@ -1,0 +1,781 @@
+//! The network configuration blockipam reads: calico-ipam's keys (top level or inside `ipam`, the
+//! `ipam` object winning), blockipam's own, and the CNI conventions (`args`, `runtimeConfig`,
+//! `prevResult`, `cni.dev/valid-attachments`). Unknown keys are ignored; a known key with the
+//! wrong type is code 7 (6 for `name` and `cniVersion`, as libcni's skeleton does).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::{Ipam, IpamError, PoolSpec};
+use ipnet::IpNet;
+use serde_json::{Map, Value};
+
+use crate::protocol::{codes, parse_ip_maybe_prefixed, CniError};
+
+/// Where the host lock lives by default.
+pub const DEFAULT_LOCK_FILE: &str = "/var/run/blockipam/ipam.lock";
+/// How long a call waits for the host lock by default.
+pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(10);
+/// The whole call's deadline by default, counted once the host lock is held.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(90);
+/// The node-name file Calico writes (read when `nodename` is not set).
+pub const DEFAULT_NODENAME_FILE: &str = "/var/lib/calico/nodename";
+/// Largest duration accepted for the timeouts (one day).
+const MAX_SECONDS: f64 = 86_400.0;
+
+/// How much the plugin logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum LogLevel {
+    /// Nothing.
+    Off,
+    /// Errors only.
+    Error,
+    /// Warnings and errors.
+    Warn,
+    /// One line per call and notable events (the default).
+    #[default]
+    Info,
+    /// Decisions and store round trips.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+impl LogLevel {
+    /// Parses calico's (logrus) level names, case-insensitively.
+    ///
+    /// # Errors
+    /// A message listing the accepted names.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text.to_ascii_lowercase().as_str() {
+            "off" | "none" => Ok(LogLevel::Off),
+            "panic" | "fatal" | "error" => Ok(LogLevel::Error),
+            "warn" | "warning" => Ok(LogLevel::Warn),
+            "info" => Ok(LogLevel::Info),
+            "debug" => Ok(LogLevel::Debug),
+            "trace" => Ok(LogLevel::Trace),
+            _ => {
+                Err("expected one of trace, debug, info, warning, error, fatal, panic, none".into())
+            }
+        }
+    }
+}
+
+/// One route to hand back (host-local style).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteConf {
+    /// Destination.
+    pub dst: IpNet,
+    /// Next hop (the main plugin uses the gateway when absent).
+    pub gw: Option<IpAddr>,
+}
+
+/// One attachment GC must keep.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Attachment {
+    /// `containerID`.
+    pub container_id: String,
+    /// `ifname`.
+    pub ifname: String,
+}
+
+/// Everything the plugin takes from its network configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetConf {
+    /// `cniVersion` (`0.1.0` when absent, as libcni assumes).
+    pub cni_version: String,
+    /// `name`: the network; part of every handle id.
+    pub name: String,
+    /// `nodename` (`ipam` wins over the top level).
+    pub nodename: Option<String>,
+    /// `nodename_file`: read when `nodename` is not set.
+    pub nodename_file: PathBuf,
+    /// Which store, where, how to reach it.
+    pub datastore: DatastoreSettings,
+    /// `log_level`.
+    pub log_level: LogLevel,
+    /// `log_file_path`: logs go there instead of stderr.
+    pub log_file_path: Option<PathBuf>,
+    /// `ipam_lock_file`: the host lock.
+    pub lock_file: PathBuf,
+    /// `ipam_lock_timeout_seconds`: how long to wait for the host lock.
+    pub lock_wait: Duration,
+    /// `timeout_seconds`: the call's deadline once the lock is held.
+    pub timeout: Duration,
+    /// `ipam.assign_ipv4` (default on).
+    pub assign_ipv4: bool,
+    /// `ipam.assign_ipv6` (default off).
+    pub assign_ipv6: bool,
+    /// `ipam.ipv4_pools`: names or CIDRs.
+    pub ipv4_pools: Vec<String>,
+    /// `ipam.ipv6_pools`: names or CIDRs.
+    pub ipv6_pools: Vec<String>,
+    /// `ipam.pools`: created when absent.
+    pub pools: Vec<PoolSpec>,
+    /// `ipam.gateway`: one or more gateways.
+    pub gateways: Vec<IpAddr>,
+    /// `ipam.routes`: when set, exactly these routes are returned.
+    pub routes: Option<Vec<RouteConf>>,
+    /// Specific addresses from `args.cni.ips` and `runtimeConfig.ips`.
+    pub requested_ips: Vec<IpAddr>,
+    /// `prevResult`, as given.
+    pub prev_result: Option<Value>,
+    /// `cni.dev/valid-attachments` (or the older `cni.dev/attachments`).
+    pub valid_attachments: Option<Vec<Attachment>>,
+}
+
+/// Where a key may appear.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// Top level or `ipam`; `ipam` wins.
+    Both,
+    /// Only inside `ipam`.
+    Ipam,
+    /// Only at the top level.
+    Top,
+}
+
+struct Source<'a> {
+    top: &'a Map<String, Value>,
+    ipam: Option<&'a Map<String, Value>>,
+}
+
+fn type_error(path: &str, expected: &str, found: &Value) -> CniError {
+    CniError::config(format!(
+        "netconf key {path:?} must be {expected}, found {found}"
+    ))
+}
+
+fn unsupported(path: &str, value: &str, why: impl std::fmt::Display) -> CniError {
+    CniError::with_details(
+        codes::UNSUPPORTED_FIELD,
+        format!("unsupported value for netconf key {path:?}: {value:?}"),
+        why.to_string(),
+    )
+}
+
+impl<'a> Source<'a> {
+    /// The value of `key` and its path (`ipam.key` or `key`); `null` counts as absent.
+    fn lookup(&self, key: &str, scope: Scope) -> Option<(String, &'a Value)> {
+        let in_ipam = || {
+            self.ipam
+                .and_then(|m| m.get(key))
+                .filter(|v| !v.is_null())
+                .map(|v| (format!("ipam.{key}"), v))
+        };
+        let in_top = || {
+            self.top
+                .get(key)
+                .filter(|v| !v.is_null())
+                .map(|v| (key.to_owned(), v))
+        };
+        match scope {
+            Scope::Both => in_ipam().or_else(in_top),
+            Scope::Ipam => in_ipam(),
+            Scope::Top => in_top(),
+        }
+    }
+
+    fn string(&self, key: &str, scope: Scope) -> Result<Option<String>, CniError> {
+        match self.lookup(key, scope) {
+            None => Ok(None),
+            Some((path, value)) => value
+                .as_str()
+                .map(|s| Some(s.to_owned()))
+                .ok_or_else(|| type_error(&path, "a string", value)),
+        }
+    }
+
+    fn nonempty_string(&self, key: &str, scope: Scope) -> Result<Option<String>, CniError> {
+        Ok(self
+            .string(key, scope)?
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty()))
+    }
+
+    fn strings(&self, key: &str, scope: Scope) -> Result<Vec<String>, CniError> {
+        match self.lookup(key, scope) {
+            None => Ok(Vec::new()),
+            Some((path, value)) => string_list(&path, value),
+        }
+    }
+
+    fn seconds(
+        &self,
+        key: &str,
+        default: Duration,
+        allow_zero: bool,
+    ) -> Result<Duration, CniError> {
+        let Some((path, value)) = self.lookup(key, Scope::Both) else {
+            return Ok(default);
+        };
+        let seconds = value
+            .as_f64()
+            .ok_or_else(|| type_error(&path, "a number of seconds", value))?;
+        let ok = seconds.is_finite()
+            && seconds <= MAX_SECONDS
+            && (seconds > 0.0 || (allow_zero && seconds == 0.0));
+        if !ok {
+            return Err(CniError::config(format!(
+                "netconf key {path:?} must be {} and at most {MAX_SECONDS} seconds, found {value}",
+                if allow_zero {
+                    "zero or more"
+                } else {
+                    "more than zero"
+                }
+            )));
+        }
+        Duration::try_from_secs_f64(seconds)
+            .map_err(|e| CniError::config(format!("netconf key {path:?}: {e}")))
+    }
+
+    fn flag(&self, key: &str, default: bool) -> Result<bool, CniError> {
+        let Some((path, value)) = self.lookup(key, Scope::Ipam) else {
+            return Ok(default);
+        };
+        match value {
+            Value::Bool(b) => Ok(*b),
+            Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
+                "true" => Ok(true),
+                "false" => Ok(false),
+                _ => Err(unsupported(&path, s, "expected \"true\" or \"false\"")),
+            },
+            other => Err(type_error(&path, "the string \"true\" or \"false\"", other)),
+        }
+    }
+}
+
+fn string_list(path: &str, value: &Value) -> Result<Vec<String>, CniError> {
+    let list = value
+        .as_array()
+        .ok_or_else(|| type_error(path, "a list of strings", value))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, item)| {
+            item.as_str()
+                .map(str::to_owned)
+                .ok_or_else(|| type_error(&format!("{path}[{i}]"), "a string", item))
+        })
+        .collect()
+}
+
+fn address_list(path: &str, value: &Value) -> Result<Vec<IpAddr>, CniError> {
+    string_list(path, value)?
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            parse_ip_maybe_prefixed(text)
+                .map_err(|e| CniError::config(format!("netconf key {path}[{i}]: {e}")))
+        })
+        .collect()
+}
+
+fn object<'a>(path: &str, value: &'a Value) -> Result<&'a Map<String, Value>, CniError> {
+    value
+        .as_object()
+        .ok_or_else(|| type_error(path, "an object", value))
+}
+
+fn parse_net(path: &str, text: &str) -> Result<IpNet, CniError> {
+    text.trim()
+        .parse::<IpNet>()
+        .map_err(|_| CniError::config(format!("netconf key {path}: {text:?} is not a CIDR")))
+}
+
+/// Reads just `name` and `cniVersion`, as libcni's skeleton does before anything else.
+///
+/// # Errors
+/// Code 6 when stdin is not a JSON object or `name` / `cniVersion` is not a string; code 7 when
+/// `name` is missing or has characters outside `[a-zA-Z0-9_.-]` (first one alphanumeric).
+pub fn parse_header(stdin: &[u8]) -> Result<(Value, String, String), CniError> {
+    let value: Value = serde_json::from_slice(stdin).map_err(|e| {
+        CniError::new(
+            codes::DECODING_FAILURE,
+            format!("error unmarshalling network config: {e}"),
+        )
+    })?;
+    let top = value.as_object().ok_or_else(|| {
+        CniError::new(
+            codes::DECODING_FAILURE,
+            "error unmarshalling network config: not a JSON object",
+        )
+    })?;
+    let name = match top.get("name") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => {
+            return Err(CniError::new(
+                codes::DECODING_FAILURE,
+                format!("error unmarshalling network config: name must be a string, found {other}"),
+            ))
+        }
+    };
+    if name.is_empty() {
+        return Err(CniError::config("missing network name"));
+    }
+    if !is_valid_cni_name(&name) {
+        return Err(CniError::with_details(
+            codes::INVALID_NETWORK_CONFIG,
+            "invalid characters found in network name",
+            name,
+        ));
+    }
+    let version = match top.get("cniVersion") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => return Err(CniError::new(
+            codes::DECODING_FAILURE,
+            format!(
+                "decoding version from network config: cniVersion must be a string, found {other}"
+            ),
+        )),
+    };
+    let version = if version.is_empty() {
+        "0.1.0".to_owned()
+    } else {
+        version
+    };
+    Ok((value, name, version))
+}
+
+/// libcni's rule for network names and container ids: `^[a-zA-Z0-9][a-zA-Z0-9_.\-]*$`.
+pub fn is_valid_cni_name(text: &str) -> bool {
+    let mut chars = text.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+}
+
+/// Parses the whole network configuration (after [`parse_header`]).
+///
+/// # Errors
+/// Code 7 for a known key of the wrong type or an invalid value (bad CIDR, bad pool, bad
+/// address); code 2 for a value blockipam does not support (`datastore_type`, `log_level`,
+/// `assign_ipv4` / `assign_ipv6`).
+pub fn parse_netconf(
+    value: &Value,
+    name: String,
+    cni_version: String,
+) -> Result<NetConf, CniError> {
+    let top = object("(netconf)", value)?;
+    let ipam = match top.get("ipam") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(object("ipam", v)?),
+    };
+    let source = Source { top, ipam };
+
+    let datastore_type = match source.lookup("datastore_type", Scope::Both) {
+        None => DatastoreType::default(),
+        Some((path, value)) => {
+            let text = value
+                .as_str()
+                .ok_or_else(|| type_error(&path, "a string", value))?;
+            text.parse::<DatastoreType>()
+                .map_err(|why| unsupported(&path, text, why))?
+        }
+    };
+    let etcd_endpoints = match source.lookup("etcd_endpoints", Scope::Both) {
+        None => Vec::new(),
+        Some((_, Value::String(s))) => DatastoreSettings::parse_endpoints(s),
+        Some((path, value @ Value::Array(_))) => string_list(&path, value)?
+            .into_iter()
+            .map(|s| s.trim().to_owned())
+            .filter(|s| !s.is_empty())
+            .collect(),
+        Some((path, value)) => {
+            return Err(type_error(
+                &path,
+                "a comma-separated string or a list of strings",
+                value,
+            ))
+        }
+    };
+    if datastore_type == DatastoreType::Etcdv3 && etcd_endpoints.is_empty() {
+        return Err(CniError::config(
+            "datastore_type etcdv3 needs etcd_endpoints (for example \"http://127.0.0.1:2379\")",
+        ));
+    }
+    let path_of = |key: &str| -> Result<Option<PathBuf>, CniError> {
+        Ok(source.nonempty_string(key, Scope::Both)?.map(PathBuf::from))
+    };
+    let lock_wait = source.seconds("ipam_lock_timeout_seconds", DEFAULT_LOCK_WAIT, true)?;
+    let datastore = DatastoreSettings {
+        datastore_type,
+        path: path_of("datastore_path")?,
+        etcd_endpoints,
+        etcd_ca_cert_file: path_of("etcd_ca_cert_file")?,
+        etcd_cert_file: path_of("etcd_cert_file")?,
+        etcd_key_file: path_of("etcd_key_file")?,
+        etcd_prefix: source.nonempty_string("etcd_prefix", Scope::Both)?,
+        etcd_timeouts: None,
+        lock_wait,
+    };
+    if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
+        return Err(CniError::config(
+            "etcd_cert_file and etcd_key_file must be given together",
+        ));
+    }
+
+    let log_level = match source.lookup("log_level", Scope::Both) {
+        None => LogLevel::default(),
+        Some((path, value)) => {
+            let text = value
+                .as_str()
+                .ok_or_else(|| type_error(&path, "a string", value))?;
+            LogLevel::parse(text).map_err(|why| unsupported(&path, text, why))?
+        }
+    };
+
+    let mut pools = Vec::new();
+    if let Some((path, value)) = source.lookup("pools", Scope::Ipam) {
+        let list = value.as_array().ok_or_else(|| {
+            type_error(&path, "a list of {cidr, block_size, name} objects", value)
+        })?;
+        for (i, item) in list.iter().enumerate() {
+            pools.push(parse_pool(&format!("{path}[{i}]"), item)?);
+        }
+    }
+
+    let gateways = match source.lookup("gateway", Scope::Ipam) {
+        None => Vec::new(),
+        Some((path, Value::String(s))) => vec![parse_ip_maybe_prefixed(s)
+            .map_err(|e| CniError::config(format!("netconf key {path}: {e}")))?],
+        Some((path, value @ Value::Array(_))) => address_list(&path, value)?,
+        Some((path, value)) => {
+            return Err(type_error(
+                &path,
+                "an address or a list of addresses",
+                value,
+            ))
+        }
+    };
+
+    let routes = match source.lookup("routes", Scope::Ipam) {
+        None => None,
+        Some((path, value)) => {
+            let list = value
+                .as_array()
+                .ok_or_else(|| type_error(&path, "a list of {dst, gw} objects", value))?;
+            let mut routes = Vec::new();
+            for (i, item) in list.iter().enumerate() {
+                routes.push(parse_route(&format!("{path}[{i}]"), item)?);
+            }
+            Some(routes)
+        }
+    };
+
+    let mut requested_ips = Vec::new();
+    if let Some(args) = top.get("args").filter(|v| !v.is_null()) {
+        let args = object("args", args)?;
+        if let Some(cni) = args.get("cni").filter(|v| !v.is_null()) {
+            let cni = object("args.cni", cni)?;
+            if let Some(ips) = cni.get("ips").filter(|v| !v.is_null()) {
+                requested_ips.extend(address_list("args.cni.ips", ips)?);
+            }
+        }
+    }
+    if let Some(runtime) = top.get("runtimeConfig").filter(|v| !v.is_null()) {
+        let runtime = object("runtimeConfig", runtime)?;
+        if let Some(ips) = runtime.get("ips").filter(|v| !v.is_null()) {
+            requested_ips.extend(address_list("runtimeConfig.ips", ips)?);
+        }
+    }
+
+    let prev_result = match source.lookup("prevResult", Scope::Top) {
+        None => None,
+        Some((path, value)) => Some(Value::Object(object(&path, value)?.clone())),
+    };
+
+    let valid_attachments = match source
+        .lookup("cni.dev/valid-attachments", Scope::Top)
+        .or_else(|| source.lookup("cni.dev/attachments", Scope::Top))
+    {
+        None => None,
+        Some((path, value)) => Some(parse_attachments(&path, value)?),
+    };
+
+    Ok(NetConf {
+        cni_version,
+        name,
+        nodename: source.nonempty_string("nodename", Scope::Both)?,
+        nodename_file: path_of("nodename_file")?
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_NODENAME_FILE)),
+        datastore,
+        log_level,
+        log_file_path: path_of("log_file_path")?,
+        lock_file: path_of("ipam_lock_file")?.unwrap_or_else(|| PathBuf::from(DEFAULT_LOCK_FILE)),
+        lock_wait,
+        timeout: source.seconds("timeout_seconds", DEFAULT_TIMEOUT, false)?,
+        assign_ipv4: source.flag("assign_ipv4", true)?,
+        assign_ipv6: source.flag("assign_ipv6", false)?,
+        ipv4_pools: source.strings("ipv4_pools", Scope::Ipam)?,
+        ipv6_pools: source.strings("ipv6_pools", Scope::Ipam)?,
+        pools,
+        gateways,
+        routes,
+        requested_ips,
+        prev_result,
+        valid_attachments,
+    })
+}
+
+fn parse_pool(path: &str, item: &Value) -> Result<PoolSpec, CniError> {
+    let fields = object(path, item)?;
+    let cidr_text = match fields.get("cidr") {
+        Some(Value::String(s)) => s,
+        None | Some(Value::Null) => {
+            return Err(CniError::config(format!(
+                "netconf key {path}.cidr is missing"
+            )))
+        }
+        Some(other) => return Err(type_error(&format!("{path}.cidr"), "a CIDR string", other)),
+    };
+    let cidr = parse_net(&format!("{path}.cidr"), cidr_text)?;
+    let block_size = match fields.get("block_size") {
+        None | Some(Value::Null) => None,
+        Some(value) => Some(
+            value
+                .as_u64()
+                .and_then(|n| u8::try_from(n).ok())
+                .ok_or_else(|| {
+                    type_error(&format!("{path}.block_size"), "a prefix length", value)
+                })?,
+        ),
+    };
+    let name = match fields.get("name") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => return Err(type_error(&format!("{path}.name"), "a string", other)),
+    };
+    let spec = PoolSpec {
+        cidr,
+        name,
+        block_size,
+        disabled: false,
+    };
+    Ipam::pool_from_spec(&spec).map_err(|e| match e {
+        IpamError::InvalidArgument(why) => CniError::config(format!("netconf key {path}: {why}")),
+        other => CniError::config(format!("netconf key {path}: {other}")),
+    })?;
+    Ok(spec)
+}
+
+fn parse_route(path: &str, item: &Value) -> Result<RouteConf, CniError> {
+    let fields = object(path, item)?;
+    let dst = match fields.get("dst") {
+        Some(Value::String(s)) => parse_net(&format!("{path}.dst"), s)?.trunc(),
+        None | Some(Value::Null) => {
+            return Err(CniError::config(format!(
+                "netconf key {path}.dst is missing"
+            )))
+        }
+        Some(other) => return Err(type_error(&format!("{path}.dst"), "a CIDR string", other)),
+    };
+    let gw = match fields.get("gw") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.is_empty() => None,
+        Some(Value::String(s)) => Some(s.trim().parse::<IpAddr>().map_err(|_| {
+            CniError::config(format!("netconf key {path}.gw: {s:?} is not an IP address"))
+        })?),
+        Some(other) => {
+            return Err(type_error(
+                &format!("{path}.gw"),
+                "an IP address string",
+                other,
+            ))
+        }
+    };
+    if let Some(gw) = gw {
+        if gw.is_ipv4() != dst.addr().is_ipv4() {
+            return Err(CniError::config(format!(
+                "netconf key {path}: gateway {gw} is not of the same family as {dst}"
+            )));
+        }
+    }
+    Ok(RouteConf { dst, gw })
+}
+
+fn parse_attachments(path: &str, value: &Value) -> Result<Vec<Attachment>, CniError> {
+    let list = value
+        .as_array()
+        .ok_or_else(|| type_error(path, "a list of {containerID, ifname} objects", value))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let item_path = format!("{path}[{i}]");
+            let fields = object(&item_path, item)?;
+            let field = |key: &str| -> Result<String, CniError> {
+                match fields.get(key) {
+                    Some(Value::String(s)) => Ok(s.clone()),
+                    other => Err(type_error(
+                        &format!("{item_path}.{key}"),
+                        "a string",
+                        other.unwrap_or(&Value::Null),
+                    )),
+                }
+            };
+            Ok(Attachment {
+                container_id: field("containerID")?,
+                ifname: field("ifname")?,
+            })
+        })
+        .collect()
+}
+
+/// The node this call allocates for: `nodename`, else the node-name file, else the OS host name
+/// (lower-cased, as Calico does).
+///
+/// # Errors
+/// Code 5 when none of them gives a name.
+pub fn resolve_nodename(conf: &NetConf) -> Result<String, CniError> {
+    if let Some(name) = &conf.nodename {
+        return Ok(name.clone());
+    }
+    if let Ok(text) = std::fs::read_to_string(&conf.nodename_file) {
+        let name = text.trim();
+        if !name.is_empty() {
+            return Ok(name.to_owned());
+        }
+    }
+    for file in ["/proc/sys/kernel/hostname", "/etc/hostname"] {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            let name = text.trim().to_ascii_lowercase();
+            if !name.is_empty() {
+                return Ok(name);
+            }
+        }
+    }
+    Err(CniError::new(
+        codes::IO_FAILURE,
+        format!(
+            "cannot determine the node name: no nodename in the netconf, nothing in {}, and no host name",
+            conf.nodename_file.display()
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(value: Value) -> Result<NetConf, CniError> {
+        parse_netconf(&value, "net".into(), "1.0.0".into())
+    }
+
+    #[test]
+    fn ipam_object_wins_over_top_level_and_defaults_apply() {
+        let conf = parse(json!({
+            "nodename": "top", "datastore_path": "/top",
+            "ipam": {"type": "blockipam", "nodename": "inner"}
+        }))
+        .expect("parse");
+        assert_eq!(conf.nodename.as_deref(), Some("inner"));
+        assert_eq!(conf.datastore.path, Some(PathBuf::from("/top")));
+        assert_eq!(conf.datastore.datastore_type, DatastoreType::Sled);
+        assert!(conf.assign_ipv4 && !conf.assign_ipv6);
+        assert_eq!(conf.lock_file, PathBuf::from(DEFAULT_LOCK_FILE));
+        assert_eq!(conf.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(conf.lock_wait, DEFAULT_LOCK_WAIT);
+    }
+
+    #[test]
+    fn wrong_types_for_known_keys_are_invalid_config_naming_the_key() {
+        for (value, key) in [
+            (json!({"ipam": {"nodename": 5}}), "ipam.nodename"),
+            (json!({"ipam": {"ipv4_pools": "a"}}), "ipam.ipv4_pools"),
+            (
+                json!({"ipam": {"pools": [{"cidr": 10}]}}),
+                "ipam.pools[0].cidr",
+            ),
+            (
+                json!({"ipam": {"routes": [{"dst": "10.0.0.0/8", "gw": 1}]}}),
+                "ipam.routes[0].gw",
+            ),
+            (json!({"timeout_seconds": "ten"}), "timeout_seconds"),
+            (json!({"ipam": "blockipam"}), "ipam"),
+        ] {
+            let err = parse(value).expect_err(key);
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{key}");
+            assert!(err.msg.contains(key), "{key}: {}", err.msg);
+        }
+    }
+
+    #[test]
+    fn unsupported_values_are_code_2_naming_key_and_value() {
+        for (value, key, shown) in [
+            (
+                json!({"datastore_type": "kubernetes"}),
+                "datastore_type",
+                "kubernetes",
+            ),
+            (
+                json!({"ipam": {"assign_ipv4": "maybe"}}),
+                "ipam.assign_ipv4",
+                "maybe",
+            ),
+            (json!({"log_level": "loud"}), "log_level", "loud"),
+        ] {
+            let err = parse(value).expect_err(key);
+            assert_eq!(err.code, codes::UNSUPPORTED_FIELD, "{key}");
+            assert!(
+                err.msg.contains(key) && err.msg.contains(shown),
+                "{}",
+                err.msg
+            );
+        }
+    }
+
+    #[test]
+    fn bad_pool_cidrs_and_block_sizes_are_invalid_config() {
+        for pool in [
+            json!({"cidr": "10.0.0.0/33"}),
+            json!({"cidr": "10.0.0.1/24"}),
+            json!({"cidr": "10.0.0.0/24", "block_size": 19}),
+            json!({"cidr": "10.0.0.0/24", "block_size": 300}),
+        ] {
+            let err = parse(json!({"ipam": {"pools": [pool.clone()]}})).expect_err("bad pool");
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{pool}");
+        }
+    }
+
+    #[test]
+    fn calico_string_flags_and_comma_endpoints_are_understood() {
+        let conf = parse(json!({
+            "datastore_type": "etcdv3",
+            "etcd_endpoints": "http://127.0.0.1:1, http://127.0.0.1:2",
+            "ipam": {"assign_ipv4": "false", "assign_ipv6": "true", "gateway": ["10.0.0.1", "fd00::1"]}
+        }))
+        .expect("parse");
+        assert!(!conf.assign_ipv4 && conf.assign_ipv6);
+        assert_eq!(conf.datastore.etcd_endpoints.len(), 2);
+        assert_eq!(conf.gateways.len(), 2);
+    }
+
+    #[test]
+    fn etcd_without_endpoints_is_invalid_config() {
+        let err = parse(json!({"datastore_type": "etcdv3"})).expect_err("no endpoints");
+        assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG);
+    }
+
+    #[test]
+    fn header_rules_follow_libcni() {
+        assert_eq!(
+            parse_header(b"{").expect_err("syntax").code,
+            codes::DECODING_FAILURE
+        );
+        assert_eq!(
+            parse_header(b"{}").expect_err("no name").code,
+            codes::INVALID_NETWORK_CONFIG
+        );
+        assert_eq!(
+            parse_header(br#"{"name": "a b"}"#)
+                .expect_err("bad name")
+                .code,
+            codes::INVALID_NETWORK_CONFIG
+        );
+        let (_, _, version) = parse_header(br#"{"name": "n"}"#).expect("ok");
+        assert_eq!(version, "0.1.0");
+    }
+}

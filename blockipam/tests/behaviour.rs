@@ -1,0 +1,405 @@
+//! What the plugin does with addresses: idempotent ADD per attachment, several interfaces per
+//! container, specific addresses, recorded attributes, reservations, result shaping, DEL of
+//! Calico's legacy handle, GC and the in-process entry point.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use blockipam_store::DatastoreType;
+use common::*;
+use ipam_core::AssignIpsRequest;
+use serde_json::json;
+
+#[test]
+fn in_process_run_gives_the_same_result_as_the_binary() {
+    let binary = Sandbox::new();
+    let in_process = Sandbox::new();
+    let a = cni(
+        "ADD",
+        "c1",
+        "eth0",
+        &binary.netconf("1.0.0", json!({})),
+        &[],
+    );
+    let b = cni_in_process(
+        "ADD",
+        "c1",
+        "eth0",
+        &in_process.netconf("1.0.0", json!({})),
+        &[],
+    );
+    assert_eq!(a.success_json("binary"), b.success_json("in process"));
+    let bad = cni_in_process("ADD", "c1", "eth0", &json!({"cniVersion": "1.0.0"}), &[]);
+    assert_eq!(bad.assert_error(7, "in process"), "missing network name");
+}
+
+#[test]
+fn repeated_add_for_one_attachment_returns_its_addresses_without_allocating_more() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv6": "true"}));
+    let first = cni_in_process("ADD", "c1", "eth0", &netconf, &[]).success_json("first");
+    for _ in 0..3 {
+        let again = cni_in_process("ADD", "c1", "eth0", &netconf, &[]).success_json("again");
+        assert_eq!(again, first);
+    }
+    assert_eq!(sandbox.container_allocations().len(), 2);
+}
+
+#[test]
+fn second_interface_gets_its_own_addresses_and_del_releases_only_that_interface() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let eth0 =
+        first_address(&cni_in_process("ADD", "c1", "eth0", &netconf, &[]).success_json("eth0"));
+    let eth1 =
+        first_address(&cni_in_process("ADD", "c1", "eth1", &netconf, &[]).success_json("eth1"));
+    assert_ne!(eth0, eth1);
+    // Retrying either returns its own address.
+    let again = cni_in_process("ADD", "c1", "eth1", &netconf, &[]).success_json("eth1 again");
+    assert_eq!(first_address(&again), eth1);
+    let held: BTreeMap<String, String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, handle, attrs)| {
+            assert_eq!(handle, "testnet.c1");
+            (attrs["interface"].clone(), ip)
+        })
+        .collect();
+    assert_eq!(
+        held,
+        BTreeMap::from([("eth0".into(), eth0.clone()), ("eth1".into(), eth1)])
+    );
+    cni_in_process("DEL", "c1", "eth1", &netconf, &[]).assert_silent_success("DEL eth1");
+    let left: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, _, _)| ip)
+        .collect();
+    assert_eq!(left, vec![eth0]);
+    cni_in_process("DEL", "c1", "eth1", &netconf, &[]).assert_silent_success("DEL eth1 again");
+    cni_in_process("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL eth0");
+    assert!(sandbox.container_allocations().is_empty());
+}
+
+#[test]
+fn attributes_record_network_node_namespace_pod_container_interface_and_timestamp() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni(
+        "ADD",
+        "c1",
+        "net1",
+        &netconf,
+        &[("CNI_ARGS", "K8S_POD_NAMESPACE=web;K8S_POD_NAME=frontend-0;K8S_POD_INFRA_CONTAINER_ID=c1;K8S_POD_UID=u-1")],
+    )
+    .success_json("ADD");
+    let allocations = sandbox.container_allocations();
+    assert_eq!(allocations.len(), 1);
+    let (_, handle, attrs) = &allocations[0];
+    assert_eq!(handle, "testnet.c1");
+    assert_eq!(attrs["node"], NODE);
+    assert_eq!(attrs["namespace"], "web");
+    assert_eq!(attrs["pod"], "frontend-0");
+    assert_eq!(attrs["container_id"], "c1");
+    assert_eq!(attrs["interface"], "net1");
+    assert_eq!(attrs["network"], NETWORK);
+    let stamp = &attrs["timestamp"];
+    assert_eq!(stamp.len(), 20, "{stamp}");
+    assert!(
+        stamp.ends_with('Z') && stamp.as_bytes()[10] == b'T',
+        "{stamp}"
+    );
+}
+
+#[test]
+fn specific_addresses_come_from_cni_args_args_and_runtime_config() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let result = cni(
+        "ADD",
+        "c1",
+        "eth0",
+        &netconf,
+        &[("CNI_ARGS", "IgnoreUnknown=1;IP=10.244.7.20,fd00:10:244::20")],
+    )
+    .success_json("IP=");
+    assert_eq!(
+        addresses(&result),
+        vec!["10.244.7.20".to_owned(), "fd00:10:244::20".to_owned()]
+    );
+    let mut with_args = netconf.clone();
+    merge(
+        &mut with_args,
+        json!({"args": {"cni": {"ips": ["10.244.7.21/24"]}}}),
+    );
+    let result = cni("ADD", "c2", "eth0", &with_args, &[]).success_json("args.cni.ips");
+    assert_eq!(addresses(&result), vec!["10.244.7.21".to_owned()]);
+    let mut with_runtime = netconf.clone();
+    merge(
+        &mut with_runtime,
+        json!({"runtimeConfig": {"ips": ["10.244.7.22/24"]}}),
+    );
+    let result = cni("ADD", "c3", "eth0", &with_runtime, &[]).success_json("runtimeConfig.ips");
+    assert_eq!(addresses(&result), vec!["10.244.7.22".to_owned()]);
+    // Retrying a specific-address ADD is idempotent too.
+    let again = cni("ADD", "c3", "eth0", &with_runtime, &[]).success_json("again");
+    assert_eq!(addresses(&again), vec!["10.244.7.22".to_owned()]);
+    assert_eq!(sandbox.container_allocations().len(), 4);
+}
+
+#[test]
+fn gateway_network_and_broadcast_addresses_are_reserved_once_and_never_handed_out() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"pools": [{"cidr": "10.244.9.0/28", "block_size": 28}], "gateway": "10.244.9.1"}),
+    );
+    let mut given = Vec::new();
+    for i in 0..13 {
+        let result =
+            cni_in_process("ADD", &format!("c{i}"), "eth0", &netconf, &[]).success_json("ADD");
+        assert_eq!(result["ips"][0]["gateway"], json!("10.244.9.1"));
+        assert!(result["ips"][0]["address"]
+            .as_str()
+            .expect("address")
+            .ends_with("/28"));
+        given.push(first_address(&result));
+    }
+    for reserved in ["10.244.9.0", "10.244.9.1", "10.244.9.15"] {
+        assert!(
+            !given.contains(&reserved.to_owned()),
+            "{reserved} was handed out"
+        );
+    }
+    let distinct: std::collections::BTreeSet<&String> = given.iter().collect();
+    assert_eq!(distinct.len(), 13);
+    cni_in_process("ADD", "c13", "eth0", &netconf, &[]).assert_error(100, "pool full");
+    let reservations: Vec<String> = sandbox
+        .allocations()
+        .into_iter()
+        .filter(|(_, handle, _)| handle == "testnet:gateway")
+        .map(|(ip, _, attrs)| {
+            assert_eq!(attrs["node"], "-");
+            ip
+        })
+        .collect();
+    assert_eq!(
+        reservations,
+        vec!["10.244.9.0", "10.244.9.1", "10.244.9.15"]
+    );
+}
+
+#[test]
+fn without_a_gateway_addresses_carry_their_block_prefix_and_no_redundant_route() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"gateway": null}));
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert_eq!(
+        result,
+        json!({"cniVersion": "1.0.0", "ips": [{"address": "10.244.7.192/26"}], "dns": {}})
+    );
+    assert!(sandbox
+        .allocations()
+        .iter()
+        .all(|(_, h, _)| h != "testnet:gateway"));
+}
+
+#[test]
+fn configured_routes_replace_the_block_routes() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf(
+        "0.3.1",
+        json!({"routes": [{"dst": "0.0.0.0/0"}, {"dst": "192.168.0.0/16", "gw": "10.244.7.254"}]}),
+    );
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert_eq!(
+        result["routes"],
+        json!([{"dst": "0.0.0.0/0"}, {"dst": "192.168.0.0/16", "gw": "10.244.7.254"}])
+    );
+}
+
+#[test]
+fn ipv6_only_and_pool_selection_follow_calicos_flags() {
+    let sandbox = Sandbox::new();
+    let v6_only = sandbox.netconf(
+        "1.0.0",
+        json!({"assign_ipv4": "false", "assign_ipv6": "true"}),
+    );
+    let result = cni("ADD", "c1", "eth0", &v6_only, &[]).success_json("v6 only");
+    assert_eq!(addresses(&result), vec!["fd00:10:244::c0".to_owned()]);
+    let chosen = sandbox.netconf(
+        "1.0.0",
+        json!({
+            "pools": [
+                {"cidr": "10.244.7.0/24", "block_size": 26, "name": "test-v4"},
+                {"cidr": "10.244.8.0/24", "block_size": 26, "name": "second"}
+            ],
+            "gateway": null,
+            "ipv4_pools": ["second"]
+        }),
+    );
+    let result = cni("ADD", "c2", "eth0", &chosen, &[]).success_json("named pool");
+    assert!(first_address(&result).starts_with("10.244.8."), "{result}");
+    let by_cidr = sandbox.netconf(
+        "1.0.0",
+        json!({"gateway": null, "ipv4_pools": ["10.244.7.0/24"]}),
+    );
+    let result = cni("ADD", "c3", "eth0", &by_cidr, &[]).success_json("pool by CIDR");
+    assert!(first_address(&result).starts_with("10.244.7."), "{result}");
+}
+
+#[test]
+fn nodename_comes_from_netconf_then_node_name_file_then_host_name() {
+    let sandbox = Sandbox::new();
+    let file = sandbox.dir.path().join("nodename");
+    std::fs::write(&file, "node-from-file\n").expect("write");
+    let top_level = {
+        let mut netconf = sandbox.netconf("1.0.0", json!({"nodename": null}));
+        merge(&mut netconf, json!({"nodename": "node-top"}));
+        netconf
+    };
+    let ipam_wins = {
+        let mut netconf = sandbox.netconf("1.0.0", json!({"nodename": "node-inner"}));
+        merge(&mut netconf, json!({"nodename": "node-top"}));
+        netconf
+    };
+    let from_file = sandbox.netconf("1.0.0", json!({"nodename": null, "nodename_file": file}));
+    let from_host = sandbox.netconf(
+        "1.0.0",
+        json!({"nodename": null, "nodename_file": sandbox.dir.path().join("missing")}),
+    );
+    for (container, netconf) in [
+        ("a", &top_level),
+        ("b", &ipam_wins),
+        ("c", &from_file),
+        ("d", &from_host),
+    ] {
+        cni("ADD", container, "eth0", netconf, &[]).success_json(container);
+    }
+    let nodes: BTreeMap<String, String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, _, attrs)| (attrs["container_id"].clone(), attrs["node"].clone()))
+        .collect();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .expect("host name")
+        .trim()
+        .to_ascii_lowercase();
+    assert_eq!(nodes["a"], "node-top");
+    assert_eq!(nodes["b"], "node-inner");
+    assert_eq!(nodes["c"], "node-from-file");
+    assert_eq!(nodes["d"], host);
+}
+
+#[test]
+fn del_releases_calicos_legacy_namespace_pod_handle_when_the_main_one_is_unknown() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
+    sandbox.with_ipam(async |ipam| {
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec!["10.244.7.100".parse().expect("ip")],
+            handle: "web.frontend-0".into(),
+            host: NODE.into(),
+            attributes: BTreeMap::new(),
+        })
+        .await
+        .expect("legacy allocation");
+    });
+    let args = [("CNI_ARGS", "K8S_POD_NAMESPACE=web;K8S_POD_NAME=frontend-0")];
+    cni("DEL", "old", "eth0", &netconf, &args).assert_silent_success("DEL legacy");
+    let left: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, handle, _)| handle)
+        .collect();
+    assert_eq!(left, vec!["testnet.prime"]);
+}
+
+#[test]
+fn gc_releases_only_stale_attachments_of_this_network_made_on_this_node() {
+    let sandbox = Sandbox::new();
+    let here = sandbox.netconf("1.1.0", json!({}));
+    let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
+    let mut other_network = here.clone();
+    merge(&mut other_network, json!({"name": "othernet"}));
+    cni_in_process("ADD", "keep", "eth0", &here, &[]).success_json("keep");
+    cni_in_process("ADD", "keep", "eth1", &here, &[]).success_json("keep eth1");
+    cni_in_process("ADD", "stale", "eth0", &here, &[]).success_json("stale");
+    cni_in_process("ADD", "remote", "eth0", &elsewhere, &[]).success_json("remote");
+    cni_in_process("ADD", "stale", "eth0", &other_network, &[]).success_json("other network");
+    let mut gc = here.clone();
+    merge(
+        &mut gc,
+        json!({"cni.dev/valid-attachments": [{"containerID": "keep", "ifname": "eth0"}]}),
+    );
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC");
+    let mut left: Vec<(String, String)> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, handle, attrs)| (handle, attrs["interface"].clone()))
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        vec![
+            ("othernet.stale".to_owned(), "eth0".to_owned()),
+            ("testnet.keep".to_owned(), "eth0".to_owned()),
+            ("testnet.remote".to_owned(), "eth0".to_owned()),
+        ]
+    );
+    // The reservations survive any GC.
+    assert_eq!(
+        sandbox
+            .allocations()
+            .iter()
+            .filter(|(_, h, _)| h == "testnet:gateway")
+            .count(),
+        5
+    );
+}
+
+#[test]
+fn gc_accepts_the_older_attachments_key_and_an_empty_list_clears_this_node() {
+    let sandbox = Sandbox::new();
+    let here = sandbox.netconf("1.1.0", json!({}));
+    let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
+    cni_in_process("ADD", "a", "eth0", &here, &[]).success_json("a");
+    cni_in_process("ADD", "b", "eth0", &here, &[]).success_json("b");
+    cni_in_process("ADD", "r", "eth0", &elsewhere, &[]).success_json("r");
+    let mut gc = here.clone();
+    merge(
+        &mut gc,
+        json!({"cni.dev/attachments": [{"containerID": "b", "ifname": "eth0"}]}),
+    );
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC, older key");
+    let handles = |s: &Sandbox| -> Vec<String> {
+        let mut h: Vec<String> = s
+            .container_allocations()
+            .into_iter()
+            .map(|(_, h, _)| h)
+            .collect();
+        h.sort();
+        h
+    };
+    assert_eq!(handles(&sandbox), vec!["testnet.b", "testnet.r"]);
+    let mut gc = here.clone();
+    merge(&mut gc, json!({"cni.dev/valid-attachments": []}));
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC, empty list");
+    assert_eq!(handles(&sandbox), vec!["testnet.r"]);
+}
+
+#[test]
+fn redb_store_serves_add_check_del_like_sled() {
+    let sandbox = Sandbox::with_store(DatastoreType::Redb);
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert_eq!(first_address(&result), "10.244.7.64");
+    assert!(sandbox.store_path().is_file());
+    let mut check = netconf.clone();
+    merge(&mut check, json!({"prevResult": result}));
+    cni("CHECK", "c1", "eth0", &check, &[]).assert_silent_success("CHECK");
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL");
+    assert!(sandbox.container_allocations().is_empty());
+}

@@ -1,0 +1,345 @@
+//! Test support shared by the integration tests: a sandbox (temporary store, lock file and
+//! node-name file), netconf builders, and runners for the real `blockipam` binary and the
+//! in-process library entry point.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::{Ipam, KvStore};
+use serde_json::{json, Value};
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_blockipam");
+
+/// Every spec version the plugin supports.
+pub const VERSIONS: [&str; 7] = [
+    "0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0",
+];
+
+/// The network name every netconf here uses.
+pub const NETWORK: &str = "testnet";
+
+/// The node name every netconf here uses.
+pub const NODE: &str = "node-a";
+
+/// What one invocation produced.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Exit status.
+    pub status: i32,
+    /// Standard output, verbatim.
+    pub stdout: String,
+    /// Standard error, verbatim.
+    pub stderr: String,
+}
+
+impl Outcome {
+    /// Stdout parsed as JSON (panics with the whole outcome when it is not).
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"))
+    }
+
+    /// Asserts success with empty stdout.
+    pub fn assert_silent_success(&self, what: &str) {
+        assert_eq!(self.status, 0, "{what} failed: {self:#?}");
+        assert_eq!(self.stdout, "", "{what} printed on stdout: {self:#?}");
+    }
+
+    /// Asserts success and returns the result JSON.
+    pub fn success_json(&self, what: &str) -> Value {
+        assert_eq!(self.status, 0, "{what} failed: {self:#?}");
+        self.json()
+    }
+
+    /// Asserts an error JSON with `code` (and the exact key set the spec defines) and
+    /// returns its message.
+    pub fn assert_error(&self, code: u64, what: &str) -> String {
+        assert_ne!(self.status, 0, "{what} should have failed: {self:#?}");
+        let value = self.json();
+        let object = value.as_object().expect("error is an object");
+        let keys: Vec<&str> = object.keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            vec!["cniVersion", "code", "details", "msg"],
+            "{what}: error JSON keys: {self:#?}"
+        );
+        assert_eq!(value["code"], json!(code), "{what}: wrong code: {self:#?}");
+        value["msg"].as_str().expect("msg is a string").to_owned()
+    }
+}
+
+/// A temporary directory holding one test's store, lock file and node-name file.
+#[derive(Debug)]
+pub struct Sandbox {
+    /// The directory (removed on drop).
+    pub dir: tempfile::TempDir,
+    /// Which embedded store.
+    pub store_type: DatastoreType,
+}
+
+impl Sandbox {
+    /// A sandbox with a sled store.
+    pub fn new() -> Self {
+        Self::with_store(DatastoreType::Sled)
+    }
+
+    /// A sandbox with the given embedded store.
+    pub fn with_store(store_type: DatastoreType) -> Self {
+        Sandbox {
+            dir: tempfile::Builder::new()
+                .prefix("blockipam-test-")
+                .tempdir()
+                .expect("temp dir"),
+            store_type,
+        }
+    }
+
+    /// The store's path.
+    pub fn store_path(&self) -> PathBuf {
+        let name = match self.store_type {
+            DatastoreType::Redb => "store.redb",
+            _ => "store.sled",
+        };
+        self.dir.path().join(name)
+    }
+
+    /// The host lock's path.
+    pub fn lock_path(&self) -> PathBuf {
+        self.dir.path().join("run/ipam.lock")
+    }
+
+    /// The `ipam` object: this sandbox's store and lock, node [`NODE`], the test pools (IPv4
+    /// 10.244.7.0/24 in /26 blocks, IPv6 fd00:10:244::/120 in /122 blocks) and their gateways,
+    /// with `extra` merged over it (a `null` value removes a key).
+    pub fn ipam(&self, extra: Value) -> Value {
+        let mut ipam = json!({
+            "type": "blockipam",
+            "nodename": NODE,
+            "datastore_type": self.store_type.as_str(),
+            "datastore_path": self.store_path(),
+            "ipam_lock_file": self.lock_path(),
+            "pools": [
+                {"cidr": "10.244.7.0/24", "block_size": 26, "name": "test-v4"},
+                {"cidr": "fd00:10:244::/120", "block_size": 122, "name": "test-v6"}
+            ],
+            "gateway": ["10.244.7.1", "fd00:10:244::1"]
+        });
+        merge(&mut ipam, extra);
+        ipam
+    }
+
+    /// A whole netconf at `version` with [`Sandbox::ipam`]`(extra)`.
+    pub fn netconf(&self, version: &str, extra: Value) -> Value {
+        json!({"cniVersion": version, "name": NETWORK, "ipam": self.ipam(extra)})
+    }
+
+    /// Opens this sandbox's store (no plugin may be running on it).
+    pub async fn open_store(&self) -> std::sync::Arc<dyn KvStore> {
+        DatastoreSettings {
+            datastore_type: self.store_type,
+            path: Some(self.store_path()),
+            ..DatastoreSettings::default()
+        }
+        .open()
+        .await
+        .expect("open the sandbox store")
+    }
+
+    /// Every key and value in the store, or an empty list when it was never created.
+    pub fn snapshot(&self) -> Vec<(String, Vec<u8>)> {
+        if !self.store_path().exists() {
+            return Vec::new();
+        }
+        block_on(async {
+            let store = self.open_store().await;
+            store
+                .list("")
+                .await
+                .expect("list the store")
+                .into_iter()
+                .map(|kv| (kv.key, kv.value))
+                .collect()
+        })
+    }
+
+    /// Runs `f` on an allocator over this sandbox's store, then closes it.
+    pub fn with_ipam<T>(&self, f: impl AsyncFnOnce(&Ipam) -> T) -> T {
+        block_on(async {
+            let ipam = Ipam::new(self.open_store().await);
+            f(&ipam).await
+        })
+    }
+
+    /// Every allocation in the store as (address, handle, attributes).
+    pub fn allocations(&self) -> Vec<(String, String, BTreeMap<String, String>)> {
+        if !self.store_path().exists() {
+            return Vec::new();
+        }
+        self.with_ipam(async |ipam| {
+            ipam.list_allocations()
+                .await
+                .expect("list allocations")
+                .into_iter()
+                .map(|a| (a.ip.to_string(), a.handle, a.attributes))
+                .collect()
+        })
+    }
+
+    /// The allocations of containers (everything but the network's reservations).
+    pub fn container_allocations(&self) -> Vec<(String, String, BTreeMap<String, String>)> {
+        self.allocations()
+            .into_iter()
+            .filter(|(_, handle, _)| !handle.ends_with(":gateway"))
+            .collect()
+    }
+}
+
+impl Default for Sandbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Merges `extra` into `base` (objects only; `null` removes the key).
+pub fn merge(base: &mut Value, extra: Value) {
+    if let (Some(base), Value::Object(extra)) = (base.as_object_mut(), extra) {
+        for (key, value) in extra {
+            if value.is_null() {
+                base.remove(&key);
+            } else {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// Runs a future on a fresh current-thread runtime.
+pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(future)
+}
+
+/// The environment of a call for `command` on container `container`, interface `ifname`.
+pub fn cni_env(command: &str, container: &str, ifname: &str) -> Vec<(String, String)> {
+    let mut env = vec![("CNI_COMMAND".to_owned(), command.to_owned())];
+    if matches!(command, "ADD" | "DEL" | "CHECK") {
+        env.push(("CNI_CONTAINERID".to_owned(), container.to_owned()));
+        env.push(("CNI_IFNAME".to_owned(), ifname.to_owned()));
+    }
+    if matches!(command, "ADD" | "CHECK") {
+        env.push((
+            "CNI_NETNS".to_owned(),
+            format!("/var/run/netns/{container}"),
+        ));
+    }
+    if command != "VERSION" {
+        env.push(("CNI_PATH".to_owned(), "/usr/lib/cni".to_owned()));
+    }
+    env
+}
+
+/// Runs the real binary with exactly `env` and `stdin`.
+pub fn exec(env: &[(String, String)], stdin: &[u8]) -> Outcome {
+    exec_bin(Path::new(BIN), env, stdin)
+}
+
+/// Runs `bin` with exactly `env` and `stdin`.
+pub fn exec_bin(bin: &Path, env: &[(String, String)], stdin: &[u8]) -> Outcome {
+    let mut child = Command::new(bin)
+        .env_clear()
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+    if let Some(mut input) = child.stdin.take() {
+        // A plugin may exit without reading (VERSION): a broken pipe is fine.
+        let _ = input.write_all(stdin);
+    }
+    let output = child.wait_with_output().expect("wait for the plugin");
+    Outcome {
+        status: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+/// Runs the binary for `command` on (`container`, `ifname`) with `netconf` on stdin and
+/// `extra_env` added (e.g. `CNI_ARGS`).
+pub fn cni(
+    command: &str,
+    container: &str,
+    ifname: &str,
+    netconf: &Value,
+    extra_env: &[(&str, &str)],
+) -> Outcome {
+    let mut env = cni_env(command, container, ifname);
+    env.extend(
+        extra_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    exec(&env, netconf.to_string().as_bytes())
+}
+
+/// Runs the library in-process, as the binary would.
+pub fn run_in_process(env: &[(String, String)], stdin: &[u8]) -> Outcome {
+    let env: BTreeMap<String, String> = env.iter().cloned().collect();
+    let mut input = stdin;
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    let status = blockipam::run(&env, &mut input, &mut stdout, &mut stderr);
+    Outcome {
+        status,
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+    }
+}
+
+/// In-process counterpart of [`cni`].
+pub fn cni_in_process(
+    command: &str,
+    container: &str,
+    ifname: &str,
+    netconf: &Value,
+    extra_env: &[(&str, &str)],
+) -> Outcome {
+    let mut env = cni_env(command, container, ifname);
+    env.extend(
+        extra_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    run_in_process(&env, netconf.to_string().as_bytes())
+}
+
+/// The first address (without prefix) of an ADD result of spec 0.3.0 or later.
+pub fn first_address(result: &Value) -> String {
+    let address = result["ips"][0]["address"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no ips[0].address in {result}"));
+    address.split('/').next().expect("address").to_owned()
+}
+
+/// Every address (without prefix) of an ADD result of spec 0.3.0 or later.
+pub fn addresses(result: &Value) -> Vec<String> {
+    result["ips"]
+        .as_array()
+        .map(|ips| {
+            ips.iter()
+                .filter_map(|ip| ip["address"].as_str())
+                .filter_map(|a| a.split('/').next())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}

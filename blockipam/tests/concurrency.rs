@@ -1,0 +1,109 @@
+//! Many plugin processes at once on one embedded store: 32 concurrent ADDs for different
+//! containers all succeed with distinct addresses, and 32 concurrent DELs leave the pool empty.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+
+use blockipam_store::DatastoreType;
+use common::*;
+use serde_json::{json, Value};
+
+const PROCESSES: usize = 32;
+
+fn spawn(command: &str, container: &str, netconf: &Value) -> Child {
+    let mut child = Command::new(BIN)
+        .env_clear()
+        .envs(cni_env(command, container, "eth0"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the plugin");
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin
+        .write_all(netconf.to_string().as_bytes())
+        .expect("write the netconf");
+    drop(stdin);
+    child
+}
+
+fn finish(child: Child) -> Outcome {
+    let output = child.wait_with_output().expect("wait");
+    Outcome {
+        status: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+fn concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(store: DatastoreType) {
+    let sandbox = Sandbox::with_store(store);
+    // No gateway, so no reservation: an empty pool really is empty. A long lock wait, because
+    // 32 processes queue for the host lock.
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"gateway": null, "ipam_lock_timeout_seconds": 120, "log_level": "warning"}),
+    );
+    let containers: Vec<String> = (0..PROCESSES).map(|i| format!("ctr{i:02}")).collect();
+    let children: Vec<Child> = containers
+        .iter()
+        .map(|c| spawn("ADD", c, &netconf))
+        .collect();
+    let mut seen = BTreeSet::new();
+    for (container, child) in containers.iter().zip(children) {
+        let outcome = finish(child);
+        let address = first_address(&outcome.success_json(container));
+        assert!(address.starts_with("10.244.7."), "{address}");
+        assert!(
+            seen.insert(address.clone()),
+            "{address} was handed out twice"
+        );
+    }
+    assert_eq!(seen.len(), PROCESSES);
+    let recorded: BTreeSet<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, _, _)| ip)
+        .collect();
+    assert_eq!(recorded, seen, "the store disagrees with what was printed");
+
+    let children: Vec<Child> = containers
+        .iter()
+        .map(|c| spawn("DEL", c, &netconf))
+        .collect();
+    for (container, child) in containers.iter().zip(children) {
+        finish(child).assert_silent_success(container);
+    }
+    assert!(sandbox.allocations().is_empty());
+    let in_use = sandbox.with_ipam(async |ipam| {
+        ipam.utilization()
+            .await
+            .expect("utilization")
+            .pools
+            .iter()
+            .map(|p| p.in_use)
+            .sum::<u64>()
+    });
+    assert_eq!(in_use, 0, "the pools are not empty after every DEL");
+    let handles = sandbox.with_ipam(async |ipam| {
+        ipam.store()
+            .list(&ipam_core::model::keys::handles_dir())
+            .await
+            .expect("list")
+            .len()
+    });
+    assert_eq!(handles, 0, "handles left behind");
+}
+
+#[test]
+fn thirty_two_concurrent_adds_on_sled_are_distinct_and_dels_empty_the_pool() {
+    concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(DatastoreType::Sled);
+}
+
+#[test]
+fn thirty_two_concurrent_adds_on_redb_are_distinct_and_dels_empty_the_pool() {
+    concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(DatastoreType::Redb);
+}

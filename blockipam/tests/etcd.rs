@@ -1,0 +1,207 @@
+//! The plugin on a real etcd (a throwaway `etcd` process on loopback): ADD/CHECK/DEL rounds and
+//! concurrent ADDs, and an unreachable or silent etcd giving code 11 (50 for STATUS) without
+//! hanging.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::TcpListener;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
+use backend_etcd::{EtcdConfig, EtcdStore};
+use common::*;
+use ipam_core::Ipam;
+use serde_json::{json, Value};
+
+fn server() -> &'static EtcdServer {
+    match EtcdServer::try_shared() {
+        Ok(server) => server,
+        Err(e) => panic!(
+            "these tests need a local etcd (Debian: apt-get install etcd-server, or run scripts/setup): {e}"
+        ),
+    }
+}
+
+/// A netconf on etcd `endpoint` under `prefix` (the lock file lives in `sandbox`).
+fn etcd_netconf(
+    sandbox: &Sandbox,
+    version: &str,
+    endpoint: &str,
+    prefix: &str,
+    extra: Value,
+) -> Value {
+    let mut ipam = json!({
+        "datastore_type": "etcdv3",
+        "datastore_path": null,
+        "etcd_endpoints": endpoint,
+        "etcd_prefix": prefix,
+    });
+    merge(&mut ipam, extra);
+    sandbox.netconf(version, ipam)
+}
+
+fn container_allocations_on(endpoint: &str, prefix: &str) -> Vec<(String, String)> {
+    block_on(async {
+        let store = EtcdStore::connect(EtcdConfig::new([endpoint.to_owned()]).with_prefix(prefix))
+            .await
+            .expect("connect");
+        Ipam::new(std::sync::Arc::new(store))
+            .list_allocations()
+            .await
+            .expect("list allocations")
+            .into_iter()
+            .filter(|a| !a.handle.ends_with(":gateway"))
+            .map(|a| (a.ip.to_string(), a.handle))
+            .collect()
+    })
+}
+
+/// Runs `f` on a thread and fails the test if it has not returned after a generous bound
+/// (which only turns a hang into a failure; no duration is asserted).
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(f());
+    });
+    receiver
+        .recv_timeout(Duration::from_secs(120))
+        .unwrap_or_else(|_| panic!("{what} did not return"))
+}
+
+#[test]
+fn add_check_del_round_trip_on_etcd() {
+    let server = server();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    let sandbox = Sandbox::new();
+    let netconf = etcd_netconf(
+        &sandbox,
+        "1.0.0",
+        &server.endpoint(),
+        &prefix,
+        json!({"assign_ipv6": "true"}),
+    );
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert_eq!(
+        addresses(&result),
+        vec!["10.244.7.64".to_owned(), "fd00:10:244::c0".to_owned()]
+    );
+    let again = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD again");
+    assert_eq!(again, result);
+    assert_eq!(
+        container_allocations_on(&server.endpoint(), &prefix).len(),
+        2
+    );
+    let mut check = netconf.clone();
+    merge(&mut check, json!({"prevResult": result}));
+    cni("CHECK", "c1", "eth0", &check, &[]).assert_silent_success("CHECK");
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL");
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL again");
+    assert!(container_allocations_on(&server.endpoint(), &prefix).is_empty());
+    // Nothing went outside the prefix: the default prefix is untouched.
+    let default_prefix = container_allocations_on(&server.endpoint(), "/blockipam/");
+    assert!(default_prefix.is_empty(), "{default_prefix:?}");
+}
+
+#[test]
+fn concurrent_adds_on_etcd_from_two_hosts_are_distinct() {
+    let server = server();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    // Two "hosts": separate lock files and node names, one etcd.
+    let host_a = Sandbox::new();
+    let host_b = Sandbox::new();
+    let endpoint = server.endpoint();
+    let netconf_a = etcd_netconf(
+        &host_a,
+        "1.0.0",
+        &endpoint,
+        &prefix,
+        json!({"ipam_lock_timeout_seconds": 120}),
+    );
+    let netconf_b = etcd_netconf(
+        &host_b,
+        "1.0.0",
+        &endpoint,
+        &prefix,
+        json!({"ipam_lock_timeout_seconds": 120, "nodename": "node-b"}),
+    );
+    let handles: Vec<std::thread::JoinHandle<Outcome>> = (0..16)
+        .map(|i| {
+            let netconf = if i % 2 == 0 {
+                netconf_a.clone()
+            } else {
+                netconf_b.clone()
+            };
+            std::thread::spawn(move || cni("ADD", &format!("c{i}"), "eth0", &netconf, &[]))
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for handle in handles {
+        let outcome = handle.join().expect("thread");
+        assert!(seen.insert(first_address(&outcome.success_json("ADD"))));
+    }
+    assert_eq!(container_allocations_on(&endpoint, &prefix).len(), 16);
+}
+
+#[test]
+fn unreachable_etcd_is_code_11_and_status_is_code_50() {
+    // A port nobody listens on.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let sandbox = Sandbox::new();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let netconf = etcd_netconf(
+        &sandbox,
+        "1.1.0",
+        &endpoint,
+        "/blockipam-test/none/",
+        json!({"timeout_seconds": 5}),
+    );
+    let add = netconf.clone();
+    let outcome = bounded("ADD on an unreachable etcd", move || {
+        cni("ADD", "c1", "eth0", &add, &[])
+    });
+    let msg = outcome.assert_error(11, "unreachable etcd");
+    assert!(msg.contains("store"), "{msg}");
+    let del = netconf.clone();
+    let outcome = bounded("DEL on an unreachable etcd", move || {
+        cni("DEL", "c1", "eth0", &del, &[])
+    });
+    outcome.assert_error(11, "DEL, unreachable etcd");
+    let status = netconf.clone();
+    let outcome = bounded("STATUS on an unreachable etcd", move || {
+        cni("STATUS", "", "", &status, &[])
+    });
+    outcome.assert_error(50, "STATUS, unreachable etcd");
+}
+
+#[test]
+fn etcd_that_accepts_but_never_answers_hits_the_deadline_with_code_11() {
+    // A listener that accepts connections and never says anything.
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let sandbox = Sandbox::new();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let netconf = etcd_netconf(
+        &sandbox,
+        "1.0.0",
+        &endpoint,
+        "/blockipam-test/none/",
+        json!({"timeout_seconds": 2}),
+    );
+    let outcome = bounded("ADD on a silent etcd", move || {
+        cni("ADD", "c1", "eth0", &netconf, &[])
+    });
+    outcome.assert_error(11, "silent etcd");
+}

@@ -1,0 +1,722 @@
+//! The CNI protocol through the real binary: every command at every spec version with exact
+//! result shapes, VERSION and the about text, and every error code path, with the store
+//! unchanged after each failed ADD.
+
+mod common;
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::*;
+use ipam_core::lockfile::LockFile;
+use ipam_core::IpamConfig;
+use serde_json::{json, Value};
+
+const V4: &str = "10.244.7.64/24";
+const V6: &str = "fd00:10:244::c0/120";
+const GW4: &str = "10.244.7.1";
+const GW6: &str = "fd00:10:244::1";
+const BLOCK4: &str = "10.244.7.64/26";
+const BLOCK6: &str = "fd00:10:244::c0/122";
+
+fn dual_stack() -> Value {
+    json!({"assign_ipv6": "true"})
+}
+
+fn expected_add_result(version: &str) -> Value {
+    match version {
+        "0.1.0" | "0.2.0" => json!({
+            "cniVersion": version,
+            "ip4": {"ip": V4, "gateway": GW4, "routes": [{"dst": BLOCK4, "gw": GW4}]},
+            "ip6": {"ip": V6, "gateway": GW6, "routes": [{"dst": BLOCK6, "gw": GW6}]},
+            "dns": {}
+        }),
+        "0.3.0" | "0.3.1" | "0.4.0" => json!({
+            "cniVersion": version,
+            "ips": [
+                {"version": "4", "address": V4, "gateway": GW4},
+                {"version": "6", "address": V6, "gateway": GW6}
+            ],
+            "routes": [{"dst": BLOCK4, "gw": GW4}, {"dst": BLOCK6, "gw": GW6}],
+            "dns": {}
+        }),
+        _ => json!({
+            "cniVersion": version,
+            "ips": [
+                {"address": V4, "gateway": GW4},
+                {"address": V6, "gateway": GW6}
+            ],
+            "routes": [{"dst": BLOCK4, "gw": GW4}, {"dst": BLOCK6, "gw": GW6}],
+            "dns": {}
+        }),
+    }
+}
+
+/// A result of 0.3.0 or later, for `prevResult`.
+fn prev_result() -> Value {
+    expected_add_result("1.0.0")
+}
+
+#[test]
+fn add_result_has_the_exact_shape_of_every_spec_version() {
+    for version in VERSIONS {
+        let sandbox = Sandbox::new();
+        let netconf = sandbox.netconf(version, dual_stack());
+        let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
+        assert_eq!(result, expected_add_result(version), "spec {version}");
+        // The same attachment again: the same answer, nothing new allocated.
+        let again = cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
+        assert_eq!(again, result, "repeated ADD at spec {version}");
+        assert_eq!(sandbox.container_allocations().len(), 2, "spec {version}");
+    }
+}
+
+#[test]
+fn del_prints_nothing_at_every_spec_version_and_releases_the_attachment() {
+    for version in VERSIONS {
+        let sandbox = Sandbox::new();
+        let netconf = sandbox.netconf(version, dual_stack());
+        cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
+        cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success(version);
+        assert!(sandbox.container_allocations().is_empty(), "spec {version}");
+        // Nothing left to release is still success, however often.
+        for _ in 0..2 {
+            cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success(version);
+        }
+    }
+}
+
+#[test]
+fn check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below() {
+    for version in VERSIONS {
+        let sandbox = Sandbox::new();
+        let mut netconf = sandbox.netconf(version, dual_stack());
+        cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
+        merge(&mut netconf, json!({"prevResult": prev_result()}));
+        let outcome = cni("CHECK", "c1", "eth0", &netconf, &[]);
+        if ["0.1.0", "0.2.0", "0.3.0", "0.3.1"].contains(&version) {
+            let msg = outcome.assert_error(1, version);
+            assert_eq!(msg, "config version does not allow CHECK");
+            assert_eq!(outcome.json()["cniVersion"], json!(version));
+        } else {
+            outcome.assert_silent_success(version);
+        }
+    }
+}
+
+#[test]
+fn gc_and_status_work_at_1_1_0_and_are_refused_with_code_1_below() {
+    for version in VERSIONS {
+        let sandbox = Sandbox::new();
+        let mut netconf = sandbox.netconf(version, dual_stack());
+        cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
+        merge(&mut netconf, json!({"cni.dev/valid-attachments": []}));
+        let gc = cni("GC", "", "", &netconf, &[]);
+        let status = cni("STATUS", "", "", &netconf, &[]);
+        if version == "1.1.0" {
+            gc.assert_silent_success("GC");
+            status.assert_silent_success("STATUS");
+            assert!(
+                sandbox.container_allocations().is_empty(),
+                "GC with no valid attachment releases everything of the network on this node"
+            );
+        } else {
+            assert_eq!(
+                gc.assert_error(1, version),
+                "config version does not allow GC"
+            );
+            assert_eq!(
+                status.assert_error(1, version),
+                "config version does not allow STATUS"
+            );
+            assert_eq!(sandbox.container_allocations().len(), 2, "spec {version}");
+        }
+    }
+}
+
+#[test]
+fn version_answers_the_same_at_every_spec_version() {
+    let expected = json!({
+        "cniVersion": "1.1.0",
+        "supportedVersions": ["0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
+    });
+    for version in VERSIONS {
+        let stdin = json!({"cniVersion": version}).to_string();
+        let outcome = exec(&cni_env("VERSION", "", ""), stdin.as_bytes());
+        assert_eq!(outcome.success_json(version), expected);
+    }
+    let outcome = exec(&cni_env("VERSION", "", ""), b"");
+    assert_eq!(outcome.success_json("VERSION, empty stdin"), expected);
+}
+
+#[test]
+fn version_does_not_wait_for_stdin() {
+    // Stdin stays open (never written, never closed) while the plugin runs.
+    let mut child = Command::new(BIN)
+        .env_clear()
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start");
+    let _open_stdin = child.stdin.take();
+    let mut stdout = child.stdout.take().expect("stdout");
+    let (sender, receiver) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        let _ = sender.send(text);
+    });
+    // A generous bound that only turns a hang into a failure; no duration is asserted.
+    let text = receiver.recv_timeout(Duration::from_secs(60));
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = text.expect("VERSION kept waiting for stdin");
+    let value: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(value["cniVersion"], json!("1.1.0"));
+}
+
+#[test]
+fn without_cni_command_one_about_line_goes_to_stderr_and_nothing_to_stdout() {
+    let outcome = exec(&[], b"");
+    outcome.assert_silent_success("about");
+    assert_eq!(outcome.stderr.lines().count(), 1, "{outcome:#?}");
+    assert!(outcome.stderr.starts_with("blockipam v"), "{outcome:#?}");
+    assert!(outcome.stderr.contains("1.1.0"), "{outcome:#?}");
+}
+
+#[test]
+fn success_prints_only_the_result_on_stdout_and_logs_on_stderr() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"log_level": "debug"}));
+    let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+    outcome.success_json("ADD");
+    assert!(outcome.stderr.contains("ADD done"), "{outcome:#?}");
+    assert!(!outcome.stdout.contains("ADD done"));
+}
+
+#[test]
+fn log_file_path_takes_the_logs_off_stderr() {
+    let sandbox = Sandbox::new();
+    let log = sandbox.dir.path().join("logs/cni.log");
+    let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": log}));
+    let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+    outcome.success_json("ADD");
+    assert!(!outcome.stderr.contains("ADD done"), "{outcome:#?}");
+    let logged = std::fs::read_to_string(&log).expect("log file");
+    assert!(logged.contains("ADD done"), "{logged}");
+}
+
+#[test]
+fn log_level_error_keeps_a_successful_call_quiet() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"log_level": "error"}));
+    let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+    outcome.success_json("ADD");
+    assert!(!outcome.stderr.contains("INFO"), "{outcome:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Environment errors (code 4)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn missing_environment_variables_are_code_4_naming_each_of_them() {
+    let sandbox = Sandbox::new();
+    let stdin = sandbox.netconf("1.1.0", json!({})).to_string();
+    for (command, names) in [
+        ("ADD", "CNI_CONTAINERID,CNI_NETNS,CNI_IFNAME,CNI_PATH"),
+        ("CHECK", "CNI_CONTAINERID,CNI_NETNS,CNI_IFNAME,CNI_PATH"),
+        ("DEL", "CNI_CONTAINERID,CNI_IFNAME,CNI_PATH"),
+        ("GC", "CNI_PATH"),
+        ("STATUS", "CNI_PATH"),
+    ] {
+        let env = vec![("CNI_COMMAND".to_owned(), command.to_owned())];
+        let outcome = exec(&env, stdin.as_bytes());
+        let msg = outcome.assert_error(4, command);
+        assert_eq!(msg, format!("required env variables [{names}] missing"));
+    }
+    // Only the missing one is named.
+    let mut env = cni_env("ADD", "c1", "eth0");
+    env.retain(|(k, _)| k != "CNI_NETNS");
+    let msg = exec(&env, stdin.as_bytes()).assert_error(4, "ADD without CNI_NETNS");
+    assert_eq!(msg, "required env variables [CNI_NETNS] missing");
+    assert!(sandbox.snapshot().is_empty(), "nothing may be created");
+}
+
+#[test]
+fn unknown_command_and_invalid_container_id_or_ifname_are_code_4() {
+    let sandbox = Sandbox::new();
+    let stdin = sandbox.netconf("1.1.0", json!({})).to_string();
+    let env = vec![
+        ("CNI_COMMAND".to_owned(), "FROB".to_owned()),
+        ("CNI_PATH".to_owned(), "/x".to_owned()),
+    ];
+    let msg = exec(&env, stdin.as_bytes()).assert_error(4, "unknown command");
+    assert!(msg.contains("FROB"), "{msg}");
+    let outcome = exec(&cni_env("ADD", "bad/id", "eth0"), stdin.as_bytes());
+    assert!(outcome
+        .assert_error(4, "bad container id")
+        .contains("CNI_CONTAINERID"));
+    for ifname in ["a-very-long-interface-name", "et h0", "..", "a:b"] {
+        let outcome = exec(&cni_env("ADD", "c1", ifname), stdin.as_bytes());
+        assert!(outcome.assert_error(4, ifname).contains("CNI_IFNAME"));
+    }
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn unknown_cni_args_key_is_code_4_unless_ignore_unknown_is_set() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime the store");
+    let before = sandbox.snapshot();
+    let outcome = cni("ADD", "c1", "eth0", &netconf, &[("CNI_ARGS", "FOO=bar")]);
+    let msg = outcome.assert_error(4, "unknown CNI_ARGS key");
+    assert!(msg.contains("CNI_ARGS") && msg.contains("FOO=bar"), "{msg}");
+    assert_eq!(
+        sandbox.snapshot(),
+        before,
+        "the failed ADD changed the store"
+    );
+    for ignore in ["IgnoreUnknown=1", "IgnoreUnknown=true"] {
+        let args = format!("FOO=bar;{ignore};K8S_POD_NAMESPACE=ns;K8S_POD_NAME=p");
+        cni("ADD", "c1", "eth0", &netconf, &[("CNI_ARGS", &args)]).success_json(ignore);
+    }
+    let outcome = cni("ADD", "c2", "eth0", &netconf, &[("CNI_ARGS", "IP")]);
+    assert!(outcome
+        .assert_error(4, "malformed pair")
+        .contains("invalid pair"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Content errors (codes 1, 2, 6, 7)
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn malformed_json_is_code_6_and_touches_nothing() {
+    let sandbox = Sandbox::new();
+    for stdin in [&b"{"[..], b"", b"[1, 2]", b"not json", b"{\"name\": 5}"] {
+        let outcome = exec(&cni_env("ADD", "c1", "eth0"), stdin);
+        outcome.assert_error(6, &String::from_utf8_lossy(stdin));
+    }
+    let outcome = exec(
+        &cni_env("ADD", "c1", "eth0"),
+        br#"{"name": "n", "cniVersion": 1}"#,
+    );
+    outcome.assert_error(6, "numeric cniVersion");
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn missing_or_invalid_network_name_is_code_7() {
+    let outcome = exec(&cni_env("ADD", "c1", "eth0"), br#"{"cniVersion": "1.0.0"}"#);
+    assert_eq!(outcome.assert_error(7, "no name"), "missing network name");
+    let outcome = exec(
+        &cni_env("ADD", "c1", "eth0"),
+        br#"{"cniVersion": "1.0.0", "name": "bad name"}"#,
+    );
+    outcome.assert_error(7, "bad name");
+}
+
+#[test]
+fn unsupported_spec_versions_are_code_1_listing_what_is_supported() {
+    let sandbox = Sandbox::new();
+    for version in ["0.5.0", "2.0.0", "1.0", "banana"] {
+        let netconf = sandbox.netconf(version, json!({}));
+        let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+        assert_eq!(
+            outcome.assert_error(1, version),
+            "incompatible CNI versions"
+        );
+        let details = outcome.json()["details"]
+            .as_str()
+            .expect("details")
+            .to_owned();
+        assert!(
+            details.contains(version) && details.contains("1.1.0"),
+            "{details}"
+        );
+        assert_eq!(outcome.json()["cniVersion"], json!("1.1.0"));
+    }
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn known_keys_with_wrong_types_are_code_7_naming_the_key() {
+    let sandbox = Sandbox::new();
+    for (extra, key) in [
+        (json!({"nodename": 7}), "ipam.nodename"),
+        (json!({"datastore_path": ["x"]}), "ipam.datastore_path"),
+        (json!({"ipv4_pools": "test-v4"}), "ipam.ipv4_pools"),
+        (json!({"assign_ipv4": 1}), "ipam.assign_ipv4"),
+        (json!({"pools": {"cidr": "10.0.0.0/24"}}), "ipam.pools"),
+        (json!({"gateway": 5}), "ipam.gateway"),
+        (json!({"routes": [{"dst": 5}]}), "ipam.routes[0].dst"),
+        (json!({"timeout_seconds": "90"}), "ipam.timeout_seconds"),
+        (
+            json!({"ipam_lock_timeout_seconds": -1}),
+            "ipam.ipam_lock_timeout_seconds",
+        ),
+        (json!({"etcd_endpoints": 2379}), "ipam.etcd_endpoints"),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", extra.clone());
+        let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, key);
+        assert!(msg.contains(key), "{extra}: {msg}");
+    }
+    let mut netconf = sandbox.netconf("1.0.0", json!({}));
+    merge(
+        &mut netconf,
+        json!({"runtimeConfig": {"ips": "10.244.7.9"}}),
+    );
+    let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, "runtimeConfig.ips");
+    assert!(msg.contains("runtimeConfig.ips"), "{msg}");
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn unknown_netconf_keys_are_ignored() {
+    let sandbox = Sandbox::new();
+    let mut netconf = sandbox.netconf("1.0.0", json!({"somethingElse": {"x": 1}}));
+    merge(
+        &mut netconf,
+        json!({"type": "ptp", "mtu": 1400, "ipMasq": false}),
+    );
+    cni("ADD", "c1", "eth0", &netconf, &[]).success_json("unknown keys");
+}
+
+#[test]
+fn unsupported_values_are_code_2_naming_key_and_value() {
+    let sandbox = Sandbox::new();
+    for (extra, key, value) in [
+        (
+            json!({"datastore_type": "kubernetes"}),
+            "ipam.datastore_type",
+            "kubernetes",
+        ),
+        (
+            json!({"assign_ipv6": "sometimes"}),
+            "ipam.assign_ipv6",
+            "sometimes",
+        ),
+        (json!({"log_level": "shout"}), "ipam.log_level", "shout"),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", extra);
+        let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(2, key);
+        assert!(msg.contains(key) && msg.contains(value), "{msg}");
+    }
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn bad_cidrs_and_block_sizes_in_pools_are_code_7() {
+    let sandbox = Sandbox::new();
+    for pool in [
+        json!({"cidr": "10.244.300.0/24"}),
+        json!({"cidr": "10.244.8.0/33"}),
+        json!({"cidr": "10.244.8.1/24"}),
+        json!({"cidr": "10.244.8.0/24", "block_size": 16}),
+        json!({"cidr": "10.244.8.0/24", "name": "bad name"}),
+        json!({"block_size": 26}),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", json!({"pools": [pool.clone()]}));
+        let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, &pool.to_string());
+        assert!(msg.contains("ipam.pools[0]"), "{pool}: {msg}");
+    }
+    assert!(sandbox.snapshot().is_empty());
+}
+
+#[test]
+fn asking_for_no_address_at_all_is_code_7() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv4": "false"}));
+    cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, "nothing to assign");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocation errors (plugin codes), each leaving the store unchanged
+// ---------------------------------------------------------------------------------------------
+
+/// Primes a sandbox (pools and reservations exist, `holder` holds an address), then runs a
+/// failing ADD and asserts its code and that the store did not change.
+fn failed_add_leaves_store_unchanged(
+    sandbox: &Sandbox,
+    netconf: &Value,
+    extra_env: &[(&str, &str)],
+    code: u64,
+) -> String {
+    let before = sandbox.snapshot();
+    assert!(!before.is_empty(), "prime the store first");
+    let outcome = cni("ADD", "victim", "eth0", netconf, extra_env);
+    let msg = outcome.assert_error(code, &format!("{netconf} {extra_env:?}"));
+    assert_eq!(
+        sandbox.snapshot(),
+        before,
+        "the failed ADD (code {code}: {msg}) changed the store"
+    );
+    msg
+}
+
+#[test]
+fn address_outside_every_pool_is_code_103_and_changes_nothing() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    let msg = failed_add_leaves_store_unchanged(
+        &sandbox,
+        &netconf,
+        &[("CNI_ARGS", "IP=192.0.2.10")],
+        103,
+    );
+    assert!(msg.contains("192.0.2.10"), "{msg}");
+    // The same through runtimeConfig.ips.
+    let mut netconf_rc = netconf.clone();
+    merge(
+        &mut netconf_rc,
+        json!({"runtimeConfig": {"ips": ["192.0.2.11/24"]}}),
+    );
+    failed_add_leaves_store_unchanged(&sandbox, &netconf_rc, &[], 103);
+}
+
+#[test]
+fn address_held_by_another_container_is_code_102_and_changes_nothing() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let held = first_address(&cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime"));
+    let args = format!("IP={held}");
+    let msg = failed_add_leaves_store_unchanged(&sandbox, &netconf, &[("CNI_ARGS", &args)], 102);
+    assert!(msg.contains(&held), "{msg}");
+    // A reserved gateway is "in use" too.
+    failed_add_leaves_store_unchanged(&sandbox, &netconf, &[("CNI_ARGS", "IP=10.244.7.1")], 102);
+    // Two addresses, one free and one taken: all or nothing.
+    let args = format!("IP=10.244.7.200,{held}");
+    failed_add_leaves_store_unchanged(&sandbox, &netconf, &[("CNI_ARGS", &args)], 102);
+}
+
+#[test]
+fn exhausted_pool_is_code_100_and_changes_nothing() {
+    let sandbox = Sandbox::new();
+    let small = json!({
+        "pools": [{"cidr": "10.244.9.0/30", "block_size": 30}],
+        "gateway": null
+    });
+    let netconf = sandbox.netconf("1.0.0", small);
+    for container in ["a", "b", "c", "d"] {
+        cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
+    }
+    let msg = failed_add_leaves_store_unchanged(&sandbox, &netconf, &[], 100);
+    assert!(msg.contains("no free IPv4 address"), "{msg}");
+}
+
+#[test]
+fn node_block_limit_is_code_101_and_changes_nothing() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"pools": [{"cidr": "10.244.10.0/24", "block_size": 30}], "gateway": null}),
+    );
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    sandbox.with_ipam(async |ipam| {
+        ipam.set_config(&IpamConfig {
+            strict_affinity: true,
+            auto_allocate_blocks: true,
+            max_blocks_per_host: 1,
+        })
+        .await
+        .expect("set config");
+    });
+    for container in ["b", "c", "d"] {
+        cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
+    }
+    let msg = failed_add_leaves_store_unchanged(&sandbox, &netconf, &[], 101);
+    assert!(msg.contains("block limit"), "{msg}");
+}
+
+#[test]
+fn address_in_another_nodes_block_under_strict_affinity_is_code_104() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"gateway": null}));
+    let held = first_address(&cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime"));
+    sandbox.with_ipam(async |ipam| {
+        ipam.set_config(&IpamConfig {
+            strict_affinity: true,
+            ..IpamConfig::default()
+        })
+        .await
+        .expect("set config");
+    });
+    // The next address in node-a's block, asked for from node-b.
+    let next: std::net::Ipv4Addr = held.parse().expect("v4");
+    let next = std::net::Ipv4Addr::from(u32::from(next) + 1);
+    let other_node = sandbox.netconf("1.0.0", json!({"gateway": null, "nodename": "node-b"}));
+    let args = format!("IP={next}");
+    failed_add_leaves_store_unchanged(&sandbox, &other_node, &[("CNI_ARGS", &args)], 104);
+}
+
+#[test]
+fn requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    for pools in [
+        json!(["no-such-pool"]),
+        json!(["test-v6"]),
+        json!(["10.99.0.0/24"]),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", json!({"ipv4_pools": pools}));
+        failed_add_leaves_store_unchanged(&sandbox, &netconf, &[], 105);
+    }
+}
+
+#[test]
+fn netconf_pool_overlapping_a_different_existing_pool_is_code_106() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    let overlapping = sandbox.netconf(
+        "1.0.0",
+        json!({"pools": [{"cidr": "10.244.7.0/25", "block_size": 26}]}),
+    );
+    let msg = failed_add_leaves_store_unchanged(&sandbox, &overlapping, &[], 106);
+    assert!(msg.contains("overlaps"), "{msg}");
+}
+
+#[test]
+fn host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"ipam_lock_timeout_seconds": 0.2}));
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    let before = sandbox.snapshot();
+    let held = LockFile::acquire(&sandbox.lock_path(), Duration::from_secs(5)).expect("lock");
+    let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(11, "lock held");
+    assert!(msg.contains("lock"), "{msg}");
+    let msg = cni("DEL", "holder", "eth0", &netconf, &[]).assert_error(11, "lock held");
+    assert!(msg.contains("lock"), "{msg}");
+    drop(held);
+    assert_eq!(sandbox.snapshot(), before);
+    cni("ADD", "c1", "eth0", &netconf, &[]).success_json("after the lock is free");
+}
+
+#[test]
+fn store_path_holding_something_else_is_code_108_and_is_left_alone() {
+    let sandbox = Sandbox::new();
+    std::fs::write(sandbox.store_path(), b"precious").expect("write");
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(108, "not a store");
+    assert!(msg.contains("store"), "{msg}");
+    assert_eq!(
+        std::fs::read(sandbox.store_path()).expect("read"),
+        b"precious"
+    );
+}
+
+#[test]
+fn failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservations() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni(
+        "ADD",
+        "c1",
+        "eth0",
+        &netconf,
+        &[("CNI_ARGS", "IP=192.0.2.1")],
+    )
+    .assert_error(103, "fresh");
+    assert!(sandbox.container_allocations().is_empty());
+    let reserved: Vec<String> = sandbox
+        .allocations()
+        .into_iter()
+        .map(|(ip, handle, _)| {
+            assert_eq!(handle, "testnet:gateway");
+            ip
+        })
+        .collect();
+    assert_eq!(
+        reserved,
+        vec![
+            "10.244.7.0",
+            "10.244.7.1",
+            "10.244.7.255",
+            "fd00:10:244::",
+            "fd00:10:244::1"
+        ]
+    );
+}
+
+#[test]
+fn check_of_an_address_not_held_by_the_attachment_is_code_107() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let c1 = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("c1");
+    let c2 = cni("ADD", "c2", "eth0", &netconf, &[]).success_json("c2");
+    // c1 checked against c2's result: held by another handle.
+    let mut check = netconf.clone();
+    merge(&mut check, json!({"prevResult": c2}));
+    let msg = cni("CHECK", "c1", "eth0", &check, &[]).assert_error(107, "wrong holder");
+    assert!(msg.contains("testnet.c2"), "{msg}");
+    // c1's own result on another interface.
+    let mut check = netconf.clone();
+    merge(&mut check, json!({"prevResult": c1}));
+    cni("CHECK", "c1", "eth0", &check, &[]).assert_silent_success("own result");
+    cni("CHECK", "c1", "eth1", &check, &[]).assert_error(107, "other interface");
+    // After DEL nothing is held.
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL");
+    let msg = cni("CHECK", "c1", "eth0", &check, &[]).assert_error(107, "after DEL");
+    assert!(msg.contains("not allocated"), "{msg}");
+    // Without prevResult: the attachment must hold something.
+    cni("CHECK", "c1", "eth0", &netconf, &[]).assert_error(107, "no prevResult");
+    cni("CHECK", "c2", "eth0", &netconf, &[]).assert_silent_success("no prevResult, held");
+}
+
+#[test]
+fn gc_without_valid_attachments_is_code_7() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.1.0", json!({}));
+    cni("ADD", "c1", "eth0", &netconf, &[]).success_json("c1");
+    let msg = cni("GC", "", "", &netconf, &[]).assert_error(7, "GC without list");
+    assert!(msg.contains("cni.dev/valid-attachments"), "{msg}");
+    assert_eq!(sandbox.container_allocations().len(), 1);
+}
+
+#[test]
+fn status_is_code_50_when_this_node_cannot_get_an_address() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf(
+        "1.1.0",
+        json!({"pools": [{"cidr": "10.244.9.0/30", "block_size": 30}], "gateway": null}),
+    );
+    cni("STATUS", "", "", &netconf, &[]).assert_silent_success("fresh store");
+    for container in ["a", "b", "c", "d"] {
+        cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
+    }
+    let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(50, "full pool");
+    assert!(msg.contains("cannot get an IPv4 address"), "{msg}");
+    cni("DEL", "a", "eth0", &netconf, &[]).assert_silent_success("DEL");
+    cni("STATUS", "", "", &netconf, &[]).assert_silent_success("after DEL");
+    let missing = sandbox.netconf("1.1.0", json!({"ipv4_pools": ["nope"], "pools": null}));
+    let msg = cni("STATUS", "", "", &missing, &[]).assert_error(50, "missing pool");
+    assert!(msg.contains("\"nope\" does not exist"), "{msg}");
+}
+
+#[test]
+fn status_is_code_50_when_the_store_cannot_be_opened() {
+    let sandbox = Sandbox::new();
+    std::fs::write(sandbox.store_path(), b"not a store").expect("write");
+    let netconf = sandbox.netconf("1.1.0", json!({}));
+    let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(50, "bad store");
+    assert!(msg.contains("store"), "{msg}");
+}
+
+#[test]
+fn errors_carry_the_requests_spec_version() {
+    let sandbox = Sandbox::new();
+    for version in VERSIONS {
+        let netconf = sandbox.netconf(version, json!({"ipv4_pools": ["nope"]}));
+        let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+        outcome.assert_error(105, version);
+        assert_eq!(outcome.json()["cniVersion"], json!(version));
+    }
+}

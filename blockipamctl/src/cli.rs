@@ -1,0 +1,308 @@
+//! The command line: clap types for every command, flag and the environment variables they fall back to.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::builder::BoolishValueParser;
+use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+
+/// Environment variable: which store (`sled`, `redb`, `etcdv3`).
+pub const ENV_DATASTORE_TYPE: &str = "DATASTORE_TYPE";
+/// Environment variable: embedded store path.
+pub const ENV_DATASTORE_PATH: &str = "DATASTORE_PATH";
+/// Environment variable: etcd endpoints, comma-separated.
+pub const ENV_ETCD_ENDPOINTS: &str = "ETCD_ENDPOINTS";
+/// Environment variable: etcd CA certificate file.
+pub const ENV_ETCD_CA_CERT_FILE: &str = "ETCD_CA_CERT_FILE";
+/// Environment variable: etcd client certificate file.
+pub const ENV_ETCD_CERT_FILE: &str = "ETCD_CERT_FILE";
+/// Environment variable: etcd client key file.
+pub const ENV_ETCD_KEY_FILE: &str = "ETCD_KEY_FILE";
+/// Environment variable: etcd key prefix.
+pub const ENV_ETCD_PREFIX: &str = "ETCD_PREFIX";
+/// Environment variable: how long to wait for an embedded store held by another process.
+pub const ENV_LOCK_WAIT_SECONDS: &str = "BLOCKIPAM_LOCK_WAIT_SECONDS";
+/// Environment variable: upper bound on one etcd request.
+pub const ENV_ETCD_TIMEOUT_SECONDS: &str = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS";
+/// Environment variable: output format (`table` or `json`).
+pub const ENV_OUTPUT: &str = "BLOCKIPAMCTL_OUTPUT";
+/// Environment variable: the `blockipam` plugin binary the demo runs.
+pub const ENV_PLUGIN: &str = "BLOCKIPAM_PLUGIN";
+
+/// How results are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum OutputFormat {
+    /// Aligned columns for people.
+    #[default]
+    Table,
+    /// One JSON document for scripts.
+    Json,
+}
+
+impl OutputFormat {
+    /// Parses `table` or `json`.
+    pub fn parse(text: &str) -> Option<OutputFormat> {
+        match text {
+            "table" => Some(OutputFormat::Table),
+            "json" => Some(OutputFormat::Json),
+            _ => None,
+        }
+    }
+}
+
+/// blockipamctl: operate a blockipam IPAM store (pools, config, usage, consistency, node removal,
+/// migration between stores).
+#[derive(Debug, Parser)]
+#[command(
+    name = "blockipamctl",
+    version,
+    about = "Operate a blockipam IPAM store: pools, config, usage, check/repair, node removal, migration",
+    long_about = None,
+    propagate_version = true,
+    args_override_self = true,
+    after_help = "Exit status: 0 success, 1 failure or problems found, 2 usage error.\n\
+                  Every flag of the store selection falls back to the environment variable named in its help."
+)]
+pub struct Cli {
+    /// Store selection and output format (accepted before or after the command).
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Flags shared by every command.
+#[derive(Debug, Clone, Default, Args)]
+pub struct GlobalArgs {
+    /// Store type: sled, redb or etcdv3 [env: DATASTORE_TYPE] [default: sled]
+    #[arg(long, global = true, value_name = "TYPE", help_heading = "Store")]
+    pub datastore_type: Option<String>,
+    /// Embedded store path [env: DATASTORE_PATH] [default: /var/lib/blockipam/store.sled (sled), /var/lib/blockipam/store.redb (redb)]
+    #[arg(long, global = true, value_name = "PATH", help_heading = "Store")]
+    pub datastore_path: Option<PathBuf>,
+    /// etcd endpoints, comma-separated (http://host:port or host:port) [env: ETCD_ENDPOINTS]
+    #[arg(long, global = true, value_name = "LIST", help_heading = "Store")]
+    pub etcd_endpoints: Option<String>,
+    /// etcd CA certificate (PEM) [env: ETCD_CA_CERT_FILE]
+    #[arg(long, global = true, value_name = "FILE", help_heading = "Store")]
+    pub etcd_ca_cert_file: Option<PathBuf>,
+    /// etcd client certificate (PEM) [env: ETCD_CERT_FILE]
+    #[arg(long, global = true, value_name = "FILE", help_heading = "Store")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// etcd client key (PEM) [env: ETCD_KEY_FILE]
+    #[arg(long, global = true, value_name = "FILE", help_heading = "Store")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd key prefix, ending with '/' [env: ETCD_PREFIX] [default: /blockipam/]
+    #[arg(long, global = true, value_name = "PREFIX", help_heading = "Store")]
+    pub etcd_prefix: Option<String>,
+    /// Seconds to wait for an embedded store another process holds [env: BLOCKIPAM_LOCK_WAIT_SECONDS] [default: 10]
+    #[arg(long, global = true, value_name = "SECONDS", help_heading = "Store")]
+    pub lock_wait_seconds: Option<String>,
+    /// Upper bound in seconds on one etcd request, connecting included [env: BLOCKIPAM_ETCD_TIMEOUT_SECONDS] [default: 10]
+    #[arg(long, global = true, value_name = "SECONDS", help_heading = "Store")]
+    pub etcd_timeout_seconds: Option<String>,
+    /// Output format [env: BLOCKIPAMCTL_OUTPUT] [default: table]
+    #[arg(short = 'o', long, global = true, value_enum, value_name = "FORMAT")]
+    pub output: Option<OutputFormat>,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create, list, enable, disable and delete IP pools.
+    #[command(subcommand)]
+    Pool(PoolCommand),
+    /// Show or change the IPAM configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Show pool usage; optionally blocks, borrowed addresses, or one address.
+    Show(ShowArgs),
+    /// Release addresses by IP or by handle.
+    Release(ReleaseArgs),
+    /// Check the store for inconsistencies (exit 1 when any); optionally repair the safe ones.
+    Check(CheckArgs),
+    /// Retire a node that was removed from the cluster.
+    #[command(subcommand)]
+    Node(NodeCommand),
+    /// Copy everything into another, empty store and verify the copy.
+    Migrate(MigrateArgs),
+    /// Run the real blockipam plugin through the CNI protocol against a local sled store.
+    Demo(DemoArgs),
+}
+
+/// `pool` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum PoolCommand {
+    /// Create a pool.
+    Add(PoolAddArgs),
+    /// List pools.
+    List,
+    /// Enable a pool (addresses are handed out from it again).
+    Enable(PoolRef),
+    /// Disable a pool (no new addresses from it; existing ones stay).
+    Disable(PoolRef),
+    /// Delete a pool; refused while any address in it is allocated, unless --force.
+    Delete(PoolDeleteArgs),
+}
+
+/// `pool add`.
+#[derive(Debug, Args)]
+pub struct PoolAddArgs {
+    /// The pool's network, e.g. 10.0.0.0/16 or fd00:1::/64 (no host bits).
+    #[arg(value_name = "CIDR")]
+    pub cidr: ipnet::IpNet,
+    /// Pool name [default: the CIDR with '/' replaced by '-', e.g. 10.0.0.0-16]
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// Block prefix length: IPv4 20..=32 (default 26), IPv6 116..=128 (default 122).
+    #[arg(long, value_name = "PREFIX_LEN")]
+    pub block_size: Option<u8>,
+    /// Create the pool disabled.
+    #[arg(long)]
+    pub disabled: bool,
+}
+
+/// A pool named by name or CIDR.
+#[derive(Debug, Args)]
+pub struct PoolRef {
+    /// The pool's name or CIDR.
+    #[arg(value_name = "NAME|CIDR")]
+    pub pool: String,
+}
+
+/// `pool delete`.
+#[derive(Debug, Args)]
+pub struct PoolDeleteArgs {
+    /// The pool's name or CIDR.
+    #[arg(value_name = "NAME|CIDR")]
+    pub pool: String,
+    /// Release every address still allocated in the pool, then delete it.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `config` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the IPAM configuration.
+    Show,
+    /// Change the given settings; the others keep their value.
+    Set(ConfigSetArgs),
+}
+
+/// `config set`.
+#[derive(Debug, Args)]
+#[command(group(
+    ArgGroup::new("setting")
+        .required(true)
+        .multiple(true)
+        .args(["strict_affinity", "auto_allocate_blocks", "max_blocks_per_host"])
+))]
+pub struct ConfigSetArgs {
+    /// Never borrow addresses from blocks affine to other hosts (true/false).
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    pub strict_affinity: Option<bool>,
+    /// Let hosts claim new blocks as they need them (true/false).
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    pub auto_allocate_blocks: Option<bool>,
+    /// Most blocks of one family a host may own; 0 means unlimited.
+    #[arg(long, value_name = "N")]
+    pub max_blocks_per_host: Option<u32>,
+}
+
+/// `show`.
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// Also list every block with its host and usage.
+    #[arg(long, conflicts_with = "ip")]
+    pub blocks: bool,
+    /// Also list addresses whose node differs from their block's host.
+    #[arg(long, conflicts_with = "ip")]
+    pub borrowed: bool,
+    /// Show who holds one address instead.
+    #[arg(long, value_name = "IP")]
+    pub ip: Option<IpAddr>,
+}
+
+/// `release`.
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("what").required(true).args(["ip", "handle"])))]
+pub struct ReleaseArgs {
+    /// Addresses to release (repeat the flag or list several after it).
+    #[arg(long, value_name = "IP", num_args = 1.., conflicts_with = "handle")]
+    pub ip: Vec<IpAddr>,
+    /// Release every address of this handle (what a CNI DEL does).
+    #[arg(long, value_name = "ID")]
+    pub handle: Option<String>,
+}
+
+/// `check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Fix what is safe to fix (handle counts, claim index entries, empty blocks without affinity),
+    /// then check again.
+    #[arg(long)]
+    pub repair: bool,
+}
+
+/// `node` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Release a removed node's block affinities (empty blocks are deleted, others un-assigned).
+    Release(NodeReleaseArgs),
+}
+
+/// `node release`.
+#[derive(Debug, Args)]
+pub struct NodeReleaseArgs {
+    /// The node (host) name, as the plugin recorded it.
+    #[arg(value_name = "HOST")]
+    pub host: String,
+    /// Also release every address whose node attribute is this host.
+    #[arg(long)]
+    pub addresses: bool,
+}
+
+/// `migrate`.
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// Target store type: sled, redb or etcdv3.
+    #[arg(long, value_name = "TYPE")]
+    pub to_datastore_type: String,
+    /// Target embedded store path [default: the type's default path].
+    #[arg(long, value_name = "PATH")]
+    pub to_datastore_path: Option<PathBuf>,
+    /// Target etcd endpoints, comma-separated.
+    #[arg(long, value_name = "LIST")]
+    pub to_etcd_endpoints: Option<String>,
+    /// Target etcd CA certificate (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub to_etcd_ca_cert_file: Option<PathBuf>,
+    /// Target etcd client certificate (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub to_etcd_cert_file: Option<PathBuf>,
+    /// Target etcd client key (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub to_etcd_key_file: Option<PathBuf>,
+    /// Target etcd key prefix [default: /blockipam/].
+    #[arg(long, value_name = "PREFIX")]
+    pub to_etcd_prefix: Option<String>,
+}
+
+/// `demo`.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Directory for the demo's sled store and lock file (created when missing).
+    #[arg(long, value_name = "DIR", default_value = "blockipam-demo")]
+    pub dir: PathBuf,
+    /// The blockipam plugin binary [env: BLOCKIPAM_PLUGIN] [default: `blockipam` next to this executable]
+    #[arg(long, value_name = "PATH")]
+    pub plugin: Option<PathBuf>,
+    /// Simulated nodes.
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub nodes: u8,
+    /// Containers per node.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub containers_per_node: u8,
+}

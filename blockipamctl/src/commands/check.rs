@@ -1,0 +1,130 @@
+//! `check [--repair]`: find inconsistencies between stored objects (exit status 1 when any), and
+//! fix the ones that are safe to fix.
+
+use blockipam_store::DatastoreSettings;
+use ipam_core::{CheckReport, Problem};
+use serde::Serialize;
+
+use super::{open_ipam, to_json};
+use crate::cli::CheckArgs;
+use crate::error::CtlError;
+use crate::output::{counted, yes_no, Ctx, Outcome, Table};
+use crate::settings::OpenMode;
+
+#[derive(Debug, Serialize)]
+struct CheckJson {
+    clean: bool,
+    problems: Vec<Problem>,
+    repaired: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    remaining: Option<Vec<Problem>>,
+    blocks_checked: u64,
+    handles_checked: u64,
+    allocations_checked: u64,
+}
+
+fn problems_table(problems: &[Problem]) -> String {
+    let mut table = Table::new(&["KIND", "REPAIRABLE", "DETAIL"]);
+    for p in problems {
+        table.row(vec![
+            p.kind.clone(),
+            yes_no(p.repairable).into(),
+            p.detail.clone(),
+        ]);
+    }
+    table.render()
+}
+
+/// `check`: exit status 0 when the store is consistent (after the repair, with `--repair`), 1
+/// otherwise.
+///
+/// # Errors
+/// Store trouble.
+pub async fn run(
+    ctx: &mut Ctx<'_>,
+    settings: &DatastoreSettings,
+    args: &CheckArgs,
+) -> Result<Outcome, CtlError> {
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    ctx.progress(if args.repair {
+        "checking and repairing the store ..."
+    } else {
+        "checking the store ..."
+    });
+    let report: CheckReport = ipam.check(args.repair).await?;
+    let remaining = if args.repair && !report.problems.is_empty() {
+        ctx.progress("checking the store again after the repair ...");
+        Some(ipam.check(false).await?.problems)
+    } else if args.repair {
+        Some(Vec::new())
+    } else {
+        None
+    };
+    ctx.progress_done();
+    let mut text = format!(
+        "Checked {}, {} and {}: ",
+        counted(report.blocks_checked, "block", "blocks"),
+        counted(report.handles_checked, "handle", "handles"),
+        counted(
+            report.allocations_checked,
+            "allocated address",
+            "allocated addresses"
+        )
+    );
+    if report.problems.is_empty() {
+        text.push_str("no problems.\n");
+    } else {
+        let repairable = report.problems.iter().filter(|p| p.repairable).count();
+        text.push_str(&format!(
+            "{} ({repairable} repairable).\n",
+            counted(report.problems.len() as u64, "problem", "problems")
+        ));
+        text.push_str(&problems_table(&report.problems));
+        if !args.repair && repairable > 0 {
+            text.push_str(
+                "Run `blockipamctl check --repair` to fix the repairable ones; the others need a person.\n",
+            );
+        }
+    }
+    if args.repair && !report.problems.is_empty() {
+        if report.repaired.is_empty() {
+            text.push_str("Nothing was repaired.\n");
+        } else {
+            text.push_str("Repaired:\n");
+            for action in &report.repaired {
+                text.push_str(&format!("  {action}\n"));
+            }
+        }
+    }
+    if let Some(left) = &remaining {
+        if !report.problems.is_empty() {
+            if left.is_empty() {
+                text.push_str("Checked again after the repair: no problems.\n");
+            } else {
+                text.push_str(&format!(
+                    "Checked again after the repair: {} remain.\n",
+                    counted(left.len() as u64, "problem", "problems")
+                ));
+                text.push_str(&problems_table(left));
+            }
+        }
+    }
+    let problems_found = match &remaining {
+        Some(left) => !left.is_empty(),
+        None => !report.problems.is_empty(),
+    };
+    let json = CheckJson {
+        clean: !problems_found,
+        problems: report.problems,
+        repaired: report.repaired,
+        remaining,
+        blocks_checked: report.blocks_checked,
+        handles_checked: report.handles_checked,
+        allocations_checked: report.allocations_checked,
+    };
+    Ok(Outcome {
+        json: to_json(&json)?,
+        table: text,
+        problems_found,
+    })
+}

@@ -1,0 +1,376 @@
+//! `migrate`: copy every blockipam key (pools, blocks, affinities, claims, handles, config) from the
+//! selected store into an empty target store, verify the copy, and undo it if anything fails.
+//!
+//! The copy is raw: each key under `ipam/v1/` is written with its bytes unchanged, in transactions
+//! of at most `MAX_TXN_OPS` operations (and about 1 MiB, under etcd's request limit), each key
+//! guarded by an "absent" condition so that nothing in the target is ever overwritten.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use blockipam_store::DatastoreSettings;
+use ipam_core::kv::MAX_TXN_OPS;
+use ipam_core::model::{keys, ROOT};
+use ipam_core::{Condition, Ipam, KeyValue, KvStore, Op, Txn};
+use serde::Serialize;
+
+use super::to_json;
+use crate::cli::MigrateArgs;
+use crate::error::{one_line, CtlError};
+use crate::output::{counted, Ctx, Outcome};
+use crate::settings::{self, OpenMode};
+
+/// Most key and value bytes one copy transaction carries (etcd refuses requests over 1.5 MiB).
+const TXN_BYTES: usize = 1024 * 1024;
+
+#[derive(Debug, Default, Serialize)]
+struct MigrateJson {
+    source: String,
+    target: String,
+    keys_copied: usize,
+    transactions: usize,
+    pools: usize,
+    blocks: usize,
+    affine_blocks: usize,
+    claims: usize,
+    handles: usize,
+    config: bool,
+    verified: bool,
+}
+
+/// `migrate`.
+///
+/// # Errors
+/// [`CtlError::Usage`] for bad target flags or a target that is the source;
+/// [`CtlError::Failed`] for a non-empty target, an inconsistent or empty source, store trouble,
+/// or a copy that does not verify (the target is emptied again in that case).
+pub async fn run(
+    ctx: &mut Ctx<'_>,
+    source_settings: &DatastoreSettings,
+    args: &MigrateArgs,
+) -> Result<Outcome, CtlError> {
+    let target_settings = settings::resolve_target(args, source_settings)?;
+    if settings::same_store(source_settings, &target_settings) {
+        return Err(CtlError::usage(format!(
+            "the target ({}) is the source store itself",
+            target_settings.describe()
+        )));
+    }
+    let source_desc = source_settings.describe();
+    let target_desc = target_settings.describe();
+    let source = settings::open(source_settings, OpenMode::Existing)
+        .await
+        .map_err(|e| e.context("source"))?;
+    let target = settings::open(&target_settings, OpenMode::Create)
+        .await
+        .map_err(|e| e.context("target"))?;
+
+    let present = target.list(ROOT).await.map_err(|e| {
+        CtlError::failed(format!(
+            "cannot read the target store ({target_desc}): {}",
+            one_line(&e.to_string())
+        ))
+    })?;
+    if !present.is_empty() {
+        return Err(CtlError::failed(format!(
+            "the target store ({target_desc}) is not empty: it holds {} keys under {ROOT}; \
+             migrate copies only into an empty store. Nothing was written",
+            present.len()
+        )));
+    }
+
+    ctx.progress("checking the source store ...");
+    let source_ipam = Ipam::new(source.clone());
+    let report = source_ipam.check(false).await?;
+    if let Some(first) = report.problems.first() {
+        ctx.progress_done();
+        return Err(CtlError::failed(format!(
+            "the source store ({source_desc}) has {} problems (first: {}: {}); run \
+             `blockipamctl check --repair` (and fix the rest by hand) before migrating. Nothing was written",
+            report.problems.len(),
+            first.kind,
+            first.detail
+        )));
+    }
+    ctx.progress("reading the source store ...");
+    let snapshot = source.list(ROOT).await?;
+    if snapshot.is_empty() {
+        ctx.progress_done();
+        return Err(CtlError::failed(format!(
+            "the source store ({source_desc}) holds no blockipam data (no key under {ROOT}): \
+             nothing to migrate"
+        )));
+    }
+
+    let mut summary = summarize(&snapshot);
+    summary.source = source_desc.clone();
+    summary.target = target_desc.clone();
+
+    let copied = copy(ctx, &target, &snapshot).await;
+    let outcome = match copied {
+        Ok(transactions) => {
+            summary.transactions = transactions;
+            ctx.progress("verifying the copy ...");
+            verify(&source_ipam, &target, &snapshot).await
+        }
+        Err(message) => Err(message),
+    };
+    ctx.progress_done();
+    if let Err(message) = outcome {
+        let undo = match undo(&target, &snapshot).await {
+            Ok(0) => "the target was left empty".to_owned(),
+            Ok(n) => format!("the {n} keys copied so far were removed from the target again"),
+            Err(e) => format!(
+                "removing the keys copied so far failed too ({e}): empty the target before trying again"
+            ),
+        };
+        return Err(CtlError::failed(format!(
+            "migration to {target_desc} failed: {message}; {undo}"
+        )));
+    }
+    summary.keys_copied = snapshot.len();
+    summary.verified = true;
+
+    let n = |count: usize| count as u64;
+    let table = format!(
+        "Migrated {source_desc} -> {target_desc}:\n  \
+         {}, {} ({} affine to a host), {}, {}, config: {}\n  \
+         {} in {}.\n\
+         Verified: the target holds exactly the source's keys, its check is clean, and its \
+         `show --blocks` equals the source's.\n",
+        counted(n(summary.pools), "pool", "pools"),
+        counted(n(summary.blocks), "block", "blocks"),
+        summary.affine_blocks,
+        counted(
+            n(summary.claims),
+            "claim index entry",
+            "claim index entries"
+        ),
+        counted(n(summary.handles), "handle", "handles"),
+        if summary.config {
+            "copied"
+        } else {
+            "never set (defaults)"
+        },
+        counted(n(summary.keys_copied), "key", "keys"),
+        counted(n(summary.transactions), "transaction", "transactions"),
+    );
+    Ok(Outcome::ok(to_json(&summary)?, table))
+}
+
+fn summarize(snapshot: &[KeyValue]) -> MigrateJson {
+    let count = |prefix: &str| {
+        snapshot
+            .iter()
+            .filter(|kv| kv.key.starts_with(prefix))
+            .count()
+    };
+    MigrateJson {
+        pools: count(&keys::pools_dir()),
+        blocks: count(&keys::blocks_dir()),
+        affine_blocks: count(&format!("{}host/", keys::blocks_dir())),
+        claims: count(&keys::claims_dir()),
+        handles: count(&keys::handles_dir()),
+        config: snapshot.iter().any(|kv| kv.key == keys::config()),
+        ..MigrateJson::default()
+    }
+}
+
+/// Splits the snapshot into transactions: at most `MAX_TXN_OPS` keys and about `TXN_BYTES` each.
+fn chunks(snapshot: &[KeyValue]) -> Vec<&[KeyValue]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut bytes = 0;
+    for (i, kv) in snapshot.iter().enumerate() {
+        let size = kv.key.len() + kv.value.len();
+        let count = i - start;
+        if count > 0 && (count == MAX_TXN_OPS || bytes + size > TXN_BYTES) {
+            out.push(&snapshot[start..i]);
+            start = i;
+            bytes = 0;
+        }
+        bytes += size;
+    }
+    if start < snapshot.len() {
+        out.push(&snapshot[start..]);
+    }
+    out
+}
+
+async fn copy(
+    ctx: &mut Ctx<'_>,
+    target: &Arc<dyn KvStore>,
+    snapshot: &[KeyValue],
+) -> Result<usize, String> {
+    let chunks = chunks(snapshot);
+    let mut done = 0;
+    for (n, chunk) in chunks.iter().enumerate() {
+        ctx.progress(&format!(
+            "copying: {done}/{} keys (transaction {}/{}) ...",
+            snapshot.len(),
+            n + 1,
+            chunks.len()
+        ));
+        let txn = Txn {
+            conditions: chunk.iter().map(|kv| Condition::absent(&kv.key)).collect(),
+            ops: chunk
+                .iter()
+                .map(|kv| Op::put(&kv.key, kv.value.clone()))
+                .collect(),
+        };
+        target.commit(txn).await.map_err(|e| {
+            if e.is_conflict() {
+                format!(
+                    "another writer created key {:?} in the target during the copy",
+                    conflict_key(&e)
+                )
+            } else {
+                format!(
+                    "writing keys {done}..{} failed: {}",
+                    done + chunk.len(),
+                    one_line(&e.to_string())
+                )
+            }
+        })?;
+        done += chunk.len();
+    }
+    Ok(chunks.len())
+}
+
+fn conflict_key(error: &ipam_core::KvError) -> String {
+    match error {
+        ipam_core::KvError::Conflict { key } => key.clone(),
+        other => other.to_string(),
+    }
+}
+
+async fn verify(
+    source: &Ipam,
+    target: &Arc<dyn KvStore>,
+    snapshot: &[KeyValue],
+) -> Result<(), String> {
+    let copied = target
+        .list(ROOT)
+        .await
+        .map_err(|e| format!("cannot read the target back: {}", one_line(&e.to_string())))?;
+    let wanted: BTreeMap<&str, &[u8]> = snapshot
+        .iter()
+        .map(|kv| (kv.key.as_str(), kv.value.as_slice()))
+        .collect();
+    let found: BTreeMap<&str, &[u8]> = copied
+        .iter()
+        .map(|kv| (kv.key.as_str(), kv.value.as_slice()))
+        .collect();
+    if wanted != found {
+        let differing = wanted
+            .iter()
+            .find(|(k, v)| found.get(*k) != Some(*v))
+            .map(|(k, _)| (*k).to_owned())
+            .or_else(|| {
+                found
+                    .keys()
+                    .find(|k| !wanted.contains_key(*k))
+                    .map(|k| (*k).to_owned())
+            })
+            .unwrap_or_default();
+        return Err(format!(
+            "the target does not hold exactly the source's keys (first difference: {differing:?})"
+        ));
+    }
+    let target_ipam = Ipam::new(target.clone());
+    let report = target_ipam
+        .check(false)
+        .await
+        .map_err(|e| format!("cannot check the target: {}", one_line(&e.to_string())))?;
+    if let Some(first) = report.problems.first() {
+        return Err(format!(
+            "the target's check found {} problems (first: {}: {})",
+            report.problems.len(),
+            first.kind,
+            first.detail
+        ));
+    }
+    let source_usage = source
+        .utilization()
+        .await
+        .map_err(|e| format!("cannot read the source again: {}", one_line(&e.to_string())))?;
+    let target_usage = target_ipam.utilization().await.map_err(|e| {
+        format!(
+            "cannot read the target's usage: {}",
+            one_line(&e.to_string())
+        )
+    })?;
+    if source_usage != target_usage {
+        return Err(
+            "the target's `show --blocks` differs from the source's (did something write to the \
+             source during the migration? stop the plugins and try again)"
+                .to_owned(),
+        );
+    }
+    Ok(())
+}
+
+/// Deletes from the target every key the copy wrote (those still holding the copied bytes, each
+/// at the revision it was read at); returns how many.
+async fn undo(target: &Arc<dyn KvStore>, snapshot: &[KeyValue]) -> Result<usize, String> {
+    let ours: BTreeMap<&str, &[u8]> = snapshot
+        .iter()
+        .map(|kv| (kv.key.as_str(), kv.value.as_slice()))
+        .collect();
+    let present = target
+        .list(ROOT)
+        .await
+        .map_err(|e| one_line(&e.to_string()))?;
+    let doomed: Vec<KeyValue> = present
+        .into_iter()
+        .filter(|kv| ours.get(kv.key.as_str()) == Some(&kv.value.as_slice()))
+        .collect();
+    for chunk in doomed.chunks(MAX_TXN_OPS) {
+        let txn = Txn {
+            conditions: chunk
+                .iter()
+                .map(|kv| Condition::at_revision(&kv.key, kv.revision))
+                .collect(),
+            ops: chunk.iter().map(|kv| Op::delete(&kv.key)).collect(),
+        };
+        target
+            .commit(txn)
+            .await
+            .map_err(|e| one_line(&e.to_string()))?;
+    }
+    Ok(doomed.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipam_core::Revision;
+
+    fn kv(key: &str, size: usize) -> KeyValue {
+        KeyValue {
+            key: key.to_owned(),
+            value: vec![0; size],
+            revision: Revision(1),
+        }
+    }
+
+    #[test]
+    fn chunks_respect_the_operation_limit() {
+        let snapshot: Vec<KeyValue> = (0..300).map(|i| kv(&format!("k{i:03}"), 10)).collect();
+        let sizes: Vec<usize> = chunks(&snapshot).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, vec![128, 128, 44]);
+    }
+
+    #[test]
+    fn chunks_respect_the_byte_budget_and_never_come_out_empty() {
+        let snapshot = vec![
+            kv("a", 600 * 1024),
+            kv("b", 600 * 1024),
+            kv("c", 2 * 1024 * 1024),
+            kv("d", 1),
+        ];
+        let sizes: Vec<usize> = chunks(&snapshot).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, vec![1, 1, 1, 1]);
+        assert!(chunks(&[]).is_empty());
+    }
+}

@@ -1,0 +1,121 @@
+//! The commands: each opens the selected store, does its work through the allocator, and returns
+//! an [`Outcome`] (JSON document plus table text); the JSON shapes shared by several live here.
+
+pub mod check;
+pub mod config;
+pub mod migrate;
+pub mod node;
+pub mod pool;
+pub mod release;
+pub mod show;
+
+use blockipam_store::DatastoreSettings;
+use ipam_core::model::Family;
+use ipam_core::{Ipam, Pool};
+use serde::Serialize;
+
+use crate::cli::{Cli, Command, ConfigCommand, NodeCommand, PoolCommand};
+use crate::error::CtlError;
+use crate::output::{Ctx, Outcome};
+use crate::settings::{self, Env, OpenMode};
+
+/// Runs the parsed command line.
+///
+/// # Errors
+/// Whatever the command fails with.
+pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome, CtlError> {
+    if let Command::Demo(args) = &cli.command {
+        let lock_wait = settings::lock_wait(&cli.global, env)?;
+        return crate::demo::run(ctx, args, env, lock_wait).await;
+    }
+    let store = settings::resolve(&cli.global, env)?;
+    match &cli.command {
+        Command::Pool(PoolCommand::Add(args)) => pool::add(&store, args).await,
+        Command::Pool(PoolCommand::List) => pool::list(&store).await,
+        Command::Pool(PoolCommand::Enable(args)) => {
+            pool::set_disabled(&store, &args.pool, false).await
+        }
+        Command::Pool(PoolCommand::Disable(args)) => {
+            pool::set_disabled(&store, &args.pool, true).await
+        }
+        Command::Pool(PoolCommand::Delete(args)) => pool::delete(&store, args).await,
+        Command::Config(ConfigCommand::Show) => config::show(&store).await,
+        Command::Config(ConfigCommand::Set(args)) => config::set(&store, args).await,
+        Command::Show(args) => show::run(ctx, &store, args).await,
+        Command::Release(args) => release::run(&store, args).await,
+        Command::Check(args) => check::run(ctx, &store, args).await,
+        Command::Node(NodeCommand::Release(args)) => node::release(ctx, &store, args).await,
+        Command::Migrate(args) => migrate::run(ctx, &store, args).await,
+        Command::Demo(_) => Err(CtlError::failed("internal error: demo dispatched twice")),
+    }
+}
+
+/// Opens the store and wraps it in an allocator.
+pub(crate) async fn open_ipam(
+    settings: &DatastoreSettings,
+    mode: OpenMode,
+) -> Result<Ipam, CtlError> {
+    Ok(Ipam::new(settings::open(settings, mode).await?))
+}
+
+/// `ipv4` or `ipv6`.
+pub(crate) fn family_name(family: Family) -> &'static str {
+    match family {
+        Family::V4 => "ipv4",
+        Family::V6 => "ipv6",
+    }
+}
+
+/// A pool as JSON: `{name, cidr, block_size, disabled, family, capacity}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolJson {
+    /// The pool's name.
+    pub name: String,
+    /// Its network.
+    pub cidr: String,
+    /// Prefix length of its blocks.
+    pub block_size: u8,
+    /// Whether it is disabled.
+    pub disabled: bool,
+    /// `ipv4` or `ipv6`.
+    pub family: &'static str,
+    /// Addresses it spans.
+    pub capacity: u128,
+}
+
+impl From<&Pool> for PoolJson {
+    fn from(pool: &Pool) -> Self {
+        PoolJson {
+            name: pool.name.clone(),
+            cidr: pool.cidr.to_string(),
+            block_size: pool.block_size,
+            disabled: pool.disabled,
+            family: family_name(pool.family()),
+            capacity: pool.capacity(),
+        }
+    }
+}
+
+/// `enabled` / `disabled`.
+pub(crate) fn state(pool: &Pool) -> &'static str {
+    if pool.disabled {
+        "disabled"
+    } else {
+        "enabled"
+    }
+}
+
+/// Addresses in one block of `pool`.
+pub(crate) fn block_capacity(pool: &Pool) -> u128 {
+    let bits = match pool.family() {
+        Family::V4 => 32u32,
+        Family::V6 => 128u32,
+    } - u32::from(pool.block_size);
+    1u128.checked_shl(bits).unwrap_or(u128::MAX)
+}
+
+/// Renders a JSON document for an [`Outcome`].
+pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<String, CtlError> {
+    serde_json::to_string_pretty(value)
+        .map_err(|e| CtlError::failed(format!("internal error: cannot render JSON: {e}")))
+}

@@ -1,0 +1,309 @@
+//! `show`: pool usage, and optionally every block, borrowed addresses, or who holds one address.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use blockipam_store::DatastoreSettings;
+use ipam_core::allocator::ATTR_NODE;
+use ipam_core::{AllocationInfo, BlockUsage, Utilization};
+use serde::Serialize;
+
+use super::{open_ipam, state, to_json};
+use crate::cli::ShowArgs;
+use crate::error::CtlError;
+use crate::output::{human_count, percent, yes_no, Ctx, Outcome, Table};
+use crate::settings::OpenMode;
+
+/// One pool's usage as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PoolUsageJson {
+    /// Pool name.
+    pub name: String,
+    /// Pool network.
+    pub cidr: String,
+    /// Block prefix length.
+    pub block_size: u8,
+    /// Whether the pool is disabled.
+    pub disabled: bool,
+    /// Addresses the pool spans.
+    pub capacity: u128,
+    /// Addresses allocated.
+    pub in_use: u64,
+    /// Addresses free.
+    pub free: u128,
+    /// Blocks that exist in the pool.
+    pub block_count: usize,
+}
+
+/// One block's usage as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockJson {
+    /// Block network.
+    pub cidr: String,
+    /// Its pool (null when it lies in none).
+    pub pool: Option<String>,
+    /// Its affine host (null when none).
+    pub host: Option<String>,
+    /// Addresses in it.
+    pub capacity: u64,
+    /// Allocated.
+    pub in_use: u64,
+    /// Free.
+    pub free: u64,
+}
+
+impl From<&BlockUsage> for BlockJson {
+    fn from(block: &BlockUsage) -> Self {
+        BlockJson {
+            cidr: block.cidr.to_string(),
+            pool: block.pool.clone(),
+            host: block.host.clone(),
+            capacity: block.capacity,
+            in_use: block.in_use,
+            free: block.free,
+        }
+    }
+}
+
+/// An address used by a node other than its block's host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+struct BorrowedJson {
+    ip: IpAddr,
+    block: String,
+    block_host: Option<String>,
+    node: Option<String>,
+    handle: String,
+}
+
+#[derive(Debug, Serialize)]
+struct ShowJson {
+    pools: Vec<PoolUsageJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    blocks: Option<Vec<BlockJson>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    borrowed: Option<Vec<BorrowedJson>>,
+}
+
+#[derive(Debug, Serialize)]
+struct IpJson {
+    ip: IpAddr,
+    allocated: bool,
+    handle: Option<String>,
+    block: Option<String>,
+    block_host: Option<String>,
+    pool: Option<String>,
+    attributes: Option<BTreeMap<String, String>>,
+    sequence: Option<u64>,
+}
+
+/// Pool usage rows for JSON.
+pub fn pools_json(usage: &Utilization) -> Vec<PoolUsageJson> {
+    usage
+        .pools
+        .iter()
+        .map(|p| PoolUsageJson {
+            name: p.pool.name.clone(),
+            cidr: p.pool.cidr.to_string(),
+            block_size: p.pool.block_size,
+            disabled: p.pool.disabled,
+            capacity: p.capacity,
+            in_use: p.in_use,
+            free: p.free,
+            block_count: p.blocks.len(),
+        })
+        .collect()
+}
+
+/// Every block (those in no pool last) for JSON.
+pub fn blocks_json(usage: &Utilization) -> Vec<BlockJson> {
+    all_blocks(usage).map(BlockJson::from).collect()
+}
+
+fn all_blocks(usage: &Utilization) -> impl Iterator<Item = &BlockUsage> {
+    usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .chain(usage.orphan_blocks.iter())
+}
+
+/// The pool usage table.
+pub fn pools_table(usage: &Utilization) -> String {
+    if usage.pools.is_empty() {
+        return "No IP pools. Create one with: blockipamctl pool add <CIDR>\n".to_owned();
+    }
+    let mut table = Table::new(&[
+        "POOL",
+        "CIDR",
+        "BLOCK SIZE",
+        "STATE",
+        "ADDRESSES",
+        "IN USE",
+        "FREE",
+        "USED",
+        "BLOCKS",
+    ])
+    .right_align(&[4, 5, 6, 7, 8]);
+    for p in &usage.pools {
+        table.row(vec![
+            p.pool.name.clone(),
+            p.pool.cidr.to_string(),
+            format!("/{}", p.pool.block_size),
+            state(&p.pool).to_owned(),
+            human_count(p.capacity),
+            human_count(u128::from(p.in_use)),
+            human_count(p.free),
+            percent(u128::from(p.in_use), p.capacity),
+            p.blocks.len().to_string(),
+        ]);
+    }
+    table.render()
+}
+
+/// The block table.
+pub fn blocks_table(usage: &Utilization) -> String {
+    let mut table = Table::new(&["BLOCK", "POOL", "HOST", "ADDRESSES", "IN USE", "FREE"])
+        .right_align(&[3, 4, 5]);
+    for b in all_blocks(usage) {
+        table.row(vec![
+            b.cidr.to_string(),
+            b.pool.clone().unwrap_or_else(|| "(none)".into()),
+            b.host.clone().unwrap_or_else(|| "-".into()),
+            human_count(u128::from(b.capacity)),
+            human_count(u128::from(b.in_use)),
+            human_count(u128::from(b.free)),
+        ]);
+    }
+    if table.is_empty() {
+        "No blocks: no address has been allocated yet.\n".to_owned()
+    } else {
+        table.render()
+    }
+}
+
+fn borrowed(allocations: Vec<AllocationInfo>) -> Vec<BorrowedJson> {
+    allocations
+        .into_iter()
+        .filter_map(|a| {
+            let node = a.attributes.get(ATTR_NODE).cloned();
+            (node != a.block_host).then(|| BorrowedJson {
+                ip: a.ip,
+                block: a.block.to_string(),
+                block_host: a.block_host,
+                node,
+                handle: a.handle,
+            })
+        })
+        .collect()
+}
+
+fn borrowed_table(rows: &[BorrowedJson]) -> String {
+    if rows.is_empty() {
+        return "No borrowed addresses: every address is used by its block's host.\n".to_owned();
+    }
+    let mut table = Table::new(&["IP", "BLOCK", "BLOCK HOST", "NODE", "HANDLE"]);
+    for r in rows {
+        table.row(vec![
+            r.ip.to_string(),
+            r.block.clone(),
+            r.block_host.clone().unwrap_or_else(|| "-".into()),
+            r.node.clone().unwrap_or_else(|| "-".into()),
+            r.handle.clone(),
+        ]);
+    }
+    table.render()
+}
+
+/// `show [--blocks] [--borrowed] | show --ip IP`.
+///
+/// # Errors
+/// Store trouble.
+pub async fn run(
+    ctx: &mut Ctx<'_>,
+    settings: &DatastoreSettings,
+    args: &ShowArgs,
+) -> Result<Outcome, CtlError> {
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    if let Some(ip) = args.ip {
+        return show_ip(&ipam, ip).await;
+    }
+    ctx.progress("reading pools and blocks ...");
+    let usage = ipam.utilization().await?;
+    let borrowed_rows = if args.borrowed {
+        ctx.progress("reading every allocation ...");
+        Some(borrowed(ipam.list_allocations().await?))
+    } else {
+        None
+    };
+    ctx.progress_done();
+    let mut text = pools_table(&usage);
+    if args.blocks {
+        text.push('\n');
+        text.push_str(&blocks_table(&usage));
+    }
+    if let Some(rows) = &borrowed_rows {
+        text.push('\n');
+        text.push_str(&borrowed_table(rows));
+    }
+    let json = ShowJson {
+        pools: pools_json(&usage),
+        blocks: args.blocks.then(|| blocks_json(&usage)),
+        borrowed: borrowed_rows,
+    };
+    Ok(Outcome::ok(to_json(&json)?, text))
+}
+
+async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError> {
+    let info = ipam.get_assignment(ip).await?;
+    let pools = ipam.list_pools().await?;
+    let pool = pools
+        .iter()
+        .find(|p| p.cidr.contains(&ip))
+        .map(|p| p.name.clone());
+    let (block, block_host) = match &info {
+        Some(a) => (Some(a.block), a.block_host.clone()),
+        None => {
+            let usage = ipam.utilization().await?;
+            let found = all_blocks(&usage)
+                .find(|b| b.cidr.contains(&ip))
+                .map(|b| (Some(b.cidr), b.host.clone()));
+            found.unwrap_or((None, None))
+        }
+    };
+    let json = IpJson {
+        ip,
+        allocated: info.is_some(),
+        handle: info.as_ref().map(|a| a.handle.clone()),
+        block: block.map(|b| b.to_string()),
+        block_host: block_host.clone(),
+        pool: pool.clone(),
+        attributes: info.as_ref().map(|a| a.attributes.clone()),
+        sequence: info.as_ref().map(|a| a.sequence),
+    };
+    let mut table = Table::new(&["FIELD", "VALUE"]);
+    table.row(vec!["ip".into(), ip.to_string()]);
+    table.row(vec!["allocated".into(), yes_no(info.is_some()).into()]);
+    table.row(vec![
+        "handle".into(),
+        json.handle.clone().unwrap_or_else(|| "-".into()),
+    ]);
+    table.row(vec![
+        "block".into(),
+        match (&json.block, &block_host) {
+            (Some(b), Some(h)) => format!("{b} (host {h})"),
+            (Some(b), None) => format!("{b} (no host)"),
+            (None, _) => "- (no block holds this address yet)".into(),
+        },
+    ]);
+    table.row(vec![
+        "pool".into(),
+        pool.unwrap_or_else(|| "- (in no pool)".into()),
+    ]);
+    if let Some(a) = &info {
+        for (key, value) in &a.attributes {
+            table.row(vec![format!("attribute {key}"), value.clone()]);
+        }
+        table.row(vec!["sequence".into(), a.sequence.to_string()]);
+    }
+    Ok(Outcome::ok(to_json(&json)?, table.render()))
+}

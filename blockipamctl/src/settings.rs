@@ -1,0 +1,451 @@
+//! Store selection: flags, then environment variables, then the plugin's defaults; and opening the
+//! selected store with errors an operator can act on.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::{KvError, KvStore};
+
+use crate::cli::{self, GlobalArgs, MigrateArgs, OutputFormat};
+use crate::error::{one_line, CtlError};
+
+use backend_etcd::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX};
+
+/// The environment the CLI reads its fallbacks from (the process environment in the binary, a map
+/// in tests). Empty values count as unset.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Env {
+    vars: BTreeMap<String, String>,
+}
+
+impl Env {
+    /// The current process's environment (variables that are not UTF-8 are ignored).
+    pub fn from_process() -> Self {
+        Env {
+            vars: std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .collect(),
+        }
+    }
+
+    /// An environment holding exactly these variables.
+    pub fn new<I, K, V>(pairs: I) -> Self
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: Into<String>,
+        V: Into<String>,
+    {
+        Env {
+            vars: pairs
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect(),
+        }
+    }
+
+    /// The value of `name`, unless it is unset or empty.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.vars
+            .get(name)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+}
+
+/// A flag's value, else its environment variable's, with where it came from (for messages).
+fn pick<'a>(
+    flag: Option<&'a str>,
+    flag_name: &str,
+    env: &'a Env,
+    var: &str,
+) -> Option<(&'a str, String)> {
+    match flag {
+        Some(value) => Some((value, flag_name.to_owned())),
+        None => env.get(var).map(|value| (value, var.to_owned())),
+    }
+}
+
+fn pick_path(flag: Option<&Path>, env: &Env, var: &str) -> Option<PathBuf> {
+    flag.map(Path::to_path_buf)
+        .or_else(|| env.get(var).map(PathBuf::from))
+}
+
+/// Parses a number of seconds (fractions allowed); `allow_zero` says whether 0 is accepted.
+pub fn parse_seconds(text: &str, source: &str, allow_zero: bool) -> Result<Duration, CtlError> {
+    let seconds: f64 = text.trim().parse().map_err(|_| {
+        CtlError::usage(format!(
+            "invalid value {text:?} for {source}: expected a number of seconds"
+        ))
+    })?;
+    let valid = seconds.is_finite() && seconds >= 0.0 && (allow_zero || seconds > 0.0);
+    let duration = Duration::try_from_secs_f64(seconds).ok().filter(|_| valid);
+    duration
+        .filter(|d| *d <= Duration::from_secs(24 * 3600))
+        .ok_or_else(|| {
+            CtlError::usage(format!(
+                "invalid value {text:?} for {source}: expected {} seconds up to one day",
+                if allow_zero {
+                    "0 or more"
+                } else {
+                    "more than 0"
+                }
+            ))
+        })
+}
+
+/// The output format: `-o`, else `BLOCKIPAMCTL_OUTPUT`, else table.
+pub fn output_format(global: &GlobalArgs, env: &Env) -> Result<OutputFormat, CtlError> {
+    if let Some(format) = global.output {
+        return Ok(format);
+    }
+    match env.get(cli::ENV_OUTPUT) {
+        None => Ok(OutputFormat::Table),
+        Some(text) => OutputFormat::parse(text).ok_or_else(|| {
+            CtlError::usage(format!(
+                "invalid value {text:?} for {}: expected table or json",
+                cli::ENV_OUTPUT
+            ))
+        }),
+    }
+}
+
+/// How long to wait for an embedded store another process holds: `--lock-wait-seconds`, else
+/// `BLOCKIPAM_LOCK_WAIT_SECONDS`, else the plugin's default (10 s).
+///
+/// # Errors
+/// [`CtlError::Usage`] for a value that is not a number of seconds.
+pub fn lock_wait(global: &GlobalArgs, env: &Env) -> Result<Duration, CtlError> {
+    match pick(
+        global.lock_wait_seconds.as_deref(),
+        "--lock-wait-seconds",
+        env,
+        cli::ENV_LOCK_WAIT_SECONDS,
+    ) {
+        Some((text, source)) => parse_seconds(text, &source, true),
+        None => Ok(DatastoreSettings::default().lock_wait),
+    }
+}
+
+/// The store the global flags and environment select.
+///
+/// # Errors
+/// [`CtlError::Usage`] for a bad value or an incomplete etcd selection.
+pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlError> {
+    let mut settings = DatastoreSettings::default();
+    if let Some((text, source)) = pick(
+        global.datastore_type.as_deref(),
+        "--datastore-type",
+        env,
+        cli::ENV_DATASTORE_TYPE,
+    ) {
+        settings.datastore_type = text
+            .parse::<DatastoreType>()
+            .map_err(|e| CtlError::usage(format!("invalid value for {source}: {e}")))?;
+    }
+    settings.path = pick_path(
+        global.datastore_path.as_deref(),
+        env,
+        cli::ENV_DATASTORE_PATH,
+    );
+    if let Some((text, _)) = pick(
+        global.etcd_endpoints.as_deref(),
+        "--etcd-endpoints",
+        env,
+        cli::ENV_ETCD_ENDPOINTS,
+    ) {
+        settings.etcd_endpoints = DatastoreSettings::parse_endpoints(text);
+    }
+    settings.etcd_ca_cert_file = pick_path(
+        global.etcd_ca_cert_file.as_deref(),
+        env,
+        cli::ENV_ETCD_CA_CERT_FILE,
+    );
+    settings.etcd_cert_file = pick_path(
+        global.etcd_cert_file.as_deref(),
+        env,
+        cli::ENV_ETCD_CERT_FILE,
+    );
+    settings.etcd_key_file =
+        pick_path(global.etcd_key_file.as_deref(), env, cli::ENV_ETCD_KEY_FILE);
+    settings.etcd_prefix = pick(
+        global.etcd_prefix.as_deref(),
+        "--etcd-prefix",
+        env,
+        cli::ENV_ETCD_PREFIX,
+    )
+    .map(|(text, _)| text.to_owned());
+    settings.lock_wait = lock_wait(global, env)?;
+    if let Some((text, source)) = pick(
+        global.etcd_timeout_seconds.as_deref(),
+        "--etcd-timeout-seconds",
+        env,
+        cli::ENV_ETCD_TIMEOUT_SECONDS,
+    ) {
+        let request = parse_seconds(text, &source, false)?;
+        settings.etcd_timeouts = Some((request.min(DEFAULT_CONNECT_TIMEOUT), request));
+    }
+    validate(&settings, "")?;
+    Ok(settings)
+}
+
+/// The target store of `migrate`: its own flags, the source's lock wait and etcd timeouts.
+///
+/// # Errors
+/// [`CtlError::Usage`] for a bad value or an incomplete etcd selection.
+pub fn resolve_target(
+    args: &MigrateArgs,
+    source: &DatastoreSettings,
+) -> Result<DatastoreSettings, CtlError> {
+    let datastore_type = args
+        .to_datastore_type
+        .parse::<DatastoreType>()
+        .map_err(|e| CtlError::usage(format!("invalid value for --to-datastore-type: {e}")))?;
+    let settings = DatastoreSettings {
+        datastore_type,
+        path: args.to_datastore_path.clone(),
+        etcd_endpoints: args
+            .to_etcd_endpoints
+            .as_deref()
+            .map(DatastoreSettings::parse_endpoints)
+            .unwrap_or_default(),
+        etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
+        etcd_cert_file: args.to_etcd_cert_file.clone(),
+        etcd_key_file: args.to_etcd_key_file.clone(),
+        etcd_prefix: args.to_etcd_prefix.clone(),
+        etcd_timeouts: source.etcd_timeouts,
+        lock_wait: source.lock_wait,
+    };
+    validate(&settings, "to-")?;
+    Ok(settings)
+}
+
+fn validate(settings: &DatastoreSettings, flag_prefix: &str) -> Result<(), CtlError> {
+    if settings.datastore_type == DatastoreType::Etcdv3 {
+        if settings.etcd_endpoints.is_empty() {
+            let env = if flag_prefix.is_empty() {
+                format!(" or {}", cli::ENV_ETCD_ENDPOINTS)
+            } else {
+                String::new()
+            };
+            return Err(CtlError::usage(format!(
+                "datastore type etcdv3 needs endpoints: give --{flag_prefix}etcd-endpoints{env}"
+            )));
+        }
+        settings
+            .etcd_config()
+            .map_err(|e| CtlError::usage(one_line(&e.to_string())))?;
+    }
+    Ok(())
+}
+
+/// Whether opening may create a missing embedded store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Create the store when it does not exist (commands that write something new).
+    Create,
+    /// Fail when an embedded store does not exist (reading, releasing, migrating from).
+    Existing,
+}
+
+/// Opens the selected store.
+///
+/// # Errors
+/// [`CtlError::Failed`] when the store is missing (with [`OpenMode::Existing`]), unreachable,
+/// locked beyond the wait or corrupt; [`CtlError::Usage`] when the backend rejects the settings
+/// themselves (bad TLS files, bad prefix).
+pub async fn open(
+    settings: &DatastoreSettings,
+    mode: OpenMode,
+) -> Result<Arc<dyn KvStore>, CtlError> {
+    if mode == OpenMode::Existing && settings.datastore_type != DatastoreType::Etcdv3 {
+        if let Some(path) = settings.resolved_path() {
+            if !path.exists() {
+                return Err(CtlError::failed(format!(
+                    "no {} store at {}: check --datastore-path / {} (the plugin creates the store on \
+                     first use; `blockipamctl pool add` creates it too)",
+                    settings.datastore_type,
+                    path.display(),
+                    cli::ENV_DATASTORE_PATH
+                )));
+            }
+        }
+    }
+    settings.open().await.map_err(|e| open_error(settings, &e))
+}
+
+fn open_error(settings: &DatastoreSettings, error: &KvError) -> CtlError {
+    let message = format!(
+        "cannot open the store ({}): {}",
+        settings.describe(),
+        one_line(&error.to_string())
+    );
+    match error {
+        KvError::InvalidArgument { .. } => CtlError::usage(message),
+        _ => CtlError::failed(message),
+    }
+}
+
+/// True when both settings name the same store (same embedded file, or same etcd and prefix).
+pub fn same_store(a: &DatastoreSettings, b: &DatastoreSettings) -> bool {
+    if a.datastore_type != b.datastore_type {
+        return false;
+    }
+    match a.datastore_type {
+        DatastoreType::Etcdv3 => {
+            let prefix = |s: &DatastoreSettings| {
+                s.etcd_prefix
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_PREFIX.to_owned())
+            };
+            let bare = |e: &String| {
+                e.trim_start_matches("http://")
+                    .trim_start_matches("https://")
+                    .trim_end_matches('/')
+                    .to_owned()
+            };
+            let ea: Vec<String> = a.etcd_endpoints.iter().map(bare).collect();
+            let eb: Vec<String> = b.etcd_endpoints.iter().map(bare).collect();
+            ea.iter().any(|e| eb.contains(e)) && prefix(a) == prefix(b)
+        }
+        _ => {
+            let canonical = |s: &DatastoreSettings| {
+                s.resolved_path()
+                    .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+            };
+            canonical(a) == canonical(b)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_env() -> Env {
+        Env::default()
+    }
+
+    #[test]
+    fn defaults_are_the_plugins_defaults() {
+        let settings = resolve(&GlobalArgs::default(), &no_env()).expect("defaults");
+        assert_eq!(settings, DatastoreSettings::default());
+        assert_eq!(
+            settings.resolved_path(),
+            Some(PathBuf::from("/var/lib/blockipam/store.sled"))
+        );
+    }
+
+    #[test]
+    fn environment_fills_in_what_flags_leave_out_and_flags_win() {
+        let env = Env::new([
+            ("DATASTORE_TYPE", "redb"),
+            ("DATASTORE_PATH", "/env/store.redb"),
+            ("BLOCKIPAM_LOCK_WAIT_SECONDS", "0.5"),
+        ]);
+        let settings = resolve(&GlobalArgs::default(), &env).expect("env");
+        assert_eq!(settings.datastore_type, DatastoreType::Redb);
+        assert_eq!(settings.path, Some(PathBuf::from("/env/store.redb")));
+        assert_eq!(settings.lock_wait, Duration::from_millis(500));
+        let global = GlobalArgs {
+            datastore_path: Some("/flag/store".into()),
+            ..GlobalArgs::default()
+        };
+        let settings = resolve(&global, &env).expect("flag");
+        assert_eq!(settings.path, Some(PathBuf::from("/flag/store")));
+    }
+
+    #[test]
+    fn empty_environment_values_count_as_unset() {
+        let env = Env::new([("DATASTORE_TYPE", "")]);
+        let settings = resolve(&GlobalArgs::default(), &env).expect("empty");
+        assert_eq!(settings.datastore_type, DatastoreType::Sled);
+    }
+
+    #[test]
+    fn bad_values_are_usage_errors_naming_their_source() {
+        let env = Env::new([("DATASTORE_TYPE", "mysql")]);
+        let err = resolve(&GlobalArgs::default(), &env).expect_err("bad type");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("DATASTORE_TYPE")),
+            "{err}"
+        );
+        let global = GlobalArgs {
+            lock_wait_seconds: Some("-1".into()),
+            ..GlobalArgs::default()
+        };
+        let err = resolve(&global, &no_env()).expect_err("bad wait");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("--lock-wait-seconds")),
+            "{err}"
+        );
+        let global = GlobalArgs {
+            etcd_timeout_seconds: Some("0".into()),
+            ..GlobalArgs::default()
+        };
+        assert!(matches!(
+            resolve(&global, &no_env()),
+            Err(CtlError::Usage(_))
+        ));
+    }
+
+    #[test]
+    fn etcd_needs_endpoints_and_paired_certificates() {
+        let global = GlobalArgs {
+            datastore_type: Some("etcdv3".into()),
+            ..GlobalArgs::default()
+        };
+        let err = resolve(&global, &no_env()).expect_err("no endpoints");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("ETCD_ENDPOINTS")),
+            "{err}"
+        );
+        let env = Env::new([
+            ("ETCD_ENDPOINTS", "127.0.0.1:2379"),
+            ("ETCD_CERT_FILE", "/c.pem"),
+        ]);
+        assert!(matches!(resolve(&global, &env), Err(CtlError::Usage(_))));
+    }
+
+    #[test]
+    fn etcd_timeout_sets_both_timeouts_with_connect_not_longer_than_request() {
+        let global = GlobalArgs {
+            datastore_type: Some("etcdv3".into()),
+            etcd_endpoints: Some("127.0.0.1:1".into()),
+            etcd_timeout_seconds: Some("2".into()),
+            ..GlobalArgs::default()
+        };
+        let settings = resolve(&global, &no_env()).expect("timeouts");
+        assert_eq!(
+            settings.etcd_timeouts,
+            Some((Duration::from_secs(2), Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn same_store_compares_paths_and_etcd_prefixes() {
+        let a = DatastoreSettings {
+            path: Some("/x/store".into()),
+            ..DatastoreSettings::default()
+        };
+        let mut b = a.clone();
+        assert!(same_store(&a, &b));
+        b.path = Some("/y/store".into());
+        assert!(!same_store(&a, &b));
+        let e1 = DatastoreSettings {
+            datastore_type: DatastoreType::Etcdv3,
+            etcd_endpoints: vec!["127.0.0.1:1".into()],
+            ..DatastoreSettings::default()
+        };
+        let mut e2 = e1.clone();
+        e2.etcd_endpoints = vec!["http://127.0.0.1:1".into()];
+        assert!(
+            same_store(&e1, &e2),
+            "a scheme does not make another endpoint"
+        );
+        e2.etcd_prefix = Some("/other/".into());
+        assert!(!same_store(&e1, &e2));
+    }
+}

@@ -1,0 +1,162 @@
+//! `check` and `check --repair` on every backend, against stores broken on purpose through the
+//! storage trait.
+
+use std::collections::BTreeMap;
+
+use ipam_core::check::kinds;
+use ipam_core::model::{decode, encode, keys, Block, Handle};
+use ipnet::IpNet;
+use serde_json::Value;
+
+use crate::common::{Backend, Lab};
+
+crate::on_every_backend!(
+    check_finds_a_broken_store_and_repair_fixes_it,
+    check_exits_1_when_what_is_wrong_cannot_be_repaired,
+);
+
+fn kinds_of(report: &Value) -> Vec<String> {
+    report["problems"]
+        .as_array()
+        .expect("problems")
+        .iter()
+        .map(|p| p["kind"].as_str().expect("kind").to_owned())
+        .collect()
+}
+
+fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.40.0.0/24", "--block-size", "28"])
+        .ok();
+    let ip = lab.assign("net.h1", "host-a");
+    lab.assign("net.h1-other", "host-a");
+    let block = IpNet::new(ip, 28).expect("net").trunc();
+
+    let clean = lab.ctl(&["-o", "json", "check"]).ok().json();
+    assert_eq!(clean["clean"], true);
+    assert_eq!(clean["problems"], serde_json::json!([]));
+    assert_eq!(clean["blocks_checked"], 1);
+    assert_eq!(clean["handles_checked"], 2);
+    assert_eq!(clean["allocations_checked"], 2);
+    lab.ctl(&["check"]).ok().stdout_has("no problems");
+
+    // Break it: a handle that over-counts, a handle no block knows, and a claim without a block.
+    let orphan: IpNet = "10.40.0.192/28".parse().expect("cidr");
+    lab.with_store(|store| async move {
+        let wrong = Handle {
+            blocks: BTreeMap::from([(block, 5)]),
+        };
+        store
+            .put(&keys::handle("net.h1"), encode(&wrong).expect("encode"))
+            .await
+            .expect("put");
+        store
+            .put(&keys::handle("net.ghost"), encode(&wrong).expect("encode"))
+            .await
+            .expect("put");
+        store
+            .put(
+                &keys::block_claim(&orphan),
+                encode(&Some("host-z".to_owned())).expect("encode"),
+            )
+            .await
+            .expect("put");
+    });
+    let broken = lab.snapshot();
+
+    let found = lab.ctl(&["-o", "json", "check"]);
+    found.expect_code(1);
+    let report = found.json();
+    assert_eq!(report["clean"], false);
+    let kinds = kinds_of(&report);
+    assert_eq!(
+        kinds.iter().filter(|k| *k == kinds::HANDLE_COUNT).count(),
+        2,
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.iter().any(|k| k == kinds::ORPHANED_CLAIM),
+        "{kinds:?}"
+    );
+    for problem in report["problems"].as_array().expect("problems") {
+        assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()));
+        assert_eq!(problem["repairable"], true);
+    }
+    assert!(report.get("remaining").is_none());
+    let table = lab.ctl(&["check"]);
+    table
+        .expect_code(1)
+        .stdout_has("3 problems (3 repairable)")
+        .stdout_has(kinds::HANDLE_COUNT)
+        .stdout_has("check --repair");
+    assert_eq!(
+        lab.snapshot(),
+        broken,
+        "check without --repair writes nothing"
+    );
+
+    let repaired = lab.ctl(&["-o", "json", "check", "--repair"]);
+    let report = repaired.ok().json();
+    assert_eq!(report["clean"], true);
+    assert_eq!(
+        kinds_of(&report).len(),
+        3,
+        "problems found before the repair"
+    );
+    assert_eq!(report["repaired"].as_array().map(Vec::len), Some(3));
+    assert_eq!(report["remaining"], serde_json::json!([]));
+
+    lab.ctl(&["-o", "json", "check"]).ok();
+    let handle = lab.with_store(|store| async move {
+        let kv = store
+            .get(&keys::handle("net.h1"))
+            .await
+            .expect("get")
+            .expect("the handle exists");
+        decode::<Handle>(&kv.key, &kv.value).expect("decode")
+    });
+    assert_eq!(
+        handle.blocks,
+        BTreeMap::from([(block, 1)]),
+        "rewritten from the block"
+    );
+    let ghost =
+        lab.with_store(
+            |store| async move { store.get(&keys::handle("net.ghost")).await.expect("get") },
+        );
+    assert!(ghost.is_none(), "a handle holding nothing is deleted");
+}
+
+fn check_exits_1_when_what_is_wrong_cannot_be_repaired(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.41.0.0/24"]).ok();
+    // A block with its claim, but in no pool: only a person can decide what it should be.
+    let stray: IpNet = "10.99.0.0/26".parse().expect("cidr");
+    lab.with_store(|store| async move {
+        let block = Block::new(stray, Some("host-a".into()));
+        store
+            .put(
+                &keys::block(Some("host-a"), &stray),
+                encode(&block).expect("encode"),
+            )
+            .await
+            .expect("put");
+        store
+            .put(
+                &keys::block_claim(&stray),
+                encode(&Some("host-a".to_owned())).expect("encode"),
+            )
+            .await
+            .expect("put");
+    });
+    let run = lab.ctl(&["-o", "json", "check", "--repair"]);
+    let report = run.expect_code(1).json();
+    assert_eq!(report["clean"], false);
+    assert!(kinds_of(&report).contains(&kinds::BLOCK_OUTSIDE_POOLS.to_owned()));
+    let remaining = report["remaining"].as_array().expect("remaining");
+    assert_eq!(remaining.len(), 1);
+    assert_eq!(remaining[0]["repairable"], false);
+    lab.ctl(&["check", "--repair"])
+        .expect_code(1)
+        .stdout_has("1 problem remain");
+}

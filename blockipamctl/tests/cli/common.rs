@@ -1,0 +1,427 @@
+//! Test support: a fresh store of each kind (sled, redb, a real etcd under its own prefix), running
+//! the real `blockipamctl` binary against it, and reading or damaging the store directly.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io::Read;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::{AutoAssignRequest, Ipam, KvStore};
+use serde_json::Value;
+
+/// The binary under test.
+pub const BIN: &str = env!("CARGO_BIN_EXE_blockipamctl");
+
+/// A run that takes longer than this is hung: it is killed and the test fails saying so.
+const HANG_GUARD: Duration = Duration::from_secs(240);
+
+/// Environment variables blockipamctl reads; removed from every child so that the developer's own
+/// settings never leak into a test.
+pub const CTL_ENV: &[&str] = &[
+    "DATASTORE_TYPE",
+    "DATASTORE_PATH",
+    "ETCD_ENDPOINTS",
+    "ETCD_CA_CERT_FILE",
+    "ETCD_CERT_FILE",
+    "ETCD_KEY_FILE",
+    "ETCD_PREFIX",
+    "BLOCKIPAM_LOCK_WAIT_SECONDS",
+    "BLOCKIPAM_ETCD_TIMEOUT_SECONDS",
+    "BLOCKIPAMCTL_OUTPUT",
+    "BLOCKIPAM_PLUGIN",
+];
+
+/// Which store a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// Embedded sled in a temporary directory.
+    Sled,
+    /// Embedded redb in a temporary directory.
+    Redb,
+    /// The test binary's shared etcd, under a fresh key prefix.
+    Etcd,
+}
+
+/// Expands to one test per backend for each named function `fn name(backend: Backend)`:
+/// `name::sled`, `name::redb`, `name::etcd`.
+#[macro_export]
+macro_rules! on_every_backend {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn sled() {
+                    super::$name($crate::common::Backend::Sled)
+                }
+                #[test]
+                fn redb() {
+                    super::$name($crate::common::Backend::Redb)
+                }
+                #[test]
+                fn etcd() {
+                    super::$name($crate::common::Backend::Etcd)
+                }
+            }
+        )*
+    };
+}
+
+/// Runs `future` to completion on a fresh current-thread runtime.
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(future)
+}
+
+/// One fresh store and the flags that select it.
+pub struct Lab {
+    /// The store kind.
+    pub backend: Backend,
+    /// Holds embedded stores (and anything else a test wants to put beside them).
+    pub dir: tempfile::TempDir,
+    endpoint: Option<String>,
+    prefix: Option<String>,
+    _guard: Option<PrefixGuard>,
+}
+
+impl Lab {
+    /// A fresh, empty store of this kind (an embedded store is created on first write).
+    pub fn new(backend: Backend) -> Lab {
+        let dir = tempfile::Builder::new()
+            .prefix("blockipamctl-test-")
+            .tempdir()
+            .expect("a temporary directory");
+        let (endpoint, prefix, guard) = match backend {
+            Backend::Etcd => {
+                let server = EtcdServer::shared();
+                let prefix = unique_prefix();
+                let guard = PrefixGuard::new(server.config(&prefix));
+                (Some(server.endpoint()), Some(prefix), Some(guard))
+            }
+            _ => (None, None, None),
+        };
+        Lab {
+            backend,
+            dir,
+            endpoint,
+            prefix,
+            _guard: guard,
+        }
+    }
+
+    /// The embedded store's path (inside the lab directory).
+    pub fn path(&self) -> PathBuf {
+        match self.backend {
+            Backend::Redb => self.dir.path().join("store.redb"),
+            _ => self.dir.path().join("store.sled"),
+        }
+    }
+
+    /// The etcd endpoint and prefix, for etcd labs.
+    pub fn etcd(&self) -> Option<(String, String)> {
+        Some((self.endpoint.clone()?, self.prefix.clone()?))
+    }
+
+    /// The datastore type's name.
+    pub fn type_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Sled => "sled",
+            Backend::Redb => "redb",
+            Backend::Etcd => "etcdv3",
+        }
+    }
+
+    /// The global flags selecting this store.
+    pub fn store_args(&self) -> Vec<String> {
+        let mut args = vec!["--datastore-type".to_owned(), self.type_name().to_owned()];
+        match self.etcd() {
+            Some((endpoint, prefix)) => {
+                args.extend(["--etcd-endpoints".to_owned(), endpoint]);
+                args.extend(["--etcd-prefix".to_owned(), prefix]);
+            }
+            None => args.extend([
+                "--datastore-path".to_owned(),
+                self.path().display().to_string(),
+            ]),
+        }
+        args
+    }
+
+    /// The flags that make this store a `migrate` target.
+    pub fn target_args(&self) -> Vec<String> {
+        let mut args = vec![
+            "--to-datastore-type".to_owned(),
+            self.type_name().to_owned(),
+        ];
+        match self.etcd() {
+            Some((endpoint, prefix)) => {
+                args.extend(["--to-etcd-endpoints".to_owned(), endpoint]);
+                args.extend(["--to-etcd-prefix".to_owned(), prefix]);
+            }
+            None => args.extend([
+                "--to-datastore-path".to_owned(),
+                self.path().display().to_string(),
+            ]),
+        }
+        args
+    }
+
+    /// The same store as the library opens it.
+    pub fn settings(&self) -> DatastoreSettings {
+        let datastore_type = match self.backend {
+            Backend::Sled => DatastoreType::Sled,
+            Backend::Redb => DatastoreType::Redb,
+            Backend::Etcd => DatastoreType::Etcdv3,
+        };
+        DatastoreSettings {
+            datastore_type,
+            path: (self.backend != Backend::Etcd).then(|| self.path()),
+            etcd_endpoints: self.endpoint.iter().cloned().collect(),
+            etcd_prefix: self.prefix.clone(),
+            ..DatastoreSettings::default()
+        }
+    }
+
+    /// Runs blockipamctl with this store's flags followed by `args`.
+    pub fn ctl(&self, args: &[&str]) -> Run {
+        self.ctl_env(args, &[])
+    }
+
+    /// As [`ctl`](Self::ctl), with extra environment variables.
+    pub fn ctl_env(&self, args: &[&str], env: &[(&str, &str)]) -> Run {
+        let mut full = self.store_args();
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        ctl(&full, env)
+    }
+
+    /// Opens the store, runs `work` on an allocator over it, and closes the store again.
+    pub fn with_ipam<T, F, Fut>(&self, work: F) -> T
+    where
+        F: FnOnce(Ipam) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let settings = self.settings();
+        block_on(async move {
+            let store = settings.open().await.expect("open the test store");
+            work(Ipam::new(store)).await
+        })
+    }
+
+    /// Opens the store, runs `work` on the raw KV store, and closes the store again.
+    pub fn with_store<T, F, Fut>(&self, work: F) -> T
+    where
+        F: FnOnce(Arc<dyn KvStore>) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let settings = self.settings();
+        block_on(async move {
+            let store = settings.open().await.expect("open the test store");
+            work(store).await
+        })
+    }
+
+    /// Every key with its value and revision (`list("")`), read with the store closed afterwards.
+    pub fn snapshot(&self) -> Vec<(String, Vec<u8>, u64)> {
+        self.with_store(|store| async move {
+            store
+                .list("")
+                .await
+                .expect("list the whole store")
+                .into_iter()
+                .map(|kv| (kv.key, kv.value, kv.revision.get()))
+                .collect()
+        })
+    }
+
+    /// Allocates one IPv4 address for `handle` on `host` and returns it.
+    pub fn assign(&self, handle: &str, host: &str) -> IpAddr {
+        let (handle, host) = (handle.to_owned(), host.to_owned());
+        self.with_ipam(|ipam| async move {
+            let result = ipam
+                .auto_assign(&AutoAssignRequest {
+                    handle: handle.clone(),
+                    host,
+                    num_v4: 1,
+                    attributes: BTreeMap::from([("pod".to_owned(), handle)]),
+                    ..AutoAssignRequest::default()
+                })
+                .await
+                .expect("auto-assign");
+            result.v4.first().expect("one address").ip
+        })
+    }
+}
+
+/// The outcome of one blockipamctl run.
+#[derive(Debug)]
+pub struct Run {
+    /// The arguments (for messages).
+    pub args: Vec<String>,
+    /// The exit status.
+    pub code: i32,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+impl Run {
+    fn describe(&self) -> String {
+        format!(
+            "blockipamctl {}\n--- exit status {}\n--- stdout:\n{}\n--- stderr:\n{}",
+            self.args.join(" "),
+            self.code,
+            self.stdout,
+            self.stderr
+        )
+    }
+
+    /// Asserts exit status 0.
+    pub fn ok(&self) -> &Self {
+        self.expect_code(0)
+    }
+
+    /// Asserts this exit status, and that nothing panicked.
+    pub fn expect_code(&self, code: i32) -> &Self {
+        assert_eq!(
+            self.code,
+            code,
+            "unexpected exit status\n{}",
+            self.describe()
+        );
+        assert!(
+            !self.stderr.contains("panicked") && !self.stderr.contains("RUST_BACKTRACE"),
+            "a panic\n{}",
+            self.describe()
+        );
+        self
+    }
+
+    /// Parses stdout as one JSON document.
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e})\n{}", self.describe()))
+    }
+
+    /// The one `error: ` line on stderr (asserting there is exactly one and no panic).
+    pub fn error_line(&self) -> String {
+        let lines: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("error: "))
+            .collect();
+        assert_eq!(
+            lines.len(),
+            1,
+            "expected one error line\n{}",
+            self.describe()
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "a panic\n{}",
+            self.describe()
+        );
+        lines[0].to_owned()
+    }
+
+    /// Asserts stdout contains `text`.
+    pub fn stdout_has(&self, text: &str) -> &Self {
+        assert!(
+            self.stdout.contains(text),
+            "stdout lacks {text:?}\n{}",
+            self.describe()
+        );
+        self
+    }
+}
+
+/// Runs blockipamctl with exactly these arguments and extra environment variables (its own
+/// variables are removed from the inherited environment first).
+pub fn ctl(args: &[String], env: &[(&str, &str)]) -> Run {
+    let mut command = Command::new(BIN);
+    command.args(args);
+    for name in CTL_ENV {
+        command.env_remove(name);
+    }
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    run_guarded(command, args)
+}
+
+/// Runs a command with piped output, killing it if it outlives [`HANG_GUARD`].
+pub fn run_guarded(mut command: Command, args: &[String]) -> Run {
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn().expect("start blockipamctl");
+    let mut stdout = child.stdout.take().expect("stdout pipe");
+    let mut stderr = child.stderr.take().expect("stderr pipe");
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for blockipamctl") {
+            break status;
+        }
+        if started.elapsed() > HANG_GUARD {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "blockipamctl {} hung: killed after {} s",
+                args.join(" "),
+                HANG_GUARD.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Run {
+        args: args.to_vec(),
+        code: status.code().unwrap_or(-1),
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    }
+}
+
+/// Asserts that every column boundary of a table's header line is a boundary in every row: the
+/// character just before each header column is a space on every line.
+pub fn assert_columns_line_up(table: &str) {
+    let lines: Vec<&str> = table.lines().take_while(|l| !l.is_empty()).collect();
+    let header = lines.first().expect("a header line");
+    let bytes = header.as_bytes();
+    let starts: Vec<usize> = (2..bytes.len())
+        .filter(|&i| bytes[i] != b' ' && bytes[i - 1] == b' ' && bytes[i - 2] == b' ')
+        .collect();
+    assert!(!starts.is_empty(), "not a table: {table}");
+    for line in &lines[1..] {
+        for &start in &starts {
+            assert!(
+                line.len() >= start && line.as_bytes()[start - 1] == b' ',
+                "column at {start} does not line up in {line:?}\n{table}"
+            );
+        }
+    }
+}
+
+/// A loopback port nothing listens on.
+pub fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    listener.local_addr().expect("local address").port()
+}

@@ -1,0 +1,15 @@
+//! Integration tests of the real `blockipamctl` binary against sled, redb and a real etcd: every
+//! command's table and JSON output, every exit status and error path.
+
+mod common;
+
+mod check;
+mod config;
+mod demo_checks;
+mod errors;
+mod library;
+mod migrate;
+mod node;
+mod pools;
+mod release;
+mod show;

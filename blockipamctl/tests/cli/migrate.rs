@@ -1,0 +1,212 @@
+//! `migrate`: sled → etcd and redb → sled round trips that verify, and the refusals (non-empty
+//! target, the source itself, an inconsistent source) that write nothing.
+
+use std::collections::BTreeMap;
+
+use ipam_core::model::{encode, keys, Handle};
+use ipam_core::AssignIpsRequest;
+use serde_json::Value;
+
+use crate::common::{ctl, Backend, Lab};
+
+/// Fills a store with everything migrate must carry: two pools (one IPv6, one disabled), a
+/// changed config, addresses on three hosts, a borrowed address and a block without a host.
+fn populate(lab: &Lab) {
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.60.0.0/22",
+        "--name",
+        "main",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    lab.ctl(&[
+        "pool",
+        "add",
+        "fd00:60::/120",
+        "--name",
+        "v6",
+        "--block-size",
+        "124",
+    ])
+    .ok();
+    lab.ctl(&["pool", "add", "10.61.0.0/24", "--name", "off", "--disabled"])
+        .ok();
+    lab.ctl(&["config", "set", "--max-blocks-per-host", "7"])
+        .ok();
+    let first = lab.assign("net.a1", "host-a");
+    lab.assign("net.a2", "host-a");
+    lab.assign("net.b1", "host-b");
+    lab.assign("net.c1", "host-c");
+    lab.with_ipam(|ipam| async move {
+        let borrowed = match first {
+            std::net::IpAddr::V4(v4) => {
+                std::net::IpAddr::from(std::net::Ipv4Addr::from(u32::from(v4) + 7))
+            }
+            other => other,
+        };
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec![borrowed],
+            handle: "net.b2".into(),
+            host: "host-b".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("borrow");
+    });
+    lab.ctl(&["node", "release", "host-c"]).ok();
+}
+
+fn blocks_json(lab: &Lab) -> Value {
+    lab.ctl(&["-o", "json", "show", "--blocks", "--borrowed"])
+        .ok()
+        .json()
+}
+
+fn migrate(source: &Lab, target: &Lab) -> crate::common::Run {
+    let mut args = source.store_args();
+    args.extend(["-o".to_owned(), "json".to_owned(), "migrate".to_owned()]);
+    args.extend(target.target_args());
+    ctl(&args, &[])
+}
+
+fn round_trip_is_equal_and_clean(from: Backend, to: Backend) {
+    let source = Lab::new(from);
+    populate(&source);
+    let target = Lab::new(to);
+    let before = source.snapshot();
+    let source_view = blocks_json(&source);
+    let source_config = source.ctl(&["-o", "json", "config", "show"]).ok().json();
+
+    let run = migrate(&source, &target);
+    let report = run.ok().json();
+    assert_eq!(report["verified"], true);
+    assert_eq!(report["keys_copied"], before.len());
+    assert_eq!(report["pools"], 3);
+    assert_eq!(
+        report["blocks"], 3,
+        "host-a's, host-b's, and host-c's block without a host"
+    );
+    assert_eq!(report["affine_blocks"], 2);
+    assert_eq!(report["claims"], 3);
+    assert_eq!(report["handles"], 5);
+    assert_eq!(report["config"], true);
+    assert!(report["transactions"].as_u64().is_some_and(|t| t >= 1));
+    assert!(report["source"]
+        .as_str()
+        .is_some_and(|s| s.starts_with(source.type_name())));
+    assert!(report["target"]
+        .as_str()
+        .is_some_and(|s| s.starts_with(target.type_name())));
+
+    assert_eq!(
+        blocks_json(&target),
+        source_view,
+        "show --blocks is equal on both sides"
+    );
+    assert_eq!(
+        target.ctl(&["-o", "json", "config", "show"]).ok().json(),
+        source_config
+    );
+    assert_eq!(
+        target.ctl(&["-o", "json", "check"]).ok().json()["clean"],
+        true
+    );
+    let copied: Vec<(String, Vec<u8>)> = target
+        .snapshot()
+        .into_iter()
+        .map(|(k, v, _)| (k, v))
+        .collect();
+    let original: Vec<(String, Vec<u8>)> = before
+        .iter()
+        .map(|(k, v, _)| (k.clone(), v.clone()))
+        .collect();
+    assert_eq!(copied, original, "every key copied byte for byte");
+    assert_eq!(source.snapshot(), before, "the source is left as it was");
+
+    // The copy is a working store: the allocator carries on where the source stopped.
+    let next = target.assign("net.d1", "host-a");
+    assert!(next.to_string().starts_with("10.60."), "{next}");
+    target.ctl(&["check"]).ok();
+}
+
+#[test]
+fn migrate_sled_to_etcd_copies_everything_and_verifies() {
+    round_trip_is_equal_and_clean(Backend::Sled, Backend::Etcd);
+}
+
+#[test]
+fn migrate_redb_to_sled_copies_everything_and_verifies() {
+    round_trip_is_equal_and_clean(Backend::Redb, Backend::Sled);
+}
+
+#[test]
+fn migrate_etcd_to_redb_copies_everything_and_verifies() {
+    round_trip_is_equal_and_clean(Backend::Etcd, Backend::Redb);
+}
+
+#[test]
+fn migrate_into_a_non_empty_target_is_refused_and_writes_nothing() {
+    let source = Lab::new(Backend::Sled);
+    populate(&source);
+    for to in [Backend::Redb, Backend::Etcd] {
+        let target = Lab::new(to);
+        target.ctl(&["pool", "add", "192.168.0.0/24"]).ok();
+        let (source_before, target_before) = (source.snapshot(), target.snapshot());
+        let run = migrate(&source, &target);
+        run.expect_code(1);
+        let message = run.json()["error"].as_str().unwrap_or_default().to_owned();
+        assert!(message.contains("not empty"), "{message}");
+        assert!(run.error_line().contains("Nothing was written"));
+        assert_eq!(target.snapshot(), target_before, "the target is untouched");
+        assert_eq!(source.snapshot(), source_before, "the source is untouched");
+    }
+}
+
+#[test]
+fn migrate_into_the_source_itself_is_a_usage_error() {
+    let lab = Lab::new(Backend::Sled);
+    populate(&lab);
+    let before = lab.snapshot();
+    let run = migrate(&lab, &lab);
+    run.expect_code(2);
+    assert!(run.error_line().contains("is the source store itself"));
+    assert_eq!(lab.snapshot(), before);
+}
+
+#[test]
+fn migrate_refuses_an_inconsistent_source_and_leaves_the_target_empty() {
+    let source = Lab::new(Backend::Sled);
+    populate(&source);
+    source.with_store(|store| async move {
+        let handle = Handle {
+            blocks: BTreeMap::from([("10.60.0.0/28".parse().expect("cidr"), 9)]),
+        };
+        store
+            .put(&keys::handle("net.a1"), encode(&handle).expect("encode"))
+            .await
+            .expect("put");
+    });
+    let target = Lab::new(Backend::Redb);
+    let run = migrate(&source, &target);
+    run.expect_code(1);
+    let line = run.error_line();
+    assert!(
+        line.contains("problems") && line.contains("check --repair"),
+        "{line}"
+    );
+    assert!(target.snapshot().is_empty(), "nothing was copied");
+}
+
+#[test]
+fn migrate_of_an_empty_source_is_refused() {
+    let source = Lab::new(Backend::Redb);
+    source.ctl(&["config", "show"]).expect_code(1);
+    source.with_store(|_| async {});
+    let target = Lab::new(Backend::Sled);
+    let run = migrate(&source, &target);
+    run.expect_code(1);
+    assert!(run.error_line().contains("nothing to migrate"));
+}
