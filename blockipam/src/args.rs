@@ -1,3 +1,5 @@
+//! `CNI_ARGS` parsed as libcni's `LoadArgs` does.
+//!
 //! `CNI_ARGS` parsed as libcni's `LoadArgs` does: `K=V;K=V`, exact key names, unknown keys an
 //! error unless `IgnoreUnknown` is `1` or `true`.
 
@@ -68,13 +70,17 @@ pub fn parse_cni_args(text: &str) -> Result<CniArgs, CniError> {
             )));
         };
         match *key {
-            "IgnoreUnknown" => args.ignore_unknown = match value.to_ascii_lowercase().as_str() {
-                "1" | "true" => true,
-                "0" | "false" => false,
-                _ => return Err(env_error(format!(
+            "IgnoreUnknown" => {
+                args.ignore_unknown = match value.to_ascii_lowercase().as_str() {
+                    "1" | "true" => true,
+                    "0" | "false" => false,
+                    _ => {
+                        return Err(env_error(format!(
                     "CNI_ARGS: error parsing value of pair {pair:?}: expected 1, true, 0 or false"
-                ))),
-            },
+                )))
+                    }
+                }
+            }
             "IP" => {
                 for item in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
                     let ip = parse_ip_maybe_prefixed(item).map_err(|e| {

@@ -1,3 +1,5 @@
+//! What each CNI command does with the allocator, and the result shaping the main plugins need.
+//!
 //! What each CNI command does with the allocator: ADD (idempotent per attachment), DEL, CHECK, GC
 //! and STATUS, plus the result shaping (gateway, prefix length, routes) the main plugins need.
 
@@ -181,11 +183,16 @@ async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Resul
 /// Allocator failures mapped as [`from_ipam`]; code 7 when the netconf asks for no address.
 pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniError> {
     let conf = call.conf;
+    let requested = call.requested_ips();
+    if requested.is_empty() && !conf.assign_ipv4 && !conf.assign_ipv6 {
+        return Err(CniError::config(
+            "nothing to assign: assign_ipv4 is \"false\", assign_ipv6 is not \"true\", and no specific address was asked for",
+        ));
+    }
     ensure_pools(ipam, conf).await?;
     let pools = ipam.list_pools().await.map_err(|e| from_ipam(&e))?;
     reserve_addresses(ipam, conf, &pools).await?;
     let handle = call.handle();
-    let requested = call.requested_ips();
     let addresses = if !requested.is_empty() {
         let request = AssignIpsRequest {
             ips: requested,
@@ -205,11 +212,6 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             attributes: call.attributes(),
             reuse_existing: true,
         };
-        if request.num_v4 == 0 && request.num_v6 == 0 {
-            return Err(CniError::config(
-                "nothing to assign: assign_ipv4 is \"false\", assign_ipv6 is not \"true\", and no specific address was asked for",
-            ));
-        }
         let first = ipam
             .auto_assign(&request)
             .await

@@ -1,6 +1,7 @@
-//! The blockipam CNI IPAM plugin as a library: [`run`] takes the environment, stdin, stdout and
-//! stderr of one invocation and returns the exit status, so tests drive it in-process and the
-//! binary is a thin wrapper.
+//! The blockipam CNI IPAM plugin as a library, with [`run`] as the entry point.
+//!
+//! [`run`] takes the environment, stdin, stdout and stderr of one invocation and returns the exit
+//! status, so tests drive it in-process and the binary is a thin wrapper.
 //!
 //! One call: check the environment and spec version as libcni's skeleton does, parse the
 //! netconf, take the host lock (`ipam_lock_file`), open the store, run the command under the

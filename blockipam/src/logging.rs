@@ -1,3 +1,5 @@
+//! Logging of this plugin and the store crates, to stderr or `log_file_path`, never stdout.
+//!
 //! Logging: `tracing` events of this plugin and the store crates, at `log_level`, to stderr or
 //! `log_file_path`; never to stdout.
 

@@ -1,3 +1,5 @@
+//! The network configuration blockipam reads, with its defaults and validation.
+//!
 //! The network configuration blockipam reads: calico-ipam's keys (top level or inside `ipam`, the
 //! `ipam` object winning), blockipam's own, and the CNI conventions (`args`, `runtimeConfig`,
 //! `prevResult`, `cni.dev/valid-attachments`). Unknown keys are ignored; a known key with the
@@ -325,12 +327,14 @@ pub fn parse_header(stdin: &[u8]) -> Result<(Value, String, String), CniError> {
     let version = match top.get("cniVersion") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
-        Some(other) => return Err(CniError::new(
-            codes::DECODING_FAILURE,
-            format!(
+        Some(other) => {
+            return Err(CniError::new(
+                codes::DECODING_FAILURE,
+                format!(
                 "decoding version from network config: cniVersion must be a string, found {other}"
             ),
-        )),
+            ))
+        }
     };
     let version = if version.is_empty() {
         "0.1.0".to_owned()

@@ -1,3 +1,5 @@
+//! The CNI wire protocol: spec versions, error codes, error JSON and result shapes.
+//!
 //! The CNI wire protocol: spec versions, error codes and error JSON, and the IPAM result in the
 //! shape each spec version expects (legacy `ip4`/`ip6` for 0.1.0/0.2.0, `ips` from 0.3.0 on).
 

@@ -1,3 +1,5 @@
+//! RFC 3339 UTC timestamps for the `timestamp` attribute, without a date-time crate.
+//!
 //! RFC 3339 UTC timestamps (`2024-05-01T12:34:56Z`) for the `timestamp` attribute, without a
 //! date-time crate.
 

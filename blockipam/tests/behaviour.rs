@@ -1,3 +1,5 @@
+//! What the plugin does with addresses, beyond the protocol.
+//!
 //! What the plugin does with addresses: idempotent ADD per attachment, several interfaces per
 //! container, specific addresses, recorded attributes, reservations, result shaping, DEL of
 //! Calico's legacy handle, GC and the in-process entry point.

@@ -1,3 +1,5 @@
+//! Many plugin processes at once on one embedded store.
+//!
 //! Many plugin processes at once on one embedded store: 32 concurrent ADDs for different
 //! containers all succeed with distinct addresses, and 32 concurrent DELs leave the pool empty.
 

@@ -1,3 +1,5 @@
+//! End-to-end tests under Debian's real `ptp` and `bridge` plugins in network namespaces.
+//!
 //! End to end under Debian's real CNI plugins: a "host" network namespace and two "container"
 //! namespaces; `/usr/lib/cni/ptp` (and `bridge`) run inside the host namespace with `CNI_PATH`
 //! pointing at the built `blockipam`, so they exec it exactly as a runtime's main plugin would.

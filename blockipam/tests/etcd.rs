@@ -1,3 +1,5 @@
+//! The plugin on a real etcd, and on an unreachable or silent one.
+//!
 //! The plugin on a real etcd (a throwaway `etcd` process on loopback): ADD/CHECK/DEL rounds and
 //! concurrent ADDs, and an unreachable or silent etcd giving code 11 (50 for STATUS) without
 //! hanging.

@@ -1,3 +1,5 @@
+//! CNI protocol tests through the real binary: every command, every spec version, every error code.
+//!
 //! The CNI protocol through the real binary: every command at every spec version with exact
 //! result shapes, VERSION and the about text, and every error code path, with the store
 //! unchanged after each failed ADD.
@@ -434,6 +436,7 @@ fn asking_for_no_address_at_all_is_code_7() {
     let sandbox = Sandbox::new();
     let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv4": "false"}));
     cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, "nothing to assign");
+    assert!(sandbox.snapshot().is_empty(), "nothing may be created");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+//! Test support shared by the integration tests.
+//!
 //! Test support shared by the integration tests: a sandbox (temporary store, lock file and
 //! node-name file), netconf builders, and runners for the real `blockipam` binary and the
 //! in-process library entry point.

@@ -2,14 +2,14 @@
 //! selected store into an empty target store, verify the copy, and undo it if anything fails.
 //!
 //! The copy is raw: each key under `ipam/v1/` is written with its bytes unchanged, in transactions
-//! of at most `MAX_TXN_OPS` operations (and about 1 MiB, under etcd's request limit), each key
-//! guarded by an "absent" condition so that nothing in the target is ever overwritten.
+//! of at most `MAX_TXN_OPS` operations and `MAX_TXN_BYTES` bytes (under etcd's request limit), each
+//! key guarded by an "absent" condition so that nothing in the target is ever overwritten.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use blockipam_store::DatastoreSettings;
-use ipam_core::kv::MAX_TXN_OPS;
+use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
 use ipam_core::model::{keys, ROOT};
 use ipam_core::{Condition, Ipam, KeyValue, KvStore, Op, Txn};
 use serde::Serialize;
@@ -19,9 +19,6 @@ use crate::cli::MigrateArgs;
 use crate::error::{one_line, CtlError};
 use crate::output::{counted, Ctx, Outcome};
 use crate::settings::{self, OpenMode};
-
-/// Most key and value bytes one copy transaction carries (etcd refuses requests over 1.5 MiB).
-const TXN_BYTES: usize = 1024 * 1024;
 
 #[derive(Debug, Default, Serialize)]
 struct MigrateJson {
@@ -176,15 +173,16 @@ fn summarize(snapshot: &[KeyValue]) -> MigrateJson {
     }
 }
 
-/// Splits the snapshot into transactions: at most `MAX_TXN_OPS` keys and about `TXN_BYTES` each.
+/// Splits the snapshot into transactions of at most `MAX_TXN_OPS` keys and `MAX_TXN_BYTES` bytes,
+/// counted as `Txn::validate` counts them: each key twice (its put and its condition) plus its value.
 fn chunks(snapshot: &[KeyValue]) -> Vec<&[KeyValue]> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut bytes = 0;
     for (i, kv) in snapshot.iter().enumerate() {
-        let size = kv.key.len() + kv.value.len();
+        let size = 2 * kv.key.len() + kv.value.len();
         let count = i - start;
-        if count > 0 && (count == MAX_TXN_OPS || bytes + size > TXN_BYTES) {
+        if count > 0 && (count == MAX_TXN_OPS || bytes + size > MAX_TXN_BYTES) {
             out.push(&snapshot[start..i]);
             start = i;
             bytes = 0;
@@ -364,13 +362,21 @@ mod tests {
     #[test]
     fn chunks_respect_the_byte_budget_and_never_come_out_empty() {
         let snapshot = vec![
-            kv("a", 600 * 1024),
-            kv("b", 600 * 1024),
+            kv("a", 800 * 1024),
+            kv("b", 800 * 1024),
             kv("c", 2 * 1024 * 1024),
             kv("d", 1),
+            kv("e", 300 * 1024),
         ];
         let sizes: Vec<usize> = chunks(&snapshot).iter().map(|c| c.len()).collect();
-        assert_eq!(sizes, vec![1, 1, 1, 1]);
+        assert_eq!(sizes, vec![1, 1, 1, 2]);
+        for chunk in chunks(&snapshot) {
+            let total: usize = chunk
+                .iter()
+                .map(|kv| 2 * kv.key.len() + kv.value.len())
+                .sum();
+            assert!(chunk.len() == 1 || total <= MAX_TXN_BYTES);
+        }
         assert!(chunks(&[]).is_empty());
     }
 }
