@@ -221,7 +221,7 @@ impl Inner {
                 write.commit().map_err(|e| KvError::Indeterminate {
                     message: format!(
                         "committing to {} failed, the write may or may not have landed: {e}",
-                        self.path.display()
+                        path.display()
                     ),
                 })?;
                 Ok(revision)

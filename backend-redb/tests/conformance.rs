@@ -1,4 +1,4 @@
-//! Runs the shared conformance suite (generic and embedded-store cases) against `RedbStore`.
+//! Runs the whole conformance suite (storage, embedded-store and allocator cases) against the redb adapter.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -41,3 +41,4 @@ impl EmbeddedFactory for RedbFactory {
 
 conformance::kv_conformance_tests!(RedbFactory);
 conformance::embedded_conformance_tests!(RedbFactory);
+conformance::ipam_conformance_tests!(RedbFactory);

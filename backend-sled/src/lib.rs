@@ -4,7 +4,8 @@
 //! to its record (the 8-byte big-endian revision of the write that last changed it, then the
 //! value bytes), and [`META_TREE`] holds the store-wide revision counter ([`REVISION_KEY`]) and
 //! the format marker ([`FORMAT_KEY`] = [`FORMAT`]). Every commit checks its conditions, bumps the
-//! counter and writes its records in one sled transaction, then flushes before it returns.
+//! counter and writes its records in one sled transaction, then flushes and `fdatasync`s sled's
+//! log before it returns (sled's own flush stops at `sync_file_range`).
 //!
 //! Processes are serialised by an exclusive lock on the sibling file `<path>.lock`, taken before
 //! sled is opened and held until the store is dropped. A new store is built in `<path>.creating`

@@ -37,6 +37,8 @@ pub const REVISION_KEY: &str = "revision";
 const HEADER: usize = 8;
 /// How often a list (or batch of reads) is repeated while writes keep landing, before giving up.
 const CONSISTENT_READ_ATTEMPTS: usize = 64;
+/// sled's log file inside the store directory.
+const LOG_FILE: &str = "db";
 /// The directory in which sled writes large items as files of their own, while it runs.
 const BLOBS: &str = "blobs";
 /// Longest pause between two attempts to take sled's own lock.
@@ -56,6 +58,8 @@ struct Inner {
     data: sled::Tree,
     meta: sled::Tree,
     db: sled::Db,
+    /// sled's log file, for the `fdatasync` that makes a flushed write durable (see `commit`).
+    log_file: fs::File,
     /// Files under `blobs/` already made private, so that a write only fixes the ones sled just
     /// made (while open, sled creates files nowhere else).
     private_blobs: Mutex<HashSet<PathBuf>>,
@@ -166,6 +170,8 @@ impl Inner {
         }
         let db = open_engine(path, started, config.lock_wait)?;
         let (data, meta) = check_format(&db, path)?;
+        let log_file = fs::File::open(path.join(LOG_FILE))
+            .map_err(|e| io_error("cannot open sled's log file in", path, &e))?;
         make_private(path, &mut HashSet::new())
             .map_err(|e| io_error("cannot make the files private in", path, &e))?;
         let mut private_blobs = HashSet::new();
@@ -175,6 +181,7 @@ impl Inner {
             data,
             meta,
             db,
+            log_file,
             private_blobs: Mutex::new(private_blobs),
             path: path.clone(),
             _lock: lock,
@@ -328,6 +335,17 @@ impl Inner {
                 engine_error(err, path)
             ),
         })?;
+        // sled's flush ends in sync_file_range on Linux, which neither commits the file's
+        // metadata (the log grows into new blocks) nor flushes the drive's cache: only a process
+        // crash is covered. fdatasync covers a power loss too.
+        self.log_file
+            .sync_data()
+            .map_err(|err| KvError::Indeterminate {
+                message: format!(
+                    "the write to {} was applied but syncing it to disk failed: {err}",
+                    path.display()
+                ),
+            })?;
         // The write is durable whatever happens here; a blob file that cannot be made private
         // now is tried again after the next write and at the next open.
         let mut known = self
@@ -437,7 +455,7 @@ fn inspect(path: &Path) -> Result<Found, KvError> {
     if entries.next().is_none() {
         return Ok(Found::Nothing);
     }
-    if path.join("db").is_file() && path.join("conf").is_file() {
+    if path.join(LOG_FILE).is_file() && path.join("conf").is_file() {
         Ok(Found::SledDirectory)
     } else {
         Err(KvError::corrupt(
@@ -478,6 +496,14 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
             .map_err(fail)?;
         meta.insert(FORMAT_KEY, FORMAT).map_err(fail)?;
         db.flush().map_err(fail)?;
+    }
+    // sled syncs neither its configuration file nor (fully) its log: sync both before the store
+    // becomes visible under its name.
+    for name in [LOG_FILE, "conf"] {
+        let file = staging.join(name);
+        fs::File::open(&file)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| io_error("cannot sync", &file, &e))?;
     }
     make_private(&staging, &mut HashSet::new())
         .map_err(|e| io_error("cannot make the files private in", &staging, &e))?;

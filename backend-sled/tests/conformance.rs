@@ -1,4 +1,4 @@
-//! Runs the shared conformance suite (generic and embedded-store cases) against `SledStore`.
+//! Runs the whole conformance suite (storage, embedded-store and allocator cases) against the sled adapter.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -41,3 +41,4 @@ impl EmbeddedFactory for SledFactory {
 
 conformance::kv_conformance_tests!(SledFactory);
 conformance::embedded_conformance_tests!(SledFactory);
+conformance::ipam_conformance_tests!(SledFactory);

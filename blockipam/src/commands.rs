@@ -101,16 +101,29 @@ pub fn gateway_handle(network: &str) -> String {
     format!("{network}:gateway")
 }
 
-/// Creates the netconf's pools that do not exist yet (one read when they all do).
+/// The store's pools, after creating the netconf's pools that do not exist yet: one read when
+/// they all exist (a pool with the same CIDR and block size counts, whatever its name).
 ///
 /// # Errors
 /// Code 106 when a pool clashes with a different existing one; store failures.
-pub async fn ensure_pools(ipam: &Ipam, conf: &NetConf) -> Result<(), CniError> {
+pub async fn ensure_pools(ipam: &Ipam, conf: &NetConf) -> Result<Vec<Pool>, CniError> {
+    let pools = ipam.list_pools().await.map_err(|e| from_ipam(&e))?;
+    let mut created = false;
     for spec in &conf.pools {
-        let pool = ipam.ensure_pool(spec).await.map_err(|e| from_ipam(&e))?;
-        tracing::debug!(pool = %pool.name, cidr = %pool.cidr, "pool present");
+        let present = pools.iter().any(|p| {
+            p.cidr == spec.cidr
+                && Some(p.block_size) == Ipam::pool_from_spec(spec).ok().map(|s| s.block_size)
+        });
+        if !present {
+            let pool = ipam.ensure_pool(spec).await.map_err(|e| from_ipam(&e))?;
+            tracing::info!(pool = %pool.name, cidr = %pool.cidr, "pool present");
+            created = true;
+        }
     }
-    Ok(())
+    if created {
+        return ipam.list_pools().await.map_err(|e| from_ipam(&e));
+    }
+    Ok(pools)
 }
 
 /// The addresses a network reserves: each configured gateway that lies in an enabled pool and,
@@ -189,8 +202,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             "nothing to assign: assign_ipv4 is \"false\", assign_ipv6 is not \"true\", and no specific address was asked for",
         ));
     }
-    ensure_pools(ipam, conf).await?;
-    let pools = ipam.list_pools().await.map_err(|e| from_ipam(&e))?;
+    let pools = ensure_pools(ipam, conf).await?;
     reserve_addresses(ipam, conf, &pools).await?;
     let handle = call.handle();
     let addresses = if !requested.is_empty() {

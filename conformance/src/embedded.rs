@@ -36,6 +36,7 @@ macro_rules! embedded_conformance_tests {
             waiting_open_proceeds_once_the_holder_closes,
             store_files_are_private_to_the_owner,
             foreign_file_at_store_path_is_a_clear_error,
+            foreign_directory_at_store_path_is_a_clear_error,
             two_processes_cas_increments_sum_exactly,
         );
 
@@ -160,16 +161,15 @@ pub async fn waiting_open_proceeds_once_the_holder_closes<F: EmbeddedFactory>(fa
 
 fn collect_files(path: &Path, out: &mut Vec<PathBuf>) {
     let meta = std::fs::symlink_metadata(path).expect("stat");
+    out.push(path.to_owned());
     if meta.is_dir() {
         for entry in std::fs::read_dir(path).expect("read dir") {
             collect_files(&entry.expect("dir entry").path(), out);
         }
-    } else {
-        out.push(path.to_owned());
     }
 }
 
-/// Every file the store creates (database and lock) is readable and writable by its owner only.
+/// Every file and directory the store creates (database and lock) is accessible to its owner only.
 pub async fn store_files_are_private_to_the_owner<F: EmbeddedFactory>(factory: &F) {
     use std::os::unix::fs::PermissionsExt;
     let loc = new_location();
@@ -218,6 +218,19 @@ pub async fn foreign_file_at_store_path_is_a_clear_error<F: EmbeddedFactory>(fac
         foreign,
         "the foreign file was modified"
     );
+}
+
+/// A foreign, non-empty directory at the store path gives an error, not a panic, and is left as it was.
+pub async fn foreign_directory_at_store_path_is_a_clear_error<F: EmbeddedFactory>(factory: &F) {
+    let loc = new_location();
+    std::fs::create_dir(&loc.path).expect("mkdir");
+    let inside = loc.path.join("notes.txt");
+    std::fs::write(&inside, b"someone else's directory\n").expect("write");
+    let result = factory.open_at(&loc.path, WAIT).await;
+    assert!(result.is_err(), "opened a foreign directory as a store");
+    let entries: Vec<_> = std::fs::read_dir(&loc.path).expect("read dir").map(|e| e.expect("entry").file_name()).collect();
+    assert_eq!(entries, vec![std::ffi::OsString::from("notes.txt")], "the foreign directory was modified");
+    assert_eq!(std::fs::read(&inside).expect("read"), b"someone else's directory\n");
 }
 
 /// Two OS processes, each doing 200 compare-and-swap increments (open, increment, close) on the
