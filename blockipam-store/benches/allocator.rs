@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use backend_etcd::testing::EtcdServer;
 use blockipam_store::{DatastoreSettings, DatastoreType};
-use ipam_core::{AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, MemoryStore, PoolSpec, RoundTrips};
+use ipam_core::{
+    AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, MemoryStore, PoolSpec, RoundTrips,
+};
 
 const HOSTS: usize = 8;
 
@@ -40,7 +42,9 @@ async fn throughput(store: Arc<dyn KvStore>, hosts: usize, pairs: usize) -> f64 
     // Warm up: every host claims its block first.
     for h in 0..hosts {
         let handle = format!("warm-{h}");
-        ipam.auto_assign(&request(handle.clone(), format!("node-{h}"))).await.expect("warm");
+        ipam.auto_assign(&request(handle.clone(), format!("node-{h}")))
+            .await
+            .expect("warm");
         ipam.release_handle(&handle).await.expect("release");
     }
     let started = Instant::now();
@@ -51,7 +55,9 @@ async fn throughput(store: Arc<dyn KvStore>, hosts: usize, pairs: usize) -> f64 
         tasks.push(tokio::spawn(async move {
             for i in 0..per_host {
                 let handle = format!("c-{h}-{i}");
-                ipam.auto_assign(&request(handle.clone(), format!("node-{h}"))).await.expect("assign");
+                ipam.auto_assign(&request(handle.clone(), format!("node-{h}")))
+                    .await
+                    .expect("assign");
                 ipam.release_handle(&handle).await.expect("release");
             }
         }));
@@ -69,15 +75,23 @@ async fn round_trips(store: Arc<dyn KvStore>) -> (RoundTrips, RoundTrips, RoundT
     let counting = Arc::new(CountingStore::new(store));
     let ipam = Ipam::new(counting.clone());
     pool(&ipam, "10.1.0.0/28", 30).await; // 4 blocks of 4 addresses
-    ipam.auto_assign(&request("first".into(), "node-a".into())).await.expect("claim");
+    ipam.auto_assign(&request("first".into(), "node-a".into()))
+        .await
+        .expect("claim");
     counting.take();
-    ipam.auto_assign(&request("steady".into(), "node-a".into())).await.expect("steady");
+    ipam.auto_assign(&request("steady".into(), "node-a".into()))
+        .await
+        .expect("steady");
     let steady = counting.take();
     for i in 0..2 {
-        ipam.auto_assign(&request(format!("fill{i}"), "node-a".into())).await.expect("fill");
+        ipam.auto_assign(&request(format!("fill{i}"), "node-a".into()))
+            .await
+            .expect("fill");
     }
     counting.take();
-    ipam.auto_assign(&request("new-block".into(), "node-a".into())).await.expect("new block");
+    ipam.auto_assign(&request("new-block".into(), "node-a".into()))
+        .await
+        .expect("new block");
     let new_block = counting.take();
     ipam.set_config(&IpamConfig {
         max_blocks_per_host: 0,
@@ -86,12 +100,18 @@ async fn round_trips(store: Arc<dyn KvStore>) -> (RoundTrips, RoundTrips, RoundT
     .await
     .expect("config");
     // Claim the remaining blocks for node-b, then node-c must borrow.
-    ipam.claim_affinity("node-b", "10.1.0.0/28".parse().expect("cidr")).await.ok();
+    ipam.claim_affinity("node-b", "10.1.0.0/28".parse().expect("cidr"))
+        .await
+        .ok();
     for cidr in ["10.1.0.0/30", "10.1.0.4/30", "10.1.0.8/30", "10.1.0.12/30"] {
-        ipam.claim_affinity("node-b", cidr.parse().expect("cidr")).await.ok();
+        ipam.claim_affinity("node-b", cidr.parse().expect("cidr"))
+            .await
+            .ok();
     }
     counting.take();
-    ipam.auto_assign(&request("borrow".into(), "node-c".into())).await.expect("borrow");
+    ipam.auto_assign(&request("borrow".into(), "node-c".into()))
+        .await
+        .expect("borrow");
     let borrow = counting.take();
     (steady, new_block, borrow)
 }
@@ -103,8 +123,12 @@ fn trips(t: RoundTrips) -> String {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     // `cargo bench` passes `--bench`; accept and ignore harness arguments.
-    let pairs: usize = std::env::var("BLOCKIPAM_BENCH_PAIRS").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
-    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the benchmark: {e}"));
+    let pairs: usize = std::env::var("BLOCKIPAM_BENCH_PAIRS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(400);
+    let etcd =
+        EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the benchmark: {e}"));
     let dir = tempfile::tempdir().expect("temp dir");
     let mut counter = 0;
     let mut open = |kind: &str| {

@@ -113,7 +113,9 @@ impl Default for DatastoreSettings {
 impl DatastoreSettings {
     /// The embedded store's path: the one given, else the type's default.
     pub fn resolved_path(&self) -> Option<PathBuf> {
-        self.path.clone().or_else(|| self.datastore_type.default_path())
+        self.path
+            .clone()
+            .or_else(|| self.datastore_type.default_path())
     }
 
     /// Splits Calico's comma-separated `etcd_endpoints` string into endpoints.
@@ -131,7 +133,9 @@ impl DatastoreSettings {
             DatastoreType::Etcdv3 => format!(
                 "etcdv3 at {} (prefix {})",
                 self.etcd_endpoints.join(","),
-                self.etcd_prefix.as_deref().unwrap_or(backend_etcd::DEFAULT_PREFIX)
+                self.etcd_prefix
+                    .as_deref()
+                    .unwrap_or(backend_etcd::DEFAULT_PREFIX)
             ),
             other => format!(
                 "{other} at {}",
@@ -209,7 +213,9 @@ mod tests {
         assert_eq!("sled".parse::<DatastoreType>(), Ok(DatastoreType::Sled));
         assert_eq!("redb".parse::<DatastoreType>(), Ok(DatastoreType::Redb));
         assert_eq!("etcdv3".parse::<DatastoreType>(), Ok(DatastoreType::Etcdv3));
-        let err = "kubernetes".parse::<DatastoreType>().expect_err("unsupported");
+        let err = "kubernetes"
+            .parse::<DatastoreType>()
+            .expect_err("unsupported");
         assert!(err.contains("not supported"));
         let err = "mysql".parse::<DatastoreType>().expect_err("unknown");
         assert!(err.contains("mysql"));
@@ -238,9 +244,15 @@ mod tests {
             datastore_type: DatastoreType::Etcdv3,
             ..DatastoreSettings::default()
         };
-        assert!(matches!(settings.etcd_config(), Err(KvError::InvalidArgument { .. })));
+        assert!(matches!(
+            settings.etcd_config(),
+            Err(KvError::InvalidArgument { .. })
+        ));
         settings.etcd_endpoints = vec!["127.0.0.1:1".into()];
         settings.etcd_cert_file = Some("/c.pem".into());
-        assert!(matches!(settings.etcd_config(), Err(KvError::InvalidArgument { .. })));
+        assert!(matches!(
+            settings.etcd_config(),
+            Err(KvError::InvalidArgument { .. })
+        ));
     }
 }

@@ -228,9 +228,19 @@ pub async fn foreign_directory_at_store_path_is_a_clear_error<F: EmbeddedFactory
     std::fs::write(&inside, b"someone else's directory\n").expect("write");
     let result = factory.open_at(&loc.path, WAIT).await;
     assert!(result.is_err(), "opened a foreign directory as a store");
-    let entries: Vec<_> = std::fs::read_dir(&loc.path).expect("read dir").map(|e| e.expect("entry").file_name()).collect();
-    assert_eq!(entries, vec![std::ffi::OsString::from("notes.txt")], "the foreign directory was modified");
-    assert_eq!(std::fs::read(&inside).expect("read"), b"someone else's directory\n");
+    let entries: Vec<_> = std::fs::read_dir(&loc.path)
+        .expect("read dir")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(
+        entries,
+        vec![std::ffi::OsString::from("notes.txt")],
+        "the foreign directory was modified"
+    );
+    assert_eq!(
+        std::fs::read(&inside).expect("read"),
+        b"someone else's directory\n"
+    );
 }
 
 /// Two OS processes, each doing 200 compare-and-swap increments (open, increment, close) on the

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use ipam_core::kv::{Condition, KvError, KvStore, Op, Revision, Txn, MAX_TXN_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES};
+use ipam_core::kv::{
+    Condition, KvError, KvStore, Op, Revision, Txn, MAX_TXN_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES,
+};
 
 use crate::StoreFactory;
 
@@ -648,10 +650,16 @@ pub async fn read_many_answers_each_read_in_order<F: StoreFactory>(factory: &F) 
 
 /// A transaction whose keys and values exceed `MAX_TXN_BYTES` in all is invalid and writes nothing,
 /// even when each value alone is allowed.
-pub async fn transaction_over_the_total_size_limit_is_invalid_and_writes_nothing<F: StoreFactory>(factory: &F) {
+pub async fn transaction_over_the_total_size_limit_is_invalid_and_writes_nothing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
     let t = factory.fresh().await;
     let value = vec![7u8; MAX_TXN_BYTES / 2 + 1];
-    let txn = Txn::new().then(Op::put("a", value.clone())).then(Op::put("b", value));
+    let txn = Txn::new()
+        .then(Op::put("a", value.clone()))
+        .then(Op::put("b", value));
     assert_invalid(t.store.commit(txn).await);
     assert!(t.store.list("").await.expect("list").is_empty());
 }
@@ -661,8 +669,15 @@ pub async fn transaction_over_the_total_size_limit_is_invalid_and_writes_nothing
 pub async fn commit_that_changes_nothing_never_goes_backwards<F: StoreFactory>(factory: &F) {
     let t = factory.fresh().await;
     let before = t.store.put("k", b"v".to_vec()).await.expect("put");
-    let noop = t.store.delete("never-existed").await.expect("delete of a missing key");
-    assert!(noop >= before, "no-op commit returned {noop}, before {before}");
+    let noop = t
+        .store
+        .delete("never-existed")
+        .await
+        .expect("delete of a missing key");
+    assert!(
+        noop >= before,
+        "no-op commit returned {noop}, before {before}"
+    );
     let after = t.store.put("k2", b"v".to_vec()).await.expect("put");
     assert!(after > before && after >= noop);
 }
