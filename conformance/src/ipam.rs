@@ -118,6 +118,8 @@ macro_rules! ipam_conformance_tests {
             steady_state_assign_is_one_read_and_one_transaction,
             corrupt_block_is_an_error_not_a_panic,
             check_detects_broken_state_and_repair_fixes_it,
+            check_reports_blocks_outside_pools_free_list_damage_and_misplaced_blocks,
+            conflicts_on_every_attempt_end_in_retries_exhausted,
             eight_hosts_assigning_concurrently_get_distinct_addresses,
             random_operation_sequences_keep_every_invariant,
         );
@@ -1425,4 +1427,160 @@ pub async fn random_operation_sequences_keep_every_invariant<F: StoreFactory>(fa
     if let Err(failure) = result {
         panic!("{failure}");
     }
+}
+
+/// The check reports blocks outside every pool, free-list damage (an ordinal both free and
+/// allocated, a duplicate free ordinal) and a block stored under the wrong host; repair leaves them
+/// for a person and says so by still reporting them.
+pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_blocks<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::model::{encode, Attribute, Block};
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let attribute = Attribute {
+        handle: "h".into(),
+        metadata: BTreeMap::new(),
+    };
+    // A block in no pool, with a consistent claim entry and handle so only the pool problem shows.
+    let stray_cidr = net("192.168.50.0/26");
+    let mut stray = Block::new(stray_cidr, Some("node-a".into()));
+    stray.allocate_next(&attribute);
+    // A damaged block: ordinal 1 both allocated and free, ordinal 2 free twice.
+    let damaged_cidr = net("10.0.0.0/26");
+    let mut damaged = Block::new(damaged_cidr, Some("node-a".into()));
+    damaged.allocate_next(&attribute);
+    damaged.allocate_next(&attribute);
+    damaged.released.push_back(1);
+    damaged.released.push_back(2);
+    damaged.released.push_back(2);
+    // A block whose content says node-b but which is stored under node-a.
+    let misplaced_cidr = net("10.0.0.64/26");
+    let misplaced = Block::new(misplaced_cidr, Some("node-b".into()));
+    let mut handle = ipam_core::model::Handle::default();
+    handle.add(stray_cidr, 1);
+    handle.add(damaged_cidr, 2);
+    let writes = [
+        (
+            keys::block(Some("node-a"), &stray_cidr),
+            encode(&stray).expect("encode"),
+        ),
+        (
+            keys::block_claim(&stray_cidr),
+            encode(&Some("node-a".to_string())).expect("encode"),
+        ),
+        (
+            keys::block(Some("node-a"), &damaged_cidr),
+            encode(&damaged).expect("encode"),
+        ),
+        (
+            keys::block_claim(&damaged_cidr),
+            encode(&Some("node-a".to_string())).expect("encode"),
+        ),
+        (
+            keys::block(Some("node-a"), &misplaced_cidr),
+            encode(&misplaced).expect("encode"),
+        ),
+        (
+            keys::block_claim(&misplaced_cidr),
+            encode(&Some("node-b".to_string())).expect("encode"),
+        ),
+        (keys::handle("h"), encode(&handle).expect("encode")),
+    ];
+    for (key, value) in writes {
+        t.store.put(&key, value).await.expect("write broken object");
+    }
+    let report = ipam.check(false).await.expect("check");
+    let details = |kind: &str| -> Vec<String> {
+        report
+            .problems
+            .iter()
+            .filter(|p| p.kind == kind)
+            .map(|p| p.detail.clone())
+            .collect()
+    };
+    assert!(
+        details(kinds::BLOCK_OUTSIDE_POOLS)
+            .iter()
+            .any(|d| d.contains("192.168.50.0/26")),
+        "{report:#?}"
+    );
+    let free_list = details(kinds::FREE_LIST);
+    assert!(
+        free_list
+            .iter()
+            .any(|d| d.contains("both allocated and free")),
+        "{report:#?}"
+    );
+    assert!(free_list.iter().any(|d| d.contains("twice")), "{report:#?}");
+    assert!(
+        details(kinds::BLOCK_MISPLACED)
+            .iter()
+            .any(|d| d.contains("10.0.0.64/26")),
+        "{report:#?}"
+    );
+    let after_repair = ipam.check(true).await.expect("repair");
+    assert!(after_repair
+        .problems
+        .iter()
+        .any(|p| p.kind == kinds::FREE_LIST && !p.repairable));
+    let again = ipam.check(false).await.expect("check");
+    assert!(
+        again
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::BLOCK_OUTSIDE_POOLS),
+        "repair must not hide what it cannot fix"
+    );
+}
+
+/// When every attempt loses its race, the allocator gives up after the configured number of
+/// attempts with an error that says to try again, and writes nothing.
+pub async fn conflicts_on_every_attempt_end_in_retries_exhausted<F: StoreFactory>(factory: &F) {
+    use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, RetryPolicy, Revision, Txn};
+
+    /// Passes reads through and makes every commit lose a race.
+    #[derive(Debug)]
+    struct AlwaysConflicting(Arc<dyn KvStore>);
+
+    #[async_trait::async_trait]
+    impl KvStore for AlwaysConflicting {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+            self.0.get(key).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+            self.0.list(prefix).await
+        }
+        async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+            self.0.read_many(reads).await
+        }
+        async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+            Err(KvError::Conflict {
+                key: txn
+                    .conditions
+                    .first()
+                    .map(|c| c.key().to_owned())
+                    .unwrap_or_default(),
+            })
+        }
+    }
+
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let before = t.store.list("").await.expect("list");
+    let losing = Ipam::new(Arc::new(AlwaysConflicting(Arc::clone(&t.store)))).with_retry_policy(
+        RetryPolicy {
+            max_attempts: 4,
+            ..RetryPolicy::default()
+        },
+    );
+    match losing.auto_assign(&v4("h", "node-a", 1)).await {
+        Err(e @ IpamError::RetriesExhausted { attempts: 4 }) => {
+            assert!(e.is_retryable());
+            assert!(e.to_string().contains("try again later"), "{e}");
+        }
+        other => panic!("expected retries exhausted, got {other:?}"),
+    }
+    assert_eq!(t.store.list("").await.expect("list"), before);
+    drop(ipam);
 }
