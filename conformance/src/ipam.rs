@@ -120,6 +120,7 @@ macro_rules! ipam_conformance_tests {
             check_detects_broken_state_and_repair_fixes_it,
             check_reports_blocks_outside_pools_free_list_damage_and_misplaced_blocks,
             conflicts_on_every_attempt_end_in_retries_exhausted,
+            releasing_hundreds_of_addresses_at_once_works,
             eight_hosts_assigning_concurrently_get_distinct_addresses,
             random_operation_sequences_keep_every_invariant,
         );
@@ -1583,4 +1584,25 @@ pub async fn conflicts_on_every_attempt_end_in_retries_exhausted<F: StoreFactory
     }
     assert_eq!(t.store.list("").await.expect("list"), before);
     drop(ipam);
+}
+
+/// Releasing more addresses than one transaction can carry (over many blocks and handles) works,
+/// in several transactions.
+pub async fn releasing_hundreds_of_addresses_at_once_works<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/22", 30).await;
+    ipam.set_config(&IpamConfig {
+        max_blocks_per_host: 0,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let mut all = Vec::new();
+    for i in 0..100 {
+        let got = ipam.auto_assign(&v4(&format!("h{i}"), &format!("node-{}", i % 7), 2)).await.expect("assign");
+        all.extend(got.v4.into_iter().map(|a| ReleaseRequest { ip: a.ip, sequence: None }));
+    }
+    let outcome = ipam.release_ips(&all).await.expect("release 200 addresses over ~60 blocks");
+    assert_eq!(outcome.released.len(), 200);
+    assert_eq!(ipam.utilization().await.expect("usage").pools[0].in_use, 0);
+    assert_clean(&ipam).await;
 }

@@ -22,6 +22,9 @@ use crate::model::{
 pub const ATTR_NODE: &str = "node";
 /// Most addresses one request may ask for, per family.
 pub const MAX_ADDRESSES_PER_REQUEST: u32 = 32;
+/// Addresses released per transaction by [`Ipam::release_ips`] (each may touch a block and a
+/// handle, so this keeps a transaction well under `MAX_TXN_OPS`).
+const RELEASES_PER_TXN: usize = 32;
 /// Blocks moved or deleted per transaction when releasing a host's affinities.
 const BLOCKS_PER_TXN: usize = 32;
 
@@ -1217,7 +1220,8 @@ impl Ipam {
     // -----------------------------------------------------------------------------------------
 
     /// Releases addresses. Addresses not allocated are reported, not errors; with a sequence
-    /// number, an address re-allocated since then is left alone and reported.
+    /// number, an address re-allocated since then is left alone and reported. Up to 32 addresses
+    /// commit together; a longer list is released in several transactions.
     ///
     /// # Errors
     /// Store failures; [`IpamError::RetriesExhausted`].
@@ -1225,7 +1229,18 @@ impl Ipam {
         &self,
         requests: &[ReleaseRequest],
     ) -> Result<ReleaseOutcome, IpamError> {
-        self.retrying(|| self.try_release_ips(requests)).await
+        // Each chunk is one transaction: its blocks and handles stay within the store's limits.
+        let mut outcome = ReleaseOutcome::default();
+        for chunk in requests.chunks(RELEASES_PER_TXN) {
+            let part = self.retrying(|| self.try_release_ips(chunk)).await?;
+            outcome.released.extend(part.released);
+            outcome.not_allocated.extend(part.not_allocated);
+            outcome.sequence_mismatch.extend(part.sequence_mismatch);
+        }
+        outcome.released.sort();
+        outcome.not_allocated.sort();
+        outcome.sequence_mismatch.sort();
+        Ok(outcome)
     }
 
     async fn try_release_ips(
