@@ -1598,10 +1598,19 @@ pub async fn releasing_hundreds_of_addresses_at_once_works<F: StoreFactory>(fact
     .expect("config");
     let mut all = Vec::new();
     for i in 0..100 {
-        let got = ipam.auto_assign(&v4(&format!("h{i}"), &format!("node-{}", i % 7), 2)).await.expect("assign");
-        all.extend(got.v4.into_iter().map(|a| ReleaseRequest { ip: a.ip, sequence: None }));
+        let got = ipam
+            .auto_assign(&v4(&format!("h{i}"), &format!("node-{}", i % 7), 2))
+            .await
+            .expect("assign");
+        all.extend(got.v4.into_iter().map(|a| ReleaseRequest {
+            ip: a.ip,
+            sequence: None,
+        }));
     }
-    let outcome = ipam.release_ips(&all).await.expect("release 200 addresses over ~60 blocks");
+    let outcome = ipam
+        .release_ips(&all)
+        .await
+        .expect("release 200 addresses over ~60 blocks");
     assert_eq!(outcome.released.len(), 200);
     assert_eq!(ipam.utilization().await.expect("usage").pools[0].in_use, 0);
     assert_clean(&ipam).await;
