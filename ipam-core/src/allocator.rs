@@ -309,7 +309,7 @@ impl Plan {
             return Ok(());
         }
         let block = &working.block;
-        let key = keys::block(block.affinity.as_deref(), &block.cidr);
+        let key = keys::block_key_of(block);
         match &working.read {
             None => {
                 let claim = keys::block_claim(&block.cidr);
@@ -485,7 +485,9 @@ impl Ipam {
         for (cidr, result) in cidrs.iter().zip(self.store.read_many(&claims).await?) {
             if let Some(kv) = result.into_got()? {
                 let owner: Option<String> = decode(&kv.key, &kv.value)?;
-                block_reads.push(Read::Get(keys::block(owner.as_deref(), cidr)));
+                for key in keys::block_candidates(owner.as_deref(), cidr) {
+                    block_reads.push(Read::Get(key));
+                }
             }
         }
         if block_reads.is_empty() {
@@ -875,7 +877,7 @@ impl Ipam {
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::config()),
-                Read::List(keys::host_blocks_dir(&request.host)),
+                Read::List(keys::host_open_blocks_dir(&request.host)),
                 Read::Get(handle_key.clone()),
             ])
             .await?;
@@ -941,14 +943,20 @@ impl Ipam {
             let mut limit_hit: Option<u32> = None;
             if (got.len() as u32) < wanted && config.auto_allocate_blocks {
                 config_used = true;
-                let owned = working
-                    .values()
-                    .filter(|w| {
-                        w.block.affinity.as_deref() == Some(request.host.as_str())
-                            && Family::of_net(&w.block.cidr) == family
-                    })
-                    .count() as u32;
-                let mut owned = owned;
+                // The steady-state read holds only blocks with room; count full ones too.
+                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                let host_owns = |block: &Block| {
+                    block.affinity.as_deref() == Some(request.host.as_str())
+                        && Family::of_net(&block.cidr) == family
+                };
+                let owned_blocks: BTreeSet<IpNet> = existing
+                    .iter()
+                    .map(|b| &b.value)
+                    .chain(working.values().map(|w| &w.block))
+                    .filter(|b| host_owns(b))
+                    .map(|b| b.cidr)
+                    .collect();
+                let mut owned = owned_blocks.len() as u32;
                 while (got.len() as u32) < wanted {
                     if config.max_blocks_per_host != 0 && owned >= config.max_blocks_per_host {
                         limit_hit = Some(owned);

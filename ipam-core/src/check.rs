@@ -118,7 +118,7 @@ impl Ipam {
             report.blocks_checked += 1;
             let block = &stored.value;
             report.allocations_checked += u64::from(block.in_use());
-            let expected_key = keys::block(block.affinity.as_deref(), &block.cidr);
+            let expected_key = keys::block_key_of(block);
             if stored.key != expected_key {
                 report.problem(
                     kinds::BLOCK_MISPLACED,
@@ -429,7 +429,9 @@ impl Ipam {
             plan.expect(&claim.key, Some(claim.revision));
             plan.delete(&claim.key);
             // The block must still be absent wherever it could live.
-            plan.expect(&keys::block(claim.value.as_deref(), cidr), None);
+            for key in keys::block_candidates(claim.value.as_deref(), cidr) {
+                plan.expect(&key, None);
+            }
             outcomes.push((
                 format!("deleted orphaned claim index entry {cidr}"),
                 self.commit_repair(plan).await,

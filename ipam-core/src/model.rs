@@ -97,16 +97,44 @@ pub mod keys {
         format!("{ROOT}blocks/")
     }
 
-    /// Prefix of the blocks affine to `host` (all families).
+    /// Prefix of every block affine to `host` (all families, with room or full).
     pub fn host_blocks_dir(host: &str) -> String {
         format!("{ROOT}blocks/host/{host}/")
     }
 
-    /// Where a block lives: under its host when it has an affinity, else under `unaffine/`.
+    /// Prefix of the blocks affine to `host` that have a free address: the steady-state read, whose
+    /// size does not grow with the number of full blocks the host owns.
+    pub fn host_open_blocks_dir(host: &str) -> String {
+        format!("{ROOT}blocks/host/{host}/open/")
+    }
+
+    /// Where a block with room lives: under its host's `open/` when it has an affinity, else under
+    /// `unaffine/`.
     pub fn block(affinity: Option<&str>, cidr: &IpNet) -> String {
         match affinity {
-            Some(host) => format!("{ROOT}blocks/host/{host}/{}", cidr_segment(cidr)),
+            Some(host) => format!("{ROOT}blocks/host/{host}/open/{}", cidr_segment(cidr)),
             None => format!("{ROOT}blocks/unaffine/{}", cidr_segment(cidr)),
+        }
+    }
+
+    /// Where a full block affine to `host` lives.
+    pub fn full_block(host: &str, cidr: &IpNet) -> String {
+        format!("{ROOT}blocks/host/{host}/full/{}", cidr_segment(cidr))
+    }
+
+    /// Where this block belongs, given its affinity and whether it has room.
+    pub fn block_key_of(block: &Block) -> String {
+        match block.affinity.as_deref() {
+            Some(host) if block.free() == 0 => full_block(host, &block.cidr),
+            affinity => self::block(affinity, &block.cidr),
+        }
+    }
+
+    /// Every key a block with this claim entry may live at (open and full for an affine block).
+    pub fn block_candidates(affinity: Option<&str>, cidr: &IpNet) -> Vec<String> {
+        match affinity {
+            Some(host) => vec![self::block(Some(host), cidr), full_block(host, cidr)],
+            None => vec![self::block(None, cidr)],
         }
     }
 
