@@ -230,7 +230,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             .map_err(|e| from_ipam(&e))?;
         let mut held: Vec<AssignedAddress> = first.v4.into_iter().chain(first.v6).collect();
         if first.reused {
-            let mine = held_by_interface(ipam, &held, call.ifname, false).await?;
+            let mine = held_by_interface(ipam, &handle, call.ifname, false).await?;
             if mine.is_empty() {
                 // The container's other interfaces hold these: this interface needs its own.
                 tracing::info!(%handle, ifname = call.ifname, "handle holds addresses of other interfaces; allocating for this one");
@@ -242,7 +242,13 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
                 held = more.v4.into_iter().chain(more.v6).collect();
             } else {
                 tracing::info!(%handle, ifname = call.ifname, "attachment already holds addresses; returning them");
-                held = mine.into_iter().map(|(a, _)| a).collect();
+                held = mine
+                    .into_iter()
+                    .map(|info| AssignedAddress {
+                        ip: info.ip,
+                        block: info.block,
+                    })
+                    .collect();
             }
         }
         held
@@ -250,28 +256,21 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
     Ok(shape_result(conf, &pools, &addresses))
 }
 
-/// Of `held`, the addresses (with their allocation records) recorded for `ifname`; with
-/// `accept_unlabelled`, also those with no interface recorded (older or foreign allocations).
+/// The allocations of `handle` recorded for `ifname`; with `accept_unlabelled`, also those with no
+/// interface recorded (older or foreign allocations).
 async fn held_by_interface(
     ipam: &Ipam,
-    held: &[AssignedAddress],
+    handle: &str,
     ifname: &str,
     accept_unlabelled: bool,
-) -> Result<Vec<(AssignedAddress, AllocationInfo)>, CniError> {
-    let mut mine = Vec::new();
-    for address in held {
-        let Some(info) = ipam
-            .get_assignment(address.ip)
-            .await
-            .map_err(|e| from_ipam(&e))?
-        else {
-            continue;
-        };
-        if interface_matches(&info, ifname, accept_unlabelled) {
-            mine.push((address.clone(), info));
-        }
-    }
-    Ok(mine)
+) -> Result<Vec<AllocationInfo>, CniError> {
+    Ok(ipam
+        .allocations_by_handle(handle)
+        .await
+        .map_err(|e| from_ipam(&e))?
+        .into_iter()
+        .filter(|info| interface_matches(info, ifname, accept_unlabelled))
+        .collect())
 }
 
 fn interface_matches(info: &AllocationInfo, ifname: &str, accept_unlabelled: bool) -> bool {
@@ -342,7 +341,7 @@ pub fn shape_result(conf: &NetConf, pools: &[Pool], addresses: &[AssignedAddress
 pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniError> {
     let handle = call.handle();
     let held = ipam
-        .ips_by_handle(&handle)
+        .allocations_by_handle(&handle)
         .await
         .map_err(|e| from_ipam(&e))?;
     if held.is_empty() {
@@ -359,7 +358,10 @@ pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniE
         tracing::info!(%handle, "nothing to release");
         return Ok(Vec::new());
     }
-    let mine = held_by_interface(ipam, &held, call.ifname, true).await?;
+    let mine: Vec<&AllocationInfo> = held
+        .iter()
+        .filter(|info| interface_matches(info, call.ifname, true))
+        .collect();
     let released = if mine.len() == held.len() {
         ipam.release_handle(&handle)
             .await
@@ -369,7 +371,7 @@ pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniE
     } else {
         let requests: Vec<ReleaseRequest> = mine
             .iter()
-            .map(|(_, info)| ReleaseRequest {
+            .map(|info| ReleaseRequest {
                 ip: info.ip,
                 sequence: Some(info.sequence),
             })
@@ -392,11 +394,7 @@ pub async fn check(ipam: &Ipam, call: &Attachment<'_>) -> Result<(), CniError> {
     let handle = call.handle();
     let legacy = call.args.legacy_handle();
     let Some(prev) = &call.conf.prev_result else {
-        let held = ipam
-            .ips_by_handle(&handle)
-            .await
-            .map_err(|e| from_ipam(&e))?;
-        if held_by_interface(ipam, &held, call.ifname, true)
+        if held_by_interface(ipam, &handle, call.ifname, true)
             .await?
             .is_empty()
         {

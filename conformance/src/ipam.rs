@@ -1035,6 +1035,16 @@ pub async fn who_holds_an_address<F: StoreFactory>(factory: &F) {
     );
     assert_eq!(ipam.get_assignment(ip("8.8.8.8")).await.expect("who"), None);
     assert_eq!(ipam.list_allocations().await.expect("all").len(), 1);
+    let by_handle = ipam
+        .allocations_by_handle("net.abc")
+        .await
+        .expect("by handle");
+    assert_eq!(by_handle, vec![info]);
+    assert!(ipam
+        .allocations_by_handle("unknown")
+        .await
+        .expect("unknown handle")
+        .is_empty());
 }
 
 /// Utilisation adds up per block and per pool.
@@ -1620,32 +1630,76 @@ pub async fn releasing_hundreds_of_addresses_at_once_works<F: StoreFactory>(fact
 /// A host's full blocks are kept out of the steady-state read (so its size does not grow with the
 /// node's allocations), still count toward the block limit, and come back once an address in them
 /// is released.
-pub async fn full_blocks_leave_the_steady_state_read_and_return_when_freed<F: StoreFactory>(factory: &F) {
+pub async fn full_blocks_leave_the_steady_state_read_and_return_when_freed<F: StoreFactory>(
+    factory: &F,
+) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
     let mut first_block = None;
     for i in 0..10 {
-        let got = ipam.auto_assign(&v4(&format!("h{i}"), "node-a", 1)).await.expect("assign");
+        let got = ipam
+            .auto_assign(&v4(&format!("h{i}"), "node-a", 1))
+            .await
+            .expect("assign");
         first_block.get_or_insert(got.v4[0].block);
     }
-    let open = t.store.list(&keys::host_open_blocks_dir("node-a")).await.expect("list open");
-    let all = t.store.list(&keys::host_blocks_dir("node-a")).await.expect("list all");
-    assert_eq!((open.len(), all.len()), (1, 3), "10 addresses in /30 blocks: two full blocks, one with room");
-    ipam.release_handle("h0").await.expect("release from a full block");
-    let open = t.store.list(&keys::host_open_blocks_dir("node-a")).await.expect("list open");
-    assert_eq!(open.len(), 2, "the block with a freed address is back in the steady-state read");
+    let open = t
+        .store
+        .list(&keys::host_open_blocks_dir("node-a"))
+        .await
+        .expect("list open");
+    let all = t
+        .store
+        .list(&keys::host_blocks_dir("node-a"))
+        .await
+        .expect("list all");
+    assert_eq!(
+        (open.len(), all.len()),
+        (1, 3),
+        "10 addresses in /30 blocks: two full blocks, one with room"
+    );
+    ipam.release_handle("h0")
+        .await
+        .expect("release from a full block");
+    let open = t
+        .store
+        .list(&keys::host_open_blocks_dir("node-a"))
+        .await
+        .expect("list open");
+    assert_eq!(
+        open.len(),
+        2,
+        "the block with a freed address is back in the steady-state read"
+    );
     assert_clean(&ipam).await;
     // Three more fill the open blocks (no new block is claimed); then every block is full and out of
     // the steady-state read, and the limit still counts them all.
-    ipam.auto_assign(&v4("h10", "node-a", 3)).await.expect("fill");
-    assert_eq!(t.store.list(&keys::host_blocks_dir("node-a")).await.expect("list").len(), 3);
-    assert!(t.store.list(&keys::host_open_blocks_dir("node-a")).await.expect("list").is_empty());
+    ipam.auto_assign(&v4("h10", "node-a", 3))
+        .await
+        .expect("fill");
+    assert_eq!(
+        t.store
+            .list(&keys::host_blocks_dir("node-a"))
+            .await
+            .expect("list")
+            .len(),
+        3
+    );
+    assert!(t
+        .store
+        .list(&keys::host_open_blocks_dir("node-a"))
+        .await
+        .expect("list")
+        .is_empty());
     ipam.set_config(&IpamConfig {
         max_blocks_per_host: 3,
         ..IpamConfig::default()
     })
     .await
     .expect("config");
-    assert!(matches!(ipam.auto_assign(&v4("h12", "node-a", 1)).await, Err(IpamError::BlockLimit { owned: 3, .. })));
+    assert!(matches!(
+        ipam.auto_assign(&v4("h12", "node-a", 1)).await,
+        Err(IpamError::BlockLimit { owned: 3, .. })
+    ));
     assert!(first_block.is_some());
     assert_clean(&ipam).await;
 }

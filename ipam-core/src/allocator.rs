@@ -1399,6 +1399,30 @@ impl Ipam {
         self.addresses_in_blocks(handle_id, &handle, &[]).await
     }
 
+    /// Every allocation a handle holds, with its attributes and sequence number (empty for an
+    /// unknown handle): one handle read and one batch of block reads, whatever the count.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn allocations_by_handle(
+        &self,
+        handle_id: &str,
+    ) -> Result<Vec<AllocationInfo>, IpamError> {
+        validate_handle(handle_id)?;
+        let (handle, _) = Self::decode_handle(self.store.get(&keys::handle(handle_id)).await?)?;
+        let cidrs: BTreeSet<IpNet> = handle.blocks.keys().copied().collect();
+        let mut found = Vec::new();
+        for stored in self.load_blocks(&cidrs).await?.values() {
+            for ordinal in stored.value.ordinals_of_handle(handle_id) {
+                if let Some(info) = allocation_info(&stored.value, stored.value.ip_of(ordinal)) {
+                    found.push(info);
+                }
+            }
+        }
+        found.sort_by_key(|a| a.ip);
+        Ok(found)
+    }
+
     /// Who holds an address, if anyone.
     ///
     /// # Errors
