@@ -1,22 +1,9 @@
-//! Conversion of redb's errors, and of a blocking task that panicked, into [`KvError`].
+//! Conversion of redb's errors into [`KvError`] (panics inside redb are handled by `ipam_core::blocking`).
 
-use std::any::Any;
 use std::io;
 use std::path::Path;
 
 use ipam_core::KvError;
-use tokio::task::JoinError;
-
-/// What a blocking task was doing, which decides what a panic inside it means for the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stage {
-    /// Opening (or creating) the store: nothing was acknowledged.
-    Open,
-    /// A read: nothing was written.
-    Read,
-    /// A transaction: it may or may not have landed.
-    Write,
-}
 
 /// Converts a redb error met while working on the store at `path`.
 ///
@@ -61,44 +48,6 @@ pub(crate) fn engine_error(err: impl Into<redb::Error>, path: &Path) -> KvError 
             "{shown} is in redb file format {version}, which this build cannot read"
         )),
         other => KvError::other(format!("redb failed on {shown}: {other}")),
-    }
-}
-
-/// Converts the failure of a blocking task (a panic inside redb, or a runtime that shut down
-/// before the task ran) into an error the caller can act on.
-pub(crate) fn task_failed(err: JoinError, stage: Stage, path: &Path) -> KvError {
-    let shown = path.display();
-    if !err.is_panic() {
-        // spawn_blocking tasks are only cancelled before they start: nothing was done.
-        return KvError::unavailable(format!(
-            "the runtime shut down before the operation on {shown} ran"
-        ));
-    }
-    let why = panic_message(err.into_panic());
-    match stage {
-        Stage::Open => KvError::corrupt(
-            None,
-            format!("redb panicked while opening {shown} ({why}); the file is probably damaged"),
-        ),
-        Stage::Read => KvError::corrupt(
-            None,
-            format!("redb panicked while reading {shown} ({why}); the file is probably damaged"),
-        ),
-        Stage::Write => KvError::Indeterminate {
-            message: format!(
-                "redb panicked during a write to {shown} ({why}); the write may or may not have landed"
-            ),
-        },
-    }
-}
-
-fn panic_message(payload: Box<dyn Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic without a message".to_owned()
     }
 }
 

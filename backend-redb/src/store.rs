@@ -20,7 +20,8 @@ use redb::{
 };
 
 use crate::config::RedbConfig;
-use crate::error::{task_failed, EngineResult, Stage};
+use crate::error::EngineResult;
+use ipam_core::blocking::Stage;
 
 /// The value of [`FORMAT_KEY`] in every store this crate writes.
 pub const FORMAT: &str = "blockipam-kv-v1";
@@ -139,16 +140,13 @@ impl KvStore for RedbStore {
     }
 }
 
-/// Runs `work` on tokio's blocking pool, turning a panic inside it into a [`KvError`].
+/// Runs `work` on tokio's blocking pool, turning a panic inside redb into a [`KvError`].
 async fn run_blocking<T, F>(stage: Stage, path: &Path, work: F) -> Result<T, KvError>
 where
     F: FnOnce() -> Result<T, KvError> + Send + 'static,
     T: Send + 'static,
 {
-    match tokio::task::spawn_blocking(work).await {
-        Ok(result) => result,
-        Err(err) => Err(task_failed(err, stage, path)),
-    }
+    ipam_core::blocking::run_blocking("redb", stage, path, work).await
 }
 
 impl Inner {

@@ -1,21 +1,8 @@
-//! Conversion of sled's errors, and of a blocking task that panicked, into [`KvError`].
+//! Conversion of sled's errors into [`KvError`] (panics inside sled are handled by `ipam_core::blocking`).
 
-use std::any::Any;
 use std::path::Path;
 
 use ipam_core::KvError;
-use tokio::task::JoinError;
-
-/// What a blocking task was doing, which decides what a panic inside it means for the caller.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stage {
-    /// Opening (or creating) the store: nothing was acknowledged.
-    Open,
-    /// A read: nothing was written.
-    Read,
-    /// A transaction: it may or may not have landed.
-    Write,
-}
 
 /// True when sled refused to open because another handle still holds its own lock on `db`.
 pub(crate) fn is_engine_lock_busy(err: &sled::Error) -> bool {
@@ -52,43 +39,5 @@ pub(crate) fn engine_error(err: sled::Error, path: &Path) -> KvError {
         sled::Error::ReportableBug(message) => {
             KvError::other(format!("sled failed on {shown} (a sled bug): {message}"))
         }
-    }
-}
-
-/// Converts the failure of a blocking task (a panic inside sled, or a runtime that shut down
-/// before the task ran) into an error the caller can act on.
-pub(crate) fn task_failed(err: JoinError, stage: Stage, path: &Path) -> KvError {
-    let shown = path.display();
-    if !err.is_panic() {
-        // spawn_blocking tasks are only cancelled before they start: nothing was done.
-        return KvError::unavailable(format!(
-            "the runtime shut down before the operation on {shown} ran"
-        ));
-    }
-    let why = panic_message(err.into_panic());
-    match stage {
-        Stage::Open => KvError::corrupt(
-            None,
-            format!("sled panicked while opening {shown} ({why}); its files are probably damaged"),
-        ),
-        Stage::Read => KvError::corrupt(
-            None,
-            format!("sled panicked while reading {shown} ({why}); its files are probably damaged"),
-        ),
-        Stage::Write => KvError::Indeterminate {
-            message: format!(
-                "sled panicked during a write to {shown} ({why}); the write may or may not have landed"
-            ),
-        },
-    }
-}
-
-fn panic_message(payload: Box<dyn Any + Send>) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "panic without a message".to_owned()
     }
 }

@@ -20,7 +20,8 @@ use sled::transaction::{
 use sled::Transactional;
 
 use crate::config::SledConfig;
-use crate::error::{engine_error, is_engine_lock_busy, task_failed, Stage};
+use crate::error::{engine_error, is_engine_lock_busy};
+use ipam_core::blocking::Stage;
 
 /// The value of [`FORMAT_KEY`] in every store this crate writes.
 pub const FORMAT: &str = "blockipam-kv-v1";
@@ -138,16 +139,13 @@ impl KvStore for SledStore {
     }
 }
 
-/// Runs `work` on tokio's blocking pool, turning a panic inside it into a [`KvError`].
+/// Runs `work` on tokio's blocking pool, turning a panic inside sled into a [`KvError`].
 async fn run_blocking<T, F>(stage: Stage, path: &Path, work: F) -> Result<T, KvError>
 where
     F: FnOnce() -> Result<T, KvError> + Send + 'static,
     T: Send + 'static,
 {
-    match tokio::task::spawn_blocking(work).await {
-        Ok(result) => result,
-        Err(err) => Err(task_failed(err, stage, path)),
-    }
+    ipam_core::blocking::run_blocking("sled", stage, path, work).await
 }
 
 /// What is at the store path before sled is asked to open it.

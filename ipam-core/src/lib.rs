@@ -1,6 +1,7 @@
 //! blockipam's core: the storage trait, the in-memory reference store, and the block-affinity allocator.
 
 pub mod allocator;
+pub mod blocking;
 pub mod check;
 pub mod counting;
 pub mod error;
