@@ -122,6 +122,7 @@ macro_rules! ipam_conformance_tests {
             conflicts_on_every_attempt_end_in_retries_exhausted,
             releasing_hundreds_of_addresses_at_once_works,
             full_blocks_leave_the_steady_state_read_and_return_when_freed,
+            concurrent_config_updates_lose_nothing,
             eight_hosts_assigning_concurrently_get_distinct_addresses,
             random_operation_sequences_keep_every_invariant,
         );
@@ -1702,4 +1703,33 @@ pub async fn full_blocks_leave_the_steady_state_read_and_return_when_freed<F: St
     ));
     assert!(first_block.is_some());
     assert_clean(&ipam).await;
+}
+
+/// Concurrent `update_config` calls changing different fields all land: none overwrites another.
+pub async fn concurrent_config_updates_lose_nothing<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let strict = {
+        let ipam = ipam.clone();
+        tokio::spawn(async move { ipam.update_config(|c| c.strict_affinity = true).await })
+    };
+    let limit = {
+        let ipam = ipam.clone();
+        tokio::spawn(async move { ipam.update_config(|c| c.max_blocks_per_host = 7).await })
+    };
+    let no_auto = {
+        let ipam = ipam.clone();
+        tokio::spawn(async move { ipam.update_config(|c| c.auto_allocate_blocks = false).await })
+    };
+    for task in [strict, limit, no_auto] {
+        task.await.expect("join").expect("update");
+    }
+    assert_eq!(
+        ipam.get_config().await.expect("get"),
+        IpamConfig {
+            strict_affinity: true,
+            auto_allocate_blocks: false,
+            max_blocks_per_host: 7
+        }
+    );
 }

@@ -836,6 +836,28 @@ impl Ipam {
         Ok(())
     }
 
+    /// Changes the configuration with `change` applied to the current one, compare-and-swap: a
+    /// concurrent change is re-read and `change` applied again, so no update is lost. Returns the
+    /// configuration written.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn update_config<F>(&self, change: F) -> Result<IpamConfig, IpamError>
+    where
+        F: Fn(&mut IpamConfig),
+    {
+        self.retrying(|| async {
+            let (mut config, revision) =
+                Self::decode_config(self.store.get(&keys::config()).await?)?;
+            change(&mut config);
+            let mut plan = Plan::default();
+            plan.expect(&keys::config(), revision);
+            plan.put(&keys::config(), encode(&config)?);
+            self.commit_plan(plan, config).await
+        })
+        .await
+    }
+
     // -----------------------------------------------------------------------------------------
     // Auto-assign
     // -----------------------------------------------------------------------------------------

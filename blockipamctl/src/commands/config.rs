@@ -61,16 +61,19 @@ pub async fn show(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
 /// Store trouble.
 pub async fn set(settings: &DatastoreSettings, args: &ConfigSetArgs) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Create).await?;
-    let mut config = ipam.get_config().await?;
-    if let Some(value) = args.strict_affinity {
-        config.strict_affinity = value;
-    }
-    if let Some(value) = args.auto_allocate_blocks {
-        config.auto_allocate_blocks = value;
-    }
-    if let Some(value) = args.max_blocks_per_host {
-        config.max_blocks_per_host = value;
-    }
-    ipam.set_config(&config).await?;
+    // Compare-and-swap: a concurrent `config set` of another field is kept, not overwritten.
+    let config = ipam
+        .update_config(|config| {
+            if let Some(value) = args.strict_affinity {
+                config.strict_affinity = value;
+            }
+            if let Some(value) = args.auto_allocate_blocks {
+                config.auto_allocate_blocks = value;
+            }
+            if let Some(value) = args.max_blocks_per_host {
+                config.max_blocks_per_host = value;
+            }
+        })
+        .await?;
     render(&config, Some("IPAM configuration updated:"))
 }
