@@ -606,16 +606,7 @@ impl Ipam {
         pool: &Pool,
         accept_identical: bool,
     ) -> Result<Attempt<Pool>, IpamError> {
-        let results = self
-            .store
-            .read_many(&[
-                Read::List(keys::pools_dir()),
-                Read::Get(keys::pool_generation()),
-            ])
-            .await?;
-        let mut results = results.into_iter();
-        let pools = Self::decode_pools(next_listed(&mut results)?)?;
-        let generation = next_got(&mut results)?;
+        let (pools, generation) = self.read_pools_and_generation().await?;
         for existing in &pools {
             let same =
                 existing.value.cidr == pool.cidr && existing.value.block_size == pool.block_size;
@@ -641,6 +632,24 @@ impl Ipam {
         plan.expect(&key, None);
         plan.put(&key, encode(pool)?);
         self.commit_plan(plan, pool.clone()).await
+    }
+
+    /// Every pool and the pool-generation counter, in one batched read: what a pool write checks
+    /// and conditions on.
+    async fn read_pools_and_generation(
+        &self,
+    ) -> Result<(Vec<Stored<Pool>>, Option<KeyValue>), IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::pool_generation()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let generation = next_got(&mut results)?;
+        Ok((pools, generation))
     }
 
     fn bump_pool_generation(
@@ -671,16 +680,7 @@ impl Ipam {
         disabled: bool,
     ) -> Result<Pool, IpamError> {
         self.retrying(|| async {
-            let results = self
-                .store
-                .read_many(&[
-                    Read::List(keys::pools_dir()),
-                    Read::Get(keys::pool_generation()),
-                ])
-                .await?;
-            let mut results = results.into_iter();
-            let pools = Self::decode_pools(next_listed(&mut results)?)?;
-            let generation = next_got(&mut results)?;
+            let (pools, generation) = self.read_pools_and_generation().await?;
             let found = find_pool(&pools, name_or_cidr)?;
             let mut pool = found.value.clone();
             pool.disabled = disabled;
@@ -737,16 +737,7 @@ impl Ipam {
             deleted_blocks += u64::from(deleted);
         }
         self.retrying(|| async {
-            let results = self
-                .store
-                .read_many(&[
-                    Read::List(keys::pools_dir()),
-                    Read::Get(keys::pool_generation()),
-                ])
-                .await?;
-            let mut results = results.into_iter();
-            let pools = Self::decode_pools(next_listed(&mut results)?)?;
-            let generation = next_got(&mut results)?;
+            let (pools, generation) = self.read_pools_and_generation().await?;
             let Some(found) = pools.iter().find(|p| p.value.name == pool.name) else {
                 return Ok(Attempt::Done(()));
             };
@@ -781,38 +772,16 @@ impl Ipam {
         }
         let released = u64::from(stored.value.in_use());
         let mut plan = Plan::default();
-        self.release_from_handles(&mut plan, &handles, cidr).await?;
+        let per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = handles
+            .into_iter()
+            .map(|(handle, count)| (handle, vec![(cidr, count)]))
+            .collect();
+        self.release_counts_from_handles(&mut plan, &per_handle)
+            .await?;
         plan.expect(&stored.key, Some(stored.revision));
         plan.delete(&stored.key);
         plan.delete(&keys::block_claim(&cidr));
         self.commit_plan(plan, (released, true)).await
-    }
-
-    /// Adds to `plan` the handle updates for releasing `counts` addresses of `block`.
-    async fn release_from_handles(
-        &self,
-        plan: &mut Plan,
-        counts: &BTreeMap<String, u32>,
-        block: IpNet,
-    ) -> Result<(), IpamError> {
-        if counts.is_empty() {
-            return Ok(());
-        }
-        let reads: Vec<Read> = counts.keys().map(|h| Read::Get(keys::handle(h))).collect();
-        for ((handle_id, count), result) in counts.iter().zip(self.store.read_many(&reads).await?) {
-            let (mut handle, revision) = Self::decode_handle(result.into_got()?)?;
-            let key = keys::handle(handle_id);
-            plan.expect(&key, revision);
-            handle.remove(block, *count);
-            if handle.blocks.is_empty() {
-                if revision.is_some() {
-                    plan.delete(&key);
-                }
-            } else {
-                plan.put(&key, encode(&handle)?);
-            }
-        }
-        Ok(())
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1342,6 +1311,8 @@ impl Ipam {
         self.commit_plan(plan, outcome).await
     }
 
+    /// Adds to `plan` the handle updates for releasing, per handle, `count` addresses of each
+    /// listed block.
     async fn release_counts_from_handles(
         &self,
         plan: &mut Plan,
