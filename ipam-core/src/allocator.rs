@@ -1387,9 +1387,15 @@ impl Ipam {
     /// # Errors
     /// Store failures; corrupt objects.
     pub async fn ips_by_handle(&self, handle_id: &str) -> Result<Vec<AssignedAddress>, IpamError> {
-        validate_handle(handle_id)?;
-        let (handle, _) = Self::decode_handle(self.store.get(&keys::handle(handle_id)).await?)?;
-        self.addresses_in_blocks(handle_id, &handle, &[]).await
+        Ok(self
+            .allocations_by_handle(handle_id)
+            .await?
+            .into_iter()
+            .map(|info| AssignedAddress {
+                ip: info.ip,
+                block: info.block,
+            })
+            .collect())
     }
 
     /// Every allocation a handle holds, with its attributes and sequence number (empty for an

@@ -275,6 +275,22 @@ pub fn exec_bin(bin: &Path, env: &[(String, String)], stdin: &[u8]) -> Outcome {
     }
 }
 
+/// The CNI environment for `command` on (`container`, `ifname`), plus `extra_env`.
+fn call_env(
+    command: &str,
+    container: &str,
+    ifname: &str,
+    extra_env: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    let mut env = cni_env(command, container, ifname);
+    env.extend(
+        extra_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+    );
+    env
+}
+
 /// Runs the binary for `command` on (`container`, `ifname`) with `netconf` on stdin and
 /// `extra_env` added (e.g. `CNI_ARGS`).
 pub fn cni(
@@ -284,12 +300,7 @@ pub fn cni(
     netconf: &Value,
     extra_env: &[(&str, &str)],
 ) -> Outcome {
-    let mut env = cni_env(command, container, ifname);
-    env.extend(
-        extra_env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-    );
+    let env = call_env(command, container, ifname, extra_env);
     exec(&env, netconf.to_string().as_bytes())
 }
 
@@ -315,12 +326,7 @@ pub fn cni_in_process(
     netconf: &Value,
     extra_env: &[(&str, &str)],
 ) -> Outcome {
-    let mut env = cni_env(command, container, ifname);
-    env.extend(
-        extra_env
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
-    );
+    let env = call_env(command, container, ifname, extra_env);
     run_in_process(&env, netconf.to_string().as_bytes())
 }
 
