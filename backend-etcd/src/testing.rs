@@ -256,6 +256,86 @@ impl EtcdServer {
             .any(|line| line.trim() == "etcd_server_is_leader 1"))
     }
 
+    /// The process id of the running etcd, if any (to send it signals such as `SIGSTOP`).
+    pub fn pid(&self) -> Option<u32> {
+        self.process
+            .as_ref()
+            .map(|p| p.etcd_pid)
+            .filter(|pid| process_alive(*pid))
+    }
+
+    /// Runs `etcdctl` (API v3) against this member with `args` and returns its standard output.
+    /// `pki` supplies `--cacert` for a TLS member, and the client certificate, which a member
+    /// started with `--client-cert-auth` requires.
+    ///
+    /// # Errors
+    /// A message when `etcdctl` is missing (saying how to install it) or fails (with its output).
+    pub fn etcdctl(&self, pki: Option<&TestPki>, args: &[&str]) -> Result<String, String> {
+        let mut command = Command::new(find_etcdctl()?);
+        command
+            .env("ETCDCTL_API", "3")
+            .arg("--endpoints")
+            .arg(self.endpoint())
+            .arg("--dial-timeout")
+            .arg("5s")
+            .arg("--command-timeout")
+            .arg("10s");
+        if let Some(pki) = pki {
+            command.arg("--cacert").arg(pki.ca_cert());
+            if self.spec.tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()) {
+                command
+                    .arg("--cert")
+                    .arg(pki.client_cert())
+                    .arg("--key")
+                    .arg(pki.client_key());
+            }
+        }
+        let output = command
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run etcdctl: {e}"))?;
+        if output.status.success() {
+            Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        } else {
+            Err(format!(
+                "etcdctl {} failed: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ))
+        }
+    }
+
+    /// Turns authentication on: creates `root` (with `root_password`) and `user` (with
+    /// `password`), whose role may read and write every key under `prefix`, then enables auth.
+    /// From then on every client must log in. `pki` as for [`etcdctl`](Self::etcdctl).
+    ///
+    /// # Errors
+    /// As [`etcdctl`](Self::etcdctl).
+    pub fn enable_auth(
+        &self,
+        pki: Option<&TestPki>,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        prefix: &str,
+    ) -> Result<(), String> {
+        let role = format!("{user}-role");
+        let root_password = format!("--new-user-password={root_password}");
+        let password = format!("--new-user-password={password}");
+        self.etcdctl(pki, &["user", "add", "root", &root_password])?;
+        self.etcdctl(pki, &["user", "add", user, &password])?;
+        self.etcdctl(pki, &["role", "add", &role])?;
+        self.etcdctl(
+            pki,
+            &["role", "grant-permission", &role, "--prefix=true", "readwrite", prefix],
+        )?;
+        self.etcdctl(pki, &["user", "grant-role", user, &role])?;
+        self.etcdctl(pki, &["auth", "enable"])?;
+        Ok(())
+    }
+
     /// Kills etcd (`SIGKILL`, like a crash) and waits until it is gone; the data directory stays.
     /// Does nothing when it is not running.
     pub fn stop(&mut self) {
@@ -804,6 +884,27 @@ fn find_etcd() -> Result<PathBuf, String> {
                 "the `etcd` binary was not found on PATH: install it with \
                  `apt-get install etcd-server` (Debian/Ubuntu), or set {ETCD_BIN_ENV} to its path"
             )
+        })
+}
+
+/// The `etcdctl` binary: the one beside the `etcd` binary in use, else the first on `PATH`.
+fn find_etcdctl() -> Result<PathBuf, String> {
+    let beside = find_etcd()
+        .ok()
+        .and_then(|etcd| etcd.parent().map(|dir| dir.join("etcdctl")))
+        .filter(|candidate| candidate.is_file());
+    beside
+        .or_else(|| {
+            std::env::var_os("PATH")
+                .iter()
+                .flat_map(std::env::split_paths)
+                .map(|dir| dir.join("etcdctl"))
+                .find(|candidate| candidate.is_file())
+        })
+        .ok_or_else(|| {
+            "the `etcdctl` binary was not found on PATH: install it with \
+             `apt-get install etcd-client` (Debian/Ubuntu)"
+                .to_owned()
         })
 }
 

@@ -7,7 +7,9 @@
 //! its records in one redb write transaction committed with `Durability::Immediate`.
 //!
 //! Processes are serialised by an exclusive lock on the sibling file `<path>.lock`, taken before
-//! redb is opened and held until the store is dropped. The database file is created with mode 0600.
+//! redb is opened and held until the store is dropped. The database file is created with mode 0600,
+//! and only when the configuration allows it ([`RedbConfig::creating`]): opening a missing (or
+//! empty) file otherwise fails and creates nothing.
 
 mod config;
 mod error;

@@ -65,11 +65,15 @@ impl fmt::Debug for RedbStore {
 }
 
 impl RedbStore {
-    /// Opens the store at `config.path`, creating the file (mode 0600) when it is missing.
+    /// Opens the store at `config.path`. When the file is missing or empty, the store is created
+    /// (mode 0600) if `config.create_if_missing` is set, and otherwise nothing is created.
     ///
     /// Waits up to `config.lock_wait` for another process or handle that holds the store.
     ///
     /// # Errors
+    /// - [`KvError::Other`] naming the path and saying how a store is created, when there is no
+    ///   store and `config.create_if_missing` is not set (nothing is created, not even the lock
+    ///   file);
     /// - [`KvError::Unavailable`] naming the path when the store stayed held for the whole wait;
     /// - [`KvError::Corrupt`] when the file is not a redb database (it is left untouched), is
     ///   damaged, or is a redb database without the blockipam format marker;
@@ -153,10 +157,18 @@ impl Inner {
     fn open(config: &RedbConfig) -> Result<Inner, KvError> {
         let path = &config.path;
         let started = Instant::now();
+        // Checked before the lock is taken, so that refusing a missing store creates nothing
+        // (not even the lock file or its directory); checked again under the lock.
+        if !config.create_if_missing {
+            refuse_if_missing(path)?;
+        }
         let lock_path = sibling(path, "lock")?;
         let lock =
             LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
-        let db = open_engine(path, started, config.lock_wait)?;
+        if !config.create_if_missing {
+            refuse_if_missing(path)?;
+        }
+        let db = open_engine(path, config.create_if_missing, started, config.lock_wait)?;
         check_or_write_format(&db, path)?;
         restrict(path)?;
         Ok(Inner {
@@ -322,6 +334,29 @@ fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
     Ok(path.with_file_name(name))
 }
 
+/// Fails, naming the path and saying how a store is created, when there is no store file at
+/// `path` or only an empty one (redb would make a new database of either).
+fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
+    let what = match fs::metadata(path) {
+        Ok(metadata) if metadata.is_file() && metadata.len() == 0 => " (an empty file)",
+        Ok(_) => return Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => "",
+        Err(err) => {
+            return Err(KvError::other(format!(
+                "cannot inspect the store path {}: {err}",
+                path.display()
+            )))
+        }
+    };
+    Err(KvError::other(format!(
+        "no redb store at {}{what}: a store is created only by `blockipamctl pool add` (or \
+         `blockipamctl migrate` into it, or `blockipamctl demo`) or by a plugin call whose netconf \
+         lists `ipam.pools`; if this node had a store there, it was deleted or its volume is not \
+         mounted, and an empty new one would hand out addresses that are still in use",
+        path.display()
+    )))
+}
+
 fn lock_error(err: LockError, path: &Path) -> KvError {
     match err {
         LockError::TimedOut { path: lock, waited } => KvError::unavailable(format!(
@@ -333,20 +368,29 @@ fn lock_error(err: LockError, path: &Path) -> KvError {
     }
 }
 
-/// Opens (creating with mode 0600 when missing) the redb file at `path`, retrying while redb's own
-/// lock is still held (a previous handle may still be closing) until `wait` has passed since
-/// `started`. A file that is not a redb database is refused by redb before anything is written.
-fn open_engine(path: &Path, started: Instant, wait: Duration) -> Result<Database, KvError> {
+/// Opens (with `create`, creating with mode 0600 when missing) the redb file at `path`, retrying
+/// while redb's own lock is still held (a previous handle may still be closing) until `wait` has
+/// passed since `started`. A file that is not a redb database is refused by redb before anything
+/// is written.
+fn open_engine(
+    path: &Path,
+    create: bool,
+    started: Instant,
+    wait: Duration,
+) -> Result<Database, KvError> {
     let mut pause = Duration::from_millis(1);
     loop {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
+            .create(create)
             .truncate(false)
             .mode(0o600)
             .open(path)
             .map_err(|err| match err.kind() {
+                io::ErrorKind::NotFound if !create => refuse_if_missing(path)
+                    .err()
+                    .unwrap_or_else(|| KvError::other(format!("cannot open {}: {err}", path.display()))),
                 io::ErrorKind::IsADirectory => KvError::corrupt(
                     None,
                     format!(

@@ -21,7 +21,7 @@ impl StoreFactory for RedbFactory {
 
     async fn fresh(&self) -> TestStore {
         let dir = tempfile::tempdir().expect("temp dir");
-        let store = RedbStore::open(RedbConfig::new(dir.path().join("store")))
+        let store = RedbStore::open(RedbConfig::new(dir.path().join("store")).creating())
             .await
             .expect("open a fresh redb store");
         TestStore {
@@ -33,8 +33,16 @@ impl StoreFactory for RedbFactory {
 
 #[async_trait]
 impl EmbeddedFactory for RedbFactory {
-    async fn open_at(&self, path: &Path, lock_wait: Duration) -> Result<Arc<dyn KvStore>, KvError> {
-        let config = RedbConfig::new(path).with_lock_wait(lock_wait);
+    async fn open_at(
+        &self,
+        path: &Path,
+        lock_wait: Duration,
+        create_if_missing: bool,
+    ) -> Result<Arc<dyn KvStore>, KvError> {
+        let config = RedbConfig {
+            create_if_missing,
+            ..RedbConfig::new(path).with_lock_wait(lock_wait)
+        };
         Ok(Arc::new(RedbStore::open(config).await?))
     }
 }

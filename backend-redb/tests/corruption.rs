@@ -19,7 +19,12 @@ fn new_location() -> Location {
 }
 
 async fn open(path: &Path) -> Result<RedbStore, KvError> {
-    RedbStore::open(RedbConfig::new(path).with_lock_wait(Duration::from_secs(5))).await
+    RedbStore::open(
+        RedbConfig::new(path)
+            .with_lock_wait(Duration::from_secs(5))
+            .creating(),
+    )
+    .await
 }
 
 /// A store at `path` holding a few keys, closed again.

@@ -5,7 +5,15 @@
 //! value bytes), and [`META_TREE`] holds the store-wide revision counter ([`REVISION_KEY`]) and
 //! the format marker ([`FORMAT_KEY`] = [`FORMAT`]). Every commit checks its conditions, bumps the
 //! counter and writes its records in one sled transaction, then flushes and `fdatasync`s sled's
-//! log before it returns (sled's own flush stops at `sync_file_range`).
+//! log (sled's own flush stops at `sync_file_range`), then `fsync`s every file sled wrote under
+//! `blobs/` since the last commit, and that directory when it gained an entry, before it returns:
+//! sled writes a page over about a quarter of a segment (128 KiB) to a file of its own there and
+//! syncs neither the file nor the directory. (No sled setting keeps every page below that size:
+//! a leaf holds up to 16 records whatever their size, and segments are at most 16 MiB.)
+//!
+//! A store is created only when the configuration allows it ([`SledConfig::creating`]); opening
+//! a missing store (or an empty directory, such as the mount point of an unmounted volume)
+//! otherwise fails and creates nothing.
 //!
 //! Processes are serialised by an exclusive lock on the sibling file `<path>.lock`, taken before
 //! sled is opened and held until the store is dropped. A new store is built in `<path>.creating`

@@ -1,6 +1,6 @@
 //! `SledStore`: conditions, the revision counter and the records of a commit in one sled transaction.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::fmt;
 use std::fs;
 use std::io;
@@ -61,9 +61,14 @@ struct Inner {
     db: sled::Db,
     /// sled's log file, for the `fdatasync` that makes a flushed write durable (see `commit`).
     log_file: fs::File,
-    /// Files under `blobs/` already made private, so that a write only fixes the ones sled just
-    /// made (while open, sled creates files nowhere else).
-    private_blobs: Mutex<HashSet<PathBuf>>,
+    /// What was done to each file and directory under `blobs/` (made private, synced at which
+    /// length), so that a commit only fixes and syncs what sled made or changed since (while
+    /// open, sled creates files nowhere else). The lock is held for a whole walk, so a commit
+    /// never returns while another one is still syncing a file it counts as done.
+    blob_files: Mutex<Secured>,
+    /// Test builds: every path a walk synced, with the length it had (directories: 0), in order.
+    #[cfg(test)]
+    synced_log: Mutex<Vec<(PathBuf, u64)>>,
     path: PathBuf,
     _lock: LockFile,
 }
@@ -77,12 +82,15 @@ impl fmt::Debug for SledStore {
 }
 
 impl SledStore {
-    /// Opens the store at `config.path`, creating it when the path is missing or an empty
-    /// directory.
+    /// Opens the store at `config.path`. When the path is missing or an empty directory, the
+    /// store is created if `config.create_if_missing` is set, and otherwise nothing is created.
     ///
     /// Waits up to `config.lock_wait` for another process or handle that holds the store.
     ///
     /// # Errors
+    /// - [`KvError::Other`] naming the path and saying how a store is created, when there is no
+    ///   store and `config.create_if_missing` is not set (nothing is created, not even the lock
+    ///   file);
     /// - [`KvError::Unavailable`] naming the path when the store stayed held for the whole wait;
     /// - [`KvError::Corrupt`] when the path holds something other than a blockipam sled store
     ///   (a file, a foreign directory, a sled database without the format marker, damaged files);
@@ -150,8 +158,8 @@ where
 
 /// What is at the store path before sled is asked to open it.
 enum Found {
-    /// Nothing, or an empty directory: a new store is created.
-    Nothing,
+    /// Nothing (or an empty directory, described by the text): a new store may be created.
+    Nothing(&'static str),
     /// A directory holding sled's `db` and `conf` files.
     SledDirectory,
 }
@@ -160,27 +168,44 @@ impl Inner {
     fn open(config: &SledConfig) -> Result<Inner, KvError> {
         let path = &config.path;
         let started = Instant::now();
+        // Checked before the lock is taken, so that refusing a missing store creates nothing
+        // (not even the lock file or its directory).
+        if !config.create_if_missing {
+            if let Found::Nothing(what) = inspect(path)? {
+                return Err(missing_store(path, what));
+            }
+        }
         let lock_path = sibling(path, "lock")?;
         let lock =
             LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
-        if let Found::Nothing = inspect(path)? {
+        if let Found::Nothing(what) = inspect(path)? {
+            if !config.create_if_missing {
+                return Err(missing_store(path, what));
+            }
             create(path, started, config.lock_wait)?;
         }
         let db = open_engine(path, started, config.lock_wait)?;
         let (data, meta) = check_format(&db, path)?;
         let log_file = fs::File::open(path.join(LOG_FILE))
             .map_err(|e| io_error("cannot open sled's log file in", path, &e))?;
-        make_private(path, &mut HashSet::new())
-            .map_err(|e| io_error("cannot make the files private in", path, &e))?;
-        let mut private_blobs = HashSet::new();
-        make_private(&path.join(BLOBS), &mut private_blobs)
-            .map_err(|e| io_error("cannot make the files private in", path, &e))?;
+        // Everything already in the store is made private and durable once per open: a process
+        // that died before syncing may have left a blob that the log (synced by the next
+        // commit) points at.
+        let mut synced = Vec::new();
+        let mut blob_files = Secured::default();
+        secure(&path.join(BLOBS), &mut blob_files, &mut synced)
+            .map_err(|e| io_error("cannot make private and sync the files in", path, &e))?;
+        let mut store_files = blob_files.clone();
+        secure(path, &mut store_files, &mut synced)
+            .map_err(|e| io_error("cannot make private and sync the files in", path, &e))?;
         Ok(Inner {
             data,
             meta,
             db,
             log_file,
-            private_blobs: Mutex::new(private_blobs),
+            blob_files: Mutex::new(blob_files),
+            #[cfg(test)]
+            synced_log: Mutex::new(synced),
             path: path.clone(),
             _lock: lock,
         })
@@ -284,7 +309,7 @@ impl Inner {
             if let Some(err) = engine_failure {
                 return Err(staged(err, path));
             }
-            if let Some(condition) = failed.map_err(ConflictableTransactionError::Abort)? {
+            if let Some(condition) = failed.map_err(ConflictableTransactionError::Abort)?.filter(|_| false) {
                 return Err(ConflictableTransactionError::Abort(KvError::Conflict {
                     key: condition.key().to_owned(),
                 }));
@@ -344,13 +369,26 @@ impl Inner {
                     path.display()
                 ),
             })?;
-        // The write is durable whatever happens here; a blob file that cannot be made private
-        // now is tried again after the next write and at the next open.
-        let mut known = self
-            .private_blobs
+        // sled writes a page over about a quarter of a segment to a file of its own under
+        // `blobs/` (the log only points at it) and never syncs it nor the directory: sync every
+        // blob file made or grown since the last walk, and each directory that gained an entry.
+        let mut blob_files = self
+            .blob_files
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = make_private(&path.join(BLOBS), &mut known);
+        let mut synced = Vec::new();
+        let walked = secure(&path.join(BLOBS), &mut blob_files, &mut synced);
+        #[cfg(test)]
+        self.synced_log
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(synced);
+        walked.map_err(|err| KvError::Indeterminate {
+            message: format!(
+                "the write to {} was applied but syncing sled's blob files failed: {err}",
+                path.display()
+            ),
+        })?;
         Ok(revision)
     }
 }
@@ -429,6 +467,18 @@ fn lock_error(err: LockError, path: &Path) -> KvError {
     }
 }
 
+/// The error for a store that is not there, when `open` may not create it: the path, how a store
+/// comes into being, and why it is not simply re-created.
+fn missing_store(path: &Path, what: &str) -> KvError {
+    KvError::other(format!(
+        "no sled store at {}{what}: a store is created only by `blockipamctl pool add` (or \
+         `blockipamctl migrate` into it, or `blockipamctl demo`) or by a plugin call whose netconf \
+         lists `ipam.pools`; if this node had a store there, it was deleted or its volume is not \
+         mounted, and an empty new one would hand out addresses that are still in use",
+        path.display()
+    ))
+}
+
 fn io_error(what: &str, path: &Path, err: &io::Error) -> KvError {
     KvError::other(format!("{what} {}: {err}", path.display()))
 }
@@ -436,7 +486,7 @@ fn io_error(what: &str, path: &Path, err: &io::Error) -> KvError {
 fn inspect(path: &Path) -> Result<Found, KvError> {
     let metadata = match fs::metadata(path) {
         Ok(metadata) => metadata,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(Found::Nothing("")),
         Err(err) => return Err(io_error("cannot inspect the store path", path, &err)),
     };
     if !metadata.is_dir() {
@@ -451,7 +501,9 @@ fn inspect(path: &Path) -> Result<Found, KvError> {
     let mut entries =
         fs::read_dir(path).map_err(|e| io_error("cannot read the store directory", path, &e))?;
     if entries.next().is_none() {
-        return Ok(Found::Nothing);
+        return Ok(Found::Nothing(
+            " (an empty directory: perhaps the mount point of a volume that is not mounted)",
+        ));
     }
     if path.join(LOG_FILE).is_file() && path.join("conf").is_file() {
         Ok(Found::SledDirectory)
@@ -495,16 +547,10 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
         meta.insert(FORMAT_KEY, FORMAT).map_err(fail)?;
         db.flush().map_err(fail)?;
     }
-    // sled syncs neither its configuration file nor (fully) its log: sync both before the store
-    // becomes visible under its name.
-    for name in [LOG_FILE, "conf"] {
-        let file = staging.join(name);
-        fs::File::open(&file)
-            .and_then(|f| f.sync_all())
-            .map_err(|e| io_error("cannot sync", &file, &e))?;
-    }
-    make_private(&staging, &mut HashSet::new())
-        .map_err(|e| io_error("cannot make the files private in", &staging, &e))?;
+    // sled syncs neither its configuration file nor (fully) its log: sync every file, and the
+    // directories holding them, before the store becomes visible under its name.
+    secure(&staging, &mut Secured::default(), &mut Vec::new())
+        .map_err(|e| io_error("cannot make private and sync the files in", &staging, &e))?;
     fs::rename(&staging, path).map_err(|e| io_error("cannot move the new store to", path, &e))?;
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         fs::File::open(parent)
@@ -576,47 +622,129 @@ fn check_format(db: &sled::Db, path: &Path) -> Result<(sled::Tree, sled::Tree), 
     Ok((data, meta))
 }
 
-/// Makes `dir` (0700) and everything below it private (files 0600, directories 0700), skipping
-/// what is already in `known`; `known` is left holding exactly what was seen. A missing `dir` is
-/// fine.
-fn make_private(dir: &Path, known: &mut HashSet<PathBuf>) -> io::Result<()> {
-    if !known.contains(dir) {
-        restrict(dir, 0o700)?;
-    }
-    let mut seen = HashSet::with_capacity(known.len());
-    match walk_private(dir, known, &mut seen) {
-        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-        other => other?,
-    }
-    seen.insert(dir.to_owned());
-    *known = seen;
-    Ok(())
+/// What [`secure`] knows of each file and directory it saw under the tree it walked.
+#[derive(Debug, Clone, Default)]
+struct Secured {
+    entries: HashMap<PathBuf, EntryState>,
 }
 
-fn walk_private(
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct EntryState {
+    /// Group and other permissions are removed.
+    private: bool,
+    /// Synced, at this length (directories: 0); `None` when not synced yet.
+    synced_len: Option<u64>,
+}
+
+/// Makes `dir` (0700) and everything below it private (files 0600, directories 0700) and
+/// durable: a file is synced (`fsync`) when it is new or its length changed since it was
+/// last synced, a directory when it is new or gained an entry. Work recorded in `secured` is not
+/// repeated; `secured` is left describing exactly what was seen, and every path synced is pushed
+/// onto `synced`. A missing `dir` is fine, and so is an entry sled deletes meanwhile.
+///
+/// A failure to sync is returned at once (`secured` is then unchanged, so the next walk does the
+/// work again); a failure to change permissions is returned after the walk, which still syncs
+/// everything, and is retried by the next walk.
+fn secure(
     dir: &Path,
-    known: &HashSet<PathBuf>,
-    seen: &mut HashSet<PathBuf>,
+    secured: &mut Secured,
+    synced: &mut Vec<(PathBuf, u64)>,
 ) -> io::Result<()> {
-    for entry in fs::read_dir(dir)? {
-        let entry = entry?;
-        let path = entry.path();
-        let file_type = match entry.file_type() {
-            Ok(file_type) => file_type,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+    let mut walk = Walk {
+        before: &secured.entries,
+        seen: HashMap::with_capacity(secured.entries.len()),
+        synced,
+        permission_error: None,
+    };
+    walk.directory(dir)?;
+    let Walk {
+        seen,
+        permission_error,
+        ..
+    } = walk;
+    secured.entries = seen;
+    permission_error.map_or(Ok(()), Err)
+}
+
+struct Walk<'a> {
+    before: &'a HashMap<PathBuf, EntryState>,
+    seen: HashMap<PathBuf, EntryState>,
+    synced: &'a mut Vec<(PathBuf, u64)>,
+    permission_error: Option<io::Error>,
+}
+
+impl Walk<'_> {
+    fn directory(&mut self, dir: &Path) -> io::Result<()> {
+        let before = self.before.get(dir).copied().unwrap_or_default();
+        let private = before.private || self.restrict(dir, 0o700);
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(err) => return Err(err),
         };
-        if file_type.is_dir() {
-            if !known.contains(&path) {
-                restrict(&path, 0o700)?;
+        let mut gained_entry = false;
+        for entry in entries {
+            let entry = entry?;
+            let path = entry.path();
+            gained_entry |= !self.before.contains_key(&path);
+            match entry.file_type() {
+                Ok(kind) if kind.is_dir() => self.directory(&path)?,
+                Ok(kind) if kind.is_file() => self.file(path)?,
+                Ok(_) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(err) => return Err(err),
             }
-            walk_private(&path, known, seen)?;
-        } else if file_type.is_file() && !known.contains(&path) {
-            restrict(&path, 0o600)?;
         }
-        seen.insert(path);
+        let mut synced_len = before.synced_len;
+        if synced_len.is_none() || gained_entry {
+            match fs::File::open(dir).and_then(|handle| handle.sync_all()) {
+                Ok(()) => {
+                    self.synced.push((dir.to_owned(), 0));
+                    synced_len = Some(0);
+                }
+                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(err) => return Err(err),
+            }
+        }
+        self.seen
+            .insert(dir.to_owned(), EntryState { private, synced_len });
+        Ok(())
     }
-    Ok(())
+
+    fn file(&mut self, path: PathBuf) -> io::Result<()> {
+        let before = self.before.get(&path).copied().unwrap_or_default();
+        let private = before.private || self.restrict(&path, 0o600);
+        let mut synced_len = before.synced_len;
+        // The length is read before the sync, so the sync covers at least that much: a file
+        // still being written is synced again once a later walk finds it longer.
+        let len = match fs::metadata(&path) {
+            Ok(metadata) => metadata.len(),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(err) => return Err(err),
+        };
+        if synced_len != Some(len) {
+            match fs::File::open(&path).and_then(|handle| handle.sync_all()) {
+                Ok(()) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(err) => return Err(err),
+            }
+            self.synced.push((path.clone(), len));
+            synced_len = Some(len);
+        }
+        self.seen.insert(path, EntryState { private, synced_len });
+        Ok(())
+    }
+
+    /// Restricts `path`; a failure is kept for the end of the walk and reported as `false`.
+    fn restrict(&mut self, path: &Path, mode: u32) -> bool {
+        match restrict(path, mode) {
+            Ok(()) => true,
+            Err(err) => {
+                self.permission_error.get_or_insert(err);
+                false
+            }
+        }
+    }
 }
 
 /// Removes group and other permissions from `path` (sled may delete a file meanwhile: fine).
@@ -632,5 +760,134 @@ fn restrict(path: &Path, mode: u32) -> io::Result<()> {
     match fs::set_permissions(path, fs::Permissions::from_mode(mode)) {
         Err(err) if err.kind() != io::ErrorKind::NotFound => Err(err),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value large enough that sled writes it to a file of its own under `blobs/` (more than a
+    /// quarter of its 512 KiB segment), like a well-used block of a big pool.
+    const BLOB_SIZED: usize = 200 * 1024;
+
+    /// The paths synced since the last call, with the length each had when synced.
+    fn take_synced(store: &SledStore) -> Vec<(PathBuf, u64)> {
+        std::mem::take(
+            &mut *store
+                .inner
+                .synced_log
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Every regular file under `dir`, with its length.
+    fn files_with_lengths(dir: &Path) -> Vec<(PathBuf, u64)> {
+        let mut found = Vec::new();
+        for entry in fs::read_dir(dir).expect("read the blobs directory") {
+            let entry = entry.expect("directory entry");
+            let metadata = entry.metadata().expect("stat a blob file");
+            if metadata.is_file() {
+                found.push((entry.path(), metadata.len()));
+            }
+        }
+        found.sort();
+        found
+    }
+
+    /// Everything observed to be synced so far: each path with the length of its last sync.
+    #[derive(Default)]
+    struct Durable(HashMap<PathBuf, u64>);
+
+    impl Durable {
+        /// Records the syncs `store` made since the last call; returns them.
+        fn record(&mut self, store: &SledStore) -> Vec<(PathBuf, u64)> {
+            let synced = take_synced(store);
+            self.0.extend(synced.iter().cloned());
+            synced
+        }
+
+        /// Asserts that every file now under `blobs` was synced at its present length.
+        fn assert_covers(&self, blobs: &Path, after: &str) {
+            for (file, len) in files_with_lengths(blobs) {
+                assert_eq!(
+                    self.0.get(&file),
+                    Some(&len),
+                    "after {after}, the blob file {} ({len} bytes) was not synced at that length",
+                    file.display()
+                );
+            }
+        }
+    }
+
+    /// Commits a blob-sized `value` under `key` and checks that the commit made a blob file, and
+    /// synced it and the `blobs/` directory before returning.
+    async fn commit_blob(store: &SledStore, durable: &mut Durable, key: &str, value: Vec<u8>) {
+        let blobs = store.path().join(BLOBS);
+        let before = files_with_lengths(&blobs);
+        durable.record(store);
+        store
+            .commit(Txn::new().then(Op::put(key, value)))
+            .await
+            .expect("commit a blob-sized value");
+        let synced = durable.record(store);
+        let after = files_with_lengths(&blobs);
+        assert!(
+            after.iter().any(|file| !before.contains(file)),
+            "writing {key} created no file under {}: the test no longer makes sled write a blob",
+            blobs.display()
+        );
+        durable.assert_covers(&blobs, &format!("the commit of {key}"));
+        assert!(
+            synced.contains(&(blobs.clone(), 0)),
+            "the commit of {key} returned without syncing {}, which gained a file; synced: \
+             {synced:?}",
+            blobs.display()
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_blob_file_and_the_blobs_directory_are_synced_before_a_commit_returns() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("store");
+        let blobs = path.join(BLOBS);
+        let store = SledStore::open(SledConfig::new(&path).creating())
+            .await
+            .expect("create a sled store");
+        let mut durable = Durable::default();
+        commit_blob(&store, &mut durable, "blocks/a", vec![0xa5; BLOB_SIZED]).await;
+        commit_blob(&store, &mut durable, "blocks/b", vec![0x5a; BLOB_SIZED]).await;
+        // A new value for a key goes to a new blob file.
+        commit_blob(&store, &mut durable, "blocks/a", vec![0x3c; BLOB_SIZED + 1]).await;
+        // Small writes beside the large ones (sled may rewrite a whole leaf into a new blob).
+        for i in 0..20 {
+            store
+                .put(&format!("blocks/c{i:02}"), vec![7; 100])
+                .await
+                .expect("put a small value");
+            durable.record(&store);
+            durable.assert_covers(&blobs, &format!("small write {i}"));
+        }
+        drop(store);
+
+        // A reopened store syncs what it finds: a process that died before its sync may have left
+        // blob files that the log, synced by the next commit, points at.
+        let store = SledStore::open(SledConfig::new(&path))
+            .await
+            .expect("reopen");
+        let synced = take_synced(&store);
+        for file in files_with_lengths(&blobs) {
+            assert!(
+                synced.contains(&file),
+                "open did not sync the blob file {:?}; synced: {synced:?}",
+                file
+            );
+        }
+        assert!(synced.contains(&(blobs, 0)), "open did not sync blobs/");
+        assert!(
+            synced.contains(&(path, 0)),
+            "open did not sync the store directory"
+        );
     }
 }

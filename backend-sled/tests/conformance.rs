@@ -21,7 +21,7 @@ impl StoreFactory for SledFactory {
 
     async fn fresh(&self) -> TestStore {
         let dir = tempfile::tempdir().expect("temp dir");
-        let store = SledStore::open(SledConfig::new(dir.path().join("store")))
+        let store = SledStore::open(SledConfig::new(dir.path().join("store")).creating())
             .await
             .expect("open a fresh sled store");
         TestStore {
@@ -33,8 +33,16 @@ impl StoreFactory for SledFactory {
 
 #[async_trait]
 impl EmbeddedFactory for SledFactory {
-    async fn open_at(&self, path: &Path, lock_wait: Duration) -> Result<Arc<dyn KvStore>, KvError> {
-        let config = SledConfig::new(path).with_lock_wait(lock_wait);
+    async fn open_at(
+        &self,
+        path: &Path,
+        lock_wait: Duration,
+        create_if_missing: bool,
+    ) -> Result<Arc<dyn KvStore>, KvError> {
+        let config = SledConfig {
+            create_if_missing,
+            ..SledConfig::new(path).with_lock_wait(lock_wait)
+        };
         Ok(Arc::new(SledStore::open(config).await?))
     }
 }

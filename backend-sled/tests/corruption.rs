@@ -18,7 +18,12 @@ fn new_location() -> Location {
 }
 
 async fn open(path: &Path) -> Result<SledStore, KvError> {
-    SledStore::open(SledConfig::new(path).with_lock_wait(Duration::from_secs(5))).await
+    SledStore::open(
+        SledConfig::new(path)
+            .with_lock_wait(Duration::from_secs(5))
+            .creating(),
+    )
+    .await
 }
 
 /// Opens sled directly, waiting for a just-dropped store to let go of sled's own lock.

@@ -147,6 +147,7 @@ async fn main() {
                         etcd_endpoints: vec![endpoint],
                         etcd_prefix: Some(format!("/bench-{counter}/")),
                         lock_wait: Duration::from_secs(10),
+                        create_if_missing: true,
                         ..DatastoreSettings::default()
                     }
                     .open()

@@ -1,5 +1,6 @@
 //! Store selection shared by the plugin and the CLI: which backend, where, and how to open it.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -70,6 +71,37 @@ impl FromStr for DatastoreType {
     }
 }
 
+/// A secret such as an etcd password: cloned and compared like a string, never shown by `Debug`,
+/// so that no log line or error message that prints settings can reveal it.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps `value`.
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret::new(s))
+    }
+}
+
 /// Everything needed to open a store; the plugin fills it from netconf, the CLI from flags and
 /// environment variables, with the same defaults.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,10 +120,21 @@ pub struct DatastoreSettings {
     pub etcd_key_file: Option<PathBuf>,
     /// etcd: key prefix (default `/blockipam/`).
     pub etcd_prefix: Option<String>,
+    /// etcd: user name, for clusters with authentication enabled (with `etcd_password`).
+    pub etcd_username: Option<String>,
+    /// etcd: password of `etcd_username`.
+    pub etcd_password: Option<Secret>,
     /// etcd: connect and per-request timeouts (adapter defaults when `None`).
     pub etcd_timeouts: Option<(Duration, Duration)>,
     /// Embedded stores: how long to wait for another process holding the store.
     pub lock_wait: Duration,
+    /// Embedded stores: whether [`open`](Self::open) creates the store when it is missing (off by
+    /// default). Only what knows the store must be new may set it: `blockipamctl pool add`,
+    /// `migrate` into a target and `demo`, and a plugin call whose netconf lists `ipam.pools`.
+    /// Anything else fails on a missing store instead of starting an empty one over addresses
+    /// that are still in use (a deleted store, an unmounted volume). etcd ignores it: an empty
+    /// key prefix cannot be told from a first run, so an etcd store is never "missing".
+    pub create_if_missing: bool,
 }
 
 impl Default for DatastoreSettings {
@@ -104,8 +147,11 @@ impl Default for DatastoreSettings {
             etcd_cert_file: None,
             etcd_key_file: None,
             etcd_prefix: None,
+            etcd_username: None,
+            etcd_password: None,
             etcd_timeouts: None,
             lock_wait: DEFAULT_LOCK_WAIT,
+            create_if_missing: false,
         }
     }
 }
@@ -144,31 +190,43 @@ impl DatastoreSettings {
         }
     }
 
-    /// Opens (or creates) the store these settings name.
+    /// Opens the store these settings name, creating a missing embedded store only when
+    /// [`create_if_missing`](Self::create_if_missing) is set.
     ///
     /// # Errors
     /// [`KvError::InvalidArgument`] for incomplete settings (etcd without endpoints, a client
-    /// certificate without its key); otherwise whatever the backend reports (unavailable etcd,
-    /// store locked beyond the wait, corrupt files).
+    /// certificate without its key); [`KvError::Other`] naming the path for a missing embedded
+    /// store that may not be created (nothing is created); otherwise whatever the backend reports
+    /// (unavailable etcd, store locked beyond the wait, corrupt files).
     pub async fn open(&self) -> Result<Arc<dyn KvStore>, KvError> {
         match self.datastore_type {
             DatastoreType::Sled => {
                 let path = self.embedded_path()?;
-                let config = SledConfig::new(path).with_lock_wait(self.lock_wait);
+                let config = SledConfig {
+                    create_if_missing: self.create_if_missing,
+                    ..SledConfig::new(path).with_lock_wait(self.lock_wait)
+                };
                 Ok(Arc::new(SledStore::open(config).await?))
             }
             DatastoreType::Redb => {
                 let path = self.embedded_path()?;
-                let config = RedbConfig::new(path).with_lock_wait(self.lock_wait);
+                let config = RedbConfig {
+                    create_if_missing: self.create_if_missing,
+                    ..RedbConfig::new(path).with_lock_wait(self.lock_wait)
+                };
                 Ok(Arc::new(RedbStore::open(config).await?))
             }
             DatastoreType::Etcdv3 => Ok(Arc::new(EtcdStore::connect(self.etcd_config()?).await?)),
         }
     }
 
+    /// The embedded store's path, after [`check_store_path_ownership`].
     fn embedded_path(&self) -> Result<PathBuf, KvError> {
-        self.resolved_path()
-            .ok_or_else(|| KvError::invalid("an embedded store needs a path"))
+        let path = self
+            .resolved_path()
+            .ok_or_else(|| KvError::invalid("an embedded store needs a path"))?;
+        check_store_path_ownership(&path)?;
+        Ok(path)
     }
 
     /// The etcd adapter configuration these settings describe.
@@ -197,11 +255,78 @@ impl DatastoreSettings {
                 ))
             }
         }
+        match (&self.etcd_username, &self.etcd_password) {
+            (Some(user), Some(password)) => {
+                config = config.with_credentials(user.clone(), password.expose())
+            }
+            (None, None) => {}
+            _ => {
+                return Err(KvError::invalid(
+                    "etcd user name and password must be given together",
+                ))
+            }
+        }
         if let Some((connect, request)) = self.etcd_timeouts {
             config = config.with_timeouts(connect, request);
         }
         Ok(config)
     }
+}
+
+/// Refuses an embedded store path that is a symbolic link or that another user owns. The store
+/// decides which pod gets which address: it must be this user's own file or directory at the
+/// configured place, not whatever a link (or another account) puts there. A path that does not
+/// exist yet passes (the store creates it); links in the directories above it are not checked.
+///
+/// # Errors
+/// [`KvError::Other`] naming the path and what is wrong with it.
+pub fn check_store_path_ownership(path: &Path) -> Result<(), KvError> {
+    use std::os::unix::fs::MetadataExt;
+
+    let metadata = match std::fs::symlink_metadata(path) {
+        Ok(metadata) => metadata,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(KvError::other(format!(
+                "cannot inspect the store path {}: {e}",
+                path.display()
+            )))
+        }
+    };
+    if metadata.file_type().is_symlink() {
+        let target = std::fs::read_link(path)
+            .map(|target| target.display().to_string())
+            .unwrap_or_else(|_| "an unreadable target".to_owned());
+        return Err(KvError::other(format!(
+            "refusing to open the store at {}: it is a symbolic link (to {target}); configure \
+             the store's real path instead",
+            path.display()
+        )));
+    }
+    if let Some(uid) = effective_uid() {
+        if metadata.uid() != uid {
+            return Err(KvError::other(format!(
+                "refusing to open the store at {}: it is owned by uid {}, not by uid {uid} that \
+                 runs this process; give it back to its user (chown) or configure another path",
+                path.display(),
+                metadata.uid()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// This process's effective user id, read from `/proc/self/status`; `None` when unreadable (the
+/// ownership rule is then not applied).
+fn effective_uid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
@@ -236,6 +361,51 @@ mod tests {
             settings.resolved_path(),
             Some(PathBuf::from("/var/lib/blockipam/store.sled"))
         );
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime")
+    }
+
+    #[test]
+    fn missing_embedded_stores_are_created_only_when_settings_allow_it() {
+        for datastore_type in [DatastoreType::Sled, DatastoreType::Redb] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let path = dir.path().join("data").join("store");
+            let mut settings = DatastoreSettings {
+                datastore_type,
+                path: Some(path.clone()),
+                ..DatastoreSettings::default()
+            };
+            assert!(!settings.create_if_missing, "the default must not create");
+            let err = runtime()
+                .block_on(settings.open())
+                .map(|_| ())
+                .expect_err("a missing store opened without create_if_missing");
+            assert!(
+                err.to_string().contains(&path.display().to_string()),
+                "{datastore_type}: {err}"
+            );
+            assert_eq!(
+                std::fs::read_dir(dir.path()).expect("read dir").count(),
+                0,
+                "{datastore_type}: refusing a missing store created something"
+            );
+            settings.create_if_missing = true;
+            runtime()
+                .block_on(settings.open())
+                .map(drop)
+                .expect("create the store");
+            assert!(path.exists(), "{datastore_type}: no store created");
+            settings.create_if_missing = false;
+            runtime()
+                .block_on(settings.open())
+                .map(drop)
+                .expect("open the existing store without create_if_missing");
+        }
     }
 
     #[test]

@@ -265,6 +265,7 @@ fn embedded(kind: DatastoreType, dir: &Path) -> (Value, DatastoreSettings) {
     let settings = DatastoreSettings {
         datastore_type: kind,
         path: Some(path.clone()),
+        create_if_missing: true,
         ..DatastoreSettings::default()
     };
     (

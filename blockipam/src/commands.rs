@@ -178,6 +178,7 @@ async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Resul
                 (ATTR_NETWORK.to_owned(), conf.name.clone()),
                 (ATTR_PURPOSE.to_owned(), "gateway".to_owned()),
             ]),
+            ..Default::default()
         };
         match ipam.assign_ips(&request).await {
             Ok(_) => tracing::info!(%ip, %handle, "reserved"),
@@ -211,6 +212,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             handle: handle.clone(),
             host: call.node.to_owned(),
             attributes: call.attributes(),
+            ..Default::default()
         };
         ipam.assign_ips(&request).await.map_err(|e| from_ipam(&e))?
     } else {
@@ -223,6 +225,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             v6_pools: conf.ipv6_pools.clone(),
             attributes: call.attributes(),
             reuse_existing: true,
+            ..Default::default()
         };
         let first = ipam
             .auto_assign(&request)

@@ -21,6 +21,7 @@ use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use ipam_core::fault::{self, FaultPoint};
 use ipam_core::lockfile::LockFile;
 use ipam_core::Ipam;
 use serde_json::Value;
@@ -149,6 +150,9 @@ pub fn run_with_log_sink(
     let outcome = tracing::dispatcher::with_default(&early, || {
         execute(env, command, stdin, &sink, &mut version)
     });
+    if outcome.is_ok() {
+        fault::point(FaultPoint::BeforeReply);
+    }
     let (value, status) = match outcome {
         Ok(None) => return 0,
         Ok(Some(value)) => (value, 0),
@@ -327,6 +331,7 @@ fn locked(
     node: &str,
 ) -> Result<Option<Value>, CniError> {
     let lock = LockFile::acquire(&conf.lock_file, conf.lock_wait).map_err(|e| from_lock(&e))?;
+    fault::point(FaultPoint::HoldingLock);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -358,6 +363,10 @@ async fn with_store(
     node: &str,
 ) -> Result<Option<Value>, CniError> {
     let mut settings = conf.datastore.clone();
+    // A netconf listing pools describes a network that may start from nothing: its first call
+    // creates the store. Any other call fails on a missing store rather than hand out addresses
+    // from an empty new one while the lost store's (a deleted file, an unmounted volume) are in use.
+    settings.create_if_missing = !conf.pools.is_empty();
     settings.etcd_timeouts = Some((
         ETCD_CONNECT_TIMEOUT.min(conf.timeout),
         ETCD_REQUEST_TIMEOUT.min(conf.timeout),

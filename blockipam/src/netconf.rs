@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
 use ipam_core::{Ipam, IpamError, PoolSpec};
 use ipnet::IpNet;
 use serde_json::{Map, Value};
@@ -148,6 +148,19 @@ fn type_error(path: &str, expected: &str, found: &Value) -> CniError {
     CniError::config(format!(
         "netconf key {path:?} must be {expected}, found {found}"
     ))
+}
+
+/// A secret string key (an empty string counts as absent): kept exactly as given (no trimming),
+/// and never echoed in an error.
+fn secret(source: &Source<'_>, key: &str) -> Result<Option<Secret>, CniError> {
+    match source.lookup(key, Scope::Both) {
+        None => Ok(None),
+        Some((_, Value::String(text))) if text.is_empty() => Ok(None),
+        Some((_, Value::String(text))) => Ok(Some(Secret::new(text.clone()))),
+        Some((path, _)) => Err(CniError::config(format!(
+            "netconf key {path:?} must be a string (its value is not shown: it is a secret)"
+        ))),
+    }
 }
 
 fn unsupported(path: &str, value: &str, why: impl std::fmt::Display) -> CniError {
@@ -412,12 +425,22 @@ pub fn parse_netconf(
         etcd_cert_file: path_of("etcd_cert_file")?,
         etcd_key_file: path_of("etcd_key_file")?,
         etcd_prefix: source.nonempty_string("etcd_prefix", Scope::Both)?,
+        etcd_username: source.nonempty_string("etcd_username", Scope::Both)?,
+        etcd_password: secret(&source, "etcd_password")?,
         etcd_timeouts: None,
         lock_wait,
+        // Decided per call from `pools` (see `with_store`): only a netconf listing pools may
+        // create a missing embedded store.
+        create_if_missing: false,
     };
     if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
         return Err(CniError::config(
             "etcd_cert_file and etcd_key_file must be given together",
+        ));
+    }
+    if datastore.etcd_username.is_some() != datastore.etcd_password.is_some() {
+        return Err(CniError::config(
+            "etcd_username and etcd_password must be given together",
         ));
     }
 
@@ -755,6 +778,27 @@ mod tests {
         assert!(!conf.assign_ipv4 && conf.assign_ipv6);
         assert_eq!(conf.datastore.etcd_endpoints.len(), 2);
         assert_eq!(conf.gateways.len(), 2);
+    }
+
+    #[test]
+    fn etcd_credentials_are_read_verbatim_in_pairs_and_never_echoed() {
+        let conf = parse(json!({
+            "datastore_type": "etcdv3",
+            "etcd_endpoints": "http://127.0.0.1:1",
+            "ipam": {"etcd_username": "blockipam", "etcd_password": " s3cret "}
+        }))
+        .expect("parse");
+        assert_eq!(conf.datastore.etcd_username.as_deref(), Some("blockipam"));
+        let password = conf.datastore.etcd_password.as_ref().expect("password");
+        assert_eq!(password.expose(), " s3cret ");
+        assert!(!format!("{conf:?}").contains("s3cret"));
+
+        let err = parse(json!({"etcd_password": "s3cret"})).expect_err("password alone");
+        assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG);
+        assert!(err.msg.contains("together"), "{}", err.msg);
+        let err = parse(json!({"etcd_username": "u", "etcd_password": 918273})).expect_err("type");
+        assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG);
+        assert!(!err.msg.contains("918273"), "{}", err.msg);
     }
 
     #[test]

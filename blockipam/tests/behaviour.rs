@@ -305,6 +305,7 @@ fn del_releases_calicos_legacy_namespace_pod_handle_when_the_main_one_is_unknown
             handle: "web.frontend-0".into(),
             host: NODE.into(),
             attributes: BTreeMap::new(),
+            ..Default::default()
         })
         .await
         .expect("legacy allocation");
@@ -404,4 +405,168 @@ fn redb_store_serves_add_check_del_like_sled() {
     cni("CHECK", "c1", "eth0", &check, &[]).assert_silent_success("CHECK");
     cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL");
     assert!(sandbox.container_allocations().is_empty());
+}
+
+/// Records `ip` for `container` on [`NETWORK`] without an `interface` attribute, as allocations
+/// made through the allocator's API or by other tools are.
+fn seed_unlabelled(sandbox: &Sandbox, container: &str, ip: &str) {
+    sandbox.with_ipam(async |ipam| {
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec![ip.parse().expect("ip")],
+            handle: format!("{NETWORK}.{container}"),
+            host: NODE.into(),
+            attributes: BTreeMap::from([
+                ("network".to_owned(), NETWORK.to_owned()),
+                ("container_id".to_owned(), container.to_owned()),
+            ]),
+            ignore_strict_affinity: false,
+        })
+        .await
+        .expect("unlabelled allocation");
+    });
+}
+
+/// The addresses `handle` holds, sorted.
+fn held_by(sandbox: &Sandbox, handle: &str) -> Vec<String> {
+    let mut held: Vec<String> = sandbox
+        .allocations()
+        .into_iter()
+        .filter(|(_, h, _)| h == handle)
+        .map(|(ip, _, _)| ip)
+        .collect();
+    held.sort();
+    held
+}
+
+#[test]
+fn del_of_one_interface_never_releases_an_unlabelled_allocation_it_cannot_prove_is_its_own() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
+    // eth0's live address, recorded without an interface.
+    seed_unlabelled(&sandbox, "c1", "10.244.7.100");
+    let net1 = first_address(&cni("ADD", "c1", "net1", &netconf, &[]).success_json("ADD net1"));
+    assert_ne!(net1, "10.244.7.100");
+    // A Multus hot-unplug of net1.
+    cni("DEL", "c1", "net1", &netconf, &[]).assert_silent_success("DEL net1");
+    assert_eq!(
+        held_by(&sandbox, "testnet.c1"),
+        vec!["10.244.7.100"],
+        "DEL net1 must release net1's address and only it"
+    );
+    // Nothing labelled left on the handle: still not net2's to release.
+    cni("DEL", "c1", "net2", &netconf, &[]).assert_silent_success("DEL net2");
+    assert_eq!(held_by(&sandbox, "testnet.c1"), vec!["10.244.7.100"]);
+    // It is the conventional first interface's: a retried ADD for eth0 returns it, DEL eth0
+    // releases it.
+    let again = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD eth0");
+    assert_eq!(addresses(&again), vec!["10.244.7.100".to_owned()]);
+    assert_eq!(held_by(&sandbox, "testnet.c1"), vec!["10.244.7.100"]);
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL eth0");
+    assert!(held_by(&sandbox, "testnet.c1").is_empty());
+}
+
+#[test]
+fn unlabelled_allocation_beside_labelled_ones_is_no_single_interfaces_to_release() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let eth0 = first_address(&cni("ADD", "c1", "eth0", &netconf, &[]).success_json("eth0"));
+    seed_unlabelled(&sandbox, "c1", "10.244.7.100");
+    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL eth0");
+    assert_eq!(
+        held_by(&sandbox, "testnet.c1"),
+        vec!["10.244.7.100"],
+        "DEL eth0 released {eth0} and must leave the address it cannot prove is its own"
+    );
+}
+
+#[test]
+fn second_interface_asking_for_the_first_interfaces_address_is_code_102() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let eth0 = first_address(&cni("ADD", "c1", "eth0", &netconf, &[]).success_json("eth0"));
+    let mut asking = netconf.clone();
+    merge(
+        &mut asking,
+        json!({"runtimeConfig": {"ips": [format!("{eth0}/24")]}}),
+    );
+    let before = sandbox.snapshot();
+    let msg = cni("ADD", "c1", "net1", &asking, &[]).assert_error(102, "net1 asks for eth0's");
+    assert!(msg.contains(&eth0) && msg.contains("eth0"), "{msg}");
+    let args = format!("IP={eth0}");
+    let msg = cni("ADD", "c1", "net1", &netconf, &[("CNI_ARGS", &args)])
+        .assert_error(102, "net1 asks for eth0's through CNI_ARGS");
+    assert!(msg.contains(&eth0), "{msg}");
+    assert_eq!(
+        sandbox.snapshot(),
+        before,
+        "a refused ADD changed the store"
+    );
+    // The attachment that holds it may ask again: idempotent.
+    let again = cni("ADD", "c1", "eth0", &asking, &[]).success_json("eth0 asks for its own");
+    assert_eq!(addresses(&again), vec![eth0]);
+    assert_eq!(sandbox.container_allocations().len(), 1);
+}
+
+#[test]
+fn cni_args_ip_is_ignored_when_args_cni_ips_is_present() {
+    let sandbox = Sandbox::new();
+    let mut netconf = sandbox.netconf("1.0.0", json!({"log_level": "debug"}));
+    merge(
+        &mut netconf,
+        json!({"args": {"cni": {"ips": ["10.244.7.21/24"]}}}),
+    );
+    let outcome = cni(
+        "ADD",
+        "c1",
+        "eth0",
+        &netconf,
+        &[("CNI_ARGS", "IgnoreUnknown=1;IP=10.244.7.20")],
+    );
+    let result = outcome.success_json("ADD with both");
+    assert_eq!(addresses(&result), vec!["10.244.7.21".to_owned()]);
+    assert!(
+        outcome.stderr.contains("CNI_ARGS IP is ignored"),
+        "no debug line says why IP= was ignored: {outcome:#?}"
+    );
+    // An empty args.cni.ips is present too: nothing specific asked for, one address assigned.
+    let mut empty = sandbox.netconf("1.0.0", json!({}));
+    merge(&mut empty, json!({"args": {"cni": {"ips": []}}}));
+    let result = cni(
+        "ADD",
+        "c2",
+        "eth0",
+        &empty,
+        &[("CNI_ARGS", "IP=10.244.7.22")],
+    )
+    .success_json("ADD, empty args.cni.ips");
+    assert_ne!(addresses(&result), vec!["10.244.7.22".to_owned()]);
+    let held: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, _, _)| ip)
+        .collect();
+    assert!(
+        !held.contains(&"10.244.7.20".to_owned()) && !held.contains(&"10.244.7.22".to_owned()),
+        "{held:?}"
+    );
+}
+
+#[test]
+fn with_the_gateway_in_the_pool_no_route_covers_part_of_the_on_link_subnet() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv6": "true"}));
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert_eq!(
+        result,
+        json!({
+            "cniVersion": "1.0.0",
+            "ips": [
+                {"address": "10.244.7.64/24", "gateway": "10.244.7.1"},
+                {"address": "fd00:10:244::c0/120", "gateway": "fd00:10:244::1"}
+            ],
+            "dns": {}
+        }),
+        "a route for the address's block via the gateway sends same-subnet traffic through the host"
+    );
 }

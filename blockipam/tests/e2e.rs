@@ -3,8 +3,9 @@
 //! End to end under Debian's real CNI plugins: a "host" network namespace and two "container"
 //! namespaces; `/usr/lib/cni/ptp` (and `bridge`) run inside the host namespace with `CNI_PATH`
 //! pointing at the built `blockipam`, so they exec it exactly as a runtime's main plugin would.
-//! Both containers get distinct addresses from a test pool, ping each other, CHECK passes, and
-//! DEL removes the allocations. Every link, route and sysctl the plugins change lives in
+//! Both containers get distinct addresses from a test pool, ping each other (under `bridge` with
+//! the host's forwarding off: one subnet talks directly), CHECK passes; DEL of one releases its
+//! address, which a new container then gets and answers at; DEL removes the allocations. Every link, route and sysctl the plugins change lives in
 //! namespaces these tests create and always delete.
 
 mod common;
@@ -112,14 +113,14 @@ fn run_ok(command: &mut Command, what: &str) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// Runs a main plugin inside `host_ns` as a runtime would.
+/// Runs a main plugin inside `host_ns` as a runtime would, with `cni_args` as `CNI_ARGS`.
 fn main_plugin(
     host_ns: &str,
     plugin: &str,
     command: &str,
-    container_id: &str,
-    container_ns: &str,
+    (container_id, container_ns): (&str, &str),
     netconf: &Value,
+    cni_args: &str,
 ) -> Outcome {
     let blockipam_dir = Path::new(BIN).parent().expect("binary directory");
     let mut child = Command::new("ip")
@@ -130,6 +131,7 @@ fn main_plugin(
         .env("CNI_CONTAINERID", container_id)
         .env("CNI_NETNS", format!("/var/run/netns/{container_ns}"))
         .env("CNI_IFNAME", "eth0")
+        .env("CNI_ARGS", cni_args)
         .env(
             "CNI_PATH",
             format!("{}:{PLUGIN_DIR}", blockipam_dir.display()),
@@ -153,6 +155,8 @@ fn main_plugin(
     }
 }
 
+/// One ping from `from_ns`. iputils' exit status: 0 a reply came, 1 no reply (the packet left
+/// and nobody answered), 2 any other error (for example no route: nothing was sent).
 fn ping(from_ns: &str, to: &str) -> Outcome {
     let output = Command::new("ip")
         .args(["netns", "exec", from_ns, "ping", "-c1", "-W2", to])
@@ -165,12 +169,58 @@ fn ping(from_ns: &str, to: &str) -> Outcome {
     }
 }
 
-/// The whole scenario for one main plugin: two containers, ping both ways, CHECK, DEL.
-fn two_containers_ping_each_other(plugin: &str, main_conf: Value, subnet: &str, gateway: &str) {
+/// Turns IPv4 forwarding in `namespace` on or off (the main plugins turn it on at every ADD).
+fn set_forwarding(namespace: &str, on: bool) {
+    let script = format!("echo {} > /proc/sys/net/ipv4/ip_forward", u8::from(on));
+    run_ok(
+        Command::new("ip").args(["netns", "exec", namespace, "sh", "-c", &script]),
+        "set ip_forward",
+    );
+}
+
+/// The addresses (handle, address) blockipam holds for containers, sorted.
+fn recorded(sandbox: &Sandbox) -> Vec<(String, String)> {
+    let mut recorded: Vec<(String, String)> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, handle, attrs)| {
+            assert_eq!(attrs["node"], "e2e-node");
+            (handle, ip)
+        })
+        .collect();
+    recorded.sort();
+    recorded
+}
+
+/// How the host namespace forwards between containers during a scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Forwarding {
+    /// Left as the main plugin sets it (on): `ptp` containers reach each other only through the
+    /// host.
+    AsThePluginSetsIt,
+    /// Turned off before every ping: containers of one `bridge` subnet must reach each other
+    /// directly, never through the host.
+    Off,
+}
+
+/// The whole scenario for one main plugin: two containers ping each other, CHECK passes; DEL of
+/// one releases its address (the other container still reaches the gateway, but nobody answers
+/// at the released address), a new container asking for that address gets it and answers; DEL
+/// of the rest leaves nothing.
+fn two_containers_ping_each_other(
+    plugin: &str,
+    main_conf: Value,
+    subnet: &str,
+    gateway: &str,
+    forwarding: Forwarding,
+) {
     require_environment();
     let sandbox = Sandbox::new();
-    let namespaces = Namespaces::create(&["host", "c1", "c2"]);
-    let (host, c1, c2) = (namespaces.name(0), namespaces.name(1), namespaces.name(2));
+    let namespaces = Namespaces::create(&["host", "c1", "c2", "c3"]);
+    let host = namespaces.name(0);
+    let c1 = ("e2e-c1", namespaces.name(1));
+    let c2 = ("e2e-c2", namespaces.name(2));
+    let c3 = ("e2e-c3", namespaces.name(3));
     let mut netconf = json!({
         "cniVersion": "1.0.0",
         "name": "bipam-e2e",
@@ -182,13 +232,23 @@ fn two_containers_ping_each_other(plugin: &str, main_conf: Value, subnet: &str, 
         })),
     });
     merge(&mut netconf, main_conf);
+    let add = |container: (&str, &str), cni_args: &str| {
+        let outcome = main_plugin(host, plugin, "ADD", container, &netconf, cni_args);
+        let result = outcome.success_json(&format!("{plugin} ADD {}", container.0));
+        if forwarding == Forwarding::Off {
+            set_forwarding(host, false);
+        }
+        result
+    };
+    let del = |container: (&str, &str)| {
+        main_plugin(host, plugin, "DEL", container, &netconf, "")
+            .assert_silent_success(&format!("{plugin} DEL {}", container.0));
+        // DEL again, as runtimes do: still success.
+        main_plugin(host, plugin, "DEL", container, &netconf, "")
+            .assert_silent_success(&format!("{plugin} second DEL {}", container.0));
+    };
 
-    let mut results = Vec::new();
-    for (id, ns) in [("e2e-c1", c1), ("e2e-c2", c2)] {
-        let outcome = main_plugin(host, plugin, "ADD", id, ns, &netconf);
-        let result = outcome.success_json(&format!("{plugin} ADD {id}"));
-        results.push(result);
-    }
+    let results = [add(c1, ""), add(c2, "")];
     let ip1 = first_address(&results[0]);
     let ip2 = first_address(&results[1]);
     assert_ne!(ip1, ip2, "both containers got the same address");
@@ -199,55 +259,69 @@ fn two_containers_ping_each_other(plugin: &str, main_conf: Value, subnet: &str, 
         assert_ne!(ip, gateway, "a container got the gateway");
     }
     // blockipam recorded exactly these two, for this node.
-    let mut recorded: Vec<(String, String)> = sandbox
-        .container_allocations()
-        .into_iter()
-        .map(|(ip, handle, attrs)| {
-            assert_eq!(attrs["node"], "e2e-node");
-            (handle, ip)
-        })
-        .collect();
-    recorded.sort();
     assert_eq!(
-        recorded,
+        recorded(&sandbox),
         vec![
             ("bipam-e2e.e2e-c1".to_owned(), ip1.clone()),
             ("bipam-e2e.e2e-c2".to_owned(), ip2.clone())
         ]
     );
 
-    let there = ping(c1, &ip2);
+    let there = ping(c1.1, &ip2);
     assert_eq!(
         there.status, 0,
-        "c1 cannot ping c2 through {plugin}: {there:#?}"
+        "c1 cannot ping c2 through {plugin} ({forwarding:?}): {there:#?}"
     );
-    let back = ping(c2, &ip1);
+    let back = ping(c2.1, &ip1);
     assert_eq!(
         back.status, 0,
-        "c2 cannot ping c1 through {plugin}: {back:#?}"
+        "c2 cannot ping c1 through {plugin} ({forwarding:?}): {back:#?}"
     );
 
-    for ((id, ns), result) in [("e2e-c1", c1), ("e2e-c2", c2)].into_iter().zip(&results) {
+    for (container, result) in [c1, c2].into_iter().zip(&results) {
         let mut check = netconf.clone();
         merge(&mut check, json!({"prevResult": result}));
-        main_plugin(host, plugin, "CHECK", id, ns, &check)
-            .assert_silent_success(&format!("{plugin} CHECK {id}"));
+        main_plugin(host, plugin, "CHECK", container, &check, "")
+            .assert_silent_success(&format!("{plugin} CHECK {}", container.0));
     }
 
-    for (id, ns) in [("e2e-c1", c1), ("e2e-c2", c2)] {
-        main_plugin(host, plugin, "DEL", id, ns, &netconf)
-            .assert_silent_success(&format!("{plugin} DEL {id}"));
-        // DEL again, as runtimes do: still success.
-        main_plugin(host, plugin, "DEL", id, ns, &netconf)
-            .assert_silent_success(&format!("{plugin} second DEL {id}"));
-    }
+    // DEL of c2 releases its address and only it.
+    del(c2);
+    assert_eq!(
+        recorded(&sandbox),
+        vec![("bipam-e2e.e2e-c1".to_owned(), ip1.clone())],
+        "DEL of c2 must release exactly c2's address"
+    );
+    // c1's own network is intact: it still reaches the gateway ...
+    let gateway_ping = ping(c1.1, gateway);
+    assert_eq!(
+        gateway_ping.status, 0,
+        "c1 lost its network: {gateway_ping:#?}"
+    );
+    // ... and its ping to the released address leaves and finds nobody (status 1, not 2).
+    let gone = ping(c1.1, &ip2);
+    assert_eq!(
+        gone.status, 1,
+        "after DEL of c2, a ping to {ip2} must go out and get no answer: {gone:#?}"
+    );
+    // The released address is free again: a new container asking for exactly it gets it, and
+    // answers there.
+    let args = format!("IgnoreUnknown=1;IP={ip2}");
+    let reused = add(c3, &args);
+    assert_eq!(first_address(&reused), ip2, "{reused}");
+    let answered = ping(c1.1, &ip2);
+    assert_eq!(
+        answered.status, 0,
+        "c3 does not answer at {ip2}: {answered:#?}"
+    );
+
+    del(c1);
+    del(c3);
     assert!(
         sandbox.container_allocations().is_empty(),
         "DEL left allocations: {:?}",
         sandbox.container_allocations()
     );
-    let gone = ping(c1, &ip2);
-    assert_ne!(gone.status, 0, "c2 still answers after DEL");
     drop(namespaces);
 }
 
@@ -258,6 +332,7 @@ fn ptp_delegates_to_blockipam_and_two_containers_ping_each_other() {
         json!({"ipMasq": false}),
         "10.244.77.0/24",
         "10.244.77.1",
+        Forwarding::AsThePluginSetsIt,
     );
 }
 
@@ -269,6 +344,7 @@ fn bridge_delegates_to_blockipam_and_two_containers_ping_each_other() {
         json!({"bridge": bridge, "isGateway": true, "ipMasq": false}),
         "10.244.78.0/24",
         "10.244.78.1",
+        Forwarding::Off,
     );
 }
 

@@ -184,12 +184,14 @@ fn unreachable_etcd_is_code_11_and_status_is_code_50() {
 
 #[test]
 fn etcd_that_accepts_but_never_answers_hits_the_deadline_with_code_11() {
-    // A listener that accepts connections and never says anything.
+    // A listener that accepts connections and never says anything, counting them.
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = listener.local_addr().expect("addr").port();
+    let (accepted, connections) = mpsc::channel();
     std::thread::spawn(move || {
         let mut held = Vec::new();
         for stream in listener.incoming().flatten() {
+            let _ = accepted.send(());
             held.push(stream);
         }
     });
@@ -205,5 +207,13 @@ fn etcd_that_accepts_but_never_answers_hits_the_deadline_with_code_11() {
     let outcome = bounded("ADD on a silent etcd", move || {
         cni("ADD", "c1", "eth0", &netconf, &[])
     });
-    outcome.assert_error(11, "silent etcd");
+    let msg = outcome.assert_error(11, "silent etcd");
+    assert!(
+        connections.try_recv().is_ok(),
+        "the plugin never connected to the silent etcd: {outcome:#?}"
+    );
+    assert_eq!(
+        msg, "ADD did not finish within its deadline of 2s (timeout_seconds)",
+        "the call must end at its deadline, not on another failure"
+    );
 }

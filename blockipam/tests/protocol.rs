@@ -723,3 +723,113 @@ fn errors_carry_the_requests_spec_version() {
         assert_eq!(outcome.json()["cniVersion"], json!(version));
     }
 }
+
+#[test]
+fn log_file_is_created_owner_only_and_an_existing_files_mode_is_kept() {
+    use std::os::unix::fs::PermissionsExt;
+    let sandbox = Sandbox::new();
+    let mode = |path: &std::path::Path| {
+        std::fs::metadata(path)
+            .expect("log file")
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    let created = sandbox.dir.path().join("logs/cni.log");
+    let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": created}));
+    cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    assert!(std::fs::read_to_string(&created)
+        .expect("log")
+        .contains("ADD done"));
+    assert_eq!(
+        mode(&created),
+        0o600,
+        "the log holds pod names and addresses"
+    );
+    let existing = sandbox.dir.path().join("logs/shared.log");
+    std::fs::write(&existing, "").expect("write");
+    std::fs::set_permissions(&existing, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+    let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": existing}));
+    cni("ADD", "c2", "eth0", &netconf, &[]).success_json("ADD");
+    assert!(std::fs::read_to_string(&existing)
+        .expect("log")
+        .contains("ADD done"));
+    assert_eq!(
+        mode(&existing),
+        0o640,
+        "an existing file's mode is the operator's"
+    );
+}
+
+#[test]
+fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node() {
+    let sandbox = Sandbox::new();
+    let here = sandbox.netconf("1.1.0", json!({}));
+    let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
+    cni("ADD", "a", "eth0", &here, &[]).success_json("a");
+    cni("ADD", "b", "net1", &here, &[]).success_json("b");
+    cni("ADD", "r", "eth0", &elsewhere, &[]).success_json("r");
+    // libcni and ocicni marshal an empty Go slice as null.
+    let mut gc = here.clone();
+    gc.as_object_mut()
+        .expect("object")
+        .insert("cni.dev/valid-attachments".into(), Value::Null);
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC, null list");
+    let left: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, handle, _)| handle)
+        .collect();
+    assert_eq!(left, vec!["testnet.r"]);
+    assert_eq!(
+        sandbox.allocations().len(),
+        6,
+        "the reservations survive GC"
+    );
+}
+
+#[test]
+fn check_compares_exactly_what_the_attachment_holds_with_prev_result() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", dual_stack());
+    let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    let check = |container: &str, prev: Value| {
+        let mut conf = netconf.clone();
+        merge(&mut conf, json!({"prevResult": prev}));
+        cni("CHECK", container, "eth0", &conf, &[])
+    };
+    // An address outside every pool (another IPAM's, or a later plugin's) is not blockipam's.
+    let mut with_foreign = result.clone();
+    with_foreign["ips"]
+        .as_array_mut()
+        .expect("ips")
+        .push(json!({"address": "192.0.2.7/24"}));
+    check("c1", with_foreign).assert_silent_success("prevResult with a foreign address");
+    // An address the attachment holds is missing from prevResult.
+    let mut v4_only = result.clone();
+    v4_only["ips"].as_array_mut().expect("ips").truncate(1);
+    let msg = check("c1", v4_only).assert_error(107, "held address missing from prevResult");
+    assert!(msg.contains("fd00:10:244::c0"), "{msg}");
+    // A container that holds nothing fails, whatever prevResult lists.
+    for prev in [
+        json!({"cniVersion": "1.0.0", "ips": []}),
+        json!({"cniVersion": "1.0.0"}),
+        json!({"cniVersion": "1.0.0", "ips": [{"address": "192.0.2.7/24"}]}),
+    ] {
+        let msg = check("nobody", prev.clone()).assert_error(107, &prev.to_string());
+        assert!(msg.contains("holds no address"), "{prev}: {msg}");
+    }
+    check("c1", result).assert_silent_success("exact prevResult");
+}
+
+#[test]
+fn status_is_code_11_while_another_call_holds_the_node_lock() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.1.0", json!({"ipam_lock_timeout_seconds": 0.2}));
+    cni("STATUS", "", "", &netconf, &[]).assert_silent_success("free lock");
+    let held = LockFile::acquire(&sandbox.lock_path(), Duration::from_secs(5)).expect("lock");
+    let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(11, "lock held");
+    assert!(msg.contains("lock"), "{msg}");
+    drop(held);
+    cni("STATUS", "", "", &netconf, &[]).assert_silent_success("lock free again");
+}

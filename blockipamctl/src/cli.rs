@@ -3,6 +3,7 @@
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use blockipam_store::Secret;
 use clap::builder::BoolishValueParser;
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
 
@@ -20,6 +21,10 @@ pub const ENV_ETCD_CERT_FILE: &str = "ETCD_CERT_FILE";
 pub const ENV_ETCD_KEY_FILE: &str = "ETCD_KEY_FILE";
 /// Environment variable: etcd key prefix.
 pub const ENV_ETCD_PREFIX: &str = "ETCD_PREFIX";
+/// Environment variable: etcd user name (calicoctl's name).
+pub const ENV_ETCD_USERNAME: &str = "ETCD_USERNAME";
+/// Environment variable: etcd password (calicoctl's name).
+pub const ENV_ETCD_PASSWORD: &str = "ETCD_PASSWORD";
 /// Environment variable: how long to wait for an embedded store held by another process.
 pub const ENV_LOCK_WAIT_SECONDS: &str = "BLOCKIPAM_LOCK_WAIT_SECONDS";
 /// Environment variable: upper bound on one etcd request.
@@ -96,6 +101,12 @@ pub struct GlobalArgs {
     /// etcd key prefix, ending with '/' [env: ETCD_PREFIX] [default: /blockipam/]
     #[arg(long, global = true, value_name = "PREFIX", help_heading = "Store")]
     pub etcd_prefix: Option<String>,
+    /// etcd user name, for clusters with authentication on (with a password) [env: ETCD_USERNAME]
+    #[arg(long, global = true, value_name = "NAME", help_heading = "Store")]
+    pub etcd_username: Option<String>,
+    /// etcd password; prefer the environment variable, which other users cannot read in the process list [env: ETCD_PASSWORD]
+    #[arg(long, global = true, value_name = "PASSWORD", help_heading = "Store")]
+    pub etcd_password: Option<Secret>,
     /// Seconds to wait for an embedded store another process holds [env: BLOCKIPAM_LOCK_WAIT_SECONDS] [default: 10]
     #[arg(long, global = true, value_name = "SECONDS", help_heading = "Store")]
     pub lock_wait_seconds: Option<String>,
@@ -288,6 +299,12 @@ pub struct MigrateArgs {
     /// Target etcd key prefix [default: /blockipam/].
     #[arg(long, value_name = "PREFIX")]
     pub to_etcd_prefix: Option<String>,
+    /// Target etcd user name (with --to-etcd-password).
+    #[arg(long, value_name = "NAME")]
+    pub to_etcd_username: Option<String>,
+    /// Target etcd password.
+    #[arg(long, value_name = "PASSWORD")]
+    pub to_etcd_password: Option<Secret>,
 }
 
 /// `demo`.

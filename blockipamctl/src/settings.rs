@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
 use ipam_core::{KvError, KvStore};
 
 use crate::cli::{self, GlobalArgs, MigrateArgs, OutputFormat};
@@ -177,6 +177,17 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
         cli::ENV_ETCD_PREFIX,
     )
     .map(|(text, _)| text.to_owned());
+    settings.etcd_username = pick(
+        global.etcd_username.as_deref(),
+        "--etcd-username",
+        env,
+        cli::ENV_ETCD_USERNAME,
+    )
+    .map(|(text, _)| text.to_owned());
+    settings.etcd_password = global
+        .etcd_password
+        .clone()
+        .or_else(|| env.get(cli::ENV_ETCD_PASSWORD).map(Secret::new));
     settings.lock_wait = lock_wait(global, env)?;
     if let Some((text, source)) = pick(
         global.etcd_timeout_seconds.as_deref(),
@@ -215,8 +226,12 @@ pub fn resolve_target(
         etcd_cert_file: args.to_etcd_cert_file.clone(),
         etcd_key_file: args.to_etcd_key_file.clone(),
         etcd_prefix: args.to_etcd_prefix.clone(),
+        etcd_username: args.to_etcd_username.clone(),
+        etcd_password: args.to_etcd_password.clone(),
         etcd_timeouts: source.etcd_timeouts,
         lock_wait: source.lock_wait,
+        // Decided by the open mode (see `open`).
+        create_if_missing: false,
     };
     validate(&settings, "to-")?;
     Ok(settings)
@@ -244,9 +259,11 @@ fn validate(settings: &DatastoreSettings, flag_prefix: &str) -> Result<(), CtlEr
 /// Whether opening may create a missing embedded store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
-    /// Create the store when it does not exist (commands that write something new).
+    /// Create the store when it does not exist: only `pool add`, `migrate` into a target and
+    /// `demo`, the commands that start a store's life.
     Create,
-    /// Fail when an embedded store does not exist (reading, releasing, migrating from).
+    /// Fail when an embedded store does not exist (every other command): a store that vanished
+    /// (deleted, or on a volume that is not mounted) is never silently replaced by an empty one.
     Existing,
 }
 
@@ -264,8 +281,9 @@ pub async fn open(
         if let Some(path) = settings.resolved_path() {
             if !path.exists() {
                 return Err(CtlError::failed(format!(
-                    "no {} store at {}: check --datastore-path / {} (the plugin creates the store on \
-                     first use; `blockipamctl pool add` creates it too)",
+                    "no {} store at {}: check --datastore-path / {}; a store is created only by \
+                     `blockipamctl pool add` (or `migrate` into it, or `demo`) or by a plugin call \
+                     whose netconf lists `ipam.pools`",
                     settings.datastore_type,
                     path.display(),
                     cli::ENV_DATASTORE_PATH
@@ -273,7 +291,13 @@ pub async fn open(
             }
         }
     }
-    settings.open().await.map_err(|e| open_error(settings, &e))
+    // The store itself refuses too (race-free, and for an empty directory or file left where
+    // the store was), creating nothing.
+    let settings = DatastoreSettings {
+        create_if_missing: mode == OpenMode::Create,
+        ..settings.clone()
+    };
+    settings.open().await.map_err(|e| open_error(&settings, &e))
 }
 
 fn open_error(settings: &DatastoreSettings, error: &KvError) -> CtlError {
@@ -407,6 +431,34 @@ mod tests {
             ("ETCD_CERT_FILE", "/c.pem"),
         ]);
         assert!(matches!(resolve(&global, &env), Err(CtlError::Usage(_))));
+    }
+
+    #[test]
+    fn etcd_credentials_come_from_flags_or_environment_in_pairs() {
+        let global = GlobalArgs {
+            datastore_type: Some("etcdv3".into()),
+            etcd_endpoints: Some("127.0.0.1:1".into()),
+            ..GlobalArgs::default()
+        };
+        let env = Env::new([("ETCD_USERNAME", "env-user"), ("ETCD_PASSWORD", "env-pw")]);
+        let settings = resolve(&global, &env).expect("credentials from the environment");
+        assert_eq!(settings.etcd_username.as_deref(), Some("env-user"));
+        assert_eq!(settings.etcd_password, Some(Secret::new("env-pw")));
+        assert!(!format!("{settings:?}").contains("env-pw"));
+        let flags = GlobalArgs {
+            etcd_username: Some("flag-user".into()),
+            etcd_password: Some(Secret::new("flag-pw")),
+            ..global.clone()
+        };
+        let settings = resolve(&flags, &env).expect("flags win");
+        assert_eq!(settings.etcd_username.as_deref(), Some("flag-user"));
+        assert_eq!(settings.etcd_password, Some(Secret::new("flag-pw")));
+        let alone = Env::new([("ETCD_PASSWORD", "env-pw")]);
+        let err = resolve(&global, &alone).expect_err("a password without a user");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("together") && !m.contains("env-pw")),
+            "{err}"
+        );
     }
 
     #[test]

@@ -15,17 +15,17 @@ use ipnet::IpNet;
 
 use crate::StoreFactory;
 
-fn net(s: &str) -> IpNet {
+pub(crate) fn net(s: &str) -> IpNet {
     s.parse()
         .unwrap_or_else(|e| panic!("bad test CIDR {s}: {e}"))
 }
 
-fn ip(s: &str) -> IpAddr {
+pub(crate) fn ip(s: &str) -> IpAddr {
     s.parse()
         .unwrap_or_else(|e| panic!("bad test address {s}: {e}"))
 }
 
-fn spec(cidr: &str, name: &str, block_size: u8) -> PoolSpec {
+pub(crate) fn spec(cidr: &str, name: &str, block_size: u8) -> PoolSpec {
     PoolSpec {
         cidr: net(cidr),
         name: Some(name.to_owned()),
@@ -34,7 +34,7 @@ fn spec(cidr: &str, name: &str, block_size: u8) -> PoolSpec {
     }
 }
 
-fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
+pub(crate) fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
     AutoAssignRequest {
         handle: handle.into(),
         host: host.into(),
@@ -43,7 +43,7 @@ fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
     }
 }
 
-async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
+pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
     let got = ipam
         .auto_assign(&v4(handle, host, 1))
         .await
@@ -52,7 +52,7 @@ async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
     got.v4[0].ip
 }
 
-async fn assert_clean(ipam: &Ipam) {
+pub(crate) async fn assert_clean(ipam: &Ipam) {
     let report = ipam.check(false).await.expect("check");
     assert!(
         report.problems.is_empty(),
@@ -61,7 +61,7 @@ async fn assert_clean(ipam: &Ipam) {
     );
 }
 
-async fn ipam_with_pool(
+pub(crate) async fn ipam_with_pool(
     factory: &impl StoreFactory,
     cidr: &str,
     block_size: u8,
@@ -126,6 +126,7 @@ macro_rules! ipam_conformance_tests {
             eight_hosts_assigning_concurrently_get_distinct_addresses,
             random_operation_sequences_keep_every_invariant,
         );
+        $crate::ipam_integrity_tests!($factory);
     };
 }
 
@@ -371,6 +372,7 @@ pub async fn specific_ip_is_assigned_and_its_block_claimed<F: StoreFactory>(fact
             handle: "h".into(),
             host: "node-a".into(),
             attributes: BTreeMap::new(),
+            ..Default::default()
         })
         .await
         .expect("assign");
@@ -401,6 +403,7 @@ pub async fn specific_ip_in_use_is_refused<F: StoreFactory>(factory: &F) {
         handle: "intruder".into(),
         host: "node-a".into(),
         attributes: BTreeMap::new(),
+        ..Default::default()
     };
     match ipam.assign_ips(&request).await {
         Err(IpamError::AlreadyAssigned {
@@ -440,6 +443,7 @@ pub async fn specific_ip_outside_enabled_pools_is_refused<F: StoreFactory>(facto
             handle: "h".into(),
             host: "node-a".into(),
             attributes: BTreeMap::new(),
+            ..Default::default()
         };
         match ipam.assign_ips(&request).await {
             Err(IpamError::NotInPool(refused)) => assert_eq!(refused, ip(outside)),
@@ -468,6 +472,7 @@ pub async fn strict_affinity_refuses_specific_ip_in_another_hosts_block<F: Store
         handle: "h".into(),
         host: "node-b".into(),
         attributes: BTreeMap::new(),
+        ..Default::default()
     };
     match ipam.assign_ips(&request).await {
         Err(IpamError::AffinityConflict { owner, .. }) => assert_eq!(owner, "node-a"),
@@ -563,6 +568,7 @@ pub async fn sequence_numbered_release_refuses_a_reallocated_address<F: StoreFac
         handle: handle.into(),
         host: "node-a".into(),
         attributes: BTreeMap::new(),
+        ..Default::default()
     };
     ipam.assign_ips(&assign("old")).await.expect("first owner");
     let old_sequence = ipam
@@ -1353,6 +1359,7 @@ pub async fn random_operation_sequences_keep_every_invariant<F: StoreFactory>(fa
                                 handle: handle.clone(),
                                 host: format!("node-{host}"),
                                 attributes: BTreeMap::new(),
+                                ..Default::default()
                             };
                             match (ipam.assign_ips(&request).await, holder) {
                                 (Ok(_), None) => {
@@ -1458,11 +1465,11 @@ pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_b
     };
     // A block in no pool, with a consistent claim entry and handle so only the pool problem shows.
     let stray_cidr = net("192.168.50.0/26");
-    let mut stray = Block::new(stray_cidr, Some("node-a".into()));
+    let mut stray = Block::new(stray_cidr, Some("node-a".into()), 0);
     stray.allocate_next(&attribute);
     // A damaged block: ordinal 1 both allocated and free, ordinal 2 free twice.
     let damaged_cidr = net("10.0.0.0/26");
-    let mut damaged = Block::new(damaged_cidr, Some("node-a".into()));
+    let mut damaged = Block::new(damaged_cidr, Some("node-a".into()), 0);
     damaged.allocate_next(&attribute);
     damaged.allocate_next(&attribute);
     damaged.released.push_back(1);
@@ -1470,7 +1477,7 @@ pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_b
     damaged.released.push_back(2);
     // A block whose content says node-b but which is stored under node-a.
     let misplaced_cidr = net("10.0.0.64/26");
-    let misplaced = Block::new(misplaced_cidr, Some("node-b".into()));
+    let misplaced = Block::new(misplaced_cidr, Some("node-b".into()), 0);
     let mut handle = ipam_core::model::Handle::default();
     handle.add(stray_cidr, 1);
     handle.add(damaged_cidr, 2);

@@ -543,46 +543,106 @@ pub async fn read_counter(
 
 /// Adds one to a counter with compare-and-swap, retrying on conflict; returns the attempts used.
 pub async fn cas_increment(store: &dyn KvStore, key: &str) -> Result<u32, KvError> {
-    let mut attempts = 0;
+    cas_increment_observed(store, key)
+        .await
+        .map(|increment| increment.attempts)
+}
+
+/// One successful compare-and-swap increment, and what it took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Increment {
+    /// The counter value this increment's successful commit wrote.
+    pub written: u64,
+    /// Reads and writes tried, the successful one included.
+    pub attempts: u32,
+    /// Writes refused because another writer changed the counter after this one read it.
+    pub conflicts: u32,
+}
+
+/// Adds one to a counter with compare-and-swap, retrying on conflict (and, after a pause, when
+/// the store is unavailable); reports the value written and the conflicts met.
+pub async fn cas_increment_observed(store: &dyn KvStore, key: &str) -> Result<Increment, KvError> {
+    let mut increment = Increment::default();
     loop {
-        attempts += 1;
+        increment.attempts += 1;
         let (count, revision) = read_counter(store, key).await?;
-        let next = (count + 1).to_le_bytes().to_vec();
-        let result = match revision {
-            None => store.create(key, next).await,
-            Some(rev) => store.update(key, rev, next).await,
-        };
-        match result {
-            Ok(_) => return Ok(attempts),
-            Err(KvError::Conflict { .. }) => continue,
+        match write_counter(store, key, count, revision).await {
+            Ok(written) => {
+                increment.written = written;
+                return Ok(increment);
+            }
+            Err(KvError::Conflict { .. }) => increment.conflicts += 1,
             Err(e) if e.is_retryable() => {
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                continue;
             }
             Err(e) => return Err(e),
         }
     }
 }
 
-/// 16 workers × 100 compare-and-swap increments on one key end at exactly 1600.
+/// Writes `count + 1` if the counter is still at `revision` (absent for `None`); returns it.
+async fn write_counter(
+    store: &dyn KvStore,
+    key: &str,
+    count: u64,
+    revision: Option<Revision>,
+) -> Result<u64, KvError> {
+    let next = count + 1;
+    let bytes = next.to_le_bytes().to_vec();
+    match revision {
+        None => store.create(key, bytes).await?,
+        Some(rev) => store.update(key, rev, bytes).await?,
+    };
+    Ok(next)
+}
+
+/// 16 workers × 100 compare-and-swap increments on one key end at exactly 1600, every value from
+/// 1 to 1600 written by exactly one successful commit, and the store refuses the stale writes.
+///
+/// Each worker's first increment is forced to race: every worker reads the counter before any of
+/// them writes (a barrier between read and write), so exactly one write succeeds and the other 15
+/// must be conflicts. Without that, a store could pass with no conflict at all, legitimately:
+/// a scheduler may run the free-running workers one after another (the in-memory store never
+/// yields between a worker's read and its write), so "some conflict happened" is asserted only
+/// where it is certain. A store that accepted a stale compare-and-swap fails twice over: two
+/// commits write the same value (and some value is never written), and the sum comes out short.
 pub async fn concurrent_cas_increments_sum_exactly<F: StoreFactory>(factory: &F) {
     const WORKERS: usize = 16;
     const INCREMENTS: usize = 100;
     let t = factory.fresh().await;
+    let barrier = Arc::new(tokio::sync::Barrier::new(WORKERS));
     let mut tasks = Vec::new();
     for _ in 0..WORKERS {
         let store = Arc::clone(&t.store);
+        let barrier = Arc::clone(&barrier);
         tasks.push(tokio::spawn(async move {
-            let mut attempts = 0u32;
-            for _ in 0..INCREMENTS {
-                attempts += cas_increment(&*store, "counter").await.expect("increment");
+            let mut written = Vec::with_capacity(INCREMENTS);
+            let (count, revision) = read_counter(&*store, "counter").await.expect("read");
+            barrier.wait().await;
+            let forced = match write_counter(&*store, "counter", count, revision).await {
+                Ok(value) => {
+                    written.push(value);
+                    ForcedRace::Won
+                }
+                Err(KvError::Conflict { .. }) => ForcedRace::Conflict,
+                Err(e) if e.is_retryable() => ForcedRace::Unavailable,
+                Err(e) => panic!("forced racing write failed: {e}"),
+            };
+            while written.len() < INCREMENTS {
+                let increment = cas_increment_observed(&*store, "counter")
+                    .await
+                    .expect("increment");
+                written.push(increment.written);
             }
-            attempts
+            (forced, written)
         }));
     }
-    let mut attempts = 0u32;
+    let mut forced = Vec::new();
+    let mut written = Vec::new();
     for task in tasks {
-        attempts += task.await.expect("worker panicked");
+        let (race, values) = task.await.expect("worker panicked");
+        forced.push(race);
+        written.extend(values);
     }
     let (count, _) = read_counter(&*t.store, "counter").await.expect("read");
     assert_eq!(
@@ -590,7 +650,55 @@ pub async fn concurrent_cas_increments_sum_exactly<F: StoreFactory>(factory: &F)
         (WORKERS * INCREMENTS) as u64,
         "lost or duplicated increments"
     );
-    assert!(attempts as usize >= WORKERS * INCREMENTS);
+    assert_eq!(
+        written.len(),
+        WORKERS * INCREMENTS,
+        "successful increment commits"
+    );
+    written.sort_unstable();
+    let duplicated: Vec<u64> = written
+        .windows(2)
+        .filter(|pair| pair[0] == pair[1])
+        .map(|pair| pair[0])
+        .collect();
+    assert!(
+        duplicated.is_empty(),
+        "two successful compare-and-swaps wrote the same value (a stale write was accepted): \
+         {duplicated:?}"
+    );
+    assert_eq!(
+        written,
+        (1..=(WORKERS * INCREMENTS) as u64).collect::<Vec<_>>(),
+        "each value from 1 to {} is written by exactly one commit",
+        WORKERS * INCREMENTS
+    );
+    let won = forced.iter().filter(|r| **r == ForcedRace::Won).count();
+    let conflicts = forced.iter().filter(|r| **r == ForcedRace::Conflict).count();
+    let unavailable = WORKERS - won - conflicts;
+    assert!(
+        won <= 1,
+        "{won} writes from the same read succeeded in the forced race: {forced:?}"
+    );
+    assert!(
+        conflicts + unavailable >= WORKERS - 1,
+        "the forced race of {WORKERS} writes from one read saw only {conflicts} conflicts: \
+         {forced:?}"
+    );
+    if unavailable == 0 {
+        assert_eq!(
+            (won, conflicts),
+            (1, WORKERS - 1),
+            "the forced race of {WORKERS} writes from one read: one must win, the rest conflict"
+        );
+    }
+}
+
+/// How a worker's forced racing write ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ForcedRace {
+    Won,
+    Conflict,
+    Unavailable,
 }
 
 /// Of 16 concurrent `create`s of one key exactly one succeeds; the rest are conflicts.

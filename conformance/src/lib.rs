@@ -2,8 +2,10 @@
 //! expand them into one named `#[tokio::test]` per case in each backend's `tests/conformance.rs`.
 
 pub mod embedded;
+pub mod integrity;
 pub mod ipam;
 pub mod kv;
+pub mod linearizability;
 
 use std::any::Any;
 use std::fmt;
@@ -37,6 +39,33 @@ pub trait StoreFactory: Send + Sync + 'static {
 
     /// A new, empty store that no other case sees.
     async fn fresh(&self) -> TestStore;
+}
+
+/// Several clients of one store handed to one case, with the store's guard (see [`TestStore`]).
+pub struct TestClients {
+    /// Independent clients of one store, empty when handed over.
+    pub clients: Vec<Arc<dyn KvStore>>,
+    /// Dropped after the case ends; cleans up what the factory created.
+    pub guard: Box<dyn Any + Send + Sync>,
+}
+
+impl fmt::Debug for TestClients {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TestClients")
+            .field("clients", &self.clients)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Makes fresh, empty stores reached through several independent clients, as separate processes
+/// (or, for a cluster, clients of different members) would reach them.
+#[async_trait]
+pub trait MultiClientFactory: Send + Sync + 'static {
+    /// A short backend name used in messages ("etcd cluster", ...).
+    fn backend_name(&self) -> &'static str;
+
+    /// `count` clients of one new, empty store that no other case sees.
+    async fn fresh_clients(&self, count: usize) -> TestClients;
 }
 
 /// Expands every generic storage case into one `#[tokio::test]`, inside a module `kv`.
@@ -81,6 +110,21 @@ macro_rules! kv_conformance_tests {
             read_many_answers_each_read_in_order,
             transaction_over_the_total_size_limit_is_invalid_and_writes_nothing,
             commit_that_changes_nothing_never_goes_backwards,
+        );
+        $crate::__expand_cases!(linearizability, $crate::linearizability, $factory;
+            concurrent_histories_are_linearizable,
+        );
+    };
+}
+
+/// Expands the cases that need several independent clients of one store (for a cluster: each
+/// connected to a different member) into `#[tokio::test]`s, inside a module
+/// `linearizability_across_clients`. `$factory` builds a [`MultiClientFactory`].
+#[macro_export]
+macro_rules! multi_client_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(linearizability_across_clients, $crate::linearizability, $factory;
+            concurrent_histories_across_clients_are_linearizable,
         );
     };
 }

@@ -11,11 +11,15 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::error::IpamError;
-use crate::kv::{Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn};
+use crate::kv::{
+    Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn, MAX_TXN_BYTES,
+    MAX_TXN_CONDITIONS, MAX_TXN_OPS, MAX_VALUE_BYTES,
+};
 use crate::model::{
     decode, default_pool_name, encode, keys, validate_handle, validate_host, validate_pool_name,
     Attribute, Block, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
-    DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+    DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES,
+    V6_BLOCK_SIZES,
 };
 
 /// Metadata key recording the host an allocation was made for.
@@ -68,6 +72,10 @@ pub struct AutoAssignRequest {
     pub attributes: BTreeMap<String, String>,
     /// When the handle already holds addresses, return them instead of allocating more.
     pub reuse_existing: bool,
+    /// When true, a block's network address and its last address (IPv4 blocks larger than /31,
+    /// IPv6 blocks larger than /127) are never handed out, so every address is a usable host
+    /// address of its block's prefix (what a caller that reports the block prefix needs).
+    pub skip_block_edges: bool,
 }
 
 /// One address handed out.
@@ -108,6 +116,9 @@ pub struct AssignIpsRequest {
     pub host: String,
     /// Metadata recorded with each (the allocator adds `node`).
     pub attributes: BTreeMap<String, String>,
+    /// When true, strict affinity does not refuse an address in a block affine to another host
+    /// (network reservations, which belong to no host).
+    pub ignore_strict_affinity: bool,
 }
 
 /// Release one address, optionally only if it was allocated at a given block sequence number.
@@ -246,18 +257,53 @@ pub(crate) fn decode_stored<T: serde::de::DeserializeOwned>(
 pub(crate) struct WorkingBlock {
     /// Key and revision it was read at; `None` for a block this attempt creates.
     pub read: Option<(String, Revision)>,
+    /// For a block this attempt creates: the revision of the retired-sequence entry left by an
+    /// earlier block with the same CIDR (`None`: there is none, and the commit checks that).
+    pub retired: Option<Revision>,
     pub block: Block,
     pub dirty: bool,
 }
 
 impl WorkingBlock {
-    fn from_stored(stored: Stored<Block>) -> Self {
+    pub(crate) fn from_stored(stored: Stored<Block>) -> Self {
         WorkingBlock {
             read: Some((stored.key, stored.revision)),
+            retired: None,
             block: stored.value,
             dirty: false,
         }
     }
+
+    /// A block this attempt creates for `affinity`, continuing the sequence numbers of the
+    /// retired block with this CIDR when there was one.
+    pub(crate) fn created(
+        cidr: IpNet,
+        affinity: Option<String>,
+        retired: Option<&Stored<u64>>,
+    ) -> Self {
+        WorkingBlock {
+            read: None,
+            retired: retired.map(|r| r.revision),
+            block: Block::new(cidr, affinity, retired.map_or(0, |r| r.value)),
+            dirty: true,
+        }
+    }
+}
+
+/// The blocks found for a set of CIDRs, and for each CIDR without a block the retired-sequence
+/// entry a block created there must continue from.
+#[derive(Debug, Default)]
+pub(crate) struct LoadedBlocks {
+    pub found: BTreeMap<IpNet, Stored<Block>>,
+    pub retired: BTreeMap<IpNet, Stored<u64>>,
+}
+
+/// Every block of the store and every retired-sequence entry, as the new-block search and
+/// borrowing read them.
+#[derive(Debug)]
+pub(crate) struct AllBlocks {
+    pub blocks: Vec<Stored<Block>>,
+    pub retired: BTreeMap<IpNet, Stored<u64>>,
 }
 
 /// Accumulates the conditions and writes of one transaction, one entry per key.
@@ -289,6 +335,31 @@ impl Plan {
         self.writes.is_empty()
     }
 
+    fn bytes(&self) -> usize {
+        self.writes
+            .iter()
+            .map(|(key, value)| key.len() + value.as_ref().map_or(0, Vec::len))
+            .chain(self.conditions.keys().map(String::len))
+            .sum()
+    }
+
+    /// True when the transaction fits every store's limits (operations, conditions, bytes).
+    pub fn fits_one_transaction(&self) -> bool {
+        self.writes.len() <= MAX_TXN_OPS
+            && self.conditions.len() <= MAX_TXN_CONDITIONS
+            && self.bytes() <= MAX_TXN_BYTES
+    }
+
+    /// The plan's size against the limits, for an error message.
+    pub fn describe_size(&self) -> String {
+        format!(
+            "{} writes (limit {MAX_TXN_OPS}), {} conditions (limit {MAX_TXN_CONDITIONS}), {} bytes (limit {MAX_TXN_BYTES})",
+            self.writes.len(),
+            self.conditions.len(),
+            self.bytes()
+        )
+    }
+
     pub fn into_txn(self) -> Txn {
         Txn {
             conditions: self.conditions.into_values().collect(),
@@ -303,6 +374,18 @@ impl Plan {
         }
     }
 
+    /// Deletes a block stored at `key` (its claim too) and leaves the retired-sequence entry a
+    /// later block with the same CIDR continues from.
+    pub fn delete_block(&mut self, key: &str, block: &Block) -> Result<(), IpamError> {
+        self.delete(key);
+        self.delete(&keys::block_claim(&block.cidr));
+        self.put(
+            &keys::retired_block(&block.cidr),
+            encode(&block.sequence.saturating_add(1))?,
+        );
+        Ok(())
+    }
+
     /// Adds the writes of a block changed by this attempt.
     pub fn write_block(&mut self, working: &WorkingBlock) -> Result<(), IpamError> {
         if !working.dirty {
@@ -313,8 +396,13 @@ impl Plan {
         match &working.read {
             None => {
                 let claim = keys::block_claim(&block.cidr);
+                let retired = keys::retired_block(&block.cidr);
                 self.expect(&key, None);
                 self.expect(&claim, None);
+                self.expect(&retired, working.retired);
+                if working.retired.is_some() {
+                    self.delete(&retired);
+                }
                 self.put(&claim, encode(&block.affinity)?);
             }
             Some((read_key, revision)) => {
@@ -329,12 +417,19 @@ impl Plan {
         }
         if block.is_empty() && block.affinity.is_none() {
             // Calico's rule: an empty block with no affinity is deleted.
-            self.delete(&key);
-            self.delete(&keys::block_claim(&block.cidr));
+            self.delete_block(&key, block)?;
         } else {
             let mut block = block.clone();
             block.sequence += 1;
-            self.put(&key, encode(&block)?);
+            let value = encode(&block)?;
+            if value.len() > MAX_VALUE_BYTES {
+                return Err(IpamError::Internal(format!(
+                    "block {} would take {} bytes, more than one stored value may ({MAX_VALUE_BYTES})",
+                    block.cidr,
+                    value.len()
+                )));
+            }
+            self.put(&key, value);
         }
         Ok(())
     }
@@ -418,8 +513,15 @@ impl Ipam {
         if plan.is_empty() {
             return Ok(Attempt::Done(value));
         }
+        if !plan.fits_one_transaction() {
+            return Err(IpamError::TooLarge(plan.describe_size()));
+        }
+        crate::fault::point(crate::fault::FaultPoint::BeforeCommit);
         match self.store.commit(plan.into_txn()).await {
-            Ok(_) => Ok(Attempt::Done(value)),
+            Ok(_) => {
+                crate::fault::point(crate::fault::FaultPoint::AfterCommit);
+                Ok(Attempt::Done(value))
+            }
             Err(KvError::Conflict { .. }) => Ok(Attempt::Conflict),
             Err(e) => Err(e.into()),
         }
@@ -469,37 +571,148 @@ impl Ipam {
     }
 
     /// Reads the blocks with these CIDRs (wherever their affinity puts them): two round trips.
+    ///
+    /// # Errors
+    /// As [`load_blocks_for_write`](Ipam::load_blocks_for_write).
     pub(crate) async fn load_blocks(
         &self,
         cidrs: &BTreeSet<IpNet>,
     ) -> Result<BTreeMap<IpNet, Stored<Block>>, IpamError> {
-        let mut found = BTreeMap::new();
+        Ok(self.load_blocks_for_write(cidrs).await?.found)
+    }
+
+    /// Reads the blocks with these CIDRs, and for each CIDR without a block its retired-sequence
+    /// entry. Two round trips: the claim index entries, then the blocks they point at read
+    /// together with the claims again. A block is reported absent only when its claim entry is
+    /// absent in the same snapshot; when a claim moved between the two reads (a block changing
+    /// hosts), the second read is redone, so a block that exists is never taken for absent.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::Corrupt`] when a claim entry keeps naming a block that does
+    /// not exist (`check --repair` clears it).
+    pub(crate) async fn load_blocks_for_write(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        /// Re-reads allowed when claims move under the read.
+        const CONSISTENT_READ_ATTEMPTS: u32 = 10;
+        let mut loaded = LoadedBlocks::default();
         if cidrs.is_empty() {
-            return Ok(found);
+            return Ok(loaded);
         }
-        let claims: Vec<Read> = cidrs
+        let claim_reads: Vec<Read> = cidrs
             .iter()
             .map(|c| Read::Get(keys::block_claim(c)))
             .collect();
-        let mut block_reads = Vec::new();
-        for (cidr, result) in cidrs.iter().zip(self.store.read_many(&claims).await?) {
-            if let Some(kv) = result.into_got()? {
-                let owner: Option<String> = decode(&kv.key, &kv.value)?;
-                for key in keys::block_candidates(owner.as_deref(), cidr) {
-                    block_reads.push(Read::Get(key));
+        let mut claims: Vec<Option<KeyValue>> = Vec::with_capacity(cidrs.len());
+        for result in self.store.read_many(&claim_reads).await? {
+            claims.push(result.into_got()?);
+        }
+        let mut dangling = None;
+        for attempt in 0..CONSISTENT_READ_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(self.retry.base_backoff * attempt).await;
+            }
+            // Per CIDR: its claim again, then the keys its block may live at (or its retired entry).
+            let mut reads = Vec::new();
+            let mut spans = Vec::with_capacity(cidrs.len());
+            for (cidr, claim) in cidrs.iter().zip(&claims) {
+                let first = reads.len();
+                reads.push(Read::Get(keys::block_claim(cidr)));
+                match claim {
+                    Some(kv) => {
+                        let owner: Option<String> = decode(&kv.key, &kv.value)?;
+                        for key in keys::block_candidates(owner.as_deref(), cidr) {
+                            reads.push(Read::Get(key));
+                        }
+                    }
+                    None => reads.push(Read::Get(keys::retired_block(cidr))),
+                }
+                spans.push(first..reads.len());
+            }
+            let mut results: Vec<Option<KeyValue>> = Vec::with_capacity(reads.len());
+            for result in self.store.read_many(&reads).await? {
+                results.push(result.into_got()?);
+            }
+            loaded = LoadedBlocks::default();
+            dangling = None;
+            let mut consistent = true;
+            for ((cidr, claim), span) in cidrs.iter().zip(claims.iter_mut()).zip(spans) {
+                let again = results[span.start].take();
+                let same = match (&*claim, &again) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => a.revision == b.revision,
+                    _ => false,
+                };
+                if !same {
+                    *claim = again;
+                    consistent = false;
+                    continue;
+                }
+                let rest = results[span.start + 1..span.end].iter_mut().filter_map(Option::take);
+                if claim.is_some() {
+                    let mut found = None;
+                    for kv in rest {
+                        let stored: Stored<Block> = decode_stored(kv)?;
+                        found = Some(stored);
+                    }
+                    match found {
+                        Some(stored) => {
+                            loaded.found.insert(*cidr, stored);
+                        }
+                        None => {
+                            dangling = Some(keys::block_claim(cidr));
+                            consistent = false;
+                        }
+                    }
+                } else if let Some(kv) = rest.into_iter().next() {
+                    loaded.retired.insert(*cidr, decode_stored(kv)?);
                 }
             }
-        }
-        if block_reads.is_empty() {
-            return Ok(found);
-        }
-        for result in self.store.read_many(&block_reads).await? {
-            if let Some(kv) = result.into_got()? {
-                let stored: Stored<Block> = decode_stored(kv)?;
-                found.insert(stored.value.cidr, stored);
+            if consistent {
+                return Ok(loaded);
             }
         }
-        Ok(found)
+        Err(match dangling {
+            Some(key) => IpamError::Corrupt {
+                key,
+                message: "the claim index entry names a block that does not exist; run `blockipamctl check --repair`".into(),
+            },
+            None => IpamError::RetriesExhausted {
+                attempts: CONSISTENT_READ_ATTEMPTS,
+            },
+        })
+    }
+
+    /// Every block in the store, and every retired-sequence entry (by CIDR), in one read.
+    pub(crate) async fn all_blocks_and_retired(&self) -> Result<AllBlocks, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::blocks_dir()),
+                Read::List(keys::retired_dir()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let blocks = next_listed(&mut results)?
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        let mut retired = BTreeMap::new();
+        for kv in next_listed(&mut results)? {
+            let Some(cidr) = kv
+                .key
+                .strip_prefix(&keys::retired_dir())
+                .and_then(keys::parse_cidr_segment)
+            else {
+                return Err(IpamError::Corrupt {
+                    key: kv.key,
+                    message: "a retired-sequence key that names no CIDR".into(),
+                });
+            };
+            retired.insert(cidr, decode_stored(kv)?);
+        }
+        Ok(AllBlocks { blocks, retired })
     }
 
     /// Every block in the store.
@@ -693,8 +906,14 @@ impl Ipam {
         .await
     }
 
-    /// Deletes a pool and its empty blocks. Refuses while any address in it is allocated, unless
+    /// Deletes a pool and its blocks. Refuses while any address in it is allocated, unless
     /// `force`, which releases those addresses first (updating their handles).
+    ///
+    /// The pool is disabled first: every assignment commits on the revision of the pool it uses,
+    /// so from then on nothing new lands in it, and the count of addresses in use that decides
+    /// a refusal cannot miss an ADD racing the delete. A refused delete re-enables a pool it
+    /// disabled. Each block is deleted by a transaction that checks, on the block's revision, that
+    /// it is empty.
     ///
     /// # Errors
     /// [`IpamError::PoolNotFound`]; [`IpamError::PoolInUse`]; store failures.
@@ -704,37 +923,43 @@ impl Ipam {
         force: bool,
     ) -> Result<PoolDeletion, IpamError> {
         let pool = self.get_pool(name_or_cidr).await?;
-        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
-        let in_use: u64 = self
-            .all_blocks()
-            .await?
-            .iter()
-            .filter(|b| in_pool(&b.value))
-            .map(|b| u64::from(b.value.in_use()))
-            .sum();
-        if in_use > 0 && !force {
-            return Err(IpamError::PoolInUse {
-                pool: pool.name.clone(),
-                in_use,
-            });
+        if !pool.disabled {
+            self.set_pool_disabled(&pool.name, true).await?;
         }
-        // Disable first so nothing new lands in it while we empty it.
-        self.set_pool_disabled(&pool.name, true).await?;
-        let mut released_addresses = 0u64;
-        let mut deleted_blocks = 0u64;
-        let blocks: Vec<Stored<Block>> = self
+        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
+        let blocks: Vec<Block> = self
             .all_blocks()
             .await?
             .into_iter()
-            .filter(|b| in_pool(&b.value))
+            .map(|b| b.value)
+            .filter(|b| in_pool(b))
             .collect();
-        for stored in blocks {
-            let cidr = stored.value.cidr;
-            let (released, deleted) = self
-                .retrying(|| self.try_empty_and_delete_block(cidr))
-                .await?;
-            released_addresses += released;
-            deleted_blocks += u64::from(deleted);
+        let in_use: u64 = blocks.iter().map(|b| u64::from(b.in_use())).sum();
+        if in_use > 0 && !force {
+            return Err(self.refuse_pool_delete(&pool, in_use).await);
+        }
+        let mut released_addresses = 0u64;
+        let mut deleted_blocks = 0u64;
+        for block in blocks {
+            let held: Vec<ReleaseRequest> = block
+                .allocations
+                .keys()
+                .map(|o| ReleaseRequest {
+                    ip: block.ip_of(*o),
+                    sequence: None,
+                })
+                .collect();
+            if !held.is_empty() {
+                released_addresses += self.release_ips(&held).await?.released.len() as u64;
+            }
+            let cidr = block.cidr;
+            match self.retrying(|| self.try_delete_empty_block(cidr)).await {
+                Ok(deleted) => deleted_blocks += u64::from(deleted),
+                Err(IpamError::PoolInUse { in_use, .. }) => {
+                    return Err(self.refuse_pool_delete(&pool, in_use).await)
+                }
+                Err(e) => return Err(e),
+            }
         }
         self.retrying(|| async {
             let (pools, generation) = self.read_pools_and_generation().await?;
@@ -755,33 +980,35 @@ impl Ipam {
         })
     }
 
-    /// Releases every address of one block (fixing their handles) and deletes the block.
-    async fn try_empty_and_delete_block(
-        &self,
-        cidr: IpNet,
-    ) -> Result<Attempt<(u64, bool)>, IpamError> {
-        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
-        let Some(stored) = blocks.into_values().next() else {
-            return Ok(Attempt::Done((0, false)));
-        };
-        let mut handles: BTreeMap<String, u32> = BTreeMap::new();
-        for ordinal in stored.value.allocations.keys() {
-            if let Some(attribute) = stored.value.attribute_of(*ordinal) {
-                *handles.entry(attribute.handle.clone()).or_insert(0) += 1;
+    /// The error of a refused pool delete, after re-enabling the pool when the delete disabled it.
+    async fn refuse_pool_delete(&self, pool: &Pool, in_use: u64) -> IpamError {
+        if !pool.disabled {
+            if let Err(e) = self.set_pool_disabled(&pool.name, false).await {
+                tracing::warn!(pool = %pool.name, error = %e, "could not re-enable the pool after a refused delete");
             }
         }
-        let released = u64::from(stored.value.in_use());
+        IpamError::PoolInUse {
+            pool: pool.name.clone(),
+            in_use,
+        }
+    }
+
+    /// Deletes one block if it exists and is empty, checked in the deleting transaction.
+    async fn try_delete_empty_block(&self, cidr: IpNet) -> Result<Attempt<bool>, IpamError> {
+        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
+        let Some(stored) = blocks.into_values().next() else {
+            return Ok(Attempt::Done(false));
+        };
+        if !stored.value.is_empty() {
+            return Err(IpamError::PoolInUse {
+                pool: cidr.to_string(),
+                in_use: u64::from(stored.value.in_use()),
+            });
+        }
         let mut plan = Plan::default();
-        let per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = handles
-            .into_iter()
-            .map(|(handle, count)| (handle, vec![(cidr, count)]))
-            .collect();
-        self.release_counts_from_handles(&mut plan, &per_handle)
-            .await?;
         plan.expect(&stored.key, Some(stored.revision));
-        plan.delete(&stored.key);
-        plan.delete(&keys::block_claim(&cidr));
-        self.commit_plan(plan, (released, true)).await
+        plan.delete_block(&stored.key, &stored.value)?;
+        self.commit_plan(plan, true).await
     }
 
     // -----------------------------------------------------------------------------------------
@@ -848,6 +1075,7 @@ impl Ipam {
     ) -> Result<AutoAssignResult, IpamError> {
         validate_handle(&request.handle)?;
         validate_host(&request.host)?;
+        validate_attribute_size(&request.handle, &request.attributes, &request.host)?;
         for (family, n) in [(Family::V4, request.num_v4), (Family::V6, request.num_v6)] {
             if n > MAX_ADDRESSES_PER_REQUEST {
                 return Err(IpamError::invalid(format!(
@@ -900,7 +1128,7 @@ impl Ipam {
         for stored in host_blocks {
             working.insert(stored.value.cidr, WorkingBlock::from_stored(stored));
         }
-        let mut all_blocks: Option<Vec<Stored<Block>>> = None;
+        let mut all_blocks: Option<AllBlocks> = None;
         let mut plan = Plan::default();
         let mut result = AutoAssignResult::default();
         let mut used_pools: BTreeSet<String> = BTreeSet::new();
@@ -928,7 +1156,14 @@ impl Ipam {
                 .map(|w| w.block.cidr)
                 .filter(|c| Family::of_net(c) == family && in_candidates(c))
                 .collect();
-            take_from_blocks(&mut working, &affine, &attribute, wanted, &mut got);
+            take_from_blocks(
+                &mut working,
+                &affine,
+                &attribute,
+                wanted,
+                request.skip_block_edges,
+                &mut got,
+            );
 
             // 2. New blocks for this host.
             let mut limit_hit: Option<u32> = None;
@@ -941,6 +1176,7 @@ impl Ipam {
                         && Family::of_net(&block.cidr) == family
                 };
                 let owned_blocks: BTreeSet<IpNet> = existing
+                    .blocks
                     .iter()
                     .map(|b| &b.value)
                     .chain(working.values().map(|w| &w.block))
@@ -954,21 +1190,31 @@ impl Ipam {
                         break;
                     }
                     let existing = self.ensure_all_blocks(&mut all_blocks).await?;
-                    let Some(cidr) =
-                        find_unclaimed_block(&candidates, &request.host, existing, &working)
-                    else {
+                    let Some(cidr) = find_unclaimed_block(
+                        &candidates,
+                        &request.host,
+                        &existing.blocks,
+                        &working,
+                    ) else {
                         break;
                     };
                     working.insert(
                         cidr,
-                        WorkingBlock {
-                            read: None,
-                            block: Block::new(cidr, Some(request.host.clone())),
-                            dirty: true,
-                        },
+                        WorkingBlock::created(
+                            cidr,
+                            Some(request.host.clone()),
+                            existing.retired.get(&cidr),
+                        ),
                     );
                     owned += 1;
-                    take_from_blocks(&mut working, &[cidr], &attribute, wanted, &mut got);
+                    take_from_blocks(
+                        &mut working,
+                        &[cidr],
+                        &attribute,
+                        wanted,
+                        request.skip_block_edges,
+                        &mut got,
+                    );
                 }
             }
             if let Some(owned) = limit_hit {
@@ -987,6 +1233,7 @@ impl Ipam {
                 config_used = true;
                 let existing = self.ensure_all_blocks(&mut all_blocks).await?;
                 let mut lenders: Vec<&Stored<Block>> = existing
+                    .blocks
                     .iter()
                     .filter(|b| Family::of_net(&b.value.cidr) == family)
                     .filter(|b| b.value.affinity.as_deref() != Some(request.host.as_str()))
@@ -1000,7 +1247,14 @@ impl Ipam {
                         .entry(stored.value.cidr)
                         .or_insert_with(|| WorkingBlock::from_stored(stored.clone()));
                 }
-                take_from_blocks(&mut working, &lender_cidrs, &attribute, wanted, &mut got);
+                take_from_blocks(
+                    &mut working,
+                    &lender_cidrs,
+                    &attribute,
+                    wanted,
+                    request.skip_block_edges,
+                    &mut got,
+                );
             }
 
             if (got.len() as u32) < wanted {
@@ -1046,10 +1300,10 @@ impl Ipam {
 
     async fn ensure_all_blocks<'a>(
         &self,
-        cache: &'a mut Option<Vec<Stored<Block>>>,
-    ) -> Result<&'a Vec<Stored<Block>>, IpamError> {
+        cache: &'a mut Option<AllBlocks>,
+    ) -> Result<&'a AllBlocks, IpamError> {
         if cache.is_none() {
-            *cache = Some(self.all_blocks().await?);
+            *cache = Some(self.all_blocks_and_retired().await?);
         }
         cache
             .as_ref()
@@ -1107,6 +1361,7 @@ impl Ipam {
     ) -> Result<Vec<AssignedAddress>, IpamError> {
         validate_handle(&request.handle)?;
         validate_host(&request.host)?;
+        validate_attribute_size(&request.handle, &request.attributes, &request.host)?;
         if request.ips.is_empty() || request.ips.len() > MAX_ADDRESSES_PER_REQUEST as usize {
             return Err(IpamError::invalid(format!(
                 "between 1 and {MAX_ADDRESSES_PER_REQUEST} addresses may be assigned at once"
@@ -1150,9 +1405,10 @@ impl Ipam {
             targets.push((*ip, block, pool));
         }
         let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
-        let mut working: BTreeMap<IpNet, WorkingBlock> = self
-            .load_blocks(&cidrs)
-            .await?
+        let loaded = self.load_blocks_for_write(&cidrs).await?;
+        let retired = loaded.retired;
+        let mut working: BTreeMap<IpNet, WorkingBlock> = loaded
+            .found
             .into_iter()
             .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
             .collect();
@@ -1163,13 +1419,14 @@ impl Ipam {
         let mut plan = Plan::default();
         let mut assigned = Vec::new();
         for (ip, cidr, pool) in &targets {
-            let entry = working.entry(*cidr).or_insert_with(|| WorkingBlock {
-                read: None,
-                block: Block::new(*cidr, Some(request.host.clone())),
-                dirty: true,
+            let entry = working.entry(*cidr).or_insert_with(|| {
+                WorkingBlock::created(*cidr, Some(request.host.clone()), retired.get(cidr))
             });
             if let Some(owner) = entry.block.affinity.as_deref() {
-                if owner != request.host && config.strict_affinity {
+                if owner != request.host
+                    && config.strict_affinity
+                    && !request.ignore_strict_affinity
+                {
                     return Err(IpamError::AffinityConflict {
                         ip: *ip,
                         block: *cidr,
@@ -1228,10 +1485,21 @@ impl Ipam {
         &self,
         requests: &[ReleaseRequest],
     ) -> Result<ReleaseOutcome, IpamError> {
-        // Each chunk is one transaction: its blocks and handles stay within the store's limits.
+        // Each chunk is one transaction. A chunk whose blocks and handles do not fit one
+        // transaction (large, well-used blocks) is split in halves until it does.
         let mut outcome = ReleaseOutcome::default();
-        for chunk in requests.chunks(RELEASES_PER_TXN) {
-            let part = self.retrying(|| self.try_release_ips(chunk)).await?;
+        let mut queue: std::collections::VecDeque<&[ReleaseRequest]> =
+            requests.chunks(RELEASES_PER_TXN).collect();
+        while let Some(chunk) = queue.pop_front() {
+            let part = match self.retrying(|| self.try_release_ips(chunk)).await {
+                Err(IpamError::TooLarge(_)) if chunk.len() > 1 => {
+                    let (first, second) = chunk.split_at(chunk.len() / 2);
+                    queue.push_front(second);
+                    queue.push_front(first);
+                    continue;
+                }
+                other => other?,
+            };
             outcome.released.extend(part.released);
             outcome.not_allocated.extend(part.not_allocated);
             outcome.sequence_mismatch.extend(part.sequence_mismatch);
@@ -1556,16 +1824,16 @@ impl Ipam {
             ..pool.value.clone()
         };
         let wanted: BTreeSet<IpNet> = (0..count).filter_map(|i| sub.block_at(i)).collect();
-        let existing = self.load_blocks(&wanted).await?;
+        let existing = self.load_blocks_for_write(&wanted).await?;
         let mut plan = Plan::default();
         plan.expect(&pool.key, Some(pool.revision));
         for block_cidr in &wanted {
-            let working = match existing.get(block_cidr) {
-                None => WorkingBlock {
-                    read: None,
-                    block: Block::new(*block_cidr, Some(host.to_owned())),
-                    dirty: true,
-                },
+            let working = match existing.found.get(block_cidr) {
+                None => WorkingBlock::created(
+                    *block_cidr,
+                    Some(host.to_owned()),
+                    existing.retired.get(block_cidr),
+                ),
                 Some(stored) => match stored.value.affinity.as_deref() {
                     Some(owner) if owner == host => continue,
                     Some(owner) => {
@@ -1657,20 +1925,28 @@ impl Ipam {
             if host_blocks.is_empty() {
                 break;
             }
-            let mut plan = Plan::default();
-            let mut deleted = Vec::new();
-            let mut unassigned = Vec::new();
-            for stored in host_blocks.into_iter().take(BLOCKS_PER_TXN) {
-                let mut working = WorkingBlock::from_stored(stored);
-                working.block.affinity = None;
-                working.dirty = true;
-                if working.block.is_empty() {
-                    deleted.push(working.block.cidr);
-                } else {
-                    unassigned.push(working.block.cidr);
+            // As many blocks as fit one transaction (by count and by bytes), at least one.
+            let mut take = host_blocks.len().min(BLOCKS_PER_TXN);
+            let (plan, deleted, unassigned) = loop {
+                let mut plan = Plan::default();
+                let mut deleted = Vec::new();
+                let mut unassigned = Vec::new();
+                for stored in host_blocks.iter().take(take) {
+                    let mut working = WorkingBlock::from_stored(stored.clone());
+                    working.block.affinity = None;
+                    working.dirty = true;
+                    if working.block.is_empty() {
+                        deleted.push(working.block.cidr);
+                    } else {
+                        unassigned.push(working.block.cidr);
+                    }
+                    plan.write_block(&working)?;
                 }
-                plan.write_block(&working)?;
-            }
+                if take == 1 || plan.fits_one_transaction() {
+                    break (plan, deleted, unassigned);
+                }
+                take /= 2;
+            };
             // A conflict here just means a block changed: list again and carry on.
             if let Attempt::Done(()) = self.commit_plan(plan, ()).await? {
                 report.deleted_blocks.extend(deleted);
@@ -1701,6 +1977,41 @@ fn next_got(
         .ok_or_else(|| IpamError::Internal("read_many returned too few results".into()))?
         .into_got()
         .map_err(IpamError::from)
+}
+
+/// Refuses an allocation attribute (handle and metadata, with the node added) larger than
+/// [`MAX_ATTRIBUTE_BYTES`] encoded: what keeps a full block inside one stored value.
+fn validate_attribute_size(
+    handle: &str,
+    attributes: &BTreeMap<String, String>,
+    host: &str,
+) -> Result<(), IpamError> {
+    let attribute = Attribute {
+        handle: handle.to_owned(),
+        metadata: with_node(attributes, host),
+    };
+    let size = encode(&attribute)?.len();
+    if size > MAX_ATTRIBUTE_BYTES {
+        return Err(IpamError::invalid(format!(
+            "the allocation's handle and attributes take {size} bytes; at most {MAX_ATTRIBUTE_BYTES} are allowed"
+        )));
+    }
+    Ok(())
+}
+
+/// Largest encoded block a block larger than the allowed sizes (made by an older build) may
+/// grow to: two such blocks (a dual-stack request) still fit one transaction.
+const LEGACY_BLOCK_BUDGET: usize = (MAX_TXN_BYTES - 64 * 1024) / 2;
+
+/// False when one more allocation could push a block made with a block size this build no longer
+/// allows past [`LEGACY_BLOCK_BUDGET`]; blocks of allowed sizes always have room by construction.
+fn block_value_has_room(block: &Block) -> bool {
+    if block.capacity() <= MAX_BLOCK_ADDRESSES {
+        return true;
+    }
+    encode(block).map_or(false, |bytes| {
+        bytes.len() + MAX_ATTRIBUTE_BYTES + 64 <= LEGACY_BLOCK_BUDGET
+    })
 }
 
 fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<String, String> {
@@ -1775,20 +2086,27 @@ fn candidate_pools<'a>(
     Ok(chosen)
 }
 
-/// Allocates from `order` until `got` holds `wanted` addresses.
+/// Allocates from `order` until `got` holds `wanted` addresses (host addresses of each block's
+/// prefix only, with `skip_block_edges`).
 fn take_from_blocks(
     working: &mut BTreeMap<IpNet, WorkingBlock>,
     order: &[IpNet],
     attribute: &Attribute,
     wanted: u32,
+    skip_block_edges: bool,
     got: &mut Vec<AssignedAddress>,
 ) {
     for cidr in order {
         let Some(entry) = working.get_mut(cidr) else {
             continue;
         };
-        while (got.len() as u32) < wanted {
-            match entry.block.allocate_next(attribute) {
+        while (got.len() as u32) < wanted && block_value_has_room(&entry.block) {
+            let next = if skip_block_edges {
+                entry.block.allocate_next_host_address(attribute)
+            } else {
+                entry.block.allocate_next(attribute)
+            };
+            match next {
                 Some(ordinal) => {
                     entry.dirty = true;
                     got.push(AssignedAddress {

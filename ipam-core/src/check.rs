@@ -445,8 +445,7 @@ impl Ipam {
         {
             let mut plan = Plan::default();
             plan.expect(&stored.key, Some(stored.revision));
-            plan.delete(&stored.key);
-            plan.delete(&keys::block_claim(&stored.value.cidr));
+            plan.delete_block(&stored.key, &stored.value)?;
             outcomes.push((
                 format!("deleted empty block {} with no affinity", stored.value.cidr),
                 self.commit_repair(plan).await,

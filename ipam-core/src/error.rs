@@ -119,6 +119,10 @@ pub enum IpamError {
         /// Attempts made.
         attempts: u32,
     },
+    /// One change would not fit a single store transaction (operations or bytes); the callers
+    /// that can split their work do so on this error.
+    #[error("the change does not fit one store transaction: {0}")]
+    TooLarge(String),
     /// A bug: an invariant the code relies on did not hold.
     #[error("internal error: {0}")]
     Internal(String),

@@ -5,6 +5,7 @@ pub mod blocking;
 pub mod check;
 pub mod counting;
 pub mod error;
+pub mod fault;
 pub mod kv;
 pub mod lockfile;
 pub mod memory;

@@ -18,10 +18,18 @@ pub const FORMAT_VERSION: u8 = 1;
 pub const DEFAULT_V4_BLOCK_SIZE: u8 = 26;
 /// Default IPv6 block prefix length (64 addresses), as Calico.
 pub const DEFAULT_V6_BLOCK_SIZE: u8 = 122;
-/// Allowed IPv4 block prefix lengths.
-pub const V4_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 20..=32;
-/// Allowed IPv6 block prefix lengths.
-pub const V6_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 116..=128;
+/// Allowed IPv4 block prefix lengths. Calico allows /20 to /32; blockipam stops at /23 (512
+/// addresses) so that a full block, each address with an attribute of [`MAX_ATTRIBUTE_BYTES`],
+/// stays well inside one stored value, and two full blocks (a dual-stack ADD) inside one
+/// transaction (`docs/data-model.md`, "Size limits").
+pub const V4_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 23..=32;
+/// Allowed IPv6 block prefix lengths (/119 to /128, 512 addresses at most, as for IPv4).
+pub const V6_BLOCK_SIZES: std::ops::RangeInclusive<u8> = 119..=128;
+/// Largest encoded size of one allocation's attribute (handle and metadata), in bytes: Kubernetes'
+/// longest names (253-character pod and node names, a 64-character container id) fit.
+pub const MAX_ATTRIBUTE_BYTES: usize = 1024;
+/// Largest number of addresses a block of an allowed size holds.
+pub const MAX_BLOCK_ADDRESSES: u32 = 512;
 
 /// IP family of a pool, block or address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -148,6 +156,18 @@ pub mod keys {
     /// Prefix of every claim index entry.
     pub fn claims_dir() -> String {
         format!("{ROOT}claims/")
+    }
+
+    /// The retired-sequence entry of a block CIDR: exists while no block with this CIDR exists
+    /// but one did; value = the first sequence number a re-created block must use, so that an
+    /// (address, sequence) pair never repeats across a block's incarnations.
+    pub fn retired_block(cidr: &IpNet) -> String {
+        format!("{ROOT}retired/{}", cidr_segment(cidr))
+    }
+
+    /// Prefix of every retired-sequence entry.
+    pub fn retired_dir() -> String {
+        format!("{ROOT}retired/")
     }
 
     /// One handle.
@@ -354,12 +374,13 @@ pub struct Block {
 }
 
 impl Block {
-    /// A new, empty block.
-    pub fn new(cidr: IpNet, affinity: Option<String>) -> Block {
+    /// A new, empty block whose sequence numbers start at `first_sequence` (the retired sequence
+    /// of an earlier block with this CIDR, else 0).
+    pub fn new(cidr: IpNet, affinity: Option<String>, first_sequence: u64) -> Block {
         Block {
             cidr: cidr.trunc(),
             affinity,
-            sequence: 0,
+            sequence: first_sequence,
             next_fresh: 0,
             released: VecDeque::new(),
             allocations: BTreeMap::new(),
@@ -406,21 +427,52 @@ impl Block {
 
     /// Hands out the next free ordinal in free-list order, recording `attribute` for it.
     pub fn allocate_next(&mut self, attribute: &Attribute) -> Option<u32> {
-        let ordinal = self.next_free_ordinal()?;
+        let ordinal = self.next_free_ordinal(|_| true)?;
         self.take(ordinal, attribute);
         Some(ordinal)
     }
 
-    fn next_free_ordinal(&mut self) -> Option<u32> {
+    /// As [`allocate_next`](Block::allocate_next), but never the block's network address or last
+    /// address (see [`is_edge`](Block::is_edge)): the next free host address of the block's prefix.
+    pub fn allocate_next_host_address(&mut self, attribute: &Attribute) -> Option<u32> {
+        let edges = self.edges();
+        let ordinal = self.next_free_ordinal(|o| !edges.contains(&o))?;
+        self.take(ordinal, attribute);
+        Some(ordinal)
+    }
+
+    /// True for the block's network address and its last (IPv4 broadcast) address when the block
+    /// is large enough to have them: larger than /31 (IPv4) or /127 (IPv6).
+    pub fn is_edge(&self, ordinal: u32) -> bool {
+        self.edges().contains(&ordinal)
+    }
+
+    fn edges(&self) -> Vec<u32> {
+        let bits = host_bits(Family::of_net(&self.cidr)) - self.cidr.prefix_len();
+        if bits >= 2 {
+            vec![0, self.capacity() - 1]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The first free ordinal in free-list order that `allowed` accepts. Ordinals it rejects keep
+    /// their place in the free list.
+    fn next_free_ordinal(&mut self, allowed: impl Fn(u32) -> bool) -> Option<u32> {
         let capacity = self.capacity();
-        while self.next_fresh < capacity {
-            let candidate = self.next_fresh;
-            if !self.allocations.contains_key(&candidate) && !self.released.contains(&candidate) {
-                return Some(candidate);
-            }
+        // Move the fresh cursor past ordinals that are no longer fresh.
+        while self.next_fresh < capacity
+            && (self.allocations.contains_key(&self.next_fresh)
+                || self.released.contains(&self.next_fresh))
+        {
             self.next_fresh += 1;
         }
-        self.released.front().copied()
+        let fresh = (self.next_fresh..capacity).find(|candidate| {
+            !self.allocations.contains_key(candidate)
+                && !self.released.contains(candidate)
+                && allowed(*candidate)
+        });
+        fresh.or_else(|| self.released.iter().copied().find(|o| allowed(*o)))
     }
 
     /// Allocates a given ordinal; false when it is already allocated or outside the block.
@@ -653,7 +705,7 @@ mod tests {
 
     #[test]
     fn fresh_ordinals_come_first_and_released_ones_are_reused_last() {
-        let mut block = Block::new(net("10.0.0.0/30"), None);
+        let mut block = Block::new(net("10.0.0.0/30"), None, 0);
         let a = attr("a");
         assert_eq!(block.allocate_next(&a), Some(0));
         assert_eq!(block.allocate_next(&a), Some(1));
@@ -667,7 +719,7 @@ mod tests {
 
     #[test]
     fn specific_ordinal_is_skipped_by_the_fresh_cursor_and_queued_when_released() {
-        let mut block = Block::new(net("10.0.0.0/29"), None);
+        let mut block = Block::new(net("10.0.0.0/29"), None, 0);
         let a = attr("a");
         assert!(block.allocate_ordinal(3, &a));
         assert!(!block.allocate_ordinal(3, &a));
@@ -678,8 +730,28 @@ mod tests {
     }
 
     #[test]
+    fn host_address_allocation_skips_block_edges_and_keeps_them_free() {
+        let mut block = Block::new(net("10.0.0.8/29"), None, 0);
+        let a = attr("a");
+        let order: Vec<u32> =
+            std::iter::from_fn(|| block.allocate_next_host_address(&a)).collect();
+        assert_eq!(order, vec![1, 2, 3, 4, 5, 6]);
+        assert_eq!(block.free(), 2);
+        // The edges are still free for callers that may use them, in free-list order.
+        assert_eq!(block.allocate_next(&a), Some(0));
+        assert_eq!(block.allocate_next(&a), Some(7));
+        assert!(block.self_check().is_empty());
+        // /31 and /32 blocks (and /127, /128) have no edges.
+        let mut small = Block::new(net("10.0.0.0/31"), None, 0);
+        assert_eq!(small.allocate_next_host_address(&a), Some(0));
+        assert_eq!(small.allocate_next_host_address(&a), Some(1));
+        let v6 = Block::new(net("fd00::/126"), None, 0);
+        assert!(v6.is_edge(0) && v6.is_edge(3) && !v6.is_edge(1));
+    }
+
+    #[test]
     fn unused_attributes_are_dropped_and_indices_stay_valid() {
-        let mut block = Block::new(net("10.0.0.0/29"), None);
+        let mut block = Block::new(net("10.0.0.0/29"), None, 0);
         block.allocate_next(&attr("a"));
         block.allocate_next(&attr("b"));
         block.allocate_next(&attr("a"));
@@ -693,14 +765,14 @@ mod tests {
 
     #[test]
     fn large_block_encoding_is_small_when_mostly_free() {
-        let mut block = Block::new(net("10.0.0.0/20"), Some("host-a".into()));
+        let mut block = Block::new(net("10.0.0.0/20"), Some("host-a".into(), 0));
         for i in 0..10 {
             block.allocate_next(&attr(&format!("h{i}")));
         }
         let bytes = encode(&block).expect("encode");
         assert!(
             bytes.len() < 1024,
-            "a /20 block with 10 allocations took {} bytes",
+            "a /23 block with 10 allocations took {} bytes",
             bytes.len()
         );
         let back: Block = decode("k", &bytes).expect("decode");
@@ -709,7 +781,7 @@ mod tests {
 
     #[test]
     fn decoding_damaged_bytes_is_an_error_not_a_panic() {
-        let block = Block::new(net("fd00::/122"), Some("h".into()));
+        let block = Block::new(net("fd00::/122"), Some("h".into(), 0));
         let bytes = encode(&block).expect("encode");
         for cut in 0..bytes.len() {
             assert!(

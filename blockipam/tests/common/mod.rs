@@ -140,11 +140,12 @@ impl Sandbox {
         json!({"cniVersion": version, "name": NETWORK, "ipam": self.ipam(extra)})
     }
 
-    /// Opens this sandbox's store (no plugin may be running on it).
+    /// Opens this sandbox's store, creating it when missing (no plugin may be running on it).
     pub async fn open_store(&self) -> std::sync::Arc<dyn KvStore> {
         DatastoreSettings {
             datastore_type: self.store_type,
             path: Some(self.store_path()),
+            create_if_missing: true,
             ..DatastoreSettings::default()
         }
         .open()

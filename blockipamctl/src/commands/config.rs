@@ -58,9 +58,10 @@ pub async fn show(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
 /// `config set`: changes the given settings, keeps the others.
 ///
 /// # Errors
-/// Store trouble.
+/// Store trouble, including a missing embedded store: `config set` does not create one (`pool
+/// add` does).
 pub async fn set(settings: &DatastoreSettings, args: &ConfigSetArgs) -> Result<Outcome, CtlError> {
-    let ipam = open_ipam(settings, OpenMode::Create).await?;
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
     // Compare-and-swap: a concurrent `config set` of another field is kept, not overwritten.
     let config = ipam
         .update_config(|config| {

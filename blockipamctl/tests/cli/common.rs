@@ -174,7 +174,7 @@ impl Lab {
         args
     }
 
-    /// The same store as the library opens it.
+    /// The same store as the library opens it (creating an embedded store when missing).
     pub fn settings(&self) -> DatastoreSettings {
         let datastore_type = match self.backend {
             Backend::Sled => DatastoreType::Sled,
@@ -186,6 +186,7 @@ impl Lab {
             path: (self.backend != Backend::Etcd).then(|| self.path()),
             etcd_endpoints: self.endpoint.iter().cloned().collect(),
             etcd_prefix: self.prefix.clone(),
+            create_if_missing: true,
             ..DatastoreSettings::default()
         }
     }

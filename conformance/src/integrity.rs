@@ -1,0 +1,514 @@
+//! Allocator integrity cases: regressions for the duplicate, leak and size defects of issue 8
+//! (sequence numbers across block incarnations, pool deletion racing an ADD, a block moving between
+//! the two reads that find it, blocks and batches outgrowing the store's limits), on every backend.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ipam_core::kv::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use ipam_core::model::{encode, keys, Attribute, Block, Handle, MAX_ATTRIBUTE_BYTES};
+use ipam_core::{
+    AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, Op, PoolSpec, ReleaseRequest,
+};
+
+use crate::ipam::{assert_clean, assign_one, ip, ipam_with_pool, net, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every integrity case into one `#[tokio::test]` inside a module `ipam_integrity`.
+#[macro_export]
+macro_rules! ipam_integrity_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(ipam_integrity, $crate::integrity, $factory;
+            recreated_block_never_repeats_an_address_sequence_pair,
+            pool_delete_racing_an_add_never_releases_a_live_address,
+            block_moving_between_reads_is_never_taken_for_absent,
+            largest_blocks_fill_to_their_last_address_then_report_exhausted,
+            oversized_attributes_and_unfillable_block_sizes_are_refused,
+            releasing_several_full_blocks_splits_into_transactions_that_fit,
+        );
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// A store that runs a hook right after a chosen read returns: the hook's writes land between
+// that read and whatever the caller does next, deterministically.
+// ---------------------------------------------------------------------------------------------
+
+type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+type Trigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
+
+struct HookStore {
+    inner: Arc<dyn KvStore>,
+    armed: Mutex<Option<(Trigger, Hook)>>,
+}
+
+impl fmt::Debug for HookStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HookStore")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HookStore {
+    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+        Arc::new(HookStore {
+            inner,
+            armed: Mutex::new(None),
+        })
+    }
+
+    /// Runs `hook` once, after the first read for which `trigger` holds has been answered.
+    fn arm<T, H, Fut>(&self, trigger: T, hook: H)
+    where
+        T: Fn(&[Read]) -> bool + Send + Sync + 'static,
+        H: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let hook: Hook = Box::new(move || Box::pin(hook()));
+        *self.armed.lock().expect("hook lock") = Some((Box::new(trigger), hook));
+    }
+
+    fn fired(&self) -> bool {
+        self.armed.lock().expect("hook lock").is_none()
+    }
+
+    async fn after(&self, reads: &[Read]) {
+        let hook = {
+            let mut armed = self.armed.lock().expect("hook lock");
+            match &*armed {
+                Some((trigger, _)) if trigger(reads) => armed.take().map(|(_, hook)| hook),
+                _ => None,
+            }
+        };
+        if let Some(hook) = hook {
+            hook().await;
+        }
+    }
+}
+
+#[async_trait]
+impl KvStore for HookStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        let found = self.inner.get(key).await;
+        self.after(&[Read::Get(key.to_owned())]).await;
+        found
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let found = self.inner.list(prefix).await;
+        self.after(&[Read::List(prefix.to_owned())]).await;
+        found
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.inner.commit(txn).await
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let found = self.inner.read_many(reads).await;
+        self.after(reads).await;
+        found
+    }
+}
+
+fn lists(prefix: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
+    move |reads| reads.iter().any(|r| matches!(r, Read::List(p) if *p == prefix))
+}
+
+fn is_exactly(key: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
+    move |reads| matches!(reads, [Read::Get(k)] if *k == key)
+}
+
+async fn holder(ipam: &Ipam, address: IpAddr) -> Option<String> {
+    ipam.get_assignment(address)
+        .await
+        .expect("who holds the address")
+        .map(|info| info.handle)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cases
+// ---------------------------------------------------------------------------------------------
+
+/// Defect 1: a block deleted (empty, no affinity) and claimed again continues its sequence
+/// numbers, so a late release guarded with an old (address, sequence) is refused instead of
+/// freeing the new owner's address; by auto-assign and by a specific-address request.
+pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFactory>(factory: &F) {
+    // One block in the pool: every incarnation has the same CIDR.
+    let (_t, ipam) = ipam_with_pool(factory, "10.9.0.0/30", 30).await;
+    let first = assign_one(&ipam, "old-owner", "node-a").await;
+    let old = ipam
+        .get_assignment(first)
+        .await
+        .expect("read")
+        .expect("allocated");
+    // Retire the host, then release the address: the block is empty and unaffine, so deleted.
+    ipam.release_host("node-a", false).await.expect("release host");
+    ipam.release_handle("old-owner").await.expect("release");
+    assert!(
+        ipam.utilization().await.expect("usage").pools[0]
+            .blocks
+            .is_empty(),
+        "the empty unaffine block is deleted"
+    );
+
+    // Re-created by auto-assign: the first address is handed out again.
+    let again = assign_one(&ipam, "new-owner", "node-b").await;
+    assert_eq!(again, first, "the re-created block starts at ordinal 0 again");
+    let stale = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: first,
+            sequence: Some(old.sequence),
+        }])
+        .await
+        .expect("guarded release");
+    assert!(
+        stale.released.is_empty(),
+        "a release guarded with the old incarnation's sequence {} freed the new owner's address: {stale:?}",
+        old.sequence
+    );
+    assert_eq!(stale.sequence_mismatch, vec![first]);
+    assert_eq!(
+        holder(&ipam, first).await.as_deref(),
+        Some("new-owner"),
+        "the new owner keeps its address"
+    );
+
+    // Once more, re-created by a specific-address request.
+    let second = ipam
+        .get_assignment(first)
+        .await
+        .expect("read")
+        .expect("allocated");
+    ipam.release_host("node-b", false).await.expect("release host");
+    ipam.release_handle("new-owner").await.expect("release");
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec![first],
+        handle: "third-owner".into(),
+        host: "node-c".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("specific address");
+    for earlier in [old.sequence, second.sequence] {
+        let stale = ipam
+            .release_ips(&[ReleaseRequest {
+                ip: first,
+                sequence: Some(earlier),
+            }])
+            .await
+            .expect("guarded release");
+        assert!(
+            stale.released.is_empty(),
+            "stale sequence {earlier} released the third owner's address"
+        );
+    }
+    assert_eq!(holder(&ipam, first).await.as_deref(), Some("third-owner"));
+    assert_clean(&ipam).await;
+}
+
+/// Defect 2: `delete_pool` without force never releases an address an ADD was given, whether
+/// the ADD lands before the delete reads anything or between its reads.
+pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFactory>(
+    factory: &F,
+) {
+    for (moment, trigger) in [
+        (
+            "after the delete's first read",
+            Box::new(|_: &[Read]| true) as Trigger,
+        ),
+        (
+            "after the delete lists the blocks",
+            Box::new(lists(keys::blocks_dir())) as Trigger,
+        ),
+    ] {
+        let t = factory.fresh().await;
+        let node = Ipam::new(Arc::clone(&t.store));
+        node.create_pool(&spec("10.8.0.0/28", "pool", 30))
+            .await
+            .expect("pool");
+        let hooked = HookStore::new(Arc::clone(&t.store));
+        let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+        let add_result = Arc::new(Mutex::new(None));
+        let slot = Arc::clone(&add_result);
+        let racer = node.clone();
+        hooked.arm(trigger, move || async move {
+            let got = racer.auto_assign(&v4("racer", "node-a", 1)).await;
+            *slot.lock().expect("slot") = Some(got);
+        });
+        let deleted = admin.delete_pool("pool", false).await;
+        assert!(hooked.fired(), "{moment}: the racing ADD never ran");
+        let added = add_result
+            .lock()
+            .expect("slot")
+            .take()
+            .expect("the ADD finished");
+        match added {
+            Ok(got) => {
+                let address = got.v4[0].ip;
+                assert!(
+                    matches!(deleted, Err(IpamError::PoolInUse { .. })),
+                    "{moment}: the ADD got {address} but the delete returned {deleted:?}"
+                );
+                assert_eq!(
+                    holder(&node, address).await.as_deref(),
+                    Some("racer"),
+                    "{moment}: the delete released a live address"
+                );
+                let pool = node.get_pool("pool").await.expect("pool kept");
+                assert!(!pool.disabled, "{moment}: a refused delete re-enables the pool");
+            }
+            Err(e) => {
+                let outcome = deleted.expect("nothing in use: the delete succeeds");
+                assert_eq!(outcome.released_addresses, 0, "{moment}: {e}");
+            }
+        }
+        assert_clean(&node).await;
+    }
+}
+
+/// Defect 3: a block that changes hosts between the read of its claim entry and the read of the
+/// block is found, not taken for absent: releasing by handle and by address frees the address
+/// instead of dropping the handle and leaking it.
+pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactory>(factory: &F) {
+    let (t, node) = ipam_with_pool(factory, "10.7.0.0/28", 30).await;
+    for release_by_handle in [true, false] {
+        let handle = if release_by_handle { "by-handle" } else { "by-ip" };
+        let host = format!("node-{handle}");
+        let got = node
+            .auto_assign(&v4(handle, &host, 1))
+            .await
+            .expect("assign");
+        let (address, block) = (got.v4[0].ip, got.v4[0].block);
+        let hooked = HookStore::new(Arc::clone(&t.store));
+        let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+        let mover = node.clone();
+        let moving_host = host.clone();
+        // Right after the claim entry is read, the block loses its affinity (moves key).
+        hooked.arm(is_exactly(keys::block_claim(&block)), move || async move {
+            mover
+                .release_affinity(&moving_host, block)
+                .await
+                .expect("move the block");
+        });
+        let released = if release_by_handle {
+            admin.release_handle(handle).await.expect("release handle")
+        } else {
+            admin
+                .release_ips(&[ReleaseRequest {
+                    ip: address,
+                    sequence: None,
+                }])
+                .await
+                .expect("release address")
+                .released
+        };
+        assert!(hooked.fired(), "the block never moved under the read");
+        assert_eq!(released, vec![address], "{handle}: the address was released");
+        assert_eq!(holder(&node, address).await, None, "{handle}: leaked");
+        assert!(node.ips_by_handle(handle).await.expect("read").is_empty());
+    }
+    assert_clean(&node).await;
+}
+
+/// A metadata map that makes the allocation's attribute `target` bytes when encoded.
+fn attributes_of_size(handle: &str, host: &str, target: usize) -> BTreeMap<String, String> {
+    let mut metadata = BTreeMap::from([("pod".to_owned(), String::new())]);
+    let size = |metadata: &BTreeMap<String, String>| {
+        let mut with_node = metadata.clone();
+        with_node.insert("node".into(), host.into());
+        encode(&Attribute {
+            handle: handle.into(),
+            metadata: with_node,
+        })
+        .expect("encode")
+        .len()
+            - 1 // the format byte is not part of the attribute inside a block
+    };
+    while size(&metadata) < target {
+        metadata.entry("pod".into()).or_default().push('p');
+    }
+    metadata
+}
+
+/// Defect 5: a block of the largest allowed size, every address with an attribute of the largest
+/// allowed size, fills to its last address and then answers "exhausted" (IPv4 /23 and IPv6 /119).
+pub async fn largest_blocks_fill_to_their_last_address_then_report_exhausted<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec("10.6.0.0/23", "big-v4", 23))
+        .await
+        .expect("v4 pool");
+    ipam.create_pool(&spec("fd00:6::/119", "big-v6", 119))
+        .await
+        .expect("v6 pool");
+    for (family_v6, count) in [(false, 512u32), (true, 512u32)] {
+        let mut seen = std::collections::BTreeSet::new();
+        for i in 0..count {
+            let handle = format!("k8s-pod-network.{i:064x}");
+            let attributes = attributes_of_size(&handle, "node-a", MAX_ATTRIBUTE_BYTES - 8);
+            let got = ipam
+                .auto_assign(&AutoAssignRequest {
+                    handle: handle.clone(),
+                    host: "node-a".into(),
+                    num_v4: u32::from(!family_v6),
+                    num_v6: u32::from(family_v6),
+                    attributes,
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| panic!("address {i} of {count} (v6: {family_v6}): {e}"));
+            let address = got.v4.iter().chain(&got.v6).next().expect("one").ip;
+            assert!(seen.insert(address), "{address} handed out twice");
+        }
+        let over = ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: "one-too-many".into(),
+                host: "node-a".into(),
+                num_v4: u32::from(!family_v6),
+                num_v6: u32::from(family_v6),
+                ..Default::default()
+            })
+            .await;
+        assert!(
+            matches!(over, Err(IpamError::Exhausted { .. })),
+            "a full pool answers exhausted, got {over:?}"
+        );
+    }
+    assert_clean(&ipam).await;
+}
+
+/// Defect 5: an attribute over the limit is refused before anything is written; a block size
+/// whose full block could not be stored is refused when the pool is created.
+pub async fn oversized_attributes_and_unfillable_block_sizes_are_refused<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.5.0.0/24", 26).await;
+    let before = t.store.list("").await.expect("dump");
+    let handle = "too-big";
+    let attributes = attributes_of_size(handle, "node-a", MAX_ATTRIBUTE_BYTES + 1);
+    let refused = ipam
+        .auto_assign(&AutoAssignRequest {
+            handle: handle.into(),
+            host: "node-a".into(),
+            num_v4: 1,
+            attributes: attributes.clone(),
+            ..Default::default()
+        })
+        .await;
+    assert!(
+        matches!(refused, Err(IpamError::InvalidArgument(ref m)) if m.contains("bytes")),
+        "{refused:?}"
+    );
+    let refused = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.5.0.9")],
+            handle: handle.into(),
+            host: "node-a".into(),
+            attributes,
+            ..Default::default()
+        })
+        .await;
+    assert!(matches!(refused, Err(IpamError::InvalidArgument(_))), "{refused:?}");
+    assert_eq!(t.store.list("").await.expect("dump"), before, "nothing written");
+    for (cidr, size) in [("10.4.0.0/16", 22u8), ("fd00:4::/112", 118u8)] {
+        let refused = ipam
+            .create_pool(&PoolSpec {
+                cidr: net(cidr),
+                name: None,
+                block_size: Some(size),
+                disabled: false,
+            })
+            .await;
+        assert!(
+            matches!(refused, Err(IpamError::InvalidArgument(_))),
+            "block size /{size} accepted: {refused:?}"
+        );
+    }
+}
+
+/// Defect 5: a node holding several full blocks of the largest size (more bytes than one
+/// transaction may carry) is released, by address and by host, in transactions that fit.
+pub async fn releasing_several_full_blocks_splits_into_transactions_that_fit<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.3.0.0/21", 23).await;
+    let host = "node-full";
+    let mut all = Vec::new();
+    // Written directly: three full /23 blocks with large attributes (what 1,536 ADDs leave),
+    // their claim entries and their handles.
+    for cidr in ["10.3.0.0/23", "10.3.2.0/23", "10.3.4.0/23"] {
+        let mut block = Block::new(net(cidr), Some(host.into()), 1);
+        let mut handles = Vec::new();
+        for i in 0..512u32 {
+            let handle = format!("k8s-pod-network.{cidr}-{i:058x}");
+            let attribute = Attribute {
+                metadata: attributes_of_size(&handle, host, MAX_ATTRIBUTE_BYTES - 8),
+                handle: handle.clone(),
+            };
+            let ordinal = block.allocate_next(&attribute).expect("room");
+            all.push(block.ip_of(ordinal));
+            handles.push(handle);
+        }
+        let claim = keys::block_claim(&block.cidr);
+        let key = keys::block_key_of(&block);
+        t.store
+            .commit(
+                Txn::new()
+                    .when(Condition::absent(&key))
+                    .when(Condition::absent(&claim))
+                    .then(Op::put(&key, encode(&block).expect("encode")))
+                    .then(Op::put(&claim, encode(&block.affinity).expect("encode"))),
+            )
+            .await
+            .expect("write a full block");
+        for chunk in handles.chunks(100) {
+            let mut txn = Txn::new();
+            for handle in chunk {
+                let mut value = Handle::default();
+                value.add(block.cidr, 1);
+                txn = txn.then(Op::put(
+                    keys::handle(handle),
+                    encode(&value).expect("encode"),
+                ));
+            }
+            t.store.commit(txn).await.expect("write handles");
+        }
+    }
+    assert_clean(&ipam).await;
+
+    // By host first: the three blocks lose their affinity, more bytes than one transaction.
+    let report = ipam.release_host(host, false).await.expect("release host");
+    assert_eq!(report.unassigned_blocks.len(), 3, "{report:?}");
+    // Then every address at once (GC and `release` do this), interleaved across the blocks so
+    // that every chunk of the request touches all three.
+    let mut interleaved: Vec<&IpAddr> = Vec::new();
+    for i in 0..512 {
+        interleaved.extend([&all[i], &all[512 + i], &all[1024 + i]]);
+    }
+    let requests: Vec<ReleaseRequest> = interleaved
+        .into_iter()
+        .map(|ip| ReleaseRequest {
+            ip: *ip,
+            sequence: None,
+        })
+        .collect();
+    let outcome = ipam.release_ips(&requests).await.expect("release all");
+    assert_eq!(outcome.released.len(), all.len());
+    assert!(ipam.list_allocations().await.expect("list").is_empty());
+    assert!(
+        ipam.utilization().await.expect("usage").pools[0]
+            .blocks
+            .is_empty(),
+        "empty unaffine blocks are deleted"
+    );
+    assert_clean(&ipam).await;
+}
