@@ -99,7 +99,18 @@ impl EtcdStore {
     /// - [`KvError::Other`] when etcd refused the credentials or the permission to read.
     pub async fn connect(config: EtcdConfig) -> Result<Self, KvError> {
         let store = Self::connect_lazy(config)?;
-        store.probe().await?;
+        store.probe().await.map_err(|error| match error {
+            // A TLS mismatch (plain text against TLS, a missing client certificate) shows up
+            // only as a connection the server closed: say what to check.
+            KvError::Unavailable { message } => KvError::Unavailable {
+                message: format!(
+                    "{message} (check that etcd runs there with a quorum, and that the endpoint \
+                     matches its TLS: https:// and a CA file for a TLS etcd, plus a client \
+                     certificate and key when it requires them)"
+                ),
+            },
+            other => other,
+        })?;
         Ok(store)
     }
 

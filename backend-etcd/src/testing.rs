@@ -282,7 +282,12 @@ impl EtcdServer {
             .arg("10s");
         if let Some(pki) = pki {
             command.arg("--cacert").arg(pki.ca_cert());
-            if self.spec.tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()) {
+            if self
+                .spec
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.client_ca_file.is_some())
+            {
                 command
                     .arg("--cert")
                     .arg(pki.client_cert())
@@ -329,7 +334,14 @@ impl EtcdServer {
         self.etcdctl(pki, &["role", "add", &role])?;
         self.etcdctl(
             pki,
-            &["role", "grant-permission", &role, "--prefix=true", "readwrite", prefix],
+            &[
+                "role",
+                "grant-permission",
+                &role,
+                "--prefix=true",
+                "readwrite",
+                prefix,
+            ],
         )?;
         self.etcdctl(pki, &["user", "grant-role", user, &role])?;
         self.etcdctl(pki, &["auth", "enable"])?;

@@ -73,7 +73,9 @@ fn bench(c: &mut Criterion) {
     let runtime = Runtime::new().expect("tokio runtime");
     let dir = tempfile::tempdir().expect("temp dir");
     let store = runtime
-        .block_on(RedbStore::open(RedbConfig::new(dir.path().join("adapter")).creating()))
+        .block_on(RedbStore::open(
+            RedbConfig::new(dir.path().join("adapter")).creating(),
+        ))
         .expect("open adapter store");
     let raw = Database::create(dir.path().join("raw")).expect("open raw redb");
     for i in 0..KEYS {

@@ -165,12 +165,18 @@ impl Inner {
         let lock_path = sibling(path, "lock")?;
         let lock =
             LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
-        if !config.create_if_missing {
+        let existed = refuse_if_missing(path).is_ok();
+        if !existed && !config.create_if_missing {
             refuse_if_missing(path)?;
         }
         let db = open_engine(path, config.create_if_missing, started, config.lock_wait)?;
         check_or_write_format(&db, path)?;
         restrict(path)?;
+        if !existed {
+            // A new store's name must survive a power loss too: its absence would be a vanished
+            // store, which no call without netconf pools may re-create.
+            sync_parent(path)?;
+        }
         Ok(Inner {
             db,
             path: path.clone(),
@@ -334,6 +340,22 @@ fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
     Ok(path.with_file_name(name))
 }
 
+/// Syncs the directory holding `path`, so that a file just created there keeps its name.
+fn sync_parent(path: &Path) -> Result<(), KvError> {
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    fs::File::open(parent)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|err| {
+            KvError::other(format!(
+                "cannot sync the directory {} of the new store: {err}",
+                parent.display()
+            ))
+        })
+}
+
 /// Fails, naming the path and saying how a store is created, when there is no store file at
 /// `path` or only an empty one (redb would make a new database of either).
 fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
@@ -388,9 +410,11 @@ fn open_engine(
             .mode(0o600)
             .open(path)
             .map_err(|err| match err.kind() {
-                io::ErrorKind::NotFound if !create => refuse_if_missing(path)
-                    .err()
-                    .unwrap_or_else(|| KvError::other(format!("cannot open {}: {err}", path.display()))),
+                io::ErrorKind::NotFound if !create => {
+                    refuse_if_missing(path).err().unwrap_or_else(|| {
+                        KvError::other(format!("cannot open {}: {err}", path.display()))
+                    })
+                }
                 io::ErrorKind::IsADirectory => KvError::corrupt(
                     None,
                     format!(

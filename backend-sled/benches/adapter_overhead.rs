@@ -41,7 +41,9 @@ fn bench(c: &mut Criterion) {
     let runtime = Runtime::new().expect("tokio runtime");
     let dir = tempfile::tempdir().expect("temp dir");
     let store = runtime
-        .block_on(SledStore::open(SledConfig::new(dir.path().join("adapter")).creating()))
+        .block_on(SledStore::open(
+            SledConfig::new(dir.path().join("adapter")).creating(),
+        ))
         .expect("open adapter store");
     let raw = sled::Config::new()
         .path(dir.path().join("raw"))

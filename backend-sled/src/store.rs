@@ -309,7 +309,7 @@ impl Inner {
             if let Some(err) = engine_failure {
                 return Err(staged(err, path));
             }
-            if let Some(condition) = failed.map_err(ConflictableTransactionError::Abort)?.filter(|_| false) {
+            if let Some(condition) = failed.map_err(ConflictableTransactionError::Abort)? {
                 return Err(ConflictableTransactionError::Abort(KvError::Conflict {
                     key: condition.key().to_owned(),
                 }));
@@ -645,11 +645,7 @@ struct EntryState {
 /// A failure to sync is returned at once (`secured` is then unchanged, so the next walk does the
 /// work again); a failure to change permissions is returned after the walk, which still syncs
 /// everything, and is retried by the next walk.
-fn secure(
-    dir: &Path,
-    secured: &mut Secured,
-    synced: &mut Vec<(PathBuf, u64)>,
-) -> io::Result<()> {
+fn secure(dir: &Path, secured: &mut Secured, synced: &mut Vec<(PathBuf, u64)>) -> io::Result<()> {
     let mut walk = Walk {
         before: &secured.entries,
         seen: HashMap::with_capacity(secured.entries.len()),
@@ -706,8 +702,13 @@ impl Walk<'_> {
                 Err(err) => return Err(err),
             }
         }
-        self.seen
-            .insert(dir.to_owned(), EntryState { private, synced_len });
+        self.seen.insert(
+            dir.to_owned(),
+            EntryState {
+                private,
+                synced_len,
+            },
+        );
         Ok(())
     }
 
@@ -731,7 +732,13 @@ impl Walk<'_> {
             self.synced.push((path.clone(), len));
             synced_len = Some(len);
         }
-        self.seen.insert(path, EntryState { private, synced_len });
+        self.seen.insert(
+            path,
+            EntryState {
+                private,
+                synced_len,
+            },
+        );
         Ok(())
     }
 

@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use ipam_core::{
-    AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, Family, Ipam, IpamError,
-    Pool, ReleaseRequest, Utilization,
+    AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, BlockUsage, Family, Ipam,
+    IpamError, Pool, ReleaseRequest, Utilization,
 };
 use ipnet::IpNet;
 
@@ -38,6 +38,10 @@ pub const ATTR_NODE: &str = ipam_core::allocator::ATTR_NODE;
 pub const GATEWAY_NODE: &str = "-";
 /// Addresses released per transaction by GC.
 const GC_BATCH: usize = 32;
+/// The conventional first interface of a container (Kubernetes, Podman): the only one an
+/// allocation that records no interface can be proved to belong to (see
+/// [`attachment_allocations`]).
+pub const PRIMARY_IFNAME: &str = "eth0";
 
 /// One plugin invocation for one attachment (ADD, DEL, CHECK).
 #[derive(Debug, Clone)]
@@ -76,14 +80,26 @@ impl Attachment<'_> {
         attributes
     }
 
-    /// Specific addresses asked for (`IP=`, `args.cni.ips`, `runtimeConfig.ips`), de-duplicated in
-    /// order.
+    /// Specific addresses asked for, de-duplicated in order: `args.cni.ips` when that key is
+    /// present (and then `CNI_ARGS` `IP` is ignored, as the CNI conventions require of a plugin
+    /// that reads `args`), else `CNI_ARGS` `IP`; then `runtimeConfig.ips`.
     fn requested_ips(&self) -> Vec<IpAddr> {
+        let from_args: &[IpAddr] = match &self.conf.args_ips {
+            Some(args_ips) => {
+                if !self.args.ips.is_empty() {
+                    tracing::debug!(
+                        ignored = ?self.args.ips,
+                        "args.cni.ips is present: CNI_ARGS IP is ignored (CNI conventions)"
+                    );
+                }
+                args_ips
+            }
+            None => &self.args.ips,
+        };
         let mut seen = BTreeSet::new();
-        self.args
-            .ips
+        from_args
             .iter()
-            .chain(&self.conf.requested_ips)
+            .chain(&self.conf.runtime_ips)
             .copied()
             .filter(|ip| seen.insert(*ip))
             .collect()
@@ -154,8 +170,12 @@ pub fn reserved_addresses(conf: &NetConf, pools: &[Pool]) -> Vec<IpAddr> {
 }
 
 /// Reserves [`reserved_addresses`] once per network (held by [`gateway_handle`] on node
-/// [`GATEWAY_NODE`]); when they are all held already this is one read. An address already held
-/// by a container is left alone with a warning.
+/// [`GATEWAY_NODE`]); when they are all held already this is one read. A reservation belongs to
+/// no node, so strict affinity does not stop it from landing in a block affine to a node. An
+/// address already held by a container is left alone with a warning.
+///
+/// # Errors
+/// Store and allocator failures; [`add`] only logs them (a reservation never makes ADD fail).
 async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Result<(), CniError> {
     let wanted = reserved_addresses(conf, pools);
     if wanted.is_empty() {
@@ -178,7 +198,7 @@ async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Resul
                 (ATTR_NETWORK.to_owned(), conf.name.clone()),
                 (ATTR_PURPOSE.to_owned(), "gateway".to_owned()),
             ]),
-            ..Default::default()
+            ignore_strict_affinity: true,
         };
         match ipam.assign_ips(&request).await {
             Ok(_) => tracing::info!(%ip, %handle, "reserved"),
@@ -194,7 +214,8 @@ async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Resul
 /// ADD: the attachment's addresses, allocating only when it holds none.
 ///
 /// # Errors
-/// Allocator failures mapped as [`from_ipam`]; code 7 when the netconf asks for no address.
+/// Allocator failures mapped as [`from_ipam`]; code 7 when the netconf asks for no address;
+/// code 102 when a specific address is held by another attachment of the same container.
 pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniError> {
     let conf = call.conf;
     let requested = call.requested_ips();
@@ -204,9 +225,13 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
         ));
     }
     let pools = ensure_pools(ipam, conf).await?;
-    reserve_addresses(ipam, conf, &pools).await?;
+    if let Err(e) = reserve_addresses(ipam, conf, &pools).await {
+        tracing::warn!(network = %conf.name, code = e.code, "the network's reservations could not be made ({}); going on, they are tried again at the next ADD", e.msg);
+    }
     let handle = call.handle();
     let addresses = if !requested.is_empty() {
+        refuse_non_host_addresses(conf, &pools, &requested)?;
+        refuse_other_attachments_addresses(ipam, call, &requested).await?;
         let request = AssignIpsRequest {
             ips: requested,
             handle: handle.clone(),
@@ -225,7 +250,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             v6_pools: conf.ipv6_pools.clone(),
             attributes: call.attributes(),
             reuse_existing: true,
-            ..Default::default()
+            skip_block_edges: may_report_block_prefix(conf, &pools),
         };
         let first = ipam
             .auto_assign(&request)
@@ -233,7 +258,11 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             .map_err(|e| from_ipam(&e))?;
         let mut held: Vec<AssignedAddress> = first.v4.into_iter().chain(first.v6).collect();
         if first.reused {
-            let mine = held_by_interface(ipam, &handle, call.ifname, false).await?;
+            let on_handle = ipam
+                .allocations_by_handle(&handle)
+                .await
+                .map_err(|e| from_ipam(&e))?;
+            let mine = attachment_allocations(&on_handle, call.ifname);
             if mine.is_empty() {
                 // The container's other interfaces hold these: this interface needs its own.
                 tracing::info!(%handle, ifname = call.ifname, "handle holds addresses of other interfaces; allocating for this one");
@@ -259,84 +288,196 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
     Ok(shape_result(conf, &pools, &addresses))
 }
 
-/// The allocations of `handle` recorded for `ifname`; with `accept_unlabelled`, also those with no
-/// interface recorded (older or foreign allocations).
-async fn held_by_interface(
-    ipam: &Ipam,
-    handle: &str,
-    ifname: &str,
-    accept_unlabelled: bool,
-) -> Result<Vec<AllocationInfo>, CniError> {
-    Ok(ipam
-        .allocations_by_handle(handle)
-        .await
-        .map_err(|e| from_ipam(&e))?
-        .into_iter()
-        .filter(|info| interface_matches(info, ifname, accept_unlabelled))
-        .collect())
+/// True when an automatically assigned address may be reported with its block's prefix: a
+/// candidate pool of a family the netconf asks for holds no configured gateway. The allocator must
+/// then never hand out a block's network or last address (`skip_block_edges`), which would not be
+/// a usable host address of the reported prefix. (Where a gateway lies in the pool, the pool's
+/// prefix is reported and its network and broadcast addresses are reserved instead.)
+pub fn may_report_block_prefix(conf: &NetConf, pools: &[Pool]) -> bool {
+    [
+        (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
+        (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
+    ]
+    .into_iter()
+    .filter(|(_, wanted, _)| *wanted)
+    .any(|(family, _, named)| {
+        pools
+            .iter()
+            .filter(|p| p.family() == family && !p.disabled)
+            .filter(|p| {
+                named.is_empty()
+                    || named
+                        .iter()
+                        .any(|n| *n == p.name || n.parse::<IpNet>().ok() == Some(p.cidr))
+            })
+            .any(|p| !conf.gateways.iter().any(|g| p.cidr.contains(g)))
+    })
 }
 
-fn interface_matches(info: &AllocationInfo, ifname: &str, accept_unlabelled: bool) -> bool {
-    match info.attributes.get(ATTR_INTERFACE) {
-        Some(recorded) => recorded == ifname,
-        None => accept_unlabelled,
+/// Code 7 for a specific address that is not a usable host address of the prefix it would be
+/// reported with (see [`edge_kind`]). Addresses outside every enabled pool are left to the
+/// allocator (code 103).
+fn refuse_non_host_addresses(
+    conf: &NetConf,
+    pools: &[Pool],
+    requested: &[IpAddr],
+) -> Result<(), CniError> {
+    for ip in requested {
+        let Some(block) = pools
+            .iter()
+            .find(|p| !p.disabled && p.cidr.contains(ip))
+            .and_then(|p| p.block_containing(*ip))
+        else {
+            continue;
+        };
+        let (reported, _) = reported_prefix(conf, pools, *ip, block);
+        if let Some(kind) = edge_kind(reported) {
+            return Err(CniError::with_details(
+                codes::INVALID_NETWORK_CONFIG,
+                format!(
+                    "address {ip} is the {kind} address of {}, the prefix it would be reported with: not a usable host address",
+                    reported.trunc()
+                ),
+                "ask for another address of the block, or configure a gateway in the pool (the pool's prefix is then reported)",
+            ));
+        }
     }
+    Ok(())
+}
+
+/// What `net`'s address is when it is no usable host address of `net`: the network address of
+/// an IPv4 prefix shorter than /31 or an IPv6 prefix shorter than /127 (IPv6: the subnet-router
+/// anycast address), or the broadcast address of such an IPv4 prefix.
+fn edge_kind(net: IpNet) -> Option<&'static str> {
+    match net {
+        IpNet::V4(v4) if v4.prefix_len() < 31 && v4.addr() == v4.network() => Some("network"),
+        IpNet::V4(v4) if v4.prefix_len() < 31 && v4.addr() == v4.broadcast() => Some("broadcast"),
+        IpNet::V6(v6) if v6.prefix_len() < 127 && v6.addr() == v6.network() => {
+            Some("network (subnet-router anycast)")
+        }
+        _ => None,
+    }
+}
+
+/// Code 102 when a specific address asked for is held by the container's handle but not by this
+/// attachment (another interface's, or one that records no interface and cannot be proved to be
+/// this one's): one address is never shared by two interfaces. An address this attachment holds
+/// already is fine (a retried ADD). The host lock serialises the calls of one node, and a
+/// container's attachments are all made on its node, so nothing changes the handle between this
+/// read and the assignment.
+async fn refuse_other_attachments_addresses(
+    ipam: &Ipam,
+    call: &Attachment<'_>,
+    requested: &[IpAddr],
+) -> Result<(), CniError> {
+    let handle = call.handle();
+    let on_handle = ipam
+        .allocations_by_handle(&handle)
+        .await
+        .map_err(|e| from_ipam(&e))?;
+    let mine: BTreeSet<IpAddr> = attachment_allocations(&on_handle, call.ifname)
+        .iter()
+        .map(|info| info.ip)
+        .collect();
+    let Some(other) = on_handle
+        .iter()
+        .find(|info| requested.contains(&info.ip) && !mine.contains(&info.ip))
+    else {
+        return Ok(());
+    };
+    let holder = match other.attributes.get(ATTR_INTERFACE) {
+        Some(ifname) => format!("interface {ifname:?}"),
+        None => "an allocation that records no interface".to_owned(),
+    };
+    Err(CniError::with_details(
+        codes::ADDRESS_IN_USE,
+        format!(
+            "address {} is already assigned to {holder} of container {} (handle {handle:?}); interface {:?} cannot share it",
+            other.ip, call.container_id, call.ifname
+        ),
+        "one address belongs to one attachment (container, interface)",
+    ))
+}
+
+/// The allocations of an attachment's handle that provably belong to the attachment whose
+/// interface is `ifname`:
+/// - an allocation that records an interface is the attachment's when it records `ifname`;
+/// - one that records no interface (made through the allocator's API or by another tool) could
+///   be any interface's: it is the attachment's only when `ifname` is [`PRIMARY_IFNAME`] and no
+///   allocation of the handle records an interface at all (a container that never had a second
+///   blockipam interface on this network).
+///
+/// Everything else is never returned, released or checked as this attachment's.
+pub fn attachment_allocations<'a>(
+    on_handle: &'a [AllocationInfo],
+    ifname: &str,
+) -> Vec<&'a AllocationInfo> {
+    let any_labelled = on_handle
+        .iter()
+        .any(|info| info.attributes.contains_key(ATTR_INTERFACE));
+    on_handle
+        .iter()
+        .filter(|info| match info.attributes.get(ATTR_INTERFACE) {
+            Some(recorded) => recorded == ifname,
+            None => !any_labelled && ifname == PRIMARY_IFNAME,
+        })
+        .collect()
 }
 
 /// The result for `addresses`: each with its block's prefix length (Calico), or its pool's when a
 /// configured gateway lies in that pool (so the gateway is inside the returned prefix, as ptp
-/// and bridge need); routes as configured, else one per block (via the gateway, if any) that is
-/// not already the address's own on-link prefix.
+/// and bridge need); routes exactly as configured, else none. No route is ever needed for a
+/// block: every address's block lies inside the prefix it is reported with (the block itself,
+/// or the pool that holds it), so the block is on-link already, and a route for it via the
+/// gateway would send same-subnet traffic through the host.
 pub fn shape_result(conf: &NetConf, pools: &[Pool], addresses: &[AssignedAddress]) -> IpamResult {
     let mut sorted: Vec<&AssignedAddress> = addresses.iter().collect();
     sorted.sort_by_key(|a| (Family::of(a.ip), a.ip));
-    let mut result = IpamResult::default();
-    let mut own_networks = BTreeSet::new();
-    let mut block_gateways: BTreeMap<IpNet, Option<IpAddr>> = BTreeMap::new();
-    for address in &sorted {
-        let pool = pools.iter().find(|p| p.cidr.contains(&address.ip));
-        let gateway = pool.and_then(|p| {
-            conf.gateways
-                .iter()
-                .find(|g| p.cidr.contains(*g) && **g != address.ip)
-                .copied()
-        });
-        let prefix = match (pool, gateway) {
-            (Some(p), Some(_)) => p.cidr.prefix_len(),
-            _ => address.block.prefix_len(),
-        };
-        let net = IpNet::new(address.ip, prefix).unwrap_or_else(|_| address.with_block_prefix());
-        own_networks.insert(net.trunc());
-        let entry = block_gateways.entry(address.block).or_insert(None);
-        if entry.is_none() {
-            *entry = gateway;
-        }
-        result.ips.push(ResultIp {
-            address: net,
-            gateway,
-        });
-    }
-    result.routes = match &conf.routes {
-        Some(routes) => routes
-            .iter()
-            .map(|r| ResultRoute {
-                dst: r.dst,
-                gw: r.gw,
-            })
-            .collect(),
-        // The gateway is explicit (not left for the main plugin to fill in) so that the main
-        // plugins' CHECK, which looks routes up by destination and next hop, finds them.
-        None => block_gateways
-            .into_iter()
-            .filter(|(block, _)| !own_networks.contains(block))
-            .map(|(dst, gw)| ResultRoute { dst, gw })
-            .collect(),
-    };
-    result
+    let ips = sorted
+        .into_iter()
+        .map(|address| {
+            let (address, gateway) = reported_prefix(conf, pools, address.ip, address.block);
+            ResultIp { address, gateway }
+        })
+        .collect();
+    let routes = conf
+        .routes
+        .iter()
+        .flatten()
+        .map(|r| ResultRoute {
+            dst: r.dst,
+            gw: r.gw,
+        })
+        .collect();
+    IpamResult { ips, routes }
 }
 
-/// DEL: releases this attachment's addresses (the whole handle when no other interface of the
-/// container holds any); also Calico's legacy `<namespace>.<pod>` handle when the main one is
+/// The prefix `ip` (from `block`) is reported with, and its gateway: the pool's prefix and the
+/// first configured gateway inside that pool (other than `ip` itself), else the block's prefix
+/// and no gateway.
+fn reported_prefix(
+    conf: &NetConf,
+    pools: &[Pool],
+    ip: IpAddr,
+    block: IpNet,
+) -> (IpNet, Option<IpAddr>) {
+    let pool = pools.iter().find(|p| p.cidr.contains(&ip));
+    let gateway = pool.and_then(|p| {
+        conf.gateways
+            .iter()
+            .find(|g| p.cidr.contains(*g) && **g != ip)
+            .copied()
+    });
+    let prefix = match (pool, gateway) {
+        (Some(p), Some(_)) => p.cidr.prefix_len(),
+        _ => block.prefix_len(),
+    };
+    let net = IpNet::new(ip, prefix).unwrap_or(block);
+    (net, gateway)
+}
+
+/// DEL: releases this attachment's addresses ([`attachment_allocations`]: the whole handle when
+/// they are all it holds); also Calico's legacy `<namespace>.<pod>` handle when the main one is
 /// unknown. Nothing to release is success.
 ///
 /// # Errors
@@ -361,10 +502,16 @@ pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniE
         tracing::info!(%handle, "nothing to release");
         return Ok(Vec::new());
     }
-    let mine: Vec<&AllocationInfo> = held
+    let mine = attachment_allocations(&held, call.ifname);
+    let unproven: Vec<IpAddr> = held
         .iter()
-        .filter(|info| interface_matches(info, call.ifname, true))
+        .filter(|info| !info.attributes.contains_key(ATTR_INTERFACE))
+        .filter(|info| !mine.iter().any(|m| m.ip == info.ip))
+        .map(|info| info.ip)
         .collect();
+    if !unproven.is_empty() {
+        tracing::info!(%handle, ifname = call.ifname, ?unproven, "left allocations that record no interface: they are not provably this attachment's (GC releases them once the container has no valid attachment)");
+    }
     let released = if mine.len() == held.len() {
         ipam.release_handle(&handle)
             .await
@@ -388,56 +535,81 @@ pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniE
     Ok(released)
 }
 
-/// CHECK: every address of `prevResult` must still be held by this attachment (without a
-/// `prevResult`, the attachment must hold at least one address).
+/// CHECK: what this attachment holds ([`attachment_allocations`] of its handle, or Calico's
+/// legacy handle when the main one holds nothing) must match `prevResult` exactly, as far as
+/// blockipam is concerned: every `prevResult` address inside one of the store's pools must be
+/// held by the attachment, and every address the attachment holds must be in `prevResult`.
+/// Addresses outside every pool are not blockipam's and are ignored. An attachment that holds
+/// nothing fails (also without `prevResult`).
 ///
 /// # Errors
-/// Code 107 naming the first address that is not held, and by whom it is; store failures.
+/// Code 107 naming the first address that does not match and, for a `prevResult` address, who
+/// holds it instead; code 6 for a `prevResult` address that does not parse; store failures.
 pub async fn check(ipam: &Ipam, call: &Attachment<'_>) -> Result<(), CniError> {
     let handle = call.handle();
-    let legacy = call.args.legacy_handle();
-    let Some(prev) = &call.conf.prev_result else {
-        if held_by_interface(ipam, &handle, call.ifname, true)
-            .await?
-            .is_empty()
-        {
-            return Err(CniError::new(
-                codes::CHECK_FAILED,
-                format!(
-                    "attachment {} / {} holds no address on network {:?}",
-                    call.container_id, call.ifname, call.conf.name
-                ),
-            ));
-        }
-        return Ok(());
-    };
-    let expected = prev_result_addresses(prev)?;
-    for ip in expected {
-        let info = ipam.get_assignment(ip).await.map_err(|e| from_ipam(&e))?;
-        let problem = match &info {
-            None => Some("is not allocated".to_owned()),
-            Some(info) if info.handle != handle && Some(&info.handle) != legacy.as_ref() => {
-                Some(format!("is held by handle {:?}", info.handle))
+    let on_handle = ipam
+        .allocations_by_handle(&handle)
+        .await
+        .map_err(|e| from_ipam(&e))?;
+    let mut holders = vec![handle.clone()];
+    let mine: Vec<AllocationInfo> = if on_handle.is_empty() {
+        match call.args.legacy_handle() {
+            Some(legacy) => {
+                let on_legacy = ipam
+                    .allocations_by_handle(&legacy)
+                    .await
+                    .map_err(|e| from_ipam(&e))?;
+                holders.push(legacy);
+                on_legacy
             }
-            Some(info) if !interface_matches(info, call.ifname, true) => Some(format!(
-                "is held by this container for interface {:?}",
-                info.attributes
-                    .get(ATTR_INTERFACE)
-                    .cloned()
-                    .unwrap_or_default()
-            )),
-            Some(_) => None,
-        };
-        if let Some(problem) = problem {
-            return Err(CniError::with_details(
-                codes::CHECK_FAILED,
-                format!(
-                    "address {ip} of attachment {} / {} {problem}",
-                    call.container_id, call.ifname
-                ),
-                format!("expected handle {handle:?}"),
-            ));
+            None => Vec::new(),
         }
+    } else {
+        attachment_allocations(&on_handle, call.ifname)
+            .into_iter()
+            .cloned()
+            .collect()
+    };
+    let failed = |msg: String| {
+        CniError::with_details(
+            codes::CHECK_FAILED,
+            msg,
+            format!("expected handle {:?}", holders.join(" or ")),
+        )
+    };
+    let attachment = format!("attachment {} / {}", call.container_id, call.ifname);
+    let held: BTreeSet<IpAddr> = mine.iter().map(|info| info.ip).collect();
+    if let Some(prev) = &call.conf.prev_result {
+        let expected = prev_result_addresses(prev)?;
+        let pools = ipam.list_pools().await.map_err(|e| from_ipam(&e))?;
+        for ip in &expected {
+            if held.contains(ip) || !pools.iter().any(|p| p.cidr.contains(ip)) {
+                continue;
+            }
+            let info = ipam.get_assignment(*ip).await.map_err(|e| from_ipam(&e))?;
+            let problem = match &info {
+                None => "is not allocated".to_owned(),
+                Some(info) if !holders.contains(&info.handle) => {
+                    format!("is held by handle {:?}", info.handle)
+                }
+                Some(info) => match info.attributes.get(ATTR_INTERFACE) {
+                    Some(ifname) => format!("is held by this container for interface {ifname:?}"),
+                    None => "is held by this container without a recorded interface, so not provably by this attachment".to_owned(),
+                },
+            };
+            return Err(failed(format!("address {ip} of {attachment} {problem}")));
+        }
+        if let Some(missing) = held.iter().find(|ip| !expected.contains(ip)) {
+            return Err(failed(format!(
+                "address {missing} is held by {attachment} but is not in prevResult"
+            )));
+        }
+    }
+    if held.is_empty() {
+        return Err(failed(format!(
+            "{attachment} holds no address on network {:?}",
+            call.conf.name
+        )));
     }
     Ok(())
 }
@@ -510,6 +682,28 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     };
     let config = ipam.get_config().await.map_err(unreachable)?;
     let usage = ipam.utilization().await.map_err(unreachable)?;
+    let pools: Vec<Pool> = usage.pools.iter().map(|p| p.pool.clone()).collect();
+    let skip_edges = may_report_block_prefix(conf, &pools);
+    // Which block edges are taken matters only for a block with one or two free addresses.
+    let ambiguous = usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
+    let allocated: BTreeSet<IpAddr> = if skip_edges && ambiguous {
+        ipam.list_allocations()
+            .await
+            .map_err(unreachable)?
+            .into_iter()
+            .map(|a| a.ip)
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    let usable = Usable {
+        skip_edges,
+        allocated: &allocated,
+    };
     for (family, wanted, requested) in [
         (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
         (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
@@ -517,7 +711,8 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         if !wanted {
             continue;
         }
-        if let Err(why) = family_available(conf, &usage, &config, node, family, requested) {
+        if let Err(why) = family_available(conf, &usage, &config, node, family, requested, &usable)
+        {
             return Err(CniError::new(
                 codes::PLUGIN_NOT_AVAILABLE,
                 format!("node {node:?} cannot get an {family} address: {why}"),
@@ -527,6 +722,38 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     Ok(())
 }
 
+/// Which free addresses of a block an ADD can be given.
+struct Usable<'a> {
+    /// ADD skips block edges ([`may_report_block_prefix`]).
+    skip_edges: bool,
+    /// Every allocated address (read only when it matters).
+    allocated: &'a BTreeSet<IpAddr>,
+}
+
+impl Usable<'_> {
+    /// True when an ADD can be given one of the block's free addresses.
+    fn has_room(&self, block: &BlockUsage) -> bool {
+        if !self.skip_edges {
+            return block.free > 0;
+        }
+        let free_edges = block_edges(block.cidr)
+            .iter()
+            .filter(|ip| !self.allocated.contains(ip))
+            .count() as u64;
+        block.free > free_edges
+    }
+}
+
+/// A block's network and last address when it has them as edges (IPv4 blocks larger than /31,
+/// IPv6 blocks larger than /127): what `skip_block_edges` never hands out.
+fn block_edges(block: IpNet) -> Vec<IpAddr> {
+    if block.max_prefix_len() - block.prefix_len() >= 2 {
+        vec![block.network(), block.broadcast()]
+    } else {
+        Vec::new()
+    }
+}
+
 fn family_available(
     conf: &NetConf,
     usage: &Utilization,
@@ -534,6 +761,7 @@ fn family_available(
     node: &str,
     family: Family,
     requested: &[String],
+    usable: &Usable<'_>,
 ) -> Result<(), String> {
     // Netconf pools not created yet will be on the next ADD: they count as available.
     let pending: Vec<&ipam_core::PoolSpec> = conf
@@ -580,7 +808,7 @@ fn family_available(
         return Err("there is no enabled pool".into());
     }
     let blocks = || candidates.iter().flat_map(|p| p.blocks.iter());
-    if blocks().any(|b| b.host.as_deref() == Some(node) && b.free > 0) {
+    if blocks().any(|b| b.host.as_deref() == Some(node) && usable.has_room(b)) {
         return Ok(());
     }
     if config.auto_allocate_blocks {
@@ -607,7 +835,7 @@ fn family_available(
             return Ok(());
         }
     }
-    if !config.strict_affinity && blocks().any(|b| b.free > 0) {
+    if !config.strict_affinity && blocks().any(|b| usable.has_room(b)) {
         return Ok(());
     }
     let names: Vec<&str> = candidates.iter().map(|p| p.pool.name.as_str()).collect();

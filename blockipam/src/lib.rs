@@ -40,9 +40,9 @@ pub const ABOUT: &str = concat!(
     ": CNI IPAM plugin with Calico's block-affinity allocator on sled, redb or etcd v3; CNI spec 0.1.0, 0.2.0, 0.3.0, 0.3.1, 0.4.0, 1.0.0, 1.1.0"
 );
 
-/// Longest an etcd connection attempt may take (capped by the call's deadline).
+/// Longest an etcd connection attempt may take (see [`etcd_timeouts`]).
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest one etcd request may take (capped by the call's deadline).
+/// Longest one etcd request may take (see [`etcd_timeouts`]).
 const ETCD_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest accepted interface name (Linux `IFNAMSIZ` - 1).
 const MAX_IFNAME_LEN: usize = 15;
@@ -305,7 +305,10 @@ fn serve(command: Command, env: &CniEnv, conf: &NetConf) -> Result<Option<Value>
         _ => CniArgs::default(),
     };
     let node = resolve_nodename(conf)?;
-    let outcome = locked(command, env, conf, &args, &node);
+    // Another call of this node holding the host lock beyond the wait is code 11 for every
+    // command, STATUS included: it clears up by itself, the plugin is not unavailable.
+    let lock = LockFile::acquire(&conf.lock_file, conf.lock_wait).map_err(|e| from_lock(&e))?;
+    let outcome = locked(command, env, conf, &args, &node, lock);
     if command == Command::Status {
         // STATUS speaks in one code: the plugin is not available, and why.
         return outcome.map_err(|e| match e.code {
@@ -329,8 +332,8 @@ fn locked(
     conf: &NetConf,
     args: &CniArgs,
     node: &str,
+    lock: LockFile,
 ) -> Result<Option<Value>, CniError> {
-    let lock = LockFile::acquire(&conf.lock_file, conf.lock_wait).map_err(|e| from_lock(&e))?;
     fault::point(FaultPoint::HoldingLock);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -355,6 +358,16 @@ fn locked(
     outcome
 }
 
+/// The etcd connect and request timeouts under the call's `deadline`: 5 s and 10 s, so that a
+/// dead endpoint is given up in time to try another; a timeout that could not fire before the
+/// deadline is moved past it, so that a silent etcd always ends the call with the deadline's own
+/// error (naming `timeout_seconds`) instead of whichever of two equal timers fires first.
+fn etcd_timeouts(deadline: Duration) -> (Duration, Duration) {
+    let beyond_deadline = deadline + Duration::from_secs(1);
+    let under = |cap: Duration| if cap < deadline { cap } else { beyond_deadline };
+    (under(ETCD_CONNECT_TIMEOUT), under(ETCD_REQUEST_TIMEOUT))
+}
+
 async fn with_store(
     command: Command,
     env: &CniEnv,
@@ -367,10 +380,7 @@ async fn with_store(
     // creates the store. Any other call fails on a missing store rather than hand out addresses
     // from an empty new one while the lost store's (a deleted file, an unmounted volume) are in use.
     settings.create_if_missing = !conf.pools.is_empty();
-    settings.etcd_timeouts = Some((
-        ETCD_CONNECT_TIMEOUT.min(conf.timeout),
-        ETCD_REQUEST_TIMEOUT.min(conf.timeout),
-    ));
+    settings.etcd_timeouts = Some(etcd_timeouts(conf.timeout));
     tracing::debug!(store = %settings.describe(), "opening the store");
     let store = settings.open().await.map_err(|e| from_kv(&e, true))?;
     let ipam = Ipam::new(store);

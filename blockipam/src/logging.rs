@@ -3,8 +3,9 @@
 //! Logging: `tracing` events of this plugin and the store crates, at `log_level`, to stderr or
 //! `log_file_path`; never to stdout.
 
-use std::fs::OpenOptions;
+use std::fs::{DirBuilder, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -111,9 +112,19 @@ pub fn dispatch(level: LogLevel, sink: Sink, log_file: Option<&Path>) -> Dispatc
     dispatch
 }
 
+/// Opens `path` for appending. The log holds pod names and addresses, so a file (and any
+/// missing directory) this creates is its owner's only (0600, directories 0700); an existing
+/// file's mode is the operator's and is left as it is.
 fn open_log_file(path: &Path) -> std::io::Result<std::fs::File> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)?;
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(parent)?;
     }
-    OpenOptions::new().create(true).append(true).open(path)
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
 }

@@ -120,11 +120,15 @@ pub struct NetConf {
     pub gateways: Vec<IpAddr>,
     /// `ipam.routes`: when set, exactly these routes are returned.
     pub routes: Option<Vec<RouteConf>>,
-    /// Specific addresses from `args.cni.ips` and `runtimeConfig.ips`.
-    pub requested_ips: Vec<IpAddr>,
+    /// `args.cni.ips` when the key is present (an empty list included): then `CNI_ARGS` `IP` is
+    /// ignored, as the CNI conventions require.
+    pub args_ips: Option<Vec<IpAddr>>,
+    /// `runtimeConfig.ips` (the `ips` capability).
+    pub runtime_ips: Vec<IpAddr>,
     /// `prevResult`, as given.
     pub prev_result: Option<Value>,
-    /// `cni.dev/valid-attachments` (or the older `cni.dev/attachments`).
+    /// `cni.dev/valid-attachments` (or the older `cni.dev/attachments`); `null` is an empty list
+    /// (what libcni and ocicni send for a network with no live attachment), a missing key `None`.
     pub valid_attachments: Option<Vec<Attachment>>,
 }
 
@@ -492,20 +496,21 @@ pub fn parse_netconf(
         }
     };
 
-    let mut requested_ips = Vec::new();
+    let mut args_ips = None;
     if let Some(args) = top.get("args").filter(|v| !v.is_null()) {
         let args = object("args", args)?;
         if let Some(cni) = args.get("cni").filter(|v| !v.is_null()) {
             let cni = object("args.cni", cni)?;
             if let Some(ips) = cni.get("ips").filter(|v| !v.is_null()) {
-                requested_ips.extend(address_list("args.cni.ips", ips)?);
+                args_ips = Some(address_list("args.cni.ips", ips)?);
             }
         }
     }
+    let mut runtime_ips = Vec::new();
     if let Some(runtime) = top.get("runtimeConfig").filter(|v| !v.is_null()) {
         let runtime = object("runtimeConfig", runtime)?;
         if let Some(ips) = runtime.get("ips").filter(|v| !v.is_null()) {
-            requested_ips.extend(address_list("runtimeConfig.ips", ips)?);
+            runtime_ips = address_list("runtimeConfig.ips", ips)?;
         }
     }
 
@@ -514,12 +519,15 @@ pub fn parse_netconf(
         Some((path, value)) => Some(Value::Object(object(&path, value)?.clone())),
     };
 
-    let valid_attachments = match source
-        .lookup("cni.dev/valid-attachments", Scope::Top)
-        .or_else(|| source.lookup("cni.dev/attachments", Scope::Top))
+    // The spec makes the key mandatory for GC, so a missing key stays `None` (GC refuses it);
+    // `null` is how Go runtimes marshal an empty list, so it is one.
+    let valid_attachments = match ["cni.dev/valid-attachments", "cni.dev/attachments"]
+        .into_iter()
+        .find_map(|key| top.get(key).map(|value| (key, value)))
     {
         None => None,
-        Some((path, value)) => Some(parse_attachments(&path, value)?),
+        Some((_, Value::Null)) => Some(Vec::new()),
+        Some((path, value)) => Some(parse_attachments(path, value)?),
     };
 
     Ok(NetConf {
@@ -541,7 +549,8 @@ pub fn parse_netconf(
         pools,
         gateways,
         routes,
-        requested_ips,
+        args_ips,
+        runtime_ips,
         prev_result,
         valid_attachments,
     })

@@ -193,13 +193,15 @@ fn gateway_network_and_broadcast_addresses_are_reserved_once_and_never_handed_ou
 }
 
 #[test]
-fn without_a_gateway_addresses_carry_their_block_prefix_and_no_redundant_route() {
+fn without_a_gateway_addresses_carry_their_block_prefix_are_host_addresses_of_it_and_get_no_route()
+{
     let sandbox = Sandbox::new();
     let netconf = sandbox.netconf("1.0.0", json!({"gateway": null}));
     let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
+    // The node's block is 10.244.7.192/26: its network address .192 is never handed out.
     assert_eq!(
         result,
-        json!({"cniVersion": "1.0.0", "ips": [{"address": "10.244.7.192/26"}], "dns": {}})
+        json!({"cniVersion": "1.0.0", "ips": [{"address": "10.244.7.193/26"}], "dns": {}})
     );
     assert!(sandbox
         .allocations()
@@ -569,4 +571,108 @@ fn with_the_gateway_in_the_pool_no_route_covers_part_of_the_on_link_subnet() {
         }),
         "a route for the address's block via the gateway sends same-subnet traffic through the host"
     );
+}
+
+#[test]
+fn reservations_in_a_nodes_block_under_strict_affinity_never_make_add_fail() {
+    let sandbox = Sandbox::new();
+    // The pools exist, without reservations yet; node-a owns the blocks holding the pool's
+    // network address and gateway (10.244.7.0/26) and its broadcast address (10.244.7.192/26).
+    let no_gateway = sandbox.netconf("1.0.0", json!({"gateway": null}));
+    cni("ADD", "first", "eth0", &no_gateway, &[]).success_json("ADD without gateway");
+    sandbox.with_ipam(async |ipam| {
+        for block in ["10.244.7.0/26", "10.244.7.192/26"] {
+            ipam.claim_affinity(NODE, block.parse().expect("block"))
+                .await
+                .expect("claim");
+        }
+        ipam.set_config(&ipam_core::IpamConfig {
+            strict_affinity: true,
+            ..ipam_core::IpamConfig::default()
+        })
+        .await
+        .expect("strict affinity");
+    });
+    // Now the gateway is configured: every ADD, from any node, reserves and succeeds.
+    for (node, container) in [
+        (NODE, "a1"),
+        ("node-b", "b1"),
+        (NODE, "a2"),
+        ("node-b", "b2"),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", json!({"nodename": node}));
+        let result = cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
+        let address = first_address(&result);
+        assert!(
+            !["10.244.7.0", "10.244.7.1", "10.244.7.255"].contains(&address.as_str()),
+            "{container} got the reserved {address}"
+        );
+    }
+    let mut reserved = held_by(&sandbox, "testnet:gateway");
+    reserved.retain(|ip| ip.starts_with("10."));
+    assert_eq!(reserved, vec!["10.244.7.0", "10.244.7.1", "10.244.7.255"]);
+}
+
+#[test]
+fn without_a_gateway_every_address_is_a_host_address_of_its_prefix_until_the_pool_is_exhausted() {
+    let sandbox = Sandbox::new();
+    // Two /29 blocks, each reported as its own /29: six host addresses each.
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"pools": [{"cidr": "10.47.0.0/28", "block_size": 29}], "gateway": null}),
+    );
+    let mut given = std::collections::BTreeSet::new();
+    for i in 0..=16 {
+        let outcome = cni("ADD", &format!("c{i}"), "eth0", &netconf, &[]);
+        if outcome.status != 0 {
+            let msg = outcome.assert_error(100, "the pool is exhausted");
+            assert!(msg.contains("no free IPv4 address"), "{msg}");
+            break;
+        }
+        let result = outcome.json();
+        let text = result["ips"][0]["address"].as_str().expect("address");
+        let reported: ipnet::Ipv4Net = text.parse().expect("prefix");
+        assert_eq!(reported.prefix_len(), 29, "{text}");
+        assert!(
+            reported.addr() != reported.network() && reported.addr() != reported.broadcast(),
+            "{text} is the network or broadcast address of the prefix it is reported with"
+        );
+        assert!(given.insert(reported.addr()), "{text} handed out twice");
+        assert!(i < 16, "more ADDs succeeded than the pool has addresses");
+    }
+    assert_eq!(given.len(), 12, "{given:?}");
+}
+
+#[test]
+fn a_requested_address_that_is_no_host_address_of_its_prefix_is_refused() {
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"pools": [{"cidr": "10.47.0.0/28", "block_size": 29}], "gateway": null}),
+    );
+    let mut prime = netconf.clone();
+    merge(&mut prime, json!({"runtimeConfig": {"ips": ["10.47.0.2"]}}));
+    cni("ADD", "prime", "eth0", &prime, &[]).success_json("prime");
+    let before = sandbox.snapshot();
+    for (address, what) in [("10.47.0.8", "network"), ("10.47.0.15", "broadcast")] {
+        let mut asking = netconf.clone();
+        merge(&mut asking, json!({"runtimeConfig": {"ips": [address]}}));
+        let msg = cni("ADD", "c1", "eth0", &asking, &[]).assert_error(7, address);
+        assert!(
+            msg.contains(address) && msg.contains(what) && msg.contains("10.47.0.8/29"),
+            "{msg}"
+        );
+    }
+    assert_eq!(
+        sandbox.snapshot(),
+        before,
+        "a refused ADD changed the store"
+    );
+    let mut asking = netconf.clone();
+    merge(
+        &mut asking,
+        json!({"runtimeConfig": {"ips": ["10.47.0.9"]}}),
+    );
+    let result = cni("ADD", "c1", "eth0", &asking, &[]).success_json("a host address");
+    assert_eq!(result["ips"][0]["address"], json!("10.47.0.9/29"));
 }

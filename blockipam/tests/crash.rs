@@ -262,6 +262,15 @@ impl Churn<'_> {
             self.set(container, Held::Unknown);
             return;
         }
+        if matches!(kind, Some(Kind::HoldingLock | Kind::BeforeReply)) {
+            // Every call that succeeds passes both points: the binary is not armed.
+            self.fail(format!(
+                "{container}: {} never fired in a successful call: is {} built with the \
+                 fault-injection feature (and not rebuilt without it meanwhile)?",
+                kind.map(Kind::name).unwrap_or_default(),
+                common::BIN
+            ));
+        }
         if done.command == "ADD" {
             self.added(container, before, done.addresses());
         } else {
@@ -291,9 +300,21 @@ fn crash_churn(store_type: DatastoreType) {
     let what = format!("{} (seed {seed})", store_type.as_str());
 
     // The first call of a node creates the store and the pool: not part of the churn.
-    let first = call(0, &fleet.netconf(0, "1.0.0", json!({})), "ADD", "warm-up", &Sabotage::None);
+    let first = call(
+        0,
+        &fleet.netconf(0, "1.0.0", json!({})),
+        "ADD",
+        "warm-up",
+        &Sabotage::None,
+    );
     assert!(first.succeeded(), "{what}: warm-up ADD: {first:#?}");
-    let del = call(0, &fleet.netconf(0, "1.0.0", json!({})), "DEL", "warm-up", &Sabotage::None);
+    let del = call(
+        0,
+        &fleet.netconf(0, "1.0.0", json!({})),
+        "DEL",
+        "warm-up",
+        &Sabotage::None,
+    );
     assert!(del.succeeded(), "{what}: warm-up DEL: {del:#?}");
 
     let churn = Churn {
@@ -418,7 +439,10 @@ fn crash_churn(store_type: DatastoreType) {
         let netconf = fleet.netconf(node, "1.0.0", json!({}));
         for container in containers_of(node) {
             let gone = call(node, &netconf, "DEL", &container, &Sabotage::None);
-            assert!(gone.succeeded(), "{what}: final DEL of {container}: {gone:#?}");
+            assert!(
+                gone.succeeded(),
+                "{what}: final DEL of {container}: {gone:#?}"
+            );
         }
     }
     let leaked: Vec<String> = fleet
@@ -427,15 +451,24 @@ fn crash_churn(store_type: DatastoreType) {
         .filter(|a| !is_reservation(&a.handle))
         .map(|a| format!("{} held by {}", a.ip, a.handle))
         .collect();
-    assert!(leaked.is_empty(), "{what}: leaked after DEL of everything: {leaked:#?}");
+    assert!(
+        leaked.is_empty(),
+        "{what}: leaked after DEL of everything: {leaked:#?}"
+    );
     let handles: Vec<String> = fleet
         .handles()
         .into_iter()
         .filter(|h| !is_reservation(h))
         .collect();
-    assert!(handles.is_empty(), "{what}: handles left behind: {handles:?}");
+    assert!(
+        handles.is_empty(),
+        "{what}: handles left behind: {handles:?}"
+    );
     let last = fleet.ctl(&["check"]);
-    assert_eq!(last.status, 0, "{what}: check after the clean-up: {last:#?}");
+    assert_eq!(
+        last.status, 0,
+        "{what}: check after the clean-up: {last:#?}"
+    );
 
     let by_kind = |counts: &BTreeMap<Kind, usize>| {
         Kind::ALL
@@ -508,7 +541,11 @@ fn every_fault_point_aborts_the_real_plugin_and_a_retry_succeeds() {
         );
         assert_eq!(crashed.stdout, "", "a crashed plugin printed a result");
         let retry = call(0, &netconf, "ADD", &container, &Sabotage::None);
-        assert!(retry.succeeded(), "retry after {}: {retry:#?}", point.name());
+        assert!(
+            retry.succeeded(),
+            "retry after {}: {retry:#?}",
+            point.name()
+        );
     }
     let held: BTreeSet<String> = fleet
         .allocations()

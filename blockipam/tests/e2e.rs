@@ -309,6 +309,10 @@ fn two_containers_ping_each_other(
     let args = format!("IgnoreUnknown=1;IP={ip2}");
     let reused = add(c3, &args);
     assert_eq!(first_address(&reused), ip2, "{reused}");
+    // c3 first, so that on a bridge c1 learns c3's hardware address for it (c1 still has c2's
+    // cached).
+    let answered = ping(c3.1, &ip1);
+    assert_eq!(answered.status, 0, "c3 cannot reach c1: {answered:#?}");
     let answered = ping(c1.1, &ip2);
     assert_eq!(
         answered.status, 0,

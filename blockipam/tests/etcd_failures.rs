@@ -174,6 +174,8 @@ struct Churn {
     /// Calls made, and calls that answered code 11 and were retried.
     calls: AtomicUsize,
     retried: AtomicUsize,
+    /// Calls in which the store moved to another endpoint after a failure (from the debug log).
+    failed_over: AtomicUsize,
     /// Addresses of containers whose ADD succeeded and whose DEL has not started: each must
     /// belong to exactly one of them.
     live: Mutex<BTreeMap<IpAddr, String>>,
@@ -195,6 +197,9 @@ impl Churn {
         for _ in 0..ATTEMPTS {
             self.calls.fetch_add(1, Ordering::SeqCst);
             let outcome = run_plugin(command, container, netconf);
+            if outcome.stderr.contains("etcd request failed, retrying") {
+                self.failed_over.fetch_add(1, Ordering::SeqCst);
+            }
             if outcome.status == 0 {
                 return Some(outcome);
             }
@@ -273,6 +278,32 @@ impl Churn {
     }
 }
 
+/// Rounds of faults (a follower, then the leader, killed and restarted) in the churn test:
+/// `BLOCKIPAM_ETCD_FAULT_ROUNDS`, 1 by default (CI).
+fn fault_rounds() -> usize {
+    std::env::var("BLOCKIPAM_ETCD_FAULT_ROUNDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .filter(|rounds| *rounds > 0)
+        .unwrap_or(1)
+}
+
+/// Kills `member` (`SIGKILL`) while the churn runs, checks that some call noticed, restarts it.
+fn kill_and_restart(cluster: &mut EtcdCluster, member: usize, churn: &Churn, which: &str) {
+    let failed_over = churn.failed_over.load(Ordering::SeqCst);
+    cluster.member_mut(member).stop();
+    churn.wait_for_steps(15, &format!("with {which} down"));
+    assert!(
+        churn.failed() || churn.failed_over.load(Ordering::SeqCst) > failed_over,
+        "no call noticed that {which} was down"
+    );
+    cluster
+        .member_mut(member)
+        .restart()
+        .unwrap_or_else(|e| panic!("restart {which}: {e}"));
+    churn.wait_for_steps(6, &format!("after {which} came back"));
+}
+
 #[test]
 fn a_follower_or_the_leader_killed_during_churn_costs_only_code_11_retries() {
     let mut cluster = cluster();
@@ -283,12 +314,17 @@ fn a_follower_or_the_leader_killed_during_churn_costs_only_code_11_retries() {
         .iter()
         .enumerate()
         .map(|(node, sandbox)| {
+            // Each node lists the members in another order, so every member is some node's
+            // first choice and a killed member is always noticed by a client.
+            let mut endpoints = endpoints.clone();
+            let first = node % endpoints.len();
+            endpoints.rotate_left(first);
             netconf_on(
                 sandbox,
                 &endpoints,
                 &prefix,
                 &format!("node-{node}"),
-                json!({"timeout_seconds": 5}),
+                json!({"timeout_seconds": 5, "log_level": "debug"}),
             )
         })
         .collect();
@@ -303,27 +339,28 @@ fn a_follower_or_the_leader_killed_during_churn_costs_only_code_11_retries() {
         .collect();
 
     churn.wait_for_steps(6, "before any fault");
-    let leader = cluster
-        .wait_for_leader(Duration::from_secs(20))
-        .expect("a leader");
-    let follower = (leader + 1) % 3;
-    cluster.member_mut(follower).stop();
-    churn.wait_for_steps(15, "with a follower down");
-    cluster
-        .member_mut(follower)
-        .restart()
-        .expect("restart the follower");
-    churn.wait_for_steps(6, "after the follower came back");
-    let leader = cluster
-        .wait_for_leader(Duration::from_secs(20))
-        .expect("a leader");
-    cluster.member_mut(leader).stop();
-    churn.wait_for_steps(15, "with the leader down");
-    cluster
-        .member_mut(leader)
-        .restart()
-        .expect("restart the old leader");
-    churn.wait_for_steps(6, "after the old leader came back");
+    let rounds = fault_rounds();
+    for round in 1..=rounds {
+        let leader = cluster
+            .wait_for_leader(Duration::from_secs(20))
+            .expect("a leader");
+        let follower = (leader + 1) % 3;
+        kill_and_restart(
+            &mut cluster,
+            follower,
+            &churn,
+            &format!("a follower, round {round}"),
+        );
+        let leader = cluster
+            .wait_for_leader(Duration::from_secs(20))
+            .expect("a leader");
+        kill_and_restart(
+            &mut cluster,
+            leader,
+            &churn,
+            &format!("the leader, round {round}"),
+        );
+    }
     churn.stop.store(true, Ordering::SeqCst);
 
     let mut survivors: Vec<(usize, String, IpAddr)> = Vec::new();
@@ -351,9 +388,10 @@ fn a_follower_or_the_leader_killed_during_churn_costs_only_code_11_retries() {
         assert_check_clean(ipam, "after every DEL").await;
     });
     eprintln!(
-        "churn figures: {} steps, {} plugin calls, {} answered code 11 and were retried, 0 duplicates, 0 leaks",
+        "churn figures: {} steps, {} plugin calls, {} of them moved to another endpoint, {} answered code 11 and were retried, 0 duplicates, 0 leaks",
         churn.steps.load(Ordering::SeqCst),
         churn.calls.load(Ordering::SeqCst),
+        churn.failed_over.load(Ordering::SeqCst),
         churn.retried.load(Ordering::SeqCst)
     );
 }
@@ -394,6 +432,7 @@ fn without_quorum_calls_fail_with_code_11_by_their_deadline_and_service_resumes(
     ] {
         let outcome = run_plugin(command, container, conf);
         let message = outcome.assert_error(11, &format!("{command} without quorum"));
+        eprintln!("{command} without quorum: code 11: {message}");
         assert!(
             message.contains("store unavailable")
                 || message.contains(&format!(
@@ -496,7 +535,12 @@ impl LossyProxy {
 
 /// Client to etcd: forwards HTTP/2 frame by frame, and mutes the connection just before
 /// forwarding the write transaction when the proxy is armed.
-fn pump_requests(mut client: TcpStream, mut server: TcpStream, muted: &AtomicBool, shared: &ProxyShared) {
+fn pump_requests(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    muted: &AtomicBool,
+    shared: &ProxyShared,
+) {
     const PREFACE_LEN: usize = 24;
     const FRAME_HEADER_LEN: usize = 9;
     let mut pending: Vec<u8> = Vec::new();
@@ -572,7 +616,9 @@ fn data_without_padding(payload: &[u8], flags: u8) -> &[u8] {
         return payload;
     }
     match payload.split_first() {
-        Some((&pad, rest)) if usize::from(pad) <= rest.len() => &rest[..rest.len() - usize::from(pad)],
+        Some((&pad, rest)) if usize::from(pad) <= rest.len() => {
+            &rest[..rest.len() - usize::from(pad)]
+        }
         _ => &[],
     }
 }
@@ -892,7 +938,9 @@ fn an_unknown_outcome_at_any_commit_of_add_and_del_leaves_no_duplicate_and_no_le
     block_on(async {
         let baseline = Arc::new(UnknownOutcomeStore::new(None));
         let ipam = Ipam::new(baseline.clone());
-        let expected = run_sequence(&ipam).await.expect("the sequence without faults");
+        let expected = run_sequence(&ipam)
+            .await
+            .expect("the sequence without faults");
         assert_eq!(container_allocations(&ipam).await, expected);
         let commits = baseline.commits.load(Ordering::SeqCst);
         assert!(commits >= SEQUENCE.len(), "only {commits} commits");
@@ -905,7 +953,11 @@ fn an_unknown_outcome_at_any_commit_of_add_and_del_leaves_no_duplicate_and_no_le
                 let live = run_sequence(&ipam)
                     .await
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
-                assert_eq!(store.fired.load(Ordering::SeqCst), 1, "{what}: not injected");
+                assert_eq!(
+                    store.fired.load(Ordering::SeqCst),
+                    1,
+                    "{what}: not injected"
+                );
                 // Same holders as without the fault (addresses may differ), and exactly what
                 // they were given is allocated: no duplicate, no leak.
                 assert_eq!(

@@ -20,8 +20,6 @@ const V4: &str = "10.244.7.64/24";
 const V6: &str = "fd00:10:244::c0/120";
 const GW4: &str = "10.244.7.1";
 const GW6: &str = "fd00:10:244::1";
-const BLOCK4: &str = "10.244.7.64/26";
-const BLOCK6: &str = "fd00:10:244::c0/122";
 
 fn dual_stack() -> Value {
     json!({"assign_ipv6": "true"})
@@ -31,8 +29,8 @@ fn expected_add_result(version: &str) -> Value {
     match version {
         "0.1.0" | "0.2.0" => json!({
             "cniVersion": version,
-            "ip4": {"ip": V4, "gateway": GW4, "routes": [{"dst": BLOCK4, "gw": GW4}]},
-            "ip6": {"ip": V6, "gateway": GW6, "routes": [{"dst": BLOCK6, "gw": GW6}]},
+            "ip4": {"ip": V4, "gateway": GW4},
+            "ip6": {"ip": V6, "gateway": GW6},
             "dns": {}
         }),
         "0.3.0" | "0.3.1" | "0.4.0" => json!({
@@ -41,7 +39,6 @@ fn expected_add_result(version: &str) -> Value {
                 {"version": "4", "address": V4, "gateway": GW4},
                 {"version": "6", "address": V6, "gateway": GW6}
             ],
-            "routes": [{"dst": BLOCK4, "gw": GW4}, {"dst": BLOCK6, "gw": GW6}],
             "dns": {}
         }),
         _ => json!({
@@ -50,7 +47,6 @@ fn expected_add_result(version: &str) -> Value {
                 {"address": V4, "gateway": GW4},
                 {"address": V6, "gateway": GW6}
             ],
-            "routes": [{"dst": BLOCK4, "gw": GW4}, {"dst": BLOCK6, "gw": GW6}],
             "dns": {}
         }),
     }
@@ -507,7 +503,8 @@ fn exhausted_pool_is_code_100_and_changes_nothing() {
         "gateway": null
     });
     let netconf = sandbox.netconf("1.0.0", small);
-    for container in ["a", "b", "c", "d"] {
+    // Reported as its own /30, the block has two host addresses.
+    for container in ["a", "b"] {
         cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
     }
     let msg = failed_add_leaves_store_unchanged(&sandbox, &netconf, &[], 100);
@@ -531,9 +528,8 @@ fn node_block_limit_is_code_101_and_changes_nothing() {
         .await
         .expect("set config");
     });
-    for container in ["b", "c", "d"] {
-        cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
-    }
+    // The holder's /30 has one more host address.
+    cni("ADD", "b", "eth0", &netconf, &[]).success_json("b");
     let msg = failed_add_leaves_store_unchanged(&sandbox, &netconf, &[], 101);
     assert!(msg.contains("block limit"), "{msg}");
 }
@@ -692,9 +688,11 @@ fn status_is_code_50_when_this_node_cannot_get_an_address() {
         json!({"pools": [{"cidr": "10.244.9.0/30", "block_size": 30}], "gateway": null}),
     );
     cni("STATUS", "", "", &netconf, &[]).assert_silent_success("fresh store");
-    for container in ["a", "b", "c", "d"] {
+    for container in ["a", "b"] {
         cni("ADD", container, "eth0", &netconf, &[]).success_json(container);
     }
+    // The block's network and broadcast addresses are free, but no ADD can have them.
+    cni("ADD", "c", "eth0", &netconf, &[]).assert_error(100, "full pool");
     let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(50, "full pool");
     assert!(msg.contains("cannot get an IPv4 address"), "{msg}");
     cni("DEL", "a", "eth0", &netconf, &[]).assert_silent_success("DEL");

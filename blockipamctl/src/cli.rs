@@ -166,7 +166,7 @@ pub struct PoolAddArgs {
     /// Pool name [default: the CIDR with '/' replaced by '-', e.g. 10.0.0.0-16]
     #[arg(long, value_name = "NAME")]
     pub name: Option<String>,
-    /// Block prefix length: IPv4 20..=32 (default 26), IPv6 116..=128 (default 122).
+    /// Block prefix length: IPv4 23..=32 (default 26), IPv6 119..=128 (default 122).
     #[arg(long, value_name = "PREFIX_LEN")]
     pub block_size: Option<u8>,
     /// Create the pool disabled.

@@ -111,7 +111,10 @@ pub async fn writes_survive_a_clean_close_and_reopen<F: EmbeddedFactory>(factory
             .expect("commit");
         store.list("").await.expect("list")
     };
-    let store = factory.open_at(&loc.path, WAIT, false).await.expect("reopen");
+    let store = factory
+        .open_at(&loc.path, WAIT, false)
+        .await
+        .expect("reopen");
     let after = store.list("").await.expect("list");
     assert_eq!(after.len(), 50);
     assert_eq!(after, written, "store differs after reopen");
@@ -397,7 +400,10 @@ pub async fn empty_placeholder_at_store_path_is_an_error_without_create_if_missi
     factory: &F,
 ) {
     let loc = new_location();
-    let created = factory.open_at(&loc.path, WAIT, true).await.expect("create");
+    let created = factory
+        .open_at(&loc.path, WAIT, true)
+        .await
+        .expect("create");
     drop(created);
     let is_directory = loc.path.is_dir();
     if is_directory {
@@ -438,7 +444,10 @@ pub async fn revisions_keep_growing_after_reopen<F: EmbeddedFactory>(factory: &F
         let last = store.put("b", b"2".to_vec()).await.expect("put");
         store.delete("b").await.expect("delete").max(last)
     };
-    let store = factory.open_at(&loc.path, WAIT, false).await.expect("reopen");
+    let store = factory
+        .open_at(&loc.path, WAIT, false)
+        .await
+        .expect("reopen");
     let next = store.put("c", b"3".to_vec()).await.expect("put");
     assert!(
         next > last,
@@ -645,7 +654,10 @@ pub async fn two_processes_cas_increments_sum_exactly<F: EmbeddedFactory>(factor
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let store = factory.open_at(&loc.path, WAIT, false).await.expect("reopen");
+    let store = factory
+        .open_at(&loc.path, WAIT, false)
+        .await
+        .expect("reopen");
     let (count, _) = read_counter(&*store, "counter")
         .await
         .expect("read counter");

@@ -127,6 +127,7 @@ macro_rules! ipam_conformance_tests {
             random_operation_sequences_keep_every_invariant,
         );
         $crate::ipam_integrity_tests!($factory);
+        $crate::model_based_conformance_tests!($factory);
     };
 }
 

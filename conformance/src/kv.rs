@@ -673,7 +673,10 @@ pub async fn concurrent_cas_increments_sum_exactly<F: StoreFactory>(factory: &F)
         WORKERS * INCREMENTS
     );
     let won = forced.iter().filter(|r| **r == ForcedRace::Won).count();
-    let conflicts = forced.iter().filter(|r| **r == ForcedRace::Conflict).count();
+    let conflicts = forced
+        .iter()
+        .filter(|r| **r == ForcedRace::Conflict)
+        .count();
     let unavailable = WORKERS - won - conflicts;
     assert!(
         won <= 1,

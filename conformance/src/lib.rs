@@ -6,6 +6,7 @@ pub mod integrity;
 pub mod ipam;
 pub mod kv;
 pub mod linearizability;
+pub mod model_based;
 
 use std::any::Any;
 use std::fmt;

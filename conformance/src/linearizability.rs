@@ -298,9 +298,7 @@ impl State {
                         }
                         let changes = writes.iter().any(|w| match w {
                             Write::Put(..) => true,
-                            Write::Delete(key) => {
-                                self.keys.get(*key).copied().flatten().is_some()
-                            }
+                            Write::Delete(key) => self.keys.get(*key).copied().flatten().is_some(),
                         });
                         let in_order = if changes {
                             *rev > self.last
@@ -534,16 +532,10 @@ async fn run_worker(
             (Call::List, None)
         } else {
             let (conditions, writes) = if roll < 42 {
-                (
-                    vec![Cond::Absent(key)],
-                    vec![Write::Put(key, fresh_value)],
-                )
+                (vec![Cond::Absent(key)], vec![Write::Put(key, fresh_value)])
             } else if roll < 62 {
                 let rev = aimed_revision(&mut rng, &seen, key);
-                (
-                    vec![Cond::At(key, rev)],
-                    vec![Write::Put(key, fresh_value)],
-                )
+                (vec![Cond::At(key, rev)], vec![Write::Put(key, fresh_value)])
             } else if roll < 70 {
                 let rev = aimed_revision(&mut rng, &seen, key);
                 (vec![Cond::At(key, rev)], vec![Write::Delete(key)])
@@ -674,16 +666,20 @@ async fn commit_through_helper(
         ([Condition::Absent { key: tested }], [Op::Put { key, value }]) if tested == key => {
             store.create(key, value.clone()).await
         }
-        ([Condition::AtRevision { key: tested, revision }], [Op::Put { key, value }])
-            if tested == key =>
-        {
-            store.update(key, *revision, value.clone()).await
-        }
-        ([Condition::AtRevision { key: tested, revision }], [Op::Delete { key }])
-            if tested == key =>
-        {
-            store.delete_at(key, *revision).await
-        }
+        (
+            [Condition::AtRevision {
+                key: tested,
+                revision,
+            }],
+            [Op::Put { key, value }],
+        ) if tested == key => store.update(key, *revision, value.clone()).await,
+        (
+            [Condition::AtRevision {
+                key: tested,
+                revision,
+            }],
+            [Op::Delete { key }],
+        ) if tested == key => store.delete_at(key, *revision).await,
         ([], [Op::Put { key, value }]) => store.put(key, value.clone()).await,
         ([], [Op::Delete { key }]) => store.delete(key).await,
         _ => store.commit(txn).await,
@@ -755,7 +751,8 @@ pub fn seeds() -> Vec<u64> {
 /// Records and checks one history per seed of [`seeds`], each on a fresh store from `fresh`.
 async fn check_seeds<Fut>(backend: &str, mut fresh: impl FnMut() -> Fut)
 where
-    Fut: std::future::Future<Output = (Vec<Arc<dyn KvStore>>, Box<dyn std::any::Any + Send + Sync>)>,
+    Fut:
+        std::future::Future<Output = (Vec<Arc<dyn KvStore>>, Box<dyn std::any::Any + Send + Sync>)>,
 {
     for seed in seeds() {
         let (clients, guard) = fresh().await;
@@ -764,9 +761,7 @@ where
             .unwrap_or_else(|e| panic!("{backend}, seed {seed}: {e}"));
         drop(guard);
         if let Err(violation) = check(&history) {
-            panic!(
-                "{backend}, seed {seed} (rerun with {SEED_ENV}={seed}): {violation}"
-            );
+            panic!("{backend}, seed {seed} (rerun with {SEED_ENV}={seed}): {violation}");
         }
         let committed = history
             .iter()
@@ -778,11 +773,25 @@ where
             .count();
         println!(
             "{backend}, seed {seed}: {} operations linearizable ({committed} committed, \
-             {conflicts} conflicts, {} maybe applied)",
+             {conflicts} conflicts, {} maybe applied; {} pairs overlapped in time)",
             history.len(),
-            history.iter().filter(|e| !e.required()).count()
+            history.iter().filter(|e| !e.required()).count(),
+            overlapping_pairs(&history)
         );
     }
+}
+
+/// How many pairs of operations of different workers were in flight at the same time.
+pub fn overlapping_pairs(history: &[Event]) -> usize {
+    let mut pairs = 0;
+    for (i, a) in history.iter().enumerate() {
+        for b in &history[i + 1..] {
+            if a.worker != b.worker && a.invoked < b.returned && b.invoked < a.returned {
+                pairs += 1;
+            }
+        }
+    }
+    pairs
 }
 
 /// Random concurrent histories of gets, lists, compare-and-swaps, creates, deletes and multi-key
@@ -863,10 +872,7 @@ mod tests {
             event(1, 2, 3, Call::Get(0), Answer::Got(None)),
         ];
         let violation = check(&history).expect_err("stale read must be rejected");
-        assert!(
-            violation.reason.contains("not linearizable"),
-            "{violation}"
-        );
+        assert!(violation.reason.contains("not linearizable"), "{violation}");
     }
 
     #[test]
@@ -928,7 +934,13 @@ mod tests {
         check(&torn).expect_err("half a transaction is visible");
         let whole = [
             event(0, 0, 3, both, Answer::Committed(9)),
-            event(1, 1, 2, Call::List, Answer::Listed(vec![(0, 1, 9), (1, 1, 9)])),
+            event(
+                1,
+                1,
+                2,
+                Call::List,
+                Answer::Listed(vec![(0, 1, 9), (1, 1, 9)]),
+            ),
         ];
         check(&whole).expect("linearizable");
     }
@@ -1000,6 +1012,50 @@ mod tests {
             event(1, 4, 5, Call::Get(0), Answer::Got(None)),
         ];
         check(&history).expect_err("a write that was seen cannot be undone");
+    }
+
+    /// A store that answers `get` from a cache filled on first read: stale reads, as a replica
+    /// that serves reads without asking the leader would give.
+    #[derive(Debug, Default)]
+    struct CachingStore {
+        inner: ipam_core::MemoryStore,
+        cache: std::sync::Mutex<std::collections::HashMap<String, Option<ipam_core::KeyValue>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl KvStore for CachingStore {
+        async fn get(&self, key: &str) -> Result<Option<ipam_core::KeyValue>, KvError> {
+            let cached = self.cache.lock().expect("cache lock").get(key).cloned();
+            match cached {
+                Some(kv) => Ok(kv),
+                None => {
+                    let kv = self.inner.get(key).await?;
+                    self.cache
+                        .lock()
+                        .expect("cache lock")
+                        .insert(key.to_owned(), kv.clone());
+                    Ok(kv)
+                }
+            }
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Vec<ipam_core::KeyValue>, KvError> {
+            self.inner.list(prefix).await
+        }
+
+        async fn commit(&self, txn: Txn) -> Result<ipam_core::Revision, KvError> {
+            self.inner.commit(txn).await
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn recorded_history_of_a_store_with_stale_reads_is_rejected() {
+        let store: Arc<dyn KvStore> = Arc::new(CachingStore::default());
+        let clients = vec![store; WORKERS];
+        let history = record_history(&clients, 7, WORKERS, OPS_PER_WORKER)
+            .await
+            .expect("record");
+        check(&history).expect_err("cached reads go stale once another worker writes");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -923,18 +923,33 @@ impl Ipam {
         force: bool,
     ) -> Result<PoolDeletion, IpamError> {
         let pool = self.get_pool(name_or_cidr).await?;
+        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
+        let pool_blocks = || async {
+            let blocks: Vec<Block> = self
+                .all_blocks()
+                .await?
+                .into_iter()
+                .map(|b| b.value)
+                .filter(|b| in_pool(b))
+                .collect();
+            let in_use: u64 = blocks.iter().map(|b| u64::from(b.in_use())).sum();
+            Ok::<_, IpamError>((blocks, in_use))
+        };
+        if !force {
+            // The common refusal writes nothing.
+            let (_, in_use) = pool_blocks().await?;
+            if in_use > 0 {
+                return Err(IpamError::PoolInUse {
+                    pool: pool.name.clone(),
+                    in_use,
+                });
+            }
+        }
         if !pool.disabled {
             self.set_pool_disabled(&pool.name, true).await?;
         }
-        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
-        let blocks: Vec<Block> = self
-            .all_blocks()
-            .await?
-            .into_iter()
-            .map(|b| b.value)
-            .filter(|b| in_pool(b))
-            .collect();
-        let in_use: u64 = blocks.iter().map(|b| u64::from(b.in_use())).sum();
+        // Counted again after the disable: an ADD that raced the first count is seen here.
+        let (blocks, in_use) = pool_blocks().await?;
         if in_use > 0 && !force {
             return Err(self.refuse_pool_delete(&pool, in_use).await);
         }
@@ -2009,9 +2024,7 @@ fn block_value_has_room(block: &Block) -> bool {
     if block.capacity() <= MAX_BLOCK_ADDRESSES {
         return true;
     }
-    encode(block).map_or(false, |bytes| {
-        bytes.len() + MAX_ATTRIBUTE_BYTES + 64 <= LEGACY_BLOCK_BUDGET
-    })
+    encode(block).is_ok_and(|bytes| bytes.len() + MAX_ATTRIBUTE_BYTES + 64 <= LEGACY_BLOCK_BUDGET)
 }
 
 fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<String, String> {

@@ -114,7 +114,7 @@ enum Target {
     Etcd {
         endpoint: String,
         prefix: String,
-        _guard: PrefixGuard,
+        _guard: Box<PrefixGuard>,
     },
 }
 
@@ -142,7 +142,7 @@ impl Fleet {
                 let prefix = unique_prefix();
                 Target::Etcd {
                     endpoint: server.endpoint(),
-                    _guard: PrefixGuard::new(server.config(&prefix)),
+                    _guard: Box::new(PrefixGuard::new(server.config(&prefix))),
                     prefix,
                 }
             }

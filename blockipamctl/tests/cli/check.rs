@@ -133,7 +133,7 @@ fn check_exits_1_when_what_is_wrong_cannot_be_repaired(backend: Backend) {
     // A block with its claim, but in no pool: only a person can decide what it should be.
     let stray: IpNet = "10.99.0.0/26".parse().expect("cidr");
     lab.with_store(|store| async move {
-        let block = Block::new(stray, Some("host-a".into()));
+        let block = Block::new(stray, Some("host-a".into()), 0);
         store
             .put(
                 &keys::block(Some("host-a"), &stray),

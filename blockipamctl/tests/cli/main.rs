@@ -12,4 +12,6 @@ mod migrate;
 mod node;
 mod pools;
 mod release;
+mod security;
 mod show;
+mod store_presence;
