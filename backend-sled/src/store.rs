@@ -193,11 +193,15 @@ impl Inner {
         // commit) points at.
         let mut synced = Vec::new();
         let mut blob_files = Secured::default();
-        secure(&path.join(BLOBS), &mut blob_files, &mut synced)
-            .map_err(|e| io_error("cannot make private and sync the files in", path, &e))?;
+        let sync_failed = |err: io::Error| io_error("cannot sync the files in", path, &err);
+        let in_blobs =
+            secure(&path.join(BLOBS), &mut blob_files, &mut synced).map_err(sync_failed)?;
+        // The walk of the whole store skips what the walk of blobs/ just did.
         let mut store_files = blob_files.clone();
-        secure(path, &mut store_files, &mut synced)
-            .map_err(|e| io_error("cannot make private and sync the files in", path, &e))?;
+        let in_store = secure(path, &mut store_files, &mut synced).map_err(sync_failed)?;
+        if let Some(err) = in_blobs.or(in_store) {
+            return Err(io_error("cannot make the files private in", path, &err));
+        }
         Ok(Inner {
             data,
             meta,
@@ -383,6 +387,7 @@ impl Inner {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .extend(synced);
+        // A file that cannot be made private now is tried again by the next walk (and open).
         walked.map_err(|err| KvError::Indeterminate {
             message: format!(
                 "the write to {} was applied but syncing sled's blob files failed: {err}",
@@ -549,8 +554,11 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
     }
     // sled syncs neither its configuration file nor (fully) its log: sync every file, and the
     // directories holding them, before the store becomes visible under its name.
-    secure(&staging, &mut Secured::default(), &mut Vec::new())
-        .map_err(|e| io_error("cannot make private and sync the files in", &staging, &e))?;
+    match secure(&staging, &mut Secured::default(), &mut Vec::new()) {
+        Ok(None) => {}
+        Ok(Some(err)) => return Err(io_error("cannot make the files private in", &staging, &err)),
+        Err(err) => return Err(io_error("cannot sync the files in", &staging, &err)),
+    }
     fs::rename(&staging, path).map_err(|e| io_error("cannot move the new store to", path, &e))?;
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         fs::File::open(parent)
@@ -642,10 +650,14 @@ struct EntryState {
 /// repeated; `secured` is left describing exactly what was seen, and every path synced is pushed
 /// onto `synced`. A missing `dir` is fine, and so is an entry sled deletes meanwhile.
 ///
-/// A failure to sync is returned at once (`secured` is then unchanged, so the next walk does the
-/// work again); a failure to change permissions is returned after the walk, which still syncs
-/// everything, and is retried by the next walk.
-fn secure(dir: &Path, secured: &mut Secured, synced: &mut Vec<(PathBuf, u64)>) -> io::Result<()> {
+/// A failure to sync is returned at once as `Err` (`secured` is then unchanged, so the next walk
+/// does the work again); the first failure to change permissions is returned as `Ok(Some(_))`
+/// after the walk, which still syncs everything, and is retried by the next walk.
+fn secure(
+    dir: &Path,
+    secured: &mut Secured,
+    synced: &mut Vec<(PathBuf, u64)>,
+) -> io::Result<Option<io::Error>> {
     let mut walk = Walk {
         before: &secured.entries,
         seen: HashMap::with_capacity(secured.entries.len()),
@@ -659,7 +671,7 @@ fn secure(dir: &Path, secured: &mut Secured, synced: &mut Vec<(PathBuf, u64)>) -
         ..
     } = walk;
     secured.entries = seen;
-    permission_error.map_or(Ok(()), Err)
+    Ok(permission_error)
 }
 
 struct Walk<'a> {

@@ -780,6 +780,17 @@ struct Call {
     hung: bool,
 }
 
+/// Reads a pipe to its end on a thread of its own.
+fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
 /// Runs the plugin with exactly `env` and `stdin`, killing it after [`HANG_BOUND`].
 fn run_plugin(env: &BTreeMap<OsString, OsString>, stdin: &[u8]) -> Call {
     let mut child = Command::new(BIN)
@@ -797,26 +808,31 @@ fn run_plugin(env: &BTreeMap<OsString, OsString>, stdin: &[u8]) -> Call {
             let _ = pipe.write_all(&input);
         })
     });
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
     let started = Instant::now();
     let mut hung = false;
-    while child.try_wait().expect("poll the plugin").is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("poll the plugin") {
+            break status;
+        }
         if started.elapsed() > HANG_BOUND {
             let _ = child.kill();
             hung = true;
-            break;
+            break child.wait().expect("reap the killed plugin");
         }
         std::thread::sleep(Duration::from_millis(2));
-    }
-    let output = child
-        .wait_with_output()
-        .expect("collect the plugin's output");
+    };
     if let Some(feeder) = feeder {
         let _ = feeder.join();
     }
+    let text = |reader: std::thread::JoinHandle<Vec<u8>>| {
+        String::from_utf8_lossy(&reader.join().expect("pipe reader")).into_owned()
+    };
     Call {
-        status: output.status.code(),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        status: status.code(),
+        stdout: text(stdout),
+        stderr: text(stderr),
         hung,
     }
 }

@@ -166,7 +166,7 @@ impl Race<'_> {
         } else {
             self.rounds
         };
-        // This node's containers that take their address only from the operator's pool.
+        // This node's containers that hold an address of the operator's pool.
         let mut spare_users = BTreeSet::new();
         // The ADD result of each container, for CHECK's `prevResult`.
         let mut results: BTreeMap<String, Value> = BTreeMap::new();
@@ -192,9 +192,15 @@ impl Race<'_> {
                 let done = self.run(node, netconf, "ADD", &container);
                 self.figures().adds += 1;
                 if done.succeeded() {
-                    self.added(&container, node, done.addresses());
+                    let addresses = done.addresses();
+                    let spare: ipnet::IpNet = SPARE_POOL.parse().expect("spare CIDR");
+                    let in_spare = addresses.iter().any(|a| {
+                        a.parse::<std::net::IpAddr>()
+                            .is_ok_and(|ip| spare.contains(&ip))
+                    });
+                    self.added(&container, node, addresses);
                     results.insert(container.clone(), done.json());
-                    if from_spare {
+                    if in_spare {
                         spare_users.insert(container);
                     }
                     continue;

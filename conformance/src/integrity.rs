@@ -30,6 +30,7 @@ macro_rules! ipam_integrity_tests {
             largest_blocks_fill_to_their_last_address_then_report_exhausted,
             oversized_attributes_and_unfillable_block_sizes_are_refused,
             releasing_several_full_blocks_splits_into_transactions_that_fit,
+            new_block_search_reads_a_fixed_number_of_keys_whatever_the_store_holds,
         );
     };
 }
@@ -315,6 +316,84 @@ pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactor
         assert!(node.ips_by_handle(handle).await.expect("read").is_empty());
     }
     assert_clean(&node).await;
+}
+
+/// A store that records every read it answers.
+#[derive(Debug)]
+struct RecordingStore {
+    inner: Arc<dyn KvStore>,
+    reads: Mutex<Vec<Vec<Read>>>,
+}
+
+#[async_trait]
+impl KvStore for RecordingStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.reads
+            .lock()
+            .expect("reads")
+            .push(vec![Read::Get(key.to_owned())]);
+        self.inner.get(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.reads
+            .lock()
+            .expect("reads")
+            .push(vec![Read::List(prefix.to_owned())]);
+        self.inner.list(prefix).await
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.inner.commit(txn).await
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.reads.lock().expect("reads").push(reads.to_vec());
+        self.inner.read_many(reads).await
+    }
+}
+
+/// A new host's first ADD (a block claim) reads the same keys whether the pool holds 1 block or
+/// 60: one batched read of a fixed set of claim entries, never a listing of every block
+/// (issue 9: the claim must not read the whole pool).
+pub async fn new_block_search_reads_a_fixed_number_of_keys_whatever_the_store_holds<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.2.0.0/22", 30).await;
+    let mut shapes = Vec::new();
+    for hosts_before in [0usize, 60] {
+        for h in shapes.len() * 1000..shapes.len() * 1000 + hosts_before {
+            assign_one(&ipam, &format!("filler-{h}"), &format!("filler-host-{h}")).await;
+        }
+        let recording = Arc::new(RecordingStore {
+            inner: Arc::clone(&t.store),
+            reads: Mutex::new(Vec::new()),
+        });
+        let observed = Ipam::new(recording.clone() as Arc<dyn KvStore>);
+        let host = format!("new-host-{hosts_before}");
+        observed
+            .auto_assign(&v4("first-add", &host, 1))
+            .await
+            .expect("first ADD claims a block");
+        let reads = recording.reads.lock().expect("reads").clone();
+        assert!(
+            !reads
+                .iter()
+                .flatten()
+                .any(|r| matches!(r, Read::List(p) if *p == keys::blocks_dir())),
+            "with {hosts_before} other hosts the claim listed every block: {reads:?}"
+        );
+        // Round trips and the number of keys asked for, not counting the host's own directory.
+        shapes.push((reads.len(), reads.iter().map(Vec::len).sum::<usize>()));
+        ipam.release_handle("first-add").await.expect("release");
+    }
+    assert_eq!(
+        shapes[0], shapes[1],
+        "the claim's reads (round trips, keys) grew with the store"
+    );
+    assert_clean(&ipam).await;
 }
 
 /// A metadata map that makes the allocation's attribute `target` bytes when encoded.

@@ -102,7 +102,7 @@ const POOL_MENU: [MenuPool; 5] = [
     },
     MenuPool {
         name: 3,
-        cidr: "10.0.4.0/25",
+        cidr: "10.0.0.0/25",
         block_size: 28,
     },
     MenuPool {
@@ -1988,7 +1988,6 @@ async fn run_task(ipam: Ipam, task: usize, steps: Vec<TaskStep>) -> Result<Belie
                 }
             }
             TaskStep::SetPoolDisabled { pool, disabled } => {
-                if !*disabled { continue; }
                 let name = POOL_NAMES[usize::from(*pool) % POOL_NAMES.len()];
                 let result = ipam.set_pool_disabled(name, *disabled).await;
                 belief.tally.outcome("set_pool_disabled", &result);

@@ -257,9 +257,6 @@ pub(crate) fn decode_stored<T: serde::de::DeserializeOwned>(
 pub(crate) struct WorkingBlock {
     /// Key and revision it was read at; `None` for a block this attempt creates.
     pub read: Option<(String, Revision)>,
-    /// For a block this attempt creates: the revision of the retired-sequence entry left by an
-    /// earlier block with the same CIDR (`None`: there is none, and the commit checks that).
-    pub retired: Option<Revision>,
     pub block: Block,
     pub dirty: bool,
 }
@@ -268,42 +265,54 @@ impl WorkingBlock {
     pub(crate) fn from_stored(stored: Stored<Block>) -> Self {
         WorkingBlock {
             read: Some((stored.key, stored.revision)),
-            retired: None,
             block: stored.value,
             dirty: false,
         }
     }
 
-    /// A block this attempt creates for `affinity`, continuing the sequence numbers of the
-    /// retired block with this CIDR when there was one.
-    pub(crate) fn created(
-        cidr: IpNet,
-        affinity: Option<String>,
-        retired: Option<&Stored<u64>>,
-    ) -> Self {
+    /// A block this attempt creates for `affinity`, its sequence numbers starting at the store's
+    /// sequence floor (read in the same snapshot that showed the CIDR unclaimed).
+    pub(crate) fn created(cidr: IpNet, affinity: Option<String>, sequence_floor: u64) -> Self {
         WorkingBlock {
             read: None,
-            retired: retired.map(|r| r.revision),
-            block: Block::new(cidr, affinity, retired.map_or(0, |r| r.value)),
+            block: Block::new(cidr, affinity, sequence_floor),
             dirty: true,
         }
     }
 }
 
-/// The blocks found for a set of CIDRs, and for each CIDR without a block the retired-sequence
-/// entry a block created there must continue from.
+/// The blocks found for a set of CIDRs, and the sequence floor read in the same snapshot.
 #[derive(Debug, Default)]
 pub(crate) struct LoadedBlocks {
     pub found: BTreeMap<IpNet, Stored<Block>>,
-    pub retired: BTreeMap<IpNet, Stored<u64>>,
+    pub sequence_floor: u64,
 }
 
-/// Every block of the store and every retired-sequence entry, as the new-block search and
-/// borrowing read them.
+/// Decodes the sequence floor (0 when never written).
+fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<u64, IpamError> {
+    kv.map_or(Ok(0), |kv| decode(&kv.key, &kv.value))
+}
+
+/// Every block of the store and the sequence floor, as the full new-block search and borrowing
+/// read them.
 #[derive(Debug)]
 pub(crate) struct AllBlocks {
     pub blocks: Vec<Stored<Block>>,
-    pub retired: BTreeMap<IpNet, Stored<u64>>,
+    pub sequence_floor: u64,
+}
+
+/// Blocks a new-block search reads ahead, per candidate pool, from the host's hashed start.
+const NEW_BLOCK_PROBES: u128 = 16;
+
+/// What the first read of a new-block search found.
+#[derive(Debug)]
+struct NewBlockProbe {
+    /// The host's full blocks (all families), when the per-host limit needs them.
+    host_full: Vec<IpNet>,
+    /// Unclaimed blocks among the probed ones, in search order.
+    unclaimed: Vec<IpNet>,
+    /// The sequence floor, read in the same snapshot.
+    sequence_floor: u64,
 }
 
 /// Accumulates the conditions and writes of one transaction, one entry per key.
@@ -311,6 +320,9 @@ pub(crate) struct AllBlocks {
 pub(crate) struct Plan {
     conditions: BTreeMap<String, Condition>,
     writes: BTreeMap<String, Option<Vec<u8>>>,
+    /// Past the last sequence number of every block this plan deletes: the sequence floor must
+    /// reach it in the same transaction (see [`Ipam::commit_plan`]).
+    retired_sequence: u64,
 }
 
 impl Plan {
@@ -374,15 +386,39 @@ impl Plan {
         }
     }
 
-    /// Deletes a block stored at `key` (its claim too) and leaves the retired-sequence entry a
-    /// later block with the same CIDR continues from.
-    pub fn delete_block(&mut self, key: &str, block: &Block) -> Result<(), IpamError> {
+    /// Deletes a block stored at `key` (its claim too); the commit raises the sequence floor past
+    /// the block's last sequence number.
+    pub fn delete_block(&mut self, key: &str, block: &Block) {
         self.delete(key);
         self.delete(&keys::block_claim(&block.cidr));
-        self.put(
-            &keys::retired_block(&block.cidr),
-            encode(&block.sequence.saturating_add(1))?,
-        );
+        self.retired_sequence = self
+            .retired_sequence
+            .max(block.sequence.saturating_add(1));
+    }
+
+    /// True when this plan deletes a block (its commit must raise the sequence floor).
+    pub fn deletes_blocks(&self) -> bool {
+        self.retired_sequence > 0
+    }
+
+    /// Adds, when this plan deletes blocks, the write that raises the sequence floor (currently
+    /// `floor`, read at `revision`) past them, conditioned on that revision so that concurrent
+    /// raises never lower it.
+    pub fn raise_sequence_floor(&mut self, floor: Option<KeyValue>) -> Result<(), IpamError> {
+        let revision = floor.as_ref().map(|kv| kv.revision);
+        let current = decode_sequence_floor(floor)?;
+        if self.retired_sequence > current {
+            let key = keys::sequence_floor();
+            self.conditions.insert(
+                key.clone(),
+                match revision {
+                    Some(r) => Condition::at_revision(&key, r),
+                    None => Condition::absent(&key),
+                },
+            );
+            self.put(&key, encode(&self.retired_sequence)?);
+        }
+        self.retired_sequence = 0;
         Ok(())
     }
 
@@ -396,13 +432,8 @@ impl Plan {
         match &working.read {
             None => {
                 let claim = keys::block_claim(&block.cidr);
-                let retired = keys::retired_block(&block.cidr);
                 self.expect(&key, None);
                 self.expect(&claim, None);
-                self.expect(&retired, working.retired);
-                if working.retired.is_some() {
-                    self.delete(&retired);
-                }
                 self.put(&claim, encode(&block.affinity)?);
             }
             Some((read_key, revision)) => {
@@ -417,7 +448,7 @@ impl Plan {
         }
         if block.is_empty() && block.affinity.is_none() {
             // Calico's rule: an empty block with no affinity is deleted.
-            self.delete_block(&key, block)?;
+            self.delete_block(&key, block);
         } else {
             let mut block = block.clone();
             block.sequence += 1;
@@ -507,11 +538,17 @@ impl Ipam {
     /// Commits a plan; a failed condition becomes [`Attempt::Conflict`].
     pub(crate) async fn commit_plan<T>(
         &self,
-        plan: Plan,
+        mut plan: Plan,
         value: T,
     ) -> Result<Attempt<T>, IpamError> {
         if plan.is_empty() {
             return Ok(Attempt::Done(value));
+        }
+        if plan.deletes_blocks() {
+            // Deleting a block: one more read (rare: a block is deleted when it is empty and has
+            // no affinity), so that the floor only ever grows.
+            let floor = self.store.get(&keys::sequence_floor()).await?;
+            plan.raise_sequence_floor(floor)?;
         }
         if !plan.fits_one_transaction() {
             return Err(IpamError::TooLarge(plan.describe_size()));
@@ -581,8 +618,7 @@ impl Ipam {
         Ok(self.load_blocks_for_write(cidrs).await?.found)
     }
 
-    /// Reads the blocks with these CIDRs, and for each CIDR without a block its retired-sequence
-    /// entry. Two round trips: the claim index entries, then the blocks they point at read
+    /// Reads the blocks with these CIDRs, and the sequence floor. Two round trips: the claim index entries, then the blocks they point at read
     /// together with the claims again. A block is reported absent only when its claim entry is
     /// absent in the same snapshot; when a claim moved between the two reads (a block changing
     /// hosts), the second read is redone, so a block that exists is never taken for absent.
@@ -613,8 +649,8 @@ impl Ipam {
             if attempt > 0 {
                 tokio::time::sleep(self.retry.base_backoff * attempt).await;
             }
-            // Per CIDR: its claim again, then the keys its block may live at (or its retired entry).
-            let mut reads = Vec::new();
+            // The floor, then per CIDR: its claim again and the keys its block may live at.
+            let mut reads = vec![Read::Get(keys::sequence_floor())];
             let mut spans = Vec::with_capacity(cidrs.len());
             for (cidr, claim) in cidrs.iter().zip(&claims) {
                 let first = reads.len();
@@ -626,7 +662,7 @@ impl Ipam {
                             reads.push(Read::Get(key));
                         }
                     }
-                    None => reads.push(Read::Get(keys::retired_block(cidr))),
+                    None => {}
                 }
                 spans.push(first..reads.len());
             }
@@ -634,7 +670,10 @@ impl Ipam {
             for result in self.store.read_many(&reads).await? {
                 results.push(result.into_got()?);
             }
-            loaded = LoadedBlocks::default();
+            loaded = LoadedBlocks {
+                found: BTreeMap::new(),
+                sequence_floor: decode_sequence_floor(results[0].take())?,
+            };
             dangling = None;
             let mut consistent = true;
             for ((cidr, claim), span) in cidrs.iter().zip(claims.iter_mut()).zip(spans) {
@@ -665,8 +704,6 @@ impl Ipam {
                             consistent = false;
                         }
                     }
-                } else if let Some(kv) = rest.into_iter().next() {
-                    loaded.retired.insert(*cidr, decode_stored(kv)?);
                 }
             }
             if consistent {
@@ -684,13 +721,13 @@ impl Ipam {
         })
     }
 
-    /// Every block in the store, and every retired-sequence entry (by CIDR), in one read.
-    pub(crate) async fn all_blocks_and_retired(&self) -> Result<AllBlocks, IpamError> {
+    /// Every block in the store, and the sequence floor, in one read.
+    pub(crate) async fn all_blocks_and_floor(&self) -> Result<AllBlocks, IpamError> {
         let results = self
             .store
             .read_many(&[
                 Read::List(keys::blocks_dir()),
-                Read::List(keys::retired_dir()),
+                Read::Get(keys::sequence_floor()),
             ])
             .await?;
         let mut results = results.into_iter();
@@ -698,21 +735,11 @@ impl Ipam {
             .into_iter()
             .map(decode_stored)
             .collect::<Result<_, _>>()?;
-        let mut retired = BTreeMap::new();
-        for kv in next_listed(&mut results)? {
-            let Some(cidr) = kv
-                .key
-                .strip_prefix(&keys::retired_dir())
-                .and_then(keys::parse_cidr_segment)
-            else {
-                return Err(IpamError::Corrupt {
-                    key: kv.key,
-                    message: "a retired-sequence key that names no CIDR".into(),
-                });
-            };
-            retired.insert(cidr, decode_stored(kv)?);
-        }
-        Ok(AllBlocks { blocks, retired })
+        let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
+        Ok(AllBlocks {
+            blocks,
+            sequence_floor,
+        })
     }
 
     /// Every block in the store.
@@ -923,21 +950,9 @@ impl Ipam {
         force: bool,
     ) -> Result<PoolDeletion, IpamError> {
         let pool = self.get_pool(name_or_cidr).await?;
-        let in_pool = |b: &Block| pool.cidr.contains(&b.cidr.network());
-        let pool_blocks = || async {
-            let blocks: Vec<Block> = self
-                .all_blocks()
-                .await?
-                .into_iter()
-                .map(|b| b.value)
-                .filter(|b| in_pool(b))
-                .collect();
-            let in_use: u64 = blocks.iter().map(|b| u64::from(b.in_use())).sum();
-            Ok::<_, IpamError>((blocks, in_use))
-        };
         if !force {
             // The common refusal writes nothing.
-            let (_, in_use) = pool_blocks().await?;
+            let in_use = self.pool_blocks(&pool).await?.1;
             if in_use > 0 {
                 return Err(IpamError::PoolInUse {
                     pool: pool.name.clone(),
@@ -945,54 +960,101 @@ impl Ipam {
                 });
             }
         }
-        if !pool.disabled {
-            self.set_pool_disabled(&pool.name, true).await?;
-        }
-        // Counted again after the disable: an ADD that raced the first count is seen here.
-        let (blocks, in_use) = pool_blocks().await?;
-        if in_use > 0 && !force {
-            return Err(self.refuse_pool_delete(&pool, in_use).await);
-        }
         let mut released_addresses = 0u64;
         let mut deleted_blocks = 0u64;
-        for block in blocks {
-            let held: Vec<ReleaseRequest> = block
-                .allocations
-                .keys()
-                .map(|o| ReleaseRequest {
-                    ip: block.ip_of(*o),
-                    sequence: None,
-                })
-                .collect();
-            if !held.is_empty() {
-                released_addresses += self.release_ips(&held).await?.released.len() as u64;
+        // Rounds repeat only when another client re-enabled the pool (and maybe allocated in it)
+        // while it was being emptied.
+        for _ in 0..self.retry.max_attempts {
+            if !self.get_pool(&pool.name).await?.disabled {
+                self.set_pool_disabled(&pool.name, true).await?;
             }
-            let cidr = block.cidr;
-            match self.retrying(|| self.try_delete_empty_block(cidr)).await {
-                Ok(deleted) => deleted_blocks += u64::from(deleted),
-                Err(IpamError::PoolInUse { in_use, .. }) => {
-                    return Err(self.refuse_pool_delete(&pool, in_use).await)
+            // Counted after the disable: an ADD that raced the first count is seen here.
+            let (blocks, in_use) = self.pool_blocks(&pool).await?;
+            if in_use > 0 && !force {
+                return Err(self.refuse_pool_delete(&pool, in_use).await);
+            }
+            for block in blocks {
+                let held: Vec<ReleaseRequest> = block
+                    .allocations
+                    .keys()
+                    .map(|o| ReleaseRequest {
+                        ip: block.ip_of(*o),
+                        sequence: None,
+                    })
+                    .collect();
+                if !held.is_empty() {
+                    released_addresses += self.release_ips(&held).await?.released.len() as u64;
                 }
-                Err(e) => return Err(e),
+                let cidr = block.cidr;
+                match self.retrying(|| self.try_delete_empty_block(cidr)).await {
+                    Ok(deleted) => deleted_blocks += u64::from(deleted),
+                    Err(IpamError::PoolInUse { in_use, .. }) if !force => {
+                        return Err(self.refuse_pool_delete(&pool, in_use).await)
+                    }
+                    Err(IpamError::PoolInUse { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if self
+                .retrying(|| self.try_delete_emptied_pool(&pool))
+                .await?
+            {
+                return Ok(PoolDeletion {
+                    pool,
+                    released_addresses,
+                    deleted_blocks,
+                });
             }
         }
-        self.retrying(|| async {
-            let (pools, generation) = self.read_pools_and_generation().await?;
-            let Some(found) = pools.iter().find(|p| p.value.name == pool.name) else {
-                return Ok(Attempt::Done(()));
-            };
-            let mut plan = Plan::default();
-            self.bump_pool_generation(&mut plan, generation)?;
-            plan.expect(&found.key, Some(found.revision));
-            plan.delete(&found.key);
-            self.commit_plan(plan, ()).await
+        Err(IpamError::RetriesExhausted {
+            attempts: self.retry.max_attempts,
         })
-        .await?;
-        Ok(PoolDeletion {
-            pool,
-            released_addresses,
-            deleted_blocks,
-        })
+    }
+
+    /// The blocks that lie in `pool`, and how many addresses they hold.
+    async fn pool_blocks(&self, pool: &Pool) -> Result<(Vec<Block>, u64), IpamError> {
+        let blocks: Vec<Block> = self
+            .all_blocks()
+            .await?
+            .into_iter()
+            .map(|b| b.value)
+            .filter(|b| pool.cidr.contains(&b.cidr.network()))
+            .collect();
+        let in_use = blocks.iter().map(|b| u64::from(b.in_use())).sum();
+        Ok((blocks, in_use))
+    }
+
+    /// Deletes the pool if, in one snapshot, it is still disabled and no block lies in it; the
+    /// delete is conditioned on the pool's revision, which every assignment in it is conditioned
+    /// on too. False when it was enabled again or holds a block again (go round once more).
+    async fn try_delete_emptied_pool(&self, pool: &Pool) -> Result<Attempt<bool>, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::pool_generation()),
+                Read::List(keys::blocks_dir()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let generation = next_got(&mut results)?;
+        let Some(found) = pools.iter().find(|p| p.value.name == pool.name) else {
+            return Ok(Attempt::Done(true));
+        };
+        let mut occupied = false;
+        for kv in next_listed(&mut results)? {
+            let block: Stored<Block> = decode_stored(kv)?;
+            occupied |= pool.cidr.contains(&block.value.cidr.network());
+        }
+        if occupied || !found.value.disabled {
+            return Ok(Attempt::Done(false));
+        }
+        let mut plan = Plan::default();
+        self.bump_pool_generation(&mut plan, generation)?;
+        plan.expect(&found.key, Some(found.revision));
+        plan.delete(&found.key);
+        self.commit_plan(plan, true).await
     }
 
     /// The error of a refused pool delete, after re-enabling the pool when the delete disabled it.
@@ -1022,7 +1084,7 @@ impl Ipam {
         }
         let mut plan = Plan::default();
         plan.expect(&stored.key, Some(stored.revision));
-        plan.delete_block(&stored.key, &stored.value)?;
+        plan.delete_block(&stored.key, &stored.value);
         self.commit_plan(plan, true).await
     }
 
@@ -1184,42 +1246,57 @@ impl Ipam {
             let mut limit_hit: Option<u32> = None;
             if (got.len() as u32) < wanted && config.auto_allocate_blocks {
                 config_used = true;
-                // The steady-state read holds only blocks with room; count full ones too.
-                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                // The steady-state read holds only the host's blocks with room; the per-host
+                // limit counts its full ones too, read in the same batch as the probe.
+                let limited = config.max_blocks_per_host != 0;
+                let probe = self
+                    .probe_new_blocks(&candidates, &request.host, limited)
+                    .await?;
                 let host_owns = |block: &Block| {
                     block.affinity.as_deref() == Some(request.host.as_str())
                         && Family::of_net(&block.cidr) == family
                 };
-                let owned_blocks: BTreeSet<IpNet> = existing
-                    .blocks
+                let owned_blocks: BTreeSet<IpNet> = probe
+                    .host_full
                     .iter()
-                    .map(|b| &b.value)
-                    .chain(working.values().map(|w| &w.block))
-                    .filter(|b| host_owns(b))
-                    .map(|b| b.cidr)
+                    .copied()
+                    .filter(|c| Family::of_net(c) == family)
+                    .chain(
+                        working
+                            .values()
+                            .map(|w| &w.block)
+                            .filter(|b| host_owns(b))
+                            .map(|b| b.cidr),
+                    )
                     .collect();
                 let mut owned = owned_blocks.len() as u32;
+                let mut unclaimed = probe.unclaimed.into_iter();
                 while (got.len() as u32) < wanted {
-                    if config.max_blocks_per_host != 0 && owned >= config.max_blocks_per_host {
+                    if limited && owned >= config.max_blocks_per_host {
                         limit_hit = Some(owned);
                         break;
                     }
-                    let existing = self.ensure_all_blocks(&mut all_blocks).await?;
-                    let Some(cidr) = find_unclaimed_block(
-                        &candidates,
-                        &request.host,
-                        &existing.blocks,
-                        &working,
-                    ) else {
-                        break;
-                    };
+                    let (cidr, sequence_floor) =
+                        match unclaimed.by_ref().find(|c| !working.contains_key(c)) {
+                            Some(found) => (found, probe.sequence_floor),
+                            None => {
+                                // Every probed block is taken: one listing of the whole store
+                                // settles it (rare: the probes start at a hash of the host name).
+                                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                                let Some(cidr) = find_unclaimed_block(
+                                    &candidates,
+                                    &request.host,
+                                    &existing.blocks,
+                                    &working,
+                                ) else {
+                                    break;
+                                };
+                                (cidr, existing.sequence_floor)
+                            }
+                        };
                     working.insert(
                         cidr,
-                        WorkingBlock::created(
-                            cidr,
-                            Some(request.host.clone()),
-                            existing.retired.get(&cidr),
-                        ),
+                        WorkingBlock::created(cidr, Some(request.host.clone()), sequence_floor),
                     );
                     owned += 1;
                     take_from_blocks(
@@ -1313,12 +1390,67 @@ impl Ipam {
         self.commit_plan(plan, result).await
     }
 
+    /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
+    /// limit needs counting), the sequence floor and, for each candidate pool, the claim entries of the
+    /// [`NEW_BLOCK_PROBES`] blocks that follow the host's hashed start. Its size does not grow
+    /// with the number of blocks or hosts in the store.
+    async fn probe_new_blocks(
+        &self,
+        candidates: &[&Stored<Pool>],
+        host: &str,
+        read_full: bool,
+    ) -> Result<NewBlockProbe, IpamError> {
+        let mut reads = vec![Read::Get(keys::sequence_floor())];
+        if read_full {
+            reads.push(Read::List(keys::host_full_blocks_dir(host)));
+        }
+        let mut probed = Vec::new();
+        for pool in candidates {
+            let count = pool.value.block_count();
+            let start = u128::from(host_hash(host)) % count;
+            for step in 0..count.min(NEW_BLOCK_PROBES) {
+                if let Some(cidr) = pool.value.block_at((start + step) % count) {
+                    probed.push(cidr);
+                    reads.push(Read::Get(keys::block_claim(&cidr)));
+                }
+            }
+        }
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
+        let mut host_full = Vec::new();
+        if read_full {
+            for kv in next_listed(&mut results)? {
+                let cidr = kv
+                    .key
+                    .rsplit('/')
+                    .next()
+                    .and_then(keys::parse_cidr_segment)
+                    .ok_or_else(|| IpamError::Corrupt {
+                        key: kv.key.clone(),
+                        message: "a block key that names no CIDR".into(),
+                    })?;
+                host_full.push(cidr);
+            }
+        }
+        let mut unclaimed = Vec::new();
+        for cidr in probed {
+            if next_got(&mut results)?.is_none() {
+                unclaimed.push(cidr);
+            }
+        }
+        Ok(NewBlockProbe {
+            host_full,
+            unclaimed,
+            sequence_floor,
+        })
+    }
+
     async fn ensure_all_blocks<'a>(
         &self,
         cache: &'a mut Option<AllBlocks>,
     ) -> Result<&'a AllBlocks, IpamError> {
         if cache.is_none() {
-            *cache = Some(self.all_blocks_and_retired().await?);
+            *cache = Some(self.all_blocks_and_floor().await?);
         }
         cache
             .as_ref()
@@ -1421,7 +1553,7 @@ impl Ipam {
         }
         let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
         let loaded = self.load_blocks_for_write(&cidrs).await?;
-        let retired = loaded.retired;
+        let sequence_floor = loaded.sequence_floor;
         let mut working: BTreeMap<IpNet, WorkingBlock> = loaded
             .found
             .into_iter()
@@ -1435,7 +1567,7 @@ impl Ipam {
         let mut assigned = Vec::new();
         for (ip, cidr, pool) in &targets {
             let entry = working.entry(*cidr).or_insert_with(|| {
-                WorkingBlock::created(*cidr, Some(request.host.clone()), retired.get(cidr))
+                WorkingBlock::created(*cidr, Some(request.host.clone()), sequence_floor)
             });
             if let Some(owner) = entry.block.affinity.as_deref() {
                 if owner != request.host
@@ -1847,7 +1979,7 @@ impl Ipam {
                 None => WorkingBlock::created(
                     *block_cidr,
                     Some(host.to_owned()),
-                    existing.retired.get(block_cidr),
+                    existing.sequence_floor,
                 ),
                 Some(stored) => match stored.value.affinity.as_deref() {
                     Some(owner) if owner == host => continue,

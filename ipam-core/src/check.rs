@@ -445,7 +445,7 @@ impl Ipam {
         {
             let mut plan = Plan::default();
             plan.expect(&stored.key, Some(stored.revision));
-            plan.delete_block(&stored.key, &stored.value)?;
+            plan.delete_block(&stored.key, &stored.value);
             outcomes.push((
                 format!("deleted empty block {} with no affinity", stored.value.cidr),
                 self.commit_repair(plan).await,
@@ -463,7 +463,11 @@ impl Ipam {
         Ok(())
     }
 
-    async fn commit_repair(&self, plan: Plan) -> Result<(), IpamError> {
+    async fn commit_repair(&self, mut plan: Plan) -> Result<(), IpamError> {
+        if plan.deletes_blocks() {
+            let floor = self.store().get(&keys::sequence_floor()).await?;
+            plan.raise_sequence_floor(floor)?;
+        }
         self.store().commit(plan.into_txn()).await?;
         Ok(())
     }

@@ -116,6 +116,11 @@ pub mod keys {
         format!("{ROOT}blocks/host/{host}/open/")
     }
 
+    /// Prefix of the blocks affine to `host` that are full.
+    pub fn host_full_blocks_dir(host: &str) -> String {
+        format!("{ROOT}blocks/host/{host}/full/")
+    }
+
     /// Where a block with room lives: under its host's `open/` when it has an affinity, else under
     /// `unaffine/`.
     pub fn block(affinity: Option<&str>, cidr: &IpNet) -> String {
@@ -158,16 +163,11 @@ pub mod keys {
         format!("{ROOT}claims/")
     }
 
-    /// The retired-sequence entry of a block CIDR: exists while no block with this CIDR exists
-    /// but one did; value = the first sequence number a re-created block must use, so that an
-    /// (address, sequence) pair never repeats across a block's incarnations.
-    pub fn retired_block(cidr: &IpNet) -> String {
-        format!("{ROOT}retired/{}", cidr_segment(cidr))
-    }
-
-    /// Prefix of every retired-sequence entry.
-    pub fn retired_dir() -> String {
-        format!("{ROOT}retired/")
+    /// The sequence floor: every block is created with a sequence number at or above it, and
+    /// every block deletion raises it past the deleted block's last sequence number, so an
+    /// (address, sequence) pair never repeats, whatever CIDR or block size later covers the address.
+    pub fn sequence_floor() -> String {
+        format!("{ROOT}sequence-floor")
     }
 
     /// One handle.
@@ -374,8 +374,8 @@ pub struct Block {
 }
 
 impl Block {
-    /// A new, empty block whose sequence numbers start at `first_sequence` (the retired sequence
-    /// of an earlier block with this CIDR, else 0).
+    /// A new, empty block whose sequence numbers start at `first_sequence` (the store's sequence
+    /// floor, see [`keys::sequence_floor`]).
     pub fn new(cidr: IpNet, affinity: Option<String>, first_sequence: u64) -> Block {
         Block {
             cidr: cidr.trunc(),

@@ -1,0 +1,404 @@
+//! The command line: flags (the store selection with blockipamctl's names and environment
+//! fallbacks, then the load), their translation into a [`LoadConfig`] and store settings, and the
+//! whole program as one function the binary calls.
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use clap::{ArgGroup, Parser, ValueEnum};
+
+use crate::config::{LoadConfig, Mode, StopRule};
+use crate::error::LoadError;
+use crate::run::{run, StoreTarget};
+
+/// Exit status: the run passed.
+pub const EXIT_PASSED: i32 = 0;
+/// Exit status: an operation failed, a duplicate was found, the check found problems, or the run
+/// could not be made.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit status: bad flags.
+pub const EXIT_USAGE: i32 = 2;
+
+/// Longest request timeout accepted, as blockipamctl.
+const MAX_SECONDS: f64 = 24.0 * 3600.0;
+
+/// How operations reach the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// The allocator API in this process.
+    Api,
+    /// The real blockipam binary, one process per operation.
+    Plugin,
+}
+
+/// blockipam-load: simulated nodes churning pods (ADD, hold, DEL) against one blockipam store, from
+/// a seeded schedule; reports throughput, latency per operation kind, round trips, conflicts,
+/// etcd's database size, the final check and duplicates.
+#[derive(Debug, Parser)]
+#[command(
+    name = "blockipam-load",
+    version,
+    about = "Load generator for blockipam: simulated nodes churning pods against one store",
+    args_override_self = true,
+    group(ArgGroup::new("stop").args(["operations", "duration_seconds", "churn_cycles"])),
+    after_help = "Exit status: 0 the run passed; 1 an operation failed (other than a conflict the \
+                  allocator retried), a duplicate address, a failed check, or the run could not be \
+                  made; 2 usage error.\nAn embedded store without --datastore-path is a new \
+                  temporary store; etcd without --etcd-prefix gets a new prefix of its own."
+)]
+pub struct Cli {
+    /// Store type: sled, redb or etcdv3
+    #[arg(long, env = "DATASTORE_TYPE", value_name = "TYPE", default_value = "sled", help_heading = "Store")]
+    pub datastore_type: String,
+    /// Embedded store path [default: a new temporary store]
+    #[arg(long, env = "DATASTORE_PATH", value_name = "PATH", help_heading = "Store")]
+    pub datastore_path: Option<PathBuf>,
+    /// etcd endpoints, comma-separated (http://host:port or host:port)
+    #[arg(long, env = "ETCD_ENDPOINTS", value_name = "LIST", help_heading = "Store")]
+    pub etcd_endpoints: Option<String>,
+    /// etcd CA certificate (PEM)
+    #[arg(long, env = "ETCD_CA_CERT_FILE", value_name = "FILE", help_heading = "Store")]
+    pub etcd_ca_cert_file: Option<PathBuf>,
+    /// etcd client certificate (PEM)
+    #[arg(long, env = "ETCD_CERT_FILE", value_name = "FILE", help_heading = "Store")]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// etcd client key (PEM)
+    #[arg(long, env = "ETCD_KEY_FILE", value_name = "FILE", help_heading = "Store")]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd key prefix, ending with '/' [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
+    #[arg(long, env = "ETCD_PREFIX", value_name = "PREFIX", help_heading = "Store")]
+    pub etcd_prefix: Option<String>,
+    /// etcd user name (with a password)
+    #[arg(long, env = "ETCD_USERNAME", value_name = "NAME", help_heading = "Store")]
+    pub etcd_username: Option<String>,
+    /// etcd password; prefer the environment variable
+    #[arg(long, env = "ETCD_PASSWORD", hide_env_values = true, value_name = "PASSWORD", help_heading = "Store")]
+    pub etcd_password: Option<Secret>,
+    /// Seconds to wait for an embedded store another process holds [default: 10]
+    #[arg(long, env = "BLOCKIPAM_LOCK_WAIT_SECONDS", value_name = "SECONDS", help_heading = "Store")]
+    pub lock_wait_seconds: Option<String>,
+    /// Upper bound in seconds on one etcd request [default: 10]
+    #[arg(long, env = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS", value_name = "SECONDS", help_heading = "Store")]
+    pub etcd_timeout_seconds: Option<String>,
+
+    /// How operations reach the store
+    #[arg(long, value_enum, default_value = "api")]
+    pub mode: ModeArg,
+    /// Simulated nodes
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    pub nodes: u32,
+    /// Pods each node holds once filled
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub pods_per_node: u32,
+    /// Stop after this many operations in total (the fill counts)
+    #[arg(long, value_name = "N")]
+    pub operations: Option<u64>,
+    /// Stop starting operations after this many seconds (the fill counts)
+    #[arg(long, value_name = "SECONDS")]
+    pub duration_seconds: Option<f64>,
+    /// After filling, each node replaces this many pods (DEL of a random one, then ADD) [default: 5 when no --operations or --duration-seconds]
+    #[arg(long, value_name = "N")]
+    pub churn_cycles: Option<u64>,
+    /// Pace churn: cycles per node per second, Poisson from the seed [default: back to back]
+    #[arg(long, value_name = "RATE")]
+    pub churn_rate: Option<f64>,
+    /// At the end, every node deletes the pods it holds
+    #[arg(long)]
+    pub drain: bool,
+    /// The pool's CIDR
+    #[arg(long, value_name = "CIDR", default_value = "10.64.0.0/10")]
+    pub pool: ipnet::IpNet,
+    /// Block prefix length [default: 26 for IPv4]
+    #[arg(long, value_name = "PREFIX_LEN")]
+    pub block_size: Option<u8>,
+    /// Set strict affinity (never borrow from other hosts' blocks)
+    #[arg(long)]
+    pub strict_affinity: bool,
+    /// Set max_blocks_per_host (0 = unlimited) [default: leave the store's setting]
+    #[arg(long, value_name = "N")]
+    pub max_blocks_per_host: Option<u32>,
+    /// The schedule's seed
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub seed: u64,
+    /// Operations in flight at once, each from another node
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub concurrency: u32,
+    /// CNI network name (handles are <network>.<container id>)
+    #[arg(long, value_name = "NAME", default_value = "load")]
+    pub network: String,
+    /// The blockipam plugin binary (plugin mode) [default: blockipam next to this executable]
+    #[arg(long, env = "BLOCKIPAM_PLUGIN", value_name = "PATH")]
+    pub plugin: Option<PathBuf>,
+    /// etcd: sample the database size this often during the run
+    #[arg(long, value_name = "SECONDS")]
+    pub etcd_status_interval_seconds: Option<f64>,
+    /// etcd: after the run, compact all history and report the size again (benchmark etcd only)
+    #[arg(long)]
+    pub compact_at_end: bool,
+    /// Print the report as JSON on stdout
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn non_empty<T: Clone>(value: &Option<T>, text: impl Fn(&T) -> bool) -> Option<T> {
+    value.as_ref().filter(|v| text(v)).cloned()
+}
+
+fn path(value: &Option<PathBuf>) -> Option<PathBuf> {
+    non_empty(value, |p: &PathBuf| !p.as_os_str().is_empty())
+}
+
+fn string(value: &Option<String>) -> Option<String> {
+    non_empty(value, |s: &String| !s.is_empty())
+}
+
+fn seconds(text: &str, flag: &str, allow_zero: bool) -> Result<Duration, LoadError> {
+    let value: f64 = text.trim().parse().map_err(|_| {
+        LoadError::usage(format!("invalid value {text:?} for {flag}: expected a number of seconds"))
+    })?;
+    let valid = value.is_finite() && value <= MAX_SECONDS && (value > 0.0 || (allow_zero && value == 0.0));
+    if !valid {
+        return Err(LoadError::usage(format!(
+            "invalid value {text:?} for {flag}: expected seconds {} up to one day",
+            if allow_zero { "from 0" } else { "above 0" }
+        )));
+    }
+    Ok(Duration::from_secs_f64(value))
+}
+
+impl Cli {
+    /// The store the flags and environment select.
+    ///
+    /// # Errors
+    /// [`LoadError::Usage`] for a bad value or an incomplete etcd selection.
+    pub fn settings(&self) -> Result<DatastoreSettings, LoadError> {
+        let datastore_type = self
+            .datastore_type
+            .parse::<DatastoreType>()
+            .map_err(|e| LoadError::usage(format!("invalid value for --datastore-type: {e}")))?;
+        let mut settings = DatastoreSettings {
+            datastore_type,
+            path: path(&self.datastore_path),
+            etcd_endpoints: string(&self.etcd_endpoints)
+                .map(|list| DatastoreSettings::parse_endpoints(&list))
+                .unwrap_or_default(),
+            etcd_ca_cert_file: path(&self.etcd_ca_cert_file),
+            etcd_cert_file: path(&self.etcd_cert_file),
+            etcd_key_file: path(&self.etcd_key_file),
+            etcd_prefix: string(&self.etcd_prefix),
+            etcd_username: string(&self.etcd_username),
+            etcd_password: self
+                .etcd_password
+                .clone()
+                .filter(|p| !p.expose().is_empty()),
+            ..DatastoreSettings::default()
+        };
+        if let Some(text) = string(&self.lock_wait_seconds) {
+            settings.lock_wait = seconds(&text, "--lock-wait-seconds", true)?;
+        }
+        if let Some(text) = string(&self.etcd_timeout_seconds) {
+            let request = seconds(&text, "--etcd-timeout-seconds", false)?;
+            settings.etcd_timeouts =
+                Some((request.min(backend_etcd::DEFAULT_CONNECT_TIMEOUT), request));
+        }
+        if datastore_type == DatastoreType::Etcdv3 {
+            settings
+                .etcd_config()
+                .map_err(|e| LoadError::usage(e.to_string()))?;
+        }
+        Ok(settings)
+    }
+
+    /// The run's parameters.
+    ///
+    /// # Errors
+    /// [`LoadError::Usage`] for a bad value.
+    pub fn load_config(&self) -> Result<LoadConfig, LoadError> {
+        let stop = match (self.operations, self.duration_seconds, self.churn_cycles) {
+            (Some(n), _, _) => StopRule::Operations(n),
+            (_, Some(s), _) => StopRule::Duration(seconds(&s.to_string(), "--duration-seconds", false)?),
+            (_, _, Some(c)) => StopRule::ChurnCycles(c),
+            (None, None, None) => StopRule::ChurnCycles(5),
+        };
+        let mode = match self.mode {
+            ModeArg::Api => Mode::Api,
+            ModeArg::Plugin => Mode::Plugin,
+        };
+        let plugin = match (mode, path(&self.plugin)) {
+            (Mode::Plugin, None) => Some(default_plugin()?),
+            (_, plugin) => plugin,
+        };
+        let config = LoadConfig {
+            mode,
+            nodes: self.nodes,
+            pods_per_node: self.pods_per_node,
+            stop,
+            churn_rate: self.churn_rate,
+            drain: self.drain,
+            pool: self.pool,
+            block_size: self.block_size,
+            strict_affinity: self.strict_affinity,
+            max_blocks_per_host: self.max_blocks_per_host,
+            seed: self.seed,
+            concurrency: self.concurrency,
+            network: self.network.clone(),
+            plugin,
+            etcd_status_interval: self
+                .etcd_status_interval_seconds
+                .map(|s| seconds(&s.to_string(), "--etcd-status-interval-seconds", false))
+                .transpose()?,
+            compact_at_end: self.compact_at_end,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// `blockipam` next to this executable.
+fn default_plugin() -> Result<PathBuf, LoadError> {
+    let exe = std::env::current_exe().map_err(|e| {
+        LoadError::usage(format!(
+            "cannot tell where blockipam-load runs from ({e}); pass --plugin PATH"
+        ))
+    })?;
+    Ok(exe
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+        .join("blockipam"))
+}
+
+/// The whole program: parses `args`, runs, prints the report (text, or JSON with `--json`) on
+/// `stdout`, messages and the progress line (only when `stderr_is_terminal`) on `stderr`, and
+/// returns the exit status.
+pub fn run_cli<I, T>(
+    args: I,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+    stderr_is_terminal: bool,
+) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = write!(
+                if e.use_stderr() { &mut *stderr } else { &mut *stdout },
+                "{e}"
+            );
+            return if e.use_stderr() { EXIT_USAGE } else { EXIT_PASSED };
+        }
+    };
+    let prepared = cli.settings().and_then(|s| Ok((s, cli.load_config()?)));
+    let (settings, config) = match prepared {
+        Ok(prepared) => prepared,
+        Err(e) => return fail(stderr, &e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => return fail(stderr, &LoadError::failed(format!("cannot start tokio: {e}"))),
+    };
+    let result = runtime.block_on(async {
+        let mut draw = |progress: &crate::run::Progress| {
+            if stderr_is_terminal {
+                crate::progress::draw(&mut *stderr, progress);
+            }
+        };
+        run(&config, StoreTarget::Settings(settings), &mut draw).await
+    });
+    match result {
+        Ok(report) => {
+            let printed = if cli.json {
+                serde_json::to_string_pretty(&report)
+                    .map_err(|e| e.to_string())
+                    .and_then(|json| writeln!(stdout, "{json}").map_err(|e| e.to_string()))
+            } else {
+                write!(stdout, "{}", report.to_text()).map_err(|e| e.to_string())
+            };
+            if let Err(e) = printed {
+                return fail(stderr, &LoadError::failed(format!("cannot print the report: {e}")));
+            }
+            if report.passed {
+                EXIT_PASSED
+            } else {
+                let _ = writeln!(
+                    stderr,
+                    "blockipam-load: FAILED: {} errors, {} duplicates, {} missing, {} leaked, check {}",
+                    report.errors,
+                    report.duplicates(),
+                    report.verification.missing,
+                    report.verification.leaked,
+                    if report.check.clean { "clean" } else { "found problems" }
+                );
+                EXIT_FAILED
+            }
+        }
+        Err(e) => fail(stderr, &e),
+    }
+}
+
+fn fail(stderr: &mut dyn Write, error: &LoadError) -> i32 {
+    let _ = writeln!(stderr, "blockipam-load: error: {error}");
+    match error {
+        LoadError::Usage(_) => EXIT_USAGE,
+        _ => EXIT_FAILED,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("blockipam-load").chain(args.iter().copied()))
+            .expect("flags parse")
+    }
+
+    #[test]
+    fn flags_become_settings_and_a_config() {
+        let cli = parse(&[
+            "--datastore-type",
+            "etcdv3",
+            "--etcd-endpoints",
+            "127.0.0.1:1, 127.0.0.1:2",
+            "--nodes",
+            "50",
+            "--operations",
+            "300",
+            "--block-size",
+            "28",
+            "--strict-affinity",
+            "--seed",
+            "7",
+        ]);
+        let settings = cli.settings().expect("settings");
+        assert_eq!(settings.datastore_type, DatastoreType::Etcdv3);
+        assert_eq!(settings.etcd_endpoints.len(), 2);
+        let config = cli.load_config().expect("config");
+        assert_eq!(config.stop, StopRule::Operations(300));
+        assert_eq!((config.nodes, config.block_size, config.seed), (50, Some(28), 7));
+        assert!(config.strict_affinity);
+    }
+
+    #[test]
+    fn stop_rules_exclude_each_other_and_bad_values_are_usage_errors() {
+        let both = Cli::try_parse_from(["x", "--operations", "5", "--duration-seconds", "1"]);
+        assert!(both.is_err(), "two stop rules were accepted");
+        let cli = parse(&["--duration-seconds", "0"]);
+        assert!(matches!(cli.load_config(), Err(LoadError::Usage(_))));
+        let cli = parse(&["--datastore-type", "etcdv3"]);
+        assert!(matches!(cli.settings(), Err(LoadError::Usage(_))), "etcd without endpoints");
+        let mut out = Vec::new();
+        let mut err = Vec::new();
+        let code = run_cli(["x", "--nodes", "0"], &mut out, &mut err, false);
+        assert_eq!(code, EXIT_USAGE, "{}", String::from_utf8_lossy(&err));
+    }
+}

@@ -1,0 +1,231 @@
+//! What one load run does: the simulated cluster, its pod churn, when it stops, and how each
+//! operation reaches the store.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use crate::error::LoadError;
+
+/// How an operation reaches the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// The allocator API in this process: each node has its own `Ipam` over its own store client
+    /// (its own etcd connection; one shared handle for an embedded store, which admits one
+    /// process).
+    Api,
+    /// The real `blockipam` binary, one process per operation with the CNI environment and the
+    /// netconf on stdin, each node with its own `nodename` and `ipam_lock_file`.
+    Plugin,
+}
+
+impl Mode {
+    /// `api` or `plugin`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Api => "api",
+            Mode::Plugin => "plugin",
+        }
+    }
+}
+
+/// When a node stops starting new operations.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopRule {
+    /// After this many operations in total, split evenly over the nodes (the fill counts).
+    Operations(u64),
+    /// When this much time has passed since the run started (the fill counts).
+    Duration(#[serde(serialize_with = "seconds")] Duration),
+    /// After filling, each node replaces this many pods (one DEL and one ADD each).
+    ChurnCycles(u64),
+}
+
+fn seconds<S: serde::Serializer>(duration: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_f64(duration.as_secs_f64())
+}
+
+/// One run's parameters (everything but the store, see [`crate::StoreTarget`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadConfig {
+    /// How operations reach the store.
+    pub mode: Mode,
+    /// Simulated nodes.
+    pub nodes: u32,
+    /// Pods each node holds once filled.
+    pub pods_per_node: u32,
+    /// When nodes stop.
+    pub stop: StopRule,
+    /// Churn cycles (DEL of a random held pod, then ADD of a new one) per node per second, as a
+    /// Poisson process from the seeded schedule; `None` runs them back to back.
+    pub churn_rate: Option<f64>,
+    /// At the end, each node deletes every pod it holds.
+    pub drain: bool,
+    /// The pool's CIDR.
+    pub pool: IpNet,
+    /// The pool's block prefix length (the allocator's default when `None`).
+    pub block_size: Option<u8>,
+    /// The IPAM configuration's `strict_affinity`.
+    pub strict_affinity: bool,
+    /// The IPAM configuration's `max_blocks_per_host` (left as it is when `None`; 0 = unlimited).
+    pub max_blocks_per_host: Option<u32>,
+    /// The schedule's seed: the same seed gives each node the same operations.
+    pub seed: u64,
+    /// Operations in flight at once, each from a different node.
+    pub concurrency: u32,
+    /// The CNI network name; every handle is `<network>.<container id>`.
+    pub network: String,
+    /// The `blockipam` binary (plugin mode).
+    pub plugin: Option<PathBuf>,
+    /// etcd: how often to sample the database size during the run (only before and after when
+    /// `None`).
+    #[serde(serialize_with = "optional_seconds")]
+    pub etcd_status_interval: Option<Duration>,
+    /// etcd: after the run, compact the history up to the current revision and report the
+    /// database size again (destroys history: for a benchmark etcd only).
+    pub compact_at_end: bool,
+}
+
+fn optional_seconds<S: serde::Serializer>(
+    duration: &Option<Duration>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    match duration {
+        Some(d) => serializer.serialize_some(&d.as_secs_f64()),
+        None => serializer.serialize_none(),
+    }
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        LoadConfig {
+            mode: Mode::Api,
+            nodes: 10,
+            pods_per_node: 5,
+            stop: StopRule::ChurnCycles(5),
+            churn_rate: None,
+            drain: false,
+            pool: IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 64, 0, 0), 10).unwrap_or_default()),
+            block_size: None,
+            strict_affinity: false,
+            max_blocks_per_host: None,
+            seed: 1,
+            concurrency: 8,
+            network: "load".to_owned(),
+            plugin: None,
+            etcd_status_interval: None,
+            compact_at_end: false,
+        }
+    }
+}
+
+impl LoadConfig {
+    /// Checks the parameters against each other.
+    ///
+    /// # Errors
+    /// [`LoadError::Usage`] naming the parameter.
+    pub fn validate(&self) -> Result<(), LoadError> {
+        if self.nodes == 0 {
+            return Err(LoadError::usage("--nodes must be at least 1"));
+        }
+        if self.pods_per_node == 0 {
+            return Err(LoadError::usage("--pods-per-node must be at least 1"));
+        }
+        if self.concurrency == 0 {
+            return Err(LoadError::usage("--concurrency must be at least 1"));
+        }
+        if let Some(rate) = self.churn_rate {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(LoadError::usage(format!(
+                    "--churn-rate must be a number of cycles per node per second above 0, not {rate}"
+                )));
+            }
+        }
+        if let StopRule::Duration(d) = self.stop {
+            if d.is_zero() {
+                return Err(LoadError::usage("--duration-seconds must be above 0"));
+            }
+        }
+        if self.pool.network() != self.pool.addr() {
+            return Err(LoadError::usage(format!(
+                "--pool {} has host bits set; give the network address ({})",
+                self.pool,
+                self.pool.trunc()
+            )));
+        }
+        let network_ok = self.network.chars().enumerate().all(|(i, c)| {
+            c.is_ascii_alphanumeric() || (i > 0 && matches!(c, '_' | '.' | '-'))
+        });
+        if self.network.is_empty() || !network_ok {
+            return Err(LoadError::usage(format!(
+                "--network {:?} must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a CNI network name)",
+                self.network
+            )));
+        }
+        if self.mode == Mode::Plugin && self.plugin.is_none() {
+            return Err(LoadError::usage(
+                "plugin mode needs the blockipam binary (--plugin or BLOCKIPAM_PLUGIN)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The simulated node names: `load-node-00000`, `load-node-00001`, ...
+    pub fn node_name(index: u32) -> String {
+        format!("load-node-{index:05}")
+    }
+
+    /// The handle of a pod attachment, as the plugin forms it: `<network>.<container id>`.
+    pub fn handle(&self, container: &str) -> String {
+        format!("{}.{container}", self.network)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_bad_parameters_are_usage_errors() {
+        LoadConfig::default().validate().expect("defaults are valid");
+        let cases = [
+            LoadConfig {
+                nodes: 0,
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                pods_per_node: 0,
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                concurrency: 0,
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                churn_rate: Some(f64::NAN),
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                pool: "10.0.0.1/16".parse().expect("cidr"),
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                network: "-bad".into(),
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                mode: Mode::Plugin,
+                ..LoadConfig::default()
+            },
+        ];
+        for case in cases {
+            assert!(
+                matches!(case.validate(), Err(LoadError::Usage(_))),
+                "{case:?} was accepted"
+            );
+        }
+    }
+}

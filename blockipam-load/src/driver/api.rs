@@ -1,0 +1,102 @@
+//! Api mode: a node's ADD and DEL as the allocator calls the plugin makes (`auto_assign` of one
+//! IPv4 address with the plugin's attributes, `release_handle`), over the node's own counted
+//! store client.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
+
+use crate::observe::ConflictCounter;
+
+/// One node's allocator and the counters around its store client.
+#[derive(Debug, Clone)]
+pub struct ApiNode {
+    host: String,
+    network: String,
+    ipam: Ipam,
+    counting: Arc<CountingStore>,
+    conflicts: Arc<ConflictCounter>,
+}
+
+/// What one call did to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreWork {
+    /// Reads and transactions.
+    pub round_trips: RoundTrips,
+    /// Transactions refused by a failed condition (each retried by the allocator).
+    pub conflicts: u64,
+}
+
+impl ApiNode {
+    /// A node named `host` over `store` (its own client, or a handle it shares).
+    pub fn new(host: String, network: String, store: Arc<dyn KvStore>) -> Self {
+        let conflicts = Arc::new(ConflictCounter::new(store));
+        let counting = Arc::new(CountingStore::new(conflicts.clone()));
+        ApiNode {
+            host,
+            network,
+            ipam: Ipam::new(counting.clone()),
+            counting,
+            conflicts,
+        }
+    }
+
+    fn take_work(&self) -> StoreWork {
+        StoreWork {
+            round_trips: self.counting.take(),
+            conflicts: self.conflicts.take(),
+        }
+    }
+
+    /// ADD of `container`: one IPv4 address, never a block's first or last address (as the
+    /// plugin asks when no gateway is configured).
+    pub async fn add(&self, handle: &str, container: &str) -> (Result<Vec<IpAddr>, String>, StoreWork) {
+        self.take_work();
+        let request = AutoAssignRequest {
+            handle: handle.to_owned(),
+            host: self.host.clone(),
+            num_v4: 1,
+            attributes: BTreeMap::from([
+                ("network".to_owned(), self.network.clone()),
+                ("container_id".to_owned(), container.to_owned()),
+                ("interface".to_owned(), "eth0".to_owned()),
+            ]),
+            reuse_existing: true,
+            skip_block_edges: true,
+            ..AutoAssignRequest::default()
+        };
+        let result = match self.ipam.auto_assign(&request).await {
+            Ok(result) if result.reused => Err(format!(
+                "ADD {handle}: the handle already held addresses before this run's ADD"
+            )),
+            Ok(result) if result.v4.is_empty() => Err(format!("ADD {handle}: no address returned")),
+            Ok(result) => Ok(result.v4.into_iter().map(|a| a.ip).collect()),
+            Err(e) => Err(format!("ADD {handle} on {}: {e}", self.host)),
+        };
+        (result, self.take_work())
+    }
+
+    /// DEL of the pod holding `held` under `handle`: releases the handle, and fails unless exactly
+    /// `held` was released.
+    pub async fn del(&self, handle: &str, held: &[IpAddr]) -> (Result<Vec<IpAddr>, String>, StoreWork) {
+        self.take_work();
+        let result = match self.ipam.release_handle(handle).await {
+            Ok(mut released) => {
+                let mut expected = held.to_vec();
+                released.sort();
+                expected.sort();
+                if released == expected {
+                    Ok(released)
+                } else {
+                    Err(format!(
+                        "DEL {handle}: released {released:?}, but the pod held {expected:?}"
+                    ))
+                }
+            }
+            Err(e) => Err(format!("DEL {handle} on {}: {e}", self.host)),
+        };
+        (result, self.take_work())
+    }
+}

@@ -1,0 +1,215 @@
+//! Plugin mode: a node's ADD and DEL as a runtime makes them, by running the real `blockipam`
+//! binary with the CNI environment and the node's netconf (its own `nodename` and
+//! `ipam_lock_file`) on stdin.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use crate::config::LoadConfig;
+
+/// The plugin binary and the directory of the nodes' lock files.
+#[derive(Debug)]
+pub struct PluginRunner {
+    binary: PathBuf,
+    lock_dir: PathBuf,
+}
+
+/// One node's netconf, ready to send.
+#[derive(Debug, Clone)]
+pub struct PluginNode {
+    runner: Arc<PluginRunner>,
+    netconf: Arc<Vec<u8>>,
+}
+
+impl PluginRunner {
+    /// Runs `binary`; node lock files go in `lock_dir`.
+    pub fn new(binary: PathBuf, lock_dir: PathBuf) -> Self {
+        PluginRunner { binary, lock_dir }
+    }
+
+    /// The netconf of node `host`: the run's pool (created on first use by the plugin, as a real
+    /// netconf would), the store `settings`, the node's name and lock file. No gateway: addresses
+    /// are reported with their block's prefix.
+    pub fn netconf(&self, config: &LoadConfig, settings: &DatastoreSettings, host: &str) -> Value {
+        let mut pool = json!({"cidr": config.pool.to_string()});
+        if let Some(size) = config.block_size {
+            pool["block_size"] = json!(size);
+        }
+        let mut ipam = json!({
+            "type": "blockipam",
+            "nodename": host,
+            "ipam_lock_file": self.lock_dir.join(format!("{host}.lock")),
+            "ipam_lock_timeout_seconds": settings.lock_wait.as_secs_f64(),
+            "log_level": "error",
+            "pools": [pool],
+            "datastore_type": settings.datastore_type.as_str(),
+        });
+        let mut set = |key: &str, value: Value| ipam[key] = value;
+        match settings.datastore_type {
+            DatastoreType::Sled | DatastoreType::Redb => {
+                if let Some(path) = settings.resolved_path() {
+                    set("datastore_path", json!(path));
+                }
+            }
+            DatastoreType::Etcdv3 => {
+                set("etcd_endpoints", json!(settings.etcd_endpoints));
+                if let Some(prefix) = &settings.etcd_prefix {
+                    set("etcd_prefix", json!(prefix));
+                }
+                for (key, file) in [
+                    ("etcd_ca_cert_file", &settings.etcd_ca_cert_file),
+                    ("etcd_cert_file", &settings.etcd_cert_file),
+                    ("etcd_key_file", &settings.etcd_key_file),
+                ] {
+                    if let Some(file) = file {
+                        set(key, json!(file));
+                    }
+                }
+                if let (Some(user), Some(password)) =
+                    (&settings.etcd_username, &settings.etcd_password)
+                {
+                    set("etcd_username", json!(user));
+                    set("etcd_password", json!(password.expose()));
+                }
+            }
+        }
+        json!({"cniVersion": "1.0.0", "name": config.network, "type": "ptp", "ipam": ipam})
+    }
+
+    fn cni_path(&self) -> PathBuf {
+        self.binary
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default()
+    }
+}
+
+impl PluginNode {
+    /// A node sending `netconf` through `runner`.
+    pub fn new(runner: Arc<PluginRunner>, netconf: &Value) -> Self {
+        PluginNode {
+            runner,
+            netconf: Arc::new(netconf.to_string().into_bytes()),
+        }
+    }
+
+    /// Runs one CNI command for `container` and returns its standard output.
+    async fn call(&self, command: &str, container: &str) -> Result<Vec<u8>, String> {
+        let mut child = tokio::process::Command::new(&self.runner.binary)
+            .env_clear()
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", container)
+            .env("CNI_NETNS", format!("/var/run/netns/{container}"))
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", self.runner.cni_path())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot run {}: {e}", self.runner.binary.display()))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(&self.netconf)
+                .await
+                .map_err(|e| format!("{command} {container}: cannot write the netconf: {e}"))?;
+        }
+        let output = child
+            .wait_with_output()
+            .await
+            .map_err(|e| format!("{command} {container}: {e}"))?;
+        if output.status.success() {
+            Ok(output.stdout)
+        } else {
+            Err(format!(
+                "{command} {container} failed ({}): {} {}",
+                output.status,
+                String::from_utf8_lossy(&output.stdout).trim(),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    }
+
+    /// ADD: the addresses of the result's `ips`.
+    pub async fn add(&self, container: &str) -> Result<Vec<IpAddr>, String> {
+        let stdout = self.call("ADD", container).await?;
+        parse_result_ips(&stdout).map_err(|e| format!("ADD {container}: {e}"))
+    }
+
+    /// DEL (the plugin reports nothing on success).
+    pub async fn del(&self, container: &str) -> Result<(), String> {
+        self.call("DEL", container).await.map(drop)
+    }
+}
+
+/// The addresses of a CNI 1.0.0 result (`ips[].address`, `10.0.0.5/26`).
+///
+/// # Errors
+/// A message when the output is not such a result, or holds no address.
+pub fn parse_result_ips(stdout: &[u8]) -> Result<Vec<IpAddr>, String> {
+    let result: Value = serde_json::from_slice(stdout).map_err(|e| {
+        format!(
+            "the plugin's output is not JSON ({e}): {}",
+            String::from_utf8_lossy(stdout)
+        )
+    })?;
+    let ips: Vec<IpAddr> = result["ips"]
+        .as_array()
+        .map(|ips| {
+            ips.iter()
+                .filter_map(|ip| ip["address"].as_str())
+                .filter_map(|address| address.parse::<ipnet::IpNet>().ok())
+                .map(|net| net.addr())
+                .collect()
+        })
+        .unwrap_or_default();
+    if ips.is_empty() {
+        return Err(format!("the result holds no address: {result}"));
+    }
+    Ok(ips)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_addresses_are_read_from_ips_and_an_empty_result_is_an_error() {
+        let ok = br#"{"cniVersion":"1.0.0","ips":[{"address":"10.0.0.5/26"}]}"#;
+        assert_eq!(
+            parse_result_ips(ok),
+            Ok(vec!["10.0.0.5".parse::<IpAddr>().expect("ip")])
+        );
+        assert!(parse_result_ips(br#"{"ips":[]}"#).is_err());
+        assert!(parse_result_ips(b"oops").is_err());
+    }
+
+    #[test]
+    fn each_node_gets_its_own_name_and_lock_file() {
+        let runner = PluginRunner::new("/x/blockipam".into(), "/locks".into());
+        let settings = DatastoreSettings {
+            datastore_type: DatastoreType::Etcdv3,
+            etcd_endpoints: vec!["http://127.0.0.1:1".into()],
+            etcd_prefix: Some("/p/".into()),
+            ..DatastoreSettings::default()
+        };
+        let config = LoadConfig {
+            block_size: Some(28),
+            ..LoadConfig::default()
+        };
+        let a = runner.netconf(&config, &settings, "node-a");
+        let b = runner.netconf(&config, &settings, "node-b");
+        assert_eq!(a["ipam"]["nodename"], "node-a");
+        assert_eq!(a["ipam"]["ipam_lock_file"], "/locks/node-a.lock");
+        assert_eq!(b["ipam"]["ipam_lock_file"], "/locks/node-b.lock");
+        assert_eq!(a["ipam"]["etcd_prefix"], "/p/");
+        assert_eq!(a["ipam"]["pools"][0]["block_size"], 28);
+        assert_eq!(a["name"], "load");
+    }
+}

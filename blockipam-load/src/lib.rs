@@ -1,0 +1,30 @@
+//! blockipam-load: a load generator for blockipam. Simulated nodes churn pods (ADD, hold, DEL)
+//! against one store from a seeded schedule, through the allocator API or the real `blockipam`
+//! plugin binary, and the run reports throughput, per-kind latency (a node's first ADD, steady
+//! ADDs, DELs), store round trips and conflicts, etcd's database size, the final `check` and any
+//! duplicate address.
+//!
+//! The binary is `src/main.rs` over [`run_cli`]; tests and other programs call [`run`] with a
+//! [`LoadConfig`] and a [`StoreTarget`] and get a [`Report`].
+
+pub mod cli;
+pub mod config;
+pub mod driver;
+pub mod error;
+pub mod etcd_status;
+pub mod ledger;
+pub mod observe;
+pub mod progress;
+pub mod report;
+pub mod rng;
+pub mod run;
+pub mod schedule;
+pub mod stats;
+pub mod verify;
+
+pub use cli::{run_cli, EXIT_FAILED, EXIT_PASSED, EXIT_USAGE};
+pub use config::{LoadConfig, Mode, StopRule};
+pub use error::LoadError;
+pub use report::Report;
+pub use run::{run, Progress, StoreTarget};
+pub use schedule::OpKind;

@@ -1,0 +1,238 @@
+//! A run's result: throughput, per-kind latency, round trips and conflicts, errors, the final
+//! `check`, the duplicate comparison and etcd's database size; as JSON or as text.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use ipam_core::CheckReport;
+use serde::Serialize;
+
+use crate::config::LoadConfig;
+use crate::etcd_status::MemberStatus;
+use crate::schedule::OpKind;
+use crate::stats::KindSummary;
+use crate::verify::Verification;
+
+/// How many error messages a report keeps.
+pub const ERROR_SAMPLES: usize = 10;
+
+/// etcd's database before, during and after the run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EtcdSizes {
+    /// Each member after setup, before the first operation.
+    pub before: Vec<MemberStatus>,
+    /// Samples taken during the run (`--etcd-status-interval-seconds`).
+    pub during: Vec<EtcdSample>,
+    /// Each member after the run and the verification.
+    pub after: Vec<MemberStatus>,
+    /// The revision compacted to (`--compact-at-end`).
+    pub compacted_to_revision: Option<i64>,
+    /// Why the compaction failed.
+    pub compaction_error: Option<String>,
+    /// Each member after the compaction.
+    pub after_compaction: Vec<MemberStatus>,
+}
+
+/// One sample during the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct EtcdSample {
+    /// Seconds since the run started.
+    pub elapsed_seconds: f64,
+    /// Operations finished by then.
+    pub operations: u64,
+    /// The largest member database, in bytes.
+    pub max_db_size_bytes: Option<i64>,
+    /// The largest in-use size, in bytes.
+    pub max_db_size_in_use_bytes: Option<i64>,
+}
+
+/// The pool after the run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PoolState {
+    /// Blocks that exist.
+    pub blocks: u64,
+    /// Blocks affine to a host.
+    pub affine_blocks: u64,
+    /// Addresses in use in those blocks.
+    pub in_use: u64,
+    /// Addresses those blocks can hold.
+    pub capacity: u64,
+}
+
+/// The final consistency check.
+#[derive(Debug, Clone, Serialize)]
+pub struct CheckSummary {
+    /// No problem found.
+    pub clean: bool,
+    /// The check's report.
+    pub report: CheckReport,
+}
+
+/// Everything a run measured and found.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The parameters.
+    pub config: LoadConfig,
+    /// The store, described.
+    pub store: String,
+    /// How the simulated nodes reach the store.
+    pub store_clients: String,
+    /// Wall time from the first operation to the last one finishing.
+    pub elapsed_seconds: f64,
+    /// Operations finished.
+    pub operations: u64,
+    /// `operations / elapsed_seconds`.
+    pub operations_per_second: f64,
+    /// Per kind: `first_add` (a node's first ADD, which claims its block), `add`, `del`.
+    pub kinds: BTreeMap<OpKind, KindSummary>,
+    /// Operations that failed (any error other than a conflict the allocator retried).
+    pub errors: u64,
+    /// The first error messages.
+    pub error_samples: Vec<String>,
+    /// Addresses handed to a second pod while the first still held it, seen during the run.
+    pub duplicates_during_run: u64,
+    /// Their descriptions (the first ones).
+    pub duplicate_samples: Vec<String>,
+    /// The end-of-run comparison with `list_allocations`.
+    pub verification: Verification,
+    /// The final `check`.
+    pub check: CheckSummary,
+    /// The pool after the run.
+    pub pool: PoolState,
+    /// etcd's database size (etcd only).
+    pub etcd: Option<EtcdSizes>,
+    /// No error, no duplicate, nothing missing or leaked, and a clean check.
+    pub passed: bool,
+}
+
+impl Report {
+    /// Duplicates during the run plus duplicates at the end.
+    pub fn duplicates(&self) -> u64 {
+        self.duplicates_during_run + self.verification.duplicates
+    }
+
+    /// Whether the run passed (see [`Report::passed`]).
+    pub fn compute_passed(&self) -> bool {
+        self.errors == 0 && self.duplicates() == 0 && self.verification.is_clean() && self.check.clean
+    }
+
+    /// The report for people.
+    pub fn to_text(&self) -> String {
+        let c = &self.config;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "blockipam-load: {} mode, {} nodes x {} pods, pool {} (blocks /{}), strict affinity {}, seed {}, concurrency {}",
+            c.mode.as_str(),
+            c.nodes,
+            c.pods_per_node,
+            c.pool,
+            c.block_size.map(|b| b.to_string()).unwrap_or_else(|| "default".into()),
+            c.strict_affinity,
+            c.seed,
+            c.concurrency
+        );
+        let _ = writeln!(out, "store: {} ({})", self.store, self.store_clients);
+        let _ = writeln!(
+            out,
+            "{} operations in {:.2} s: {:.1} operations/s",
+            self.operations, self.elapsed_seconds, self.operations_per_second
+        );
+        let _ = writeln!(
+            out,
+            "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+            "kind", "count", "errors", "p50 ms", "p95 ms", "p99 ms", "max ms", "trips/op", "commits/op", "conflicts"
+        );
+        let ms = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
+        for (kind, s) in &self.kinds {
+            let _ = writeln!(
+                out,
+                "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+                kind.as_str(),
+                s.count,
+                s.errors,
+                ms(s.p50_ms),
+                ms(s.p95_ms),
+                ms(s.p99_ms),
+                ms(s.max_ms),
+                ms(s.round_trips_per_op),
+                ms(s.commits_per_op),
+                s.conflicts.map(|n| n.to_string()).unwrap_or_else(|| "-".into())
+            );
+        }
+        let _ = writeln!(
+            out,
+            "pool: {} blocks ({} affine), {} of {} addresses in use",
+            self.pool.blocks, self.pool.affine_blocks, self.pool.in_use, self.pool.capacity
+        );
+        let v = &self.verification;
+        let _ = writeln!(
+            out,
+            "pods: {} live holding {} addresses; store: {} allocations ({} of this run)",
+            v.live_pods, v.believed_addresses, v.store_allocations, v.run_allocations
+        );
+        let _ = writeln!(
+            out,
+            "duplicates: {} (during the run {}, at the end {}); missing: {}; leaked: {}",
+            self.duplicates(),
+            self.duplicates_during_run,
+            v.duplicates,
+            v.missing,
+            v.leaked
+        );
+        for sample in self.duplicate_samples.iter().chain(&v.samples) {
+            let _ = writeln!(out, "  {sample}");
+        }
+        let _ = writeln!(
+            out,
+            "check: {} ({} blocks, {} handles, {} allocations checked)",
+            if self.check.clean { "clean" } else { "PROBLEMS" },
+            self.check.report.blocks_checked,
+            self.check.report.handles_checked,
+            self.check.report.allocations_checked
+        );
+        for problem in self.check.report.problems.iter().take(ERROR_SAMPLES) {
+            let _ = writeln!(out, "  {}: {}", problem.kind, problem.detail);
+        }
+        let _ = writeln!(out, "errors: {}", self.errors);
+        for error in &self.error_samples {
+            let _ = writeln!(out, "  {error}");
+        }
+        if let Some(etcd) = &self.etcd {
+            let mib = |v: Option<i64>| {
+                v.map(|b| format!("{:.2} MiB", b as f64 / 1_048_576.0))
+                    .unwrap_or_else(|| "-".into())
+            };
+            let line = |members: &[MemberStatus]| {
+                members
+                    .iter()
+                    .map(|m| match &m.error {
+                        Some(e) => format!("{}: {e}", m.endpoint),
+                        None => format!(
+                            "{} {} (in use {}, revision {})",
+                            m.endpoint,
+                            mib(m.db_size_bytes),
+                            mib(m.db_size_in_use_bytes),
+                            m.revision.unwrap_or_default()
+                        ),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            };
+            let _ = writeln!(out, "etcd db before: {}", line(&etcd.before));
+            let _ = writeln!(out, "etcd db after:  {}", line(&etcd.after));
+            if let Some(revision) = etcd.compacted_to_revision {
+                let _ = writeln!(
+                    out,
+                    "etcd db after compacting to revision {revision}: {}",
+                    line(&etcd.after_compaction)
+                );
+            }
+            if let Some(error) = &etcd.compaction_error {
+                let _ = writeln!(out, "etcd compaction failed: {error}");
+            }
+        }
+        let _ = writeln!(out, "result: {}", if self.passed { "PASS" } else { "FAIL" });
+        out
+    }
+}
