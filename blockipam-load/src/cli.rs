@@ -287,11 +287,12 @@ where
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         Err(e) => {
-            let _ = write!(
-                if e.use_stderr() { &mut *stderr } else { &mut *stdout },
-                "{e}"
-            );
-            return if e.use_stderr() { EXIT_USAGE } else { EXIT_PASSED };
+            if e.use_stderr() {
+                let _ = write!(stderr, "{e}");
+                return EXIT_USAGE;
+            }
+            let _ = write!(stdout, "{e}");
+            return EXIT_PASSED;
         }
     };
     let prepared = cli.settings().and_then(|s| Ok((s, cli.load_config()?)));

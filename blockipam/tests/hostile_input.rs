@@ -135,6 +135,8 @@ impl Target {
 struct Fixture {
     /// An address held by container `c1` (eth0).
     held_by_c1: String,
+    /// The ADD result of `c1` (eth0), spec 1.0.0.
+    c1_result: Value,
 }
 
 /// Fills the target's store through the plugin: c1 (dual stack), c2 on eth0 and net1, c3 added
@@ -149,6 +151,7 @@ fn populate(target: &Target) -> Fixture {
     cni("DEL", "c3", "eth0", &single, &[]).assert_silent_success("DEL c3");
     Fixture {
         held_by_c1: first_address(&c1),
+        c1_result: c1,
     }
 }
 
@@ -1080,7 +1083,7 @@ fn restore(root: &Path, pristine: &BTreeMap<PathBuf, Vec<u8>>) {
 fn damaged_store_never_panics(store_type: DatastoreType) {
     let sandbox = Sandbox::with_store(store_type);
     let target = Target::Embedded(sandbox);
-    populate(&target);
+    let fixture = populate(&target);
     let Target::Embedded(sandbox) = &target else {
         unreachable!("built above")
     };
@@ -1094,7 +1097,8 @@ fn damaged_store_never_panics(store_type: DatastoreType) {
         .collect();
     let file = data_file(sandbox);
     let list = damages(&pristine[&file]);
-    let netconf = sandbox.netconf("1.1.0", json!({}));
+    // Spec 1.0.0 as the fixture's ADDs (CHECK compares with what c1 was given then).
+    let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv6": true}));
     let calls: [(&str, &str); 3] = [("ADD", "newcomer"), ("DEL", "c2"), ("CHECK", "c1")];
     let mut failures = Vec::new();
     let mut answered = BTreeMap::<String, usize>::new();
@@ -1111,9 +1115,12 @@ fn damaged_store_never_panics(store_type: DatastoreType) {
                 let Some(object) = netconf.as_object_mut() else {
                     unreachable!("a netconf is an object")
                 };
-                object.insert("prevResult".into(), json!({"ips": []}));
+                object.insert("prevResult".into(), fixture.c1_result.clone());
             }
             let call = run_plugin(&env, netconf.to_string().as_bytes());
+            if std::env::var_os("HOSTILE_TRACE").is_some() {
+                eprintln!("TRACE {damage:?} {command}: {:?} {}", call.status, call.stdout.replace('\n', " "));
+            }
             let outcome = if call.status == Some(0) && !call.hung {
                 if call.stderr.contains("panicked") {
                     failures.push(format!("{damage:?} {command}: panicked: {}", call.stderr));

@@ -60,6 +60,7 @@ macro_rules! model_based_conformance_tests {
             concurrent_tasks_hold_exactly_what_they_believe,
             pool_recarved_with_another_block_size_refuses_a_stale_guarded_release,
             delete_pool_racing_an_enable_and_an_add_leaves_no_block_outside_pools,
+            delete_pool_racing_a_recreation_under_the_same_name_leaves_no_block_outside_pools,
         );
     };
 }
@@ -106,7 +107,7 @@ const POOL_MENU: [MenuPool; 5] = [
         block_size: 28,
     },
     MenuPool {
-        name: 0,
+        name: 1,
         cidr: "10.0.2.0/26",
         block_size: 30,
     },
@@ -2329,11 +2330,12 @@ pub async fn pool_recarved_with_another_block_size_refuses_a_stale_guarded_relea
 /// What the racing ADD of the delete-pool regression case got.
 type RacerOutcome = Result<Vec<AssignedAddress>, IpamError>;
 
-/// A store that runs a hook (once) just before the first transaction that deletes a given key,
-/// to put another client's changes at an exact point of an operation.
-struct HookBeforeDelete {
+/// A store that runs a hook (once) just before the first transaction that deletes (or, with
+/// `on_any_write`, writes) a given key: another client's changes at an exact point of an operation.
+struct HookBeforeWrite {
     inner: Arc<dyn KvStore>,
     key: String,
+    on_any_write: bool,
     hook: tokio::sync::Mutex<Option<Hook>>,
 }
 
@@ -2342,16 +2344,16 @@ type Hook = Box<
         + Send,
 >;
 
-impl fmt::Debug for HookBeforeDelete {
+impl fmt::Debug for HookBeforeWrite {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HookBeforeDelete")
+        f.debug_struct("HookBeforeWrite")
             .field("key", &self.key)
             .finish_non_exhaustive()
     }
 }
 
 #[async_trait]
-impl KvStore for HookBeforeDelete {
+impl KvStore for HookBeforeWrite {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
         self.inner.get(key).await
     }
@@ -2361,11 +2363,11 @@ impl KvStore for HookBeforeDelete {
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        let deletes_key = txn
-            .ops
-            .iter()
-            .any(|op| matches!(op, ipam_core::Op::Delete { key } if *key == self.key));
-        if deletes_key {
+        let triggers = txn.ops.iter().any(|op| match op {
+            ipam_core::Op::Delete { key } => *key == self.key,
+            ipam_core::Op::Put { key, .. } => self.on_any_write && *key == self.key,
+        });
+        if triggers {
             let hook = self.hook.lock().await.take();
             if let Some(hook) = hook {
                 hook(Arc::clone(&self.inner)).await;
@@ -2411,9 +2413,10 @@ pub async fn delete_pool_racing_an_enable_and_an_add_leaves_no_block_outside_poo
             *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
         })
     });
-    let store = Arc::new(HookBeforeDelete {
+    let store = Arc::new(HookBeforeWrite {
         inner: Arc::clone(&test_store.store),
         key: ipam_core::model::keys::pool("a"),
+        on_any_write: false,
         hook: tokio::sync::Mutex::new(Some(hook)),
     });
     let ipam = Ipam::new(store as Arc<dyn KvStore>);
@@ -2431,6 +2434,70 @@ pub async fn delete_pool_racing_an_enable_and_an_add_leaves_no_block_outside_poo
         report.problems.is_empty(),
         "delete_pool answered {deletion:?} while the racing ADD got {racer:?}; the racer now \
          holds {held:?}, pools left {pools:?}; check: {:#?}",
+        report.problems
+    );
+}
+
+/// Found by [`concurrent_tasks_hold_exactly_what_they_believe`] (the check reported "block
+/// 10.0.2.0/30 lies in no pool": pool names are reused in the menu, `a` is 10.0.0.0/26 or later
+/// 10.0.2.0/26). `delete_pool("a")` reads pool `a`, then works by name: when another client
+/// deletes that pool and creates a new pool under the same name (and an ADD lands in it) before
+/// the delete disables "a", the delete disables and deletes the new pool, checking for blocks only
+/// in the old pool's CIDR: the new pool's block, with its live address, is left outside every pool.
+/// Here the other client's delete, re-creation and ADD run just before the delete's first write.
+pub async fn delete_pool_racing_a_recreation_under_the_same_name_leaves_no_block_outside_pools<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let test_store = factory.fresh().await;
+    let assigned: Arc<Mutex<Option<RacerOutcome>>> = Arc::default();
+    let seen = Arc::clone(&assigned);
+    let hook: Hook = Box::new(move |inner: Arc<dyn KvStore>| {
+        Box::pin(async move {
+            let other = Ipam::new(inner);
+            let deleted = other.delete_pool("a", false).await;
+            assert!(deleted.is_ok(), "the other client's delete: {deleted:?}");
+            let created = other.create_pool(&menu_spec(4)).await;
+            assert!(created.is_ok(), "the new pool a: {created:?}");
+            let got = other
+                .auto_assign(&AutoAssignRequest {
+                    handle: "racer".into(),
+                    host: "n9".into(),
+                    num_v4: 1,
+                    ..Default::default()
+                })
+                .await
+                .map(|r| r.v4);
+            *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
+        })
+    });
+    let store = Arc::new(HookBeforeWrite {
+        inner: Arc::clone(&test_store.store),
+        key: ipam_core::model::keys::pool("a"),
+        on_any_write: true,
+        hook: tokio::sync::Mutex::new(Some(hook)),
+    });
+    let ipam = Ipam::new(Arc::clone(&test_store.store));
+    ipam.create_pool(&menu_spec(0)).await.expect("pool a");
+    let deleting = Ipam::new(store as Arc<dyn KvStore>);
+    let deletion = deleting.delete_pool("a", false).await;
+    let racer = assigned
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+        .expect("the hook ran before the delete's first write");
+    let held = ipam.ips_by_handle("racer").await.expect("read");
+    let pools = ipam.list_pools().await.expect("pools");
+    let report = ipam.check(false).await.expect("check");
+    let new_pool_intact = pools
+        .iter()
+        .any(|p| p.name == "a" && p.cidr == net("10.0.2.0/26") && !p.disabled);
+    assert!(
+        report.problems.is_empty() && new_pool_intact && !held.is_empty(),
+        "delete_pool(a) of 10.0.0.0/26 answered {deletion:?}; meanwhile a was deleted, created \
+         again as 10.0.2.0/26 and an ADD there got {racer:?}; the racer now holds {held:?}, pools \
+         left {pools:?}; check: {:#?}",
         report.problems
     );
 }

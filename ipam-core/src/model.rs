@@ -765,7 +765,7 @@ mod tests {
 
     #[test]
     fn large_block_encoding_is_small_when_mostly_free() {
-        let mut block = Block::new(net("10.0.0.0/20"), Some("host-a".into(), 0));
+        let mut block = Block::new(net("10.0.0.0/23"), Some("host-a".into()), 0);
         for i in 0..10 {
             block.allocate_next(&attr(&format!("h{i}")));
         }
@@ -781,7 +781,7 @@ mod tests {
 
     #[test]
     fn decoding_damaged_bytes_is_an_error_not_a_panic() {
-        let block = Block::new(net("fd00::/122"), Some("h".into(), 0));
+        let block = Block::new(net("fd00::/122"), Some("h".into()), 0);
         let bytes = encode(&block).expect("encode");
         for cut in 0..bytes.len() {
             assert!(
