@@ -51,37 +51,94 @@ pub enum ModeArg {
 )]
 pub struct Cli {
     /// Store type: sled, redb or etcdv3
-    #[arg(long, env = "DATASTORE_TYPE", value_name = "TYPE", default_value = "sled", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "DATASTORE_TYPE",
+        value_name = "TYPE",
+        default_value = "sled",
+        help_heading = "Store"
+    )]
     pub datastore_type: String,
     /// Embedded store path [default: a new temporary store]
-    #[arg(long, env = "DATASTORE_PATH", value_name = "PATH", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "DATASTORE_PATH",
+        value_name = "PATH",
+        help_heading = "Store"
+    )]
     pub datastore_path: Option<PathBuf>,
     /// etcd endpoints, comma-separated (http://host:port or host:port)
-    #[arg(long, env = "ETCD_ENDPOINTS", value_name = "LIST", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_ENDPOINTS",
+        value_name = "LIST",
+        help_heading = "Store"
+    )]
     pub etcd_endpoints: Option<String>,
     /// etcd CA certificate (PEM)
-    #[arg(long, env = "ETCD_CA_CERT_FILE", value_name = "FILE", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_CA_CERT_FILE",
+        value_name = "FILE",
+        help_heading = "Store"
+    )]
     pub etcd_ca_cert_file: Option<PathBuf>,
     /// etcd client certificate (PEM)
-    #[arg(long, env = "ETCD_CERT_FILE", value_name = "FILE", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_CERT_FILE",
+        value_name = "FILE",
+        help_heading = "Store"
+    )]
     pub etcd_cert_file: Option<PathBuf>,
     /// etcd client key (PEM)
-    #[arg(long, env = "ETCD_KEY_FILE", value_name = "FILE", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_KEY_FILE",
+        value_name = "FILE",
+        help_heading = "Store"
+    )]
     pub etcd_key_file: Option<PathBuf>,
     /// etcd key prefix, ending with '/' [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
-    #[arg(long, env = "ETCD_PREFIX", value_name = "PREFIX", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_PREFIX",
+        value_name = "PREFIX",
+        help_heading = "Store"
+    )]
     pub etcd_prefix: Option<String>,
     /// etcd user name (with a password)
-    #[arg(long, env = "ETCD_USERNAME", value_name = "NAME", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_USERNAME",
+        value_name = "NAME",
+        help_heading = "Store"
+    )]
     pub etcd_username: Option<String>,
     /// etcd password; prefer the environment variable
-    #[arg(long, env = "ETCD_PASSWORD", hide_env_values = true, value_name = "PASSWORD", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "ETCD_PASSWORD",
+        hide_env_values = true,
+        value_name = "PASSWORD",
+        help_heading = "Store"
+    )]
     pub etcd_password: Option<Secret>,
     /// Seconds to wait for an embedded store another process holds [default: 10]
-    #[arg(long, env = "BLOCKIPAM_LOCK_WAIT_SECONDS", value_name = "SECONDS", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "BLOCKIPAM_LOCK_WAIT_SECONDS",
+        value_name = "SECONDS",
+        help_heading = "Store"
+    )]
     pub lock_wait_seconds: Option<String>,
     /// Upper bound in seconds on one etcd request [default: 10]
-    #[arg(long, env = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS", value_name = "SECONDS", help_heading = "Store")]
+    #[arg(
+        long,
+        env = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS",
+        value_name = "SECONDS",
+        help_heading = "Store"
+    )]
     pub etcd_timeout_seconds: Option<String>,
 
     /// How operations reach the store
@@ -157,9 +214,12 @@ fn string(value: &Option<String>) -> Option<String> {
 
 fn seconds(text: &str, flag: &str, allow_zero: bool) -> Result<Duration, LoadError> {
     let value: f64 = text.trim().parse().map_err(|_| {
-        LoadError::usage(format!("invalid value {text:?} for {flag}: expected a number of seconds"))
+        LoadError::usage(format!(
+            "invalid value {text:?} for {flag}: expected a number of seconds"
+        ))
     })?;
-    let valid = value.is_finite() && value <= MAX_SECONDS && (value > 0.0 || (allow_zero && value == 0.0));
+    let valid =
+        value.is_finite() && value <= MAX_SECONDS && (value > 0.0 || (allow_zero && value == 0.0));
     if !valid {
         return Err(LoadError::usage(format!(
             "invalid value {text:?} for {flag}: expected seconds {} up to one day",
@@ -219,7 +279,9 @@ impl Cli {
     pub fn load_config(&self) -> Result<LoadConfig, LoadError> {
         let stop = match (self.operations, self.duration_seconds, self.churn_cycles) {
             (Some(n), _, _) => StopRule::Operations(n),
-            (_, Some(s), _) => StopRule::Duration(seconds(&s.to_string(), "--duration-seconds", false)?),
+            (_, Some(s), _) => {
+                StopRule::Duration(seconds(&s.to_string(), "--duration-seconds", false)?)
+            }
             (_, _, Some(c)) => StopRule::ChurnCycles(c),
             (None, None, None) => StopRule::ChurnCycles(5),
         };
@@ -305,7 +367,12 @@ where
         .build()
     {
         Ok(runtime) => runtime,
-        Err(e) => return fail(stderr, &LoadError::failed(format!("cannot start tokio: {e}"))),
+        Err(e) => {
+            return fail(
+                stderr,
+                &LoadError::failed(format!("cannot start tokio: {e}")),
+            )
+        }
     };
     let result = runtime.block_on(async {
         let mut draw = |progress: &crate::run::Progress| {
@@ -313,7 +380,7 @@ where
                 crate::progress::draw(&mut *stderr, progress);
             }
         };
-        run(&config, StoreTarget::Settings(settings), &mut draw).await
+        run(&config, StoreTarget::from(settings), &mut draw).await
     });
     match result {
         Ok(report) => {
@@ -325,7 +392,10 @@ where
                 write!(stdout, "{}", report.to_text()).map_err(|e| e.to_string())
             };
             if let Err(e) = printed {
-                return fail(stderr, &LoadError::failed(format!("cannot print the report: {e}")));
+                return fail(
+                    stderr,
+                    &LoadError::failed(format!("cannot print the report: {e}")),
+                );
             }
             if report.passed {
                 EXIT_PASSED
@@ -385,7 +455,10 @@ mod tests {
         assert_eq!(settings.etcd_endpoints.len(), 2);
         let config = cli.load_config().expect("config");
         assert_eq!(config.stop, StopRule::Operations(300));
-        assert_eq!((config.nodes, config.block_size, config.seed), (50, Some(28), 7));
+        assert_eq!(
+            (config.nodes, config.block_size, config.seed),
+            (50, Some(28), 7)
+        );
         assert!(config.strict_affinity);
     }
 
@@ -396,7 +469,10 @@ mod tests {
         let cli = parse(&["--duration-seconds", "0"]);
         assert!(matches!(cli.load_config(), Err(LoadError::Usage(_))));
         let cli = parse(&["--datastore-type", "etcdv3"]);
-        assert!(matches!(cli.settings(), Err(LoadError::Usage(_))), "etcd without endpoints");
+        assert!(
+            matches!(cli.settings(), Err(LoadError::Usage(_))),
+            "etcd without endpoints"
+        );
         let mut out = Vec::new();
         let mut err = Vec::new();
         let code = run_cli(["x", "--nodes", "0"], &mut out, &mut err, false);

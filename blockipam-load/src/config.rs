@@ -108,7 +108,9 @@ impl Default for LoadConfig {
             stop: StopRule::ChurnCycles(5),
             churn_rate: None,
             drain: false,
-            pool: IpNet::V4(ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 64, 0, 0), 10).unwrap_or_default()),
+            pool: IpNet::V4(
+                ipnet::Ipv4Net::new(std::net::Ipv4Addr::new(10, 64, 0, 0), 10).unwrap_or_default(),
+            ),
             block_size: None,
             strict_affinity: false,
             max_blocks_per_host: None,
@@ -156,9 +158,11 @@ impl LoadConfig {
                 self.pool.trunc()
             )));
         }
-        let network_ok = self.network.chars().enumerate().all(|(i, c)| {
-            c.is_ascii_alphanumeric() || (i > 0 && matches!(c, '_' | '.' | '-'))
-        });
+        let network_ok = self
+            .network
+            .chars()
+            .enumerate()
+            .all(|(i, c)| c.is_ascii_alphanumeric() || (i > 0 && matches!(c, '_' | '.' | '-')));
         if self.network.is_empty() || !network_ok {
             return Err(LoadError::usage(format!(
                 "--network {:?} must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a CNI network name)",
@@ -190,7 +194,9 @@ mod tests {
 
     #[test]
     fn defaults_are_valid_and_bad_parameters_are_usage_errors() {
-        LoadConfig::default().validate().expect("defaults are valid");
+        LoadConfig::default()
+            .validate()
+            .expect("defaults are valid");
         let cases = [
             LoadConfig {
                 nodes: 0,

@@ -62,7 +62,9 @@ mod tests {
     async fn refused_commits_are_counted_and_successful_ones_are_not() {
         let counter = ConflictCounter::new(Arc::new(MemoryStore::new()));
         let create = || Txn {
-            conditions: vec![Condition::Absent { key: "k".to_owned() }],
+            conditions: vec![Condition::Absent {
+                key: "k".to_owned(),
+            }],
             ops: vec![Op::Put {
                 key: "k".to_owned(),
                 value: b"v".to_vec(),
@@ -70,7 +72,10 @@ mod tests {
         };
         counter.commit(create()).await.expect("first create");
         let refused = counter.commit(create()).await;
-        assert!(matches!(refused, Err(KvError::Conflict { .. })), "{refused:?}");
+        assert!(
+            matches!(refused, Err(KvError::Conflict { .. })),
+            "{refused:?}"
+        );
         assert_eq!(counter.take(), 1);
         assert_eq!(counter.take(), 0);
     }

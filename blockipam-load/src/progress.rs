@@ -63,8 +63,14 @@ mod tests {
             done: false,
         };
         let text = line(&progress);
-        assert!(text.starts_with("[##########          ] 50/100 ops"), "{text}");
-        assert!(text.contains("25 ops/s") && text.contains("1 errors"), "{text}");
+        assert!(
+            text.starts_with("[##########          ] 50/100 ops"),
+            "{text}"
+        );
+        assert!(
+            text.contains("25 ops/s") && text.contains("1 errors"),
+            "{text}"
+        );
         let timed = Progress {
             planned: None,
             duration: Some(Duration::from_secs(60)),

@@ -113,7 +113,10 @@ impl Report {
 
     /// Whether the run passed (see [`Report::passed`]).
     pub fn compute_passed(&self) -> bool {
-        self.errors == 0 && self.duplicates() == 0 && self.verification.is_clean() && self.check.clean
+        self.errors == 0
+            && self.duplicates() == 0
+            && self.verification.is_clean()
+            && self.check.clean
     }
 
     /// The report for people.
@@ -122,12 +125,14 @@ impl Report {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "blockipam-load: {} mode, {} nodes x {} pods, pool {} (blocks /{}), strict affinity {}, seed {}, concurrency {}",
+            "blockipam-load: {} mode, {} nodes x {} pods, pool {} (blocks {}), strict affinity {}, seed {}, concurrency {}",
             c.mode.as_str(),
             c.nodes,
             c.pods_per_node,
             c.pool,
-            c.block_size.map(|b| b.to_string()).unwrap_or_else(|| "default".into()),
+            c.block_size
+                .map(|b| format!("/{b}"))
+                .unwrap_or_else(|| "of the default size".into()),
             c.strict_affinity,
             c.seed,
             c.concurrency
@@ -141,7 +146,16 @@ impl Report {
         let _ = writeln!(
             out,
             "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
-            "kind", "count", "errors", "p50 ms", "p95 ms", "p99 ms", "max ms", "trips/op", "commits/op", "conflicts"
+            "kind",
+            "count",
+            "errors",
+            "p50 ms",
+            "p95 ms",
+            "p99 ms",
+            "max ms",
+            "trips/op",
+            "commits/op",
+            "conflicts"
         );
         let ms = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
         for (kind, s) in &self.kinds {
@@ -157,7 +171,9 @@ impl Report {
                 ms(s.max_ms),
                 ms(s.round_trips_per_op),
                 ms(s.commits_per_op),
-                s.conflicts.map(|n| n.to_string()).unwrap_or_else(|| "-".into())
+                s.conflicts
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|| "-".into())
             );
         }
         let _ = writeln!(
@@ -186,7 +202,11 @@ impl Report {
         let _ = writeln!(
             out,
             "check: {} ({} blocks, {} handles, {} allocations checked)",
-            if self.check.clean { "clean" } else { "PROBLEMS" },
+            if self.check.clean {
+                "clean"
+            } else {
+                "PROBLEMS"
+            },
             self.check.report.blocks_checked,
             self.check.report.handles_checked,
             self.check.report.allocations_checked

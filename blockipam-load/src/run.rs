@@ -38,9 +38,25 @@ pub enum StoreTarget {
     /// (removed after the run); a missing embedded store is created; etcd without a prefix gets
     /// a new prefix of its own (`/blockipam-load/<network>-<seed>-<time>-<pid>/`, kept after the
     /// run so that it can be inspected).
-    Settings(DatastoreSettings),
+    Settings(Box<DatastoreSettings>),
     /// An open store that every node shares (api mode only; for tests).
     Shared(Arc<dyn KvStore>),
+}
+
+impl From<DatastoreSettings> for StoreTarget {
+    fn from(settings: DatastoreSettings) -> Self {
+        StoreTarget::Settings(Box::new(settings))
+    }
+}
+
+/// Every node's way to the store.
+struct Drivers {
+    /// One per node, in node order.
+    nodes: Vec<NodeDriver>,
+    /// How the nodes reach the store, for the report.
+    description: String,
+    /// The store to verify with afterwards; `None`: reopen it (the plugin needed it closed).
+    keep_store: Option<Arc<dyn KvStore>>,
 }
 
 /// Where a run is, for a progress display.
@@ -76,6 +92,14 @@ struct SimNode {
     driver: NodeDriver,
 }
 
+/// A node back from an operation: the operation, what it returned, what it measured.
+struct Finished {
+    node: SimNode,
+    op: PlannedOp,
+    result: Result<Vec<IpAddr>, String>,
+    sample: OpSample,
+}
+
 /// Runs the load `config` describes against `target`, calling `progress` about four times a
 /// second and once at the end.
 ///
@@ -99,7 +123,8 @@ pub async fn run(
             }
             (None, store)
         }
-        StoreTarget::Settings(mut settings) => {
+        StoreTarget::Settings(settings) => {
+            let mut settings = *settings;
             match settings.datastore_type {
                 DatastoreType::Sled | DatastoreType::Redb if settings.path.is_none() => {
                     let dir = tempfile::Builder::new()
@@ -108,8 +133,10 @@ pub async fn run(
                         .map_err(|e| {
                             LoadError::failed(format!("cannot create a temporary directory: {e}"))
                         })?;
-                    settings.path =
-                        Some(dir.path().join(format!("store.{}", settings.datastore_type)));
+                    settings.path = Some(
+                        dir.path()
+                            .join(format!("store.{}", settings.datastore_type)),
+                    );
                     temporary_store_dir = Some(dir);
                 }
                 DatastoreType::Etcdv3 if settings.etcd_prefix.is_none() => {
@@ -130,8 +157,11 @@ pub async fn run(
 
     let status_client = match &settings {
         Some(s) if s.datastore_type == DatastoreType::Etcdv3 => Some(Arc::new(
-            StatusClient::new(&s.etcd_config().map_err(|e| LoadError::usage(e.to_string()))?)
-                .map_err(LoadError::failed)?,
+            StatusClient::new(
+                &s.etcd_config()
+                    .map_err(|e| LoadError::usage(e.to_string()))?,
+            )
+            .map_err(LoadError::failed)?,
         )),
         _ => None,
     };
@@ -144,12 +174,12 @@ pub async fn run(
         .prefix("blockipam-load-locks-")
         .tempdir()
         .map_err(|e| LoadError::failed(format!("cannot create a temporary directory: {e}")))?;
-    let (drivers, store_clients, keep_store) =
-        build_drivers(config, settings.as_ref(), store, lock_dir.path()).await?;
+    let drivers = build_drivers(config, settings.as_ref(), store, lock_dir.path()).await?;
+    let store_clients = drivers.description;
 
-    let dispatched = dispatch(config, drivers, status_client.clone(), progress).await?;
+    let dispatched = dispatch(config, drivers.nodes, status_client.clone(), progress).await?;
 
-    let verify_store = match keep_store {
+    let verify_store = match drivers.keep_store {
         Some(store) => store,
         None => {
             let settings = settings
@@ -305,14 +335,13 @@ async fn prepare_store(ipam: &Ipam, config: &LoadConfig) -> Result<(), LoadError
     Ok(())
 }
 
-/// Every node's driver; a description of how they reach the store; and the store to verify
-/// with afterwards (`None`: reopen it, because the plugin needed it closed).
+/// Gives every node its way to the store.
 async fn build_drivers(
     config: &LoadConfig,
     settings: Option<&DatastoreSettings>,
     store: Arc<dyn KvStore>,
     lock_dir: &std::path::Path,
-) -> Result<(Vec<NodeDriver>, String, Option<Arc<dyn KvStore>>), LoadError> {
+) -> Result<Drivers, LoadError> {
     let names: Vec<String> = (0..config.nodes).map(LoadConfig::node_name).collect();
     match config.mode {
         Mode::Api => {
@@ -325,9 +354,7 @@ async fn build_drivers(
                         for (offset, name) in chunk.iter().enumerate() {
                             let settings = settings.clone();
                             let name = name.clone();
-                            connecting.spawn(async move {
-                                (offset, name, open(&settings).await)
-                            });
+                            connecting.spawn(async move { (offset, name, open(&settings).await) });
                         }
                         let mut opened: Vec<(usize, NodeDriver)> = Vec::new();
                         while let Some(joined) = connecting.join_next().await {
@@ -353,11 +380,17 @@ async fn build_drivers(
                 Some(_) => "api mode: each node has its own Ipam and its own etcd client (own connections)".to_owned(),
                 None => "api mode: each node has its own Ipam, all over one shared store handle (an embedded store admits one process)".to_owned(),
             };
-            Ok((drivers, clients, Some(store)))
+            Ok(Drivers {
+                nodes: drivers,
+                description: clients,
+                keep_store: Some(store),
+            })
         }
         Mode::Plugin => {
             let settings = settings.ok_or_else(|| {
-                LoadError::usage("plugin mode needs store settings (the plugin opens the store itself)")
+                LoadError::usage(
+                    "plugin mode needs store settings (the plugin opens the store itself)",
+                )
             })?;
             let binary = config
                 .plugin
@@ -391,7 +424,11 @@ async fn build_drivers(
             } else {
                 Some(store)
             };
-            Ok((drivers, clients.to_owned(), keep))
+            Ok(Drivers {
+                nodes: drivers,
+                description: clients.to_owned(),
+                keep_store: keep,
+            })
         }
     }
 }
@@ -427,8 +464,7 @@ async fn dispatch(
         .collect();
     let mut parked: Vec<(Instant, SimNode)> = Vec::new();
     let mut schedules = Vec::with_capacity(ready.len());
-    let mut in_flight: JoinSet<(SimNode, PlannedOp, Result<Vec<IpAddr>, String>, OpSample)> =
-        JoinSet::new();
+    let mut in_flight: JoinSet<Finished> = JoinSet::new();
     let mut picker = SplitMix64::derived(config.seed, u64::MAX);
     let mut stats = Stats::default();
     let mut ledger = Ledger::default();
@@ -475,7 +511,12 @@ async fn dispatch(
                     let handle = config.handle(&op.pod.container);
                     in_flight.spawn(async move {
                         let (result, sample) = node.driver.perform(&op, &handle).await;
-                        (node, op, result, sample)
+                        Finished {
+                            node,
+                            op,
+                            result,
+                            sample,
+                        }
                     });
                 }
                 Step::WaitUntil(when) => parked.push((when, ready.swap_remove(pick))),
@@ -489,7 +530,7 @@ async fn dispatch(
         tokio::select! {
             joined = in_flight.join_next(), if !in_flight.is_empty() => {
                 let Some(joined) = joined else { continue };
-                let (mut node, op, result, sample) = joined
+                let Finished { mut node, op, result, sample } = joined
                     .map_err(|e| LoadError::failed(format!("a node's task failed: {e}")))?;
                 stats.add(&sample);
                 finished_count.fetch_add(1, Ordering::Relaxed);

@@ -220,6 +220,10 @@ impl NodeSchedule {
         }
         if let Some(ready) = self.ready_at {
             if now < ready {
+                if matches!(self.limit, Limit::Until(deadline) if ready >= deadline) {
+                    // The next cycle would start after the end of the run.
+                    return self.finish();
+                }
                 return Step::WaitUntil(ready);
             }
         }
@@ -310,12 +314,20 @@ mod tests {
             assert_eq!(pair[0].0, OpKind::Del);
             assert_eq!(pair[1].0, OpKind::Add);
         }
-        assert_eq!(ops, trace(&config, 1), "same seed, same node: same schedule");
+        assert_eq!(
+            ops,
+            trace(&config, 1),
+            "same seed, same node: same schedule"
+        );
         let other_seed = LoadConfig {
             seed: 100,
             ..config.clone()
         };
-        assert_ne!(ops, trace(&other_seed, 1), "another seed deletes other pods");
+        assert_ne!(
+            ops,
+            trace(&other_seed, 1),
+            "another seed deletes other pods"
+        );
     }
 
     #[test]
@@ -364,12 +376,12 @@ mod tests {
 
     #[test]
     fn a_churn_rate_paces_cycles() {
-        let config = LoadConfig {
+        let paced = LoadConfig {
             churn_rate: Some(0.001),
             ..config(StopRule::ChurnCycles(2))
         };
         let start = Instant::now();
-        let mut schedule = NodeSchedule::new(&config, 0, start);
+        let mut schedule = NodeSchedule::new(&paced, 0, start);
         let mut n = 0u32;
         let waited = loop {
             match schedule.next(start) {
@@ -384,5 +396,24 @@ mod tests {
         // Fill (4) and the first cycle (DEL + ADD) run at once; the second cycle waits.
         assert_eq!(n, 6);
         assert!(waited > start);
+
+        // A cycle due after the end of a timed run is not waited for.
+        let timed = LoadConfig {
+            churn_rate: Some(0.000_01),
+            ..config(StopRule::Duration(Duration::from_secs(60)))
+        };
+        let mut schedule = NodeSchedule::new(&timed, 0, start);
+        let mut n = 0u32;
+        loop {
+            match schedule.next(start) {
+                Step::Run(op) => {
+                    n += 1;
+                    schedule.record(op, &Ok(vec![IpAddr::from(n.to_be_bytes())]));
+                }
+                Step::WaitUntil(when) => panic!("waits until {when:?}, after the run's end"),
+                Step::Done => break,
+            }
+        }
+        assert_eq!(n, 6);
     }
 }

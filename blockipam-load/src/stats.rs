@@ -73,7 +73,8 @@ impl Stats {
     /// Adds one operation.
     pub fn add(&mut self, sample: &OpSample) {
         let kind = self.kinds.entry(sample.kind).or_default();
-        kind.latencies_ms.push(sample.latency.as_secs_f64() * 1000.0);
+        kind.latencies_ms
+            .push(sample.latency.as_secs_f64() * 1000.0);
         if !sample.ok {
             kind.errors += 1;
         }
@@ -87,7 +88,10 @@ impl Stats {
 
     /// Operations finished so far.
     pub fn finished(&self) -> u64 {
-        self.kinds.values().map(|k| k.latencies_ms.len() as u64).sum()
+        self.kinds
+            .values()
+            .map(|k| k.latencies_ms.len() as u64)
+            .sum()
     }
 
     /// Operations failed so far.
@@ -186,7 +190,10 @@ mod tests {
         assert_eq!(add.conflicts, Some(2));
         assert_eq!(add.round_trips_per_op, Some((3.0 + 5.0) / 3.0));
         let del = &summary[&OpKind::Del];
-        assert_eq!((del.count, del.round_trips_per_op, del.conflicts), (1, None, None));
+        assert_eq!(
+            (del.count, del.round_trips_per_op, del.conflicts),
+            (1, None, None)
+        );
         assert_eq!(summary[&OpKind::FirstAdd].count, 0);
     }
 }

@@ -71,7 +71,9 @@ pub fn compare(
         for ip in ips {
             if let Some(other) = believers.insert(*ip, handle) {
                 result.duplicates += 1;
-                result.note(format!("{ip} is believed held by both {other} and {handle}"));
+                result.note(format!(
+                    "{ip} is believed held by both {other} and {handle}"
+                ));
             }
             match in_store.get(ip) {
                 Some(owner) if *owner == handle => {}

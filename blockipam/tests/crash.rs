@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use blockipam_store::DatastoreType;
 use fleet::{
-    call, handle_of, is_reservation, seed_from_env, size_from_env, Call, Fleet, Rng, Sabotage,
-    SIGABRT, SIGKILL,
+    handle_of, is_reservation, seed_from_env, size_from_env, Call, Fleet, Rng, Sabotage, SIGABRT,
+    SIGKILL,
 };
 use serde_json::{json, Value};
 
@@ -205,7 +205,9 @@ impl Churn<'_> {
                 // From the moment the DEL starts, the addresses may be gone.
                 self.set(&container, Held::Unknown);
             }
-            let done = call(node, &netconf, command, &container, &sabotage);
+            let done = self
+                .fleet
+                .call(node, &netconf, command, &container, &sabotage);
             self.record(&container, &before, kind, &sabotage, &done);
             if kind.is_none() && done.succeeded() {
                 let took = done.ended.duration_since(done.started);
@@ -264,9 +266,11 @@ impl Churn<'_> {
         if matches!(kind, Some(Kind::HoldingLock | Kind::BeforeReply)) {
             // Every call that succeeds passes both points: the binary is not armed.
             self.fail(format!(
-                "{container}: {} never fired in a successful call: is {} built with the \
-                 fault-injection feature (and not rebuilt without it meanwhile)?",
+                "{container}: {} never fired in a successful call: {} (a link to {}) was not \
+                 built with the fault-injection feature (was it rebuilt by a `cargo build -p \
+                 blockipam` before this test started?)",
                 kind.map(Kind::name).unwrap_or_default(),
+                self.fleet.plugin.path().display(),
                 common::BIN
             ));
         }
@@ -299,7 +303,7 @@ fn crash_churn(store_type: DatastoreType) {
     let what = format!("{} (seed {seed})", store_type.as_str());
 
     // The first call of a node creates the store and the pool: not part of the churn.
-    let first = call(
+    let first = fleet.call(
         0,
         &fleet.netconf(0, "1.0.0", json!({})),
         "ADD",
@@ -307,7 +311,7 @@ fn crash_churn(store_type: DatastoreType) {
         &Sabotage::None,
     );
     assert!(first.succeeded(), "{what}: warm-up ADD: {first:#?}");
-    let del = call(
+    let del = fleet.call(
         0,
         &fleet.netconf(0, "1.0.0", json!({})),
         "DEL",
@@ -406,7 +410,7 @@ fn crash_churn(store_type: DatastoreType) {
         let node: usize = container[1..container.find('-').expect("n<node>-c<i>")]
             .parse()
             .expect("node index");
-        let again = call(
+        let again = fleet.call(
             node,
             &fleet.netconf(node, "1.0.0", json!({})),
             "ADD",
@@ -440,7 +444,7 @@ fn crash_churn(store_type: DatastoreType) {
     for node in 0..NODES {
         let netconf = fleet.netconf(node, "1.0.0", json!({}));
         for container in containers_of(node) {
-            let gone = call(node, &netconf, "DEL", &container, &Sabotage::None);
+            let gone = fleet.call(node, &netconf, "DEL", &container, &Sabotage::None);
             assert!(
                 gone.succeeded(),
                 "{what}: final DEL of {container}: {gone:#?}"
@@ -522,7 +526,7 @@ fn every_fault_point_aborts_the_real_plugin_and_a_retry_succeeds() {
         Kind::BeforeReply,
     ] {
         let container = format!("c-{}", point.name());
-        let crashed = call(
+        let crashed = fleet.call(
             0,
             &netconf,
             "ADD",
@@ -542,7 +546,7 @@ fn every_fault_point_aborts_the_real_plugin_and_a_retry_succeeds() {
             "{crashed:#?}"
         );
         assert_eq!(crashed.stdout, "", "a crashed plugin printed a result");
-        let retry = call(0, &netconf, "ADD", &container, &Sabotage::None);
+        let retry = fleet.call(0, &netconf, "ADD", &container, &Sabotage::None);
         assert!(
             retry.succeeded(),
             "retry after {}: {retry:#?}",
@@ -557,7 +561,7 @@ fn every_fault_point_aborts_the_real_plugin_and_a_retry_succeeds() {
         .collect();
     assert_eq!(held.len(), 4, "one allocation per container: {held:?}");
     // A misspelled point is a test bug: the plugin says so and fails, it does not crash.
-    let misspelled = call(
+    let misspelled = fleet.call(
         0,
         &netconf,
         "ADD",

@@ -56,7 +56,7 @@ enum Target {
         sandbox: Sandbox,
         endpoint: String,
         prefix: String,
-        _guard: PrefixGuard,
+        _guard: Box<PrefixGuard>,
     },
 }
 
@@ -137,6 +137,8 @@ struct Fixture {
     held_by_c1: String,
     /// The ADD result of `c1` (eth0), spec 1.0.0.
     c1_result: Value,
+    /// Every address the fixture's containers hold.
+    held: Vec<String>,
 }
 
 /// Fills the target's store through the plugin: c1 (dual stack), c2 on eth0 and net1, c3 added
@@ -145,12 +147,16 @@ fn populate(target: &Target) -> Fixture {
     let dual = target.netconf(json!({"assign_ipv6": true}));
     let single = target.netconf(json!({}));
     let c1 = cni("ADD", "c1", "eth0", &dual, &[]).success_json("ADD c1");
-    cni("ADD", "c2", "eth0", &single, &[]).success_json("ADD c2 eth0");
-    cni("ADD", "c2", "net1", &single, &[]).success_json("ADD c2 net1");
+    let c2 = cni("ADD", "c2", "eth0", &single, &[]).success_json("ADD c2 eth0");
+    let c2_net1 = cni("ADD", "c2", "net1", &single, &[]).success_json("ADD c2 net1");
     cni("ADD", "c3", "eth0", &single, &[]).success_json("ADD c3");
     cni("DEL", "c3", "eth0", &single, &[]).assert_silent_success("DEL c3");
     Fixture {
         held_by_c1: first_address(&c1),
+        held: [&c1, &c2, &c2_net1]
+            .into_iter()
+            .flat_map(addresses)
+            .collect(),
         c1_result: c1,
     }
 }
@@ -371,6 +377,8 @@ fn rows(target: &Target, fixture: &Fixture) -> Vec<Row> {
         ("etcd_cert_file", json!({})),
         ("etcd_key_file", json!(1)),
         ("etcd_prefix", json!([])),
+        ("etcd_username", json!(5)),
+        ("etcd_password", json!(["secret"])),
         ("ipam_lock_timeout_seconds", json!("ten")),
         ("ipam_lock_timeout_seconds", json!(-1)),
         ("ipam_lock_timeout_seconds", json!(1e300)),
@@ -606,6 +614,11 @@ fn rows(target: &Target, fixture: &Fixture) -> Vec<Row> {
         "etcdv3 without endpoints",
         7,
         &ipam(json!({"datastore_type": "etcdv3", "etcd_endpoints": null})),
+    ));
+    rows.push(Row::add(
+        "a user name without a password",
+        7,
+        &ipam(json!({"etcd_username": "blockipam", "etcd_password": null})),
     ));
     rows.push(Row::add(
         "a client certificate without its key",
@@ -873,7 +886,7 @@ fn error_answer_problems(call: &Call, code: Option<u64>) -> Vec<String> {
     if !version_ok {
         problems.push(format!("cniVersion is not a supported version: {value}"));
     }
-    if !value["msg"].as_str().is_some_and(|m| !m.is_empty()) || !value["details"].is_string() {
+    if value["msg"].as_str().is_none_or(str::is_empty) || !value["details"].is_string() {
         problems.push(format!("msg/details are not strings: {value}"));
     }
     match (code, value["code"].as_u64()) {
@@ -917,7 +930,7 @@ fn dump_difference(before: &Dump, after: &Dump) -> Vec<String> {
 /// Runs the whole table on `target` and fails listing every row that misbehaved.
 fn run_table(target: &Target) {
     let fixture = populate(target);
-    let before = target.dump();
+    let mut before = target.dump();
     assert!(
         before.iter().any(|(k, _, _)| k.contains("handles/")),
         "the fixture holds no allocation: {before:?}"
@@ -934,6 +947,8 @@ fn run_table(target: &Target) {
         let changes = dump_difference(&before, &after);
         if !changes.is_empty() {
             problems.push(format!("the store changed: {}", changes.join("; ")));
+            // Later rows are judged against the store as this one left it.
+            before = after;
         }
         if !problems.is_empty() {
             failures.push(format!("- {}: {}", row.what, problems.join("; ")));
@@ -969,7 +984,7 @@ fn hostile_inputs_get_their_error_code_and_leave_the_etcd_store_unchanged() {
     run_table(&Target::Etcd {
         sandbox: Sandbox::new(),
         endpoint: server.endpoint(),
-        _guard: PrefixGuard::new(server.config(&prefix)),
+        _guard: Box::new(PrefixGuard::new(server.config(&prefix))),
         prefix,
     });
 }
@@ -1020,9 +1035,20 @@ fn apply(damage: &Damage, file: &Path) {
             .and_then(|f| f.set_len(*len))
             .expect("truncate the data file"),
         Damage::FlipBit { offset, bit } => {
-            let mut bytes = std::fs::read(file).expect("read the data file");
-            bytes[*offset as usize] ^= 1 << bit;
-            std::fs::write(file, bytes).expect("write the data file");
+            use std::os::unix::fs::FileExt;
+            // In place: the file keeps its length and inode, as a plugin holding it open sees.
+            let handle = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(file)
+                .expect("open the data file");
+            let mut byte = [0u8];
+            if handle.read_exact_at(&mut byte, *offset).is_ok() {
+                byte[0] ^= 1 << bit;
+                handle
+                    .write_all_at(&byte, *offset)
+                    .expect("write the flipped byte");
+            }
         }
     }
 }
@@ -1081,12 +1107,9 @@ fn restore(root: &Path, pristine: &BTreeMap<PathBuf, Vec<u8>>) {
 /// Damages the store of `store_type` in many ways and runs ADD, DEL and CHECK on each: every call
 /// succeeds or answers a clear CNI error, and none panics or hangs.
 fn damaged_store_never_panics(store_type: DatastoreType) {
-    let sandbox = Sandbox::with_store(store_type);
-    let target = Target::Embedded(sandbox);
+    let target = Target::Embedded(Sandbox::with_store(store_type));
     let fixture = populate(&target);
-    let Target::Embedded(sandbox) = &target else {
-        unreachable!("built above")
-    };
+    let sandbox = target.sandbox();
     let root = sandbox.store_path();
     let pristine: BTreeMap<PathBuf, Vec<u8>> = files_under(&root)
         .into_iter()
@@ -1118,12 +1141,22 @@ fn damaged_store_never_panics(store_type: DatastoreType) {
                 object.insert("prevResult".into(), fixture.c1_result.clone());
             }
             let call = run_plugin(&env, netconf.to_string().as_bytes());
-            if std::env::var_os("HOSTILE_TRACE").is_some() {
-                eprintln!("TRACE {damage:?} {command}: {:?} {}", call.status, call.stdout.replace('\n', " "));
-            }
             let outcome = if call.status == Some(0) && !call.hung {
                 if call.stderr.contains("panicked") {
                     failures.push(format!("{damage:?} {command}: panicked: {}", call.stderr));
+                }
+                if command == "ADD" {
+                    let given = serde_json::from_str::<Value>(&call.stdout)
+                        .map(|result| addresses(&result))
+                        .unwrap_or_default();
+                    let taken: Vec<&String> =
+                        given.iter().filter(|a| fixture.held.contains(a)).collect();
+                    if given.is_empty() || !taken.is_empty() {
+                        failures.push(format!(
+                            "{damage:?} ADD: the damage went unnoticed and the new container \
+                             got {given:?}, of which {taken:?} are held by the fixture's containers"
+                        ));
+                    }
                 }
                 "success".to_owned()
             } else {
@@ -1154,6 +1187,97 @@ fn damaged_store_never_panics(store_type: DatastoreType) {
         store_type.as_str(),
         failures.join("\n")
     );
+}
+
+/// Damages the data file while plugin calls are running on it (ADD of a new container, at a
+/// varying moment of each call): each call still answers, successfully or with a CNI error, and
+/// none panics or hangs.
+fn store_damaged_under_a_running_plugin_never_panics(store_type: DatastoreType) {
+    const CALLS: u64 = 30;
+    let target = Target::Embedded(Sandbox::with_store(store_type));
+    populate(&target);
+    let sandbox = target.sandbox();
+    let root = sandbox.store_path();
+    let pristine: BTreeMap<PathBuf, Vec<u8>> = files_under(&root)
+        .into_iter()
+        .map(|f| {
+            let bytes = std::fs::read(&f).expect("read a store file");
+            (f, bytes)
+        })
+        .collect();
+    let file = data_file(sandbox);
+    let len = pristine[&file].len() as u64;
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let mut failures = Vec::new();
+    let mut answered = BTreeMap::<String, usize>::new();
+    for i in 0..CALLS {
+        restore(&root, &pristine);
+        // Deterministic variety: the damage, and how long after the start it lands.
+        let damage = if i % 3 == 0 {
+            Damage::TruncateTo(len * (i % 7) / 7)
+        } else {
+            Damage::FlipBit {
+                offset: (i * 7919 * 64) % len,
+                bit: (i % 8) as u8,
+            }
+        };
+        let delay = Duration::from_micros(500 * (i % 12));
+        let env: BTreeMap<OsString, OsString> = cni_env("ADD", &format!("racer{i}"), "eth0")
+            .into_iter()
+            .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+            .collect();
+        let stdin = netconf.to_string().into_bytes();
+        let call = std::thread::scope(|scope| {
+            let running = scope.spawn(|| run_plugin(&env, &stdin));
+            std::thread::sleep(delay);
+            apply(&damage, &file);
+            running.join().expect("the plugin runner")
+        });
+        let outcome = if call.status == Some(0) && !call.hung {
+            if call.stderr.contains("panicked") {
+                failures.push(format!(
+                    "{damage:?} after {delay:?}: panicked: {}",
+                    call.stderr
+                ));
+            }
+            "success".to_owned()
+        } else {
+            let problems = error_answer_problems(&call, None);
+            if !problems.is_empty() {
+                failures.push(format!(
+                    "{damage:?} after {delay:?}: {}",
+                    problems.join("; ")
+                ));
+            }
+            serde_json::from_str::<Value>(&call.stdout)
+                .ok()
+                .and_then(|v| v["code"].as_u64())
+                .map(|code| format!("code {code}"))
+                .unwrap_or_else(|| "no answer".into())
+        };
+        *answered.entry(outcome).or_default() += 1;
+    }
+    println!(
+        "{}: {CALLS} calls damaged while running: {answered:?}",
+        store_type.as_str()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {CALLS} calls on a {} store damaged under them misbehaved:\n{}",
+        failures.len(),
+        store_type.as_str(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn sled_store_damaged_under_a_running_plugin_gives_an_answer_or_a_clear_error() {
+    store_damaged_under_a_running_plugin_never_panics(DatastoreType::Sled);
+}
+
+#[test]
+fn redb_store_damaged_under_a_running_plugin_gives_an_answer_or_a_clear_error() {
+    store_damaged_under_a_running_plugin_never_panics(DatastoreType::Redb);
 }
 
 #[test]
@@ -1206,9 +1330,82 @@ where
     true
 }
 
+/// Set to 1 to rewrite `fuzz/seeds/stored_objects` from typical objects in the current encoding
+/// (after a change of the stored format), before the replay.
+const WRITE_SEEDS_ENV: &str = "BLOCKIPAM_WRITE_FUZZ_SEEDS";
+
+/// Typical stored objects, each as the `stored_objects` fuzz target reads it: one byte naming the
+/// type (0 block, 1 handle, 2 pool, 3 IPAM config, 4 block claim entry, 5 pool generation), then
+/// the value as the store holds it.
+fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use ipam_core::model::{encode, Attribute, Block, Handle, IpamConfig, Pool};
+    let net = |text: &str| text.parse::<ipnet::IpNet>().expect("a CIDR");
+    let attribute = |handle: &str, interface: &str| Attribute {
+        handle: handle.to_owned(),
+        metadata: [
+            ("node", "node-a"),
+            ("interface", interface),
+            ("container_id", "0123456789abcdef"),
+            ("pod", "web-0"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect(),
+    };
+    let mut affine = Block::new(net("10.244.7.0/26"), Some("node-a".into()), 7);
+    affine.allocate_next(&attribute("testnet.c1", "eth0"));
+    affine.allocate_next(&attribute("testnet.c2", "eth0"));
+    affine.allocate_next(&attribute("testnet.c2", "net1"));
+    affine.release_ordinal(1);
+    let mut unaffine = Block::new(net("fd00:10:244::/122"), None, 0);
+    unaffine.allocate_next(&attribute("testnet.c1", "eth0"));
+    let mut handle = Handle::default();
+    handle.add(net("10.244.7.0/26"), 2);
+    handle.add(net("fd00:10:244::/122"), 1);
+    let pool = |name: &str, cidr: &str, block_size: u8, disabled: bool| Pool {
+        name: name.to_owned(),
+        cidr: net(cidr),
+        block_size,
+        disabled,
+    };
+    let seed = |kind: u8, bytes: Result<Vec<u8>, ipam_core::IpamError>| {
+        let mut out = vec![kind];
+        out.extend(bytes.expect("encode a seed"));
+        out
+    };
+    vec![
+        ("block-affine", seed(0, encode(&affine))),
+        ("block-v6-unaffine", seed(0, encode(&unaffine))),
+        (
+            "block-empty",
+            seed(0, encode(&Block::new(net("10.0.0.0/31"), None, 0))),
+        ),
+        ("handle", seed(1, encode(&handle))),
+        (
+            "pool-v4",
+            seed(2, encode(&pool("test-v4", "10.244.7.0/24", 26, false))),
+        ),
+        (
+            "pool-v6",
+            seed(2, encode(&pool("test-v6", "fd00:10:244::/120", 122, true))),
+        ),
+        ("config", seed(3, encode(&IpamConfig::default()))),
+        ("claim-affine", seed(4, encode(&Some("node-a".to_owned())))),
+        ("claim-none", seed(4, encode(&None::<String>))),
+        ("pool-generation", seed(5, encode(&42u64))),
+    ]
+}
+
 #[test]
 fn fuzz_seeds_and_corpus_replay_without_panic() {
     use ipam_core::model::{Block, Handle, IpamConfig, Pool};
+    if std::env::var_os(WRITE_SEEDS_ENV).is_some_and(|v| v == "1") {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/stored_objects");
+        std::fs::create_dir_all(&dir).expect("create the seed directory");
+        for (name, bytes) in stored_object_seeds() {
+            std::fs::write(dir.join(name), bytes).expect("write a seed");
+        }
+    }
     let netconf = fuzz_inputs("netconf");
     let mut refused = Vec::new();
     for (path, bytes) in &netconf {

@@ -33,8 +33,7 @@ use std::time::{Duration, Instant};
 
 use blockipam_store::DatastoreType;
 use fleet::{
-    call, handle_of, is_reservation, seed_from_env, size_from_env, Call, CtlOutcome, Fleet, Rng,
-    Sabotage,
+    handle_of, is_reservation, seed_from_env, size_from_env, Call, CtlOutcome, Fleet, Rng, Sabotage,
 };
 use serde_json::{json, Value};
 
@@ -146,7 +145,9 @@ impl Race<'_> {
     }
 
     fn run(&self, node: usize, netconf: &Value, command: &str, container: &str) -> Call {
-        let done = call(node, netconf, command, container, &Sabotage::None);
+        let done = self
+            .fleet
+            .call(node, netconf, command, container, &Sabotage::None);
         self.calls.lock().expect("calls").push(done.clone());
         done
     }
@@ -480,7 +481,7 @@ fn nodes_race(store_type: DatastoreType) {
     // Create the store and the netconf's pool before the race (as a first pod would).
     let warm_up = fleet.netconf(0, "1.1.0", json!({}));
     for command in ["ADD", "DEL"] {
-        let done = call(0, &warm_up, command, "warm-up", &Sabotage::None);
+        let done = fleet.call(0, &warm_up, command, "warm-up", &Sabotage::None);
         assert!(done.succeeded(), "{what}: warm-up {command}: {done:#?}");
     }
 
@@ -555,7 +556,7 @@ fn nodes_race(store_type: DatastoreType) {
         race.gc(node, &live);
         let netconf = fleet.netconf(node, "1.1.0", json!({}));
         for container in live {
-            let done = call(node, &netconf, "DEL", &container, &Sabotage::None);
+            let done = fleet.call(node, &netconf, "DEL", &container, &Sabotage::None);
             assert!(done.succeeded(), "{what}: final DEL {container}: {done:#?}");
             ledger.insert(container, (node, State::Gone));
         }
@@ -642,12 +643,13 @@ fn nodes_race(store_type: DatastoreType) {
 /// `show --blocks`.
 #[test]
 fn pool_delete_racing_adds_on_etcd_never_releases_a_live_address() {
+    let started = Instant::now();
     let seed = seed_from_env(SEED_VARIABLE);
     let rounds = size_from_env(ROUNDS_VARIABLE, CI_ROUNDS);
     let fleet = Fleet::new(DatastoreType::Etcdv3, NODES, race_ipam());
     let warm_up = fleet.netconf(0, "1.1.0", json!({}));
     for command in ["ADD", "DEL"] {
-        let done = call(0, &warm_up, command, "warm-up", &Sabotage::None);
+        let done = fleet.call(0, &warm_up, command, "warm-up", &Sabotage::None);
         assert!(done.succeeded(), "warm-up {command}: {done:#?}");
     }
     let race = Race {
@@ -756,13 +758,15 @@ fn pool_delete_racing_adds_on_etcd_never_releases_a_live_address() {
     );
     eprintln!(
         "pool delete race on etcd (seed {seed}): {} ADD ({} refused: pool disabled or gone), {} CHECK, \
-         {} DEL; pool delete {} + {} refused in use; duplicates 0, live addresses released 0, leaks 0",
+         {} DEL; pool delete {} + {} refused in use; duplicates 0, live addresses released 0, leaks 0; \
+         wall time {:.1?}",
         figures.adds,
         figures.adds_refused,
         figures.checks,
         figures.dels,
         figures.pool_deletes,
         figures.pool_deletes_refused,
+        started.elapsed(),
     );
 }
 

@@ -7,7 +7,7 @@
 //!
 //! The generation-time reference state ([`GenerationState`]) knows only what is decided before a
 //! step runs (the configuration and, roughly, which pools exist); which addresses and sequence
-//! numbers the allocator hands out are its own choice, so the runtime [`Model`] learns them from
+//! numbers the allocator hands out are its own choice, so the runtime `Model` learns them from
 //! each answer, after checking that the answer was allowed, and predicts everything else exactly:
 //! every error, every release outcome, every block's affinity and existence.
 
@@ -107,7 +107,7 @@ const POOL_MENU: [MenuPool; 5] = [
         block_size: 28,
     },
     MenuPool {
-        name: 1,
+        name: 0,
         cidr: "10.0.2.0/26",
         block_size: 30,
     },

@@ -655,14 +655,11 @@ impl Ipam {
             for (cidr, claim) in cidrs.iter().zip(&claims) {
                 let first = reads.len();
                 reads.push(Read::Get(keys::block_claim(cidr)));
-                match claim {
-                    Some(kv) => {
-                        let owner: Option<String> = decode(&kv.key, &kv.value)?;
-                        for key in keys::block_candidates(owner.as_deref(), cidr) {
-                            reads.push(Read::Get(key));
-                        }
+                if let Some(kv) = claim {
+                    let owner: Option<String> = decode(&kv.key, &kv.value)?;
+                    for key in keys::block_candidates(owner.as_deref(), cidr) {
+                        reads.push(Read::Get(key));
                     }
-                    None => {}
                 }
                 spans.push(first..reads.len());
             }
@@ -919,9 +916,24 @@ impl Ipam {
         name_or_cidr: &str,
         disabled: bool,
     ) -> Result<Pool, IpamError> {
+        self.set_pool_disabled_where(disabled, |pools| find_pool(pools, name_or_cidr))
+            .await
+    }
+
+    /// Enables or disables this very pool (same name, CIDR and block size), not one created
+    /// since under its name.
+    async fn set_exact_pool_disabled(&self, pool: &Pool, disabled: bool) -> Result<Pool, IpamError> {
+        self.set_pool_disabled_where(disabled, |pools| find_exact_pool(pools, pool))
+            .await
+    }
+
+    async fn set_pool_disabled_where<F>(&self, disabled: bool, find: F) -> Result<Pool, IpamError>
+    where
+        F: Fn(&[Stored<Pool>]) -> Result<&Stored<Pool>, IpamError>,
+    {
         self.retrying(|| async {
             let (pools, generation) = self.read_pools_and_generation().await?;
-            let found = find_pool(&pools, name_or_cidr)?;
+            let found = find(&pools)?;
             let mut pool = found.value.clone();
             pool.disabled = disabled;
             let mut plan = Plan::default();
@@ -965,8 +977,24 @@ impl Ipam {
         // Rounds repeat only when another client re-enabled the pool (and maybe allocated in it)
         // while it was being emptied.
         for _ in 0..self.retry.max_attempts {
-            if !self.get_pool(&pool.name).await?.disabled {
-                self.set_pool_disabled(&pool.name, true).await?;
+            // This very pool: another client may have deleted it and created another under its
+            // name, which this delete must not touch.
+            let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+            match find_exact_pool(&pools, &pool) {
+                Err(_) => {
+                    return Ok(PoolDeletion {
+                        pool,
+                        released_addresses,
+                        deleted_blocks,
+                    })
+                }
+                Ok(current) if !current.value.disabled => {
+                    match self.set_exact_pool_disabled(&pool, true).await {
+                        Err(IpamError::PoolNotFound(_)) => continue,
+                        other => other?,
+                    };
+                }
+                Ok(_) => {}
             }
             // Counted after the disable: an ADD that raced the first count is seen here.
             let (blocks, in_use) = self.pool_blocks(&pool).await?;
@@ -1039,7 +1067,7 @@ impl Ipam {
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let generation = next_got(&mut results)?;
-        let Some(found) = pools.iter().find(|p| p.value.name == pool.name) else {
+        let Ok(found) = find_exact_pool(&pools, pool) else {
             return Ok(Attempt::Done(true));
         };
         let mut occupied = false;
@@ -1060,7 +1088,7 @@ impl Ipam {
     /// The error of a refused pool delete, after re-enabling the pool when the delete disabled it.
     async fn refuse_pool_delete(&self, pool: &Pool, in_use: u64) -> IpamError {
         if !pool.disabled {
-            if let Err(e) = self.set_pool_disabled(&pool.name, false).await {
+            if let Err(e) = self.set_exact_pool_disabled(pool, false).await {
                 tracing::warn!(pool = %pool.name, error = %e, "could not re-enable the pool after a refused delete");
             }
         }
@@ -2195,6 +2223,21 @@ pub(crate) fn find_pool<'a>(
         }
     }
     Err(IpamError::PoolNotFound(name_or_cidr.to_owned()))
+}
+
+/// The stored pool that is `pool` itself: same name, CIDR and block size.
+fn find_exact_pool<'a>(
+    pools: &'a [Stored<Pool>],
+    pool: &Pool,
+) -> Result<&'a Stored<Pool>, IpamError> {
+    pools
+        .iter()
+        .find(|p| {
+            p.value.name == pool.name
+                && p.value.cidr == pool.cidr
+                && p.value.block_size == pool.block_size
+        })
+        .ok_or_else(|| IpamError::PoolNotFound(pool.name.clone()))
 }
 
 /// The pools an auto-assign may use for one family.

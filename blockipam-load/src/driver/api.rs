@@ -52,7 +52,11 @@ impl ApiNode {
 
     /// ADD of `container`: one IPv4 address, never a block's first or last address (as the
     /// plugin asks when no gateway is configured).
-    pub async fn add(&self, handle: &str, container: &str) -> (Result<Vec<IpAddr>, String>, StoreWork) {
+    pub async fn add(
+        &self,
+        handle: &str,
+        container: &str,
+    ) -> (Result<Vec<IpAddr>, String>, StoreWork) {
         self.take_work();
         let request = AutoAssignRequest {
             handle: handle.to_owned(),
@@ -80,7 +84,11 @@ impl ApiNode {
 
     /// DEL of the pod holding `held` under `handle`: releases the handle, and fails unless exactly
     /// `held` was released.
-    pub async fn del(&self, handle: &str, held: &[IpAddr]) -> (Result<Vec<IpAddr>, String>, StoreWork) {
+    pub async fn del(
+        &self,
+        handle: &str,
+        held: &[IpAddr],
+    ) -> (Result<Vec<IpAddr>, String>, StoreWork) {
         self.take_work();
         let result = match self.ipam.release_handle(handle).await {
             Ok(mut released) => {

@@ -21,7 +21,11 @@ pub enum NodeDriver {
 
 impl NodeDriver {
     /// Makes `op` for the pod handle `handle` and measures it.
-    pub async fn perform(&self, op: &PlannedOp, handle: &str) -> (Result<Vec<IpAddr>, String>, OpSample) {
+    pub async fn perform(
+        &self,
+        op: &PlannedOp,
+        handle: &str,
+    ) -> (Result<Vec<IpAddr>, String>, OpSample) {
         let started = Instant::now();
         let (result, work) = match (self, op.kind) {
             (NodeDriver::Api(node), OpKind::FirstAdd | OpKind::Add) => {

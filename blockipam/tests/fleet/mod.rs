@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -107,6 +107,38 @@ impl Rng {
     }
 }
 
+/// A private hard link (or copy) of the plugin binary under test, removed on drop.
+///
+/// `CARGO_BIN_EXE_blockipam` is `target/debug/blockipam`, which any `cargo build -p blockipam`
+/// replaces, without the `fault-injection` feature (blockipamctl's demo test runs one). Each fleet
+/// runs its own link, taken when it is made, so such a build cannot swap the binary under a
+/// running test.
+#[derive(Debug)]
+pub struct PinnedPlugin {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl PinnedPlugin {
+    fn pin() -> PinnedPlugin {
+        let dir = tempfile::Builder::new()
+            .prefix("blockipam-plugin-")
+            .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+            .expect("a temporary directory next to the build");
+        let path = dir.path().join("blockipam");
+        if std::fs::hard_link(BIN, &path).is_err() {
+            std::fs::copy(BIN, &path)
+                .unwrap_or_else(|e| panic!("cannot copy {BIN} to {}: {e}", path.display()));
+        }
+        PinnedPlugin { _dir: dir, path }
+    }
+
+    /// The binary.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// Where the fleet's store lives.
 #[derive(Debug)]
 enum Target {
@@ -130,6 +162,8 @@ pub struct Fleet {
     pub nodes: Vec<String>,
     /// Settings merged into every node's `ipam` object.
     ipam_extra: Value,
+    /// The plugin binary every call runs.
+    pub plugin: PinnedPlugin,
 }
 
 impl Fleet {
@@ -154,7 +188,27 @@ impl Fleet {
             target,
             nodes: (0..node_count).map(|i| format!("node-{i}")).collect(),
             ipam_extra,
+            plugin: PinnedPlugin::pin(),
         }
+    }
+
+    /// Runs the plugin (see [`call`]).
+    pub fn call(
+        &self,
+        node: usize,
+        netconf: &Value,
+        command: &str,
+        container: &str,
+        sabotage: &Sabotage,
+    ) -> Call {
+        call(
+            self.plugin.path(),
+            node,
+            netconf,
+            command,
+            container,
+            sabotage,
+        )
     }
 
     /// Node `node`'s own host lock file.
@@ -389,9 +443,10 @@ impl Call {
     }
 }
 
-/// Runs the plugin for `command` on (`container`, `eth0`) of `node` with `netconf` on stdin,
-/// sabotaged as asked.
+/// Runs the plugin `bin` for `command` on (`container`, `eth0`) of `node` with `netconf` on
+/// stdin, sabotaged as asked.
 pub fn call(
+    bin: &Path,
     node: usize,
     netconf: &Value,
     command: &str,
@@ -403,14 +458,14 @@ pub fn call(
         env.push(("BLOCKIPAM_FAULT".to_owned(), spec.clone()));
     }
     let started = Instant::now();
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(bin)
         .env_clear()
         .envs(env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {BIN}: {e}"));
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
     if let Some(mut input) = child.stdin.take() {
         // A killed plugin may not read its input: a broken pipe is fine.
         let _ = input.write_all(netconf.to_string().as_bytes());
