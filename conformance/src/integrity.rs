@@ -119,7 +119,11 @@ impl KvStore for HookStore {
 }
 
 fn lists(prefix: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
-    move |reads| reads.iter().any(|r| matches!(r, Read::List(p) if *p == prefix))
+    move |reads| {
+        reads
+            .iter()
+            .any(|r| matches!(r, Read::List(p) if *p == prefix))
+    }
 }
 
 fn is_exactly(key: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
@@ -150,7 +154,9 @@ pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFact
         .expect("read")
         .expect("allocated");
     // Retire the host, then release the address: the block is empty and unaffine, so deleted.
-    ipam.release_host("node-a", false).await.expect("release host");
+    ipam.release_host("node-a", false)
+        .await
+        .expect("release host");
     ipam.release_handle("old-owner").await.expect("release");
     assert!(
         ipam.utilization().await.expect("usage").pools[0]
@@ -161,7 +167,10 @@ pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFact
 
     // Re-created by auto-assign: the first address is handed out again.
     let again = assign_one(&ipam, "new-owner", "node-b").await;
-    assert_eq!(again, first, "the re-created block starts at ordinal 0 again");
+    assert_eq!(
+        again, first,
+        "the re-created block starts at ordinal 0 again"
+    );
     let stale = ipam
         .release_ips(&[ReleaseRequest {
             ip: first,
@@ -187,7 +196,9 @@ pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFact
         .await
         .expect("read")
         .expect("allocated");
-    ipam.release_host("node-b", false).await.expect("release host");
+    ipam.release_host("node-b", false)
+        .await
+        .expect("release host");
     ipam.release_handle("new-owner").await.expect("release");
     ipam.assign_ips(&AssignIpsRequest {
         ips: vec![first],
@@ -216,9 +227,7 @@ pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFact
 
 /// Defect 2: `delete_pool` without force never releases an address an ADD was given, whether
 /// the ADD lands before the delete reads anything or between its reads.
-pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFactory>(
-    factory: &F,
-) {
+pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFactory>(factory: &F) {
     for (moment, trigger) in [
         (
             "after the delete's first read",
@@ -263,7 +272,10 @@ pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFac
                     "{moment}: the delete released a live address"
                 );
                 let pool = node.get_pool("pool").await.expect("pool kept");
-                assert!(!pool.disabled, "{moment}: a refused delete re-enables the pool");
+                assert!(
+                    !pool.disabled,
+                    "{moment}: a refused delete re-enables the pool"
+                );
             }
             Err(e) => {
                 let outcome = deleted.expect("nothing in use: the delete succeeds");
@@ -280,7 +292,11 @@ pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFac
 pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactory>(factory: &F) {
     let (t, node) = ipam_with_pool(factory, "10.7.0.0/28", 30).await;
     for release_by_handle in [true, false] {
-        let handle = if release_by_handle { "by-handle" } else { "by-ip" };
+        let handle = if release_by_handle {
+            "by-handle"
+        } else {
+            "by-ip"
+        };
         let host = format!("node-{handle}");
         let got = node
             .auto_assign(&v4(handle, &host, 1))
@@ -311,7 +327,11 @@ pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactor
                 .released
         };
         assert!(hooked.fired(), "the block never moved under the read");
-        assert_eq!(released, vec![address], "{handle}: the address was released");
+        assert_eq!(
+            released,
+            vec![address],
+            "{handle}: the address was released"
+        );
         assert_eq!(holder(&node, address).await, None, "{handle}: leaked");
         assert!(node.ips_by_handle(handle).await.expect("read").is_empty());
     }
@@ -496,8 +516,15 @@ pub async fn oversized_attributes_and_unfillable_block_sizes_are_refused<F: Stor
             ..Default::default()
         })
         .await;
-    assert!(matches!(refused, Err(IpamError::InvalidArgument(_))), "{refused:?}");
-    assert_eq!(t.store.list("").await.expect("dump"), before, "nothing written");
+    assert!(
+        matches!(refused, Err(IpamError::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        t.store.list("").await.expect("dump"),
+        before,
+        "nothing written"
+    );
     for (cidr, size) in [("10.4.0.0/16", 22u8), ("fd00:4::/112", 118u8)] {
         let refused = ipam
             .create_pool(&PoolSpec {

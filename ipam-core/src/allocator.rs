@@ -391,9 +391,7 @@ impl Plan {
     pub fn delete_block(&mut self, key: &str, block: &Block) {
         self.delete(key);
         self.delete(&keys::block_claim(&block.cidr));
-        self.retired_sequence = self
-            .retired_sequence
-            .max(block.sequence.saturating_add(1));
+        self.retired_sequence = self.retired_sequence.max(block.sequence.saturating_add(1));
     }
 
     /// True when this plan deletes a block (its commit must raise the sequence floor).
@@ -685,7 +683,9 @@ impl Ipam {
                     consistent = false;
                     continue;
                 }
-                let rest = results[span.start + 1..span.end].iter_mut().filter_map(Option::take);
+                let rest = results[span.start + 1..span.end]
+                    .iter_mut()
+                    .filter_map(Option::take);
                 if claim.is_some() {
                     let mut found = None;
                     for kv in rest {
@@ -922,7 +922,11 @@ impl Ipam {
 
     /// Enables or disables this very pool (same name, CIDR and block size), not one created
     /// since under its name.
-    async fn set_exact_pool_disabled(&self, pool: &Pool, disabled: bool) -> Result<Pool, IpamError> {
+    async fn set_exact_pool_disabled(
+        &self,
+        pool: &Pool,
+        disabled: bool,
+    ) -> Result<Pool, IpamError> {
         self.set_pool_disabled_where(disabled, |pools| find_exact_pool(pools, pool))
             .await
     }

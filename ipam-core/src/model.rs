@@ -733,8 +733,7 @@ mod tests {
     fn host_address_allocation_skips_block_edges_and_keeps_them_free() {
         let mut block = Block::new(net("10.0.0.8/29"), None, 0);
         let a = attr("a");
-        let order: Vec<u32> =
-            std::iter::from_fn(|| block.allocate_next_host_address(&a)).collect();
+        let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next_host_address(&a)).collect();
         assert_eq!(order, vec![1, 2, 3, 4, 5, 6]);
         assert_eq!(block.free(), 2);
         // The edges are still free for callers that may use them, in free-list order.
