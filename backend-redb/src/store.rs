@@ -165,18 +165,16 @@ impl Inner {
         let lock_path = sibling(path, "lock")?;
         let lock =
             LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
-        let existed = refuse_if_missing(path).is_ok();
-        if !existed && !config.create_if_missing {
-            refuse_if_missing(path)?;
+        match refuse_if_missing(path) {
+            Ok(()) => {}
+            Err(missing) if !config.create_if_missing || missing_is_damage(&missing) => {
+                return Err(missing)
+            }
+            Err(_) => create_staged(path, started, config.lock_wait)?,
         }
-        let db = open_engine(path, config.create_if_missing, started, config.lock_wait)?;
-        check_or_write_format(&db, path)?;
+        let db = open_engine(path, false, started, config.lock_wait)?;
+        check_format(&db, path)?;
         restrict(path)?;
-        if !existed {
-            // A new store's name must survive a power loss too: its absence would be a vanished
-            // store, which no call without netconf pools may re-create.
-            sync_parent(path)?;
-        }
         Ok(Inner {
             db,
             path: path.clone(),
@@ -356,11 +354,57 @@ fn sync_parent(path: &Path) -> Result<(), KvError> {
         })
 }
 
+/// Creates a new store: a database with the format marker built in `<path>.creating`, synced,
+/// then renamed to `path` (and the directory synced), so that a file at `path` is always a whole
+/// store and an empty or unmarked one there is damage, never a creation cut short.
+fn create_staged(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> {
+    let staging = sibling(path, "creating")?;
+    match fs::remove_file(&staging) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => {
+            return Err(KvError::other(format!(
+                "cannot remove the unfinished store {}: {err}",
+                staging.display()
+            )))
+        }
+    }
+    let db = open_engine(&staging, true, started, wait)?;
+    write_format(&db, &staging)?;
+    drop(db);
+    fs::File::open(&staging)
+        .and_then(|file| file.sync_all())
+        .and_then(|()| fs::rename(&staging, path))
+        .map_err(|err| {
+            KvError::other(format!(
+                "cannot put the new store {} in place: {err}",
+                path.display()
+            ))
+        })?;
+    // The new name must survive a power loss too: its absence would be a vanished store, which
+    // no call without netconf pools may re-create.
+    sync_parent(path)
+}
+
+/// True for [`refuse_if_missing`]'s answer to a damaged store (never to be created over).
+fn missing_is_damage(error: &KvError) -> bool {
+    matches!(error, KvError::Corrupt { .. })
+}
+
 /// Fails, naming the path and saying how a store is created, when there is no store file at
-/// `path` or only an empty one (redb would make a new database of either).
+/// `path`; an empty file there is damage (stores are created whole, see [`create_staged`]) and
+/// is reported as corrupt, left untouched, whatever the caller may create.
 fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
     let what = match fs::metadata(path) {
-        Ok(metadata) if metadata.is_file() && metadata.len() == 0 => " (an empty file)",
+        Ok(metadata) if metadata.is_file() && metadata.len() == 0 => {
+            return Err(KvError::corrupt(
+                None,
+                format!(
+                    "the redb store {} is an empty file: it was truncated or is not a blockipam                      store; it was left untouched (restore it, or remove it and create the store                      again with `blockipamctl pool add`)",
+                    path.display()
+                ),
+            ))
+        }
         Ok(_) => return Ok(()),
         Err(err) if err.kind() == io::ErrorKind::NotFound => "",
         Err(err) => {
@@ -444,20 +488,15 @@ fn open_engine(
     }
 }
 
-/// Accepts a database carrying this software's format marker, writes the marker (and creates the
-/// tables) into a database with no table at all, and refuses any other.
-fn check_or_write_format(db: &Database, path: &Path) -> Result<(), KvError> {
+/// Accepts a database carrying this software's format marker and refuses any other (one with no
+/// table at all included: stores are created with their marker, see [`create_staged`]).
+fn check_format(db: &Database, path: &Path) -> Result<(), KvError> {
     let snapshot = db.begin_read().engine(path)?;
     let tables: Vec<String> = snapshot
         .list_tables()
         .engine(path)?
         .map(|table| table.name().to_owned())
         .collect();
-    let multimap_tables = snapshot.list_multimap_tables().engine(path)?.count();
-    if tables.is_empty() && multimap_tables == 0 {
-        drop(snapshot);
-        return write_format(db, path);
-    }
     let not_ours = || {
         KvError::corrupt(
             None,

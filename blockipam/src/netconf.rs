@@ -233,21 +233,20 @@ impl<'a> Source<'a> {
         let seconds = value
             .as_f64()
             .ok_or_else(|| type_error(&path, "a number of seconds", value))?;
-        let ok = seconds.is_finite()
-            && seconds <= MAX_SECONDS
-            && (seconds > 0.0 || (allow_zero && seconds == 0.0));
-        if !ok {
-            return Err(CniError::config(format!(
+        // Converted first: a positive value below one nanosecond is a zero deadline.
+        let duration = Duration::try_from_secs_f64(seconds)
+            .ok()
+            .filter(|d| seconds <= MAX_SECONDS && (allow_zero || !d.is_zero()));
+        duration.ok_or_else(|| {
+            CniError::config(format!(
                 "netconf key {path:?} must be {} and at most {MAX_SECONDS} seconds, found {value}",
                 if allow_zero {
                     "zero or more"
                 } else {
-                    "more than zero"
+                    "at least one nanosecond"
                 }
-            )));
-        }
-        Duration::try_from_secs_f64(seconds)
-            .map_err(|e| CniError::config(format!("netconf key {path:?}: {e}")))
+            ))
+        })
     }
 
     fn flag(&self, key: &str, default: bool) -> Result<bool, CniError> {

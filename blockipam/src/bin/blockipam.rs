@@ -4,6 +4,21 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 fn main() {
+    // A panic inside a store engine (redb panics on some damaged pages) is caught by the adapter
+    // and answered as a CNI error; this hook keeps its report to one log line on stderr.
+    std::panic::set_hook(Box::new(|info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_owned());
+        let location = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        eprintln!("ERROR blockipam: internal failure{location}: {message}");
+    }));
     let env: BTreeMap<String, String> = std::env::vars_os()
         .map(|(k, v)| {
             (
