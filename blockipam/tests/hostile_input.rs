@@ -130,6 +130,12 @@ impl Target {
     }
 }
 
+/// What Rust's panic report carries (`thread 'main' panicked at ...`): a panic nobody caught. A
+/// panic inside a store engine that the adapter catches is answered as a CNI error whose message
+/// says so ("redb panicked while opening ..."), which is the clear error this file asks for; the
+/// plugin's panic hook reports the engine's own panic as one log line.
+const UNCAUGHT_PANIC: &str = "panicked at";
+
 /// What the fixture's containers hold.
 #[derive(Debug)]
 struct Fixture {
@@ -143,13 +149,6 @@ struct Fixture {
 
 /// Fills the target's store through the plugin: c1 (dual stack), c2 on eth0 and net1, c3 added
 /// and deleted again (so the store has released addresses too).
-
-/// What Rust's panic report carries (`thread 'main' panicked at ...`): a panic nobody caught. A
-/// panic inside a store engine that the adapter catches is answered as a CNI error whose message
-/// says so ("redb panicked while opening ..."), which is the clear error this file asks for; the
-/// plugin's panic hook reports the engine's own panic as one log line.
-const UNCAUGHT_PANIC: &str = "panicked at";
-
 fn populate(target: &Target) -> Fixture {
     let dual = target.netconf(json!({"assign_ipv6": true}));
     let single = target.netconf(json!({}));
