@@ -10,12 +10,10 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read as _, Write as _};
 use std::os::unix::fs::{chown, symlink};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backend_etcd::testing::{unique_prefix, EtcdServer, EtcdServerOptions, TestPki};
 use backend_etcd::{EtcdConfig, EtcdStore};
@@ -148,48 +146,9 @@ fn keys_under(config: EtcdConfig) -> Vec<String> {
     })
 }
 
-/// Runs the real plugin, killing it (and failing the test) if it outlives [`HANG_GUARD`].
+/// Runs the real plugin (see [`run_plugin_bounded`]) with this file's [`HANG_GUARD`].
 fn run_plugin(command: &str, container: &str, netconf: &Value) -> Outcome {
-    let mut child = Command::new(BIN)
-        .env_clear()
-        .envs(cni_env(command, container, "eth0"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(netconf.to_string().as_bytes());
-    }
-    let mut stdout = child.stdout.take().expect("stdout pipe");
-    let mut stderr = child.stderr.take().expect("stderr pipe");
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let guard = Instant::now() + HANG_GUARD;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for the plugin") {
-            break status;
-        }
-        if Instant::now() > guard {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{command} {container} hung: killed after {HANG_GUARD:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    Outcome {
-        status: status.code().unwrap_or(-1),
-        stdout: out.join().expect("stdout reader"),
-        stderr: err.join().expect("stderr reader"),
-    }
+    run_plugin_bounded(command, container, netconf, HANG_GUARD)
 }
 
 /// Asserts that no secret appears in what a call printed.

@@ -352,3 +352,54 @@ pub fn addresses(result: &Value) -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// Runs the real plugin for `command` on (`container`, eth0) with `netconf` on stdin, killing it
+/// (and failing the test) if it outlives `hang_guard`: a safety net, not a timing assertion.
+pub fn run_plugin_bounded(
+    command: &str,
+    container: &str,
+    netconf: &Value,
+    hang_guard: std::time::Duration,
+) -> Outcome {
+    use std::io::Read as _;
+    let mut child = Command::new(BIN)
+        .env_clear()
+        .envs(cni_env(command, container, "eth0"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the plugin");
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(netconf.to_string().as_bytes());
+    }
+    let mut stdout = child.stdout.take().expect("stdout pipe");
+    let mut stderr = child.stderr.take().expect("stderr pipe");
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let guard = std::time::Instant::now() + hang_guard;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the plugin") {
+            break status;
+        }
+        if std::time::Instant::now() > guard {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{command} {container} hung: killed after {hang_guard:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    Outcome {
+        status: status.code().unwrap_or(-1),
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    }
+}
