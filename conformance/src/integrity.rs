@@ -31,6 +31,8 @@ macro_rules! ipam_integrity_tests {
             oversized_attributes_and_unfillable_block_sizes_are_refused,
             releasing_several_full_blocks_splits_into_transactions_that_fit,
             new_block_search_reads_a_fixed_number_of_keys_whatever_the_store_holds,
+            reservations_ignore_strict_affinity_only_when_asked,
+            skipping_block_edges_hands_out_only_host_addresses_until_exhausted,
         );
     };
 }
@@ -414,6 +416,81 @@ pub async fn new_block_search_reads_a_fixed_number_of_keys_whatever_the_store_ho
         "the claim's reads (round trips, keys) grew with the store"
     );
     assert_clean(&ipam).await;
+}
+
+/// Defect 6, allocator side: under strict affinity an address in another host's block is refused,
+/// unless the request says strict affinity does not apply (network reservations, which belong to
+/// no host).
+pub async fn reservations_ignore_strict_affinity_only_when_asked<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.1.0.0/24", 26).await;
+    ipam.update_config(|c| c.strict_affinity = true)
+        .await
+        .expect("strict affinity");
+    let first = assign_one(&ipam, "pod", "node-a").await;
+    // The next address of node-a's block.
+    let IpAddr::V4(first_v4) = first else {
+        panic!("an IPv4 pool gave {first}")
+    };
+    let gateway = IpAddr::V4((u32::from(first_v4) + 1).into());
+    let request = |ignore_strict_affinity| AssignIpsRequest {
+        ips: vec![gateway],
+        handle: "net:gateway".into(),
+        host: "-".into(),
+        ignore_strict_affinity,
+        ..Default::default()
+    };
+    let refused = ipam.assign_ips(&request(false)).await;
+    assert!(
+        matches!(refused, Err(IpamError::AffinityConflict { .. })),
+        "{refused:?}"
+    );
+    ipam.assign_ips(&request(true))
+        .await
+        .expect("a reservation in node-a's block");
+    assert_eq!(holder(&ipam, gateway).await.as_deref(), Some("net:gateway"));
+    assert_clean(&ipam).await;
+}
+
+/// Defect 11, allocator side: with `skip_block_edges`, no block's network or last address is ever
+/// handed out, auto-assign answers "exhausted" once only edges are left, and the edges stay free.
+pub async fn skipping_block_edges_hands_out_only_host_addresses_until_exhausted<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.1.1.0/28", 29).await;
+    let mut given = Vec::new();
+    loop {
+        let got = ipam
+            .auto_assign(&AutoAssignRequest {
+                skip_block_edges: true,
+                ..v4(&format!("pod-{}", given.len()), "node-a", 1)
+            })
+            .await;
+        match got {
+            Ok(got) => given.push(got.v4[0].clone()),
+            Err(IpamError::Exhausted { .. }) => break,
+            Err(e) => panic!("assign {}: {e}", given.len()),
+        }
+        assert!(given.len() <= 12, "more than the 12 host addresses of two /29 blocks");
+    }
+    assert_eq!(given.len(), 12, "every host address of both blocks: {given:?}");
+    for address in &given {
+        let block = address.block;
+        assert!(
+            address.ip != block.network() && address.ip != ip_last(block),
+            "{} is an edge of {block}",
+            address.ip
+        );
+    }
+    let usage = ipam.utilization().await.expect("usage");
+    assert_eq!(usage.pools[0].in_use, 12, "the four edges stay free");
+    assert_clean(&ipam).await;
+}
+
+fn ip_last(block: ipnet::IpNet) -> IpAddr {
+    match block {
+        ipnet::IpNet::V4(v4) => IpAddr::V4(v4.broadcast()),
+        ipnet::IpNet::V6(v6) => IpAddr::V6(v6.broadcast()),
+    }
 }
 
 /// A metadata map that makes the allocation's attribute `target` bytes when encoded.
