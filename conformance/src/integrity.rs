@@ -470,9 +470,16 @@ pub async fn skipping_block_edges_hands_out_only_host_addresses_until_exhausted<
             Err(IpamError::Exhausted { .. }) => break,
             Err(e) => panic!("assign {}: {e}", given.len()),
         }
-        assert!(given.len() <= 12, "more than the 12 host addresses of two /29 blocks");
+        assert!(
+            given.len() <= 12,
+            "more than the 12 host addresses of two /29 blocks"
+        );
     }
-    assert_eq!(given.len(), 12, "every host address of both blocks: {given:?}");
+    assert_eq!(
+        given.len(),
+        12,
+        "every host address of both blocks: {given:?}"
+    );
     for address in &given {
         let block = address.block;
         assert!(
