@@ -115,61 +115,9 @@ fn fifty_nodes_on_sled_through_the_api_leave_no_duplicate_and_a_clean_check() {
     assert!(report.etcd.is_none());
 }
 
-/// Builds the `blockipam` plugin into the directory this package's binary is in (same profile
-/// and target directory) and returns its path; fails, never skips, when it cannot.
+/// Builds the plugin beside this package's binary and returns its path.
 fn build_plugin() -> PathBuf {
-    let exe_dir = Path::new(BIN).parent().expect("the binary has a directory");
-    let profile = exe_dir
-        .file_name()
-        .and_then(|n| n.to_str())
-        .expect("a profile directory name")
-        .to_owned();
-    let above = exe_dir.parent().expect("a target directory");
-    // target/<profile>/ or target/<triple>/<profile>/
-    let (target_dir, triple) = if above.join("CACHEDIR.TAG").exists() {
-        (above.to_path_buf(), None)
-    } else {
-        let triple = above
-            .file_name()
-            .and_then(|n| n.to_str())
-            .map(str::to_owned);
-        (
-            above.parent().expect("a target directory").to_path_buf(),
-            triple,
-        )
-    };
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let mut build = Command::new(cargo);
-    build
-        .args([
-            "build",
-            "-p",
-            "blockipam",
-            "--bin",
-            "blockipam",
-            "--manifest-path",
-        ])
-        .arg(&manifest)
-        .arg("--target-dir")
-        .arg(&target_dir);
-    if profile != "debug" {
-        build.args(["--profile", &profile]);
-    }
-    if let Some(triple) = &triple {
-        build.args(["--target", triple]);
-    }
-    let output = build
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run cargo to build the blockipam plugin: {e}"));
-    assert!(
-        output.status.success(),
-        "plugin mode needs the blockipam plugin, and `cargo build -p blockipam` failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let plugin = exe_dir.join("blockipam");
-    assert!(plugin.is_file(), "{} was not built", plugin.display());
-    plugin
+    blockipam_store::testing::build_plugin_beside(Path::new(BIN))
 }
 
 #[test]

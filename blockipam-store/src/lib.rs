@@ -1,6 +1,9 @@
 //! Store selection shared by the plugin and the CLI: which backend, where, and how to open it.
 
 use std::fmt;
+#[cfg(feature = "testing")]
+pub mod testing;
+
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;

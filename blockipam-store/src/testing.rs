@@ -1,0 +1,68 @@
+//! Test helpers for other crates' tests (feature `testing`): building the `blockipam` plugin binary.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Builds the `blockipam` plugin with the profile and target directory of `binary` (a test's
+/// `CARGO_BIN_EXE_*`), into the directory `binary` is in, and returns its path.
+///
+/// # Panics
+/// When cargo cannot be run or the build fails: a test that needs the plugin fails, never skips.
+pub fn build_plugin_beside(binary: &Path) -> PathBuf {
+    let exe_dir = binary.parent().expect("the binary has a directory");
+    let profile = exe_dir
+        .file_name()
+        .and_then(|n| n.to_str())
+        .expect("a profile directory name")
+        .to_owned();
+    let above = exe_dir.parent().expect("a target directory");
+    // target/<profile>/ or target/<triple>/<profile>/
+    let (target_dir, triple) = if above.join("CACHEDIR.TAG").exists() {
+        (above.to_path_buf(), None)
+    } else {
+        let triple = above
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(str::to_owned);
+        (
+            above.parent().expect("a target directory").to_path_buf(),
+            triple,
+        )
+    };
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+    let mut build = Command::new(cargo);
+    build
+        .args([
+            "build",
+            "-p",
+            "blockipam",
+            "--bin",
+            "blockipam",
+            "--manifest-path",
+        ])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target_dir);
+    if profile != "debug" {
+        build.args(["--profile", &profile]);
+    }
+    if let Some(triple) = &triple {
+        build.args(["--target", triple]);
+    }
+    let output = build
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run cargo to build the blockipam plugin: {e}"));
+    assert!(
+        output.status.success(),
+        "this test needs the blockipam plugin, and `cargo build -p blockipam` failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let plugin = exe_dir.join("blockipam");
+    assert!(
+        plugin.is_file(),
+        "`cargo build -p blockipam` succeeded but {} does not exist",
+        plugin.display()
+    );
+    plugin
+}
