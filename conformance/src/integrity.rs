@@ -33,6 +33,9 @@ macro_rules! ipam_integrity_tests {
             new_block_search_reads_a_fixed_number_of_keys_whatever_the_store_holds,
             reservations_ignore_strict_affinity_only_when_asked,
             skipping_block_edges_hands_out_only_host_addresses_until_exhausted,
+            borrowing_reads_the_claim_index_and_only_the_lenders_it_needs,
+            claim_entries_follow_each_blocks_free_count,
+            format_1_claim_entries_are_read_tried_and_upgraded_on_write,
         );
     };
 }
@@ -656,7 +659,10 @@ pub async fn releasing_several_full_blocks_splits_into_transactions_that_fit<F: 
                     .when(Condition::absent(&key))
                     .when(Condition::absent(&claim))
                     .then(Op::put(&key, encode(&block).expect("encode")))
-                    .then(Op::put(&claim, encode(&block.affinity).expect("encode"))),
+                    .then(Op::put(
+                        &claim,
+                        ipam_core::model::encode_claim(&block).expect("encode"),
+                    )),
             )
             .await
             .expect("write a full block");
@@ -699,6 +705,199 @@ pub async fn releasing_several_full_blocks_splits_into_transactions_that_fit<F: 
             .blocks
             .is_empty(),
         "empty unaffine blocks are deleted"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// The read shape of one observed call by `host`: round trips, listings of blocks other than the
+/// host's own directories, and block keys fetched one by one.
+#[derive(Debug, PartialEq, Eq)]
+struct ReadShape {
+    round_trips: usize,
+    block_listings: usize,
+    block_gets: usize,
+}
+
+fn read_shape(reads: &[Vec<Read>], host: &str) -> ReadShape {
+    let blocks = keys::blocks_dir();
+    let own = keys::host_blocks_dir(host);
+    let all = || reads.iter().flatten();
+    ReadShape {
+        round_trips: reads.len(),
+        block_listings: all()
+            .filter(
+                |r| matches!(r, Read::List(p) if p.starts_with(&blocks) && !p.starts_with(&own)),
+            )
+            .count(),
+        block_gets: all()
+            .filter(|r| matches!(r, Read::Get(k) if k.starts_with(&blocks)))
+            .count(),
+    }
+}
+
+/// Issue 9: a host with no room of its own, in a pool whose every block another host has claimed,
+/// borrows by listing the claim index (small entries carrying each block's free count) and reading
+/// only the one lender it needs: the same round trips and block reads whether the pool has 16 blocks
+/// or 64, and never a listing of the blocks.
+pub async fn borrowing_reads_the_claim_index_and_only_the_lenders_it_needs<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let mut shapes = Vec::new();
+    for (pool, cidr, blocks) in [("small", "10.4.0.0/26", 16), ("large", "10.5.0.0/24", 64)] {
+        ipam.create_pool(&spec(cidr, pool, 30))
+            .await
+            .expect("create pool");
+        let in_pool = |handle: &str, host: &str| AutoAssignRequest {
+            v4_pools: vec![pool.to_owned()],
+            ..v4(handle, host, 1)
+        };
+        // Every block claimed by its own host, one address used: 95%+ of the pool claimed.
+        for h in 0..blocks {
+            ipam.auto_assign(&in_pool(
+                &format!("{pool}-filler-{h}"),
+                &format!("{pool}-host-{h}"),
+            ))
+            .await
+            .expect("a filler host claims a block");
+        }
+        let recording = Arc::new(RecordingStore {
+            inner: Arc::clone(&t.store),
+            reads: Mutex::new(Vec::new()),
+        });
+        let observed = Ipam::new(recording.clone() as Arc<dyn KvStore>);
+        let borrowed = observed
+            .auto_assign(&in_pool(&format!("{pool}-borrower"), "borrower"))
+            .await
+            .expect("a host with no block of its own borrows");
+        let lender = ipam
+            .get_assignment(borrowed.v4[0].ip)
+            .await
+            .expect("read")
+            .expect("the borrowed address is assigned");
+        assert_eq!(lender.handle, format!("{pool}-borrower"));
+        assert_ne!(
+            lender.block_host.as_deref(),
+            Some("borrower"),
+            "the address came from another host's block"
+        );
+        let reads = recording.reads.lock().expect("reads").clone();
+        let shape = read_shape(&reads, "borrower");
+        assert_eq!(
+            shape.block_listings, 0,
+            "borrowing listed blocks: {reads:?}"
+        );
+        assert!(
+            shape.block_gets <= 2,
+            "borrowing one address read {} block keys (one lender is two candidate keys): {reads:?}",
+            shape.block_gets
+        );
+        shapes.push(shape);
+    }
+    assert_eq!(
+        shapes[0], shapes[1],
+        "borrowing's reads grew with the number of blocks in the pool"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// Issue 9: every write of a block rewrites its claim index entry with the block's owner and free
+/// count, in the same transaction, so that searches read the index instead of the blocks.
+pub async fn claim_entries_follow_each_blocks_free_count<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.6.0.0/24", 28).await;
+    let claim_of = |cidr| {
+        let store = Arc::clone(&t.store);
+        async move {
+            let kv = store
+                .get(&keys::block_claim(&cidr))
+                .await
+                .expect("get")
+                .expect("a claim entry");
+            ipam_core::model::decode_claim(&kv.key, &kv.value).expect("decode claim")
+        }
+    };
+    let mut taken = Vec::new();
+    for i in 0..5 {
+        let got = ipam
+            .auto_assign(&v4(&format!("pod-{i}"), "node-a", 1))
+            .await
+            .expect("assign");
+        taken.push(got.v4[0].clone());
+    }
+    let block = taken[0].block;
+    let claim = claim_of(block).await;
+    assert_eq!(claim.affinity.as_deref(), Some("node-a"));
+    assert_eq!(claim.free, Some(16 - 5));
+    ipam.release_ips(&[ReleaseRequest {
+        ip: taken[2].ip,
+        sequence: None,
+    }])
+    .await
+    .expect("release");
+    assert_eq!(claim_of(block).await.free, Some(16 - 4));
+    // Filled to the last address: the entry says 0, and a later search skips it without a read.
+    ipam.auto_assign(&v4("rest", "node-a", 12))
+        .await
+        .expect("fill");
+    assert_eq!(claim_of(block).await.free, Some(0));
+    assert_clean(&ipam).await;
+}
+
+/// Issue 9 and the format upgrade: a claim entry written by format 1 (the owner alone) is read,
+/// counted as consistent by `check`, tried by borrowing (its free count unknown), and rewritten in
+/// format 2 with the free count by the next write of its block.
+pub async fn format_1_claim_entries_are_read_tried_and_upgraded_on_write<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/28", 29).await;
+    let owned = assign_one(&ipam, "owner-pod", "owner").await;
+    let second = assign_one(&ipam, "owner-pod-2", "other-owner").await;
+    let (cidr_a, cidr_b) = (net("10.7.0.0/29"), net("10.7.0.8/29"));
+    assert!(cidr_a.contains(&owned) || cidr_b.contains(&owned));
+    assert!(cidr_a.contains(&second) || cidr_b.contains(&second));
+    // Rewrite both entries as format 1 wrote them: version byte 1, then the owner.
+    for cidr in [cidr_a, cidr_b] {
+        let key = keys::block_claim(&cidr);
+        let kv = t.store.get(&key).await.expect("get").expect("claim");
+        let owner = ipam_core::model::decode_claim(&key, &kv.value)
+            .expect("decode")
+            .affinity;
+        let mut old = encode(&owner).expect("encode");
+        old[0] = 1;
+        t.store.put(&key, old).await.expect("put a format-1 entry");
+        let entry = ipam_core::model::decode_claim(
+            &key,
+            &t.store.get(&key).await.expect("get").expect("claim").value,
+        )
+        .expect("a format-1 entry decodes");
+        assert_eq!(entry.free, None, "format 1 records no free count");
+    }
+    assert_clean(&ipam).await;
+    // Both blocks are claimed: a third host borrows, trying entries whose count is unknown.
+    let borrowed = assign_one(&ipam, "borrower-pod", "borrower").await;
+    assert!(cidr_a.contains(&borrowed) || cidr_b.contains(&borrowed));
+    let lender = if cidr_a.contains(&borrowed) {
+        cidr_a
+    } else {
+        cidr_b
+    };
+    let kv = t
+        .store
+        .get(&keys::block_claim(&lender))
+        .await
+        .expect("get")
+        .expect("claim");
+    assert_eq!(
+        kv.value[0],
+        ipam_core::model::FORMAT_VERSION,
+        "rewritten in the current format"
+    );
+    assert_eq!(
+        ipam_core::model::decode_claim(&kv.key, &kv.value)
+            .expect("decode")
+            .free,
+        Some(8 - 2)
     );
     assert_clean(&ipam).await;
 }

@@ -1194,7 +1194,11 @@ pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(fac
     t.store
         .put(
             &keys::block_claim(&orphan),
-            ipam_core::model::encode(&Some("node-z".to_string())).expect("encode"),
+            ipam_core::model::encode(&ipam_core::model::Claim {
+                affinity: Some("node-z".to_string()),
+                free: 64,
+            })
+            .expect("encode"),
         )
         .await
         .expect("put");
@@ -1489,7 +1493,7 @@ pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_b
         ),
         (
             keys::block_claim(&stray_cidr),
-            encode(&Some("node-a".to_string())).expect("encode"),
+            ipam_core::model::encode_claim(&stray).expect("encode"),
         ),
         (
             keys::block(Some("node-a"), &damaged_cidr),
@@ -1497,7 +1501,7 @@ pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_b
         ),
         (
             keys::block_claim(&damaged_cidr),
-            encode(&Some("node-a".to_string())).expect("encode"),
+            ipam_core::model::encode_claim(&damaged).expect("encode"),
         ),
         (
             keys::block(Some("node-a"), &misplaced_cidr),
@@ -1505,7 +1509,7 @@ pub async fn check_reports_blocks_outside_pools_free_list_damage_and_misplaced_b
         ),
         (
             keys::block_claim(&misplaced_cidr),
-            encode(&Some("node-b".to_string())).expect("encode"),
+            ipam_core::model::encode_claim(&misplaced).expect("encode"),
         ),
         (keys::handle("h"), encode(&handle).expect("encode")),
     ];

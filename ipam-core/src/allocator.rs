@@ -16,10 +16,10 @@ use crate::kv::{
     MAX_TXN_CONDITIONS, MAX_TXN_OPS, MAX_VALUE_BYTES,
 };
 use crate::model::{
-    decode, default_pool_name, encode, keys, validate_handle, validate_host, validate_pool_name,
-    Attribute, Block, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
-    DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES,
-    V6_BLOCK_SIZES,
+    decode, decode_claim, default_pool_name, encode, encode_claim, ip_to_u128, keys,
+    validate_handle, validate_host, validate_pool_name, Attribute, Block, ClaimEntry, Family,
+    Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES,
+    MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 
 /// Metadata key recording the host an allocation was made for.
@@ -293,12 +293,21 @@ fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<u64, IpamError> {
     kv.map_or(Ok(0), |kv| decode(&kv.key, &kv.value))
 }
 
-/// Every block of the store and the sequence floor, as the full new-block search and borrowing
-/// read them.
+/// The whole claim index (one small entry per block: CIDR, owner, free count) and the sequence
+/// floor, read in one snapshot: what the full new-block search and borrowing read instead of every
+/// block's value.
 #[derive(Debug)]
-pub(crate) struct AllBlocks {
-    pub blocks: Vec<Stored<Block>>,
+pub(crate) struct ClaimIndex {
+    pub entries: Vec<IndexedClaim>,
     pub sequence_floor: u64,
+}
+
+/// One claim index entry, decoded, with the stored entry it came from.
+#[derive(Debug)]
+pub(crate) struct IndexedClaim {
+    pub cidr: IpNet,
+    pub claim: ClaimEntry,
+    pub stored: KeyValue,
 }
 
 /// Blocks a new-block search reads ahead, per candidate pool, from the host's hashed start.
@@ -429,18 +438,15 @@ impl Plan {
         let key = keys::block_key_of(block);
         match &working.read {
             None => {
-                let claim = keys::block_claim(&block.cidr);
                 self.expect(&key, None);
-                self.expect(&claim, None);
-                self.put(&claim, encode(&block.affinity)?);
+                self.expect(&keys::block_claim(&block.cidr), None);
             }
             Some((read_key, revision)) => {
                 self.expect(read_key, Some(*revision));
                 if *read_key != key {
-                    // The block moved (affinity changed): new location and claim owner.
+                    // The block moved (affinity changed, or it filled up or got room again).
                     self.expect(&key, None);
                     self.delete(read_key);
-                    self.put(&keys::block_claim(&block.cidr), encode(&block.affinity)?);
                 }
             }
         }
@@ -459,6 +465,8 @@ impl Plan {
                 )));
             }
             self.put(&key, value);
+            // The claim entry follows the block's owner and free count on every write.
+            self.put(&keys::block_claim(&block.cidr), encode_claim(&block)?);
         }
         Ok(())
     }
@@ -628,11 +636,8 @@ impl Ipam {
         &self,
         cidrs: &BTreeSet<IpNet>,
     ) -> Result<LoadedBlocks, IpamError> {
-        /// Re-reads allowed when claims move under the read.
-        const CONSISTENT_READ_ATTEMPTS: u32 = 10;
-        let mut loaded = LoadedBlocks::default();
         if cidrs.is_empty() {
-            return Ok(loaded);
+            return Ok(LoadedBlocks::default());
         }
         let claim_reads: Vec<Read> = cidrs
             .iter()
@@ -642,6 +647,19 @@ impl Ipam {
         for result in self.store.read_many(&claim_reads).await? {
             claims.push(result.into_got()?);
         }
+        self.load_blocks_given_claims(cidrs, claims).await
+    }
+
+    /// [`load_blocks_for_write`](Self::load_blocks_for_write) after its first read: `claims` are
+    /// the claim entries of `cidrs` (in order) as a recent read saw them. One round trip when they
+    /// have not moved since.
+    pub(crate) async fn load_blocks_given_claims(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+        mut claims: Vec<Option<KeyValue>>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        /// Re-reads allowed when claims move under the read.
+        const CONSISTENT_READ_ATTEMPTS: u32 = 10;
         let mut dangling = None;
         for attempt in 0..CONSISTENT_READ_ATTEMPTS {
             if attempt > 0 {
@@ -654,7 +672,7 @@ impl Ipam {
                 let first = reads.len();
                 reads.push(Read::Get(keys::block_claim(cidr)));
                 if let Some(kv) = claim {
-                    let owner: Option<String> = decode(&kv.key, &kv.value)?;
+                    let owner = decode_claim(&kv.key, &kv.value)?.affinity;
                     for key in keys::block_candidates(owner.as_deref(), cidr) {
                         reads.push(Read::Get(key));
                     }
@@ -665,21 +683,26 @@ impl Ipam {
             for result in self.store.read_many(&reads).await? {
                 results.push(result.into_got()?);
             }
-            loaded = LoadedBlocks {
+            let mut loaded = LoadedBlocks {
                 found: BTreeMap::new(),
                 sequence_floor: decode_sequence_floor(results[0].take())?,
             };
             dangling = None;
             let mut consistent = true;
             for ((cidr, claim), span) in cidrs.iter().zip(claims.iter_mut()).zip(spans) {
+                // Claim entries change on every write of their block (its free count); what
+                // must not have changed is the owner, which decided the keys read.
                 let again = results[span.start].take();
                 let same = match (&*claim, &again) {
                     (None, None) => true,
-                    (Some(a), Some(b)) => a.revision == b.revision,
+                    (Some(a), Some(b)) => {
+                        decode_claim(&a.key, &a.value)?.affinity
+                            == decode_claim(&b.key, &b.value)?.affinity
+                    }
                     _ => false,
                 };
+                *claim = again;
                 if !same {
-                    *claim = again;
                     consistent = false;
                     continue;
                 }
@@ -718,23 +741,36 @@ impl Ipam {
         })
     }
 
-    /// Every block in the store, and the sequence floor, in one read.
-    pub(crate) async fn all_blocks_and_floor(&self) -> Result<AllBlocks, IpamError> {
+    /// The whole claim index and the sequence floor, in one read.
+    pub(crate) async fn claim_index(&self) -> Result<ClaimIndex, IpamError> {
         let results = self
             .store
             .read_many(&[
-                Read::List(keys::blocks_dir()),
+                Read::List(keys::claims_dir()),
                 Read::Get(keys::sequence_floor()),
             ])
             .await?;
         let mut results = results.into_iter();
-        let blocks = next_listed(&mut results)?
-            .into_iter()
-            .map(decode_stored)
-            .collect::<Result<_, _>>()?;
+        let prefix = keys::claims_dir();
+        let mut entries = Vec::new();
+        for kv in next_listed(&mut results)? {
+            let cidr = kv
+                .key
+                .strip_prefix(&prefix)
+                .and_then(keys::parse_cidr_segment)
+                .ok_or_else(|| IpamError::Corrupt {
+                    key: kv.key.clone(),
+                    message: "a claim index key that names no CIDR".into(),
+                })?;
+            entries.push(IndexedClaim {
+                cidr,
+                claim: decode_claim(&kv.key, &kv.value)?,
+                stored: kv,
+            });
+        }
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
-        Ok(AllBlocks {
-            blocks,
+        Ok(ClaimIndex {
+            entries,
             sequence_floor,
         })
     }
@@ -1237,7 +1273,7 @@ impl Ipam {
         for stored in host_blocks {
             working.insert(stored.value.cidr, WorkingBlock::from_stored(stored));
         }
-        let mut all_blocks: Option<AllBlocks> = None;
+        let mut claim_index: Option<ClaimIndex> = None;
         let mut plan = Plan::default();
         let mut result = AutoAssignResult::default();
         let mut used_pools: BTreeSet<String> = BTreeSet::new();
@@ -1312,18 +1348,18 @@ impl Ipam {
                         match unclaimed.by_ref().find(|c| !working.contains_key(c)) {
                             Some(found) => (found, probe.sequence_floor),
                             None => {
-                                // Every probed block is taken: one listing of the whole store
-                                // settles it (rare: the probes start at a hash of the host name).
-                                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
+                                // Every probed block is taken: one listing of the claim index
+                                // (small entries, not blocks) settles it.
+                                let index = self.ensure_claim_index(&mut claim_index).await?;
                                 let Some(cidr) = find_unclaimed_block(
                                     &candidates,
                                     &request.host,
-                                    &existing.blocks,
+                                    index.entries.iter().map(|e| e.cidr),
                                     &working,
                                 ) else {
                                     break;
                                 };
-                                (cidr, existing.sequence_floor)
+                                (cidr, index.sequence_floor)
                             }
                         };
                     working.insert(
@@ -1355,30 +1391,61 @@ impl Ipam {
             // 3. Borrow from any other block, unless strict affinity forbids it.
             if (got.len() as u32) < wanted && !config.strict_affinity {
                 config_used = true;
-                let existing = self.ensure_all_blocks(&mut all_blocks).await?;
-                let mut lenders: Vec<&Stored<Block>> = existing
-                    .blocks
+                let index = self.ensure_claim_index(&mut claim_index).await?;
+                // Lenders come from the claim index: blocks nobody owns first, then other hosts'
+                // blocks, each in address order; entries that record no free address are skipped
+                // (format-1 entries, which record no count, are tried).
+                let mut lenders: Vec<&IndexedClaim> = index
+                    .entries
                     .iter()
-                    .filter(|b| Family::of_net(&b.value.cidr) == family)
-                    .filter(|b| b.value.affinity.as_deref() != Some(request.host.as_str()))
-                    .filter(|b| in_candidates(&b.value.cidr) && b.value.free() > 0)
+                    .filter(|e| Family::of_net(&e.cidr) == family)
+                    .filter(|e| e.claim.affinity.as_deref() != Some(request.host.as_str()))
+                    .filter(|e| in_candidates(&e.cidr) && e.claim.free != Some(0))
+                    .filter(|e| !working.contains_key(&e.cidr))
                     .collect();
-                // Blocks nobody owns first, then other hosts' blocks; each in address order.
-                lenders.sort_by_key(|b| (b.value.affinity.is_some(), b.value.cidr.network()));
-                let lender_cidrs: Vec<IpNet> = lenders.iter().map(|b| b.value.cidr).collect();
-                for stored in lenders {
-                    working
-                        .entry(stored.value.cidr)
-                        .or_insert_with(|| WorkingBlock::from_stored(stored.clone()));
+                lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
+                let mut lenders = lenders.into_iter();
+                // Read only as many lenders as the missing addresses need, one batch at a time;
+                // a lender that filled up since the listing sends the loop to the next ones.
+                while (got.len() as u32) < wanted {
+                    let missing = wanted - got.len() as u32;
+                    let mut batch: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
+                    let mut covered = 0u32;
+                    while covered < missing {
+                        let Some(lender) = lenders.next() else {
+                            break;
+                        };
+                        covered = covered.saturating_add(lender.claim.free.unwrap_or(1));
+                        batch.insert(lender.cidr, lender.stored.clone());
+                    }
+                    if batch.is_empty() {
+                        break;
+                    }
+                    let cidrs: BTreeSet<IpNet> = batch.keys().copied().collect();
+                    let claims = batch.into_values().map(Some).collect();
+                    let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
+                    let mut order = Vec::with_capacity(loaded.found.len());
+                    for (cidr, stored) in loaded.found {
+                        working
+                            .entry(cidr)
+                            .or_insert_with(|| WorkingBlock::from_stored(stored));
+                        order.push(cidr);
+                    }
+                    order.sort_by_key(|c| {
+                        (
+                            working.get(c).is_some_and(|w| w.block.affinity.is_some()),
+                            c.network(),
+                        )
+                    });
+                    take_from_blocks(
+                        &mut working,
+                        &order,
+                        &attribute,
+                        wanted,
+                        request.skip_block_edges,
+                        &mut got,
+                    );
                 }
-                take_from_blocks(
-                    &mut working,
-                    &lender_cidrs,
-                    &attribute,
-                    wanted,
-                    request.skip_block_edges,
-                    &mut got,
-                );
             }
 
             if (got.len() as u32) < wanted {
@@ -1477,16 +1544,16 @@ impl Ipam {
         })
     }
 
-    async fn ensure_all_blocks<'a>(
+    async fn ensure_claim_index<'a>(
         &self,
-        cache: &'a mut Option<AllBlocks>,
-    ) -> Result<&'a AllBlocks, IpamError> {
+        cache: &'a mut Option<ClaimIndex>,
+    ) -> Result<&'a ClaimIndex, IpamError> {
         if cache.is_none() {
-            *cache = Some(self.all_blocks_and_floor().await?);
+            *cache = Some(self.claim_index().await?);
         }
         cache
             .as_ref()
-            .ok_or_else(|| IpamError::Internal("block cache vanished".into()))
+            .ok_or_else(|| IpamError::Internal("claim index cache vanished".into()))
     }
 
     /// The addresses a handle holds, reading only the blocks not already in hand.
@@ -2320,25 +2387,13 @@ fn take_from_blocks(
 fn find_unclaimed_block(
     candidates: &[&Stored<Pool>],
     host: &str,
-    existing: &[Stored<Block>],
+    claimed: impl Iterator<Item = IpNet>,
     working: &BTreeMap<IpNet, WorkingBlock>,
 ) -> Option<IpNet> {
-    let taken: Vec<IpNet> = existing
-        .iter()
-        .map(|b| b.value.cidr)
-        .chain(working.keys().copied())
-        .collect();
-    let overlaps = |candidate: &IpNet| {
-        taken
-            .iter()
-            .any(|t| t.contains(&candidate.network()) || candidate.contains(&t.network()))
-    };
+    let taken = TakenCidrs::new(claimed.chain(working.keys().copied()));
     for pool in candidates {
         let count = pool.value.block_count();
-        let in_pool = taken
-            .iter()
-            .filter(|t| pool.value.cidr.contains(&t.network()))
-            .count() as u128;
+        let in_pool = taken.count_inside(&pool.value.cidr) as u128;
         // A free block is found within (blocks already taken in this pool + 1) steps.
         let steps = count.min(in_pool + 1);
         let start = u128::from(host_hash(host)) % count;
@@ -2347,7 +2402,7 @@ fn find_unclaimed_block(
             let Some(candidate) = pool.value.block_at(index) else {
                 continue;
             };
-            if !overlaps(&candidate) {
+            if !taken.overlaps(&candidate) {
                 return Some(candidate);
             }
         }
@@ -2356,7 +2411,7 @@ fn find_unclaimed_block(
             let mut index = (start + steps) % count;
             for _ in steps..count.min(1 << 20) {
                 if let Some(candidate) = pool.value.block_at(index) {
-                    if !overlaps(&candidate) {
+                    if !taken.overlaps(&candidate) {
                         return Some(candidate);
                     }
                 }
@@ -2365,6 +2420,54 @@ fn find_unclaimed_block(
         }
     }
     None
+}
+
+/// Claimed CIDRs ordered by family and first address, for overlap questions in O(log n).
+struct TakenCidrs {
+    by_start: BTreeMap<(Family, u128), IpNet>,
+}
+
+impl TakenCidrs {
+    fn new(cidrs: impl Iterator<Item = IpNet>) -> Self {
+        let mut by_start: BTreeMap<(Family, u128), IpNet> = BTreeMap::new();
+        for cidr in cidrs {
+            let key = (Family::of_net(&cidr), ip_to_u128(cidr.network()));
+            // Of two CIDRs starting at one address, keep the wider: it covers the other.
+            match by_start.get(&key) {
+                Some(kept) if kept.prefix_len() <= cidr.prefix_len() => {}
+                _ => {
+                    by_start.insert(key, cidr);
+                }
+            }
+        }
+        TakenCidrs { by_start }
+    }
+
+    fn bounds(cidr: &IpNet) -> ((Family, u128), (Family, u128)) {
+        let family = Family::of_net(cidr);
+        (
+            (family, ip_to_u128(cidr.network())),
+            (family, ip_to_u128(cidr.broadcast())),
+        )
+    }
+
+    /// True when a taken CIDR starts inside `cidr`, or the nearest one starting before it covers it.
+    fn overlaps(&self, cidr: &IpNet) -> bool {
+        let (first, last) = Self::bounds(cidr);
+        if self.by_start.range(first..=last).next().is_some() {
+            return true;
+        }
+        self.by_start
+            .range(..first)
+            .next_back()
+            .is_some_and(|(key, taken)| key.0 == first.0 && taken.contains(&cidr.network()))
+    }
+
+    /// How many taken CIDRs start inside `cidr`.
+    fn count_inside(&self, cidr: &IpNet) -> usize {
+        let (first, last) = Self::bounds(cidr);
+        self.by_start.range(first..=last).count()
+    }
 }
 
 #[cfg(test)]

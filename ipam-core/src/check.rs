@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 use crate::allocator::{decode_stored, Ipam, Plan, Stored};
 use crate::error::IpamError;
 use crate::kv::{KvError, Read};
-use crate::model::{decode, encode, keys, Block, Family, Handle, IpamConfig, Pool};
+use crate::model::{
+    decode, decode_claim, encode, encode_claim, keys, Block, ClaimEntry, Family, Handle,
+    IpamConfig, Pool,
+};
 
 /// Kinds of inconsistency, as stable strings (they appear in JSON output).
 pub mod kinds {
@@ -79,7 +82,7 @@ impl CheckReport {
 struct Snapshot {
     pools: Vec<Stored<Pool>>,
     blocks: Vec<Stored<Block>>,
-    claims: BTreeMap<IpNet, Stored<Option<String>>>,
+    claims: BTreeMap<IpNet, Stored<ClaimEntry>>,
     handles: BTreeMap<String, Stored<Handle>>,
 }
 
@@ -182,14 +185,25 @@ impl Ipam {
                     true,
                     format!("block {} has no claim index entry", block.cidr),
                 ),
-                Some(claim) if claim.value != block.affinity => report.problem(
+                Some(claim) if claim.value.affinity != block.affinity => report.problem(
                     kinds::CLAIM_MISMATCH,
                     true,
                     format!(
                         "claim index says block {} belongs to {:?}, the block says {:?}",
-                        block.cidr, claim.value, block.affinity
+                        block.cidr, claim.value.affinity, block.affinity
                     ),
                 ),
+                Some(claim) if claim.value.free.is_some_and(|free| free != block.free()) => report
+                    .problem(
+                        kinds::CLAIM_MISMATCH,
+                        true,
+                        format!(
+                            "claim index says block {} has {} free addresses, the block has {}",
+                            block.cidr,
+                            claim.value.free.unwrap_or_default(),
+                            block.free()
+                        ),
+                    ),
                 Some(_) => {}
             }
             for ordinal in block.allocations.keys() {
@@ -325,9 +339,16 @@ impl Ipam {
                 corrupt(&key, IpamError::invalid("key does not name a CIDR"));
                 continue;
             };
-            match decode_stored::<Option<String>>(kv) {
-                Ok(c) => {
-                    snapshot.claims.insert(cidr, c);
+            match decode_claim(&kv.key, &kv.value) {
+                Ok(value) => {
+                    snapshot.claims.insert(
+                        cidr,
+                        Stored {
+                            key: kv.key,
+                            revision: kv.revision,
+                            value,
+                        },
+                    );
                 }
                 Err(e) => corrupt(&key, e),
             }
@@ -397,7 +418,10 @@ impl Ipam {
             let block = &stored.value;
             let claim_key = keys::block_claim(&block.cidr);
             let claim = snapshot.claims.get(&block.cidr);
-            if claim.map(|c| &c.value) == Some(&block.affinity) {
+            if claim.is_some_and(|c| {
+                c.value.affinity == block.affinity
+                    && c.value.free.is_none_or(|free| free == block.free())
+            }) {
                 continue;
             }
             if snapshot
@@ -412,7 +436,7 @@ impl Ipam {
             let mut plan = Plan::default();
             plan.expect(&stored.key, Some(stored.revision));
             plan.expect(&claim_key, claim.map(|c| c.revision));
-            plan.put(&claim_key, encode(&block.affinity)?);
+            plan.put(&claim_key, encode_claim(block)?);
             outcomes.push((
                 format!(
                     "set claim index entry of {} to {:?}",
@@ -429,7 +453,7 @@ impl Ipam {
             plan.expect(&claim.key, Some(claim.revision));
             plan.delete(&claim.key);
             // The block must still be absent wherever it could live.
-            for key in keys::block_candidates(claim.value.as_deref(), cidr) {
+            for key in keys::block_candidates(claim.value.affinity.as_deref(), cidr) {
                 plan.expect(&key, None);
             }
             outcomes.push((

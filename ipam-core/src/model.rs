@@ -11,8 +11,13 @@ use crate::error::IpamError;
 
 /// Every key blockipam writes starts with this.
 pub const ROOT: &str = "ipam/v1/";
-/// Format version written as the first byte of every stored value.
-pub const FORMAT_VERSION: u8 = 1;
+/// Format version written as the first byte of every stored value. Version 2 added the block's
+/// free-address count to its claim index entry ([`Claim`]); every other object is laid out as in
+/// version 1.
+pub const FORMAT_VERSION: u8 = 2;
+/// Oldest format version this build reads. Objects of an older version are rewritten in the
+/// current version the next time they are written (`docs/data-model.md`, "Format versions").
+pub const OLDEST_READABLE_FORMAT_VERSION: u8 = 1;
 
 /// Default IPv4 block prefix length (64 addresses), as Calico.
 pub const DEFAULT_V4_BLOCK_SIZE: u8 = 26;
@@ -211,26 +216,99 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, IpamError> {
     Ok(out)
 }
 
-/// Decodes a stored object written by [`encode`]; any damage is a [`IpamError::Corrupt`] naming the key.
-pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
+/// Splits a stored value into its format version and body; a version this build cannot read is
+/// [`IpamError::Corrupt`] naming the key.
+fn versioned<'a>(key: &str, bytes: &'a [u8]) -> Result<(u8, &'a [u8]), IpamError> {
+    let (&version, body) = bytes.split_first().ok_or_else(|| IpamError::Corrupt {
+        key: key.to_owned(),
+        message: "empty value".into(),
+    })?;
+    if !(OLDEST_READABLE_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
+        return Err(IpamError::Corrupt {
+            key: key.to_owned(),
+            message: format!(
+                "format version {version}, this build reads versions {OLDEST_READABLE_FORMAT_VERSION} to {FORMAT_VERSION}"
+            ),
+        });
+    }
+    Ok((version, body))
+}
+
+/// Decodes one bincode body that must fill `body` exactly.
+fn decode_body<T: DeserializeOwned>(key: &str, body: &[u8]) -> Result<T, IpamError> {
     let corrupt = |message: String| IpamError::Corrupt {
         key: key.to_owned(),
         message,
     };
-    let (&version, body) = bytes
-        .split_first()
-        .ok_or_else(|| corrupt("empty value".into()))?;
-    if version != FORMAT_VERSION {
-        return Err(corrupt(format!(
-            "format version {version}, this build reads version {FORMAT_VERSION}"
-        )));
-    }
     let (value, used) = bincode::serde::decode_from_slice(body, bincode_config())
         .map_err(|e| corrupt(format!("cannot decode: {e}")))?;
     if used != body.len() {
         return Err(corrupt(format!("{} trailing bytes", body.len() - used)));
     }
     Ok(value)
+}
+
+/// Decodes a stored object written by [`encode`]; any damage is a [`IpamError::Corrupt`] naming the key.
+/// Claim index entries have their own reader, [`decode_claim`].
+pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
+    let (_, body) = versioned(key, bytes)?;
+    decode_body(key, body)
+}
+
+/// What a block's claim index entry holds (format 2): the block's affine host and how many of its
+/// addresses are free, so that new-block searches and borrowing read these small entries instead of
+/// whole blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The block's affine host; `None` for a block nobody owns.
+    pub affinity: Option<String>,
+    /// Free addresses in the block when it was last written.
+    pub free: u32,
+}
+
+/// A decoded claim index entry, of either format version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimEntry {
+    /// The block's affine host; `None` for a block nobody owns.
+    pub affinity: Option<String>,
+    /// Free addresses; `None` in an entry written by format 1, which recorded only the host (the
+    /// block's next write records it).
+    pub free: Option<u32>,
+}
+
+/// The claim index entry of `block`, encoded.
+pub fn encode_claim(block: &Block) -> Result<Vec<u8>, IpamError> {
+    encode(&Claim {
+        affinity: block.affinity.clone(),
+        free: block.free(),
+    })
+}
+
+/// Decodes a claim index entry of format 1 (the host alone) or 2 ([`Claim`]).
+pub fn decode_claim(key: &str, bytes: &[u8]) -> Result<ClaimEntry, IpamError> {
+    let (version, body) = versioned(key, bytes)?;
+    if version == 1 {
+        let affinity: Option<String> = decode_body(key, body)?;
+        return Ok(ClaimEntry {
+            affinity,
+            free: None,
+        });
+    }
+    let claim: Claim = decode_body(key, body)?;
+    Ok(ClaimEntry {
+        affinity: claim.affinity,
+        free: Some(claim.free),
+    })
+}
+
+/// The two entries that store `block` as it is: the block at its key, and its claim index entry.
+/// For writers that create whole stores (import, migration tools); the allocator writes blocks
+/// through its own conditional transactions.
+pub fn block_entries(block: &Block) -> Result<Vec<(String, Vec<u8>)>, IpamError> {
+    Ok(vec![
+        (keys::block_key_of(block), encode(block)?),
+        (keys::block_claim(&block.cidr), encode_claim(block)?),
+    ])
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -57,7 +57,11 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
         store
             .put(
                 &keys::block_claim(&orphan),
-                encode(&Some("host-z".to_owned())).expect("encode"),
+                encode(&ipam_core::model::Claim {
+                    affinity: Some("host-z".to_owned()),
+                    free: 64,
+                })
+                .expect("encode"),
             )
             .await
             .expect("put");
@@ -144,7 +148,7 @@ fn check_exits_1_when_what_is_wrong_cannot_be_repaired(backend: Backend) {
         store
             .put(
                 &keys::block_claim(&stray),
-                encode(&Some("host-a".to_owned())).expect("encode"),
+                ipam_core::model::encode_claim(&block).expect("encode"),
             )
             .await
             .expect("put");

@@ -7,6 +7,7 @@ mod check;
 mod config;
 mod demo_checks;
 mod errors;
+mod format_upgrade;
 mod library;
 mod migrate;
 mod node;
