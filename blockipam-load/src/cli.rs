@@ -13,6 +13,8 @@ use clap::{ArgGroup, Parser, ValueEnum};
 use crate::config::{LoadConfig, Mode, StopRule};
 use crate::error::LoadError;
 use crate::run::{run, StoreTarget};
+use crate::scenario::node_release::default_blockipamctl;
+use crate::scenario::{run_scenario, Scenario, ScenarioConfig};
 
 /// Exit status: the run passed.
 pub const EXIT_PASSED: i32 = 0;
@@ -32,6 +34,17 @@ pub enum ModeArg {
     Api,
     /// The real blockipam binary, one process per operation.
     Plugin,
+}
+
+/// Which scenario runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScenarioArg {
+    /// Nodes churning pods (the load run).
+    Churn,
+    /// New nodes each ADD one address in a pool whose blocks are nearly all claimed.
+    Borrow,
+    /// One node's addresses released by `blockipamctl node release --addresses`.
+    NodeRelease,
 }
 
 /// blockipam-load: simulated nodes churning pods (ADD, hold, DEL) against one blockipam store, from
@@ -195,6 +208,40 @@ pub struct Cli {
     /// etcd: after the run, compact all history and report the size again (benchmark etcd only)
     #[arg(long)]
     pub compact_at_end: bool,
+    /// Pod streams per node, each its own schedule, sharing the node's name and lock file (several of one node's operations in flight at once)
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub lanes_per_node: u32,
+    /// Before the measured run, put this many allocations held by --prefill-node through the allocator API (not measured, never counted as leaked; checked present at the end)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub prefill: u64,
+    /// The node holding the prefilled allocations [default: the first node]
+    #[arg(long, value_name = "NAME")]
+    pub prefill_node: Option<String>,
+    /// etcd: after the run, this many seconds of a raw etcd-client loop of one-key conditional Txn writes (--concurrency workers, own connections); reports raw_ceiling and allocation_to_raw_ratio
+    #[arg(long, value_name = "SECONDS")]
+    pub raw_etcd_ceiling_seconds: Option<f64>,
+    /// What to run: churn (the load run), borrow (new nodes ADD in a nearly full pool) or node-release (blockipamctl node release --addresses of one node)
+    #[arg(long, value_enum, default_value = "churn", help_heading = "Scenarios")]
+    pub scenario: ScenarioArg,
+    /// borrow: percentage of the pool's blocks claimed by filler nodes (one address each)
+    #[arg(
+        long,
+        value_name = "PERCENT",
+        default_value_t = 95,
+        help_heading = "Scenarios"
+    )]
+    pub claimed_percent: u32,
+    /// node-release: addresses the node holds (one pod handle each); the node is --prefill-node
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1000,
+        help_heading = "Scenarios"
+    )]
+    pub addresses: u64,
+    /// node-release: the blockipamctl binary [default: blockipamctl next to this executable]
+    #[arg(long, value_name = "PATH", help_heading = "Scenarios")]
+    pub blockipamctl: Option<PathBuf>,
     /// Print the report as JSON on stdout
     #[arg(long)]
     pub json: bool,
@@ -313,6 +360,13 @@ impl Cli {
                 .map(|s| seconds(&s.to_string(), "--etcd-status-interval-seconds", false))
                 .transpose()?,
             compact_at_end: self.compact_at_end,
+            lanes_per_node: self.lanes_per_node,
+            prefill: self.prefill,
+            prefill_node: string(&self.prefill_node),
+            raw_etcd_ceiling: self
+                .raw_etcd_ceiling_seconds
+                .map(|s| seconds(&s.to_string(), "--raw-etcd-ceiling-seconds", false))
+                .transpose()?,
         };
         config.validate()?;
         Ok(config)
@@ -362,6 +416,19 @@ where
         Ok(prepared) => prepared,
         Err(e) => return fail(stderr, &e),
     };
+    if cli.scenario != ScenarioArg::Churn {
+        return run_scenario_cli(&cli, settings, &config, stdout, stderr);
+    }
+    if stderr_is_terminal && u64::from(config.concurrency) > config.streams() {
+        let _ = writeln!(
+            stderr,
+            "blockipam-load: note: --concurrency {} but {} nodes x {} lanes: at most {} operations in flight (one per pod stream); --lanes-per-node N runs N streams per node",
+            config.concurrency,
+            config.nodes,
+            config.lanes_per_node,
+            config.streams()
+        );
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -416,6 +483,63 @@ where
     }
 }
 
+/// Runs a scenario other than churn and prints its report.
+fn run_scenario_cli(
+    cli: &Cli,
+    settings: DatastoreSettings,
+    config: &LoadConfig,
+    stdout: &mut dyn Write,
+    stderr: &mut dyn Write,
+) -> i32 {
+    let scenario = ScenarioConfig {
+        scenario: match cli.scenario {
+            ScenarioArg::Churn => Scenario::Churn,
+            ScenarioArg::Borrow => Scenario::Borrow,
+            ScenarioArg::NodeRelease => Scenario::NodeRelease,
+        },
+        claimed_percent: cli.claimed_percent,
+        addresses: cli.addresses,
+        blockipamctl: path(&cli.blockipamctl).or_else(default_blockipamctl),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            return fail(
+                stderr,
+                &LoadError::failed(format!("cannot start tokio: {e}")),
+            )
+        }
+    };
+    let result = runtime.block_on(run_scenario(config, &scenario, StoreTarget::from(settings)));
+    match result {
+        Ok(report) => {
+            let printed = if cli.json {
+                serde_json::to_string_pretty(&report)
+                    .map_err(|e| e.to_string())
+                    .and_then(|json| writeln!(stdout, "{json}").map_err(|e| e.to_string()))
+            } else {
+                write!(stdout, "{}", report.to_text()).map_err(|e| e.to_string())
+            };
+            if let Err(e) = printed {
+                return fail(
+                    stderr,
+                    &LoadError::failed(format!("cannot print the report: {e}")),
+                );
+            }
+            if report.passed() {
+                EXIT_PASSED
+            } else {
+                let _ = writeln!(stderr, "blockipam-load: scenario FAILED (see the report)");
+                EXIT_FAILED
+            }
+        }
+        Err(e) => fail(stderr, &e),
+    }
+}
+
 fn fail(stderr: &mut dyn Write, error: &LoadError) -> i32 {
     let _ = writeln!(stderr, "blockipam-load: error: {error}");
     match error {
@@ -460,6 +584,33 @@ mod tests {
             (50, Some(28), 7)
         );
         assert!(config.strict_affinity);
+    }
+
+    #[test]
+    fn measurement_flags_become_the_config_and_a_zero_ceiling_is_a_usage_error() {
+        let cli = parse(&[
+            "--scenario",
+            "node-release",
+            "--lanes-per-node",
+            "4",
+            "--prefill",
+            "100",
+            "--prefill-node",
+            "node-x",
+            "--raw-etcd-ceiling-seconds",
+            "2.5",
+        ]);
+        assert_eq!(cli.scenario, ScenarioArg::NodeRelease);
+        let config = cli.load_config().expect("config");
+        assert_eq!(config.lanes_per_node, 4);
+        assert_eq!(config.streams(), 40);
+        assert_eq!(
+            (config.prefill, config.prefill_host()),
+            (100, "node-x".into())
+        );
+        assert_eq!(config.raw_etcd_ceiling, Some(Duration::from_millis(2500)));
+        let cli = parse(&["--raw-etcd-ceiling-seconds", "0"]);
+        assert!(matches!(cli.load_config(), Err(LoadError::Usage(_))));
     }
 
     #[test]

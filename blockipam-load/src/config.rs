@@ -87,6 +87,19 @@ pub struct LoadConfig {
     /// etcd: after the run, compact the history up to the current revision and report the
     /// database size again (destroys history: for a benchmark etcd only).
     pub compact_at_end: bool,
+    /// Independent pod streams per node, each with its own schedule, sharing the node's host
+    /// identity (its `nodename` and lock file): several operations of one node in flight at once,
+    /// as a kubelet starting several pods (`--lanes-per-node`, default 1).
+    pub lanes_per_node: u32,
+    /// Allocations put in the store through the allocator API before the measured run, held by
+    /// [`LoadConfig::prefill_node`] (`--prefill`).
+    pub prefill: u64,
+    /// The node holding the prefilled allocations (the first node when `None`).
+    pub prefill_node: Option<String>,
+    /// etcd: after the allocation run, this long a raw etcd-client loop of one-key conditional
+    /// `Txn` writes, `concurrency` workers each with its own connection (`--raw-etcd-ceiling-seconds`).
+    #[serde(serialize_with = "optional_seconds")]
+    pub raw_etcd_ceiling: Option<Duration>,
 }
 
 fn optional_seconds<S: serde::Serializer>(
@@ -120,6 +133,10 @@ impl Default for LoadConfig {
             plugin: None,
             etcd_status_interval: None,
             compact_at_end: false,
+            lanes_per_node: 1,
+            prefill: 0,
+            prefill_node: None,
+            raw_etcd_ceiling: None,
         }
     }
 }
@@ -138,6 +155,20 @@ impl LoadConfig {
         }
         if self.concurrency == 0 {
             return Err(LoadError::usage("--concurrency must be at least 1"));
+        }
+        if self.lanes_per_node == 0 {
+            return Err(LoadError::usage("--lanes-per-node must be at least 1"));
+        }
+        if let Some(node) = &self.prefill_node {
+            ipam_core::model::validate_host(node)
+                .map_err(|e| LoadError::usage(format!("--prefill-node: {e}")))?;
+        }
+        if let Some(d) = self.raw_etcd_ceiling {
+            if d.is_zero() {
+                return Err(LoadError::usage(
+                    "--raw-etcd-ceiling-seconds must be above 0",
+                ));
+            }
         }
         if let Some(rate) = self.churn_rate {
             if !(rate.is_finite() && rate > 0.0) {
@@ -182,6 +213,18 @@ impl LoadConfig {
         format!("load-node-{index:05}")
     }
 
+    /// Simulated pod streams: `nodes × lanes_per_node`.
+    pub fn streams(&self) -> u64 {
+        u64::from(self.nodes) * u64::from(self.lanes_per_node.max(1))
+    }
+
+    /// The node holding the prefilled allocations.
+    pub fn prefill_host(&self) -> String {
+        self.prefill_node
+            .clone()
+            .unwrap_or_else(|| LoadConfig::node_name(0))
+    }
+
     /// The handle of a pod attachment, as the plugin forms it: `<network>.<container id>`.
     pub fn handle(&self, container: &str) -> String {
         format!("{}.{container}", self.network)
@@ -224,6 +267,18 @@ mod tests {
             },
             LoadConfig {
                 mode: Mode::Plugin,
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                lanes_per_node: 0,
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                prefill_node: Some(String::new()),
+                ..LoadConfig::default()
+            },
+            LoadConfig {
+                raw_etcd_ceiling: Some(Duration::ZERO),
                 ..LoadConfig::default()
             },
         ];

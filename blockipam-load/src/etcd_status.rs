@@ -98,6 +98,26 @@ impl StatusClient {
         .map_err(|e| format!("cannot connect to {endpoint}: {e}"))
     }
 
+    /// A new client connected to every endpoint (as the store's own clients are), with this
+    /// client's TLS, credentials and timeouts.
+    ///
+    /// # Errors
+    /// A message when no endpoint answers in time.
+    pub async fn connect_cluster(&self) -> Result<Client, String> {
+        tokio::time::timeout(
+            STATUS_TIMEOUT,
+            Client::connect(self.endpoints.clone(), Some(self.options.clone())),
+        )
+        .await
+        .map_err(|_| {
+            format!(
+                "no answer from {:?} within {STATUS_TIMEOUT:?}",
+                self.endpoints
+            )
+        })?
+        .map_err(|e| format!("cannot connect to {:?}: {e}", self.endpoints))
+    }
+
     /// Every member's status, asked of each endpoint on its own connection.
     pub async fn members(&self) -> Vec<MemberStatus> {
         let mut members = Vec::with_capacity(self.endpoints.len());

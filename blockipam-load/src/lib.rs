@@ -6,6 +6,10 @@
 //!
 //! The binary is `src/main.rs` over [`run_cli`]; tests and other programs call [`run`] with a
 //! [`LoadConfig`] and a [`StoreTarget`] and get a [`Report`].
+//!
+//! Beside the churn run: [`scenario`] (borrowing in a nearly full pool, `blockipamctl node
+//! release`), [`prefill`], [`raw_ceiling`] (the raw etcd write rate beside the allocation rate),
+//! and [`plot`], the library of the `blockipam-plot` binary.
 
 pub mod cli;
 pub mod config;
@@ -14,10 +18,14 @@ pub mod error;
 pub mod etcd_status;
 pub mod ledger;
 pub mod observe;
+pub mod plot;
+pub mod prefill;
 pub mod progress;
+pub mod raw_ceiling;
 pub mod report;
 pub mod rng;
 pub mod run;
+pub mod scenario;
 pub mod schedule;
 pub mod stats;
 pub mod verify;

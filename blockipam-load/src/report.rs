@@ -9,6 +9,8 @@ use serde::Serialize;
 
 use crate::config::LoadConfig;
 use crate::etcd_status::MemberStatus;
+use crate::prefill::PrefillSummary;
+use crate::raw_ceiling::RawCeiling;
 use crate::schedule::OpKind;
 use crate::stats::KindSummary;
 use crate::verify::Verification;
@@ -101,6 +103,12 @@ pub struct Report {
     pub pool: PoolState,
     /// etcd's database size (etcd only).
     pub etcd: Option<EtcdSizes>,
+    /// The prefilled allocations and whether they were all still there at the end (`--prefill`).
+    pub prefill: Option<PrefillSummary>,
+    /// The raw etcd-client loop of one-key conditional writes (`--raw-etcd-ceiling-seconds`).
+    pub raw_ceiling: Option<RawCeiling>,
+    /// `operations_per_second` (ADDs and DELs) / the raw loop's `writes_per_second`.
+    pub allocation_to_raw_ratio: Option<f64>,
     /// No error, no duplicate, nothing missing or leaked, and a clean check.
     pub passed: bool,
 }
@@ -117,6 +125,8 @@ impl Report {
             && self.duplicates() == 0
             && self.verification.is_clean()
             && self.check.clean
+            && self.prefill.as_ref().is_none_or(PrefillSummary::is_clean)
+            && self.raw_ceiling.as_ref().is_none_or(|raw| raw.errors == 0)
     }
 
     /// The report for people.
@@ -137,6 +147,24 @@ impl Report {
             c.seed,
             c.concurrency
         );
+        if u64::from(c.concurrency) > c.streams() {
+            let _ = writeln!(
+                out,
+                "at most {} operations in flight: one per pod stream ({} nodes x {} lanes; --lanes-per-node N gives a node N streams)",
+                c.streams(),
+                c.nodes,
+                c.lanes_per_node
+            );
+        }
+        if c.lanes_per_node > 1 {
+            let _ = writeln!(
+                out,
+                "{} lanes per node: {} pod streams, each with its own schedule and {} pods, sharing its node's identity",
+                c.lanes_per_node,
+                c.streams(),
+                c.pods_per_node
+            );
+        }
         let _ = writeln!(out, "store: {} ({})", self.store, self.store_clients);
         let _ = writeln!(
             out,
@@ -250,6 +278,46 @@ impl Report {
             }
             if let Some(error) = &etcd.compaction_error {
                 let _ = writeln!(out, "etcd compaction failed: {error}");
+            }
+        }
+        if let Some(prefill) = &self.prefill {
+            let _ = writeln!(
+                out,
+                "prefill: {} addresses in {} handles held by {} (in {:.2} s, not measured); at the end {} present, {} missing, {} held by another handle",
+                prefill.addresses,
+                prefill.handles,
+                prefill.node,
+                prefill.seconds,
+                prefill.present,
+                prefill.missing,
+                prefill.held_by_another
+            );
+            for sample in &prefill.samples {
+                let _ = writeln!(out, "  {sample}");
+            }
+        }
+        if let Some(raw) = &self.raw_ceiling {
+            let _ = writeln!(
+                out,
+                "raw etcd ceiling ({}): {} workers, {} conditional one-key writes of {} bytes in {:.2} s: {:.1} writes/s; {} errors; {} keys deleted",
+                raw.when,
+                raw.workers,
+                raw.writes,
+                raw.value_bytes,
+                raw.seconds,
+                raw.writes_per_second,
+                raw.errors,
+                raw.keys_deleted
+            );
+            for error in &raw.error_samples {
+                let _ = writeln!(out, "  {error}");
+            }
+            if let Some(ratio) = self.allocation_to_raw_ratio {
+                let _ = writeln!(
+                    out,
+                    "allocation to raw ratio: {:.3} ({:.1} operations/s / {:.1} writes/s)",
+                    ratio, self.operations_per_second, raw.writes_per_second
+                );
             }
         }
         let _ = writeln!(out, "result: {}", if self.passed { "PASS" } else { "FAIL" });

@@ -25,6 +25,7 @@ use crate::rng::SplitMix64;
 use crate::schedule::{NodeSchedule, OpKind, PlannedOp, Step};
 use crate::stats::{OpSample, Stats};
 use crate::verify;
+use crate::{prefill, raw_ceiling};
 
 /// How often the progress callback is called.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
@@ -113,47 +114,24 @@ pub async fn run(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report, LoadError> {
     config.validate()?;
-    let mut temporary_store_dir = None;
-    let (settings, store) = match target {
-        StoreTarget::Shared(store) => {
-            if config.mode == Mode::Plugin {
-                return Err(LoadError::usage(
-                    "plugin mode needs store settings (the plugin opens the store itself)",
-                ));
-            }
-            (None, store)
-        }
-        StoreTarget::Settings(settings) => {
-            let mut settings = *settings;
-            match settings.datastore_type {
-                DatastoreType::Sled | DatastoreType::Redb if settings.path.is_none() => {
-                    let dir = tempfile::Builder::new()
-                        .prefix("blockipam-load-")
-                        .tempdir()
-                        .map_err(|e| {
-                            LoadError::failed(format!("cannot create a temporary directory: {e}"))
-                        })?;
-                    settings.path = Some(
-                        dir.path()
-                            .join(format!("store.{}", settings.datastore_type)),
-                    );
-                    temporary_store_dir = Some(dir);
-                }
-                DatastoreType::Etcdv3 if settings.etcd_prefix.is_none() => {
-                    settings.etcd_prefix = Some(unique_etcd_prefix(config));
-                }
-                _ => {}
-            }
-            settings.create_if_missing = true;
-            let store = open(&settings).await?;
-            (Some(settings), store)
-        }
-    };
+    let on_etcd =
+        matches!(&target, StoreTarget::Settings(s) if s.datastore_type == DatastoreType::Etcdv3);
+    if config.raw_etcd_ceiling.is_some() && !on_etcd {
+        return Err(LoadError::usage(
+            "--raw-etcd-ceiling-seconds needs an etcd store (--datastore-type etcdv3)",
+        ));
+    }
+    let (settings, store, temporary_store_dir) = open_target(config, target).await?;
     let store_description = settings
         .as_ref()
         .map(DatastoreSettings::describe)
         .unwrap_or_else(|| "a store handed in by the caller".to_owned());
     prepare_store(&Ipam::new(store.clone()), config).await?;
+    let prefilled = if config.prefill > 0 {
+        Some(prefill::prefill(&Ipam::new(store.clone()), config).await?)
+    } else {
+        None
+    };
 
     let status_client = match &settings {
         Some(s) if s.datastore_type == DatastoreType::Etcdv3 => Some(Arc::new(
@@ -213,13 +191,24 @@ pub async fn run(
         &allocations,
         &format!("{}.", config.network),
     );
+    let prefill = prefilled.as_ref().map(|p| prefill::verify(p, &allocations));
     let pool = pool_state(&ipam, config).await?;
     drop(ipam);
 
+    let mut raw_ceiling = None;
     let etcd = match &status_client {
         Some(client) => {
             etcd.during = dispatched.samples;
             etcd.after = client.members().await;
+            if let Some(duration) = config.raw_etcd_ceiling {
+                let prefix = settings
+                    .as_ref()
+                    .and_then(|s| s.etcd_prefix.clone())
+                    .unwrap_or_default();
+                raw_ceiling = Some(
+                    raw_ceiling::measure(client, &prefix, config.concurrency, duration).await?,
+                );
+            }
             if config.compact_at_end {
                 match client.compact(&etcd.after).await {
                     Ok(revision) => {
@@ -266,10 +255,79 @@ pub async fn run(
         },
         pool,
         etcd,
+        prefill,
+        allocation_to_raw_ratio: raw_ceiling
+            .as_ref()
+            .filter(|raw: &&raw_ceiling::RawCeiling| raw.writes_per_second > 0.0)
+            .map(|raw| {
+                if elapsed > 0.0 {
+                    operations as f64 / elapsed / raw.writes_per_second
+                } else {
+                    0.0
+                }
+            }),
+        raw_ceiling,
         passed: false,
     };
     report.passed = report.compute_passed();
     Ok(report)
+}
+
+/// The store `target` names, opened: an embedded store without a path becomes a new temporary
+/// one (the returned directory, removed when dropped), etcd without a prefix gets a prefix of its
+/// own, a missing store is created.
+///
+/// # Errors
+/// [`LoadError::Usage`] for plugin mode over a shared store; [`LoadError::Failed`] when the store
+/// cannot be opened.
+pub(crate) async fn open_target(
+    config: &LoadConfig,
+    target: StoreTarget,
+) -> Result<
+    (
+        Option<DatastoreSettings>,
+        Arc<dyn KvStore>,
+        Option<tempfile::TempDir>,
+    ),
+    LoadError,
+> {
+    let mut temporary_store_dir = None;
+    let (settings, store) = match target {
+        StoreTarget::Shared(store) => {
+            if config.mode == Mode::Plugin {
+                return Err(LoadError::usage(
+                    "plugin mode needs store settings (the plugin opens the store itself)",
+                ));
+            }
+            (None, store)
+        }
+        StoreTarget::Settings(settings) => {
+            let mut settings = *settings;
+            match settings.datastore_type {
+                DatastoreType::Sled | DatastoreType::Redb if settings.path.is_none() => {
+                    let dir = tempfile::Builder::new()
+                        .prefix("blockipam-load-")
+                        .tempdir()
+                        .map_err(|e| {
+                            LoadError::failed(format!("cannot create a temporary directory: {e}"))
+                        })?;
+                    settings.path = Some(
+                        dir.path()
+                            .join(format!("store.{}", settings.datastore_type)),
+                    );
+                    temporary_store_dir = Some(dir);
+                }
+                DatastoreType::Etcdv3 if settings.etcd_prefix.is_none() => {
+                    settings.etcd_prefix = Some(unique_etcd_prefix(config));
+                }
+                _ => {}
+            }
+            settings.create_if_missing = true;
+            let store = open(&settings).await?;
+            (Some(settings), store)
+        }
+    };
+    Ok((settings, store, temporary_store_dir))
 }
 
 fn unique_etcd_prefix(config: &LoadConfig) -> String {
@@ -285,7 +343,7 @@ fn unique_etcd_prefix(config: &LoadConfig) -> String {
     )
 }
 
-async fn open(settings: &DatastoreSettings) -> Result<Arc<dyn KvStore>, LoadError> {
+pub(crate) async fn open(settings: &DatastoreSettings) -> Result<Arc<dyn KvStore>, LoadError> {
     settings.open().await.map_err(|e| {
         LoadError::failed(format!(
             "cannot open the store ({}): {e}",
@@ -437,10 +495,10 @@ fn planned_operations(config: &LoadConfig) -> Option<u64> {
     match (config.stop, config.drain) {
         (StopRule::Operations(n), false) => Some(n),
         (StopRule::ChurnCycles(c), false) => {
-            Some(u64::from(config.nodes) * (u64::from(config.pods_per_node) + 2 * c))
+            Some(config.streams() * (u64::from(config.pods_per_node) + 2 * c))
         }
         (StopRule::ChurnCycles(c), true) => {
-            Some(u64::from(config.nodes) * (2 * u64::from(config.pods_per_node) + 2 * c))
+            Some(config.streams() * (2 * u64::from(config.pods_per_node) + 2 * c))
         }
         _ => None,
     }
@@ -454,12 +512,16 @@ async fn dispatch(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Dispatched, LoadError> {
     let start = Instant::now();
+    // Each node runs `lanes_per_node` pod streams over the same driver (its host identity).
+    let lanes = config.lanes_per_node.max(1);
     let mut ready: Vec<SimNode> = drivers
         .into_iter()
-        .zip(0..)
-        .map(|(driver, index)| SimNode {
-            schedule: NodeSchedule::new(config, index, start),
-            driver,
+        .zip(0_u32..)
+        .flat_map(|(driver, node)| {
+            (0..lanes).map(move |lane| SimNode {
+                schedule: NodeSchedule::new(config, node * lanes + lane, start),
+                driver: driver.clone(),
+            })
         })
         .collect();
     let mut parked: Vec<(Instant, SimNode)> = Vec::new();

@@ -96,12 +96,13 @@ pub struct NodeSchedule {
 }
 
 impl NodeSchedule {
-    /// The schedule of node `node`, for a run that started at `start`.
+    /// The schedule of pod stream `node` (the node's index when each node has one lane; else
+    /// `node index × lanes + lane`), for a run that started at `start`.
     pub fn new(config: &LoadConfig, node: u32, start: Instant) -> Self {
         let limit = match config.stop {
             StopRule::Operations(total) => {
-                let nodes = u64::from(config.nodes);
-                let share = total / nodes + u64::from(u64::from(node) < total % nodes);
+                let streams = config.streams();
+                let share = total / streams + u64::from(u64::from(node) < total % streams);
                 Limit::Operations(share)
             }
             StopRule::Duration(d) => Limit::Until(start + d),

@@ -9,11 +9,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use backend_agent::{AgentConfig, AgentStore, StoreIdentity};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use backend_redb::{RedbConfig, RedbStore};
 use backend_sled::{SledConfig, SledStore};
 use ipam_core::lockfile::DEFAULT_LOCK_WAIT;
 use ipam_core::{KvError, KvStore};
+
+pub use backend_agent::DEFAULT_AGENT_SOCKET;
 
 /// Directory the embedded stores live in by default.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/blockipam";
@@ -138,6 +141,12 @@ pub struct DatastoreSettings {
     /// that are still in use (a deleted store, an unmounted volume). etcd ignores it: an empty
     /// key prefix cannot be told from a first run, so an etcd store is never "missing".
     pub create_if_missing: bool,
+    /// The node agent's socket (default [`DEFAULT_AGENT_SOCKET`]; `None`: never use an agent).
+    /// When a socket file is there, [`open`](Self::open) reaches the store through the agent if
+    /// the agent serves the store these settings name, and opens it directly if it serves
+    /// another; a socket that does not answer in time is [`KvError::Unavailable`]. No socket
+    /// file: the store is opened directly.
+    pub agent_socket: Option<PathBuf>,
 }
 
 impl Default for DatastoreSettings {
@@ -155,6 +164,7 @@ impl Default for DatastoreSettings {
             etcd_timeouts: None,
             lock_wait: DEFAULT_LOCK_WAIT,
             create_if_missing: false,
+            agent_socket: Some(PathBuf::from(DEFAULT_AGENT_SOCKET)),
         }
     }
 }
@@ -194,7 +204,8 @@ impl DatastoreSettings {
     }
 
     /// Opens the store these settings name, creating a missing embedded store only when
-    /// [`create_if_missing`](Self::create_if_missing) is set.
+    /// [`create_if_missing`](Self::create_if_missing) is set; through the node agent when its
+    /// socket is there and the agent serves this store (see [`agent_socket`](Self::agent_socket)).
     ///
     /// # Errors
     /// [`KvError::InvalidArgument`] for incomplete settings (etcd without endpoints, a client
@@ -202,6 +213,108 @@ impl DatastoreSettings {
     /// store that may not be created (nothing is created); otherwise whatever the backend reports
     /// (unavailable etcd, store locked beyond the wait, corrupt files).
     pub async fn open(&self) -> Result<Arc<dyn KvStore>, KvError> {
+        if let Some(socket) = &self.agent_socket {
+            if let Some(store) = self.open_through_agent(socket).await? {
+                return Ok(store);
+            }
+        }
+        self.open_directly().await
+    }
+
+    /// The agent at `socket` when it serves the store these settings name; `None` when there is
+    /// no socket (or this user cannot see it), or the agent serves another store.
+    ///
+    /// # Errors
+    /// [`KvError::Unavailable`] when the socket exists but the agent does not answer in time (or
+    /// nothing accepts on it); [`KvError::Other`] when the path is not a socket or the agent
+    /// refuses this user.
+    async fn open_through_agent(&self, socket: &Path) -> Result<Option<Arc<dyn KvStore>>, KvError> {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::symlink_metadata(socket) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => {
+                return Err(KvError::other(format!(
+                    "cannot inspect the agent socket {}: {e}",
+                    socket.display()
+                )))
+            }
+            Ok(metadata) if !metadata.file_type().is_socket() => {
+                return Err(KvError::other(format!(
+                    "the agent socket path {} is not a socket; remove it, or configure another \
+                     agent socket (or \"\" for none)",
+                    socket.display()
+                )))
+            }
+            Ok(_) => {}
+        }
+        let store = AgentStore::connect(AgentConfig::new(socket)).await?;
+        let wanted = self.identity();
+        if store.served().matches(&wanted) {
+            Ok(Some(Arc::new(store)))
+        } else {
+            tracing::debug!(
+                agent = %store.served(),
+                wanted = %wanted,
+                "the agent serves another store: opening this one directly"
+            );
+            Ok(None)
+        }
+    }
+
+    /// Which store these settings name, as an agent announces the store it serves: embedded
+    /// stores by their canonical path, etcd by its endpoints (without scheme) and prefix.
+    pub fn identity(&self) -> StoreIdentity {
+        match self.datastore_type {
+            DatastoreType::Etcdv3 => {
+                let mut endpoints: Vec<String> = self
+                    .etcd_endpoints
+                    .iter()
+                    .map(|e| {
+                        e.trim_start_matches("http://")
+                            .trim_start_matches("https://")
+                            .trim_end_matches('/')
+                            .to_owned()
+                    })
+                    .collect();
+                endpoints.sort();
+                endpoints.dedup();
+                StoreIdentity {
+                    datastore_type: self.datastore_type.as_str().to_owned(),
+                    path: None,
+                    etcd_endpoints: endpoints,
+                    etcd_prefix: Some(
+                        self.etcd_prefix
+                            .clone()
+                            .unwrap_or_else(|| backend_etcd::DEFAULT_PREFIX.to_owned()),
+                    ),
+                }
+            }
+            _ => StoreIdentity {
+                datastore_type: self.datastore_type.as_str().to_owned(),
+                path: self.resolved_path().map(|path| {
+                    std::fs::canonicalize(&path)
+                        .unwrap_or(path)
+                        .display()
+                        .to_string()
+                }),
+                etcd_endpoints: Vec::new(),
+                etcd_prefix: None,
+            },
+        }
+    }
+
+    /// Opens the store itself, never through an agent (what the agent does).
+    ///
+    /// # Errors
+    /// As [`open`](Self::open), without the agent's.
+    pub async fn open_directly(&self) -> Result<Arc<dyn KvStore>, KvError> {
         match self.datastore_type {
             DatastoreType::Sled => {
                 let path = self.embedded_path()?;

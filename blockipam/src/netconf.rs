@@ -435,6 +435,12 @@ pub fn parse_netconf(
         // Decided per call from `pools` (see `with_store`): only a netconf listing pools may
         // create a missing embedded store.
         create_if_missing: false,
+        // `agent_socket`: the node agent's socket; "" (or "none") never uses an agent.
+        agent_socket: match source.string("agent_socket", Scope::Both)? {
+            None => DatastoreSettings::default().agent_socket,
+            Some(text) if matches!(text.trim(), "" | "none") => None,
+            Some(text) => Some(PathBuf::from(text.trim())),
+        },
     };
     if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
         return Err(CniError::config(

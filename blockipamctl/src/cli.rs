@@ -29,6 +29,8 @@ pub const ENV_ETCD_PASSWORD: &str = "ETCD_PASSWORD";
 pub const ENV_LOCK_WAIT_SECONDS: &str = "BLOCKIPAM_LOCK_WAIT_SECONDS";
 /// Environment variable: upper bound on one etcd request.
 pub const ENV_ETCD_TIMEOUT_SECONDS: &str = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS";
+/// Environment variable: the node agent's socket (`none`: open the store directly).
+pub const ENV_AGENT_SOCKET: &str = "BLOCKIPAM_AGENT_SOCKET";
 /// Environment variable: output format (`table` or `json`).
 pub const ENV_OUTPUT: &str = "BLOCKIPAMCTL_OUTPUT";
 /// Environment variable: the `blockipam` plugin binary the demo runs.
@@ -113,6 +115,9 @@ pub struct GlobalArgs {
     /// Upper bound in seconds on one etcd request, connecting included [env: BLOCKIPAM_ETCD_TIMEOUT_SECONDS] [default: 10]
     #[arg(long, global = true, value_name = "SECONDS", help_heading = "Store")]
     pub etcd_timeout_seconds: Option<String>,
+    /// The node agent's socket, used when its agent serves the selected store; "" or none: open the store directly [env: BLOCKIPAM_AGENT_SOCKET] [default: /run/blockipam/agent.sock]
+    #[arg(long, global = true, value_name = "PATH", help_heading = "Store")]
+    pub agent_socket: Option<String>,
     /// Output format [env: BLOCKIPAMCTL_OUTPUT] [default: table]
     #[arg(short = 'o', long, global = true, value_enum, value_name = "FORMAT")]
     pub output: Option<OutputFormat>,
@@ -133,11 +138,14 @@ pub enum Command {
     Release(ReleaseArgs),
     /// Check the store for inconsistencies (exit 1 when any); optionally repair the safe ones.
     Check(CheckArgs),
-    /// Retire a node that was removed from the cluster.
+    /// Label nodes (for pools' node selectors), or retire a node that was removed from the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
     /// Copy everything into another, empty store and verify the copy.
     Migrate(MigrateArgs),
+    /// Import another IPAM's datastore (Calico on etcd) into the selected, empty store.
+    #[command(subcommand)]
+    Import(ImportCommand),
     /// Run the real blockipam plugin through the CNI protocol against a local sled store.
     Demo(DemoArgs),
 }
@@ -262,6 +270,36 @@ pub struct CheckArgs {
 pub enum NodeCommand {
     /// Release a removed node's block affinities (empty blocks are deleted, others un-assigned).
     Release(NodeReleaseArgs),
+    /// Set or remove a node's labels (what pools' node selectors match), in one atomic update.
+    Label(NodeLabelArgs),
+    /// Show a node's labels.
+    Show(NodeShowArgs),
+}
+
+/// `node label`.
+#[derive(Debug, Args)]
+#[command(
+    group(ArgGroup::new("change").required(true).multiple(true).args(["labels", "remove"])),
+    override_usage = "blockipamctl node label <HOST> [KEY=VALUE]... [--remove <KEY>]..."
+)]
+pub struct NodeLabelArgs {
+    /// The node (host) name, as the plugin records it.
+    #[arg(value_name = "HOST")]
+    pub host: String,
+    /// Labels to set, each KEY=VALUE (Kubernetes label syntax; an existing value is replaced).
+    #[arg(value_name = "KEY=VALUE")]
+    pub labels: Vec<String>,
+    /// A label to remove (repeat the flag for several); a label the node lacks is no error.
+    #[arg(long, value_name = "KEY", action = clap::ArgAction::Append)]
+    pub remove: Vec<String>,
+}
+
+/// `node show`.
+#[derive(Debug, Args)]
+pub struct NodeShowArgs {
+    /// The node (host) name.
+    #[arg(value_name = "HOST")]
+    pub host: String,
 }
 
 /// `node release`.
@@ -305,6 +343,43 @@ pub struct MigrateArgs {
     /// Target etcd password.
     #[arg(long, value_name = "PASSWORD")]
     pub to_etcd_password: Option<Secret>,
+}
+
+/// `import` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ImportCommand {
+    /// Read a Calico etcdv3 datastore at one revision, write its pools, config, blocks and
+    /// handles into the selected empty store, and verify them; report what cannot be mapped.
+    Calico(ImportCalicoArgs),
+}
+
+/// `import calico`.
+#[derive(Debug, Args)]
+pub struct ImportCalicoArgs {
+    /// Calico's etcd endpoints, comma-separated (http://host:port, https://host:port or host:port).
+    #[arg(long, value_name = "LIST")]
+    pub from_etcd_endpoints: String,
+    /// Calico's key prefix.
+    #[arg(long, value_name = "PREFIX", default_value = "/calico")]
+    pub from_etcd_prefix: String,
+    /// CA certificate (PEM) of Calico's etcd servers (turns TLS on).
+    #[arg(long, value_name = "FILE")]
+    pub from_etcd_ca_cert_file: Option<PathBuf>,
+    /// Client certificate (PEM) for Calico's etcd (with --from-etcd-key-file).
+    #[arg(long, value_name = "FILE")]
+    pub from_etcd_cert_file: Option<PathBuf>,
+    /// Client key (PEM) for Calico's etcd.
+    #[arg(long, value_name = "FILE")]
+    pub from_etcd_key_file: Option<PathBuf>,
+    /// etcd user name for Calico's etcd (with --from-etcd-password-env).
+    #[arg(long, value_name = "NAME")]
+    pub from_etcd_username: Option<String>,
+    /// Name of the environment variable holding that user's password.
+    #[arg(long, value_name = "VAR")]
+    pub from_etcd_password_env: Option<String>,
+    /// Read and map only: report what would be imported and what cannot be mapped; write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// `demo`.

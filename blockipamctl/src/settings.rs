@@ -189,6 +189,17 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
         .clone()
         .or_else(|| env.get(cli::ENV_ETCD_PASSWORD).map(Secret::new));
     settings.lock_wait = lock_wait(global, env)?;
+    if let Some((text, _)) = pick(
+        global.agent_socket.as_deref(),
+        "--agent-socket",
+        env,
+        cli::ENV_AGENT_SOCKET,
+    ) {
+        settings.agent_socket = match text.trim() {
+            "" | "none" => None,
+            path => Some(PathBuf::from(path)),
+        };
+    }
     if let Some((text, source)) = pick(
         global.etcd_timeout_seconds.as_deref(),
         "--etcd-timeout-seconds",
@@ -232,6 +243,8 @@ pub fn resolve_target(
         lock_wait: source.lock_wait,
         // Decided by the open mode (see `open`).
         create_if_missing: false,
+        // Used only when the agent there serves this very store.
+        agent_socket: source.agent_socket.clone(),
     };
     validate(&settings, "to-")?;
     Ok(settings)
@@ -259,8 +272,8 @@ fn validate(settings: &DatastoreSettings, flag_prefix: &str) -> Result<(), CtlEr
 /// Whether opening may create a missing embedded store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
-    /// Create the store when it does not exist: only `pool add`, `migrate` into a target and
-    /// `demo`, the commands that start a store's life.
+    /// Create the store when it does not exist: only `pool add`, `migrate` and `import calico`
+    /// into a target, and `demo`, the commands that start a store's life.
     Create,
     /// Fail when an embedded store does not exist (every other command): a store that vanished
     /// (deleted, or on a volume that is not mounted) is never silently replaced by an empty one.
@@ -282,7 +295,7 @@ pub async fn open(
             if !path.exists() {
                 return Err(CtlError::failed(format!(
                     "no {} store at {}: check --datastore-path / {}; a store is created only by \
-                     `blockipamctl pool add` (or `migrate` into it, or `demo`) or by a plugin call \
+                     `blockipamctl pool add` (or `migrate` or `import calico` into it, or `demo`) or by a plugin call \
                      whose netconf lists `ipam.pools`",
                     settings.datastore_type,
                     path.display(),

@@ -36,6 +36,7 @@ macro_rules! ipam_integrity_tests {
             borrowing_reads_the_claim_index_and_only_the_lenders_it_needs,
             claim_entries_follow_each_blocks_free_count,
             format_1_claim_entries_are_read_tried_and_upgraded_on_write,
+            assignments_are_refused_while_an_import_is_unfinished,
         );
     };
 }
@@ -899,5 +900,44 @@ pub async fn format_1_claim_entries_are_read_tried_and_upgraded_on_write<F: Stor
             .free,
         Some(8 - 2)
     );
+    assert_clean(&ipam).await;
+}
+
+/// An unfinished import (its marker present) refuses every assignment, automatic or explicit, and
+/// writes nothing; once the marker is gone, assignments work again.
+pub async fn assignments_are_refused_while_an_import_is_unfinished<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.8.0.0/24", 26).await;
+    t.store
+        .put(&keys::import_in_progress(), b"marker".to_vec())
+        .await
+        .expect("put the marker");
+    let before = t.store.list("").await.expect("list");
+    let auto = ipam.auto_assign(&v4("pod", "node-a", 1)).await;
+    assert!(
+        matches!(&auto, Err(IpamError::Corrupt { key, .. }) if *key == keys::import_in_progress()),
+        "{auto:?}"
+    );
+    let explicit = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.8.0.9")],
+            handle: "explicit".into(),
+            host: "node-a".into(),
+            ..Default::default()
+        })
+        .await;
+    assert!(
+        matches!(&explicit, Err(IpamError::Corrupt { key, .. }) if *key == keys::import_in_progress()),
+        "{explicit:?}"
+    );
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a refused assignment wrote something"
+    );
+    t.store
+        .delete(&keys::import_in_progress())
+        .await
+        .expect("delete the marker");
+    assign_one(&ipam, "pod", "node-a").await;
     assert_clean(&ipam).await;
 }

@@ -128,6 +128,7 @@ macro_rules! ipam_conformance_tests {
         );
         $crate::ipam_integrity_tests!($factory);
         $crate::model_based_conformance_tests!($factory);
+        $crate::node_labels_conformance_tests!($factory);
     };
 }
 

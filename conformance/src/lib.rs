@@ -7,6 +7,7 @@ pub mod ipam;
 pub mod kv;
 pub mod linearizability;
 pub mod model_based;
+pub mod nodes;
 
 use std::any::Any;
 use std::fmt;

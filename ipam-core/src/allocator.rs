@@ -1243,6 +1243,7 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::List(keys::host_open_blocks_dir(&request.host)),
                 Read::Get(handle_key.clone()),
+                Read::Get(keys::import_in_progress()),
             ])
             .await?;
         let mut results = results.into_iter();
@@ -1253,6 +1254,7 @@ impl Ipam {
             .map(decode_stored)
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+        refuse_during_import(next_got(&mut results)?)?;
 
         if request.reuse_existing && handle.total() > 0 {
             let held = self
@@ -1631,12 +1633,14 @@ impl Ipam {
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::config()),
                 Read::Get(handle_key.clone()),
+                Read::Get(keys::import_in_progress()),
             ])
             .await?;
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+        refuse_during_import(next_got(&mut results)?)?;
 
         let mut targets: Vec<(IpAddr, IpNet, &Stored<Pool>)> = Vec::new();
         for ip in &request.ips {
@@ -2202,6 +2206,21 @@ impl Ipam {
             }
         }
         Ok(report)
+    }
+}
+
+/// Assignments are refused while an import into the store is unfinished (its marker, read in the
+/// assignment's first batch, is present): the store may still lack blocks, handles or pools, and an
+/// address handed out now could be one the import is about to write.
+fn refuse_during_import(marker: Option<KeyValue>) -> Result<(), IpamError> {
+    match marker {
+        None => Ok(()),
+        Some(kv) => Err(IpamError::Corrupt {
+            key: kv.key,
+            message: "an import into this store did not finish; no address is assigned until it \
+                      does: run the same `blockipamctl import` again to resume it"
+                .into(),
+        }),
     }
 }
 

@@ -10,6 +10,8 @@ pub mod kv;
 pub mod lockfile;
 pub mod memory;
 pub mod model;
+pub mod nodes;
+pub mod selector;
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,

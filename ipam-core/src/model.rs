@@ -175,6 +175,12 @@ pub mod keys {
         format!("{ROOT}sequence-floor")
     }
 
+    /// Present exactly while a `blockipamctl import` into this store is unfinished: the allocator
+    /// refuses to assign until it is gone (the store may still lack blocks, handles or pools).
+    pub fn import_in_progress() -> String {
+        format!("{ROOT}import-in-progress")
+    }
+
     /// One handle.
     pub fn handle(id: &str) -> String {
         format!("{ROOT}handles/{id}")

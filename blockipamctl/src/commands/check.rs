@@ -23,6 +23,23 @@ struct CheckJson {
     allocations_checked: u64,
 }
 
+/// An interrupted `import calico` (its marker is still in the store): not repairable by `check`,
+/// finished by running the same import again.
+async fn unfinished_import(ipam: &ipam_core::Ipam) -> Result<Option<Problem>, CtlError> {
+    let marker = blockipam_import::interrupted_import(ipam.store())
+        .await
+        .map_err(|e| CtlError::failed(crate::error::one_line(&e.to_string())))?;
+    Ok(marker.map(|marker| Problem {
+        kind: "import-in-progress".into(),
+        detail: format!(
+            "an import of {} (etcd revision {}) did not finish: the store may lack blocks, handles \
+             or pools; run the same `blockipamctl import calico` again to resume it",
+            marker.source, marker.calico_revision
+        ),
+        repairable: false,
+    }))
+}
+
 fn problems_table(problems: &[Problem]) -> String {
     let mut table = Table::new(&["KIND", "REPAIRABLE", "DETAIL"]);
     for p in problems {
@@ -51,10 +68,14 @@ pub async fn run(
     } else {
         "checking the store ..."
     });
-    let report: CheckReport = ipam.check(args.repair).await?;
+    let mut report: CheckReport = ipam.check(args.repair).await?;
+    let unfinished_import = unfinished_import(&ipam).await?;
+    report.problems.extend(unfinished_import.clone());
     let remaining = if args.repair && !report.problems.is_empty() {
         ctx.progress("checking the store again after the repair ...");
-        Some(ipam.check(false).await?.problems)
+        let mut again = ipam.check(false).await?.problems;
+        again.extend(unfinished_import);
+        Some(again)
     } else if args.repair {
         Some(Vec::new())
     } else {

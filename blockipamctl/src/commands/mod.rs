@@ -3,6 +3,7 @@
 
 pub mod check;
 pub mod config;
+pub mod import;
 pub mod migrate;
 pub mod node;
 pub mod pool;
@@ -45,7 +46,12 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         Command::Release(args) => release::run(&store, args).await,
         Command::Check(args) => check::run(ctx, &store, args).await,
         Command::Node(NodeCommand::Release(args)) => node::release(ctx, &store, args).await,
+        Command::Node(NodeCommand::Label(args)) => node::label(&store, args).await,
+        Command::Node(NodeCommand::Show(args)) => node::show(&store, args).await,
         Command::Migrate(args) => migrate::run(ctx, &store, args).await,
+        Command::Import(crate::cli::ImportCommand::Calico(args)) => {
+            import::calico(ctx, &store, args, env).await
+        }
         Command::Demo(_) => Err(CtlError::failed("internal error: demo dispatched twice")),
     }
 }

@@ -1,16 +1,19 @@
-//! `node release HOST [--addresses]`: retire a node that was removed from the cluster.
+//! `node release HOST [--addresses]`: retire a node that was removed from the cluster;
+//! `node label HOST KEY=VALUE... [--remove KEY]...` and `node show HOST`: the node's labels.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::model::validate_host;
+use ipam_core::nodes::validate_label_update;
 use serde::Serialize;
 
 use super::pool::invalid_text;
 use super::{open_ipam, to_json};
-use crate::cli::NodeReleaseArgs;
+use crate::cli::{NodeLabelArgs, NodeReleaseArgs, NodeShowArgs};
 use crate::error::CtlError;
-use crate::output::{Ctx, Outcome};
+use crate::output::{counted, Ctx, Outcome, Table};
 use crate::settings::OpenMode;
 
 #[derive(Debug, Serialize)]
@@ -122,4 +125,89 @@ pub async fn release(
         released_addresses: outcome.released_addresses,
     };
     Ok(Outcome::ok(to_json(&json)?, text))
+}
+
+/// A node's labels as JSON: `{host, labels: {key: value}}`.
+#[derive(Debug, Serialize)]
+struct NodeLabelsJson<'a> {
+    host: &'a str,
+    labels: &'a BTreeMap<String, String>,
+}
+
+/// The labels as a KEY / VALUE table under a line that counts them (`after_change`: "now has"),
+/// or a line saying there are none.
+fn labels_text(host: &str, labels: &BTreeMap<String, String>, after_change: bool) -> String {
+    let has = if after_change { "now has" } else { "has" };
+    if labels.is_empty() {
+        return format!("Node {host} {has} no labels.\n");
+    }
+    let mut table = Table::new(&["KEY", "VALUE"]);
+    for (key, value) in labels {
+        table.row(vec![key.clone(), value.clone()]);
+    }
+    format!(
+        "Node {host} {has} {}:\n{}",
+        counted(labels.len() as u64, "label", "labels"),
+        table.render()
+    )
+}
+
+/// Splits `KEY=VALUE` at the first `=`.
+fn parse_label(argument: &str) -> Result<(String, String), CtlError> {
+    argument
+        .split_once('=')
+        .map(|(key, value)| (key.to_owned(), value.to_owned()))
+        .ok_or_else(|| {
+            CtlError::usage(format!(
+                "label {argument:?} must be KEY=VALUE (an empty VALUE is allowed; use --remove KEY \
+                 to remove a label)"
+            ))
+        })
+}
+
+/// `node label`: every change is checked before the store is opened (a malformed label is a
+/// usage error), then applied in one compare-and-swap update.
+///
+/// # Errors
+/// [`CtlError::Usage`] for an invalid host name, a malformed label or a key named twice;
+/// too many labels; store trouble.
+pub async fn label(
+    settings: &DatastoreSettings,
+    args: &NodeLabelArgs,
+) -> Result<Outcome, CtlError> {
+    validate_host(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    let set = args
+        .labels
+        .iter()
+        .map(|argument| parse_label(argument))
+        .collect::<Result<Vec<_>, _>>()?;
+    validate_label_update(&set, &args.remove).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let labels = ipam.set_node_labels(&args.host, &set, &args.remove).await?;
+    let json = NodeLabelsJson {
+        host: &args.host,
+        labels: &labels,
+    };
+    Ok(Outcome::ok(
+        to_json(&json)?,
+        labels_text(&args.host, &labels, true),
+    ))
+}
+
+/// `node show`.
+///
+/// # Errors
+/// [`CtlError::Usage`] for an invalid host name; store trouble.
+pub async fn show(settings: &DatastoreSettings, args: &NodeShowArgs) -> Result<Outcome, CtlError> {
+    validate_host(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let labels = ipam.node_labels(&args.host).await?;
+    let json = NodeLabelsJson {
+        host: &args.host,
+        labels: &labels,
+    };
+    Ok(Outcome::ok(
+        to_json(&json)?,
+        labels_text(&args.host, &labels, false),
+    ))
 }

@@ -157,7 +157,7 @@ fn help_and_version_exit_0() {
         .stdout_has("Usage: blockipamctl")
         .stdout_has("ETCD_ENDPOINTS");
     for command in [
-        "pool", "config", "show", "release", "check", "node", "migrate", "demo",
+        "pool", "config", "show", "release", "check", "node", "migrate", "import", "demo",
     ] {
         ctl(&[command.to_owned(), "--help".to_owned()], &[])
             .ok()

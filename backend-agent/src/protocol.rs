@@ -1,0 +1,660 @@
+//! The wire protocol between [`AgentStore`](crate::AgentStore) and the agent: frames, requests,
+//! answers, and the conversions from and to `ipam_core`'s types.
+//!
+//! A frame is a 4-byte big-endian payload length, then the payload: one value encoded with
+//! bincode 2 (standard configuration, through serde). The wire types mirror `ipam_core`'s on
+//! purpose instead of deriving serde there: the protocol changes only when [`PROTOCOL_VERSION`]
+//! does.
+
+use ipam_core::{Condition, KeyValue, KvError, Op, Read, ReadResult, Revision, Txn};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// The protocol version both sides announce in the hello; they must be equal.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest request payload the agent reads (a transaction is at most about 1.4 MiB; a batched
+/// read names keys only).
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024 * 1024;
+
+/// Largest answer payload a client reads (a listing of a large store).
+pub const MAX_RESPONSE_BYTES: usize = 1024 * 1024 * 1024;
+
+/// Which store an agent serves, in a form two settings can be compared by
+/// ([`matches`](Self::matches)): the client uses the agent only for the store it was told to use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreIdentity {
+    /// `sled`, `redb`, `etcdv3`, or another name for stores that are neither (tests).
+    pub datastore_type: String,
+    /// Embedded stores: the store's path, canonical when it exists.
+    pub path: Option<String>,
+    /// etcd: the endpoints, without scheme or trailing slash.
+    pub etcd_endpoints: Vec<String>,
+    /// etcd: the key prefix.
+    pub etcd_prefix: Option<String>,
+}
+
+impl StoreIdentity {
+    /// True when both name the same store: same type, and the same path (embedded stores) or the
+    /// same prefix and at least one common endpoint (etcd).
+    pub fn matches(&self, other: &StoreIdentity) -> bool {
+        if self.datastore_type != other.datastore_type {
+            return false;
+        }
+        if self.etcd_endpoints.is_empty() && other.etcd_endpoints.is_empty() {
+            return self.path == other.path && self.etcd_prefix == other.etcd_prefix;
+        }
+        self.etcd_prefix == other.etcd_prefix
+            && self
+                .etcd_endpoints
+                .iter()
+                .any(|endpoint| other.etcd_endpoints.contains(endpoint))
+    }
+}
+
+impl std::fmt::Display for StoreIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.datastore_type)?;
+        if let Some(path) = &self.path {
+            write!(f, " at {path}")?;
+        }
+        if !self.etcd_endpoints.is_empty() {
+            write!(f, " at {}", self.etcd_endpoints.join(","))?;
+        }
+        if let Some(prefix) = &self.etcd_prefix {
+            write!(f, " (prefix {prefix})")?;
+        }
+        Ok(())
+    }
+}
+
+/// One request with its id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestFrame {
+    /// Chosen by the client, unique among its calls in flight; repeated in the answer.
+    pub id: u64,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// What a client asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// The first request on a connection: the client's protocol version.
+    Hello {
+        /// [`PROTOCOL_VERSION`] of the client.
+        protocol: u32,
+    },
+    /// `KvStore::get`.
+    Get {
+        /// The key.
+        key: String,
+    },
+    /// `KvStore::list`.
+    List {
+        /// The string prefix.
+        prefix: String,
+    },
+    /// `KvStore::read_many`.
+    ReadMany {
+        /// The reads, in order.
+        reads: Vec<WireRead>,
+    },
+    /// `KvStore::commit`.
+    Commit {
+        /// The transaction.
+        txn: WireTxn,
+    },
+}
+
+impl Request {
+    /// True for the one request that may write.
+    pub fn is_write(&self) -> bool {
+        matches!(self, Request::Commit { .. })
+    }
+
+    /// A short name for logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Request::Hello { .. } => "hello",
+            Request::Get { .. } => "get",
+            Request::List { .. } => "list",
+            Request::ReadMany { .. } => "read_many",
+            Request::Commit { .. } => "commit",
+        }
+    }
+}
+
+/// One answer with the id of its request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResponseFrame {
+    /// The request's id (0 for a refusal sent before any request was read).
+    pub id: u64,
+    /// The answer.
+    pub response: Response,
+}
+
+/// What the agent answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// Answer to the hello.
+    Hello {
+        /// [`PROTOCOL_VERSION`] of the agent.
+        protocol: u32,
+        /// The store the agent serves.
+        served: StoreIdentity,
+    },
+    /// The agent does not serve this peer; it closes the connection after this frame.
+    Refused {
+        /// Why (the peer's uid is not allowed, a protocol mismatch, ...).
+        reason: String,
+    },
+    /// Answer to `Get`.
+    Got(Option<WireKeyValue>),
+    /// Answer to `List`.
+    Listed(Vec<WireKeyValue>),
+    /// Answer to `ReadMany`.
+    ReadMany(Vec<WireReadResult>),
+    /// Answer to `Commit`: the revision of the write.
+    Committed {
+        /// The revision.
+        revision: u64,
+    },
+    /// The store's error, kind and fields intact.
+    Failed(WireError),
+}
+
+/// [`KeyValue`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireKeyValue {
+    /// The key.
+    pub key: String,
+    /// The value.
+    #[serde(with = "raw_bytes")]
+    pub value: Vec<u8>,
+    /// The revision of its last write.
+    pub revision: u64,
+}
+
+/// [`Read`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireRead {
+    /// One key.
+    Get(String),
+    /// A string prefix.
+    List(String),
+}
+
+/// [`ReadResult`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireReadResult {
+    /// Answer to a get.
+    Got(Option<WireKeyValue>),
+    /// Answer to a list.
+    Listed(Vec<WireKeyValue>),
+}
+
+/// [`Condition`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireCondition {
+    /// The key must be absent.
+    Absent(String),
+    /// The key must be at this revision.
+    AtRevision(String, u64),
+}
+
+/// [`Op`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireOp {
+    /// Put a value.
+    Put(String, #[serde(with = "raw_bytes")] Vec<u8>),
+    /// Delete a key.
+    Delete(String),
+}
+
+/// [`Txn`] on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireTxn {
+    /// The conditions, in order.
+    pub conditions: Vec<WireCondition>,
+    /// The operations, in order.
+    pub ops: Vec<WireOp>,
+}
+
+/// [`KvError`] on the wire: one variant per kind, with its fields.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireError {
+    /// `KvError::Conflict`.
+    Conflict {
+        /// The first failed key.
+        key: String,
+    },
+    /// `KvError::Unavailable`.
+    Unavailable {
+        /// What happened.
+        message: String,
+    },
+    /// `KvError::Indeterminate`.
+    Indeterminate {
+        /// What happened.
+        message: String,
+    },
+    /// `KvError::Corrupt`.
+    Corrupt {
+        /// The key, when known.
+        key: Option<String>,
+        /// What is wrong.
+        message: String,
+    },
+    /// `KvError::InvalidArgument`.
+    InvalidArgument {
+        /// What is wrong.
+        message: String,
+    },
+    /// `KvError::Other` (and any kind this protocol version does not know).
+    Other {
+        /// What happened.
+        message: String,
+    },
+}
+
+impl From<KeyValue> for WireKeyValue {
+    fn from(kv: KeyValue) -> Self {
+        WireKeyValue {
+            key: kv.key,
+            value: kv.value,
+            revision: kv.revision.get(),
+        }
+    }
+}
+
+impl From<WireKeyValue> for KeyValue {
+    fn from(kv: WireKeyValue) -> Self {
+        KeyValue {
+            key: kv.key,
+            value: kv.value,
+            revision: Revision(kv.revision),
+        }
+    }
+}
+
+impl From<&Read> for WireRead {
+    fn from(read: &Read) -> Self {
+        match read {
+            Read::Get(key) => WireRead::Get(key.clone()),
+            Read::List(prefix) => WireRead::List(prefix.clone()),
+        }
+    }
+}
+
+impl From<WireRead> for Read {
+    fn from(read: WireRead) -> Self {
+        match read {
+            WireRead::Get(key) => Read::Get(key),
+            WireRead::List(prefix) => Read::List(prefix),
+        }
+    }
+}
+
+impl From<ReadResult> for WireReadResult {
+    fn from(result: ReadResult) -> Self {
+        match result {
+            ReadResult::Got(kv) => WireReadResult::Got(kv.map(Into::into)),
+            ReadResult::Listed(kvs) => {
+                WireReadResult::Listed(kvs.into_iter().map(Into::into).collect())
+            }
+        }
+    }
+}
+
+impl From<WireReadResult> for ReadResult {
+    fn from(result: WireReadResult) -> Self {
+        match result {
+            WireReadResult::Got(kv) => ReadResult::Got(kv.map(Into::into)),
+            WireReadResult::Listed(kvs) => {
+                ReadResult::Listed(kvs.into_iter().map(Into::into).collect())
+            }
+        }
+    }
+}
+
+impl From<Txn> for WireTxn {
+    fn from(txn: Txn) -> Self {
+        WireTxn {
+            conditions: txn
+                .conditions
+                .into_iter()
+                .map(|condition| match condition {
+                    Condition::Absent { key } => WireCondition::Absent(key),
+                    Condition::AtRevision { key, revision } => {
+                        WireCondition::AtRevision(key, revision.get())
+                    }
+                })
+                .collect(),
+            ops: txn
+                .ops
+                .into_iter()
+                .map(|op| match op {
+                    Op::Put { key, value } => WireOp::Put(key, value),
+                    Op::Delete { key } => WireOp::Delete(key),
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<WireTxn> for Txn {
+    fn from(txn: WireTxn) -> Self {
+        Txn {
+            conditions: txn
+                .conditions
+                .into_iter()
+                .map(|condition| match condition {
+                    WireCondition::Absent(key) => Condition::Absent { key },
+                    WireCondition::AtRevision(key, revision) => Condition::AtRevision {
+                        key,
+                        revision: Revision(revision),
+                    },
+                })
+                .collect(),
+            ops: txn
+                .ops
+                .into_iter()
+                .map(|op| match op {
+                    WireOp::Put(key, value) => Op::Put { key, value },
+                    WireOp::Delete(key) => Op::Delete { key },
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<&KvError> for WireError {
+    fn from(error: &KvError) -> Self {
+        match error {
+            KvError::Conflict { key } => WireError::Conflict { key: key.clone() },
+            KvError::Unavailable { message } => WireError::Unavailable {
+                message: message.clone(),
+            },
+            KvError::Indeterminate { message } => WireError::Indeterminate {
+                message: message.clone(),
+            },
+            KvError::Corrupt { key, message } => WireError::Corrupt {
+                key: key.clone(),
+                message: message.clone(),
+            },
+            KvError::InvalidArgument { message } => WireError::InvalidArgument {
+                message: message.clone(),
+            },
+            KvError::Other { message } => WireError::Other {
+                message: message.clone(),
+            },
+            other => WireError::Other {
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<WireError> for KvError {
+    fn from(error: WireError) -> Self {
+        match error {
+            WireError::Conflict { key } => KvError::Conflict { key },
+            WireError::Unavailable { message } => KvError::Unavailable { message },
+            WireError::Indeterminate { message } => KvError::Indeterminate { message },
+            WireError::Corrupt { key, message } => KvError::Corrupt { key, message },
+            WireError::InvalidArgument { message } => KvError::InvalidArgument { message },
+            WireError::Other { message } => KvError::Other { message },
+        }
+    }
+}
+
+/// Values as one byte string (bincode: a length and the bytes copied), not a sequence of
+/// numbers encoded one by one: a 1 MiB value is one copy each way.
+mod raw_bytes {
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bytes(value)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        deserializer.deserialize_byte_buf(BytesVisitor)
+    }
+
+    struct BytesVisitor;
+
+    impl<'de> Visitor<'de> for BytesVisitor {
+        type Value = Vec<u8>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a byte string")
+        }
+
+        fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+            Ok(v.to_vec())
+        }
+
+        fn visit_byte_buf<E: Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+            Ok(v)
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u8>, A::Error> {
+            let mut bytes = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+            while let Some(byte) = seq.next_element()? {
+                bytes.push(byte);
+            }
+            Ok(bytes)
+        }
+    }
+}
+
+/// Why a frame could not be read or written.
+#[derive(Debug)]
+pub enum FrameError {
+    /// The stream failed or ended in the middle of a frame.
+    Io(std::io::Error),
+    /// The announced length is over the limit.
+    TooLarge {
+        /// The announced length.
+        length: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The payload is not a value of the expected type.
+    Decode(String),
+    /// The value could not be encoded.
+    Encode(String),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::Io(e) => write!(f, "{e}"),
+            FrameError::TooLarge { length, limit } => {
+                write!(f, "a frame of {length} bytes is over the limit of {limit}")
+            }
+            FrameError::Decode(e) => write!(f, "undecodable frame: {e}"),
+            FrameError::Encode(e) => write!(f, "cannot encode a frame: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for FrameError {}
+
+/// Encodes `value` as one whole frame (length prefix included), refusing payloads over `limit`.
+///
+/// # Errors
+/// [`FrameError::Encode`] when serde fails, [`FrameError::TooLarge`] over the limit.
+pub fn encode_frame<T: Serialize>(value: &T, limit: usize) -> Result<Vec<u8>, FrameError> {
+    let payload = bincode::serde::encode_to_vec(value, bincode::config::standard())
+        .map_err(|e| FrameError::Encode(e.to_string()))?;
+    let length = u32::try_from(payload.len())
+        .ok()
+        .filter(|_| payload.len() <= limit)
+        .ok_or(FrameError::TooLarge {
+            length: payload.len(),
+            limit,
+        })?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&length.to_be_bytes());
+    frame.extend_from_slice(&payload);
+    Ok(frame)
+}
+
+/// Writes one frame made by [`encode_frame`], whole.
+///
+/// # Errors
+/// [`FrameError::Io`] when the stream fails (part of the frame may have been written).
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    frame: &[u8],
+) -> Result<(), FrameError> {
+    writer.write_all(frame).await.map_err(FrameError::Io)?;
+    writer.flush().await.map_err(FrameError::Io)
+}
+
+/// Reads one frame and decodes it; `Ok(None)` when the stream ends cleanly before a frame.
+///
+/// # Errors
+/// [`FrameError::Io`] when the stream fails or ends inside a frame, [`FrameError::TooLarge`]
+/// over `limit`, [`FrameError::Decode`] for a payload that is not a `T`.
+pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+    limit: usize,
+) -> Result<Option<T>, FrameError> {
+    let mut header = [0u8; 4];
+    let mut filled = 0;
+    while filled < header.len() {
+        let n = reader
+            .read(&mut header[filled..])
+            .await
+            .map_err(FrameError::Io)?;
+        if n == 0 {
+            if filled == 0 {
+                return Ok(None);
+            }
+            return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        filled += n;
+    }
+    let length = u32::from_be_bytes(header) as usize;
+    if length > limit {
+        return Err(FrameError::TooLarge { length, limit });
+    }
+    let mut payload = vec![0u8; length];
+    reader
+        .read_exact(&mut payload)
+        .await
+        .map_err(FrameError::Io)?;
+    let (value, used) = bincode::serde::decode_from_slice(&payload, bincode::config::standard())
+        .map_err(|e| FrameError::Decode(e.to_string()))?;
+    if used != payload.len() {
+        return Err(FrameError::Decode(format!(
+            "{} bytes left over after the value",
+            payload.len() - used
+        )));
+    }
+    Ok(Some(value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_kind_round_trips_with_its_fields() {
+        let errors = [
+            KvError::Conflict { key: "k".into() },
+            KvError::unavailable("down"),
+            KvError::Indeterminate {
+                message: "maybe".into(),
+            },
+            KvError::corrupt(Some("bad"), "garbage"),
+            KvError::corrupt(None, "whole store"),
+            KvError::invalid("no"),
+            KvError::other("disk"),
+        ];
+        for error in errors {
+            let wire = WireError::from(&error);
+            let frame = encode_frame(&wire, MAX_RESPONSE_BYTES).expect("encode");
+            let decoded: WireError = tokio_test_read(&frame);
+            assert_eq!(KvError::from(decoded), error);
+        }
+    }
+
+    #[test]
+    fn values_and_empty_values_round_trip_whole() {
+        for value in [vec![], vec![0xFF; 1000], (0..=255u8).collect()] {
+            let kv = WireKeyValue {
+                key: "k".into(),
+                value,
+                revision: 1,
+            };
+            let frame = encode_frame(&kv, MAX_RESPONSE_BYTES).expect("encode");
+            let decoded: WireKeyValue = tokio_test_read(&frame);
+            assert_eq!(decoded, kv);
+        }
+    }
+
+    #[test]
+    fn transactions_round_trip() {
+        let txn = Txn::new()
+            .when(Condition::absent("a"))
+            .when(Condition::at_revision("b", Revision(7)))
+            .then(Op::put("a", b"1".to_vec()))
+            .then(Op::delete("b"));
+        let frame = encode_frame(&WireTxn::from(txn.clone()), MAX_REQUEST_BYTES).expect("encode");
+        let decoded: WireTxn = tokio_test_read(&frame);
+        assert_eq!(Txn::from(decoded), txn);
+    }
+
+    #[test]
+    fn frame_over_the_limit_is_refused_on_both_sides() {
+        let big = vec![0u8; 1000];
+        assert!(matches!(
+            encode_frame(&big, 100),
+            Err(FrameError::TooLarge { .. })
+        ));
+        let frame = encode_frame(&big, 10_000).expect("encode");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let result = runtime.block_on(read_frame::<_, Vec<u8>>(&mut &frame[..], 100));
+        assert!(matches!(result, Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn identities_match_on_path_or_on_a_common_endpoint_and_prefix() {
+        let sled = |path: &str| StoreIdentity {
+            datastore_type: "sled".into(),
+            path: Some(path.into()),
+            etcd_endpoints: vec![],
+            etcd_prefix: None,
+        };
+        assert!(sled("/a").matches(&sled("/a")));
+        assert!(!sled("/a").matches(&sled("/b")));
+        let etcd = |endpoints: &[&str], prefix: &str| StoreIdentity {
+            datastore_type: "etcdv3".into(),
+            path: None,
+            etcd_endpoints: endpoints.iter().map(|e| e.to_string()).collect(),
+            etcd_prefix: Some(prefix.into()),
+        };
+        assert!(etcd(&["h:1", "h:2"], "/p/").matches(&etcd(&["h:2"], "/p/")));
+        assert!(!etcd(&["h:1"], "/p/").matches(&etcd(&["h:2"], "/p/")));
+        assert!(!etcd(&["h:1"], "/p/").matches(&etcd(&["h:1"], "/q/")));
+        assert!(!etcd(&["h:1"], "/p/").matches(&sled("/a")));
+    }
+
+    fn tokio_test_read<T: DeserializeOwned>(frame: &[u8]) -> T {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        runtime
+            .block_on(read_frame::<_, T>(&mut &frame[..], usize::MAX))
+            .expect("read")
+            .expect("a frame")
+    }
+}

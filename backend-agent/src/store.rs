@@ -1,0 +1,404 @@
+//! `AgentStore`: the `KvStore` trait over one connection to a blockipam agent, many calls in flight.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+use crate::config::AgentConfig;
+use crate::error::{answer_missing, connect_failed, hello_timed_out};
+use crate::protocol::{
+    encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
+    StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
+};
+
+/// A store served by a blockipam agent, reached over its unix socket.
+///
+/// One connection at a time, opened by [`connect`](Self::connect) and opened again by the next
+/// call after it was lost; calls are multiplexed on it by request id, so concurrent calls do not
+/// wait for each other. Every call is bounded by [`AgentConfig::request_timeout`].
+pub struct AgentStore {
+    config: AgentConfig,
+    served: StoreIdentity,
+    link: tokio::sync::Mutex<Option<Link>>,
+}
+
+impl fmt::Debug for AgentStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentStore")
+            .field("socket", &self.config.socket)
+            .field("served", &self.served)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentStore {
+    /// Connects to the agent at `config.socket` and exchanges the hello, within
+    /// `config.connect_timeout`.
+    ///
+    /// # Errors
+    /// [`KvError::Unavailable`] when there is no socket, nothing accepts on it, or the agent does
+    /// not answer in time; [`KvError::Other`] when the agent refuses this peer, speaks another
+    /// protocol version, or connecting is not permitted.
+    pub async fn connect(config: AgentConfig) -> Result<AgentStore, KvError> {
+        let (link, served) = open_link(&config).await?;
+        Ok(AgentStore {
+            config,
+            served,
+            link: tokio::sync::Mutex::new(Some(link)),
+        })
+    }
+
+    /// The store the agent said it serves.
+    pub fn served(&self) -> &StoreIdentity {
+        &self.served
+    }
+
+    /// The agent's socket.
+    pub fn socket(&self) -> &Path {
+        &self.config.socket
+    }
+
+    /// The current connection, opened again if it was lost.
+    async fn link(&self) -> Result<Link, KvError> {
+        let mut current = self.link.lock().await;
+        if let Some(link) = current.as_ref() {
+            if !link.shared.is_closed() {
+                return Ok(link.clone());
+            }
+        }
+        *current = None;
+        let (link, served) = open_link(&self.config).await?;
+        if !served.matches(&self.served) {
+            return Err(KvError::unavailable(format!(
+                "the blockipam agent at {} now serves {served}, not {} that this client was using",
+                self.config.socket.display(),
+                self.served
+            )));
+        }
+        *current = Some(link.clone());
+        Ok(link)
+    }
+
+    async fn call(&self, request: Request) -> Result<Response, KvError> {
+        let kind = request.kind();
+        let is_write = request.is_write();
+        let link = self.link().await?;
+        let id = link.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES)
+            .map_err(|e| KvError::invalid(format!("cannot send this {kind} to the agent: {e}")))?;
+        let answer = link.shared.register(id).ok_or_else(|| {
+            KvError::unavailable(format!(
+                "the connection to the blockipam agent at {} was lost before the {kind} was sent",
+                self.config.socket.display()
+            ))
+        })?;
+        if link.outgoing.send((id, frame)).is_err() {
+            link.shared.forget(id);
+            return Err(KvError::unavailable(format!(
+                "the connection to the blockipam agent at {} was lost before the {kind} was sent",
+                self.config.socket.display()
+            )));
+        }
+        let socket = &self.config.socket;
+        match tokio::time::timeout(self.config.request_timeout, answer).await {
+            Ok(Ok(Ok(Response::Failed(error)))) => Err(error.into()),
+            Ok(Ok(Ok(response))) => Ok(response),
+            Ok(Ok(Err(Failure::NotSent(why)))) => Err(KvError::unavailable(format!(
+                "{why}; the {kind} was not sent to the blockipam agent at {}",
+                socket.display()
+            ))),
+            Ok(Ok(Err(Failure::Lost(why)))) => Err(answer_missing(socket, kind, is_write, &why)),
+            Ok(Err(_)) => Err(answer_missing(
+                socket,
+                kind,
+                is_write,
+                "the connection was dropped",
+            )),
+            Err(_) => {
+                link.shared.forget(id);
+                Err(answer_missing(
+                    socket,
+                    kind,
+                    is_write,
+                    &format!("no answer within {:?}", self.config.request_timeout),
+                ))
+            }
+        }
+    }
+}
+
+fn unexpected(kind: &str, response: &Response) -> KvError {
+    KvError::other(format!(
+        "the blockipam agent answered a {kind} with {}",
+        match response {
+            Response::Hello { .. } => "a hello",
+            Response::Refused { .. } => "a refusal",
+            Response::Got(_) => "a get result",
+            Response::Listed(_) => "a list result",
+            Response::ReadMany(_) => "a batched read result",
+            Response::Committed { .. } => "a commit result",
+            Response::Failed(_) => "an error",
+        }
+    ))
+}
+
+#[async_trait]
+impl KvStore for AgentStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        match self.call(Request::Get { key: key.into() }).await? {
+            Response::Got(kv) => Ok(kv.map(Into::into)),
+            other => Err(unexpected("get", &other)),
+        }
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        match self
+            .call(Request::List {
+                prefix: prefix.into(),
+            })
+            .await?
+        {
+            Response::Listed(kvs) => Ok(kvs.into_iter().map(Into::into).collect()),
+            other => Err(unexpected("list", &other)),
+        }
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        txn.validate()?;
+        match self.call(Request::Commit { txn: txn.into() }).await? {
+            Response::Committed { revision } => Ok(Revision(revision)),
+            other => Err(unexpected("commit", &other)),
+        }
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let count = reads.len();
+        match self
+            .call(Request::ReadMany {
+                reads: reads.iter().map(Into::into).collect(),
+            })
+            .await?
+        {
+            Response::ReadMany(results) if results.len() == count => {
+                Ok(results.into_iter().map(Into::into).collect())
+            }
+            Response::ReadMany(results) => Err(KvError::other(format!(
+                "the blockipam agent answered {} reads with {} results",
+                count,
+                results.len()
+            ))),
+            other => Err(unexpected("read_many", &other)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One connection: a writer task sending whole frames, a reader task handing answers to callers.
+// ---------------------------------------------------------------------------------------------
+
+/// Why an answer will never come.
+#[derive(Debug)]
+enum Failure {
+    /// The request's frame was not (entirely) written: the agent never saw it.
+    NotSent(String),
+    /// The connection ended after the request may have reached the agent.
+    Lost(String),
+}
+
+type Answer = Result<Response, Failure>;
+
+#[derive(Debug, Default)]
+struct LinkState {
+    closed: bool,
+    pending: HashMap<u64, oneshot::Sender<Answer>>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<LinkState>,
+    next_id: AtomicU64,
+}
+
+impl Shared {
+    fn state(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        // A panic while holding this lock leaves plain data behind; keep using it.
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn is_closed(&self) -> bool {
+        self.state().closed
+    }
+
+    /// Registers a call; `None` when the connection is already closed.
+    fn register(&self, id: u64) -> Option<oneshot::Receiver<Answer>> {
+        let mut state = self.state();
+        if state.closed {
+            return None;
+        }
+        let (sender, receiver) = oneshot::channel();
+        state.pending.insert(id, sender);
+        Some(receiver)
+    }
+
+    fn forget(&self, id: u64) {
+        self.state().pending.remove(&id);
+    }
+
+    fn deliver(&self, id: u64, answer: Answer) {
+        if let Some(sender) = self.state().pending.remove(&id) {
+            // The caller may have given up (timeout): nobody to tell.
+            let _ = sender.send(answer);
+        }
+    }
+
+    /// Marks the connection closed and fails every call still waiting.
+    fn close(&self, why: &str) {
+        let pending = {
+            let mut state = self.state();
+            state.closed = true;
+            std::mem::take(&mut state.pending)
+        };
+        for (_, sender) in pending {
+            let _ = sender.send(Err(Failure::Lost(why.to_owned())));
+        }
+    }
+}
+
+/// Aborts the reader task when the last handle of a connection goes.
+#[derive(Debug)]
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Link {
+    outgoing: mpsc::UnboundedSender<(u64, Vec<u8>)>,
+    shared: Arc<Shared>,
+    _reader: Arc<AbortOnDrop>,
+}
+
+async fn open_link(config: &AgentConfig) -> Result<(Link, StoreIdentity), KvError> {
+    let socket = config.socket.as_path();
+    let (stream, served) = tokio::time::timeout(config.connect_timeout, hello(socket))
+        .await
+        .map_err(|_| hello_timed_out(socket, config.connect_timeout))??;
+    let (read_half, write_half) = stream.into_split();
+    let shared = Arc::new(Shared {
+        state: Mutex::default(),
+        next_id: AtomicU64::new(1),
+    });
+    let (outgoing, queue) = mpsc::unbounded_channel();
+    tokio::spawn(write_loop(write_half, queue, Arc::clone(&shared)));
+    let reader = tokio::spawn(read_loop(read_half, Arc::clone(&shared)));
+    Ok((
+        Link {
+            outgoing,
+            shared,
+            _reader: Arc::new(AbortOnDrop(reader)),
+        },
+        served,
+    ))
+}
+
+/// Connects and exchanges the hello (unbounded: the caller bounds it).
+async fn hello(socket: &Path) -> Result<(UnixStream, StoreIdentity), KvError> {
+    let mut stream = UnixStream::connect(socket)
+        .await
+        .map_err(|e| connect_failed(socket, &e))?;
+    let frame = encode_frame(
+        &RequestFrame {
+            id: 0,
+            request: Request::Hello {
+                protocol: PROTOCOL_VERSION,
+            },
+        },
+        MAX_REQUEST_BYTES,
+    )
+    .map_err(|e| KvError::other(format!("cannot encode the hello: {e}")))?;
+    // A refusing agent may close before reading the hello: read its reason even if writing failed.
+    let written = write_frame(&mut stream, &frame).await;
+    let answer = read_frame::<_, ResponseFrame>(&mut stream, MAX_RESPONSE_BYTES).await;
+    let shown = socket.display();
+    match answer {
+        Ok(Some(ResponseFrame {
+            response: Response::Refused { reason },
+            ..
+        })) => Err(KvError::other(format!(
+            "the blockipam agent at {shown} refused this connection: {reason}"
+        ))),
+        Ok(Some(ResponseFrame {
+            response: Response::Hello { protocol, served },
+            ..
+        })) => {
+            if protocol == PROTOCOL_VERSION {
+                Ok((stream, served))
+            } else {
+                Err(KvError::other(format!(
+                    "the blockipam agent at {shown} speaks protocol version {protocol}, this \
+                     client {PROTOCOL_VERSION}: run the same blockipam release on both sides"
+                )))
+            }
+        }
+        Ok(Some(other)) => Err(KvError::other(format!(
+            "the blockipam agent at {shown} answered the hello with {:?}",
+            other.response
+        ))),
+        Ok(None) => Err(KvError::unavailable(format!(
+            "the blockipam agent at {shown} closed the connection during the hello{}",
+            written
+                .err()
+                .map(|e| format!(" (sending it failed: {e})"))
+                .unwrap_or_default()
+        ))),
+        Err(e) => Err(KvError::unavailable(format!(
+            "the blockipam agent at {shown} failed during the hello: {e}"
+        ))),
+    }
+}
+
+async fn write_loop(
+    mut writer: OwnedWriteHalf,
+    mut queue: mpsc::UnboundedReceiver<(u64, Vec<u8>)>,
+    shared: Arc<Shared>,
+) {
+    while let Some((id, frame)) = queue.recv().await {
+        if let Err(e) = write_frame(&mut writer, &frame).await {
+            let why = format!("writing to the agent failed: {e}");
+            shared.deliver(id, Err(Failure::NotSent(why.clone())));
+            shared.close(&why);
+            return;
+        }
+    }
+    // Every handle of the store is gone: dropping `writer` ends the stream for the agent.
+}
+
+async fn read_loop(mut reader: OwnedReadHalf, shared: Arc<Shared>) {
+    loop {
+        match read_frame::<_, ResponseFrame>(&mut reader, MAX_RESPONSE_BYTES).await {
+            Ok(Some(frame)) => shared.deliver(frame.id, Ok(frame.response)),
+            Ok(None) => {
+                shared.close("the agent closed the connection");
+                return;
+            }
+            Err(e) => {
+                shared.close(&format!("the connection to the agent failed: {e}"));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The agent's command line: the socket, who may connect, and the same store selection flags and
+//! environment variables as `blockipamctl`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use backend_agent::DEFAULT_AGENT_SOCKET;
+use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use clap::Parser;
+
+use crate::AgentError;
+
+/// blockipam-agent: holds a blockipam store open and serves it to the plugin and blockipamctl on
+/// this node over a unix socket.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "blockipam-agent",
+    version,
+    about = "Holds a blockipam store open and serves it to the plugin and blockipamctl over a unix socket",
+    after_help = "Stops cleanly on SIGTERM or SIGINT: stops accepting, lets requests in flight finish, \
+                  closes the store and removes the socket. See docs/agent.md."
+)]
+pub struct AgentArgs {
+    /// The unix socket to serve on
+    #[arg(long, value_name = "PATH", env = "BLOCKIPAM_AGENT_SOCKET", default_value = DEFAULT_AGENT_SOCKET)]
+    pub socket: PathBuf,
+    /// A user (uid) besides root allowed to connect; repeat for several. Makes the socket 0666 and
+    /// its new directory 0711: the peer credentials keep other users out
+    #[arg(long = "allowed-uid", value_name = "UID")]
+    pub allowed_uid: Vec<u32>,
+    /// Seconds requests in flight at shutdown may take to finish
+    #[arg(long, value_name = "SECONDS", default_value = "10")]
+    pub shutdown_grace_seconds: f64,
+    /// Create the store when it does not exist (off: a missing store is an error)
+    #[arg(long)]
+    pub create_if_missing: bool,
+    /// Store type: sled, redb or etcdv3
+    #[arg(
+        long,
+        value_name = "TYPE",
+        env = "DATASTORE_TYPE",
+        default_value = "sled",
+        help_heading = "Store"
+    )]
+    pub datastore_type: String,
+    /// Embedded store path [default: /var/lib/blockipam/store.sled (sled), /var/lib/blockipam/store.redb (redb)]
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "DATASTORE_PATH",
+        help_heading = "Store"
+    )]
+    pub datastore_path: Option<PathBuf>,
+    /// etcd endpoints, comma-separated (http://host:port or host:port)
+    #[arg(
+        long,
+        value_name = "LIST",
+        env = "ETCD_ENDPOINTS",
+        help_heading = "Store"
+    )]
+    pub etcd_endpoints: Option<String>,
+    /// etcd CA certificate (PEM)
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "ETCD_CA_CERT_FILE",
+        help_heading = "Store"
+    )]
+    pub etcd_ca_cert_file: Option<PathBuf>,
+    /// etcd client certificate (PEM)
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "ETCD_CERT_FILE",
+        help_heading = "Store"
+    )]
+    pub etcd_cert_file: Option<PathBuf>,
+    /// etcd client key (PEM)
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "ETCD_KEY_FILE",
+        help_heading = "Store"
+    )]
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd key prefix, ending with '/' [default: /blockipam/]
+    #[arg(
+        long,
+        value_name = "PREFIX",
+        env = "ETCD_PREFIX",
+        help_heading = "Store"
+    )]
+    pub etcd_prefix: Option<String>,
+    /// etcd user name, for clusters with authentication on (with a password)
+    #[arg(
+        long,
+        value_name = "NAME",
+        env = "ETCD_USERNAME",
+        help_heading = "Store"
+    )]
+    pub etcd_username: Option<String>,
+    /// etcd password; prefer the environment variable, which other users cannot read in the process list
+    #[arg(
+        long,
+        value_name = "PASSWORD",
+        env = "ETCD_PASSWORD",
+        hide_env_values = true,
+        help_heading = "Store"
+    )]
+    pub etcd_password: Option<Secret>,
+    /// Seconds to wait for an embedded store another process holds
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "BLOCKIPAM_LOCK_WAIT_SECONDS",
+        default_value = "10",
+        help_heading = "Store"
+    )]
+    pub lock_wait_seconds: f64,
+    /// Upper bound in seconds on one etcd request, connecting included [default: 10]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS",
+        help_heading = "Store"
+    )]
+    pub etcd_timeout_seconds: Option<f64>,
+}
+
+fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {
+    let valid =
+        value.is_finite() && value <= 86_400.0 && (value > 0.0 || allow_zero && value == 0.0);
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|_| valid)
+        .ok_or_else(|| {
+            AgentError::new(format!(
+                "invalid value {value} for --{flag}: expected seconds, up to one day"
+            ))
+        })
+}
+
+impl AgentArgs {
+    /// The store these flags select, opened directly (an agent never goes through an agent).
+    ///
+    /// # Errors
+    /// [`AgentError`] for an unknown type, a bad number of seconds, or incomplete etcd settings.
+    pub fn datastore_settings(&self) -> Result<DatastoreSettings, AgentError> {
+        let datastore_type = self
+            .datastore_type
+            .parse::<DatastoreType>()
+            .map_err(|e| AgentError::new(format!("invalid value for --datastore-type: {e}")))?;
+        let etcd_timeouts = match self.etcd_timeout_seconds {
+            None => None,
+            Some(value) => {
+                let request = seconds(value, "etcd-timeout-seconds", false)?;
+                Some((request.min(backend_etcd::DEFAULT_CONNECT_TIMEOUT), request))
+            }
+        };
+        let settings = DatastoreSettings {
+            datastore_type,
+            path: self.datastore_path.clone(),
+            etcd_endpoints: self
+                .etcd_endpoints
+                .as_deref()
+                .map(DatastoreSettings::parse_endpoints)
+                .unwrap_or_default(),
+            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
+            etcd_cert_file: self.etcd_cert_file.clone(),
+            etcd_key_file: self.etcd_key_file.clone(),
+            etcd_prefix: self.etcd_prefix.clone(),
+            etcd_username: self.etcd_username.clone(),
+            etcd_password: self.etcd_password.clone(),
+            etcd_timeouts,
+            lock_wait: seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?,
+            create_if_missing: self.create_if_missing,
+            agent_socket: None,
+        };
+        if datastore_type == DatastoreType::Etcdv3 {
+            settings
+                .etcd_config()
+                .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
+        }
+        Ok(settings)
+    }
+
+    /// The bound on finishing requests at shutdown.
+    ///
+    /// # Errors
+    /// [`AgentError`] for a bad number of seconds.
+    pub fn shutdown_grace(&self) -> Result<Duration, AgentError> {
+        seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds", true)
+    }
+}

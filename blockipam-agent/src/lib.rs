@@ -1,0 +1,82 @@
+//! blockipam's node agent as a library: the server that serves any `KvStore` over a unix socket
+//! ([`server`]), the socket's set-up and removal ([`socket`]), and the binary's flags and main
+//! loop ([`cli`], [`run`]).
+//!
+//! The agent holds the configured store open for its whole life, so that each plugin call (a new
+//! process) reaches an open store over the socket instead of opening it; the other end is
+//! `backend_agent::AgentStore`. See `docs/agent.md`.
+
+pub mod cli;
+pub mod server;
+pub mod socket;
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use ipam_core::KvStore;
+
+pub use cli::AgentArgs;
+pub use server::{serve, ServerConfig};
+
+/// Why the agent could not start or stopped with an error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentError {
+    /// What went wrong, for the log.
+    pub message: String,
+}
+
+impl AgentError {
+    /// An error saying `message`.
+    pub fn new(message: impl Into<String>) -> Self {
+        AgentError {
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for AgentError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for AgentError {}
+
+/// Runs the agent these arguments describe until `shutdown` completes: refuses to start when a
+/// live agent already answers on the socket, opens the store directly, binds the socket (a stale
+/// one from a dead agent is replaced), serves, and on shutdown stops accepting, lets requests in
+/// flight finish (bounded by `--shutdown-grace-seconds`), closes the store and removes the socket.
+///
+/// # Errors
+/// [`AgentError`] when the settings are invalid, the store cannot be opened, or the socket cannot
+/// be set up.
+pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+    let settings = args.datastore_settings()?;
+    socket::refuse_if_live(&args.socket)?;
+    let store: Arc<dyn KvStore> = settings.open().await.map_err(|e| {
+        AgentError::new(format!(
+            "cannot open the store ({}): {e}",
+            settings.describe()
+        ))
+    })?;
+    let served = settings.identity();
+    let (listener, guard) = socket::bind(&args.socket, !args.allowed_uid.is_empty())?;
+    tracing::info!(
+        store = %settings.describe(),
+        socket = %args.socket.display(),
+        allowed_uids = ?args.allowed_uid,
+        "blockipam-agent serving"
+    );
+    let config = ServerConfig {
+        served,
+        allowed_uids: args.allowed_uid.clone(),
+        drain_timeout: args.shutdown_grace()?,
+        ..ServerConfig::default()
+    };
+    serve(listener, store, config, shutdown).await;
+    // `serve` has dropped every clone of the store it handed out: the store is closed here.
+    drop(guard);
+    tracing::info!(socket = %args.socket.display(), "blockipam-agent stopped");
+    Ok(())
+}

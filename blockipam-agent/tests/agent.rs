@@ -1,0 +1,668 @@
+//! The agent as a real process, with the real plugin: SIGTERM, a live socket refused, peer
+//! credentials, a socket that never answers (code 11), no socket (direct), SIGKILL in the middle
+//! of a churn of plugin calls, and the systemd unit.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use backend_agent::{AgentConfig, AgentStore};
+use blockipam_agent::ServerConfig;
+use ipam_core::{KvError, KvStore};
+use serde_json::{json, Value};
+
+const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
+/// Longest a plugin call may take before the test calls it a hang.
+const HANG_GUARD: Duration = Duration::from_secs(60);
+
+fn plugin() -> PathBuf {
+    static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PLUGIN
+        .get_or_init(|| blockipam_store::testing::build_plugin_beside(Path::new(AGENT)))
+        .clone()
+}
+
+/// A running `blockipam-agent` process; killed (SIGKILL) if still running when dropped.
+struct AgentProcess {
+    child: Child,
+    socket: PathBuf,
+    /// Everything the agent logged, read as it comes (a full pipe would stall the agent).
+    log: Arc<Mutex<String>>,
+}
+
+impl AgentProcess {
+    fn start(socket: &Path, store: &Path, extra: &[&str]) -> AgentProcess {
+        let child = Command::new(AGENT)
+            .env_clear()
+            .env("BLOCKIPAM_AGENT_LOG", "debug")
+            .arg("--socket")
+            .arg(socket)
+            .args(["--datastore-type", "sled", "--datastore-path"])
+            .arg(store)
+            .args(["--create-if-missing", "--lock-wait-seconds", "10"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start blockipam-agent");
+        let mut child = child;
+        let log = Arc::new(Mutex::new(String::new()));
+        if let Some(mut pipe) = child.stderr.take() {
+            let log = Arc::clone(&log);
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 8192];
+                while let Ok(n) = pipe.read(&mut buffer) {
+                    if n == 0 {
+                        break;
+                    }
+                    log.lock()
+                        .expect("log")
+                        .push_str(&String::from_utf8_lossy(&buffer[..n]));
+                }
+            });
+        }
+        let mut agent = AgentProcess {
+            child,
+            socket: socket.to_owned(),
+            log,
+        };
+        agent.wait_until_serving();
+        agent
+    }
+
+    /// Waits until the agent answers a hello on its socket.
+    fn wait_until_serving(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let runtime = runtime();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("poll the agent") {
+                panic!(
+                    "the agent exited ({status}) before serving: {}",
+                    self.stderr()
+                );
+            }
+            let connected = runtime.block_on(AgentStore::connect(
+                AgentConfig::new(&self.socket)
+                    .with_timeouts(Duration::from_secs(2), Duration::from_secs(10)),
+            ));
+            if connected.is_ok() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent did not serve within 30 s: {connected:?}"
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Waits for the exit (bounded) and returns its status and stderr.
+    fn wait(mut self) -> (std::process::ExitStatus, String) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("poll the agent") {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent did not exit within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let stderr = self.stderr();
+        (status, stderr)
+    }
+
+    fn stderr(&mut self) -> String {
+        // Give the reader thread a moment to take the last lines of an exited agent.
+        std::thread::sleep(Duration::from_millis(50));
+        self.log.lock().expect("log").clone()
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+/// What one plugin call produced.
+#[derive(Debug)]
+struct Outcome {
+    status: i32,
+    stdout: String,
+    /// Shown in failure messages (through `Debug`).
+    #[allow(dead_code)]
+    stderr: String,
+}
+
+impl Outcome {
+    /// The CNI error code, when the call failed with an error JSON.
+    fn error_code(&self) -> Option<u64> {
+        if self.status == 0 {
+            return None;
+        }
+        let value: Value = serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"));
+        value["code"].as_u64()
+    }
+
+    /// The first address of a successful ADD.
+    fn address(&self) -> String {
+        let value: Value = serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"));
+        value["ips"][0]["address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no address in {self:#?}"))
+            .to_owned()
+    }
+}
+
+/// Runs the real plugin once, failing the test if it runs longer than [`HANG_GUARD`].
+fn cni(command: &str, container: &str, netconf: &Value) -> Outcome {
+    let plugin = plugin();
+    let mut child = Command::new(&plugin)
+        .env_clear()
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", container)
+        .env("CNI_NETNS", "/var/run/netns/blockipam-agent-test")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", plugin.parent().expect("plugin dir"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the plugin");
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(netconf.to_string().as_bytes());
+    }
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + HANG_GUARD;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("poll the plugin") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the plugin ({command} {container}) hung for {HANG_GUARD:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    Outcome {
+        status: status.code().unwrap_or(-1),
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    }
+}
+
+/// A netconf for node `node` on the sled store at `store`, reaching the agent at `socket`.
+fn netconf(store: &Path, socket: &Path, lock: &Path, node: &str) -> Value {
+    json!({
+        "cniVersion": "1.0.0",
+        "name": "agentnet",
+        "ipam": {
+            "type": "blockipam",
+            "nodename": node,
+            "datastore_type": "sled",
+            "datastore_path": store,
+            "agent_socket": socket,
+            "ipam_lock_file": lock,
+            "ipam_lock_timeout_seconds": 2,
+            "timeout_seconds": 30,
+            "pools": [{"cidr": "10.77.0.0/16", "block_size": 26, "name": "agent-pool"}]
+        }
+    })
+}
+
+#[test]
+fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("run/agent.sock");
+    let store = dir.path().join("store.sled");
+    let agent = AgentProcess::start(&socket, &store, &[]);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+    assert_eq!(mode(&socket), 0o600, "socket mode");
+    assert_eq!(
+        mode(socket.parent().expect("dir")),
+        0o700,
+        "socket directory mode"
+    );
+
+    let runtime = runtime();
+    runtime.block_on(async {
+        let client = AgentStore::connect(AgentConfig::new(&socket))
+            .await
+            .expect("connect");
+        client.put("kept", b"yes".to_vec()).await.expect("put");
+    });
+    // blockipamctl reaches the store through the agent (BLOCKIPAM_AGENT_SOCKET); opening it
+    // directly fails at once, the agent holding its lock.
+    let ctl = |agent_socket: &str| {
+        let env = blockipamctl::Env::new([
+            ("DATASTORE_PATH", store.display().to_string()),
+            ("BLOCKIPAM_AGENT_SOCKET", agent_socket.to_owned()),
+            ("BLOCKIPAM_LOCK_WAIT_SECONDS", "0".to_owned()),
+        ]);
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let status = blockipamctl::run(
+            ["blockipamctl", "pool", "list"],
+            &env,
+            &mut out,
+            &mut err,
+            false,
+        );
+        (status, String::from_utf8_lossy(&err).into_owned())
+    };
+    let (status, err) = ctl(&socket.display().to_string());
+    assert_eq!(status, 0, "blockipamctl through the agent: {err}");
+    let (status, err) = ctl("none");
+    assert_ne!(
+        status, 0,
+        "blockipamctl opened a store the agent holds: {err}"
+    );
+
+    // A second agent on a live socket is refused, and the first keeps serving.
+    let second = Command::new(AGENT)
+        .env_clear()
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--datastore-path")
+        .arg(dir.path().join("other.sled"))
+        .arg("--create-if-missing")
+        .output()
+        .expect("run a second agent");
+    assert!(
+        !second.status.success(),
+        "a second agent started on a live socket"
+    );
+    let said = String::from_utf8_lossy(&second.stderr);
+    assert!(said.contains("another blockipam agent"), "{said}");
+
+    agent.signal("TERM");
+    let (status, stderr) = agent.wait();
+    assert!(status.success(), "exit after SIGTERM: {status}\n{stderr}");
+    assert!(!socket.exists(), "the socket is still there after SIGTERM");
+    // The store was closed: it opens directly at once, with the write made through the agent.
+    runtime.block_on(async {
+        let direct = backend_sled::SledStore::open(
+            backend_sled::SledConfig::new(&store).with_lock_wait(Duration::from_millis(100)),
+        )
+        .await
+        .expect("the agent let go of the store");
+        let kept = direct.get("kept").await.expect("get");
+        assert_eq!(kept.map(|kv| kv.value), Some(b"yes".to_vec()));
+    });
+}
+
+/// Child entry point of the peer-credential test: connects as whatever user it runs as.
+#[tokio::test]
+#[ignore = "child process of peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones"]
+async fn peer_credential_child() {
+    let socket = std::env::var("BLOCKIPAM_TEST_AGENT_SOCKET").expect("socket variable");
+    let outcome = match AgentStore::connect(AgentConfig::new(socket)).await {
+        Ok(store) => store.put("from-child", b"x".to_vec()).await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => println!("PEER-OUTCOME ok"),
+        Err(KvError::Other { message }) => println!("PEER-OUTCOME other {message}"),
+        Err(e) => println!("PEER-OUTCOME unexpected {e:?}"),
+    }
+}
+
+fn run_child_as(uid: u32, socket: &Path) -> String {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().expect("this test binary");
+    let output = Command::new(exe)
+        .args([
+            "--exact",
+            "peer_credential_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("BLOCKIPAM_TEST_AGENT_SOCKET", socket)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("run the child as another user");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    stdout
+        .lines()
+        .find_map(|line| {
+            line.split_once("PEER-OUTCOME ")
+                .map(|(_, rest)| rest.to_owned())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the child (uid {uid}) printed no outcome: {}\nstdout:\n{stdout}\nstderr:\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
+    use std::os::unix::fs::PermissionsExt;
+    const NOBODY: u32 = 65534;
+    assert_eq!(
+        std::process::Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .expect("id -u"),
+        "0",
+        "this test switches users: run it as root (CI does)"
+    );
+    for (allowed, expect_ok) in [(vec![4242], false), (vec![NOBODY], true)] {
+        let store: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
+        let agent = common::InProcessAgent::start(
+            Arc::clone(&store),
+            ServerConfig {
+                allowed_uids: allowed.clone(),
+                ..ServerConfig::default()
+            },
+        );
+        // The temporary directory is the agent's to protect; open it so `nobody` reaches the socket.
+        let dir = agent.socket.parent().expect("socket dir");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        // Root is always allowed.
+        agent
+            .client()
+            .await
+            .put("from-root", b"r".to_vec())
+            .await
+            .expect("root is served");
+        let socket = agent.socket.clone();
+        let outcome = tokio::task::spawn_blocking(move || run_child_as(NOBODY, &socket))
+            .await
+            .expect("child");
+        let child_wrote = store.get("from-child").await.expect("get").is_some();
+        if expect_ok {
+            assert_eq!(outcome, "ok", "allowed uid {NOBODY} was not served");
+            assert!(child_wrote, "the allowed child's write is missing");
+        } else {
+            assert!(
+                outcome.starts_with("other ") && outcome.contains("uid 65534 is not allowed"),
+                "unallowed uid: {outcome}"
+            );
+            assert!(!child_wrote, "an unallowed peer wrote to the store");
+        }
+        agent.stop().await;
+    }
+}
+
+#[test]
+fn plugin_answers_code_11_in_bounded_time_when_the_socket_never_answers() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    // Listens (connections queue in the backlog) but never accepts nor reads.
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+    let store = dir.path().join("store.sled");
+    let conf = netconf(&store, &socket, &dir.path().join("lock"), "node-a");
+    let outcome = cni("ADD", "silent-1", &conf);
+    assert_eq!(outcome.error_code(), Some(11), "{outcome:#?}");
+    assert!(
+        outcome.stdout.contains(&socket.display().to_string())
+            && outcome.stdout.contains("did not answer"),
+        "{outcome:#?}"
+    );
+    assert!(
+        !store.exists(),
+        "the plugin opened the store directly although an agent socket is there"
+    );
+}
+
+#[test]
+fn plugin_opens_the_store_directly_when_there_is_no_socket_file() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = dir.path().join("store.sled");
+    let conf = netconf(
+        &store,
+        &dir.path().join("absent.sock"),
+        &dir.path().join("lock"),
+        "node-a",
+    );
+    let outcome = cni("ADD", "direct-1", &conf);
+    assert_eq!(outcome.status, 0, "{outcome:#?}");
+    assert!(outcome.address().starts_with("10.77."), "{outcome:#?}");
+    assert!(store.exists(), "no store created directly");
+}
+
+/// One operation a simulated node asked for, and how it ended.
+#[derive(Debug, Clone)]
+enum Op {
+    Add(String),
+    Del(String),
+}
+
+/// SIGKILL of the agent while plugin processes of three nodes churn against it: every ADD
+/// acknowledged is there afterwards with its address, no address is held twice, calls in
+/// flight fail with code 11 only, and they succeed when retried after a restart; the store
+/// checks clean.
+#[test]
+fn sigkill_during_a_plugin_churn_loses_nothing_and_retries_succeed_after_restart() {
+    const NODES: usize = 3;
+    const OPS_PER_NODE: usize = 24;
+    const KILL_AFTER_ACKS: usize = 15;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let store = dir.path().join("store.sled");
+    let agent = Arc::new(Mutex::new(Some(AgentProcess::start(&socket, &store, &[]))));
+    let acks = Arc::new(Mutex::new(0usize));
+    let killed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+
+    // Each node: ADD containers one after another, DEL every third one; record what happened.
+    let workers: Vec<_> = (0..NODES)
+        .map(|node| {
+            let conf = netconf(
+                &store,
+                &socket,
+                &dir.path().join(format!("lock-{node}")),
+                &format!("node-{node}"),
+            );
+            let acks = Arc::clone(&acks);
+            let agent = Arc::clone(&agent);
+            let killed = Arc::clone(&killed);
+            std::thread::spawn(move || {
+                let mut live: BTreeMap<String, String> = BTreeMap::new();
+                let mut failed: Vec<(Op, Outcome)> = Vec::new();
+                for i in 0..OPS_PER_NODE {
+                    let op = if i % 3 == 2 {
+                        Op::Del(format!("n{node}-c{}", i - 1))
+                    } else {
+                        Op::Add(format!("n{node}-c{i}"))
+                    };
+                    let outcome = match &op {
+                        Op::Add(c) => cni("ADD", c, &conf),
+                        Op::Del(c) => cni("DEL", c, &conf),
+                    };
+                    if outcome.status == 0 {
+                        match &op {
+                            Op::Add(c) => {
+                                live.insert(c.clone(), outcome.address());
+                            }
+                            Op::Del(c) => {
+                                live.remove(c);
+                            }
+                        }
+                        let mut count = acks.lock().expect("acks");
+                        *count += 1;
+                        if *count == KILL_AFTER_ACKS {
+                            // SIGKILL while the other nodes are in the middle of their calls.
+                            if let Some(mut process) = agent.lock().expect("agent").take() {
+                                process.child.kill().expect("SIGKILL the agent");
+                                let _ = process.child.wait();
+                                killed.store(true, std::sync::atomic::Ordering::SeqCst);
+                            }
+                        }
+                    } else {
+                        // A DEL that failed leaves the container's state unknown until retried.
+                        failed.push((op, outcome));
+                    }
+                }
+                (conf, live, failed)
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for worker in workers {
+        results.push(worker.join().expect("node thread"));
+    }
+    assert!(
+        killed.load(std::sync::atomic::Ordering::SeqCst),
+        "the churn ended before the agent was killed"
+    );
+    let mut failures = 0;
+    for (_, _, failed) in &results {
+        for (op, outcome) in failed {
+            failures += 1;
+            assert_eq!(
+                outcome.error_code(),
+                Some(11),
+                "{op:?} failed with another code than 11: {outcome:#?}"
+            );
+        }
+    }
+    assert!(
+        failures > 0,
+        "no call failed: the kill did not hit the churn (calls after it must fail with 11)"
+    );
+    assert!(
+        socket.exists(),
+        "the killed agent's socket should be left behind"
+    );
+
+    // Restart (the stale socket is replaced) and retry every failed call until it succeeds.
+    let restarted = AgentProcess::start(&socket, &store, &[]);
+    let mut everything: BTreeMap<String, String> = BTreeMap::new();
+    for (conf, mut live, failed) in results {
+        for (op, _) in failed {
+            let outcome = match &op {
+                Op::Add(c) => cni("ADD", c, &conf),
+                Op::Del(c) => cni("DEL", c, &conf),
+            };
+            assert_eq!(
+                outcome.status, 0,
+                "retry of {op:?} after restart: {outcome:#?}"
+            );
+            match op {
+                Op::Add(c) => {
+                    live.insert(c, outcome.address());
+                }
+                Op::Del(c) => {
+                    live.remove(&c);
+                }
+            }
+        }
+        // Every acknowledged ADD is still there: a repeated ADD returns the same address.
+        for (container, address) in &live {
+            let again = cni("ADD", container, &conf);
+            assert_eq!(again.status, 0, "{again:#?}");
+            assert_eq!(
+                &again.address(),
+                address,
+                "{container} lost its acknowledged address"
+            );
+        }
+        everything.extend(live);
+    }
+    let distinct: BTreeSet<&String> = everything.values().collect();
+    assert_eq!(
+        distinct.len(),
+        everything.len(),
+        "an address is held twice: {everything:#?}"
+    );
+
+    // `blockipamctl check` through the restarted agent is clean.
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    let status = blockipamctl::run(
+        [
+            "blockipamctl".into(),
+            "--datastore-path".into(),
+            store.clone().into_os_string(),
+            "--agent-socket".into(),
+            socket.clone().into_os_string(),
+            "check".into(),
+        ] as [std::ffi::OsString; 6],
+        &blockipamctl::Env::default(),
+        &mut out,
+        &mut err,
+        false,
+    );
+    assert_eq!(
+        status,
+        0,
+        "blockipamctl check: {}\n{}",
+        String::from_utf8_lossy(&out),
+        String::from_utf8_lossy(&err)
+    );
+    restarted.signal("TERM");
+    let (status, stderr) = restarted.wait();
+    assert!(status.success(), "{stderr}");
+}
+
+#[test]
+fn systemd_unit_passes_systemd_analyze_verify() {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/blockipam-agent.service");
+    let text = std::fs::read_to_string(&unit).expect("read deploy/blockipam-agent.service");
+    assert!(
+        text.contains("ExecStart=/usr/local/bin/blockipam-agent"),
+        "{text}"
+    );
+    // verify insists that ExecStart's binary exists: point it at the one cargo built.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let copy = dir.path().join("blockipam-agent.service");
+    std::fs::write(&copy, text.replace("/usr/local/bin/blockipam-agent", AGENT))
+        .expect("write the unit copy");
+    let output = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&copy)
+        .current_dir(dir.path())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("systemd-analyze is needed (Debian package systemd; scripts/setup installs it): {e}")
+        });
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stderr.trim().is_empty(),
+        "systemd-analyze verify: {}\n{stderr}",
+        output.status
+    );
+}

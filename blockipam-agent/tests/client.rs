@@ -1,0 +1,300 @@
+//! `AgentStore` against in-process agents and fake ones: store errors keep their kind across the
+//! socket, a lost connection is indeterminate for a commit and unavailable for a read, a socket
+//! that never answers is unavailable within the connect timeout, and calls run concurrently.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use backend_agent::protocol::{
+    encode_frame, read_frame, write_frame, RequestFrame, Response, ResponseFrame, StoreIdentity,
+    MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
+};
+use backend_agent::{AgentConfig, AgentStore};
+use blockipam_agent::ServerConfig;
+use ipam_core::{KeyValue, KvError, KvStore, Op, Revision, Txn};
+use tokio::net::UnixListener;
+
+/// A store whose every call fails with the error it was built with.
+#[derive(Debug)]
+struct FailingStore(KvError);
+
+#[async_trait]
+impl KvStore for FailingStore {
+    async fn get(&self, _key: &str) -> Result<Option<KeyValue>, KvError> {
+        Err(self.0.clone())
+    }
+    async fn list(&self, _prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        Err(self.0.clone())
+    }
+    async fn commit(&self, _txn: Txn) -> Result<Revision, KvError> {
+        Err(self.0.clone())
+    }
+}
+
+fn quick(socket: &std::path::Path) -> AgentConfig {
+    AgentConfig::new(socket).with_timeouts(Duration::from_millis(500), Duration::from_secs(5))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_errors_cross_the_socket_with_their_kind_and_fields() {
+    let errors = [
+        KvError::Conflict {
+            key: "blocks/10.0.0.0-26".into(),
+        },
+        KvError::unavailable("etcd down"),
+        KvError::Indeterminate {
+            message: "etcd timed out".into(),
+        },
+        KvError::corrupt(Some("blocks/x"), "not JSON"),
+        KvError::corrupt(None, "wrong format marker"),
+        KvError::invalid("empty key"),
+        KvError::other("disk full"),
+    ];
+    for error in errors {
+        let agent = common::InProcessAgent::start(
+            Arc::new(FailingStore(error.clone())),
+            ServerConfig::default(),
+        );
+        let client = agent.client().await;
+        assert_eq!(client.get("k").await, Err(error.clone()), "get");
+        assert_eq!(client.list("k").await, Err(error.clone()), "list");
+        assert_eq!(
+            client
+                .commit(Txn::new().then(Op::put("k", b"v".to_vec())))
+                .await,
+            Err(error.clone()),
+            "commit"
+        );
+        agent.stop().await;
+    }
+}
+
+/// A fake agent: answers the hello, then reads one request and closes without answering.
+async fn agent_that_dies_after_reading_a_request(listener: UnixListener) {
+    let (mut stream, _) = listener.accept().await.expect("accept");
+    let hello: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
+        .await
+        .expect("read hello");
+    let id = hello.expect("a hello").id;
+    let answer = encode_frame(
+        &ResponseFrame {
+            id,
+            response: Response::Hello {
+                protocol: PROTOCOL_VERSION,
+                served: StoreIdentity {
+                    datastore_type: "fake".into(),
+                    path: None,
+                    etcd_endpoints: vec![],
+                    etcd_prefix: None,
+                },
+            },
+        },
+        MAX_RESPONSE_BYTES,
+    )
+    .expect("encode");
+    write_frame(&mut stream, &answer)
+        .await
+        .expect("answer hello");
+    let request: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
+        .await
+        .expect("read the request");
+    assert!(request.is_some(), "no request arrived");
+    drop(stream);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_lost_with_a_commit_in_flight_is_indeterminate_and_with_a_read_unavailable() {
+    for commit in [true, false] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let fake = tokio::spawn(agent_that_dies_after_reading_a_request(listener));
+        let client = AgentStore::connect(quick(&socket)).await.expect("connect");
+        let outcome = if commit {
+            client
+                .commit(Txn::new().then(Op::put("k", b"v".to_vec())))
+                .await
+                .map(|_| ())
+        } else {
+            client.get("k").await.map(|_| ())
+        };
+        fake.await.expect("fake agent");
+        match (commit, outcome) {
+            (true, Err(KvError::Indeterminate { message })) => {
+                assert!(message.contains("may or may not"), "{message}")
+            }
+            (false, Err(KvError::Unavailable { .. })) => {}
+            (commit, other) => panic!("commit={commit}: {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socket_that_accepts_nothing_is_unavailable_within_the_connect_timeout() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    // Bound and listening (connections queue), never accepted or read.
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+    let outcome =
+        tokio::time::timeout(Duration::from_secs(30), AgentStore::connect(quick(&socket)))
+            .await
+            .expect("connect hung beyond its own timeout");
+    match outcome {
+        Err(KvError::Unavailable { message }) => {
+            assert!(message.contains("did not answer"), "{message}");
+            assert!(message.contains(&socket.display().to_string()), "{message}");
+        }
+        other => panic!("expected unavailable, got {other:?}"),
+    }
+    // A socket file nobody listens on any more (a killed agent): unavailable at once.
+    drop(_listener);
+    match AgentStore::connect(quick(&socket)).await {
+        Err(KvError::Unavailable { message }) => {
+            assert!(message.contains("not running"), "{message}")
+        }
+        other => panic!("expected unavailable, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_share_one_connection_and_each_gets_its_own_answer() {
+    let agent = common::InProcessAgent::start(
+        Arc::new(ipam_core::MemoryStore::new()),
+        ServerConfig::default(),
+    );
+    let client = Arc::new(agent.client().await);
+    let tasks: Vec<_> = (0..32)
+        .map(|i| {
+            let client = Arc::clone(&client);
+            tokio::spawn(async move {
+                let key = format!("key/{i:02}");
+                client
+                    .put(&key, format!("value {i}").into_bytes())
+                    .await
+                    .expect("put");
+                let got = client.get(&key).await.expect("get").expect("present");
+                assert_eq!(got.value, format!("value {i}").into_bytes());
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    assert_eq!(client.list("key/").await.expect("list").len(), 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_connects_again_after_the_agent_restarts_on_the_same_store() {
+    let store: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let serve_once = |store: Arc<dyn KvStore>| {
+        let (listener, guard) = blockipam_agent::socket::bind(&socket, false).expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            blockipam_agent::serve(listener, store, ServerConfig::default(), async {
+                let _ = stopped.await;
+            })
+            .await;
+            drop(guard);
+        });
+        (stop, task)
+    };
+    let (stop, task) = serve_once(Arc::clone(&store));
+    let client = AgentStore::connect(quick(&socket)).await.expect("connect");
+    client.put("a", b"1".to_vec()).await.expect("put");
+    let _ = stop.send(());
+    task.await.expect("server");
+    assert!(!socket.exists(), "the socket outlived its server");
+    assert!(client.get("a").await.is_err(), "a stopped agent answered");
+    let (stop, task) = serve_once(Arc::clone(&store));
+    assert_eq!(
+        client
+            .get("a")
+            .await
+            .expect("get after restart")
+            .map(|kv| kv.value),
+        Some(b"1".to_vec())
+    );
+    let _ = stop.send(());
+    task.await.expect("server");
+}
+
+/// A store whose commits wait until released (or forever), to hold requests in flight.
+#[derive(Debug)]
+struct SlowStore {
+    inner: ipam_core::MemoryStore,
+    started: tokio::sync::Notify,
+    release: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl KvStore for SlowStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.started.notify_one();
+        let _permit = self.release.acquire().await.expect("semaphore");
+        self.inner.commit(txn).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace() {
+    for finishes_in_time in [true, false] {
+        let store = Arc::new(SlowStore {
+            inner: ipam_core::MemoryStore::new(),
+            started: tokio::sync::Notify::new(),
+            release: tokio::sync::Semaphore::new(0),
+        });
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("agent.sock");
+        let (listener, guard) = blockipam_agent::socket::bind(&socket, false).expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = ServerConfig {
+            drain_timeout: Duration::from_millis(300),
+            ..ServerConfig::default()
+        };
+        let served: Arc<dyn KvStore> = Arc::clone(&store) as Arc<dyn KvStore>;
+        let server = tokio::spawn(async move {
+            blockipam_agent::serve(listener, served, config, async {
+                let _ = stopped.await;
+            })
+            .await;
+            drop(guard);
+        });
+        let client = AgentStore::connect(quick(&socket)).await.expect("connect");
+        let commit = tokio::spawn(async move {
+            client
+                .commit(Txn::new().then(Op::put("k", b"v".to_vec())))
+                .await
+        });
+        store.started.notified().await;
+        let _ = stop.send(());
+        if finishes_in_time {
+            store.release.add_permits(1);
+        }
+        server.await.expect("server stops");
+        let outcome = commit.await.expect("commit task");
+        if finishes_in_time {
+            assert!(
+                outcome.is_ok(),
+                "the commit in flight was not answered: {outcome:?}"
+            );
+            assert!(store.inner.get("k").await.expect("get").is_some());
+        } else {
+            assert!(
+                matches!(outcome, Err(KvError::Indeterminate { .. })),
+                "an abandoned commit must be indeterminate: {outcome:?}"
+            );
+        }
+        assert!(!socket.exists(), "the socket outlived its server");
+    }
+}

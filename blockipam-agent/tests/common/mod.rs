@@ -1,0 +1,205 @@
+//! Test helpers: an agent server in the test's own process on a temporary socket, the store
+//! factories that put it between the conformance suite and sled or redb, and process helpers.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use backend_agent::{AgentConfig, AgentStore};
+use backend_redb::{RedbConfig, RedbStore};
+use backend_sled::{SledConfig, SledStore};
+use blockipam_agent::{serve, ServerConfig};
+use conformance::embedded::EmbeddedFactory;
+use conformance::{StoreFactory, TestStore};
+use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// An agent server running in this process, serving one store on a socket in its own temporary
+/// directory. Dropping it asks the server to stop (it finishes asynchronously).
+pub struct InProcessAgent {
+    pub socket: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl InProcessAgent {
+    /// Serves `store` with `config` on a new socket.
+    pub fn start(store: Arc<dyn KvStore>, config: ServerConfig) -> Self {
+        let dir = tempfile::tempdir().expect("a temp dir for the socket");
+        let socket = dir.path().join("agent.sock");
+        let (listener, guard) =
+            blockipam_agent::socket::bind(&socket, !config.allowed_uids.is_empty())
+                .expect("bind the agent socket");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            serve(listener, store, config, async {
+                let _ = stopped.await;
+            })
+            .await;
+            drop(guard);
+        });
+        InProcessAgent {
+            socket,
+            stop: Some(stop),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    /// A client of this agent.
+    pub async fn client(&self) -> AgentStore {
+        AgentStore::connect(AgentConfig::new(&self.socket))
+            .await
+            .expect("connect to the in-process agent")
+    }
+
+    /// Stops the server and waits until it has let go of the store.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.await.expect("the agent server task");
+        }
+    }
+}
+
+impl Drop for InProcessAgent {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// The embedded engine behind the agent.
+#[derive(Debug, Clone, Copy)]
+pub enum Backend {
+    Sled,
+    Redb,
+}
+
+impl Backend {
+    pub async fn open(
+        self,
+        path: &Path,
+        lock_wait: Duration,
+        create_if_missing: bool,
+    ) -> Result<Arc<dyn KvStore>, KvError> {
+        Ok(match self {
+            Backend::Sled => Arc::new(
+                SledStore::open(SledConfig {
+                    create_if_missing,
+                    ..SledConfig::new(path).with_lock_wait(lock_wait)
+                })
+                .await?,
+            ),
+            Backend::Redb => Arc::new(
+                RedbStore::open(RedbConfig {
+                    create_if_missing,
+                    ..RedbConfig::new(path).with_lock_wait(lock_wait)
+                })
+                .await?,
+            ),
+        })
+    }
+}
+
+/// A client of an agent that serves the store only for as long as the client lives: "open" is
+/// starting the agent on the store, "close" is stopping it.
+#[derive(Debug)]
+pub struct ServedStore {
+    client: AgentStore,
+    agent: InProcessAgent,
+}
+
+impl std::fmt::Debug for InProcessAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcessAgent")
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl KvStore for ServedStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.client.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.client.list(prefix).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.client.commit(txn).await
+    }
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.client.read_many(reads).await
+    }
+}
+
+/// Conformance factory: sled or redb in a temporary directory, served by an in-process agent,
+/// reached through `AgentStore`.
+pub struct AgentFactory {
+    pub backend: Backend,
+}
+
+#[async_trait]
+impl StoreFactory for AgentFactory {
+    fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Sled => "agent over sled",
+            Backend::Redb => "agent over redb",
+        }
+    }
+
+    async fn fresh(&self) -> TestStore {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = self
+            .backend
+            .open(&dir.path().join("store"), Duration::from_secs(10), true)
+            .await
+            .expect("open a fresh store");
+        let agent = InProcessAgent::start(store, ServerConfig::default());
+        let client = agent.client().await;
+        TestStore {
+            store: Arc::new(client),
+            guard: Box::new((agent, dir)),
+        }
+    }
+}
+
+#[async_trait]
+impl EmbeddedFactory for AgentFactory {
+    async fn open_at(
+        &self,
+        path: &Path,
+        lock_wait: Duration,
+        create_if_missing: bool,
+    ) -> Result<Arc<dyn KvStore>, KvError> {
+        let store = self
+            .backend
+            .open(path, lock_wait, create_if_missing)
+            .await?;
+        let agent = InProcessAgent::start(store, ServerConfig::default());
+        let client = agent.client().await;
+        Ok(Arc::new(ServedStore { client, agent }))
+    }
+}
+
+/// Waits until `path` exists (a socket being bound), failing the test after `limit`.
+pub fn wait_for_path(path: &Path, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} did not appear within {limit:?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

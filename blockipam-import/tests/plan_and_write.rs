@@ -1,0 +1,365 @@
+//! The mapper and the writer without etcd: Calico objects built from Calico's JSON shapes are
+//! parsed, mapped, written into an in-memory store and verified; then the allocator works on them
+//! as Calico would have (free-list order, release by handle across two blocks); refusals write
+//! nothing; an interrupted import is detected and resumed.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use blockipam_import::testing::{
+    sample_cluster, CalicoBlockBuilder, CalicoFixture, SAMPLE_NETWORK,
+};
+use blockipam_import::writer::{self, planned_units};
+use blockipam_import::{
+    inspect_target, map, marker_key, plan_import, CalicoSnapshot, ImportError, ImportPlan,
+    TargetState,
+};
+use ipam_core::model::{decode, keys, Block, ROOT};
+use ipam_core::{AutoAssignRequest, Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn};
+use serde_json::json;
+
+fn snapshot(fixture: &CalicoFixture) -> CalicoSnapshot {
+    CalicoSnapshot::parse(42, fixture.entries())
+}
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().expect("an address")
+}
+
+fn block_of(plan: &ImportPlan, cidr: &str) -> Block {
+    let cidr: ipnet::IpNet = cidr.parse().expect("cidr");
+    plan.blocks
+        .iter()
+        .find(|b| b.cidr == cidr)
+        .cloned()
+        .unwrap_or_else(|| panic!("block {cidr} in the plan"))
+}
+
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(future)
+}
+
+#[test]
+fn calico_blocks_keep_free_list_order_sequences_affinity_and_attributes() {
+    let plan = plan_import(&snapshot(&sample_cluster())).expect("the sample maps");
+    assert_eq!(plan.calico_revision, 42);
+    assert_eq!(plan.pools.len(), 2);
+    assert_eq!(plan.blocks.len(), 3);
+    let a = block_of(&plan, "10.244.0.0/26");
+    assert!(a.self_check().is_empty(), "{:?}", a.self_check());
+    assert_eq!(a.affinity.as_deref(), Some("node-a"));
+    assert_eq!(
+        a.next_fresh, 64,
+        "every free ordinal is in the released queue"
+    );
+    let mut order: Vec<u32> = (5..64).collect();
+    order.push(3);
+    assert_eq!(a.released.iter().copied().collect::<Vec<_>>(), order);
+    assert_eq!(a.sequence, 1004);
+    let sequences: BTreeMap<u32, u64> = a
+        .allocations
+        .iter()
+        .map(|(o, al)| (*o, al.sequence))
+        .collect();
+    assert_eq!(
+        sequences,
+        BTreeMap::from([(0, 1000), (1, 1001), (2, 1002), (4, 1003)])
+    );
+    let borrowed = a.attribute_of(4).expect("ordinal 4 allocated");
+    assert_eq!(borrowed.handle, format!("{SAMPLE_NETWORK}.b9"));
+    assert_eq!(
+        borrowed.metadata.get("node").map(String::as_str),
+        Some("node-b")
+    );
+    assert_eq!(
+        plan.sequence_floor, 2001,
+        "above the largest imported sequence (block B's 2000)"
+    );
+
+    let c1 = plan
+        .handles
+        .get(&format!("{SAMPLE_NETWORK}.c1"))
+        .expect("c1's handle");
+    assert_eq!(c1.blocks.len(), 2, "the handle spans two blocks");
+    assert!(!plan.handles.contains_key(&format!("{SAMPLE_NETWORK}.gone")));
+    assert_eq!(
+        plan.config.max_blocks_per_host, 20,
+        "Calico's unset maxBlocksPerHost is 20"
+    );
+    assert!(plan.config.auto_allocate_blocks);
+}
+
+#[test]
+fn what_blockipam_lacks_is_reported_with_its_value_never_guessed() {
+    let plan = plan_import(&snapshot(&sample_cluster())).expect("the sample maps");
+    let find = |object: &str, field: &str| {
+        plan.not_mapped
+            .iter()
+            .find(|n| n.object.contains(object) && n.field == field)
+            .unwrap_or_else(|| panic!("{object} {field} reported in {:#?}", plan.not_mapped))
+            .clone()
+    };
+    assert_eq!(
+        find("ippool default-ipv4-ippool", "spec.ipipMode").value,
+        "\"Always\""
+    );
+    assert_eq!(
+        find("ippool default-ipv4-ippool", "spec.natOutgoing").value,
+        "true"
+    );
+    assert!(
+        !plan
+            .not_mapped
+            .iter()
+            .any(|n| n.field == "spec.nodeSelector" || n.field == "spec.vxlanMode"),
+        "Calico defaults lose nothing and are not reported: {:#?}",
+        plan.not_mapped
+    );
+    assert_eq!(
+        find("affinity node-c 10.244.0.128/26", "state").value,
+        "\"pending\""
+    );
+    assert!(find("ipreservation reserved-edge", "spec.reservedCIDRs")
+        .value
+        .contains("10.244.0.200/30"));
+    assert_eq!(find("ipam config", "ipCooldownSeconds").value, "30");
+    assert!(find("allocations", "secondary.owner.example.com/team")
+        .note
+        .contains("kept"));
+    assert_eq!(find("blocks", "affinity_claim_time").object, "blocks (1)");
+    assert!(find("handle k8s-pod-network.gone", "block")
+        .note
+        .contains("leak"));
+    // The unknown key is carried as metadata, not dropped.
+    let b = block_of(&plan, "10.244.0.64/26");
+    assert_eq!(
+        b.attribute_of(0)
+            .and_then(|a| a.metadata.get("owner.example.com/team"))
+            .map(String::as_str),
+        Some("blue")
+    );
+}
+
+#[test]
+fn unconfirmed_affinity_imports_the_block_without_a_host() {
+    let block = CalicoBlockBuilder::new("10.9.0.0/26", Some("node-p"), 1).allocate(
+        7,
+        "net.x",
+        &[("node", "node-p")],
+        1,
+    );
+    let fixture = CalicoFixture::new()
+        .pool("p", "10.9.0.0/24", 26, json!({}))
+        .block(&block)
+        .affinity("node-p", "10.9.0.0/26", "pendingDeletion");
+    let plan = plan_import(&snapshot(&fixture)).expect("maps");
+    let mapped = block_of(&plan, "10.9.0.0/26");
+    assert_eq!(mapped.affinity, None);
+    assert!(mapped.attribute_of(7).is_some(), "its allocation is kept");
+}
+
+#[test]
+fn unsupported_block_size_refuses_the_whole_import() {
+    let fixture = CalicoFixture::new()
+        .pool("big-blocks", "10.8.0.0/16", 20, json!({}))
+        .pool("fine", "10.7.0.0/24", 26, json!({}));
+    let mapping = map(&snapshot(&fixture));
+    assert_eq!(mapping.refusals.len(), 1, "{:?}", mapping.refusals);
+    assert!(mapping.refusals[0].contains("big-blocks") && mapping.refusals[0].contains("/20"));
+    match plan_import(&snapshot(&fixture)) {
+        Err(ImportError::Unmappable(reasons)) => assert_eq!(reasons, mapping.refusals),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn allocation_without_a_handle_refuses() {
+    let fixture = CalicoFixture::new()
+        .pool("p", "10.6.0.0/24", 26, json!({}))
+        .raw(
+            "/ipam/v2/assignment/ipv4/block/10.6.0.0-26",
+            &json!({"cidr": "10.6.0.0/26", "affinity": "host:n",
+                "allocations": std::iter::once(Some(0))
+                    .chain(std::iter::repeat_n(None, 63))
+                    .collect::<Vec<Option<u32>>>(),
+                "unallocated": (1..64).collect::<Vec<_>>(),
+                "attributes": [{"handle_id": null, "secondary": null}],
+                "sequenceNumber": 1, "deleted": false})
+            .to_string(),
+        )
+        .affinity("n", "10.6.0.0/26", "confirmed");
+    let mapping = map(&snapshot(&fixture));
+    assert!(
+        mapping
+            .refusals
+            .iter()
+            .any(|r| r.contains("10.6.0.0") && r.contains("handle_id")),
+        "{:?}",
+        mapping.refusals
+    );
+}
+
+#[test]
+fn imported_store_verifies_and_the_allocator_continues_as_calico_would() {
+    block_on(async {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let plan = plan_import(&snapshot(&sample_cluster())).expect("maps");
+        let state = inspect_target(&store).await.expect("inspect");
+        assert_eq!(state, TargetState::Empty);
+        let outcome = writer::write(&store, &plan, &state, "test source")
+            .await
+            .expect("write and verify");
+        assert!(outcome.transactions >= 3);
+        assert!(
+            store.get(&marker_key()).await.expect("get").is_none(),
+            "marker removed"
+        );
+
+        let ipam = Ipam::new(store.clone());
+        // A DEL of c1 releases both of its addresses, in two blocks.
+        let mut released = ipam
+            .release_handle(&format!("{SAMPLE_NETWORK}.c1"))
+            .await
+            .expect("release");
+        released.sort();
+        assert_eq!(released, vec![ip("10.244.0.1"), ip("fd00:10:244::")]);
+        // node-a's next address comes from its own block in Calico's free-list order: .5 (the
+        // released .3 and the just-released .1 wait at the tail), never an imported address.
+        let result = ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: "net.new".into(),
+                host: "node-a".into(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+            .expect("assign");
+        assert_eq!(result.v4[0].ip, ip("10.244.0.5"));
+        // A block claimed after the import starts above every imported sequence number.
+        let result = ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: "net.other".into(),
+                host: "node-z".into(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+            .expect("assign on a new node");
+        let fresh = result.v4[0].block;
+        let blocks = store.list(&keys::blocks_dir()).await.expect("list");
+        let new_block: Block = blocks
+            .iter()
+            .map(|kv| decode::<Block>(&kv.key, &kv.value).expect("decode"))
+            .find(|b| b.cidr == fresh)
+            .expect("the new block");
+        assert!(new_block.sequence >= plan.sequence_floor, "{new_block:?}");
+        assert!(ipam.check(false).await.expect("check").problems.is_empty());
+    });
+}
+
+#[test]
+fn non_empty_target_is_refused_and_left_alone() {
+    block_on(async {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        store
+            .put(&keys::config(), vec![1, 2, 3])
+            .await
+            .expect("seed");
+        match inspect_target(&store).await {
+            Err(ImportError::TargetNotEmpty(message)) => assert!(message.contains("not empty")),
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        assert_eq!(store.list(ROOT).await.expect("list").len(), 1);
+    });
+}
+
+/// A store whose commits fail once `budget` of them succeeded (a crash half-way).
+#[derive(Debug)]
+struct FailingAfter {
+    inner: MemoryStore,
+    budget: AtomicUsize,
+}
+
+#[async_trait]
+impl KvStore for FailingAfter {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        if self
+            .budget
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_err()
+        {
+            return Err(KvError::unavailable("injected: the store went away"));
+        }
+        self.inner.commit(txn).await
+    }
+}
+
+#[test]
+fn interrupted_import_is_detected_and_resumed_from_the_same_plan() {
+    block_on(async {
+        let failing = Arc::new(FailingAfter {
+            inner: MemoryStore::new(),
+            budget: AtomicUsize::new(2),
+        });
+        let store: Arc<dyn KvStore> = failing.clone();
+        // Many small blocks so the plan needs several transactions.
+        let mut fixture = CalicoFixture::new().pool("p", "10.5.0.0/16", 32, json!({}));
+        for i in 0..300u32 {
+            let cidr = format!("10.5.{}.{}/32", i / 256, i % 256);
+            let host = format!("node-{}", i % 7);
+            let block = CalicoBlockBuilder::new(&cidr, Some(&host), u64::from(i)).allocate(
+                0,
+                &format!("net.c{i}"),
+                &[("node", host.as_str())],
+                u64::from(i) + 1,
+            );
+            fixture = fixture.block(&block).affinity(&host, &cidr, "confirmed");
+        }
+        let plan = plan_import(&snapshot(&fixture)).expect("maps");
+        let units = planned_units(&plan).expect("units");
+        assert!(writer::transactions(&units).expect("fits").len() > 2);
+
+        let state = inspect_target(&store).await.expect("inspect");
+        let first = writer::write(&store, &plan, &state, "src").await;
+        assert!(matches!(first, Err(ImportError::Target(_))), "{first:?}");
+        assert!(
+            store.get(&marker_key()).await.expect("get").is_some(),
+            "marker left behind"
+        );
+        // check-like readers see a non-empty store; the next run sees the interrupted import.
+        let state = inspect_target(&store).await.expect("inspect again");
+        let TargetState::Interrupted(marker) = &state else {
+            panic!("expected an interrupted import, got {state:?}");
+        };
+        assert_eq!(marker.calico_revision, 42);
+        assert_eq!(marker.source, "src");
+
+        failing.budget.store(usize::MAX, Ordering::SeqCst);
+        let outcome = writer::write(&store, &plan, &state, "src")
+            .await
+            .expect("resume");
+        assert!(
+            outcome.keys_already_present > 0 && outcome.keys_written > 0,
+            "{outcome:?}"
+        );
+        assert!(store.get(&marker_key()).await.expect("get").is_none());
+        assert_eq!(
+            inspect_target(&store).await.ok(),
+            None,
+            "a finished import is not empty"
+        );
+    });
+}

@@ -1,0 +1,163 @@
+//! The raw etcd ceiling: workers, each on its own etcd-client connection, each a loop of one-key
+//! conditional `Txn` writes (create-if-absent, as the allocator claims a block), run on the same
+//! cluster after the allocation run; every allocation is at least one such write, so its rate is
+//! the physical limit the allocation rate is compared with. Its keys are deleted afterwards.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Compare, CompareOp, DeleteOptions, Txn, TxnOp};
+use serde::Serialize;
+use tokio::sync::Barrier;
+use tokio::task::JoinSet;
+
+use crate::error::LoadError;
+use crate::etcd_status::StatusClient;
+
+/// Bytes of each value written (about a small stored object).
+pub const VALUE_BYTES: usize = 200;
+/// Connections opened at once.
+const CONNECTS_AT_ONCE: usize = 32;
+/// How many error messages are kept.
+const SAMPLES: usize = 10;
+
+/// What the raw loop measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct RawCeiling {
+    /// When it ran, relative to the allocation run.
+    pub when: &'static str,
+    /// Workers, each with its own connection (`--concurrency`).
+    pub workers: u32,
+    /// Bytes of each value.
+    pub value_bytes: usize,
+    /// Conditional writes committed.
+    pub writes: u64,
+    /// From the moment every worker was connected to the last one finishing.
+    pub seconds: f64,
+    /// `writes / seconds`.
+    pub writes_per_second: f64,
+    /// Writes that failed (transport errors, or a condition that did not hold).
+    pub errors: u64,
+    /// The first error messages.
+    pub error_samples: Vec<String>,
+    /// Keys deleted afterwards (should equal `writes`).
+    pub keys_deleted: i64,
+}
+
+/// One worker's loop: `raw-ceiling/<worker>/<n>` under `prefix`, each created only if absent.
+async fn worker(
+    mut client: etcd_client::Client,
+    prefix: String,
+    worker: u32,
+    start: Arc<Barrier>,
+    duration: Duration,
+) -> (u64, Vec<String>, u64) {
+    let value = vec![b'x'; VALUE_BYTES];
+    let (mut writes, mut errors, mut samples) = (0_u64, 0_u64, Vec::new());
+    start.wait().await;
+    let deadline = Instant::now() + duration;
+    let mut n = 0_u64;
+    while Instant::now() < deadline {
+        let key = format!("{prefix}raw-ceiling/{worker}/{n}");
+        n += 1;
+        let txn = Txn::new()
+            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(key.clone(), value.clone(), None)]);
+        let problem = match client.txn(txn).await {
+            Ok(response) if response.succeeded() => {
+                writes += 1;
+                None
+            }
+            Ok(_) => Some(format!("{key}: the condition (absent) did not hold")),
+            Err(e) => Some(format!("{key}: {e}")),
+        };
+        if let Some(problem) = problem {
+            errors += 1;
+            if samples.len() < SAMPLES {
+                samples.push(problem);
+            }
+        }
+    }
+    (writes, samples, errors)
+}
+
+/// Runs `workers` loops for `duration` against the cluster `client` names, under `prefix` (the
+/// run's etcd prefix), then deletes every key written.
+///
+/// # Errors
+/// [`LoadError::Failed`] when a connection cannot be made or the keys cannot be deleted.
+pub async fn measure(
+    client: &Arc<StatusClient>,
+    prefix: &str,
+    workers: u32,
+    duration: Duration,
+) -> Result<RawCeiling, LoadError> {
+    let mut clients = Vec::with_capacity(workers as usize);
+    let indices: Vec<u32> = (0..workers).collect();
+    for chunk in indices.chunks(CONNECTS_AT_ONCE) {
+        let mut connecting = JoinSet::new();
+        for _ in chunk {
+            let client = client.clone();
+            connecting.spawn(async move { client.connect_cluster().await });
+        }
+        while let Some(joined) = connecting.join_next().await {
+            let connected =
+                joined.map_err(|e| LoadError::failed(format!("a connecting task failed: {e}")))?;
+            clients
+                .push(connected.map_err(|e| LoadError::failed(format!("raw etcd ceiling: {e}")))?);
+        }
+    }
+    let start = Arc::new(Barrier::new(clients.len() + 1));
+    let mut running = JoinSet::new();
+    for (index, connection) in (0..).zip(clients) {
+        running.spawn(worker(
+            connection,
+            prefix.to_owned(),
+            index,
+            start.clone(),
+            duration,
+        ));
+    }
+    start.wait().await;
+    let began = Instant::now();
+    let mut result = RawCeiling {
+        when: "after the allocation run and its verification, on the same cluster",
+        workers,
+        value_bytes: VALUE_BYTES,
+        ..RawCeiling::default()
+    };
+    while let Some(joined) = running.join_next().await {
+        let (writes, samples, errors) = joined
+            .map_err(|e| LoadError::failed(format!("a raw etcd ceiling worker failed: {e}")))?;
+        result.writes += writes;
+        result.errors += errors;
+        for sample in samples {
+            if result.error_samples.len() < SAMPLES {
+                result.error_samples.push(sample);
+            }
+        }
+    }
+    result.seconds = began.elapsed().as_secs_f64();
+    result.writes_per_second = if result.seconds > 0.0 {
+        result.writes as f64 / result.seconds
+    } else {
+        0.0
+    };
+    let mut cleaner = client
+        .connect_cluster()
+        .await
+        .map_err(|e| LoadError::failed(format!("raw etcd ceiling cleanup: {e}")))?;
+    let deleted = cleaner
+        .delete(
+            format!("{prefix}raw-ceiling/"),
+            Some(DeleteOptions::new().with_prefix()),
+        )
+        .await
+        .map_err(|e| {
+            LoadError::failed(format!(
+                "raw etcd ceiling: cannot delete {prefix}raw-ceiling/: {e}"
+            ))
+        })?;
+    result.keys_deleted = deleted.deleted();
+    Ok(result)
+}

@@ -1,0 +1,167 @@
+//! The scale-measurement options of the load generator at small sizes: the raw etcd ceiling
+//! (measured, reported beside the allocation rate, its keys deleted), the prefill (excluded from
+//! the measured operations and from the leak count, checked present at the end), and several
+//! plugin processes of one node at once on an embedded store (lanes). Never asserts on time.
+
+use std::path::Path;
+
+use backend_etcd::testing::EtcdServer;
+use blockipam_load::{run, LoadConfig, LoadError, Mode, OpKind, Report, StopRule, StoreTarget};
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_blockipam-load");
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn small() -> LoadConfig {
+    LoadConfig {
+        nodes: 4,
+        pods_per_node: 3,
+        stop: StopRule::Operations(24),
+        pool: "10.90.0.0/16".parse().expect("cidr"),
+        block_size: Some(26),
+        seed: 9,
+        concurrency: 4,
+        ..LoadConfig::default()
+    }
+}
+
+fn run_load(config: &LoadConfig, target: StoreTarget) -> Result<Report, LoadError> {
+    runtime().block_on(run(config, target, &mut |_| {}))
+}
+
+#[test]
+fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
+    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
+    let prefix = "/measure/raw/";
+    let settings = DatastoreSettings {
+        datastore_type: DatastoreType::Etcdv3,
+        etcd_endpoints: vec![etcd.endpoint()],
+        etcd_prefix: Some(prefix.into()),
+        ..DatastoreSettings::default()
+    };
+    let config = LoadConfig {
+        raw_etcd_ceiling: Some(Duration::from_millis(500)),
+        ..small()
+    };
+    let report = run_load(&config, StoreTarget::from(settings)).expect("the run was made");
+    let text = report.to_text();
+    assert!(report.passed, "{text}");
+    let raw = report
+        .raw_ceiling
+        .as_ref()
+        .expect("raw_ceiling is reported");
+    assert_eq!(raw.workers, 4, "{text}");
+    assert!(raw.writes > 0, "no raw write committed:\n{text}");
+    assert_eq!(raw.errors, 0, "{text}");
+    assert_eq!(raw.keys_deleted, raw.writes as i64, "{text}");
+    let ratio = report
+        .allocation_to_raw_ratio
+        .expect("allocation_to_raw_ratio is reported");
+    let expected = report.operations_per_second / raw.writes_per_second;
+    assert!(
+        (ratio - expected).abs() <= expected * 1e-9,
+        "{ratio} != {expected}"
+    );
+    assert!(text.contains("raw etcd ceiling"), "{text}");
+    let json = serde_json::to_value(&report).expect("JSON");
+    assert!(json["raw_ceiling"]["writes_per_second"].is_number());
+    // Nothing of the raw loop is left under the run's prefix.
+    let left = etcd
+        .etcdctl(
+            None,
+            &[
+                "get",
+                "--prefix",
+                "--keys-only",
+                &format!("{prefix}raw-ceiling/"),
+            ],
+        )
+        .expect("etcdctl get");
+    assert!(left.trim().is_empty(), "raw keys left behind: {left}");
+    // The allocation run's keys are still there.
+    let kept = etcd
+        .etcdctl(None, &["get", "--prefix", "--keys-only", prefix])
+        .expect("etcdctl get");
+    assert!(!kept.trim().is_empty(), "the run's own keys are gone");
+}
+
+#[test]
+fn the_raw_etcd_ceiling_on_an_embedded_store_is_a_usage_error() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let settings = DatastoreSettings {
+        datastore_type: DatastoreType::Sled,
+        path: Some(dir.path().join("store.sled")),
+        ..DatastoreSettings::default()
+    };
+    let config = LoadConfig {
+        raw_etcd_ceiling: Some(Duration::from_secs(1)),
+        ..small()
+    };
+    let result = run_load(&config, StoreTarget::from(settings));
+    assert!(matches!(result, Err(LoadError::Usage(_))), "{result:?}");
+}
+
+#[test]
+fn prefilled_allocations_are_not_measured_nor_leaked_and_are_all_present_at_the_end() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let settings = DatastoreSettings {
+        datastore_type: DatastoreType::Sled,
+        path: Some(dir.path().join("store.sled")),
+        ..DatastoreSettings::default()
+    };
+    let config = LoadConfig {
+        prefill: 70,
+        ..small()
+    };
+    let report = run_load(&config, StoreTarget::from(settings)).expect("the run was made");
+    let text = report.to_text();
+    assert!(report.passed, "{text}");
+    assert_eq!(report.operations, 24, "the prefill was counted:\n{text}");
+    let prefill = report.prefill.as_ref().expect("prefill is reported");
+    assert_eq!(prefill.node, "load-node-00000", "{text}");
+    assert_eq!((prefill.addresses, prefill.handles), (70, 3), "{text}");
+    assert_eq!(prefill.present, 70, "{text}");
+    let v = &report.verification;
+    assert_eq!(v.leaked, 0, "{text}");
+    assert_eq!(v.run_allocations, v.believed_addresses, "{text}");
+    assert_eq!(v.store_allocations, 70 + v.run_allocations, "{text}");
+    assert_eq!(report.pool.in_use, 70 + v.run_allocations, "{text}");
+}
+
+#[test]
+fn many_plugin_processes_of_one_node_share_its_lock_on_redb_with_a_prefill() {
+    let plugin = blockipam_store::testing::build_plugin_beside(Path::new(BIN));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let settings = DatastoreSettings {
+        datastore_type: DatastoreType::Redb,
+        path: Some(dir.path().join("store.redb")),
+        ..DatastoreSettings::default()
+    };
+    let config = LoadConfig {
+        mode: Mode::Plugin,
+        plugin: Some(plugin),
+        nodes: 1,
+        lanes_per_node: 4,
+        concurrency: 4,
+        prefill: 40,
+        ..small()
+    };
+    let report = run_load(&config, StoreTarget::from(settings)).expect("the run was made");
+    let text = report.to_text();
+    assert!(report.passed, "{text}");
+    assert_eq!(report.operations, 24, "{text}");
+    // One first ADD per lane, all for the one node.
+    assert_eq!(report.kinds[&OpKind::FirstAdd].count, 4, "{text}");
+    assert!(report.kinds[&OpKind::Del].count > 0, "no churn:\n{text}");
+    let prefill = report.prefill.as_ref().expect("prefill is reported");
+    assert_eq!(prefill.present, 40, "{text}");
+    assert!(text.contains("4 lanes per node"), "{text}");
+}
