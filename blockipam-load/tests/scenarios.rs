@@ -155,6 +155,7 @@ fn blockipamctl_node_release_leaves_the_node_holding_nothing_and_a_clean_check()
     assert_eq!(report.allocations_after, 0, "{text}");
     assert!(report.check.clean, "{text}");
     assert_eq!(report.api_release.released_addresses, 40, "{text}");
-    // At least one commit per handle released.
-    assert!(report.api_release.commits >= 40, "{text}");
+    // Batched: 40 addresses are two release transactions (32 each at most) and one that moves
+    // the node's blocks, not one transaction per pod.
+    assert!(report.api_release.commits <= 4, "{text}");
 }

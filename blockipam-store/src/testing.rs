@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Builds the `blockipam` plugin with the profile and target directory of `binary` (a test's
-/// `CARGO_BIN_EXE_*`), into the directory `binary` is in, and returns its path.
+/// `CARGO_BIN_EXE_*`), into the directory `binary` is in, and returns its path. Built with the
+/// `fault-injection` feature, as the workspace's own test build of the plugin is: its fault points
+/// stay inert unless `BLOCKIPAM_FAULT` is set.
 ///
 /// # Panics
 /// When cargo cannot be run or the build fails: a test that needs the plugin fails, never skips.
@@ -39,6 +41,11 @@ pub fn build_plugin_beside(binary: &Path) -> PathBuf {
             "blockipam",
             "--bin",
             "blockipam",
+            // The same feature set the workspace's test build gives the binary (its crash tests
+            // need the fault points; they do nothing unless BLOCKIPAM_FAULT is set), so that a
+            // test building the plugin never swaps a fault-less binary under the crash tests.
+            "--features",
+            "fault-injection",
             "--manifest-path",
         ])
         .arg(&manifest)

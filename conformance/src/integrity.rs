@@ -37,6 +37,7 @@ macro_rules! ipam_integrity_tests {
             claim_entries_follow_each_blocks_free_count,
             format_1_claim_entries_are_read_tried_and_upgraded_on_write,
             assignments_are_refused_while_an_import_is_unfinished,
+            node_release_frees_many_pods_in_batches_not_one_transaction_each,
         );
     };
 }
@@ -939,5 +940,41 @@ pub async fn assignments_are_refused_while_an_import_is_unfinished<F: StoreFacto
         .await
         .expect("delete the marker");
     assign_one(&ipam, "pod", "node-a").await;
+    assert_clean(&ipam).await;
+}
+
+/// Issue 9, node removal: releasing a node's addresses commits in batches of addresses, not one
+/// transaction (and three reads) per pod: 60 pods cost a handful of commits.
+pub async fn node_release_frees_many_pods_in_batches_not_one_transaction_each<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.9.0.0/24", 26).await;
+    let mut held = Vec::new();
+    for pod in 0..60 {
+        let request = AutoAssignRequest {
+            attributes: [("node".to_owned(), "dead-node".to_owned())].into(),
+            ..v4(&format!("pod-{pod}"), "dead-node", 1)
+        };
+        held.push(ipam.auto_assign(&request).await.expect("assign").v4[0].ip);
+    }
+    let survivor = assign_one(&ipam, "survivor", "live-node").await;
+    let counting = Arc::new(ipam_core::CountingStore::new(Arc::clone(&t.store)));
+    let observed = Ipam::new(counting.clone() as Arc<dyn KvStore>);
+    let report = observed
+        .release_host("dead-node", true)
+        .await
+        .expect("release the node");
+    held.sort();
+    assert_eq!(report.released_addresses, held);
+    let trips = counting.round_trips();
+    assert!(
+        trips.commits <= 4,
+        "releasing 60 pods took {} commits ({trips:?}): one per pod or worse",
+        trips.commits
+    );
+    assert_eq!(holder(&ipam, survivor).await.as_deref(), Some("survivor"));
+    for ip in held {
+        assert_eq!(holder(&ipam, ip).await, None, "{ip} still held");
+    }
     assert_clean(&ipam).await;
 }

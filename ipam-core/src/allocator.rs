@@ -2150,19 +2150,24 @@ impl Ipam {
         validate_host(host)?;
         let mut report = HostRelease::default();
         if release_addresses {
-            let handles: BTreeSet<String> = self
-                .list_allocations()
-                .await?
-                .into_iter()
+            // Every address of every handle recorded for the node, released in batches (one
+            // transaction per batch, not per pod), each guarded by the sequence number it was
+            // listed with: an address re-allocated since belongs to its new owner and stays.
+            let allocations = self.list_allocations().await?;
+            let handles: BTreeSet<&str> = allocations
+                .iter()
                 .filter(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host))
-                .map(|a| a.handle)
+                .map(|a| a.handle.as_str())
                 .collect();
-            for handle in handles {
-                report
-                    .released_addresses
-                    .extend(self.release_handle(&handle).await?);
-            }
-            report.released_addresses.sort();
+            let requests: Vec<ReleaseRequest> = allocations
+                .iter()
+                .filter(|a| handles.contains(a.handle.as_str()))
+                .map(|a| ReleaseRequest {
+                    ip: a.ip,
+                    sequence: Some(a.sequence),
+                })
+                .collect();
+            report.released_addresses = self.release_ips(&requests).await?.released;
         }
         loop {
             let host_blocks: Vec<Stored<Block>> = self
