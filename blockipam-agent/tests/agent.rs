@@ -345,9 +345,19 @@ async fn peer_credential_child() {
 }
 
 fn run_child_as(uid: u32, socket: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::CommandExt;
+    // The checkout may sit in a directory only root can enter (a CI clone under a 0700 temporary
+    // directory): run a world-readable copy of this test binary instead.
     let exe = std::env::current_exe().expect("this test binary");
-    let output = Command::new(exe)
+    let copy_dir = tempfile::tempdir().expect("a directory for the child's binary");
+    std::fs::set_permissions(copy_dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("open the directory to the child's user");
+    let copy = copy_dir.path().join("peer-credential-child");
+    std::fs::copy(&exe, &copy).expect("copy this test binary");
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))
+        .expect("make the copy executable by the child's user");
+    let output = Command::new(&copy)
         .args([
             "--exact",
             "peer_credential_child",
