@@ -394,6 +394,8 @@ fn rows(target: &Target, fixture: &Fixture) -> Vec<Row> {
         ("log_level", json!(3)),
         ("log_file_path", json!(3)),
         ("ipam_lock_file", json!({})),
+        ("agent_socket", json!(5)),
+        ("agent_socket", json!(["/run/blockipam/agent.sock"])),
         ("nodename", json!(5)),
         ("nodename_file", json!([])),
         ("assign_ipv4", json!(1)),

@@ -38,6 +38,7 @@ macro_rules! ipam_integrity_tests {
             format_1_claim_entries_are_read_tried_and_upgraded_on_write,
             assignments_are_refused_while_an_import_is_unfinished,
             node_release_frees_many_pods_in_batches_not_one_transaction_each,
+            claim_entries_of_an_unknown_format_are_reported_never_misread,
         );
     };
 }
@@ -977,4 +978,41 @@ pub async fn node_release_frees_many_pods_in_batches_not_one_transaction_each<F:
         assert_eq!(holder(&ipam, ip).await, None, "{ip} still held");
     }
     assert_clean(&ipam).await;
+}
+
+/// A claim index entry written by a newer format (or damaged) is reported as corrupt, naming its
+/// key, by every reader: the allocator's searches refuse to act on it and `check` lists it, and
+/// nothing is written on its account.
+pub async fn claim_entries_of_an_unknown_format_are_reported_never_misread<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.10.0.0/28", 29).await;
+    assign_one(&ipam, "first", "node-a").await;
+    assign_one(&ipam, "second", "node-b").await;
+    // Every block is claimed; rewrite one claim entry with a format byte from the future.
+    let claimed = net("10.10.0.0/29");
+    let key = keys::block_claim(&claimed);
+    let mut future = t.store.get(&key).await.expect("get").expect("claim").value;
+    future[0] = ipam_core::model::FORMAT_VERSION + 1;
+    t.store.put(&key, future).await.expect("put");
+    let before = t.store.list("").await.expect("list");
+    // A third host must read the claim index to borrow: refused, naming the key.
+    let borrowed = ipam.auto_assign(&v4("third", "node-c", 1)).await;
+    assert!(
+        matches!(&borrowed, Err(IpamError::Corrupt { key: k, .. }) if *k == key),
+        "{borrowed:?}"
+    );
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a refused assignment wrote"
+    );
+    let report = ipam.check(false).await.expect("check");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == "corrupt-object" && p.detail.contains(&key)),
+        "{report:#?}"
+    );
 }
