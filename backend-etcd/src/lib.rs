@@ -2,10 +2,13 @@
 //!
 //! [`EtcdStore`] maps reads to etcd Range requests and every commit to exactly one etcd
 //! transaction; [`EtcdConfig`] says where etcd is and which key prefix the store owns.
+//! [`lease`] holds what the trait has no room for: keys kept alive on etcd leases (the node
+//! agent's liveness key and reclaimer leader key).
 //! [`testing`] starts throwaway `etcd` processes for tests and benchmarks.
 
 mod config;
 mod error;
+pub mod lease;
 mod store;
 pub mod testing;
 

@@ -48,6 +48,9 @@ pub struct EtcdStore {
     preferred: AtomicUsize,
     prefix: String,
     request_timeout: Duration,
+    /// Set once any request got an answer: until then, an unreachable etcd's error says what to
+    /// check (quorum, TLS), since that is most likely a configuration mistake.
+    answered: AtomicBool,
 }
 
 /// One endpoint and its lazily created client.
@@ -99,18 +102,7 @@ impl EtcdStore {
     /// - [`KvError::Other`] when etcd refused the credentials or the permission to read.
     pub async fn connect(config: EtcdConfig) -> Result<Self, KvError> {
         let store = Self::connect_lazy(config)?;
-        store.probe().await.map_err(|error| match error {
-            // A TLS mismatch (plain text against TLS, a missing client certificate) shows up
-            // only as a connection the server closed: say what to check.
-            KvError::Unavailable { message } => KvError::Unavailable {
-                message: format!(
-                    "{message} (check that etcd runs there with a quorum, and that the endpoint \
-                     matches its TLS: https:// and a CA file for a TLS etcd, plus a client \
-                     certificate and key when it requires them)"
-                ),
-            },
-            other => other,
-        })?;
+        store.probe().await?;
         Ok(store)
     }
 
@@ -136,6 +128,7 @@ impl EtcdStore {
             preferred: AtomicUsize::new(0),
             prefix: resolved.prefix,
             request_timeout: resolved.request_timeout,
+            answered: AtomicBool::new(false),
         })
     }
 
@@ -283,7 +276,33 @@ impl EtcdStore {
     /// Runs `request` against the preferred endpoint, moving on to the next endpoint and retrying
     /// (with a short pause) as long as the mapped error is `Unavailable`, within one request
     /// timeout overall.
-    async fn run<T, F, Fut>(&self, kind: Kind, mut request: F) -> Result<T, KvError>
+    async fn run<T, F, Fut>(&self, kind: Kind, request: F) -> Result<T, KvError>
+    where
+        F: FnMut(KvClient) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        match self.run_on_members(kind, request).await {
+            Ok(value) => {
+                self.answered.store(true, Ordering::Relaxed);
+                Ok(value)
+            }
+            // A TLS mismatch (plain text against TLS, a missing client certificate) shows up
+            // only as a connection the server closed: before etcd ever answered, say what to
+            // check.
+            Err(KvError::Unavailable { message }) if !self.answered.load(Ordering::Relaxed) => {
+                Err(KvError::Unavailable {
+                    message: format!(
+                        "{message} (check that etcd runs there with a quorum, and that the \
+                         endpoint matches its TLS: https:// and a CA file for a TLS etcd, plus \
+                         a client certificate and key when it requires them)"
+                    ),
+                })
+            }
+            Err(other) => Err(other),
+        }
+    }
+
+    async fn run_on_members<T, F, Fut>(&self, kind: Kind, mut request: F) -> Result<T, KvError>
     where
         F: FnMut(KvClient) -> Fut,
         Fut: Future<Output = Result<T, etcd_client::Error>>,
@@ -350,7 +369,7 @@ impl EtcdStore {
 }
 
 /// etcd client options from a validated configuration.
-fn connect_options(resolved: &Resolved) -> Result<ConnectOptions, KvError> {
+pub(crate) fn connect_options(resolved: &Resolved) -> Result<ConnectOptions, KvError> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(resolved.connect_timeout)
         .with_keep_alive(KEEP_ALIVE_INTERVAL, resolved.connect_timeout)

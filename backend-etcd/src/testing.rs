@@ -256,6 +256,39 @@ impl EtcdServer {
             .any(|line| line.trim() == "etcd_server_is_leader 1"))
     }
 
+    /// The sum of etcd's own `grpc_server_handled_total` counter over every gRPC method
+    /// (Range, Txn, Put, ...): how many requests clients have made to this member so far.
+    ///
+    /// # Errors
+    /// A message when the metrics cannot be read or hold no such counter.
+    pub fn grpc_requests_handled(&self) -> Result<std::collections::BTreeMap<String, u64>, String> {
+        let (_, body) = http_get(self.spec.metrics_port, "/metrics")?;
+        let mut by_method: std::collections::BTreeMap<String, u64> =
+            std::collections::BTreeMap::new();
+        for line in body.lines() {
+            let Some(rest) = line.strip_prefix("grpc_server_handled_total{") else {
+                continue;
+            };
+            let Some((labels, value)) = rest.rsplit_once("} ") else {
+                continue;
+            };
+            let method = labels
+                .split(',')
+                .find_map(|l| l.strip_prefix("grpc_method=\""))
+                .map(|m| m.trim_end_matches('"').to_owned())
+                .unwrap_or_default();
+            let count = value
+                .trim()
+                .parse::<f64>()
+                .map_err(|e| format!("bad counter line {line:?}: {e}"))?;
+            *by_method.entry(method).or_insert(0) += count as u64;
+        }
+        if by_method.is_empty() {
+            return Err("etcd's metrics hold no grpc_server_handled_total".into());
+        }
+        Ok(by_method)
+    }
+
     /// The process id of the running etcd, if any (to send it signals such as `SIGSTOP`).
     pub fn pid(&self) -> Option<u32> {
         self.process

@@ -31,6 +31,24 @@ pub struct AgentArgs {
     /// Seconds requests in flight at shutdown may take to finish
     #[arg(long, value_name = "SECONDS", default_value = "10")]
     pub shutdown_grace_seconds: f64,
+    /// Serve Prometheus metrics over HTTP at this IP:PORT (GET /metrics), for example
+    /// 127.0.0.1:9091; off when absent
+    #[arg(
+        long,
+        value_name = "ADDR",
+        env = "BLOCKIPAM_AGENT_METRICS_LISTEN",
+        help_heading = "Metrics"
+    )]
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Seconds a computation of the ipam_* gauges (one read of every pool and block) is reused by
+    /// later scrapes; 0 computes on every scrape
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value = "5",
+        help_heading = "Metrics"
+    )]
+    pub metrics_cache_seconds: f64,
     /// Create the store when it does not exist (off: a missing store is an error)
     #[arg(long)]
     pub create_if_missing: bool,
@@ -125,6 +143,26 @@ pub struct AgentArgs {
         help_heading = "Store"
     )]
     pub etcd_timeout_seconds: Option<f64>,
+    /// This node's name, as the plugin records it [default: /var/lib/calico/nodename, else the host name, lower-cased]
+    #[arg(
+        long,
+        value_name = "NAME",
+        env = "NODENAME",
+        help_heading = "Liveness and dead-node reclaim (etcd only)"
+    )]
+    pub node: Option<String>,
+    /// TTL of the etcd lease that keeps this node's liveness key; kept alive every TTL/3
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    pub liveness_ttl_seconds: u64,
+    /// How long a registered node's liveness must have been gone before its blocks and addresses are released
+    #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    pub dead_node_grace_seconds: u64,
+    /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)
+    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    pub reclaim_interval_seconds: u64,
+    /// Never reclaim dead nodes from this agent (this node's own liveness is still kept)
+    #[arg(long, help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    pub no_reclaim: bool,
 }
 
 fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {
@@ -175,6 +213,8 @@ impl AgentArgs {
             lock_wait: seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?,
             create_if_missing: self.create_if_missing,
             agent_socket: None,
+            // The agent probes etcd at start, so that a wrong setting stops it at once.
+            lazy_etcd_connect: false,
         };
         if datastore_type == DatastoreType::Etcdv3 {
             settings
@@ -182,6 +222,14 @@ impl AgentArgs {
                 .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
         }
         Ok(settings)
+    }
+
+    /// How long a computation of the IPAM gauges is reused.
+    ///
+    /// # Errors
+    /// [`AgentError`] for a bad number of seconds.
+    pub fn metrics_cache(&self) -> Result<Duration, AgentError> {
+        seconds(self.metrics_cache_seconds, "metrics-cache-seconds", true)
     }
 
     /// The bound on finishing requests at shutdown.

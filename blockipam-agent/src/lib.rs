@@ -7,6 +7,9 @@
 //! `backend_agent::AgentStore`. See `docs/agent.md`.
 
 pub mod cli;
+pub mod counters;
+pub mod liveness;
+pub mod metrics;
 pub mod server;
 pub mod socket;
 
@@ -54,12 +57,22 @@ impl std::error::Error for AgentError {}
 pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
     let settings = args.datastore_settings()?;
     socket::refuse_if_live(&args.socket)?;
+    // Shared by the dead-node reclaimer (adds) and the metrics endpoint (reads).
+    let reclaim_counters = Arc::new(counters::ReclaimCounters::default());
+    // Bound before the store is opened: a bad --metrics-listen stops the agent at once.
+    let metrics_endpoint =
+        metrics::MetricsEndpoint::from_args(args, Arc::clone(&reclaim_counters))?;
     let store: Arc<dyn KvStore> = settings.open().await.map_err(|e| {
         AgentError::new(format!(
             "cannot open the store ({}): {e}",
             settings.describe()
         ))
     })?;
+    let store = match &metrics_endpoint {
+        Some(endpoint) => endpoint.metrics().instrument(store),
+        None => store,
+    };
+    let liveness = liveness::start_for(args, &settings, &store, &reclaim_counters).await?;
     let served = settings.identity();
     let (listener, guard) = socket::bind(&args.socket, !args.allowed_uid.is_empty())?;
     tracing::info!(
@@ -72,9 +85,18 @@ pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result
         served,
         allowed_uids: args.allowed_uid.clone(),
         drain_timeout: args.shutdown_grace()?,
+        metrics: metrics_endpoint.as_ref().map(|e| Arc::clone(e.metrics())),
         ..ServerConfig::default()
     };
+    let metrics_server = metrics_endpoint.map(|e| e.spawn(Arc::downgrade(&store)));
     serve(listener, store, config, shutdown).await;
+    if let Some(liveness) = liveness {
+        liveness.stop().await;
+    }
+    if let Some(metrics_server) = metrics_server {
+        // A scrape in progress may hold the store: it is dropped here.
+        metrics_server.stop().await;
+    }
     // `serve` has dropped every clone of the store it handed out: the store is closed here.
     drop(guard);
     tracing::info!(socket = %args.socket.display(), "blockipam-agent stopped");

@@ -14,6 +14,8 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 
+use crate::metrics::{AgentMetrics, ConnectionOutcome};
+
 /// How the server treats its peers and its shutdown.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerConfig {
@@ -25,6 +27,8 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Requests one connection may have in flight; further ones wait to be read.
     pub max_in_flight_per_connection: usize,
+    /// Where request latencies and connection outcomes are recorded (`--metrics-listen`).
+    pub metrics: Option<Arc<AgentMetrics>>,
 }
 
 impl Default for ServerConfig {
@@ -39,6 +43,7 @@ impl Default for ServerConfig {
             allowed_uids: Vec::new(),
             drain_timeout: Duration::from_secs(10),
             max_in_flight_per_connection: 64,
+            metrics: None,
         }
     }
 }
@@ -115,11 +120,13 @@ async fn serve_connection(
         Ok(credentials) => credentials,
         Err(e) => {
             tracing::warn!("closing a connection whose peer credentials cannot be read: {e}");
+            count_connection(&config, ConnectionOutcome::CredentialsUnreadable);
             return;
         }
     };
     let (uid, pid) = (peer.uid(), peer.pid());
     if !config.allows(uid) {
+        count_connection(&config, ConnectionOutcome::Refused);
         tracing::warn!(
             uid,
             pid = ?pid,
@@ -133,6 +140,7 @@ async fn serve_connection(
         return;
     }
     tracing::debug!(uid, pid = ?pid, "connection accepted");
+    count_connection(&config, ConnectionOutcome::Accepted);
     let (mut reader, mut writer) = stream.into_split();
     let limit = config.max_in_flight_per_connection.max(1);
     let (answers, mut outgoing) = mpsc::channel::<Vec<u8>>(limit);
@@ -194,8 +202,14 @@ async fn serve_connection(
         let store = Arc::clone(&store);
         let answers = answers.clone();
         let served = config.served.clone();
+        let metrics = config.metrics.clone();
         requests.spawn(async move {
+            let kind = frame.request.kind();
+            let started = std::time::Instant::now();
             let response = answer(&*store, frame.request, served).await;
+            if let Some(metrics) = &metrics {
+                metrics.observe_request(kind, started.elapsed());
+            }
             if let Some(bytes) = encode(frame.id, response) {
                 let _ = answers.send(bytes).await;
             }
@@ -207,6 +221,12 @@ async fn serve_connection(
     while requests.join_next().await.is_some() {}
     drop(answers);
     let _ = write_task.await;
+}
+
+fn count_connection(config: &ServerConfig, outcome: ConnectionOutcome) {
+    if let Some(metrics) = &config.metrics {
+        metrics.count_connection(outcome);
+    }
 }
 
 /// Tells a peer why it is refused, then closes (bounded: a peer that does not read is dropped).

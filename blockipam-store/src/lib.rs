@@ -147,6 +147,10 @@ pub struct DatastoreSettings {
     /// another; a socket that does not answer in time is [`KvError::Unavailable`]. No socket
     /// file: the store is opened directly.
     pub agent_socket: Option<PathBuf>,
+    /// etcd only: skip the probe read that [`open`](Self::open) makes so that a bad endpoint,
+    /// TLS setting or credential fails at once; the first real request then reports it (with
+    /// the same hint). What the plugin sets: a CNI call is short and every round trip counts.
+    pub lazy_etcd_connect: bool,
 }
 
 impl Default for DatastoreSettings {
@@ -165,6 +169,7 @@ impl Default for DatastoreSettings {
             lock_wait: DEFAULT_LOCK_WAIT,
             create_if_missing: false,
             agent_socket: Some(PathBuf::from(DEFAULT_AGENT_SOCKET)),
+            lazy_etcd_connect: false,
         }
     }
 }
@@ -331,6 +336,9 @@ impl DatastoreSettings {
                     ..RedbConfig::new(path).with_lock_wait(self.lock_wait)
                 };
                 Ok(Arc::new(RedbStore::open(config).await?))
+            }
+            DatastoreType::Etcdv3 if self.lazy_etcd_connect => {
+                Ok(Arc::new(EtcdStore::connect_lazy(self.etcd_config()?)?))
             }
             DatastoreType::Etcdv3 => Ok(Arc::new(EtcdStore::connect(self.etcd_config()?).await?)),
         }

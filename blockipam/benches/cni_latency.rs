@@ -4,16 +4,24 @@
 //!
 //! Every call is one process started with the CNI environment and the netconf on stdin, exactly as
 //! a runtime starts it; the time is from spawn to exit. blockipam runs on sled, redb and etcd (a
-//! throwaway `etcd` on loopback), host-local on its data directory, all in the same run, each
-//! with 0 and with 10,000 addresses already allocated:
-//! - blockipam is prefilled through the allocator API (after one plugin ADD/DEL has created the
-//!   pool and reserved the gateway): "10k cluster" spreads them over 100 other nodes (100 each,
-//!   what a node sees in a cluster), "10k this node" puts all of them on the benchmarked node
-//!   (157 blocks of its own; `max_blocks_per_host` set to unlimited for that);
+//! throwaway `etcd` on loopback), each with the store opened by the plugin itself ("direct") and
+//! through a `blockipam-agent` holding it open ("agent": the agent's own `run`, in this process,
+//! on a socket in the run's temporary directory, named by the netconf's `agent_socket`);
+//! host-local on its data directory; all in the same run, each with 0 and with 10,000 addresses
+//! already allocated:
+//! - blockipam is prefilled through the allocator API (through the agent in agent mode, after one
+//!   plugin ADD/DEL has created the pool and reserved the gateway): "10k cluster" spreads them over
+//!   100 other nodes (100 each, what a node sees in a cluster), "10k this node" puts all of them on
+//!   the benchmarked node (157 blocks of its own; `max_blocks_per_host` set to unlimited for that);
 //! - host-local is prefilled by writing its data-directory files (one per address, as it does).
 //!
-//! Peak RSS comes from a second pass of the same calls under `/usr/bin/time -f %M`, so the
-//! timings carry no wrapper. `BLOCKIPAM_BENCH_CALLS` sets the calls per mode (default 200).
+//! Peak RSS (of the plugin process) comes from a second pass of the same calls under
+//! `/usr/bin/time -f %M`, so the timings carry no wrapper. Environment: `BLOCKIPAM_BENCH_CALLS`
+//! sets the calls per mode (default 200); `BLOCKIPAM_BENCH_ONLY` (comma-separated words of the row
+//! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|10k this node>`, such as
+//! `sled,agent,0` or `redb`) runs only the blockipam rows whose label has every word (host-local
+//! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load average is printed with the table: figures from a
+//! busy machine are provisional.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -23,10 +31,19 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::ffi::OsString;
+
+use backend_agent::{AgentConfig, AgentStore};
 use backend_etcd::testing::{unique_prefix, EtcdServer};
 use blockipam_store::{DatastoreSettings, DatastoreType};
-use ipam_core::{AutoAssignRequest, Ipam, IpamConfig, KvStore, PoolSpec};
+use ipam_core::{AutoAssignRequest, Ipam, IpamConfig, KvStore, Op, PoolSpec, Txn};
 use serde_json::{json, Value};
+
+#[allow(dead_code)]
+#[path = "../tests/common/agent.rs"]
+mod agent;
+
+use agent::InProcessAgent;
 
 const BIN: &str = env!("CARGO_BIN_EXE_blockipam");
 const HOST_LOCAL: &str = "/usr/lib/cni/host-local";
@@ -55,6 +72,8 @@ impl Prefill {
 
 struct Row {
     plugin: String,
+    /// "direct" or "agent" for blockipam, "" for host-local.
+    access: &'static str,
     prefill: &'static str,
     add: Vec<Duration>,
     del: Vec<Duration>,
@@ -125,7 +144,13 @@ fn call(
     (elapsed, peak)
 }
 
-fn measure(plugin_name: String, prefill: &'static str, plugin: &Path, netconf: &Value) -> Row {
+fn measure(
+    plugin_name: String,
+    access: &'static str,
+    prefill: &'static str,
+    plugin: &Path,
+    netconf: &Value,
+) -> Row {
     let bytes = netconf.to_string().into_bytes();
     let n = calls();
     // Warm the page cache and the store once.
@@ -152,6 +177,7 @@ fn measure(plugin_name: String, prefill: &'static str, plugin: &Path, netconf: &
     };
     Row {
         plugin: plugin_name,
+        access,
         prefill,
         add,
         del,
@@ -281,6 +307,122 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+/// How the plugin reaches the store.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Direct,
+    Agent,
+}
+
+impl Access {
+    fn label(self) -> &'static str {
+        match self {
+            Access::Direct => "direct",
+            Access::Agent => "agent",
+        }
+    }
+}
+
+/// Whether `BLOCKIPAM_BENCH_ONLY` selects the row labelled `label` (every word must be one of
+/// the label's words: `sled,agent,0` is sled through the agent on the empty store only).
+fn selected(label: &str) -> bool {
+    match std::env::var("BLOCKIPAM_BENCH_ONLY") {
+        Ok(words) => words
+            .split(',')
+            .map(str::trim)
+            .filter(|w| !w.is_empty())
+            .all(|w| label.split_whitespace().any(|token| token == w)),
+        Err(_) => true,
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Measures blockipam on `kind` reached as `access`, after `prefill`.
+fn measure_blockipam(
+    etcd: &EtcdServer,
+    kind: DatastoreType,
+    access: Access,
+    prefill: Prefill,
+) -> Row {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let (mut netconf_settings, mut settings, agent_store_flags) = match kind {
+        DatastoreType::Etcdv3 => {
+            let prefix = unique_prefix();
+            (
+                json!({"datastore_type": "etcdv3", "etcd_endpoints": etcd.endpoint(), "etcd_prefix": prefix}),
+                DatastoreSettings {
+                    datastore_type: kind,
+                    etcd_endpoints: vec![etcd.endpoint()],
+                    etcd_prefix: Some(prefix.clone()),
+                    ..DatastoreSettings::default()
+                },
+                ["--datastore-type", "etcdv3", "--etcd-endpoints"]
+                    .map(OsString::from)
+                    .into_iter()
+                    .chain([
+                        etcd.endpoint().into(),
+                        "--etcd-prefix".into(),
+                        prefix.into(),
+                    ])
+                    .collect::<Vec<OsString>>(),
+            )
+        }
+        _ => {
+            let (netconf, settings) = embedded(kind, dir.path());
+            let path = settings.path.clone().expect("an embedded path");
+            let flags = ["--datastore-type", kind.as_str(), "--datastore-path"]
+                .map(OsString::from)
+                .into_iter()
+                .chain([path.into(), "--create-if-missing".into()])
+                .collect();
+            (netconf, settings, flags)
+        }
+    };
+    // Declared after `dir`: stopped (and its store closed) before the directory goes.
+    let _agent = match access {
+        Access::Direct => {
+            settings.agent_socket = None;
+            if let Value::Object(extra) = &mut netconf_settings {
+                extra.insert("agent_socket".into(), json!("none"));
+            }
+            None
+        }
+        Access::Agent => {
+            settings.agent_socket = Some(socket.clone());
+            if let Value::Object(extra) = &mut netconf_settings {
+                extra.insert("agent_socket".into(), json!(socket));
+            }
+            Some(
+                InProcessAgent::start_with_flags(&socket, agent_store_flags)
+                    .unwrap_or_else(|e| panic!("start the agent: {e}")),
+            )
+        }
+    };
+    let netconf = blockipam_netconf(dir.path(), netconf_settings);
+    // The plugin creates the pool and reserves the gateway (as on a live node) before the
+    // prefill takes 10,000 addresses.
+    let setup = netconf.to_string().into_bytes();
+    call(Path::new(BIN), "ADD", "setup", &setup, false);
+    call(Path::new(BIN), "DEL", "setup", &setup, false);
+    runtime().block_on(async {
+        let store = settings.open().await.expect("open the store");
+        prefill_blockipam(store, prefill).await;
+    });
+    measure(
+        format!("blockipam ({})", kind.as_str()),
+        access.label(),
+        prefill.label(),
+        Path::new(BIN),
+        &netconf,
+    )
+}
+
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         // Built and started by `cargo test --all-targets`: measure only under `cargo bench`.
@@ -291,24 +433,21 @@ fn main() {
         Path::new(HOST_LOCAL).is_file(),
         "this benchmark runs Debian's host-local beside blockipam: apt-get install containernetworking-plugins"
     );
+    let load_before = load_average();
     let etcd = EtcdServer::start().expect("start etcd (apt-get install etcd-server)");
     let mut rows = Vec::new();
     for prefill in [Prefill::Empty, Prefill::Cluster, Prefill::ThisNode] {
-        if prefill != Prefill::ThisNode {
+        if prefill != Prefill::Cluster {
             let dir = tempfile::tempdir().expect("temp dir");
             let data = dir.path().join("host-local");
-            if prefill == Prefill::Cluster {
+            if prefill == Prefill::ThisNode {
                 prefill_host_local(&data);
             }
-            let label = if prefill == Prefill::Empty {
-                "0"
-            } else {
-                "10k"
-            };
-            eprintln!("host-local, {label} prefilled ...");
+            eprintln!("host-local, {} prefilled ...", prefill.label());
             rows.push(measure(
                 "host-local".into(),
-                label,
+                "",
+                prefill.label(),
                 Path::new(HOST_LOCAL),
                 &host_local_netconf(&data),
             ));
@@ -318,63 +457,214 @@ fn main() {
             DatastoreType::Redb,
             DatastoreType::Etcdv3,
         ] {
-            let dir = tempfile::tempdir().expect("temp dir");
-            let (netconf_settings, settings) = match kind {
-                DatastoreType::Etcdv3 => {
-                    let prefix = unique_prefix();
-                    (
-                        json!({"datastore_type": "etcdv3", "etcd_endpoints": etcd.endpoint(), "etcd_prefix": prefix}),
-                        DatastoreSettings {
-                            datastore_type: kind,
-                            etcd_endpoints: vec![etcd.endpoint()],
-                            etcd_prefix: Some(prefix),
-                            ..DatastoreSettings::default()
-                        },
-                    )
+            for access in [Access::Agent, Access::Direct] {
+                let label = format!("{} {} {}", kind.as_str(), access.label(), prefill.label());
+                if !selected(&label) {
+                    continue;
                 }
-                _ => embedded(kind, dir.path()),
-            };
-            eprintln!(
-                "blockipam {}, {} prefilled ...",
-                kind.as_str(),
-                prefill.label()
-            );
-            let netconf = blockipam_netconf(dir.path(), netconf_settings);
-            // The plugin creates the pool and reserves the gateway (as on a live node) before
-            // the prefill takes 10,000 addresses.
-            let setup = netconf.to_string().into_bytes();
-            call(Path::new(BIN), "ADD", "setup", &setup, false);
-            call(Path::new(BIN), "DEL", "setup", &setup, false);
-            runtime().block_on(async {
-                let store = settings.open().await.expect("open the store");
-                prefill_blockipam(store, prefill).await;
-            });
-            rows.push(measure(
-                format!("blockipam ({})", kind.as_str()),
-                prefill.label(),
-                Path::new(BIN),
-                &netconf,
-            ));
+                eprintln!("blockipam {label} prefilled ...");
+                rows.push(measure_blockipam(&etcd, kind, access, prefill));
+            }
         }
     }
+    print_table(&rows);
+    if selected("sled agent 0") {
+        let add = rows
+            .iter()
+            .find(|r| r.plugin == "blockipam (sled)" && r.access == "agent" && r.prefill == "0")
+            .map(|r| quantile(&r.add, 0.5));
+        print_breakdown(add);
+    }
     println!(
-        "| plugin | allocated before | ADD median ms | ADD p90 ms | DEL median ms | DEL p90 ms | peak RSS KiB | ADD median vs host-local |"
+        "\n{} calls per mode; host-local's `10k this node` row is the baseline of both 10k rows. \
+         Load average (1, 5, 15 min) before: {load_before}; after: {}.",
+        calls(),
+        load_average()
     );
-    println!("|---|---|---|---|---|---|---|---|");
-    let baseline = |prefill: &str| {
-        let key = if prefill == "0" { "0" } else { "10k" };
+}
+
+/// Median of `samples` runs of `f`, in ms.
+fn median_ms(samples: usize, mut f: impl FnMut()) -> f64 {
+    let times: Vec<Duration> = (0..samples)
+        .map(|_| {
+            let started = Instant::now();
+            f();
+            started.elapsed()
+        })
+        .collect();
+    quantile(&times, 0.5)
+}
+
+/// Where a call through the agent (sled, empty store) spends its time, measured piece by piece
+/// in this run: a bare process, the plugin's own start and exit (VERSION), and, from this
+/// process, the agent's connect + hello, a read round trip and a commit round trip (the agent
+/// makes the commit durable before it answers), beside sled's own durable commit.
+fn print_breakdown(add_median: Option<f64>) {
+    const SAMPLES: usize = 200;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let (_, settings) = embedded(DatastoreType::Sled, dir.path());
+    let path = settings.path.clone().expect("an embedded path");
+    let bare = median_ms(SAMPLES, || {
+        let status = Command::new("/bin/true").status().expect("run /bin/true");
+        assert!(status.success());
+    });
+    let version = median_ms(SAMPLES, || {
+        let output = Command::new(BIN)
+            .env_clear()
+            .env("CNI_COMMAND", "VERSION")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run the plugin");
+        assert!(output.status.success());
+    });
+    let sled_commit = runtime().block_on(async {
+        let store = settings.open_directly().await.expect("open sled");
+        let mut times = Vec::with_capacity(SAMPLES);
+        for i in 0..SAMPLES {
+            let started = Instant::now();
+            store
+                .commit(Txn::new().then(Op::put(format!("bench/{i}"), vec![7u8; 300])))
+                .await
+                .expect("commit");
+            times.push(started.elapsed());
+        }
+        quantile(&times, 0.5)
+    });
+    let store_flags = ["--datastore-type", "sled", "--datastore-path"]
+        .map(OsString::from)
+        .into_iter()
+        .chain([path.into()])
+        .collect();
+    let _agent = InProcessAgent::start_with_flags(&socket, store_flags)
+        .unwrap_or_else(|e| panic!("start the agent: {e}"));
+    // A whole plugin call that reaches the store but writes nothing: DEL of a container that
+    // holds nothing (connect + hello, one batched read, no commit).
+    let (mut netconf_settings, _) = embedded(DatastoreType::Sled, dir.path());
+    if let Value::Object(extra) = &mut netconf_settings {
+        extra.insert("agent_socket".into(), json!(socket));
+    }
+    let netconf = blockipam_netconf(dir.path(), netconf_settings)
+        .to_string()
+        .into_bytes();
+    call(Path::new(BIN), "ADD", "setup", &netconf, false);
+    call(Path::new(BIN), "DEL", "setup", &netconf, false);
+    let del_nothing: Vec<Duration> = (0..SAMPLES)
+        .map(|i| {
+            call(
+                Path::new(BIN),
+                "DEL",
+                &format!("nothing-{i}"),
+                &netconf,
+                false,
+            )
+            .0
+        })
+        .collect();
+    let del_nothing = quantile(&del_nothing, 0.5);
+    let (connect, read, commit, idle_read) = runtime().block_on(async {
+        let mut connect = Vec::with_capacity(SAMPLES);
+        for _ in 0..SAMPLES {
+            let started = Instant::now();
+            let client = AgentStore::connect(AgentConfig::new(&socket))
+                .await
+                .expect("connect to the agent");
+            connect.push(started.elapsed());
+            drop(client);
+        }
+        let client = AgentStore::connect(AgentConfig::new(&socket))
+            .await
+            .expect("connect to the agent");
+        let mut read = Vec::with_capacity(SAMPLES);
+        let mut commit = Vec::with_capacity(SAMPLES);
+        let mut idle_read = Vec::with_capacity(SAMPLES);
+        for _ in 0..SAMPLES {
+            // The agent's threads park when idle, as between two plugin calls.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let started = Instant::now();
+            client.get("bench/0").await.expect("get");
+            idle_read.push(started.elapsed());
+        }
+        for i in 0..SAMPLES {
+            let started = Instant::now();
+            client.get("bench/0").await.expect("get");
+            read.push(started.elapsed());
+            let started = Instant::now();
+            client
+                .commit(Txn::new().then(Op::put(format!("bench/{i}"), vec![8u8; 300])))
+                .await
+                .expect("commit");
+            commit.push(started.elapsed());
+        }
+        (
+            quantile(&connect, 0.5),
+            quantile(&read, 0.5),
+            quantile(&commit, 0.5),
+            quantile(&idle_read, 0.5),
+        )
+    });
+    println!("\nWhere a call through the agent goes (sled, medians of {SAMPLES}, ms):\n");
+    println!("| piece | ms |\n|---|---|");
+    println!("| a bare process (`/bin/true`), spawn to exit | {bare:.2} |");
+    println!("| the plugin's start and exit (`VERSION`: no runtime, no store) | {version:.2} |");
+    println!("| connect + hello to the agent | {connect:.2} |");
+    println!("| one read round trip through the agent | {read:.2} |");
+    println!("| the same after 5 ms idle (the agent's threads parked) | {idle_read:.2} |");
+    println!(
+        "| one commit round trip through the agent (durable before the answer) | {commit:.2} |"
+    );
+    println!("| of which sled's own durable commit, in process | {sled_commit:.2} |");
+    println!(
+        "| a whole plugin call that reads and writes nothing: DEL of a container holding nothing (hello + one read) | {del_nothing:.2} |"
+    );
+    if let Some(add) = add_median {
+        // ADD through the agent: hello, one batched read, one commit (when the allocator makes
+        // two round trips per ADD; more round trips make the remainder larger).
+        let rest = add - version - connect - read - commit;
+        println!("| ADD through the agent (sled, 0 allocated), from the table | {add:.2} |");
+        println!(
+            "| the rest (runtime, netconf parse, host lock, allocator, output, cold wake-ups; ADD minus VERSION, connect + hello, one read, one commit) | {rest:.2} |"
+        );
+        println!(
+            "| ADD minus the DEL that writes nothing (the commit and the allocator's work) | {:.2} |",
+            add - del_nothing
+        );
+    }
+}
+
+/// Prints the markdown table: medians, p90, peak RSS, the ratio to host-local's ADD median of the
+/// same prefill, and the ratio of each mode's ADD median to its own empty-store one.
+fn print_table(rows: &[Row]) {
+    println!(
+        "| plugin | store access | allocated before | ADD median ms | ADD p90 ms | DEL median ms | DEL p90 ms | peak RSS KiB | ADD median vs host-local | ADD median vs 0 allocated |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let add_median = |plugin: &str, access: &str, prefill: &str| {
         rows.iter()
-            .find(|r| r.plugin == "host-local" && r.prefill == key)
+            .find(|r| r.plugin == plugin && r.access == access && r.prefill == prefill)
             .map(|r| quantile(&r.add, 0.5))
     };
-    for row in &rows {
+    for row in rows {
         let add = quantile(&row.add, 0.5);
-        let ratio = baseline(row.prefill)
+        let baseline_prefill = if row.prefill == Prefill::Empty.label() {
+            Prefill::Empty.label()
+        } else {
+            Prefill::ThisNode.label()
+        };
+        let vs_host_local = add_median("host-local", "", baseline_prefill)
             .map(|b| format!("{:.2}×", add / b))
             .unwrap_or_default();
+        let vs_empty = if row.prefill == Prefill::Empty.label() {
+            String::new()
+        } else {
+            add_median(&row.plugin, row.access, Prefill::Empty.label())
+                .map(|b| format!("{:.2}×", add / b))
+                .unwrap_or_default()
+        };
         println!(
-            "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
             row.plugin,
+            row.access,
             row.prefill,
             add,
             quantile(&row.add, 0.9),
@@ -383,11 +673,8 @@ fn main() {
             row.rss_kib
                 .map(|k| k.to_string())
                 .unwrap_or_else(|| "n/a (no /usr/bin/time)".into()),
-            ratio
+            vs_host_local,
+            vs_empty
         );
     }
-    println!(
-        "\n{} calls per mode; host-local `10k` rows are the baseline for both blockipam 10k rows.",
-        calls()
-    );
 }

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use ipam_core::network_setup::{self, NetworkSetup};
 use ipam_core::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, BlockUsage, Family, Ipam,
     IpamError, Pool, ReleaseRequest, Utilization,
@@ -142,31 +143,41 @@ pub async fn ensure_pools(ipam: &Ipam, conf: &NetConf) -> Result<Vec<Pool>, CniE
     Ok(pools)
 }
 
-/// The addresses a network reserves: each configured gateway that lies in an enabled pool and,
-/// because the result then reports that pool's prefix, the pool's network address and (IPv4)
-/// broadcast address, so no container is given an address that is not a host address of the
-/// reported subnet.
+/// The addresses a network reserves ([`network_setup::reserved_addresses`]); a gateway in no
+/// enabled pool is logged, as it is neither reserved nor reported.
 pub fn reserved_addresses(conf: &NetConf, pools: &[Pool]) -> Vec<IpAddr> {
-    let mut reserved = Vec::new();
-    for gateway in &conf.gateways {
-        let Some(pool) = pools
-            .iter()
-            .find(|p| !p.disabled && p.cidr.contains(gateway))
-        else {
-            tracing::warn!(%gateway, "the gateway lies in no enabled pool: it is neither reserved nor reported");
-            continue;
-        };
-        reserved.push(*gateway);
-        reserved.push(pool.cidr.network());
-        if let IpNet::V4(net) = pool.cidr {
-            if net.prefix_len() < 31 {
-                reserved.push(IpAddr::V4(net.broadcast()));
-            }
+    for gateway in network_setup::gateways_outside_pools(pools, &conf.gateways) {
+        tracing::warn!(%gateway, "the gateway lies in no enabled pool: it is neither reserved nor reported");
+    }
+    network_setup::reserved_addresses(pools, &conf.gateways)
+}
+
+/// What the netconf needs in place before an address is handed out, for auto-assign to check
+/// in its own read: the netconf's pools, and its gateways' reservations.
+pub fn network_setup(conf: &NetConf) -> NetworkSetup {
+    NetworkSetup {
+        pools: conf.pools.clone(),
+        gateways: conf.gateways.clone(),
+        reservation_handle: gateway_handle(&conf.name),
+    }
+}
+
+/// The slow path of ADD, taken on a network's first call and whenever something it needs went
+/// missing: creates the netconf's missing pools, reserves its addresses and confirms them (so
+/// that the next calls see it all in place in auto-assign's one read). Returns the pools.
+///
+/// # Errors
+/// As [`ensure_pools`]; reservation failures are only logged (they are tried again next time).
+pub async fn prepare_network(ipam: &Ipam, conf: &NetConf) -> Result<Vec<Pool>, CniError> {
+    let pools = ensure_pools(ipam, conf).await?;
+    if let Err(e) = reserve_addresses(ipam, conf, &pools).await {
+        tracing::warn!(network = %conf.name, code = e.code, "the network's reservations could not be made ({}); going on, they are tried again at the next ADD", e.msg);
+    } else if !conf.gateways.is_empty() {
+        if let Err(e) = ipam.confirm_reservations(&gateway_handle(&conf.name)).await {
+            tracing::warn!(network = %conf.name, "the network's reservations could not be confirmed ({e}); the next ADD checks them again");
         }
     }
-    let mut seen = BTreeSet::new();
-    reserved.retain(|ip| seen.insert(*ip));
-    reserved
+    Ok(pools)
 }
 
 /// Reserves [`reserved_addresses`] once per network (held by [`gateway_handle`] on node
@@ -224,12 +235,9 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             "nothing to assign: assign_ipv4 is \"false\", assign_ipv6 is not \"true\", and no specific address was asked for",
         ));
     }
-    let pools = ensure_pools(ipam, conf).await?;
-    if let Err(e) = reserve_addresses(ipam, conf, &pools).await {
-        tracing::warn!(network = %conf.name, code = e.code, "the network's reservations could not be made ({}); going on, they are tried again at the next ADD", e.msg);
-    }
     let handle = call.handle();
-    let addresses = if !requested.is_empty() {
+    if !requested.is_empty() {
+        let pools = prepare_network(ipam, conf).await?;
         refuse_non_host_addresses(conf, &pools, &requested)?;
         refuse_other_attachments_addresses(ipam, call, &requested).await?;
         let request = AssignIpsRequest {
@@ -239,8 +247,10 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             attributes: call.attributes(),
             ..Default::default()
         };
-        ipam.assign_ips(&request).await.map_err(|e| from_ipam(&e))?
-    } else {
+        let addresses = ipam.assign_ips(&request).await.map_err(|e| from_ipam(&e))?;
+        return Ok(shape_result(conf, &pools, &addresses));
+    }
+    {
         let mut request = AutoAssignRequest {
             handle: handle.clone(),
             host: call.node.to_owned(),
@@ -250,12 +260,23 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             v6_pools: conf.ipv6_pools.clone(),
             attributes: call.attributes(),
             reuse_existing: true,
-            skip_block_edges: may_report_block_prefix(conf, &pools),
+            skip_block_edges: false,
+            setup: Some(network_setup(conf)),
         };
-        let first = ipam
-            .auto_assign(&request)
-            .await
-            .map_err(|e| from_ipam(&e))?;
+        // The steady state: everything the network needs is in place, checked inside
+        // auto-assign's one read. Otherwise set it up and ask again.
+        let first = match ipam.auto_assign(&request).await {
+            Err(IpamError::SetupNeeded(reason)) => {
+                tracing::info!(network = %conf.name, %reason, "setting the network up");
+                let pools = prepare_network(ipam, conf).await?;
+                request.setup = None;
+                request.skip_block_edges = may_report_block_prefix(conf, &pools);
+                ipam.auto_assign(&request).await
+            }
+            other => other,
+        }
+        .map_err(|e| from_ipam(&e))?;
+        let pools = first.pools.clone();
         let mut held: Vec<AssignedAddress> = first.v4.into_iter().chain(first.v6).collect();
         if first.reused {
             let on_handle = ipam
@@ -283,9 +304,8 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
                     .collect();
             }
         }
-        held
-    };
-    Ok(shape_result(conf, &pools, &addresses))
+        Ok(shape_result(conf, &pools, &held))
+    }
 }
 
 /// True when an automatically assigned address may be reported with its block's prefix: a
@@ -484,10 +504,17 @@ fn reported_prefix(
 /// Store failures.
 pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniError> {
     let handle = call.handle();
-    let held = ipam
-        .allocations_by_handle(&handle)
+    // One batched read (the handle and this node's blocks) and one transaction.
+    let outcome = ipam
+        .release_chosen(&handle, call.node, |held| {
+            attachment_allocations(held, call.ifname)
+                .into_iter()
+                .map(|info| info.ip)
+                .collect()
+        })
         .await
         .map_err(|e| from_ipam(&e))?;
+    let held = outcome.held;
     if held.is_empty() {
         if let Some(legacy) = call.args.legacy_handle() {
             let released = ipam
@@ -502,37 +529,17 @@ pub async fn del(ipam: &Ipam, call: &Attachment<'_>) -> Result<Vec<IpAddr>, CniE
         tracing::info!(%handle, "nothing to release");
         return Ok(Vec::new());
     }
-    let mine = attachment_allocations(&held, call.ifname);
     let unproven: Vec<IpAddr> = held
         .iter()
         .filter(|info| !info.attributes.contains_key(ATTR_INTERFACE))
-        .filter(|info| !mine.iter().any(|m| m.ip == info.ip))
+        .filter(|info| !outcome.released.contains(&info.ip))
         .map(|info| info.ip)
         .collect();
     if !unproven.is_empty() {
         tracing::info!(%handle, ifname = call.ifname, ?unproven, "left allocations that record no interface: they are not provably this attachment's (GC releases them once the container has no valid attachment)");
     }
-    let released = if mine.len() == held.len() {
-        ipam.release_handle(&handle)
-            .await
-            .map_err(|e| from_ipam(&e))?
-    } else if mine.is_empty() {
-        Vec::new()
-    } else {
-        let requests: Vec<ReleaseRequest> = mine
-            .iter()
-            .map(|info| ReleaseRequest {
-                ip: info.ip,
-                sequence: Some(info.sequence),
-            })
-            .collect();
-        ipam.release_ips(&requests)
-            .await
-            .map_err(|e| from_ipam(&e))?
-            .released
-    };
-    tracing::info!(%handle, ifname = call.ifname, ?released, "released");
-    Ok(released)
+    tracing::info!(%handle, ifname = call.ifname, released = ?outcome.released, "released");
+    Ok(outcome.released)
 }
 
 /// CHECK: what this attachment holds ([`attachment_allocations`] of its handle, or Calico's

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use ipam_core::fault::{self, FaultPoint};
 use ipam_core::lockfile::LockFile;
-use ipam_core::Ipam;
+use ipam_core::{CountingStore, Ipam};
 use serde_json::Value;
 
 use crate::args::{parse_cni_args, CniArgs};
@@ -383,7 +383,10 @@ async fn with_store(
     settings.etcd_timeouts = Some(etcd_timeouts(conf.timeout));
     tracing::debug!(store = %settings.describe(), "opening the store");
     let store = settings.open().await.map_err(|e| from_kv(&e, true))?;
-    let ipam = Ipam::new(store);
+    // Every call logs (at debug) how many store round trips it made: the figure the allocator
+    // is built to keep at two per steady-state ADD and per DEL.
+    let counted = Arc::new(CountingStore::new(store));
+    let ipam = Ipam::new(counted.clone());
     let attachment = Attachment {
         conf,
         container_id: &env.container_id,
@@ -409,7 +412,24 @@ async fn with_store(
         Command::Status => commands::status(&ipam, conf, node).await.map(|()| None),
         Command::Version => Ok(Some(version_info())),
     };
-    // Close the store before anything is printed.
-    drop(ipam);
+    let trips = counted.round_trips();
+    tracing::debug!(
+        command = command.name(),
+        reads = trips.reads,
+        commits = trips.commits,
+        round_trips = trips.total(),
+        "store round trips"
+    );
+    // Close the store before anything is printed. An engine that panicked inside the call (redb
+    // on some damaged pages; the adapter turned that panic into the call's error) may panic
+    // again while closing, on the lock its first panic poisoned: that must not kill the plugin
+    // without an answer. What was committed is on disk already (each commit is synced).
+    let closed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        drop(ipam);
+        drop(counted);
+    }));
+    if closed.is_err() {
+        tracing::error!("the store failed while closing (see the internal failure above)");
+    }
     outcome
 }

@@ -441,6 +441,8 @@ pub fn parse_netconf(
             Some(text) if matches!(text.trim(), "" | "none") => None,
             Some(text) => Some(PathBuf::from(text.trim())),
         },
+        // Every round trip counts in a CNI call: no probe read at open (see the field).
+        lazy_etcd_connect: true,
     };
     if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
         return Err(CniError::config(

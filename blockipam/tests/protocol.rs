@@ -3,6 +3,13 @@
 //! The CNI protocol through the real binary: every command at every spec version with exact
 //! result shapes, VERSION and the about text, and every error code path, with the store
 //! unchanged after each failed ADD.
+//!
+//! Every test that reaches a store runs twice (see [`in_both_modes!`]): `direct::NAME`, the
+//! plugin opening the sandbox's store itself, and `agent::NAME`, the plugin reaching it through
+//! a `blockipam-agent` that holds it (netconf `agent_socket`). In agent mode the agent holds the
+//! store's lock, so the plugin cannot have opened the store itself; the test
+//! `agent_mode_reaches_the_store_only_through_the_agent` shows that directly. The tests that
+//! never reach a store (VERSION, the about line, errors before any netconf is read) run once.
 
 mod common;
 
@@ -20,6 +27,103 @@ const V4: &str = "10.244.7.64/24";
 const V6: &str = "fd00:10:244::c0/120";
 const GW4: &str = "10.244.7.1";
 const GW6: &str = "fd00:10:244::1";
+
+/// Emits one `#[test]` per mode for each function named: `direct::NAME` calls `NAME(Mode::Direct)`,
+/// `agent::NAME` calls `NAME(Mode::Agent)`.
+macro_rules! in_both_modes {
+    ($($name:ident),* $(,)?) => {
+        mod direct {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(super::Mode::Direct)
+                }
+            )*
+        }
+        mod agent {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(super::Mode::Agent)
+                }
+            )*
+        }
+    };
+}
+
+in_both_modes! {
+    add_result_has_the_exact_shape_of_every_spec_version,
+    del_prints_nothing_at_every_spec_version_and_releases_the_attachment,
+    check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below,
+    gc_and_status_work_at_1_1_0_and_are_refused_with_code_1_below,
+    success_prints_only_the_result_on_stdout_and_logs_on_stderr,
+    log_file_path_takes_the_logs_off_stderr,
+    log_level_error_keeps_a_successful_call_quiet,
+    missing_environment_variables_are_code_4_naming_each_of_them,
+    unknown_command_and_invalid_container_id_or_ifname_are_code_4,
+    unknown_cni_args_key_is_code_4_unless_ignore_unknown_is_set,
+    unsupported_spec_versions_are_code_1_listing_what_is_supported,
+    known_keys_with_wrong_types_are_code_7_naming_the_key,
+    unknown_netconf_keys_are_ignored,
+    unsupported_values_are_code_2_naming_key_and_value,
+    bad_cidrs_and_block_sizes_in_pools_are_code_7,
+    asking_for_no_address_at_all_is_code_7,
+    address_outside_every_pool_is_code_103_and_changes_nothing,
+    address_held_by_another_container_is_code_102_and_changes_nothing,
+    exhausted_pool_is_code_100_and_changes_nothing,
+    node_block_limit_is_code_101_and_changes_nothing,
+    address_in_another_nodes_block_under_strict_affinity_is_code_104,
+    requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105,
+    netconf_pool_overlapping_a_different_existing_pool_is_code_106,
+    host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing,
+    store_path_holding_something_else_is_code_108_and_is_left_alone,
+    failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservations,
+    check_of_an_address_not_held_by_the_attachment_is_code_107,
+    gc_without_valid_attachments_is_code_7,
+    status_is_code_50_when_this_node_cannot_get_an_address,
+    status_is_code_50_when_the_store_cannot_be_opened,
+    errors_carry_the_requests_spec_version,
+    log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
+    gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
+    check_compares_exactly_what_the_attachment_holds_with_prev_result,
+    status_is_code_11_while_another_call_holds_the_node_lock,
+}
+
+#[test]
+fn agent_mode_reaches_the_store_only_through_the_agent() {
+    let sandbox = Sandbox::in_mode(Mode::Agent);
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    assert!(sandbox.agent_serving(), "the netconf started the agent");
+    let held = first_address(&cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD"));
+    // The agent holds the store: nothing else can open it while it serves.
+    let direct = block_on(
+        blockipam_store::DatastoreSettings {
+            datastore_type: sandbox.store_type,
+            path: Some(sandbox.store_path()),
+            lock_wait: Duration::ZERO,
+            agent_socket: None,
+            ..blockipam_store::DatastoreSettings::default()
+        }
+        .open(),
+    );
+    let Err(refusal) = direct else {
+        panic!("a direct open beside the agent must fail");
+    };
+    assert!(refusal.to_string().contains("lock"), "{refusal}");
+    // The same plugin told to ignore the agent cannot reach the store: code 11, store locked.
+    let without_agent = sandbox.netconf(
+        "1.0.0",
+        json!({"agent_socket": "none", "ipam_lock_timeout_seconds": 0.2}),
+    );
+    let msg = cni("ADD", "c2", "eth0", &without_agent, &[]).assert_error(11, "no agent");
+    assert!(msg.contains("lock"), "{msg}");
+    // What the ADD through the agent wrote is in the store the agent serves.
+    let allocations = sandbox.container_allocations();
+    assert_eq!(
+        allocations,
+        vec![(held, "testnet.c1".to_owned(), allocations[0].2.clone())]
+    );
+}
 
 fn dual_stack() -> Value {
     json!({"assign_ipv6": "true"})
@@ -57,10 +161,9 @@ fn prev_result() -> Value {
     expected_add_result("1.0.0")
 }
 
-#[test]
-fn add_result_has_the_exact_shape_of_every_spec_version() {
+fn add_result_has_the_exact_shape_of_every_spec_version(mode: Mode) {
     for version in VERSIONS {
-        let sandbox = Sandbox::new();
+        let sandbox = Sandbox::in_mode(mode);
         let netconf = sandbox.netconf(version, dual_stack());
         let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
         assert_eq!(result, expected_add_result(version), "spec {version}");
@@ -71,10 +174,9 @@ fn add_result_has_the_exact_shape_of_every_spec_version() {
     }
 }
 
-#[test]
-fn del_prints_nothing_at_every_spec_version_and_releases_the_attachment() {
+fn del_prints_nothing_at_every_spec_version_and_releases_the_attachment(mode: Mode) {
     for version in VERSIONS {
-        let sandbox = Sandbox::new();
+        let sandbox = Sandbox::in_mode(mode);
         let netconf = sandbox.netconf(version, dual_stack());
         cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
         cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success(version);
@@ -86,10 +188,9 @@ fn del_prints_nothing_at_every_spec_version_and_releases_the_attachment() {
     }
 }
 
-#[test]
-fn check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below() {
+fn check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below(mode: Mode) {
     for version in VERSIONS {
-        let sandbox = Sandbox::new();
+        let sandbox = Sandbox::in_mode(mode);
         let mut netconf = sandbox.netconf(version, dual_stack());
         cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
         merge(&mut netconf, json!({"prevResult": prev_result()}));
@@ -104,10 +205,9 @@ fn check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below() {
     }
 }
 
-#[test]
-fn gc_and_status_work_at_1_1_0_and_are_refused_with_code_1_below() {
+fn gc_and_status_work_at_1_1_0_and_are_refused_with_code_1_below(mode: Mode) {
     for version in VERSIONS {
-        let sandbox = Sandbox::new();
+        let sandbox = Sandbox::in_mode(mode);
         let mut netconf = sandbox.netconf(version, dual_stack());
         cni("ADD", "c1", "eth0", &netconf, &[]).success_json(version);
         merge(&mut netconf, json!({"cni.dev/valid-attachments": []}));
@@ -186,9 +286,8 @@ fn without_cni_command_one_about_line_goes_to_stderr_and_nothing_to_stdout() {
     assert!(outcome.stderr.contains("1.1.0"), "{outcome:#?}");
 }
 
-#[test]
-fn success_prints_only_the_result_on_stdout_and_logs_on_stderr() {
-    let sandbox = Sandbox::new();
+fn success_prints_only_the_result_on_stdout_and_logs_on_stderr(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({"log_level": "debug"}));
     let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
     outcome.success_json("ADD");
@@ -196,9 +295,8 @@ fn success_prints_only_the_result_on_stdout_and_logs_on_stderr() {
     assert!(!outcome.stdout.contains("ADD done"));
 }
 
-#[test]
-fn log_file_path_takes_the_logs_off_stderr() {
-    let sandbox = Sandbox::new();
+fn log_file_path_takes_the_logs_off_stderr(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let log = sandbox.dir.path().join("logs/cni.log");
     let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": log}));
     let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
@@ -208,9 +306,8 @@ fn log_file_path_takes_the_logs_off_stderr() {
     assert!(logged.contains("ADD done"), "{logged}");
 }
 
-#[test]
-fn log_level_error_keeps_a_successful_call_quiet() {
-    let sandbox = Sandbox::new();
+fn log_level_error_keeps_a_successful_call_quiet(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({"log_level": "error"}));
     let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
     outcome.success_json("ADD");
@@ -221,9 +318,8 @@ fn log_level_error_keeps_a_successful_call_quiet() {
 // Environment errors (code 4)
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn missing_environment_variables_are_code_4_naming_each_of_them() {
-    let sandbox = Sandbox::new();
+fn missing_environment_variables_are_code_4_naming_each_of_them(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let stdin = sandbox.netconf("1.1.0", json!({})).to_string();
     for (command, names) in [
         ("ADD", "CNI_CONTAINERID,CNI_NETNS,CNI_IFNAME,CNI_PATH"),
@@ -245,9 +341,8 @@ fn missing_environment_variables_are_code_4_naming_each_of_them() {
     assert!(sandbox.snapshot().is_empty(), "nothing may be created");
 }
 
-#[test]
-fn unknown_command_and_invalid_container_id_or_ifname_are_code_4() {
-    let sandbox = Sandbox::new();
+fn unknown_command_and_invalid_container_id_or_ifname_are_code_4(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let stdin = sandbox.netconf("1.1.0", json!({})).to_string();
     let env = vec![
         ("CNI_COMMAND".to_owned(), "FROB".to_owned()),
@@ -266,9 +361,8 @@ fn unknown_command_and_invalid_container_id_or_ifname_are_code_4() {
     assert!(sandbox.snapshot().is_empty());
 }
 
-#[test]
-fn unknown_cni_args_key_is_code_4_unless_ignore_unknown_is_set() {
-    let sandbox = Sandbox::new();
+fn unknown_cni_args_key_is_code_4_unless_ignore_unknown_is_set(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime the store");
     let before = sandbox.snapshot();
@@ -320,9 +414,8 @@ fn missing_or_invalid_network_name_is_code_7() {
     outcome.assert_error(7, "bad name");
 }
 
-#[test]
-fn unsupported_spec_versions_are_code_1_listing_what_is_supported() {
-    let sandbox = Sandbox::new();
+fn unsupported_spec_versions_are_code_1_listing_what_is_supported(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     for version in ["0.5.0", "2.0.0", "1.0", "banana"] {
         let netconf = sandbox.netconf(version, json!({}));
         let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
@@ -343,9 +436,8 @@ fn unsupported_spec_versions_are_code_1_listing_what_is_supported() {
     assert!(sandbox.snapshot().is_empty());
 }
 
-#[test]
-fn known_keys_with_wrong_types_are_code_7_naming_the_key() {
-    let sandbox = Sandbox::new();
+fn known_keys_with_wrong_types_are_code_7_naming_the_key(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     for (extra, key) in [
         (json!({"nodename": 7}), "ipam.nodename"),
         (json!({"datastore_path": ["x"]}), "ipam.datastore_path"),
@@ -375,9 +467,8 @@ fn known_keys_with_wrong_types_are_code_7_naming_the_key() {
     assert!(sandbox.snapshot().is_empty());
 }
 
-#[test]
-fn unknown_netconf_keys_are_ignored() {
-    let sandbox = Sandbox::new();
+fn unknown_netconf_keys_are_ignored(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let mut netconf = sandbox.netconf("1.0.0", json!({"somethingElse": {"x": 1}}));
     merge(
         &mut netconf,
@@ -386,9 +477,8 @@ fn unknown_netconf_keys_are_ignored() {
     cni("ADD", "c1", "eth0", &netconf, &[]).success_json("unknown keys");
 }
 
-#[test]
-fn unsupported_values_are_code_2_naming_key_and_value() {
-    let sandbox = Sandbox::new();
+fn unsupported_values_are_code_2_naming_key_and_value(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     for (extra, key, value) in [
         (
             json!({"datastore_type": "kubernetes"}),
@@ -409,9 +499,8 @@ fn unsupported_values_are_code_2_naming_key_and_value() {
     assert!(sandbox.snapshot().is_empty());
 }
 
-#[test]
-fn bad_cidrs_and_block_sizes_in_pools_are_code_7() {
-    let sandbox = Sandbox::new();
+fn bad_cidrs_and_block_sizes_in_pools_are_code_7(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     for pool in [
         json!({"cidr": "10.244.300.0/24"}),
         json!({"cidr": "10.244.8.0/33"}),
@@ -427,9 +516,8 @@ fn bad_cidrs_and_block_sizes_in_pools_are_code_7() {
     assert!(sandbox.snapshot().is_empty());
 }
 
-#[test]
-fn asking_for_no_address_at_all_is_code_7() {
-    let sandbox = Sandbox::new();
+fn asking_for_no_address_at_all_is_code_7(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({"assign_ipv4": "false"}));
     cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, "nothing to assign");
     assert!(sandbox.snapshot().is_empty(), "nothing may be created");
@@ -459,9 +547,8 @@ fn failed_add_leaves_store_unchanged(
     msg
 }
 
-#[test]
-fn address_outside_every_pool_is_code_103_and_changes_nothing() {
-    let sandbox = Sandbox::new();
+fn address_outside_every_pool_is_code_103_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
     let msg = failed_add_leaves_store_unchanged(
@@ -480,9 +567,8 @@ fn address_outside_every_pool_is_code_103_and_changes_nothing() {
     failed_add_leaves_store_unchanged(&sandbox, &netconf_rc, &[], 103);
 }
 
-#[test]
-fn address_held_by_another_container_is_code_102_and_changes_nothing() {
-    let sandbox = Sandbox::new();
+fn address_held_by_another_container_is_code_102_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     let held = first_address(&cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime"));
     let args = format!("IP={held}");
@@ -495,9 +581,8 @@ fn address_held_by_another_container_is_code_102_and_changes_nothing() {
     failed_add_leaves_store_unchanged(&sandbox, &netconf, &[("CNI_ARGS", &args)], 102);
 }
 
-#[test]
-fn exhausted_pool_is_code_100_and_changes_nothing() {
-    let sandbox = Sandbox::new();
+fn exhausted_pool_is_code_100_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let small = json!({
         "pools": [{"cidr": "10.244.9.0/30", "block_size": 30}],
         "gateway": null
@@ -511,9 +596,8 @@ fn exhausted_pool_is_code_100_and_changes_nothing() {
     assert!(msg.contains("no free IPv4 address"), "{msg}");
 }
 
-#[test]
-fn node_block_limit_is_code_101_and_changes_nothing() {
-    let sandbox = Sandbox::new();
+fn node_block_limit_is_code_101_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf(
         "1.0.0",
         json!({"pools": [{"cidr": "10.244.10.0/24", "block_size": 30}], "gateway": null}),
@@ -534,9 +618,8 @@ fn node_block_limit_is_code_101_and_changes_nothing() {
     assert!(msg.contains("block limit"), "{msg}");
 }
 
-#[test]
-fn address_in_another_nodes_block_under_strict_affinity_is_code_104() {
-    let sandbox = Sandbox::new();
+fn address_in_another_nodes_block_under_strict_affinity_is_code_104(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({"gateway": null}));
     let held = first_address(&cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime"));
     sandbox.with_ipam(async |ipam| {
@@ -555,9 +638,8 @@ fn address_in_another_nodes_block_under_strict_affinity_is_code_104() {
     failed_add_leaves_store_unchanged(&sandbox, &other_node, &[("CNI_ARGS", &args)], 104);
 }
 
-#[test]
-fn requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105() {
-    let sandbox = Sandbox::new();
+fn requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
     for pools in [
@@ -570,9 +652,8 @@ fn requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105() {
     }
 }
 
-#[test]
-fn netconf_pool_overlapping_a_different_existing_pool_is_code_106() {
-    let sandbox = Sandbox::new();
+fn netconf_pool_overlapping_a_different_existing_pool_is_code_106(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
     let overlapping = sandbox.netconf(
@@ -583,9 +664,8 @@ fn netconf_pool_overlapping_a_different_existing_pool_is_code_106() {
     assert!(msg.contains("overlaps"), "{msg}");
 }
 
-#[test]
-fn host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing() {
-    let sandbox = Sandbox::new();
+fn host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({"ipam_lock_timeout_seconds": 0.2}));
     cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
     let before = sandbox.snapshot();
@@ -599,10 +679,17 @@ fn host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing() {
     cni("ADD", "c1", "eth0", &netconf, &[]).success_json("after the lock is free");
 }
 
-#[test]
-fn store_path_holding_something_else_is_code_108_and_is_left_alone() {
-    let sandbox = Sandbox::new();
+fn store_path_holding_something_else_is_code_108_and_is_left_alone(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     std::fs::write(sandbox.store_path(), b"precious").expect("write");
+    if mode == Mode::Agent {
+        // An agent configured for that path cannot serve it and leaves it alone; with no agent
+        // on the socket, the plugin opens the path itself.
+        let refusal = sandbox
+            .start_agent()
+            .expect_err("an agent cannot serve a file that is not a store");
+        assert!(refusal.contains("cannot open the store"), "{refusal}");
+    }
     let netconf = sandbox.netconf("1.0.0", json!({}));
     let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(108, "not a store");
     assert!(msg.contains("store"), "{msg}");
@@ -612,9 +699,8 @@ fn store_path_holding_something_else_is_code_108_and_is_left_alone() {
     );
 }
 
-#[test]
-fn failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservations() {
-    let sandbox = Sandbox::new();
+fn failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservations(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni(
         "ADD",
@@ -645,9 +731,8 @@ fn failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservat
     );
 }
 
-#[test]
-fn check_of_an_address_not_held_by_the_attachment_is_code_107() {
-    let sandbox = Sandbox::new();
+fn check_of_an_address_not_held_by_the_attachment_is_code_107(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", json!({}));
     let c1 = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("c1");
     let c2 = cni("ADD", "c2", "eth0", &netconf, &[]).success_json("c2");
@@ -670,9 +755,8 @@ fn check_of_an_address_not_held_by_the_attachment_is_code_107() {
     cni("CHECK", "c2", "eth0", &netconf, &[]).assert_silent_success("no prevResult, held");
 }
 
-#[test]
-fn gc_without_valid_attachments_is_code_7() {
-    let sandbox = Sandbox::new();
+fn gc_without_valid_attachments_is_code_7(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.1.0", json!({}));
     cni("ADD", "c1", "eth0", &netconf, &[]).success_json("c1");
     let msg = cni("GC", "", "", &netconf, &[]).assert_error(7, "GC without list");
@@ -680,9 +764,8 @@ fn gc_without_valid_attachments_is_code_7() {
     assert_eq!(sandbox.container_allocations().len(), 1);
 }
 
-#[test]
-fn status_is_code_50_when_this_node_cannot_get_an_address() {
-    let sandbox = Sandbox::new();
+fn status_is_code_50_when_this_node_cannot_get_an_address(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf(
         "1.1.0",
         json!({"pools": [{"cidr": "10.244.9.0/30", "block_size": 30}], "gateway": null}),
@@ -702,18 +785,22 @@ fn status_is_code_50_when_this_node_cannot_get_an_address() {
     assert!(msg.contains("\"nope\" does not exist"), "{msg}");
 }
 
-#[test]
-fn status_is_code_50_when_the_store_cannot_be_opened() {
-    let sandbox = Sandbox::new();
+fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     std::fs::write(sandbox.store_path(), b"not a store").expect("write");
+    if mode == Mode::Agent {
+        let refusal = sandbox
+            .start_agent()
+            .expect_err("an agent cannot serve a file that is not a store");
+        assert!(refusal.contains("cannot open the store"), "{refusal}");
+    }
     let netconf = sandbox.netconf("1.1.0", json!({}));
     let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(50, "bad store");
     assert!(msg.contains("store"), "{msg}");
 }
 
-#[test]
-fn errors_carry_the_requests_spec_version() {
-    let sandbox = Sandbox::new();
+fn errors_carry_the_requests_spec_version(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     for version in VERSIONS {
         let netconf = sandbox.netconf(version, json!({"ipv4_pools": ["nope"]}));
         let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
@@ -722,10 +809,9 @@ fn errors_carry_the_requests_spec_version() {
     }
 }
 
-#[test]
-fn log_file_is_created_owner_only_and_an_existing_files_mode_is_kept() {
+fn log_file_is_created_owner_only_and_an_existing_files_mode_is_kept(mode: Mode) {
     use std::os::unix::fs::PermissionsExt;
-    let sandbox = Sandbox::new();
+    let sandbox = Sandbox::in_mode(mode);
     let mode = |path: &std::path::Path| {
         std::fs::metadata(path)
             .expect("log file")
@@ -759,9 +845,8 @@ fn log_file_is_created_owner_only_and_an_existing_files_mode_is_kept() {
     );
 }
 
-#[test]
-fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node() {
-    let sandbox = Sandbox::new();
+fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let here = sandbox.netconf("1.1.0", json!({}));
     let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
     cni("ADD", "a", "eth0", &here, &[]).success_json("a");
@@ -786,9 +871,8 @@ fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_nod
     );
 }
 
-#[test]
-fn check_compares_exactly_what_the_attachment_holds_with_prev_result() {
-    let sandbox = Sandbox::new();
+fn check_compares_exactly_what_the_attachment_holds_with_prev_result(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.0.0", dual_stack());
     let result = cni("ADD", "c1", "eth0", &netconf, &[]).success_json("ADD");
     let check = |container: &str, prev: Value| {
@@ -820,9 +904,8 @@ fn check_compares_exactly_what_the_attachment_holds_with_prev_result() {
     check("c1", result).assert_silent_success("exact prevResult");
 }
 
-#[test]
-fn status_is_code_11_while_another_call_holds_the_node_lock() {
-    let sandbox = Sandbox::new();
+fn status_is_code_11_while_another_call_holds_the_node_lock(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
     let netconf = sandbox.netconf("1.1.0", json!({"ipam_lock_timeout_seconds": 0.2}));
     cni("STATUS", "", "", &netconf, &[]).assert_silent_success("free lock");
     let held = LockFile::acquire(&sandbox.lock_path(), Duration::from_secs(5)).expect("lock");

@@ -141,6 +141,9 @@ pub enum Command {
     /// Label nodes (for pools' node selectors), or retire a node that was removed from the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// Release the blocks and addresses of dead nodes: registered by an agent, liveness gone for
+    /// longer than the grace period (etcd). Shows what it would do unless --apply.
+    Gc(GcArgs),
     /// Copy everything into another, empty store and verify the copy.
     Migrate(MigrateArgs),
     /// Import another IPAM's datastore (Calico on etcd) into the selected, empty store.
@@ -311,6 +314,22 @@ pub struct NodeReleaseArgs {
     /// Also release every address whose node attribute is this host.
     #[arg(long)]
     pub addresses: bool,
+}
+
+/// `gc`.
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Nodes an agent registered whose liveness key is gone: show each with its state (alive,
+    /// missing, dead) and what releasing it would free
+    #[arg(long)]
+    pub dead_nodes: bool,
+    /// Seconds a node's liveness must have been gone before it is dead
+    #[arg(long, value_name = "SECONDS", default_value_t = 900)]
+    pub grace_seconds: u64,
+    /// Mark newly missing nodes and release dead ones (like `node release --addresses`); without
+    /// it nothing is written
+    #[arg(long)]
+    pub apply: bool,
 }
 
 /// `migrate`.

@@ -245,6 +245,7 @@ pub fn resolve_target(
         create_if_missing: false,
         // Used only when the agent there serves this very store.
         agent_socket: source.agent_socket.clone(),
+        lazy_etcd_connect: false,
     };
     validate(&settings, "to-")?;
     Ok(settings)

@@ -39,6 +39,8 @@ macro_rules! ipam_integrity_tests {
             assignments_are_refused_while_an_import_is_unfinished,
             node_release_frees_many_pods_in_batches_not_one_transaction_each,
             claim_entries_of_an_unknown_format_are_reported_never_misread,
+            release_chosen_frees_what_the_caller_picks_in_one_read_and_one_transaction,
+            guarded_writes_stop_once_the_guard_no_longer_holds,
         );
     };
 }
@@ -1014,5 +1016,138 @@ pub async fn claim_entries_of_an_unknown_format_are_reported_never_misread<F: St
             .iter()
             .any(|p| p.kind == "corrupt-object" && p.detail.contains(&key)),
         "{report:#?}"
+    );
+}
+
+/// Issue 10, DEL in two round trips: `release_chosen` reads the handle and the host's blocks in
+/// one batch and commits once; it releases exactly what the caller picks, keeps the handle for
+/// what is left and deletes it with the last address; addresses borrowed from another host's
+/// block are found too (with one more read).
+pub async fn release_chosen_frees_what_the_caller_picks_in_one_read_and_one_transaction<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    // Two blocks of four: host-a fills one, host-b claims the other, host-a then borrows.
+    let (t, ipam) = ipam_with_pool(factory, "10.12.0.0/29", 30).await;
+    let own = ipam
+        .auto_assign(&v4("own", "host-a", 4))
+        .await
+        .expect("fill host-a's block");
+    let own: Vec<IpAddr> = own.v4.iter().map(|a| a.ip).collect();
+    let other = assign_one(&ipam, "other", "host-b").await;
+    let borrowed = ipam
+        .auto_assign(&v4("borrower", "host-a", 2))
+        .await
+        .expect("borrow from host-b's block");
+    let borrowed: Vec<IpAddr> = borrowed.v4.iter().map(|a| a.ip).collect();
+
+    let counting = Arc::new(ipam_core::CountingStore::new(Arc::clone(&t.store)));
+    let observed = Ipam::new(counting.clone() as Arc<dyn KvStore>);
+    // Pick two of four: one read, one transaction; the handle keeps the other two.
+    let first = observed
+        .release_chosen("own", "host-a", |held| {
+            held.iter().take(2).map(|info| info.ip).collect()
+        })
+        .await
+        .expect("release two");
+    let trips = counting.take();
+    assert_eq!((trips.reads, trips.commits), (1, 1), "{trips:?}");
+    let held: Vec<IpAddr> = first.held.iter().map(|info| info.ip).collect();
+    assert_eq!(
+        held, own,
+        "every allocation of the handle, in address order"
+    );
+    assert_eq!(first.released, own[..2].to_vec());
+    for ip in &own[..2] {
+        assert_eq!(holder(&ipam, *ip).await, None, "{ip} released");
+    }
+    let kept: Vec<IpAddr> = ipam
+        .ips_by_handle("own")
+        .await
+        .expect("handle")
+        .iter()
+        .map(|a| a.ip)
+        .collect();
+    assert_eq!(
+        kept,
+        own[2..].to_vec(),
+        "the handle keeps what was not picked"
+    );
+    assert_clean(&ipam).await;
+
+    // Everything left: the handle goes too.
+    counting.take();
+    let rest = observed
+        .release_chosen("own", "host-a", |held| held.iter().map(|i| i.ip).collect())
+        .await
+        .expect("release the rest");
+    assert_eq!(rest.released, own[2..].to_vec());
+    assert_eq!(counting.take().commits, 1);
+    assert!(t
+        .store
+        .get(&keys::handle("own"))
+        .await
+        .expect("read")
+        .is_none());
+
+    // Borrowed addresses live in host-b's block: found with one more read, released all the same.
+    let lent = observed
+        .release_chosen("borrower", "host-a", |held| {
+            held.iter().map(|i| i.ip).collect()
+        })
+        .await
+        .expect("release borrowed");
+    assert_eq!(lent.released, borrowed);
+    assert_eq!(holder(&ipam, other).await.as_deref(), Some("other"));
+
+    // Nothing to release: a read and no transaction; picking nothing writes nothing either.
+    counting.take();
+    let none = observed
+        .release_chosen("never-assigned", "host-a", |held| {
+            held.iter().map(|i| i.ip).collect()
+        })
+        .await
+        .expect("unknown handle");
+    assert!(none.held.is_empty() && none.released.is_empty());
+    let picked_nothing = observed
+        .release_chosen("other", "host-b", |_| Vec::new())
+        .await
+        .expect("pick nothing");
+    assert_eq!(picked_nothing.held.len(), 1);
+    assert!(picked_nothing.released.is_empty());
+    assert_eq!(counting.take().commits, 0);
+    assert_eq!(holder(&ipam, other).await.as_deref(), Some("other"));
+    assert_clean(&ipam).await;
+}
+
+/// Issue 10, dead-node reclaim: an allocator guarded by a condition adds it to every
+/// transaction; once the guard key changes, writes fail with `GuardLost` and change nothing.
+pub async fn guarded_writes_stop_once_the_guard_no_longer_holds<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.13.0.0/24", 28).await;
+    let guard_key = "ipam/v1/test-guard";
+    let guarded = ipam.clone().guarded_by(vec![Condition::absent(guard_key)]);
+    let first = assign_one(&guarded, "while-guard-holds", "host-a").await;
+    t.store
+        .put(guard_key, b"node came back".to_vec())
+        .await
+        .expect("break the guard");
+    let before = t.store.list("").await.expect("snapshot");
+    match guarded.auto_assign(&v4("after-guard", "host-a", 1)).await {
+        Err(IpamError::GuardLost { key }) => assert_eq!(key, guard_key),
+        other => panic!("expected GuardLost, got {other:?}"),
+    }
+    match guarded.release_host("host-a", true).await {
+        Err(IpamError::GuardLost { key }) => assert_eq!(key, guard_key),
+        other => panic!("expected GuardLost from the host release, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("snapshot"),
+        before,
+        "a lost guard writes nothing"
+    );
+    assert_eq!(
+        holder(&ipam, first).await.as_deref(),
+        Some("while-guard-holds")
     );
 }

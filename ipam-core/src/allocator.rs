@@ -21,6 +21,7 @@ use crate::model::{
     Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES,
     MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
+use crate::network_setup::{self, NetworkSetup};
 
 /// Metadata key recording the host an allocation was made for.
 pub const ATTR_NODE: &str = "node";
@@ -75,7 +76,12 @@ pub struct AutoAssignRequest {
     /// When true, a block's network address and its last address (IPv4 blocks larger than /31,
     /// IPv6 blocks larger than /127) are never handed out, so every address is a usable host
     /// address of its block's prefix (what a caller that reports the block prefix needs).
+    /// Ignored with `setup`, which decides it from the pools read.
     pub skip_block_edges: bool,
+    /// What the caller's network needs in place, checked in the same batched read
+    /// ([`crate::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
+    /// nothing is written.
+    pub setup: Option<NetworkSetup>,
 }
 
 /// One address handed out.
@@ -103,6 +109,8 @@ pub struct AutoAssignResult {
     pub v6: Vec<AssignedAddress>,
     /// True when the handle already held these and nothing new was allocated.
     pub reused: bool,
+    /// The store's pools, as the assignment's read saw them.
+    pub pools: Vec<Pool>,
 }
 
 /// Assign given addresses to one handle.
@@ -156,6 +164,15 @@ pub struct AllocationInfo {
     pub attributes: BTreeMap<String, String>,
     /// Block sequence number at allocation (pass it to a guarded release).
     pub sequence: u64,
+}
+
+/// What [`Ipam::release_chosen`] found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChosenRelease {
+    /// Everything the handle held, in address order.
+    pub held: Vec<AllocationInfo>,
+    /// The addresses released, in address order.
+    pub released: Vec<IpAddr>,
 }
 
 /// How to create a pool.
@@ -493,6 +510,8 @@ pub(crate) fn host_hash(host: &str) -> u64 {
 pub struct Ipam {
     store: Arc<dyn KvStore>,
     retry: RetryPolicy,
+    /// Conditions added to every transaction this allocator commits (see [`Ipam::guarded_by`]).
+    guard: Arc<[Condition]>,
 }
 
 impl Ipam {
@@ -501,7 +520,16 @@ impl Ipam {
         Ipam {
             store,
             retry: RetryPolicy::default(),
+            guard: Arc::from(Vec::new()),
         }
+    }
+
+    /// The same allocator, with `guard` added to every transaction it commits: once any of these
+    /// conditions stops holding, each write fails with [`IpamError::GuardLost`] and nothing more
+    /// is written. What a reclaimer uses to stop the moment a node it thought dead comes back.
+    pub fn guarded_by(mut self, guard: Vec<Condition>) -> Self {
+        self.guard = Arc::from(guard);
+        self
     }
 
     /// Replaces the retry policy.
@@ -556,6 +584,10 @@ impl Ipam {
             let floor = self.store.get(&keys::sequence_floor()).await?;
             plan.raise_sequence_floor(floor)?;
         }
+        for condition in self.guard.iter() {
+            plan.conditions
+                .insert(condition.key().to_owned(), condition.clone());
+        }
         if !plan.fits_one_transaction() {
             return Err(IpamError::TooLarge(plan.describe_size()));
         }
@@ -564,6 +596,9 @@ impl Ipam {
             Ok(_) => {
                 crate::fault::point(crate::fault::FaultPoint::AfterCommit);
                 Ok(Attempt::Done(value))
+            }
+            Err(KvError::Conflict { key }) if self.guard.iter().any(|c| c.key() == key) => {
+                Err(IpamError::GuardLost { key })
             }
             Err(KvError::Conflict { .. }) => Ok(Attempt::Conflict),
             Err(e) => Err(e.into()),
@@ -1236,16 +1271,20 @@ impl Ipam {
         request: &AutoAssignRequest,
     ) -> Result<Attempt<AutoAssignResult>, IpamError> {
         let handle_key = keys::handle(&request.handle);
-        let results = self
-            .store
-            .read_many(&[
-                Read::List(keys::pools_dir()),
-                Read::Get(keys::config()),
-                Read::List(keys::host_open_blocks_dir(&request.host)),
-                Read::Get(handle_key.clone()),
-                Read::Get(keys::import_in_progress()),
-            ])
-            .await?;
+        let mut reads = vec![
+            Read::List(keys::pools_dir()),
+            Read::Get(keys::config()),
+            Read::List(keys::host_open_blocks_dir(&request.host)),
+            Read::Get(handle_key.clone()),
+            Read::Get(keys::import_in_progress()),
+        ];
+        if let Some(setup) = &request.setup {
+            reads.push(Read::Get(keys::handle(&setup.reservation_handle)));
+            reads.push(Read::Get(keys::reservations_held(
+                &setup.reservation_handle,
+            )));
+        }
+        let results = self.store.read_many(&reads).await?;
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
@@ -1255,6 +1294,30 @@ impl Ipam {
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
+        let listed_pools: Vec<Pool> = pools.iter().map(|p| p.value.clone()).collect();
+        let mut skip_block_edges = request.skip_block_edges;
+        if let Some(setup) = &request.setup {
+            let (_, reservation_revision) = Self::decode_handle(next_got(&mut results)?)?;
+            let confirmation = next_got(&mut results)?;
+            if !network_setup::setup_in_place(
+                setup,
+                &pools,
+                reservation_revision,
+                confirmation.as_ref(),
+            )? {
+                return Err(IpamError::SetupNeeded(
+                    "a pool or a reservation of the network is missing".into(),
+                ));
+            }
+            skip_block_edges = network_setup::block_prefix_reportable(
+                &listed_pools,
+                &[
+                    (Family::V4, request.num_v4 > 0, request.v4_pools.as_slice()),
+                    (Family::V6, request.num_v6 > 0, request.v6_pools.as_slice()),
+                ],
+                &setup.gateways,
+            );
+        }
 
         if request.reuse_existing && handle.total() > 0 {
             let held = self
@@ -1264,6 +1327,7 @@ impl Ipam {
                 v4: held.iter().filter(|a| a.ip.is_ipv4()).cloned().collect(),
                 v6: held.iter().filter(|a| a.ip.is_ipv6()).cloned().collect(),
                 reused: true,
+                pools: listed_pools,
             }));
         }
 
@@ -1277,7 +1341,10 @@ impl Ipam {
         }
         let mut claim_index: Option<ClaimIndex> = None;
         let mut plan = Plan::default();
-        let mut result = AutoAssignResult::default();
+        let mut result = AutoAssignResult {
+            pools: listed_pools,
+            ..AutoAssignResult::default()
+        };
         let mut used_pools: BTreeSet<String> = BTreeSet::new();
         let mut config_used = false;
 
@@ -1308,7 +1375,7 @@ impl Ipam {
                 &affine,
                 &attribute,
                 wanted,
-                request.skip_block_edges,
+                skip_block_edges,
                 &mut got,
             );
 
@@ -1374,7 +1441,7 @@ impl Ipam {
                         &[cidr],
                         &attribute,
                         wanted,
-                        request.skip_block_edges,
+                        skip_block_edges,
                         &mut got,
                     );
                 }
@@ -1444,7 +1511,7 @@ impl Ipam {
                         &order,
                         &attribute,
                         wanted,
-                        request.skip_block_edges,
+                        skip_block_edges,
                         &mut got,
                     );
                 }
@@ -1894,6 +1961,110 @@ impl Ipam {
         plan.delete(&key);
         released.sort();
         self.commit_plan(plan, released).await
+    }
+
+    /// Releases, in one transaction, the addresses `choose` picks among everything `handle_id`
+    /// holds (it is given the handle's allocations in address order): the handle is updated, or
+    /// deleted when it is left with nothing. What a CNI DEL needs, in two round trips when the
+    /// handle's blocks are affine to `host` (the common case): one batched read of the handle and
+    /// of the host's blocks, then the transaction. Blocks elsewhere cost one more read.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects; [`IpamError::RetriesExhausted`].
+    pub async fn release_chosen<F>(
+        &self,
+        handle_id: &str,
+        host: &str,
+        choose: F,
+    ) -> Result<ChosenRelease, IpamError>
+    where
+        F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
+    {
+        validate_handle(handle_id)?;
+        validate_host(host)?;
+        self.retrying(|| self.try_release_chosen(handle_id, host, &choose))
+            .await
+    }
+
+    async fn try_release_chosen<F>(
+        &self,
+        handle_id: &str,
+        host: &str,
+        choose: &F,
+    ) -> Result<Attempt<ChosenRelease>, IpamError>
+    where
+        F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
+    {
+        let key = keys::handle(handle_id);
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::Get(key.clone()),
+                Read::List(keys::host_blocks_dir(host)),
+            ])
+            .await?
+            .into_iter();
+        let handle_kv = next_got(&mut results)?;
+        let host_blocks = next_listed(&mut results)?;
+        let Some(handle_kv) = handle_kv else {
+            return Ok(Attempt::Done(ChosenRelease::default()));
+        };
+        let stored: Stored<Handle> = decode_stored(handle_kv)?;
+        let wanted: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
+        let mut working: BTreeMap<IpNet, WorkingBlock> = BTreeMap::new();
+        for kv in host_blocks {
+            let block: Stored<Block> = decode_stored(kv)?;
+            if wanted.contains(&block.value.cidr) {
+                working.insert(block.value.cidr, WorkingBlock::from_stored(block));
+            }
+        }
+        let elsewhere: BTreeSet<IpNet> = wanted
+            .iter()
+            .filter(|c| !working.contains_key(c))
+            .copied()
+            .collect();
+        for (cidr, block) in self.load_blocks(&elsewhere).await? {
+            working.insert(cidr, WorkingBlock::from_stored(block));
+        }
+        let mut held = Vec::new();
+        for entry in working.values() {
+            for ordinal in entry.block.ordinals_of_handle(handle_id) {
+                if let Some(info) = allocation_info(&entry.block, entry.block.ip_of(ordinal)) {
+                    held.push(info);
+                }
+            }
+        }
+        held.sort_by_key(|a| a.ip);
+        let chosen: BTreeSet<IpAddr> = choose(&held).into_iter().collect();
+        let mut handle = stored.value.clone();
+        let mut released = Vec::new();
+        for info in held.iter().filter(|info| chosen.contains(&info.ip)) {
+            let Some(entry) = working.get_mut(&info.block) else {
+                continue;
+            };
+            let Some(ordinal) = entry.block.ordinal_of(info.ip) else {
+                continue;
+            };
+            entry.block.release_ordinal(ordinal);
+            entry.dirty = true;
+            handle.remove(info.block, 1);
+            released.push(info.ip);
+        }
+        if released.is_empty() {
+            return Ok(Attempt::Done(ChosenRelease { held, released }));
+        }
+        let mut plan = Plan::default();
+        for entry in working.values().filter(|w| w.dirty) {
+            plan.write_block(entry)?;
+        }
+        plan.expect(&key, Some(stored.revision));
+        if released.len() == held.len() {
+            plan.delete(&key);
+        } else {
+            plan.put(&key, encode(&handle)?);
+        }
+        self.commit_plan(plan, ChosenRelease { held, released })
+            .await
     }
 
     // -----------------------------------------------------------------------------------------

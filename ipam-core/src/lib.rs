@@ -4,19 +4,21 @@ pub mod allocator;
 pub mod blocking;
 pub mod check;
 pub mod counting;
+pub mod dead_nodes;
 pub mod error;
 pub mod fault;
 pub mod kv;
 pub mod lockfile;
 pub mod memory;
 pub mod model;
+pub mod network_setup;
 pub mod nodes;
 pub mod selector;
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,
-    BlockUsage, HostRelease, Ipam, PoolDeletion, PoolSpec, PoolUsage, ReleaseOutcome,
-    ReleaseRequest, RetryPolicy, Utilization,
+    BlockUsage, ChosenRelease, HostRelease, Ipam, PoolDeletion, PoolSpec, PoolUsage,
+    ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

@@ -95,6 +95,12 @@ pub mod keys {
         format!("{ROOT}pool-generation")
     }
 
+    /// The record confirming which addresses a reservation handle holds (see
+    /// `network_setup`).
+    pub fn reservations_held(handle: &str) -> String {
+        format!("{ROOT}reservations-held/{handle}")
+    }
+
     /// Prefix of every pool.
     pub fn pools_dir() -> String {
         format!("{ROOT}pools/")

@@ -1,18 +1,24 @@
 //! Test support shared by the integration tests.
 //!
 //! Test support shared by the integration tests: a sandbox (temporary store, lock file and
-//! node-name file), netconf builders, and runners for the real `blockipam` binary and the
-//! in-process library entry point.
+//! node-name file, and in [`Mode::Agent`] an agent serving the store), netconf builders, and
+//! runners for the real `blockipam` binary and the in-process library entry point.
 #![allow(dead_code)]
+
+pub mod agent;
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+use std::sync::Mutex;
+
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
+
+pub use agent::{InProcessAgent, Mode};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_blockipam");
@@ -75,13 +81,31 @@ impl Outcome {
     }
 }
 
-/// A temporary directory holding one test's store, lock file and node-name file.
+/// A temporary directory holding one test's store, lock file and node-name file; in
+/// [`Mode::Agent`] also the agent serving that store (started by the first netconf or store
+/// access, stopped before the directory is removed).
 #[derive(Debug)]
 pub struct Sandbox {
+    /// The agent (agent mode). Declared first so that it stops before `dir` is removed.
+    agent: Mutex<AgentState>,
     /// The directory (removed on drop).
     pub dir: tempfile::TempDir,
     /// Which embedded store.
     pub store_type: DatastoreType,
+    /// How the plugin reaches the store.
+    pub mode: Mode,
+}
+
+/// Where a sandbox's agent is.
+#[derive(Debug)]
+enum AgentState {
+    /// Not started yet (or direct mode).
+    NotStarted,
+    /// Serving the sandbox's store.
+    Serving(InProcessAgent),
+    /// It refused to start and [`Sandbox::start_agent`] handed that to the test: the plugin
+    /// finds no socket and opens the store directly.
+    Refused,
 }
 
 impl Sandbox {
@@ -92,13 +116,74 @@ impl Sandbox {
 
     /// A sandbox with the given embedded store.
     pub fn with_store(store_type: DatastoreType) -> Self {
+        Self::with_store_in_mode(store_type, Mode::Direct)
+    }
+
+    /// A sandbox with a sled store, reached as `mode` says.
+    pub fn in_mode(mode: Mode) -> Self {
+        Self::with_store_in_mode(DatastoreType::Sled, mode)
+    }
+
+    /// A sandbox with the given embedded store, reached as `mode` says.
+    pub fn with_store_in_mode(store_type: DatastoreType, mode: Mode) -> Self {
         Sandbox {
+            agent: Mutex::new(AgentState::NotStarted),
             dir: tempfile::Builder::new()
                 .prefix("blockipam-test-")
                 .tempdir()
                 .expect("temp dir"),
             store_type,
+            mode,
         }
+    }
+
+    /// The agent's socket (agent mode).
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.path().join("run/agent.sock")
+    }
+
+    /// Starts the agent on this sandbox's store (agent mode; once). Only tests that expect the
+    /// agent to refuse the store call it: a refusal returned here is the test's to check, and
+    /// later netconfs name the socket where no agent listens (the plugin then opens the store
+    /// directly, as on a node whose agent cannot start). Any other start failure panics.
+    ///
+    /// # Errors
+    /// The agent's message when it refuses to start.
+    pub fn start_agent(&self) -> Result<(), String> {
+        assert_eq!(self.mode, Mode::Agent, "start_agent in direct mode");
+        let mut state = self.agent.lock().expect("agent state");
+        if let AgentState::NotStarted = *state {
+            match InProcessAgent::start(&self.agent_socket(), self.store_type, &self.store_path()) {
+                Ok(agent) => *state = AgentState::Serving(agent),
+                Err(refusal) => {
+                    *state = AgentState::Refused;
+                    return Err(refusal);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// In agent mode, makes sure the agent serves (starting it on first use).
+    fn ensure_agent(&self) {
+        if self.mode != Mode::Agent {
+            return;
+        }
+        let mut state = self.agent.lock().expect("agent state");
+        if let AgentState::NotStarted = *state {
+            let agent =
+                InProcessAgent::start(&self.agent_socket(), self.store_type, &self.store_path())
+                    .unwrap_or_else(|e| panic!("the sandbox's agent did not start: {e}"));
+            *state = AgentState::Serving(agent);
+        }
+    }
+
+    /// Whether an agent serves this sandbox's store right now.
+    pub fn agent_serving(&self) -> bool {
+        matches!(
+            *self.agent.lock().expect("agent state"),
+            AgentState::Serving(_)
+        )
     }
 
     /// The store's path.
@@ -117,7 +202,8 @@ impl Sandbox {
 
     /// The `ipam` object: this sandbox's store and lock, node [`NODE`], the test pools (IPv4
     /// 10.244.7.0/24 in /26 blocks, IPv6 fd00:10:244::/120 in /122 blocks) and their gateways,
-    /// with `extra` merged over it (a `null` value removes a key).
+    /// in agent mode the agent's socket (the agent is started here on first use), with `extra`
+    /// merged over it (a `null` value removes a key).
     pub fn ipam(&self, extra: Value) -> Value {
         let mut ipam = json!({
             "type": "blockipam",
@@ -131,6 +217,10 @@ impl Sandbox {
             ],
             "gateway": ["10.244.7.1", "fd00:10:244::1"]
         });
+        if self.mode == Mode::Agent {
+            self.ensure_agent();
+            merge(&mut ipam, json!({"agent_socket": self.agent_socket()}));
+        }
         merge(&mut ipam, extra);
         ipam
     }
@@ -140,12 +230,15 @@ impl Sandbox {
         json!({"cniVersion": version, "name": NETWORK, "ipam": self.ipam(extra)})
     }
 
-    /// Opens this sandbox's store, creating it when missing (no plugin may be running on it).
+    /// Opens this sandbox's store, creating it when missing (no plugin may be running on it);
+    /// in agent mode through the agent (which holds it), and only through it.
     pub async fn open_store(&self) -> std::sync::Arc<dyn KvStore> {
+        self.ensure_agent();
         DatastoreSettings {
             datastore_type: self.store_type,
             path: Some(self.store_path()),
             create_if_missing: true,
+            agent_socket: (self.mode == Mode::Agent).then(|| self.agent_socket()),
             ..DatastoreSettings::default()
         }
         .open()

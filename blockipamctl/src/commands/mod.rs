@@ -3,6 +3,7 @@
 
 pub mod check;
 pub mod config;
+pub mod gc;
 pub mod import;
 pub mod migrate;
 pub mod node;
@@ -48,6 +49,7 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         Command::Node(NodeCommand::Release(args)) => node::release(ctx, &store, args).await,
         Command::Node(NodeCommand::Label(args)) => node::label(&store, args).await,
         Command::Node(NodeCommand::Show(args)) => node::show(&store, args).await,
+        Command::Gc(args) => gc::run(ctx, &store, args).await,
         Command::Migrate(args) => migrate::run(ctx, &store, args).await,
         Command::Import(crate::cli::ImportCommand::Calico(args)) => {
             import::calico(ctx, &store, args, env).await

@@ -8,6 +8,7 @@ mod config;
 mod demo_checks;
 mod errors;
 mod format_upgrade;
+mod gc;
 mod import;
 mod library;
 mod migrate;

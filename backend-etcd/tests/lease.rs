@@ -1,0 +1,129 @@
+//! `backend_etcd::lease` against a real etcd: a lease key is what the store reads under the same
+//! prefix, a create-if-absent key has one holder at a time, revocation deletes the lease's keys,
+//! and a lost lease is granted again with the key put back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend_etcd::lease::{Holder, LeaseSession, LeasedKey};
+use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
+use backend_etcd::EtcdStore;
+use ipam_core::KvStore;
+
+/// Polls `condition` every 50 ms for at most 30 s.
+async fn wait_until<F, Fut>(what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn leader_key_has_one_holder_and_revoking_deletes_it() {
+    let server = EtcdServer::shared();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    let store = EtcdStore::connect(server.config(&prefix))
+        .await
+        .expect("connect the store");
+    let session = LeaseSession::connect(&server.config(&prefix), Duration::from_secs(60))
+        .await
+        .expect("a lease session");
+    let (first, second) = (
+        session.grant().await.expect("grant"),
+        session.grant().await.expect("grant"),
+    );
+
+    let Holder::Mine { revision } = session
+        .acquire(first, "leader", b"first")
+        .await
+        .expect("acquire")
+    else {
+        panic!("the first acquire of a free key did not get it");
+    };
+    let stored = store.get("leader").await.expect("get").expect("the key");
+    assert_eq!(stored.value, b"first");
+    assert_eq!(
+        stored.revision.get(),
+        revision,
+        "the store's revision of the key"
+    );
+    assert_eq!(
+        session
+            .acquire(second, "leader", b"second")
+            .await
+            .expect("acquire"),
+        Holder::Other {
+            value: b"first".to_vec()
+        }
+    );
+    assert_eq!(
+        session
+            .acquire(first, "leader", b"first")
+            .await
+            .expect("acquire"),
+        Holder::Mine { revision },
+        "the holder acquiring again keeps it, at the same revision"
+    );
+
+    session.revoke(first).await.expect("revoke");
+    assert!(store.get("leader").await.expect("get").is_none());
+    assert!(matches!(
+        session
+            .acquire(second, "leader", b"second")
+            .await
+            .expect("acquire"),
+        Holder::Mine { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_lost_lease_is_granted_again_and_the_key_put_back() {
+    let server = EtcdServer::shared();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    let store = EtcdStore::connect(server.config(&prefix))
+        .await
+        .expect("connect the store");
+    let session = Arc::new(
+        LeaseSession::connect(&server.config(&prefix), Duration::from_secs(2))
+            .await
+            .expect("a lease session"),
+    );
+    let kept = LeasedKey::start(Arc::clone(&session), "liveness/n1", b"n1".to_vec())
+        .await
+        .expect("start the leased key");
+    let first = kept.lease().expect("a lease");
+    let mut state = kept.watch();
+    assert_eq!(state.borrow().generation, 1);
+    assert_eq!(
+        store
+            .get("liveness/n1")
+            .await
+            .expect("get")
+            .map(|kv| kv.value),
+        Some(b"n1".to_vec())
+    );
+
+    // Someone revokes the lease (as its expiry would): the key goes, then comes back on a new
+    // lease, and the state says so.
+    session.revoke(first).await.expect("revoke");
+    assert!(store.get("liveness/n1").await.expect("get").is_none());
+    wait_until("the key is put again on a new lease", || {
+        let generation = state.borrow_and_update().generation;
+        let store = &store;
+        async move { generation >= 2 && store.get("liveness/n1").await.ok().flatten().is_some() }
+    })
+    .await;
+    let second = kept.lease().expect("a new lease");
+    assert_ne!(second, first);
+
+    // A clean stop with revocation deletes it at once.
+    kept.stop(true).await;
+    assert!(store.get("liveness/n1").await.expect("get").is_none());
+}

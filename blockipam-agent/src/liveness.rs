@@ -1,0 +1,332 @@
+//! Liveness and dead-node reclaim (etcd only): the agent registers its node, keeps the node's
+//! lease-backed liveness key alive, and, while it holds the reclaimer leader key, releases the
+//! blocks and addresses of registered nodes whose liveness has been gone longer than the grace
+//! period (`ipam_core::dead_nodes`). See docs/agent.md, "Liveness and dead-node reclaim".
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use backend_etcd::lease::{Holder, LeaseSession, LeaseState, LeasedKey};
+use backend_etcd::EtcdConfig;
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::dead_nodes::{
+    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome,
+    ReclaimOptions, RESERVATION_NODE,
+};
+use ipam_core::model::validate_host;
+use ipam_core::{Condition, KvStore, Revision};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::counters::ReclaimCounters;
+use crate::{AgentArgs, AgentError};
+
+/// The agent version written into its registration.
+const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// What the liveness and reclaim tasks need to know.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LivenessSettings {
+    /// This agent's node, as the plugin records it (`node` attribute).
+    pub node: String,
+    /// The lease TTL of the liveness key (whole seconds).
+    pub ttl: Duration,
+    /// How long a node's liveness must have been gone before it is dead.
+    pub grace: Duration,
+    /// How often the reclaimer looks (and tries to become leader).
+    pub interval: Duration,
+    /// False: keep this node's liveness, never reclaim others (`--no-reclaim`).
+    pub reclaim: bool,
+}
+
+/// Calico's node-name file, read when `--node` is not given (what the plugin reads too).
+pub const NODENAME_FILE: &str = "/var/lib/calico/nodename";
+
+impl LivenessSettings {
+    /// The settings the flags give; the node is `--node` (`NODENAME`), else the contents of
+    /// [`NODENAME_FILE`], else the host name lower-cased: the plugin's own order.
+    ///
+    /// # Errors
+    /// [`AgentError`] when no node name can be found, or it is not a valid node name.
+    pub fn from_args(args: &AgentArgs) -> Result<LivenessSettings, AgentError> {
+        let node = match &args.node {
+            Some(node) => node.clone(),
+            None => default_node_name()?,
+        };
+        validate_host(&node).map_err(|e| AgentError::new(format!("invalid --node: {e}")))?;
+        if node == RESERVATION_NODE {
+            return Err(AgentError::new(format!(
+                "invalid --node: {RESERVATION_NODE:?} is the network reservations' pseudo-node"
+            )));
+        }
+        Ok(LivenessSettings {
+            node,
+            ttl: Duration::from_secs(args.liveness_ttl_seconds),
+            grace: Duration::from_secs(args.dead_node_grace_seconds),
+            interval: Duration::from_secs(args.reclaim_interval_seconds),
+            reclaim: !args.no_reclaim,
+        })
+    }
+}
+
+fn default_node_name() -> Result<String, AgentError> {
+    if let Ok(text) = std::fs::read_to_string(NODENAME_FILE) {
+        let name = text.trim();
+        if !name.is_empty() {
+            return Ok(name.to_owned());
+        }
+    }
+    for file in ["/proc/sys/kernel/hostname", "/etc/hostname"] {
+        if let Ok(text) = std::fs::read_to_string(file) {
+            let name = text.trim().to_ascii_lowercase();
+            if !name.is_empty() {
+                return Ok(name);
+            }
+        }
+    }
+    Err(AgentError::new(format!(
+        "cannot determine the node name: no --node (NODENAME), nothing in {NODENAME_FILE}, and no \
+         host name"
+    )))
+}
+
+/// The running liveness key and reclaimer; [`stop`](Self::stop) it at shutdown.
+#[derive(Debug)]
+pub struct Liveness {
+    liveness: LeasedKey,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+/// Seconds since the Unix epoch on this machine's clock (0 if the clock is before 1970).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Liveness {
+    /// Connects a lease session, puts this node's liveness key on a lease (first, so that a
+    /// reclaim of this node in progress stops at once), registers the node, and starts the task
+    /// that keeps both current and runs the reclaimer.
+    ///
+    /// # Errors
+    /// [`AgentError`] when etcd refuses or does not answer the first lease, put or registration.
+    pub async fn start(
+        settings: LivenessSettings,
+        etcd: &EtcdConfig,
+        store: Arc<dyn KvStore>,
+        counters: Arc<ReclaimCounters>,
+    ) -> Result<Liveness, AgentError> {
+        let session = Arc::new(
+            LeaseSession::connect(etcd, settings.ttl)
+                .await
+                .map_err(|e| AgentError::new(format!("liveness: cannot reach etcd: {e}")))?,
+        );
+        let liveness = LeasedKey::start(
+            Arc::clone(&session),
+            &liveness_key(&settings.node),
+            settings.node.clone().into_bytes(),
+        )
+        .await
+        .map_err(|e| AgentError::new(format!("liveness: cannot put the liveness key: {e}")))?;
+        register(store.as_ref(), &settings.node, AGENT_VERSION, unix_now())
+            .await
+            .map_err(|e| AgentError::new(format!("liveness: cannot register the node: {e}")))?;
+        tracing::info!(
+            node = %settings.node,
+            ttl_seconds = settings.ttl.as_secs(),
+            grace_seconds = settings.grace.as_secs(),
+            reclaim = settings.reclaim,
+            "node registered; liveness key kept on an etcd lease"
+        );
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(run_loop(
+            settings,
+            session,
+            liveness.watch(),
+            store,
+            counters,
+            stopped,
+        ));
+        Ok(Liveness {
+            liveness,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// Stops the reclaimer and revokes the lease: the liveness key (and the leader key, when
+    /// held) go at once; the registration stays, so the node is judged again by the others (a
+    /// restart within the grace period is never reclaimed).
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        self.liveness.stop(true).await;
+    }
+}
+
+async fn run_loop(
+    settings: LivenessSettings,
+    session: Arc<LeaseSession>,
+    mut lease: watch::Receiver<LeaseState>,
+    store: Arc<dyn KvStore>,
+    counters: Arc<ReclaimCounters>,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let mut registered_generation = lease.borrow().generation;
+    let mut ticks = tokio::time::interval(settings.interval);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = &mut stopped => return,
+            changed = lease.changed() => {
+                if changed.is_err() {
+                    // The keep-alive task ended (it never does before stop): nothing to follow.
+                    return;
+                }
+            }
+            _ = ticks.tick() => {}
+        }
+        let state = *lease.borrow_and_update();
+        if state.lease.is_some() && state.generation != registered_generation {
+            // A new lease after a lost one: register again, which clears a `missing_since`
+            // mark a reclaimer may have set meanwhile and stops a reclaim of this node.
+            match register(store.as_ref(), &settings.node, AGENT_VERSION, unix_now()).await {
+                Ok(_) => {
+                    registered_generation = state.generation;
+                    tracing::info!(node = %settings.node, "node registered again on a new lease");
+                }
+                Err(e) => {
+                    tracing::warn!(node = %settings.node, "registering again failed, retrying: {e}")
+                }
+            }
+        }
+        if settings.reclaim {
+            if let Some(id) = state.lease {
+                reclaim_if_leader(&settings, &session, id, &store, &counters).await;
+            }
+        }
+    }
+}
+
+/// Becomes (or stays) the reclaimer leader if nobody else is, and then runs one pass, every
+/// write guarded by "the leader key is still at the revision this agent put it".
+async fn reclaim_if_leader(
+    settings: &LivenessSettings,
+    session: &LeaseSession,
+    lease: i64,
+    store: &Arc<dyn KvStore>,
+    counters: &ReclaimCounters,
+) {
+    let leader_key = reclaimer_leader_key();
+    let revision = match session
+        .acquire(lease, &leader_key, settings.node.as_bytes())
+        .await
+    {
+        Ok(Holder::Mine { revision }) => revision,
+        Ok(Holder::Other { value }) => {
+            tracing::debug!(leader = %String::from_utf8_lossy(&value), "another agent reclaims");
+            return;
+        }
+        Err(e) => {
+            tracing::warn!("reclaimer: cannot read or take the leader key: {e}");
+            return;
+        }
+    };
+    let options = ReclaimOptions {
+        grace: settings.grace,
+        extra_guard: vec![Condition::at_revision(&leader_key, Revision(revision))],
+    };
+    match reclaim_pass(Arc::clone(store), unix_now(), &options).await {
+        Ok(outcomes) => {
+            for outcome in outcomes {
+                report(&outcome, counters);
+            }
+        }
+        Err(e) => tracing::warn!("reclaimer: the pass failed: {e}"),
+    }
+}
+
+/// Logs one node's outcome and counts a release.
+fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
+    let node = outcome.host.as_str();
+    match &outcome.action {
+        NodeAction::Alive => {}
+        NodeAction::ClearedMark => {
+            tracing::info!(node, "node is alive again: its missing mark was cleared")
+        }
+        NodeAction::MarkedMissing => tracing::info!(
+            node,
+            "node's liveness key is gone: marked missing (reclaimed once the grace period passes)"
+        ),
+        NodeAction::StillMissing {
+            since,
+            remaining_seconds,
+        } => tracing::debug!(node, since, remaining_seconds, "node still missing"),
+        NodeAction::Reclaimed(release) => {
+            let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
+            tracing::info!(
+                node,
+                addresses = release.released_addresses.len(),
+                blocks,
+                released_addresses = ?release.released_addresses,
+                deleted_blocks = ?release.deleted_blocks,
+                unassigned_blocks = ?release.unassigned_blocks,
+                "dead node reclaimed: its blocks and addresses were released"
+            );
+            counters.record_node(release.released_addresses.len() as u64, blocks as u64);
+        }
+        NodeAction::Stopped { key, released } => {
+            tracing::warn!(
+                node,
+                guard = %key,
+                "reclaim stopped: the node came back or this agent lost the leadership; nothing \
+                 more written"
+            );
+            if let Some(release) = released {
+                let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
+                counters.record_node(release.released_addresses.len() as u64, blocks as u64);
+            }
+        }
+        NodeAction::Changed => {
+            tracing::debug!(
+                node,
+                "registration changed meanwhile: left for the next pass"
+            )
+        }
+        NodeAction::Failed(message) => tracing::warn!(node, "reclaim failed: {message}"),
+    }
+}
+
+/// Starts liveness and the reclaimer when the store is etcd; on sled and redb logs that they
+/// apply to etcd only and returns `None`.
+///
+/// # Errors
+/// As [`LivenessSettings::from_args`] and [`Liveness::start`].
+pub async fn start_for(
+    args: &AgentArgs,
+    settings: &DatastoreSettings,
+    store: &Arc<dyn KvStore>,
+    counters: &Arc<ReclaimCounters>,
+) -> Result<Option<Liveness>, AgentError> {
+    if settings.datastore_type != DatastoreType::Etcdv3 {
+        tracing::info!(
+            "liveness and dead-node reclaim apply to etcd only: off for this {} store",
+            settings.datastore_type
+        );
+        return Ok(None);
+    }
+    let liveness = LivenessSettings::from_args(args)?;
+    let etcd = settings
+        .etcd_config()
+        .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
+    Liveness::start(liveness, &etcd, Arc::clone(store), Arc::clone(counters))
+        .await
+        .map(Some)
+}

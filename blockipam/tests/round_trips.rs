@@ -1,0 +1,267 @@
+//! Store round trips per plugin call, counted through the real `blockipam` binary: by the plugin's
+//! own count (its debug log line "store round trips") on sled and redb, and by etcd's own gRPC
+//! counters (`grpc_server_handled_total`) around each call on a real etcd. Steady-state ADD and
+//! DEL make two each: one batched read and one transaction. Also: the checks folded into that read
+//! still notice a missing reservation or a changed gateway.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use backend_etcd::testing::{unique_prefix, EtcdServer};
+use backend_etcd::{EtcdConfig, EtcdStore};
+use blockipam_store::DatastoreType;
+use common::*;
+use ipam_core::{Ipam, ReleaseRequest};
+use serde_json::{json, Value};
+
+/// One call's counts from the plugin's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Counted {
+    command: String,
+    reads: u64,
+    commits: u64,
+}
+
+/// Every "store round trips" line of the plugin's log at `log`, in order.
+fn counted_calls(log: &Path) -> Vec<Counted> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let field = |line: &str, name: &str| -> Option<String> {
+        let start = line.find(&format!("{name}="))? + name.len() + 1;
+        let rest = &line[start..];
+        let end = rest.find(' ').unwrap_or(rest.len());
+        Some(rest[..end].trim_matches('"').to_owned())
+    };
+    text.lines()
+        .filter(|line| line.contains("store round trips"))
+        .map(|line| Counted {
+            command: field(line, "command").expect("command field"),
+            reads: field(line, "reads")
+                .and_then(|v| v.parse().ok())
+                .expect("reads field"),
+            commits: field(line, "commits")
+                .and_then(|v| v.parse().ok())
+                .expect("commits field"),
+        })
+        .collect()
+}
+
+/// Runs `command` for `container` and returns its counts (the newest log line).
+fn call_counted(command: &str, container: &str, netconf: &Value, log: &Path) -> (Outcome, Counted) {
+    let before = counted_calls(log).len();
+    let outcome = cni(command, container, "eth0", netconf, &[]);
+    let calls = counted_calls(log);
+    assert_eq!(
+        calls.len(),
+        before + 1,
+        "{command} {container} logged no round-trip line: {}",
+        outcome.stderr
+    );
+    (outcome, calls[before].clone())
+}
+
+fn one_and_one(command: &str) -> Counted {
+    Counted {
+        command: command.to_owned(),
+        reads: 1,
+        commits: 1,
+    }
+}
+
+fn steady_state_is_two_round_trips(store_type: DatastoreType) {
+    let sandbox = Sandbox::with_store(store_type);
+    let log = sandbox.store_path().with_extension("log");
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"log_level": "debug", "log_file_path": log, "agent_socket": ""}),
+    );
+    // The first ADD sets the network up (pools, reservations): more round trips, once.
+    let (first, setup) = call_counted("ADD", "c0", &netconf, &log);
+    first.success_json("first ADD");
+    assert!(
+        setup.reads + setup.commits > 2,
+        "the first ADD must set the network up: {setup:?}"
+    );
+    for container in ["c1", "c2", "c3"] {
+        let (outcome, counted) = call_counted("ADD", container, &netconf, &log);
+        outcome.success_json("steady-state ADD");
+        assert_eq!(counted, one_and_one("ADD"), "ADD {container}");
+    }
+    for container in ["c1", "c2"] {
+        let (outcome, counted) = call_counted("DEL", container, &netconf, &log);
+        outcome.assert_silent_success("DEL");
+        assert_eq!(counted, one_and_one("DEL"), "DEL {container}");
+    }
+    // A DEL with nothing to release: one read, no transaction.
+    let (outcome, counted) = call_counted("DEL", "never-added", &netconf, &log);
+    outcome.assert_silent_success("DEL of nothing");
+    assert_eq!((counted.reads, counted.commits), (1, 0), "DEL of nothing");
+    let left: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, handle, _)| handle)
+        .collect();
+    assert_eq!(
+        left,
+        vec!["testnet.c0".to_owned(), "testnet.c3".to_owned()],
+        "c0 and c3 hold their address, c1 and c2 released theirs"
+    );
+}
+
+#[test]
+fn steady_state_add_and_del_make_two_round_trips_on_sled() {
+    steady_state_is_two_round_trips(DatastoreType::Sled);
+}
+
+#[test]
+fn steady_state_add_and_del_make_two_round_trips_on_redb() {
+    steady_state_is_two_round_trips(DatastoreType::Redb);
+}
+
+/// The gateway reservation handle's addresses, as the store holds them.
+fn reserved(sandbox: &Sandbox) -> Vec<String> {
+    let mut held: Vec<String> = sandbox
+        .allocations()
+        .into_iter()
+        .filter(|(_, handle, _)| handle.ends_with(":gateway"))
+        .map(|(ip, _, _)| ip)
+        .collect();
+    held.sort();
+    held
+}
+
+#[test]
+fn a_released_reservation_or_a_changed_gateway_is_noticed_inside_the_one_read() {
+    let sandbox = Sandbox::new();
+    let log = sandbox.store_path().with_extension("log");
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"log_level": "debug", "log_file_path": log, "agent_socket": ""}),
+    );
+    cni("ADD", "c0", "eth0", &netconf, &[]).success_json("first ADD");
+    let before = reserved(&sandbox);
+    assert!(
+        before.contains(&"10.244.7.1".to_owned()),
+        "the gateway is reserved: {before:?}"
+    );
+    // An operator releases the gateway's reservation: the next ADD must put it back (and so take
+    // the set-up path), not trust a stale confirmation.
+    sandbox.with_ipam(async |ipam: &Ipam| {
+        let ip: IpAddr = "10.244.7.1".parse().expect("ip");
+        let outcome = ipam
+            .release_ips(&[ReleaseRequest { ip, sequence: None }])
+            .await
+            .expect("release the gateway reservation");
+        assert_eq!(outcome.released, vec![ip]);
+    });
+    assert!(!reserved(&sandbox).contains(&"10.244.7.1".to_owned()));
+    let (outcome, counted) = call_counted("ADD", "c1", &netconf, &log);
+    outcome.success_json("ADD after the release");
+    assert_ne!(
+        counted,
+        one_and_one("ADD"),
+        "a released reservation must send ADD down the set-up path"
+    );
+    assert_eq!(reserved(&sandbox), before, "the reservation is back");
+    let (_, counted) = call_counted("ADD", "c2", &netconf, &log);
+    assert_eq!(counted, one_and_one("ADD"), "steady again");
+
+    // The netconf's gateway changes to an address no container holds yet: it is reserved at the
+    // next ADD, and no container is ever given it.
+    let mut moved = netconf.clone();
+    moved["ipam"]["gateway"] = json!(["10.244.7.200", "fd00:10:244::1"]);
+    let (outcome, counted) = call_counted("ADD", "c3", &moved, &log);
+    outcome.success_json("ADD with a new gateway");
+    assert_ne!(counted, one_and_one("ADD"), "a new gateway needs set-up");
+    assert!(
+        reserved(&sandbox).contains(&"10.244.7.200".to_owned()),
+        "the new gateway is reserved: {:?}",
+        reserved(&sandbox)
+    );
+    let handed_out: BTreeMap<String, String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(ip, handle, _)| (ip, handle))
+        .collect();
+    for ip in ["10.244.7.1", "10.244.7.200", "10.244.7.0", "10.244.7.255"] {
+        assert!(
+            !handed_out.contains_key(ip),
+            "{ip} went to a container: {handed_out:?}"
+        );
+    }
+}
+
+/// etcd's own count of gRPC requests, by method, before and after `call`.
+fn grpc_requests_during(server: &EtcdServer, call: impl FnOnce()) -> BTreeMap<String, u64> {
+    let before = server.grpc_requests_handled().expect("etcd metrics");
+    call();
+    let after = server.grpc_requests_handled().expect("etcd metrics");
+    after
+        .into_iter()
+        .filter_map(|(method, count)| {
+            let grew = count - before.get(&method).copied().unwrap_or(0);
+            (grew > 0).then_some((method, grew))
+        })
+        .collect()
+}
+
+#[test]
+fn etcd_counts_two_requests_per_steady_state_add_and_del() {
+    // A server of this test's own: nothing else sends it requests while it counts.
+    let server = EtcdServer::start().unwrap_or_else(|e| {
+        panic!(
+            "this test needs etcd (Debian: apt-get install etcd-server, or run scripts/setup): {e}"
+        )
+    });
+    let prefix = unique_prefix();
+    let sandbox = Sandbox::new();
+    let mut netconf = sandbox.netconf("1.0.0", json!({"agent_socket": ""}));
+    netconf["ipam"]["datastore_type"] = json!("etcdv3");
+    netconf["ipam"]["datastore_path"] = Value::Null;
+    netconf["ipam"]["etcd_endpoints"] = json!(server.endpoint());
+    netconf["ipam"]["etcd_prefix"] = json!(prefix);
+    let add = |container: &str| {
+        cni("ADD", container, "eth0", &netconf, &[]).success_json("ADD");
+    };
+    let del = |container: &str| {
+        cni("DEL", container, "eth0", &netconf, &[]).assert_silent_success("DEL");
+    };
+    let first = grpc_requests_during(&server, || add("c0"));
+    println!("first ADD: {first:?}");
+    for container in ["c1", "c2"] {
+        let steady = grpc_requests_during(&server, || add(container));
+        println!("ADD {container}: {steady:?}");
+        assert_eq!(
+            steady.values().sum::<u64>(),
+            2,
+            "a steady-state ADD is one read and one transaction: {steady:?}"
+        );
+    }
+    for container in ["c1", "c2"] {
+        let released = grpc_requests_during(&server, || del(container));
+        println!("DEL {container}: {released:?}");
+        assert_eq!(
+            released.values().sum::<u64>(),
+            2,
+            "a DEL is one read and one transaction: {released:?}"
+        );
+    }
+    // The counts are real: c0 is still allocated, c1 and c2 are not.
+    let left = common::block_on(async {
+        let store = EtcdStore::connect(EtcdConfig::new([server.endpoint()]).with_prefix(&prefix))
+            .await
+            .expect("connect");
+        Ipam::new(Arc::new(store))
+            .list_allocations()
+            .await
+            .expect("list")
+            .into_iter()
+            .filter(|a| !a.handle.ends_with(":gateway"))
+            .map(|a| a.handle)
+            .collect::<Vec<_>>()
+    });
+    assert_eq!(left, vec!["testnet.c0".to_owned()]);
+}

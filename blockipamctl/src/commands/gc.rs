@@ -1,0 +1,277 @@
+//! `gc --dead-nodes [--grace-seconds N] [--apply]`: the nodes agents registered, whether each is
+//! alive, missing or dead, and what releasing the dead ones frees; with `--apply`, mark the
+//! missing ones and release the dead ones (`ipam_core::dead_nodes`, as the agents' reclaimer).
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use blockipam_store::{DatastoreSettings, DatastoreType};
+use ipam_core::dead_nodes::{
+    preview_release, reclaim_pass, survey, NodeAction, NodeState, NodeStatus, ReclaimOptions,
+    ReleasePreview,
+};
+use ipam_core::HostRelease;
+use serde::Serialize;
+
+use super::{open_ipam, to_json};
+use crate::cli::GcArgs;
+use crate::error::CtlError;
+use crate::output::{counted, Ctx, Outcome, Table};
+use crate::settings::OpenMode;
+
+#[derive(Debug, Serialize)]
+struct GcJson {
+    /// The clock reading the decisions were made at (unix seconds).
+    now: u64,
+    grace_seconds: u64,
+    applied: bool,
+    nodes: Vec<NodeJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct NodeJson {
+    node: String,
+    /// `alive`, `missing` or `dead`, as found before anything was done.
+    state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    missing_since: Option<u64>,
+    registered_at: u64,
+    agent_version: String,
+    /// What releasing it would free now (missing and dead nodes, without `--apply`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    would_release: Option<ReleasePreview>,
+    /// What `--apply` did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    action: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<ReleasedJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct ReleasedJson {
+    deleted_blocks: Vec<String>,
+    unassigned_blocks: Vec<String>,
+    released_addresses: Vec<IpAddr>,
+}
+
+impl From<&HostRelease> for ReleasedJson {
+    fn from(release: &HostRelease) -> Self {
+        ReleasedJson {
+            deleted_blocks: release
+                .deleted_blocks
+                .iter()
+                .map(|b| b.to_string())
+                .collect(),
+            unassigned_blocks: release
+                .unassigned_blocks
+                .iter()
+                .map(|b| b.to_string())
+                .collect(),
+            released_addresses: release.released_addresses.clone(),
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn state_name(state: NodeState) -> &'static str {
+    match state {
+        NodeState::Alive => "alive",
+        NodeState::Missing { .. } => "missing",
+        NodeState::Dead { .. } => "dead",
+    }
+}
+
+/// The STATE cell: the state and, for a marked node, for how long it has been missing.
+fn state_text(state: NodeState, now: u64, grace: u64) -> String {
+    match state {
+        NodeState::Alive => "alive".into(),
+        NodeState::Missing { since: None } => "missing (not marked yet)".into(),
+        NodeState::Missing { since: Some(since) } => {
+            let gone = now.saturating_sub(since);
+            format!("missing for {gone}s ({}s left)", grace.saturating_sub(gone))
+        }
+        NodeState::Dead { since } => format!("dead (missing for {}s)", now.saturating_sub(since)),
+    }
+}
+
+fn action_name(action: &NodeAction) -> &'static str {
+    match action {
+        NodeAction::Alive => "none",
+        NodeAction::ClearedMark => "cleared-mark",
+        NodeAction::MarkedMissing => "marked-missing",
+        NodeAction::StillMissing { .. } => "none",
+        NodeAction::Reclaimed(_) => "reclaimed",
+        NodeAction::Stopped { .. } => "stopped",
+        NodeAction::Changed => "changed",
+        NodeAction::Failed(_) => "failed",
+    }
+}
+
+fn node_json(status: &NodeStatus) -> NodeJson {
+    let missing_since = match status.state {
+        NodeState::Missing { since } => since,
+        NodeState::Dead { since } => Some(since),
+        NodeState::Alive => status.registration.missing_since,
+    };
+    NodeJson {
+        node: status.host.clone(),
+        state: state_name(status.state),
+        missing_since,
+        registered_at: status.registration.registered_at,
+        agent_version: status.registration.agent_version.clone(),
+        would_release: None,
+        action: None,
+        released: None,
+        detail: None,
+    }
+}
+
+/// `gc --dead-nodes`: without `--apply` writes nothing; with it, one reclaim pass.
+///
+/// # Errors
+/// [`CtlError::Usage`] for a zero grace period; store trouble.
+pub async fn run(
+    ctx: &mut Ctx<'_>,
+    settings: &DatastoreSettings,
+    args: &GcArgs,
+) -> Result<Outcome, CtlError> {
+    if !args.dead_nodes {
+        return Err(CtlError::usage(
+            "gc needs what to collect: --dead-nodes (the only kind so far)",
+        ));
+    }
+    if args.grace_seconds == 0 {
+        return Err(CtlError::usage("--grace-seconds must be at least 1"));
+    }
+    let grace = Duration::from_secs(args.grace_seconds);
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let store = Arc::clone(ipam.store());
+    let now = unix_now();
+    ctx.progress("reading the registered nodes ...");
+    let nodes = survey(store.as_ref(), now, grace).await?;
+    let mut json_nodes: Vec<NodeJson> = nodes.iter().map(node_json).collect();
+    let mut problems_found = false;
+    let mut table =
+        Table::new(&["NODE", "STATE", "BLOCKS", "ADDRESSES", "ACTION"]).right_align(&[2, 3]);
+    if args.apply {
+        ctx.progress("marking missing nodes and releasing dead ones ...");
+        let options = ReclaimOptions {
+            grace,
+            extra_guard: Vec::new(),
+        };
+        let outcomes = reclaim_pass(Arc::clone(&store), now, &options).await?;
+        for (status, json) in nodes.iter().zip(json_nodes.iter_mut()) {
+            let Some(outcome) = outcomes.iter().find(|o| o.host == status.host) else {
+                continue;
+            };
+            json.action = Some(action_name(&outcome.action));
+            let (blocks, addresses) = match &outcome.action {
+                NodeAction::Reclaimed(release)
+                | NodeAction::Stopped {
+                    released: Some(release),
+                    ..
+                } => {
+                    json.released = Some(ReleasedJson::from(release));
+                    (
+                        (release.deleted_blocks.len() + release.unassigned_blocks.len())
+                            .to_string(),
+                        release.released_addresses.len().to_string(),
+                    )
+                }
+                _ => ("-".to_owned(), "-".to_owned()),
+            };
+            json.detail = match &outcome.action {
+                NodeAction::Stopped { key, .. } => Some(format!(
+                    "stopped: {key} changed (the node came back); nothing more written"
+                )),
+                NodeAction::Failed(message) => {
+                    problems_found = true;
+                    Some(message.clone())
+                }
+                _ => None,
+            };
+            let mut action = action_name(&outcome.action).to_owned();
+            if let Some(detail) = &json.detail {
+                action = format!("{action}: {detail}");
+            }
+            table.row(vec![
+                status.host.clone(),
+                state_text(status.state, now, args.grace_seconds),
+                blocks,
+                addresses,
+                action,
+            ]);
+        }
+    } else {
+        let judged: Vec<&str> = nodes
+            .iter()
+            .filter(|n| n.state != NodeState::Alive)
+            .map(|n| n.host.as_str())
+            .collect();
+        ctx.progress("counting what a reclaim would release ...");
+        let previews = preview_release(Arc::clone(&store), &judged).await?;
+        for (status, json) in nodes.iter().zip(json_nodes.iter_mut()) {
+            json.would_release = previews.get(&status.host).copied();
+            let (blocks, addresses, action) = match (status.state, json.would_release) {
+                (NodeState::Dead { .. }, Some(p)) => (
+                    p.blocks.to_string(),
+                    p.addresses.to_string(),
+                    "would release (--apply)",
+                ),
+                (NodeState::Missing { since: None }, Some(p)) => (
+                    p.blocks.to_string(),
+                    p.addresses.to_string(),
+                    "would mark missing (--apply)",
+                ),
+                (_, Some(p)) => (p.blocks.to_string(), p.addresses.to_string(), "wait"),
+                _ => ("-".to_owned(), "-".to_owned(), "none"),
+            };
+            table.row(vec![
+                status.host.clone(),
+                state_text(status.state, now, args.grace_seconds),
+                blocks,
+                addresses,
+                action.to_owned(),
+            ]);
+        }
+    }
+    ctx.progress_done();
+    let mut text = if nodes.is_empty() {
+        let mut text = "No node is registered: dead-node reclaim judges only nodes whose agent registered them.\n".to_owned();
+        if settings.datastore_type != DatastoreType::Etcdv3 {
+            text.push_str("(Agents register their nodes and keep liveness keys on etcd only.)\n");
+        }
+        text
+    } else {
+        format!(
+            "{} registered (grace period {}s){}:\n{}",
+            counted(nodes.len() as u64, "node", "nodes"),
+            args.grace_seconds,
+            if args.apply { "" } else { ", nothing changed" },
+            table.render()
+        )
+    };
+    if !args.apply && nodes.iter().any(|n| n.state != NodeState::Alive) {
+        text.push_str("\nRun again with --apply to mark missing nodes and release dead ones.\n");
+    }
+    let json = GcJson {
+        now,
+        grace_seconds: args.grace_seconds,
+        applied: args.apply,
+        nodes: json_nodes,
+    };
+    Ok(Outcome {
+        json: to_json(&json)?,
+        table: text,
+        problems_found,
+    })
+}

@@ -1,0 +1,210 @@
+//! What a caller's network needs to exist before its addresses are handed out (pools, and the
+//! gateway reservations held by a handle), checked inside auto-assign's one batched read.
+//!
+//! The CNI plugin describes its network once per call: the pools its netconf lists, and the
+//! gateways whose addresses (with their pool's network and broadcast addresses) must never go to
+//! a container. Checking that on every call used to cost a pool listing and a read of the
+//! reservation handle and its blocks. Now auto-assign reads, in the same batch as everything
+//! else, the pools, the reservation handle and a small *confirmation* record, and compares them in
+//! memory: when all is in place (the steady state) nothing more is read. When something is missing
+//! it answers [`IpamError::SetupNeeded`] and the caller sets it up (creating pools, reserving
+//! addresses, then [`Ipam::confirm_reservations`]) and asks again.
+//!
+//! The confirmation record (`ipam/v1/reservations-held/<handle>`) says "at the handle's revision
+//! R, the handle held exactly these addresses". It was verified against the blocks when written,
+//! and every change to what a handle holds rewrites the handle (a new revision), so a record
+//! whose R is the handle's current revision is still exact; any other record is stale and simply
+//! sends the call down the set-up path again.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::{Ipam, PoolSpec, Stored};
+use crate::error::IpamError;
+use crate::kv::{Condition, KeyValue, Op, Read, ReadResult, Revision, Txn};
+use crate::model::{keys, Family, Pool};
+
+/// What a caller's network needs in place; given to auto-assign in
+/// [`AutoAssignRequest::setup`](crate::AutoAssignRequest::setup).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetworkSetup {
+    /// Pools that must exist: one with the same CIDR and block size (whatever its name).
+    pub pools: Vec<PoolSpec>,
+    /// Gateways of the network: each one inside an enabled pool is reserved, with that pool's
+    /// network and (IPv4) broadcast address ([`reserved_addresses`]); and an auto-assigned
+    /// address skips block edges exactly when [`block_prefix_reportable`] says so.
+    pub gateways: Vec<IpAddr>,
+    /// The handle the reservations are held by.
+    pub reservation_handle: String,
+}
+
+/// The addresses a network with these `gateways` reserves among `pools`: each gateway that lies in
+/// an enabled pool and, because the result then reports that pool's prefix, the pool's network
+/// address and (IPv4, shorter than /31) broadcast address. In order, without repeats. Gateways in
+/// no enabled pool reserve nothing (see [`gateways_outside_pools`]).
+pub fn reserved_addresses(pools: &[Pool], gateways: &[IpAddr]) -> Vec<IpAddr> {
+    let mut reserved = Vec::new();
+    for gateway in gateways {
+        let Some(pool) = pools
+            .iter()
+            .find(|p| !p.disabled && p.cidr.contains(gateway))
+        else {
+            continue;
+        };
+        reserved.push(*gateway);
+        reserved.push(pool.cidr.network());
+        if let IpNet::V4(net) = pool.cidr {
+            if net.prefix_len() < 31 {
+                reserved.push(IpAddr::V4(net.broadcast()));
+            }
+        }
+    }
+    let mut seen = BTreeSet::new();
+    reserved.retain(|ip| seen.insert(*ip));
+    reserved
+}
+
+/// The gateways that lie in no enabled pool (neither reserved nor reported).
+pub fn gateways_outside_pools(pools: &[Pool], gateways: &[IpAddr]) -> Vec<IpAddr> {
+    gateways
+        .iter()
+        .filter(|g| !pools.iter().any(|p| !p.disabled && p.cidr.contains(*g)))
+        .copied()
+        .collect()
+}
+
+/// True when an automatically assigned address may be reported with its block's prefix: a
+/// candidate pool (enabled, of a wanted family, among `named` when that is not empty) holds no
+/// gateway. The allocator must then never hand out a block's network or last address.
+pub fn block_prefix_reportable(
+    pools: &[Pool],
+    wanted: &[(Family, bool, &[String])],
+    gateways: &[IpAddr],
+) -> bool {
+    wanted
+        .iter()
+        .filter(|(_, wanted, _)| *wanted)
+        .any(|(family, _, named)| {
+            pools
+                .iter()
+                .filter(|p| p.family() == *family && !p.disabled)
+                .filter(|p| {
+                    named.is_empty()
+                        || named
+                            .iter()
+                            .any(|n| *n == p.name || n.parse::<IpNet>().ok() == Some(p.cidr))
+                })
+                .any(|p| !gateways.iter().any(|g| p.cidr.contains(g)))
+        })
+}
+
+/// The confirmation record: at `handle_revision`, the handle held exactly `held`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct ReservationsHeld {
+    handle_revision: u64,
+    held: Vec<IpAddr>,
+}
+
+/// True when `setup`'s pools exist among `pools`, and every address it reserves is held by its
+/// reservation handle according to a confirmation record (`confirmation`) that is current for the
+/// handle as read in the same snapshot (`handle_revision`).
+pub(crate) fn setup_in_place(
+    setup: &NetworkSetup,
+    pools: &[Stored<Pool>],
+    handle_revision: Option<Revision>,
+    confirmation: Option<&KeyValue>,
+) -> Result<bool, IpamError> {
+    for spec in &setup.pools {
+        let wanted = Ipam::pool_from_spec(spec)?;
+        if !pools
+            .iter()
+            .any(|p| p.value.cidr == wanted.cidr && p.value.block_size == wanted.block_size)
+        {
+            return Ok(false);
+        }
+    }
+    let listed: Vec<Pool> = pools.iter().map(|p| p.value.clone()).collect();
+    let wanted = reserved_addresses(&listed, &setup.gateways);
+    if wanted.is_empty() {
+        return Ok(true);
+    }
+    let (Some(revision), Some(kv)) = (handle_revision, confirmation) else {
+        return Ok(false);
+    };
+    let record: ReservationsHeld =
+        serde_json::from_slice(&kv.value).map_err(|e| IpamError::Corrupt {
+            key: kv.key.clone(),
+            message: format!("not a reservation confirmation record: {e}"),
+        })?;
+    if record.handle_revision != revision.get() {
+        return Ok(false);
+    }
+    let held: BTreeSet<IpAddr> = record.held.into_iter().collect();
+    Ok(wanted.iter().all(|ip| held.contains(ip)))
+}
+
+impl Ipam {
+    /// Records which addresses `handle_id` holds now (see the module documentation), so that
+    /// auto-assign can tell in memory that a network's reservations are in place. Reads the handle
+    /// and its blocks, then writes the record on the condition that the handle has not changed
+    /// since; when it has, nothing is written (the next call confirms again). A record already
+    /// current is left as it is; an unknown handle deletes any record.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn confirm_reservations(&self, handle_id: &str) -> Result<(), IpamError> {
+        let key = keys::handle(handle_id);
+        let record_key = keys::reservations_held(handle_id);
+        let mut results = self
+            .store()
+            .read_many(&[Read::Get(key.clone()), Read::Get(record_key.clone())])
+            .await?
+            .into_iter();
+        let handle_kv = results
+            .next()
+            .map(ReadResult::into_got)
+            .transpose()?
+            .flatten();
+        let record_kv = results
+            .next()
+            .map(ReadResult::into_got)
+            .transpose()?
+            .flatten();
+        let (_, revision) = Self::decode_handle(handle_kv)?;
+        let Some(revision) = revision else {
+            if record_kv.is_some() {
+                self.store().delete(&record_key).await?;
+            }
+            return Ok(());
+        };
+        let current = record_kv
+            .and_then(|kv| serde_json::from_slice::<ReservationsHeld>(&kv.value).ok())
+            .is_some_and(|r| r.handle_revision == revision.get());
+        if current {
+            // Confirmed at this very revision already: nothing to write.
+            return Ok(());
+        }
+        let held: Vec<IpAddr> = self
+            .allocations_by_handle(handle_id)
+            .await?
+            .into_iter()
+            .map(|info| info.ip)
+            .collect();
+        let record = ReservationsHeld {
+            handle_revision: revision.get(),
+            held,
+        };
+        let value = serde_json::to_vec(&record)
+            .map_err(|e| IpamError::Internal(format!("cannot encode a confirmation: {e}")))?;
+        let txn = Txn::new()
+            .when(Condition::at_revision(&key, revision))
+            .then(Op::put(&record_key, value));
+        match self.store().commit(txn).await {
+            Ok(_) | Err(crate::kv::KvError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! Dead-node reclaim over the in-memory reference store: the decision table (alive, missing and
+//! marked, dead and released, never registered, the reservation pseudo-node) and a node that
+//! comes back in the middle of its release, which stops the release at its next write.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ipam_core::dead_nodes::{
+    agent_key, liveness_key, preview_release, reclaim_pass, register, survey, NodeAction,
+    NodeState, ReclaimOptions, Registration, RESERVATION_NODE,
+};
+use ipam_core::{
+    AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, KeyValue, KvError, KvStore,
+    MemoryStore, PoolSpec, Read, ReadResult, Revision, Txn,
+};
+
+const GRACE: Duration = Duration::from_secs(900);
+const T0: u64 = 1_800_000_000;
+
+fn options() -> ReclaimOptions {
+    ReclaimOptions {
+        grace: GRACE,
+        extra_guard: Vec::new(),
+    }
+}
+
+async fn ipam_with_pool(store: Arc<dyn KvStore>) -> Ipam {
+    let ipam = Ipam::new(store);
+    ipam.create_pool(&PoolSpec {
+        cidr: "10.0.0.0/16".parse().expect("cidr"),
+        name: Some("pool".into()),
+        block_size: Some(26),
+        disabled: false,
+    })
+    .await
+    .expect("create the pool");
+    ipam
+}
+
+/// Allocates `count` addresses for `host`, one handle each.
+async fn allocate(ipam: &Ipam, host: &str, count: usize) -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    for i in 0..count {
+        let result = ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: format!("net.{host}-c{i}"),
+                host: host.to_owned(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+            .expect("auto-assign");
+        ips.extend(result.v4.iter().map(|a| a.ip));
+    }
+    ips
+}
+
+async fn addresses_of(ipam: &Ipam, host: &str) -> usize {
+    ipam.list_allocations()
+        .await
+        .expect("list allocations")
+        .iter()
+        .filter(|a| a.attributes.get("node").map(String::as_str) == Some(host))
+        .count()
+}
+
+async fn blocks_of(store: &dyn KvStore, host: &str) -> usize {
+    store
+        .list(&ipam_core::model::keys::host_blocks_dir(host))
+        .await
+        .expect("list the host's blocks")
+        .len()
+}
+
+async fn registration(store: &dyn KvStore, host: &str) -> Option<Registration> {
+    store
+        .get(&agent_key(host))
+        .await
+        .expect("read the registration")
+        .map(|kv| serde_json::from_slice(&kv.value).expect("a registration is JSON"))
+}
+
+async fn set_live(store: &dyn KvStore, host: &str) {
+    store
+        .put(&liveness_key(host), b"alive".to_vec())
+        .await
+        .expect("put the liveness key");
+}
+
+fn action_of<'a>(outcomes: &'a [ipam_core::dead_nodes::NodeOutcome], host: &str) -> &'a NodeAction {
+    &outcomes
+        .iter()
+        .find(|o| o.host == host)
+        .unwrap_or_else(|| panic!("no outcome for {host}: {outcomes:?}"))
+        .action
+}
+
+async fn assert_check_clean(ipam: &Ipam) {
+    let report = ipam.check(false).await.expect("check");
+    assert!(
+        report.problems.is_empty(),
+        "check found problems: {report:?}"
+    );
+}
+
+#[tokio::test]
+async fn alive_node_is_never_touched() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 3).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    set_live(store.as_ref(), "node-a").await;
+    let before = store.get(&agent_key("node-a")).await.expect("get");
+
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 10 * GRACE.as_secs(), &options())
+        .await
+        .expect("pass");
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::Alive);
+    assert_eq!(addresses_of(&ipam, "node-a").await, 3);
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
+    assert_eq!(store.get(&agent_key("node-a")).await.expect("get"), before);
+}
+
+#[tokio::test]
+async fn missing_node_is_marked_then_released_once_the_grace_has_passed() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 3).await;
+    allocate(&ipam, "node-b", 2).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register a");
+    register(store.as_ref(), "node-b", "test", T0)
+        .await
+        .expect("register b");
+    set_live(store.as_ref(), "node-b").await;
+
+    // First sight of the missing liveness key: marked with the reclaimer's clock, nothing freed.
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5, &options())
+        .await
+        .expect("pass 1");
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+    assert_eq!(
+        registration(store.as_ref(), "node-a")
+            .await
+            .expect("registered")
+            .missing_since,
+        Some(T0 + 5)
+    );
+    assert_eq!(addresses_of(&ipam, "node-a").await, 3);
+
+    // One second short of the grace: still only missing.
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5 + GRACE.as_secs() - 1, &options())
+        .await
+        .expect("pass 2");
+    assert_eq!(
+        action_of(&outcomes, "node-a"),
+        &NodeAction::StillMissing {
+            since: T0 + 5,
+            remaining_seconds: 1
+        }
+    );
+    assert_eq!(addresses_of(&ipam, "node-a").await, 3);
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
+
+    // The grace has passed: released like `node release --addresses`, registration deleted.
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5 + GRACE.as_secs(), &options())
+        .await
+        .expect("pass 3");
+    match action_of(&outcomes, "node-a") {
+        NodeAction::Reclaimed(release) => {
+            assert_eq!(release.released_addresses.len(), 3, "{release:?}");
+            assert_eq!(release.deleted_blocks.len(), 1, "{release:?}");
+        }
+        other => panic!("node-a was not reclaimed: {other:?}"),
+    }
+    assert_eq!(action_of(&outcomes, "node-b"), &NodeAction::Alive);
+    assert_eq!(addresses_of(&ipam, "node-a").await, 0);
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 0);
+    assert_eq!(registration(store.as_ref(), "node-a").await, None);
+    assert_eq!(addresses_of(&ipam, "node-b").await, 2);
+    assert_check_clean(&ipam).await;
+
+    // Reclaimed once: later passes no longer see it.
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 10 * GRACE.as_secs(), &options())
+        .await
+        .expect("pass 4");
+    assert!(outcomes.iter().all(|o| o.host != "node-a"), "{outcomes:?}");
+}
+
+#[tokio::test]
+async fn never_registered_node_and_reservations_are_never_touched() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    // A node whose plugin runs without an agent: allocations, no registration, no liveness.
+    allocate(&ipam, "plugin-only", 2).await;
+    // A gateway reservation, made for the pseudo-node "-", and a registration record under its
+    // name (which no agent can write through `register`).
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec!["10.0.200.1".parse().expect("ip")],
+        handle: "reservation.gw".into(),
+        host: RESERVATION_NODE.into(),
+        attributes: BTreeMap::new(),
+        ignore_strict_affinity: true,
+    })
+    .await
+    .expect("reserve the gateway");
+    assert!(matches!(
+        register(store.as_ref(), RESERVATION_NODE, "test", T0).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    store
+        .put(
+            &agent_key(RESERVATION_NODE),
+            br#"{"node":"-","registered_at":1,"agent_version":"x","missing_since":1}"#.to_vec(),
+        )
+        .await
+        .expect("write a registration under the pseudo-node's name");
+
+    for now in [T0, T0 + GRACE.as_secs(), T0 + 100 * GRACE.as_secs()] {
+        let outcomes = reclaim_pass(Arc::clone(&store), now, &options())
+            .await
+            .expect("pass");
+        assert!(outcomes.is_empty(), "{outcomes:?}");
+    }
+    assert_eq!(addresses_of(&ipam, "plugin-only").await, 2);
+    assert_eq!(blocks_of(store.as_ref(), "plugin-only").await, 1);
+    assert_eq!(addresses_of(&ipam, RESERVATION_NODE).await, 1);
+}
+
+#[tokio::test]
+async fn live_node_with_a_stale_mark_is_cleared_not_released() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 1).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    reclaim_pass(Arc::clone(&store), T0, &options())
+        .await
+        .expect("mark");
+    set_live(store.as_ref(), "node-a").await;
+
+    let later = T0 + 2 * GRACE.as_secs();
+    let nodes = survey(store.as_ref(), later, GRACE).await.expect("survey");
+    assert_eq!(nodes[0].state, NodeState::Alive);
+    let outcomes = reclaim_pass(Arc::clone(&store), later, &options())
+        .await
+        .expect("pass");
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::ClearedMark);
+    assert_eq!(
+        registration(store.as_ref(), "node-a")
+            .await
+            .expect("registered")
+            .missing_since,
+        None
+    );
+    assert_eq!(addresses_of(&ipam, "node-a").await, 1);
+}
+
+#[tokio::test]
+async fn survey_and_preview_write_nothing_and_count_what_a_reclaim_would_release() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 70).await; // two blocks of 64
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    let before = store.list("").await.expect("list");
+
+    let nodes = survey(store.as_ref(), T0 + 10 * GRACE.as_secs(), GRACE)
+        .await
+        .expect("survey");
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(nodes[0].state, NodeState::Missing { since: None });
+    let previews = preview_release(Arc::clone(&store), &["node-a"])
+        .await
+        .expect("preview");
+    assert_eq!(previews["node-a"].blocks, 2);
+    assert_eq!(previews["node-a"].addresses, 70);
+    assert_eq!(store.list("").await.expect("list"), before);
+}
+
+/// A store that makes a node come back right after the `trigger_after`-th successful commit:
+/// its liveness key reappears, or its agent registers again.
+#[derive(Debug)]
+struct ComesBackStore {
+    inner: Arc<dyn KvStore>,
+    commits: AtomicUsize,
+    trigger_after: usize,
+    host: String,
+    how: ComeBack,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum ComeBack {
+    LivenessKey,
+    Registers,
+}
+
+#[async_trait]
+impl KvStore for ComesBackStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.inner.read_many(reads).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        let revision = self.inner.commit(txn).await?;
+        if self.commits.fetch_add(1, Ordering::SeqCst) + 1 == self.trigger_after {
+            match self.how {
+                ComeBack::LivenessKey => set_live(self.inner.as_ref(), &self.host).await,
+                ComeBack::Registers => {
+                    register(self.inner.as_ref(), &self.host, "test", T0)
+                        .await
+                        .expect("register again");
+                }
+            }
+        }
+        Ok(revision)
+    }
+}
+
+async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&memory)).await;
+    // 40 handles: the release takes two transactions of at most 32 addresses.
+    allocate(&ipam, "node-a", 40).await;
+    register(memory.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    reclaim_pass(Arc::clone(&memory), T0, &options())
+        .await
+        .expect("mark");
+
+    let store: Arc<dyn KvStore> = Arc::new(ComesBackStore {
+        inner: Arc::clone(&memory),
+        commits: AtomicUsize::new(0),
+        trigger_after: 1,
+        host: "node-a".into(),
+        how,
+    });
+    let outcomes = reclaim_pass(store, T0 + GRACE.as_secs(), &options())
+        .await
+        .expect("pass");
+    let expected_key = match how {
+        ComeBack::LivenessKey => liveness_key("node-a"),
+        ComeBack::Registers => agent_key("node-a"),
+    };
+    assert_eq!(
+        action_of(&outcomes, "node-a"),
+        &NodeAction::Stopped {
+            key: expected_key,
+            released: None
+        }
+    );
+    // The first batch was released before the node came back; nothing after it.
+    assert_eq!(addresses_of(&ipam, "node-a").await, 40 - 32);
+    assert_eq!(blocks_of(memory.as_ref(), "node-a").await, 1);
+    assert!(registration(memory.as_ref(), "node-a").await.is_some());
+    assert_check_clean(&ipam).await;
+}
+
+#[tokio::test]
+async fn liveness_key_reappearing_mid_release_stops_the_release() {
+    node_coming_back_mid_release_stops_the_release(ComeBack::LivenessKey).await;
+}
+
+#[tokio::test]
+async fn agent_registering_again_mid_release_stops_the_release() {
+    node_coming_back_mid_release_stops_the_release(ComeBack::Registers).await;
+}
+
+#[tokio::test]
+async fn lost_extra_guard_stops_every_write_of_the_pass() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 2).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register a");
+    reclaim_pass(Arc::clone(&store), T0, &options())
+        .await
+        .expect("mark a");
+    register(store.as_ref(), "node-b", "test", T0)
+        .await
+        .expect("register b");
+    // The leader key this reclaimer held is gone (its lease expired): neither the mark of a
+    // newly missing node nor the release of a dead one is written.
+    let leader = ipam_core::dead_nodes::reclaimer_leader_key();
+    let lost = ReclaimOptions {
+        grace: GRACE,
+        extra_guard: vec![Condition::at_revision(&leader, Revision(1))],
+    };
+    let outcomes = reclaim_pass(Arc::clone(&store), T0 + GRACE.as_secs(), &lost)
+        .await
+        .expect("pass");
+    assert_eq!(
+        action_of(&outcomes, "node-a"),
+        &NodeAction::Stopped {
+            key: leader,
+            released: None
+        }
+    );
+    // The pass ended there: node-b (after node-a) was not even tried.
+    assert!(outcomes.iter().all(|o| o.host != "node-b"), "{outcomes:?}");
+    assert_eq!(addresses_of(&ipam, "node-a").await, 2);
+    assert_eq!(
+        registration(store.as_ref(), "node-b")
+            .await
+            .expect("registered")
+            .missing_since,
+        None
+    );
+}
+
+#[tokio::test]
+async fn lost_extra_guard_stops_the_marking_of_a_missing_node() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    register(store.as_ref(), "node-b", "test", T0)
+        .await
+        .expect("register b");
+    let leader = ipam_core::dead_nodes::reclaimer_leader_key();
+    let lost = ReclaimOptions {
+        grace: GRACE,
+        extra_guard: vec![Condition::at_revision(&leader, Revision(1))],
+    };
+    let outcomes = reclaim_pass(Arc::clone(&store), T0, &lost)
+        .await
+        .expect("pass");
+    assert_eq!(
+        action_of(&outcomes, "node-b"),
+        &NodeAction::Stopped {
+            key: leader,
+            released: None
+        }
+    );
+    assert_eq!(
+        registration(store.as_ref(), "node-b")
+            .await
+            .expect("registered")
+            .missing_since,
+        None
+    );
+}
