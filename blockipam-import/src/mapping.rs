@@ -10,7 +10,8 @@ use ipam_core::model::{
     DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, V4_BLOCK_SIZES,
     V6_BLOCK_SIZES,
 };
-use ipam_core::{Ipam, IpamConfig, Pool, PoolSpec};
+use ipam_core::selector::Selector;
+use ipam_core::{AllowedUses, Ipam, IpamConfig, IpamError, Pool, PoolPolicy, PoolSpec};
 use ipnet::IpNet;
 use serde::Serialize;
 use serde_json::Value;
@@ -126,31 +127,15 @@ fn pool_field_is_default(field: &str, value: &Value) -> bool {
     }
     match field {
         "ipipMode" | "vxlanMode" => value == "Never",
-        "nodeSelector" => value == "all()",
-        "assignmentMode" => value == "Automatic",
-        "allowedUses" => {
-            let mut uses: Vec<&str> = value
-                .as_array()
-                .map(|a| a.iter().filter_map(Value::as_str).collect())
-                .unwrap_or_default();
-            uses.sort_unstable();
-            uses == ["Tunnel", "Workload"]
-        }
         _ => false,
     }
 }
 
 fn pool_field_note(field: &str) -> &'static str {
     match field {
-        "nodeSelector" | "namespaceSelector" => {
-            "not mapped: blockipam pools serve every node and namespace"
-        }
+        "namespaceSelector" => "not mapped: blockipam pools serve every namespace",
         "ipipMode" | "vxlanMode" | "natOutgoing" | "disableBGPExport" | "ipip" | "nat-outgoing" => {
             "not mapped: routing and encapsulation are not blockipam's (configure the network plugin)"
-        }
-        "allowedUses" => "not mapped: blockipam pools serve workloads only",
-        "assignmentMode" => {
-            "not mapped: every enabled blockipam pool takes part in automatic assignment"
         }
         _ => "not mapped: a pool field this import does not know",
     }
@@ -350,14 +335,45 @@ fn map_pool(
         ));
         return None;
     }
+    // Mapped as they are: the node selector, the assignment mode and the allowed uses.
+    let mut policy = PoolPolicy::default();
     for (field, value) in &calico.spec.other {
-        if !pool_field_is_default(field, value) {
-            not_mapped.push(NotMapped {
-                object: object.clone(),
-                field: format!("spec.{field}"),
-                value: value.to_string(),
-                note: pool_field_note(field).into(),
-            });
+        if is_unset(value) {
+            continue;
+        }
+        let mapped = match field.as_str() {
+            "nodeSelector" => value
+                .as_str()
+                .ok_or_else(|| "not a string".to_owned())
+                .and_then(|text| Selector::parse(text).map_err(|e| e.to_string()))
+                .map(|selector| policy.node_selector = selector),
+            "assignmentMode" => value
+                .as_str()
+                .ok_or_else(|| "not a string".to_owned())
+                .and_then(|text| text.parse().map_err(|e: IpamError| e.to_string()))
+                .map(|mode| policy.assignment_mode = mode),
+            "allowedUses" => value
+                .as_array()
+                .ok_or_else(|| "not a list".to_owned())
+                .and_then(|uses| {
+                    let names: Vec<&str> = uses.iter().filter_map(Value::as_str).collect();
+                    AllowedUses::parse(&names.join(",")).map_err(|e| e.to_string())
+                })
+                .map(|uses| policy.allowed_uses = uses),
+            _ => {
+                if !pool_field_is_default(field, value) {
+                    not_mapped.push(NotMapped {
+                        object: object.clone(),
+                        field: format!("spec.{field}"),
+                        value: value.to_string(),
+                        note: pool_field_note(field).into(),
+                    });
+                }
+                continue;
+            }
+        };
+        if let Err(e) = mapped {
+            refusals.push(format!("{object}: spec.{field} {value}: {e}"));
         }
     }
     // The same rules as `blockipamctl pool add`.
@@ -368,7 +384,12 @@ fn map_pool(
         disabled: calico.spec.disabled,
     };
     match Ipam::pool_from_spec(&spec) {
-        Ok(pool) => Some(pool),
+        Ok(mut pool) => {
+            pool.node_selector = policy.node_selector;
+            pool.assignment_mode = policy.assignment_mode;
+            pool.allowed_uses = policy.allowed_uses;
+            Some(pool)
+        }
         Err(e) => {
             refusals.push(format!("{object}: {e}"));
             None
@@ -783,6 +804,65 @@ fn compare_handles(
                 value: serde_json::to_string(&calico_nonzero).unwrap_or_default(),
                 note: note.into(),
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn calico_pool(spec: Value) -> CalicoPool {
+        serde_json::from_value(json!({"metadata": {"name": "rack-1"}, "spec": spec}))
+            .expect("a Calico pool")
+    }
+
+    #[test]
+    fn node_selector_assignment_mode_and_allowed_uses_are_mapped_as_they_are() {
+        let (mut refusals, mut not_mapped) = (Vec::new(), Vec::new());
+        let pool = map_pool(
+            "rack-1",
+            &calico_pool(json!({
+                "cidr": "10.70.0.0/24",
+                "blockSize": 26,
+                "nodeSelector": "rack == \"r1\" && !has(drain)",
+                "assignmentMode": "Manual",
+                "allowedUses": ["Workload"],
+                "ipipMode": "Always"
+            })),
+            &mut refusals,
+            &mut not_mapped,
+        )
+        .expect("mapped");
+        assert!(refusals.is_empty(), "{refusals:?}");
+        assert_eq!(
+            pool.node_selector,
+            Selector::parse("rack == \"r1\" && !has(drain)").expect("selector")
+        );
+        assert_eq!(pool.assignment_mode, ipam_core::AssignmentMode::Manual);
+        assert_eq!(pool.allowed_uses.to_string(), "workload");
+        let fields: Vec<&str> = not_mapped.iter().map(|n| n.field.as_str()).collect();
+        assert_eq!(fields, ["spec.ipipMode"], "only routing stays unmapped");
+    }
+
+    #[test]
+    fn a_pool_setting_blockipam_cannot_read_refuses_the_import() {
+        for (field, value) in [
+            ("nodeSelector", json!("rack == ")),
+            ("assignmentMode", json!("Sometimes")),
+            ("allowedUses", json!(["LoadBalancer", "Workload"])),
+        ] {
+            let mut spec = json!({"cidr": "10.71.0.0/24"});
+            spec[field] = value.clone();
+            let (mut refusals, mut not_mapped) = (Vec::new(), Vec::new());
+            map_pool("p", &calico_pool(spec), &mut refusals, &mut not_mapped);
+            assert_eq!(refusals.len(), 1, "{field}: {refusals:?}");
+            assert!(
+                refusals[0].contains(&format!("spec.{field}")),
+                "{}",
+                refusals[0]
+            );
         }
     }
 }

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_CONDITIONS, MAX_TXN_OPS};
-use ipam_core::model::{block_entries, decode, encode, keys, Block, Handle, ROOT};
+use ipam_core::model::{block_entries, decode, decode_pool, encode, keys, Block, Handle, ROOT};
 use ipam_core::{Condition, Ipam, IpamConfig, KeyValue, KvStore, Op, Pool, Txn};
 use serde::{Deserialize, Serialize};
 
@@ -337,7 +337,12 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
         }
     }
 
-    let mut pools: Vec<Pool> = decoded(&target.list(&keys::pools_dir()).await?)?;
+    let mut pools: Vec<Pool> = target
+        .list(&keys::pools_dir())
+        .await?
+        .iter()
+        .map(|kv| decode_pool(&kv.key, &kv.value).map_err(ImportError::from))
+        .collect::<Result<_, _>>()?;
     pools.sort_by(|a, b| a.name.cmp(&b.name));
     if pools != plan.pools {
         return fail("the stored pools differ from the plan".into());

@@ -4,7 +4,7 @@
 //!
 //! Every call is one process started with the CNI environment and the netconf on stdin, exactly as
 //! a runtime starts it; the time is from spawn to exit. blockipam runs on sled, redb and etcd (a
-//! throwaway `etcd` on loopback), each with the store opened by the plugin itself ("direct") and
+//! throwaway `etcd` on loopback for each etcd row, stopped after it), each with the store opened by the plugin itself ("direct") and
 //! through a `blockipam-agent` holding it open ("agent": the agent's own `run`, in this process,
 //! on a socket in the run's temporary directory, named by the netconf's `agent_socket`);
 //! host-local on its data directory; all in the same run, each with 0 and with 10,000 addresses
@@ -20,8 +20,12 @@
 //! sets the calls per mode (default 200); `BLOCKIPAM_BENCH_ONLY` (comma-separated words of the row
 //! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|10k this node>`, such as
 //! `sled,agent,0` or `redb`) runs only the blockipam rows whose label has every word (host-local
-//! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load average is printed with the table: figures from a
-//! busy machine are provisional.
+//! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load
+//! average is printed with the table: figures from a busy machine are provisional.
+//!
+//! After the table, a breakdown of a call through the agent (sled): a bare process, the plugin's
+//! own start and exit, connect + hello, read and commit round trips measured from this process,
+//! sled's own durable commit, and a whole plugin call that writes nothing.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -343,16 +347,15 @@ fn load_average() -> String {
 }
 
 /// Measures blockipam on `kind` reached as `access`, after `prefill`.
-fn measure_blockipam(
-    etcd: &EtcdServer,
-    kind: DatastoreType,
-    access: Access,
-    prefill: Prefill,
-) -> Row {
+fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> Row {
+    // etcd rows get an etcd of their own, stopped after the row: a busy etcd (compacting,
+    // collecting garbage after 10,000 allocations) must not slow the rows after it.
+    let etcd = (kind == DatastoreType::Etcdv3)
+        .then(|| EtcdServer::start().expect("start etcd (apt-get install etcd-server)"));
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("agent.sock");
-    let (mut netconf_settings, mut settings, agent_store_flags) = match kind {
-        DatastoreType::Etcdv3 => {
+    let (mut netconf_settings, mut settings, agent_store_flags) = match &etcd {
+        Some(etcd) => {
             let prefix = unique_prefix();
             (
                 json!({"datastore_type": "etcdv3", "etcd_endpoints": etcd.endpoint(), "etcd_prefix": prefix}),
@@ -373,7 +376,7 @@ fn measure_blockipam(
                     .collect::<Vec<OsString>>(),
             )
         }
-        _ => {
+        None => {
             let (netconf, settings) = embedded(kind, dir.path());
             let path = settings.path.clone().expect("an embedded path");
             let flags = ["--datastore-type", kind.as_str(), "--datastore-path"]
@@ -434,7 +437,7 @@ fn main() {
         "this benchmark runs Debian's host-local beside blockipam: apt-get install containernetworking-plugins"
     );
     let load_before = load_average();
-    let etcd = EtcdServer::start().expect("start etcd (apt-get install etcd-server)");
+    let bare_at_start = bare_process_median();
     let mut rows = Vec::new();
     for prefill in [Prefill::Empty, Prefill::Cluster, Prefill::ThisNode] {
         if prefill != Prefill::Cluster {
@@ -463,32 +466,32 @@ fn main() {
                     continue;
                 }
                 eprintln!("blockipam {label} prefilled ...");
-                rows.push(measure_blockipam(&etcd, kind, access, prefill));
+                rows.push(measure_blockipam(kind, access, prefill));
             }
         }
     }
     print_table(&rows);
+    let bare_after = bare_process_median();
     if selected("sled agent 0") {
-        let add = rows
-            .iter()
-            .find(|r| r.plugin == "blockipam (sled)" && r.access == "agent" && r.prefill == "0")
-            .map(|r| quantile(&r.add, 0.5));
-        print_breakdown(add);
+        print_breakdown();
     }
     println!(
         "\n{} calls per mode; host-local's `10k this node` row is the baseline of both 10k rows. \
-         Load average (1, 5, 15 min) before: {load_before}; after: {}.",
+         Load average (1, 5, 15 min) before: {load_before}; after: {}. A bare process \
+         (`/bin/true`, a busy machine shows here first): {bare_at_start:.2} ms before the table, \
+         {bare_after:.2} ms after it.",
         calls(),
         load_average()
     );
 }
 
-/// Median of `samples` runs of `f`, in ms.
-fn median_ms(samples: usize, mut f: impl FnMut()) -> f64 {
-    let times: Vec<Duration> = (0..samples)
+/// Median time of starting `/bin/true` and waiting for it (ms): this machine's process floor.
+fn bare_process_median() -> f64 {
+    let times: Vec<Duration> = (0..200)
         .map(|_| {
             let started = Instant::now();
-            f();
+            let status = Command::new("/bin/true").status().expect("run /bin/true");
+            assert!(status.success());
             started.elapsed()
         })
         .collect();
@@ -496,30 +499,24 @@ fn median_ms(samples: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Where a call through the agent (sled, empty store) spends its time, measured piece by piece
-/// in this run: a bare process, the plugin's own start and exit (VERSION), and, from this
-/// process, the agent's connect + hello, a read round trip and a commit round trip (the agent
-/// makes the commit durable before it answers), beside sled's own durable commit.
-fn print_breakdown(add_median: Option<f64>) {
+/// in this run. The process pieces are interleaved call by call (a bare process, the plugin's own
+/// start and exit with `VERSION`, an ADD, a DEL of a container that holds nothing, the ADD's DEL),
+/// so that a busy machine weighs on all of them alike; then, from this process, the agent's
+/// connect + hello, a read round trip (warm, and after the agent's threads parked) and a commit
+/// round trip (the agent makes the commit durable before it answers), beside sled's own durable
+/// commit in process.
+fn print_breakdown() {
     const SAMPLES: usize = 200;
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("agent.sock");
-    let (_, settings) = embedded(DatastoreType::Sled, dir.path());
+    let (mut netconf_settings, settings) = embedded(DatastoreType::Sled, dir.path());
     let path = settings.path.clone().expect("an embedded path");
-    let bare = median_ms(SAMPLES, || {
-        let status = Command::new("/bin/true").status().expect("run /bin/true");
-        assert!(status.success());
-    });
-    let version = median_ms(SAMPLES, || {
-        let output = Command::new(BIN)
-            .env_clear()
-            .env("CNI_COMMAND", "VERSION")
-            .stdin(Stdio::null())
-            .output()
-            .expect("run the plugin");
-        assert!(output.status.success());
-    });
     let sled_commit = runtime().block_on(async {
-        let store = settings.open_directly().await.expect("open sled");
+        let own = DatastoreSettings {
+            path: Some(dir.path().join("in-process.sled")),
+            ..settings.clone()
+        };
+        let store = own.open_directly().await.expect("open sled");
         let mut times = Vec::with_capacity(SAMPLES);
         for i in 0..SAMPLES {
             let started = Instant::now();
@@ -534,102 +531,97 @@ fn print_breakdown(add_median: Option<f64>) {
     let store_flags = ["--datastore-type", "sled", "--datastore-path"]
         .map(OsString::from)
         .into_iter()
-        .chain([path.into()])
+        .chain([path.into(), "--create-if-missing".into()])
         .collect();
     let _agent = InProcessAgent::start_with_flags(&socket, store_flags)
         .unwrap_or_else(|e| panic!("start the agent: {e}"));
-    // A whole plugin call that reaches the store but writes nothing: DEL of a container that
-    // holds nothing (connect + hello, one batched read, no commit).
-    let (mut netconf_settings, _) = embedded(DatastoreType::Sled, dir.path());
     if let Value::Object(extra) = &mut netconf_settings {
         extra.insert("agent_socket".into(), json!(socket));
     }
     let netconf = blockipam_netconf(dir.path(), netconf_settings)
         .to_string()
         .into_bytes();
-    call(Path::new(BIN), "ADD", "setup", &netconf, false);
-    call(Path::new(BIN), "DEL", "setup", &netconf, false);
-    let del_nothing: Vec<Duration> = (0..SAMPLES)
-        .map(|i| {
-            call(
-                Path::new(BIN),
-                "DEL",
-                &format!("nothing-{i}"),
-                &netconf,
-                false,
-            )
-            .0
-        })
-        .collect();
-    let del_nothing = quantile(&del_nothing, 0.5);
-    let (connect, read, commit, idle_read) = runtime().block_on(async {
-        let mut connect = Vec::with_capacity(SAMPLES);
-        for _ in 0..SAMPLES {
-            let started = Instant::now();
+    let plugin = Path::new(BIN);
+    call(plugin, "ADD", "setup", &netconf, false);
+    call(plugin, "DEL", "setup", &netconf, false);
+    let (mut bare, mut version, mut add, mut del_nothing, mut del) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..SAMPLES {
+        let started = Instant::now();
+        let status = Command::new("/bin/true").status().expect("run /bin/true");
+        bare.push(started.elapsed());
+        assert!(status.success());
+        let started = Instant::now();
+        let output = Command::new(BIN)
+            .env_clear()
+            .env("CNI_COMMAND", "VERSION")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run the plugin");
+        version.push(started.elapsed());
+        assert!(output.status.success());
+        add.push(call(plugin, "ADD", &format!("c-{i}"), &netconf, false).0);
+        del_nothing.push(call(plugin, "DEL", &format!("nothing-{i}"), &netconf, false).0);
+        del.push(call(plugin, "DEL", &format!("c-{i}"), &netconf, false).0);
+    }
+    let [bare, version, add, del_nothing, del] =
+        [bare, version, add, del_nothing, del].map(|samples| quantile(&samples, 0.5));
+    let (connect, read, idle_read, commit) = runtime()
+        .block_on(async {
+            let mut connect = Vec::with_capacity(SAMPLES);
+            for _ in 0..SAMPLES {
+                let started = Instant::now();
+                let client = AgentStore::connect(AgentConfig::new(&socket))
+                    .await
+                    .expect("connect to the agent");
+                connect.push(started.elapsed());
+                drop(client);
+            }
             let client = AgentStore::connect(AgentConfig::new(&socket))
                 .await
                 .expect("connect to the agent");
-            connect.push(started.elapsed());
-            drop(client);
-        }
-        let client = AgentStore::connect(AgentConfig::new(&socket))
-            .await
-            .expect("connect to the agent");
-        let mut read = Vec::with_capacity(SAMPLES);
-        let mut commit = Vec::with_capacity(SAMPLES);
-        let mut idle_read = Vec::with_capacity(SAMPLES);
-        for _ in 0..SAMPLES {
-            // The agent's threads park when idle, as between two plugin calls.
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            let started = Instant::now();
-            client.get("bench/0").await.expect("get");
-            idle_read.push(started.elapsed());
-        }
-        for i in 0..SAMPLES {
-            let started = Instant::now();
-            client.get("bench/0").await.expect("get");
-            read.push(started.elapsed());
-            let started = Instant::now();
-            client
-                .commit(Txn::new().then(Op::put(format!("bench/{i}"), vec![8u8; 300])))
-                .await
-                .expect("commit");
-            commit.push(started.elapsed());
-        }
-        (
-            quantile(&connect, 0.5),
-            quantile(&read, 0.5),
-            quantile(&commit, 0.5),
-            quantile(&idle_read, 0.5),
-        )
-    });
-    println!("\nWhere a call through the agent goes (sled, medians of {SAMPLES}, ms):\n");
+            let (mut read, mut idle_read, mut commit) = (Vec::new(), Vec::new(), Vec::new());
+            for i in 0..SAMPLES {
+                let started = Instant::now();
+                client.get("bench/0").await.expect("get");
+                read.push(started.elapsed());
+                let started = Instant::now();
+                client
+                    .commit(Txn::new().then(Op::put(format!("bench/{i}"), vec![8u8; 300])))
+                    .await
+                    .expect("commit");
+                commit.push(started.elapsed());
+                // The agent's threads park when idle, as between two plugin calls.
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                let started = Instant::now();
+                client.get("bench/0").await.expect("get");
+                idle_read.push(started.elapsed());
+            }
+            [connect, read, idle_read, commit].map(|samples| quantile(&samples, 0.5))
+        })
+        .into();
+    println!(
+        "\nWhere a call through the agent goes (sled, 0 allocated, medians of {SAMPLES}, ms):\n"
+    );
     println!("| piece | ms |\n|---|---|");
     println!("| a bare process (`/bin/true`), spawn to exit | {bare:.2} |");
     println!("| the plugin's start and exit (`VERSION`: no runtime, no store) | {version:.2} |");
-    println!("| connect + hello to the agent | {connect:.2} |");
-    println!("| one read round trip through the agent | {read:.2} |");
+    println!("| ADD through the agent: hello, one read, one commit | {add:.2} |");
+    println!(
+        "| DEL of a container that holds nothing: hello, one read, no commit | {del_nothing:.2} |"
+    );
+    println!("| DEL through the agent: hello, one read, one commit | {del:.2} |");
+    println!("| connect + hello to the agent, from this process | {connect:.2} |");
+    println!("| one read round trip, from this process | {read:.2} |");
     println!("| the same after 5 ms idle (the agent's threads parked) | {idle_read:.2} |");
     println!(
-        "| one commit round trip through the agent (durable before the answer) | {commit:.2} |"
+        "| one commit round trip (durable before the answer), from this process | {commit:.2} |"
     );
-    println!("| of which sled's own durable commit, in process | {sled_commit:.2} |");
+    println!("| sled's own durable commit, in process (no agent) | {sled_commit:.2} |");
     println!(
-        "| a whole plugin call that reads and writes nothing: DEL of a container holding nothing (hello + one read) | {del_nothing:.2} |"
+        "| ADD minus VERSION, connect + hello, idle read and commit: runtime, netconf, host lock, allocator, output, extra page faults | {:.2} |",
+        add - version - connect - idle_read - commit
     );
-    if let Some(add) = add_median {
-        // ADD through the agent: hello, one batched read, one commit (when the allocator makes
-        // two round trips per ADD; more round trips make the remainder larger).
-        let rest = add - version - connect - read - commit;
-        println!("| ADD through the agent (sled, 0 allocated), from the table | {add:.2} |");
-        println!(
-            "| the rest (runtime, netconf parse, host lock, allocator, output, cold wake-ups; ADD minus VERSION, connect + hello, one read, one commit) | {rest:.2} |"
-        );
-        println!(
-            "| ADD minus the DEL that writes nothing (the commit and the allocator's work) | {:.2} |",
-            add - del_nothing
-        );
-    }
 }
 
 /// Prints the markdown table: medians, p90, peak RSS, the ratio to host-local's ADD median of the

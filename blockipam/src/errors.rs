@@ -39,7 +39,9 @@ pub fn from_ipam(error: &IpamError) -> CniError {
         }
         IpamError::PoolNotFound(_)
         | IpamError::PoolDisabled(_)
-        | IpamError::PoolWrongFamily { .. } => codes::POOL_UNUSABLE,
+        | IpamError::PoolWrongFamily { .. }
+        | IpamError::PoolUseNotAllowed { .. } => codes::POOL_UNUSABLE,
+        IpamError::NoPoolSelectsNode { .. } => codes::NO_POOL_FOR_NODE,
         IpamError::PoolExists(_) | IpamError::PoolOverlap { .. } => codes::POOL_CONFLICT,
         IpamError::Corrupt { .. } => codes::STORE_CORRUPT,
         IpamError::InvalidArgument(_) => codes::INVALID_NETWORK_CONFIG,

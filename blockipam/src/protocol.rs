@@ -53,6 +53,9 @@ pub mod codes {
     pub const CHECK_FAILED: u32 = 107;
     /// The store holds data this plugin cannot decode.
     pub const STORE_CORRUPT: u32 = 108;
+    /// Enabled pools of the family exist, but none that auto-assign may use on this node (node
+    /// selectors, manual pools, allowed uses).
+    pub const NO_POOL_FOR_NODE: u32 = 109;
     /// A bug or an unexpected failure.
     pub const INTERNAL: u32 = 999;
 }

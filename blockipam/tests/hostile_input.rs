@@ -1376,6 +1376,7 @@ fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
         cidr: net(cidr),
         block_size,
         disabled,
+        ..Pool::default()
     };
     let seed = |kind: u8, bytes: Result<Vec<u8>, ipam_core::IpamError>| {
         let mut out = vec![kind];

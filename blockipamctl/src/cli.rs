@@ -166,6 +166,36 @@ pub enum PoolCommand {
     Disable(PoolRef),
     /// Delete a pool; refused while any address in it is allocated, unless --force.
     Delete(PoolDeleteArgs),
+    /// Change a pool's node selector, assignment mode, allowed uses or disabled flag (one
+    /// compare-and-swap; CIDR and block size never change).
+    Set(PoolSetArgs),
+}
+
+/// `pool set`.
+#[derive(Debug, Args)]
+#[command(group(
+    ArgGroup::new("change")
+        .required(true)
+        .multiple(true)
+        .args(["node_selector", "assignment_mode", "allowed_uses", "disabled"])
+))]
+pub struct PoolSetArgs {
+    /// The pool's name or CIDR.
+    #[arg(value_name = "NAME|CIDR")]
+    pub pool: String,
+    /// Nodes that auto-assign from the pool, in Calico's selector syntax (e.g.
+    /// 'rack == "r1" && has(zone)'; all() selects every node).
+    #[arg(long, value_name = "SELECTOR")]
+    pub node_selector: Option<String>,
+    /// automatic (auto-assign may pick it) or manual (only when named, or for explicit addresses).
+    #[arg(long, value_name = "MODE")]
+    pub assignment_mode: Option<String>,
+    /// Comma-separated: workload, tunnel, loadbalancer (loadbalancer only alone).
+    #[arg(long, value_name = "USES")]
+    pub allowed_uses: Option<String>,
+    /// Disable (true) or enable (false) the pool.
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    pub disabled: Option<bool>,
 }
 
 /// `pool add`.
@@ -183,6 +213,15 @@ pub struct PoolAddArgs {
     /// Create the pool disabled.
     #[arg(long)]
     pub disabled: bool,
+    /// Nodes that auto-assign from the pool, in Calico's selector syntax [default: all()].
+    #[arg(long, value_name = "SELECTOR")]
+    pub node_selector: Option<String>,
+    /// automatic or manual [default: automatic].
+    #[arg(long, value_name = "MODE")]
+    pub assignment_mode: Option<String>,
+    /// Comma-separated: workload, tunnel, loadbalancer [default: workload,tunnel].
+    #[arg(long, value_name = "USES")]
+    pub allowed_uses: Option<String>,
 }
 
 /// A pool named by name or CIDR.

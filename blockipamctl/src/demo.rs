@@ -622,6 +622,7 @@ mod tests {
             cidr: "10.77.0.0/16".parse().expect("cidr"),
             block_size: 26,
             disabled: false,
+            ..Pool::default()
         }
     }
 

@@ -16,12 +16,14 @@ use crate::kv::{
     MAX_TXN_CONDITIONS, MAX_TXN_OPS, MAX_VALUE_BYTES,
 };
 use crate::model::{
-    decode, decode_claim, default_pool_name, encode, encode_claim, ip_to_u128, keys,
-    validate_handle, validate_host, validate_pool_name, Attribute, Block, ClaimEntry, Family,
-    Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES,
-    MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+    decode, decode_claim, decode_pool, default_pool_name, encode, encode_claim, ip_to_u128, keys,
+    validate_handle, validate_host, validate_pool_name, AllowedUse, AllowedUses, AssignmentMode,
+    Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
+    DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES,
+    V6_BLOCK_SIZES,
 };
 use crate::network_setup::{self, NetworkSetup};
+use crate::selector::Selector;
 
 /// Metadata key recording the host an allocation was made for.
 pub const ATTR_NODE: &str = "node";
@@ -186,6 +188,56 @@ pub struct PoolSpec {
     pub block_size: Option<u8>,
     /// Create it disabled.
     pub disabled: bool,
+}
+
+/// A pool's node selector, assignment mode and allowed uses, for
+/// [`Ipam::create_pool_with_policy`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolPolicy {
+    /// The nodes that auto-assign from the pool.
+    pub node_selector: Selector,
+    /// Automatic or manual.
+    pub assignment_mode: AssignmentMode,
+    /// What its addresses may be used for.
+    pub allowed_uses: AllowedUses,
+}
+
+impl PoolPolicy {
+    fn apply_to(&self, pool: &mut Pool) {
+        pool.node_selector = self.node_selector.clone();
+        pool.assignment_mode = self.assignment_mode;
+        pool.allowed_uses = self.allowed_uses.clone();
+    }
+}
+
+/// What [`Ipam::set_pool`] changes; `None` leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolChange {
+    /// A new node selector.
+    pub node_selector: Option<Selector>,
+    /// A new assignment mode.
+    pub assignment_mode: Option<AssignmentMode>,
+    /// New allowed uses.
+    pub allowed_uses: Option<AllowedUses>,
+    /// Disable (true) or enable (false).
+    pub disabled: Option<bool>,
+}
+
+impl PoolChange {
+    fn apply_to(&self, pool: &mut Pool) {
+        if let Some(selector) = &self.node_selector {
+            pool.node_selector = selector.clone();
+        }
+        if let Some(mode) = self.assignment_mode {
+            pool.assignment_mode = mode;
+        }
+        if let Some(uses) = &self.allowed_uses {
+            pool.allowed_uses = uses.clone();
+        }
+        if let Some(disabled) = self.disabled {
+            pool.disabled = disabled;
+        }
+    }
 }
 
 /// What deleting a pool did.
@@ -612,8 +664,14 @@ impl Ipam {
     pub(crate) fn decode_pools(kvs: Vec<KeyValue>) -> Result<Vec<Stored<Pool>>, IpamError> {
         let mut pools: Vec<Stored<Pool>> = kvs
             .into_iter()
-            .map(decode_stored)
-            .collect::<Result<_, _>>()?;
+            .map(|kv| {
+                Ok(Stored {
+                    value: decode_pool(&kv.key, &kv.value)?,
+                    key: kv.key,
+                    revision: kv.revision,
+                })
+            })
+            .collect::<Result<_, IpamError>>()?;
         pools.sort_by_key(|p| {
             (
                 Family::of_net(&p.value.cidr),
@@ -886,7 +944,53 @@ impl Ipam {
             cidr,
             block_size,
             disabled: spec.disabled,
+            node_selector: Selector::all(),
+            assignment_mode: AssignmentMode::Automatic,
+            allowed_uses: AllowedUses::default(),
         })
+    }
+
+    /// Creates a pool with a node selector, assignment mode and allowed uses (what `spec` alone
+    /// leaves at Calico's defaults: `all()`, automatic, workload and tunnel).
+    ///
+    /// # Errors
+    /// As [`create_pool`](Ipam::create_pool).
+    pub async fn create_pool_with_policy(
+        &self,
+        spec: &PoolSpec,
+        policy: &PoolPolicy,
+    ) -> Result<Pool, IpamError> {
+        let mut pool = Self::pool_from_spec(spec)?;
+        policy.apply_to(&mut pool);
+        self.retrying(|| self.try_create_pool(&pool, false)).await
+    }
+
+    /// Changes a pool's node selector, assignment mode, allowed uses and disabled flag (each only
+    /// when given): one compare-and-swap on the pool, serialised with every other pool write. Its
+    /// CIDR and block size never change here.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; store failures.
+    pub async fn set_pool(
+        &self,
+        name_or_cidr: &str,
+        change: &PoolChange,
+    ) -> Result<Pool, IpamError> {
+        self.retrying(|| async {
+            let (pools, generation) = self.read_pools_and_generation().await?;
+            let found = find_pool(&pools, name_or_cidr)?;
+            let mut pool = found.value.clone();
+            change.apply_to(&mut pool);
+            if pool == found.value {
+                return Ok(Attempt::Done(pool));
+            }
+            let mut plan = Plan::default();
+            self.bump_pool_generation(&mut plan, generation)?;
+            plan.expect(&found.key, Some(found.revision));
+            plan.put(&found.key, encode(&pool)?);
+            self.commit_plan(plan, pool).await
+        })
+        .await
     }
 
     /// Creates a pool.
@@ -1277,6 +1381,7 @@ impl Ipam {
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
+            Read::Get(crate::nodes::node_key(&request.host)),
         ];
         if let Some(setup) = &request.setup {
             reads.push(Read::Get(keys::handle(&setup.reservation_handle)));
@@ -1294,6 +1399,9 @@ impl Ipam {
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
+        let node_key = crate::nodes::node_key(&request.host);
+        let node_labels =
+            crate::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
         let listed_pools: Vec<Pool> = pools.iter().map(|p| p.value.clone()).collect();
         let mut skip_block_edges = request.skip_block_edges;
         if let Some(setup) = &request.setup {
@@ -1355,7 +1463,8 @@ impl Ipam {
             if wanted == 0 {
                 continue;
             }
-            let candidates = candidate_pools(&pools, family, requested_pools)?;
+            let candidates =
+                candidate_pools(&pools, family, requested_pools, &request.host, &node_labels)?;
             let in_candidates = |cidr: &IpNet| {
                 candidates
                     .iter()
@@ -2511,13 +2620,35 @@ fn candidate_pools<'a>(
     pools: &'a [Stored<Pool>],
     family: Family,
     requested: &[String],
+    host: &str,
+    node_labels: &BTreeMap<String, String>,
 ) -> Result<Vec<&'a Stored<Pool>>, IpamError> {
     if requested.is_empty() {
-        return Ok(pools
+        // As Calico: enabled, automatic, allowing workload addresses, and selecting the node.
+        let enabled: Vec<&Stored<Pool>> = pools
             .iter()
             .filter(|p| p.value.family() == family && !p.value.disabled)
-            .collect());
+            .collect();
+        let chosen: Vec<&Stored<Pool>> = enabled
+            .iter()
+            .copied()
+            .filter(|p| {
+                p.value.assignment_mode == AssignmentMode::Automatic
+                    && p.value.allowed_uses.allows(AllowedUse::Workload)
+                    && p.value.node_selector.matches(node_labels)
+            })
+            .collect();
+        if chosen.is_empty() && !enabled.is_empty() {
+            return Err(IpamError::NoPoolSelectsNode {
+                host: host.to_owned(),
+                family,
+                pools: enabled.iter().map(|p| p.value.name.clone()).collect(),
+            });
+        }
+        return Ok(chosen);
     }
+    // Pools named explicitly are used whatever they select, manual ones included (as Calico);
+    // they must still allow workload addresses.
     let mut chosen = Vec::new();
     for wanted in requested {
         let pool = find_pool(pools, wanted)?;
@@ -2529,6 +2660,13 @@ fn candidate_pools<'a>(
         }
         if pool.value.disabled {
             return Err(IpamError::PoolDisabled(pool.value.name.clone()));
+        }
+        if !pool.value.allowed_uses.allows(AllowedUse::Workload) {
+            return Err(IpamError::PoolUseNotAllowed {
+                pool: pool.value.name.clone(),
+                use_: AllowedUse::Workload,
+                allowed: pool.value.allowed_uses.clone(),
+            });
         }
         if !chosen
             .iter()

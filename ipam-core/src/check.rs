@@ -318,8 +318,12 @@ impl Ipam {
         }
         for kv in pools {
             let key = kv.key.clone();
-            match decode_stored::<Pool>(kv) {
-                Ok(p) => snapshot.pools.push(p),
+            match crate::model::decode_pool(&kv.key, &kv.value) {
+                Ok(value) => snapshot.pools.push(Stored {
+                    value,
+                    key: kv.key,
+                    revision: kv.revision,
+                }),
                 Err(e) => corrupt(&key, e),
             }
         }

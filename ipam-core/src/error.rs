@@ -104,6 +104,27 @@ pub enum IpamError {
         /// The candidate pools searched.
         pools: Vec<String>,
     },
+    /// A pool named for an assignment does not allow that use (its `allowed_uses`).
+    #[error("IP pool {pool:?} does not allow {use_} addresses (allowed uses: {allowed})")]
+    PoolUseNotAllowed {
+        /// The pool.
+        pool: String,
+        /// The use asked for.
+        use_: crate::model::AllowedUse,
+        /// What the pool allows.
+        allowed: crate::model::AllowedUses,
+    },
+    /// Enabled pools of the family exist, but none that auto-assign may use on this node: none
+    /// selects it (`node_selector`), or they are manual, or they do not allow workload addresses.
+    #[error("no IP pool selects node {host:?} for automatic {family} assignment (enabled pools: {pools:?}; check their node selectors, assignment modes and allowed uses, or the node's labels)")]
+    NoPoolSelectsNode {
+        /// The node.
+        host: String,
+        /// The family asked for.
+        family: Family,
+        /// The enabled pools of the family, none of which qualified.
+        pools: Vec<String>,
+    },
     /// The host owns `max_blocks_per_host` blocks and none has room.
     #[error("host {host:?} owns {owned} {family} blocks, the per-host block limit is {limit}, and they are full")]
     BlockLimit {

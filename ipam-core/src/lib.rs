@@ -17,12 +17,12 @@ pub mod selector;
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,
-    BlockUsage, ChosenRelease, HostRelease, Ipam, PoolDeletion, PoolSpec, PoolUsage,
-    ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
+    BlockUsage, ChosenRelease, HostRelease, Ipam, PoolChange, PoolDeletion, PoolPolicy, PoolSpec,
+    PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};
 pub use error::IpamError;
 pub use kv::{Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn};
 pub use memory::MemoryStore;
-pub use model::{Family, IpamConfig, Pool};
+pub use model::{AllowedUse, AllowedUses, AssignmentMode, Family, IpamConfig, Pool};

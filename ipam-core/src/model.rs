@@ -8,13 +8,15 @@ use ipnet::IpNet;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::error::IpamError;
+use crate::selector::Selector;
 
 /// Every key blockipam writes starts with this.
 pub const ROOT: &str = "ipam/v1/";
 /// Format version written as the first byte of every stored value. Version 2 added the block's
-/// free-address count to its claim index entry ([`Claim`]); every other object is laid out as in
+/// free-address count to its claim index entry ([`Claim`]); version 3 added a pool's node
+/// selector, assignment mode and allowed uses ([`Pool`]); every other object is laid out as in
 /// version 1.
-pub const FORMAT_VERSION: u8 = 2;
+pub const FORMAT_VERSION: u8 = 3;
 /// Oldest format version this build reads. Objects of an older version are rewritten in the
 /// current version the next time they are written (`docs/data-model.md`, "Format versions").
 pub const OLDEST_READABLE_FORMAT_VERSION: u8 = 1;
@@ -349,7 +351,7 @@ impl Default for IpamConfig {
 }
 
 /// A range of addresses that blocks are carved from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pool {
     /// Unique name (letters, digits, `.`, `_`, `-`, `:`).
     pub name: String,
@@ -359,6 +361,193 @@ pub struct Pool {
     pub block_size: u8,
     /// A disabled pool is never allocated from.
     pub disabled: bool,
+    /// The nodes that auto-assign from this pool (Calico's `nodeSelector`); `all()` by default.
+    /// A pool named explicitly is used whatever it selects.
+    pub node_selector: Selector,
+    /// Whether auto-assign may pick this pool by itself (Calico's `assignmentMode`).
+    pub assignment_mode: AssignmentMode,
+    /// What its addresses may be used for (Calico's `allowedUses`).
+    pub allowed_uses: AllowedUses,
+}
+
+/// How a pool's addresses are handed out (Calico's `assignmentMode`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum AssignmentMode {
+    /// Auto-assign picks the pool by itself (when it selects the node).
+    #[default]
+    Automatic,
+    /// Only when named (netconf `ipv4_pools`/`ipv6_pools`), or for an explicitly requested
+    /// address.
+    Manual,
+}
+
+impl std::str::FromStr for AssignmentMode {
+    type Err = IpamError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "automatic" => Ok(AssignmentMode::Automatic),
+            "manual" => Ok(AssignmentMode::Manual),
+            other => Err(IpamError::invalid(format!(
+                "assignment mode {other:?}: expected automatic or manual"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for AssignmentMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AssignmentMode::Automatic => "automatic",
+            AssignmentMode::Manual => "manual",
+        })
+    }
+}
+
+/// One use a pool's addresses may be put to (Calico's `allowedUses`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllowedUse {
+    /// Pod (workload) addresses: every CNI request.
+    Workload,
+    /// A node's tunnel addresses (IPIP, VXLAN, WireGuard).
+    Tunnel,
+    /// Load-balancer service addresses.
+    Loadbalancer,
+}
+
+impl std::fmt::Display for AllowedUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            AllowedUse::Workload => "workload",
+            AllowedUse::Tunnel => "tunnel",
+            AllowedUse::Loadbalancer => "loadbalancer",
+        })
+    }
+}
+
+/// A pool's allowed uses: a non-empty set; `loadbalancer` only alone (as Calico). Default:
+/// workload and tunnel.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "Vec<AllowedUse>", into = "Vec<AllowedUse>")]
+pub struct AllowedUses(std::collections::BTreeSet<AllowedUse>);
+
+impl AllowedUses {
+    /// Validates a set of uses.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an empty set, or `loadbalancer` with another use.
+    pub fn new(uses: impl IntoIterator<Item = AllowedUse>) -> Result<Self, IpamError> {
+        let set: std::collections::BTreeSet<AllowedUse> = uses.into_iter().collect();
+        if set.is_empty() {
+            return Err(IpamError::invalid(
+                "allowed uses may not be empty (workload, tunnel, loadbalancer)",
+            ));
+        }
+        if set.contains(&AllowedUse::Loadbalancer) && set.len() > 1 {
+            return Err(IpamError::invalid(
+                "allowed use loadbalancer may not be combined with another use (as in Calico)",
+            ));
+        }
+        Ok(AllowedUses(set))
+    }
+
+    /// Parses a comma-separated list (`workload,tunnel`).
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an unknown use or an invalid set.
+    pub fn parse(text: &str) -> Result<Self, IpamError> {
+        let mut uses = Vec::new();
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            uses.push(match part.to_ascii_lowercase().as_str() {
+                "workload" => AllowedUse::Workload,
+                "tunnel" => AllowedUse::Tunnel,
+                "loadbalancer" => AllowedUse::Loadbalancer,
+                other => {
+                    return Err(IpamError::invalid(format!(
+                        "allowed use {other:?}: expected workload, tunnel or loadbalancer"
+                    )))
+                }
+            });
+        }
+        AllowedUses::new(uses)
+    }
+
+    /// Whether `use_` is allowed.
+    pub fn allows(&self, use_: AllowedUse) -> bool {
+        self.0.contains(&use_)
+    }
+
+    /// The uses, in order.
+    pub fn iter(&self) -> impl Iterator<Item = AllowedUse> + '_ {
+        self.0.iter().copied()
+    }
+}
+
+impl Default for AllowedUses {
+    fn default() -> Self {
+        AllowedUses(
+            [AllowedUse::Workload, AllowedUse::Tunnel]
+                .into_iter()
+                .collect(),
+        )
+    }
+}
+
+impl TryFrom<Vec<AllowedUse>> for AllowedUses {
+    type Error = IpamError;
+
+    fn try_from(uses: Vec<AllowedUse>) -> Result<Self, Self::Error> {
+        AllowedUses::new(uses)
+    }
+}
+
+impl From<AllowedUses> for Vec<AllowedUse> {
+    fn from(uses: AllowedUses) -> Self {
+        uses.0.into_iter().collect()
+    }
+}
+
+impl std::fmt::Display for AllowedUses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.iter().map(|u| u.to_string()).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed
+/// uses): read with Calico's defaults for those.
+#[derive(Deserialize)]
+struct PoolFormat2 {
+    name: String,
+    cidr: IpNet,
+    block_size: u8,
+    disabled: bool,
+}
+
+/// Decodes a stored pool of any readable format (formats 1 and 2 get `all()`, automatic, and
+/// workload and tunnel).
+///
+/// # Errors
+/// [`IpamError::Corrupt`] naming the key.
+pub fn decode_pool(key: &str, bytes: &[u8]) -> Result<Pool, IpamError> {
+    let (version, body) = versioned(key, bytes)?;
+    if version <= 2 {
+        let old: PoolFormat2 = decode_body(key, body)?;
+        return Ok(Pool {
+            name: old.name,
+            cidr: old.cidr,
+            block_size: old.block_size,
+            disabled: old.disabled,
+            node_selector: Selector::all(),
+            assignment_mode: AssignmentMode::Automatic,
+            allowed_uses: AllowedUses::default(),
+        });
+    }
+    decode_body(key, body)
 }
 
 impl Pool {
@@ -904,6 +1093,7 @@ mod tests {
             cidr: net("10.1.0.0/24"),
             block_size: 26,
             disabled: false,
+            ..Pool::default()
         };
         assert_eq!(pool.block_count(), 4);
         assert_eq!(pool.block_at(3), Some(net("10.1.0.192/26")));
@@ -917,6 +1107,7 @@ mod tests {
             cidr: net("fd00::/64"),
             block_size: 122,
             disabled: false,
+            ..Pool::default()
         };
         assert_eq!(v6.block_count(), 1u128 << 58);
         assert_eq!(v6.block_at(1), Some(net("fd00::40/122")));

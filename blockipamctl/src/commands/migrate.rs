@@ -90,7 +90,13 @@ pub async fn run(
         )));
     }
     ctx.progress("reading the source store ...");
-    let snapshot = source.list(ROOT).await?;
+    let mut snapshot = source.list(ROOT).await?;
+    // Liveness keys and the reclaimer leader key belong to the source's running agents (on etcd,
+    // to their leases): copied, they would outlive those leases and make dead nodes look alive
+    // forever. The agents write them again on the target.
+    let liveness = ipam_core::dead_nodes::liveness_dir();
+    let leader = ipam_core::dead_nodes::reclaimer_leader_key();
+    snapshot.retain(|kv| !kv.key.starts_with(&liveness) && kv.key != leader);
     if snapshot.is_empty() {
         ctx.progress_done();
         return Err(CtlError::failed(format!(

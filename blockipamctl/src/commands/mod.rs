@@ -41,6 +41,7 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
             pool::set_disabled(&store, &args.pool, true).await
         }
         Command::Pool(PoolCommand::Delete(args)) => pool::delete(&store, args).await,
+        Command::Pool(PoolCommand::Set(args)) => pool::set(&store, args).await,
         Command::Config(ConfigCommand::Show) => config::show(&store).await,
         Command::Config(ConfigCommand::Set(args)) => config::set(&store, args).await,
         Command::Show(args) => show::run(ctx, &store, args).await,
@@ -89,6 +90,12 @@ pub struct PoolJson {
     pub family: &'static str,
     /// Addresses it spans.
     pub capacity: u128,
+    /// The nodes that auto-assign from it (Calico selector syntax, canonical form).
+    pub node_selector: String,
+    /// `automatic` or `manual`.
+    pub assignment_mode: String,
+    /// What its addresses may be used for.
+    pub allowed_uses: Vec<String>,
 }
 
 impl From<&Pool> for PoolJson {
@@ -100,6 +107,9 @@ impl From<&Pool> for PoolJson {
             disabled: pool.disabled,
             family: family_name(pool.family()),
             capacity: pool.capacity(),
+            node_selector: pool.node_selector.to_string(),
+            assignment_mode: pool.assignment_mode.to_string(),
+            allowed_uses: pool.allowed_uses.iter().map(|u| u.to_string()).collect(),
         }
     }
 }

@@ -1,11 +1,12 @@
-//! `pool add|list|enable|disable|delete`.
+//! `pool add|list|enable|disable|delete|set`.
 
 use blockipam_store::DatastoreSettings;
-use ipam_core::{Ipam, IpamError, Pool, PoolSpec};
+use ipam_core::selector::Selector;
+use ipam_core::{AllowedUses, Ipam, IpamError, Pool, PoolChange, PoolPolicy, PoolSpec};
 use serde::Serialize;
 
 use super::{block_capacity, open_ipam, state, to_json, PoolJson};
-use crate::cli::{PoolAddArgs, PoolDeleteArgs};
+use crate::cli::{PoolAddArgs, PoolDeleteArgs, PoolSetArgs};
 use crate::error::{one_line, CtlError};
 use crate::output::{counted, group_digits, human_count, Outcome, Table};
 use crate::settings::OpenMode;
@@ -24,8 +25,18 @@ pub async fn add(settings: &DatastoreSettings, args: &PoolAddArgs) -> Result<Out
         disabled: args.disabled,
     };
     Ipam::pool_from_spec(&spec).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    let change = parse_change(
+        args.node_selector.as_deref(),
+        args.assignment_mode.as_deref(),
+        args.allowed_uses.as_deref(),
+    )?;
+    let policy = PoolPolicy {
+        node_selector: change.node_selector.unwrap_or_default(),
+        assignment_mode: change.assignment_mode.unwrap_or_default(),
+        allowed_uses: change.allowed_uses.unwrap_or_default(),
+    };
     let ipam = open_ipam(settings, OpenMode::Create).await?;
-    let pool = ipam.create_pool(&spec).await?;
+    let pool = ipam.create_pool_with_policy(&spec, &policy).await?;
     let table = format!(
         "Created IP pool {}: {}, /{} blocks of {} addresses, {} addresses in all, {}.\n",
         pool.name,
@@ -55,8 +66,17 @@ pub async fn list(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
 }
 
 fn pools_table(pools: &[Pool]) -> String {
-    let mut table =
-        Table::new(&["NAME", "CIDR", "BLOCK SIZE", "STATE", "ADDRESSES"]).right_align(&[4]);
+    let mut table = Table::new(&[
+        "NAME",
+        "CIDR",
+        "BLOCK SIZE",
+        "STATE",
+        "ADDRESSES",
+        "NODE SELECTOR",
+        "MODE",
+        "USES",
+    ])
+    .right_align(&[4]);
     for pool in pools {
         table.row(vec![
             pool.name.clone(),
@@ -64,9 +84,72 @@ fn pools_table(pools: &[Pool]) -> String {
             format!("/{}", pool.block_size),
             state(pool).to_owned(),
             human_count(pool.capacity()),
+            pool.node_selector.to_string(),
+            pool.assignment_mode.to_string(),
+            pool.allowed_uses.to_string(),
         ]);
     }
     table.render()
+}
+
+/// The pool settings given on the command line, validated before the store is touched: a
+/// selector that does not parse, an unknown mode or use, or an invalid set of uses is a usage
+/// error naming what is wrong (a selector error names the character position).
+fn parse_change(
+    node_selector: Option<&str>,
+    assignment_mode: Option<&str>,
+    allowed_uses: Option<&str>,
+) -> Result<PoolChange, CtlError> {
+    let node_selector = node_selector
+        .map(|text| {
+            Selector::parse(text)
+                .map_err(|e| CtlError::usage(format!("invalid --node-selector: {e}")))
+        })
+        .transpose()?;
+    let assignment_mode = assignment_mode
+        .map(|text| {
+            text.parse().map_err(|e: IpamError| {
+                CtlError::usage(format!("--assignment-mode: {}", invalid_text(&e)))
+            })
+        })
+        .transpose()?;
+    let allowed_uses = allowed_uses
+        .map(|text| {
+            AllowedUses::parse(text)
+                .map_err(|e| CtlError::usage(format!("--allowed-uses: {}", invalid_text(&e))))
+        })
+        .transpose()?;
+    Ok(PoolChange {
+        node_selector,
+        assignment_mode,
+        allowed_uses,
+        disabled: None,
+    })
+}
+
+/// `pool set`: validates every given setting, then changes them in one compare-and-swap.
+///
+/// # Errors
+/// [`CtlError::Usage`] for an invalid setting; unknown pool; store trouble.
+pub async fn set(settings: &DatastoreSettings, args: &PoolSetArgs) -> Result<Outcome, CtlError> {
+    let mut change = parse_change(
+        args.node_selector.as_deref(),
+        args.assignment_mode.as_deref(),
+        args.allowed_uses.as_deref(),
+    )?;
+    change.disabled = args.disabled;
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let pool = ipam.set_pool(&args.pool, &change).await?;
+    let table = format!(
+        "IP pool {} ({}): {}, node selector {}, {} assignment, allowed uses {}.\n",
+        pool.name,
+        pool.cidr,
+        state(&pool),
+        pool.node_selector,
+        pool.assignment_mode,
+        pool.allowed_uses
+    );
+    Ok(Outcome::ok(to_json(&PoolJson::from(&pool))?, table))
 }
 
 /// `pool enable` / `pool disable`.

@@ -244,6 +244,67 @@ impl Lab {
         })
     }
 
+    /// Runs the real `blockipam` plugin once for `command` on `container` (interface eth0) of
+    /// node `node`, against this lab's store, with `ipam` fields merged over the store's own
+    /// (network `fixture`, no agent): the exit status, and stdout as JSON (`Null` when empty).
+    pub fn plugin(&self, command: &str, node: &str, container: &str, ipam: Value) -> (i32, Value) {
+        use std::io::Write;
+        let mut conf = serde_json::json!({
+            "type": "blockipam",
+            "datastore_type": self.type_name(),
+            "nodename": node,
+            "ipam_lock_file": self.dir.path().join(format!("{node}.lock")),
+            "agent_socket": "",
+        });
+        match self.etcd() {
+            Some((endpoint, prefix)) => {
+                conf["etcd_endpoints"] = Value::from(endpoint);
+                conf["etcd_prefix"] = Value::from(prefix);
+            }
+            None => conf["datastore_path"] = Value::from(self.path().display().to_string()),
+        }
+        if let (Some(conf), Value::Object(extra)) = (conf.as_object_mut(), ipam) {
+            conf.extend(extra);
+        }
+        let netconf = serde_json::json!({"cniVersion": "1.0.0", "name": "fixture", "ipam": conf});
+        let plugin = blockipam_store::testing::build_plugin_beside(std::path::Path::new(BIN));
+        let mut child = Command::new(plugin)
+            .env_clear()
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", container)
+            .env("CNI_NETNS", "/var/run/netns/blockipamctl-test")
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_PATH", "/nonexistent")
+            .env(
+                "CNI_ARGS",
+                format!("K8S_POD_NAMESPACE=default;K8S_POD_NAME={container}"),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the plugin");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(netconf.to_string().as_bytes())
+            .expect("write the netconf");
+        let output = child.wait_with_output().expect("the plugin ends");
+        let stdout = if output.stdout.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+                panic!(
+                    "the plugin's stdout is not JSON ({e}): {}\n{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                )
+            })
+        };
+        (output.status.code().unwrap_or(-1), stdout)
+    }
+
     /// Allocates one IPv4 address for `handle` on `host` and returns it.
     pub fn assign(&self, handle: &str, host: &str) -> IpAddr {
         let (handle, host) = (handle.to_owned(), host.to_owned());

@@ -1,10 +1,11 @@
-//! Format upgrade: stores written by format 1 (`fixtures/format-v1`, made by that release's own
-//! binaries) open, check clean and keep working through the real binaries on sled, redb and etcd
-//! (etcd receives the redb fixture through `migrate`, a raw copy); the claim entries of the blocks
-//! that later calls write are rewritten in format 2, the others stay as they were.
+//! Format upgrade: stores written by formats 1 and 2 (`fixtures/format-v1`, `fixtures/format-v2`,
+//! each made by that release's own binaries) open, check clean and keep working through the real
+//! binaries on sled, redb and etcd (etcd receives the redb fixture through `migrate`, a raw copy);
+//! the objects that later calls write are rewritten in the current format, the others stay as they
+//! were. Their pools read with Calico's defaults (node selector `all()`, automatic, workload and
+//! tunnel) and take the new settings through `pool set`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use ipam_core::model::{decode_claim, keys};
 use ipnet::IpNet;
@@ -13,11 +14,9 @@ use serde_json::Value;
 use crate::common::{Backend, Lab};
 use crate::on_every_backend;
 
-const BIN: &str = env!("CARGO_BIN_EXE_blockipamctl");
-
-fn fixture(name: &str) -> PathBuf {
+fn fixture(version: u8, name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../fixtures/format-v1")
+        .join(format!("../fixtures/format-v{version}"))
         .join(name)
 }
 
@@ -34,16 +33,19 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// Puts a copy of the format-1 store into `lab` (never opening the committed fixture itself).
-fn load_fixture(lab: &Lab) {
+/// Puts a copy of the format-`version` store into `lab` (never opening the committed fixture
+/// itself).
+fn load_fixture(lab: &Lab, version: u8) {
     match lab.backend {
-        Backend::Sled => copy_dir(&fixture("store.sled"), &lab.path()),
+        Backend::Sled => copy_dir(&fixture(version, "store.sled"), &lab.path()),
         Backend::Redb => {
-            std::fs::copy(fixture("store.redb"), lab.path()).expect("copy the redb fixture");
+            std::fs::copy(fixture(version, "store.redb"), lab.path())
+                .expect("copy the redb fixture");
         }
         Backend::Etcd => {
             let source = Lab::new(Backend::Redb);
-            std::fs::copy(fixture("store.redb"), source.path()).expect("copy the redb fixture");
+            std::fs::copy(fixture(version, "store.redb"), source.path())
+                .expect("copy the redb fixture");
             let mut args = source.store_args();
             args.push("migrate".to_owned());
             args.extend(lab.target_args());
@@ -52,65 +54,18 @@ fn load_fixture(lab: &Lab) {
     }
 }
 
-/// The netconf the fixture's pods were added with, pointed at this lab's store.
-fn netconf(lab: &Lab, node: &str) -> String {
-    let mut ipam = serde_json::json!({
-        "type": "blockipam",
-        "datastore_type": lab.type_name(),
-        "nodename": node,
-        "ipam_lock_file": lab.dir.path().join(format!("{node}.lock")),
+/// Runs the real plugin once with the netconf the fixture's pods were added with; returns its
+/// stdout, failing the test on any error.
+fn plugin(lab: &Lab, command: &str, node: &str, container: &str) -> Value {
+    let ipam = serde_json::json!({
         "assign_ipv4": "true",
         "assign_ipv6": "true",
         "ipv4_pools": ["v4"],
         "ipv6_pools": ["v6"],
     });
-    match lab.etcd() {
-        Some((endpoint, prefix)) => {
-            ipam["etcd_endpoints"] = Value::from(endpoint);
-            ipam["etcd_prefix"] = Value::from(prefix);
-        }
-        None => ipam["datastore_path"] = Value::from(lab.path().display().to_string()),
-    }
-    serde_json::json!({"cniVersion": "1.0.0", "name": "fixture", "ipam": ipam}).to_string()
-}
-
-/// Runs the real plugin once; returns its stdout, failing the test on any error.
-fn plugin(lab: &Lab, command: &str, node: &str, container: &str) -> Value {
-    use std::io::Write;
-    let plugin = blockipam_store::testing::build_plugin_beside(Path::new(BIN));
-    let mut child = Command::new(plugin)
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", container)
-        .env("CNI_NETNS", "/var/run/netns/format-upgrade")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", "/nonexistent")
-        .env(
-            "CNI_ARGS",
-            format!("K8S_POD_NAMESPACE=default;K8S_POD_NAME={container}"),
-        )
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(netconf(lab, node).as_bytes())
-        .expect("write the netconf");
-    let output = child.wait_with_output().expect("the plugin ends");
-    assert!(
-        output.status.success(),
-        "{command} {container} failed: {}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    if output.stdout.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&output.stdout).expect("the plugin's result is JSON")
-    }
+    let (status, stdout) = lab.plugin(command, node, container, ipam);
+    assert_eq!(status, 0, "{command} {container} failed: {stdout}");
+    stdout
 }
 
 fn addresses(result: &Value) -> Vec<IpNet> {
@@ -142,18 +97,53 @@ fn claim_of(lab: &Lab, cidr: &str) -> (u8, Option<u32>) {
     })
 }
 
-fn a_format_1_store_opens_checks_clean_and_keeps_working(backend: Backend) {
+/// The format byte of a raw stored value.
+fn format_of(lab: &Lab, key: &str) -> u8 {
+    let key = key.to_owned();
+    lab.with_store(|store| async move {
+        store
+            .get(&key)
+            .await
+            .expect("get")
+            .expect("the key exists")
+            .value[0]
+    })
+}
+
+/// node-b's block: no call below writes it, so its claim entry keeps the fixture's format.
+const UNTOUCHED_BLOCK: &str = "10.80.0.96/28";
+
+fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: u8) {
     let lab = Lab::new(backend);
-    load_fixture(&lab);
-    // Every claim entry of the fixture is format 1, and the store reads as it did then.
-    assert_eq!(claim_of(&lab, "10.80.0.96/28"), (1, None));
+    load_fixture(&lab, version);
+    // The fixture's objects carry its format, and the store reads as it did then.
+    let untouched_claim = claim_of(&lab, UNTOUCHED_BLOCK);
+    assert_eq!(untouched_claim.0, version);
+    assert_eq!(
+        untouched_claim.1.is_some(),
+        version >= 2,
+        "{untouched_claim:?}"
+    );
+    assert_eq!(format_of(&lab, &keys::pool("v4")), version);
     lab.ctl(&["check"]).ok();
     let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
     let then: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture("show-blocks.redb.json")).expect("read the fixture"),
+        &std::fs::read_to_string(fixture(version, "show-blocks.redb.json"))
+            .expect("read the fixture"),
     )
     .expect("fixture JSON");
-    assert_eq!(shown, then, "format-1 store shown differently");
+    assert_eq!(shown, then, "format-{version} store shown differently");
+    // Its pools read with Calico's defaults for what that format did not store.
+    let pools = lab.ctl(&["-o", "json", "pool", "list"]).ok().json();
+    for pool in pools.as_array().expect("a pool list") {
+        assert_eq!(pool["node_selector"], "all()", "{pool}");
+        assert_eq!(pool["assignment_mode"], "automatic", "{pool}");
+        assert_eq!(
+            pool["allowed_uses"],
+            serde_json::json!(["workload", "tunnel"]),
+            "{pool}"
+        );
+    }
 
     // A new pod on node-a lands in node-a's block with room, duplicating nothing.
     let added = addresses(&plugin(&lab, "ADD", "node-a", "ctr-new"));
@@ -188,17 +178,41 @@ fn a_format_1_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     );
     lab.ctl(&["check"]).ok();
 
-    // Written blocks carry format-2 claim entries with their free count; node-b's, untouched,
-    // is still format 1 and still accepted.
+    // Written blocks carry current-format claim entries with their free count; node-b's,
+    // untouched, keeps the fixture's format and is still accepted.
     let block_of_new = if node_a_open.contains(&v4.addr()) {
         "10.80.0.64/28"
     } else {
         "10.80.0.48/28"
     };
-    let (version, free) = claim_of(&lab, block_of_new);
-    assert_eq!(version, ipam_core::model::FORMAT_VERSION);
+    let (written_format, free) = claim_of(&lab, block_of_new);
+    assert_eq!(written_format, ipam_core::model::FORMAT_VERSION);
     assert!(free.is_some(), "a rewritten entry records the free count");
-    assert_eq!(claim_of(&lab, "10.80.0.96/28"), (1, None));
+    assert_eq!(claim_of(&lab, UNTOUCHED_BLOCK), untouched_claim);
+
+    // An old pool takes a node selector: it is rewritten in the current format, and the
+    // netconf, which names it, still allocates from it on a node it does not select.
+    lab.ctl(&["pool", "set", "v4", "--node-selector", "rack == \"r9\""])
+        .ok();
+    assert_eq!(
+        format_of(&lab, &keys::pool("v4")),
+        ipam_core::model::FORMAT_VERSION
+    );
+    assert_eq!(format_of(&lab, &keys::pool("v6")), version);
+    let named = addresses(&plugin(&lab, "ADD", "node-a", "ctr-named"));
+    assert!(named.iter().any(|a| a.addr().is_ipv4()), "{named:?}");
+    lab.ctl(&["check"]).ok();
 }
 
-on_every_backend!(a_format_1_store_opens_checks_clean_and_keeps_working);
+fn a_format_1_store_opens_checks_clean_and_keeps_working(backend: Backend) {
+    an_old_store_opens_checks_clean_and_keeps_working(backend, 1);
+}
+
+fn a_format_2_store_opens_checks_clean_and_keeps_working(backend: Backend) {
+    an_old_store_opens_checks_clean_and_keeps_working(backend, 2);
+}
+
+on_every_backend!(
+    a_format_1_store_opens_checks_clean_and_keeps_working,
+    a_format_2_store_opens_checks_clean_and_keeps_working,
+);

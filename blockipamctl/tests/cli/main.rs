@@ -14,6 +14,7 @@ mod library;
 mod migrate;
 mod node;
 mod node_labels;
+mod pool_selection;
 mod pools;
 mod release;
 mod security;

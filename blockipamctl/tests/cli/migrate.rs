@@ -210,3 +210,30 @@ fn migrate_of_an_empty_source_is_refused() {
     run.expect_code(1);
     assert!(run.error_line().contains("nothing to migrate"));
 }
+
+#[test]
+fn migrate_leaves_agent_liveness_and_the_reclaimer_leader_behind() {
+    let source = Lab::new(Backend::Sled);
+    populate(&source);
+    let registration = ipam_core::dead_nodes::agent_key("node-a");
+    let liveness = ipam_core::dead_nodes::liveness_key("node-a");
+    let leader = ipam_core::dead_nodes::reclaimer_leader_key();
+    let keys = [registration.clone(), liveness.clone(), leader.clone()];
+    source.with_store(|store| async move {
+        for key in keys {
+            store.put(&key, b"{}".to_vec()).await.expect("put");
+        }
+    });
+    let target = Lab::new(Backend::Redb);
+    migrate(&source, &target).ok();
+    let copied: Vec<String> = target
+        .snapshot()
+        .into_iter()
+        .map(|(key, _, _)| key)
+        .collect();
+    assert!(copied.contains(&registration), "the registration is data: copied");
+    assert!(
+        !copied.contains(&liveness) && !copied.contains(&leader),
+        "a lease-bound key was copied: {copied:?}"
+    );
+}
