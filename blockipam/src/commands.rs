@@ -689,6 +689,16 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     };
     let config = ipam.get_config().await.map_err(unreachable)?;
     let usage = ipam.utilization().await.map_err(unreachable)?;
+    let node_key = ipam_core::nodes::node_key(node);
+    let labels = ipam_core::nodes::decode_node_labels(
+        &node_key,
+        ipam.store()
+            .get(&node_key)
+            .await
+            .map_err(|e| unreachable(e.into()))?
+            .as_ref(),
+    )
+    .map_err(unreachable)?;
     let pools: Vec<Pool> = usage.pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &pools);
     // Which block edges are taken matters only for a block with one or two free addresses.
@@ -718,7 +728,12 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         if !wanted {
             continue;
         }
-        if let Err(why) = family_available(conf, &usage, &config, node, family, requested, &usable)
+        let scope = NodeScope {
+            node,
+            labels: &labels,
+        };
+        if let Err(why) =
+            family_available(conf, &usage, &config, &scope, family, requested, &usable)
         {
             return Err(CniError::new(
                 codes::PLUGIN_NOT_AVAILABLE,
@@ -727,6 +742,12 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         }
     }
     Ok(())
+}
+
+/// The node STATUS answers for, and its labels (what pools' node selectors match).
+struct NodeScope<'a> {
+    node: &'a str,
+    labels: &'a BTreeMap<String, String>,
 }
 
 /// Which free addresses of a block an ADD can be given.
@@ -765,11 +786,12 @@ fn family_available(
     conf: &NetConf,
     usage: &Utilization,
     config: &ipam_core::IpamConfig,
-    node: &str,
+    scope: &NodeScope<'_>,
     family: Family,
     requested: &[String],
     usable: &Usable<'_>,
 ) -> Result<(), String> {
+    let node = scope.node;
     // Netconf pools not created yet will be on the next ADD: they count as available.
     let pending: Vec<&ipam_core::PoolSpec> = conf
         .pools
@@ -786,11 +808,34 @@ fn family_available(
         if !pending.is_empty() {
             return Ok(());
         }
-        usage
+        let enabled: Vec<&ipam_core::PoolUsage> = usage
             .pools
             .iter()
             .filter(|p| p.pool.family() == family && !p.pool.disabled)
-            .collect()
+            .collect();
+        // As auto-assign: automatic pools allowing workload addresses that select the node.
+        let selecting: Vec<&ipam_core::PoolUsage> = enabled
+            .iter()
+            .copied()
+            .filter(|p| {
+                p.pool.assignment_mode == ipam_core::AssignmentMode::Automatic
+                    && p.pool.allowed_uses.allows(ipam_core::AllowedUse::Workload)
+                    && p.pool.node_selector.matches(scope.labels)
+            })
+            .collect();
+        if selecting.is_empty() && !enabled.is_empty() {
+            return Err(format!(
+                "no IP pool selects node {node:?} for automatic assignment (enabled pools: {}; \
+                 check their node selectors, assignment modes and allowed uses, or the node's \
+                 labels)",
+                enabled
+                    .iter()
+                    .map(|p| p.pool.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        selecting
     } else {
         let mut chosen = Vec::new();
         for wanted in requested {

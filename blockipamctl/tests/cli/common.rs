@@ -248,6 +248,18 @@ impl Lab {
     /// node `node`, against this lab's store, with `ipam` fields merged over the store's own
     /// (network `fixture`, no agent): the exit status, and stdout as JSON (`Null` when empty).
     pub fn plugin(&self, command: &str, node: &str, container: &str, ipam: Value) -> (i32, Value) {
+        self.plugin_at("1.0.0", command, node, container, ipam)
+    }
+
+    /// [`Lab::plugin`] with the netconf's `cniVersion` (STATUS and GC need 1.1.0).
+    pub fn plugin_at(
+        &self,
+        version: &str,
+        command: &str,
+        node: &str,
+        container: &str,
+        ipam: Value,
+    ) -> (i32, Value) {
         use std::io::Write;
         let mut conf = serde_json::json!({
             "type": "blockipam",
@@ -266,7 +278,7 @@ impl Lab {
         if let (Some(conf), Value::Object(extra)) = (conf.as_object_mut(), ipam) {
             conf.extend(extra);
         }
-        let netconf = serde_json::json!({"cniVersion": "1.0.0", "name": "fixture", "ipam": conf});
+        let netconf = serde_json::json!({"cniVersion": version, "name": "fixture", "ipam": conf});
         let plugin = blockipam_store::testing::build_plugin_beside(std::path::Path::new(BIN));
         let mut child = Command::new(plugin)
             .env_clear()

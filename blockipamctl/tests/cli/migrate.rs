@@ -231,7 +231,10 @@ fn migrate_leaves_agent_liveness_and_the_reclaimer_leader_behind() {
         .into_iter()
         .map(|(key, _, _)| key)
         .collect();
-    assert!(copied.contains(&registration), "the registration is data: copied");
+    assert!(
+        copied.contains(&registration),
+        "the registration is data: copied"
+    );
     assert!(
         !copied.contains(&liveness) && !copied.contains(&leader),
         "a lease-bound key was copied: {copied:?}"

@@ -93,6 +93,18 @@ fn pools_follow_selectors_modes_and_uses(backend: Backend) {
         + error["details"].as_str().unwrap_or_default();
     assert!(message.contains("\"n3\""), "{error}");
     assert_eq!(lab.snapshot(), before, "a refused ADD wrote something");
+    // STATUS says so too (code 50), and is fine on a node a pool selects.
+    let (_, status) = lab.plugin_at("1.1.0", "STATUS", "n3", "", json!({}));
+    assert_eq!(status["code"], 50, "{status}");
+    assert!(
+        status["msg"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no IP pool selects node \"n3\""),
+        "{status}"
+    );
+    let (code, _) = lab.plugin_at("1.1.0", "STATUS", "n1", "", json!({}));
+    assert_eq!(code, 0, "STATUS on a selected node");
 
     // Named pools are used whatever they select: the manual pool on n3, rack1 on n2.
     let named = added(&lab, "n3", "c2", json!({"ipv4_pools": ["special"]}));
