@@ -261,6 +261,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             attributes: call.attributes(),
             reuse_existing: true,
             skip_block_edges: false,
+            purpose: ipam_core::AllowedUse::Workload,
             setup: Some(network_setup(conf)),
         };
         // The steady state: everything the network needs is in place, checked inside

@@ -141,6 +141,10 @@ pub enum Command {
     /// Label nodes (for pools' node selectors), or retire a node that was removed from the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
+    /// A node's tunnel address (IPIP, VXLAN, WireGuard), from a pool that allows tunnel use, with
+    /// Calico's handle and type.
+    #[command(subcommand)]
+    TunnelAddress(TunnelAddressCommand),
     /// Release the blocks and addresses of dead nodes: registered by an agent, liveness gone for
     /// longer than the grace period (etcd). Shows what it would do unless --apply.
     Gc(GcArgs),
@@ -305,6 +309,26 @@ pub struct CheckArgs {
     /// then check again.
     #[arg(long)]
     pub repair: bool,
+}
+
+/// `tunnel-address` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum TunnelAddressCommand {
+    /// Give the node its tunnel address of this type (the same one again when it has it).
+    Assign(TunnelAddressArgs),
+    /// Release the node's tunnel address of this type (nothing to release is success).
+    Release(TunnelAddressArgs),
+}
+
+/// `tunnel-address assign|release`.
+#[derive(Debug, Args)]
+pub struct TunnelAddressArgs {
+    /// The node.
+    #[arg(value_name = "NODE")]
+    pub node: String,
+    /// ipip, vxlan, vxlan-v6, wireguard or wireguard-v6.
+    #[arg(long = "type", value_name = "TYPE")]
+    pub tunnel_type: String,
 }
 
 /// `node` subcommands.

@@ -80,6 +80,9 @@ pub struct AutoAssignRequest {
     /// address of its block's prefix (what a caller that reports the block prefix needs).
     /// Ignored with `setup`, which decides it from the pools read.
     pub skip_block_edges: bool,
+    /// What the addresses are for: only pools allowing this use are candidates (CNI requests
+    /// are workload requests; a node's tunnel address is a tunnel request).
+    pub purpose: AllowedUse,
     /// What the caller's network needs in place, checked in the same batched read
     /// ([`crate::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
     /// nothing is written.
@@ -1463,8 +1466,14 @@ impl Ipam {
             if wanted == 0 {
                 continue;
             }
-            let candidates =
-                candidate_pools(&pools, family, requested_pools, &request.host, &node_labels)?;
+            let candidates = candidate_pools(
+                &pools,
+                family,
+                requested_pools,
+                &request.host,
+                &node_labels,
+                request.purpose,
+            )?;
             let in_candidates = |cidr: &IpNet| {
                 candidates
                     .iter()
@@ -2622,9 +2631,10 @@ fn candidate_pools<'a>(
     requested: &[String],
     host: &str,
     node_labels: &BTreeMap<String, String>,
+    purpose: AllowedUse,
 ) -> Result<Vec<&'a Stored<Pool>>, IpamError> {
     if requested.is_empty() {
-        // As Calico: enabled, automatic, allowing workload addresses, and selecting the node.
+        // As Calico: enabled, automatic, allowing the use, and selecting the node.
         let enabled: Vec<&Stored<Pool>> = pools
             .iter()
             .filter(|p| p.value.family() == family && !p.value.disabled)
@@ -2634,7 +2644,7 @@ fn candidate_pools<'a>(
             .copied()
             .filter(|p| {
                 p.value.assignment_mode == AssignmentMode::Automatic
-                    && p.value.allowed_uses.allows(AllowedUse::Workload)
+                    && p.value.allowed_uses.allows(purpose)
                     && p.value.node_selector.matches(node_labels)
             })
             .collect();
@@ -2648,7 +2658,7 @@ fn candidate_pools<'a>(
         return Ok(chosen);
     }
     // Pools named explicitly are used whatever they select, manual ones included (as Calico);
-    // they must still allow workload addresses.
+    // they must still allow the use.
     let mut chosen = Vec::new();
     for wanted in requested {
         let pool = find_pool(pools, wanted)?;
@@ -2661,10 +2671,10 @@ fn candidate_pools<'a>(
         if pool.value.disabled {
             return Err(IpamError::PoolDisabled(pool.value.name.clone()));
         }
-        if !pool.value.allowed_uses.allows(AllowedUse::Workload) {
+        if !pool.value.allowed_uses.allows(purpose) {
             return Err(IpamError::PoolUseNotAllowed {
                 pool: pool.value.name.clone(),
-                use_: AllowedUse::Workload,
+                use_: purpose,
                 allowed: pool.value.allowed_uses.clone(),
             });
         }

@@ -115,7 +115,7 @@ pub enum IpamError {
         allowed: crate::model::AllowedUses,
     },
     /// Enabled pools of the family exist, but none that auto-assign may use on this node: none
-    /// selects it (`node_selector`), or they are manual, or they do not allow workload addresses.
+    /// selects it (`node_selector`), or they are manual, or they do not allow the use asked for.
     #[error("no IP pool selects node {host:?} for automatic {family} assignment (enabled pools: {pools:?}; check their node selectors, assignment modes and allowed uses, or the node's labels)")]
     NoPoolSelectsNode {
         /// The node.

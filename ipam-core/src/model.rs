@@ -408,10 +408,13 @@ impl std::fmt::Display for AssignmentMode {
 }
 
 /// One use a pool's addresses may be put to (Calico's `allowedUses`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum AllowedUse {
     /// Pod (workload) addresses: every CNI request.
+    #[default]
     Workload,
     /// A node's tunnel addresses (IPIP, VXLAN, WireGuard).
     Tunnel,

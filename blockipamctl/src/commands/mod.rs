@@ -10,13 +10,14 @@ pub mod node;
 pub mod pool;
 pub mod release;
 pub mod show;
+pub mod tunnel;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::model::Family;
 use ipam_core::{Ipam, Pool};
 use serde::Serialize;
 
-use crate::cli::{Cli, Command, ConfigCommand, NodeCommand, PoolCommand};
+use crate::cli::{Cli, Command, ConfigCommand, NodeCommand, PoolCommand, TunnelAddressCommand};
 use crate::error::CtlError;
 use crate::output::{Ctx, Outcome};
 use crate::settings::{self, Env, OpenMode};
@@ -42,6 +43,12 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         }
         Command::Pool(PoolCommand::Delete(args)) => pool::delete(&store, args).await,
         Command::Pool(PoolCommand::Set(args)) => pool::set(&store, args).await,
+        Command::TunnelAddress(TunnelAddressCommand::Assign(args)) => {
+            tunnel::assign(&store, args).await
+        }
+        Command::TunnelAddress(TunnelAddressCommand::Release(args)) => {
+            tunnel::release(&store, args).await
+        }
         Command::Config(ConfigCommand::Show) => config::show(&store).await,
         Command::Config(ConfigCommand::Set(args)) => config::set(&store, args).await,
         Command::Show(args) => show::run(ctx, &store, args).await,

@@ -20,3 +20,4 @@ mod release;
 mod security;
 mod show;
 mod store_presence;
+mod tunnel;
