@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use ipam_core::network_setup::{self, NetworkSetup};
 use ipam_core::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, BlockUsage, Family, Ipam,
-    IpamError, Pool, ReleaseRequest, Utilization,
+    IpamError, NamespaceLookup, Pool, ReleaseRequest, Utilization,
 };
 use ipnet::IpNet;
 
@@ -101,6 +101,7 @@ impl Attachment<'_> {
         from_args
             .iter()
             .chain(&self.conf.runtime_ips)
+            .chain(self.conf.pod_annotations.ip_addrs.iter().flatten())
             .copied()
             .filter(|ip| seen.insert(*ip))
             .collect()
@@ -251,13 +252,32 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
         return Ok(shape_result(conf, &pools, &addresses));
     }
     {
+        let annotations = &conf.pod_annotations;
         let mut request = AutoAssignRequest {
             handle: handle.clone(),
             host: call.node.to_owned(),
             num_v4: u32::from(conf.assign_ipv4),
             num_v6: u32::from(conf.assign_ipv6),
-            v4_pools: conf.ipv4_pools.clone(),
-            v6_pools: conf.ipv6_pools.clone(),
+            // Calico's precedence: the pod's annotation, then its namespace's pools (read by
+            // auto-assign in its own batch), then the netconf's, then the pools selecting the node.
+            v4_pools: annotations
+                .ipv4_pools
+                .clone()
+                .unwrap_or_else(|| conf.ipv4_pools.clone()),
+            v6_pools: annotations
+                .ipv6_pools
+                .clone()
+                .unwrap_or_else(|| conf.ipv6_pools.clone()),
+            namespace: call
+                .args
+                .pod_namespace
+                .as_ref()
+                .filter(|ns| ipam_core::namespaces::validate_namespace(ns).is_ok())
+                .map(|ns| NamespaceLookup {
+                    namespace: ns.clone(),
+                    v4: annotations.ipv4_pools.is_none(),
+                    v6: annotations.ipv6_pools.is_none(),
+                }),
             attributes: call.attributes(),
             reuse_existing: true,
             skip_block_edges: false,
@@ -271,7 +291,15 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
                 tracing::info!(network = %conf.name, %reason, "setting the network up");
                 let pools = prepare_network(ipam, conf).await?;
                 request.setup = None;
-                request.skip_block_edges = may_report_block_prefix(conf, &pools);
+                // The pools this request names (an annotation's may differ from the netconf's).
+                request.skip_block_edges = network_setup::block_prefix_reportable(
+                    &pools,
+                    &[
+                        (Family::V4, conf.assign_ipv4, request.v4_pools.as_slice()),
+                        (Family::V6, conf.assign_ipv6, request.v6_pools.as_slice()),
+                    ],
+                    &conf.gateways,
+                );
                 ipam.auto_assign(&request).await
             }
             other => other,
@@ -315,24 +343,14 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
 /// a usable host address of the reported prefix. (Where a gateway lies in the pool, the pool's
 /// prefix is reported and its network and broadcast addresses are reserved instead.)
 pub fn may_report_block_prefix(conf: &NetConf, pools: &[Pool]) -> bool {
-    [
-        (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
-        (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
-    ]
-    .into_iter()
-    .filter(|(_, wanted, _)| *wanted)
-    .any(|(family, _, named)| {
-        pools
-            .iter()
-            .filter(|p| p.family() == family && !p.disabled)
-            .filter(|p| {
-                named.is_empty()
-                    || named
-                        .iter()
-                        .any(|n| *n == p.name || n.parse::<IpNet>().ok() == Some(p.cidr))
-            })
-            .any(|p| !conf.gateways.iter().any(|g| p.cidr.contains(g)))
-    })
+    network_setup::block_prefix_reportable(
+        pools,
+        &[
+            (Family::V4, conf.assign_ipv4, conf.ipv4_pools.as_slice()),
+            (Family::V6, conf.assign_ipv6, conf.ipv6_pools.as_slice()),
+        ],
+        &conf.gateways,
+    )
 }
 
 /// Code 7 for a specific address that is not a usable host address of the prefix it would be

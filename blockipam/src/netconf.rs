@@ -125,6 +125,9 @@ pub struct NetConf {
     pub args_ips: Option<Vec<IpAddr>>,
     /// `runtimeConfig.ips` (the `ips` capability).
     pub runtime_ips: Vec<IpAddr>,
+    /// Calico's pod annotations, from `runtimeConfig["io.kubernetes.cri.pod-annotations"]` (the
+    /// pod-annotations capability of containerd's and CRI-O's CNI callers).
+    pub pod_annotations: PodAnnotations,
     /// `prevResult`, as given.
     pub prev_result: Option<Value>,
     /// `cni.dev/valid-attachments` (or the older `cni.dev/attachments`); `null` is an empty list
@@ -514,10 +517,17 @@ pub fn parse_netconf(
         }
     }
     let mut runtime_ips = Vec::new();
+    let mut pod_annotations = PodAnnotations::default();
     if let Some(runtime) = top.get("runtimeConfig").filter(|v| !v.is_null()) {
         let runtime = object("runtimeConfig", runtime)?;
         if let Some(ips) = runtime.get("ips").filter(|v| !v.is_null()) {
             runtime_ips = address_list("runtimeConfig.ips", ips)?;
+        }
+        if let Some(annotations) = runtime
+            .get(POD_ANNOTATIONS_CAPABILITY)
+            .filter(|v| !v.is_null())
+        {
+            pod_annotations = PodAnnotations::parse(annotations)?;
         }
     }
 
@@ -558,9 +568,88 @@ pub fn parse_netconf(
         routes,
         args_ips,
         runtime_ips,
+        pod_annotations,
         prev_result,
         valid_attachments,
     })
+}
+
+/// The `runtimeConfig` key (and capability) under which containerd and CRI-O pass a pod's
+/// annotations to plugins that declare it.
+pub const POD_ANNOTATIONS_CAPABILITY: &str = "io.kubernetes.cri.pod-annotations";
+/// Pod annotation: the IPv4 pools to use (a JSON list of pool names or CIDRs), as in Calico.
+pub const ANNOTATION_IPV4_POOLS: &str = "cni.projectcalico.org/ipv4pools";
+/// Pod annotation: the IPv6 pools to use.
+pub const ANNOTATION_IPV6_POOLS: &str = "cni.projectcalico.org/ipv6pools";
+/// Pod annotation: the specific addresses to assign (a JSON list of addresses).
+pub const ANNOTATION_IP_ADDRS: &str = "cni.projectcalico.org/ipAddrs";
+
+/// Calico's pod annotations that choose addresses, when present (other annotations are ignored).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodAnnotations {
+    /// `cni.projectcalico.org/ipv4pools`.
+    pub ipv4_pools: Option<Vec<String>>,
+    /// `cni.projectcalico.org/ipv6pools`.
+    pub ipv6_pools: Option<Vec<String>>,
+    /// `cni.projectcalico.org/ipAddrs`.
+    pub ip_addrs: Option<Vec<IpAddr>>,
+}
+
+impl PodAnnotations {
+    /// Reads the annotations object: each value a string holding JSON, as Kubernetes stores it.
+    /// Malformed JSON, a wrong type, or pools together with `ipAddrs` is code 7, naming the
+    /// annotation.
+    ///
+    /// # Errors
+    /// [`CniError`] with code 7.
+    pub fn parse(value: &Value) -> Result<Self, CniError> {
+        let path = format!("runtimeConfig[{POD_ANNOTATIONS_CAPABILITY:?}]");
+        let annotations = object(&path, value)?;
+        let list = |name: &str| -> Result<Option<Vec<String>>, CniError> {
+            let Some(raw) = annotations.get(name) else {
+                return Ok(None);
+            };
+            let text = raw
+                .as_str()
+                .ok_or_else(|| type_error(&format!("pod annotation {name}"), "a string", raw))?;
+            let items: Vec<String> = serde_json::from_str(text).map_err(|e| {
+                CniError::config(format!(
+                    "pod annotation {name}: {text:?} is not a JSON list of strings: {e}"
+                ))
+            })?;
+            Ok(Some(
+                items.into_iter().map(|s| s.trim().to_owned()).collect(),
+            ))
+        };
+        let ipv4_pools = list(ANNOTATION_IPV4_POOLS)?;
+        let ipv6_pools = list(ANNOTATION_IPV6_POOLS)?;
+        let ip_addrs = match list(ANNOTATION_IP_ADDRS)? {
+            None => None,
+            Some(items) => Some(
+                items
+                    .iter()
+                    .map(|text| {
+                        text.parse::<IpAddr>().map_err(|_| {
+                            CniError::config(format!(
+                                "pod annotation {ANNOTATION_IP_ADDRS}: {text:?} is not an IP address"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
+        if ip_addrs.is_some() && (ipv4_pools.is_some() || ipv6_pools.is_some()) {
+            return Err(CniError::config(format!(
+                "pod annotations {ANNOTATION_IP_ADDRS} and {ANNOTATION_IPV4_POOLS}/{ANNOTATION_IPV6_POOLS} \
+                 cannot be used together (as in Calico)"
+            )));
+        }
+        Ok(PodAnnotations {
+            ipv4_pools,
+            ipv6_pools,
+            ip_addrs,
+        })
+    }
 }
 
 fn parse_pool(path: &str, item: &Value) -> Result<PoolSpec, CniError> {

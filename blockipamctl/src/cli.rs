@@ -145,6 +145,9 @@ pub enum Command {
     /// Calico's handle and type.
     #[command(subcommand)]
     TunnelAddress(TunnelAddressCommand),
+    /// A namespace's pools: what Calico reads from a namespace's ipv4pools/ipv6pools annotations.
+    #[command(subcommand)]
+    Namespace(NamespaceCommand),
     /// Release the blocks and addresses of dead nodes: registered by an agent, liveness gone for
     /// longer than the grace period (etcd). Shows what it would do unless --apply.
     Gc(GcArgs),
@@ -309,6 +312,30 @@ pub struct CheckArgs {
     /// then check again.
     #[arg(long)]
     pub repair: bool,
+}
+
+/// `namespace` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum NamespaceCommand {
+    /// Show a namespace's pools, or set them (--ipv4/--ipv6), or remove them (--clear).
+    Pools(NamespacePoolsArgs),
+}
+
+/// `namespace pools`.
+#[derive(Debug, Args)]
+pub struct NamespacePoolsArgs {
+    /// The namespace (matched on the pod's K8S_POD_NAMESPACE).
+    #[arg(value_name = "NAMESPACE")]
+    pub namespace: String,
+    /// An IPv4 pool (name or CIDR) for the namespace's pods; repeat for several.
+    #[arg(long = "ipv4", value_name = "POOL")]
+    pub ipv4: Vec<String>,
+    /// An IPv6 pool (name or CIDR) for the namespace's pods; repeat for several.
+    #[arg(long = "ipv6", value_name = "POOL")]
+    pub ipv6: Vec<String>,
+    /// Remove the namespace's pools.
+    #[arg(long, conflicts_with_all = ["ipv4", "ipv6"])]
+    pub clear: bool,
 }
 
 /// `tunnel-address` subcommands.

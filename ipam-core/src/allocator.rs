@@ -83,10 +83,24 @@ pub struct AutoAssignRequest {
     /// What the addresses are for: only pools allowing this use are candidates (CNI requests
     /// are workload requests; a node's tunnel address is a tunnel request).
     pub purpose: AllowedUse,
+    /// The pod's namespace, when its pools setting (`blockipamctl namespace pools`) may replace
+    /// `v4_pools`/`v6_pools`, family by family (read in the same batch).
+    pub namespace: Option<NamespaceLookup>,
     /// What the caller's network needs in place, checked in the same batched read
     /// ([`crate::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
     /// nothing is written.
     pub setup: Option<NetworkSetup>,
+}
+
+/// Which families a namespace's pools setting may decide (those a pod annotation did not).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NamespaceLookup {
+    /// The namespace.
+    pub namespace: String,
+    /// Its IPv4 pools replace `v4_pools` when set.
+    pub v4: bool,
+    /// Its IPv6 pools replace `v6_pools` when set.
+    pub v6: bool,
 }
 
 /// One address handed out.
@@ -1386,6 +1400,11 @@ impl Ipam {
             Read::Get(keys::import_in_progress()),
             Read::Get(crate::nodes::node_key(&request.host)),
         ];
+        if let Some(lookup) = &request.namespace {
+            reads.push(Read::Get(crate::namespaces::namespace_key(
+                &lookup.namespace,
+            )));
+        }
         if let Some(setup) = &request.setup {
             reads.push(Read::Get(keys::handle(&setup.reservation_handle)));
             reads.push(Read::Get(keys::reservations_held(
@@ -1405,6 +1424,23 @@ impl Ipam {
         let node_key = crate::nodes::node_key(&request.host);
         let node_labels =
             crate::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
+        // The pools each family draws from: the request's, unless the namespace's setting
+        // replaces them.
+        let mut v4_pools = request.v4_pools.clone();
+        let mut v6_pools = request.v6_pools.clone();
+        if let Some(lookup) = &request.namespace {
+            let key = crate::namespaces::namespace_key(&lookup.namespace);
+            if let Some(set) =
+                crate::namespaces::decode_namespace_pools(&key, next_got(&mut results)?.as_ref())?
+            {
+                if lookup.v4 && !set.ipv4_pools.is_empty() {
+                    v4_pools = set.ipv4_pools;
+                }
+                if lookup.v6 && !set.ipv6_pools.is_empty() {
+                    v6_pools = set.ipv6_pools;
+                }
+            }
+        }
         let listed_pools: Vec<Pool> = pools.iter().map(|p| p.value.clone()).collect();
         let mut skip_block_edges = request.skip_block_edges;
         if let Some(setup) = &request.setup {
@@ -1423,8 +1459,8 @@ impl Ipam {
             skip_block_edges = network_setup::block_prefix_reportable(
                 &listed_pools,
                 &[
-                    (Family::V4, request.num_v4 > 0, request.v4_pools.as_slice()),
-                    (Family::V6, request.num_v6 > 0, request.v6_pools.as_slice()),
+                    (Family::V4, request.num_v4 > 0, v4_pools.as_slice()),
+                    (Family::V6, request.num_v6 > 0, v6_pools.as_slice()),
                 ],
                 &setup.gateways,
             );
@@ -1460,8 +1496,8 @@ impl Ipam {
         let mut config_used = false;
 
         for (family, wanted, requested_pools) in [
-            (Family::V4, request.num_v4, &request.v4_pools),
-            (Family::V6, request.num_v6, &request.v6_pools),
+            (Family::V4, request.num_v4, &v4_pools),
+            (Family::V6, request.num_v6, &v6_pools),
         ] {
             if wanted == 0 {
                 continue;

@@ -11,14 +11,15 @@ pub mod kv;
 pub mod lockfile;
 pub mod memory;
 pub mod model;
+pub mod namespaces;
 pub mod network_setup;
 pub mod nodes;
 pub mod selector;
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,
-    BlockUsage, ChosenRelease, HostRelease, Ipam, PoolChange, PoolDeletion, PoolPolicy, PoolSpec,
-    PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
+    BlockUsage, ChosenRelease, HostRelease, Ipam, NamespaceLookup, PoolChange, PoolDeletion,
+    PoolPolicy, PoolSpec, PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

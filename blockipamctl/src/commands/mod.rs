@@ -6,6 +6,7 @@ pub mod config;
 pub mod gc;
 pub mod import;
 pub mod migrate;
+pub mod namespace;
 pub mod node;
 pub mod pool;
 pub mod release;
@@ -17,7 +18,9 @@ use ipam_core::model::Family;
 use ipam_core::{Ipam, Pool};
 use serde::Serialize;
 
-use crate::cli::{Cli, Command, ConfigCommand, NodeCommand, PoolCommand, TunnelAddressCommand};
+use crate::cli::{
+    Cli, Command, ConfigCommand, NamespaceCommand, NodeCommand, PoolCommand, TunnelAddressCommand,
+};
 use crate::error::CtlError;
 use crate::output::{Ctx, Outcome};
 use crate::settings::{self, Env, OpenMode};
@@ -43,6 +46,7 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         }
         Command::Pool(PoolCommand::Delete(args)) => pool::delete(&store, args).await,
         Command::Pool(PoolCommand::Set(args)) => pool::set(&store, args).await,
+        Command::Namespace(NamespaceCommand::Pools(args)) => namespace::pools(&store, args).await,
         Command::TunnelAddress(TunnelAddressCommand::Assign(args)) => {
             tunnel::assign(&store, args).await
         }

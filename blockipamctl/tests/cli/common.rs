@@ -260,6 +260,30 @@ impl Lab {
         container: &str,
         ipam: Value,
     ) -> (i32, Value) {
+        self.plugin_in(
+            "default",
+            version,
+            command,
+            node,
+            container,
+            ipam,
+            Value::Null,
+        )
+    }
+
+    /// [`Lab::plugin_at`] for a pod in `namespace` (`K8S_POD_NAMESPACE`), with `top` fields (such
+    /// as `runtimeConfig`) merged into the netconf's top level.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plugin_in(
+        &self,
+        namespace: &str,
+        version: &str,
+        command: &str,
+        node: &str,
+        container: &str,
+        ipam: Value,
+        top: Value,
+    ) -> (i32, Value) {
         use std::io::Write;
         let mut conf = serde_json::json!({
             "type": "blockipam",
@@ -278,7 +302,11 @@ impl Lab {
         if let (Some(conf), Value::Object(extra)) = (conf.as_object_mut(), ipam) {
             conf.extend(extra);
         }
-        let netconf = serde_json::json!({"cniVersion": version, "name": "fixture", "ipam": conf});
+        let mut netconf =
+            serde_json::json!({"cniVersion": version, "name": "fixture", "ipam": conf});
+        if let (Some(netconf), Value::Object(extra)) = (netconf.as_object_mut(), top) {
+            netconf.extend(extra);
+        }
         let plugin = blockipam_store::testing::build_plugin_beside(std::path::Path::new(BIN));
         let mut child = Command::new(plugin)
             .env_clear()
@@ -289,7 +317,7 @@ impl Lab {
             .env("CNI_PATH", "/nonexistent")
             .env(
                 "CNI_ARGS",
-                format!("K8S_POD_NAMESPACE=default;K8S_POD_NAME={container}"),
+                format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}"),
             )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

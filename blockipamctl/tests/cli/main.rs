@@ -14,6 +14,7 @@ mod library;
 mod migrate;
 mod node;
 mod node_labels;
+mod pod_pools;
 mod pool_selection;
 mod pools;
 mod release;

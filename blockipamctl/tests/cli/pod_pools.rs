@@ -1,0 +1,126 @@
+//! Which pools a pod's address comes from, in Calico's order, through the real plugin on every
+//! backend: the pod's `cni.projectcalico.org/ipv4pools` annotation (from the pod-annotations
+//! capability in `runtimeConfig`), then its namespace's pools (`blockipamctl namespace pools`),
+//! then the netconf's `ipv4_pools`; `ipAddrs` for specific addresses; malformed annotations
+//! refused with code 7, changing nothing.
+
+use serde_json::{json, Value};
+
+use crate::common::{Backend, Lab};
+use crate::on_every_backend;
+
+/// `runtimeConfig` carrying these pod annotations.
+fn annotated(annotations: Value) -> Value {
+    json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": annotations}})
+}
+
+/// The IPv4 address an ADD of `container` in `namespace` got, or the error it answered.
+fn add(lab: &Lab, namespace: &str, container: &str, top: Value) -> Result<String, Value> {
+    let (status, result) = lab.plugin_in(
+        namespace,
+        "1.0.0",
+        "ADD",
+        "n1",
+        container,
+        json!({"ipv4_pools": ["from-netconf"]}),
+        top,
+    );
+    if status != 0 {
+        return Err(result);
+    }
+    Ok(result["ips"][0]["address"]
+        .as_str()
+        .expect("an address")
+        .split('/')
+        .next()
+        .expect("address")
+        .to_owned())
+}
+
+fn pods_get_pools_in_calicos_order(backend: Backend) {
+    let lab = Lab::new(backend);
+    for (cidr, name) in [
+        ("10.40.0.0/24", "from-netconf"),
+        ("10.41.0.0/24", "from-namespace"),
+        ("10.42.0.0/24", "from-annotation"),
+    ] {
+        lab.ctl(&["pool", "add", cidr, "--name", name, "--block-size", "28"])
+            .ok();
+    }
+    // No annotation, no namespace setting: the netconf's pool.
+    let plain = add(&lab, "team-a", "p1", Value::Null).expect("plain ADD");
+    assert!(plain.starts_with("10.40.0."), "{plain}");
+
+    // The namespace's pools win over the netconf's.
+    lab.ctl(&["namespace", "pools", "team-a", "--ipv4", "from-namespace"])
+        .ok();
+    let shown = lab
+        .ctl(&["-o", "json", "namespace", "pools", "team-a"])
+        .ok()
+        .json();
+    assert_eq!(shown["ipv4_pools"], json!(["from-namespace"]));
+    let in_namespace = add(&lab, "team-a", "p2", Value::Null).expect("namespace ADD");
+    assert!(in_namespace.starts_with("10.41.0."), "{in_namespace}");
+    // Another namespace is not affected.
+    let elsewhere = add(&lab, "team-b", "p3", Value::Null).expect("other namespace ADD");
+    assert!(elsewhere.starts_with("10.40.0."), "{elsewhere}");
+
+    // The pod's annotation wins over both (a CIDR works as a name).
+    let pod = add(
+        &lab,
+        "team-a",
+        "p4",
+        annotated(json!({"cni.projectcalico.org/ipv4pools": "[\"10.42.0.0/24\"]"})),
+    )
+    .expect("annotated ADD");
+    assert!(pod.starts_with("10.42.0."), "{pod}");
+    // ipAddrs: exactly that address.
+    let exact = add(
+        &lab,
+        "team-a",
+        "p5",
+        annotated(json!({"cni.projectcalico.org/ipAddrs": "[\"10.42.0.77\"]"})),
+    )
+    .expect("ipAddrs ADD");
+    assert_eq!(exact, "10.42.0.77");
+
+    // Bad annotations: code 7 (or 105 for an unknown pool), and nothing written.
+    let before = lab.snapshot();
+    for (annotations, code) in [
+        (
+            json!({"cni.projectcalico.org/ipv4pools": "[from-annotation"}),
+            7,
+        ),
+        (json!({"cni.projectcalico.org/ipv4pools": "{\"a\": 1}"}), 7),
+        (
+            json!({"cni.projectcalico.org/ipAddrs": "[\"10.42.0.300\"]"}),
+            7,
+        ),
+        (
+            json!({"cni.projectcalico.org/ipAddrs": "[\"10.42.0.78\"]",
+                   "cni.projectcalico.org/ipv4pools": "[\"from-annotation\"]"}),
+            7,
+        ),
+        (
+            json!({"cni.projectcalico.org/ipv4pools": "[\"no-such-pool\"]"}),
+            105,
+        ),
+    ] {
+        let error = add(&lab, "team-a", "bad", annotated(annotations.clone()))
+            .expect_err("a bad annotation must fail");
+        assert_eq!(error["code"], code, "{annotations}: {error}");
+    }
+    assert_eq!(lab.snapshot(), before, "a refused ADD wrote something");
+
+    // Namespace settings are validated, and removable.
+    lab.ctl(&["namespace", "pools", "team-a", "--ipv4", "no-such-pool"])
+        .expect_code(1);
+    lab.ctl(&["namespace", "pools", "Team_A", "--ipv4", "from-namespace"])
+        .expect_code(2);
+    lab.ctl(&["namespace", "pools", "team-a", "--clear"]).ok();
+    let cleared = add(&lab, "team-a", "p6", Value::Null).expect("ADD after clear");
+    assert!(cleared.starts_with("10.40.0."), "{cleared}");
+    lab.ctl(&["check"]).ok();
+}
+
+on_every_backend!(pods_get_pools_in_calicos_order);
