@@ -1,0 +1,781 @@
+//! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
+
+use super::*;
+
+impl Ipam {
+    // -----------------------------------------------------------------------------------------
+    // Auto-assign
+    // -----------------------------------------------------------------------------------------
+
+    /// Hands out `num_v4` IPv4 and `num_v6` IPv6 addresses to a handle on a host, Calico's way:
+    /// the host's affine blocks first, then a newly claimed block (search starting at a hash of
+    /// the host name), then — unless strict affinity is on — a free address borrowed from any
+    /// block. Both families commit in one transaction together with the handle: either every
+    /// address is handed out or none is.
+    ///
+    /// Steady state (an affine block has room): one batched read and one transaction.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`]; pool errors for requested pools; [`IpamError::BlockLimit`];
+    /// [`IpamError::Exhausted`]; [`IpamError::RetriesExhausted`]; store failures.
+    pub async fn auto_assign(
+        &self,
+        request: &AutoAssignRequest,
+    ) -> Result<AutoAssignResult, IpamError> {
+        validate_handle(&request.handle)?;
+        validate_host(&request.host)?;
+        validate_attribute_size(&request.handle, &request.attributes, &request.host)?;
+        for (family, n) in [(Family::V4, request.num_v4), (Family::V6, request.num_v6)] {
+            if n > MAX_ADDRESSES_PER_REQUEST {
+                return Err(IpamError::invalid(format!(
+                    "{n} {family} addresses asked for; at most {MAX_ADDRESSES_PER_REQUEST} per request"
+                )));
+            }
+        }
+        self.retrying(|| self.try_auto_assign(request)).await
+    }
+
+    async fn try_auto_assign(
+        &self,
+        request: &AutoAssignRequest,
+    ) -> Result<Attempt<AutoAssignResult>, IpamError> {
+        let handle_key = keys::handle(&request.handle);
+        let mut reads = vec![
+            Read::List(keys::pools_dir()),
+            Read::Get(keys::config()),
+            Read::List(keys::host_open_blocks_dir(&request.host)),
+            Read::Get(handle_key.clone()),
+            Read::Get(keys::import_in_progress()),
+            Read::Get(crate::nodes::node_key(&request.host)),
+        ];
+        if let Some(lookup) = &request.namespace {
+            reads.push(Read::Get(crate::namespaces::namespace_key(
+                &lookup.namespace,
+            )));
+        }
+        if let Some(setup) = &request.setup {
+            reads.push(Read::Get(keys::handle(&setup.reservation_handle)));
+            reads.push(Read::Get(keys::reservations_held(
+                &setup.reservation_handle,
+            )));
+        }
+        let results = self.store.read_many(&reads).await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        let host_blocks: Vec<Stored<Block>> = next_listed(&mut results)?
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+        refuse_during_import(next_got(&mut results)?)?;
+        let node_key = crate::nodes::node_key(&request.host);
+        let node_labels =
+            crate::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
+        // The pools each family draws from: the request's, unless the namespace's setting
+        // replaces them.
+        let mut v4_pools = request.v4_pools.clone();
+        let mut v6_pools = request.v6_pools.clone();
+        if let Some(lookup) = &request.namespace {
+            let key = crate::namespaces::namespace_key(&lookup.namespace);
+            if let Some(set) =
+                crate::namespaces::decode_namespace_pools(&key, next_got(&mut results)?.as_ref())?
+            {
+                if lookup.v4 && !set.ipv4_pools.is_empty() {
+                    v4_pools = set.ipv4_pools;
+                }
+                if lookup.v6 && !set.ipv6_pools.is_empty() {
+                    v6_pools = set.ipv6_pools;
+                }
+            }
+        }
+        let listed_pools: Vec<Pool> = pools.iter().map(|p| p.value.clone()).collect();
+        let mut skip_block_edges = request.skip_block_edges;
+        if let Some(setup) = &request.setup {
+            let (_, reservation_revision) = Self::decode_handle(next_got(&mut results)?)?;
+            let confirmation = next_got(&mut results)?;
+            if !network_setup::setup_in_place(
+                setup,
+                &pools,
+                reservation_revision,
+                confirmation.as_ref(),
+            )? {
+                return Err(IpamError::SetupNeeded(
+                    "a pool or a reservation of the network is missing".into(),
+                ));
+            }
+            skip_block_edges = network_setup::block_prefix_reportable(
+                &listed_pools,
+                &[
+                    (Family::V4, request.num_v4 > 0, v4_pools.as_slice()),
+                    (Family::V6, request.num_v6 > 0, v6_pools.as_slice()),
+                ],
+                &setup.gateways,
+            );
+        }
+
+        if request.reuse_existing && handle.total() > 0 {
+            let held = self
+                .addresses_in_blocks(&request.handle, &handle, &host_blocks)
+                .await?;
+            return Ok(Attempt::Done(AutoAssignResult {
+                v4: held.iter().filter(|a| a.ip.is_ipv4()).cloned().collect(),
+                v6: held.iter().filter(|a| a.ip.is_ipv6()).cloned().collect(),
+                reused: true,
+                pools: listed_pools,
+            }));
+        }
+
+        let attribute = Attribute {
+            handle: request.handle.clone(),
+            metadata: with_node(&request.attributes, &request.host),
+        };
+        let mut working: BTreeMap<IpNet, WorkingBlock> = BTreeMap::new();
+        for stored in host_blocks {
+            working.insert(stored.value.cidr, WorkingBlock::from_stored(stored));
+        }
+        let mut claim_index: Option<ClaimIndex> = None;
+        let mut plan = Plan::default();
+        let mut result = AutoAssignResult {
+            pools: listed_pools,
+            ..AutoAssignResult::default()
+        };
+        let mut used_pools: BTreeSet<String> = BTreeSet::new();
+        let mut config_used = false;
+
+        for (family, wanted, requested_pools) in [
+            (Family::V4, request.num_v4, &v4_pools),
+            (Family::V6, request.num_v6, &v6_pools),
+        ] {
+            if wanted == 0 {
+                continue;
+            }
+            let candidates = candidate_pools(
+                &pools,
+                family,
+                requested_pools,
+                &request.host,
+                &node_labels,
+                request.purpose,
+            )?;
+            let in_candidates = |cidr: &IpNet| {
+                candidates
+                    .iter()
+                    .any(|p| p.value.cidr.contains(&cidr.network()))
+            };
+            let mut got: Vec<AssignedAddress> = Vec::new();
+
+            // 1. The host's affine blocks, in address order.
+            let affine: Vec<IpNet> = working
+                .values()
+                .filter(|w| w.block.affinity.as_deref() == Some(request.host.as_str()))
+                .map(|w| w.block.cidr)
+                .filter(|c| Family::of_net(c) == family && in_candidates(c))
+                .collect();
+            take_from_blocks(
+                &mut working,
+                &affine,
+                &attribute,
+                wanted,
+                skip_block_edges,
+                &mut got,
+            );
+
+            // 2. New blocks for this host.
+            let mut limit_hit: Option<u32> = None;
+            if (got.len() as u32) < wanted && config.auto_allocate_blocks {
+                config_used = true;
+                // The steady-state read holds only the host's blocks with room; the per-host
+                // limit counts its full ones too, read in the same batch as the probe.
+                let limited = config.max_blocks_per_host != 0;
+                let probe = self
+                    .probe_new_blocks(&candidates, &request.host, limited)
+                    .await?;
+                let host_owns = |block: &Block| {
+                    block.affinity.as_deref() == Some(request.host.as_str())
+                        && Family::of_net(&block.cidr) == family
+                };
+                let owned_blocks: BTreeSet<IpNet> = probe
+                    .host_full
+                    .iter()
+                    .copied()
+                    .filter(|c| Family::of_net(c) == family)
+                    .chain(
+                        working
+                            .values()
+                            .map(|w| &w.block)
+                            .filter(|b| host_owns(b))
+                            .map(|b| b.cidr),
+                    )
+                    .collect();
+                let mut owned = owned_blocks.len() as u32;
+                let mut unclaimed = probe.unclaimed.into_iter();
+                while (got.len() as u32) < wanted {
+                    if limited && owned >= config.max_blocks_per_host {
+                        limit_hit = Some(owned);
+                        break;
+                    }
+                    let (cidr, sequence_floor) =
+                        match unclaimed.by_ref().find(|c| !working.contains_key(c)) {
+                            Some(found) => (found, probe.sequence_floor),
+                            None => {
+                                // Every probed block is taken: one listing of the claim index
+                                // (small entries, not blocks) settles it.
+                                let index = self.ensure_claim_index(&mut claim_index).await?;
+                                let Some(cidr) = find_unclaimed_block(
+                                    &candidates,
+                                    &request.host,
+                                    index.entries.iter().map(|e| e.cidr),
+                                    &working,
+                                ) else {
+                                    break;
+                                };
+                                (cidr, index.sequence_floor)
+                            }
+                        };
+                    working.insert(
+                        cidr,
+                        WorkingBlock::created(cidr, Some(request.host.clone()), sequence_floor),
+                    );
+                    owned += 1;
+                    take_from_blocks(
+                        &mut working,
+                        &[cidr],
+                        &attribute,
+                        wanted,
+                        skip_block_edges,
+                        &mut got,
+                    );
+                }
+            }
+            if let Some(owned) = limit_hit {
+                if (got.len() as u32) < wanted {
+                    return Err(IpamError::BlockLimit {
+                        host: request.host.clone(),
+                        family,
+                        owned,
+                        limit: config.max_blocks_per_host,
+                    });
+                }
+            }
+
+            // 3. Borrow from any other block, unless strict affinity forbids it.
+            if (got.len() as u32) < wanted && !config.strict_affinity {
+                config_used = true;
+                let index = self.ensure_claim_index(&mut claim_index).await?;
+                // Lenders come from the claim index: blocks nobody owns first, then other hosts'
+                // blocks, each in address order; entries that record no free address are skipped
+                // (format-1 entries, which record no count, are tried).
+                let mut lenders: Vec<&IndexedClaim> = index
+                    .entries
+                    .iter()
+                    .filter(|e| Family::of_net(&e.cidr) == family)
+                    .filter(|e| e.claim.affinity.as_deref() != Some(request.host.as_str()))
+                    .filter(|e| in_candidates(&e.cidr) && e.claim.free != Some(0))
+                    .filter(|e| !working.contains_key(&e.cidr))
+                    .collect();
+                lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
+                let mut lenders = lenders.into_iter();
+                // Read only as many lenders as the missing addresses need, one batch at a time;
+                // a lender that filled up since the listing sends the loop to the next ones.
+                while (got.len() as u32) < wanted {
+                    let missing = wanted - got.len() as u32;
+                    let mut batch: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
+                    let mut covered = 0u32;
+                    while covered < missing {
+                        let Some(lender) = lenders.next() else {
+                            break;
+                        };
+                        covered = covered.saturating_add(lender.claim.free.unwrap_or(1));
+                        batch.insert(lender.cidr, lender.stored.clone());
+                    }
+                    if batch.is_empty() {
+                        break;
+                    }
+                    let cidrs: BTreeSet<IpNet> = batch.keys().copied().collect();
+                    let claims = batch.into_values().map(Some).collect();
+                    let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
+                    let mut order = Vec::with_capacity(loaded.found.len());
+                    for (cidr, stored) in loaded.found {
+                        working
+                            .entry(cidr)
+                            .or_insert_with(|| WorkingBlock::from_stored(stored));
+                        order.push(cidr);
+                    }
+                    order.sort_by_key(|c| {
+                        (
+                            working.get(c).is_some_and(|w| w.block.affinity.is_some()),
+                            c.network(),
+                        )
+                    });
+                    take_from_blocks(
+                        &mut working,
+                        &order,
+                        &attribute,
+                        wanted,
+                        skip_block_edges,
+                        &mut got,
+                    );
+                }
+            }
+
+            if (got.len() as u32) < wanted {
+                return Err(IpamError::Exhausted {
+                    family,
+                    requested: wanted,
+                    found: got.len() as u32,
+                    pools: candidates.iter().map(|p| p.value.name.clone()).collect(),
+                });
+            }
+            for address in &got {
+                if let Some(pool) = candidates
+                    .iter()
+                    .find(|p| p.value.cidr.contains(&address.ip))
+                {
+                    used_pools.insert(pool.value.name.clone());
+                }
+                handle.add(address.block, 1);
+            }
+            match family {
+                Family::V4 => result.v4 = got,
+                Family::V6 => result.v6 = got,
+            }
+        }
+
+        if result.v4.is_empty() && result.v6.is_empty() {
+            return Ok(Attempt::Done(result));
+        }
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        // Pools and config that decided this allocation must not have changed under it.
+        for pool in pools.iter().filter(|p| used_pools.contains(&p.value.name)) {
+            plan.expect(&pool.key, Some(pool.revision));
+        }
+        if config_used {
+            plan.expect(&keys::config(), config_revision);
+        }
+        plan.expect(&handle_key, handle_revision);
+        plan.put(&handle_key, encode(&handle)?);
+        self.commit_plan(plan, result).await
+    }
+
+    /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
+    /// limit needs counting), the sequence floor and, for each candidate pool, the claim entries of the
+    /// [`NEW_BLOCK_PROBES`] blocks that follow the host's hashed start. Its size does not grow
+    /// with the number of blocks or hosts in the store.
+    async fn probe_new_blocks(
+        &self,
+        candidates: &[&Stored<Pool>],
+        host: &str,
+        read_full: bool,
+    ) -> Result<NewBlockProbe, IpamError> {
+        let mut reads = vec![Read::Get(keys::sequence_floor())];
+        if read_full {
+            reads.push(Read::List(keys::host_full_blocks_dir(host)));
+        }
+        let mut probed = Vec::new();
+        for pool in candidates {
+            let count = pool.value.block_count();
+            let start = u128::from(host_hash(host)) % count;
+            for step in 0..count.min(NEW_BLOCK_PROBES) {
+                if let Some(cidr) = pool.value.block_at((start + step) % count) {
+                    probed.push(cidr);
+                    reads.push(Read::Get(keys::block_claim(&cidr)));
+                }
+            }
+        }
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
+        let mut host_full = Vec::new();
+        if read_full {
+            for kv in next_listed(&mut results)? {
+                let cidr = kv
+                    .key
+                    .rsplit('/')
+                    .next()
+                    .and_then(keys::parse_cidr_segment)
+                    .ok_or_else(|| IpamError::Corrupt {
+                        key: kv.key.clone(),
+                        message: "a block key that names no CIDR".into(),
+                    })?;
+                host_full.push(cidr);
+            }
+        }
+        let mut unclaimed = Vec::new();
+        for cidr in probed {
+            if next_got(&mut results)?.is_none() {
+                unclaimed.push(cidr);
+            }
+        }
+        Ok(NewBlockProbe {
+            host_full,
+            unclaimed,
+            sequence_floor,
+        })
+    }
+
+    async fn ensure_claim_index<'a>(
+        &self,
+        cache: &'a mut Option<ClaimIndex>,
+    ) -> Result<&'a ClaimIndex, IpamError> {
+        if cache.is_none() {
+            *cache = Some(self.claim_index().await?);
+        }
+        cache
+            .as_ref()
+            .ok_or_else(|| IpamError::Internal("claim index cache vanished".into()))
+    }
+
+    /// The addresses a handle holds, reading only the blocks not already in hand.
+    async fn addresses_in_blocks(
+        &self,
+        handle_id: &str,
+        handle: &Handle,
+        in_hand: &[Stored<Block>],
+    ) -> Result<Vec<AssignedAddress>, IpamError> {
+        let mut blocks: BTreeMap<IpNet, Block> = in_hand
+            .iter()
+            .filter(|b| handle.blocks.contains_key(&b.value.cidr))
+            .map(|b| (b.value.cidr, b.value.clone()))
+            .collect();
+        let missing: BTreeSet<IpNet> = handle
+            .blocks
+            .keys()
+            .filter(|c| !blocks.contains_key(c))
+            .copied()
+            .collect();
+        for (cidr, stored) in self.load_blocks(&missing).await? {
+            blocks.insert(cidr, stored.value);
+        }
+        let mut addresses = Vec::new();
+        for block in blocks.values() {
+            for ordinal in block.ordinals_of_handle(handle_id) {
+                addresses.push(AssignedAddress {
+                    ip: block.ip_of(ordinal),
+                    block: block.cidr,
+                });
+            }
+        }
+        addresses.sort();
+        Ok(addresses)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Specific addresses
+    // -----------------------------------------------------------------------------------------
+
+    /// Assigns the given addresses to a handle, all or none. Each must lie in an enabled pool; its
+    /// block is claimed for `host` when it does not exist. An address the same handle already holds
+    /// is accepted as is.
+    ///
+    /// # Errors
+    /// [`IpamError::NotInPool`]; [`IpamError::AlreadyAssigned`]; [`IpamError::AffinityConflict`]
+    /// under strict affinity; store failures.
+    pub async fn assign_ips(
+        &self,
+        request: &AssignIpsRequest,
+    ) -> Result<Vec<AssignedAddress>, IpamError> {
+        validate_handle(&request.handle)?;
+        validate_host(&request.host)?;
+        validate_attribute_size(&request.handle, &request.attributes, &request.host)?;
+        if request.ips.is_empty() || request.ips.len() > MAX_ADDRESSES_PER_REQUEST as usize {
+            return Err(IpamError::invalid(format!(
+                "between 1 and {MAX_ADDRESSES_PER_REQUEST} addresses may be assigned at once"
+            )));
+        }
+        let unique: BTreeSet<IpAddr> = request.ips.iter().copied().collect();
+        if unique.len() != request.ips.len() {
+            return Err(IpamError::invalid("an address is listed twice"));
+        }
+        self.retrying(|| self.try_assign_ips(request)).await
+    }
+
+    async fn try_assign_ips(
+        &self,
+        request: &AssignIpsRequest,
+    ) -> Result<Attempt<Vec<AssignedAddress>>, IpamError> {
+        let handle_key = keys::handle(&request.handle);
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::config()),
+                Read::Get(handle_key.clone()),
+                Read::Get(keys::import_in_progress()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
+        refuse_during_import(next_got(&mut results)?)?;
+
+        let mut targets: Vec<(IpAddr, IpNet, &Stored<Pool>)> = Vec::new();
+        for ip in &request.ips {
+            let pool = pools
+                .iter()
+                .find(|p| !p.value.disabled && p.value.cidr.contains(ip))
+                .ok_or(IpamError::NotInPool(*ip))?;
+            let block = pool
+                .value
+                .block_containing(*ip)
+                .ok_or(IpamError::NotInPool(*ip))?;
+            targets.push((*ip, block, pool));
+        }
+        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
+        let loaded = self.load_blocks_for_write(&cidrs).await?;
+        let sequence_floor = loaded.sequence_floor;
+        let mut working: BTreeMap<IpNet, WorkingBlock> = loaded
+            .found
+            .into_iter()
+            .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
+            .collect();
+        let attribute = Attribute {
+            handle: request.handle.clone(),
+            metadata: with_node(&request.attributes, &request.host),
+        };
+        let mut plan = Plan::default();
+        let mut assigned = Vec::new();
+        for (ip, cidr, pool) in &targets {
+            let entry = working.entry(*cidr).or_insert_with(|| {
+                WorkingBlock::created(*cidr, Some(request.host.clone()), sequence_floor)
+            });
+            if let Some(owner) = entry.block.affinity.as_deref() {
+                if owner != request.host
+                    && config.strict_affinity
+                    && !request.ignore_strict_affinity
+                {
+                    return Err(IpamError::AffinityConflict {
+                        ip: *ip,
+                        block: *cidr,
+                        owner: owner.to_owned(),
+                    });
+                }
+            }
+            let ordinal = entry
+                .block
+                .ordinal_of(*ip)
+                .ok_or_else(|| IpamError::Internal(format!("{ip} is not inside {cidr}")))?;
+            if let Some(holder) = entry.block.attribute_of(ordinal) {
+                if holder.handle == request.handle {
+                    assigned.push(AssignedAddress {
+                        ip: *ip,
+                        block: *cidr,
+                    });
+                    continue;
+                }
+                return Err(IpamError::AlreadyAssigned {
+                    ip: *ip,
+                    handle: holder.handle.clone(),
+                });
+            }
+            entry.block.allocate_ordinal(ordinal, &attribute);
+            entry.dirty = true;
+            handle.add(*cidr, 1);
+            plan.expect(&pool.key, Some(pool.revision));
+            assigned.push(AssignedAddress {
+                ip: *ip,
+                block: *cidr,
+            });
+        }
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        if !plan.is_empty() {
+            plan.expect(&keys::config(), config_revision);
+            plan.expect(&handle_key, handle_revision);
+            plan.put(&handle_key, encode(&handle)?);
+        }
+        self.commit_plan(plan, assigned).await
+    }
+}
+
+/// The pools an auto-assign may use for one family.
+fn candidate_pools<'a>(
+    pools: &'a [Stored<Pool>],
+    family: Family,
+    requested: &[String],
+    host: &str,
+    node_labels: &BTreeMap<String, String>,
+    purpose: AllowedUse,
+) -> Result<Vec<&'a Stored<Pool>>, IpamError> {
+    if requested.is_empty() {
+        // As Calico: enabled, automatic, allowing the use, and selecting the node.
+        let enabled: Vec<&Stored<Pool>> = pools
+            .iter()
+            .filter(|p| p.value.family() == family && !p.value.disabled)
+            .collect();
+        let chosen: Vec<&Stored<Pool>> = enabled
+            .iter()
+            .copied()
+            .filter(|p| {
+                p.value.assignment_mode == AssignmentMode::Automatic
+                    && p.value.allowed_uses.allows(purpose)
+                    && p.value.node_selector.matches(node_labels)
+            })
+            .collect();
+        if chosen.is_empty() && !enabled.is_empty() {
+            return Err(IpamError::NoPoolSelectsNode {
+                host: host.to_owned(),
+                family,
+                pools: enabled.iter().map(|p| p.value.name.clone()).collect(),
+            });
+        }
+        return Ok(chosen);
+    }
+    // Pools named explicitly are used whatever they select, manual ones included (as Calico);
+    // they must still allow the use.
+    let mut chosen = Vec::new();
+    for wanted in requested {
+        let pool = find_pool(pools, wanted)?;
+        if pool.value.family() != family {
+            return Err(IpamError::PoolWrongFamily {
+                pool: wanted.clone(),
+                family,
+            });
+        }
+        if pool.value.disabled {
+            return Err(IpamError::PoolDisabled(pool.value.name.clone()));
+        }
+        if !pool.value.allowed_uses.allows(purpose) {
+            return Err(IpamError::PoolUseNotAllowed {
+                pool: pool.value.name.clone(),
+                use_: purpose,
+                allowed: pool.value.allowed_uses.clone(),
+            });
+        }
+        if !chosen
+            .iter()
+            .any(|c: &&Stored<Pool>| c.value.name == pool.value.name)
+        {
+            chosen.push(pool);
+        }
+    }
+    Ok(chosen)
+}
+
+/// Allocates from `order` until `got` holds `wanted` addresses (host addresses of each block's
+/// prefix only, with `skip_block_edges`).
+fn take_from_blocks(
+    working: &mut BTreeMap<IpNet, WorkingBlock>,
+    order: &[IpNet],
+    attribute: &Attribute,
+    wanted: u32,
+    skip_block_edges: bool,
+    got: &mut Vec<AssignedAddress>,
+) {
+    for cidr in order {
+        let Some(entry) = working.get_mut(cidr) else {
+            continue;
+        };
+        while (got.len() as u32) < wanted && block_value_has_room(&entry.block) {
+            let next = if skip_block_edges {
+                entry.block.allocate_next_host_address(attribute)
+            } else {
+                entry.block.allocate_next(attribute)
+            };
+            match next {
+                Some(ordinal) => {
+                    entry.dirty = true;
+                    got.push(AssignedAddress {
+                        ip: entry.block.ip_of(ordinal),
+                        block: entry.block.cidr,
+                    });
+                }
+                None => break,
+            }
+        }
+        if (got.len() as u32) >= wanted {
+            return;
+        }
+    }
+}
+
+/// The first block of the candidate pools that does not exist yet, searching each pool from an
+/// index seeded by the host name and wrapping around.
+fn find_unclaimed_block(
+    candidates: &[&Stored<Pool>],
+    host: &str,
+    claimed: impl Iterator<Item = IpNet>,
+    working: &BTreeMap<IpNet, WorkingBlock>,
+) -> Option<IpNet> {
+    let taken = TakenCidrs::new(claimed.chain(working.keys().copied()));
+    for pool in candidates {
+        let count = pool.value.block_count();
+        let in_pool = taken.count_inside(&pool.value.cidr) as u128;
+        // A free block is found within (blocks already taken in this pool + 1) steps.
+        let steps = count.min(in_pool + 1);
+        let start = u128::from(host_hash(host)) % count;
+        for step in 0..steps.max(1) {
+            let index = (start + step) % count;
+            let Some(candidate) = pool.value.block_at(index) else {
+                continue;
+            };
+            if !taken.overlaps(&candidate) {
+                return Some(candidate);
+            }
+        }
+        // Taken blocks may be spread out: a full scan settles it.
+        if steps < count {
+            let mut index = (start + steps) % count;
+            for _ in steps..count.min(1 << 20) {
+                if let Some(candidate) = pool.value.block_at(index) {
+                    if !taken.overlaps(&candidate) {
+                        return Some(candidate);
+                    }
+                }
+                index = (index + 1) % count;
+            }
+        }
+    }
+    None
+}
+
+/// Claimed CIDRs ordered by family and first address, for overlap questions in O(log n).
+struct TakenCidrs {
+    by_start: BTreeMap<(Family, u128), IpNet>,
+}
+
+impl TakenCidrs {
+    fn new(cidrs: impl Iterator<Item = IpNet>) -> Self {
+        let mut by_start: BTreeMap<(Family, u128), IpNet> = BTreeMap::new();
+        for cidr in cidrs {
+            let key = (Family::of_net(&cidr), ip_to_u128(cidr.network()));
+            // Of two CIDRs starting at one address, keep the wider: it covers the other.
+            match by_start.get(&key) {
+                Some(kept) if kept.prefix_len() <= cidr.prefix_len() => {}
+                _ => {
+                    by_start.insert(key, cidr);
+                }
+            }
+        }
+        TakenCidrs { by_start }
+    }
+
+    fn bounds(cidr: &IpNet) -> ((Family, u128), (Family, u128)) {
+        let family = Family::of_net(cidr);
+        (
+            (family, ip_to_u128(cidr.network())),
+            (family, ip_to_u128(cidr.broadcast())),
+        )
+    }
+
+    /// True when a taken CIDR starts inside `cidr`, or the nearest one starting before it covers it.
+    fn overlaps(&self, cidr: &IpNet) -> bool {
+        let (first, last) = Self::bounds(cidr);
+        if self.by_start.range(first..=last).next().is_some() {
+            return true;
+        }
+        self.by_start
+            .range(..first)
+            .next_back()
+            .is_some_and(|(key, taken)| key.0 == first.0 && taken.contains(&cidr.network()))
+    }
+
+    /// How many taken CIDRs start inside `cidr`.
+    fn count_inside(&self, cidr: &IpNet) -> usize {
+        let (first, last) = Self::bounds(cidr);
+        self.by_start.range(first..=last).count()
+    }
+}

@@ -1,0 +1,1012 @@
+//! The block-affinity allocator: Calico's IPAM behaviour over the storage trait, with every block
+//! change and its handle change committed in one transaction.
+//!
+//! This file holds the request and result types, the transaction plan, the retry loop and the
+//! batched block reads every operation shares. The operations live beside it, one concern per
+//! file: [`pools`] (pools and the IPAM config), [`assign`] (auto-assign: affine blocks, new blocks,
+//! borrowing; specific addresses), [`release`] (addresses, handles, chosen addresses, hosts),
+//! [`queries`] (who holds what, utilization) and [`affinity`] (claiming and releasing blocks).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::error::IpamError;
+use crate::kv::{
+    Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn, MAX_TXN_BYTES,
+    MAX_TXN_CONDITIONS, MAX_TXN_OPS, MAX_VALUE_BYTES,
+};
+use crate::model::{
+    decode, decode_claim, decode_pool, default_pool_name, encode, encode_claim, ip_to_u128, keys,
+    validate_handle, validate_host, validate_pool_name, AllowedUse, AllowedUses, AssignmentMode,
+    Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
+    DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES,
+    V6_BLOCK_SIZES,
+};
+mod affinity;
+mod assign;
+mod pools;
+mod queries;
+mod release;
+
+pub(crate) use pools::find_pool;
+
+use crate::network_setup::{self, NetworkSetup};
+use crate::selector::Selector;
+
+/// Metadata key recording the host an allocation was made for.
+pub const ATTR_NODE: &str = "node";
+/// Most addresses one request may ask for, per family.
+pub const MAX_ADDRESSES_PER_REQUEST: u32 = 32;
+/// Addresses released per transaction by [`Ipam::release_ips`] (each may touch a block and a
+/// handle, so this keeps a transaction well under `MAX_TXN_OPS`).
+const RELEASES_PER_TXN: usize = 32;
+/// Blocks moved or deleted per transaction when releasing a host's affinities.
+const BLOCKS_PER_TXN: usize = 32;
+
+/// How conflicts between concurrent writers are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts before giving up with [`IpamError::RetriesExhausted`].
+    pub max_attempts: u32,
+    /// Backoff before the second attempt; doubled after each conflict up to `max_backoff`, jittered.
+    pub base_backoff: Duration,
+    /// Largest backoff between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 100,
+            base_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(40),
+        }
+    }
+}
+
+/// What an auto-assign asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AutoAssignRequest {
+    /// The owner of the addresses (`<network>.<container id>` for the CNI plugin).
+    pub handle: String,
+    /// The host the addresses are for; its affine blocks are used first.
+    pub host: String,
+    /// IPv4 addresses wanted.
+    pub num_v4: u32,
+    /// IPv6 addresses wanted.
+    pub num_v6: u32,
+    /// IPv4 pools to use, by name or CIDR; empty means every enabled IPv4 pool.
+    pub v4_pools: Vec<String>,
+    /// IPv6 pools to use, by name or CIDR; empty means every enabled IPv6 pool.
+    pub v6_pools: Vec<String>,
+    /// Metadata recorded with each address (the allocator adds `node`).
+    pub attributes: BTreeMap<String, String>,
+    /// When the handle already holds addresses, return them instead of allocating more.
+    pub reuse_existing: bool,
+    /// When true, a block's network address and its last address (IPv4 blocks larger than /31,
+    /// IPv6 blocks larger than /127) are never handed out, so every address is a usable host
+    /// address of its block's prefix (what a caller that reports the block prefix needs).
+    /// Ignored with `setup`, which decides it from the pools read.
+    pub skip_block_edges: bool,
+    /// What the addresses are for: only pools allowing this use are candidates (CNI requests
+    /// are workload requests; a node's tunnel address is a tunnel request).
+    pub purpose: AllowedUse,
+    /// The pod's namespace, when its pools setting (`blockipamctl namespace pools`) may replace
+    /// `v4_pools`/`v6_pools`, family by family (read in the same batch).
+    pub namespace: Option<NamespaceLookup>,
+    /// What the caller's network needs in place, checked in the same batched read
+    /// ([`crate::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
+    /// nothing is written.
+    pub setup: Option<NetworkSetup>,
+}
+
+/// Which families a namespace's pools setting may decide (those a pod annotation did not).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NamespaceLookup {
+    /// The namespace.
+    pub namespace: String,
+    /// Its IPv4 pools replace `v4_pools` when set.
+    pub v4: bool,
+    /// Its IPv6 pools replace `v6_pools` when set.
+    pub v6: bool,
+}
+
+/// One address handed out.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AssignedAddress {
+    /// The address.
+    pub ip: IpAddr,
+    /// The block it came from (its prefix length is what the CNI result reports).
+    pub block: IpNet,
+}
+
+impl AssignedAddress {
+    /// The address with its block's prefix length (`10.0.0.5/26`).
+    pub fn with_block_prefix(&self) -> IpNet {
+        IpNet::new(self.ip, self.block.prefix_len()).unwrap_or_else(|_| IpNet::from(self.ip))
+    }
+}
+
+/// What an auto-assign handed out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AutoAssignResult {
+    /// IPv4 addresses.
+    pub v4: Vec<AssignedAddress>,
+    /// IPv6 addresses.
+    pub v6: Vec<AssignedAddress>,
+    /// True when the handle already held these and nothing new was allocated.
+    pub reused: bool,
+    /// The store's pools, as the assignment's read saw them.
+    pub pools: Vec<Pool>,
+}
+
+/// Assign given addresses to one handle.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AssignIpsRequest {
+    /// The addresses.
+    pub ips: Vec<IpAddr>,
+    /// Their owner.
+    pub handle: String,
+    /// The host they are for.
+    pub host: String,
+    /// Metadata recorded with each (the allocator adds `node`).
+    pub attributes: BTreeMap<String, String>,
+    /// When true, strict affinity does not refuse an address in a block affine to another host
+    /// (network reservations, which belong to no host).
+    pub ignore_strict_affinity: bool,
+}
+
+/// Release one address, optionally only if it was allocated at a given block sequence number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReleaseRequest {
+    /// The address.
+    pub ip: IpAddr,
+    /// When set, the release is refused if the address was re-allocated since this sequence number.
+    pub sequence: Option<u64>,
+}
+
+/// What a release by address did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseOutcome {
+    /// Addresses freed.
+    pub released: Vec<IpAddr>,
+    /// Addresses that were not allocated (not an error).
+    pub not_allocated: Vec<IpAddr>,
+    /// Addresses left alone because they were re-allocated since the given sequence number.
+    pub sequence_mismatch: Vec<IpAddr>,
+}
+
+/// Everything known about one allocated address.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationInfo {
+    /// The address.
+    pub ip: IpAddr,
+    /// Its block.
+    pub block: IpNet,
+    /// The block's affine host, if any.
+    pub block_host: Option<String>,
+    /// The owner.
+    pub handle: String,
+    /// Recorded metadata.
+    pub attributes: BTreeMap<String, String>,
+    /// Block sequence number at allocation (pass it to a guarded release).
+    pub sequence: u64,
+}
+
+/// What [`Ipam::release_chosen`] found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ChosenRelease {
+    /// Everything the handle held, in address order.
+    pub held: Vec<AllocationInfo>,
+    /// The addresses released, in address order.
+    pub released: Vec<IpAddr>,
+}
+
+/// How to create a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolSpec {
+    /// The pool's network.
+    pub cidr: IpNet,
+    /// Name; derived from the CIDR when absent.
+    pub name: Option<String>,
+    /// Block prefix length; the family default when absent.
+    pub block_size: Option<u8>,
+    /// Create it disabled.
+    pub disabled: bool,
+}
+
+/// A pool's node selector, assignment mode and allowed uses, for
+/// [`Ipam::create_pool_with_policy`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolPolicy {
+    /// The nodes that auto-assign from the pool.
+    pub node_selector: Selector,
+    /// Automatic or manual.
+    pub assignment_mode: AssignmentMode,
+    /// What its addresses may be used for.
+    pub allowed_uses: AllowedUses,
+}
+
+impl PoolPolicy {
+    fn apply_to(&self, pool: &mut Pool) {
+        pool.node_selector = self.node_selector.clone();
+        pool.assignment_mode = self.assignment_mode;
+        pool.allowed_uses = self.allowed_uses.clone();
+    }
+}
+
+/// What [`Ipam::set_pool`] changes; `None` leaves a field as it is.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolChange {
+    /// A new node selector.
+    pub node_selector: Option<Selector>,
+    /// A new assignment mode.
+    pub assignment_mode: Option<AssignmentMode>,
+    /// New allowed uses.
+    pub allowed_uses: Option<AllowedUses>,
+    /// Disable (true) or enable (false).
+    pub disabled: Option<bool>,
+}
+
+impl PoolChange {
+    fn apply_to(&self, pool: &mut Pool) {
+        if let Some(selector) = &self.node_selector {
+            pool.node_selector = selector.clone();
+        }
+        if let Some(mode) = self.assignment_mode {
+            pool.assignment_mode = mode;
+        }
+        if let Some(uses) = &self.allowed_uses {
+            pool.allowed_uses = uses.clone();
+        }
+        if let Some(disabled) = self.disabled {
+            pool.disabled = disabled;
+        }
+    }
+}
+
+/// What deleting a pool did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolDeletion {
+    /// The deleted pool.
+    pub pool: Pool,
+    /// Addresses released because of `force`.
+    pub released_addresses: u64,
+    /// Blocks deleted.
+    pub deleted_blocks: u64,
+}
+
+/// What releasing a host's affinities did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostRelease {
+    /// Empty blocks deleted.
+    pub deleted_blocks: Vec<IpNet>,
+    /// Non-empty blocks that lost their affinity (deleted when their last address goes).
+    pub unassigned_blocks: Vec<IpNet>,
+    /// Addresses released (when addresses were asked for too).
+    pub released_addresses: Vec<IpAddr>,
+}
+
+/// Usage of one block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockUsage {
+    /// The block.
+    pub cidr: IpNet,
+    /// Its pool's name, if it lies in one.
+    pub pool: Option<String>,
+    /// Its affine host.
+    pub host: Option<String>,
+    /// Addresses in it.
+    pub capacity: u64,
+    /// Allocated.
+    pub in_use: u64,
+    /// Free.
+    pub free: u64,
+}
+
+/// Usage of one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolUsage {
+    /// The pool.
+    pub pool: Pool,
+    /// Addresses the pool spans (saturating at `u128::MAX`).
+    pub capacity: u128,
+    /// Allocated.
+    pub in_use: u64,
+    /// Free.
+    pub free: u128,
+    /// Blocks that exist in the pool.
+    pub blocks: Vec<BlockUsage>,
+}
+
+/// Usage of the whole store.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Utilization {
+    /// Per pool, sorted by CIDR.
+    pub pools: Vec<PoolUsage>,
+    /// Blocks that lie in no pool.
+    pub orphan_blocks: Vec<BlockUsage>,
+}
+
+/// A decoded object with where and when it was read.
+#[derive(Debug, Clone)]
+pub(crate) struct Stored<T> {
+    pub key: String,
+    pub revision: Revision,
+    pub value: T,
+}
+
+pub(crate) fn decode_stored<T: serde::de::DeserializeOwned>(
+    kv: KeyValue,
+) -> Result<Stored<T>, IpamError> {
+    Ok(Stored {
+        value: decode(&kv.key, &kv.value)?,
+        key: kv.key,
+        revision: kv.revision,
+    })
+}
+
+/// A block being changed by one attempt.
+#[derive(Debug, Clone)]
+pub(crate) struct WorkingBlock {
+    /// Key and revision it was read at; `None` for a block this attempt creates.
+    pub read: Option<(String, Revision)>,
+    pub block: Block,
+    pub dirty: bool,
+}
+
+impl WorkingBlock {
+    pub(crate) fn from_stored(stored: Stored<Block>) -> Self {
+        WorkingBlock {
+            read: Some((stored.key, stored.revision)),
+            block: stored.value,
+            dirty: false,
+        }
+    }
+
+    /// A block this attempt creates for `affinity`, its sequence numbers starting at the store's
+    /// sequence floor (read in the same snapshot that showed the CIDR unclaimed).
+    pub(crate) fn created(cidr: IpNet, affinity: Option<String>, sequence_floor: u64) -> Self {
+        WorkingBlock {
+            read: None,
+            block: Block::new(cidr, affinity, sequence_floor),
+            dirty: true,
+        }
+    }
+}
+
+/// The blocks found for a set of CIDRs, and the sequence floor read in the same snapshot.
+#[derive(Debug, Default)]
+pub(crate) struct LoadedBlocks {
+    pub found: BTreeMap<IpNet, Stored<Block>>,
+    pub sequence_floor: u64,
+}
+
+/// Decodes the sequence floor (0 when never written).
+fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<u64, IpamError> {
+    kv.map_or(Ok(0), |kv| decode(&kv.key, &kv.value))
+}
+
+/// The whole claim index (one small entry per block: CIDR, owner, free count) and the sequence
+/// floor, read in one snapshot: what the full new-block search and borrowing read instead of every
+/// block's value.
+#[derive(Debug)]
+pub(crate) struct ClaimIndex {
+    pub entries: Vec<IndexedClaim>,
+    pub sequence_floor: u64,
+}
+
+/// One claim index entry, decoded, with the stored entry it came from.
+#[derive(Debug)]
+pub(crate) struct IndexedClaim {
+    pub cidr: IpNet,
+    pub claim: ClaimEntry,
+    pub stored: KeyValue,
+}
+
+/// Blocks a new-block search reads ahead, per candidate pool, from the host's hashed start.
+const NEW_BLOCK_PROBES: u128 = 16;
+
+/// What the first read of a new-block search found.
+#[derive(Debug)]
+struct NewBlockProbe {
+    /// The host's full blocks (all families), when the per-host limit needs them.
+    host_full: Vec<IpNet>,
+    /// Unclaimed blocks among the probed ones, in search order.
+    unclaimed: Vec<IpNet>,
+    /// The sequence floor, read in the same snapshot.
+    sequence_floor: u64,
+}
+
+/// Accumulates the conditions and writes of one transaction, one entry per key.
+#[derive(Debug, Default)]
+pub(crate) struct Plan {
+    conditions: BTreeMap<String, Condition>,
+    writes: BTreeMap<String, Option<Vec<u8>>>,
+    /// Past the last sequence number of every block this plan deletes: the sequence floor must
+    /// reach it in the same transaction (see [`Ipam::commit_plan`]).
+    retired_sequence: u64,
+}
+
+impl Plan {
+    pub fn expect(&mut self, key: &str, revision: Option<Revision>) {
+        self.conditions
+            .entry(key.to_owned())
+            .or_insert_with(|| match revision {
+                Some(r) => Condition::at_revision(key, r),
+                None => Condition::absent(key),
+            });
+    }
+
+    pub fn put(&mut self, key: &str, value: Vec<u8>) {
+        self.writes.insert(key.to_owned(), Some(value));
+    }
+
+    pub fn delete(&mut self, key: &str) {
+        self.writes.insert(key.to_owned(), None);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    fn bytes(&self) -> usize {
+        self.writes
+            .iter()
+            .map(|(key, value)| key.len() + value.as_ref().map_or(0, Vec::len))
+            .chain(self.conditions.keys().map(String::len))
+            .sum()
+    }
+
+    /// True when the transaction fits every store's limits (operations, conditions, bytes).
+    pub fn fits_one_transaction(&self) -> bool {
+        self.writes.len() <= MAX_TXN_OPS
+            && self.conditions.len() <= MAX_TXN_CONDITIONS
+            && self.bytes() <= MAX_TXN_BYTES
+    }
+
+    /// The plan's size against the limits, for an error message.
+    pub fn describe_size(&self) -> String {
+        format!(
+            "{} writes (limit {MAX_TXN_OPS}), {} conditions (limit {MAX_TXN_CONDITIONS}), {} bytes (limit {MAX_TXN_BYTES})",
+            self.writes.len(),
+            self.conditions.len(),
+            self.bytes()
+        )
+    }
+
+    pub fn into_txn(self) -> Txn {
+        Txn {
+            conditions: self.conditions.into_values().collect(),
+            ops: self
+                .writes
+                .into_iter()
+                .map(|(key, value)| match value {
+                    Some(value) => Op::Put { key, value },
+                    None => Op::Delete { key },
+                })
+                .collect(),
+        }
+    }
+
+    /// Deletes a block stored at `key` (its claim too); the commit raises the sequence floor past
+    /// the block's last sequence number.
+    pub fn delete_block(&mut self, key: &str, block: &Block) {
+        self.delete(key);
+        self.delete(&keys::block_claim(&block.cidr));
+        self.retired_sequence = self.retired_sequence.max(block.sequence.saturating_add(1));
+    }
+
+    /// True when this plan deletes a block (its commit must raise the sequence floor).
+    pub fn deletes_blocks(&self) -> bool {
+        self.retired_sequence > 0
+    }
+
+    /// Adds, when this plan deletes blocks, the write that raises the sequence floor (currently
+    /// `floor`, read at `revision`) past them, conditioned on that revision so that concurrent
+    /// raises never lower it.
+    pub fn raise_sequence_floor(&mut self, floor: Option<KeyValue>) -> Result<(), IpamError> {
+        let revision = floor.as_ref().map(|kv| kv.revision);
+        let current = decode_sequence_floor(floor)?;
+        if self.retired_sequence > current {
+            let key = keys::sequence_floor();
+            self.conditions.insert(
+                key.clone(),
+                match revision {
+                    Some(r) => Condition::at_revision(&key, r),
+                    None => Condition::absent(&key),
+                },
+            );
+            self.put(&key, encode(&self.retired_sequence)?);
+        }
+        self.retired_sequence = 0;
+        Ok(())
+    }
+
+    /// Adds the writes of a block changed by this attempt.
+    pub fn write_block(&mut self, working: &WorkingBlock) -> Result<(), IpamError> {
+        if !working.dirty {
+            return Ok(());
+        }
+        let block = &working.block;
+        let key = keys::block_key_of(block);
+        match &working.read {
+            None => {
+                self.expect(&key, None);
+                self.expect(&keys::block_claim(&block.cidr), None);
+            }
+            Some((read_key, revision)) => {
+                self.expect(read_key, Some(*revision));
+                if *read_key != key {
+                    // The block moved (affinity changed, or it filled up or got room again).
+                    self.expect(&key, None);
+                    self.delete(read_key);
+                }
+            }
+        }
+        if block.is_empty() && block.affinity.is_none() {
+            // Calico's rule: an empty block with no affinity is deleted.
+            self.delete_block(&key, block);
+        } else {
+            let mut block = block.clone();
+            block.sequence += 1;
+            let value = encode(&block)?;
+            if value.len() > MAX_VALUE_BYTES {
+                return Err(IpamError::Internal(format!(
+                    "block {} would take {} bytes, more than one stored value may ({MAX_VALUE_BYTES})",
+                    block.cidr,
+                    value.len()
+                )));
+            }
+            self.put(&key, value);
+            // The claim entry follows the block's owner and free count on every write.
+            self.put(&keys::block_claim(&block.cidr), encode_claim(&block)?);
+        }
+        Ok(())
+    }
+}
+
+/// Outcome of one optimistic attempt.
+pub(crate) enum Attempt<T> {
+    Done(T),
+    Conflict,
+}
+
+/// FNV-1a of the host name: the start index of the host's new-block search, stable across builds.
+pub(crate) fn host_hash(host: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in host.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// The allocator: every IPAM operation, over any [`KvStore`].
+#[derive(Debug, Clone)]
+pub struct Ipam {
+    store: Arc<dyn KvStore>,
+    retry: RetryPolicy,
+    /// Conditions added to every transaction this allocator commits (see [`Ipam::guarded_by`]).
+    guard: Arc<[Condition]>,
+}
+
+impl Ipam {
+    /// An allocator over `store` with the default retry policy.
+    pub fn new(store: Arc<dyn KvStore>) -> Self {
+        Ipam {
+            store,
+            retry: RetryPolicy::default(),
+            guard: Arc::from(Vec::new()),
+        }
+    }
+
+    /// The same allocator, with `guard` added to every transaction it commits: once any of these
+    /// conditions stops holding, each write fails with [`IpamError::GuardLost`] and nothing more
+    /// is written. What a reclaimer uses to stop the moment a node it thought dead comes back.
+    pub fn guarded_by(mut self, guard: Vec<Condition>) -> Self {
+        self.guard = Arc::from(guard);
+        self
+    }
+
+    /// Replaces the retry policy.
+    pub fn with_retry_policy(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The store underneath.
+    pub fn store(&self) -> &Arc<dyn KvStore> {
+        &self.store
+    }
+
+    /// Runs `attempt` until it is done, retrying conflicts with jittered exponential backoff.
+    pub(crate) async fn retrying<T, F, Fut>(&self, mut attempt: F) -> Result<T, IpamError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Attempt<T>, IpamError>>,
+    {
+        let mut backoff = self.retry.base_backoff;
+        for number in 1..=self.retry.max_attempts {
+            match attempt().await {
+                Ok(Attempt::Done(value)) => return Ok(value),
+                Ok(Attempt::Conflict) | Err(IpamError::Store(KvError::Conflict { .. })) => {
+                    if number == self.retry.max_attempts {
+                        break;
+                    }
+                    let jitter = rand::random::<f64>() + 0.5;
+                    tokio::time::sleep(backoff.mul_f64(jitter)).await;
+                    backoff = (backoff * 2).min(self.retry.max_backoff);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(IpamError::RetriesExhausted {
+            attempts: self.retry.max_attempts,
+        })
+    }
+
+    /// Commits a plan; a failed condition becomes [`Attempt::Conflict`].
+    pub(crate) async fn commit_plan<T>(
+        &self,
+        mut plan: Plan,
+        value: T,
+    ) -> Result<Attempt<T>, IpamError> {
+        if plan.is_empty() {
+            return Ok(Attempt::Done(value));
+        }
+        if plan.deletes_blocks() {
+            // Deleting a block: one more read (rare: a block is deleted when it is empty and has
+            // no affinity), so that the floor only ever grows.
+            let floor = self.store.get(&keys::sequence_floor()).await?;
+            plan.raise_sequence_floor(floor)?;
+        }
+        for condition in self.guard.iter() {
+            plan.conditions
+                .insert(condition.key().to_owned(), condition.clone());
+        }
+        if !plan.fits_one_transaction() {
+            return Err(IpamError::TooLarge(plan.describe_size()));
+        }
+        crate::fault::point(crate::fault::FaultPoint::BeforeCommit);
+        match self.store.commit(plan.into_txn()).await {
+            Ok(_) => {
+                crate::fault::point(crate::fault::FaultPoint::AfterCommit);
+                Ok(Attempt::Done(value))
+            }
+            Err(KvError::Conflict { key }) if self.guard.iter().any(|c| c.key() == key) => {
+                Err(IpamError::GuardLost { key })
+            }
+            Err(KvError::Conflict { .. }) => Ok(Attempt::Conflict),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Reading
+    // -----------------------------------------------------------------------------------------
+
+    pub(crate) fn decode_pools(kvs: Vec<KeyValue>) -> Result<Vec<Stored<Pool>>, IpamError> {
+        let mut pools: Vec<Stored<Pool>> = kvs
+            .into_iter()
+            .map(|kv| {
+                Ok(Stored {
+                    value: decode_pool(&kv.key, &kv.value)?,
+                    key: kv.key,
+                    revision: kv.revision,
+                })
+            })
+            .collect::<Result<_, IpamError>>()?;
+        pools.sort_by_key(|p| {
+            (
+                Family::of_net(&p.value.cidr),
+                p.value.cidr.network(),
+                p.value.cidr.prefix_len(),
+            )
+        });
+        Ok(pools)
+    }
+
+    pub(crate) fn decode_config(
+        kv: Option<KeyValue>,
+    ) -> Result<(IpamConfig, Option<Revision>), IpamError> {
+        match kv {
+            None => Ok((IpamConfig::default(), None)),
+            Some(kv) => {
+                let stored: Stored<IpamConfig> = decode_stored(kv)?;
+                Ok((stored.value, Some(stored.revision)))
+            }
+        }
+    }
+
+    pub(crate) fn decode_handle(
+        kv: Option<KeyValue>,
+    ) -> Result<(Handle, Option<Revision>), IpamError> {
+        match kv {
+            None => Ok((Handle::default(), None)),
+            Some(kv) => {
+                let stored: Stored<Handle> = decode_stored(kv)?;
+                Ok((stored.value, Some(stored.revision)))
+            }
+        }
+    }
+
+    /// Reads the blocks with these CIDRs (wherever their affinity puts them): two round trips.
+    ///
+    /// # Errors
+    /// As [`load_blocks_for_write`](Ipam::load_blocks_for_write).
+    pub(crate) async fn load_blocks(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+    ) -> Result<BTreeMap<IpNet, Stored<Block>>, IpamError> {
+        Ok(self.load_blocks_for_write(cidrs).await?.found)
+    }
+
+    /// Reads the blocks with these CIDRs, and the sequence floor. Two round trips: the claim index entries, then the blocks they point at read
+    /// together with the claims again. A block is reported absent only when its claim entry is
+    /// absent in the same snapshot; when a claim moved between the two reads (a block changing
+    /// hosts), the second read is redone, so a block that exists is never taken for absent.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::Corrupt`] when a claim entry keeps naming a block that does
+    /// not exist (`check --repair` clears it).
+    pub(crate) async fn load_blocks_for_write(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        if cidrs.is_empty() {
+            return Ok(LoadedBlocks::default());
+        }
+        let claim_reads: Vec<Read> = cidrs
+            .iter()
+            .map(|c| Read::Get(keys::block_claim(c)))
+            .collect();
+        let mut claims: Vec<Option<KeyValue>> = Vec::with_capacity(cidrs.len());
+        for result in self.store.read_many(&claim_reads).await? {
+            claims.push(result.into_got()?);
+        }
+        self.load_blocks_given_claims(cidrs, claims).await
+    }
+
+    /// [`load_blocks_for_write`](Self::load_blocks_for_write) after its first read: `claims` are
+    /// the claim entries of `cidrs` (in order) as a recent read saw them. One round trip when they
+    /// have not moved since.
+    pub(crate) async fn load_blocks_given_claims(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+        mut claims: Vec<Option<KeyValue>>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        /// Re-reads allowed when claims move under the read.
+        const CONSISTENT_READ_ATTEMPTS: u32 = 10;
+        let mut dangling = None;
+        for attempt in 0..CONSISTENT_READ_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(self.retry.base_backoff * attempt).await;
+            }
+            // The floor, then per CIDR: its claim again and the keys its block may live at.
+            let mut reads = vec![Read::Get(keys::sequence_floor())];
+            let mut spans = Vec::with_capacity(cidrs.len());
+            for (cidr, claim) in cidrs.iter().zip(&claims) {
+                let first = reads.len();
+                reads.push(Read::Get(keys::block_claim(cidr)));
+                if let Some(kv) = claim {
+                    let owner = decode_claim(&kv.key, &kv.value)?.affinity;
+                    for key in keys::block_candidates(owner.as_deref(), cidr) {
+                        reads.push(Read::Get(key));
+                    }
+                }
+                spans.push(first..reads.len());
+            }
+            let mut results: Vec<Option<KeyValue>> = Vec::with_capacity(reads.len());
+            for result in self.store.read_many(&reads).await? {
+                results.push(result.into_got()?);
+            }
+            let mut loaded = LoadedBlocks {
+                found: BTreeMap::new(),
+                sequence_floor: decode_sequence_floor(results[0].take())?,
+            };
+            dangling = None;
+            let mut consistent = true;
+            for ((cidr, claim), span) in cidrs.iter().zip(claims.iter_mut()).zip(spans) {
+                // Claim entries change on every write of their block (its free count); what
+                // must not have changed is the owner, which decided the keys read.
+                let again = results[span.start].take();
+                let same = match (&*claim, &again) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => {
+                        decode_claim(&a.key, &a.value)?.affinity
+                            == decode_claim(&b.key, &b.value)?.affinity
+                    }
+                    _ => false,
+                };
+                *claim = again;
+                if !same {
+                    consistent = false;
+                    continue;
+                }
+                let rest = results[span.start + 1..span.end]
+                    .iter_mut()
+                    .filter_map(Option::take);
+                if claim.is_some() {
+                    let mut found = None;
+                    for kv in rest {
+                        let stored: Stored<Block> = decode_stored(kv)?;
+                        found = Some(stored);
+                    }
+                    match found {
+                        Some(stored) => {
+                            loaded.found.insert(*cidr, stored);
+                        }
+                        None => {
+                            dangling = Some(keys::block_claim(cidr));
+                            consistent = false;
+                        }
+                    }
+                }
+            }
+            if consistent {
+                return Ok(loaded);
+            }
+        }
+        Err(match dangling {
+            Some(key) => IpamError::Corrupt {
+                key,
+                message: "the claim index entry names a block that does not exist; run `blockipamctl check --repair`".into(),
+            },
+            None => IpamError::RetriesExhausted {
+                attempts: CONSISTENT_READ_ATTEMPTS,
+            },
+        })
+    }
+
+    /// The whole claim index and the sequence floor, in one read.
+    pub(crate) async fn claim_index(&self) -> Result<ClaimIndex, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::claims_dir()),
+                Read::Get(keys::sequence_floor()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let prefix = keys::claims_dir();
+        let mut entries = Vec::new();
+        for kv in next_listed(&mut results)? {
+            let cidr = kv
+                .key
+                .strip_prefix(&prefix)
+                .and_then(keys::parse_cidr_segment)
+                .ok_or_else(|| IpamError::Corrupt {
+                    key: kv.key.clone(),
+                    message: "a claim index key that names no CIDR".into(),
+                })?;
+            entries.push(IndexedClaim {
+                cidr,
+                claim: decode_claim(&kv.key, &kv.value)?,
+                stored: kv,
+            });
+        }
+        let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
+        Ok(ClaimIndex {
+            entries,
+            sequence_floor,
+        })
+    }
+
+    /// Every block in the store.
+    pub(crate) async fn all_blocks(&self) -> Result<Vec<Stored<Block>>, IpamError> {
+        self.store
+            .list(&keys::blocks_dir())
+            .await?
+            .into_iter()
+            .map(decode_stored)
+            .collect()
+    }
+}
+
+/// Assignments are refused while an import into the store is unfinished (its marker, read in the
+/// assignment's first batch, is present): the store may still lack blocks, handles or pools, and an
+/// address handed out now could be one the import is about to write.
+fn refuse_during_import(marker: Option<KeyValue>) -> Result<(), IpamError> {
+    match marker {
+        None => Ok(()),
+        Some(kv) => Err(IpamError::Corrupt {
+            key: kv.key,
+            message: "an import into this store did not finish; no address is assigned until it \
+                      does: run the same `blockipamctl import` again to resume it"
+                .into(),
+        }),
+    }
+}
+
+fn next_listed(
+    results: &mut impl Iterator<Item = crate::kv::ReadResult>,
+) -> Result<Vec<KeyValue>, IpamError> {
+    results
+        .next()
+        .ok_or_else(|| IpamError::Internal("read_many returned too few results".into()))?
+        .into_listed()
+        .map_err(IpamError::from)
+}
+
+fn next_got(
+    results: &mut impl Iterator<Item = crate::kv::ReadResult>,
+) -> Result<Option<KeyValue>, IpamError> {
+    results
+        .next()
+        .ok_or_else(|| IpamError::Internal("read_many returned too few results".into()))?
+        .into_got()
+        .map_err(IpamError::from)
+}
+
+/// Refuses an allocation attribute (handle and metadata, with the node added) larger than
+/// [`MAX_ATTRIBUTE_BYTES`] encoded: what keeps a full block inside one stored value.
+fn validate_attribute_size(
+    handle: &str,
+    attributes: &BTreeMap<String, String>,
+    host: &str,
+) -> Result<(), IpamError> {
+    let attribute = Attribute {
+        handle: handle.to_owned(),
+        metadata: with_node(attributes, host),
+    };
+    let size = encode(&attribute)?.len();
+    if size > MAX_ATTRIBUTE_BYTES {
+        return Err(IpamError::invalid(format!(
+            "the allocation's handle and attributes take {size} bytes; at most {MAX_ATTRIBUTE_BYTES} are allowed"
+        )));
+    }
+    Ok(())
+}
+
+/// Largest encoded block a block larger than the allowed sizes (made by an older build) may
+/// grow to: two such blocks (a dual-stack request) still fit one transaction.
+const LEGACY_BLOCK_BUDGET: usize = (MAX_TXN_BYTES - 64 * 1024) / 2;
+
+/// False when one more allocation could push a block made with a block size this build no longer
+/// allows past [`LEGACY_BLOCK_BUDGET`]; blocks of allowed sizes always have room by construction.
+fn block_value_has_room(block: &Block) -> bool {
+    if block.capacity() <= MAX_BLOCK_ADDRESSES {
+        return true;
+    }
+    encode(block).is_ok_and(|bytes| bytes.len() + MAX_ATTRIBUTE_BYTES + 64 <= LEGACY_BLOCK_BUDGET)
+}
+
+fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<String, String> {
+    let mut metadata = attributes.clone();
+    metadata
+        .entry(ATTR_NODE.to_owned())
+        .or_insert_with(|| host.to_owned());
+    metadata
+}
+
+fn allocation_info(block: &Block, ip: IpAddr) -> Option<AllocationInfo> {
+    let ordinal = block.ordinal_of(ip)?;
+    let allocation = block.allocations.get(&ordinal)?;
+    let attribute = block.attribute_of(ordinal)?;
+    Some(AllocationInfo {
+        ip,
+        block: block.cidr,
+        block_host: block.affinity.clone(),
+        handle: attribute.handle.clone(),
+        attributes: attribute.metadata.clone(),
+        sequence: allocation.sequence,
+    })
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_hash_is_stable_fnv1a() {
+        assert_eq!(host_hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(host_hash("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(host_hash("node-1"), host_hash("node-2"));
+    }
+}

@@ -1,0 +1,496 @@
+//! Pools: creating, changing, deleting and reading IP pools, and the IPAM config.
+
+use super::*;
+
+impl Ipam {
+    // -----------------------------------------------------------------------------------------
+    // Pools
+    // -----------------------------------------------------------------------------------------
+
+    /// Every pool, sorted by family then address.
+    ///
+    /// # Errors
+    /// Store failures; corrupt pool objects.
+    pub async fn list_pools(&self) -> Result<Vec<Pool>, IpamError> {
+        let kvs = self.store.list(&keys::pools_dir()).await?;
+        Ok(Self::decode_pools(kvs)?
+            .into_iter()
+            .map(|p| p.value)
+            .collect())
+    }
+
+    /// Finds a pool by name, or by CIDR.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`] when none matches.
+    pub async fn get_pool(&self, name_or_cidr: &str) -> Result<Pool, IpamError> {
+        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+        find_pool(&pools, name_or_cidr).map(|p| p.value.clone())
+    }
+
+    /// Validates a spec into the pool it would create.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for host bits in the CIDR, a block size out of range or
+    /// larger than the pool, or a bad name.
+    pub fn pool_from_spec(spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let cidr = spec.cidr;
+        if cidr.trunc() != cidr {
+            return Err(IpamError::invalid(format!(
+                "{cidr} is not a network address (did you mean {}?)",
+                cidr.trunc()
+            )));
+        }
+        let family = Family::of_net(&cidr);
+        let (default, range) = match family {
+            Family::V4 => (DEFAULT_V4_BLOCK_SIZE, V4_BLOCK_SIZES),
+            Family::V6 => (DEFAULT_V6_BLOCK_SIZE, V6_BLOCK_SIZES),
+        };
+        let block_size = spec.block_size.unwrap_or(default);
+        if !range.contains(&block_size) {
+            return Err(IpamError::invalid(format!(
+                "block size /{block_size} is out of range for {family} (allowed /{} to /{})",
+                range.start(),
+                range.end()
+            )));
+        }
+        if block_size < cidr.prefix_len() {
+            return Err(IpamError::invalid(format!(
+                "pool {cidr} is smaller than one /{block_size} block"
+            )));
+        }
+        let name = spec
+            .name
+            .clone()
+            .unwrap_or_else(|| default_pool_name(&cidr));
+        validate_pool_name(&name)?;
+        Ok(Pool {
+            name,
+            cidr,
+            block_size,
+            disabled: spec.disabled,
+            node_selector: Selector::all(),
+            assignment_mode: AssignmentMode::Automatic,
+            allowed_uses: AllowedUses::default(),
+        })
+    }
+
+    /// Creates a pool with a node selector, assignment mode and allowed uses (what `spec` alone
+    /// leaves at Calico's defaults: `all()`, automatic, workload and tunnel).
+    ///
+    /// # Errors
+    /// As [`create_pool`](Ipam::create_pool).
+    pub async fn create_pool_with_policy(
+        &self,
+        spec: &PoolSpec,
+        policy: &PoolPolicy,
+    ) -> Result<Pool, IpamError> {
+        let mut pool = Self::pool_from_spec(spec)?;
+        policy.apply_to(&mut pool);
+        self.retrying(|| self.try_create_pool(&pool, false)).await
+    }
+
+    /// Changes a pool's node selector, assignment mode, allowed uses and disabled flag (each only
+    /// when given): one compare-and-swap on the pool, serialised with every other pool write. Its
+    /// CIDR and block size never change here.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; store failures.
+    pub async fn set_pool(
+        &self,
+        name_or_cidr: &str,
+        change: &PoolChange,
+    ) -> Result<Pool, IpamError> {
+        self.retrying(|| async {
+            let (pools, generation) = self.read_pools_and_generation().await?;
+            let found = find_pool(&pools, name_or_cidr)?;
+            let mut pool = found.value.clone();
+            change.apply_to(&mut pool);
+            if pool == found.value {
+                return Ok(Attempt::Done(pool));
+            }
+            let mut plan = Plan::default();
+            self.bump_pool_generation(&mut plan, generation)?;
+            plan.expect(&found.key, Some(found.revision));
+            plan.put(&found.key, encode(&pool)?);
+            self.commit_plan(plan, pool).await
+        })
+        .await
+    }
+
+    /// Creates a pool.
+    ///
+    /// # Errors
+    /// Validation errors as [`pool_from_spec`](Ipam::pool_from_spec); [`IpamError::PoolExists`];
+    /// [`IpamError::PoolOverlap`]; store failures.
+    pub async fn create_pool(&self, spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let pool = Self::pool_from_spec(spec)?;
+        self.retrying(|| self.try_create_pool(&pool, false)).await
+    }
+
+    /// Creates a pool unless an identical one (same CIDR and block size) exists under any name;
+    /// safe when many processes race to do it.
+    ///
+    /// # Errors
+    /// As [`create_pool`](Ipam::create_pool) when a different pool is in the way.
+    pub async fn ensure_pool(&self, spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let pool = Self::pool_from_spec(spec)?;
+        self.retrying(|| self.try_create_pool(&pool, true)).await
+    }
+
+    async fn try_create_pool(
+        &self,
+        pool: &Pool,
+        accept_identical: bool,
+    ) -> Result<Attempt<Pool>, IpamError> {
+        let (pools, generation) = self.read_pools_and_generation().await?;
+        for existing in &pools {
+            let same =
+                existing.value.cidr == pool.cidr && existing.value.block_size == pool.block_size;
+            if accept_identical && same {
+                return Ok(Attempt::Done(existing.value.clone()));
+            }
+            if existing.value.name == pool.name {
+                return Err(IpamError::PoolExists(pool.name.clone()));
+            }
+            if existing.value.cidr.contains(&pool.cidr.network())
+                || pool.cidr.contains(&existing.value.cidr.network())
+            {
+                return Err(IpamError::PoolOverlap {
+                    cidr: pool.cidr,
+                    existing: existing.value.name.clone(),
+                    existing_cidr: existing.value.cidr,
+                });
+            }
+        }
+        let mut plan = Plan::default();
+        self.bump_pool_generation(&mut plan, generation)?;
+        let key = keys::pool(&pool.name);
+        plan.expect(&key, None);
+        plan.put(&key, encode(pool)?);
+        self.commit_plan(plan, pool.clone()).await
+    }
+
+    /// Every pool and the pool-generation counter, in one batched read: what a pool write checks
+    /// and conditions on.
+    async fn read_pools_and_generation(
+        &self,
+    ) -> Result<(Vec<Stored<Pool>>, Option<KeyValue>), IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::pool_generation()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let generation = next_got(&mut results)?;
+        Ok((pools, generation))
+    }
+
+    fn bump_pool_generation(
+        &self,
+        plan: &mut Plan,
+        generation: Option<KeyValue>,
+    ) -> Result<(), IpamError> {
+        let key = keys::pool_generation();
+        let (count, revision) = match generation {
+            None => (0u64, None),
+            Some(kv) => {
+                let stored: Stored<u64> = decode_stored(kv)?;
+                (stored.value, Some(stored.revision))
+            }
+        };
+        plan.expect(&key, revision);
+        plan.put(&key, encode(&(count + 1))?);
+        Ok(())
+    }
+
+    /// Enables or disables a pool. A disabled pool is never allocated from; its addresses stay.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; store failures.
+    pub async fn set_pool_disabled(
+        &self,
+        name_or_cidr: &str,
+        disabled: bool,
+    ) -> Result<Pool, IpamError> {
+        self.set_pool_disabled_where(disabled, |pools| find_pool(pools, name_or_cidr))
+            .await
+    }
+
+    /// Enables or disables this very pool (same name, CIDR and block size), not one created
+    /// since under its name.
+    async fn set_exact_pool_disabled(
+        &self,
+        pool: &Pool,
+        disabled: bool,
+    ) -> Result<Pool, IpamError> {
+        self.set_pool_disabled_where(disabled, |pools| find_exact_pool(pools, pool))
+            .await
+    }
+
+    async fn set_pool_disabled_where<F>(&self, disabled: bool, find: F) -> Result<Pool, IpamError>
+    where
+        F: Fn(&[Stored<Pool>]) -> Result<&Stored<Pool>, IpamError>,
+    {
+        self.retrying(|| async {
+            let (pools, generation) = self.read_pools_and_generation().await?;
+            let found = find(&pools)?;
+            let mut pool = found.value.clone();
+            pool.disabled = disabled;
+            let mut plan = Plan::default();
+            self.bump_pool_generation(&mut plan, generation)?;
+            plan.expect(&found.key, Some(found.revision));
+            plan.put(&found.key, encode(&pool)?);
+            self.commit_plan(plan, pool).await
+        })
+        .await
+    }
+
+    /// Deletes a pool and its blocks. Refuses while any address in it is allocated, unless
+    /// `force`, which releases those addresses first (updating their handles).
+    ///
+    /// The pool is disabled first: every assignment commits on the revision of the pool it uses,
+    /// so from then on nothing new lands in it, and the count of addresses in use that decides
+    /// a refusal cannot miss an ADD racing the delete. A refused delete re-enables a pool it
+    /// disabled. Each block is deleted by a transaction that checks, on the block's revision, that
+    /// it is empty.
+    ///
+    /// # Errors
+    /// [`IpamError::PoolNotFound`]; [`IpamError::PoolInUse`]; store failures.
+    pub async fn delete_pool(
+        &self,
+        name_or_cidr: &str,
+        force: bool,
+    ) -> Result<PoolDeletion, IpamError> {
+        let pool = self.get_pool(name_or_cidr).await?;
+        if !force {
+            // The common refusal writes nothing.
+            let in_use = self.pool_blocks(&pool).await?.1;
+            if in_use > 0 {
+                return Err(IpamError::PoolInUse {
+                    pool: pool.name.clone(),
+                    in_use,
+                });
+            }
+        }
+        let mut released_addresses = 0u64;
+        let mut deleted_blocks = 0u64;
+        // Rounds repeat only when another client re-enabled the pool (and maybe allocated in it)
+        // while it was being emptied.
+        for _ in 0..self.retry.max_attempts {
+            // This very pool: another client may have deleted it and created another under its
+            // name, which this delete must not touch.
+            let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+            match find_exact_pool(&pools, &pool) {
+                Err(_) => {
+                    return Ok(PoolDeletion {
+                        pool,
+                        released_addresses,
+                        deleted_blocks,
+                    })
+                }
+                Ok(current) if !current.value.disabled => {
+                    match self.set_exact_pool_disabled(&pool, true).await {
+                        Err(IpamError::PoolNotFound(_)) => continue,
+                        other => other?,
+                    };
+                }
+                Ok(_) => {}
+            }
+            // Counted after the disable: an ADD that raced the first count is seen here.
+            let (blocks, in_use) = self.pool_blocks(&pool).await?;
+            if in_use > 0 && !force {
+                return Err(self.refuse_pool_delete(&pool, in_use).await);
+            }
+            for block in blocks {
+                let held: Vec<ReleaseRequest> = block
+                    .allocations
+                    .keys()
+                    .map(|o| ReleaseRequest {
+                        ip: block.ip_of(*o),
+                        sequence: None,
+                    })
+                    .collect();
+                if !held.is_empty() {
+                    released_addresses += self.release_ips(&held).await?.released.len() as u64;
+                }
+                let cidr = block.cidr;
+                match self.retrying(|| self.try_delete_empty_block(cidr)).await {
+                    Ok(deleted) => deleted_blocks += u64::from(deleted),
+                    Err(IpamError::PoolInUse { in_use, .. }) if !force => {
+                        return Err(self.refuse_pool_delete(&pool, in_use).await)
+                    }
+                    Err(IpamError::PoolInUse { .. }) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if self
+                .retrying(|| self.try_delete_emptied_pool(&pool))
+                .await?
+            {
+                return Ok(PoolDeletion {
+                    pool,
+                    released_addresses,
+                    deleted_blocks,
+                });
+            }
+        }
+        Err(IpamError::RetriesExhausted {
+            attempts: self.retry.max_attempts,
+        })
+    }
+
+    /// The blocks that lie in `pool`, and how many addresses they hold.
+    async fn pool_blocks(&self, pool: &Pool) -> Result<(Vec<Block>, u64), IpamError> {
+        let blocks: Vec<Block> = self
+            .all_blocks()
+            .await?
+            .into_iter()
+            .map(|b| b.value)
+            .filter(|b| pool.cidr.contains(&b.cidr.network()))
+            .collect();
+        let in_use = blocks.iter().map(|b| u64::from(b.in_use())).sum();
+        Ok((blocks, in_use))
+    }
+
+    /// Deletes the pool if, in one snapshot, it is still disabled and no block lies in it; the
+    /// delete is conditioned on the pool's revision, which every assignment in it is conditioned
+    /// on too. False when it was enabled again or holds a block again (go round once more).
+    async fn try_delete_emptied_pool(&self, pool: &Pool) -> Result<Attempt<bool>, IpamError> {
+        let results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::pool_generation()),
+                Read::List(keys::blocks_dir()),
+            ])
+            .await?;
+        let mut results = results.into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let generation = next_got(&mut results)?;
+        let Ok(found) = find_exact_pool(&pools, pool) else {
+            return Ok(Attempt::Done(true));
+        };
+        let mut occupied = false;
+        for kv in next_listed(&mut results)? {
+            let block: Stored<Block> = decode_stored(kv)?;
+            occupied |= pool.cidr.contains(&block.value.cidr.network());
+        }
+        if occupied || !found.value.disabled {
+            return Ok(Attempt::Done(false));
+        }
+        let mut plan = Plan::default();
+        self.bump_pool_generation(&mut plan, generation)?;
+        plan.expect(&found.key, Some(found.revision));
+        plan.delete(&found.key);
+        self.commit_plan(plan, true).await
+    }
+
+    /// The error of a refused pool delete, after re-enabling the pool when the delete disabled it.
+    async fn refuse_pool_delete(&self, pool: &Pool, in_use: u64) -> IpamError {
+        if !pool.disabled {
+            if let Err(e) = self.set_exact_pool_disabled(pool, false).await {
+                tracing::warn!(pool = %pool.name, error = %e, "could not re-enable the pool after a refused delete");
+            }
+        }
+        IpamError::PoolInUse {
+            pool: pool.name.clone(),
+            in_use,
+        }
+    }
+
+    /// Deletes one block if it exists and is empty, checked in the deleting transaction.
+    async fn try_delete_empty_block(&self, cidr: IpNet) -> Result<Attempt<bool>, IpamError> {
+        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
+        let Some(stored) = blocks.into_values().next() else {
+            return Ok(Attempt::Done(false));
+        };
+        if !stored.value.is_empty() {
+            return Err(IpamError::PoolInUse {
+                pool: cidr.to_string(),
+                in_use: u64::from(stored.value.in_use()),
+            });
+        }
+        let mut plan = Plan::default();
+        plan.expect(&stored.key, Some(stored.revision));
+        plan.delete_block(&stored.key, &stored.value);
+        self.commit_plan(plan, true).await
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Config
+    // -----------------------------------------------------------------------------------------
+
+    /// The IPAM configuration (defaults when never set).
+    ///
+    /// # Errors
+    /// Store failures; a corrupt config object.
+    pub async fn get_config(&self) -> Result<IpamConfig, IpamError> {
+        Ok(Self::decode_config(self.store.get(&keys::config()).await?)?.0)
+    }
+
+    /// Replaces the IPAM configuration.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn set_config(&self, config: &IpamConfig) -> Result<(), IpamError> {
+        self.store.put(&keys::config(), encode(config)?).await?;
+        Ok(())
+    }
+
+    /// Changes the configuration with `change` applied to the current one, compare-and-swap: a
+    /// concurrent change is re-read and `change` applied again, so no update is lost. Returns the
+    /// configuration written.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn update_config<F>(&self, change: F) -> Result<IpamConfig, IpamError>
+    where
+        F: Fn(&mut IpamConfig),
+    {
+        self.retrying(|| async {
+            let (mut config, revision) =
+                Self::decode_config(self.store.get(&keys::config()).await?)?;
+            change(&mut config);
+            let mut plan = Plan::default();
+            plan.expect(&keys::config(), revision);
+            plan.put(&keys::config(), encode(&config)?);
+            self.commit_plan(plan, config).await
+        })
+        .await
+    }
+}
+
+/// Finds a pool by name or by CIDR text.
+pub(crate) fn find_pool<'a>(
+    pools: &'a [Stored<Pool>],
+    name_or_cidr: &str,
+) -> Result<&'a Stored<Pool>, IpamError> {
+    if let Some(found) = pools.iter().find(|p| p.value.name == name_or_cidr) {
+        return Ok(found);
+    }
+    if let Ok(cidr) = name_or_cidr.parse::<IpNet>() {
+        if let Some(found) = pools.iter().find(|p| p.value.cidr == cidr) {
+            return Ok(found);
+        }
+    }
+    Err(IpamError::PoolNotFound(name_or_cidr.to_owned()))
+}
+
+/// The stored pool that is `pool` itself: same name, CIDR and block size.
+fn find_exact_pool<'a>(
+    pools: &'a [Stored<Pool>],
+    pool: &Pool,
+) -> Result<&'a Stored<Pool>, IpamError> {
+    pools
+        .iter()
+        .find(|p| {
+            p.value.name == pool.name
+                && p.value.cidr == pool.cidr
+                && p.value.block_size == pool.block_size
+        })
+        .ok_or_else(|| IpamError::PoolNotFound(pool.name.clone()))
+}

@@ -1,0 +1,284 @@
+//! Release: addresses, handles, an attachment's chosen addresses, and a removed host.
+
+use super::*;
+
+impl Ipam {
+    // -----------------------------------------------------------------------------------------
+    // Release
+    // -----------------------------------------------------------------------------------------
+
+    /// Releases addresses. Addresses not allocated are reported, not errors; with a sequence
+    /// number, an address re-allocated since then is left alone and reported. Up to 32 addresses
+    /// commit together; a longer list is released in several transactions.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn release_ips(
+        &self,
+        requests: &[ReleaseRequest],
+    ) -> Result<ReleaseOutcome, IpamError> {
+        // Each chunk is one transaction. A chunk whose blocks and handles do not fit one
+        // transaction (large, well-used blocks) is split in halves until it does.
+        let mut outcome = ReleaseOutcome::default();
+        let mut queue: std::collections::VecDeque<&[ReleaseRequest]> =
+            requests.chunks(RELEASES_PER_TXN).collect();
+        while let Some(chunk) = queue.pop_front() {
+            let part = match self.retrying(|| self.try_release_ips(chunk)).await {
+                Err(IpamError::TooLarge(_)) if chunk.len() > 1 => {
+                    let (first, second) = chunk.split_at(chunk.len() / 2);
+                    queue.push_front(second);
+                    queue.push_front(first);
+                    continue;
+                }
+                other => other?,
+            };
+            outcome.released.extend(part.released);
+            outcome.not_allocated.extend(part.not_allocated);
+            outcome.sequence_mismatch.extend(part.sequence_mismatch);
+        }
+        outcome.released.sort();
+        outcome.not_allocated.sort();
+        outcome.sequence_mismatch.sort();
+        Ok(outcome)
+    }
+
+    async fn try_release_ips(
+        &self,
+        requests: &[ReleaseRequest],
+    ) -> Result<Attempt<ReleaseOutcome>, IpamError> {
+        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
+        let mut outcome = ReleaseOutcome::default();
+        let mut targets: Vec<(ReleaseRequest, IpNet)> = Vec::new();
+        for request in requests {
+            match pools
+                .iter()
+                .find_map(|p| p.value.block_containing(request.ip))
+            {
+                Some(block) => targets.push((*request, block)),
+                None => outcome.not_allocated.push(request.ip),
+            }
+        }
+        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
+        let mut working: BTreeMap<IpNet, WorkingBlock> = self
+            .load_blocks(&cidrs)
+            .await?
+            .into_iter()
+            .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
+            .collect();
+        let mut handle_counts: BTreeMap<IpNet, BTreeMap<String, u32>> = BTreeMap::new();
+        for (request, cidr) in targets {
+            let Some(entry) = working.get_mut(&cidr) else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            let Some(ordinal) = entry.block.ordinal_of(request.ip) else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            let Some(allocation) = entry.block.allocations.get(&ordinal).copied() else {
+                outcome.not_allocated.push(request.ip);
+                continue;
+            };
+            if request.sequence.is_some_and(|s| s != allocation.sequence) {
+                outcome.sequence_mismatch.push(request.ip);
+                continue;
+            }
+            if let Some(attribute) = entry.block.release_ordinal(ordinal) {
+                *handle_counts
+                    .entry(cidr)
+                    .or_default()
+                    .entry(attribute.handle)
+                    .or_insert(0) += 1;
+            }
+            entry.dirty = true;
+            outcome.released.push(request.ip);
+        }
+        let mut plan = Plan::default();
+        let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
+        for (cidr, counts) in handle_counts {
+            for (handle, count) in counts {
+                per_handle.entry(handle).or_default().push((cidr, count));
+            }
+        }
+        self.release_counts_from_handles(&mut plan, &per_handle)
+            .await?;
+        for working in working.values() {
+            plan.write_block(working)?;
+        }
+        outcome.released.sort();
+        outcome.not_allocated.sort();
+        outcome.sequence_mismatch.sort();
+        self.commit_plan(plan, outcome).await
+    }
+
+    /// Adds to `plan` the handle updates for releasing, per handle, `count` addresses of each
+    /// listed block.
+    async fn release_counts_from_handles(
+        &self,
+        plan: &mut Plan,
+        per_handle: &BTreeMap<String, Vec<(IpNet, u32)>>,
+    ) -> Result<(), IpamError> {
+        if per_handle.is_empty() {
+            return Ok(());
+        }
+        let reads: Vec<Read> = per_handle
+            .keys()
+            .map(|h| Read::Get(keys::handle(h)))
+            .collect();
+        for ((handle_id, releases), result) in
+            per_handle.iter().zip(self.store.read_many(&reads).await?)
+        {
+            let (mut handle, revision) = Self::decode_handle(result.into_got()?)?;
+            let key = keys::handle(handle_id);
+            plan.expect(&key, revision);
+            for (cidr, count) in releases {
+                handle.remove(*cidr, *count);
+            }
+            if handle.blocks.is_empty() {
+                if revision.is_some() {
+                    plan.delete(&key);
+                }
+            } else {
+                plan.put(&key, encode(&handle)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every address a handle holds and deletes the handle. An unknown handle is success.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`].
+    pub async fn release_handle(&self, handle_id: &str) -> Result<Vec<IpAddr>, IpamError> {
+        validate_handle(handle_id)?;
+        self.retrying(|| self.try_release_handle(handle_id)).await
+    }
+
+    async fn try_release_handle(&self, handle_id: &str) -> Result<Attempt<Vec<IpAddr>>, IpamError> {
+        let key = keys::handle(handle_id);
+        let Some(kv) = self.store.get(&key).await? else {
+            return Ok(Attempt::Done(Vec::new()));
+        };
+        let stored: Stored<Handle> = decode_stored(kv)?;
+        let cidrs: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
+        let mut released = Vec::new();
+        let mut plan = Plan::default();
+        for (_, block) in self.load_blocks(&cidrs).await? {
+            let mut working = WorkingBlock::from_stored(block);
+            for ordinal in working.block.ordinals_of_handle(handle_id) {
+                released.push(working.block.ip_of(ordinal));
+                working.block.release_ordinal(ordinal);
+                working.dirty = true;
+            }
+            plan.write_block(&working)?;
+        }
+        plan.expect(&key, Some(stored.revision));
+        plan.delete(&key);
+        released.sort();
+        self.commit_plan(plan, released).await
+    }
+
+    /// Releases, in one transaction, the addresses `choose` picks among everything `handle_id`
+    /// holds (it is given the handle's allocations in address order): the handle is updated, or
+    /// deleted when it is left with nothing. What a CNI DEL needs, in two round trips when the
+    /// handle's blocks are affine to `host` (the common case): one batched read of the handle and
+    /// of the host's blocks, then the transaction. Blocks elsewhere cost one more read.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects; [`IpamError::RetriesExhausted`].
+    pub async fn release_chosen<F>(
+        &self,
+        handle_id: &str,
+        host: &str,
+        choose: F,
+    ) -> Result<ChosenRelease, IpamError>
+    where
+        F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
+    {
+        validate_handle(handle_id)?;
+        validate_host(host)?;
+        self.retrying(|| self.try_release_chosen(handle_id, host, &choose))
+            .await
+    }
+
+    async fn try_release_chosen<F>(
+        &self,
+        handle_id: &str,
+        host: &str,
+        choose: &F,
+    ) -> Result<Attempt<ChosenRelease>, IpamError>
+    where
+        F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
+    {
+        let key = keys::handle(handle_id);
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::Get(key.clone()),
+                Read::List(keys::host_blocks_dir(host)),
+            ])
+            .await?
+            .into_iter();
+        let handle_kv = next_got(&mut results)?;
+        let host_blocks = next_listed(&mut results)?;
+        let Some(handle_kv) = handle_kv else {
+            return Ok(Attempt::Done(ChosenRelease::default()));
+        };
+        let stored: Stored<Handle> = decode_stored(handle_kv)?;
+        let wanted: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
+        let mut working: BTreeMap<IpNet, WorkingBlock> = BTreeMap::new();
+        for kv in host_blocks {
+            let block: Stored<Block> = decode_stored(kv)?;
+            if wanted.contains(&block.value.cidr) {
+                working.insert(block.value.cidr, WorkingBlock::from_stored(block));
+            }
+        }
+        let elsewhere: BTreeSet<IpNet> = wanted
+            .iter()
+            .filter(|c| !working.contains_key(c))
+            .copied()
+            .collect();
+        for (cidr, block) in self.load_blocks(&elsewhere).await? {
+            working.insert(cidr, WorkingBlock::from_stored(block));
+        }
+        let mut held = Vec::new();
+        for entry in working.values() {
+            for ordinal in entry.block.ordinals_of_handle(handle_id) {
+                if let Some(info) = allocation_info(&entry.block, entry.block.ip_of(ordinal)) {
+                    held.push(info);
+                }
+            }
+        }
+        held.sort_by_key(|a| a.ip);
+        let chosen: BTreeSet<IpAddr> = choose(&held).into_iter().collect();
+        let mut handle = stored.value.clone();
+        let mut released = Vec::new();
+        for info in held.iter().filter(|info| chosen.contains(&info.ip)) {
+            let Some(entry) = working.get_mut(&info.block) else {
+                continue;
+            };
+            let Some(ordinal) = entry.block.ordinal_of(info.ip) else {
+                continue;
+            };
+            entry.block.release_ordinal(ordinal);
+            entry.dirty = true;
+            handle.remove(info.block, 1);
+            released.push(info.ip);
+        }
+        if released.is_empty() {
+            return Ok(Attempt::Done(ChosenRelease { held, released }));
+        }
+        let mut plan = Plan::default();
+        for entry in working.values().filter(|w| w.dirty) {
+            plan.write_block(entry)?;
+        }
+        plan.expect(&key, Some(stored.revision));
+        if released.len() == held.len() {
+            plan.delete(&key);
+        } else {
+            plan.put(&key, encode(&handle)?);
+        }
+        self.commit_plan(plan, ChosenRelease { held, released })
+            .await
+    }
+}
