@@ -3,9 +3,9 @@
 //!
 //! This file holds the request and result types, the transaction plan, the retry loop and the
 //! batched block reads every operation shares. The operations live beside it, one concern per
-//! file: [`pools`] (pools and the IPAM config), [`assign`] (auto-assign: affine blocks, new blocks,
-//! borrowing; specific addresses), [`release`] (addresses, handles, chosen addresses, hosts),
-//! [`queries`] (who holds what, utilization) and [`affinity`] (claiming and releasing blocks).
+//! file: `pools.rs` (pools and the IPAM config), `assign.rs` (auto-assign: affine blocks, new blocks,
+//! borrowing; specific addresses), `release.rs` (addresses, handles, chosen addresses, hosts),
+//! `queries.rs` (who holds what, utilization) and `affinity.rs` (claiming and releasing blocks).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
