@@ -101,12 +101,28 @@ impl Ipam {
         name_or_cidr: &str,
         change: &PoolChange,
     ) -> Result<Pool, IpamError> {
+        self.change_pool_where(change, false, |pools| find_pool(pools, name_or_cidr))
+            .await
+    }
+
+    /// Applies `change` to the pool `find` picks, in one compare-and-swap serialised with every
+    /// other pool write (the pool generation is bumped). An unchanged pool is written anyway only
+    /// with `write_unchanged` (disabling writes always: see [`Ipam::delete_pool`]).
+    async fn change_pool_where<F>(
+        &self,
+        change: &PoolChange,
+        write_unchanged: bool,
+        find: F,
+    ) -> Result<Pool, IpamError>
+    where
+        F: Fn(&[Stored<Pool>]) -> Result<&Stored<Pool>, IpamError>,
+    {
         self.retrying(|| async {
             let (pools, generation) = self.read_pools_and_generation().await?;
-            let found = find_pool(&pools, name_or_cidr)?;
+            let found = find(&pools)?;
             let mut pool = found.value.clone();
             change.apply_to(&mut pool);
-            if pool == found.value {
+            if pool == found.value && !write_unchanged {
                 return Ok(Attempt::Done(pool));
             }
             let mut plan = Plan::default();
@@ -235,18 +251,11 @@ impl Ipam {
     where
         F: Fn(&[Stored<Pool>]) -> Result<&Stored<Pool>, IpamError>,
     {
-        self.retrying(|| async {
-            let (pools, generation) = self.read_pools_and_generation().await?;
-            let found = find(&pools)?;
-            let mut pool = found.value.clone();
-            pool.disabled = disabled;
-            let mut plan = Plan::default();
-            self.bump_pool_generation(&mut plan, generation)?;
-            plan.expect(&found.key, Some(found.revision));
-            plan.put(&found.key, encode(&pool)?);
-            self.commit_plan(plan, pool).await
-        })
-        .await
+        let change = PoolChange {
+            disabled: Some(disabled),
+            ..PoolChange::default()
+        };
+        self.change_pool_where(&change, true, find).await
     }
 
     /// Deletes a pool and its blocks. Refuses while any address in it is allocated, unless
