@@ -194,6 +194,40 @@ fn a_released_reservation_or_a_changed_gateway_is_noticed_inside_the_one_read() 
     }
 }
 
+#[test]
+fn a_damaged_confirmation_record_costs_one_set_up_path_never_an_error() {
+    let sandbox = Sandbox::new();
+    let log = sandbox.store_path().with_extension("log");
+    let netconf = sandbox.netconf(
+        "1.0.0",
+        json!({"log_level": "debug", "log_file_path": log, "agent_socket": ""}),
+    );
+    cni("ADD", "c0", "eth0", &netconf, &[]).success_json("first ADD");
+    let record = ipam_core::model::keys::reservations_held("testnet:gateway");
+    let damaged = record.clone();
+    sandbox.with_ipam(async move |ipam: &Ipam| {
+        ipam.store()
+            .put(&damaged, b"\x00not json".to_vec())
+            .await
+            .expect("damage the record");
+    });
+    let (outcome, counted) = call_counted("ADD", "c1", &netconf, &log);
+    outcome.success_json("ADD over a damaged record");
+    assert_ne!(counted, one_and_one("ADD"), "the damaged record is stale");
+    let rewritten = sandbox
+        .snapshot()
+        .into_iter()
+        .find(|(key, _)| *key == record)
+        .map(|(_, value)| value)
+        .expect("the record is written again");
+    assert!(
+        serde_json::from_slice::<Value>(&rewritten).is_ok(),
+        "the record is JSON again"
+    );
+    let (_, counted) = call_counted("ADD", "c2", &netconf, &log);
+    assert_eq!(counted, one_and_one("ADD"), "steady again");
+}
+
 /// etcd's own count of gRPC requests, by method, before and after `call`.
 fn grpc_requests_during(server: &EtcdServer, call: impl FnOnce()) -> BTreeMap<String, u64> {
     let before = server.grpc_requests_handled().expect("etcd metrics");
