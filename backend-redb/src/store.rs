@@ -39,6 +39,10 @@ pub const REVISION_KEY: &str = "revision";
 const HEADER: usize = 8;
 /// Longest pause between two attempts to take redb's own lock.
 const MAX_PAUSE: Duration = Duration::from_millis(20);
+/// Least time given to redb's own lock, whatever the configured lock wait: by then our
+/// inter-process lock is held, so a taken engine lock is a handle that is still closing, not
+/// another user of the store.
+const ENGINE_CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// A [`KvStore`] kept in one redb file; see the [crate documentation](crate).
 ///
@@ -444,6 +448,7 @@ fn open_engine(
     started: Instant,
     wait: Duration,
 ) -> Result<Database, KvError> {
+    let wait = wait.max(ENGINE_CLOSE_GRACE);
     let mut pause = Duration::from_millis(1);
     loop {
         let file = OpenOptions::new()

@@ -44,6 +44,11 @@ const LOG_FILE: &str = "db";
 const BLOBS: &str = "blobs";
 /// Longest pause between two attempts to take sled's own lock.
 const MAX_PAUSE: Duration = Duration::from_millis(20);
+/// Least time given to sled's own lock, whatever the configured lock wait: by then our
+/// inter-process lock is held, so a taken engine lock is a handle that is still closing (the one
+/// that just created the store, whose I/O threads let go a moment later, most often), not another
+/// user of the store.
+const ENGINE_CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// A [`KvStore`] kept in a sled database directory; see the [crate documentation](crate).
 ///
@@ -571,6 +576,7 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
 /// Opens sled at `path`, retrying while sled's own lock is still held (a previous handle, in this
 /// or another process, may still be closing) until `wait` has passed since `started`.
 fn open_engine(path: &Path, started: Instant, wait: Duration) -> Result<sled::Db, KvError> {
+    let wait = wait.max(ENGINE_CLOSE_GRACE);
     let mut pause = Duration::from_millis(1);
     loop {
         // No periodic flusher thread: every commit flushes before it is acknowledged.
