@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -19,13 +19,6 @@ use serde_json::{json, Value};
 const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
 /// Longest a plugin call may take before the test calls it a hang.
 const HANG_GUARD: Duration = Duration::from_secs(60);
-
-fn plugin() -> PathBuf {
-    static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PLUGIN
-        .get_or_init(|| blockipam_store::testing::build_plugin_beside(Path::new(AGENT)))
-        .clone()
-}
 
 /// A running `blockipam-agent` process; killed (SIGKILL) if still running when dropped.
 struct AgentProcess {
@@ -182,49 +175,11 @@ impl Outcome {
 
 /// Runs the real plugin once, failing the test if it runs longer than [`HANG_GUARD`].
 fn cni(command: &str, container: &str, netconf: &Value) -> Outcome {
-    let plugin = plugin();
-    let mut child = Command::new(&plugin)
-        .env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", container)
-        .env("CNI_NETNS", "/var/run/netns/blockipam-agent-test")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", plugin.parent().expect("plugin dir"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(netconf.to_string().as_bytes());
-    }
-    let mut stdout = child.stdout.take().expect("stdout");
-    let mut stderr = child.stderr.take().expect("stderr");
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let deadline = Instant::now() + HANG_GUARD;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("poll the plugin") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the plugin ({command} {container}) hung for {HANG_GUARD:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let run = common::run_plugin(command, container, netconf, HANG_GUARD);
     Outcome {
-        status: status.code().unwrap_or(-1),
-        stdout: out.join().expect("stdout reader"),
-        stderr: err.join().expect("stderr reader"),
+        status: run.status,
+        stdout: run.stdout,
+        stderr: run.stderr,
     }
 }
 

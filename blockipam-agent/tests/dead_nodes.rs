@@ -6,8 +6,10 @@
 //! never reclaimed and its liveness key comes back. Node c, and a node whose plugin runs without
 //! an agent (never registered), are untouched.
 
-use std::io::{Read as _, Write as _};
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::io::Read as _;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,13 +25,6 @@ const TTL_SECONDS: &str = "2";
 const GRACE_SECONDS: &str = "10";
 /// Bound on every wait of this test (none is expected to come near it).
 const WAIT_LIMIT: Duration = Duration::from_secs(45);
-
-fn plugin() -> PathBuf {
-    static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PLUGIN
-        .get_or_init(|| blockipam_store::testing::build_plugin_beside(Path::new(AGENT)))
-        .clone()
-}
 
 /// A `blockipam-agent` process on etcd; killed (SIGCONT first, in case it is paused) on drop.
 struct Agent {
@@ -113,43 +108,8 @@ impl Drop for Agent {
 
 /// Runs the real plugin once (bounded) and returns its exit status and stdout.
 fn cni_add(container: &str, netconf: &Value) -> (i32, String) {
-    let plugin = plugin();
-    let mut child = Command::new(&plugin)
-        .env_clear()
-        .env("CNI_COMMAND", "ADD")
-        .env("CNI_CONTAINERID", container)
-        .env("CNI_NETNS", "/var/run/netns/blockipam-dead-nodes-test")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", plugin.parent().expect("plugin dir"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(netconf.to_string().as_bytes());
-    }
-    let mut stdout = child.stdout.take().expect("stdout");
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let deadline = Instant::now() + WAIT_LIMIT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("poll the plugin") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the plugin (ADD {container}) hung");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    (
-        status.code().unwrap_or(-1),
-        out.join().expect("stdout reader"),
-    )
+    let run = common::run_plugin("ADD", container, netconf, WAIT_LIMIT);
+    (run.status, run.stdout)
 }
 
 fn netconf(node: &str, socket: &str, endpoints: &str, prefix: &str, lock: &Path) -> Value {

@@ -2,10 +2,12 @@
 //! plugin calls through the agent, the agent's own counters, Debian's `promtool check metrics` on
 //! the scraped text, content negotiation, the gauges' cache, off by default, bad addresses.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,13 +20,6 @@ use serde_json::{json, Value};
 const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
 /// Longest a plugin call may take before the test calls it a hang.
 const HANG_GUARD: Duration = Duration::from_secs(60);
-
-fn plugin() -> PathBuf {
-    static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    PLUGIN
-        .get_or_init(|| blockipam_store::testing::build_plugin_beside(Path::new(AGENT)))
-        .clone()
-}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -144,39 +139,12 @@ impl Agent {
 
     /// One real plugin ADD through this agent; returns the address.
     fn add(&self, node: &str, container: &str) -> String {
-        let plugin = plugin();
-        let mut child = Command::new(&plugin)
-            .env_clear()
-            .env("CNI_COMMAND", "ADD")
-            .env("CNI_CONTAINERID", container)
-            .env("CNI_NETNS", "/var/run/netns/blockipam-metrics-test")
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", plugin.parent().expect("plugin dir"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the plugin");
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(self.netconf(node).to_string().as_bytes())
-                .expect("write the netconf");
-        }
-        let deadline = Instant::now() + HANG_GUARD;
-        while child.try_wait().expect("poll the plugin").is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("the plugin (ADD {container}) hung for {HANG_GUARD:?}");
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let output = child.wait_with_output().expect("plugin output");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success(),
-            "ADD {container} on {node}: {}\n{stdout}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
+        let run = common::run_plugin("ADD", container, &self.netconf(node), HANG_GUARD);
+        let stdout = run.stdout;
+        assert_eq!(
+            run.status, 0,
+            "ADD {container} on {node}: {stdout}\n{}",
+            run.stderr
         );
         let result: Value = serde_json::from_str(&stdout).expect("a CNI result");
         result["ips"][0]["address"]

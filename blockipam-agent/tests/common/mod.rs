@@ -203,3 +203,83 @@ pub fn wait_for_path(path: &Path, limit: Duration) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The real `blockipam` plugin, built once beside this test's `blockipam-agent` binary.
+pub fn plugin() -> PathBuf {
+    static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PLUGIN
+        .get_or_init(|| {
+            blockipam_store::testing::build_plugin_beside(Path::new(env!(
+                "CARGO_BIN_EXE_blockipam-agent"
+            )))
+        })
+        .clone()
+}
+
+/// What one plugin call produced.
+#[derive(Debug)]
+pub struct PluginRun {
+    /// Exit status (-1 when killed by a signal).
+    pub status: i32,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+}
+
+/// Runs the real plugin once for `command` on `container` (interface eth0) with `netconf` on
+/// stdin, killing it and failing the test if it outlives `hang_guard` (a safety net, not a timing
+/// assertion).
+pub fn run_plugin(
+    command: &str,
+    container: &str,
+    netconf: &serde_json::Value,
+    hang_guard: Duration,
+) -> PluginRun {
+    use std::io::{Read as _, Write as _};
+    use std::process::{Command, Stdio};
+    let plugin = plugin();
+    let mut child = Command::new(&plugin)
+        .env_clear()
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", container)
+        .env("CNI_NETNS", "/var/run/netns/blockipam-agent-test")
+        .env("CNI_IFNAME", "eth0")
+        .env("CNI_PATH", plugin.parent().expect("plugin dir"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the plugin");
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(netconf.to_string().as_bytes());
+    }
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let out = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stdout.read_to_string(&mut text);
+        text
+    });
+    let err = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let deadline = Instant::now() + hang_guard;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("poll the plugin") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the plugin ({command} {container}) hung for {hang_guard:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    PluginRun {
+        status: status.code().unwrap_or(-1),
+        stdout: out.join().expect("stdout reader"),
+        stderr: err.join().expect("stderr reader"),
+    }
+}
