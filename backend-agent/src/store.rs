@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::BufReader;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -19,6 +20,9 @@ use crate::protocol::{
     encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
     StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
 };
+
+/// The read buffer of a connection: most answers fit whole (larger ones are read past it).
+const READ_BUFFER_BYTES: usize = 16 * 1024;
 
 /// A store served by a blockipam agent, reached over its unix socket.
 ///
@@ -387,7 +391,9 @@ async fn write_loop(
     // Every handle of the store is gone: dropping `writer` ends the stream for the agent.
 }
 
-async fn read_loop(mut reader: OwnedReadHalf, shared: Arc<Shared>) {
+async fn read_loop(reader: OwnedReadHalf, shared: Arc<Shared>) {
+    // Buffered: an answer's length and payload in one system call.
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, reader);
     loop {
         match read_frame::<_, ResponseFrame>(&mut reader, MAX_RESPONSE_BYTES).await {
             Ok(Some(frame)) => shared.deliver(frame.id, Ok(frame.response)),

@@ -14,7 +14,7 @@ use ipam_core::dead_nodes::{
     ReclaimOptions, RESERVATION_NODE,
 };
 use ipam_core::model::validate_host;
-use ipam_core::{Condition, KvStore, Revision};
+use ipam_core::{Condition, EmptyBlockFilter, Ipam, KvStore, Revision};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -37,6 +37,9 @@ pub struct LivenessSettings {
     pub interval: Duration,
     /// False: keep this node's liveness, never reclaim others (`--no-reclaim`).
     pub reclaim: bool,
+    /// As reclaimer leader, release the empty blocks hosts no longer need once they have been
+    /// empty this long (`--empty-block-release-seconds`; `None`: never).
+    pub empty_block_release: Option<Duration>,
 }
 
 /// Calico's node-name file, read when `--node` is not given (what the plugin reads too).
@@ -65,6 +68,8 @@ impl LivenessSettings {
             grace: Duration::from_secs(args.dead_node_grace_seconds),
             interval: Duration::from_secs(args.reclaim_interval_seconds),
             reclaim: !args.no_reclaim,
+            empty_block_release: (args.empty_block_release_seconds > 0)
+                .then(|| Duration::from_secs(args.empty_block_release_seconds)),
         })
     }
 }
@@ -239,9 +244,10 @@ async fn reclaim_if_leader(
             return;
         }
     };
+    let leader_guard = Condition::at_revision(&leader_key, Revision(revision));
     let options = ReclaimOptions {
         grace: settings.grace,
-        extra_guard: vec![Condition::at_revision(&leader_key, Revision(revision))],
+        extra_guard: vec![leader_guard.clone()],
     };
     match reclaim_pass(Arc::clone(store), unix_now(), &options).await {
         Ok(outcomes) => {
@@ -250,6 +256,23 @@ async fn reclaim_if_leader(
             }
         }
         Err(e) => tracing::warn!("reclaimer: the pass failed: {e}"),
+    }
+    if let Some(age) = settings.empty_block_release {
+        // The same pass as `blockipamctl blocks release-empty --apply`, guarded by the leadership.
+        let ipam = Ipam::new(Arc::clone(store)).guarded_by(vec![leader_guard]);
+        let filter = EmptyBlockFilter {
+            older_than_seconds: age.as_secs(),
+            only_unselected: false,
+        };
+        match ipam.release_empty_blocks(filter, true).await {
+            Ok(blocks) => {
+                let released = blocks.iter().filter(|b| b.released).count();
+                if released > 0 {
+                    tracing::info!(released, "reclaimer: released empty blocks hosts no longer need");
+                }
+            }
+            Err(e) => tracing::warn!("reclaimer: releasing empty blocks failed: {e}"),
+        }
     }
 }
 

@@ -1,20 +1,28 @@
-//! The server: an accept loop, one task per connection (peer credentials checked first), one task
-//! per request, answers written back in whatever order they finish; bounded shutdown.
+//! The server: an accept loop, one task per connection (peer credentials checked first) that reads
+//! requests, answers the first one in flight itself and runs any others beside it as tasks of
+//! their own, and writes answers back in whatever order they finish; bounded shutdown.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use backend_agent::protocol::{
-    encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
-    StoreIdentity, WireError, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
+    encode_frame, read_frame, write_frame, FrameError, Request, RequestFrame, Response,
+    ResponseFrame, StoreIdentity, WireError, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
+    PROTOCOL_VERSION,
 };
 use ipam_core::{KvError, KvStore, Read};
+use tokio::io::BufReader;
+use tokio::net::unix::OwnedReadHalf;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::metrics::{AgentMetrics, ConnectionOutcome};
+
+/// The read buffer of a connection: most request frames fit whole (larger ones are read past it).
+const READ_BUFFER_BYTES: usize = 16 * 1024;
 
 /// How the server treats its peers and its shutdown.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,33 +149,80 @@ async fn serve_connection(
     }
     tracing::debug!(uid, pid = ?pid, "connection accepted");
     count_connection(&config, ConnectionOutcome::Accepted);
-    let (mut reader, mut writer) = stream.into_split();
+    let (reader, mut writer) = stream.into_split();
     let limit = config.max_in_flight_per_connection.max(1);
-    let (answers, mut outgoing) = mpsc::channel::<Vec<u8>>(limit);
-    let write_task = tokio::spawn(async move {
-        while let Some(frame) = outgoing.recv().await {
-            if let Err(e) = write_frame(&mut writer, &frame).await {
-                tracing::debug!("a client went away before its answer was written: {e}");
-                return;
-            }
-        }
-    });
-    let permits = Arc::new(Semaphore::new(limit));
-    let mut requests = JoinSet::new();
+    // The request a client waits on (a plugin call has one at a time) runs on this task and its
+    // answer is written from here: no task spawned, no channel, no other thread woken between
+    // the store's answer and the socket. Requests read while it is in flight run as tasks of
+    // their own; their answers come back here to be written.
+    let mut inline: Option<Answering> = None;
+    let mut requests: JoinSet<Option<Vec<u8>>> = JoinSet::new();
+    // One read in progress at a time, kept across iterations so that no frame is half read.
+    let mut reading = Some(read_next(BufReader::with_capacity(READ_BUFFER_BYTES, reader)));
     let mut greeted = false;
-    while !*stopped.borrow() {
-        // Reading a frame is not cancelled by anything but shutdown, so no frame is half read.
-        let frame = tokio::select! {
-            _ = stopped.changed() => break,
-            frame = read_frame::<_, RequestFrame>(&mut reader, MAX_REQUEST_BYTES) => frame,
-        };
-        let frame = match frame {
-            Ok(Some(frame)) => frame,
-            Ok(None) => break,
-            Err(e) => {
-                tracing::debug!(uid, "closing a connection: {e}");
+    let mut writable = true;
+    let mut server_gone = false;
+    loop {
+        let in_flight = usize::from(inline.is_some()) + requests.len();
+        if reading.is_none() && in_flight == 0 {
+            break;
+        }
+        let stopping = server_gone || *stopped.borrow();
+        if stopping {
+            // Shutdown: no new request is read; those already read are answered (the
+            // server's drain timeout bounds this).
+            reading = None;
+            if in_flight == 0 {
                 break;
             }
+        }
+        let can_read = reading.is_some() && in_flight < limit;
+        let event = tokio::select! {
+            answer = poll_answering(&mut inline) => {
+                inline = None;
+                Event::Answer(answer)
+            }
+            Some(joined) = requests.join_next(), if !requests.is_empty() => match joined {
+                Ok(answer) => Event::Answer(answer),
+                Err(e) => {
+                    tracing::warn!("a request of uid {uid} failed without an answer: {e}");
+                    continue;
+                }
+            },
+            (reader, frame) = poll_reading(&mut reading), if can_read => Event::Frame(reader, frame),
+            changed = stopped.changed(), if !stopping => {
+                // A server gone without a word stops this connection as a shutdown does.
+                server_gone = changed.is_err();
+                continue;
+            }
+        };
+        let frame = match event {
+            Event::Answer(answer) => {
+                if let (Some(bytes), true) = (answer, writable) {
+                    if let Err(e) = write_frame(&mut writer, &bytes).await {
+                        tracing::debug!("a client went away before its answer was written: {e}");
+                        // Requests already read still run to the end; nothing more is read.
+                        writable = false;
+                        reading = None;
+                    }
+                }
+                continue;
+            }
+            Event::Frame(reader, frame) => match frame {
+                Ok(Some(frame)) => {
+                    reading = Some(read_next(reader));
+                    frame
+                }
+                Ok(None) => {
+                    reading = None;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(uid, "closing a connection: {e}");
+                    reading = None;
+                    continue;
+                }
+            },
         };
         if !greeted {
             let response = match frame.request {
@@ -187,40 +242,85 @@ async fn serve_connection(
                     reason: format!("the first request must be a hello, not a {}", other.kind()),
                 },
             };
-            let refused = !greeted;
             if let Some(bytes) = encode(frame.id, response) {
-                let _ = answers.send(bytes).await;
+                if let Err(e) = write_frame(&mut writer, &bytes).await {
+                    tracing::debug!("a client went away before its hello was answered: {e}");
+                    break;
+                }
             }
-            if refused {
+            if !greeted {
                 break;
             }
             continue;
         }
-        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-            break;
-        };
-        let store = Arc::clone(&store);
-        let answers = answers.clone();
-        let served = config.served.clone();
-        let metrics = config.metrics.clone();
-        requests.spawn(async move {
-            let kind = frame.request.kind();
-            let started = std::time::Instant::now();
-            let response = answer(&*store, frame.request, served).await;
-            if let Some(metrics) = &metrics {
-                metrics.observe_request(kind, started.elapsed());
-            }
-            if let Some(bytes) = encode(frame.id, response) {
-                let _ = answers.send(bytes).await;
-            }
-            drop(permit);
-        });
-        while requests.try_join_next().is_some() {}
+        let answering = respond(Arc::clone(&store), frame, &config);
+        if inline.is_none() {
+            inline = Some(answering);
+        } else {
+            requests.spawn(answering);
+        }
     }
-    // Requests already read are answered (the server's drain timeout bounds this).
-    while requests.join_next().await.is_some() {}
-    drop(answers);
-    let _ = write_task.await;
+    // Dropping the write half ends the stream for the client.
+    drop(writer);
+}
+
+/// The encoded answer to one request, `None` when it cannot be encoded at all.
+type Answering = Pin<Box<dyn Future<Output = Option<Vec<u8>>> + Send>>;
+
+/// A read of the next request frame; it hands the read half back with the frame.
+type Reading =
+    Pin<Box<dyn Future<Output = (ConnectionReader, Result<Option<RequestFrame>, FrameError>)> + Send>>;
+
+/// The read half of a connection, buffered: a frame's length and payload in one system call.
+type ConnectionReader = BufReader<OwnedReadHalf>;
+
+/// What happened on a connection.
+enum Event {
+    /// A request's answer is ready (`None`: it could not be encoded).
+    Answer(Option<Vec<u8>>),
+    /// The next frame (or the end of the stream, or a failure), with the read half.
+    Frame(ConnectionReader, Result<Option<RequestFrame>, FrameError>),
+}
+
+fn read_next(mut reader: ConnectionReader) -> Reading {
+    Box::pin(async move {
+        // Reading a frame is cancelled by nothing: this future lives until it completes.
+        let frame = read_frame::<_, RequestFrame>(&mut reader, MAX_REQUEST_BYTES).await;
+        (reader, frame)
+    })
+}
+
+/// Waits for the request answered on the connection's task; never completes when there is none.
+async fn poll_answering(inline: &mut Option<Answering>) -> Option<Vec<u8>> {
+    match inline {
+        Some(answering) => answering.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits for the read in progress; never completes when there is none.
+async fn poll_reading(
+    reading: &mut Option<Reading>,
+) -> (ConnectionReader, Result<Option<RequestFrame>, FrameError>) {
+    match reading {
+        Some(read) => read.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Answers one request: runs it on the store, records its latency, encodes the answer.
+fn respond(store: Arc<dyn KvStore>, frame: RequestFrame, config: &ServerConfig) -> Answering {
+    let served = config.served.clone();
+    let metrics = config.metrics.clone();
+    Box::pin(async move {
+        let kind = frame.request.kind();
+        let started = std::time::Instant::now();
+        let response = answer(&*store, frame.request, served).await;
+        if let Some(metrics) = &metrics {
+            metrics.observe_request(kind, started.elapsed());
+        }
+        encode(frame.id, response)
+    })
 }
 
 fn count_connection(config: &ServerConfig, outcome: ConnectionOutcome) {

@@ -45,6 +45,8 @@ pub struct ImportReport {
     pub allocations: usize,
     /// Handles imported.
     pub handles: usize,
+    /// IP reservations imported.
+    pub reservations: usize,
     /// The IPAM configuration written.
     pub config: IpamConfig,
     /// Whether Calico stored a configuration (else its defaults were imported).
@@ -75,6 +77,7 @@ impl ImportReport {
             affine_blocks: plan.blocks.iter().filter(|b| b.affinity.is_some()).count(),
             allocations: plan.expected.len(),
             handles: plan.handles.len(),
+            reservations: plan.reservations.len(),
             config: plan.config,
             config_from_calico: plan.config_stored,
             sequence_floor: plan.sequence_floor,

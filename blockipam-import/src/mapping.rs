@@ -10,6 +10,7 @@ use ipam_core::model::{
     DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, V4_BLOCK_SIZES,
     V6_BLOCK_SIZES,
 };
+use ipam_core::reservations::{validate_reservation, validate_reservation_name, Reservation};
 use ipam_core::selector::Selector;
 use ipam_core::{AllowedUses, Ipam, IpamConfig, IpamError, Pool, PoolPolicy, PoolSpec};
 use ipnet::IpNet;
@@ -72,6 +73,8 @@ pub struct ImportPlan {
     pub expected: Vec<ExpectedAllocation>,
     /// What was not mapped, and what was done about it.
     pub not_mapped: Vec<NotMapped>,
+    /// IP reservations (Calico's `IPReservation`s), sorted by name.
+    pub reservations: Vec<Reservation>,
 }
 
 /// The plan, and the reasons (if any) it must not be written.
@@ -234,17 +237,7 @@ pub fn map(snapshot: &CalicoSnapshot) -> Mapping {
     let handles = derive_handles(&blocks);
     compare_handles(snapshot, &handles, &mut not_mapped);
 
-    for (name, reservation) in &snapshot.reservations {
-        let cidrs = reservation.spec.reserved_cidrs.clone().unwrap_or_default();
-        not_mapped.push(NotMapped {
-            object: format!("ipreservation {name}"),
-            field: "spec.reservedCIDRs".into(),
-            value: Value::from(cidrs).to_string(),
-            note: "not mapped: blockipam has no IP reservations yet; free addresses in these \
-                   ranges may be handed out"
-                .into(),
-        });
-    }
+    let reservations = map_reservations(snapshot, &mut not_mapped);
     for key in &snapshot.unrecognised {
         not_mapped.push(NotMapped {
             object: key.clone(),
@@ -271,9 +264,78 @@ pub fn map(snapshot: &CalicoSnapshot) -> Mapping {
             sequence_floor,
             expected,
             not_mapped,
+            reservations,
         },
         refusals,
     }
+}
+
+/// Calico's IP reservations as blockipam reservations: a single address becomes a /32 or /128,
+/// host bits are cleared as Calico's own filter does (reported), repeats are dropped; a name or
+/// an entry blockipam cannot hold is reported and left out.
+fn map_reservations(
+    snapshot: &CalicoSnapshot,
+    not_mapped: &mut Vec<NotMapped>,
+) -> Vec<Reservation> {
+    let mut reservations = Vec::new();
+    for (name, calico) in &snapshot.reservations {
+        let object = format!("ipreservation {name}");
+        let listed = calico.spec.reserved_cidrs.clone().unwrap_or_default();
+        let mut report = |value: String, note: &str| {
+            not_mapped.push(NotMapped {
+                object: object.clone(),
+                field: "spec.reservedCIDRs".into(),
+                value,
+                note: note.to_owned(),
+            });
+        };
+        if validate_reservation_name(name).is_err() {
+            report(
+                Value::from(listed).to_string(),
+                "not mapped: the name is not a valid blockipam reservation name; free addresses \
+                 in these ranges may be handed out",
+            );
+            continue;
+        }
+        let mut cidrs: Vec<IpNet> = Vec::new();
+        for text in &listed {
+            let parsed = text
+                .parse::<IpAddr>()
+                .map(IpNet::from)
+                .or_else(|_| text.parse::<IpNet>());
+            match parsed {
+                Ok(cidr) => {
+                    if cidr.trunc() != cidr {
+                        report(
+                            Value::from(text.as_str()).to_string(),
+                            &format!("host bits cleared: imported as {}", cidr.trunc()),
+                        );
+                    }
+                    if !cidrs.contains(&cidr.trunc()) {
+                        cidrs.push(cidr.trunc());
+                    }
+                }
+                Err(_) => report(
+                    Value::from(text.as_str()).to_string(),
+                    "not mapped: neither an address nor a CIDR; left out of the reservation",
+                ),
+            }
+        }
+        let reservation = Reservation {
+            name: name.clone(),
+            cidrs,
+        };
+        if let Err(e) = validate_reservation(&reservation) {
+            report(
+                Value::from(listed).to_string(),
+                &format!("not mapped ({e}); free addresses in these ranges may be handed out"),
+            );
+            continue;
+        }
+        reservations.push(reservation);
+    }
+    reservations.sort_by(|a, b| a.name.cmp(&b.name));
+    reservations
 }
 
 fn map_pools(

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_CONDITIONS, MAX_TXN_OPS};
 use ipam_core::model::{block_entries, decode, decode_pool, encode, keys, Block, Handle, ROOT};
+use ipam_core::reservations::{decode_reservations, reservation_key, reservations_dir};
 use ipam_core::{Condition, Ipam, IpamConfig, KeyValue, KvStore, Op, Pool, Txn};
 use serde::{Deserialize, Serialize};
 
@@ -64,7 +65,8 @@ pub async fn inspect_target(target: &Arc<dyn KvStore>) -> Result<TargetState, Im
 pub type Unit = Vec<(String, Vec<u8>)>;
 
 /// Every key and value the plan stores, in write order: the sequence floor, the config, each
-/// block with its claim entry, the handles, then the pools and the pool generation counter.
+/// block with its claim entry, the handles, the pools, the IP reservations, then the pool
+/// generation counter.
 ///
 /// # Errors
 /// [`ImportError::Target`] when an object cannot be encoded.
@@ -85,6 +87,12 @@ pub fn planned_units(plan: &ImportPlan) -> Result<Vec<Unit>, ImportError> {
     }
     for pool in &plan.pools {
         units.push(vec![(keys::pool(&pool.name), encode(pool)?)]);
+    }
+    for reservation in &plan.reservations {
+        units.push(vec![(
+            reservation_key(&reservation.name),
+            encode(reservation)?,
+        )]);
     }
     if !plan.pools.is_empty() {
         units.push(vec![(
@@ -256,7 +264,9 @@ pub async fn write(
     Ok(outcome)
 }
 
-fn decoded<T: serde::de::DeserializeOwned>(kvs: &[KeyValue]) -> Result<Vec<T>, ImportError> {
+fn decoded<T: serde::de::DeserializeOwned + 'static>(
+    kvs: &[KeyValue],
+) -> Result<Vec<T>, ImportError> {
     kvs.iter()
         .map(|kv| decode(&kv.key, &kv.value).map_err(ImportError::from))
         .collect()
@@ -346,6 +356,11 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
     pools.sort_by(|a, b| a.name.cmp(&b.name));
     if pools != plan.pools {
         return fail("the stored pools differ from the plan".into());
+    }
+    let mut reservations = decode_reservations(&target.list(&reservations_dir()).await?)?;
+    reservations.sort_by(|a, b| a.name.cmp(&b.name));
+    if reservations != plan.reservations {
+        return fail("the stored IP reservations differ from the plan".into());
     }
     let config: Option<IpamConfig> = match target.get(&keys::config()).await? {
         Some(kv) => Some(decode(&kv.key, &kv.value)?),

@@ -126,9 +126,14 @@ fn what_blockipam_lacks_is_reported_with_its_value_never_guessed() {
         find("affinity node-c 10.244.0.128/26", "state").value,
         "\"pending\""
     );
-    assert!(find("ipreservation reserved-edge", "spec.reservedCIDRs")
-        .value
-        .contains("10.244.0.200/30"));
+    assert!(
+        !plan
+            .not_mapped
+            .iter()
+            .any(|n| n.object.contains("ipreservation")),
+        "IP reservations are mapped now: {:#?}",
+        plan.not_mapped
+    );
     assert_eq!(find("ipam config", "ipCooldownSeconds").value, "30");
     assert!(find("allocations", "secondary.owner.example.com/team")
         .note
@@ -204,6 +209,66 @@ fn allocation_without_a_handle_refuses() {
         "{:?}",
         mapping.refusals
     );
+}
+
+#[test]
+fn calico_ip_reservations_become_stored_reservations_counted_as_reserved() {
+    let fixture = sample_cluster().reservation(
+        "odd",
+        &[
+            "10.244.0.129/30",
+            "not-an-address",
+            "10.244.0.64",
+            "10.244.0.64/32",
+        ],
+    );
+    let plan = plan_import(&snapshot(&fixture)).expect("maps");
+    let cidrs = |name: &str| -> Vec<String> {
+        plan.reservations
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("reservation {name} in {:#?}", plan.reservations))
+            .cidrs
+            .iter()
+            .map(|c| c.to_string())
+            .collect()
+    };
+    assert_eq!(
+        cidrs("reserved-edge"),
+        vec!["10.244.0.200/30", "fd00:10:244::ff/128"]
+    );
+    // Host bits cleared (as Calico's filter does), the repeat dropped, the junk left out.
+    assert_eq!(cidrs("odd"), vec!["10.244.0.128/30", "10.244.0.64/32"]);
+    let notes: Vec<&str> = plan
+        .not_mapped
+        .iter()
+        .filter(|n| n.object == "ipreservation odd")
+        .map(|n| n.note.as_str())
+        .collect();
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(
+        notes.iter().any(|n| n.contains("10.244.0.128/30")),
+        "{notes:?}"
+    );
+    assert!(notes.iter().any(|n| n.contains("neither")), "{notes:?}");
+
+    block_on(async {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let state = inspect_target(&store).await.expect("inspect");
+        writer::write(&store, &plan, &state, "test source")
+            .await
+            .expect("write and verify");
+        let ipam = Ipam::new(store.clone());
+        let stored = ipam.list_reservations().await.expect("list");
+        assert_eq!(stored, plan.reservations);
+        let usage = ipam.utilization().await.expect("usage");
+        let v4 = usage
+            .pools
+            .iter()
+            .find(|p| p.pool.cidr.contains(&ip("10.244.0.200")))
+            .expect("the IPv4 pool");
+        assert_eq!(v4.reserved, 4 + 4 + 1);
+    });
 }
 
 #[test]

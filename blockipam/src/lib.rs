@@ -44,6 +44,8 @@ pub const ABOUT: &str = concat!(
 const ETCD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest one etcd request may take (see [`etcd_timeouts`]).
 const ETCD_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Initial size of the buffer the netconf is read into (it grows for a larger one).
+const NETCONF_READ_CAPACITY: usize = 64 * 1024;
 /// Longest accepted interface name (Linux `IFNAMSIZ` - 1).
 const MAX_IFNAME_LEN: usize = 15;
 
@@ -158,9 +160,13 @@ pub fn run_with_log_sink(
         Ok(Some(value)) => (value, 0),
         Err(error) => (error.to_json(&version), 1),
     };
-    let written = serde_json::to_writer_pretty(&mut *stdout, &value)
+    // One write for the whole answer (stdout is line-buffered: one system call per line otherwise).
+    let written = serde_json::to_vec_pretty(&value)
         .map_err(std::io::Error::from)
-        .and_then(|()| stdout.write_all(b"\n"))
+        .and_then(|mut bytes| {
+            bytes.push(b'\n');
+            stdout.write_all(&bytes)
+        })
         .and_then(|()| stdout.flush());
     match written {
         Ok(()) => status,
@@ -271,7 +277,8 @@ fn execute(
     if command == Command::Version {
         return Ok(Some(version_info()));
     }
-    let mut input = Vec::new();
+    // Sized for any ordinary netconf, so that it is read in one system call.
+    let mut input = Vec::with_capacity(NETCONF_READ_CAPACITY);
     stdin
         .read_to_end(&mut input)
         .map_err(|e| CniError::new(codes::IO_FAILURE, format!("error reading from stdin: {e}")))?;

@@ -1328,7 +1328,7 @@ fn fuzz_inputs(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
 
 fn decodes_consistently<T>(bytes: &[u8]) -> bool
 where
-    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
+    T: serde::Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug + 'static,
 {
     let Ok(value) = ipam_core::model::decode::<T>("fuzz", bytes) else {
         return false;
@@ -1365,7 +1365,7 @@ fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
     affine.allocate_next(&attribute("testnet.c1", "eth0"));
     affine.allocate_next(&attribute("testnet.c2", "eth0"));
     affine.allocate_next(&attribute("testnet.c2", "net1"));
-    affine.release_ordinal(1);
+    affine.release_ordinal(1, ipam_core::Lifetime::default());
     let mut unaffine = Block::new(net("fd00:10:244::/122"), None, 0);
     unaffine.allocate_next(&attribute("testnet.c1", "eth0"));
     let mut handle = Handle::default();

@@ -608,6 +608,7 @@ fn node_block_limit_is_code_101_and_changes_nothing(mode: Mode) {
             strict_affinity: true,
             auto_allocate_blocks: true,
             max_blocks_per_host: 1,
+            ..IpamConfig::default()
         })
         .await
         .expect("set config");

@@ -148,6 +148,12 @@ pub enum Command {
     /// A namespace's pools: what Calico reads from a namespace's ipv4pools/ipv6pools annotations.
     #[command(subcommand)]
     Namespace(NamespaceCommand),
+    /// IP reservations: addresses auto-assign never hands out (Calico's IPReservation).
+    #[command(subcommand)]
+    Reservation(ReservationCommand),
+    /// Blocks: release the empty ones hosts no longer need.
+    #[command(subcommand)]
+    Blocks(BlocksCommand),
     /// Release the blocks and addresses of dead nodes: registered by an agent, liveness gone for
     /// longer than the grace period (etcd). Shows what it would do unless --apply.
     Gc(GcArgs),
@@ -173,9 +179,25 @@ pub enum PoolCommand {
     Disable(PoolRef),
     /// Delete a pool; refused while any address in it is allocated, unless --force.
     Delete(PoolDeleteArgs),
-    /// Change a pool's node selector, assignment mode, allowed uses or disabled flag (one
-    /// compare-and-swap; CIDR and block size never change).
+    /// Change a pool's node selector, assignment mode, allowed uses, disabled flag or block size
+    /// (one compare-and-swap; the CIDR never changes; a new block size applies to new blocks,
+    /// existing ones keep theirs and drain).
     Set(PoolSetArgs),
+    /// Replace a pool by N sub-pools (N a power of two) named split-<name>-0 .. split-<name>-(N-1),
+    /// each with the pool's settings; blocks and allocations stay, in the sub-pool containing
+    /// them; namespace pools settings naming the pool are rewritten to name the sub-pools.
+    Split(PoolSplitArgs),
+}
+
+/// `pool split`.
+#[derive(Debug, Args)]
+pub struct PoolSplitArgs {
+    /// The pool's name or CIDR.
+    #[arg(value_name = "NAME|CIDR")]
+    pub pool: String,
+    /// How many sub-pools: a power of two, 2 to 32, each at least one block large.
+    #[arg(value_name = "N")]
+    pub parts: u32,
 }
 
 /// `pool set`.
@@ -184,7 +206,7 @@ pub enum PoolCommand {
     ArgGroup::new("change")
         .required(true)
         .multiple(true)
-        .args(["node_selector", "assignment_mode", "allowed_uses", "disabled"])
+        .args(["node_selector", "assignment_mode", "allowed_uses", "disabled", "block_size"])
 ))]
 pub struct PoolSetArgs {
     /// The pool's name or CIDR.
@@ -203,6 +225,10 @@ pub struct PoolSetArgs {
     /// Disable (true) or enable (false) the pool.
     #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
     pub disabled: Option<bool>,
+    /// Block prefix length for blocks claimed from now on (IPv4 23..=32, IPv6 119..=128);
+    /// existing blocks keep their size until they are released.
+    #[arg(long, value_name = "PREFIX_LEN")]
+    pub block_size: Option<u8>,
 }
 
 /// `pool add`.
@@ -265,7 +291,7 @@ pub enum ConfigCommand {
     ArgGroup::new("setting")
         .required(true)
         .multiple(true)
-        .args(["strict_affinity", "auto_allocate_blocks", "max_blocks_per_host"])
+        .args(["strict_affinity", "auto_allocate_blocks", "max_blocks_per_host", "ip_cooldown_seconds", "empty_block_reclaim_seconds"])
 ))]
 pub struct ConfigSetArgs {
     /// Never borrow addresses from blocks affine to other hosts (true/false).
@@ -277,6 +303,14 @@ pub struct ConfigSetArgs {
     /// Most blocks of one family a host may own; 0 means unlimited.
     #[arg(long, value_name = "N")]
     pub max_blocks_per_host: Option<u32>,
+    /// Seconds a released address waits before it is handed out again (0 to 1200; Calico's
+    /// ipCooldownSeconds).
+    #[arg(long, value_name = "SECONDS")]
+    pub ip_cooldown_seconds: Option<u32>,
+    /// Seconds a block must have been empty before another host may take it over when its pools
+    /// have no unclaimed block left (default 60).
+    #[arg(long, value_name = "SECONDS")]
+    pub empty_block_reclaim_seconds: Option<u32>,
 }
 
 /// `show`.
@@ -336,6 +370,36 @@ pub struct NamespacePoolsArgs {
     /// Remove the namespace's pools.
     #[arg(long, conflicts_with_all = ["ipv4", "ipv6"])]
     pub clear: bool,
+}
+
+/// `reservation` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ReservationCommand {
+    /// Reserve CIDRs or single addresses under a new name.
+    Add(ReservationAddArgs),
+    /// List every reservation.
+    List,
+    /// Delete a reservation (its addresses may be auto-assigned again).
+    Delete(ReservationDeleteArgs),
+}
+
+/// `reservation add`.
+#[derive(Debug, Args)]
+pub struct ReservationAddArgs {
+    /// The reservation's name (letters, digits, '.', '_', '-', ':').
+    #[arg(value_name = "NAME")]
+    pub name: String,
+    /// CIDRs (no host bits) or single addresses to reserve.
+    #[arg(value_name = "CIDR|IP", required = true, num_args = 1..)]
+    pub cidrs: Vec<String>,
+}
+
+/// `reservation delete`.
+#[derive(Debug, Args)]
+pub struct ReservationDeleteArgs {
+    /// The reservation's name.
+    #[arg(value_name = "NAME")]
+    pub name: String,
 }
 
 /// `tunnel-address` subcommands.
@@ -418,6 +482,28 @@ pub struct GcArgs {
     pub grace_seconds: u64,
     /// Mark newly missing nodes and release dead ones (like `node release --addresses`); without
     /// it nothing is written
+    #[arg(long)]
+    pub apply: bool,
+}
+
+/// `blocks` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BlocksCommand {
+    /// Empty blocks hosts no longer need: each host's empty blocks beyond its newest block,
+    /// empty blocks in pools that no longer select their host, and unowned blocks whose cooling
+    /// addresses have cooled. Shows them unless --apply.
+    ReleaseEmpty(ReleaseEmptyArgs),
+}
+
+/// `blocks release-empty`.
+#[derive(Debug, Args)]
+pub struct ReleaseEmptyArgs {
+    /// Only blocks empty for at least this long: seconds, or a number with s, m, h or d
+    /// [default: the configured empty_block_reclaim_seconds]
+    #[arg(long, value_name = "DURATION")]
+    pub older_than: Option<String>,
+    /// Release them (each in its own transaction, guarded by its revision); without it nothing
+    /// is written
     #[arg(long)]
     pub apply: bool,
 }

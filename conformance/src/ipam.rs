@@ -129,6 +129,9 @@ macro_rules! ipam_conformance_tests {
         $crate::ipam_integrity_tests!($factory);
         $crate::model_based_conformance_tests!($factory);
         $crate::node_labels_conformance_tests!($factory);
+        $crate::lifecycle_conformance_tests!($factory);
+        $crate::reservations_conformance_tests!($factory);
+        $crate::resize_conformance_tests!($factory);
     };
 }
 
@@ -1083,13 +1086,17 @@ pub async fn config_round_trips_with_calico_defaults<F: StoreFactory>(factory: &
         IpamConfig {
             strict_affinity: false,
             auto_allocate_blocks: true,
-            max_blocks_per_host: 20
+            max_blocks_per_host: 20,
+            ip_cooldown_seconds: 0,
+            empty_block_reclaim_seconds: 60,
         }
     );
     let changed = IpamConfig {
         strict_affinity: true,
         auto_allocate_blocks: false,
         max_blocks_per_host: 0,
+        ip_cooldown_seconds: 1200,
+        empty_block_reclaim_seconds: 5,
     };
     ipam.set_config(&changed).await.expect("set");
     assert_eq!(ipam.get_config().await.expect("get"), changed);
@@ -1198,6 +1205,8 @@ pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(fac
             ipam_core::model::encode(&ipam_core::model::Claim {
                 affinity: Some("node-z".to_string()),
                 free: 64,
+                emptied_at: None,
+                last_cooling_release: None,
             })
             .expect("encode"),
         )
@@ -1742,7 +1751,8 @@ pub async fn concurrent_config_updates_lose_nothing<F: StoreFactory>(factory: &F
         IpamConfig {
             strict_affinity: true,
             auto_allocate_blocks: false,
-            max_blocks_per_host: 7
+            max_blocks_per_host: 7,
+            ..IpamConfig::default()
         }
     );
 }

@@ -5,9 +5,12 @@ pub mod embedded;
 pub mod integrity;
 pub mod ipam;
 pub mod kv;
+pub mod lifecycle;
 pub mod linearizability;
 pub mod model_based;
 pub mod nodes;
+pub mod reservations;
+pub mod resize;
 
 use std::any::Any;
 use std::fmt;

@@ -199,6 +199,7 @@ impl ModelConfig {
             strict_affinity: self.strict_affinity,
             auto_allocate_blocks: self.auto_allocate_blocks,
             max_blocks_per_host: self.max_blocks_per_host,
+            ..IpamConfig::default()
         }
     }
 }

@@ -78,6 +78,27 @@ impl CheckReport {
     }
 }
 
+/// Reports blocks of different CIDRs that share addresses (possible only when a pool's blocks
+/// have mixed sizes; the same CIDR stored twice is reported where it is seen).
+fn overlapping_blocks(blocks: &[Stored<Block>], report: &mut CheckReport) {
+    let mut cidrs: Vec<IpNet> = blocks.iter().map(|b| b.value.cidr).collect();
+    cidrs.sort_by_key(|c| (Family::of_net(c), c.network(), c.prefix_len()));
+    cidrs.dedup();
+    // Aligned CIDRs nest or are disjoint: in address order, an overlap is a CIDR inside the
+    // widest one that started before it and still covers it.
+    let mut cover: Option<IpNet> = None;
+    for cidr in cidrs {
+        match cover {
+            Some(outer) if outer.contains(&cidr.network()) => report.problem(
+                kinds::OVERLAPPING_BLOCKS,
+                false,
+                format!("blocks {outer} and {cidr} overlap"),
+            ),
+            _ => cover = Some(cidr),
+        }
+    }
+}
+
 /// Everything the check reads, from one batched read.
 struct Snapshot {
     pools: Vec<Stored<Pool>>,
@@ -99,6 +120,8 @@ impl Ipam {
         let snapshot = self.read_snapshot(&mut report).await?;
         let mut expected_handles: BTreeMap<String, BTreeMap<IpNet, u32>> = BTreeMap::new();
         let mut seen_cidrs: BTreeMap<IpNet, String> = BTreeMap::new();
+        let mixed_pools = self.pools_with_mixed_sizes(&snapshot.pools).await?;
+        overlapping_blocks(&snapshot.blocks, &mut report);
 
         for (i, a) in snapshot.pools.iter().enumerate() {
             for b in &snapshot.pools[i + 1..] {
@@ -152,17 +175,34 @@ impl Ipam {
                     false,
                     format!("block {} lies in no pool", block.cidr),
                 ),
-                Some(pool) if pool.value.block_size != block.cidr.prefix_len() => report.problem(
-                    kinds::BLOCK_SIZE_MISMATCH,
-                    false,
-                    format!(
-                        "block {} is /{} but pool {} uses /{} blocks",
-                        block.cidr,
-                        block.cidr.prefix_len(),
-                        pool.value.name,
-                        pool.value.block_size
+                Some(pool) if block.cidr.prefix_len() < pool.value.cidr.prefix_len() => report
+                    .problem(
+                        kinds::BLOCK_SIZE_MISMATCH,
+                        false,
+                        format!(
+                            "block {} is larger than its pool {} ({})",
+                            block.cidr, pool.value.name, pool.value.cidr
+                        ),
                     ),
-                ),
+                // A block of a former size is fine once the pool records its size change (the
+                // record is what sends lookups in the pool to the claim index).
+                Some(pool)
+                    if pool.value.block_size != block.cidr.prefix_len()
+                        && !mixed_pools.contains(&pool.value.name) =>
+                {
+                    report.problem(
+                        kinds::BLOCK_SIZE_MISMATCH,
+                        false,
+                        format!(
+                            "block {} is /{} but pool {} uses /{} blocks and records no block \
+                             size change",
+                            block.cidr,
+                            block.cidr.prefix_len(),
+                            pool.value.name,
+                            pool.value.block_size
+                        ),
+                    )
+                }
                 Some(_) => {}
             }
             for detail in block.self_check() {
@@ -286,6 +326,7 @@ impl Ipam {
                 Read::List(keys::claims_dir()),
                 Read::List(keys::handles_dir()),
                 Read::Get(keys::config()),
+                Read::List(crate::reservations::reservations_dir()),
             ])
             .await?;
         let mut lists = Vec::new();
@@ -296,7 +337,7 @@ impl Ipam {
                 crate::kv::ReadResult::Got(kv) => config = kv,
             }
         }
-        let [pools, blocks, claims, handles]: [Vec<crate::kv::KeyValue>; 4] =
+        let [pools, blocks, claims, handles, reservations]: [Vec<crate::kv::KeyValue>; 5] =
             lists.try_into().map_err(|_| {
                 IpamError::Store(KvError::other(
                     "read_many returned the wrong number of results",
@@ -313,6 +354,11 @@ impl Ipam {
         };
         if let Some(kv) = config {
             if let Err(e) = decode::<IpamConfig>(&kv.key, &kv.value) {
+                corrupt(&kv.key, e);
+            }
+        }
+        for kv in &reservations {
+            if let Err(e) = crate::reservations::decode_reservations(std::slice::from_ref(kv)) {
                 corrupt(&kv.key, e);
             }
         }

@@ -51,6 +51,12 @@ pub enum IpamError {
     /// A pool with this name exists already.
     #[error("an IP pool named {0:?} already exists")]
     PoolExists(String),
+    /// No IP reservation has this name.
+    #[error("no IP reservation named {0:?}")]
+    ReservationNotFound(String),
+    /// An IP reservation with this name exists already.
+    #[error("an IP reservation named {0:?} already exists")]
+    ReservationExists(String),
     /// The new pool overlaps an existing one.
     #[error("IP pool {cidr} overlaps existing pool {existing:?} ({existing_cidr})")]
     PoolOverlap {

@@ -14,9 +14,11 @@ use crate::selector::Selector;
 pub const ROOT: &str = "ipam/v1/";
 /// Format version written as the first byte of every stored value. Version 2 added the block's
 /// free-address count to its claim index entry ([`Claim`]); version 3 added a pool's node
-/// selector, assignment mode and allowed uses ([`Pool`]); every other object is laid out as in
-/// version 1.
-pub const FORMAT_VERSION: u8 = 3;
+/// selector, assignment mode and allowed uses ([`Pool`]); version 4 added a block's claim and
+/// empty timestamps and cooling addresses ([`Block`], [`Claim`]) and the IP cooldown and
+/// empty-block reclaim settings ([`IpamConfig`]); every other object is laid out as in version 1.
+/// Older layouts are read by [`crate::formats`].
+pub const FORMAT_VERSION: u8 = 4;
 /// Oldest format version this build reads. Objects of an older version are rewritten in the
 /// current version the next time they are written (`docs/data-model.md`, "Format versions").
 pub const OLDEST_READABLE_FORMAT_VERSION: u8 = 1;
@@ -232,7 +234,7 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, IpamError> {
 
 /// Splits a stored value into its format version and body; a version this build cannot read is
 /// [`IpamError::Corrupt`] naming the key.
-fn versioned<'a>(key: &str, bytes: &'a [u8]) -> Result<(u8, &'a [u8]), IpamError> {
+pub(crate) fn versioned<'a>(key: &str, bytes: &'a [u8]) -> Result<(u8, &'a [u8]), IpamError> {
     let (&version, body) = bytes.split_first().ok_or_else(|| IpamError::Corrupt {
         key: key.to_owned(),
         message: "empty value".into(),
@@ -249,7 +251,7 @@ fn versioned<'a>(key: &str, bytes: &'a [u8]) -> Result<(u8, &'a [u8]), IpamError
 }
 
 /// Decodes one bincode body that must fill `body` exactly.
-fn decode_body<T: DeserializeOwned>(key: &str, body: &[u8]) -> Result<T, IpamError> {
+pub(crate) fn decode_body<T: DeserializeOwned>(key: &str, body: &[u8]) -> Result<T, IpamError> {
     let corrupt = |message: String| IpamError::Corrupt {
         key: key.to_owned(),
         message,
@@ -264,8 +266,16 @@ fn decode_body<T: DeserializeOwned>(key: &str, body: &[u8]) -> Result<T, IpamErr
 
 /// Decodes a stored object written by [`encode`]; any damage is a [`IpamError::Corrupt`] naming the key.
 /// Claim index entries have their own reader, [`decode_claim`].
-pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
-    let (_, body) = versioned(key, bytes)?;
+///
+/// Objects whose layout changed since format 1 (pools, blocks, the IPAM config) are read from
+/// whichever readable version they were written in ([`crate::formats`]).
+pub fn decode<T: DeserializeOwned + 'static>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
+    let (version, body) = versioned(key, bytes)?;
+    if version < FORMAT_VERSION {
+        if let Some(upgraded) = crate::formats::decode_older::<T>(key, version, body)? {
+            return Ok(upgraded);
+        }
+    }
     decode_body(key, body)
 }
 
@@ -276,11 +286,15 @@ pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, IpamErr
 pub struct Claim {
     /// The block's affine host; `None` for a block nobody owns.
     pub affinity: Option<String>,
-    /// Free addresses in the block when it was last written.
+    /// Free addresses in the block when it was last written (cooling addresses included).
     pub free: u32,
+    /// The block's [`Block::emptied_at`] (format 4).
+    pub emptied_at: Option<u64>,
+    /// When the newest of the block's cooling addresses was released (format 4).
+    pub last_cooling_release: Option<u64>,
 }
 
-/// A decoded claim index entry, of either format version.
+/// A decoded claim index entry, of any format version.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimEntry {
     /// The block's affine host; `None` for a block nobody owns.
@@ -288,6 +302,28 @@ pub struct ClaimEntry {
     /// Free addresses; `None` in an entry written by format 1, which recorded only the host (the
     /// block's next write records it).
     pub free: Option<u32>,
+    /// When the block last became empty; `None` while it holds allocations, or when the entry
+    /// was written by format 3 or earlier.
+    pub emptied_at: Option<u64>,
+    /// When the newest of its cooling addresses was released; `None` when it has none.
+    pub last_cooling_release: Option<u64>,
+}
+
+impl ClaimEntry {
+    /// From when the block of `cidr` counts as empty given the cooldown (see
+    /// [`Block::empty_from`]): `None` while it holds allocations, or when the entry does not say
+    /// (format 1).
+    pub fn empty_from(&self, cidr: &IpNet, cooldown_seconds: u32) -> Option<u64> {
+        let probe = Block::new(*cidr, None, 0);
+        if self.free? != probe.capacity() {
+            return None;
+        }
+        let emptied = self.emptied_at.unwrap_or(0);
+        Some(match self.last_cooling_release {
+            Some(released) => emptied.max(released.saturating_add(u64::from(cooldown_seconds))),
+            None => emptied,
+        })
+    }
 }
 
 /// The claim index entry of `block`, encoded.
@@ -295,23 +331,24 @@ pub fn encode_claim(block: &Block) -> Result<Vec<u8>, IpamError> {
     encode(&Claim {
         affinity: block.affinity.clone(),
         free: block.free(),
+        emptied_at: block.emptied_at,
+        last_cooling_release: block.cooling.iter().map(|c| c.released_at).max(),
     })
 }
 
-/// Decodes a claim index entry of format 1 (the host alone) or 2 ([`Claim`]).
+/// Decodes a claim index entry of format 1 (the host alone), 2 or 3 (host and free count) or 4
+/// ([`Claim`]).
 pub fn decode_claim(key: &str, bytes: &[u8]) -> Result<ClaimEntry, IpamError> {
     let (version, body) = versioned(key, bytes)?;
-    if version == 1 {
-        let affinity: Option<String> = decode_body(key, body)?;
-        return Ok(ClaimEntry {
-            affinity,
-            free: None,
-        });
+    if version < FORMAT_VERSION {
+        return crate::formats::decode_older_claim(key, version, body);
     }
     let claim: Claim = decode_body(key, body)?;
     Ok(ClaimEntry {
         affinity: claim.affinity,
         free: Some(claim.free),
+        emptied_at: claim.emptied_at,
+        last_cooling_release: claim.last_cooling_release,
     })
 }
 
@@ -338,7 +375,34 @@ pub struct IpamConfig {
     pub auto_allocate_blocks: bool,
     /// Most blocks of one family a host may own; 0 means unlimited.
     pub max_blocks_per_host: u32,
+    /// Seconds a released address waits before it is handed out again (Calico's
+    /// `ipCooldownSeconds`); 0 (the default) reuses at once; at most [`MAX_IP_COOLDOWN_SECONDS`].
+    pub ip_cooldown_seconds: u32,
+    /// Seconds a block must have been empty before another host may take it over when its pools
+    /// have no unclaimed block left (Calico's `EmptyBlockMinReclaimAge`, default 60).
+    pub empty_block_reclaim_seconds: u32,
 }
+
+impl IpamConfig {
+    /// Rejects settings out of range.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an IP cooldown over [`MAX_IP_COOLDOWN_SECONDS`].
+    pub fn validate(&self) -> Result<(), IpamError> {
+        if self.ip_cooldown_seconds > MAX_IP_COOLDOWN_SECONDS {
+            return Err(IpamError::InvalidArgument(format!(
+                "IP cooldown {} s is over the {MAX_IP_COOLDOWN_SECONDS} s limit (as Calico's ipCooldownSeconds)",
+                self.ip_cooldown_seconds
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Longest IP cooldown, as Calico (20 minutes).
+pub const MAX_IP_COOLDOWN_SECONDS: u32 = 1200;
+/// Default [`IpamConfig::empty_block_reclaim_seconds`], Calico's `EmptyBlockMinReclaimAge`.
+pub const DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS: u32 = 60;
 
 impl Default for IpamConfig {
     fn default() -> Self {
@@ -346,6 +410,8 @@ impl Default for IpamConfig {
             strict_affinity: false,
             auto_allocate_blocks: true,
             max_blocks_per_host: 20,
+            ip_cooldown_seconds: 0,
+            empty_block_reclaim_seconds: DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS,
         }
     }
 }
@@ -521,36 +587,13 @@ impl std::fmt::Display for AllowedUses {
     }
 }
 
-/// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed
-/// uses): read with Calico's defaults for those.
-#[derive(Deserialize)]
-struct PoolFormat2 {
-    name: String,
-    cidr: IpNet,
-    block_size: u8,
-    disabled: bool,
-}
-
 /// Decodes a stored pool of any readable format (formats 1 and 2 get `all()`, automatic, and
 /// workload and tunnel).
 ///
 /// # Errors
 /// [`IpamError::Corrupt`] naming the key.
 pub fn decode_pool(key: &str, bytes: &[u8]) -> Result<Pool, IpamError> {
-    let (version, body) = versioned(key, bytes)?;
-    if version <= 2 {
-        let old: PoolFormat2 = decode_body(key, body)?;
-        return Ok(Pool {
-            name: old.name,
-            cidr: old.cidr,
-            block_size: old.block_size,
-            disabled: old.disabled,
-            node_selector: Selector::all(),
-            assignment_mode: AssignmentMode::Automatic,
-            allowed_uses: AllowedUses::default(),
-        });
-    }
-    decode_body(key, body)
+    decode(key, bytes)
 }
 
 impl Pool {
@@ -653,6 +696,43 @@ pub struct Block {
     pub allocations: BTreeMap<u32, Allocation>,
     /// Attributes referenced by allocations.
     pub attributes: Vec<Attribute>,
+    /// When the block was claimed, in seconds since the Unix epoch by the claimer's clock; `None`
+    /// for a block written by format 3 or earlier (format 4).
+    pub claimed_at: Option<u64>,
+    /// When its last allocation was released (or, for a block that never held one, when it was
+    /// claimed), while it holds none; `None` while it holds allocations, or when a format 3 or
+    /// earlier block never said (format 4).
+    pub emptied_at: Option<u64>,
+    /// Addresses released while an IP cooldown was set, oldest release first: neither free nor
+    /// in use until their cooldown has passed, when the next write of the block queues them on
+    /// `released` (format 4).
+    pub cooling: VecDeque<CoolingAddress>,
+}
+
+/// An address of a block in IP cooldown (see [`IpamConfig::ip_cooldown_seconds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoolingAddress {
+    /// The address's ordinal in its block.
+    pub ordinal: u32,
+    /// When it was released, in seconds since the Unix epoch by the releaser's clock.
+    pub released_at: u64,
+}
+
+/// The time and cooldown a block change is made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Lifetime {
+    /// Now, in seconds since the Unix epoch.
+    pub now: u64,
+    /// The IP cooldown in force ([`IpamConfig::ip_cooldown_seconds`]).
+    pub cooldown_seconds: u32,
+}
+
+impl Lifetime {
+    /// Whether an address released at `released_at` has finished cooling. A release stamped in the
+    /// future (a releaser whose clock runs ahead) cools for that much longer.
+    pub fn cooled(&self, released_at: u64) -> bool {
+        released_at.saturating_add(u64::from(self.cooldown_seconds)) <= self.now
+    }
 }
 
 impl Block {
@@ -667,6 +747,18 @@ impl Block {
             released: VecDeque::new(),
             allocations: BTreeMap::new(),
             attributes: Vec::new(),
+            claimed_at: None,
+            emptied_at: None,
+            cooling: VecDeque::new(),
+        }
+    }
+
+    /// A new, empty block claimed at `now` (seconds since the Unix epoch).
+    pub fn claimed(cidr: IpNet, affinity: Option<String>, first_sequence: u64, now: u64) -> Block {
+        Block {
+            claimed_at: Some(now),
+            emptied_at: Some(now),
+            ..Block::new(cidr, affinity, first_sequence)
         }
     }
 
@@ -681,14 +773,56 @@ impl Block {
         self.allocations.len() as u32
     }
 
-    /// Number of free addresses.
+    /// Number of addresses not allocated: the free ones and the cooling ones (which a later
+    /// write frees). What decides whether a block has room and what its claim entry records.
     pub fn free(&self) -> u32 {
         self.capacity() - self.in_use()
     }
 
-    /// True when nothing is allocated.
+    /// Addresses still cooling under `lifetime`.
+    pub fn cooling_at(&self, lifetime: Lifetime) -> u32 {
+        self.cooling
+            .iter()
+            .filter(|c| !lifetime.cooled(c.released_at))
+            .count() as u32
+    }
+
+    /// True when nothing is allocated and no address is in cooldown.
     pub fn is_empty(&self) -> bool {
-        self.allocations.is_empty()
+        self.allocations.is_empty() && self.cooling.is_empty()
+    }
+
+    /// From when the block counts as empty under a cooldown of `cooldown_seconds`: when its last
+    /// allocation was released or its last cooling address cools, whichever is later. `None` while
+    /// it holds allocations. A block written by format 3 or earlier, which never recorded when it
+    /// became empty, counts as empty since the epoch.
+    pub fn empty_from(&self, cooldown_seconds: u32) -> Option<u64> {
+        if !self.allocations.is_empty() {
+            return None;
+        }
+        let emptied = self.emptied_at.unwrap_or(0);
+        Some(
+            self.cooling
+                .iter()
+                .map(|c| c.released_at.saturating_add(u64::from(cooldown_seconds)))
+                .fold(emptied, u64::max),
+        )
+    }
+
+    /// Queues the cooling addresses whose cooldown has passed on the free list (in release order),
+    /// so the next allocation may take them. True when any moved.
+    pub fn finish_cooling(&mut self, lifetime: Lifetime) -> bool {
+        let mut moved = false;
+        // Oldest first; one still cooling keeps the ones behind it (released later) in place.
+        while let Some(first) = self.cooling.front().copied() {
+            if !lifetime.cooled(first.released_at) {
+                break;
+            }
+            self.cooling.pop_front();
+            self.released.push_back(first.ordinal);
+            moved = true;
+        }
+        moved
     }
 
     /// The address of an ordinal.
@@ -745,13 +879,15 @@ impl Block {
         // Move the fresh cursor past ordinals that are no longer fresh.
         while self.next_fresh < capacity
             && (self.allocations.contains_key(&self.next_fresh)
-                || self.released.contains(&self.next_fresh))
+                || self.released.contains(&self.next_fresh)
+                || self.is_cooling(self.next_fresh))
         {
             self.next_fresh += 1;
         }
         let fresh = (self.next_fresh..capacity).find(|candidate| {
             !self.allocations.contains_key(candidate)
                 && !self.released.contains(candidate)
+                && !self.is_cooling(*candidate)
                 && allowed(*candidate)
         });
         fresh.or_else(|| self.released.iter().copied().find(|o| allowed(*o)))
@@ -766,10 +902,20 @@ impl Block {
         true
     }
 
+    /// Whether an ordinal is in cooldown.
+    pub fn is_cooling(&self, ordinal: u32) -> bool {
+        self.cooling.iter().any(|c| c.ordinal == ordinal)
+    }
+
     fn take(&mut self, ordinal: u32, attribute: &Attribute) {
         if let Some(position) = self.released.iter().position(|o| *o == ordinal) {
             self.released.remove(position);
         }
+        // Only an explicit request takes a cooling address.
+        if let Some(position) = self.cooling.iter().position(|c| c.ordinal == ordinal) {
+            self.cooling.remove(position);
+        }
+        self.emptied_at = None;
         if ordinal == self.next_fresh {
             self.next_fresh += 1;
         }
@@ -789,13 +935,23 @@ impl Block {
         );
     }
 
-    /// Frees an ordinal (it goes to the tail of the free list); returns the freed allocation's
-    /// attribute, or `None` when it was not allocated.
-    pub fn release_ordinal(&mut self, ordinal: u32) -> Option<Attribute> {
+    /// Frees an ordinal at `lifetime.now`: to the tail of the free list, or, with a cooldown set,
+    /// into cooling. Returns the freed allocation's attribute, or `None` when it was not allocated.
+    pub fn release_ordinal(&mut self, ordinal: u32, lifetime: Lifetime) -> Option<Attribute> {
         let allocation = self.allocations.remove(&ordinal)?;
         let attribute = self.attributes.get(allocation.attribute as usize).cloned();
-        // To the tail, whether or not the fresh cursor has passed it: the cursor skips queued ordinals.
-        self.released.push_back(ordinal);
+        if lifetime.cooldown_seconds == 0 {
+            // To the tail, whether or not the fresh cursor has passed it: the cursor skips queued ordinals.
+            self.released.push_back(ordinal);
+        } else {
+            self.cooling.push_back(CoolingAddress {
+                ordinal,
+                released_at: lifetime.now,
+            });
+        }
+        if self.allocations.is_empty() {
+            self.emptied_at = Some(lifetime.now);
+        }
         self.compact_attributes();
         attribute
     }
@@ -882,6 +1038,23 @@ impl Block {
                 problems.push(format!(
                     "ordinal {ordinal} was allocated at sequence {} after the block's {}",
                     allocation.sequence, self.sequence
+                ));
+            }
+        }
+        for cooling in &self.cooling {
+            let ordinal = cooling.ordinal;
+            if ordinal >= capacity {
+                problems.push(format!("cooling ordinal {ordinal} is outside the block"));
+            }
+            if !seen.insert(ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} is cooling twice, or both cooling and free"
+                ));
+            }
+            if self.allocations.contains_key(&ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} ({}) is both allocated and cooling",
+                    self.ip_of(ordinal)
                 ));
             }
         }
@@ -991,7 +1164,7 @@ mod tests {
         let a = attr("a");
         assert_eq!(block.allocate_next(&a), Some(0));
         assert_eq!(block.allocate_next(&a), Some(1));
-        block.release_ordinal(0);
+        block.release_ordinal(0, Lifetime::default());
         assert_eq!(block.allocate_next(&a), Some(2));
         assert_eq!(block.allocate_next(&a), Some(3));
         assert_eq!(block.allocate_next(&a), Some(0));
@@ -1005,7 +1178,7 @@ mod tests {
         let a = attr("a");
         assert!(block.allocate_ordinal(3, &a));
         assert!(!block.allocate_ordinal(3, &a));
-        block.release_ordinal(3);
+        block.release_ordinal(3, Lifetime::default());
         let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next(&a)).collect();
         assert_eq!(order, vec![0, 1, 2, 4, 5, 6, 7, 3]);
         assert!(block.self_check().is_empty());
@@ -1037,8 +1210,8 @@ mod tests {
         block.allocate_next(&attr("b"));
         block.allocate_next(&attr("a"));
         assert_eq!(block.attributes.len(), 2);
-        block.release_ordinal(0);
-        block.release_ordinal(2);
+        block.release_ordinal(0, Lifetime::default());
+        block.release_ordinal(2, Lifetime::default());
         assert_eq!(block.attributes.len(), 1);
         assert_eq!(block.attribute_of(1).map(|a| a.handle.as_str()), Some("b"));
         assert!(block.self_check().is_empty());

@@ -1,4 +1,5 @@
-//! `config show|set`: the IPAM-wide settings (strict affinity, automatic blocks, per-host block limit).
+//! `config show|set`: the IPAM-wide settings (strict affinity, automatic blocks, per-host block
+//! limit, IP cooldown, empty-block reclaim age).
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::IpamConfig;
@@ -10,12 +11,15 @@ use crate::error::CtlError;
 use crate::output::{Outcome, Table};
 use crate::settings::OpenMode;
 
-/// The configuration as JSON: `{strict_affinity, auto_allocate_blocks, max_blocks_per_host}`.
+/// The configuration as JSON: `{strict_affinity, auto_allocate_blocks, max_blocks_per_host,
+/// ip_cooldown_seconds, empty_block_reclaim_seconds}`.
 #[derive(Debug, Serialize)]
 struct ConfigJson {
     strict_affinity: bool,
     auto_allocate_blocks: bool,
     max_blocks_per_host: u32,
+    ip_cooldown_seconds: u32,
+    empty_block_reclaim_seconds: u32,
 }
 
 fn render(config: &IpamConfig, heading: Option<&str>) -> Result<Outcome, CtlError> {
@@ -23,6 +27,8 @@ fn render(config: &IpamConfig, heading: Option<&str>) -> Result<Outcome, CtlErro
         strict_affinity: config.strict_affinity,
         auto_allocate_blocks: config.auto_allocate_blocks,
         max_blocks_per_host: config.max_blocks_per_host,
+        ip_cooldown_seconds: config.ip_cooldown_seconds,
+        empty_block_reclaim_seconds: config.empty_block_reclaim_seconds,
     };
     let mut table = Table::new(&["SETTING", "VALUE"]);
     table.row(vec![
@@ -40,6 +46,18 @@ fn render(config: &IpamConfig, heading: Option<&str>) -> Result<Outcome, CtlErro
         } else {
             config.max_blocks_per_host.to_string()
         },
+    ]);
+    table.row(vec![
+        "ip_cooldown_seconds".into(),
+        if config.ip_cooldown_seconds == 0 {
+            "0 (released addresses are reused at once)".to_owned()
+        } else {
+            config.ip_cooldown_seconds.to_string()
+        },
+    ]);
+    table.row(vec![
+        "empty_block_reclaim_seconds".into(),
+        config.empty_block_reclaim_seconds.to_string(),
     ]);
     let mut text = heading.map(|h| format!("{h}\n")).unwrap_or_default();
     text.push_str(&table.render());
@@ -73,6 +91,12 @@ pub async fn set(settings: &DatastoreSettings, args: &ConfigSetArgs) -> Result<O
             }
             if let Some(value) = args.max_blocks_per_host {
                 config.max_blocks_per_host = value;
+            }
+            if let Some(value) = args.ip_cooldown_seconds {
+                config.ip_cooldown_seconds = value;
+            }
+            if let Some(value) = args.empty_block_reclaim_seconds {
+                config.empty_block_reclaim_seconds = value;
             }
         })
         .await?;

@@ -160,13 +160,14 @@ fn render(report: &ImportReport, target: &str) -> Result<Outcome, CtlError> {
         )
     };
     text.push_str(&format!(
-        "  {}, {} ({} affine to a host), {}, {}\n  config{}: strict_affinity {}, \
+        "  {}, {} ({} affine to a host), {}, {}, {}\n  config{}: strict_affinity {}, \
          auto_allocate_blocks {}, max_blocks_per_host {}; sequence floor {}\n",
         counted(n(report.pools), "pool", "pools"),
         counted(n(report.blocks), "block", "blocks"),
         report.affine_blocks,
         counted(n(report.allocations), "allocation", "allocations"),
         counted(n(report.handles), "handle", "handles"),
+        counted(n(report.reservations), "IP reservation", "IP reservations"),
         if report.config_from_calico {
             ""
         } else {

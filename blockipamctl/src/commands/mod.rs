@@ -1,6 +1,7 @@
 //! The commands: each opens the selected store, does its work through the allocator, and returns
 //! an [`Outcome`] (JSON document plus table text); the JSON shapes shared by several live here.
 
+pub mod blocks;
 pub mod check;
 pub mod config;
 pub mod gc;
@@ -10,6 +11,7 @@ pub mod namespace;
 pub mod node;
 pub mod pool;
 pub mod release;
+pub mod reservation;
 pub mod show;
 pub mod tunnel;
 
@@ -46,7 +48,17 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         }
         Command::Pool(PoolCommand::Delete(args)) => pool::delete(&store, args).await,
         Command::Pool(PoolCommand::Set(args)) => pool::set(&store, args).await,
+        Command::Pool(PoolCommand::Split(args)) => pool::split(&store, args).await,
         Command::Namespace(NamespaceCommand::Pools(args)) => namespace::pools(&store, args).await,
+        Command::Reservation(crate::cli::ReservationCommand::Add(args)) => {
+            reservation::add(&store, args).await
+        }
+        Command::Reservation(crate::cli::ReservationCommand::List) => {
+            reservation::list(&store).await
+        }
+        Command::Reservation(crate::cli::ReservationCommand::Delete(args)) => {
+            reservation::delete(&store, args).await
+        }
         Command::TunnelAddress(TunnelAddressCommand::Assign(args)) => {
             tunnel::assign(&store, args).await
         }
@@ -61,6 +73,9 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         Command::Node(NodeCommand::Release(args)) => node::release(ctx, &store, args).await,
         Command::Node(NodeCommand::Label(args)) => node::label(&store, args).await,
         Command::Node(NodeCommand::Show(args)) => node::show(&store, args).await,
+        Command::Blocks(crate::cli::BlocksCommand::ReleaseEmpty(args)) => {
+            blocks::release_empty(&store, args).await
+        }
         Command::Gc(args) => gc::run(ctx, &store, args).await,
         Command::Migrate(args) => migrate::run(ctx, &store, args).await,
         Command::Import(crate::cli::ImportCommand::Calico(args)) => {

@@ -1,4 +1,4 @@
-//! `pool add|list|enable|disable|delete|set`.
+//! `pool add|list|enable|disable|delete|set|split`.
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::selector::Selector;
@@ -6,7 +6,7 @@ use ipam_core::{AllowedUses, Ipam, IpamError, Pool, PoolChange, PoolPolicy, Pool
 use serde::Serialize;
 
 use super::{block_capacity, open_ipam, state, to_json, PoolJson};
-use crate::cli::{PoolAddArgs, PoolDeleteArgs, PoolSetArgs};
+use crate::cli::{PoolAddArgs, PoolDeleteArgs, PoolSetArgs, PoolSplitArgs};
 use crate::error::{one_line, CtlError};
 use crate::output::{counted, group_digits, human_count, Outcome, Table};
 use crate::settings::OpenMode;
@@ -124,6 +124,7 @@ fn parse_change(
         assignment_mode,
         allowed_uses,
         disabled: None,
+        block_size: None,
     })
 }
 
@@ -138,13 +139,21 @@ pub async fn set(settings: &DatastoreSettings, args: &PoolSetArgs) -> Result<Out
         args.allowed_uses.as_deref(),
     )?;
     change.disabled = args.disabled;
+    change.block_size = args.block_size;
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    let pool = ipam.set_pool(&args.pool, &change).await?;
+    let pool = ipam
+        .set_pool(&args.pool, &change)
+        .await
+        .map_err(|e| match e {
+            IpamError::InvalidArgument(_) => CtlError::usage(invalid_text(&e)),
+            other => other.into(),
+        })?;
     let table = format!(
-        "IP pool {} ({}): {}, node selector {}, {} assignment, allowed uses {}.\n",
+        "IP pool {} ({}): {}, /{} blocks for new claims, node selector {}, {} assignment, allowed uses {}.\n",
         pool.name,
         pool.cidr,
         state(&pool),
+        pool.block_size,
         pool.node_selector,
         pool.assignment_mode,
         pool.allowed_uses
@@ -210,6 +219,60 @@ pub async fn delete(
         pool: PoolJson::from(&deletion.pool),
         released_addresses: deletion.released_addresses,
         deleted_blocks: deletion.deleted_blocks,
+    };
+    Ok(Outcome::ok(to_json(&json)?, table))
+}
+
+/// What `pool split` prints as JSON.
+#[derive(Debug, Serialize)]
+struct SplitJson {
+    /// The pool that was replaced.
+    pool: PoolJson,
+    /// The sub-pools, in address order.
+    pools: Vec<PoolJson>,
+    /// Blocks that now lie in the sub-pools.
+    blocks: u64,
+    /// Namespaces whose pools setting was rewritten to name the sub-pools.
+    namespaces: Vec<String>,
+}
+
+/// `pool split`: acts at once, like every pool command (one transaction; see
+/// [`Ipam::split_pool`]).
+///
+/// # Errors
+/// [`CtlError::Usage`] for a bad N or a pool that cannot be split that way; unknown pool; a
+/// sub-pool name taken; store trouble.
+pub async fn split(
+    settings: &DatastoreSettings,
+    args: &PoolSplitArgs,
+) -> Result<Outcome, CtlError> {
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let split = ipam
+        .split_pool(&args.pool, args.parts)
+        .await
+        .map_err(|e| match e {
+            IpamError::InvalidArgument(_) => CtlError::usage(invalid_text(&e)),
+            other => other.into(),
+        })?;
+    let mut table = format!(
+        "Split IP pool {} ({}) into {} pools ({}):\n",
+        split.pool.name,
+        split.pool.cidr,
+        split.pools.len(),
+        counted(split.blocks, "block stays", "blocks stay")
+    );
+    table.push_str(&pools_table(&split.pools));
+    if !split.namespaces.is_empty() {
+        table.push_str(&format!(
+            "Namespace pools settings now naming the sub-pools: {}.\n",
+            split.namespaces.join(", ")
+        ));
+    }
+    let json = SplitJson {
+        pool: PoolJson::from(&split.pool),
+        pools: split.pools.iter().map(PoolJson::from).collect(),
+        blocks: split.blocks,
+        namespaces: split.namespaces.clone(),
     };
     Ok(Outcome::ok(to_json(&json)?, table))
 }

@@ -29,8 +29,12 @@ pub struct PoolUsageJson {
     pub capacity: u128,
     /// Addresses allocated.
     pub in_use: u64,
-    /// Addresses free.
+    /// Addresses free: neither allocated nor reserved.
     pub free: u128,
+    /// Addresses an IP reservation covers, allocated or not.
+    pub reserved: u128,
+    /// Released addresses still in IP cooldown: neither free nor in use.
+    pub cooling: u64,
     /// Blocks that exist in the pool.
     pub block_count: usize,
 }
@@ -48,8 +52,12 @@ pub struct BlockJson {
     pub capacity: u64,
     /// Allocated.
     pub in_use: u64,
-    /// Free.
+    /// Free: neither allocated nor reserved.
     pub free: u64,
+    /// Covered by an IP reservation, allocated or not.
+    pub reserved: u64,
+    /// Released addresses still in IP cooldown: neither free nor in use.
+    pub cooling: u64,
 }
 
 impl From<&BlockUsage> for BlockJson {
@@ -61,6 +69,8 @@ impl From<&BlockUsage> for BlockJson {
             capacity: block.capacity,
             in_use: block.in_use,
             free: block.free,
+            reserved: block.reserved,
+            cooling: block.cooling,
         }
     }
 }
@@ -109,6 +119,8 @@ pub fn pools_json(usage: &Utilization) -> Vec<PoolUsageJson> {
             capacity: p.capacity,
             in_use: p.in_use,
             free: p.free,
+            reserved: p.reserved,
+            cooling: p.cooling,
             block_count: p.blocks.len(),
         })
         .collect()
@@ -139,11 +151,13 @@ pub fn pools_table(usage: &Utilization) -> String {
         "STATE",
         "ADDRESSES",
         "IN USE",
+        "RESERVED",
+        "COOLING",
         "FREE",
         "USED",
         "BLOCKS",
     ])
-    .right_align(&[4, 5, 6, 7, 8]);
+    .right_align(&[4, 5, 6, 7, 8, 9, 10]);
     for p in &usage.pools {
         table.row(vec![
             p.pool.name.clone(),
@@ -152,6 +166,8 @@ pub fn pools_table(usage: &Utilization) -> String {
             state(&p.pool).to_owned(),
             human_count(p.capacity),
             human_count(u128::from(p.in_use)),
+            human_count(p.reserved),
+            human_count(u128::from(p.cooling)),
             human_count(p.free),
             percent(u128::from(p.in_use), p.capacity),
             p.blocks.len().to_string(),
@@ -162,8 +178,17 @@ pub fn pools_table(usage: &Utilization) -> String {
 
 /// The block table.
 pub fn blocks_table(usage: &Utilization) -> String {
-    let mut table = Table::new(&["BLOCK", "POOL", "HOST", "ADDRESSES", "IN USE", "FREE"])
-        .right_align(&[3, 4, 5]);
+    let mut table = Table::new(&[
+        "BLOCK",
+        "POOL",
+        "HOST",
+        "ADDRESSES",
+        "IN USE",
+        "RESERVED",
+        "COOLING",
+        "FREE",
+    ])
+    .right_align(&[3, 4, 5, 6, 7]);
     for b in all_blocks(usage) {
         table.row(vec![
             b.cidr.to_string(),
@@ -171,6 +196,8 @@ pub fn blocks_table(usage: &Utilization) -> String {
             b.host.clone().unwrap_or_else(|| "-".into()),
             human_count(u128::from(b.capacity)),
             human_count(u128::from(b.in_use)),
+            human_count(u128::from(b.reserved)),
+            human_count(u128::from(b.cooling)),
             human_count(u128::from(b.free)),
         ]);
     }

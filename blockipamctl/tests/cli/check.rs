@@ -60,6 +60,8 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
                 encode(&ipam_core::model::Claim {
                     affinity: Some("host-z".to_owned()),
                     free: 64,
+                    emptied_at: None,
+                    last_cooling_release: None,
                 })
                 .expect("encode"),
             )

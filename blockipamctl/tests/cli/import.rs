@@ -141,10 +141,18 @@ fn import_from_calico_etcd_then_the_plugin_takes_over(backend: Backend) {
         reported("affinity node-c 10.244.0.128/26", "state"),
         "{not_mapped:#?}"
     );
-    assert!(reported(
-        "ipreservation reserved-edge",
-        "spec.reservedCIDRs"
-    ));
+    assert!(
+        !reported("ipreservation reserved-edge", "spec.reservedCIDRs"),
+        "IP reservations are mapped: {not_mapped:#?}"
+    );
+    assert_eq!(doc["reservations"], 1);
+    assert_eq!(
+        lab.ctl(&["reservation", "list", "-o", "json"]).ok().json(),
+        serde_json::json!([{
+            "name": "reserved-edge",
+            "cidrs": ["10.244.0.200/30", "fd00:10:244::ff/128"],
+        }])
+    );
     assert!(reported("ippool default-ipv4-ippool", "spec.ipipMode"));
     assert!(reported("ipam config", "ipCooldownSeconds"));
 

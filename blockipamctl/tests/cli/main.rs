@@ -18,6 +18,8 @@ mod pod_pools;
 mod pool_selection;
 mod pools;
 mod release;
+mod reservations;
+mod resize;
 mod security;
 mod show;
 mod store_presence;

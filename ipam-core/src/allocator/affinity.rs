@@ -50,8 +50,28 @@ impl Ipam {
             ..pool.value.clone()
         };
         let wanted: BTreeSet<IpNet> = (0..count).filter_map(|i| sub.block_at(i)).collect();
-        let existing = self.load_blocks_for_write(&wanted).await?;
         let mut plan = Plan::default();
+        // In a pool of mixed block sizes (resize.rs), a block of a former size may overlap the
+        // wanted ones: refused, and the claim rewrites the pool's record so that no other claim
+        // in the pool commits from the same snapshot.
+        if let Some(record) = self.mixed_records(&[pool]).await?.remove(&pool.value.name) {
+            let index = self.claim_index().await?;
+            for wanted_cidr in &wanted {
+                if let Some(other) = index.entries.iter().find(|e| {
+                    e.cidr != *wanted_cidr
+                        && (e.cidr.contains(&wanted_cidr.network())
+                            || wanted_cidr.contains(&e.cidr.network()))
+                }) {
+                    return Err(IpamError::invalid(format!(
+                        "block {wanted_cidr} overlaps block {}, of another block size of pool {}; \
+                         claim blocks that do not overlap it",
+                        other.cidr, pool.value.name
+                    )));
+                }
+            }
+            super::resize::guard_mixed_record(&mut plan, &record);
+        }
+        let existing = self.load_blocks_for_write(&wanted).await?;
         plan.expect(&pool.key, Some(pool.revision));
         for block_cidr in &wanted {
             let working = match existing.found.get(block_cidr) {
@@ -59,6 +79,7 @@ impl Ipam {
                     *block_cidr,
                     Some(host.to_owned()),
                     existing.sequence_floor,
+                    self.now(),
                 ),
                 Some(stored) => match stored.value.affinity.as_deref() {
                     Some(owner) if owner == host => continue,
@@ -71,6 +92,7 @@ impl Ipam {
                     None => {
                         let mut w = WorkingBlock::from_stored(stored.clone());
                         w.block.affinity = Some(host.to_owned());
+                        w.block.claimed_at = Some(self.now());
                         w.dirty = true;
                         w
                     }

@@ -1,6 +1,7 @@
 //! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
 
 use super::*;
+use crate::reservations::ReservedRanges;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------
@@ -47,6 +48,7 @@ impl Ipam {
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
             Read::Get(crate::nodes::node_key(&request.host)),
+            Read::List(crate::reservations::reservations_dir()),
         ];
         if let Some(lookup) = &request.namespace {
             reads.push(Read::Get(crate::namespaces::namespace_key(
@@ -63,6 +65,7 @@ impl Ipam {
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
         let host_blocks: Vec<Stored<Block>> = next_listed(&mut results)?
             .into_iter()
             .map(decode_stored)
@@ -72,6 +75,7 @@ impl Ipam {
         let node_key = crate::nodes::node_key(&request.host);
         let node_labels =
             crate::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
+        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
         // The pools each family draws from: the request's, unless the namespace's setting
         // replaces them.
         let mut v4_pools = request.v4_pools.clone();
@@ -135,6 +139,8 @@ impl Ipam {
             working.insert(stored.value.cidr, WorkingBlock::from_stored(stored));
         }
         let mut claim_index: Option<ClaimIndex> = None;
+        // Mixed-sizes records of candidate pools a new block may be claimed in (resize.rs).
+        let mut mixed_seen: Vec<(IpNet, KeyValue)> = Vec::new();
         let mut plan = Plan::default();
         let mut result = AutoAssignResult {
             pools: listed_pools,
@@ -178,6 +184,8 @@ impl Ipam {
                 &attribute,
                 wanted,
                 skip_block_edges,
+                lifetime,
+                &reserved,
                 &mut got,
             );
 
@@ -191,6 +199,7 @@ impl Ipam {
                 let probe = self
                     .probe_new_blocks(&candidates, &request.host, limited)
                     .await?;
+                mixed_seen.extend(probe.mixed.iter().cloned());
                 let host_owns = |block: &Block| {
                     block.affinity.as_deref() == Some(request.host.as_str())
                         && Family::of_net(&block.cidr) == family
@@ -215,28 +224,54 @@ impl Ipam {
                         limit_hit = Some(owned);
                         break;
                     }
-                    let (cidr, sequence_floor) =
-                        match unclaimed.by_ref().find(|c| !working.contains_key(c)) {
-                            Some(found) => (found, probe.sequence_floor),
-                            None => {
-                                // Every probed block is taken: one listing of the claim index
-                                // (small entries, not blocks) settles it.
-                                let index = self.ensure_claim_index(&mut claim_index).await?;
-                                let Some(cidr) = find_unclaimed_block(
-                                    &candidates,
-                                    &request.host,
-                                    index.entries.iter().map(|e| e.cidr),
-                                    &working,
-                                ) else {
-                                    break;
-                                };
-                                (cidr, index.sequence_floor)
+                    let create = |cidr: IpNet, sequence_floor: u64| {
+                        WorkingBlock::created(
+                            cidr,
+                            Some(request.host.clone()),
+                            sequence_floor,
+                            lifetime.now,
+                        )
+                    };
+                    let usable = |c: &IpNet| !reserved.leaves_block_nothing(c, skip_block_edges);
+                    let claimed = match unclaimed
+                        .by_ref()
+                        .find(|c| !working.contains_key(c) && usable(c))
+                    {
+                        Some(found) => create(found, probe.sequence_floor),
+                        None => {
+                            // Every probed block is taken: one listing of the claim index
+                            // (small entries, not blocks) settles it.
+                            let index = self.ensure_claim_index(&mut claim_index).await?;
+                            match find_unclaimed_block(
+                                &candidates,
+                                &request.host,
+                                index.entries.iter().map(|e| e.cidr),
+                                &working,
+                                usable,
+                            ) {
+                                Some(cidr) => create(cidr, index.sequence_floor),
+                                // No unclaimed block left: another host's long-empty block.
+                                None => match self
+                                    .take_over_empty_block(
+                                        index,
+                                        &candidates,
+                                        &request.host,
+                                        family,
+                                        &config,
+                                        lifetime,
+                                        &working,
+                                        usable,
+                                    )
+                                    .await?
+                                {
+                                    Some(taken) => taken,
+                                    None => break,
+                                },
                             }
-                        };
-                    working.insert(
-                        cidr,
-                        WorkingBlock::created(cidr, Some(request.host.clone()), sequence_floor),
-                    );
+                        }
+                    };
+                    let cidr = claimed.block.cidr;
+                    working.insert(cidr, claimed);
                     owned += 1;
                     take_from_blocks(
                         &mut working,
@@ -244,6 +279,8 @@ impl Ipam {
                         &attribute,
                         wanted,
                         skip_block_edges,
+                        lifetime,
+                        &reserved,
                         &mut got,
                     );
                 }
@@ -272,6 +309,7 @@ impl Ipam {
                     .filter(|e| Family::of_net(&e.cidr) == family)
                     .filter(|e| e.claim.affinity.as_deref() != Some(request.host.as_str()))
                     .filter(|e| in_candidates(&e.cidr) && e.claim.free != Some(0))
+                    .filter(|e| !reserved.leaves_block_nothing(&e.cidr, skip_block_edges))
                     .filter(|e| !working.contains_key(&e.cidr))
                     .collect();
                 lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
@@ -314,6 +352,8 @@ impl Ipam {
                         &attribute,
                         wanted,
                         skip_block_edges,
+                        lifetime,
+                        &reserved,
                         &mut got,
                     );
                 }
@@ -347,6 +387,15 @@ impl Ipam {
         }
         for working in working.values() {
             plan.write_block(working)?;
+            // A block claimed in a pool of mixed block sizes rewrites the pool's record, so that
+            // two claims there never commit from one snapshot (resize.rs).
+            if working.read.is_none() {
+                for (pool_cidr, record) in &mixed_seen {
+                    if pool_cidr.contains(&working.block.cidr.network()) {
+                        super::resize::guard_mixed_record(&mut plan, record);
+                    }
+                }
+            }
         }
         // Pools and config that decided this allocation must not have changed under it.
         for pool in pools.iter().filter(|p| used_pools.contains(&p.value.name)) {
@@ -375,15 +424,19 @@ impl Ipam {
             reads.push(Read::List(keys::host_full_blocks_dir(host)));
         }
         let mut probed = Vec::new();
-        for pool in candidates {
+        for (pool_index, pool) in candidates.iter().enumerate() {
             let count = pool.value.block_count();
             let start = u128::from(host_hash(host)) % count;
             for step in 0..count.min(NEW_BLOCK_PROBES) {
                 if let Some(cidr) = pool.value.block_at((start + step) % count) {
-                    probed.push(cidr);
+                    probed.push((pool_index, cidr));
                     reads.push(Read::Get(keys::block_claim(&cidr)));
                 }
             }
+        }
+        // Each candidate's mixed-sizes record (resize.rs), in the same batch.
+        for pool in candidates {
+            reads.push(Read::Get(super::resize::mixed_sizes_key(&pool.value.name)));
         }
         let mut results = self.store.read_many(&reads).await?.into_iter();
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
@@ -403,12 +456,31 @@ impl Ipam {
             }
         }
         let mut unclaimed = Vec::new();
-        for cidr in probed {
+        for (pool_index, cidr) in probed {
             if next_got(&mut results)?.is_none() {
-                unclaimed.push(cidr);
+                unclaimed.push((pool_index, cidr));
             }
         }
+        // A block of a pool with mixed sizes may overlap an unclaimed CIDR of the current size:
+        // from the first such pool on, the search goes to the claim index and its overlap test.
+        let mut mixed = Vec::new();
+        let mut first_mixed = candidates.len();
+        for (pool_index, pool) in candidates.iter().enumerate() {
+            let kv = next_got(&mut results)?;
+            if super::resize::mixed_record_for(&pool.value, kv.as_ref())?.is_some() {
+                if let Some(kv) = kv {
+                    first_mixed = first_mixed.min(pool_index);
+                    mixed.push((pool.value.cidr, kv));
+                }
+            }
+        }
+        let unclaimed = unclaimed
+            .into_iter()
+            .filter(|(pool_index, _)| *pool_index < first_mixed)
+            .map(|(_, cidr)| cidr)
+            .collect();
         Ok(NewBlockProbe {
+            mixed,
             host_full,
             unclaimed,
             sequence_floor,
@@ -503,6 +575,7 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::Get(handle_key.clone()),
                 Read::Get(keys::import_in_progress()),
+                Read::List(crate::reservations::reservations_dir()),
             ])
             .await?;
         let mut results = results.into_iter();
@@ -510,6 +583,9 @@ impl Ipam {
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
+        // Only for the warning below: a damaged reservation must not stop an explicit assignment.
+        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?).unwrap_or_default();
+        let now = self.now();
 
         let mut targets: Vec<(IpAddr, IpNet, &Stored<Pool>)> = Vec::new();
         for ip in &request.ips {
@@ -517,14 +593,19 @@ impl Ipam {
                 .iter()
                 .find(|p| !p.value.disabled && p.value.cidr.contains(ip))
                 .ok_or(IpamError::NotInPool(*ip))?;
-            let block = pool
-                .value
-                .block_containing(*ip)
-                .ok_or(IpamError::NotInPool(*ip))?;
-            targets.push((*ip, block, pool));
+            targets.push((*ip, IpNet::from(*ip), pool));
         }
-        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
-        let loaded = self.load_blocks_for_write(&cidrs).await?;
+        // The block each address lies in, whatever its size (resize.rs: a pool's blocks may have
+        // mixed sizes), read in the same round trips as an exact-CIDR read.
+        let wanted: Vec<(IpAddr, &Pool)> = targets.iter().map(|t| (t.0, &t.2.value)).collect();
+        let mut located = self.locate_blocks(&wanted).await?;
+        for target in &mut targets {
+            target.1 = *located
+                .block_of
+                .get(&target.0)
+                .ok_or(IpamError::NotInPool(target.0))?;
+        }
+        let loaded = std::mem::take(&mut located.loaded);
         let sequence_floor = loaded.sequence_floor;
         let mut working: BTreeMap<IpNet, WorkingBlock> = loaded
             .found
@@ -539,7 +620,7 @@ impl Ipam {
         let mut assigned = Vec::new();
         for (ip, cidr, pool) in &targets {
             let entry = working.entry(*cidr).or_insert_with(|| {
-                WorkingBlock::created(*cidr, Some(request.host.clone()), sequence_floor)
+                WorkingBlock::created(*cidr, Some(request.host.clone()), sequence_floor, now)
             });
             if let Some(owner) = entry.block.affinity.as_deref() {
                 if owner != request.host
@@ -570,6 +651,15 @@ impl Ipam {
                     handle: holder.handle.clone(),
                 });
             }
+            if entry.block.is_cooling(ordinal) {
+                // Named explicitly, a cooling address is handed out (the cooldown protects
+                // addresses from being picked by auto-assign, not from the operator's choice).
+                tracing::warn!(%ip, handle = %request.handle, "assigning an address still in IP cooldown, as explicitly requested");
+            }
+            if reserved.contains(*ip) {
+                // As Calico: reservations keep addresses from auto-assign only.
+                tracing::warn!(%ip, handle = %request.handle, "assigning a reserved address, as explicitly requested");
+            }
             entry.block.allocate_ordinal(ordinal, &attribute);
             entry.dirty = true;
             handle.add(*cidr, 1);
@@ -582,6 +672,7 @@ impl Ipam {
         for working in working.values() {
             plan.write_block(working)?;
         }
+        located.guard_creations(&mut plan, working.values());
         if !plan.is_empty() {
             plan.expect(&keys::config(), config_revision);
             plan.expect(&handle_key, handle_revision);
@@ -656,25 +747,37 @@ fn candidate_pools<'a>(
 }
 
 /// Allocates from `order` until `got` holds `wanted` addresses (host addresses of each block's
-/// prefix only, with `skip_block_edges`).
+/// prefix only, with `skip_block_edges`), passing over reserved and cooling addresses.
+#[allow(clippy::too_many_arguments)]
 fn take_from_blocks(
     working: &mut BTreeMap<IpNet, WorkingBlock>,
     order: &[IpNet],
     attribute: &Attribute,
     wanted: u32,
     skip_block_edges: bool,
+    lifetime: Lifetime,
+    reserved: &ReservedRanges,
     got: &mut Vec<AssignedAddress>,
 ) {
     for cidr in order {
         let Some(entry) = working.get_mut(cidr) else {
             continue;
         };
+        // A block reservations cover entirely is skipped as a whole (as Calico does).
+        if reserved.leaves_block_nothing(cidr, skip_block_edges) {
+            continue;
+        }
+        // Addresses whose cooldown has passed join the free list; it is stored only if the block
+        // is written anyway.
+        entry.block.finish_cooling(lifetime);
         while (got.len() as u32) < wanted && block_value_has_room(&entry.block) {
-            let next = if skip_block_edges {
-                entry.block.allocate_next_host_address(attribute)
-            } else {
-                entry.block.allocate_next(attribute)
-            };
+            let next = reserved.allocate_next(&mut entry.block, attribute, |block| {
+                if skip_block_edges {
+                    block.allocate_next_host_address(attribute)
+                } else {
+                    block.allocate_next(attribute)
+                }
+            });
             match next {
                 Some(ordinal) => {
                     entry.dirty = true;
@@ -699,6 +802,7 @@ fn find_unclaimed_block(
     host: &str,
     claimed: impl Iterator<Item = IpNet>,
     working: &BTreeMap<IpNet, WorkingBlock>,
+    assignable: impl Fn(&IpNet) -> bool,
 ) -> Option<IpNet> {
     let taken = TakenCidrs::new(claimed.chain(working.keys().copied()));
     for pool in candidates {
@@ -712,7 +816,7 @@ fn find_unclaimed_block(
             let Some(candidate) = pool.value.block_at(index) else {
                 continue;
             };
-            if !taken.overlaps(&candidate) {
+            if !taken.overlaps(&candidate) && assignable(&candidate) {
                 return Some(candidate);
             }
         }
@@ -721,7 +825,7 @@ fn find_unclaimed_block(
             let mut index = (start + steps) % count;
             for _ in steps..count.min(1 << 20) {
                 if let Some(candidate) = pool.value.block_at(index) {
-                    if !taken.overlaps(&candidate) {
+                    if !taken.overlaps(&candidate) && assignable(&candidate) {
                         return Some(candidate);
                     }
                 }

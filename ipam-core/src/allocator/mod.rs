@@ -24,16 +24,21 @@ use crate::kv::{
 use crate::model::{
     decode, decode_claim, decode_pool, default_pool_name, encode, encode_claim, ip_to_u128, keys,
     validate_handle, validate_host, validate_pool_name, AllowedUse, AllowedUses, AssignmentMode,
-    Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
-    DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, V4_BLOCK_SIZES,
-    V6_BLOCK_SIZES,
+    Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Lifetime, Pool,
+    DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES,
+    V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 mod affinity;
 mod assign;
+mod lifecycle;
 mod pools;
 mod queries;
 mod release;
+mod resize;
 
+pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
+
+pub use lifecycle::{EmptyBlock, EmptyBlockFilter, EmptyBlockReason};
 pub(crate) use pools::find_pool;
 
 use crate::network_setup::{self, NetworkSetup};
@@ -252,6 +257,9 @@ pub struct PoolChange {
     pub allowed_uses: Option<AllowedUses>,
     /// Disable (true) or enable (false).
     pub disabled: Option<bool>,
+    /// A new block size for new claims (existing blocks keep theirs and drain; see
+    /// [`Ipam::set_pool`]).
+    pub block_size: Option<u8>,
 }
 
 impl PoolChange {
@@ -306,8 +314,14 @@ pub struct BlockUsage {
     pub capacity: u64,
     /// Allocated.
     pub in_use: u64,
-    /// Free.
+    /// Free: neither allocated nor reserved.
     pub free: u64,
+    /// Covered by an IP reservation, allocated or not (Calico's `Reserved`).
+    #[serde(default)]
+    pub reserved: u64,
+    /// Released but still in IP cooldown: neither free nor in use.
+    #[serde(default)]
+    pub cooling: u64,
 }
 
 /// Usage of one pool.
@@ -319,8 +333,15 @@ pub struct PoolUsage {
     pub capacity: u128,
     /// Allocated.
     pub in_use: u64,
-    /// Free.
+    /// Free: neither allocated nor reserved, blocks not yet claimed included.
     pub free: u128,
+    /// Covered by an IP reservation, allocated or not, over the whole pool CIDR (Calico's
+    /// `Reserved`).
+    #[serde(default)]
+    pub reserved: u128,
+    /// Released but still in IP cooldown: neither free nor in use.
+    #[serde(default)]
+    pub cooling: u64,
     /// Blocks that exist in the pool.
     pub blocks: Vec<BlockUsage>,
 }
@@ -342,7 +363,7 @@ pub(crate) struct Stored<T> {
     pub value: T,
 }
 
-pub(crate) fn decode_stored<T: serde::de::DeserializeOwned>(
+pub(crate) fn decode_stored<T: serde::de::DeserializeOwned + 'static>(
     kv: KeyValue,
 ) -> Result<Stored<T>, IpamError> {
     Ok(Stored {
@@ -372,10 +393,15 @@ impl WorkingBlock {
 
     /// A block this attempt creates for `affinity`, its sequence numbers starting at the store's
     /// sequence floor (read in the same snapshot that showed the CIDR unclaimed).
-    pub(crate) fn created(cidr: IpNet, affinity: Option<String>, sequence_floor: u64) -> Self {
+    pub(crate) fn created(
+        cidr: IpNet,
+        affinity: Option<String>,
+        sequence_floor: u64,
+        now: u64,
+    ) -> Self {
         WorkingBlock {
             read: None,
-            block: Block::new(cidr, affinity, sequence_floor),
+            block: Block::claimed(cidr, affinity, sequence_floor, now),
             dirty: true,
         }
     }
@@ -416,6 +442,8 @@ const NEW_BLOCK_PROBES: u128 = 16;
 /// What the first read of a new-block search found.
 #[derive(Debug)]
 struct NewBlockProbe {
+    /// The mixed-sizes records of candidate pools (pool CIDR, record as read; see `resize.rs`).
+    mixed: Vec<(IpNet, KeyValue)>,
     /// The host's full blocks (all families), when the per-host limit needs them.
     host_full: Vec<IpNet>,
     /// Unclaimed blocks among the probed ones, in search order.
@@ -588,6 +616,38 @@ pub(crate) fn host_hash(host: &str) -> u64 {
     hash
 }
 
+/// Where the allocator reads the time (seconds since the Unix epoch): the system clock, or one a
+/// test sets.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> u64 + Send + Sync>);
+
+impl Clock {
+    /// The system's wall clock.
+    pub fn system() -> Self {
+        Clock(Arc::new(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        }))
+    }
+
+    /// A clock that reads `now` (for tests that move time by hand).
+    pub fn from_fn(now: impl Fn() -> u64 + Send + Sync + 'static) -> Self {
+        Clock(Arc::new(now))
+    }
+
+    /// Seconds since the Unix epoch.
+    pub fn now(&self) -> u64 {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock({})", self.now())
+    }
+}
+
 /// The allocator: every IPAM operation, over any [`KvStore`].
 #[derive(Debug, Clone)]
 pub struct Ipam {
@@ -595,15 +655,37 @@ pub struct Ipam {
     retry: RetryPolicy,
     /// Conditions added to every transaction this allocator commits (see [`Ipam::guarded_by`]).
     guard: Arc<[Condition]>,
+    /// The caller's clock: stamps releases (IP cooldown) and block claims and emptying.
+    clock: Clock,
 }
 
 impl Ipam {
-    /// An allocator over `store` with the default retry policy.
+    /// An allocator over `store` with the default retry policy and the system clock.
     pub fn new(store: Arc<dyn KvStore>) -> Self {
         Ipam {
             store,
             retry: RetryPolicy::default(),
             guard: Arc::from(Vec::new()),
+            clock: Clock::system(),
+        }
+    }
+
+    /// The same allocator, reading the time from `clock`.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Now, by this allocator's clock.
+    pub fn now(&self) -> u64 {
+        self.clock.now()
+    }
+
+    /// The time and cooldown a change made now under `config` uses.
+    pub(crate) fn lifetime(&self, config: &IpamConfig) -> Lifetime {
+        Lifetime {
+            now: self.now(),
+            cooldown_seconds: config.ip_cooldown_seconds,
         }
     }
 

@@ -90,17 +90,25 @@ impl Ipam {
         self.retrying(|| self.try_create_pool(&pool, false)).await
     }
 
-    /// Changes a pool's node selector, assignment mode, allowed uses and disabled flag (each only
-    /// when given): one compare-and-swap on the pool, serialised with every other pool write. Its
-    /// CIDR and block size never change here.
+    /// Changes a pool's node selector, assignment mode, allowed uses, disabled flag and block size
+    /// (each only when given): one compare-and-swap on the pool, serialised with every other pool
+    /// write. Its CIDR never changes here. A new block size applies to blocks claimed from then on;
+    /// existing blocks keep their size until they are released, and the pool is recorded as
+    /// holding mixed sizes (see the `resize` module) in the same transaction.
     ///
     /// # Errors
-    /// [`IpamError::PoolNotFound`]; store failures.
+    /// [`IpamError::PoolNotFound`]; [`IpamError::InvalidArgument`] for a block size out of the
+    /// family's range or larger than the pool; store failures.
     pub async fn set_pool(
         &self,
         name_or_cidr: &str,
         change: &PoolChange,
     ) -> Result<Pool, IpamError> {
+        if let Some(block_size) = change.block_size {
+            return self
+                .change_pool_with_block_size(name_or_cidr, change, block_size)
+                .await;
+        }
         self.change_pool_where(change, false, |pools| find_pool(pools, name_or_cidr))
             .await
     }
@@ -205,7 +213,7 @@ impl Ipam {
         Ok((pools, generation))
     }
 
-    fn bump_pool_generation(
+    pub(crate) fn bump_pool_generation(
         &self,
         plan: &mut Plan,
         generation: Option<KeyValue>,
@@ -395,6 +403,8 @@ impl Ipam {
         self.bump_pool_generation(&mut plan, generation)?;
         plan.expect(&found.key, Some(found.revision));
         plan.delete(&found.key);
+        // Its mixed-sizes record goes with it (absent or not: a delete of nothing is harmless).
+        plan.delete(&super::resize::mixed_sizes_key(&pool.name));
         self.commit_plan(plan, true).await
     }
 
@@ -446,6 +456,7 @@ impl Ipam {
     /// # Errors
     /// Store failures.
     pub async fn set_config(&self, config: &IpamConfig) -> Result<(), IpamError> {
+        config.validate()?;
         self.store.put(&keys::config(), encode(config)?).await?;
         Ok(())
     }
@@ -464,6 +475,7 @@ impl Ipam {
             let (mut config, revision) =
                 Self::decode_config(self.store.get(&keys::config()).await?)?;
             change(&mut config);
+            config.validate()?;
             let mut plan = Plan::default();
             plan.expect(&keys::config(), revision);
             plan.put(&keys::config(), encode(&config)?);

@@ -53,11 +53,16 @@ impl Ipam {
     /// Store failures; corrupt objects.
     pub async fn get_assignment(&self, ip: IpAddr) -> Result<Option<AllocationInfo>, IpamError> {
         let pools = self.list_pools().await?;
-        let Some(cidr) = pools.iter().find_map(|p| p.block_containing(ip)) else {
+        let Some(pool) = pools.iter().find(|p| p.cidr.contains(&ip)) else {
             return Ok(None);
         };
-        let blocks = self.load_blocks(&BTreeSet::from([cidr])).await?;
-        let Some(stored) = blocks.get(&cidr) else {
+        // The block holding it, whatever its size (a pool's blocks may have mixed sizes).
+        let located = self.locate_blocks(&[(ip, pool)]).await?;
+        let Some(stored) = located
+            .block_of
+            .get(&ip)
+            .and_then(|cidr| located.loaded.found.get(cidr))
+        else {
             return Ok(None);
         };
         Ok(allocation_info(&stored.value, ip))
@@ -80,7 +85,8 @@ impl Ipam {
         Ok(all)
     }
 
-    /// Per-pool and per-block capacity, use and free space.
+    /// Per-pool and per-block capacity, use, reserved, cooling and free space (free: neither
+    /// allocated, reserved nor cooling), reservations and config read in the same batch.
     ///
     /// # Errors
     /// Store failures; corrupt objects.
@@ -90,6 +96,8 @@ impl Ipam {
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::List(keys::blocks_dir()),
+                Read::List(crate::reservations::reservations_dir()),
+                Read::Get(keys::config()),
             ])
             .await?;
         let mut results = results.into_iter();
@@ -98,14 +106,21 @@ impl Ipam {
             .into_iter()
             .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
             .collect::<Result<_, _>>()?;
+        let reserved =
+            crate::reservations::ReservedRanges::from_listed(&next_listed(&mut results)?)?;
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
         blocks.sort_by_key(|b| (Family::of_net(&b.cidr), b.cidr.network()));
         let mut usage = Utilization::default();
         for pool in &pools {
+            let pool_reserved = reserved.count_in(&pool.value.cidr);
             usage.pools.push(PoolUsage {
                 pool: pool.value.clone(),
                 capacity: pool.value.capacity(),
                 in_use: 0,
-                free: pool.value.capacity(),
+                free: pool.value.capacity().saturating_sub(pool_reserved),
+                reserved: pool_reserved,
+                cooling: 0,
                 blocks: Vec::new(),
             });
         }
@@ -113,19 +128,32 @@ impl Ipam {
             let pool_index = pools
                 .iter()
                 .position(|p| p.value.cidr.contains(&block.cidr.network()));
+            let block_reserved = u64::try_from(reserved.count_in(&block.cidr)).unwrap_or(u64::MAX);
+            let reserved_allocated = reserved.allocated_in(&block);
+            let cooling = u64::from(block.cooling_at(lifetime));
             let row = BlockUsage {
                 cidr: block.cidr,
                 pool: pool_index.map(|i| pools[i].value.name.clone()),
                 host: block.affinity.clone(),
                 capacity: u64::from(block.capacity()),
                 in_use: u64::from(block.in_use()),
-                free: u64::from(block.free()),
+                // Reserved and allocated addresses count once, as allocated.
+                free: u64::from(block.free())
+                    .saturating_sub(block_reserved.saturating_sub(reserved_allocated))
+                    .saturating_sub(cooling),
+                reserved: block_reserved,
+                cooling,
             };
             match pool_index {
                 Some(i) => {
                     let entry = &mut usage.pools[i];
                     entry.in_use += row.in_use;
-                    entry.free = entry.free.saturating_sub(u128::from(row.in_use));
+                    // The pool's free count already left out every reserved address.
+                    entry.free = entry
+                        .free
+                        .saturating_sub(u128::from(row.in_use - reserved_allocated))
+                        .saturating_sub(u128::from(cooling));
+                    entry.cooling += cooling;
                     entry.blocks.push(row);
                 }
                 None => usage.orphan_blocks.push(row),

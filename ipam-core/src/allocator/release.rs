@@ -46,22 +46,19 @@ impl Ipam {
         &self,
         requests: &[ReleaseRequest],
     ) -> Result<Attempt<ReleaseOutcome>, IpamError> {
-        let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
-        let mut outcome = ReleaseOutcome::default();
-        let mut targets: Vec<(ReleaseRequest, IpNet)> = Vec::new();
-        for request in requests {
-            match pools
-                .iter()
-                .find_map(|p| p.value.block_containing(request.ip))
-            {
-                Some(block) => targets.push((*request, block)),
-                None => outcome.not_allocated.push(request.ip),
-            }
-        }
-        let cidrs: BTreeSet<IpNet> = targets.iter().map(|t| t.1).collect();
-        let mut working: BTreeMap<IpNet, WorkingBlock> = self
-            .load_blocks(&cidrs)
+        let mut results = self
+            .store
+            .read_many(&[Read::List(keys::pools_dir()), Read::Get(keys::config())])
             .await?
+            .into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
+        let mut outcome = ReleaseOutcome::default();
+        // The block each address lies in, whatever its size (resize.rs).
+        let (targets, outside_pools, found) = self.locate_release_targets(&pools, requests).await?;
+        outcome.not_allocated.extend(outside_pools);
+        let mut working: BTreeMap<IpNet, WorkingBlock> = found
             .into_iter()
             .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
             .collect();
@@ -83,7 +80,7 @@ impl Ipam {
                 outcome.sequence_mismatch.push(request.ip);
                 continue;
             }
-            if let Some(attribute) = entry.block.release_ordinal(ordinal) {
+            if let Some(attribute) = entry.block.release_ordinal(ordinal, lifetime) {
                 *handle_counts
                     .entry(cidr)
                     .or_default()
@@ -156,7 +153,15 @@ impl Ipam {
 
     async fn try_release_handle(&self, handle_id: &str) -> Result<Attempt<Vec<IpAddr>>, IpamError> {
         let key = keys::handle(handle_id);
-        let Some(kv) = self.store.get(&key).await? else {
+        let mut results = self
+            .store
+            .read_many(&[Read::Get(key.clone()), Read::Get(keys::config())])
+            .await?
+            .into_iter();
+        let handle_kv = next_got(&mut results)?;
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
+        let Some(kv) = handle_kv else {
             return Ok(Attempt::Done(Vec::new()));
         };
         let stored: Stored<Handle> = decode_stored(kv)?;
@@ -167,7 +172,7 @@ impl Ipam {
             let mut working = WorkingBlock::from_stored(block);
             for ordinal in working.block.ordinals_of_handle(handle_id) {
                 released.push(working.block.ip_of(ordinal));
-                working.block.release_ordinal(ordinal);
+                working.block.release_ordinal(ordinal, lifetime);
                 working.dirty = true;
             }
             plan.write_block(&working)?;
@@ -216,11 +221,14 @@ impl Ipam {
             .read_many(&[
                 Read::Get(key.clone()),
                 Read::List(keys::host_blocks_dir(host)),
+                Read::Get(keys::config()),
             ])
             .await?
             .into_iter();
         let handle_kv = next_got(&mut results)?;
         let host_blocks = next_listed(&mut results)?;
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
         let Some(handle_kv) = handle_kv else {
             return Ok(Attempt::Done(ChosenRelease::default()));
         };
@@ -260,7 +268,7 @@ impl Ipam {
             let Some(ordinal) = entry.block.ordinal_of(info.ip) else {
                 continue;
             };
-            entry.block.release_ordinal(ordinal);
+            entry.block.release_ordinal(ordinal, lifetime);
             entry.dirty = true;
             handle.remove(info.block, 1);
             released.push(info.ip);

@@ -1,0 +1,184 @@
+//! IP reservations through the real binaries on every backend: `reservation add|list|delete`
+//! (table, JSON, errors), the plugin's ADD skipping reserved addresses and wholly reserved blocks,
+//! an explicitly requested (`ipAddrs`) reserved address still assigned, and `show`'s RESERVED and
+//! FREE figures.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+
+use crate::common::{assert_columns_line_up, Backend, Lab};
+use crate::on_every_backend;
+
+/// The IPv4 address of a successful ADD of `container` on `node` (`top` merged into the netconf).
+fn added(lab: &Lab, node: &str, container: &str, top: Value) -> IpAddr {
+    let (status, result) =
+        lab.plugin_in("default", "1.0.0", "ADD", node, container, json!({}), top);
+    assert_eq!(status, 0, "ADD {container} on {node}: {result}");
+    let address: IpNet = result["ips"][0]["address"]
+        .as_str()
+        .expect("an address")
+        .parse()
+        .expect("a CIDR");
+    address.addr()
+}
+
+fn ip(text: &str) -> IpAddr {
+    text.parse().expect("an address")
+}
+
+fn reservations_keep_addresses_from_the_plugin(backend: Backend) {
+    let lab = Lab::new(backend);
+    // 16 blocks of 16 addresses; every block but the last, 10.80.0.240/28, is reserved.
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.80.0.0/24",
+        "--name",
+        "p",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    let created = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "reservation",
+            "add",
+            "most",
+            "10.80.0.0/25",
+            "10.80.0.128/26",
+            "10.80.0.192/27",
+            "10.80.0.224/28",
+        ])
+        .ok()
+        .json();
+    assert_eq!(created["name"], "most");
+    lab.ctl(&["reservation", "add", "one", "10.80.0.241"])
+        .ok()
+        .stdout_has("Created IP reservation one: 10.80.0.241/32.");
+
+    // The plugin's ADD claims the one block with room and skips the reserved .241 (.240, the
+    // block's network address, is never handed out when the block prefix is reported).
+    assert_eq!(added(&lab, "n1", "c1", Value::Null), ip("10.80.0.242"));
+    let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+    let blocks = shown["blocks"].as_array().expect("blocks");
+    assert_eq!(
+        blocks.len(),
+        1,
+        "only the unreserved block is claimed: {shown:#}"
+    );
+    assert_eq!(blocks[0]["cidr"], "10.80.0.240/28");
+    assert_eq!(
+        (
+            &blocks[0]["reserved"],
+            &blocks[0]["in_use"],
+            &blocks[0]["free"]
+        ),
+        (&json!(1), &json!(1), &json!(14))
+    );
+    let pool = &shown["pools"][0];
+    assert_eq!(pool["reserved"], 241);
+    assert_eq!(pool["in_use"], 1);
+    assert_eq!(pool["free"], 256 - 241 - 1);
+
+    // A second node finds no unreserved block to claim and borrows from n1's block.
+    let borrowed = added(&lab, "n2", "c2", Value::Null);
+    assert!(
+        "10.80.0.240/28"
+            .parse::<IpNet>()
+            .expect("cidr")
+            .contains(&borrowed)
+            && borrowed != ip("10.80.0.241"),
+        "{borrowed}"
+    );
+
+    // An address asked for by name (Calico's ipAddrs annotation) is assigned even when reserved.
+    let annotated = json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations":
+        {"cni.projectcalico.org/ipAddrs": "[\"10.80.0.5\"]"}}});
+    assert_eq!(added(&lab, "n1", "c3", annotated), ip("10.80.0.5"));
+
+    // The tables.
+    let table = lab.ctl(&["show", "--blocks"]).ok().stdout.clone();
+    assert!(table.contains("RESERVED"), "{table}");
+    for part in table.split("\n\n") {
+        assert_columns_line_up(part);
+    }
+    let listed = lab.ctl(&["reservation", "list"]).ok().stdout.clone();
+    assert!(listed.starts_with("NAME"), "{listed}");
+    assert!(
+        listed.contains("10.80.0.0/25,10.80.0.128/26,10.80.0.192/27,10.80.0.224/28"),
+        "{listed}"
+    );
+    assert_eq!(
+        lab.ctl(&["-o", "json", "reservation", "list"]).ok().json(),
+        json!([
+            {"name": "most", "cidrs": ["10.80.0.0/25", "10.80.0.128/26", "10.80.0.192/27", "10.80.0.224/28"]},
+            {"name": "one", "cidrs": ["10.80.0.241/32"]},
+        ])
+    );
+
+    // Errors: clear, and nothing written.
+    let before = lab.snapshot();
+    for (args, code, what) in [
+        (
+            vec!["reservation", "add", "most", "10.80.0.9"],
+            1,
+            "already exists",
+        ),
+        (
+            vec!["reservation", "add", "x", "10.80.0.5/24"],
+            2,
+            "host bits",
+        ),
+        (
+            vec!["reservation", "add", "x", "ten"],
+            2,
+            "neither an IP address nor a CIDR",
+        ),
+        (
+            vec!["reservation", "add", "x/y", "10.80.0.9"],
+            2,
+            "reservation name",
+        ),
+        (
+            vec!["reservation", "delete", "nope"],
+            1,
+            "no IP reservation named \"nope\"",
+        ),
+    ] {
+        let run = lab.ctl(&args);
+        run.expect_code(code);
+        assert!(
+            run.error_line().contains(what),
+            "{args:?}: {}",
+            run.error_line()
+        );
+    }
+    assert_eq!(lab.snapshot(), before, "a refused command wrote something");
+
+    // Deleting frees the reserved space for auto-assign again; allocations stay where they are.
+    let deleted = lab
+        .ctl(&["-o", "json", "reservation", "delete", "most"])
+        .ok()
+        .json();
+    assert_eq!(deleted["cidrs"][0], "10.80.0.0/25");
+    let third = added(&lab, "n3", "c4", Value::Null);
+    assert!(
+        !"10.80.0.240/28"
+            .parse::<IpNet>()
+            .expect("cidr")
+            .contains(&third),
+        "n3 claims a block of its own now: {third}"
+    );
+    let held = lab
+        .ctl(&["-o", "json", "show", "--ip", "10.80.0.5"])
+        .ok()
+        .json();
+    assert_eq!(held["allocated"], true);
+    lab.ctl(&["check"]).ok();
+}
+
+on_every_backend!(reservations_keep_addresses_from_the_plugin);

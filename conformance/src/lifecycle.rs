@@ -1,0 +1,398 @@
+//! Address and block lifecycle cases: IP cooldown, empty-block takeover and the release of empty
+//! blocks hosts no longer need, with a clock the case moves by hand, on every backend.
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ipam_core::selector::Selector;
+use ipam_core::{
+    Clock, EmptyBlockFilter, EmptyBlockReason, Ipam, IpamConfig, IpamError, PoolChange,
+};
+use ipnet::IpNet;
+
+use crate::ipam::{assert_clean, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every lifecycle case into one `#[tokio::test]` inside a module `lifecycle`.
+#[macro_export]
+macro_rules! lifecycle_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(lifecycle, $crate::lifecycle, $factory;
+            cooling_address_is_not_handed_out_until_its_cooldown_passes,
+            cooling_addresses_keep_a_block_from_being_empty,
+            explicitly_requested_cooling_address_is_handed_out,
+            cooldown_over_the_limit_is_refused_and_changes_nothing,
+            empty_block_of_another_host_is_taken_over_once_old_enough,
+            takeover_waits_for_cooling_addresses,
+            release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
+            release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
+        );
+    };
+}
+
+/// A clock the case sets: seconds since the epoch.
+struct HandClock(Arc<AtomicU64>);
+
+impl HandClock {
+    fn new(start: u64) -> Self {
+        HandClock(Arc::new(AtomicU64::new(start)))
+    }
+
+    fn clock(&self) -> Clock {
+        let now = Arc::clone(&self.0);
+        Clock::from_fn(move || now.load(Ordering::SeqCst))
+    }
+
+    fn set(&self, now: u64) {
+        self.0.store(now, Ordering::SeqCst);
+    }
+}
+
+/// A store with one pool of `cidr` in `block_size` blocks, its config changed by `configure`,
+/// and an allocator reading `clock`.
+async fn lab(
+    factory: &impl StoreFactory,
+    cidr: &str,
+    block_size: u8,
+    clock: &HandClock,
+    configure: impl Fn(&mut IpamConfig),
+) -> (crate::TestStore, Ipam) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store)).with_clock(clock.clock());
+    ipam.create_pool(&spec(cidr, "pool", block_size))
+        .await
+        .expect("create pool");
+    let mut config = IpamConfig::default();
+    configure(&mut config);
+    ipam.set_config(&config).await.expect("set config");
+    (t, ipam)
+}
+
+async fn assign(ipam: &Ipam, handle: &str, host: &str) -> (IpAddr, IpNet) {
+    let got = ipam
+        .auto_assign(&v4(handle, host, 1))
+        .await
+        .unwrap_or_else(|e| panic!("assign {handle} on {host}: {e}"));
+    assert_eq!(got.v4.len(), 1, "{handle}: one address");
+    (got.v4[0].ip, got.v4[0].block)
+}
+
+async fn block_owner(ipam: &Ipam, cidr: IpNet) -> Option<Option<String>> {
+    let usage = ipam.utilization().await.expect("utilization");
+    usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .chain(usage.orphan_blocks.iter())
+        .find(|b| b.cidr == cidr)
+        .map(|b| b.host.clone())
+}
+
+/// A released address is not handed out again while it cools, even when that leaves nothing to
+/// hand out; once the cooldown has passed it is.
+pub async fn cooling_address_is_not_handed_out_until_its_cooldown_passes<F: StoreFactory>(
+    factory: &F,
+) {
+    let clock = HandClock::new(1_000);
+    // One block of four addresses: nowhere else to go.
+    let (_t, ipam) = lab(factory, "10.40.0.0/30", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 60;
+    })
+    .await;
+    let (first, first_block) = assign(&ipam, "h0", "node-a").await;
+    ipam.release_handle("h0").await.expect("release");
+    // The block's three other addresses are fresh and come first anyway.
+    for n in 1..=3 {
+        let (ip, block) = assign(&ipam, &format!("h{n}"), "node-a").await;
+        assert_eq!(block, first_block);
+        assert_ne!(ip, first, "h{n} got the cooling address");
+    }
+    // Only the cooling address is left: 59 s into a 60 s cooldown there is nothing to hand out,
+    // on this host or another.
+    clock.set(1_059);
+    for host in ["node-a", "node-b"] {
+        assert!(
+            matches!(
+                ipam.auto_assign(&v4("h4", host, 1)).await,
+                Err(IpamError::Exhausted { .. })
+            ),
+            "{host} got an address 59 s into a 60 s cooldown"
+        );
+    }
+    // At 60 s it is free again.
+    clock.set(1_060);
+    let (ip, _) = assign(&ipam, "h4", "node-a").await;
+    assert_eq!(ip, first, "the cooled address is reused");
+    assert_clean(&ipam).await;
+}
+
+/// A block whose only addresses are cooling is not empty: releasing the host unassigns it instead
+/// of deleting it, `check` is clean, and the release of empty blocks deletes it only once cooled.
+pub async fn cooling_addresses_keep_a_block_from_being_empty<F: StoreFactory>(factory: &F) {
+    let clock = HandClock::new(5_000);
+    let (_t, ipam) = lab(factory, "10.41.0.0/28", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 120;
+    })
+    .await;
+    let (_, block) = assign(&ipam, "h0", "node-a").await;
+    ipam.release_handle("h0").await.expect("release");
+    let report = ipam
+        .release_host("node-a", false)
+        .await
+        .expect("release host");
+    assert_eq!(report.deleted_blocks, Vec::<IpNet>::new(), "{report:?}");
+    assert_eq!(report.unassigned_blocks, vec![block]);
+    assert_eq!(block_owner(&ipam, block).await, Some(None), "kept, unowned");
+    assert_clean(&ipam).await;
+    let filter = EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: false,
+    };
+    clock.set(5_119);
+    let found = ipam.release_empty_blocks(filter, true).await.expect("pass");
+    assert!(found.is_empty(), "still cooling: {found:?}");
+    assert_eq!(block_owner(&ipam, block).await, Some(None));
+    clock.set(5_120);
+    let found = ipam.release_empty_blocks(filter, true).await.expect("pass");
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].reason, EmptyBlockReason::Unowned);
+    assert!(found[0].released);
+    assert_eq!(block_owner(&ipam, block).await, None, "deleted once cooled");
+    assert_clean(&ipam).await;
+}
+
+/// An address named explicitly is handed out even while cooling (the cooldown guards
+/// auto-assign's choice, not the operator's).
+pub async fn explicitly_requested_cooling_address_is_handed_out<F: StoreFactory>(factory: &F) {
+    let clock = HandClock::new(9_000);
+    let (_t, ipam) = lab(factory, "10.42.0.0/28", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 600;
+    })
+    .await;
+    let (ip, _) = assign(&ipam, "h0", "node-a").await;
+    ipam.release_handle("h0").await.expect("release");
+    let got = ipam
+        .assign_ips(&ipam_core::AssignIpsRequest {
+            handle: "h1".into(),
+            host: "node-a".into(),
+            ips: vec![ip],
+            ..Default::default()
+        })
+        .await
+        .expect("explicit assign");
+    assert_eq!(got[0].ip, ip);
+    assert_clean(&ipam).await;
+}
+
+/// Calico's limit: a cooldown over 1200 s is refused, by `set_config` and by `update_config`,
+/// and the stored config stays as it was.
+pub async fn cooldown_over_the_limit_is_refused_and_changes_nothing<F: StoreFactory>(factory: &F) {
+    let clock = HandClock::new(1);
+    let (_t, ipam) = lab(factory, "10.43.0.0/28", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 1200;
+    })
+    .await;
+    let too_long = IpamConfig {
+        ip_cooldown_seconds: 1201,
+        ..IpamConfig::default()
+    };
+    assert!(matches!(
+        ipam.set_config(&too_long).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ipam.update_config(|c| c.ip_cooldown_seconds = 5000).await,
+        Err(IpamError::InvalidArgument(_))
+    ));
+    assert_eq!(
+        ipam.get_config().await.expect("config").ip_cooldown_seconds,
+        1200
+    );
+}
+
+/// When its pools have no unclaimed block left, a host takes over another host's block that has
+/// been empty for the reclaim age (not before), and allocates from it.
+pub async fn empty_block_of_another_host_is_taken_over_once_old_enough<F: StoreFactory>(
+    factory: &F,
+) {
+    let clock = HandClock::new(20_000);
+    let (_t, ipam) = lab(factory, "10.44.0.0/29", 30, &clock, |c| {
+        c.strict_affinity = true;
+        c.empty_block_reclaim_seconds = 60;
+    })
+    .await;
+    let (_, block_a) = assign(&ipam, "a0", "node-a").await;
+    let (_, block_b) = assign(&ipam, "b0", "node-b").await;
+    assert_ne!(block_a, block_b);
+    ipam.release_handle("a0").await.expect("release");
+    // Both blocks claimed, node-a's empty for 59 s: node-c finds nothing.
+    clock.set(20_059);
+    assert!(
+        matches!(
+            ipam.auto_assign(&v4("c0", "node-c", 1)).await,
+            Err(IpamError::Exhausted { .. })
+        ),
+        "took over a block empty for less than the reclaim age"
+    );
+    clock.set(20_060);
+    let (ip, block) = assign(&ipam, "c0", "node-c").await;
+    assert_eq!(block, block_a, "node-a's empty block");
+    assert!(block_a.contains(&ip));
+    assert_eq!(
+        block_owner(&ipam, block_a).await,
+        Some(Some("node-c".into()))
+    );
+    assert_eq!(
+        block_owner(&ipam, block_b).await,
+        Some(Some("node-b".into())),
+        "a block in use is never taken"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A block whose addresses are still cooling is not empty, however long ago its last allocation
+/// was released: the takeover waits for the cooldown.
+pub async fn takeover_waits_for_cooling_addresses<F: StoreFactory>(factory: &F) {
+    let clock = HandClock::new(30_000);
+    let (_t, ipam) = lab(factory, "10.45.0.0/30", 30, &clock, |c| {
+        c.strict_affinity = true;
+        c.empty_block_reclaim_seconds = 10;
+        c.ip_cooldown_seconds = 300;
+    })
+    .await;
+    let (_, block) = assign(&ipam, "a0", "node-a").await;
+    ipam.release_handle("a0").await.expect("release");
+    clock.set(30_299);
+    assert!(matches!(
+        ipam.auto_assign(&v4("c0", "node-c", 1)).await,
+        Err(IpamError::Exhausted { .. })
+    ));
+    // Cooled at 30,300; empty long enough 10 s later.
+    clock.set(30_310);
+    let (_, taken) = assign(&ipam, "c0", "node-c").await;
+    assert_eq!(taken, block);
+    assert_clean(&ipam).await;
+}
+
+/// Per host and family the newest block stays, the other empty ones go; a dry run reports the
+/// same and writes nothing; blocks empty for less than the age stay.
+pub async fn release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(40_000);
+    let (_t, ipam) = lab(factory, "10.46.0.0/27", 30, &clock, |c| {
+        c.max_blocks_per_host = 0;
+    })
+    .await;
+    let mut blocks = Vec::new();
+    for n in 0..9 {
+        clock.set(40_000 + n);
+        let (_, block) = assign(&ipam, &format!("h{n}"), "node-a").await;
+        if !blocks.contains(&block) {
+            blocks.push(block);
+        }
+    }
+    assert_eq!(blocks.len(), 3, "three /30 blocks: {blocks:?}");
+    for n in 0..9 {
+        ipam.release_handle(&format!("h{n}"))
+            .await
+            .expect("release");
+    }
+    clock.set(41_000);
+    let older = |seconds| EmptyBlockFilter {
+        older_than_seconds: seconds,
+        only_unselected: false,
+    };
+    assert!(ipam
+        .release_empty_blocks(older(5_000), true)
+        .await
+        .expect("pass")
+        .is_empty());
+    let preview = ipam
+        .release_empty_blocks(older(60), false)
+        .await
+        .expect("dry run");
+    let mut previewed: Vec<IpNet> = preview.iter().map(|b| b.cidr).collect();
+    previewed.sort();
+    assert_eq!(previewed, vec![blocks[0], blocks[1]], "all but the newest");
+    assert!(preview
+        .iter()
+        .all(|b| !b.released && b.reason == EmptyBlockReason::BeyondNewest));
+    for block in &blocks {
+        assert_eq!(
+            block_owner(&ipam, *block).await,
+            Some(Some("node-a".into())),
+            "the dry run wrote"
+        );
+    }
+    let applied = ipam
+        .release_empty_blocks(older(60), true)
+        .await
+        .expect("apply");
+    assert!(applied.iter().all(|b| b.released), "{applied:?}");
+    assert_eq!(block_owner(&ipam, blocks[0]).await, None);
+    assert_eq!(block_owner(&ipam, blocks[1]).await, None);
+    assert_eq!(
+        block_owner(&ipam, blocks[2]).await,
+        Some(Some("node-a".into())),
+        "the newest stays"
+    );
+    assert!(ipam
+        .release_empty_blocks(older(60), true)
+        .await
+        .expect("again")
+        .is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// When a pool stops selecting a node, the node's empty blocks in it go, its newest included;
+/// its blocks in use stay.
+pub async fn release_empty_releases_blocks_of_pools_that_no_longer_select_the_host<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(50_000);
+    let (_t, ipam) = lab(factory, "10.47.0.0/28", 30, &clock, |_| {}).await;
+    let (_, emptied) = assign(&ipam, "a0", "node-a").await;
+    let (_, in_use) = assign(&ipam, "b0", "node-b").await;
+    ipam.release_handle("a0").await.expect("release");
+    let unselected = EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: true,
+    };
+    assert!(
+        ipam.release_empty_blocks(unselected, true)
+            .await
+            .expect("pass")
+            .is_empty(),
+        "the pool still selects every node"
+    );
+    ipam.set_pool(
+        "pool",
+        &PoolChange {
+            node_selector: Some(Selector::parse("rack == 'r1'").expect("selector")),
+            ..PoolChange::default()
+        },
+    )
+    .await
+    .expect("narrow the selector");
+    let found = ipam
+        .release_empty_blocks(unselected, true)
+        .await
+        .expect("pass");
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].cidr, emptied);
+    assert_eq!(found[0].reason, EmptyBlockReason::PoolNoLongerSelects);
+    assert!(found[0].released);
+    assert_eq!(block_owner(&ipam, emptied).await, None);
+    assert_eq!(
+        block_owner(&ipam, in_use).await,
+        Some(Some("node-b".into())),
+        "a block in use stays"
+    );
+    assert_clean(&ipam).await;
+}

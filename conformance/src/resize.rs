@@ -1,0 +1,505 @@
+//! Pool split and block-size change: allocations survive a split in the sub-pool containing them,
+//! new claims after a block-size change use the new size and never overlap an old block, and
+//! everything that finds "the block holding an address" finds it whatever its size.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipam_core::check::kinds;
+use ipam_core::model::{block_entries, Block};
+use ipam_core::namespaces::NamespacePools;
+use ipam_core::selector::Selector;
+use ipam_core::{
+    AllowedUses, AssignIpsRequest, AssignmentMode, Ipam, IpamConfig, IpamError, KvStore, Op,
+    PoolChange, PoolPolicy, ReleaseRequest, Txn,
+};
+use ipnet::IpNet;
+
+use crate::ipam::{assert_clean, ip, ipam_with_pool, net, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every resize case into one `#[tokio::test]` inside a module `resize`.
+#[macro_export]
+macro_rules! resize_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(resize, $crate::resize, $factory;
+            split_keeps_allocations_in_the_sub_pool_containing_them_and_rewrites_namespaces,
+            split_refuses_bad_part_counts_and_parts_smaller_than_a_block_and_writes_nothing,
+            smaller_block_size_claims_new_blocks_beside_old_ones_that_drain,
+            larger_block_size_never_overlaps_old_smaller_blocks,
+            claim_affinity_refuses_a_block_overlapping_a_former_size,
+            check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecorded_sizes,
+        );
+    };
+}
+
+async fn set_block_size(ipam: &Ipam, pool: &str, size: u8) {
+    let change = PoolChange {
+        block_size: Some(size),
+        ..PoolChange::default()
+    };
+    let changed = ipam
+        .set_pool(pool, &change)
+        .await
+        .unwrap_or_else(|e| panic!("set block size /{size} on {pool}: {e}"));
+    assert_eq!(changed.block_size, size);
+}
+
+async fn assign_on(ipam: &Ipam, handle: &str, host: &str, n: u32) -> Vec<(IpAddr, IpNet)> {
+    ipam.auto_assign(&v4(handle, host, n))
+        .await
+        .unwrap_or_else(|e| panic!("assign {n} to {handle} on {host}: {e}"))
+        .v4
+        .into_iter()
+        .map(|a| (a.ip, a.block))
+        .collect()
+}
+
+async fn block_cidrs(ipam: &Ipam) -> Vec<IpNet> {
+    let usage = ipam.utilization().await.expect("utilization");
+    assert!(
+        usage.orphan_blocks.is_empty(),
+        "blocks outside every pool: {:?}",
+        usage.orphan_blocks
+    );
+    usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter().map(|b| b.cidr))
+        .collect()
+}
+
+fn assert_disjoint(cidrs: &[IpNet]) {
+    for (i, a) in cidrs.iter().enumerate() {
+        for b in &cidrs[i + 1..] {
+            assert!(
+                !(a.contains(&b.network()) || b.contains(&a.network())),
+                "blocks {a} and {b} overlap (all: {cidrs:?})"
+            );
+        }
+    }
+}
+
+/// A split replaces the pool by N sub-pools with its settings, every block and allocation stays
+/// and lies in exactly one sub-pool, a namespace naming the pool now names the sub-pools, and
+/// release and assign work afterwards.
+pub async fn split_keeps_allocations_in_the_sub_pool_containing_them_and_rewrites_namespaces<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let policy = PoolPolicy {
+        node_selector: Selector::parse("all()").expect("selector"),
+        assignment_mode: AssignmentMode::Automatic,
+        allowed_uses: AllowedUses::parse("workload").expect("uses"),
+    };
+    ipam.create_pool_with_policy(&spec("10.0.0.0/24", "big", 28), &policy)
+        .await
+        .expect("create pool");
+    ipam.set_namespace_pools(
+        "team-a",
+        &NamespacePools {
+            ipv4_pools: vec!["big".into()],
+            ipv6_pools: vec![],
+        },
+    )
+    .await
+    .expect("namespace pools by name");
+    ipam.set_namespace_pools(
+        "team-b",
+        &NamespacePools {
+            ipv4_pools: vec!["10.0.0.0/24".into()],
+            ipv6_pools: vec![],
+        },
+    )
+    .await
+    .expect("namespace pools by CIDR");
+    let mut held = Vec::new();
+    for host in ["node-a", "node-b", "node-c", "node-d", "node-e"] {
+        held.extend(assign_on(&ipam, &format!("h-{host}"), host, 3).await);
+    }
+    let before = ipam.list_allocations().await.expect("allocations");
+    let blocks_before = block_cidrs(&ipam).await;
+
+    let split = ipam.split_pool("big", 4).await.expect("split");
+    assert_eq!(split.pool.name, "big");
+    assert_eq!(split.blocks, blocks_before.len() as u64);
+    let names: Vec<&str> = split.pools.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["split-big-0", "split-big-1", "split-big-2", "split-big-3"]
+    );
+    let pools = ipam.list_pools().await.expect("pools");
+    assert_eq!(
+        pools, split.pools,
+        "the old pool is gone, the sub-pools are there"
+    );
+    for (i, pool) in pools.iter().enumerate() {
+        assert_eq!(pool.cidr, net(&format!("10.0.0.{}/26", i * 64)));
+        assert_eq!(pool.block_size, 28);
+        assert_eq!(pool.allowed_uses, policy.allowed_uses);
+        assert_eq!(pool.node_selector, policy.node_selector);
+        assert!(!pool.disabled);
+    }
+    // Every block in exactly one sub-pool, every allocation unchanged.
+    let usage = ipam.utilization().await.expect("utilization");
+    assert!(usage.orphan_blocks.is_empty());
+    let mut after_blocks: Vec<IpNet> = usage
+        .pools
+        .iter()
+        .flat_map(|p| {
+            p.blocks.iter().map(|b| {
+                assert!(
+                    p.pool.cidr.contains(&b.cidr),
+                    "{} outside {}",
+                    b.cidr,
+                    p.pool.cidr
+                );
+                b.cidr
+            })
+        })
+        .collect();
+    after_blocks.sort();
+    let mut sorted_before = blocks_before.clone();
+    sorted_before.sort();
+    assert_eq!(after_blocks, sorted_before);
+    assert_eq!(ipam.list_allocations().await.expect("allocations"), before);
+    for name in ["team-a", "team-b"] {
+        let setting = ipam
+            .namespace_pools(name)
+            .await
+            .expect("read namespace")
+            .expect("namespace setting kept");
+        assert_eq!(setting.ipv4_pools, names, "namespace {name}");
+    }
+    let mut rewritten = split.namespaces.clone();
+    rewritten.sort();
+    assert_eq!(rewritten, ["team-a", "team-b"]);
+
+    // Release and assign after the split.
+    let (first, _) = held[0];
+    let released = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: first,
+            sequence: None,
+        }])
+        .await
+        .expect("release");
+    assert_eq!(released.released, vec![first]);
+    let fresh = assign_on(&ipam, "h-new", "node-f", 2).await;
+    assert_eq!(fresh.len(), 2);
+    assert_clean(&ipam).await;
+}
+
+/// N must be a power of two from 2 to 32, and each part at least one block; a refused split
+/// writes nothing, and a taken sub-pool name is refused too.
+pub async fn split_refuses_bad_part_counts_and_parts_smaller_than_a_block_and_writes_nothing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    for parts in [0, 1, 3, 6, 64] {
+        match ipam.split_pool("pool", parts).await {
+            Err(IpamError::InvalidArgument(_)) => {}
+            other => panic!("split into {parts}: expected an invalid argument, got {other:?}"),
+        }
+    }
+    // /24 with /26 blocks: 8 parts would be /27, smaller than a block.
+    match ipam.split_pool("pool", 8).await {
+        Err(IpamError::InvalidArgument(message)) => {
+            assert!(message.contains("smaller than one /26 block"), "{message}")
+        }
+        other => panic!("split into 8: expected an invalid argument, got {other:?}"),
+    }
+    ipam.create_pool(&spec("10.1.0.0/24", "split-pool-1", 26))
+        .await
+        .expect("pool in the way");
+    match ipam.split_pool("pool", 2).await {
+        Err(IpamError::PoolExists(name)) => assert_eq!(name, "split-pool-1"),
+        other => panic!("expected the taken name to be refused, got {other:?}"),
+    }
+    let names: Vec<String> = ipam
+        .list_pools()
+        .await
+        .expect("pools")
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    assert_eq!(names, ["pool", "split-pool-1"]);
+    match ipam.split_pool("missing", 2).await {
+        Err(IpamError::PoolNotFound(_)) => {}
+        other => panic!("expected pool not found, got {other:?}"),
+    }
+}
+
+/// /26 → /28 (smaller blocks): the host keeps filling its old /26 block, new claims are /28
+/// blocks that never overlap it, an address of the old block is found and released by address,
+/// and filling the pool to its last address leaves no overlap.
+pub async fn smaller_block_size_claims_new_blocks_beside_old_ones_that_drain<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/25", 26).await;
+    let old = assign_on(&ipam, "h-old", "node-a", 2).await;
+    let old_block = old[0].1;
+    assert_eq!(old_block.prefix_len(), 26);
+    set_block_size(&ipam, "pool", 28).await;
+
+    // The affine old block still serves its host first.
+    let more = assign_on(&ipam, "h-more", "node-a", 1).await;
+    assert_eq!(more[0].1, old_block);
+    // Another host claims a /28, outside the old /26.
+    let other = assign_on(&ipam, "h-b", "node-b", 1).await;
+    assert_eq!(other[0].1.prefix_len(), 28);
+    assert!(
+        !old_block.contains(&other[0].0),
+        "{other:?} inside {old_block}"
+    );
+
+    // The old block's address is found and released by address.
+    let info = ipam
+        .get_assignment(old[0].0)
+        .await
+        .expect("lookup")
+        .expect("the old block's address is found");
+    assert_eq!(info.block, old_block);
+    let released = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: old[0].0,
+            sequence: Some(info.sequence),
+        }])
+        .await
+        .expect("release");
+    assert_eq!(released.released, vec![old[0].0]);
+    // An explicit address in the old block lands in the old block.
+    let explicit = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![old[0].0],
+            handle: "h-explicit".into(),
+            host: "node-c".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("explicit assign");
+    assert_eq!(explicit[0].block, old_block);
+    assert_clean(&ipam).await;
+
+    // Fill every address of the pool from many hosts: no overlap, no duplicate.
+    ipam.set_config(&IpamConfig {
+        max_blocks_per_host: 0,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let mut seen = BTreeSet::new();
+    for allocation in ipam.list_allocations().await.expect("allocations") {
+        seen.insert(allocation.ip);
+    }
+    let mut round = 0;
+    while seen.len() < 128 {
+        let host = format!("node-{}", round % 5);
+        let want = (128 - seen.len() as u32).min(8);
+        let got = assign_on(&ipam, &format!("fill-{round}"), &host, want).await;
+        for (address, _) in got {
+            assert!(seen.insert(address), "{address} handed out twice");
+        }
+        round += 1;
+        assert!(round < 64, "the pool never filled");
+    }
+    assert!(matches!(
+        ipam.auto_assign(&v4("one-too-many", "node-z", 1)).await,
+        Err(IpamError::Exhausted { .. })
+    ));
+    let cidrs = block_cidrs(&ipam).await;
+    assert!(cidrs.contains(&old_block));
+    assert!(cidrs.iter().any(|c| c.prefix_len() == 28));
+    assert_disjoint(&cidrs);
+    assert_clean(&ipam).await;
+}
+
+/// /28 → /26 (larger blocks): new /26 claims skip every /26 holding an old /28 block, an explicit
+/// address next to an old block gets the largest block that overlaps nothing, old addresses are
+/// found and released, and the pool fills with no overlap.
+pub async fn larger_block_size_never_overlaps_old_smaller_blocks<F: StoreFactory>(factory: &F) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 28).await;
+    // Old /28 blocks in the first and third /26, wherever the hosts' hashes put them otherwise.
+    for (host, cidr) in [("node-a", "10.0.0.16/28"), ("node-b", "10.0.0.128/28")] {
+        ipam.claim_affinity(host, net(cidr))
+            .await
+            .unwrap_or_else(|e| panic!("claim {cidr}: {e}"));
+    }
+    let old = assign_on(&ipam, "h-old", "node-a", 1).await;
+    assert_eq!(old[0].1, net("10.0.0.16/28"));
+    set_block_size(&ipam, "pool", 26).await;
+
+    // node-a's old block still serves it; new hosts get /26 blocks free of old ones.
+    let mut fresh = Vec::new();
+    for host in ["node-c", "node-d"] {
+        let got = assign_on(&ipam, &format!("h-{host}"), host, 1).await;
+        fresh.push(got[0].1);
+    }
+    let mut fresh_sorted = fresh.clone();
+    fresh_sorted.sort();
+    assert_eq!(
+        fresh_sorted,
+        [net("10.0.0.64/26"), net("10.0.0.192/26")],
+        "only the /26 blocks holding no old /28 are claimed"
+    );
+    // No /26 is left: the next host borrows (or, failing that, is exhausted) instead of overlapping.
+    ipam.set_config(&IpamConfig {
+        strict_affinity: true,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    assert!(matches!(
+        ipam.auto_assign(&v4("h-e", "node-e", 1)).await,
+        Err(IpamError::Exhausted { .. })
+    ));
+    ipam.set_config(&IpamConfig::default())
+        .await
+        .expect("config");
+
+    // An explicit address beside the old /28 at .16 gets .0/28 (the largest free block holding it).
+    let explicit = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.0.0.5")],
+            handle: "h-explicit".into(),
+            host: "node-e".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("explicit assign next to an old block");
+    assert_eq!(explicit[0].block, net("10.0.0.0/28"));
+    // And one in the empty half of the third /26 gets .160/27.
+    let explicit = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.0.0.170")],
+            handle: "h-explicit-2".into(),
+            host: "node-e".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("explicit assign in a larger gap");
+    assert_eq!(explicit[0].block, net("10.0.0.160/27"));
+
+    // Old addresses are found and released by address.
+    let info = ipam
+        .get_assignment(old[0].0)
+        .await
+        .expect("lookup")
+        .expect("old address found");
+    assert_eq!(info.block, net("10.0.0.16/28"));
+    let released = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: old[0].0,
+            sequence: None,
+        }])
+        .await
+        .expect("release");
+    assert_eq!(released.released, vec![old[0].0]);
+    assert_disjoint(&block_cidrs(&ipam).await);
+    assert_clean(&ipam).await;
+}
+
+/// After /28 → /26, claiming a /26 that holds an old /28 block is refused and writes nothing.
+pub async fn claim_affinity_refuses_a_block_overlapping_a_former_size<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 28).await;
+    ipam.claim_affinity("node-a", net("10.0.0.16/28"))
+        .await
+        .expect("claim old-size block");
+    set_block_size(&ipam, "pool", 26).await;
+    match ipam.claim_affinity("node-b", net("10.0.0.0/26")).await {
+        Err(IpamError::InvalidArgument(message)) => {
+            assert!(message.contains("10.0.0.16/28"), "{message}")
+        }
+        other => panic!("expected the overlapping claim refused, got {other:?}"),
+    }
+    let claimed = ipam
+        .claim_affinity("node-b", net("10.0.0.64/26"))
+        .await
+        .expect("claim a free /26");
+    assert_eq!(claimed, vec![net("10.0.0.64/26")]);
+    assert_eq!(
+        block_cidrs(&ipam).await,
+        [net("10.0.0.16/28"), net("10.0.0.64/26")]
+    );
+    assert_clean(&ipam).await;
+}
+
+/// Writes `block` as it is (block and claim index entry), bypassing the allocator.
+async fn write_raw_block(store: &Arc<dyn KvStore>, block: &Block) {
+    let ops = block_entries(block)
+        .expect("encode block")
+        .into_iter()
+        .map(|(key, value)| Op::Put { key, value })
+        .collect();
+    store
+        .commit(Txn {
+            conditions: vec![],
+            ops,
+        })
+        .await
+        .expect("write raw block");
+}
+
+/// `check` accepts blocks of a size the pool recorded changing from, but reports a block of
+/// another size in a pool that records no change, and blocks that overlap.
+pub async fn check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecorded_sizes<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "other", 26))
+        .await
+        .expect("second pool");
+    assign_on(&ipam, "h-a", "node-a", 1).await;
+    set_block_size(&ipam, "pool", 28).await;
+    assign_on(&ipam, "h-b", "node-b", 1).await;
+    assert_clean(&ipam).await;
+
+    // A /28 in the pool that never changed size: reported.
+    let stray = Block::new(net("10.1.0.16/28"), Some("node-x".into()), 0);
+    write_raw_block(&t.store, &stray).await;
+    // A /28 inside an existing /26 of the changed pool: an overlap.
+    let cidrs = block_cidrs(&ipam).await;
+    let old = cidrs
+        .iter()
+        .find(|c| c.prefix_len() == 26)
+        .copied()
+        .expect("the old /26 block");
+    let inside = IpNet::new(old.network(), 28).expect("cidr");
+    write_raw_block(&t.store, &Block::new(inside, Some("node-y".into()), 0)).await;
+
+    let report = ipam.check(false).await.expect("check");
+    let kinds_found: BTreeSet<&str> = report.problems.iter().map(|p| p.kind.as_str()).collect();
+    assert!(
+        kinds_found.contains(kinds::BLOCK_SIZE_MISMATCH),
+        "{:#?}",
+        report.problems
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::OVERLAPPING_BLOCKS
+                && p.detail.contains(&old.to_string())
+                && p.detail.contains(&inside.to_string())),
+        "{:#?}",
+        report.problems
+    );
+    assert!(
+        !report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::BLOCK_SIZE_MISMATCH && p.detail.contains("10.0.0.")),
+        "a recorded former size is not a problem: {:#?}",
+        report.problems
+    );
+}

@@ -1,0 +1,260 @@
+//! Block lifecycle: taking over other hosts' long-empty blocks when a pool has no unclaimed block
+//! left, and releasing empty blocks a host no longer needs.
+
+use super::*;
+
+/// Why [`Ipam::release_empty_blocks`] releases (or would release) an empty block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EmptyBlockReason {
+    /// The host has a newer block of the same family.
+    BeyondNewest,
+    /// No enabled pool that contains the block selects its host any more.
+    PoolNoLongerSelects,
+    /// Nobody owns it (it stayed only while addresses in it were cooling).
+    Unowned,
+}
+
+impl std::fmt::Display for EmptyBlockReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EmptyBlockReason::BeyondNewest => "beyond-newest",
+            EmptyBlockReason::PoolNoLongerSelects => "pool-no-longer-selects",
+            EmptyBlockReason::Unowned => "unowned",
+        })
+    }
+}
+
+/// One empty block [`Ipam::release_empty_blocks`] found releasable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EmptyBlock {
+    /// The block.
+    pub cidr: IpNet,
+    /// Its owner, if any.
+    pub host: Option<String>,
+    /// The pool containing it, if any.
+    pub pool: Option<String>,
+    /// When it became empty (seconds since the Unix epoch); 0 when a format 3 store never said.
+    pub empty_since: u64,
+    /// Why it is releasable.
+    pub reason: EmptyBlockReason,
+    /// Whether it was released (only with `apply`; false when it changed meanwhile).
+    pub released: bool,
+}
+
+/// Which empty blocks [`Ipam::release_empty_blocks`] considers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EmptyBlockFilter {
+    /// Only blocks empty for at least this many seconds.
+    pub older_than_seconds: u64,
+    /// Only blocks whose pools no longer select their host (what a selector or label change
+    /// releases).
+    pub only_unselected: bool,
+}
+
+impl Ipam {
+    /// The oldest empty block of another host among `candidates` that has been empty for at least
+    /// the configured reclaim age, taken over for `host`: what auto-assign does when its pools have
+    /// no unclaimed block left (Calico's empty-block reclaim). The returned block is to be written
+    /// in the caller's transaction, guarded by the revision it was read at. Blocks `usable` rejects
+    /// (entirely reserved ones) are passed over. One read.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn take_over_empty_block(
+        &self,
+        index: &ClaimIndex,
+        candidates: &[&Stored<Pool>],
+        host: &str,
+        family: Family,
+        config: &IpamConfig,
+        lifetime: Lifetime,
+        working: &BTreeMap<IpNet, WorkingBlock>,
+        usable: impl Fn(&IpNet) -> bool,
+    ) -> Result<Option<WorkingBlock>, IpamError> {
+        /// Blocks read at once: a few, in case some changed since the index was listed.
+        const TAKEOVER_READ: usize = 4;
+        let cutoff = lifetime
+            .now
+            .saturating_sub(u64::from(config.empty_block_reclaim_seconds));
+        let mut eligible: Vec<(u64, &IndexedClaim)> = index
+            .entries
+            .iter()
+            .filter(|e| Family::of_net(&e.cidr) == family)
+            .filter(|e| e.claim.affinity.as_deref() != Some(host))
+            .filter(|e| !working.contains_key(&e.cidr) && usable(&e.cidr))
+            .filter(|e| {
+                candidates
+                    .iter()
+                    .any(|p| p.value.cidr.contains(&e.cidr.network()))
+            })
+            .filter_map(|e| {
+                e.claim
+                    .empty_from(&e.cidr, lifetime.cooldown_seconds)
+                    .filter(|from| *from <= cutoff)
+                    .map(|from| (from, e))
+            })
+            .collect();
+        eligible.sort_by_key(|(from, e)| (*from, e.cidr.network()));
+        for chunk in eligible.chunks(TAKEOVER_READ) {
+            let cidrs: BTreeSet<IpNet> = chunk.iter().map(|(_, e)| e.cidr).collect();
+            let claims = chunk
+                .iter()
+                .map(|(_, e)| (e.cidr, e.stored.clone()))
+                .collect::<BTreeMap<_, _>>()
+                .into_values()
+                .map(Some)
+                .collect();
+            let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
+            for (_, entry) in chunk {
+                let Some(stored) = loaded.found.get(&entry.cidr) else {
+                    continue;
+                };
+                let block = &stored.value;
+                let old_enough = block
+                    .empty_from(lifetime.cooldown_seconds)
+                    .is_some_and(|from| from <= cutoff);
+                if block.affinity.as_deref() == Some(host) || !old_enough {
+                    continue;
+                }
+                let mut taken = WorkingBlock::from_stored(stored.clone());
+                taken.block.finish_cooling(lifetime);
+                tracing::info!(
+                    block = %block.cidr,
+                    from = block.affinity.as_deref().unwrap_or("-"),
+                    to = host,
+                    "taking over an empty block: its pools have no unclaimed block left"
+                );
+                taken.block.affinity = Some(host.to_owned());
+                taken.block.claimed_at = Some(lifetime.now);
+                taken.block.emptied_at = Some(lifetime.now);
+                taken.dirty = true;
+                return Ok(Some(taken));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The empty blocks hosts no longer need, released when `apply` is set: per host and family,
+    /// every empty block except the host's newest block; empty blocks in pools that no longer
+    /// select their host (or in no enabled pool); and unowned blocks whose cooling addresses have
+    /// cooled. A block counts only when it has been empty for `filter.older_than_seconds` and none
+    /// of its addresses is cooling. Each release is its own transaction, guarded by the block's
+    /// revision: a block that changed since it was read is left alone (reported unreleased).
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn release_empty_blocks(
+        &self,
+        filter: EmptyBlockFilter,
+        apply: bool,
+    ) -> Result<Vec<EmptyBlock>, IpamError> {
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::config()),
+                Read::List(keys::blocks_dir()),
+                Read::List(crate::nodes::nodes_dir()),
+            ])
+            .await?
+            .into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
+        let blocks: Vec<Stored<Block>> = next_listed(&mut results)?
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        for kv in next_listed(&mut results)? {
+            if let Some(host) = kv.key.strip_prefix(&crate::nodes::nodes_dir()) {
+                labels.insert(
+                    host.to_owned(),
+                    crate::nodes::decode_node_labels(&kv.key, Some(&kv))?,
+                );
+            }
+        }
+        let no_labels = BTreeMap::new();
+        let cutoff = lifetime.now.saturating_sub(filter.older_than_seconds);
+        // Each host's newest block per family (latest claim, then highest address).
+        let mut newest: BTreeMap<(&str, Family), (u64, IpNet)> = BTreeMap::new();
+        for stored in &blocks {
+            let block = &stored.value;
+            if let Some(host) = block.affinity.as_deref() {
+                let key = (host, Family::of_net(&block.cidr));
+                let rank = (block.claimed_at.unwrap_or(0), block.cidr);
+                if newest.get(&key).is_none_or(|kept| rank > *kept) {
+                    newest.insert(key, rank);
+                }
+            }
+        }
+        let mut found = Vec::new();
+        for stored in &blocks {
+            let block = &stored.value;
+            let Some(empty_since) = block
+                .empty_from(lifetime.cooldown_seconds)
+                .filter(|from| *from <= cutoff && *from <= lifetime.now)
+            else {
+                continue;
+            };
+            let pool = pools
+                .iter()
+                .find(|p| p.value.cidr.contains(&block.cidr.network()));
+            let reason = match block.affinity.as_deref() {
+                None => EmptyBlockReason::Unowned,
+                Some(host) => {
+                    let host_labels = labels.get(host).unwrap_or(&no_labels);
+                    let selected = pool.is_some_and(|p| {
+                        !p.value.disabled && p.value.node_selector.matches(host_labels)
+                    });
+                    if !selected {
+                        EmptyBlockReason::PoolNoLongerSelects
+                    } else if newest
+                        .get(&(host, Family::of_net(&block.cidr)))
+                        .is_some_and(|(_, cidr)| *cidr != block.cidr)
+                    {
+                        EmptyBlockReason::BeyondNewest
+                    } else {
+                        continue;
+                    }
+                }
+            };
+            if filter.only_unselected && reason != EmptyBlockReason::PoolNoLongerSelects {
+                continue;
+            }
+            let released = apply && self.release_empty_block(stored, lifetime).await?;
+            if released {
+                tracing::info!(block = %block.cidr, host = block.affinity.as_deref().unwrap_or("-"), %reason, "released an empty block");
+            }
+            found.push(EmptyBlock {
+                cidr: block.cidr,
+                host: block.affinity.clone(),
+                pool: pool.map(|p| p.value.name.clone()),
+                empty_since,
+                reason,
+                released,
+            });
+        }
+        Ok(found)
+    }
+
+    /// Deletes one empty block if it is still as read; false when it changed meanwhile.
+    async fn release_empty_block(
+        &self,
+        stored: &Stored<Block>,
+        lifetime: Lifetime,
+    ) -> Result<bool, IpamError> {
+        let mut working = WorkingBlock::from_stored(stored.clone());
+        working.block.finish_cooling(lifetime);
+        if !working.block.is_empty() {
+            return Ok(false);
+        }
+        working.block.affinity = None;
+        working.dirty = true;
+        let mut plan = Plan::default();
+        plan.write_block(&working)?;
+        Ok(matches!(
+            self.commit_plan(plan, ()).await?,
+            Attempt::Done(())
+        ))
+    }
+}
