@@ -62,7 +62,9 @@ fn static_unwinder_dir(linker: &str, out_dir: &Path) -> Result<PathBuf, String> 
     let archive = PathBuf::from(&printed);
     // Without the file, the compiler prints the bare name back.
     if !output.status.success() || !archive.is_absolute() || !archive.is_file() {
-        return Err(format!("{linker} does not know libgcc_eh.a (it printed {printed:?})"));
+        return Err(format!(
+            "{linker} does not know libgcc_eh.a (it printed {printed:?})"
+        ));
     }
     let dir = out_dir.join("static-unwinder");
     fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

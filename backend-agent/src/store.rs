@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
-use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::io::BufReader;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;

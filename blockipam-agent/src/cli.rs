@@ -164,7 +164,12 @@ pub struct AgentArgs {
     #[arg(long, help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub no_reclaim: bool,
     /// As reclaimer leader, also release empty blocks hosts no longer need (as `blockipamctl blocks release-empty --apply`) once empty this long; 0: never
-    #[arg(long, value_name = "SECONDS", default_value_t = 900, help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 900,
+        help_heading = "Liveness and dead-node reclaim (etcd only)"
+    )]
     pub empty_block_release_seconds: u64,
 }
 

@@ -268,7 +268,10 @@ async fn reclaim_if_leader(
             Ok(blocks) => {
                 let released = blocks.iter().filter(|b| b.released).count();
                 if released > 0 {
-                    tracing::info!(released, "reclaimer: released empty blocks hosts no longer need");
+                    tracing::info!(
+                        released,
+                        "reclaimer: released empty blocks hosts no longer need"
+                    );
                 }
             }
             Err(e) => tracing::warn!("reclaimer: releasing empty blocks failed: {e}"),

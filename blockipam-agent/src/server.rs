@@ -158,7 +158,10 @@ async fn serve_connection(
     let mut inline: Option<Answering> = None;
     let mut requests: JoinSet<Option<Vec<u8>>> = JoinSet::new();
     // One read in progress at a time, kept across iterations so that no frame is half read.
-    let mut reading = Some(read_next(BufReader::with_capacity(READ_BUFFER_BYTES, reader)));
+    let mut reading = Some(read_next(BufReader::with_capacity(
+        READ_BUFFER_BYTES,
+        reader,
+    )));
     let mut greeted = false;
     let mut writable = true;
     let mut server_gone = false;
@@ -268,8 +271,9 @@ async fn serve_connection(
 type Answering = Pin<Box<dyn Future<Output = Option<Vec<u8>>> + Send>>;
 
 /// A read of the next request frame; it hands the read half back with the frame.
-type Reading =
-    Pin<Box<dyn Future<Output = (ConnectionReader, Result<Option<RequestFrame>, FrameError>)> + Send>>;
+type Reading = Pin<
+    Box<dyn Future<Output = (ConnectionReader, Result<Option<RequestFrame>, FrameError>)> + Send>,
+>;
 
 /// The read half of a connection, buffered: a frame's length and payload in one system call.
 type ConnectionReader = BufReader<OwnedReadHalf>;
@@ -284,7 +288,8 @@ enum Event {
 
 fn read_next(mut reader: ConnectionReader) -> Reading {
     Box::pin(async move {
-        // Reading a frame is cancelled by nothing: this future lives until it completes.
+        // Kept until it completes: only a connection that stops reading (shutdown, a client
+        // gone) drops it half way.
         let frame = read_frame::<_, RequestFrame>(&mut reader, MAX_REQUEST_BYTES).await;
         (reader, frame)
     })

@@ -51,7 +51,11 @@ pub struct CalicoBlock {
     /// Set by the Kubernetes datastore just before a deletion; such a block is gone.
     #[serde(default)]
     pub deleted: bool,
-    /// Fields this import does not know (e.g. `affinity_claim_time`), kept to be reported.
+    /// When the host claimed the block (Go's `metav1.Time`, RFC 3339; Calico v3.32+, absent on
+    /// older blocks).
+    #[serde(default)]
+    pub affinity_claim_time: Option<String>,
+    /// Fields this import does not know, kept to be reported.
     #[serde(flatten)]
     pub other: BTreeMap<String, Value>,
 }
@@ -65,7 +69,11 @@ pub struct CalicoAttribute {
     /// Metadata: `node`, `pod`, `namespace`, `timestamp`, `type`, `service`.
     #[serde(default)]
     pub secondary: Option<BTreeMap<String, String>>,
-    /// Fields this import does not know (`alternateOwnerAttrs`, `releasedAt`, ...).
+    /// Set when the ordinals pointing here were released into IP cooldown (Go's `metav1.Time`,
+    /// RFC 3339): they are neither free nor in use until `ipCooldownSeconds` have passed.
+    #[serde(default, rename = "releasedAt")]
+    pub released_at: Option<String>,
+    /// Fields this import does not know (`alternateOwnerAttrs`, ...).
     #[serde(flatten)]
     pub other: BTreeMap<String, Value>,
 }
@@ -119,7 +127,10 @@ pub struct CalicoIpamConfig {
     /// Most blocks per host; 0 means 20 in Calico.
     #[serde(default, rename = "maxBlocksPerHost")]
     pub max_blocks_per_host: i64,
-    /// Fields blockipam has no equivalent for (`ipCooldownSeconds`, `kubeVirtVMAddressPersistence`).
+    /// Seconds a released address stays in cooldown; 0 or negative means none.
+    #[serde(default, rename = "ipCooldownSeconds")]
+    pub ip_cooldown_seconds: i64,
+    /// Fields blockipam has no equivalent for (`kubeVirtVMAddressPersistence`, ...).
     #[serde(flatten)]
     pub other: BTreeMap<String, Value>,
 }
@@ -282,6 +293,92 @@ impl CalicoSnapshot {
     }
 }
 
+/// A Calico time (Go's `metav1.Time`: RFC 3339, `2026-01-01T00:00:00Z`, fractional seconds and
+/// a `+hh:mm` offset accepted as Go's `time.Parse(time.RFC3339, ...)` does) in whole seconds since
+/// the Unix epoch: a fraction rounds up (a cooldown never ends earlier than Calico's would), a
+/// time before the epoch counts as the epoch.
+///
+/// # Errors
+/// Why the text is not such a time.
+pub fn parse_calico_time(text: &str) -> Result<u64, String> {
+    let bad = |why: &str| format!("{text:?} is not an RFC 3339 time ({why})");
+    let bytes = text.as_bytes();
+    let digits = |range: std::ops::Range<usize>| -> Result<i64, String> {
+        let part = bytes.get(range).ok_or_else(|| bad("too short"))?;
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return Err(bad("a digit was expected"));
+        }
+        Ok(part.iter().fold(0i64, |n, d| n * 10 + i64::from(d - b'0')))
+    };
+    let separator = |at: usize, expected: u8| -> Result<(), String> {
+        match bytes.get(at) {
+            Some(found) if *found == expected => Ok(()),
+            _ => Err(bad(&format!("{:?} expected at {at}", expected as char))),
+        }
+    };
+    let (year, month, day) = (digits(0..4)?, digits(5..7)?, digits(8..10)?);
+    separator(4, b'-')?;
+    separator(7, b'-')?;
+    separator(10, b'T')?;
+    let (hour, minute, second) = (digits(11..13)?, digits(14..16)?, digits(17..19)?);
+    separator(13, b':')?;
+    separator(16, b':')?;
+    let mut rest = &bytes[19..];
+    let mut fraction = false;
+    if let Some(after_dot) = rest.strip_prefix(b".") {
+        let count = after_dot.iter().take_while(|b| b.is_ascii_digit()).count();
+        if count == 0 {
+            return Err(bad("digits expected after the decimal point"));
+        }
+        fraction = after_dot[..count].iter().any(|d| *d != b'0');
+        rest = &after_dot[count..];
+    }
+    let offset_seconds = match rest {
+        b"Z" => 0,
+        [sign @ (b'+' | b'-'), h1, h2, b':', m1, m2] => {
+            let two = |a: u8, b: u8| -> Result<i64, String> {
+                if a.is_ascii_digit() && b.is_ascii_digit() {
+                    Ok(i64::from(a - b'0') * 10 + i64::from(b - b'0'))
+                } else {
+                    Err(bad("a digit was expected in the offset"))
+                }
+            };
+            let (hours, minutes) = (two(*h1, *h2)?, two(*m1, *m2)?);
+            if hours > 23 || minutes > 59 {
+                return Err(bad("offset out of range"));
+            }
+            let magnitude = hours * 3600 + minutes * 60;
+            if *sign == b'+' {
+                magnitude
+            } else {
+                -magnitude
+            }
+        }
+        _ => return Err(bad("`Z` or a `+hh:mm` offset expected at the end")),
+    };
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let days_in_month = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return Err(bad("month out of range")),
+    };
+    if day < 1 || day > days_in_month || hour > 23 || minute > 59 || second > 59 {
+        return Err(bad("day or time of day out of range"));
+    }
+    // Days from 1970-01-01 to the date (proleptic Gregorian calendar).
+    let shifted_year = if month <= 2 { year - 1 } else { year };
+    let era = shifted_year.div_euclid(400);
+    let year_of_era = shifted_year - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    let seconds =
+        days * 86_400 + hour * 3600 + minute * 60 + second - offset_seconds + i64::from(fraction);
+    Ok(u64::try_from(seconds).unwrap_or(0))
+}
+
 /// `ipv4/block/10.0.0.0-26` → the CIDR (the family segment must match it).
 fn block_cidr(rest: &str) -> Option<IpNet> {
     let (family, segment) = rest.split_once("/block/")?;
@@ -324,6 +421,45 @@ mod tests {
         RawEntry {
             key: key.to_owned(),
             value: value.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn calico_times_read_as_go_writes_and_parses_them() {
+        assert_eq!(parse_calico_time("1970-01-01T00:00:00Z"), Ok(0));
+        assert_eq!(parse_calico_time("2026-01-01T00:00:00Z"), Ok(1_767_225_600));
+        assert_eq!(parse_calico_time("2024-02-29T12:30:15Z"), Ok(1_709_209_815));
+        assert_eq!(
+            parse_calico_time("2026-01-01T02:00:00+02:00"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(
+            parse_calico_time("2025-12-31T23:30:00-00:30"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(
+            parse_calico_time("2026-01-01T00:00:00.000Z"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(
+            parse_calico_time("2026-01-01T00:00:00.25Z"),
+            Ok(1_767_225_601),
+            "a fraction rounds up"
+        );
+        assert_eq!(parse_calico_time("1969-12-31T23:59:59Z"), Ok(0));
+        for bad in [
+            "",
+            "2026-01-01",
+            "2026-01-01 00:00:00Z",
+            "2026-01-01T00:00:00",
+            "2026-02-29T00:00:00Z",
+            "2026-13-01T00:00:00Z",
+            "2026-01-01T24:00:00Z",
+            "2026-01-01T00:00:00.Z",
+            "2026-01-01T00:00:00+0200",
+            "2026-01-01T00:00:00z",
+        ] {
+            assert!(parse_calico_time(bad).is_err(), "{bad:?} was accepted");
         }
     }
 

@@ -43,6 +43,9 @@ pub struct ImportReport {
     pub affine_blocks: usize,
     /// Allocations imported.
     pub allocations: usize,
+    /// Addresses Calico had released into IP cooldown, imported still cooling (with their
+    /// release times; those whose cooldown is over are freed by the next write of their block).
+    pub cooling_addresses: usize,
     /// Handles imported.
     pub handles: usize,
     /// IP reservations imported.
@@ -76,6 +79,7 @@ impl ImportReport {
             blocks: plan.blocks.len(),
             affine_blocks: plan.blocks.iter().filter(|b| b.affinity.is_some()).count(),
             allocations: plan.expected.len(),
+            cooling_addresses: plan.blocks.iter().map(|b| b.cooling.len()).sum(),
             handles: plan.handles.len(),
             reservations: plan.reservations.len(),
             config: plan.config,

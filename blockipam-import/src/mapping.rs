@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
 
 use ipam_core::model::{
-    encode, validate_handle, validate_host, Allocation, Attribute, Block, Handle,
-    DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, V4_BLOCK_SIZES,
-    V6_BLOCK_SIZES,
+    encode, validate_handle, validate_host, Allocation, Attribute, Block, CoolingAddress, Handle,
+    DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_IP_COOLDOWN_SECONDS,
+    V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 use ipam_core::reservations::{validate_reservation, validate_reservation_name, Reservation};
 use ipam_core::selector::Selector;
@@ -17,7 +17,9 @@ use ipnet::IpNet;
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::calico::{CalicoAffinity, CalicoBlock, CalicoPool, CalicoSnapshot};
+use crate::calico::{
+    parse_calico_time, CalicoAffinity, CalicoAttribute, CalicoBlock, CalicoPool, CalicoSnapshot,
+};
 
 /// Calico's `maxBlocksPerHost` when it is 0 or unset.
 pub const CALICO_DEFAULT_MAX_BLOCKS_PER_HOST: u32 = 20;
@@ -495,15 +497,47 @@ fn map_config(
             });
         }
     }
+    let ip_cooldown_seconds = map_ip_cooldown(calico.ip_cooldown_seconds, not_mapped);
     (
         IpamConfig {
             strict_affinity: calico.strict_affinity,
             auto_allocate_blocks: calico.auto_allocate_blocks,
             max_blocks_per_host,
+            ip_cooldown_seconds,
             ..IpamConfig::default()
         },
         true,
     )
+}
+
+/// Calico's `ipCooldownSeconds` as blockipam's `ip_cooldown_seconds`. Negative means no cooldown
+/// in Calico (its check is `ipCooldownSeconds >= 0`): 0, reported. Over 1200 (Calico's API
+/// refuses it, only a raw write stores it, but libcalico-go would honour it): clamped to
+/// blockipam's 1200 s limit, reported, so such addresses may be reused sooner than Calico would.
+fn map_ip_cooldown(seconds: i64, not_mapped: &mut Vec<NotMapped>) -> u32 {
+    let mut report = |note: &str| {
+        not_mapped.push(NotMapped {
+            object: "ipam config".into(),
+            field: "ipCooldownSeconds".into(),
+            value: seconds.to_string(),
+            note: note.to_owned(),
+        });
+    };
+    if seconds < 0 {
+        report("negative: Calico applies no cooldown then; imported as 0");
+        return 0;
+    }
+    match u32::try_from(seconds) {
+        Ok(seconds) if seconds <= MAX_IP_COOLDOWN_SECONDS => seconds,
+        _ => {
+            report(&format!(
+                "over the {MAX_IP_COOLDOWN_SECONDS} s limit (blockipam's and Calico's API's): \
+                 clamped to {MAX_IP_COOLDOWN_SECONDS} s, so a released address may be reused \
+                 sooner than Calico would have"
+            ));
+            MAX_IP_COOLDOWN_SECONDS
+        }
+    }
 }
 
 struct BlockContext<'a> {
@@ -550,8 +584,8 @@ impl BlockContext<'_> {
             return self.refuse(
                 &cidr,
                 format!(
-                    "{used} addresses in use, but the block lies in no IP pool: recreate its pool \
-                     or release those addresses in Calico first"
+                    "{used} addresses in use or cooling, but the block lies in no IP pool: \
+                     recreate its pool or release those addresses in Calico first"
                 ),
             );
         };
@@ -608,6 +642,7 @@ impl BlockContext<'_> {
             .unwrap_or_default();
         let mut attribute_index: BTreeMap<usize, u32> = BTreeMap::new();
         let mut max_sequence = calico.sequence_number;
+        let mut cooling: Vec<CoolingAddress> = Vec::new();
         for (ordinal, slot) in allocations.iter().enumerate() {
             let Some(index) = slot else { continue };
             let ordinal = ordinal as u32;
@@ -622,6 +657,24 @@ impl BlockContext<'_> {
                 );
             };
             let (calico_index, calico_attribute) = attribute;
+            if let Some(released_at) = &calico_attribute.released_at {
+                // Released into IP cooldown: neither free nor in use; Calico frees it once
+                // `releasedAt` is `ipCooldownSeconds` old, and so does blockipam's next write.
+                match parse_calico_time(released_at) {
+                    Ok(released_at) => cooling.push(CoolingAddress {
+                        ordinal,
+                        released_at,
+                    }),
+                    Err(e) => {
+                        return self.refuse(
+                            &cidr,
+                            format!("{ip}: releasedAt {e} (Calico cannot read this block either)"),
+                        );
+                    }
+                }
+                self.tally_released_owner(calico_attribute);
+                continue;
+            }
             let new_index = match attribute_index.get(&calico_index) {
                 Some(new_index) => *new_index,
                 None => {
@@ -697,6 +750,29 @@ impl BlockContext<'_> {
         block.sequence = max_sequence;
         block.released = self.free_list(&cidr, calico, &allocations);
         block.next_fresh = capacity;
+        // Oldest release first, as blockipam frees them (ties in ordinal order, as Calico's
+        // garbage collection queues them).
+        cooling.sort_by_key(|c| (c.released_at, c.ordinal));
+        block.cooling = cooling.into();
+        block.claimed_at = match calico.affinity_claim_time.as_deref().map(parse_calico_time) {
+            None => None,
+            Some(Ok(claimed_at)) => Some(claimed_at),
+            Some(Err(e)) => {
+                return self.refuse(
+                    &cidr,
+                    format!("affinity_claim_time {e} (Calico cannot read this block either)"),
+                );
+            }
+        };
+        // Calico does not record when a block became empty. With no allocation left it cannot
+        // have been before its claim or its newest cooling release: the latest of those known.
+        if block.allocations.is_empty() {
+            block.emptied_at = block
+                .claimed_at
+                .into_iter()
+                .chain(block.cooling.iter().map(|c| c.released_at))
+                .max();
+        }
 
         if block.is_empty() && block.affinity.is_none() {
             self.not_mapped.push(NotMapped {
@@ -713,6 +789,43 @@ impl BlockContext<'_> {
             return self.refuse(&cidr, problems.join("; "));
         }
         Some(block)
+    }
+
+    /// A cooling address's former owner (Calico keeps none, but an attribute may carry one): not
+    /// kept, counted in the report.
+    fn tally_released_owner(&mut self, attribute: &CalicoAttribute) {
+        let owner = [
+            ("handle_id", attribute.handle_id.clone().map(Value::String)),
+            (
+                "secondary",
+                attribute.secondary.clone().map(|s| {
+                    Value::from(serde_json::Map::from_iter(
+                        s.into_iter().map(|(k, v)| (k, Value::String(v))),
+                    ))
+                }),
+            ),
+        ];
+        for (field, value) in owner {
+            if let Some(value) = value.filter(|v| !is_unset(v)) {
+                self.tally.add(
+                    "cooling addresses",
+                    field,
+                    "not mapped: the address is in IP cooldown (released); its former owner is \
+                     not kept",
+                    &value,
+                );
+            }
+        }
+        for (field, value) in &attribute.other {
+            if !is_unset(value) {
+                self.tally.add(
+                    "cooling addresses",
+                    field,
+                    "not mapped: an attribute field blockipam does not keep",
+                    value,
+                );
+            }
+        }
     }
 
     /// The block's host: Calico's `host:<name>` affinity when a confirmed affinity object backs it.

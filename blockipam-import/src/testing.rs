@@ -110,6 +110,30 @@ impl CalicoBlockBuilder {
         self
     }
 
+    /// Releases an allocated `ordinal` into IP cooldown as Calico's `releaseByHandle` does with
+    /// `ipCooldownSeconds` set: the ordinal stays off the free list and points at a new attribute
+    /// holding only `releasedAt` (RFC 3339, as Go's `metav1.Time`); its sequence entry stays; an
+    /// attribute nothing refers to any more is dropped (the others renumbered).
+    ///
+    /// # Panics
+    /// When the ordinal is not allocated (a test bug).
+    pub fn release_into_cooldown(mut self, ordinal: usize, released_at: &str) -> Self {
+        let index = self.allocations[ordinal]
+            .take()
+            .unwrap_or_else(|| panic!("ordinal {ordinal} is not allocated"));
+        if !self.allocations.contains(&Some(index)) {
+            self.attributes.remove(index);
+            for slot in self.allocations.iter_mut().flatten() {
+                if *slot > index {
+                    *slot -= 1;
+                }
+            }
+        }
+        self.attributes.push(json!({"releasedAt": released_at}));
+        self.allocations[ordinal] = Some(self.attributes.len() - 1);
+        self
+    }
+
     /// Raises the block's sequence number to `sequence` (a later write of the block).
     pub fn written_at(mut self, sequence: u64) -> Self {
         self.sequence = self.sequence.max(sequence);
@@ -304,15 +328,28 @@ impl CalicoFixture {
 /// The network name of the sample cluster's pods (Calico's default).
 pub const SAMPLE_NETWORK: &str = "k8s-pod-network";
 
+/// When the sample's still-cooling address was released: a century ahead (as a releaser whose
+/// clock ran ahead would stamp it), so it is still in its cooldown whenever a test runs, however
+/// slowly, and no test depends on the wall clock.
+pub const SAMPLE_STILL_COOLING_RELEASED_AT: &str = "2126-01-01T00:00:00Z";
+
+/// When the sample's cooled address was released: long before any test runs, so its 30 s
+/// cooldown is over (Calico frees it at its next read of the block, blockipam at its next write).
+pub const SAMPLE_COOLED_RELEASED_AT: &str = "2025-01-01T00:00:00Z";
+
 /// A small Calico cluster holding every case the import must carry:
 ///
 /// - pools `default-ipv4-ippool` 10.244.0.0/24 (/26 blocks; `ipipMode: Always`, `natOutgoing`,
 ///   `nodeSelector: all()`) and `default-ipv6-ippool` fd00:10:244::/120 (/122 blocks);
 /// - IPAM config with `strict_affinity: false`, `auto_allocate_blocks: true`, `maxBlocksPerHost`
-///   unset (20) and `ipCooldownSeconds: 30` (not mapped);
+///   unset (20) and `ipCooldownSeconds: 30`;
 /// - block 10.244.0.0/26 on node-a (sequence 1004): .0 the IPIP tunnel address
 ///   (`ipip-tunnel-addr-node-a`, sequence 1000), .1 pod `c1` (1001), .2 pod `c2` (1002), .4 pod
-///   `b9` of node-b (a borrowed address, 1003); .3 was released, so it is last in the free list;
+///   `b9` of node-b (a borrowed address, 1003); .3 was released before the cooldown was set, so
+///   it is last in the free list; .5 (pod `c5`) and .6 (pod `c6`) were released into cooldown
+///   (off the free list, attribute with only `releasedAt`): .5 at
+///   [`SAMPLE_STILL_COOLING_RELEASED_AT`] (still cooling), .6 at [`SAMPLE_COOLED_RELEASED_AT`]
+///   (its cooldown over, not yet freed by a write);
 /// - block 10.244.0.64/26 on node-b (sequence 2000, with `affinity_claim_time`): .64 pod `b1`
 ///   whose attributes carry the unknown key `owner.example.com/team`;
 /// - block fd00:10:244::/122 on node-a (sequence 500): fd00:10:244:: for pod `c1`, whose handle
@@ -365,6 +402,20 @@ pub fn sample_cluster() -> CalicoFixture {
             &pairs(&pod("shop", "cart-9", "node-b")),
             1003,
         )
+        .allocate(
+            5,
+            &handle("c5"),
+            &pairs(&pod("default", "web-5", "node-a")),
+            1003,
+        )
+        .allocate(
+            6,
+            &handle("c6"),
+            &pairs(&pod("default", "web-6", "node-a")),
+            1003,
+        )
+        .release_into_cooldown(5, SAMPLE_STILL_COOLING_RELEASED_AT)
+        .release_into_cooldown(6, SAMPLE_COOLED_RELEASED_AT)
         .written_at(1004);
     let mut b1 = pod("shop", "cart-1", "node-b");
     b1.push(("owner.example.com/team".into(), "blue".into()));

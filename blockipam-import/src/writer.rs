@@ -273,7 +273,8 @@ fn decoded<T: serde::de::DeserializeOwned + 'static>(
 }
 
 /// Checks the written store against the plan's Calico allocations: every allocation at its
-/// address with its handle and attributes (and nothing else allocated), every handle's count,
+/// address with its handle and attributes (and nothing else allocated), every cooling address
+/// with its release time and every block's claim and empty times, every handle's count,
 /// the pools, the config and the sequence floor; then `Ipam::check` must be clean.
 ///
 /// # Errors
@@ -321,6 +322,27 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
             stored.len(),
             plan.expected.len()
         ));
+    }
+    for planned in &plan.blocks {
+        let Some(block) = blocks.iter().find(|b| b.cidr == planned.cidr) else {
+            return fail(format!("block {} is missing", planned.cidr));
+        };
+        if block.cooling != planned.cooling {
+            return fail(format!(
+                "block {} has cooling addresses {:?}, Calico had {:?}",
+                planned.cidr, block.cooling, planned.cooling
+            ));
+        }
+        if (block.claimed_at, block.emptied_at) != (planned.claimed_at, planned.emptied_at) {
+            return fail(format!(
+                "block {} was claimed at {:?} and emptied at {:?}, the plan says {:?} and {:?}",
+                planned.cidr,
+                block.claimed_at,
+                block.emptied_at,
+                planned.claimed_at,
+                planned.emptied_at
+            ));
+        }
     }
 
     let mut expected_counts: BTreeMap<&str, u64> = BTreeMap::new();

@@ -17,13 +17,23 @@ use blockipam_import::{
     inspect_target, map, marker_key, plan_import, CalicoSnapshot, ImportError, ImportPlan,
     TargetState,
 };
+use ipam_core::model::CoolingAddress;
 use ipam_core::model::{decode, keys, Block, ROOT};
-use ipam_core::{AutoAssignRequest, Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn};
-use serde_json::json;
+use ipam_core::{
+    AutoAssignRequest, Clock, Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn,
+};
+use serde_json::{json, Value};
 
 fn snapshot(fixture: &CalicoFixture) -> CalicoSnapshot {
     CalicoSnapshot::parse(42, fixture.entries())
 }
+
+/// 2025-01-01T00:00:00Z, 2026-01-01T00:00:00Z, 2126-01-01T00:00:00Z and 2026-06-01T00:00:00Z in
+/// seconds since the Unix epoch.
+const JAN_2025: u64 = 1_735_689_600;
+const JAN_2026: u64 = 1_767_225_600;
+const JAN_2126: u64 = 4_922_899_200;
+const JUNE_2026: u64 = 1_780_272_000;
 
 fn ip(text: &str) -> IpAddr {
     text.parse().expect("an address")
@@ -59,9 +69,35 @@ fn calico_blocks_keep_free_list_order_sequences_affinity_and_attributes() {
         a.next_fresh, 64,
         "every free ordinal is in the released queue"
     );
-    let mut order: Vec<u32> = (5..64).collect();
+    let mut order: Vec<u32> = (7..64).collect();
     order.push(3);
     assert_eq!(a.released.iter().copied().collect::<Vec<_>>(), order);
+    // Calico's cooling addresses (allocated to an attribute with only `releasedAt`, off the free
+    // list) stay cooling with their release time, oldest release first.
+    assert_eq!(
+        a.cooling.iter().copied().collect::<Vec<_>>(),
+        [
+            CoolingAddress {
+                ordinal: 6,
+                released_at: JAN_2025
+            },
+            CoolingAddress {
+                ordinal: 5,
+                released_at: JAN_2126
+            },
+        ]
+    );
+    assert!(
+        a.attributes
+            .iter()
+            .all(|attr| !attr.handle.ends_with(".c5")),
+        "a cooling address keeps no owner"
+    );
+    assert_eq!(plan.config.ip_cooldown_seconds, 30);
+    let b = block_of(&plan, "10.244.0.64/26");
+    assert_eq!(b.claimed_at, Some(JAN_2026), "from affinity_claim_time");
+    assert_eq!(b.emptied_at, None, "it holds an allocation");
+    assert_eq!(a.claimed_at, None, "Calico stored no claim time");
     assert_eq!(a.sequence, 1004);
     let sequences: BTreeMap<u32, u64> = a
         .allocations
@@ -134,11 +170,16 @@ fn what_blockipam_lacks_is_reported_with_its_value_never_guessed() {
         "IP reservations are mapped now: {:#?}",
         plan.not_mapped
     );
-    assert_eq!(find("ipam config", "ipCooldownSeconds").value, "30");
+    for mapped in ["ipCooldownSeconds", "affinity_claim_time", "releasedAt"] {
+        assert!(
+            !plan.not_mapped.iter().any(|n| n.field == mapped),
+            "{mapped} is mapped now: {:#?}",
+            plan.not_mapped
+        );
+    }
     assert!(find("allocations", "secondary.owner.example.com/team")
         .note
         .contains("kept"));
-    assert_eq!(find("blocks", "affinity_claim_time").object, "blocks (1)");
     assert!(find("handle k8s-pod-network.gone", "block")
         .note
         .contains("leak"));
@@ -168,6 +209,133 @@ fn unconfirmed_affinity_imports_the_block_without_a_host() {
     let mapped = block_of(&plan, "10.9.0.0/26");
     assert_eq!(mapped.affinity, None);
     assert!(mapped.attribute_of(7).is_some(), "its allocation is kept");
+}
+
+#[test]
+fn cooldown_settings_and_cooling_only_blocks_map_as_calico_reads_them() {
+    // A block of node-q whose only addresses are cooling (one released with its owner still on
+    // the attribute), claimed at 2026-01-01; an unaffine block whose only address is cooling.
+    let owned = CalicoBlockBuilder::new("10.4.0.0/26", Some("node-q"), 7)
+        .allocate(2, "net.q2", &[("node", "node-q")], 3)
+        .allocate(1, "net.q1", &[("node", "node-q")], 4)
+        .release_into_cooldown(2, "2026-01-01T00:01:40Z")
+        .release_into_cooldown(1, "2026-01-01T00:00:50.5+00:00")
+        .field("affinity_claim_time", json!("2026-01-01T00:00:00Z"));
+    let mut owned_json = owned.to_json();
+    owned_json["attributes"][1]["handle_id"] = json!("net.q1");
+    let unaffine = CalicoBlockBuilder::new("10.4.0.64/26", None, 9)
+        .allocate(0, "net.u", &[], 9)
+        .release_into_cooldown(0, "2026-01-01T00:00:00Z");
+    let cooling_fixture = |cooldown: Value| {
+        CalicoFixture::new()
+            .pool("p", "10.4.0.0/24", 26, json!({}))
+            .config(json!({"ipCooldownSeconds": cooldown}))
+            .raw(
+                "/ipam/v2/assignment/ipv4/block/10.4.0.0-26",
+                &owned_json.to_string(),
+            )
+            .affinity("node-q", "10.4.0.0/26", "confirmed")
+            .block(&unaffine)
+    };
+    let plan = plan_import(&snapshot(&cooling_fixture(json!(1200)))).expect("maps");
+    assert_eq!(plan.config.ip_cooldown_seconds, 1200);
+    let q = block_of(&plan, "10.4.0.0/26");
+    assert_eq!(
+        q.cooling.iter().copied().collect::<Vec<_>>(),
+        [
+            CoolingAddress {
+                ordinal: 1,
+                released_at: JAN_2026 + 51
+            },
+            CoolingAddress {
+                ordinal: 2,
+                released_at: JAN_2026 + 100
+            },
+        ],
+        "oldest release first; a fraction of a second rounds up"
+    );
+    assert!(q.allocations.is_empty() && q.attributes.is_empty());
+    assert_eq!(q.claimed_at, Some(JAN_2026));
+    assert_eq!(
+        q.emptied_at,
+        Some(JAN_2026 + 100),
+        "not before its newest cooling release"
+    );
+    assert_eq!(q.empty_from(1200), Some(JAN_2026 + 100 + 1200));
+    let u = block_of(&plan, "10.4.0.64/26");
+    assert_eq!(
+        (u.affinity.as_deref(), u.cooling.len()),
+        (None, 1),
+        "kept: not empty"
+    );
+    let owner = plan
+        .not_mapped
+        .iter()
+        .find(|n| n.object == "cooling addresses (1)" && n.field == "handle_id")
+        .unwrap_or_else(|| panic!("the released owner reported in {:#?}", plan.not_mapped));
+    assert_eq!(owner.value, "\"net.q1\"");
+    assert!(
+        !plan.handles.contains_key("net.q1") && plan.expected.is_empty(),
+        "a cooling address is held by nobody"
+    );
+
+    // Over Calico's API limit: clamped and reported; negative: no cooldown, reported.
+    for (stored, imported) in [(json!(5000), 1200), (json!(-5), 0)] {
+        let plan = plan_import(&snapshot(&cooling_fixture(stored.clone()))).expect("maps");
+        assert_eq!(plan.config.ip_cooldown_seconds, imported, "{stored}");
+        let note = plan
+            .not_mapped
+            .iter()
+            .find(|n| n.field == "ipCooldownSeconds")
+            .unwrap_or_else(|| panic!("{stored} reported in {:#?}", plan.not_mapped));
+        assert_eq!(note.value, stored.to_string());
+    }
+    // A value Go cannot read into an int makes the config unreadable, as for Calico.
+    let mapping = map(&snapshot(&cooling_fixture(json!("30"))));
+    assert!(
+        mapping
+            .refusals
+            .iter()
+            .any(|r| r.contains("/ipam/v2/config")),
+        "{:?}",
+        mapping.refusals
+    );
+
+    // A release time Calico could not parse refuses, naming the address.
+    let broken = CalicoBlockBuilder::new("10.4.0.128/26", Some("node-q"), 1)
+        .allocate(3, "net.b", &[], 1)
+        .release_into_cooldown(3, "yesterday");
+    let fixture =
+        cooling_fixture(json!(30))
+            .block(&broken)
+            .affinity("node-q", "10.4.0.128/26", "confirmed");
+    let mapping = map(&snapshot(&fixture));
+    assert!(
+        mapping
+            .refusals
+            .iter()
+            .any(|r| r.contains("10.4.0.131") && r.contains("releasedAt")),
+        "{:?}",
+        mapping.refusals
+    );
+
+    // Written and verified: the cooling addresses and the times survive the store.
+    block_on(async {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let state = inspect_target(&store).await.expect("inspect");
+        writer::write(&store, &plan, &state, "test source")
+            .await
+            .expect("write and verify");
+        let stored: Vec<Block> = store
+            .list(&keys::blocks_dir())
+            .await
+            .expect("list")
+            .iter()
+            .map(|kv| decode(&kv.key, &kv.value).expect("decode"))
+            .collect();
+        assert_eq!(stored.len(), 2);
+        assert!(stored.contains(&q) && stored.contains(&u), "{stored:#?}");
+    });
 }
 
 #[test]
@@ -287,7 +455,17 @@ fn imported_store_verifies_and_the_allocator_continues_as_calico_would() {
             "marker removed"
         );
 
-        let ipam = Ipam::new(store.clone());
+        // Time stands still at 2026-06-01: .6's cooldown (released 2025) is over, .5's (released
+        // 2126) is not, and c1's release below starts a cooldown that never ends.
+        let ipam = Ipam::new(store.clone()).with_clock(Clock::from_fn(|| JUNE_2026));
+        let usage = ipam.utilization().await.expect("usage");
+        let a = usage
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .find(|b| b.cidr.to_string() == "10.244.0.0/26")
+            .expect("block A");
+        assert_eq!((a.in_use, a.cooling), (4, 1), "{a:?}");
         // A DEL of c1 releases both of its addresses, in two blocks.
         let mut released = ipam
             .release_handle(&format!("{SAMPLE_NETWORK}.c1"))
@@ -295,18 +473,30 @@ fn imported_store_verifies_and_the_allocator_continues_as_calico_would() {
             .expect("release");
         released.sort();
         assert_eq!(released, vec![ip("10.244.0.1"), ip("fd00:10:244::")]);
-        // node-a's next address comes from its own block in Calico's free-list order: .5 (the
-        // released .3 and the just-released .1 wait at the tail), never an imported address.
-        let result = ipam
-            .auto_assign(&AutoAssignRequest {
-                handle: "net.new".into(),
-                host: "node-a".into(),
-                num_v4: 1,
-                ..AutoAssignRequest::default()
-            })
-            .await
-            .expect("assign");
-        assert_eq!(result.v4[0].ip, ip("10.244.0.5"));
+        // node-a's next addresses come from its own block in Calico's free-list order: .7 to
+        // .63, then the released .3, then .6 (cooled, queued behind it); never the cooling .5 or
+        // the just-released .1 (cooling under the imported 30 s cooldown), never an imported one.
+        let block_a: ipnet::IpNet = "10.244.0.0/26".parse().expect("cidr");
+        let mut handed_out = Vec::new();
+        for n in 0.. {
+            let result = ipam
+                .auto_assign(&AutoAssignRequest {
+                    handle: format!("net.new-{n}"),
+                    host: "node-a".into(),
+                    num_v4: 1,
+                    ..AutoAssignRequest::default()
+                })
+                .await
+                .expect("assign");
+            if result.v4[0].block != block_a {
+                break;
+            }
+            handed_out.push(result.v4[0].ip);
+            assert!(n < 64, "more addresses than the block holds");
+        }
+        let mut expected: Vec<IpAddr> = (7..64).map(|o| ip(&format!("10.244.0.{o}"))).collect();
+        expected.extend([ip("10.244.0.3"), ip("10.244.0.6")]);
+        assert_eq!(handed_out, expected);
         // A block claimed after the import starts above every imported sequence number.
         let result = ipam
             .auto_assign(&AutoAssignRequest {

@@ -25,7 +25,10 @@
 //!
 //! After the table, a breakdown of a call through the agent (sled): a bare process, the plugin's
 //! own start and exit, connect + hello, read and commit round trips measured from this process,
-//! sled's own durable commit, and a whole plugin call that writes nothing.
+//! sled's own durable commit, and a whole plugin call that writes nothing. With
+//! `BLOCKIPAM_BENCH_COMPARE=<path of another blockipam binary>` (a copy kept from before a change)
+//! the breakdown also times that binary's `VERSION`, ADD and DEL on the same agent, interleaved
+//! call by call with this build's: an A/B measured in one run.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -56,6 +59,8 @@ const POOL: &str = "10.128.0.0/16";
 const GATEWAY: &str = "10.128.0.1";
 const NODE: &str = "bench-node";
 const PREFILL: usize = 10_000;
+/// Names another plugin binary that the breakdown times call by call beside this build's.
+const COMPARE_ENV: &str = "BLOCKIPAM_BENCH_COMPARE";
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Prefill {
@@ -544,25 +549,37 @@ fn print_breakdown() {
     let plugin = Path::new(BIN);
     call(plugin, "ADD", "setup", &netconf, false);
     call(plugin, "DEL", "setup", &netconf, false);
+    // Another build of the plugin (a copy of the binary before a change), timed call by call
+    // beside this one on the same agent: an A/B in one run.
+    let compared = std::env::var_os(COMPARE_ENV).map(std::path::PathBuf::from);
     let (mut bare, mut version, mut add, mut del_nothing, mut del) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..SAMPLES {
+    let (mut other_version, mut other_add, mut other_del) = (Vec::new(), Vec::new(), Vec::new());
+    let version_call = |binary: &Path| {
         let started = Instant::now();
-        let status = Command::new("/bin/true").status().expect("run /bin/true");
-        bare.push(started.elapsed());
-        assert!(status.success());
-        let started = Instant::now();
-        let output = Command::new(BIN)
+        let output = Command::new(binary)
             .env_clear()
             .env("CNI_COMMAND", "VERSION")
             .stdin(Stdio::null())
             .output()
             .expect("run the plugin");
-        version.push(started.elapsed());
         assert!(output.status.success());
+        started.elapsed()
+    };
+    for i in 0..SAMPLES {
+        let started = Instant::now();
+        let status = Command::new("/bin/true").status().expect("run /bin/true");
+        bare.push(started.elapsed());
+        assert!(status.success());
+        version.push(version_call(plugin));
         add.push(call(plugin, "ADD", &format!("c-{i}"), &netconf, false).0);
         del_nothing.push(call(plugin, "DEL", &format!("nothing-{i}"), &netconf, false).0);
         del.push(call(plugin, "DEL", &format!("c-{i}"), &netconf, false).0);
+        if let Some(other) = &compared {
+            other_version.push(version_call(other));
+            other_add.push(call(other, "ADD", &format!("o-{i}"), &netconf, false).0);
+            other_del.push(call(other, "DEL", &format!("o-{i}"), &netconf, false).0);
+        }
     }
     let [bare, version, add, del_nothing, del] =
         [bare, version, add, del_nothing, del].map(|samples| quantile(&samples, 0.5));
@@ -622,6 +639,14 @@ fn print_breakdown() {
         "| ADD minus VERSION, connect + hello, idle read and commit: runtime, netconf, host lock, allocator, output, extra page faults | {:.2} |",
         add - version - connect - idle_read - commit
     );
+    if let Some(other) = &compared {
+        let [other_version, other_add, other_del] =
+            [other_version, other_add, other_del].map(|samples| quantile(&samples, 0.5));
+        let shown = other.display();
+        println!("| `VERSION` of {shown} ({COMPARE_ENV}), interleaved with the above | {other_version:.2} |");
+        println!("| ADD through the agent of {shown} | {other_add:.2} |");
+        println!("| DEL through the agent of {shown} | {other_del:.2} |");
+    }
 }
 
 /// Prints the markdown table: medians, p90, peak RSS, the ratio to host-local's ADD median of the

@@ -211,6 +211,7 @@ async fn reserve_addresses(ipam: &Ipam, conf: &NetConf, pools: &[Pool]) -> Resul
                 (ATTR_PURPOSE.to_owned(), "gateway".to_owned()),
             ]),
             ignore_strict_affinity: true,
+            purpose: None,
         };
         match ipam.assign_ips(&request).await {
             Ok(_) => tracing::info!(%ip, %handle, "reserved"),
@@ -239,13 +240,14 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
     let handle = call.handle();
     if !requested.is_empty() {
         let pools = prepare_network(ipam, conf).await?;
-        refuse_non_host_addresses(conf, &pools, &requested)?;
+        refuse_non_host_addresses(ipam, conf, &pools, &requested).await?;
         refuse_other_attachments_addresses(ipam, call, &requested).await?;
         let request = AssignIpsRequest {
             ips: requested,
             handle: handle.clone(),
             host: call.node.to_owned(),
             attributes: call.attributes(),
+            purpose: Some(ipam_core::AllowedUse::Workload),
             ..Default::default()
         };
         let addresses = ipam.assign_ips(&request).await.map_err(|e| from_ipam(&e))?;
@@ -355,18 +357,20 @@ pub fn may_report_block_prefix(conf: &NetConf, pools: &[Pool]) -> bool {
 
 /// Code 7 for a specific address that is not a usable host address of the prefix it would be
 /// reported with (see [`edge_kind`]). Addresses outside every enabled pool are left to the
-/// allocator (code 103).
-fn refuse_non_host_addresses(
+/// allocator (code 103). The block is the one that holds the address (or would), whatever its
+/// size: a pool's blocks may have mixed sizes after `pool set --block-size`.
+async fn refuse_non_host_addresses(
+    ipam: &Ipam,
     conf: &NetConf,
     pools: &[Pool],
     requested: &[IpAddr],
 ) -> Result<(), CniError> {
+    let blocks = ipam
+        .block_cidrs_holding(pools, requested)
+        .await
+        .map_err(|e| from_ipam(&e))?;
     for ip in requested {
-        let Some(block) = pools
-            .iter()
-            .find(|p| !p.disabled && p.cidr.contains(ip))
-            .and_then(|p| p.block_containing(*ip))
-        else {
+        let Some(block) = blocks.get(ip).copied() else {
             continue;
         };
         let (reported, _) = reported_prefix(conf, pools, *ip, block);

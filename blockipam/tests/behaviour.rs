@@ -422,6 +422,7 @@ fn seed_unlabelled(sandbox: &Sandbox, container: &str, ip: &str) {
                 ("container_id".to_owned(), container.to_owned()),
             ]),
             ignore_strict_affinity: false,
+            purpose: None,
         })
         .await
         .expect("unlabelled allocation");

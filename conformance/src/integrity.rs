@@ -136,8 +136,17 @@ fn lists(prefix: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
     }
 }
 
+/// The first read of a block's claim entry `key`: point reads only, `key` among them, and not the
+/// second read (which starts with the sequence floor). A release by address reads the pool's
+/// mixed-sizes record in the same batch (resize.rs), a release by handle the entry alone.
 fn is_exactly(key: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
-    move |reads| matches!(reads, [Read::Get(k)] if *k == key)
+    move |reads| {
+        reads.iter().all(|r| matches!(r, Read::Get(_)))
+            && reads.iter().any(|r| matches!(r, Read::Get(k) if *k == key))
+            && !reads
+                .iter()
+                .any(|r| matches!(r, Read::Get(k) if *k == keys::sequence_floor()))
+    }
 }
 
 async fn holder(ipam: &Ipam, address: IpAddr) -> Option<String> {

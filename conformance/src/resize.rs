@@ -3,16 +3,21 @@
 //! everything that finds "the block holding an address" finds it whatever its size.
 
 use std::collections::BTreeSet;
+use std::future::Future;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ipam_core::kv::{KeyValue, KvError, Read, ReadResult, Revision};
 
 use ipam_core::check::kinds;
 use ipam_core::model::{block_entries, Block};
 use ipam_core::namespaces::NamespacePools;
 use ipam_core::selector::Selector;
 use ipam_core::{
-    AllowedUses, AssignIpsRequest, AssignmentMode, Ipam, IpamConfig, IpamError, KvStore, Op,
-    PoolChange, PoolPolicy, ReleaseRequest, Txn,
+    AllowedUses, AssignIpsRequest, AssignmentMode, CountingStore, Ipam, IpamConfig, IpamError,
+    KvStore, Op, PoolChange, PoolPolicy, ReleaseRequest, Txn,
 };
 use ipnet::IpNet;
 
@@ -30,6 +35,8 @@ macro_rules! resize_conformance_tests {
             larger_block_size_never_overlaps_old_smaller_blocks,
             claim_affinity_refuses_a_block_overlapping_a_former_size,
             check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecorded_sizes,
+            address_lookups_keep_their_round_trips_until_a_size_change,
+            a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlapping,
         );
     };
 }
@@ -502,4 +509,174 @@ pub async fn check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecor
         "a recorded former size is not a problem: {:#?}",
         report.problems
     );
+}
+
+/// Explicit assignment (three reads: request batch, claim entries, blocks) and release by address
+/// (four: pools, claim entries, blocks, handles) and one commit each, in a pool whose block size
+/// never changed, as before mixed sizes existed (the pool's record is read in the batch that reads
+/// the claim entry); one read more (the claim index) once it changed.
+pub async fn address_lookups_keep_their_round_trips_until_a_size_change<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let counting = Arc::new(CountingStore::new(Arc::clone(&t.store)));
+    let ipam = Ipam::new(counting.clone());
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("pool");
+    let mut measured = Vec::new();
+    for (round, address) in [(0, "10.0.0.5"), (1, "10.0.0.70")] {
+        if round == 1 {
+            set_block_size(&ipam, "pool", 28).await;
+        }
+        counting.take();
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec![ip(address)],
+            handle: format!("h-{round}"),
+            host: "node-a".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("explicit assign");
+        let assign = counting.take();
+        ipam.release_ips(&[ReleaseRequest {
+            ip: ip(address),
+            sequence: None,
+        }])
+        .await
+        .expect("release");
+        let release = counting.take();
+        measured.push((
+            (assign.reads, assign.commits),
+            (release.reads, release.commits),
+        ));
+    }
+    assert_eq!(
+        measured,
+        [((3, 1), (4, 1)), ((4, 1), (5, 1))],
+        "(reads, commits) of an explicit assign and a release by address, before and after a \
+         block size change"
+    );
+}
+
+type BeforeCommit = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// A store that runs a hook once, right before its first commit reaches the store: the hook's
+/// writes land between the caller's reads and its transaction, deterministically.
+struct PauseBeforeCommit {
+    inner: Arc<dyn KvStore>,
+    hook: Mutex<Option<BeforeCommit>>,
+}
+
+impl std::fmt::Debug for PauseBeforeCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PauseBeforeCommit")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl KvStore for PauseBeforeCommit {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        let hook = self.hook.lock().expect("hook lock").take();
+        if let Some(hook) = hook {
+            hook().await;
+        }
+        self.inner.commit(txn).await
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.inner.read_many(reads).await
+    }
+}
+
+/// In a pool of mixed sizes, an explicit assignment that chose a /28 from a snapshot where an old
+/// /28 still blocked the /26 around it, and a new host that claimed that /26 once the old block was
+/// gone, have different claim keys: without the pool's record rewritten by each claim, both would
+/// commit and overlap. The explicit assignment must conflict, retry, and land in the /26.
+pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlapping<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 28))
+        .await
+        .expect("pool");
+    // Old /28 blocks hold three of the four /26s; an unaffine old /28 (.80/28, one address)
+    // holds the fourth.
+    for cidr in ["10.0.0.0/28", "10.0.0.128/28", "10.0.0.192/28"] {
+        ipam.claim_affinity("node-a", net(cidr))
+            .await
+            .unwrap_or_else(|e| panic!("claim {cidr}: {e}"));
+    }
+    ipam.claim_affinity("node-x", net("10.0.0.80/28"))
+        .await
+        .expect("claim the blocking block");
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec![ip("10.0.0.81")],
+        handle: "h-x".into(),
+        host: "node-x".into(),
+        ..AssignIpsRequest::default()
+    })
+    .await
+    .expect("hold an address in it");
+    ipam.release_affinity("node-x", net("10.0.0.80/28"))
+        .await
+        .expect("unaffine it");
+    set_block_size(&ipam, "pool", 26).await;
+
+    // B reads (the /26 around .66 is blocked by .80/28: B picks .64/28), then, before B commits,
+    // the blocking block goes and a new host claims .64/26.
+    let paused = Arc::new(PauseBeforeCommit {
+        inner: Arc::clone(&t.store),
+        hook: Mutex::new(None),
+    });
+    let racer = ipam.clone();
+    *paused.hook.lock().expect("hook lock") = Some(Box::new(move || {
+        Box::pin(async move {
+            racer
+                .release_ips(&[ReleaseRequest {
+                    ip: ip("10.0.0.81"),
+                    sequence: None,
+                }])
+                .await
+                .expect("release the blocking address");
+            let got = racer
+                .auto_assign(&v4("h-c", "node-c", 1))
+                .await
+                .expect("the new host claims a block");
+            assert_eq!(got.v4[0].block, net("10.0.0.64/26"));
+        })
+    }));
+    let explicit = Ipam::new(paused.clone() as Arc<dyn KvStore>)
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.0.0.66")],
+            handle: "h-b".into(),
+            host: "node-b".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("explicit assign");
+    assert!(
+        paused.hook.lock().expect("hook lock").is_none(),
+        "the race never ran"
+    );
+    assert_eq!(
+        explicit[0].block,
+        net("10.0.0.64/26"),
+        "the explicit address lands in the block claimed meanwhile"
+    );
+    assert_disjoint(&block_cidrs(&ipam).await);
+    assert_clean(&ipam).await;
 }

@@ -208,6 +208,7 @@ async fn never_registered_node_and_reservations_are_never_touched() {
         host: RESERVATION_NODE.into(),
         attributes: BTreeMap::new(),
         ignore_strict_affinity: true,
+        purpose: None,
     })
     .await
     .expect("reserve the gateway");

@@ -138,6 +138,37 @@ pub async fn release_empty(
     Ok(Outcome::ok(to_json(&json)?, text))
 }
 
+/// Releases, at once, the empty blocks of nodes that their pools no longer select: what `pool set
+/// --node-selector` and `node label` do after their change. Returns a line for the table output
+/// naming them (empty when none).
+///
+/// # Errors
+/// Store trouble.
+pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<String, CtlError> {
+    let released: Vec<String> = ipam
+        .release_empty_blocks(
+            EmptyBlockFilter {
+                older_than_seconds: 0,
+                only_unselected: true,
+            },
+            true,
+        )
+        .await?
+        .into_iter()
+        .filter(|b| b.released)
+        .map(|b| format!("{} ({})", b.cidr, b.host.unwrap_or_else(|| "-".into())))
+        .collect();
+    Ok(if released.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "Released {} of nodes their pools no longer select: {}.\n",
+            counted(released.len() as u64, "empty block", "empty blocks"),
+            released.join(", ")
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_duration_seconds;

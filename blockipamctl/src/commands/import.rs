@@ -160,14 +160,20 @@ fn render(report: &ImportReport, target: &str) -> Result<Outcome, CtlError> {
         )
     };
     text.push_str(&format!(
-        "  {}, {} ({} affine to a host), {}, {}, {}\n  config{}: strict_affinity {}, \
-         auto_allocate_blocks {}, max_blocks_per_host {}; sequence floor {}\n",
+        "  {}, {} ({} affine to a host), {}, {}, {}, {}\n  config{}: strict_affinity {}, \
+         auto_allocate_blocks {}, max_blocks_per_host {}, ip_cooldown_seconds {}; sequence floor \
+         {}\n",
         counted(n(report.pools), "pool", "pools"),
         counted(n(report.blocks), "block", "blocks"),
         report.affine_blocks,
         counted(n(report.allocations), "allocation", "allocations"),
         counted(n(report.handles), "handle", "handles"),
         counted(n(report.reservations), "IP reservation", "IP reservations"),
+        counted(
+            n(report.cooling_addresses),
+            "address in IP cooldown",
+            "addresses in IP cooldown"
+        ),
         if report.config_from_calico {
             ""
         } else {
@@ -176,6 +182,7 @@ fn render(report: &ImportReport, target: &str) -> Result<Outcome, CtlError> {
         report.config.strict_affinity,
         report.config.auto_allocate_blocks,
         report.config.max_blocks_per_host,
+        report.config.ip_cooldown_seconds,
         report.sequence_floor,
     ));
     if report.dry_run {

@@ -188,10 +188,9 @@ pub async fn label(
         host: &args.host,
         labels: &labels,
     };
-    Ok(Outcome::ok(
-        to_json(&json)?,
-        labels_text(&args.host, &labels, true),
-    ))
+    let mut text = labels_text(&args.host, &labels, true);
+    text.push_str(&super::blocks::release_unselected_empty_blocks(&ipam).await?);
+    Ok(Outcome::ok(to_json(&json)?, text))
 }
 
 /// `node show`.

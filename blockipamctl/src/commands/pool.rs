@@ -148,8 +148,13 @@ pub async fn set(settings: &DatastoreSettings, args: &PoolSetArgs) -> Result<Out
             IpamError::InvalidArgument(_) => CtlError::usage(invalid_text(&e)),
             other => other.into(),
         })?;
+    let released = if change.node_selector.is_some() {
+        super::blocks::release_unselected_empty_blocks(&ipam).await?
+    } else {
+        String::new()
+    };
     let table = format!(
-        "IP pool {} ({}): {}, /{} blocks for new claims, node selector {}, {} assignment, allowed uses {}.\n",
+        "IP pool {} ({}): {}, /{} blocks for new claims, node selector {}, {} assignment, allowed uses {}.\n{released}",
         pool.name,
         pool.cidr,
         state(&pool),

@@ -293,7 +293,8 @@ fn a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks(backend: Ba
     lab.ctl(&["check"]).ok();
     // node-a's pods all go: its two old /28 blocks are empty (no cooldown now), since a time the
     // old format never recorded; the newer one stays, the other is released.
-    lab.ctl(&["config", "set", "--ip-cooldown-seconds", "0"]).ok();
+    lab.ctl(&["config", "set", "--ip-cooldown-seconds", "0"])
+        .ok();
     let held: Vec<String> = (1..=18)
         .filter(|n| *n != 5)
         .map(|n| format!("ctr-a{n}"))

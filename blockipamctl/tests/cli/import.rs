@@ -1,8 +1,9 @@
 //! `import calico`: a real etcd holds Calico-format objects (built from Calico's JSON shapes by
 //! `blockipam_import::testing`); the real `blockipamctl` imports them into sled, redb and etcd,
 //! then the real `blockipam` plugin releases an imported pod (same network name and container id)
-//! and allocates on an imported node without duplicating. Refusals (unsupported block size,
-//! non-empty target) write nothing; a dry run writes nothing.
+//! and allocates on an imported node without duplicating or handing out an address Calico left in
+//! IP cooldown. Refusals (unsupported block size, non-empty target) write nothing; a dry run
+//! writes nothing.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -154,7 +155,36 @@ fn import_from_calico_etcd_then_the_plugin_takes_over(backend: Backend) {
         }])
     );
     assert!(reported("ippool default-ipv4-ippool", "spec.ipipMode"));
-    assert!(reported("ipam config", "ipCooldownSeconds"));
+    // Calico's IP cooldown arrives: the setting, and the two addresses it released into cooldown
+    // (.5 still cooling, .6 cooled but not yet freed by a write), with the claim time of B.
+    assert!(
+        !reported("ipam config", "ipCooldownSeconds"),
+        "{not_mapped:#?}"
+    );
+    assert!(
+        !reported("blocks", "affinity_claim_time"),
+        "{not_mapped:#?}"
+    );
+    assert!(!reported("allocations", "releasedAt"), "{not_mapped:#?}");
+    assert_eq!(doc["config"]["ip_cooldown_seconds"], 30);
+    assert_eq!(doc["cooling_addresses"], 2);
+    let config = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
+    assert_eq!(config["ip_cooldown_seconds"], 30, "{config}");
+    let block_row = |cidr: &str| -> Value {
+        let usage = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+        usage["blocks"]
+            .as_array()
+            .and_then(|blocks| blocks.iter().find(|b| b["cidr"] == cidr))
+            .cloned()
+            .unwrap_or_else(|| panic!("block {cidr} in {usage:#}"))
+    };
+    let a = block_row("10.244.0.0/26");
+    assert_eq!(
+        (a["in_use"].clone(), a["cooling"].clone(), a["free"].clone()),
+        (json!(4), json!(1), json!(59)),
+        "{a:#}"
+    );
+    assert_eq!(holder(&lab, "10.244.0.5"), None, "cooling: nobody holds it");
 
     lab.ctl(&["check"]).ok();
     let handle = |container: &str| format!("{SAMPLE_NETWORK}.{container}");
@@ -183,12 +213,20 @@ fn import_from_calico_etcd_then_the_plugin_takes_over(backend: Backend) {
         "others untouched"
     );
 
-    // ADD on an imported node continues in its block, in Calico's free-list order (.5: the
-    // released .3 and .1 wait at the tail), duplicating nothing.
+    // ADD on an imported node continues in its block, in Calico's free-list order (.7: the
+    // released .3, the cooled .6 and the now cooling .1 wait at the tail, .5 still cools),
+    // duplicating nothing.
     let (code, result, stderr) = cni(&lab, "ADD", "c9", "node-a");
     assert_eq!(code, 0, "ADD failed: {stderr}");
-    assert_eq!(result["ips"][0]["address"], "10.244.0.5/26", "{result:#}");
-    assert_eq!(holder(&lab, "10.244.0.5"), Some(handle("c9")));
+    assert_eq!(result["ips"][0]["address"], "10.244.0.7/26", "{result:#}");
+    assert_eq!(holder(&lab, "10.244.0.7"), Some(handle("c9")));
+    assert_eq!(holder(&lab, "10.244.0.5"), None);
+    let a = block_row("10.244.0.0/26");
+    assert_eq!(
+        (a["in_use"].clone(), a["cooling"].clone()),
+        (json!(4), json!(2)),
+        "c1's .1 went into the imported 30 s cooldown beside .5: {a:#}"
+    );
     lab.ctl(&["check"]).ok();
 }
 
@@ -238,6 +276,8 @@ fn dry_run_reports_in_a_table_and_writes_nothing() {
     run.ok()
         .stdout_has("Dry run")
         .stdout_has("2 pools, 3 blocks (3 affine to a host), 6 allocations, 5 handles")
+        .stdout_has("2 addresses in IP cooldown")
+        .stdout_has("ip_cooldown_seconds 30")
         .stdout_has("Nothing was written.")
         .stdout_has("spec.ipipMode");
     let table = run

@@ -11,6 +11,7 @@ mod format_upgrade;
 mod gc;
 mod import;
 mod library;
+mod lifecycle;
 mod migrate;
 mod node;
 mod node_labels;

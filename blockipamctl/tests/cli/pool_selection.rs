@@ -114,6 +114,37 @@ fn pools_follow_selectors_modes_and_uses(backend: Backend) {
     // A pool that does not allow workload addresses is unusable even when named: code 105.
     let (_, error) = lab.plugin("ADD", "n1", "a2", json!({"ipv4_pools": ["lb"]}));
     assert_eq!(error["code"], 105, "{error}");
+    // So is one of its addresses asked for by name (the ipAddrs annotation): code 105, nothing
+    // written; an address of a workload pool asked for the same way is handed out.
+    let before = lab.snapshot();
+    let explicit = |container: &str, address: &str| {
+        lab.plugin_in(
+            "default",
+            "1.0.0",
+            "ADD",
+            "n1",
+            container,
+            json!({}),
+            json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations": {
+                "cni.projectcalico.org/ipAddrs": format!("[\"{address}\"]")
+            }}}),
+        )
+    };
+    let (_, error) = explicit("a3", "10.93.0.5");
+    assert_eq!(error["code"], 105, "{error}");
+    assert_eq!(
+        lab.snapshot(),
+        before,
+        "a refused explicit ADD wrote something"
+    );
+    let (status, result) = explicit("a4", "10.90.0.77");
+    assert_eq!(status, 0, "{result}");
+    assert!(
+        result["ips"][0]["address"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("10.90.0.77/")),
+        "{result}"
+    );
 
     // Labels change: n2 is drained, so rack2 no longer selects it.
     lab.ctl(&["node", "label", "n2", "drain=soon"]).ok();

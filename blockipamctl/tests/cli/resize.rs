@@ -208,6 +208,38 @@ fn pool_block_size_change_serves_new_claims_at_the_new_size(backend: Backend) {
     assert_eq!(same_host.trunc(), old.trunc());
     let cidrs: Vec<IpNet> = blocks(&lab).into_iter().map(|(c, _)| c).collect();
     assert!(cidrs.contains(&old.trunc()) && cidrs.contains(&fresh.trunc()));
+
+    // A specific address is checked against the block that holds it, not the new size: the old
+    // /26's 17th address is a /28's network address but a host address of the /26 it lies in.
+    let base = match old.trunc().network() {
+        std::net::IpAddr::V4(v4) => u32::from(v4),
+        other => panic!("an IPv4 block, got {other}"),
+    };
+    let inside = std::net::Ipv4Addr::from(base + 16).to_string();
+    let (status, result) = lab.plugin_in(
+        "default",
+        "1.0.0",
+        "ADD",
+        "node-d",
+        "c-static",
+        Value::Null,
+        json!({"runtimeConfig": {"ips": [inside]}}),
+    );
+    assert_eq!(status, 0, "{result}");
+    assert_eq!(result["ips"][0]["address"], format!("{inside}/26"));
+    let network = std::net::Ipv4Addr::from(base).to_string();
+    let (status, result) = lab.plugin_in(
+        "default",
+        "1.0.0",
+        "ADD",
+        "node-d",
+        "c-network",
+        Value::Null,
+        json!({"runtimeConfig": {"ips": [network]}}),
+    );
+    assert_eq!(status, 1, "the /26's network address is refused: {result}");
+    assert_eq!(result["code"], 7, "{result}");
+    del(&lab, "node-d", "c-static");
     assert_check_clean(&lab);
 
     // DEL of an address of the old-size block, then of the new.

@@ -593,6 +593,15 @@ impl Ipam {
                 .iter()
                 .find(|p| !p.value.disabled && p.value.cidr.contains(ip))
                 .ok_or(IpamError::NotInPool(*ip))?;
+            if let Some(purpose) = request.purpose {
+                if !pool.value.allowed_uses.allows(purpose) {
+                    return Err(IpamError::PoolUseNotAllowed {
+                        pool: pool.value.name.clone(),
+                        use_: purpose,
+                        allowed: pool.value.allowed_uses.clone(),
+                    });
+                }
+            }
             targets.push((*ip, IpNet::from(*ip), pool));
         }
         // The block each address lies in, whatever its size (resize.rs: a pool's blocks may have

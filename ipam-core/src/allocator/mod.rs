@@ -165,6 +165,9 @@ pub struct AssignIpsRequest {
     /// When true, strict affinity does not refuse an address in a block affine to another host
     /// (network reservations, which belong to no host).
     pub ignore_strict_affinity: bool,
+    /// What the addresses are for: each must lie in a pool that allows it (Calico's intended
+    /// use). `None` for addresses held rather than used (network reservations).
+    pub purpose: Option<AllowedUse>,
 }
 
 /// Release one address, optionally only if it was allocated at a given block sequence number.

@@ -206,6 +206,73 @@ impl Ipam {
         })
     }
 
+    /// The CIDR of the block each address lies in (or would get: see [`LocatedBlocks`]), for
+    /// addresses inside the given enabled `pools`; others are left out. Whatever the block sizes:
+    /// one batched read of the pools' mixed-sizes records, and one listing of the claim index only
+    /// when a pool records a size change. What the CNI plugin checks a requested address against
+    /// (the prefix its result reports) before it assigns it.
+    ///
+    /// # Errors
+    /// Store failures; a corrupt record or claim index entry.
+    pub async fn block_cidrs_holding(
+        &self,
+        pools: &[Pool],
+        ips: &[IpAddr],
+    ) -> Result<BTreeMap<IpAddr, IpNet>, IpamError> {
+        let targets: Vec<(IpAddr, &Pool)> = ips
+            .iter()
+            .filter_map(|ip| {
+                pools
+                    .iter()
+                    .find(|p| !p.disabled && p.cidr.contains(ip))
+                    .map(|p| (*ip, p))
+            })
+            .collect();
+        let involved: BTreeMap<&str, &Pool> =
+            targets.iter().map(|(_, p)| (p.name.as_str(), *p)).collect();
+        if involved.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let reads: Vec<Read> = involved
+            .keys()
+            .map(|name| Read::Get(mixed_sizes_key(name)))
+            .collect();
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        let mut mixed = BTreeSet::new();
+        for (name, pool) in &involved {
+            let kv = next_got(&mut results)?;
+            if mixed_record_for(pool, kv.as_ref())?.is_some() {
+                mixed.insert(*name);
+            }
+        }
+        let claimed: Vec<IpNet> = if mixed.is_empty() {
+            Vec::new()
+        } else {
+            self.claim_index()
+                .await?
+                .entries
+                .into_iter()
+                .map(|e| e.cidr)
+                .collect()
+        };
+        let mut found = BTreeMap::new();
+        for (ip, pool) in targets {
+            let cidr = if mixed.contains(pool.name.as_str()) {
+                claimed
+                    .iter()
+                    .find(|c| c.contains(&ip))
+                    .copied()
+                    .or_else(|| free_block_for(pool, ip, &claimed))
+            } else {
+                pool.block_containing(ip)
+            };
+            if let Some(cidr) = cidr {
+                found.insert(ip, cidr);
+            }
+        }
+        Ok(found)
+    }
+
     /// For a release by address: each request paired with the block its address lies in
     /// (whatever the block's size), the addresses in no pool, and the blocks found — in the same
     /// round trips as reading exact CIDRs when no pool involved has mixed sizes.

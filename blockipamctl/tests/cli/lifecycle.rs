@@ -1,0 +1,189 @@
+//! Address and block lifecycle through the real binaries on every backend: IP cooldown (`config
+//! set --ip-cooldown-seconds`, cooling in `show`, never handed out by the plugin while cooling),
+//! another node's empty block taken over when a pool has no unclaimed block left, and a selector
+//! change releasing the empty blocks of nodes the pool no longer selects.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+
+use crate::common::{Backend, Lab};
+use crate::on_every_backend;
+
+/// The plugin's ADD on `node`: the IPv4 address, or the failed run's status and output.
+fn add(lab: &Lab, node: &str, container: &str) -> Result<IpAddr, (i32, Value)> {
+    let (status, result) = lab.plugin("ADD", node, container, json!({}));
+    if status != 0 {
+        return Err((status, result));
+    }
+    let address: IpNet = result["ips"][0]["address"]
+        .as_str()
+        .expect("an address")
+        .parse()
+        .expect("a CIDR");
+    Ok(address.addr())
+}
+
+fn del(lab: &Lab, node: &str, container: &str) {
+    let (status, result) = lab.plugin("DEL", node, container, json!({}));
+    assert_eq!(status, 0, "DEL {container}: {result}");
+}
+
+/// The `show --blocks` row of `cidr`, if the block exists.
+fn block_row(lab: &Lab, cidr: &str) -> Option<Value> {
+    let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+    shown["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .find(|b| b["cidr"] == cidr)
+        .cloned()
+}
+
+fn block_of(ip: IpAddr) -> String {
+    IpNet::new(ip, 30).expect("a /30").trunc().to_string()
+}
+
+fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.95.0.0/30",
+        "--name",
+        "one-block",
+        "--block-size",
+        "30",
+    ])
+    .ok();
+    // Over Calico's 1200 s limit: refused, nothing changed.
+    let refused = lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1201"]);
+    assert_ne!(refused.code, 0, "{refused:?}");
+    assert!(refused.error_line().contains("1200"), "{refused:?}");
+    let config = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
+    assert_eq!(config["ip_cooldown_seconds"], 0, "{config}");
+    lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1200"])
+        .ok();
+
+    let first = add(&lab, "node-a", "ctr-0").expect("first ADD");
+    del(&lab, "node-a", "ctr-0");
+    let row = block_row(&lab, &block_of(first)).expect("the block stays");
+    assert_eq!(
+        (
+            row["in_use"].clone(),
+            row["cooling"].clone(),
+            row["free"].clone()
+        ),
+        (json!(0), json!(1), json!(3)),
+        "{row}"
+    );
+    let table = lab.ctl(&["show", "--blocks"]).ok().stdout.clone();
+    assert!(table.contains("COOLING"), "{table}");
+    // The other addresses the plugin hands out go (it skips the block's network and broadcast
+    // addresses); the cooling one never does, to this node or another.
+    let mut handed_out = 0;
+    let refusal = loop {
+        match add(&lab, "node-a", &format!("ctr-{}", handed_out + 1)) {
+            Ok(ip) => {
+                assert_ne!(ip, first, "a cooling address was handed out");
+                handed_out += 1;
+                assert!(handed_out < 4, "more addresses than the block holds");
+            }
+            Err(refused) => break refused,
+        }
+    };
+    assert!(handed_out >= 1, "no fresh address was handed out");
+    assert!(refusal.1.to_string().contains("no free"), "{refusal:?}");
+    let (status, output) = add(&lab, "node-b", "ctr-b").expect_err("only a cooling address left");
+    assert_ne!(status, 0);
+    assert!(output.to_string().contains("no free"), "{output}");
+    lab.ctl(&["check"]).ok();
+}
+
+fn a_long_empty_block_of_another_node_is_taken_over(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.96.0.0/29",
+        "--name",
+        "two-blocks",
+        "--block-size",
+        "30",
+    ])
+    .ok();
+    lab.ctl(&[
+        "config",
+        "set",
+        "--strict-affinity",
+        "true",
+        "--empty-block-reclaim-seconds",
+        "0",
+    ])
+    .ok();
+    let a = add(&lab, "node-a", "ctr-a").expect("node-a");
+    let b = add(&lab, "node-b", "ctr-b").expect("node-b");
+    assert_ne!(block_of(a), block_of(b));
+    // No unclaimed block and no borrowing: node-c waits for an empty one.
+    assert!(add(&lab, "node-c", "ctr-c0").is_err());
+    del(&lab, "node-a", "ctr-a");
+    let c = add(&lab, "node-c", "ctr-c1").expect("node-c takes over node-a's empty block");
+    assert_eq!(block_of(c), block_of(a));
+    let row = block_row(&lab, &block_of(a)).expect("the block");
+    assert_eq!(row["host"], "node-c", "{row}");
+    assert_eq!(
+        block_row(&lab, &block_of(b)).expect("node-b's block")["host"],
+        "node-b"
+    );
+    lab.ctl(&["check"]).ok();
+}
+
+fn a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.97.0.0/28",
+        "--name",
+        "racked",
+        "--block-size",
+        "30",
+    ])
+    .ok();
+    lab.ctl(&["node", "label", "node-b", "rack=r1"]).ok();
+    let a = add(&lab, "node-a", "ctr-a").expect("node-a");
+    let b = add(&lab, "node-b", "ctr-b").expect("node-b");
+    del(&lab, "node-a", "ctr-a");
+    del(&lab, "node-b", "ctr-b");
+    let set = lab
+        .ctl(&["pool", "set", "racked", "--node-selector", "rack == \"r1\""])
+        .ok()
+        .stdout
+        .clone();
+    assert!(
+        set.contains("Released 1 empty block") && set.contains(&block_of(a)),
+        "{set}"
+    );
+    assert_eq!(block_row(&lab, &block_of(a)), None, "node-a's block stayed");
+    assert_eq!(
+        block_row(&lab, &block_of(b)).expect("node-b's block")["host"],
+        "node-b",
+        "a selected node's empty block stays"
+    );
+    // Unlabelling node-b takes its block too.
+    let unlabelled = lab
+        .ctl(&["node", "label", "node-b", "--remove", "rack"])
+        .ok()
+        .stdout
+        .clone();
+    assert!(unlabelled.contains(&block_of(b)), "{unlabelled}");
+    assert_eq!(block_row(&lab, &block_of(b)), None);
+    lab.ctl(&["check"]).ok();
+}
+
+on_every_backend!(
+    released_addresses_cool_before_the_plugin_hands_them_out_again,
+    a_long_empty_block_of_another_node_is_taken_over,
+    a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected,
+);
