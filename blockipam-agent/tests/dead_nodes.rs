@@ -4,7 +4,8 @@
 //! blocks and addresses are gone and `blockipamctl check` is clean. Agent b is paused (SIGSTOP)
 //! until its liveness key has expired and a reclaimer has marked it missing, then resumed: it is
 //! never reclaimed and its liveness key comes back. Node c, and a node whose plugin runs without
-//! an agent (never registered), are untouched.
+//! an agent (never registered), are untouched. A second test has the reclaimer leader release
+//! the empty blocks hosts no longer need (`--empty-block-release-seconds`).
 
 mod common;
 
@@ -35,6 +36,16 @@ struct Agent {
 
 impl Agent {
     fn start(node: &'static str, socket: &Path, endpoints: &str, prefix: &str) -> Agent {
+        Agent::start_with(node, socket, endpoints, prefix, &[])
+    }
+
+    fn start_with(
+        node: &'static str,
+        socket: &Path,
+        endpoints: &str,
+        prefix: &str,
+        extra: &[&str],
+    ) -> Agent {
         let mut child = Command::new(AGENT)
             .env_clear()
             .env("BLOCKIPAM_AGENT_LOG", "info")
@@ -45,6 +56,7 @@ impl Agent {
             .args(["--liveness-ttl-seconds", TTL_SECONDS])
             .args(["--dead-node-grace-seconds", GRACE_SECONDS])
             .args(["--reclaim-interval-seconds", "1"])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -314,4 +326,82 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
     );
     drop(agents);
     drop(cluster);
+}
+
+/// The reclaimer leader releases, by itself, the empty blocks hosts no longer need: a node's
+/// empty blocks beyond its newest one go once empty for `--empty-block-release-seconds`; the
+/// newest stays, and so does a block in use.
+#[test]
+fn the_reclaimer_leader_releases_empty_blocks_beyond_each_hosts_newest() {
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let store: Arc<dyn KvStore> = Arc::new(
+        runtime
+            .block_on(EtcdStore::connect(
+                EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.clone()),
+            ))
+            .expect("connect"),
+    );
+    // node-q (no agent) gets three /30 blocks and empties them; node-r keeps one in use.
+    let ipam = Ipam::new(Arc::clone(&store));
+    runtime.block_on(async {
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.77.0.0/27".parse().expect("cidr"),
+            name: Some("small".into()),
+            block_size: Some(30),
+            disabled: false,
+        })
+        .await
+        .expect("pool");
+        ipam.update_config(|c| c.max_blocks_per_host = 0)
+            .await
+            .expect("config");
+        let many = ipam_core::AutoAssignRequest {
+            handle: "q-pods".into(),
+            host: "node-q".into(),
+            num_v4: 9,
+            ..Default::default()
+        };
+        ipam.auto_assign(&many).await.expect("node-q's addresses");
+        ipam.release_handle("q-pods")
+            .await
+            .expect("release node-q's");
+        let one = ipam_core::AutoAssignRequest {
+            handle: "r-pod".into(),
+            host: "node-r".into(),
+            num_v4: 1,
+            ..Default::default()
+        };
+        ipam.auto_assign(&one).await.expect("node-r's address");
+    });
+    assert_eq!(runtime.block_on(blocks_of(&store, "node-q")), 3);
+
+    let agent = Agent::start_with(
+        "node-a",
+        &dir.path().join("a.sock"),
+        &endpoints,
+        &prefix,
+        &["--empty-block-release-seconds", "1"],
+    );
+    wait_until(&runtime, "node-q is down to its newest block", || async {
+        blocks_of(&store, "node-q").await == 1
+    });
+    assert!(
+        agent.log().contains("released empty blocks"),
+        "the agent did not log the release:\n{}",
+        agent.log()
+    );
+    // A few more passes change nothing: the newest block and node-r's block in use stay.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(runtime.block_on(blocks_of(&store, "node-q")), 1);
+    assert_eq!(runtime.block_on(blocks_of(&store, "node-r")), 1);
+    assert_eq!(runtime.block_on(addresses_of(&store, "node-r")), 1);
+    let report = runtime.block_on(ipam.check(false)).expect("check");
+    assert!(report.problems.is_empty(), "{:#?}", report.problems);
 }

@@ -13,16 +13,18 @@ fn config_show_prints_defaults_and_set_changes_only_the_given_settings(backend: 
     let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
     assert_eq!(
         shown,
-        json!({"strict_affinity": false, "auto_allocate_blocks": true, "max_blocks_per_host": 20})
+        json!({"strict_affinity": false, "auto_allocate_blocks": true, "max_blocks_per_host": 20,
+               "ip_cooldown_seconds": 0, "empty_block_reclaim_seconds": 60})
     );
     let table = lab.ctl(&["config", "show"]);
-    table.ok().stdout_has("max_blocks_per_host   20");
+    table.ok().stdout_has("max_blocks_per_host          20");
     assert_columns_line_up(&table.stdout);
 
     let set = lab.ctl(&["-o", "json", "config", "set", "--max-blocks-per-host", "0"]);
     assert_eq!(
         set.ok().json(),
-        json!({"strict_affinity": false, "auto_allocate_blocks": true, "max_blocks_per_host": 0})
+        json!({"strict_affinity": false, "auto_allocate_blocks": true, "max_blocks_per_host": 0,
+               "ip_cooldown_seconds": 0, "empty_block_reclaim_seconds": 60})
     );
     lab.ctl(&["config", "show"])
         .ok()
@@ -40,10 +42,35 @@ fn config_show_prints_defaults_and_set_changes_only_the_given_settings(backend: 
     let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
     assert_eq!(
         shown,
-        json!({"strict_affinity": true, "auto_allocate_blocks": false, "max_blocks_per_host": 0}),
+        json!({"strict_affinity": true, "auto_allocate_blocks": false, "max_blocks_per_host": 0,
+               "ip_cooldown_seconds": 0, "empty_block_reclaim_seconds": 60}),
         "settings not named keep their value"
     );
     let config = lab.with_ipam(|ipam| async move { ipam.get_config().await.expect("config") });
     assert!(config.strict_affinity && !config.auto_allocate_blocks);
     assert_eq!(config.max_blocks_per_host, 0);
+
+    // The lifecycle settings: set, shown, kept by later changes; Calico's 1200 s cap enforced.
+    lab.ctl(&[
+        "config",
+        "set",
+        "--ip-cooldown-seconds",
+        "300",
+        "--empty-block-reclaim-seconds",
+        "90",
+    ])
+    .ok();
+    lab.ctl(&["config", "set", "--max-blocks-per-host", "5"])
+        .ok();
+    let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
+    assert_eq!(shown["ip_cooldown_seconds"], 300, "{shown}");
+    assert_eq!(shown["empty_block_reclaim_seconds"], 90, "{shown}");
+    let refused = lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1201"]);
+    assert_ne!(refused.code, 0);
+    assert!(refused.error_line().contains("1200"), "{refused:?}");
+    let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
+    assert_eq!(
+        shown["ip_cooldown_seconds"], 300,
+        "a refused change wrote: {shown}"
+    );
 }
