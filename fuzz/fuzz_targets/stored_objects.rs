@@ -13,7 +13,9 @@ use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-fn round_trip<T: Serialize + DeserializeOwned + PartialEq + Debug>(bytes: &[u8]) -> Option<T> {
+fn round_trip<T: Serialize + DeserializeOwned + PartialEq + Debug + 'static>(
+    bytes: &[u8],
+) -> Option<T> {
     let value: T = decode("fuzz", bytes).ok()?;
     let encoded = encode(&value).expect("a decoded object encodes again");
     let again: T = decode("fuzz", &encoded).expect("re-encoded bytes decode");
