@@ -14,7 +14,12 @@ use crate::Ipam;
 /// Longest namespace name (a Kubernetes DNS label).
 pub const MAX_NAMESPACE: usize = 63;
 
-/// The key of `namespace`'s pools.
+/// Prefix of every namespace's pools setting.
+pub fn namespaces_dir() -> String {
+    format!("{ROOT}namespaces/")
+}
+
+/// The key of `namespace`'s pools setting.
 pub fn namespace_key(namespace: &str) -> String {
     format!("{ROOT}namespaces/{namespace}")
 }

@@ -197,7 +197,7 @@ impl Ipam {
 
     /// Every pool and the pool-generation counter, in one batched read: what a pool write checks
     /// and conditions on.
-    async fn read_pools_and_generation(
+    pub(crate) async fn read_pools_and_generation(
         &self,
     ) -> Result<(Vec<Stored<Pool>>, Option<KeyValue>), IpamError> {
         let results = self

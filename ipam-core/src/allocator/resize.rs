@@ -365,16 +365,7 @@ impl Ipam {
         block_size: u8,
     ) -> Result<Pool, IpamError> {
         self.retrying(|| async {
-            let results = self
-                .store
-                .read_many(&[
-                    Read::List(keys::pools_dir()),
-                    Read::Get(keys::pool_generation()),
-                ])
-                .await?;
-            let mut results = results.into_iter();
-            let pools = Self::decode_pools(next_listed(&mut results)?)?;
-            let generation = next_got(&mut results)?;
+            let (pools, generation) = self.read_pools_and_generation().await?;
             let found = find_pool(&pools, name_or_cidr)?;
             validate_block_size(&found.value, block_size)?;
             let mut pool = found.value.clone();
@@ -443,7 +434,7 @@ impl Ipam {
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::pool_generation()),
                 Read::List(keys::claims_dir()),
-                Read::List(format!("{ROOT}namespaces/")),
+                Read::List(crate::namespaces::namespaces_dir()),
             ])
             .await?;
         let mut results = results.into_iter();
