@@ -45,6 +45,8 @@ const SEED_VARIABLE: &str = "BLOCKIPAM_MULTINODE_SEED";
 const CI_ROUNDS: usize = 60;
 /// Simulated nodes.
 const NODES: usize = 4;
+/// How far past its rounds a node of the pool-delete race goes on while no delete has succeeded.
+const EXTRA_ROUNDS_FACTOR: usize = 5;
 /// The node that stops half-way and is retired by the operator.
 const STOPPING_NODE: usize = 3;
 /// The netconf's pool: small (29 usable addresses in /30 blocks), so nodes claim, borrow and
@@ -681,8 +683,17 @@ fn pool_delete_racing_adds_on_etcd_never_releases_a_live_address() {
                 let netconf = race
                     .fleet
                     .netconf(node, "1.1.0", json!({"ipv4_pools": [SPARE]}));
-                for round in 0..race.rounds {
+                let mut rng = Rng::new(race.seed, node as u64 + 1);
+                // Past `rounds`, nodes go on (up to EXTRA_ROUNDS_FACTOR times as many) until
+                // the operator has deleted the pool at least once: on a loaded machine the four
+                // nodes may keep it busy through every attempt of a short run.
+                let mut round = 0;
+                while round < race.rounds
+                    || (race.figures().pool_deletes == 0
+                        && round < race.rounds * EXTRA_ROUNDS_FACTOR)
+                {
                     let container = format!("n{node}-{round}");
+                    round += 1;
                     let added = race.run(node, &netconf, "ADD", &container);
                     race.figures().adds += 1;
                     if !added.succeeded() {
@@ -711,6 +722,9 @@ fn pool_delete_racing_adds_on_etcd_never_releases_a_live_address() {
                         race.fail(format!("DEL {container}: {gone:#?}"));
                     }
                     race.set(&container, node, State::Gone);
+                    // A seeded idle gap, so that windows with no address held in the pool
+                    // (all nodes between DEL and ADD) come up while ADDs still race.
+                    std::thread::sleep(Duration::from_millis(rng.below(25) as u64));
                 }
                 race.nodes_running.fetch_sub(1, Ordering::SeqCst);
             });
