@@ -505,8 +505,9 @@ fn bare_process_median() -> f64 {
 
 /// Where a call through the agent (sled, empty store) spends its time, measured piece by piece
 /// in this run. The process pieces are interleaved call by call (a bare process, the plugin's own
-/// start and exit with `VERSION`, an ADD, a DEL of a container that holds nothing, the ADD's DEL),
-/// so that a busy machine weighs on all of them alike; then, from this process, the agent's
+/// start and exit with `VERSION`, an ADD, a DEL of a container that holds nothing, the ADD's DEL,
+/// host-local's ADD and DEL on an empty data directory), so that a busy machine weighs on all of
+/// them alike; then, from this process, the agent's
 /// connect + hello, a read round trip (warm, and after the agent's threads parked) and a commit
 /// round trip (the agent makes the commit durable before it answers), beside sled's own durable
 /// commit in process.
@@ -555,6 +556,12 @@ fn print_breakdown() {
     let (mut bare, mut version, mut add, mut del_nothing, mut del) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut other_version, mut other_add, mut other_del) = (Vec::new(), Vec::new(), Vec::new());
+    // host-local, empty, timed call by call beside the plugin: the ratio of the table's first
+    // rows, with both sides under the same moment-to-moment load.
+    let host_local_netconf = host_local_netconf(&dir.path().join("host-local"))
+        .to_string()
+        .into_bytes();
+    let (mut host_local_add, mut host_local_del) = (Vec::new(), Vec::new());
     let version_call = |binary: &Path| {
         let started = Instant::now();
         let output = Command::new(binary)
@@ -575,14 +582,38 @@ fn print_breakdown() {
         add.push(call(plugin, "ADD", &format!("c-{i}"), &netconf, false).0);
         del_nothing.push(call(plugin, "DEL", &format!("nothing-{i}"), &netconf, false).0);
         del.push(call(plugin, "DEL", &format!("c-{i}"), &netconf, false).0);
+        let host_local = Path::new(HOST_LOCAL);
+        let container = format!("h-{i}");
+        host_local_add.push(call(host_local, "ADD", &container, &host_local_netconf, false).0);
+        host_local_del.push(call(host_local, "DEL", &container, &host_local_netconf, false).0);
         if let Some(other) = &compared {
             other_version.push(version_call(other));
             other_add.push(call(other, "ADD", &format!("o-{i}"), &netconf, false).0);
             other_del.push(call(other, "DEL", &format!("o-{i}"), &netconf, false).0);
         }
     }
-    let [bare, version, add, del_nothing, del] =
-        [bare, version, add, del_nothing, del].map(|samples| quantile(&samples, 0.5));
+    // Each round's ratio, then their median: a drift of the machine between rounds cancels out.
+    let round_ratio = |ours: &[Duration], theirs: &[Duration]| {
+        let mut ratios: Vec<f64> = ours
+            .iter()
+            .zip(theirs)
+            .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
+            .collect();
+        ratios.sort_by(|a, b| a.total_cmp(b));
+        ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let add_round_ratio = round_ratio(&add, &host_local_add);
+    let del_round_ratio = round_ratio(&del, &host_local_del);
+    let [bare, version, add, del_nothing, del, host_local_add, host_local_del] = [
+        bare,
+        version,
+        add,
+        del_nothing,
+        del,
+        host_local_add,
+        host_local_del,
+    ]
+    .map(|samples| quantile(&samples, 0.5));
     let (connect, read, idle_read, commit) = runtime()
         .block_on(async {
             let mut connect = Vec::with_capacity(SAMPLES);
@@ -628,6 +659,16 @@ fn print_breakdown() {
         "| DEL of a container that holds nothing: hello, one read, no commit | {del_nothing:.2} |"
     );
     println!("| DEL through the agent: hello, one read, one commit | {del:.2} |");
+    println!("| host-local ADD, empty data directory, interleaved call by call with the above | {host_local_add:.2} |");
+    println!("| host-local DEL, interleaved likewise | {host_local_del:.2} |");
+    println!(
+        "| ratio of those medians: ADD through the agent / host-local ADD; DEL / host-local DEL | {:.2}×; {:.2}× |",
+        add / host_local_add,
+        del / host_local_del
+    );
+    println!(
+        "| median of the per-round ratios (each ADD over host-local's ADD of the same round); DEL likewise | {add_round_ratio:.2}×; {del_round_ratio:.2}× |"
+    );
     println!("| connect + hello to the agent, from this process | {connect:.2} |");
     println!("| one read round trip, from this process | {read:.2} |");
     println!("| the same after 5 ms idle (the agent's threads parked) | {idle_read:.2} |");
