@@ -4,12 +4,13 @@
 //! transaction; [`EtcdConfig`] says where etcd is and which key prefix the store owns.
 //! [`lease`] holds what the trait has no room for: keys kept alive on etcd leases (the node
 //! agent's liveness key and reclaimer leader key).
-//! [`testing`] starts throwaway `etcd` processes for tests and benchmarks.
+//! `testing` (feature `testing`) starts throwaway `etcd` processes for tests and benchmarks.
 
 mod config;
 mod error;
 pub mod lease;
 mod store;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use config::{EtcdConfig, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX, DEFAULT_REQUEST_TIMEOUT};
