@@ -37,6 +37,7 @@ macro_rules! resize_conformance_tests {
             check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecorded_sizes,
             address_lookups_keep_their_round_trips_until_a_size_change,
             a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlapping,
+            a_namespace_setting_racing_a_split_never_names_the_split_pool,
         );
     };
 }
@@ -678,5 +679,54 @@ pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlappi
         "the explicit address lands in the block claimed meanwhile"
     );
     assert_disjoint(&block_cidrs(&ipam).await);
+    assert_clean(&ipam).await;
+}
+
+/// A namespace setting that read its pools before a split of one of them, and commits after the
+/// split rewrote the namespaces it knew about, must not land naming the pool the split deleted
+/// (every ADD in the namespace would then fail on an unknown pool): it conflicts on the pools'
+/// generation, retries, and reports the pool as gone, writing nothing.
+pub async fn a_namespace_setting_racing_a_split_never_names_the_split_pool<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec("10.0.0.0/24", "big", 28))
+        .await
+        .expect("create pool");
+    let paused = Arc::new(PauseBeforeCommit {
+        inner: Arc::clone(&t.store),
+        hook: Mutex::new(None),
+    });
+    let racer = ipam.clone();
+    *paused.hook.lock().expect("hook lock") = Some(Box::new(move || {
+        Box::pin(async move {
+            racer.split_pool("big", 2).await.expect("split");
+        })
+    }));
+    let set = Ipam::new(paused.clone() as Arc<dyn KvStore>)
+        .set_namespace_pools(
+            "team",
+            &NamespacePools {
+                ipv4_pools: vec!["big".into()],
+                ipv6_pools: vec![],
+            },
+        )
+        .await;
+    assert!(
+        paused.hook.lock().expect("hook lock").is_none(),
+        "the race never ran"
+    );
+    assert!(
+        matches!(&set, Err(IpamError::PoolNotFound(_))),
+        "a namespace setting naming a pool split meanwhile: {set:?}"
+    );
+    assert_eq!(
+        ipam.namespace_pools("team")
+            .await
+            .expect("read the setting"),
+        None,
+        "nothing written"
+    );
     assert_clean(&ipam).await;
 }

@@ -5,10 +5,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{find_pool, Attempt, Plan};
+use crate::allocator::{find_pool, next_got, next_listed, Attempt, Plan};
 use crate::error::IpamError;
-use crate::kv::KeyValue;
-use crate::model::{decode, encode, Family, ROOT};
+use crate::kv::{KeyValue, Read};
+use crate::model::{decode, encode, keys, Family, ROOT};
 use crate::Ipam;
 
 /// Longest namespace name (a Kubernetes DNS label).
@@ -108,8 +108,21 @@ impl Ipam {
         validate_namespace(namespace)?;
         let key = namespace_key(namespace);
         self.retrying(|| async {
-            let listed =
-                Self::decode_pools(self.store().list(&crate::model::keys::pools_dir()).await?)?;
+            // One batch: the pools, their generation (which every pool add, delete and split
+            // changes) and the setting. The write is conditioned on both revisions, so a setting
+            // never lands naming a pool deleted or split after this read.
+            let mut results = self
+                .store()
+                .read_many(&[
+                    Read::List(keys::pools_dir()),
+                    Read::Get(keys::pool_generation()),
+                    Read::Get(key.clone()),
+                ])
+                .await?
+                .into_iter();
+            let listed = Self::decode_pools(next_listed(&mut results)?)?;
+            let generation = next_got(&mut results)?;
+            let read = next_got(&mut results)?;
             for family in [Family::V4, Family::V6] {
                 for wanted in pools.for_family(family) {
                     let pool = find_pool(&listed, wanted)?;
@@ -121,13 +134,13 @@ impl Ipam {
                     }
                 }
             }
-            let read = self.store().get(&key).await?;
             let before = decode_namespace_pools(&key, read.as_ref())?.unwrap_or_default();
             if &before == pools {
                 return Ok(Attempt::Done(()));
             }
             let mut plan = Plan::default();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
+            plan.expect(&keys::pool_generation(), generation.map(|kv| kv.revision));
             if pools.ipv4_pools.is_empty() && pools.ipv6_pools.is_empty() {
                 plan.delete(&key);
             } else {

@@ -1010,7 +1010,7 @@ fn refuse_during_import(marker: Option<KeyValue>) -> Result<(), IpamError> {
     }
 }
 
-fn next_listed(
+pub(crate) fn next_listed(
     results: &mut impl Iterator<Item = crate::kv::ReadResult>,
 ) -> Result<Vec<KeyValue>, IpamError> {
     results
@@ -1020,7 +1020,7 @@ fn next_listed(
         .map_err(IpamError::from)
 }
 
-fn next_got(
+pub(crate) fn next_got(
     results: &mut impl Iterator<Item = crate::kv::ReadResult>,
 ) -> Result<Option<KeyValue>, IpamError> {
     results
