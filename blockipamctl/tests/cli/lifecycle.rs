@@ -1,7 +1,8 @@
 //! Address and block lifecycle through the real binaries on every backend: IP cooldown (`config
 //! set --ip-cooldown-seconds`, cooling in `show`, never handed out by the plugin while cooling),
-//! another node's empty block taken over when a pool has no unclaimed block left, and a selector
-//! change releasing the empty blocks of nodes the pool no longer selects.
+//! another node's empty block taken over when a pool has no unclaimed block left, a selector
+//! change releasing the empty blocks of nodes the pool no longer selects, and `blocks
+//! release-empty` (preview, apply, a bad `--older-than` refused with nothing written).
 
 use std::net::IpAddr;
 
@@ -182,8 +183,83 @@ fn a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected(backe
     lab.ctl(&["check"]).ok();
 }
 
+fn release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad_ages(
+    backend: Backend,
+) {
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.97.0.0/28",
+        "--name",
+        "small-blocks",
+        "--block-size",
+        "30",
+    ])
+    .ok();
+    // Five addresses on node-a take two /30 blocks of four; all released, both blocks are empty.
+    let held: Vec<IpAddr> = (0..5)
+        .map(|n| add(&lab, "node-a", &format!("ctr-{n}")).expect("ADD"))
+        .collect();
+    let blocks: std::collections::BTreeSet<String> = held.iter().map(|ip| block_of(*ip)).collect();
+    assert!(blocks.len() >= 2, "{held:?}");
+    for n in 0..5 {
+        del(&lab, "node-a", &format!("ctr-{n}"));
+    }
+    let before = lab.snapshot();
+    for bad in ["garbage", "10x", "-5", "", "99999999999999999999d"] {
+        let flag = format!("--older-than={bad}");
+        let refused = lab.ctl(&["blocks", "release-empty", &flag, "--apply"]);
+        refused.expect_code(2);
+        assert!(
+            refused.error_line().contains("duration"),
+            "--older-than {bad:?}: {}",
+            refused.error_line()
+        );
+    }
+    assert_eq!(lab.snapshot(), before, "a refused release-empty wrote");
+    let preview = lab
+        .ctl(&["-o", "json", "blocks", "release-empty", "--older-than", "0"])
+        .ok()
+        .json();
+    assert_eq!(preview["applied"], false, "{preview}");
+    let listed: Vec<&str> = preview["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .filter(|b| b["host"] == "node-a")
+        .map(|b| b["cidr"].as_str().expect("cidr"))
+        .collect();
+    // Every empty block but the newest one goes.
+    assert_eq!(listed.len(), blocks.len() - 1, "{preview}");
+    assert_eq!(lab.snapshot(), before, "the preview wrote");
+    // Not old enough yet: nothing to release.
+    let young = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "blocks",
+            "release-empty",
+            "--older-than",
+            "1d",
+        ])
+        .ok()
+        .json();
+    assert_eq!(young["blocks"].as_array().map(Vec::len), Some(0), "{young}");
+    lab.ctl(&["blocks", "release-empty", "--older-than", "0", "--apply"])
+        .ok()
+        .stdout_has("Released");
+    let left: Vec<Value> = blocks.iter().filter_map(|b| block_row(&lab, b)).collect();
+    assert_eq!(left.len(), 1, "only the newest empty block stays: {left:?}");
+    assert_eq!(left[0]["host"], "node-a");
+    lab.ctl(&["check"]).ok();
+    // The released blocks are free again: another node claims one.
+    add(&lab, "node-b", "ctr-b").expect("node-b gets a block");
+}
+
 on_every_backend!(
     released_addresses_cool_before_the_plugin_hands_them_out_again,
     a_long_empty_block_of_another_node_is_taken_over,
     a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected,
+    release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad_ages,
 );
