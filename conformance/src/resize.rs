@@ -569,6 +569,21 @@ struct PauseBeforeCommit {
     hook: Mutex<Option<BeforeCommit>>,
 }
 
+impl PauseBeforeCommit {
+    /// Wraps `inner`; `hook` runs once, right before the first commit.
+    fn new<H, Fut>(inner: &Arc<dyn KvStore>, hook: H) -> Arc<Self>
+    where
+        H: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let hook: BeforeCommit = Box::new(move || Box::pin(hook()));
+        Arc::new(PauseBeforeCommit {
+            inner: Arc::clone(inner),
+            hook: Mutex::new(Some(hook)),
+        })
+    }
+}
+
 impl std::fmt::Debug for PauseBeforeCommit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PauseBeforeCommit")
@@ -639,27 +654,21 @@ pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlappi
 
     // B reads (the /26 around .66 is blocked by .80/28: B picks .64/28), then, before B commits,
     // the blocking block goes and a new host claims .64/26.
-    let paused = Arc::new(PauseBeforeCommit {
-        inner: Arc::clone(&t.store),
-        hook: Mutex::new(None),
-    });
     let racer = ipam.clone();
-    *paused.hook.lock().expect("hook lock") = Some(Box::new(move || {
-        Box::pin(async move {
-            racer
-                .release_ips(&[ReleaseRequest {
-                    ip: ip("10.0.0.81"),
-                    sequence: None,
-                }])
-                .await
-                .expect("release the blocking address");
-            let got = racer
-                .auto_assign(&v4("h-c", "node-c", 1))
-                .await
-                .expect("the new host claims a block");
-            assert_eq!(got.v4[0].block, net("10.0.0.64/26"));
-        })
-    }));
+    let paused = PauseBeforeCommit::new(&t.store, move || async move {
+        racer
+            .release_ips(&[ReleaseRequest {
+                ip: ip("10.0.0.81"),
+                sequence: None,
+            }])
+            .await
+            .expect("release the blocking address");
+        let got = racer
+            .auto_assign(&v4("h-c", "node-c", 1))
+            .await
+            .expect("the new host claims a block");
+        assert_eq!(got.v4[0].block, net("10.0.0.64/26"));
+    });
     let explicit = Ipam::new(paused.clone() as Arc<dyn KvStore>)
         .assign_ips(&AssignIpsRequest {
             ips: vec![ip("10.0.0.66")],
@@ -694,16 +703,10 @@ pub async fn a_namespace_setting_racing_a_split_never_names_the_split_pool<F: St
     ipam.create_pool(&spec("10.0.0.0/24", "big", 28))
         .await
         .expect("create pool");
-    let paused = Arc::new(PauseBeforeCommit {
-        inner: Arc::clone(&t.store),
-        hook: Mutex::new(None),
-    });
     let racer = ipam.clone();
-    *paused.hook.lock().expect("hook lock") = Some(Box::new(move || {
-        Box::pin(async move {
-            racer.split_pool("big", 2).await.expect("split");
-        })
-    }));
+    let paused = PauseBeforeCommit::new(&t.store, move || async move {
+        racer.split_pool("big", 2).await.expect("split");
+    });
     let set = Ipam::new(paused.clone() as Arc<dyn KvStore>)
         .set_namespace_pools(
             "team",

@@ -231,6 +231,23 @@ impl Lab {
         })
     }
 
+    /// `blocks release-empty --older-than 0` in JSON (a preview: it writes nothing), and the CIDRs
+    /// of the blocks of `host` it lists.
+    pub fn release_empty_preview(&self, host: &str) -> (Value, Vec<String>) {
+        let preview = self
+            .ctl(&["-o", "json", "blocks", "release-empty", "--older-than", "0"])
+            .ok()
+            .json();
+        let listed = preview["blocks"]
+            .as_array()
+            .expect("blocks")
+            .iter()
+            .filter(|b| b["host"] == host)
+            .map(|b| b["cidr"].as_str().expect("cidr").to_owned())
+            .collect();
+        (preview, listed)
+    }
+
     /// Every key with its value and revision (`list("")`), read with the store closed afterwards.
     pub fn snapshot(&self) -> Vec<(String, Vec<u8>, u64)> {
         self.with_store(|store| async move {

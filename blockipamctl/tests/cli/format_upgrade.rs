@@ -304,17 +304,7 @@ fn a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks(backend: Ba
     }
     lab.ctl(&["tunnel-address", "release", "node-a", "--type", "vxlan"])
         .ok();
-    let preview = lab
-        .ctl(&["-o", "json", "blocks", "release-empty", "--older-than", "0"])
-        .ok()
-        .json();
-    let listed: Vec<&str> = preview["blocks"]
-        .as_array()
-        .expect("blocks")
-        .iter()
-        .filter(|b| b["host"] == "node-a")
-        .map(|b| b["cidr"].as_str().expect("cidr"))
-        .collect();
+    let (preview, listed) = lab.release_empty_preview("node-a");
     assert_eq!(listed.len(), 2, "{preview}");
     assert_eq!(preview["applied"], false);
     lab.ctl(&["blocks", "release-empty", "--older-than", "0", "--apply"])

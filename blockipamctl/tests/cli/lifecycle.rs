@@ -42,22 +42,19 @@ fn block_row(lab: &Lab, cidr: &str) -> Option<Value> {
         .cloned()
 }
 
+/// `pool add <cidr> --name <name> --block-size 30`: tiny blocks, so that a few addresses fill one.
+fn add_pool_of_30s(lab: &Lab, cidr: &str, name: &str) {
+    lab.ctl(&["pool", "add", cidr, "--name", name, "--block-size", "30"])
+        .ok();
+}
+
 fn block_of(ip: IpAddr) -> String {
     IpNet::new(ip, 30).expect("a /30").trunc().to_string()
 }
 
 fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backend) {
     let lab = Lab::new(backend);
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.95.0.0/30",
-        "--name",
-        "one-block",
-        "--block-size",
-        "30",
-    ])
-    .ok();
+    add_pool_of_30s(&lab, "10.95.0.0/30", "one-block");
     // Over Calico's 1200 s limit: refused, nothing changed.
     let refused = lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1201"]);
     assert_ne!(refused.code, 0, "{refused:?}");
@@ -104,16 +101,7 @@ fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backe
 
 fn a_long_empty_block_of_another_node_is_taken_over(backend: Backend) {
     let lab = Lab::new(backend);
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.96.0.0/29",
-        "--name",
-        "two-blocks",
-        "--block-size",
-        "30",
-    ])
-    .ok();
+    add_pool_of_30s(&lab, "10.96.0.0/29", "two-blocks");
     lab.ctl(&[
         "config",
         "set",
@@ -142,16 +130,7 @@ fn a_long_empty_block_of_another_node_is_taken_over(backend: Backend) {
 
 fn a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected(backend: Backend) {
     let lab = Lab::new(backend);
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.97.0.0/28",
-        "--name",
-        "racked",
-        "--block-size",
-        "30",
-    ])
-    .ok();
+    add_pool_of_30s(&lab, "10.97.0.0/28", "racked");
     lab.ctl(&["node", "label", "node-b", "rack=r1"]).ok();
     let a = add(&lab, "node-a", "ctr-a").expect("node-a");
     let b = add(&lab, "node-b", "ctr-b").expect("node-b");
@@ -187,16 +166,7 @@ fn release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad
     backend: Backend,
 ) {
     let lab = Lab::new(backend);
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.97.0.0/28",
-        "--name",
-        "small-blocks",
-        "--block-size",
-        "30",
-    ])
-    .ok();
+    add_pool_of_30s(&lab, "10.97.0.0/28", "small-blocks");
     // Five addresses on node-a take two /30 blocks of four; all released, both blocks are empty.
     let held: Vec<IpAddr> = (0..5)
         .map(|n| add(&lab, "node-a", &format!("ctr-{n}")).expect("ADD"))
@@ -218,18 +188,8 @@ fn release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad
         );
     }
     assert_eq!(lab.snapshot(), before, "a refused release-empty wrote");
-    let preview = lab
-        .ctl(&["-o", "json", "blocks", "release-empty", "--older-than", "0"])
-        .ok()
-        .json();
+    let (preview, listed) = lab.release_empty_preview("node-a");
     assert_eq!(preview["applied"], false, "{preview}");
-    let listed: Vec<&str> = preview["blocks"]
-        .as_array()
-        .expect("blocks")
-        .iter()
-        .filter(|b| b["host"] == "node-a")
-        .map(|b| b["cidr"].as_str().expect("cidr"))
-        .collect();
     // Every empty block but the newest one goes.
     assert_eq!(listed.len(), blocks.len() - 1, "{preview}");
     assert_eq!(lab.snapshot(), before, "the preview wrote");
