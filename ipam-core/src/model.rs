@@ -1122,10 +1122,19 @@ pub fn validate_handle(handle: &str) -> Result<(), IpamError> {
     Ok(())
 }
 
+/// Longest name of a pool or a reservation (a Kubernetes object name).
+pub const MAX_OBJECT_NAME: usize = 253;
+
 /// Rejects pool names outside `[A-Za-z0-9._:-]{1,253}`.
 pub fn validate_pool_name(name: &str) -> Result<(), IpamError> {
+    validate_object_name("pool", name)
+}
+
+/// Rejects a name of a stored object (`what`: "pool", "reservation") outside
+/// `[A-Za-z0-9._:-]{1,253}`: the names key paths may carry.
+pub(crate) fn validate_object_name(what: &str, name: &str) -> Result<(), IpamError> {
     let ok = !name.is_empty()
-        && name.len() <= 253
+        && name.len() <= MAX_OBJECT_NAME
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':'));
@@ -1133,7 +1142,7 @@ pub fn validate_pool_name(name: &str) -> Result<(), IpamError> {
         Ok(())
     } else {
         Err(IpamError::InvalidArgument(format!(
-            "pool name {name:?} must be 1 to 253 of letters, digits, '.', '_', '-', ':'"
+            "{what} name {name:?} must be 1 to {MAX_OBJECT_NAME} of letters, digits, '.', '_', '-', ':'"
         )))
     }
 }

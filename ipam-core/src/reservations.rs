@@ -20,7 +20,7 @@ use crate::Ipam;
 /// Most CIDRs one reservation may list (keeps the object, read by every auto-assign, small).
 pub const MAX_RESERVED_CIDRS: usize = 1024;
 /// Longest reservation name.
-pub const MAX_RESERVATION_NAME: usize = 253;
+pub const MAX_RESERVATION_NAME: usize = crate::model::MAX_OBJECT_NAME;
 
 /// Prefix of every reservation.
 pub fn reservations_dir() -> String {
@@ -46,19 +46,7 @@ pub struct Reservation {
 /// # Errors
 /// [`IpamError::InvalidArgument`] naming the name.
 pub fn validate_reservation_name(name: &str) -> Result<(), IpamError> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_RESERVATION_NAME
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':'));
-    if ok {
-        Ok(())
-    } else {
-        Err(IpamError::invalid(format!(
-            "reservation name {name:?} must be 1 to {MAX_RESERVATION_NAME} of letters, digits, \
-             '.', '_', '-', ':'"
-        )))
-    }
+    crate::model::validate_object_name("reservation", name)
 }
 
 /// Parses a reserved range: a CIDR without host bits (`10.0.0.0/28`) or one address (`10.0.0.5`,
