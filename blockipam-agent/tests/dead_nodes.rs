@@ -119,6 +119,21 @@ impl Drop for Agent {
 }
 
 /// Runs the real plugin once (bounded) and returns its exit status and stdout.
+/// A current-thread runtime, and a store on `cluster` under `prefix` (the test's own view of what
+/// the agents write).
+fn connect(cluster: &EtcdCluster, prefix: &str) -> (tokio::runtime::Runtime, Arc<dyn KvStore>) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let store = runtime
+        .block_on(EtcdStore::connect(
+            EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.to_owned()),
+        ))
+        .expect("connect to etcd");
+    (runtime, Arc::new(store))
+}
+
 fn cni_add(container: &str, netconf: &Value) -> (i32, String) {
     let run = common::run_plugin("ADD", container, netconf, WAIT_LIMIT);
     (run.status, run.stdout)
@@ -197,17 +212,7 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
     let prefix = unique_prefix();
     let dir = tempfile::tempdir().expect("temp dir");
     let lock = dir.path().join("ipam.lock");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let store: Arc<dyn KvStore> = Arc::new(
-        runtime
-            .block_on(EtcdStore::connect(
-                EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.clone()),
-            ))
-            .expect("connect to the cluster"),
-    );
+    let (runtime, store) = connect(&cluster, &prefix);
 
     let socket = |node: &str| dir.path().join(format!("{node}.sock"));
     let agents: Vec<Agent> = ["node-a", "node-b", "node-c"]
@@ -337,17 +342,7 @@ fn the_reclaimer_leader_releases_empty_blocks_beyond_each_hosts_newest() {
     let endpoints = cluster.endpoints().join(",");
     let prefix = unique_prefix();
     let dir = tempfile::tempdir().expect("temp dir");
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let store: Arc<dyn KvStore> = Arc::new(
-        runtime
-            .block_on(EtcdStore::connect(
-                EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.clone()),
-            ))
-            .expect("connect"),
-    );
+    let (runtime, store) = connect(&cluster, &prefix);
     // node-q (no agent) gets three /30 blocks and empties them; node-r keeps one in use.
     let ipam = Ipam::new(Arc::clone(&store));
     runtime.block_on(async {
