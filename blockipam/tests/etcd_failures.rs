@@ -252,9 +252,17 @@ fn kill_and_restart(cluster: &mut EtcdCluster, member: usize, churn: &Churn, whi
     let failed_over = churn.failed_over.load(Ordering::SeqCst);
     cluster.member_mut(member).stop();
     churn.wait_for_steps(15, &format!("with {which} down"));
+    // The node that lists the member first notices it on its next call, but that call (a refused
+    // connection, a pause, the next member) may still be running after the other nodes made
+    // their steps: its log is read when it ends.
+    let guard = Instant::now() + STALL_GUARD;
+    let noticed = || churn.failed() || churn.failed_over.load(Ordering::SeqCst) > failed_over;
+    while !noticed() && Instant::now() < guard {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(
-        churn.failed() || churn.failed_over.load(Ordering::SeqCst) > failed_over,
-        "no call noticed that {which} was down"
+        noticed(),
+        "no call noticed within {STALL_GUARD:?} that {which} was down"
     );
     cluster
         .member_mut(member)
