@@ -3,7 +3,9 @@
 //! Run: `cargo bench -p blockipam --bench cni_latency` (prints a markdown table).
 //!
 //! Every call is one process started with the CNI environment and the netconf on stdin, exactly as
-//! a runtime starts it; the time is from spawn to exit. blockipam runs on sled, redb and etcd (a
+//! a runtime starts it; the time is from spawn to exit. The plugin timed is the build that is
+//! shipped: the static musl executable `scripts/build-plugin` makes (the benchmark runs it first;
+//! `scripts/setup` installs the Rust target and musl-tools it needs). blockipam runs on sled, redb and etcd (a
 //! throwaway `etcd` on loopback for each etcd row, stopped after it), each with the store opened by the plugin itself ("direct") and
 //! through a `blockipam-agent` holding it open ("agent": the agent's own `run`, in this process,
 //! on a socket in the run's temporary directory, named by the netconf's `agent_socket`);
@@ -28,7 +30,8 @@
 //! sled's own durable commit, and a whole plugin call that writes nothing. With
 //! `BLOCKIPAM_BENCH_COMPARE=<path of another blockipam binary>` (a copy kept from before a change)
 //! the breakdown also times that binary's `VERSION`, ADD and DEL on the same agent, interleaved
-//! call by call with this build's: an A/B measured in one run.
+//! call by call with the shipped build's: an A/B measured in one run. Without it, the binary
+//! compared is the test build (`CARGO_BIN_EXE_blockipam`: glibc, dynamically linked).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -52,7 +55,10 @@ mod agent;
 
 use agent::InProcessAgent;
 
-const BIN: &str = env!("CARGO_BIN_EXE_blockipam");
+/// The test build of the plugin (glibc, dynamically linked): the breakdown's default comparison.
+const TEST_BUILD: &str = env!("CARGO_BIN_EXE_blockipam");
+/// Builds the shipped plugin and prints its path.
+const BUILD_PLUGIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/build-plugin");
 const HOST_LOCAL: &str = "/usr/lib/cni/host-local";
 const TIME: &str = "/usr/bin/time";
 const POOL: &str = "10.128.0.0/16";
@@ -416,8 +422,8 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
     // The plugin creates the pool and reserves the gateway (as on a live node) before the
     // prefill takes 10,000 addresses.
     let setup = netconf.to_string().into_bytes();
-    call(Path::new(BIN), "ADD", "setup", &setup, false);
-    call(Path::new(BIN), "DEL", "setup", &setup, false);
+    call(shipped_plugin(), "ADD", "setup", &setup, false);
+    call(shipped_plugin(), "DEL", "setup", &setup, false);
     runtime().block_on(async {
         let store = settings.open().await.expect("open the store");
         prefill_blockipam(store, prefill).await;
@@ -426,7 +432,7 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
         format!("blockipam ({})", kind.as_str()),
         access.label(),
         prefill.label(),
-        Path::new(BIN),
+        shipped_plugin(),
         &netconf,
     )
 }
@@ -441,6 +447,8 @@ fn main() {
         Path::new(HOST_LOCAL).is_file(),
         "this benchmark runs Debian's host-local beside blockipam: apt-get install containernetworking-plugins"
     );
+    eprintln!("building the shipped plugin (scripts/build-plugin) ...");
+    eprintln!("timing {}", shipped_plugin().display());
     let load_before = load_average();
     let bare_at_start = bare_process_median();
     let mut rows = Vec::new();
@@ -488,6 +496,28 @@ fn main() {
         calls(),
         load_average()
     );
+}
+
+/// The shipped build of the plugin (the static musl executable), built by `scripts/build-plugin`
+/// on first use.
+fn shipped_plugin() -> &'static Path {
+    static BUILT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let output = Command::new(BUILD_PLUGIN)
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {BUILD_PLUGIN}: {e}"));
+        assert!(
+            output.status.success(),
+            "{BUILD_PLUGIN} failed (scripts/setup installs the musl target and musl-tools it needs)"
+        );
+        let path = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+        assert!(
+            Path::new(&path).is_file(),
+            "{BUILD_PLUGIN} printed {path:?}, which is not a file"
+        );
+        path.into()
+    })
 }
 
 /// Median time of starting `/bin/true` and waiting for it (ms): this machine's process floor.
@@ -547,12 +577,23 @@ fn print_breakdown() {
     let netconf = blockipam_netconf(dir.path(), netconf_settings)
         .to_string()
         .into_bytes();
-    let plugin = Path::new(BIN);
+    let plugin = shipped_plugin();
     call(plugin, "ADD", "setup", &netconf, false);
     call(plugin, "DEL", "setup", &netconf, false);
-    // Another build of the plugin (a copy of the binary before a change), timed call by call
-    // beside this one on the same agent: an A/B in one run.
-    let compared = std::env::var_os(COMPARE_ENV).map(std::path::PathBuf::from);
+    // Another build of the plugin, timed call by call beside the shipped one on the same agent
+    // (an A/B in one run): the test build, or the binary COMPARE_ENV names (a copy kept from
+    // before a change).
+    let (other, shown) = match std::env::var_os(COMPARE_ENV) {
+        Some(path) => {
+            let path = std::path::PathBuf::from(path);
+            let shown = format!("{} ({COMPARE_ENV})", path.display());
+            (path, shown)
+        }
+        None => (
+            std::path::PathBuf::from(TEST_BUILD),
+            "the test build (glibc, dynamically linked)".to_owned(),
+        ),
+    };
     let (mut bare, mut version, mut add, mut del_nothing, mut del) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut other_version, mut other_add, mut other_del) = (Vec::new(), Vec::new(), Vec::new());
@@ -586,11 +627,9 @@ fn print_breakdown() {
         let container = format!("h-{i}");
         host_local_add.push(call(host_local, "ADD", &container, &host_local_netconf, false).0);
         host_local_del.push(call(host_local, "DEL", &container, &host_local_netconf, false).0);
-        if let Some(other) = &compared {
-            other_version.push(version_call(other));
-            other_add.push(call(other, "ADD", &format!("o-{i}"), &netconf, false).0);
-            other_del.push(call(other, "DEL", &format!("o-{i}"), &netconf, false).0);
-        }
+        other_version.push(version_call(&other));
+        other_add.push(call(&other, "ADD", &format!("o-{i}"), &netconf, false).0);
+        other_del.push(call(&other, "DEL", &format!("o-{i}"), &netconf, false).0);
     }
     // Each round's ratio, then their median: a drift of the machine between rounds cancels out.
     let round_ratio = |ours: &[Duration], theirs: &[Duration]| {
@@ -649,7 +688,7 @@ fn print_breakdown() {
         })
         .into();
     println!(
-        "\nWhere a call through the agent goes (sled, 0 allocated, medians of {SAMPLES}, ms):\n"
+        "\nWhere a call through the agent goes (sled, 0 allocated, the shipped static build, medians of {SAMPLES}, ms):\n"
     );
     println!("| piece | ms |\n|---|---|");
     println!("| a bare process (`/bin/true`), spawn to exit | {bare:.2} |");
@@ -680,14 +719,11 @@ fn print_breakdown() {
         "| ADD minus VERSION, connect + hello, idle read and commit: runtime, netconf, host lock, allocator, output, extra page faults | {:.2} |",
         add - version - connect - idle_read - commit
     );
-    if let Some(other) = &compared {
-        let [other_version, other_add, other_del] =
-            [other_version, other_add, other_del].map(|samples| quantile(&samples, 0.5));
-        let shown = other.display();
-        println!("| `VERSION` of {shown} ({COMPARE_ENV}), interleaved with the above | {other_version:.2} |");
-        println!("| ADD through the agent of {shown} | {other_add:.2} |");
-        println!("| DEL through the agent of {shown} | {other_del:.2} |");
-    }
+    let [other_version, other_add, other_del] =
+        [other_version, other_add, other_del].map(|samples| quantile(&samples, 0.5));
+    println!("| `VERSION` of {shown}, interleaved with the above | {other_version:.2} |");
+    println!("| ADD through the agent of {shown} | {other_add:.2} |");
+    println!("| DEL through the agent of {shown} | {other_del:.2} |");
 }
 
 /// Prints the markdown table: medians, p90, peak RSS, the ratio to host-local's ADD median of the

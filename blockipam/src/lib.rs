@@ -8,6 +8,7 @@
 //! deadline, close the store, release the lock, and only then print the result (or the error
 //! JSON) on stdout.
 
+pub mod arena;
 pub mod args;
 pub mod commands;
 pub mod errors;
@@ -342,8 +343,11 @@ fn locked(
     lock: LockFile,
 ) -> Result<Option<Value>, CniError> {
     fault::point(FaultPoint::HoldingLock);
+    // Sockets and timers only: no signal driver (its set-up is a socketpair and a handler table
+    // at every call, for nothing the plugin waits on).
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
+        .enable_io()
+        .enable_time()
         .build()
         .map_err(|e| CniError::new(codes::IO_FAILURE, format!("cannot start the runtime: {e}")))?;
     let outcome = runtime.block_on(async {

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 const PROCESSES: usize = 32;
 
 fn spawn(command: &str, container: &str, netconf: &Value) -> Child {
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(plugin_binary())
         .env_clear()
         .envs(cni_env(command, container, "eth0"))
         .stdin(Stdio::piped())

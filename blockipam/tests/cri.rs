@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 
-use common::{Sandbox, BIN};
+use common::{plugin_binary, Sandbox};
 use serde_json::{json, Value};
 
 /// Debian's containerd and its tools.
@@ -419,7 +419,8 @@ impl Cri {
         for d in [&bin_dir, &conf_dir, &dir.join("logs")] {
             std::fs::create_dir_all(d).expect("create containerd's directories");
         }
-        std::os::unix::fs::symlink(BIN, bin_dir.join("blockipam")).expect("link blockipam");
+        std::os::unix::fs::symlink(plugin_binary(), bin_dir.join("blockipam"))
+            .expect("link blockipam");
         for plugin in ["ptp", "loopback"] {
             std::os::unix::fs::symlink(Path::new(CNI_PLUGINS).join(plugin), bin_dir.join(plugin))
                 .expect("link a CNI plugin");

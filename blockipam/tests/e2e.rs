@@ -122,7 +122,7 @@ fn main_plugin(
     netconf: &Value,
     cni_args: &str,
 ) -> Outcome {
-    let blockipam_dir = Path::new(BIN).parent().expect("binary directory");
+    let blockipam_dir = plugin_binary().parent().expect("binary directory");
     let mut child = Command::new("ip")
         .args(["netns", "exec", host_ns])
         .arg(Path::new(PLUGIN_DIR).join(plugin))

@@ -818,7 +818,7 @@ fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> std::thread::Join
 
 /// Runs the plugin with exactly `env` and `stdin`, killing it after [`HANG_BOUND`].
 fn run_plugin(env: &BTreeMap<OsString, OsString>, stdin: &[u8]) -> Call {
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(plugin_binary())
         .env_clear()
         .envs(env)
         .stdin(Stdio::piped())

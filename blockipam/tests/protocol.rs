@@ -252,7 +252,7 @@ fn version_answers_the_same_at_every_spec_version() {
 #[test]
 fn version_does_not_wait_for_stdin() {
     // Stdin stays open (never written, never closed) while the plugin runs.
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(plugin_binary())
         .env_clear()
         .env("CNI_COMMAND", "VERSION")
         .stdin(Stdio::piped())

@@ -3,6 +3,13 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use blockipam::arena::BumpArena;
+
+/// One call's allocations come from a bump arena (see `blockipam::arena`): no allocator work and
+/// no `mmap`/`munmap` per allocation; past its 8 MiB, the system allocator.
+#[global_allocator]
+static ALLOCATOR: BumpArena<{ 8 << 20 }> = BumpArena::new();
+
 fn main() {
     // A panic inside a store engine (redb panics on some damaged pages) is caught by the adapter
     // and answered as a CNI error; this hook keeps its report to one log line on stderr.

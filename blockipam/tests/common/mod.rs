@@ -20,8 +20,30 @@ use serde_json::{json, Value};
 
 pub use agent::{InProcessAgent, Mode};
 
-/// The binary under test.
+/// The test build of the plugin: the one with crash points (`BLOCKIPAM_FAULT`), which the crash
+/// tests need. Every other test runs [`plugin_binary`].
 pub const BIN: &str = env!("CARGO_BIN_EXE_blockipam");
+
+/// Names another build of the plugin for the tests that run the binary (not the crash tests):
+/// `scripts/test` runs them a second time on the static build that is shipped.
+pub const PLUGIN_ENV: &str = "BLOCKIPAM_TEST_PLUGIN";
+
+/// The binary under test: the build [`PLUGIN_ENV`] names, else the test build ([`BIN`]).
+pub fn plugin_binary() -> &'static Path {
+    static CHOSEN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    CHOSEN.get_or_init(|| match std::env::var_os(PLUGIN_ENV) {
+        Some(path) => {
+            let path = PathBuf::from(path);
+            assert!(
+                path.is_file(),
+                "{PLUGIN_ENV} names {}, which is not a file",
+                path.display()
+            );
+            path
+        }
+        None => PathBuf::from(BIN),
+    })
+}
 
 /// Every spec version the plugin supports.
 pub const VERSIONS: [&str; 7] = [
@@ -344,7 +366,7 @@ pub fn cni_env(command: &str, container: &str, ifname: &str) -> Vec<(String, Str
 
 /// Runs the real binary with exactly `env` and `stdin`.
 pub fn exec(env: &[(String, String)], stdin: &[u8]) -> Outcome {
-    exec_bin(Path::new(BIN), env, stdin)
+    exec_bin(plugin_binary(), env, stdin)
 }
 
 /// Runs `bin` with exactly `env` and `stdin`.
@@ -455,7 +477,7 @@ pub fn run_plugin_bounded(
     hang_guard: std::time::Duration,
 ) -> Outcome {
     use std::io::Read as _;
-    let mut child = Command::new(BIN)
+    let mut child = Command::new(plugin_binary())
         .env_clear()
         .envs(cni_env(command, container, "eth0"))
         .stdin(Stdio::piped())

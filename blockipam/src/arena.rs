@@ -1,0 +1,323 @@
+//! A bump allocator for the plugin's short life: allocations come from one fixed region and are
+//! never given back before the process exits; what does not fit goes to the system allocator.
+//!
+//! The plugin runs for one CNI call and exits. musl's allocator (the shipped build is a static
+//! musl executable) unmaps memory as soon as a group of allocations is free and maps it again
+//! for the next one: dozens of `mmap`/`munmap` system calls per call (docs/benchmarks.md, "The
+//! shipped build"). Handing out memory by moving one pointer forward costs no system call; the
+//! region is zero pages until touched, so only what a call uses counts in its memory.
+//!
+//! Frees inside the region are ignored (a call allocates far less in all than the region holds;
+//! a reallocation of the newest block grows or shrinks it in place). Once the region is used up,
+//! every allocation goes to the system allocator, so a call that allocates more (a direct open of
+//! a large store) still works, as it would without the arena.
+
+// The one module of the workspace with unsafe code (the workspace denies it elsewhere): a global
+// allocator cannot be written without it.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The region's alignment: a page, so that its first block is aligned for any layout up to it.
+const REGION_ALIGN: usize = 4096;
+
+/// The bytes of the region, aligned to a page.
+#[repr(C, align(4096))]
+struct Region<const BYTES: usize>(UnsafeCell<[u8; BYTES]>);
+
+/// A bump allocator over a region of `BYTES` bytes, falling back to [`System`].
+#[allow(missing_debug_implementations)] // its region is megabytes of bytes
+pub struct BumpArena<const BYTES: usize> {
+    region: Region<BYTES>,
+    /// Offset of the first free byte of the region.
+    next: AtomicUsize,
+}
+
+// SAFETY: the region's bytes are only reached through pointers handed out by `alloc`, each range
+// to one caller (the offset moves forward with a compare-and-swap), so threads never share a byte
+// through the arena itself.
+unsafe impl<const BYTES: usize> Sync for BumpArena<BYTES> {}
+
+impl<const BYTES: usize> BumpArena<BYTES> {
+    /// An arena whose region is all zero bytes (so a `static` of it lives in `.bss`: no page of
+    /// it is read from the executable or touched before it is used).
+    pub const fn new() -> Self {
+        BumpArena {
+            region: Region(UnsafeCell::new([0; BYTES])),
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes of the region handed out so far (including alignment padding).
+    pub fn used(&self) -> usize {
+        self.next.load(Ordering::Relaxed)
+    }
+
+    fn base(&self) -> usize {
+        self.region.0.get() as usize
+    }
+
+    /// True when `ptr` points into the region.
+    fn owns(&self, ptr: *mut u8) -> bool {
+        let address = ptr as usize;
+        address >= self.base() && address < self.base() + BYTES
+    }
+
+    /// A block for `layout` from the region, `None` when it does not fit in what is left.
+    fn bump(&self, layout: Layout) -> Option<*mut u8> {
+        if layout.align() > REGION_ALIGN {
+            return None;
+        }
+        let base = self.base();
+        let mut current = self.next.load(Ordering::Relaxed);
+        loop {
+            // Offsets are below BYTES, and BYTES plus an alignment fits a usize: no overflow.
+            let start = (current + layout.align() - 1) & !(layout.align() - 1);
+            let end = start.checked_add(layout.size())?;
+            if end > BYTES {
+                return None;
+            }
+            match self.next.compare_exchange_weak(
+                current,
+                end,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some((base + start) as *mut u8),
+                Err(seen) => current = seen,
+            }
+        }
+    }
+}
+
+impl<const BYTES: usize> Default for BumpArena<BYTES> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+// SAFETY: every block handed out is either a range of the region no other block overlaps
+// (`bump`), aligned as the layout asks, or a block of the system allocator; blocks are returned
+// to whichever allocator made them.
+unsafe impl<const BYTES: usize> GlobalAlloc for BumpArena<BYTES> {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        match self.bump(layout) {
+            Some(ptr) => ptr,
+            // SAFETY: the caller's layout has a non-zero size, as GlobalAlloc requires.
+            None => unsafe { System.alloc(layout) },
+        }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        match self.bump(layout) {
+            // Zeroed here: bytes the newest block gave back by shrinking in place are handed out
+            // again.
+            Some(ptr) => {
+                // SAFETY: `bump` handed out `layout.size()` bytes at `ptr` to this caller alone.
+                unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
+                ptr
+            }
+            // SAFETY: as in `alloc`.
+            None => unsafe { System.alloc_zeroed(layout) },
+        }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if !self.owns(ptr) {
+            // SAFETY: a block outside the region came from the system allocator with `layout`.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if !self.owns(ptr) {
+            // SAFETY: a block outside the region came from the system allocator with `layout`.
+            return unsafe { System.realloc(ptr, layout, new_size) };
+        }
+        // The newest block of the region grows or shrinks in place.
+        let offset = ptr as usize - self.base();
+        let old_end = offset + layout.size();
+        if let Some(new_end) = offset.checked_add(new_size) {
+            if new_end <= BYTES
+                && self
+                    .next
+                    .compare_exchange(old_end, new_end, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return ptr;
+            }
+        }
+        // Any other block shrinks where it is (the bytes past its new end are not reused).
+        if new_size <= layout.size() {
+            return ptr;
+        }
+        // SAFETY: GlobalAlloc's contract: `new_size` is non-zero and, rounded up to the alignment,
+        // does not overflow.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: as in `alloc`.
+        let moved = unsafe { self.alloc(new_layout) };
+        if !moved.is_null() {
+            // SAFETY: both blocks are valid for the smaller size and do not overlap (the new one
+            // was handed out after the old one, from the region or the system).
+            unsafe { std::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size)) };
+        }
+        moved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(size: usize, align: usize) -> Layout {
+        Layout::from_size_align(size, align).expect("a valid layout")
+    }
+
+    #[test]
+    fn blocks_are_aligned_disjoint_and_from_the_region_until_it_is_full() {
+        static ARENA: BumpArena<4096> = BumpArena::new();
+        let mut blocks = Vec::new();
+        for (size, align) in [(1, 1), (24, 8), (3, 2), (100, 64), (7, 1), (256, 128)] {
+            let ptr = unsafe { ARENA.alloc(layout(size, align)) };
+            assert!(!ptr.is_null());
+            assert_eq!(ptr as usize % align, 0, "{size} bytes aligned to {align}");
+            assert!(ARENA.owns(ptr));
+            unsafe { std::ptr::write_bytes(ptr, 0xAB, size) };
+            blocks.push((ptr as usize, size));
+        }
+        blocks.sort_unstable();
+        for pair in blocks.windows(2) {
+            assert!(
+                pair[0].0 + pair[0].1 <= pair[1].0,
+                "blocks overlap: {pair:?}"
+            );
+        }
+        // What does not fit any more comes from the system allocator, and goes back to it.
+        let big = layout(8192, 8);
+        let ptr = unsafe { ARENA.alloc(big) };
+        assert!(!ptr.is_null());
+        assert!(!ARENA.owns(ptr));
+        unsafe { ARENA.dealloc(ptr, big) };
+        let used = ARENA.used();
+        let ptr = unsafe { ARENA.alloc(layout(4096, 8)) };
+        assert!(!ARENA.owns(ptr), "a block larger than what is left");
+        unsafe { ARENA.dealloc(ptr, layout(4096, 8)) };
+        assert_eq!(ARENA.used(), used, "a refused block takes nothing");
+    }
+
+    #[test]
+    fn an_alignment_beyond_a_page_goes_to_the_system_allocator() {
+        static ARENA: BumpArena<65536> = BumpArena::new();
+        let wide = layout(64, 8192);
+        let ptr = unsafe { ARENA.alloc(wide) };
+        assert!(!ptr.is_null());
+        assert!(!ARENA.owns(ptr));
+        assert_eq!(ptr as usize % 8192, 0);
+        unsafe { ARENA.dealloc(ptr, wide) };
+        assert_eq!(ARENA.used(), 0);
+    }
+
+    #[test]
+    fn the_newest_block_grows_in_place_and_an_older_one_moves_with_its_bytes() {
+        static ARENA: BumpArena<4096> = BumpArena::new();
+        let first = unsafe { ARENA.alloc(layout(16, 8)) };
+        unsafe { std::ptr::copy_nonoverlapping(b"0123456789abcdef".as_ptr(), first, 16) };
+        let grown = unsafe { ARENA.realloc(first, layout(16, 8), 64) };
+        assert_eq!(grown, first, "the newest block grows in place");
+        assert_eq!(ARENA.used(), 64);
+        let second = unsafe { ARENA.alloc(layout(8, 8)) };
+        let shrunk = unsafe { ARENA.realloc(first, layout(64, 8), 32) };
+        assert_eq!(shrunk, first, "an older block shrinks in place");
+        assert_eq!(ARENA.used(), 72, "and gives nothing back");
+        let moved = unsafe { ARENA.realloc(first, layout(32, 8), 128) };
+        assert_ne!(moved, first, "an older block moves");
+        assert!(
+            moved as usize >= second as usize + 8,
+            "it moves past the newer block"
+        );
+        let bytes = unsafe { std::slice::from_raw_parts(moved, 16) };
+        assert_eq!(bytes, b"0123456789abcdef");
+        // Moving beyond the region: the bytes go along to the system allocator's block.
+        let out = unsafe { ARENA.realloc(moved, layout(128, 8), 10_000) };
+        assert!(ARENA.owns(moved));
+        assert!(!ARENA.owns(out));
+        let bytes = unsafe { std::slice::from_raw_parts(out, 16) };
+        assert_eq!(bytes, b"0123456789abcdef");
+        let back = unsafe { ARENA.realloc(out, layout(10_000, 8), 20_000) };
+        assert!(!ARENA.owns(back));
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(back, 16) },
+            b"0123456789abcdef"
+        );
+        unsafe { ARENA.dealloc(back, layout(20_000, 8)) };
+    }
+
+    #[test]
+    fn a_zeroed_block_is_zero_from_the_region_and_from_the_system() {
+        static ARENA: BumpArena<4096> = BumpArena::new();
+        // The newest block written, then shrunk in place: its tail is handed out again.
+        let written = unsafe { ARENA.alloc(layout(256, 8)) };
+        unsafe { std::ptr::write_bytes(written, 0xFF, 256) };
+        let shrunk = unsafe { ARENA.realloc(written, layout(256, 8), 8) };
+        assert_eq!(shrunk, written);
+        assert_eq!(ARENA.used(), 8);
+        let reused = unsafe { ARENA.alloc_zeroed(layout(200, 8)) };
+        assert_eq!(reused as usize, written as usize + 8, "the tail is reused");
+        assert!(unsafe { std::slice::from_raw_parts(reused, 200) }
+            .iter()
+            .all(|b| *b == 0));
+        let inside = unsafe { ARENA.alloc_zeroed(layout(1000, 8)) };
+        assert!(ARENA.owns(inside));
+        assert!(unsafe { std::slice::from_raw_parts(inside, 1000) }
+            .iter()
+            .all(|b| *b == 0));
+        let outside = unsafe { ARENA.alloc_zeroed(layout(5000, 8)) };
+        assert!(!ARENA.owns(outside));
+        assert!(unsafe { std::slice::from_raw_parts(outside, 5000) }
+            .iter()
+            .all(|b| *b == 0));
+        unsafe { ARENA.dealloc(outside, layout(5000, 8)) };
+    }
+
+    #[test]
+    fn threads_allocating_at_once_never_get_overlapping_blocks() {
+        static ARENA: BumpArena<{ 256 << 10 }> = BumpArena::new();
+        let threads: Vec<_> = (0..4u8)
+            .map(|mark| {
+                std::thread::spawn(move || {
+                    let mut mine = Vec::new();
+                    for i in 0..2000usize {
+                        let size = 1 + (i * 7 + usize::from(mark)) % 200;
+                        let ptr = unsafe { ARENA.alloc(layout(size, 8)) };
+                        assert!(!ptr.is_null());
+                        unsafe { std::ptr::write_bytes(ptr, mark, size) };
+                        mine.push((ptr as usize, size));
+                    }
+                    // Every byte still holds this thread's mark: nobody else wrote over it.
+                    for (ptr, size) in &mine {
+                        let bytes = unsafe { std::slice::from_raw_parts(*ptr as *const u8, *size) };
+                        assert!(bytes.iter().all(|b| *b == mark), "a block was overwritten");
+                    }
+                    mine
+                })
+            })
+            .collect();
+        let mut all: Vec<(usize, usize)> = threads
+            .into_iter()
+            .flat_map(|t| t.join().expect("an allocating thread panicked"))
+            .collect();
+        all.sort_unstable();
+        for pair in all.windows(2) {
+            assert!(
+                pair[0].0 + pair[0].1 <= pair[1].0,
+                "blocks overlap: {pair:?}"
+            );
+        }
+        assert!(
+            all.iter().any(|(ptr, _)| !ARENA.owns(*ptr as *mut u8)),
+            "the region filled up and the rest went to the system allocator"
+        );
+    }
+}
