@@ -218,11 +218,24 @@ impl DatastoreSettings {
     /// store that may not be created (nothing is created); otherwise whatever the backend reports
     /// (unavailable etcd, store locked beyond the wait, corrupt files).
     pub async fn open(&self) -> Result<Arc<dyn KvStore>, KvError> {
+        self.open_noting_direct(|| {}).await
+    }
+
+    /// As [`open`](Self::open), calling `before_direct` just before the store is opened
+    /// directly (not through an agent): the plugin stops its bump arena there for sled.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub async fn open_noting_direct(
+        &self,
+        before_direct: impl FnOnce(),
+    ) -> Result<Arc<dyn KvStore>, KvError> {
         if let Some(socket) = &self.agent_socket {
             if let Some(store) = self.open_through_agent(socket).await? {
                 return Ok(store);
             }
         }
+        before_direct();
         self.open_directly().await
     }
 

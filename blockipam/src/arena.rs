@@ -7,10 +7,13 @@
 //! shipped build"). Handing out memory by moving one pointer forward costs no system call; the
 //! region is zero pages until touched, so only what a call uses counts in its memory.
 //!
-//! Frees inside the region are ignored (a call allocates far less in all than the region holds;
-//! a reallocation of the newest block grows or shrinks it in place). Once the region is used up,
-//! every allocation goes to the system allocator, so a call that allocates more (a direct open of
-//! a large store) still works, as it would without the arena.
+//! Frees inside the region are ignored (a call through the agent allocates about 1 MiB in all; a
+//! reallocation of the newest block grows or shrinks it in place). Once the region is used up, or
+//! once [`BumpArena::stop_bumping`] was called, every allocation goes to the system allocator, so a
+//! call that allocates more still works, as it would without the arena. The plugin stops bumping
+//! before it opens a sled store itself: sled's start allocates and frees megabytes, and touching
+//! that many fresh pages of the region costs more than reusing freed memory (docs/benchmarks.md,
+//! "The shipped build").
 
 // The one module of the workspace with unsafe code (the workspace denies it elsewhere): a global
 // allocator cannot be written without it.
@@ -18,10 +21,41 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// The region's alignment: a page, so that its first block is aligned for any layout up to it.
 const REGION_ALIGN: usize = 4096;
+
+/// The plugin's arena: 8 MiB, the global allocator of the `blockipam` executable (through
+/// [`CallAllocator`]); tests that run the plugin in-process leave it unused.
+pub static CALL_ARENA: BumpArena<{ 8 << 20 }> = BumpArena::new();
+
+/// The global allocator of the `blockipam` executable: [`CALL_ARENA`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallAllocator;
+
+// SAFETY: every call goes to CALL_ARENA, whose blocks are valid as GlobalAlloc requires.
+unsafe impl GlobalAlloc for CallAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on unchanged.
+        unsafe { CALL_ARENA.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as in `alloc`.
+        unsafe { CALL_ARENA.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as in `alloc`.
+        unsafe { CALL_ARENA.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as in `alloc`.
+        unsafe { CALL_ARENA.realloc(ptr, layout, new_size) }
+    }
+}
 
 /// The bytes of the region, aligned to a page.
 #[repr(C, align(4096))]
@@ -33,6 +67,8 @@ pub struct BumpArena<const BYTES: usize> {
     region: Region<BYTES>,
     /// Offset of the first free byte of the region.
     next: AtomicUsize,
+    /// False once [`stop_bumping`](Self::stop_bumping) was called.
+    bumping: AtomicBool,
 }
 
 // SAFETY: the region's bytes are only reached through pointers handed out by `alloc`, each range
@@ -47,7 +83,14 @@ impl<const BYTES: usize> BumpArena<BYTES> {
         BumpArena {
             region: Region(UnsafeCell::new([0; BYTES])),
             next: AtomicUsize::new(0),
+            bumping: AtomicBool::new(true),
         }
+    }
+
+    /// From now on every allocation goes to the system allocator; blocks already handed out stay
+    /// valid (and their frees are still ignored).
+    pub fn stop_bumping(&self) {
+        self.bumping.store(false, Ordering::Relaxed);
     }
 
     /// Bytes of the region handed out so far (including alignment padding).
@@ -67,7 +110,7 @@ impl<const BYTES: usize> BumpArena<BYTES> {
 
     /// A block for `layout` from the region, `None` when it does not fit in what is left.
     fn bump(&self, layout: Layout) -> Option<*mut u8> {
-        if layout.align() > REGION_ALIGN {
+        if layout.align() > REGION_ALIGN || !self.bumping.load(Ordering::Relaxed) {
             return None;
         }
         let base = self.base();
@@ -136,11 +179,12 @@ unsafe impl<const BYTES: usize> GlobalAlloc for BumpArena<BYTES> {
             // SAFETY: a block outside the region came from the system allocator with `layout`.
             return unsafe { System.realloc(ptr, layout, new_size) };
         }
-        // The newest block of the region grows or shrinks in place.
+        // The newest block of the region grows (while bumping) or shrinks in place.
         let offset = ptr as usize - self.base();
         let old_end = offset + layout.size();
         if let Some(new_end) = offset.checked_add(new_size) {
             if new_end <= BYTES
+                && (new_size <= layout.size() || self.bumping.load(Ordering::Relaxed))
                 && self
                     .next
                     .compare_exchange(old_end, new_end, Ordering::Relaxed, Ordering::Relaxed)
@@ -205,6 +249,33 @@ mod tests {
         assert!(!ARENA.owns(ptr), "a block larger than what is left");
         unsafe { ARENA.dealloc(ptr, layout(4096, 8)) };
         assert_eq!(ARENA.used(), used, "a refused block takes nothing");
+    }
+
+    #[test]
+    fn once_stopped_every_block_comes_from_the_system_and_older_ones_stay_valid() {
+        static ARENA: BumpArena<4096> = BumpArena::new();
+        let before = unsafe { ARENA.alloc(layout(16, 8)) };
+        assert!(ARENA.owns(before));
+        unsafe { std::ptr::copy_nonoverlapping(b"kept across stop".as_ptr(), before, 16) };
+        ARENA.stop_bumping();
+        let after = unsafe { ARENA.alloc(layout(16, 8)) };
+        assert!(
+            !ARENA.owns(after),
+            "a block after the stop comes from the system"
+        );
+        let zeroed = unsafe { ARENA.alloc_zeroed(layout(64, 8)) };
+        assert!(!ARENA.owns(zeroed));
+        // The block from before the stop moves to the system allocator when it must grow.
+        let grown = unsafe { ARENA.realloc(before, layout(16, 8), 1000) };
+        assert!(!ARENA.owns(grown));
+        assert_eq!(
+            unsafe { std::slice::from_raw_parts(grown, 16) },
+            b"kept across stop"
+        );
+        assert_eq!(ARENA.used(), 16, "nothing more was taken from the region");
+        for (ptr, size) in [(after, 16), (zeroed, 64), (grown, 1000)] {
+            unsafe { ARENA.dealloc(ptr, layout(size, 8)) };
+        }
     }
 
     #[test]

@@ -22,6 +22,7 @@ use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use blockipam_store::DatastoreType;
 use ipam_core::fault::{self, FaultPoint};
 use ipam_core::lockfile::LockFile;
 use ipam_core::{CountingStore, Ipam};
@@ -393,7 +394,16 @@ async fn with_store(
     settings.create_if_missing = !conf.pools.is_empty();
     settings.etcd_timeouts = Some(etcd_timeouts(conf.timeout));
     tracing::debug!(store = %settings.describe(), "opening the store");
-    let store = settings.open().await.map_err(|e| from_kv(&e, true))?;
+    let store = settings
+        .open_noting_direct(|| {
+            // sled's start allocates and frees megabytes: the system allocator reuses that
+            // memory, the arena would touch a fresh page for each of it (arena.rs).
+            if settings.datastore_type == DatastoreType::Sled {
+                arena::CALL_ARENA.stop_bumping();
+            }
+        })
+        .await
+        .map_err(|e| from_kv(&e, true))?;
     // Every call logs (at debug) how many store round trips it made: the figure the allocator
     // is built to keep at two per steady-state ADD and per DEL.
     let counted = Arc::new(CountingStore::new(store));

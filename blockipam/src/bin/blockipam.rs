@@ -3,12 +3,13 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use blockipam::arena::BumpArena;
+use blockipam::arena::CallAllocator;
 
-/// One call's allocations come from a bump arena (see `blockipam::arena`): no allocator work and
-/// no `mmap`/`munmap` per allocation; past its 8 MiB, the system allocator.
+/// One call's allocations come from a bump arena (`blockipam::arena::CALL_ARENA`): no allocator
+/// work and no `mmap`/`munmap` per allocation; past its 8 MiB, or once the call opens a sled
+/// store itself, the system allocator.
 #[global_allocator]
-static ALLOCATOR: BumpArena<{ 8 << 20 }> = BumpArena::new();
+static ALLOCATOR: CallAllocator = CallAllocator;
 
 fn main() {
     // A panic inside a store engine (redb panics on some damaged pages) is caught by the adapter
