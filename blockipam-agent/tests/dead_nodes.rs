@@ -1,6 +1,12 @@
-//! Dead-node reclaim end to end on a 3-member etcd cluster: three `blockipam-agent` processes
-//! (nodes a, b, c) with a 2 s liveness TTL, a 10 s grace and a 1 s reclaim interval; addresses
-//! allocated through the real plugin. Agent a is killed (SIGKILL): once the grace has passed its
+//! Dead-node reclaim end to end on real etcd, real `blockipam-agent` processes and the real plugin.
+//!
+//! On one member: the operator's scenario of a node whose agent is stopped (SIGTERM), then
+//! killed (SIGKILL, its socket left behind), while the node's runtime keeps calling the plugin:
+//! the node's running pods keep their addresses and no other node is handed them; once the node
+//! goes quiet for good it is reclaimed.
+//!
+//! On a 3-member etcd cluster: three agents (nodes a, b, c) with a 2 s liveness TTL, a 10 s
+//! grace and a 1 s reclaim interval; addresses allocated through the real plugin. Agent a is killed (SIGKILL): once the grace has passed its
 //! blocks and addresses are gone and `blockipamctl check` is clean. Agent b is paused (SIGSTOP)
 //! until its liveness key has expired and a reclaimer has marked it missing, then resumed: it is
 //! never reclaimed and its liveness key comes back. Node c, and a node whose plugin runs without
@@ -46,6 +52,17 @@ impl Agent {
         prefix: &str,
         extra: &[&str],
     ) -> Agent {
+        Agent::start_with_grace(node, socket, endpoints, prefix, GRACE_SECONDS, extra)
+    }
+
+    fn start_with_grace(
+        node: &'static str,
+        socket: &Path,
+        endpoints: &str,
+        prefix: &str,
+        grace_seconds: &str,
+        extra: &[&str],
+    ) -> Agent {
         let mut child = Command::new(AGENT)
             .env_clear()
             .env("BLOCKIPAM_AGENT_LOG", "info")
@@ -54,7 +71,7 @@ impl Agent {
             .args(["--datastore-type", "etcdv3", "--etcd-endpoints", endpoints])
             .args(["--etcd-prefix", prefix, "--node", node])
             .args(["--liveness-ttl-seconds", TTL_SECONDS])
-            .args(["--dead-node-grace-seconds", GRACE_SECONDS])
+            .args(["--dead-node-grace-seconds", grace_seconds])
             .args(["--reclaim-interval-seconds", "1"])
             .args(extra)
             .stdout(Stdio::null())
@@ -140,6 +157,17 @@ fn cni_add(container: &str, netconf: &Value) -> (i32, String) {
 }
 
 fn netconf(node: &str, socket: &str, endpoints: &str, prefix: &str, lock: &Path) -> Value {
+    netconf_with_pool(node, socket, endpoints, prefix, lock, "10.88.0.0/16")
+}
+
+fn netconf_with_pool(
+    node: &str,
+    socket: &str,
+    endpoints: &str,
+    prefix: &str,
+    lock: &Path,
+    pool: &str,
+) -> Value {
     json!({
         "cniVersion": "1.0.0",
         "name": "deadnet",
@@ -152,7 +180,7 @@ fn netconf(node: &str, socket: &str, endpoints: &str, prefix: &str, lock: &Path)
             "agent_socket": socket,
             "ipam_lock_file": lock,
             "timeout_seconds": 30,
-            "pools": [{"cidr": "10.88.0.0/16", "block_size": 26, "name": "dead-pool"}]
+            "pools": [{"cidr": pool, "block_size": 26, "name": "dead-pool"}]
         }
     })
 }
@@ -253,7 +281,7 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
         !is_live(&store, "node-b").await
             && registration(&store, "node-b")
                 .await
-                .is_some_and(|r| r.missing_since.is_some())
+                .is_some_and(|r| r.missing_mark.is_some())
     });
     // Stay paused a while longer (still well within the grace): a reclaimer that ignored the
     // grace would release node-b now.
@@ -270,7 +298,7 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
             is_live(&store, "node-b").await
                 && registration(&store, "node-b")
                     .await
-                    .is_some_and(|r| r.missing_since.is_none())
+                    .is_some_and(|r| r.missing_mark.is_none())
         },
     );
 
@@ -399,4 +427,167 @@ fn the_reclaimer_leader_releases_empty_blocks_beyond_each_hosts_newest() {
     assert_eq!(runtime.block_on(addresses_of(&store, "node-r")), 1);
     let report = runtime.block_on(ipam.check(false)).expect("check");
     assert!(report.problems.is_empty(), "{:#?}", report.problems);
+}
+
+/// The address an ADD returned.
+fn added_address(container: &str, conf: &Value) -> String {
+    let (status, stdout) = cni_add(container, conf);
+    assert_eq!(status, 0, "ADD {container}: {stdout}");
+    let result: Value = serde_json::from_str(&stdout).expect("ADD result JSON");
+    result["ips"][0]["address"]
+        .as_str()
+        .and_then(|a| a.split('/').next())
+        .expect("an address")
+        .to_owned()
+}
+
+/// Every allocated address of `node`, by handle.
+async fn held_by(
+    store: &Arc<dyn KvStore>,
+    node: &str,
+) -> std::collections::BTreeMap<String, String> {
+    Ipam::new(Arc::clone(store))
+        .list_allocations()
+        .await
+        .expect("list allocations")
+        .into_iter()
+        .filter(|a| a.attributes.get("node").map(String::as_str) == Some(node))
+        .map(|a| (a.handle, a.ip.to_string()))
+        .collect()
+}
+
+/// The node's runtime at work: `pairs` ADD/DEL pairs of a short-lived pod, one about every
+/// second, each answered 0 (with the agent down the plugin goes to etcd itself).
+fn runtime_keeps_calling(node: &str, conf: &Value, round: &str, pairs: usize) {
+    for i in 0..pairs {
+        let container = format!("{node}-{round}-churn{i}");
+        added_address(&container, conf);
+        let run = common::run_plugin("DEL", &container, conf, WAIT_LIMIT);
+        assert_eq!(run.status, 0, "DEL {container}: {}", run.stdout);
+        std::thread::sleep(Duration::from_millis(900));
+    }
+}
+
+/// The operator's scenario: one etcd, two agents with short liveness settings, a pool of one
+/// block, three pods running on node-b. node-b's agent is stopped (SIGTERM) and later killed
+/// (SIGKILL, socket left behind) while node-b's runtime keeps calling the plugin; node-a's
+/// reclaimer runs all along, and node-a's pods borrow from node-b's block. node-b's running pods
+/// keep their addresses and node-a is never handed one of them. Then node-b goes quiet for good
+/// (no agent, no calls): it is reclaimed after one countdown.
+#[test]
+fn a_node_whose_agent_is_stopped_or_killed_while_its_runtime_keeps_calling_is_never_reclaimed() {
+    const GRACE: &str = "4";
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let socket = |node: &str| dir.path().join(format!("{node}.sock"));
+    let conf = |node: &str| {
+        netconf_with_pool(
+            node,
+            &socket(node).display().to_string(),
+            &endpoints,
+            &prefix,
+            &dir.path().join(format!("{node}.lock")),
+            "10.89.0.0/26",
+        )
+    };
+    let agent_a =
+        Agent::start_with_grace("node-a", &socket("node-a"), &endpoints, &prefix, GRACE, &[]);
+    let mut agent_b =
+        Agent::start_with_grace("node-b", &socket("node-b"), &endpoints, &prefix, GRACE, &[]);
+    for node in ["node-a", "node-b"] {
+        wait_until(
+            &runtime,
+            &format!("{node} is registered and live"),
+            || async { registration(&store, node).await.is_some() && is_live(&store, node).await },
+        );
+    }
+    let running: Vec<String> = (0..3)
+        .map(|pod| added_address(&format!("node-b-pod{pod}"), &conf("node-b")))
+        .collect();
+    let held_before = runtime.block_on(held_by(&store, "node-b"));
+    assert_eq!(held_before.len(), 3, "{held_before:?}");
+
+    let mut handed_to_a = Vec::new();
+    for (round, signal) in [("stopped", "TERM"), ("killed", "KILL")] {
+        agent_b.signal(signal);
+        let _ = agent_b.child.wait();
+        assert_eq!(
+            socket("node-b").exists(),
+            signal == "KILL",
+            "a stopped agent removes its socket, a killed one leaves it"
+        );
+        wait_until(&runtime, "node-b's liveness key is gone", || async {
+            !is_live(&store, "node-b").await
+        });
+        // Four countdowns' worth of the runtime at work, node-a allocating meanwhile.
+        runtime_keeps_calling("node-b", &conf("node-b"), round, 16);
+        for pod in 0..3 {
+            handed_to_a.push(added_address(
+                &format!("node-a-{round}{pod}"),
+                &conf("node-a"),
+            ));
+        }
+        let held = runtime.block_on(held_by(&store, "node-b"));
+        for (handle, ip) in &held_before {
+            assert_eq!(
+                held.get(handle),
+                Some(ip),
+                "after the agent was {round}: a running pod of node-b lost its address \
+                 (reclaimer log:\n{})",
+                agent_a.log()
+            );
+        }
+        assert!(
+            runtime.block_on(registration(&store, "node-b")).is_some(),
+            "node-b was reclaimed while its runtime kept calling (agent {round})"
+        );
+        assert!(
+            !agent_a.log().contains("dead node reclaimed"),
+            "a reclaim happened: {}",
+            agent_a.log()
+        );
+        if signal == "TERM" {
+            agent_b = Agent::start_with_grace(
+                "node-b",
+                &socket("node-b"),
+                &endpoints,
+                &prefix,
+                GRACE,
+                &[],
+            );
+            wait_until(&runtime, "node-b's agent is back", || async {
+                is_live(&store, "node-b").await
+            });
+        }
+    }
+    for ip in &handed_to_a {
+        assert!(
+            !running.contains(ip),
+            "node-a was handed {ip}, which a running pod of node-b holds"
+        );
+    }
+
+    // Now node-b is really gone: no agent, no calls. One countdown later it is reclaimed.
+    wait_until(
+        &runtime,
+        "node-b is reclaimed once it went quiet",
+        || async {
+            registration(&store, "node-b").await.is_none()
+                && held_by(&store, "node-b").await.is_empty()
+        },
+    );
+    assert!(
+        agent_a
+            .log()
+            .lines()
+            .any(|l| l.contains("dead node reclaimed") && l.contains("node-b")),
+        "{}",
+        agent_a.log()
+    );
+    drop(agent_b);
+    drop(agent_a);
+    drop(cluster);
 }

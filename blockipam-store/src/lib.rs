@@ -1,6 +1,7 @@
 //! Store selection shared by the plugin and the CLI: which backend, where, and how to open it.
 
 use std::fmt;
+pub mod countdowns;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -272,7 +273,21 @@ impl DatastoreSettings {
             }
             Ok(_) => {}
         }
-        let store = AgentStore::connect(AgentConfig::new(socket)).await?;
+        let store = match AgentStore::connect(AgentConfig::new(socket)).await {
+            Ok(store) => store,
+            Err(e) if is_stale_socket(socket) => {
+                // Nothing listens: the agent is dead (killed, crashed, OOM), not busy. Nothing
+                // of it can be in flight, so the store is opened directly; the node keeps
+                // working (and keeps showing activity) while the agent is restarted.
+                tracing::warn!(
+                    socket = %socket.display(),
+                    "the agent socket is left by a dead agent (nothing accepts on it): opening \
+                     the store directly ({e})"
+                );
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
         let wanted = self.identity();
         if store.served().matches(&wanted) {
             Ok(Some(Arc::new(store)))
@@ -464,6 +479,16 @@ fn effective_uid() -> Option<u32> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// True when `socket` is a socket nobody accepts on (connecting is refused): what a killed
+/// agent leaves behind. A hung agent still accepts (the kernel queues the connection) and is not
+/// stale.
+fn is_stale_socket(socket: &Path) -> bool {
+    matches!(
+        std::os::unix::net::UnixStream::connect(socket),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
 }
 
 #[cfg(test)]
