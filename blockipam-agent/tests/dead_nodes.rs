@@ -591,3 +591,126 @@ fn a_node_whose_agent_is_stopped_or_killed_while_its_runtime_keeps_calling_is_ne
     drop(agent_a);
     drop(cluster);
 }
+
+/// Two agents started with the same node name (a second unit, a container beside the host's):
+/// the one that stops cleanly revokes its lease, which deletes the node's shared liveness key.
+/// The other puts the key back on its own lease, and the node is never reclaimed.
+#[test]
+fn two_agents_of_one_node_name_one_stopping_never_gets_the_node_reclaimed() {
+    const GRACE: &str = "3";
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let ipam = Ipam::new(Arc::clone(&store));
+    runtime.block_on(async {
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.90.0.0/24".parse().expect("cidr"),
+            name: Some("twins".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("pool");
+        ipam.auto_assign(&ipam_core::AutoAssignRequest {
+            handle: "twin-pod".into(),
+            host: "node-t".into(),
+            num_v4: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("an address of node-t");
+    });
+    let registered = || async {
+        store
+            .get(&agent_key("node-t"))
+            .await
+            .expect("read the registration")
+            .map(|kv| kv.revision)
+    };
+    let first = Agent::start_with_grace(
+        "node-t",
+        &dir.path().join("first.sock"),
+        &endpoints,
+        &prefix,
+        GRACE,
+        &[],
+    );
+    wait_until(&runtime, "node-t is registered and live", || async {
+        registered().await.is_some() && is_live(&store, "node-t").await
+    });
+    let first_registration = runtime.block_on(registered());
+    let second = Agent::start_with_grace(
+        "node-t",
+        &dir.path().join("second.sock"),
+        &endpoints,
+        &prefix,
+        GRACE,
+        &[],
+    );
+    // The second agent puts the liveness key on its own lease, then registers: from then on the
+    // key goes with the second agent's lease. It stops cleanly, revoking that lease.
+    wait_until(&runtime, "the second agent registered node-t", || async {
+        registered().await != first_registration
+    });
+    second.signal("TERM");
+    wait_until(
+        &runtime,
+        "the first agent puts the liveness key back",
+        || async { is_live(&store, "node-t").await },
+    );
+    // Three graces later: still registered, still holding its address.
+    std::thread::sleep(Duration::from_secs(9));
+    assert!(runtime.block_on(is_live(&store, "node-t")));
+    assert!(
+        runtime.block_on(registration(&store, "node-t")).is_some(),
+        "node-t was reclaimed while an agent of it runs:\n{}",
+        first.log()
+    );
+    assert_eq!(runtime.block_on(addresses_of(&store, "node-t")), 1);
+    assert!(
+        first.log().contains("putting it again"),
+        "the first agent did not notice the key was gone:\n{}",
+        first.log()
+    );
+    drop(first);
+    drop(second);
+}
+
+/// etcd unreachable when the agent starts (a node booting before its etcd): the agent serves its
+/// socket anyway and registers its node once etcd answers.
+#[test]
+fn an_agent_started_while_etcd_is_down_serves_and_registers_once_etcd_is_back() {
+    let mut server = backend_etcd::testing::EtcdServer::start().expect("an etcd server");
+    let endpoint = server.endpoint();
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.stop();
+    let agent = Agent::start(
+        "node-boot",
+        &dir.path().join("boot.sock"),
+        &endpoint,
+        &prefix,
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        agent.log().contains("the node is not registered yet"),
+        "the agent did not say it waits for etcd:\n{}",
+        agent.log()
+    );
+    server.restart().expect("restart etcd");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let store: Arc<dyn KvStore> = Arc::new(
+        runtime
+            .block_on(EtcdStore::connect(server.config(&prefix)))
+            .expect("connect to the restarted etcd"),
+    );
+    wait_until(&runtime, "node-boot is registered and live", || async {
+        registration(&store, "node-boot").await.is_some() && is_live(&store, "node-boot").await
+    });
+    drop(agent);
+}
