@@ -342,7 +342,10 @@ fn a_symlink_at_log_file_path_is_never_followed_and_the_call_logs_to_stderr(mode
     std::os::unix::fs::symlink(&missing, &dangling).expect("plant the dangling link");
     let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": dangling}));
     cni("ADD", "c2", "eth0", &netconf, &[]).success_json("ADD");
-    assert!(!missing.exists(), "the plugin created a file through the link");
+    assert!(
+        !missing.exists(),
+        "the plugin created a file through the link"
+    );
 }
 
 fn log_level_error_keeps_a_successful_call_quiet(mode: Mode) {
