@@ -440,6 +440,7 @@ pub fn check_store_path_ownership(path: &Path) -> Result<(), KvError> {
             path.display()
         )));
     }
+    // Unknown (no /proc): the ownership rule is not applied.
     if let Some(uid) = effective_uid() {
         if metadata.uid() != uid {
             return Err(KvError::other(format!(
@@ -453,9 +454,8 @@ pub fn check_store_path_ownership(path: &Path) -> Result<(), KvError> {
     Ok(())
 }
 
-/// This process's effective user id, read from `/proc/self/status`; `None` when unreadable (the
-/// ownership rule is then not applied).
-fn effective_uid() -> Option<u32> {
+/// This process's effective user id, read from `/proc/self/status`; `None` when unreadable.
+pub fn effective_uid() -> Option<u32> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()
