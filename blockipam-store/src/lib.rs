@@ -311,8 +311,9 @@ impl DatastoreSettings {
     ///
     /// # Errors
     /// [`KvError::Unavailable`] when the socket exists but the agent does not answer in time (or
-    /// nothing accepts on it); [`KvError::Other`] when the path is not a socket or the agent
-    /// refuses this user.
+    /// nothing accepts on it); [`KvError::Other`] when the path is not a socket, the agent
+    /// refuses this user, or the socket is served by a user other than root or this process's own
+    /// (nothing is sent to it then).
     async fn open_through_agent(&self, socket: &Path) -> Result<Option<Arc<dyn KvStore>>, KvError> {
         use std::os::unix::fs::FileTypeExt;
         match std::fs::symlink_metadata(socket) {
