@@ -53,7 +53,7 @@ macro_rules! ipam_integrity_tests {
 type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 type Trigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
 
-struct HookStore {
+pub(crate) struct HookStore {
     inner: Arc<dyn KvStore>,
     armed: Mutex<Option<(Trigger, Hook)>>,
 }
@@ -67,7 +67,7 @@ impl fmt::Debug for HookStore {
 }
 
 impl HookStore {
-    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
         Arc::new(HookStore {
             inner,
             armed: Mutex::new(None),
@@ -75,7 +75,7 @@ impl HookStore {
     }
 
     /// Runs `hook` once, after the first read for which `trigger` holds has been answered.
-    fn arm<T, H, Fut>(&self, trigger: T, hook: H)
+    pub(crate) fn arm<T, H, Fut>(&self, trigger: T, hook: H)
     where
         T: Fn(&[Read]) -> bool + Send + Sync + 'static,
         H: FnOnce() -> Fut + Send + 'static,
@@ -85,7 +85,7 @@ impl HookStore {
         *self.armed.lock().expect("hook lock") = Some((Box::new(trigger), hook));
     }
 
-    fn fired(&self) -> bool {
+    pub(crate) fn fired(&self) -> bool {
         self.armed.lock().expect("hook lock").is_none()
     }
 
