@@ -48,6 +48,16 @@ fn block_of(plan: &ImportPlan, cidr: &str) -> Block {
         .unwrap_or_else(|| panic!("block {cidr} in the plan"))
 }
 
+/// A fresh in-memory store holding `plan`, written and verified.
+async fn written_to_memory(plan: &ImportPlan) -> Arc<dyn KvStore> {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let state = inspect_target(&store).await.expect("inspect");
+    writer::write(&store, plan, &state, "test source")
+        .await
+        .expect("write and verify");
+    store
+}
+
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -321,11 +331,7 @@ fn cooldown_settings_and_cooling_only_blocks_map_as_calico_reads_them() {
 
     // Written and verified: the cooling addresses and the times survive the store.
     block_on(async {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let state = inspect_target(&store).await.expect("inspect");
-        writer::write(&store, &plan, &state, "test source")
-            .await
-            .expect("write and verify");
+        let store = written_to_memory(&plan).await;
         let stored: Vec<Block> = store
             .list(&keys::blocks_dir())
             .await
@@ -421,11 +427,7 @@ fn calico_ip_reservations_become_stored_reservations_counted_as_reserved() {
     assert!(notes.iter().any(|n| n.contains("neither")), "{notes:?}");
 
     block_on(async {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let state = inspect_target(&store).await.expect("inspect");
-        writer::write(&store, &plan, &state, "test source")
-            .await
-            .expect("write and verify");
+        let store = written_to_memory(&plan).await;
         let ipam = Ipam::new(store.clone());
         let stored = ipam.list_reservations().await.expect("list");
         assert_eq!(stored, plan.reservations);
@@ -684,11 +686,7 @@ fn windows_reserved_addresses_are_released_with_their_blocks_host() {
             Some("windows-reserved-ipam-handle")
         );
 
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let state = inspect_target(&store).await.expect("inspect");
-        writer::write(&store, &plan, &state, "test source")
-            .await
-            .expect("write and verify");
+        let store = written_to_memory(&plan).await;
         let ipam = Ipam::new(store.clone());
         assert!(ipam.check(false).await.expect("check").problems.is_empty());
 

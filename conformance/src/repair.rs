@@ -4,9 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use ipam_core::check::kinds;
-use ipam_core::kv::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use ipam_core::kv::{KvError, KvStore, Read};
 use ipam_core::model::{decode, keys, Block, FORMAT_VERSION};
 use ipam_core::{Ipam, IpamError, PoolChange, ReleaseRequest, RetryPolicy};
 
@@ -159,43 +158,6 @@ pub async fn repair_leaves_handles_alone_while_a_block_cannot_be_decoded<F: Stor
     }
 }
 
-/// A store whose commits that rewrite a block always fail their first condition, as if another
-/// writer changed the block each time.
-#[derive(Debug)]
-struct BlocksAlwaysChange {
-    inner: Arc<dyn KvStore>,
-}
-
-#[async_trait]
-impl KvStore for BlocksAlwaysChange {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
-        self.inner.get(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        self.inner.list(prefix).await
-    }
-
-    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        let blocks = keys::blocks_dir();
-        match txn
-            .conditions
-            .iter()
-            .map(|c| c.key())
-            .find(|k| k.starts_with(&blocks))
-        {
-            Some(key) => Err(KvError::Conflict {
-                key: key.to_owned(),
-            }),
-            None => self.inner.commit(txn).await,
-        }
-    }
-
-    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
-        self.inner.read_many(reads).await
-    }
-}
-
 /// Releasing a host whose blocks change under every attempt gives up after the retry policy's
 /// attempts, with an error naming the blocks, instead of retrying forever; nothing is written.
 pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them<
@@ -211,10 +173,19 @@ pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_the
         .v4[0]
         .block;
     let before = contents(t.store.as_ref(), "").await;
-    let conflicting = Ipam::new(Arc::new(BlocksAlwaysChange {
-        inner: Arc::clone(&t.store),
-    }))
-    .with_retry_policy(RetryPolicy {
+    // Every commit that rewrites a block fails its condition, as if another writer changed the
+    // block each time.
+    let hooked = HookStore::new(Arc::clone(&t.store));
+    hooked.refuse_commits(|txn| {
+        txn.conditions
+            .iter()
+            .map(|c| c.key())
+            .find(|k| k.starts_with(&keys::blocks_dir()))
+            .map(|key| KvError::Conflict {
+                key: key.to_owned(),
+            })
+    });
+    let conflicting = Ipam::new(hooked).with_retry_policy(RetryPolicy {
         max_attempts: 6,
         base_backoff: Duration::from_millis(1),
         max_backoff: Duration::from_millis(4),
