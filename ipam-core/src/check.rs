@@ -248,7 +248,10 @@ impl Ipam {
     /// Checks every stored object against the others; with `repair`, fixes what is safe to fix:
     /// handle counts (rewritten from the blocks, which are the authority), claim index entries,
     /// and empty blocks without affinity. Each repair is its own guarded transaction, so a repair
-    /// racing a live allocator changes nothing it should not.
+    /// racing a live allocator changes nothing it should not. A repair whose CIDRs overlap a block
+    /// or claim index entry that cannot be decoded (or any, when its key names no CIDR) is held
+    /// back, reported as not repairable: what that object holds is unknown, and rewriting a handle
+    /// without it would lose track of addresses (a leak once the pod's DEL finds no handle).
     ///
     /// # Errors
     /// Store failures.
