@@ -48,15 +48,18 @@ macro_rules! ipam_integrity_tests {
 
 // ---------------------------------------------------------------------------------------------
 // A store that runs a hook right after a chosen read returns: the hook's writes land between
-// that read and whatever the caller does next, deterministically.
+// that read and whatever the caller does next, deterministically. It can also refuse chosen
+// commits, as if another writer always got there first.
 // ---------------------------------------------------------------------------------------------
 
 type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 type Trigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
+type Refusal = Box<dyn Fn(&Txn) -> Option<KvError> + Send + Sync>;
 
-struct HookStore {
+pub(crate) struct HookStore {
     inner: Arc<dyn KvStore>,
     armed: Mutex<Option<(Trigger, Hook)>>,
+    refuse: Mutex<Option<Refusal>>,
 }
 
 impl fmt::Debug for HookStore {
@@ -68,15 +71,24 @@ impl fmt::Debug for HookStore {
 }
 
 impl HookStore {
-    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
         Arc::new(HookStore {
             inner,
             armed: Mutex::new(None),
+            refuse: Mutex::new(None),
         })
     }
 
+    /// From now on, a commit for which `refuse` returns an error fails with it, writing nothing.
+    pub(crate) fn refuse_commits<R>(&self, refuse: R)
+    where
+        R: Fn(&Txn) -> Option<KvError> + Send + Sync + 'static,
+    {
+        *self.refuse.lock().expect("refusal lock") = Some(Box::new(refuse));
+    }
+
     /// Runs `hook` once, after the first read for which `trigger` holds has been answered.
-    fn arm<T, H, Fut>(&self, trigger: T, hook: H)
+    pub(crate) fn arm<T, H, Fut>(&self, trigger: T, hook: H)
     where
         T: Fn(&[Read]) -> bool + Send + Sync + 'static,
         H: FnOnce() -> Fut + Send + 'static,
@@ -86,7 +98,7 @@ impl HookStore {
         *self.armed.lock().expect("hook lock") = Some((Box::new(trigger), hook));
     }
 
-    fn fired(&self) -> bool {
+    pub(crate) fn fired(&self) -> bool {
         self.armed.lock().expect("hook lock").is_none()
     }
 
@@ -119,7 +131,16 @@ impl KvStore for HookStore {
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        self.inner.commit(txn).await
+        let refused = self
+            .refuse
+            .lock()
+            .expect("refusal lock")
+            .as_ref()
+            .and_then(|refuse| refuse(&txn));
+        match refused {
+            Some(e) => Err(e),
+            None => self.inner.commit(txn).await,
+        }
     }
 
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
