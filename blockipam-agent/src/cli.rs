@@ -154,7 +154,8 @@ pub struct AgentArgs {
     /// TTL of the etcd lease that keeps this node's liveness key; kept alive every TTL/3
     #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub liveness_ttl_seconds: u64,
-    /// How long a registered node's liveness must have been gone before its blocks and addresses are released
+    /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
+    /// liveness key and no plugin commit before its blocks and addresses are released
     #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub dead_node_grace_seconds: u64,
     /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)

@@ -118,7 +118,7 @@ fn node_runtime(node: &'static str, conf: Value, truth: Truth, stop: Arc<AtomicB
                 .expect("truth")
                 .remove(&(node.to_owned(), container));
         }
-        if round % 8 == 0 {
+        if round.is_multiple_of(8) {
             let mut gc = conf.clone();
             gc["cniVersion"] = json!("1.1.0");
             gc["cni.dev/valid-attachments"] = running
