@@ -12,7 +12,7 @@ use backend_etcd::EtcdConfig;
 use blockipam_store::countdowns::LeaseCountdowns;
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use ipam_core::dead_nodes::{
-    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome,
+    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome, NodeState,
     ReclaimOptions, RESERVATION_NODE,
 };
 use ipam_core::model::validate_host;
@@ -148,6 +148,9 @@ impl Liveness {
             reclaim = settings.reclaim,
             "node registered; liveness key kept on an etcd lease"
         );
+        counters
+            .registered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(run_loop(
             settings,
@@ -202,8 +205,8 @@ async fn run_loop(
         }
         let state = *lease.borrow_and_update();
         if state.lease.is_some() && state.generation != registered_generation {
-            // A new lease after a lost one: register again, which clears a `missing_since`
-            // mark a reclaimer may have set meanwhile and stops a reclaim of this node.
+            // A new lease after a lost one: register again, which clears a mark a reclaimer
+            // may have set meanwhile and stops a reclaim of this node.
             match register(store.as_ref(), &settings.node, AGENT_VERSION, unix_now()).await {
                 Ok(_) => {
                     registered_generation = state.generation;
@@ -214,6 +217,10 @@ async fn run_loop(
                 }
             }
         }
+        counters.registered.store(
+            state.lease.is_some() && state.generation == registered_generation,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         if let Some(id) = state.lease {
             keep_liveness_key(&settings.node, &session, id, store.as_ref()).await;
             if settings.reclaim {
@@ -277,9 +284,18 @@ async fn reclaim_if_leader(
     let countdowns = LeaseCountdowns::new(session);
     match reclaim_pass(Arc::clone(store), &countdowns, &options).await {
         Ok(outcomes) => {
+            let mut by_state = [0u64; 4];
             for outcome in outcomes {
+                let index = match outcome.state {
+                    NodeState::Alive => 0,
+                    NodeState::Active => 1,
+                    NodeState::Missing { .. } => 2,
+                    NodeState::Dead { .. } => 3,
+                };
+                by_state[index] += 1;
                 report(&outcome, counters);
             }
+            counters.record_pass(by_state);
         }
         Err(e) => tracing::warn!("reclaimer: the pass failed: {e}"),
     }

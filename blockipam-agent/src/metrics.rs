@@ -31,7 +31,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::counters::ReclaimCounters;
+use crate::counters::{ReclaimCounters, NODE_STATES};
 use crate::AgentError;
 
 /// `Content-Type` of the classic Prometheus text format, served by default.
@@ -625,6 +625,27 @@ impl Collector for ReclaimCollector {
                 counter.metric_type(),
             )?)?;
         }
+        let registered = ConstGauge::new(i64::from(
+            self.counters
+                .registered
+                .load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        registered.encode(encoder.encode_descriptor(
+            "blockipam_agent_node_registered",
+            "1 while this agent's node is registered and its liveness key on a lease (etcd)",
+            None,
+            registered.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "blockipam_agent_nodes",
+            "Registered nodes by state at this agent's last reclaim pass (reclaimer leader only)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (state, count) in NODE_STATES.iter().zip(self.counters.nodes_by_state()) {
+            let labels = [("state", *state)];
+            ConstGauge::new(saturating_i64(count)).encode(family.encode_family(&labels)?)?;
+        }
         Ok(())
     }
 }
@@ -899,6 +920,36 @@ mod tests {
         read_until_closed(&mut stream, Duration::from_secs(20))
             .await
             .expect("the scrape was answered and closed")
+    }
+
+    /// The liveness gauges: this node registered or not, and the node states of the last
+    /// reclaim pass, each state a labelled sample.
+    #[tokio::test]
+    async fn registration_and_node_states_are_exported_as_gauges() {
+        let counters = Arc::new(ReclaimCounters::default());
+        let metrics = AgentMetrics::new(Arc::clone(&counters), Duration::ZERO);
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let before = metrics.scrape(&Arc::downgrade(&store), false).await;
+        assert!(
+            before.contains("blockipam_agent_node_registered 0\n"),
+            "{before}"
+        );
+        counters
+            .registered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        counters.record_pass([3, 1, 2, 0]);
+        let after = metrics.scrape(&Arc::downgrade(&store), false).await;
+        for line in [
+            "# TYPE blockipam_agent_node_registered gauge\n",
+            "blockipam_agent_node_registered 1\n",
+            "# TYPE blockipam_agent_nodes gauge\n",
+            "blockipam_agent_nodes{state=\"alive\"} 3\n",
+            "blockipam_agent_nodes{state=\"active\"} 1\n",
+            "blockipam_agent_nodes{state=\"missing\"} 2\n",
+            "blockipam_agent_nodes{state=\"dead\"} 0\n",
+        ] {
+            assert!(after.contains(line), "no {line:?} in:\n{after}");
+        }
     }
 
     fn endpoint_with(limits: ConnectionLimits) -> MetricsEndpoint {

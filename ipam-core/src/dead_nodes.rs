@@ -455,6 +455,8 @@ pub enum NodeAction {
 pub struct NodeOutcome {
     /// The node.
     pub host: String,
+    /// Its state as the pass found it, before acting.
+    pub state: NodeState,
     /// What was decided and done.
     pub action: NodeAction,
 }
@@ -490,6 +492,7 @@ pub async fn reclaim_pass(
         );
         outcomes.push(NodeOutcome {
             host: node.host,
+            state: node.state,
             action,
         });
         if lost_extra_guard {
