@@ -655,3 +655,88 @@ async fn reclaim_dead(
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_grace_is_calicos_fifteen_minutes() {
+        assert_eq!(DEFAULT_GRACE, Duration::from_secs(900));
+        assert_eq!(ReclaimOptions::default().grace, DEFAULT_GRACE);
+    }
+
+    #[test]
+    fn every_key_lives_under_its_own_directory_of_the_ipam_root() {
+        for (key, dir) in [
+            (agent_key("node-a"), agents_dir()),
+            (liveness_key("node-a"), liveness_dir()),
+            (activity_key("node-a"), activity_dir()),
+            (countdown_key("node-a"), countdown_dir()),
+        ] {
+            assert_eq!(key, format!("{dir}node-a"));
+            assert!(dir.starts_with(ROOT) && dir.ends_with('/'), "{dir}");
+        }
+        assert_eq!(reclaimer_leader_key(), format!("{ROOT}reclaimer-leader"));
+    }
+
+    #[test]
+    fn the_activity_record_names_the_node_and_the_plugin_version() {
+        let record = Activity {
+            node: "node-a".into(),
+            plugin_version: "1.2.3".into(),
+        };
+        let bytes = record.encode().expect("encode");
+        let back: Activity = serde_json::from_slice(&bytes).expect("JSON");
+        assert_eq!(back, record);
+    }
+
+    #[tokio::test]
+    async fn stores_that_cannot_time_keys_start_no_countdown() {
+        let refused = NoCountdowns
+            .start(&countdown_key("node-a"), Vec::new(), DEFAULT_GRACE)
+            .await;
+        assert!(
+            matches!(refused, Err(IpamError::InvalidArgument(_))),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn the_decision_needs_no_clock() {
+        let mark = MissingMark {
+            countdown_revision: 7,
+            activity_revision: 5,
+            grace_seconds: 900,
+        };
+        let at = |r| Some(Revision(r));
+        assert_eq!(decide(true, Some(mark), at(9), None), NodeState::Alive);
+        assert_eq!(
+            decide(false, None, at(5), None),
+            NodeState::Missing { mark: None }
+        );
+        assert_eq!(decide(false, Some(mark), at(6), None), NodeState::Active);
+        assert_eq!(
+            decide(false, Some(mark), at(5), at(7)),
+            NodeState::Missing { mark: Some(mark) }
+        );
+        assert_eq!(
+            decide(false, Some(mark), at(5), None),
+            NodeState::Dead { mark }
+        );
+        let unmarked_activity = MissingMark {
+            activity_revision: 0,
+            ..mark
+        };
+        assert_eq!(
+            decide(false, Some(unmarked_activity), None, None),
+            NodeState::Dead {
+                mark: unmarked_activity
+            }
+        );
+        assert_eq!(
+            decide(false, Some(unmarked_activity), at(3), None),
+            NodeState::Active
+        );
+    }
+}

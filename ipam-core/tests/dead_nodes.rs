@@ -617,3 +617,103 @@ async fn lost_extra_guard_stops_the_marking_of_a_missing_node() {
         None
     );
 }
+
+#[tokio::test]
+async fn live_node_with_an_earlier_versions_wall_clock_mark_or_a_stray_countdown_is_cleared() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    store
+        .put(
+            &agent_key("node-a"),
+            br#"{"node":"node-a","registered_at":1,"agent_version":"0.0.9","missing_since":7}"#
+                .to_vec(),
+        )
+        .await
+        .expect("an earlier version's marked registration");
+    set_live(store.as_ref(), "node-a").await;
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::ClearedMark
+    );
+    let cleared = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered");
+    assert_eq!((cleared.missing_since, cleared.missing_mark), (None, None));
+
+    // A countdown left behind with no mark (its marking write was refused): cleared too.
+    store
+        .put(&countdown_key("node-a"), b"{}".to_vec())
+        .await
+        .expect("a stray countdown");
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::ClearedMark
+    );
+    assert_eq!(
+        store.get(&countdown_key("node-a")).await.expect("get"),
+        None
+    );
+    assert_eq!(action_of(&pass(&store).await, "node-a"), &NodeAction::Alive);
+}
+
+/// A store whose first batched read is followed, before anything else, by the node's agent
+/// registering again: the pass's write for that node finds the registration changed.
+#[derive(Debug)]
+struct RegistersAfterSurvey {
+    inner: Arc<dyn KvStore>,
+    armed: AtomicUsize,
+}
+
+#[async_trait]
+impl KvStore for RegistersAfterSurvey {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let results = self.inner.read_many(reads).await?;
+        if self.armed.swap(0, Ordering::SeqCst) == 1 {
+            register(self.inner.as_ref(), "node-a", "test", T0 + 1)
+                .await
+                .expect("register again");
+        }
+        Ok(results)
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.inner.commit(txn).await
+    }
+}
+
+#[tokio::test]
+async fn a_registration_changed_under_the_pass_is_left_for_the_next_pass() {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    register(memory.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    let store: Arc<dyn KvStore> = Arc::new(RegistersAfterSurvey {
+        inner: Arc::clone(&memory),
+        armed: AtomicUsize::new(1),
+    });
+    // The leader guard holds throughout: the refusal is the registration's, not the guard's.
+    let leader = ipam_core::dead_nodes::reclaimer_leader_key();
+    let leader_revision = memory
+        .put(&leader, b"me".to_vec())
+        .await
+        .expect("the leader key");
+    let options = ReclaimOptions {
+        grace: GRACE,
+        extra_guard: vec![Condition::at_revision(&leader, leader_revision)],
+    };
+    let outcomes = reclaim_pass(store, &TestCountdowns(Arc::clone(&memory)), &options)
+        .await
+        .expect("pass");
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::Changed);
+    assert_eq!(
+        registration(memory.as_ref(), "node-a")
+            .await
+            .expect("registered")
+            .missing_mark,
+        None
+    );
+}
