@@ -549,15 +549,51 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
         .read_exact(&mut payload)
         .await
         .map_err(FrameError::Io)?;
-    let (value, used) = bincode::serde::decode_from_slice(&payload, bincode::config::standard())
-        .map_err(|e| FrameError::Decode(e.to_string()))?;
+    decode_payload(&payload).map(Some)
+}
+
+/// Decodes one frame's payload (the bytes after the length prefix) as a `T`, whole.
+///
+/// Every length inside the payload (a string's, a value's) is held to a bound that the payload's
+/// own size picks (at most 16 times that size, and never more than [`MAX_RESPONSE_BYTES`]), so a
+/// claimed length no frame can hold is a decode error before anything is allocated for it.
+///
+/// # Errors
+/// [`FrameError::Decode`] for a payload that is not exactly one `T`.
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
+    const KIB_64: usize = 64 * 1024;
+    const MIB_1: usize = 1024 * 1024;
+    const MIB_16: usize = 16 * 1024 * 1024;
+    const MIB_256: usize = 256 * 1024 * 1024;
+    match payload.len() {
+        n if n <= KIB_64 => decode_within::<T, KIB_64>(payload),
+        n if n <= MIB_1 => decode_within::<T, MIB_1>(payload),
+        n if n <= MIB_16 => decode_within::<T, MIB_16>(payload),
+        n if n <= MAX_REQUEST_BYTES => decode_within::<T, MAX_REQUEST_BYTES>(payload),
+        n if n <= MIB_256 => decode_within::<T, MIB_256>(payload),
+        _ => decode_within::<T, MAX_RESPONSE_BYTES>(payload),
+    }
+}
+
+/// [`decode_payload`] with every length inside the payload held to `LIMIT` bytes in all.
+fn decode_within<T: DeserializeOwned, const LIMIT: usize>(payload: &[u8]) -> Result<T, FrameError> {
+    let config = bincode::config::standard().with_limit::<LIMIT>();
+    let (value, used) =
+        bincode::serde::decode_from_slice(payload, config).map_err(|e| match e {
+            bincode::error::DecodeError::LimitExceeded => FrameError::Decode(format!(
+            "a length inside this {}-byte frame claims more than the {LIMIT} bytes such a frame \
+             may hold",
+            payload.len()
+        )),
+            other => FrameError::Decode(other.to_string()),
+        })?;
     if used != payload.len() {
         return Err(FrameError::Decode(format!(
             "{} bytes left over after the value",
             payload.len() - used
         )));
     }
-    Ok(Some(value))
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -624,6 +660,34 @@ mod tests {
             .expect("runtime");
         let result = runtime.block_on(read_frame::<_, Vec<u8>>(&mut &frame[..], 100));
         assert!(matches!(result, Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn a_claimed_length_beyond_the_frame_is_a_decode_error_not_an_allocation() {
+        // A request frame whose key claims 2^62 bytes (a get, id 0), as sent to a live agent.
+        let hostile = [
+            0x00, 0x00, 0x00, 0x0b, 0x00, 0x01, 0xfd, 0, 0, 0, 0, 0, 0, 0, 0x40,
+        ];
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let request = runtime.block_on(read_frame::<_, RequestFrame>(
+            &mut &hostile[..],
+            MAX_REQUEST_BYTES,
+        ));
+        match request {
+            Err(FrameError::Decode(message)) => {
+                assert!(message.contains("claims more"), "{message}")
+            }
+            other => panic!("expected a decode error, got {other:?}"),
+        }
+        // The same claim inside an answer (a get's value), as a hostile agent could send it.
+        let mut answer = vec![0x00, 0x02, 0x01, 0x01, b'k'];
+        answer.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x40]);
+        assert!(matches!(
+            decode_payload::<ResponseFrame>(&answer),
+            Err(FrameError::Decode(_))
+        ));
     }
 
     #[test]
