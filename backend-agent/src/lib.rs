@@ -18,6 +18,7 @@
 //! `Unavailable`.
 
 mod config;
+pub mod deadline;
 mod error;
 pub mod protocol;
 mod store;

@@ -5,14 +5,24 @@
 //! bincode 2 (standard configuration, through serde). The wire types mirror `ipam_core`'s on
 //! purpose instead of deriving serde there: the protocol changes only when [`PROTOCOL_VERSION`]
 //! does.
+//!
+//! Versions: the hello is always a [`RequestFrame`] carrying the client's newest version; the
+//! agent answers with the version both speak (the lower of the two). After it, protocol 1 sends
+//! [`RequestFrame`]s and protocol 2 [`BoundedRequestFrame`]s, which add the caller's deadline.
+//! Answers are [`ResponseFrame`]s in both. bincode is not self-describing: a variant or field is
+//! never changed or reordered, only new variants added at the end of an enum.
 
 use ipam_core::{Condition, KeyValue, KvError, Op, Read, ReadResult, Revision, Txn};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// The protocol version both sides announce in the hello; they must be equal.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest protocol version this build speaks: 2, requests carry the caller's deadline.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first protocol version (requests without a deadline): the agent still serves clients
+/// that speak only it, and the client falls back to it for an agent that knows no other.
+pub const PROTOCOL_V1: u32 = 1;
 
 /// Largest request payload the agent reads (a transaction is at most about 1.4 MiB; a batched
 /// read names keys only).
@@ -76,6 +86,66 @@ pub struct RequestFrame {
     pub id: u64,
     /// What is asked.
     pub request: Request,
+}
+
+/// One request with its id and the caller's deadline: every request after the hello from
+/// protocol 2 on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BoundedRequestFrame {
+    /// As [`RequestFrame::id`].
+    pub id: u64,
+    /// When the caller gives up on this request.
+    pub deadline: WireDeadline,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// When a caller gives up, in two forms: the agent runs on the same host and reads the same
+/// monotonic clock, so the first is exact; the second serves when the clocks turn out to differ
+/// (see `backend_agent::deadline`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireDeadline {
+    /// The caller's `CLOCK_MONOTONIC` reading at which it gives up, in nanoseconds.
+    pub monotonic_nanos: u64,
+    /// The time the caller had left when it sent the request, in nanoseconds.
+    pub remaining_nanos: u64,
+}
+
+/// A request as the agent read it, whichever protocol version framed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedRequest {
+    /// The request's id.
+    pub id: u64,
+    /// The caller's deadline (protocol 2 on); `None` from a protocol 1 client.
+    pub deadline: Option<WireDeadline>,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// Decodes a request frame's payload as the negotiated `protocol` frames it (the hello, always
+/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]).
+///
+/// # Errors
+/// [`FrameError::Decode`] for a payload that is not one request of that framing, or an unknown
+/// version.
+pub fn decode_request(payload: &[u8], protocol: u32) -> Result<ReceivedRequest, FrameError> {
+    match protocol {
+        PROTOCOL_V1 => decode_payload::<RequestFrame>(payload).map(|frame| ReceivedRequest {
+            id: frame.id,
+            deadline: None,
+            request: frame.request,
+        }),
+        PROTOCOL_VERSION => {
+            decode_payload::<BoundedRequestFrame>(payload).map(|frame| ReceivedRequest {
+                id: frame.id,
+                deadline: Some(frame.deadline),
+                request: frame.request,
+            })
+        }
+        other => Err(FrameError::Decode(format!(
+            "no framing for protocol version {other}"
+        ))),
+    }
 }
 
 /// What a client asks.
@@ -525,6 +595,21 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     reader: &mut R,
     limit: usize,
 ) -> Result<Option<T>, FrameError> {
+    match read_payload(reader, limit).await? {
+        Some(payload) => decode_payload(&payload).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Reads one frame's payload, undecoded; `Ok(None)` when the stream ends cleanly before a frame.
+///
+/// # Errors
+/// [`FrameError::Io`] when the stream fails or ends inside a frame, [`FrameError::TooLarge`]
+/// over `limit`.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; 4];
     let mut filled = 0;
     while filled < header.len() {
@@ -549,7 +634,7 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
         .read_exact(&mut payload)
         .await
         .map_err(FrameError::Io)?;
-    decode_payload(&payload).map(Some)
+    Ok(Some(payload))
 }
 
 /// Decodes one frame's payload (the bytes after the length prefix) as a `T`, whole.

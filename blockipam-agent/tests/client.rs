@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use backend_agent::protocol::{
-    encode_frame, read_frame, write_frame, RequestFrame, Response, ResponseFrame, StoreIdentity,
-    MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
+    encode_frame, read_frame, read_payload, write_frame, RequestFrame, Response, ResponseFrame,
+    StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
 };
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
@@ -98,7 +98,7 @@ async fn agent_that_dies_after_reading_a_request(listener: UnixListener) {
     write_frame(&mut stream, &answer)
         .await
         .expect("answer hello");
-    let request: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
+    let request = read_payload(&mut stream, MAX_REQUEST_BYTES)
         .await
         .expect("read the request");
     assert!(request.is_some(), "no request arrived");
