@@ -775,6 +775,64 @@ mod tests {
         ));
     }
 
+    /// The wire samples committed as the protocol fuzzer's seeds (`fuzz/seeds/agent_frames`):
+    /// each a byte naming the framing (0: protocol 1 request, 1: protocol 2 request, 2: answer),
+    /// then one payload exactly as the previous release and this one put it on the wire.
+    #[test]
+    fn the_committed_wire_samples_decode_and_encode_back_to_the_same_bytes() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/agent_frames");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("the seeds directory") {
+            let path = entry.expect("a seed").path();
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = name.unwrap_or_default();
+            let sample = std::fs::read(&path).expect("read a seed");
+            let (&kind, payload) = sample.split_first().expect("a non-empty seed");
+            let encoded = match kind {
+                0 | 1 => {
+                    let protocol = if kind == 0 {
+                        PROTOCOL_V1
+                    } else {
+                        PROTOCOL_VERSION
+                    };
+                    decode_request(payload, protocol).map(|request| match request.deadline {
+                        Some(deadline) => encode_frame(
+                            &BoundedRequestFrame {
+                                id: request.id,
+                                deadline,
+                                request: request.request,
+                            },
+                            MAX_REQUEST_BYTES,
+                        ),
+                        None => encode_frame(
+                            &RequestFrame {
+                                id: request.id,
+                                request: request.request,
+                            },
+                            MAX_REQUEST_BYTES,
+                        ),
+                    })
+                }
+                _ => decode_payload::<ResponseFrame>(payload)
+                    .map(|response| encode_frame(&response, MAX_RESPONSE_BYTES)),
+            };
+            if name.starts_with("hostile-") {
+                assert!(
+                    matches!(encoded, Err(FrameError::Decode(_))),
+                    "{name} decoded"
+                );
+            } else {
+                let frame = encoded
+                    .unwrap_or_else(|e| panic!("{name} no longer decodes: {e}"))
+                    .expect("encode");
+                assert_eq!(&frame[4..], payload, "{name} encodes to other bytes");
+            }
+            seen += 1;
+        }
+        assert!(seen >= 10, "only {seen} samples in {}", dir.display());
+    }
+
     #[test]
     fn identities_match_on_path_or_on_a_common_endpoint_and_prefix() {
         let sled = |path: &str| StoreIdentity {
