@@ -11,8 +11,8 @@ use async_trait::async_trait;
 use backend_agent::deadline::within;
 use backend_agent::protocol::{
     encode_frame, read_frame, write_frame, BoundedRequestFrame, Request, RequestFrame, Response,
-    ResponseFrame, StoreIdentity, WireDeadline, WireError, WireOp, WireTxn, MAX_REQUEST_BYTES,
-    MAX_RESPONSE_BYTES, PROTOCOL_V1, PROTOCOL_VERSION,
+    ResponseFrame, WireDeadline, WireError, WireOp, WireTxn, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
+    PROTOCOL_V1, PROTOCOL_VERSION,
 };
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
@@ -148,34 +148,26 @@ async fn a_read_after_a_commit_its_caller_gave_up_on_waits_for_the_outcome() {
     agent.stop().await;
 }
 
-/// Writes `request` as a protocol 2 frame with `deadline` and reads the answer.
-async fn send_bounded(
+/// Writes `request` with `deadline` as a protocol 2 frame, or without one as a protocol 1
+/// frame, and reads the answer.
+async fn exchange(
     stream: &mut UnixStream,
     id: u64,
-    deadline: WireDeadline,
+    deadline: Option<WireDeadline>,
     request: Request,
 ) -> Response {
-    let frame = encode_frame(
-        &BoundedRequestFrame {
-            id,
-            deadline,
-            request,
-        },
-        MAX_REQUEST_BYTES,
-    )
+    let frame = match deadline {
+        Some(deadline) => encode_frame(
+            &BoundedRequestFrame {
+                id,
+                deadline,
+                request,
+            },
+            MAX_REQUEST_BYTES,
+        ),
+        None => encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES),
+    }
     .expect("encode");
-    write_frame(stream, &frame).await.expect("send");
-    let answer: Option<ResponseFrame> = read_frame(stream, MAX_RESPONSE_BYTES)
-        .await
-        .expect("an answer");
-    let answer = answer.expect("an answer frame");
-    assert_eq!(answer.id, id);
-    answer.response
-}
-
-/// Writes `request` as a protocol 1 frame and reads the answer.
-async fn send_v1(stream: &mut UnixStream, id: u64, request: Request) -> Response {
-    let frame = encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES).expect("encode");
     write_frame(stream, &frame).await.expect("send");
     let answer: Option<ResponseFrame> = read_frame(stream, MAX_RESPONSE_BYTES)
         .await
@@ -199,9 +191,10 @@ async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_n
     let store = Arc::new(ipam_core::MemoryStore::new());
     let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
     let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
-    let hello = send_v1(
+    let hello = exchange(
         &mut stream,
         0,
+        None,
         Request::Hello {
             protocol: PROTOCOL_VERSION,
         },
@@ -217,7 +210,7 @@ async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_n
         monotonic_nanos: past.monotonic_nanos.saturating_sub(1_000_000_000),
         remaining_nanos: 0,
     };
-    match send_bounded(&mut stream, 1, past, wire_put("k")).await {
+    match exchange(&mut stream, 1, Some(past), wire_put("k")).await {
         Response::Failed(WireError::Unavailable { message }) => {
             assert!(message.contains("nothing was written"), "{message}")
         }
@@ -227,7 +220,7 @@ async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_n
     // The same connection goes on with a deadline in the future.
     let future = WireDeadline::at(Instant::now() + Duration::from_secs(10));
     assert!(matches!(
-        send_bounded(&mut stream, 2, future, wire_put("k")).await,
+        exchange(&mut stream, 2, Some(future), wire_put("k")).await,
         Response::Committed { .. }
     ));
     assert!(store.get("k").await.expect("get").is_some());
@@ -240,9 +233,10 @@ async fn a_protocol_1_client_keeps_working_with_this_agent() {
     let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
     let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
     // Exactly what the previous release's client sends.
-    let hello = send_v1(
+    let hello = exchange(
         &mut stream,
         0,
+        None,
         Request::Hello {
             protocol: PROTOCOL_V1,
         },
@@ -253,23 +247,14 @@ async fn a_protocol_1_client_keeps_working_with_this_agent() {
         "an old client must be answered in its own version: {hello:?}"
     );
     assert!(matches!(
-        send_v1(&mut stream, 1, wire_put("k")).await,
+        exchange(&mut stream, 1, None, wire_put("k")).await,
         Response::Committed { .. }
     ));
-    match send_v1(&mut stream, 2, Request::Get { key: "k".into() }).await {
+    match exchange(&mut stream, 2, None, Request::Get { key: "k".into() }).await {
         Response::Got(Some(kv)) => assert_eq!(kv.value, b"v".to_vec()),
         other => panic!("expected the value, got {other:?}"),
     }
     agent.stop().await;
-}
-
-fn fake_identity() -> StoreIdentity {
-    StoreIdentity {
-        datastore_type: "fake".into(),
-        path: None,
-        etcd_endpoints: vec![],
-        etcd_prefix: None,
-    }
 }
 
 /// An agent of the previous release, as far as the protocol goes: it refuses any hello but
@@ -279,33 +264,19 @@ async fn previous_release_agent(listener: UnixListener, connections: usize) -> V
     let mut offered = Vec::new();
     for _ in 0..connections {
         let (mut stream, _) = listener.accept().await.expect("accept");
-        let hello: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
-            .await
-            .expect("read the hello");
-        let hello = hello.expect("a hello");
-        let Request::Hello { protocol } = hello.request else {
-            panic!("not a hello: {hello:?}");
-        };
+        let (id, protocol) = common::read_hello(&mut stream).await;
         offered.push(protocol);
         let response = if protocol == 1 {
             Response::Hello {
                 protocol: 1,
-                served: fake_identity(),
+                served: common::fake_identity(),
             }
         } else {
             Response::Refused {
                 reason: format!("protocol version {protocol} is not this agent's 1"),
             }
         };
-        let frame = encode_frame(
-            &ResponseFrame {
-                id: hello.id,
-                response,
-            },
-            MAX_RESPONSE_BYTES,
-        )
-        .expect("encode");
-        write_frame(&mut stream, &frame).await.expect("answer");
+        common::answer(&mut stream, id, response).await;
         if protocol != 1 {
             continue;
         }
@@ -323,15 +294,7 @@ async fn previous_release_agent(listener: UnixListener, connections: usize) -> V
                 Request::Get { .. } => Response::Got(None),
                 _ => Response::Committed { revision: 2 },
             };
-            let frame = encode_frame(
-                &ResponseFrame {
-                    id: frame.id,
-                    response,
-                },
-                MAX_RESPONSE_BYTES,
-            )
-            .expect("encode");
-            write_frame(&mut stream, &frame).await.expect("answer");
+            common::answer(&mut stream, frame.id, response).await;
         }
     }
     offered
@@ -373,27 +336,9 @@ async fn an_agent_refusing_every_version_is_a_clear_error_naming_both() {
     let picky = tokio::spawn(async move {
         for _ in 0..2 {
             let (mut stream, _) = listener.accept().await.expect("accept");
-            let hello: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
-                .await
-                .expect("read the hello");
-            let Some(RequestFrame {
-                id,
-                request: Request::Hello { protocol },
-            }) = hello
-            else {
-                panic!("not a hello: {hello:?}");
-            };
-            let frame = encode_frame(
-                &ResponseFrame {
-                    id,
-                    response: Response::Refused {
-                        reason: format!("protocol version {protocol} is not this agent's 7"),
-                    },
-                },
-                MAX_RESPONSE_BYTES,
-            )
-            .expect("encode");
-            write_frame(&mut stream, &frame).await.expect("answer");
+            let (id, protocol) = common::read_hello(&mut stream).await;
+            let reason = format!("protocol version {protocol} is not this agent's 7");
+            common::answer(&mut stream, id, Response::Refused { reason }).await;
         }
     });
     match AgentStore::connect(

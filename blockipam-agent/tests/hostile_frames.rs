@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_agent::protocol::{
-    encode_frame, read_frame, write_frame, RequestFrame, Response, ResponseFrame, StoreIdentity,
+    encode_frame, read_frame, write_frame, RequestFrame, Response, ResponseFrame,
     MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
 };
 use backend_agent::{AgentConfig, AgentStore};
@@ -87,30 +87,7 @@ async fn an_answer_claiming_more_than_its_frame_is_an_error_for_the_call_not_an_
     let listener = UnixListener::bind(&socket).expect("bind");
     let fake = tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("accept");
-        let hello: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
-            .await
-            .expect("read the hello");
-        let hello = hello.expect("a hello");
-        let backend_agent::protocol::Request::Hello { protocol } = hello.request else {
-            panic!("the first request was not a hello: {hello:?}");
-        };
-        let answer = encode_frame(
-            &ResponseFrame {
-                id: hello.id,
-                response: Response::Hello {
-                    protocol,
-                    served: StoreIdentity {
-                        datastore_type: "fake".into(),
-                        path: None,
-                        etcd_endpoints: vec![],
-                        etcd_prefix: None,
-                    },
-                },
-            },
-            MAX_RESPONSE_BYTES,
-        )
-        .expect("encode");
-        write_frame(&mut stream, &answer).await.expect("answer");
+        common::accept_hello(&mut stream).await;
         // Whatever the request: answer "got" with a value claiming 2^62 bytes, in a 14-byte frame.
         let mut length = [0u8; 4];
         stream.read_exact(&mut length).await.expect("a request");
