@@ -637,37 +637,46 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
     Ok(Some(payload))
 }
 
+/// How many bytes bincode's accounting may count per byte of payload: it counts every number at
+/// its full width (a `u64` as 8 bytes however short its encoding) and every string or byte string
+/// at its length, and the widest number in these types is 8 bytes.
+const COUNTED_PER_PAYLOAD_BYTE: usize = 8;
+
 /// Decodes one frame's payload (the bytes after the length prefix) as a `T`, whole.
 ///
-/// Every length inside the payload (a string's, a value's) is held to a bound that the payload's
-/// own size picks (at most 16 times that size, and never more than [`MAX_RESPONSE_BYTES`]), so a
-/// claimed length no frame can hold is a decode error before anything is allocated for it.
+/// bincode counts what a payload makes it allocate and read, and stops at a limit: the limit
+/// used is the smallest of a few steps that a legitimate payload of this size stays under
+/// ([`COUNTED_PER_PAYLOAD_BYTE`] times its size), so a length claiming more than the frame can
+/// hold is a decode error before anything is allocated for it (a claim that passes is at most
+/// 16 times that bound, and fails when the bytes run out).
 ///
 /// # Errors
 /// [`FrameError::Decode`] for a payload that is not exactly one `T`.
 pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
-    const KIB_64: usize = 64 * 1024;
-    const MIB_1: usize = 1024 * 1024;
-    const MIB_16: usize = 16 * 1024 * 1024;
-    const MIB_256: usize = 256 * 1024 * 1024;
-    match payload.len() {
-        n if n <= KIB_64 => decode_within::<T, KIB_64>(payload),
-        n if n <= MIB_1 => decode_within::<T, MIB_1>(payload),
-        n if n <= MIB_16 => decode_within::<T, MIB_16>(payload),
-        n if n <= MAX_REQUEST_BYTES => decode_within::<T, MAX_REQUEST_BYTES>(payload),
-        n if n <= MIB_256 => decode_within::<T, MIB_256>(payload),
-        _ => decode_within::<T, MAX_RESPONSE_BYTES>(payload),
+    const KIB_512: usize = 512 * 1024;
+    const MIB_8: usize = 8 * 1024 * 1024;
+    const MIB_128: usize = 128 * 1024 * 1024;
+    const MIB_512: usize = 512 * 1024 * 1024;
+    const GIB_2: usize = 2 * 1024 * 1024 * 1024;
+    const LARGEST: usize = MAX_RESPONSE_BYTES * COUNTED_PER_PAYLOAD_BYTE;
+    match payload.len().saturating_mul(COUNTED_PER_PAYLOAD_BYTE) {
+        n if n <= KIB_512 => decode_within::<T, KIB_512>(payload),
+        n if n <= MIB_8 => decode_within::<T, MIB_8>(payload),
+        n if n <= MIB_128 => decode_within::<T, MIB_128>(payload),
+        n if n <= MIB_512 => decode_within::<T, MIB_512>(payload),
+        n if n <= GIB_2 => decode_within::<T, GIB_2>(payload),
+        _ => decode_within::<T, LARGEST>(payload),
     }
 }
 
-/// [`decode_payload`] with every length inside the payload held to `LIMIT` bytes in all.
+/// [`decode_payload`] with bincode's accounting of the payload held to `LIMIT` bytes.
 fn decode_within<T: DeserializeOwned, const LIMIT: usize>(payload: &[u8]) -> Result<T, FrameError> {
     let config = bincode::config::standard().with_limit::<LIMIT>();
     let (value, used) =
         bincode::serde::decode_from_slice(payload, config).map_err(|e| match e {
             bincode::error::DecodeError::LimitExceeded => FrameError::Decode(format!(
-            "a length inside this {}-byte frame claims more than the {LIMIT} bytes such a frame \
-             may hold",
+            "a length inside this {}-byte frame claims more than such a frame can hold (bincode \
+             limit {LIMIT} bytes)",
             payload.len()
         )),
             other => FrameError::Decode(other.to_string()),
@@ -831,6 +840,31 @@ mod tests {
             seen += 1;
         }
         assert!(seen >= 10, "only {seen} samples in {}", dir.display());
+    }
+
+    #[test]
+    fn frames_of_many_small_numbers_decode_at_every_size() {
+        // Empty keys and values: 3 bytes each on the wire, and 24 bytes of the decoder's
+        // accounting (a length or revision is counted at its full 8 bytes however short its
+        // encoding): the densest a legitimate frame gets.
+        for count in [1usize, 20_000, 400_000] {
+            let listed = ResponseFrame {
+                id: 1,
+                response: Response::Listed(
+                    (0..count)
+                        .map(|_| WireKeyValue {
+                            key: String::new(),
+                            value: vec![],
+                            revision: 1,
+                        })
+                        .collect(),
+                ),
+            };
+            let frame = encode_frame(&listed, MAX_RESPONSE_BYTES).expect("encode");
+            let decoded: ResponseFrame = decode_payload(&frame[4..])
+                .unwrap_or_else(|e| panic!("{count} records in {} bytes: {e}", frame.len()));
+            assert_eq!(decoded, listed);
+        }
     }
 
     #[test]
