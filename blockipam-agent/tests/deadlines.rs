@@ -177,6 +177,14 @@ async fn exchange(
     answer.response
 }
 
+/// A raw connection to `agent` after a hello offering `offered`, with the agent's answer.
+async fn greeted(agent: &common::InProcessAgent, offered: u32) -> (UnixStream, Response) {
+    let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
+    let hello = Request::Hello { protocol: offered };
+    let answer = exchange(&mut stream, 0, None, hello).await;
+    (stream, answer)
+}
+
 fn wire_put(key: &str) -> Request {
     Request::Commit {
         txn: WireTxn {
@@ -190,16 +198,7 @@ fn wire_put(key: &str) -> Request {
 async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_nothing() {
     let store = Arc::new(ipam_core::MemoryStore::new());
     let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
-    let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
-    let hello = exchange(
-        &mut stream,
-        0,
-        None,
-        Request::Hello {
-            protocol: PROTOCOL_VERSION,
-        },
-    )
-    .await;
+    let (mut stream, hello) = greeted(&agent, PROTOCOL_VERSION).await;
     assert!(
         matches!(hello, Response::Hello { protocol, .. } if protocol == PROTOCOL_VERSION),
         "{hello:?}"
@@ -231,17 +230,8 @@ async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_n
 async fn a_protocol_1_client_keeps_working_with_this_agent() {
     let store = Arc::new(ipam_core::MemoryStore::new());
     let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
-    let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
     // Exactly what the previous release's client sends.
-    let hello = exchange(
-        &mut stream,
-        0,
-        None,
-        Request::Hello {
-            protocol: PROTOCOL_V1,
-        },
-    )
-    .await;
+    let (mut stream, hello) = greeted(&agent, PROTOCOL_V1).await;
     assert!(
         matches!(hello, Response::Hello { protocol: 1, .. }),
         "an old client must be answered in its own version: {hello:?}"
