@@ -1,6 +1,7 @@
-//! The caller's deadline through the agent: a commit not started by it never lands, a request
-//! read after a commit the caller gave up on waits for its outcome, and protocol 1 peers on
-//! either side keep working (an old client with a new agent, a new client with an old agent).
+//! The caller's deadline through the agent: a commit not started by it never lands (also for the
+//! real plugin under `timeout_seconds`), a request read after a commit the caller gave up on waits
+//! for its outcome, and protocol 1 peers on either side keep working (an old client with a new
+//! agent, a new client with an old agent).
 
 mod common;
 
@@ -11,8 +12,8 @@ use async_trait::async_trait;
 use backend_agent::deadline::within;
 use backend_agent::protocol::{
     encode_frame, read_frame, write_frame, BoundedRequestFrame, Request, RequestFrame, Response,
-    ResponseFrame, WireDeadline, WireError, WireOp, WireTxn, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
-    PROTOCOL_V1, PROTOCOL_VERSION,
+    ResponseFrame, StoreIdentity, WireDeadline, WireError, WireOp, WireTxn, MAX_REQUEST_BYTES,
+    MAX_RESPONSE_BYTES, PROTOCOL_V1, PROTOCOL_VERSION,
 };
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
@@ -346,4 +347,83 @@ async fn an_agent_refusing_every_version_is_a_clear_error_naming_both() {
         other => panic!("expected a clear error, got {other:?}"),
     }
     picky.await.expect("fake agent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_call_that_gives_up_behind_a_commit_in_flight_writes_nothing_after_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store_path = dir.path().join("store.sled");
+    // The agent announces the sled store the netconf names, so the plugin goes through it.
+    let served = StoreIdentity {
+        datastore_type: "sled".into(),
+        path: Some(store_path.display().to_string()),
+        etcd_endpoints: vec![],
+        etcd_prefix: None,
+    };
+    let engine = Arc::new(OneWriterEngine::new());
+    let config = ServerConfig {
+        served,
+        ..ServerConfig::default()
+    };
+    let agent = common::InProcessAgent::start(engine.clone(), config);
+    // Built (once per test binary) before anything is held.
+    tokio::task::spawn_blocking(common::plugin)
+        .await
+        .expect("build the plugin");
+    // Another client's commit holds the engine's writer.
+    let holder = AgentStore::connect(
+        AgentConfig::new(&agent.socket)
+            .with_timeouts(Duration::from_secs(5), Duration::from_secs(120)),
+    )
+    .await
+    .expect("connect");
+    let holder = Arc::new(holder);
+    let holding = tokio::spawn({
+        let holder = Arc::clone(&holder);
+        async move { holder.commit(put(HELD, "1")).await }
+    });
+    engine.held_started.notified().await;
+    let netconf = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "deadlinenet",
+        "ipam": {
+            "type": "blockipam",
+            "nodename": "node-a",
+            "datastore_type": "sled",
+            "datastore_path": store_path,
+            "agent_socket": agent.socket,
+            "ipam_lock_file": dir.path().join("lock"),
+            "timeout_seconds": 1,
+            "pools": [{"cidr": "10.78.0.0/16", "block_size": 26, "name": "deadline-pool"}]
+        }
+    });
+    let run = tokio::task::spawn_blocking(move || {
+        common::run_plugin("ADD", "late-1", &netconf, Duration::from_secs(60))
+    })
+    .await
+    .expect("plugin thread");
+    let answer: serde_json::Value = serde_json::from_str(&run.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {run:#?}"));
+    assert_eq!(answer["code"].as_u64(), Some(11), "{run:#?}");
+    // The engine lets go; a commit queued behind whatever the plugin left in the agent completes.
+    engine.release_held.add_permits(1);
+    holding.await.expect("task").expect("the holding commit");
+    holder
+        .commit(put("after", "1"))
+        .await
+        .expect("a later commit");
+    let keys: Vec<String> = engine
+        .inner
+        .list("")
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(
+        keys,
+        vec!["after".to_owned(), HELD.to_owned()],
+        "the plugin's call wrote after it had given up"
+    );
+    agent.stop().await;
 }
