@@ -362,6 +362,56 @@ async fn open_link(config: &AgentConfig) -> Result<(Link, StoreIdentity), KvErro
     ))
 }
 
+/// Whether a client running as `own_uid` may talk to a server running as `server_uid`: root, or
+/// the client's own user. Anyone else listening at the agent's socket could be an impostor that
+/// hands out addresses or collects what the client sends.
+fn server_is_trusted(server_uid: u32, own_uid: u32) -> bool {
+    server_uid == 0 || server_uid == own_uid
+}
+
+/// The effective uid of this process, as `SO_PEERCRED` reports it for a socket pair's other end
+/// (the same credentials the server's uid is read from); read once.
+fn own_uid() -> std::io::Result<u32> {
+    static OWN_UID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    if let Some(uid) = OWN_UID.get() {
+        return Ok(*uid);
+    }
+    let (ours, _other) = UnixStream::pair()?;
+    let uid = ours.peer_cred()?.uid();
+    Ok(*OWN_UID.get_or_init(|| uid))
+}
+
+/// Refuses the server at the other end of `stream` unless [`server_is_trusted`]; nothing has been
+/// sent on the stream yet.
+fn check_server(stream: &UnixStream, socket: &Path) -> Result<(), KvError> {
+    let shown = socket.display();
+    let server = stream.peer_cred().map_err(|e| {
+        KvError::other(format!(
+            "cannot read who serves the blockipam agent socket {shown} (SO_PEERCRED): {e}; \
+             nothing was sent"
+        ))
+    })?;
+    let own = own_uid().map_err(|e| {
+        KvError::other(format!(
+            "cannot tell which user runs this client (a socket pair's credentials): {e}; nothing \
+             was sent to {shown}"
+        ))
+    })?;
+    if server_is_trusted(server.uid(), own) {
+        return Ok(());
+    }
+    let pid = server
+        .pid()
+        .map(|pid| format!(", pid {pid}"))
+        .unwrap_or_default();
+    Err(KvError::other(format!(
+        "refusing the blockipam agent socket {shown}: it is served by uid {}{pid}, neither root \
+         nor uid {own} that runs this client, so it may be an impostor; nothing was sent. Run \
+         blockipam-agent as root (or as this user), or remove what listens there",
+        server.uid()
+    )))
+}
+
 /// What an agent answered to a hello.
 enum Greeting {
     /// It serves this client in `protocol`.
@@ -407,11 +457,13 @@ async fn greet(socket: &Path) -> Result<(UnixStream, StoreIdentity, u32), KvErro
     }
 }
 
-/// Connects and exchanges one hello offering protocol version `offered` (unbounded).
+/// Connects, checks who serves the socket, and exchanges one hello offering protocol version
+/// `offered` (unbounded).
 async fn hello(socket: &Path, offered: u32) -> Result<Greeting, KvError> {
     let mut stream = UnixStream::connect(socket)
         .await
         .map_err(|e| connect_failed(socket, &e))?;
+    check_server(&stream, socket)?;
     let frame = encode_frame(
         &RequestFrame {
             id: 0,
@@ -501,5 +553,29 @@ async fn read_loop(reader: OwnedReadHalf, shared: Arc<Shared>) {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_root_or_the_clients_own_user_may_serve_it() {
+        assert!(server_is_trusted(0, 0), "root serving root");
+        assert!(server_is_trusted(0, 1000), "root serving a user");
+        assert!(server_is_trusted(1000, 1000), "a user serving itself");
+        assert!(!server_is_trusted(1000, 0), "a user serving root");
+        assert!(!server_is_trusted(65534, 1000), "a user serving another");
+    }
+
+    #[tokio::test]
+    async fn this_processs_own_uid_is_the_one_its_sockets_report() {
+        let (listener_side, client_side) = UnixStream::pair().expect("a socket pair");
+        let reported = client_side.peer_cred().expect("peer credentials").uid();
+        drop(listener_side);
+        assert_eq!(own_uid().expect("own uid"), reported);
+        // Read once: the cached value is the same.
+        assert_eq!(own_uid().expect("own uid"), reported);
     }
 }

@@ -129,7 +129,16 @@ impl LeaseSession {
     /// # Errors
     /// etcd errors, mapped; [`KvError::Unavailable`] after the request timeout.
     pub async fn grant(&self) -> Result<LeaseId, KvError> {
-        let ttl = i64::try_from(self.ttl.as_secs()).unwrap_or(i64::MAX);
+        self.grant_for(self.ttl).await
+    }
+
+    /// Grants a new lease of `ttl` (whole seconds; etcd may raise a very short one to its
+    /// minimum): a lease nobody renews deletes its keys once `ttl` has passed by etcd's clock.
+    ///
+    /// # Errors
+    /// As [`grant`](Self::grant).
+    pub async fn grant_for(&self, ttl: Duration) -> Result<LeaseId, KvError> {
+        let ttl = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let mut client = self.client.clone();
         let response = self
             .bounded(Kind::Write, client.lease_grant(ttl, None))
@@ -143,19 +152,24 @@ impl LeaseSession {
         Ok(response.id())
     }
 
-    /// Stores `key` = `value` attached to `lease` (unconditionally).
+    /// Stores `key` = `value` attached to `lease` (unconditionally); returns the revision of the
+    /// put (the key's revision as an `EtcdStore` reports it).
     ///
     /// # Errors
     /// As [`grant`](Self::grant); an expired lease is an error from etcd.
-    pub async fn put(&self, lease: LeaseId, key: &str, value: &[u8]) -> Result<(), KvError> {
+    pub async fn put(&self, lease: LeaseId, key: &str, value: &[u8]) -> Result<u64, KvError> {
         let full = self.full_key(key)?;
         let mut client = self.client.clone();
-        self.bounded(
-            Kind::Write,
-            client.put(full, value, Some(PutOptions::new().with_lease(lease))),
-        )
-        .await
-        .map(|_| ())
+        let response = self
+            .bounded(
+                Kind::Write,
+                client.put(full, value, Some(PutOptions::new().with_lease(lease))),
+            )
+            .await?;
+        Ok(response
+            .header()
+            .and_then(|h| u64::try_from(h.revision()).ok())
+            .unwrap_or(0))
     }
 
     /// Creates `key` = `value` on `lease` if no key is there (one etcd transaction), and says who

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use backend_agent::DEFAULT_AGENT_SOCKET;
-use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
 use clap::Parser;
 
 use crate::AgentError;
@@ -101,7 +101,7 @@ pub struct AgentArgs {
         help_heading = "Store"
     )]
     pub etcd_key_file: Option<PathBuf>,
-    /// etcd key prefix, ending with '/' [default: /blockipam/]
+    /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam/]
     #[arg(
         long,
         value_name = "PREFIX",
@@ -154,7 +154,8 @@ pub struct AgentArgs {
     /// TTL of the etcd lease that keeps this node's liveness key; kept alive every TTL/3
     #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub liveness_ttl_seconds: u64,
-    /// How long a registered node's liveness must have been gone before its blocks and addresses are released
+    /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
+    /// liveness key and no plugin commit before its blocks and addresses are released
     #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub dead_node_grace_seconds: u64,
     /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)
@@ -204,25 +205,23 @@ impl AgentArgs {
             }
         };
         let settings = DatastoreSettings {
-            datastore_type,
-            path: self.datastore_path.clone(),
-            etcd_endpoints: self
-                .etcd_endpoints
-                .as_deref()
-                .map(DatastoreSettings::parse_endpoints)
-                .unwrap_or_default(),
-            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
-            etcd_cert_file: self.etcd_cert_file.clone(),
-            etcd_key_file: self.etcd_key_file.clone(),
-            etcd_prefix: self.etcd_prefix.clone(),
-            etcd_username: self.etcd_username.clone(),
-            etcd_password: self.etcd_password.clone(),
             etcd_timeouts,
             lock_wait: seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?,
             create_if_missing: self.create_if_missing,
             agent_socket: None,
             // The agent probes etcd at start, so that a wrong setting stops it at once.
             lazy_etcd_connect: false,
+            ..DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type,
+                path: self.datastore_path.clone(),
+                etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
+                etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
+                etcd_cert_file: self.etcd_cert_file.clone(),
+                etcd_key_file: self.etcd_key_file.clone(),
+                etcd_prefix: self.etcd_prefix.clone(),
+                etcd_username: self.etcd_username.clone(),
+                etcd_password: self.etcd_password.clone(),
+            })
         };
         if datastore_type == DatastoreType::Etcdv3 {
             settings
@@ -246,5 +245,38 @@ impl AgentArgs {
     /// [`AgentError`] for a bad number of seconds.
     pub fn shutdown_grace(&self) -> Result<Duration, AgentError> {
         seconds(self.shutdown_grace_seconds, "shutdown-grace-seconds", true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(args: &[&str]) -> DatastoreSettings {
+        AgentArgs::try_parse_from(std::iter::once("blockipam-agent").chain(args.iter().copied()))
+            .expect("flags parse")
+            .datastore_settings()
+            .expect("settings")
+    }
+
+    /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches
+    /// the same field) is the default prefix, as an empty `etcd_prefix` in the plugin's netconf:
+    /// the agent announces the store the plugin asks for.
+    #[test]
+    fn an_empty_etcd_prefix_is_the_default_prefix() {
+        let etcd = [
+            "--datastore-type",
+            "etcdv3",
+            "--etcd-endpoints",
+            "127.0.0.1:2379",
+        ];
+        let default = settings(&etcd);
+        let empty = settings(&[&etcd[..], &["--etcd-prefix", ""]].concat());
+        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.identity(), default.identity());
+        assert_eq!(
+            default.identity().etcd_prefix.as_deref(),
+            Some(backend_etcd::DEFAULT_PREFIX)
+        );
     }
 }

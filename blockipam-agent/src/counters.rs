@@ -1,6 +1,7 @@
-//! Counters the agent's background work keeps (dead-node reclaim) and its metrics endpoint reads.
+//! Counters and gauges the agent's background work keeps (liveness, dead-node reclaim) and its
+//! metrics endpoint reads.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// What this agent's dead-node reclaimer has done since it started. Shared (behind an `Arc`)
 /// between the reclaimer, which adds to it, and the metrics endpoint, which reads it.
@@ -12,7 +13,17 @@ pub struct ReclaimCounters {
     pub addresses_reclaimed: AtomicU64,
     /// Blocks whose affinity was released (deleted when empty) on account of dead nodes.
     pub blocks_released: AtomicU64,
+    /// Whether this agent's node is registered and its liveness key on a lease (false while
+    /// etcd has not answered since the agent started).
+    pub registered: AtomicBool,
+    /// Registered nodes by state at this agent's last reclaim pass (as reclaimer leader):
+    /// alive, active (agent down, plugin at work), missing (countdown running or not yet
+    /// started), dead (released by that pass or about to be).
+    pub nodes_by_state: [AtomicU64; 4],
 }
+
+/// The states [`ReclaimCounters::nodes_by_state`] counts, in its order.
+pub const NODE_STATES: [&str; 4] = ["alive", "active", "missing", "dead"];
 
 impl ReclaimCounters {
     /// Adds one reclaimed node with the addresses and blocks released for it.
@@ -21,6 +32,18 @@ impl ReclaimCounters {
         self.addresses_reclaimed
             .fetch_add(addresses, Ordering::Relaxed);
         self.blocks_released.fetch_add(blocks, Ordering::Relaxed);
+    }
+
+    /// Records the node states one reclaim pass found (indices as [`NODE_STATES`]).
+    pub fn record_pass(&self, counts: [u64; 4]) {
+        for (gauge, count) in self.nodes_by_state.iter().zip(counts) {
+            gauge.store(count, Ordering::Relaxed);
+        }
+    }
+
+    /// The node-state gauges, in [`NODE_STATES`] order.
+    pub fn nodes_by_state(&self) -> [u64; 4] {
+        [0, 1, 2, 3].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
     }
 
     /// The three counts, in field order.

@@ -55,7 +55,10 @@ impl std::error::Error for AgentError {}
 /// [`AgentError`] when the settings are invalid, the store cannot be opened, or the socket cannot
 /// be set up.
 pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
-    let settings = args.datastore_settings()?;
+    let mut settings = args.datastore_settings()?;
+    // etcd unreachable at boot: serve the socket anyway (calls answer "try again later" until
+    // etcd answers) and register the node once it does, rather than exit and be restarted.
+    settings.lazy_etcd_connect = true;
     socket::refuse_if_live(&args.socket)?;
     // Shared by the dead-node reclaimer (adds) and the metrics endpoint (reads).
     let reclaim_counters = Arc::new(counters::ReclaimCounters::default());

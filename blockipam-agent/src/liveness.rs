@@ -1,16 +1,18 @@
 //! Liveness and dead-node reclaim (etcd only): the agent registers its node, keeps the node's
 //! lease-backed liveness key alive, and, while it holds the reclaimer leader key, releases the
-//! blocks and addresses of registered nodes whose liveness has been gone longer than the grace
-//! period (`ipam_core::dead_nodes`). See docs/agent.md, "Liveness and dead-node reclaim".
+//! blocks and addresses of registered nodes that stayed without liveness key and without plugin
+//! activity for a whole grace countdown timed by etcd (`ipam_core::dead_nodes`). See
+//! docs/agent.md, "Liveness and dead-node reclaim".
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use backend_etcd::lease::{Holder, LeaseSession, LeaseState, LeasedKey};
 use backend_etcd::EtcdConfig;
+use blockipam_store::countdowns::LeaseCountdowns;
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use ipam_core::dead_nodes::{
-    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome,
+    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome, NodeState,
     ReclaimOptions, RESERVATION_NODE,
 };
 use ipam_core::model::validate_host;
@@ -146,6 +148,9 @@ impl Liveness {
             reclaim = settings.reclaim,
             "node registered; liveness key kept on an etcd lease"
         );
+        counters
+            .registered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let (stop, stopped) = oneshot::channel();
         let task = tokio::spawn(run_loop(
             settings,
@@ -200,8 +205,8 @@ async fn run_loop(
         }
         let state = *lease.borrow_and_update();
         if state.lease.is_some() && state.generation != registered_generation {
-            // A new lease after a lost one: register again, which clears a `missing_since`
-            // mark a reclaimer may have set meanwhile and stops a reclaim of this node.
+            // A new lease after a lost one: register again, which clears a mark a reclaimer
+            // may have set meanwhile and stops a reclaim of this node.
             match register(store.as_ref(), &settings.node, AGENT_VERSION, unix_now()).await {
                 Ok(_) => {
                     registered_generation = state.generation;
@@ -212,11 +217,37 @@ async fn run_loop(
                 }
             }
         }
-        if settings.reclaim {
-            if let Some(id) = state.lease {
+        counters.registered.store(
+            state.lease.is_some() && state.generation == registered_generation,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        if let Some(id) = state.lease {
+            keep_liveness_key(&settings.node, &session, id, store.as_ref()).await;
+            if settings.reclaim {
                 reclaim_if_leader(&settings, &session, id, &store, &counters).await;
             }
         }
+    }
+}
+
+/// Puts this node's liveness key again on this agent's lease when it is gone while the lease
+/// lives: another agent of the same node name revoked its own lease (a clean stop), taking the
+/// shared key with it.
+async fn keep_liveness_key(node: &str, session: &LeaseSession, lease: i64, store: &dyn KvStore) {
+    let key = liveness_key(node);
+    match store.get(&key).await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            tracing::warn!(
+                node,
+                "the node's liveness key was gone while this agent's lease lives (another agent \
+                 of the same node name stopped?): putting it again"
+            );
+            if let Err(e) = session.put(lease, &key, node.as_bytes()).await {
+                tracing::warn!(node, "putting the liveness key again failed, retrying: {e}");
+            }
+        }
+        Err(e) => tracing::debug!(node, "cannot read the liveness key: {e}"),
     }
 }
 
@@ -224,7 +255,7 @@ async fn run_loop(
 /// write guarded by "the leader key is still at the revision this agent put it".
 async fn reclaim_if_leader(
     settings: &LivenessSettings,
-    session: &LeaseSession,
+    session: &Arc<LeaseSession>,
     lease: i64,
     store: &Arc<dyn KvStore>,
     counters: &ReclaimCounters,
@@ -249,11 +280,22 @@ async fn reclaim_if_leader(
         grace: settings.grace,
         extra_guard: vec![leader_guard.clone()],
     };
-    match reclaim_pass(Arc::clone(store), unix_now(), &options).await {
+    let session = Arc::clone(session);
+    let countdowns = LeaseCountdowns::new(session);
+    match reclaim_pass(Arc::clone(store), &countdowns, &options).await {
         Ok(outcomes) => {
+            let mut by_state = [0u64; 4];
             for outcome in outcomes {
+                let index = match outcome.state {
+                    NodeState::Alive => 0,
+                    NodeState::Active => 1,
+                    NodeState::Missing { .. } => 2,
+                    NodeState::Dead { .. } => 3,
+                };
+                by_state[index] += 1;
                 report(&outcome, counters);
             }
+            counters.record_pass(by_state);
         }
         Err(e) => tracing::warn!("reclaimer: the pass failed: {e}"),
     }
@@ -284,17 +326,22 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
     let node = outcome.host.as_str();
     match &outcome.action {
         NodeAction::Alive => {}
-        NodeAction::ClearedMark => {
-            tracing::info!(node, "node is alive again: its missing mark was cleared")
-        }
-        NodeAction::MarkedMissing => tracing::info!(
+        NodeAction::ClearedMark => tracing::info!(
             node,
-            "node's liveness key is gone: marked missing (reclaimed once the grace period passes)"
+            "node is alive or its plugin is at work: its missing mark was cleared"
         ),
-        NodeAction::StillMissing {
-            since,
-            remaining_seconds,
-        } => tracing::debug!(node, since, remaining_seconds, "node still missing"),
+        NodeAction::MarkedMissing => tracing::warn!(
+            node,
+            "node's liveness key is gone: grace countdown started (reclaimed when it runs out \
+             with no agent back and no plugin call on that node meanwhile)"
+        ),
+        NodeAction::StillMissing { grace_seconds } => {
+            tracing::debug!(
+                node,
+                grace_seconds,
+                "node still missing: its countdown runs"
+            )
+        }
         NodeAction::Reclaimed(release) => {
             let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
             tracing::info!(
@@ -330,17 +377,37 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
     }
 }
 
-/// Starts liveness and the reclaimer when the store is etcd; on sled and redb logs that they
-/// apply to etcd only and returns `None`.
+/// Liveness and the reclaimer, started in the background: the agent serves its socket at once,
+/// even when etcd cannot be reached at boot, and the node registers as soon as etcd answers.
+#[derive(Debug)]
+pub struct LivenessTask {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl LivenessTask {
+    /// Stops trying to start, or stops the running liveness (see [`Liveness::stop`]).
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// The longest wait between two attempts to reach etcd for liveness.
+const MAX_START_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Starts liveness and the reclaimer when the store is etcd, in the background, retrying (1 s,
+/// doubling up to 30 s) until etcd answers; on sled and redb logs that they apply to etcd only
+/// and returns `None`.
 ///
 /// # Errors
-/// As [`LivenessSettings::from_args`] and [`Liveness::start`].
+/// As [`LivenessSettings::from_args`]; incomplete etcd settings.
 pub async fn start_for(
     args: &AgentArgs,
     settings: &DatastoreSettings,
     store: &Arc<dyn KvStore>,
     counters: &Arc<ReclaimCounters>,
-) -> Result<Option<Liveness>, AgentError> {
+) -> Result<Option<LivenessTask>, AgentError> {
     if settings.datastore_type != DatastoreType::Etcdv3 {
         tracing::info!(
             "liveness and dead-node reclaim apply to etcd only: off for this {} store",
@@ -352,7 +419,37 @@ pub async fn start_for(
     let etcd = settings
         .etcd_config()
         .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
-    Liveness::start(liveness, &etcd, Arc::clone(store), Arc::clone(counters))
-        .await
-        .map(Some)
+    let (stop, mut stopped) = oneshot::channel();
+    let store = Arc::clone(store);
+    let counters = Arc::clone(counters);
+    let task = tokio::spawn(async move {
+        let mut backoff = Duration::from_secs(1);
+        let running = loop {
+            let attempt = Liveness::start(
+                liveness.clone(),
+                &etcd,
+                Arc::clone(&store),
+                Arc::clone(&counters),
+            );
+            tokio::select! {
+                _ = &mut stopped => return,
+                started = attempt => match started {
+                    Ok(running) => break running,
+                    Err(e) => tracing::warn!(
+                        node = %liveness.node,
+                        retry_in_seconds = backoff.as_secs(),
+                        "the node is not registered yet (serving the socket meanwhile): {e}"
+                    ),
+                },
+            }
+            tokio::select! {
+                _ = &mut stopped => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(MAX_START_BACKOFF);
+        };
+        let _ = stopped.await;
+        running.stop().await;
+    });
+    Ok(Some(LivenessTask { stop, task }))
 }

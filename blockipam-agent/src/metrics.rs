@@ -31,7 +31,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Mutex};
 use tokio::task::JoinSet;
 
-use crate::counters::ReclaimCounters;
+use crate::counters::{ReclaimCounters, NODE_STATES};
 use crate::AgentError;
 
 /// `Content-Type` of the classic Prometheus text format, served by default.
@@ -47,8 +47,28 @@ pub const NO_AFFINITY_LABEL: &str = "no_affinity";
 pub const UNKNOWN_NODE_LABEL: &str = "unknown_node";
 /// Longest one computation of the IPAM gauges may take before the scrape reports the store down.
 const IPAM_COMPUTATION_TIMEOUT: Duration = Duration::from_secs(8);
-/// Scrape connections served at once; further ones are closed at once.
-const MAX_CONNECTIONS: usize = 32;
+/// Bounds on the metrics endpoint's connections, so that clients that stall (connect and send
+/// nothing, never finish a request, never read the answer) cannot hold the endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Longest wait for a request's headers, from the moment the connection is accepted.
+    pub header_read: Duration,
+    /// Longest life of a connection: its one request read, answered and the answer written (the
+    /// gauges' computation is bounded by 8 s within it). Beyond it the connection is closed.
+    pub lifetime: Duration,
+    /// Connections served at once; further ones are closed at once.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_read: Duration::from_secs(10),
+            lifetime: Duration::from_secs(30),
+            max_connections: 32,
+        }
+    }
+}
 /// Bucket upper bounds of the request latency histogram, in seconds (50 µs to 10 s).
 const LATENCY_BUCKETS: [f64; 17] = [
     0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -605,6 +625,27 @@ impl Collector for ReclaimCollector {
                 counter.metric_type(),
             )?)?;
         }
+        let registered = ConstGauge::new(i64::from(
+            self.counters
+                .registered
+                .load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        registered.encode(encoder.encode_descriptor(
+            "blockipam_agent_node_registered",
+            "1 while this agent's node is registered and its liveness key on a lease (etcd)",
+            None,
+            registered.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "blockipam_agent_nodes",
+            "Registered nodes by state at this agent's last reclaim pass (reclaimer leader only)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (state, count) in NODE_STATES.iter().zip(self.counters.nodes_by_state()) {
+            let labels = [("state", *state)];
+            ConstGauge::new(saturating_i64(count)).encode(family.encode_family(&labels)?)?;
+        }
         Ok(())
     }
 }
@@ -619,6 +660,7 @@ impl Collector for ReclaimCollector {
 pub struct MetricsEndpoint {
     listener: TcpListener,
     metrics: Arc<AgentMetrics>,
+    limits: ConnectionLimits,
 }
 
 impl MetricsEndpoint {
@@ -661,7 +703,14 @@ impl MetricsEndpoint {
         Ok(MetricsEndpoint {
             listener: bound,
             metrics,
+            limits: ConnectionLimits::default(),
         })
+    }
+
+    /// The same endpoint with other connection bounds (the defaults suit Prometheus).
+    pub fn with_limits(mut self, limits: ConnectionLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// The address actually bound (the port chosen when `:0` was asked for).
@@ -683,7 +732,13 @@ impl MetricsEndpoint {
     /// the store closes when the agent lets go of it).
     pub fn spawn(self, store: Weak<dyn KvStore>) -> MetricsServer {
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(accept_loop(self.listener, self.metrics, store, stopped));
+        let task = tokio::spawn(accept_loop(
+            self.listener,
+            self.metrics,
+            store,
+            self.limits,
+            stopped,
+        ));
         MetricsServer {
             stop,
             task: Some(task),
@@ -722,6 +777,7 @@ async fn accept_loop(
     listener: TcpListener,
     metrics: Arc<AgentMetrics>,
     store: Weak<dyn KvStore>,
+    limits: ConnectionLimits,
     mut stopped: watch::Receiver<bool>,
 ) {
     let mut connections = JoinSet::new();
@@ -731,7 +787,7 @@ async fn accept_loop(
             _ = stopped.changed() => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    if connections.len() >= MAX_CONNECTIONS {
+                    if connections.len() >= limits.max_connections {
                         tracing::debug!(%peer, "metrics: too many scrapes at once, closing one");
                         continue;
                     }
@@ -745,12 +801,26 @@ async fn accept_loop(
                             served.fetch_add(1, Ordering::Relaxed);
                             async move { Ok::<_, Infallible>(respond(&metrics, &store, request).await) }
                         });
+                        // One request per connection (Prometheus connects anew for each scrape),
+                        // so that the lifetime bound never cuts a kept-alive connection between
+                        // two scrapes, and no unread request body is waited for.
                         let connection = hyper::server::conn::http1::Builder::new()
                             .timer(TokioTimer::new())
-                            .header_read_timeout(Duration::from_secs(10))
+                            .header_read_timeout(limits.header_read)
+                            .keep_alive(false)
                             .serve_connection(TokioIo::new(stream), service);
-                        if let Err(e) = connection.await {
-                            tracing::debug!(%peer, "metrics: a scrape connection ended: {e}");
+                        // The lifetime bounds what hyper does not: a request body that never
+                        // comes, an answer the client never reads.
+                        match tokio::time::timeout(limits.lifetime, connection).await {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, "metrics: a scrape connection ended: {e}");
+                            }
+                            Err(_) => tracing::debug!(
+                                %peer,
+                                "metrics: a scrape connection outlived {:?}, closed",
+                                limits.lifetime
+                            ),
                         }
                     });
                 }
@@ -822,6 +892,174 @@ mod tests {
     use super::*;
     use ipam_core::allocator::{AssignIpsRequest, PoolSpec};
     use ipam_core::MemoryStore;
+
+    /// Reads what `stream` sends until it closes; `None` when it is still open after `within`.
+    async fn read_until_closed(
+        stream: &mut tokio::net::TcpStream,
+        within: Duration,
+    ) -> Option<String> {
+        use tokio::io::AsyncReadExt;
+        let mut received = Vec::new();
+        let read = tokio::time::timeout(within, stream.read_to_end(&mut received)).await;
+        match read {
+            Ok(_) => Some(String::from_utf8_lossy(&received).into_owned()),
+            Err(_) => None,
+        }
+    }
+
+    /// One `GET /metrics` on a new connection: the status line and the body.
+    async fn scrape_once(address: SocketAddr) -> String {
+        use tokio::io::AsyncWriteExt;
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("send the request");
+        read_until_closed(&mut stream, Duration::from_secs(20))
+            .await
+            .expect("the scrape was answered and closed")
+    }
+
+    /// The liveness gauges: this node registered or not, and the node states of the last
+    /// reclaim pass, each state a labelled sample.
+    #[tokio::test]
+    async fn registration_and_node_states_are_exported_as_gauges() {
+        let counters = Arc::new(ReclaimCounters::default());
+        let metrics = AgentMetrics::new(Arc::clone(&counters), Duration::ZERO);
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let before = metrics.scrape(&Arc::downgrade(&store), false).await;
+        assert!(
+            before.contains("blockipam_agent_node_registered 0\n"),
+            "{before}"
+        );
+        counters
+            .registered
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        counters.record_pass([3, 1, 2, 0]);
+        let after = metrics.scrape(&Arc::downgrade(&store), false).await;
+        for line in [
+            "# TYPE blockipam_agent_node_registered gauge\n",
+            "blockipam_agent_node_registered 1\n",
+            "# TYPE blockipam_agent_nodes gauge\n",
+            "blockipam_agent_nodes{state=\"alive\"} 3\n",
+            "blockipam_agent_nodes{state=\"active\"} 1\n",
+            "blockipam_agent_nodes{state=\"missing\"} 2\n",
+            "blockipam_agent_nodes{state=\"dead\"} 0\n",
+        ] {
+            assert!(after.contains(line), "no {line:?} in:\n{after}");
+        }
+    }
+
+    fn endpoint_with(limits: ConnectionLimits) -> MetricsEndpoint {
+        let metrics = Arc::new(AgentMetrics::new(
+            Arc::new(ReclaimCounters::default()),
+            Duration::ZERO,
+        ));
+        MetricsEndpoint::bind("127.0.0.1:0".parse().expect("address"), metrics)
+            .expect("bind")
+            .with_limits(limits)
+    }
+
+    /// Clients that connect and send nothing are closed once the header bound has passed (here
+    /// shortened to 2 s; waited for up to 5 s), while another scrape is answered beside them; beyond
+    /// the cap a connection is closed at once, before any bound could have closed it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn clients_that_send_nothing_are_closed_within_the_header_bound_while_scrapes_go_on() {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let endpoint = endpoint_with(ConnectionLimits {
+            header_read: Duration::from_secs(2),
+            lifetime: Duration::from_secs(30),
+            max_connections: 2,
+        });
+        let address = endpoint.local_addr().expect("address");
+        let server = endpoint.spawn(Arc::downgrade(&store));
+
+        let mut first = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        let scraped = scrape_once(address).await;
+        assert!(
+            scraped.starts_with("HTTP/1.1 200") && scraped.contains("blockipam_agent"),
+            "a scrape beside a silent client: {scraped}"
+        );
+        let mut second = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut over = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        assert_eq!(
+            read_until_closed(&mut over, Duration::from_secs(1))
+                .await
+                .as_deref(),
+            Some(""),
+            "a connection beyond the cap was not closed at once"
+        );
+        for (name, silent) in [("first", &mut first), ("second", &mut second)] {
+            assert_eq!(
+                read_until_closed(silent, Duration::from_secs(5))
+                    .await
+                    .as_deref(),
+                Some(""),
+                "the {name} client that sent nothing kept its connection"
+            );
+        }
+        let scraped = scrape_once(address).await;
+        assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+        server.stop().await;
+    }
+
+    /// A store whose reads never answer.
+    #[derive(Debug)]
+    struct HangingStore;
+
+    #[async_trait]
+    impl KvStore for HangingStore {
+        async fn get(&self, _key: &str) -> Result<Option<KeyValue>, KvError> {
+            std::future::pending().await
+        }
+        async fn list(&self, _prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+            std::future::pending().await
+        }
+        async fn commit(&self, _txn: Txn) -> Result<Revision, KvError> {
+            std::future::pending().await
+        }
+    }
+
+    /// A connection is closed at the end of its lifetime whatever it is waiting for (here the
+    /// gauges' computation, which a hanging store stretches to its own 8 s bound; a client that
+    /// never reads its answer is cut the same way): the lifetime shortened to 1 s, the connection
+    /// is closed, unanswered, within 5 s.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_is_closed_at_its_lifetime_whatever_it_waits_for() {
+        use tokio::io::AsyncWriteExt;
+        let store: Arc<dyn KvStore> = Arc::new(HangingStore);
+        let endpoint = endpoint_with(ConnectionLimits {
+            header_read: Duration::from_secs(10),
+            lifetime: Duration::from_secs(1),
+            max_connections: 2,
+        });
+        let address = endpoint.local_addr().expect("address");
+        let server = endpoint.spawn(Arc::downgrade(&store));
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\n\r\n")
+            .await
+            .expect("send the request");
+        assert_eq!(
+            read_until_closed(&mut stream, Duration::from_secs(5))
+                .await
+                .as_deref(),
+            Some(""),
+            "the connection outlived its lifetime"
+        );
+        server.stop().await;
+    }
 
     #[test]
     fn counters_get_their_total_suffix_in_the_classic_text_format_and_eof_goes() {

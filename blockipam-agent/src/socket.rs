@@ -62,29 +62,39 @@ impl Drop for SocketGuard {
 }
 
 /// Binds the agent's socket at `path`: creates a missing directory (0700, or 0711 when
-/// `open_to_others`, so that allowed users can reach the socket), replaces a stale socket (see
+/// `open_to_others`, so that allowed users can reach the socket), refuses a directory others could
+/// plant files in (see [`check_socket_directory`]), replaces a stale socket (see
 /// [`refuse_if_live`]), and makes the socket 0600 (0666 when `open_to_others`: the peer
-/// credentials are then what keeps other users out).
+/// credentials are then what keeps other users out), never following a symbolic link to do so.
 ///
 /// # Errors
-/// [`AgentError`] when a live agent serves on `path`, the path is not a socket, or the
-/// directory or socket cannot be made.
+/// [`AgentError`] when a live agent serves on `path`, the path is not a socket, the directory is
+/// not this user's (or root's) alone, or the directory or socket cannot be made.
 pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGuard), AgentError> {
     refuse_if_live(path)?;
-    if let Some(directory) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !directory.exists() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(if open_to_others { 0o711 } else { 0o700 })
-                .create(directory)
-                .map_err(|e| {
-                    AgentError::new(format!(
-                        "cannot create the socket directory {}: {e}",
-                        directory.display()
-                    ))
-                })?;
-        }
+    let directory = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !directory.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(if open_to_others { 0o711 } else { 0o700 })
+            .create(directory)
+            .map_err(|e| {
+                AgentError::new(format!(
+                    "cannot create the socket directory {}: {e}",
+                    directory.display()
+                ))
+            })?;
     }
+    let owner = blockipam_store::effective_uid().ok_or_else(|| {
+        AgentError::new(
+            "cannot tell which user runs this agent (/proc/self/status is unreadable), so the \
+             socket directory's owner cannot be checked",
+        )
+    })?;
+    check_socket_directory(directory, owner)?;
     // Bound, listening and given its mode under a temporary name beside `path`, then renamed into
     // place: the path appears only once connections are accepted. Bound at `path` itself, the
     // socket would exist between bind(2) and listen(2), and a plugin connecting then would be
@@ -99,29 +109,32 @@ pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGu
         ))
     })?;
     let mode = if open_to_others { 0o666 } else { 0o600 };
-    let placed = std::fs::set_permissions(&binding, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| {
+    let placed = set_socket_mode(&binding, owner, mode).and_then(|bound| {
+        let stale = std::fs::symlink_metadata(path).is_ok();
+        // rename(2) replaces a stale socket (refuse_if_live let it pass) in one step.
+        std::fs::rename(&binding, path).map_err(|e| {
             format!(
-                "cannot set the mode of the socket {}: {e}",
-                binding.display()
+                "cannot move the socket {} into place at {}: {e}",
+                binding.display(),
+                path.display()
             )
-        })
-        .and_then(|()| {
-            let stale = std::fs::symlink_metadata(path).is_ok();
-            // rename(2) replaces a stale socket (refuse_if_live let it pass) in one step.
-            std::fs::rename(&binding, path).map_err(|e| {
-                format!(
-                    "cannot move the socket {} into place at {}: {e}",
-                    binding.display(),
-                    path.display()
-                )
-            })?;
-            if stale {
-                tracing::info!("replaced the stale socket {}", path.display());
-            }
-            std::fs::symlink_metadata(path)
-                .map_err(|e| format!("cannot inspect {}: {e}", path.display()))
-        });
+        })?;
+        let metadata = std::fs::symlink_metadata(path)
+            .map_err(|e| format!("cannot inspect {}: {e}", path.display()))?;
+        // What was renamed is the file whose mode was set, not one put at the hidden name since.
+        if (metadata.dev(), metadata.ino()) != (bound.dev(), bound.ino()) {
+            return Err(format!(
+                "the socket {} was replaced before it was moved into place at {}: refusing to \
+                 serve on what is there now",
+                binding.display(),
+                path.display()
+            ));
+        }
+        if stale {
+            tracing::info!("replaced the stale socket {}", path.display());
+        }
+        Ok(metadata)
+    });
     let metadata = match placed {
         Ok(metadata) => metadata,
         Err(message) => {
@@ -137,6 +150,82 @@ pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGu
             inode: metadata.ino(),
         },
     ))
+}
+
+/// Refuses a socket directory that a user other than `owner` (the agent's) or root could write to:
+/// one another user owns, or one group or others may write (even sticky, like `/tmp`). Whoever
+/// can write there can put their own socket or a symbolic link in the agent's place. Directories
+/// above it are not checked.
+///
+/// # Errors
+/// [`AgentError`] naming the directory, its owner or mode, and what to do.
+pub fn check_socket_directory(directory: &Path, owner: u32) -> Result<(), AgentError> {
+    let metadata = std::fs::metadata(directory).map_err(|e| {
+        AgentError::new(format!(
+            "cannot inspect the socket directory {}: {e}",
+            directory.display()
+        ))
+    })?;
+    if !metadata.is_dir() {
+        return Err(AgentError::new(format!(
+            "the socket directory {} is not a directory",
+            directory.display()
+        )));
+    }
+    if metadata.uid() != owner && metadata.uid() != 0 {
+        return Err(AgentError::new(format!(
+            "refusing the socket directory {}: it is owned by uid {}, not by uid {owner} that runs \
+             this agent or root; choose a --socket in a directory of this user's",
+            directory.display(),
+            metadata.uid()
+        )));
+    }
+    let mode = metadata.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(AgentError::new(format!(
+            "refusing the socket directory {}: its mode {mode:04o} lets group or others write to \
+             it (and replace the socket); `chmod go-w` it or choose a --socket in a private \
+             directory",
+            directory.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Gives the socket just bound at `binding` its `mode` without following a symbolic link: the
+/// file is opened by name without following a link (`O_PATH | O_NOFOLLOW`), checked to be a socket
+/// of `owner`, and its mode set through that open file (`/proc/self/fd`), so that nothing put at
+/// the name in between is changed. Returns the socket's metadata.
+fn set_socket_mode(binding: &Path, owner: u32, mode: u32) -> Result<std::fs::Metadata, String> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
+        .open(binding)
+        .map_err(|e| format!("cannot open the socket {}: {e}", binding.display()))?;
+    let metadata = opened
+        .metadata()
+        .map_err(|e| format!("cannot inspect the socket {}: {e}", binding.display()))?;
+    if !metadata.file_type().is_socket() || metadata.uid() != owner {
+        return Err(format!(
+            "{} is no longer the socket this agent bound (something replaced it): refusing to \
+             change its mode",
+            binding.display()
+        ));
+    }
+    let through_descriptor = PathBuf::from(format!("/proc/self/fd/{}", opened.as_raw_fd()));
+    std::fs::set_permissions(&through_descriptor, std::fs::Permissions::from_mode(mode)).map_err(
+        |e| {
+            format!(
+                "cannot set the mode of the socket {} (through {}): {e}",
+                binding.display(),
+                through_descriptor.display()
+            )
+        },
+    )?;
+    Ok(metadata)
 }
 
 /// Where the socket is bound before it is renamed to `path`: a hidden name of this process in the
@@ -172,6 +261,146 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
+
+    fn mode_of(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path).expect("stat").mode() & 0o7777
+    }
+
+    fn listing(dir: &Path) -> Vec<std::ffi::OsString> {
+        let mut names: Vec<_> = std::fs::read_dir(dir)
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// A directory group or others may write to (sticky or not) is refused before anything is
+    /// bound in it; the same directory made private is accepted.
+    #[tokio::test]
+    async fn a_socket_directory_group_or_others_can_write_is_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.sock");
+        for mode in [0o777, 0o1777, 0o770, 0o702] {
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode))
+                .expect("chmod");
+            let err = bind(&path, false)
+                .map(drop)
+                .expect_err("a writable directory");
+            assert!(
+                err.message.contains(&format!("{mode:04o}"))
+                    && err.message.contains(&dir.path().display().to_string()),
+                "mode {mode:o}: {err}"
+            );
+            assert!(
+                listing(dir.path()).is_empty(),
+                "mode {mode:o}: bound anyway"
+            );
+        }
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let (_listener, _guard) = bind(&path, false).expect("a private directory");
+        assert_eq!(mode_of(&path), 0o600);
+    }
+
+    /// A directory another user owns is refused; root's and the agent's own are accepted.
+    #[tokio::test]
+    async fn a_socket_directory_another_user_owns_is_refused() {
+        let own = blockipam_store::effective_uid().expect("this process's uid");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let other = if own == 65534 { 65533 } else { 65534 };
+        let foreign = dir.path().join("foreign");
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&foreign)
+            .expect("mkdir");
+        std::os::unix::fs::chown(&foreign, Some(other), None).expect("chown (run as root)");
+        let err = bind(&foreign.join("agent.sock"), false)
+            .map(drop)
+            .expect_err("another user's directory");
+        assert!(
+            err.message.contains(&format!("owned by uid {other}")),
+            "{err}"
+        );
+        assert!(listing(&foreign).is_empty(), "bound anyway");
+        // The rule itself: the agent's own user or root.
+        check_socket_directory(&foreign, other).expect("the owner's own directory");
+        std::os::unix::fs::chown(&foreign, Some(0), None).expect("chown");
+        check_socket_directory(&foreign, other).expect("a directory of root");
+    }
+
+    /// A symbolic link at the socket path is refused and what it points at is left alone.
+    #[tokio::test]
+    async fn a_symbolic_link_at_the_socket_path_is_refused() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "kept").expect("write");
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let path = dir.path().join("agent.sock");
+        std::os::unix::fs::symlink(&victim, &path).expect("plant");
+        let err = bind(&path, true).map(drop).expect_err("a link at the path");
+        assert!(err.message.contains("is not a socket"), "{err}");
+        assert_eq!(mode_of(&victim), 0o640);
+        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "kept");
+    }
+
+    /// Something that swaps a symbolic link in for the just-bound socket at its hidden name (here a
+    /// thread doing so as fast as it can, while the agent binds again and again) never gets the
+    /// mode change applied to the link's target: the mode is set through a descriptor of the
+    /// socket itself. Set through the name, the target's mode changed within a few hundred rounds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_socket_mode_is_never_set_through_a_symbolic_link() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+
+        let dir = tempfile::tempdir().expect("temp dir");
+        let elsewhere = tempfile::tempdir().expect("temp dir");
+        let victim = elsewhere.path().join("victim");
+        std::fs::write(&victim, "kept").expect("write");
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let path = dir.path().join("agent.sock");
+        let binding = binding_path(&path).expect("binding path");
+        let stop = Arc::new(AtomicBool::new(false));
+        let swapper = {
+            let (stop, victim, binding) = (Arc::clone(&stop), victim.clone(), binding.clone());
+            let staged = dir.path().join("staged-link");
+            std::thread::spawn(move || {
+                let mut swaps = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = std::fs::remove_file(&staged);
+                    if std::os::unix::fs::symlink(&victim, &staged).is_ok()
+                        && std::fs::rename(&staged, &binding).is_ok()
+                    {
+                        swaps += 1;
+                    }
+                }
+                swaps
+            })
+        };
+        let (mut bound, mut refused) = (0, 0);
+        for _ in 0..5000 {
+            match bind(&path, true) {
+                Ok((listener, guard)) => {
+                    bound += 1;
+                    drop(listener);
+                    drop(guard);
+                }
+                Err(_) => refused += 1,
+            }
+            if mode_of(&victim) != 0o640 {
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let swaps = swapper.join().expect("the swapping thread");
+        assert!(swaps > 0, "the link was never swapped in");
+        assert_eq!(
+            mode_of(&victim),
+            0o640,
+            "the socket's mode was set on the link's target ({bound} binds, {refused} refused)"
+        );
+        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "kept");
+    }
 
     /// The socket path appears only once it accepts connections: a client that finds it, at any
     /// moment of an agent's start (as a plugin may), is never refused. Bound at the path itself,

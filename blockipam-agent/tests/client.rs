@@ -277,3 +277,93 @@ async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace(
         assert!(!socket.exists(), "the socket outlived its server");
     }
 }
+
+/// A listener run by another user (uid 65534) at a socket path: what a local user could put where
+/// the plugin looks for its agent. The client refuses it by its peer credentials before sending
+/// anything (the listener counts the bytes it received: none), and a real agent, run by root, is
+/// still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_served_by_another_user_is_refused_before_anything_is_sent() {
+    use std::io::BufRead;
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    const NOBODY: u32 = 65534;
+    // Counts what it receives on one connection until the client closes it (or 10 s pass).
+    const IMPOSTOR: &str = "
+import socket, sys
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(1)
+print('ready', flush=True)
+connection, _ = server.accept()
+connection.settimeout(10)
+received = 0
+try:
+    while True:
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        received += len(chunk)
+except socket.timeout:
+    pass
+print('received', received, flush=True)
+";
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).expect("mkdir");
+    std::os::unix::fs::chown(&theirs, Some(NOBODY), Some(NOBODY)).expect("chown (run as root)");
+    let socket = theirs.join("agent.sock");
+    let mut impostor = std::process::Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(IMPOSTOR)
+        .arg(&socket)
+        .env_clear()
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run python3 as uid 65534");
+    let mut said = std::io::BufReader::new(impostor.stdout.take().expect("its stdout")).lines();
+    let ready = said.next().and_then(Result::ok);
+    assert_eq!(
+        ready.as_deref(),
+        Some("ready"),
+        "the impostor did not start"
+    );
+
+    let refused = AgentStore::connect(quick(&socket))
+        .await
+        .map(drop)
+        .expect_err("a socket served by uid 65534 was used");
+    let KvError::Other { message } = &refused else {
+        panic!("not a clear refusal: {refused:?}");
+    };
+    assert!(
+        message.contains("served by uid 65534") && message.contains("nothing was sent"),
+        "{message}"
+    );
+    let received = tokio::task::spawn_blocking(move || {
+        let line = said.next().and_then(Result::ok);
+        let _ = impostor.wait();
+        line
+    })
+    .await
+    .expect("the impostor's report");
+    assert_eq!(
+        received.as_deref(),
+        Some("received 0"),
+        "the client sent something to the impostor"
+    );
+
+    // A real agent, run by this process's user (root), is served.
+    let agent = common::InProcessAgent::start(
+        Arc::new(ipam_core::MemoryStore::new()),
+        ServerConfig::default(),
+    );
+    let client = AgentStore::connect(quick(&agent.socket))
+        .await
+        .expect("the real agent");
+    client.put("k", b"v".to_vec()).await.expect("put");
+    agent.stop().await;
+}

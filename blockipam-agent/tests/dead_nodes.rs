@@ -1,6 +1,12 @@
-//! Dead-node reclaim end to end on a 3-member etcd cluster: three `blockipam-agent` processes
-//! (nodes a, b, c) with a 2 s liveness TTL, a 10 s grace and a 1 s reclaim interval; addresses
-//! allocated through the real plugin. Agent a is killed (SIGKILL): once the grace has passed its
+//! Dead-node reclaim end to end on real etcd, real `blockipam-agent` processes and the real plugin.
+//!
+//! On one member: the operator's scenario of a node whose agent is stopped (SIGTERM), then
+//! killed (SIGKILL, its socket left behind), while the node's runtime keeps calling the plugin:
+//! the node's running pods keep their addresses and no other node is handed them; once the node
+//! goes quiet for good it is reclaimed.
+//!
+//! On a 3-member etcd cluster: three agents (nodes a, b, c) with a 2 s liveness TTL, a 10 s
+//! grace and a 1 s reclaim interval; addresses allocated through the real plugin. Agent a is killed (SIGKILL): once the grace has passed its
 //! blocks and addresses are gone and `blockipamctl check` is clean. Agent b is paused (SIGSTOP)
 //! until its liveness key has expired and a reclaimer has marked it missing, then resumed: it is
 //! never reclaimed and its liveness key comes back. Node c, and a node whose plugin runs without
@@ -9,201 +15,18 @@
 
 mod common;
 
-use std::io::Read as _;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use backend_etcd::testing::{unique_prefix, EtcdCluster};
-use backend_etcd::{EtcdConfig, EtcdStore};
-use ipam_core::dead_nodes::{agent_key, liveness_key, Registration};
+use backend_etcd::EtcdStore;
+use common::etcd_agents::{
+    added_address, addresses_of, blocks_of, cni_add, connect, held_by, is_live, netconf,
+    netconf_with_pool, registration, wait_until, Agent, WAIT_LIMIT,
+};
+use ipam_core::dead_nodes::agent_key;
 use ipam_core::{Ipam, KvStore};
-use serde_json::{json, Value};
-
-const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
-const TTL_SECONDS: &str = "2";
-const GRACE_SECONDS: &str = "10";
-/// Bound on every wait of this test (none is expected to come near it).
-const WAIT_LIMIT: Duration = Duration::from_secs(45);
-
-/// A `blockipam-agent` process on etcd; killed (SIGCONT first, in case it is paused) on drop.
-struct Agent {
-    node: &'static str,
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Agent {
-    fn start(node: &'static str, socket: &Path, endpoints: &str, prefix: &str) -> Agent {
-        Agent::start_with(node, socket, endpoints, prefix, &[])
-    }
-
-    fn start_with(
-        node: &'static str,
-        socket: &Path,
-        endpoints: &str,
-        prefix: &str,
-        extra: &[&str],
-    ) -> Agent {
-        let mut child = Command::new(AGENT)
-            .env_clear()
-            .env("BLOCKIPAM_AGENT_LOG", "info")
-            .arg("--socket")
-            .arg(socket)
-            .args(["--datastore-type", "etcdv3", "--etcd-endpoints", endpoints])
-            .args(["--etcd-prefix", prefix, "--node", node])
-            .args(["--liveness-ttl-seconds", TTL_SECONDS])
-            .args(["--dead-node-grace-seconds", GRACE_SECONDS])
-            .args(["--reclaim-interval-seconds", "1"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start blockipam-agent");
-        let log = Arc::new(Mutex::new(String::new()));
-        if let Some(mut pipe) = child.stderr.take() {
-            let log = Arc::clone(&log);
-            std::thread::spawn(move || {
-                let mut buffer = [0u8; 8192];
-                while let Ok(n) = pipe.read(&mut buffer) {
-                    if n == 0 {
-                        break;
-                    }
-                    log.lock()
-                        .expect("log")
-                        .push_str(&String::from_utf8_lossy(&buffer[..n]));
-                }
-            });
-        }
-        let deadline = Instant::now() + WAIT_LIMIT;
-        while !socket.exists() {
-            if let Some(status) = child.try_wait().expect("poll the agent") {
-                panic!(
-                    "agent {node} exited ({status}) before serving: {}",
-                    log.lock().expect("log")
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "agent {node} did not bind its socket"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Agent { node, child, log }
-    }
-
-    fn signal(&self, name: &str) {
-        let status = Command::new("kill")
-            .arg(format!("-{name}"))
-            .arg(self.child.id().to_string())
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -{name} {} failed", self.node);
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().expect("log").clone()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("-CONT")
-            .arg(self.child.id().to_string())
-            .status();
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Runs the real plugin once (bounded) and returns its exit status and stdout.
-/// A current-thread runtime, and a store on `cluster` under `prefix` (the test's own view of what
-/// the agents write).
-fn connect(cluster: &EtcdCluster, prefix: &str) -> (tokio::runtime::Runtime, Arc<dyn KvStore>) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
-    let store = runtime
-        .block_on(EtcdStore::connect(
-            EtcdConfig::new(cluster.endpoints()).with_prefix(prefix.to_owned()),
-        ))
-        .expect("connect to etcd");
-    (runtime, Arc::new(store))
-}
-
-fn cni_add(container: &str, netconf: &Value) -> (i32, String) {
-    let run = common::run_plugin("ADD", container, netconf, WAIT_LIMIT);
-    (run.status, run.stdout)
-}
-
-fn netconf(node: &str, socket: &str, endpoints: &str, prefix: &str, lock: &Path) -> Value {
-    json!({
-        "cniVersion": "1.0.0",
-        "name": "deadnet",
-        "ipam": {
-            "type": "blockipam",
-            "nodename": node,
-            "datastore_type": "etcdv3",
-            "etcd_endpoints": endpoints,
-            "etcd_prefix": prefix,
-            "agent_socket": socket,
-            "ipam_lock_file": lock,
-            "timeout_seconds": 30,
-            "pools": [{"cidr": "10.88.0.0/16", "block_size": 26, "name": "dead-pool"}]
-        }
-    })
-}
-
-/// Polls `condition` (an async check against the store) every 100 ms until it holds; fails the
-/// test with `what` after [`WAIT_LIMIT`].
-fn wait_until<F, Fut>(runtime: &tokio::runtime::Runtime, what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + WAIT_LIMIT;
-    while !runtime.block_on(condition()) {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-async fn addresses_of(store: &Arc<dyn KvStore>, node: &str) -> usize {
-    Ipam::new(Arc::clone(store))
-        .list_allocations()
-        .await
-        .expect("list allocations")
-        .iter()
-        .filter(|a| a.attributes.get("node").map(String::as_str) == Some(node))
-        .count()
-}
-
-async fn blocks_of(store: &Arc<dyn KvStore>, node: &str) -> usize {
-    store
-        .list(&ipam_core::model::keys::host_blocks_dir(node))
-        .await
-        .expect("list blocks")
-        .len()
-}
-
-async fn registration(store: &Arc<dyn KvStore>, node: &str) -> Option<Registration> {
-    store
-        .get(&agent_key(node))
-        .await
-        .expect("read a registration")
-        .map(|kv| serde_json::from_slice(&kv.value).expect("registration JSON"))
-}
-
-async fn is_live(store: &Arc<dyn KvStore>, node: &str) -> bool {
-    store
-        .get(&liveness_key(node))
-        .await
-        .expect("read a liveness key")
-        .is_some()
-}
+use serde_json::Value;
 
 #[test]
 fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns_is_not() {
@@ -253,7 +76,7 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
         !is_live(&store, "node-b").await
             && registration(&store, "node-b")
                 .await
-                .is_some_and(|r| r.missing_since.is_some())
+                .is_some_and(|r| r.missing_mark.is_some())
     });
     // Stay paused a while longer (still well within the grace): a reclaimer that ignored the
     // grace would release node-b now.
@@ -270,7 +93,7 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
             is_live(&store, "node-b").await
                 && registration(&store, "node-b")
                     .await
-                    .is_some_and(|r| r.missing_since.is_none())
+                    .is_some_and(|r| r.missing_mark.is_none())
         },
     );
 
@@ -399,4 +222,263 @@ fn the_reclaimer_leader_releases_empty_blocks_beyond_each_hosts_newest() {
     assert_eq!(runtime.block_on(addresses_of(&store, "node-r")), 1);
     let report = runtime.block_on(ipam.check(false)).expect("check");
     assert!(report.problems.is_empty(), "{:#?}", report.problems);
+}
+
+/// The node's runtime at work: `pairs` ADD/DEL pairs of a short-lived pod, one about every
+/// second, each answered 0 (with the agent down the plugin goes to etcd itself).
+fn runtime_keeps_calling(node: &str, conf: &Value, round: &str, pairs: usize) {
+    for i in 0..pairs {
+        let container = format!("{node}-{round}-churn{i}");
+        added_address(&container, conf);
+        let run = common::run_plugin("DEL", &container, conf, WAIT_LIMIT);
+        assert_eq!(run.status, 0, "DEL {container}: {}", run.stdout);
+        std::thread::sleep(Duration::from_millis(900));
+    }
+}
+
+/// The operator's scenario: one etcd, two agents with short liveness settings, a pool of one
+/// block, three pods running on node-b. node-b's agent is stopped (SIGTERM) and later killed
+/// (SIGKILL, socket left behind) while node-b's runtime keeps calling the plugin; node-a's
+/// reclaimer runs all along, and node-a's pods borrow from node-b's block. node-b's running pods
+/// keep their addresses and node-a is never handed one of them. Then node-b goes quiet for good
+/// (no agent, no calls): it is reclaimed after one countdown.
+#[test]
+fn a_node_whose_agent_is_stopped_or_killed_while_its_runtime_keeps_calling_is_never_reclaimed() {
+    const GRACE: &str = "4";
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let socket = |node: &str| dir.path().join(format!("{node}.sock"));
+    let conf = |node: &str| {
+        netconf_with_pool(
+            node,
+            &socket(node).display().to_string(),
+            &endpoints,
+            &prefix,
+            &dir.path().join(format!("{node}.lock")),
+            "10.89.0.0/26",
+        )
+    };
+    let agent_a =
+        Agent::start_with_grace("node-a", &socket("node-a"), &endpoints, &prefix, GRACE, &[]);
+    let mut agent_b =
+        Agent::start_with_grace("node-b", &socket("node-b"), &endpoints, &prefix, GRACE, &[]);
+    for node in ["node-a", "node-b"] {
+        wait_until(
+            &runtime,
+            &format!("{node} is registered and live"),
+            || async { registration(&store, node).await.is_some() && is_live(&store, node).await },
+        );
+    }
+    let running: Vec<String> = (0..3)
+        .map(|pod| added_address(&format!("node-b-pod{pod}"), &conf("node-b")))
+        .collect();
+    let held_before = runtime.block_on(held_by(&store, "node-b"));
+    assert_eq!(held_before.len(), 3, "{held_before:?}");
+
+    let mut handed_to_a = Vec::new();
+    for (round, signal) in [("stopped", "TERM"), ("killed", "KILL")] {
+        agent_b.signal(signal);
+        let _ = agent_b.child.wait();
+        assert_eq!(
+            socket("node-b").exists(),
+            signal == "KILL",
+            "a stopped agent removes its socket, a killed one leaves it"
+        );
+        wait_until(&runtime, "node-b's liveness key is gone", || async {
+            !is_live(&store, "node-b").await
+        });
+        // Four countdowns' worth of the runtime at work, node-a allocating meanwhile.
+        runtime_keeps_calling("node-b", &conf("node-b"), round, 16);
+        for pod in 0..3 {
+            handed_to_a.push(added_address(
+                &format!("node-a-{round}{pod}"),
+                &conf("node-a"),
+            ));
+        }
+        let held = runtime.block_on(held_by(&store, "node-b"));
+        for (handle, ip) in &held_before {
+            assert_eq!(
+                held.get(handle),
+                Some(ip),
+                "after the agent was {round}: a running pod of node-b lost its address \
+                 (reclaimer log:\n{})",
+                agent_a.log()
+            );
+        }
+        assert!(
+            runtime.block_on(registration(&store, "node-b")).is_some(),
+            "node-b was reclaimed while its runtime kept calling (agent {round})"
+        );
+        assert!(
+            !agent_a.log().contains("dead node reclaimed"),
+            "a reclaim happened: {}",
+            agent_a.log()
+        );
+        if signal == "TERM" {
+            agent_b = Agent::start_with_grace(
+                "node-b",
+                &socket("node-b"),
+                &endpoints,
+                &prefix,
+                GRACE,
+                &[],
+            );
+            wait_until(&runtime, "node-b's agent is back", || async {
+                is_live(&store, "node-b").await
+            });
+        }
+    }
+    for ip in &handed_to_a {
+        assert!(
+            !running.contains(ip),
+            "node-a was handed {ip}, which a running pod of node-b holds"
+        );
+    }
+
+    // Now node-b is really gone: no agent, no calls. One countdown later it is reclaimed.
+    wait_until(
+        &runtime,
+        "node-b is reclaimed once it went quiet",
+        || async {
+            registration(&store, "node-b").await.is_none()
+                && held_by(&store, "node-b").await.is_empty()
+        },
+    );
+    assert!(
+        agent_a
+            .log()
+            .lines()
+            .any(|l| l.contains("dead node reclaimed") && l.contains("node-b")),
+        "{}",
+        agent_a.log()
+    );
+    drop(agent_b);
+    drop(agent_a);
+    drop(cluster);
+}
+
+/// Two agents started with the same node name (a second unit, a container beside the host's):
+/// the one that stops cleanly revokes its lease, which deletes the node's shared liveness key.
+/// The other puts the key back on its own lease, and the node is never reclaimed.
+#[test]
+fn two_agents_of_one_node_name_one_stopping_never_gets_the_node_reclaimed() {
+    const GRACE: &str = "3";
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let ipam = Ipam::new(Arc::clone(&store));
+    runtime.block_on(async {
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.90.0.0/24".parse().expect("cidr"),
+            name: Some("twins".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("pool");
+        ipam.auto_assign(&ipam_core::AutoAssignRequest {
+            handle: "twin-pod".into(),
+            host: "node-t".into(),
+            num_v4: 1,
+            ..Default::default()
+        })
+        .await
+        .expect("an address of node-t");
+    });
+    let registered = || async {
+        store
+            .get(&agent_key("node-t"))
+            .await
+            .expect("read the registration")
+            .map(|kv| kv.revision)
+    };
+    let first = Agent::start_with_grace(
+        "node-t",
+        &dir.path().join("first.sock"),
+        &endpoints,
+        &prefix,
+        GRACE,
+        &[],
+    );
+    wait_until(&runtime, "node-t is registered and live", || async {
+        registered().await.is_some() && is_live(&store, "node-t").await
+    });
+    let first_registration = runtime.block_on(registered());
+    let second = Agent::start_with_grace(
+        "node-t",
+        &dir.path().join("second.sock"),
+        &endpoints,
+        &prefix,
+        GRACE,
+        &[],
+    );
+    // The second agent puts the liveness key on its own lease, then registers: from then on the
+    // key goes with the second agent's lease. It stops cleanly, revoking that lease.
+    wait_until(&runtime, "the second agent registered node-t", || async {
+        registered().await != first_registration
+    });
+    second.signal("TERM");
+    wait_until(
+        &runtime,
+        "the first agent puts the liveness key back",
+        || async { is_live(&store, "node-t").await },
+    );
+    // Three graces later: still registered, still holding its address.
+    std::thread::sleep(Duration::from_secs(9));
+    assert!(runtime.block_on(is_live(&store, "node-t")));
+    assert!(
+        runtime.block_on(registration(&store, "node-t")).is_some(),
+        "node-t was reclaimed while an agent of it runs:\n{}",
+        first.log()
+    );
+    assert_eq!(runtime.block_on(addresses_of(&store, "node-t")), 1);
+    assert!(
+        first.log().contains("putting it again"),
+        "the first agent did not notice the key was gone:\n{}",
+        first.log()
+    );
+    drop(first);
+    drop(second);
+}
+
+/// etcd unreachable when the agent starts (a node booting before its etcd): the agent serves its
+/// socket anyway and registers its node once etcd answers.
+#[test]
+fn an_agent_started_while_etcd_is_down_serves_and_registers_once_etcd_is_back() {
+    let mut server = backend_etcd::testing::EtcdServer::start().expect("an etcd server");
+    let endpoint = server.endpoint();
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    server.stop();
+    let agent = Agent::start(
+        "node-boot",
+        &dir.path().join("boot.sock"),
+        &endpoint,
+        &prefix,
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        agent.log().contains("the node is not registered yet"),
+        "the agent did not say it waits for etcd:\n{}",
+        agent.log()
+    );
+    server.restart().expect("restart etcd");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let store: Arc<dyn KvStore> = Arc::new(
+        runtime
+            .block_on(EtcdStore::connect(server.config(&prefix)))
+            .expect("connect to the restarted etcd"),
+    );
+    wait_until(&runtime, "node-boot is registered and live", || async {
+        registration(&store, "node-boot").await.is_some() && is_live(&store, "node-boot").await
+    });
+    drop(agent);
 }

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
 
+use ipam_core::allocator::ATTR_NODE;
 use ipam_core::model::{
     encode, validate_handle, validate_host, Allocation, Attribute, Block, CoolingAddress, Handle,
     DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_IP_COOLDOWN_SECONDS,
@@ -23,6 +24,23 @@ use crate::calico::{
 
 /// Calico's `maxBlocksPerHost` when it is 0 or unset.
 pub const CALICO_DEFAULT_MAX_BLOCKS_PER_HOST: u32 = 20;
+
+/// The handle Calico's Windows nodes reserve each of their blocks' first three and last address
+/// under (no `node` attribute; Calico counts a block holding only these as empty).
+pub const WINDOWS_RESERVED_HANDLE: &str = "windows-reserved-ipam-handle";
+
+/// The handle the Windows-reserved addresses of a block affine to `host` are imported under: one
+/// per host, with `host` as their `node` attribute, so that releasing the host's addresses
+/// (`blockipamctl node remove`, dead-node reclaim) releases them with its pods and its blocks can
+/// be freed. Those of a block affine to nobody keep Calico's handle.
+pub fn windows_reserved_handle(host: &str) -> String {
+    format!("{WINDOWS_RESERVED_HANDLE}.{host}")
+}
+
+/// Whether `handle` is Calico's Windows-reserved handle (compared as Calico compares it).
+fn is_windows_reserved(handle: &str) -> bool {
+    handle.eq_ignore_ascii_case(WINDOWS_RESERVED_HANDLE)
+}
 
 /// Attribute keys Calico itself writes; any other key is carried over and reported.
 pub const KNOWN_ATTRIBUTE_KEYS: &[&str] =
@@ -678,9 +696,19 @@ impl BlockContext<'_> {
             let new_index = match attribute_index.get(&calico_index) {
                 Some(new_index) => *new_index,
                 None => {
-                    let handle = match calico_attribute.handle_id.as_deref() {
-                        Some(handle) if validate_handle(handle).is_ok() => handle.to_owned(),
-                        other => {
+                    let windows_host = calico_attribute
+                        .handle_id
+                        .as_deref()
+                        .filter(|h| is_windows_reserved(h))
+                        .and(block.affinity.clone());
+                    let imported = match &windows_host {
+                        Some(host) => Some(windows_reserved_handle(host)),
+                        None => calico_attribute.handle_id.clone(),
+                    };
+                    let handle = match imported {
+                        Some(handle) if validate_handle(&handle).is_ok() => handle,
+                        _ => {
+                            let other = &calico_attribute.handle_id;
                             return self.refuse(
                                 &cidr,
                                 format!(
@@ -691,7 +719,10 @@ impl BlockContext<'_> {
                             );
                         }
                     };
-                    let metadata = calico_attribute.secondary.clone().unwrap_or_default();
+                    let mut metadata = calico_attribute.secondary.clone().unwrap_or_default();
+                    if let Some(host) = &windows_host {
+                        metadata.insert(ATTR_NODE.to_owned(), host.clone());
+                    }
                     for (key, value) in &metadata {
                         if !KNOWN_ATTRIBUTE_KEYS.contains(&key.as_str()) {
                             self.tally.add(
@@ -941,7 +972,35 @@ fn compare_handles(
         .filter(|(_, h)| !h.deleted)
         .map(|(id, _)| id.as_str())
         .collect();
-    for id in derived.keys().filter(|id| !objects.contains(id.as_str())) {
+    // The Windows-reserved addresses of affine blocks move to one handle per host (see
+    // `windows_reserved_handle`), reported once per host instead of as missing handle objects.
+    let windows_prefix = format!("{WINDOWS_RESERVED_HANDLE}.");
+    for (id, handle) in derived
+        .iter()
+        .filter(|(id, _)| id.starts_with(&windows_prefix))
+    {
+        not_mapped.push(NotMapped {
+            object: format!("handle {WINDOWS_RESERVED_HANDLE}"),
+            field: "block".into(),
+            value: serde_json::to_string(
+                &handle
+                    .blocks
+                    .iter()
+                    .map(|(cidr, n)| (cidr.to_string(), *n))
+                    .collect::<BTreeMap<String, u32>>(),
+            )
+            .unwrap_or_default(),
+            note: format!(
+                "Windows-reserved addresses of blocks affine to {}: imported under handle {id} \
+                 with that node, so they are released with the node and its blocks can be freed",
+                &id[windows_prefix.len()..]
+            ),
+        });
+    }
+    for id in derived
+        .keys()
+        .filter(|id| !objects.contains(id.as_str()) && !id.starts_with(&windows_prefix))
+    {
         not_mapped.push(NotMapped {
             object: format!("handle {id}"),
             field: String::new(),
@@ -952,7 +1011,7 @@ fn compare_handles(
         });
     }
     for (id, calico) in &snapshot.handles {
-        if calico.deleted {
+        if calico.deleted || is_windows_reserved(id) {
             continue;
         }
         let counts: BTreeMap<String, i64> = calico.block.clone().unwrap_or_default();

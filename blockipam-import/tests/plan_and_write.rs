@@ -48,6 +48,16 @@ fn block_of(plan: &ImportPlan, cidr: &str) -> Block {
         .unwrap_or_else(|| panic!("block {cidr} in the plan"))
 }
 
+/// A fresh in-memory store holding `plan`, written and verified.
+async fn written_to_memory(plan: &ImportPlan) -> Arc<dyn KvStore> {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let state = inspect_target(&store).await.expect("inspect");
+    writer::write(&store, plan, &state, "test source")
+        .await
+        .expect("write and verify");
+    store
+}
+
 fn block_on<F: std::future::Future>(future: F) -> F::Output {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -321,11 +331,7 @@ fn cooldown_settings_and_cooling_only_blocks_map_as_calico_reads_them() {
 
     // Written and verified: the cooling addresses and the times survive the store.
     block_on(async {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let state = inspect_target(&store).await.expect("inspect");
-        writer::write(&store, &plan, &state, "test source")
-            .await
-            .expect("write and verify");
+        let store = written_to_memory(&plan).await;
         let stored: Vec<Block> = store
             .list(&keys::blocks_dir())
             .await
@@ -421,11 +427,7 @@ fn calico_ip_reservations_become_stored_reservations_counted_as_reserved() {
     assert!(notes.iter().any(|n| n.contains("neither")), "{notes:?}");
 
     block_on(async {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let state = inspect_target(&store).await.expect("inspect");
-        writer::write(&store, &plan, &state, "test source")
-            .await
-            .expect("write and verify");
+        let store = written_to_memory(&plan).await;
         let ipam = Ipam::new(store.clone());
         let stored = ipam.list_reservations().await.expect("list");
         assert_eq!(stored, plan.reservations);
@@ -616,5 +618,108 @@ fn interrupted_import_is_detected_and_resumed_from_the_same_plan() {
             None,
             "a finished import is not empty"
         );
+    });
+}
+
+/// A Calico block of a Windows node as Calico's `newBlock` makes it: the first three and the last
+/// ordinal allocated to `windows-reserved-ipam-handle` with only a `note`, plus `pods` pods.
+fn windows_block(cidr: &str, host: Option<&str>, pods: &[(usize, &str)]) -> CalicoBlockBuilder {
+    let mut block = CalicoBlockBuilder::new(cidr, host, 1);
+    for ordinal in [0, 1, 2, 63] {
+        block = block.allocate(
+            ordinal,
+            "windows-reserved-ipam-handle",
+            &[("note", "windows host rsvd")],
+            1,
+        );
+    }
+    for (ordinal, pod) in pods {
+        let node = host.unwrap_or("gone");
+        block = block.allocate(*ordinal, pod, &[("node", node), ("pod", pod)], 2);
+    }
+    block
+}
+
+/// Calico's Windows-reserved addresses (no `node` attribute; Calico counts a block holding only
+/// them as empty) are imported under one handle per host with that host as their node: releasing
+/// a Windows node's addresses releases them with its pods, so its blocks are freed, and another
+/// Windows node's reservations stay. Those of a block affine to nobody keep Calico's handle.
+#[test]
+fn windows_reserved_addresses_are_released_with_their_blocks_host() {
+    block_on(async {
+        let fixture = CalicoFixture::new()
+            .pool("p", "10.9.0.0/16", 26, json!({}))
+            .block(&windows_block(
+                "10.9.0.0/26",
+                Some("win-1"),
+                &[(3, "net.pod-1")],
+            ))
+            .affinity("win-1", "10.9.0.0/26", "confirmed")
+            .block(&windows_block("10.9.0.64/26", Some("win-2"), &[]))
+            .affinity("win-2", "10.9.0.64/26", "confirmed")
+            .block(&windows_block("10.9.0.128/26", None, &[(5, "net.pod-2")]))
+            .handle(
+                "windows-reserved-ipam-handle",
+                &[
+                    ("10.9.0.0/26", 4),
+                    ("10.9.0.64/26", 4),
+                    ("10.9.0.128/26", 4),
+                ],
+            )
+            .handle("net.pod-1", &[("10.9.0.0/26", 1)])
+            .handle("net.pod-2", &[("10.9.0.128/26", 1)]);
+        let plan = plan_import(&snapshot(&fixture)).expect("maps");
+        let win_1 = block_of(&plan, "10.9.0.0/26");
+        let reserved = win_1.attribute_of(0).expect("ordinal 0 is held");
+        assert_eq!(reserved.handle, "windows-reserved-ipam-handle.win-1");
+        assert_eq!(
+            reserved.metadata.get("node").map(String::as_str),
+            Some("win-1")
+        );
+        assert_eq!(
+            reserved.metadata.get("note").map(String::as_str),
+            Some("windows host rsvd")
+        );
+        let unaffine = block_of(&plan, "10.9.0.128/26");
+        assert_eq!(
+            unaffine.attribute_of(63).map(|a| a.handle.as_str()),
+            Some("windows-reserved-ipam-handle")
+        );
+
+        let store = written_to_memory(&plan).await;
+        let ipam = Ipam::new(store.clone());
+        assert!(ipam.check(false).await.expect("check").problems.is_empty());
+
+        // The Windows node is gone: releasing its addresses frees its block.
+        let released = ipam
+            .release_host("win-1", true)
+            .await
+            .expect("release win-1");
+        let mut addresses = released.released_addresses.clone();
+        addresses.sort();
+        assert_eq!(
+            addresses,
+            ["10.9.0.0", "10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.63"]
+                .map(ip)
+                .to_vec()
+        );
+        assert_eq!(
+            released.deleted_blocks,
+            vec!["10.9.0.0/26".parse::<ipnet::IpNet>().expect("cidr")],
+            "{released:?}"
+        );
+        // win-2's reservations are its own.
+        for ordinal in ["10.9.0.64", "10.9.0.65", "10.9.0.66", "10.9.0.127"] {
+            let holder = ipam
+                .get_assignment(ip(ordinal))
+                .await
+                .expect("who holds it");
+            assert_eq!(
+                holder.map(|h| h.handle),
+                Some("windows-reserved-ipam-handle.win-2".to_owned()),
+                "{ordinal}"
+            );
+        }
+        assert!(ipam.check(false).await.expect("check").problems.is_empty());
     });
 }

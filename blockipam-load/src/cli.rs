@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
 use clap::{ArgGroup, Parser, ValueEnum};
 
 use crate::config::{LoadConfig, Mode, StopRule};
@@ -112,7 +112,7 @@ pub struct Cli {
         help_heading = "Store"
     )]
     pub etcd_key_file: Option<PathBuf>,
-    /// etcd key prefix, ending with '/' [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
+    /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
     #[arg(
         long,
         env = "ETCD_PREFIX",
@@ -286,23 +286,17 @@ impl Cli {
             .datastore_type
             .parse::<DatastoreType>()
             .map_err(|e| LoadError::usage(format!("invalid value for --datastore-type: {e}")))?;
-        let mut settings = DatastoreSettings {
+        let mut settings = DatastoreSettings::from_raw(RawDatastoreSettings {
             datastore_type,
-            path: path(&self.datastore_path),
-            etcd_endpoints: string(&self.etcd_endpoints)
-                .map(|list| DatastoreSettings::parse_endpoints(&list))
-                .unwrap_or_default(),
-            etcd_ca_cert_file: path(&self.etcd_ca_cert_file),
-            etcd_cert_file: path(&self.etcd_cert_file),
-            etcd_key_file: path(&self.etcd_key_file),
-            etcd_prefix: string(&self.etcd_prefix),
-            etcd_username: string(&self.etcd_username),
-            etcd_password: self
-                .etcd_password
-                .clone()
-                .filter(|p| !p.expose().is_empty()),
-            ..DatastoreSettings::default()
-        };
+            path: self.datastore_path.clone(),
+            etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
+            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
+            etcd_cert_file: self.etcd_cert_file.clone(),
+            etcd_key_file: self.etcd_key_file.clone(),
+            etcd_prefix: self.etcd_prefix.clone(),
+            etcd_username: self.etcd_username.clone(),
+            etcd_password: self.etcd_password.clone(),
+        });
         if let Some(text) = string(&self.lock_wait_seconds) {
             settings.lock_wait = seconds(&text, "--lock-wait-seconds", true)?;
         }
@@ -555,6 +549,24 @@ mod tests {
     fn parse(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("blockipam-load").chain(args.iter().copied()))
             .expect("flags parse")
+    }
+
+    /// `--etcd-prefix ""` is the default prefix's identity, as everywhere else (the run then gives
+    /// itself a prefix of its own, as when the flag is absent).
+    #[test]
+    fn an_empty_etcd_prefix_is_the_default_prefix() {
+        let etcd = [
+            "--datastore-type",
+            "etcdv3",
+            "--etcd-endpoints",
+            "127.0.0.1:2379",
+        ];
+        let default = parse(&etcd).settings().expect("settings");
+        let empty = parse(&[&etcd[..], &["--etcd-prefix", ""]].concat())
+            .settings()
+            .expect("settings");
+        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.identity(), default.identity());
     }
 
     #[test]

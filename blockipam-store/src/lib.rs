@@ -1,6 +1,7 @@
 //! Store selection shared by the plugin and the CLI: which backend, where, and how to open it.
 
 use std::fmt;
+pub mod countdowns;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -174,7 +175,74 @@ impl Default for DatastoreSettings {
     }
 }
 
+/// The store selection as an entry point received it (the plugin's netconf keys, the flags and
+/// environment variables of `blockipamctl`, `blockipam-agent` and `blockipam-load`), before
+/// [`DatastoreSettings::from_raw`] reads it. The type is parsed by each entry point (its errors
+/// name the key, flag or variable); everything else is read here, once, the same way for all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RawDatastoreSettings {
+    /// Which backend.
+    pub datastore_type: DatastoreType,
+    /// The embedded store's path.
+    pub path: Option<PathBuf>,
+    /// etcd endpoints, each entry one endpoint or a comma-separated list of them.
+    pub etcd_endpoints: Vec<String>,
+    /// etcd CA certificate file.
+    pub etcd_ca_cert_file: Option<PathBuf>,
+    /// etcd client certificate file.
+    pub etcd_cert_file: Option<PathBuf>,
+    /// etcd client key file.
+    pub etcd_key_file: Option<PathBuf>,
+    /// etcd key prefix.
+    pub etcd_prefix: Option<String>,
+    /// etcd user name.
+    pub etcd_username: Option<String>,
+    /// etcd password.
+    pub etcd_password: Option<Secret>,
+}
+
+/// `value` without surrounding white space; `None` when nothing is left.
+fn given(value: Option<&str>) -> Option<&str> {
+    value.map(str::trim).filter(|text| !text.is_empty())
+}
+
+/// `path` with surrounding white space removed; `None` when nothing is left.
+fn given_path(path: Option<&Path>) -> Option<PathBuf> {
+    match path.map(|p| p.to_str()) {
+        None => None,
+        Some(Some(text)) => given(Some(text)).map(PathBuf::from),
+        // Not UTF-8: taken as it is (an empty path is always UTF-8).
+        Some(None) => path.map(Path::to_path_buf),
+    }
+}
+
 impl DatastoreSettings {
+    /// The settings `raw` selects, every other field at its default (callers set the lock wait,
+    /// the timeouts, the agent socket and the open mode themselves). A value that is absent, empty
+    /// or only white space is not given and takes its default, wherever it comes from: an empty
+    /// etcd prefix is the default prefix `/blockipam/` (never the root of the keyspace), an empty
+    /// path the type's default path, an empty endpoint list no endpoints. Other values are taken
+    /// without surrounding white space, except the password, which is taken as it is.
+    pub fn from_raw(raw: RawDatastoreSettings) -> DatastoreSettings {
+        let owned = |value: Option<String>| given(value.as_deref()).map(str::to_owned);
+        DatastoreSettings {
+            datastore_type: raw.datastore_type,
+            path: given_path(raw.path.as_deref()),
+            etcd_endpoints: raw
+                .etcd_endpoints
+                .iter()
+                .flat_map(|list| Self::parse_endpoints(list))
+                .collect(),
+            etcd_ca_cert_file: given_path(raw.etcd_ca_cert_file.as_deref()),
+            etcd_cert_file: given_path(raw.etcd_cert_file.as_deref()),
+            etcd_key_file: given_path(raw.etcd_key_file.as_deref()),
+            etcd_prefix: owned(raw.etcd_prefix),
+            etcd_username: owned(raw.etcd_username),
+            etcd_password: raw.etcd_password.filter(|p| !p.expose().is_empty()),
+            ..DatastoreSettings::default()
+        }
+    }
+
     /// The embedded store's path: the one given, else the type's default.
     pub fn resolved_path(&self) -> Option<PathBuf> {
         self.path
@@ -244,8 +312,9 @@ impl DatastoreSettings {
     ///
     /// # Errors
     /// [`KvError::Unavailable`] when the socket exists but the agent does not answer in time (or
-    /// nothing accepts on it); [`KvError::Other`] when the path is not a socket or the agent
-    /// refuses this user.
+    /// nothing accepts on it); [`KvError::Other`] when the path is not a socket, the agent
+    /// refuses this user, or the socket is served by a user other than root or this process's own
+    /// (nothing is sent to it then).
     async fn open_through_agent(&self, socket: &Path) -> Result<Option<Arc<dyn KvStore>>, KvError> {
         use std::os::unix::fs::FileTypeExt;
         match std::fs::symlink_metadata(socket) {
@@ -272,7 +341,21 @@ impl DatastoreSettings {
             }
             Ok(_) => {}
         }
-        let store = AgentStore::connect(AgentConfig::new(socket)).await?;
+        let store = match AgentStore::connect(AgentConfig::new(socket)).await {
+            Ok(store) => store,
+            Err(e) if is_stale_socket(socket) => {
+                // Nothing listens: the agent is dead (killed, crashed, OOM), not busy. Nothing
+                // of it can be in flight, so the store is opened directly; the node keeps
+                // working (and keeps showing activity) while the agent is restarted.
+                tracing::warn!(
+                    socket = %socket.display(),
+                    "the agent socket is left by a dead agent (nothing accepts on it): opening \
+                     the store directly ({e})"
+                );
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
         let wanted = self.identity();
         if store.served().matches(&wanted) {
             Ok(Some(Arc::new(store)))
@@ -440,6 +523,7 @@ pub fn check_store_path_ownership(path: &Path) -> Result<(), KvError> {
             path.display()
         )));
     }
+    // Unknown (no /proc): the ownership rule is not applied.
     if let Some(uid) = effective_uid() {
         if metadata.uid() != uid {
             return Err(KvError::other(format!(
@@ -453,9 +537,8 @@ pub fn check_store_path_ownership(path: &Path) -> Result<(), KvError> {
     Ok(())
 }
 
-/// This process's effective user id, read from `/proc/self/status`; `None` when unreadable (the
-/// ownership rule is then not applied).
-fn effective_uid() -> Option<u32> {
+/// This process's effective user id, read from `/proc/self/status`; `None` when unreadable.
+pub fn effective_uid() -> Option<u32> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     status
         .lines()
@@ -464,6 +547,16 @@ fn effective_uid() -> Option<u32> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// True when `socket` is a socket nobody accepts on (connecting is refused): what a killed
+/// agent leaves behind. A hung agent still accepts (the kernel queues the connection) and is not
+/// stale.
+fn is_stale_socket(socket: &Path) -> bool {
+    matches!(
+        std::os::unix::net::UnixStream::connect(socket),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
+    )
 }
 
 #[cfg(test)]
@@ -488,6 +581,54 @@ mod tests {
         assert_eq!(
             DatastoreSettings::parse_endpoints(" http://127.0.0.1:1,127.0.0.1:2 ,,"),
             vec!["http://127.0.0.1:1".to_string(), "127.0.0.1:2".to_string()]
+        );
+    }
+
+    #[test]
+    fn empty_and_blank_raw_values_are_not_given_and_take_their_defaults() {
+        let etcd = |prefix: Option<&str>| {
+            DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type: DatastoreType::Etcdv3,
+                etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
+                etcd_prefix: prefix.map(str::to_owned),
+                ..RawDatastoreSettings::default()
+            })
+        };
+        let default = etcd(None);
+        assert_eq!(
+            default.identity().etcd_prefix.as_deref(),
+            Some(backend_etcd::DEFAULT_PREFIX)
+        );
+        for blank in ["", "  "] {
+            let settings = etcd(Some(blank));
+            assert_eq!(settings.etcd_prefix, None, "{blank:?}");
+            assert_eq!(settings.identity(), default.identity(), "{blank:?}");
+        }
+        assert_eq!(
+            etcd(Some(" /a/ ")).etcd_prefix.as_deref(),
+            Some("/a/"),
+            "a given prefix is kept, trimmed"
+        );
+        let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+            path: Some(PathBuf::from("")),
+            etcd_endpoints: vec![" h:1, ".into(), "h:2,h:3".into(), String::new()],
+            etcd_ca_cert_file: Some(PathBuf::from(" ")),
+            etcd_username: Some(String::new()),
+            etcd_password: Some(Secret::new("")),
+            ..RawDatastoreSettings::default()
+        });
+        assert_eq!(settings.path, None);
+        assert_eq!(settings.etcd_endpoints, ["h:1", "h:2", "h:3"]);
+        assert_eq!(settings.etcd_ca_cert_file, None);
+        assert_eq!(settings.etcd_username, None);
+        assert_eq!(settings.etcd_password, None);
+        let kept = DatastoreSettings::from_raw(RawDatastoreSettings {
+            etcd_password: Some(Secret::new(" spaced ")),
+            ..RawDatastoreSettings::default()
+        });
+        assert_eq!(
+            kept.etcd_password.as_ref().map(Secret::expose),
+            Some(" spaced ")
         );
     }
 

@@ -67,34 +67,48 @@ pub struct BumpArena<const BYTES: usize> {
     region: Region<BYTES>,
     /// Offset of the first free byte of the region.
     next: AtomicUsize,
-    /// False once [`stop_bumping`](Self::stop_bumping) was called.
-    bumping: AtomicBool,
+    /// True once [`stop_bumping`](Self::stop_bumping) was called. False (a zero byte) at the
+    /// start, so that the whole arena's initial value is zero bytes and a `static` of it lives in
+    /// `.bss`: one non-zero byte would put all of it, region included, in `.data`, megabytes of
+    /// every executable file.
+    stopped: AtomicBool,
 }
 
 // SAFETY: the region's bytes are only reached through pointers handed out by `alloc`, each range
-// to one caller (the offset moves forward with a compare-and-swap), so threads never share a byte
-// through the arena itself.
+// to one caller at a time (the offset moves with compare-and-swaps; a range given back by a shrink
+// is handed out again only after its former owner's writes, through their Release and Acquire), so
+// threads never share a byte through the arena itself.
 unsafe impl<const BYTES: usize> Sync for BumpArena<BYTES> {}
 
 impl<const BYTES: usize> BumpArena<BYTES> {
-    /// An arena whose region is all zero bytes (so a `static` of it lives in `.bss`: no page of
-    /// it is read from the executable or touched before it is used).
+    /// An arena that is all zero bytes, region, offset and flag (so a `static` of it lives in
+    /// `.bss`: no page of it is stored in the executable, read from it or touched before it is
+    /// used).
     pub const fn new() -> Self {
         BumpArena {
             region: Region(UnsafeCell::new([0; BYTES])),
             next: AtomicUsize::new(0),
-            bumping: AtomicBool::new(true),
+            stopped: AtomicBool::new(false),
         }
     }
 
     /// From now on every allocation goes to the system allocator; blocks already handed out stay
     /// valid (and their frees are still ignored).
     pub fn stop_bumping(&self) {
-        self.bumping.store(false, Ordering::Relaxed);
+        // Relaxed: the flag publishes no memory; it only picks the allocator for later requests,
+        // and a request that still sees it unset gets a valid block from the region.
+        self.stopped.store(true, Ordering::Relaxed);
+    }
+
+    /// True until [`stop_bumping`](Self::stop_bumping) was called.
+    fn bumping(&self) -> bool {
+        // Relaxed: as in `stop_bumping`.
+        !self.stopped.load(Ordering::Relaxed)
     }
 
     /// Bytes of the region handed out so far (including alignment padding).
     pub fn used(&self) -> usize {
+        // Relaxed: a count for reports; no byte of the region is reached through it.
         self.next.load(Ordering::Relaxed)
     }
 
@@ -110,10 +124,11 @@ impl<const BYTES: usize> BumpArena<BYTES> {
 
     /// A block for `layout` from the region, `None` when it does not fit in what is left.
     fn bump(&self, layout: Layout) -> Option<*mut u8> {
-        if layout.align() > REGION_ALIGN || !self.bumping.load(Ordering::Relaxed) {
+        if layout.align() > REGION_ALIGN || !self.bumping() {
             return None;
         }
         let base = self.base();
+        // Relaxed: only a first guess; the compare-and-swap below checks it and synchronizes.
         let mut current = self.next.load(Ordering::Relaxed);
         loop {
             // Offsets are below BYTES, and BYTES plus an alignment fits a usize: no overflow.
@@ -122,10 +137,15 @@ impl<const BYTES: usize> BumpArena<BYTES> {
             if end > BYTES {
                 return None;
             }
+            // Acquire on success: the bytes from `start` on may be the tail another thread's newest
+            // block gave back by shrinking (`realloc`, whose Release pairs with this). Acquiring
+            // makes that thread's writes to them happen before this caller's, so they cannot land
+            // later on a weakly ordered CPU (over `alloc_zeroed`'s zeroes, say). Relaxed on
+            // failure: the offset seen is only retried with.
             match self.next.compare_exchange_weak(
                 current,
                 end,
-                Ordering::Relaxed,
+                Ordering::Acquire,
                 Ordering::Relaxed,
             ) {
                 Ok(_) => return Some((base + start) as *mut u8),
@@ -183,11 +203,16 @@ unsafe impl<const BYTES: usize> GlobalAlloc for BumpArena<BYTES> {
         let offset = ptr as usize - self.base();
         let old_end = offset + layout.size();
         if let Some(new_end) = offset.checked_add(new_size) {
+            // AcqRel on success. Release when the block shrinks: its tail goes back to the region,
+            // and this thread's earlier writes to the tail must happen before those of whoever
+            // gets it next (whose `bump` acquires). Acquire when it grows: the bytes it takes may
+            // have been given back by another thread's shrink, as in `bump`. Relaxed on failure:
+            // nothing is taken or given back then.
             if new_end <= BYTES
-                && (new_size <= layout.size() || self.bumping.load(Ordering::Relaxed))
+                && (new_size <= layout.size() || self.bumping())
                 && self
                     .next
-                    .compare_exchange(old_end, new_end, Ordering::Relaxed, Ordering::Relaxed)
+                    .compare_exchange(old_end, new_end, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
             {
                 return ptr;

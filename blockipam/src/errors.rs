@@ -32,7 +32,9 @@ pub fn from_ipam(error: &IpamError) -> CniError {
         IpamError::Store(kv) => return from_kv(kv, false),
         IpamError::Exhausted { .. } => codes::POOL_EXHAUSTED,
         IpamError::BlockLimit { .. } => codes::BLOCK_LIMIT_REACHED,
-        IpamError::AlreadyAssigned { .. } => codes::ADDRESS_IN_USE,
+        IpamError::AlreadyAssigned { .. } | IpamError::AddressCooling { .. } => {
+            codes::ADDRESS_IN_USE
+        }
         IpamError::NotInPool(_) => codes::ADDRESS_NOT_IN_POOL,
         IpamError::AffinityConflict { .. } | IpamError::BlockOwnedByOtherHost { .. } => {
             codes::AFFINITY_CONFLICT
@@ -45,7 +47,9 @@ pub fn from_ipam(error: &IpamError) -> CniError {
         IpamError::PoolExists(_) | IpamError::PoolOverlap { .. } => codes::POOL_CONFLICT,
         IpamError::Corrupt { .. } => codes::STORE_CORRUPT,
         IpamError::InvalidArgument(_) => codes::INVALID_NETWORK_CONFIG,
-        IpamError::RetriesExhausted { .. } => codes::TRY_AGAIN_LATER,
+        IpamError::RetriesExhausted { .. } | IpamError::KeptConflicting { .. } => {
+            codes::TRY_AGAIN_LATER
+        }
         _ => codes::INTERNAL,
     };
     CniError::new(code, error.to_string())
@@ -66,6 +70,16 @@ mod tests {
     use ipam_core::Family;
 
     #[test]
+    fn a_cooling_address_asked_for_is_in_use() {
+        let error = IpamError::AddressCooling {
+            ip: "10.0.0.5".parse().expect("ip"),
+            released_at: 100,
+            cools_at: 160,
+        };
+        assert_eq!(from_ipam(&error).code, codes::ADDRESS_IN_USE);
+    }
+
+    #[test]
     fn retryable_failures_are_try_again_later() {
         assert_eq!(
             from_kv(&KvError::unavailable("down"), true).code,
@@ -73,6 +87,14 @@ mod tests {
         );
         assert_eq!(
             from_ipam(&IpamError::RetriesExhausted { attempts: 100 }).code,
+            codes::TRY_AGAIN_LATER
+        );
+        assert_eq!(
+            from_ipam(&IpamError::KeptConflicting {
+                attempts: 100,
+                what: "blocks of host-a".into()
+            })
+            .code,
             codes::TRY_AGAIN_LATER
         );
         assert_eq!(

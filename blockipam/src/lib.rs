@@ -30,7 +30,7 @@ use serde_json::Value;
 
 use crate::args::{parse_cni_args, CniArgs};
 use crate::commands::Attachment;
-use crate::errors::{from_kv, from_lock};
+use crate::errors::{from_ipam, from_kv, from_lock};
 use crate::logging::Sink;
 use crate::netconf::{is_valid_cni_name, parse_header, parse_netconf, resolve_nodename, NetConf};
 use crate::protocol::{codes, is_supported, version_info, CniError, SpecVersion, CURRENT_VERSION};
@@ -414,7 +414,11 @@ async fn with_store(
     // Every call logs (at debug) how many store round trips it made: the figure the allocator
     // is built to keep at two per steady-state ADD and per DEL.
     let counted = Arc::new(CountingStore::new(store));
-    let ipam = Ipam::new(counted.clone());
+    // Every commit also rewrites this node's activity record: the evidence that keeps a node
+    // whose agent is down, but whose runtime keeps calling, from being reclaimed as dead.
+    let ipam = Ipam::new(counted.clone())
+        .recording_activity(node, env!("CARGO_PKG_VERSION"))
+        .map_err(|e| from_ipam(&e))?;
     let attachment = Attachment {
         conf,
         container_id: &env.container_id,

@@ -114,7 +114,9 @@ pub fn dispatch(level: LogLevel, sink: Sink, log_file: Option<&Path>) -> Dispatc
 
 /// Opens `path` for appending. The log holds pod names and addresses, so a file (and any
 /// missing directory) this creates is its owner's only (0600, directories 0700); an existing
-/// file's mode is the operator's and is left as it is.
+/// file's mode is the operator's and is left as it is. A symbolic link at `path` is refused, never
+/// followed (`O_NOFOLLOW`): whoever can plant one in the log directory must not get the plugin,
+/// running as root, to append to (or create) a file of their choosing.
 fn open_log_file(path: &Path) -> std::io::Result<std::fs::File> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         DirBuilder::new()
@@ -126,5 +128,17 @@ fn open_log_file(path: &Path) -> std::io::Result<std::fs::File> {
         .create(true)
         .append(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
+        .map_err(|e| {
+            // O_NOFOLLOW reports a link at the last component as ELOOP.
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                std::io::Error::other(
+                    "it is a symbolic link, which is never followed; point log_file_path at the \
+                     file itself",
+                )
+            } else {
+                e
+            }
+        })
 }

@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
 use ipam_core::{Ipam, IpamError, PoolSpec};
 use ipnet::IpNet;
 use serde_json::{Map, Value};
@@ -398,14 +398,11 @@ pub fn parse_netconf(
                 .map_err(|why| unsupported(&path, text, why))?
         }
     };
+    // One string (comma-separated) or a list; split and trimmed by `DatastoreSettings::from_raw`.
     let etcd_endpoints = match source.lookup("etcd_endpoints", Scope::Both) {
         None => Vec::new(),
-        Some((_, Value::String(s))) => DatastoreSettings::parse_endpoints(s),
-        Some((path, value @ Value::Array(_))) => string_list(&path, value)?
-            .into_iter()
-            .map(|s| s.trim().to_owned())
-            .filter(|s| !s.is_empty())
-            .collect(),
+        Some((_, Value::String(s))) => vec![s.clone()],
+        Some((path, value @ Value::Array(_))) => string_list(&path, value)?,
         Some((path, value)) => {
             return Err(type_error(
                 &path,
@@ -414,25 +411,26 @@ pub fn parse_netconf(
             ))
         }
     };
-    if datastore_type == DatastoreType::Etcdv3 && etcd_endpoints.is_empty() {
-        return Err(CniError::config(
-            "datastore_type etcdv3 needs etcd_endpoints (for example \"http://127.0.0.1:2379\")",
-        ));
-    }
     let path_of = |key: &str| -> Result<Option<PathBuf>, CniError> {
         Ok(source.nonempty_string(key, Scope::Both)?.map(PathBuf::from))
     };
     let lock_wait = source.seconds("ipam_lock_timeout_seconds", DEFAULT_LOCK_WAIT, true)?;
-    let datastore = DatastoreSettings {
+    // As given: `DatastoreSettings::from_raw` reads them as every entry point does.
+    let raw_path = |key: &str| -> Result<Option<PathBuf>, CniError> {
+        Ok(source.string(key, Scope::Both)?.map(PathBuf::from))
+    };
+    let raw = RawDatastoreSettings {
         datastore_type,
-        path: path_of("datastore_path")?,
+        path: raw_path("datastore_path")?,
         etcd_endpoints,
-        etcd_ca_cert_file: path_of("etcd_ca_cert_file")?,
-        etcd_cert_file: path_of("etcd_cert_file")?,
-        etcd_key_file: path_of("etcd_key_file")?,
-        etcd_prefix: source.nonempty_string("etcd_prefix", Scope::Both)?,
-        etcd_username: source.nonempty_string("etcd_username", Scope::Both)?,
+        etcd_ca_cert_file: raw_path("etcd_ca_cert_file")?,
+        etcd_cert_file: raw_path("etcd_cert_file")?,
+        etcd_key_file: raw_path("etcd_key_file")?,
+        etcd_prefix: source.string("etcd_prefix", Scope::Both)?,
+        etcd_username: source.string("etcd_username", Scope::Both)?,
         etcd_password: secret(&source, "etcd_password")?,
+    };
+    let datastore = DatastoreSettings {
         etcd_timeouts: None,
         lock_wait,
         // Decided per call from `pools` (see `with_store`): only a netconf listing pools may
@@ -446,7 +444,13 @@ pub fn parse_netconf(
         },
         // Every round trip counts in a CNI call: no probe read at open (see the field).
         lazy_etcd_connect: true,
+        ..DatastoreSettings::from_raw(raw)
     };
+    if datastore_type == DatastoreType::Etcdv3 && datastore.etcd_endpoints.is_empty() {
+        return Err(CniError::config(
+            "datastore_type etcdv3 needs etcd_endpoints (for example \"http://127.0.0.1:2379\")",
+        ));
+    }
     if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
         return Err(CniError::config(
             "etcd_cert_file and etcd_key_file must be given together",
@@ -794,6 +798,29 @@ mod tests {
 
     fn parse(value: Value) -> Result<NetConf, CniError> {
         parse_netconf(&value, "net".into(), "1.0.0".into())
+    }
+
+    /// An empty `etcd_prefix` is the default prefix, the same store the agent's `--etcd-prefix ""`
+    /// and blockipamctl's name (`DatastoreSettings::from_raw`).
+    #[test]
+    fn an_empty_etcd_prefix_is_the_default_prefix() {
+        let etcd = |extra: Value| {
+            let mut ipam = json!({"datastore_type": "etcdv3", "etcd_endpoints": "127.0.0.1:2379"});
+            if let (Some(ipam), Value::Object(extra)) = (ipam.as_object_mut(), extra) {
+                ipam.extend(extra);
+            }
+            parse(json!({ "ipam": ipam })).expect("parse").datastore
+        };
+        let default = etcd(json!({}));
+        for empty in ["", " "] {
+            let settings = etcd(json!({ "etcd_prefix": empty }));
+            assert_eq!(settings.etcd_prefix, None, "{empty:?}");
+            assert_eq!(settings.identity(), default.identity(), "{empty:?}");
+        }
+        assert_eq!(
+            default.identity().etcd_prefix.as_deref(),
+            Some("/blockipam/")
+        );
     }
 
     #[test]

@@ -58,6 +58,7 @@ in_both_modes! {
     gc_and_status_work_at_1_1_0_and_are_refused_with_code_1_below,
     success_prints_only_the_result_on_stdout_and_logs_on_stderr,
     log_file_path_takes_the_logs_off_stderr,
+    a_symlink_at_log_file_path_is_never_followed_and_the_call_logs_to_stderr,
     log_level_error_keeps_a_successful_call_quiet,
     missing_environment_variables_are_code_4_naming_each_of_them,
     unknown_command_and_invalid_container_id_or_ifname_are_code_4,
@@ -304,6 +305,47 @@ fn log_file_path_takes_the_logs_off_stderr(mode: Mode) {
     assert!(!outcome.stderr.contains("ADD done"), "{outcome:#?}");
     let logged = std::fs::read_to_string(&log).expect("log file");
     assert!(logged.contains("ADD done"), "{logged}");
+}
+
+/// A symbolic link planted at `log_file_path` (pointing at a file whoever planted it wants the
+/// plugin, running as root, to write) is refused: the file it points at stays as it was, the call
+/// still succeeds, and the logs and the reason go to stderr.
+fn a_symlink_at_log_file_path_is_never_followed_and_the_call_logs_to_stderr(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    let target = sandbox.dir.path().join("precious");
+    std::fs::write(&target, "untouched\n").expect("write the target");
+    let log = sandbox.dir.path().join("logs/cni.log");
+    std::fs::create_dir_all(sandbox.dir.path().join("logs")).expect("log dir");
+    std::os::unix::fs::symlink(&target, &log).expect("plant the link");
+    let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": log}));
+    let outcome = cni("ADD", "c1", "eth0", &netconf, &[]);
+    outcome.success_json("ADD");
+    assert_eq!(
+        std::fs::read_to_string(&target).expect("the target"),
+        "untouched\n",
+        "the plugin wrote through the link"
+    );
+    assert!(
+        outcome.stderr.contains("symbolic link") && outcome.stderr.contains("ADD done"),
+        "the refusal and the logs go to stderr: {outcome:#?}"
+    );
+    assert!(
+        std::fs::symlink_metadata(&log)
+            .expect("the link")
+            .file_type()
+            .is_symlink(),
+        "the link is left as it was"
+    );
+    // A dangling link is not followed to create its target either.
+    let missing = sandbox.dir.path().join("created-through-link");
+    let dangling = sandbox.dir.path().join("logs/dangling.log");
+    std::os::unix::fs::symlink(&missing, &dangling).expect("plant the dangling link");
+    let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": dangling}));
+    cni("ADD", "c2", "eth0", &netconf, &[]).success_json("ADD");
+    assert!(
+        !missing.exists(),
+        "the plugin created a file through the link"
+    );
 }
 
 fn log_level_error_keeps_a_successful_call_quiet(mode: Mode) {

@@ -154,8 +154,9 @@ pub enum Command {
     /// Blocks: release the empty ones hosts no longer need.
     #[command(subcommand)]
     Blocks(BlocksCommand),
-    /// Release the blocks and addresses of dead nodes: registered by an agent, liveness gone for
-    /// longer than the grace period (etcd). Shows what it would do unless --apply.
+    /// Release the blocks and addresses of dead nodes: registered by an agent, with no liveness
+    /// key and no plugin commit for a whole grace countdown timed by etcd. Shows what it would do
+    /// unless --apply.
     Gc(GcArgs),
     /// Copy everything into another, empty store and verify the copy.
     Migrate(MigrateArgs),
@@ -473,15 +474,16 @@ pub struct NodeReleaseArgs {
 /// `gc`.
 #[derive(Debug, Args)]
 pub struct GcArgs {
-    /// Nodes an agent registered whose liveness key is gone: show each with its state (alive,
-    /// missing, dead) and what releasing it would free
+    /// Nodes an agent registered: show each with its state (alive, active, missing, dead) and
+    /// what releasing it would free
     #[arg(long)]
     pub dead_nodes: bool,
-    /// Seconds a node's liveness must have been gone before it is dead
+    /// Length of the grace countdowns --apply starts (an etcd lease): a node is dead once its
+    /// countdown ran out with no liveness key and no plugin commit meanwhile
     #[arg(long, value_name = "SECONDS", default_value_t = 900)]
     pub grace_seconds: u64,
-    /// Mark newly missing nodes and release dead ones (like `node release --addresses`); without
-    /// it nothing is written
+    /// Start the countdowns of newly missing nodes and release dead ones (like `node release
+    /// --addresses`); without it nothing is written
     #[arg(long)]
     pub apply: bool,
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, Secret};
+use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
 use ipam_core::{KvError, KvStore};
 
 use crate::cli::{self, GlobalArgs, MigrateArgs, OutputFormat};
@@ -134,60 +134,58 @@ pub fn lock_wait(global: &GlobalArgs, env: &Env) -> Result<Duration, CtlError> {
 /// # Errors
 /// [`CtlError::Usage`] for a bad value or an incomplete etcd selection.
 pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlError> {
-    let mut settings = DatastoreSettings::default();
+    let mut raw = RawDatastoreSettings::default();
     if let Some((text, source)) = pick(
         global.datastore_type.as_deref(),
         "--datastore-type",
         env,
         cli::ENV_DATASTORE_TYPE,
     ) {
-        settings.datastore_type = text
+        raw.datastore_type = text
             .parse::<DatastoreType>()
             .map_err(|e| CtlError::usage(format!("invalid value for {source}: {e}")))?;
     }
-    settings.path = pick_path(
+    let text = |flag: Option<&str>, flag_name: &str, var: &str| {
+        pick(flag, flag_name, env, var).map(|(text, _)| text.to_owned())
+    };
+    raw.path = pick_path(
         global.datastore_path.as_deref(),
         env,
         cli::ENV_DATASTORE_PATH,
     );
-    if let Some((text, _)) = pick(
+    raw.etcd_endpoints = text(
         global.etcd_endpoints.as_deref(),
         "--etcd-endpoints",
-        env,
         cli::ENV_ETCD_ENDPOINTS,
-    ) {
-        settings.etcd_endpoints = DatastoreSettings::parse_endpoints(text);
-    }
-    settings.etcd_ca_cert_file = pick_path(
+    )
+    .into_iter()
+    .collect();
+    raw.etcd_ca_cert_file = pick_path(
         global.etcd_ca_cert_file.as_deref(),
         env,
         cli::ENV_ETCD_CA_CERT_FILE,
     );
-    settings.etcd_cert_file = pick_path(
+    raw.etcd_cert_file = pick_path(
         global.etcd_cert_file.as_deref(),
         env,
         cli::ENV_ETCD_CERT_FILE,
     );
-    settings.etcd_key_file =
-        pick_path(global.etcd_key_file.as_deref(), env, cli::ENV_ETCD_KEY_FILE);
-    settings.etcd_prefix = pick(
+    raw.etcd_key_file = pick_path(global.etcd_key_file.as_deref(), env, cli::ENV_ETCD_KEY_FILE);
+    raw.etcd_prefix = text(
         global.etcd_prefix.as_deref(),
         "--etcd-prefix",
-        env,
         cli::ENV_ETCD_PREFIX,
-    )
-    .map(|(text, _)| text.to_owned());
-    settings.etcd_username = pick(
+    );
+    raw.etcd_username = text(
         global.etcd_username.as_deref(),
         "--etcd-username",
-        env,
         cli::ENV_ETCD_USERNAME,
-    )
-    .map(|(text, _)| text.to_owned());
-    settings.etcd_password = global
+    );
+    raw.etcd_password = global
         .etcd_password
         .clone()
         .or_else(|| env.get(cli::ENV_ETCD_PASSWORD).map(Secret::new));
+    let mut settings = DatastoreSettings::from_raw(raw);
     settings.lock_wait = lock_wait(global, env)?;
     if let Some((text, _)) = pick(
         global.agent_socket.as_deref(),
@@ -226,19 +224,6 @@ pub fn resolve_target(
         .parse::<DatastoreType>()
         .map_err(|e| CtlError::usage(format!("invalid value for --to-datastore-type: {e}")))?;
     let settings = DatastoreSettings {
-        datastore_type,
-        path: args.to_datastore_path.clone(),
-        etcd_endpoints: args
-            .to_etcd_endpoints
-            .as_deref()
-            .map(DatastoreSettings::parse_endpoints)
-            .unwrap_or_default(),
-        etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
-        etcd_cert_file: args.to_etcd_cert_file.clone(),
-        etcd_key_file: args.to_etcd_key_file.clone(),
-        etcd_prefix: args.to_etcd_prefix.clone(),
-        etcd_username: args.to_etcd_username.clone(),
-        etcd_password: args.to_etcd_password.clone(),
         etcd_timeouts: source.etcd_timeouts,
         lock_wait: source.lock_wait,
         // Decided by the open mode (see `open`).
@@ -246,6 +231,17 @@ pub fn resolve_target(
         // Used only when the agent there serves this very store.
         agent_socket: source.agent_socket.clone(),
         lazy_etcd_connect: false,
+        ..DatastoreSettings::from_raw(RawDatastoreSettings {
+            datastore_type,
+            path: args.to_datastore_path.clone(),
+            etcd_endpoints: args.to_etcd_endpoints.iter().cloned().collect(),
+            etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
+            etcd_cert_file: args.to_etcd_cert_file.clone(),
+            etcd_key_file: args.to_etcd_key_file.clone(),
+            etcd_prefix: args.to_etcd_prefix.clone(),
+            etcd_username: args.to_etcd_username.clone(),
+            etcd_password: args.to_etcd_password.clone(),
+        })
     };
     validate(&settings, "to-")?;
     Ok(settings)
@@ -393,6 +389,39 @@ mod tests {
         };
         let settings = resolve(&global, &env).expect("flag");
         assert_eq!(settings.path, Some(PathBuf::from("/flag/store")));
+    }
+
+    /// `--etcd-prefix ""` (or `--to-etcd-prefix ""`) is the default prefix, as an empty
+    /// `etcd_prefix` in the plugin's netconf: the same store, the same agent.
+    #[test]
+    fn an_empty_etcd_prefix_is_the_default_prefix() {
+        let etcd = |prefix: Option<&str>| GlobalArgs {
+            datastore_type: Some("etcdv3".into()),
+            etcd_endpoints: Some("127.0.0.1:2379".into()),
+            etcd_prefix: prefix.map(str::to_owned),
+            ..GlobalArgs::default()
+        };
+        let default = resolve(&etcd(None), &no_env()).expect("default prefix");
+        let empty = resolve(&etcd(Some("")), &no_env()).expect("empty prefix");
+        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.identity(), default.identity());
+        assert_eq!(
+            default.identity().etcd_prefix.as_deref(),
+            Some(DEFAULT_PREFIX)
+        );
+        let migrate = MigrateArgs {
+            to_datastore_type: "etcdv3".into(),
+            to_datastore_path: None,
+            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
+            to_etcd_ca_cert_file: None,
+            to_etcd_cert_file: None,
+            to_etcd_key_file: None,
+            to_etcd_prefix: Some(String::new()),
+            to_etcd_username: None,
+            to_etcd_password: None,
+        };
+        let target = resolve_target(&migrate, &default).expect("target");
+        assert_eq!(target.identity(), default.identity());
     }
 
     #[test]

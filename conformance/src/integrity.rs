@@ -41,21 +41,25 @@ macro_rules! ipam_integrity_tests {
             claim_entries_of_an_unknown_format_are_reported_never_misread,
             release_chosen_frees_what_the_caller_picks_in_one_read_and_one_transaction,
             guarded_writes_stop_once_the_guard_no_longer_holds,
+            empty_block_release_reads_the_claim_index_and_only_the_blocks_it_may_release,
         );
     };
 }
 
 // ---------------------------------------------------------------------------------------------
 // A store that runs a hook right after a chosen read returns: the hook's writes land between
-// that read and whatever the caller does next, deterministically.
+// that read and whatever the caller does next, deterministically. It can also refuse chosen
+// commits, as if another writer always got there first.
 // ---------------------------------------------------------------------------------------------
 
 type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
 type Trigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
+type Refusal = Box<dyn Fn(&Txn) -> Option<KvError> + Send + Sync>;
 
-struct HookStore {
+pub(crate) struct HookStore {
     inner: Arc<dyn KvStore>,
     armed: Mutex<Option<(Trigger, Hook)>>,
+    refuse: Mutex<Option<Refusal>>,
 }
 
 impl fmt::Debug for HookStore {
@@ -67,15 +71,24 @@ impl fmt::Debug for HookStore {
 }
 
 impl HookStore {
-    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
         Arc::new(HookStore {
             inner,
             armed: Mutex::new(None),
+            refuse: Mutex::new(None),
         })
     }
 
+    /// From now on, a commit for which `refuse` returns an error fails with it, writing nothing.
+    pub(crate) fn refuse_commits<R>(&self, refuse: R)
+    where
+        R: Fn(&Txn) -> Option<KvError> + Send + Sync + 'static,
+    {
+        *self.refuse.lock().expect("refusal lock") = Some(Box::new(refuse));
+    }
+
     /// Runs `hook` once, after the first read for which `trigger` holds has been answered.
-    fn arm<T, H, Fut>(&self, trigger: T, hook: H)
+    pub(crate) fn arm<T, H, Fut>(&self, trigger: T, hook: H)
     where
         T: Fn(&[Read]) -> bool + Send + Sync + 'static,
         H: FnOnce() -> Fut + Send + 'static,
@@ -85,7 +98,7 @@ impl HookStore {
         *self.armed.lock().expect("hook lock") = Some((Box::new(trigger), hook));
     }
 
-    fn fired(&self) -> bool {
+    pub(crate) fn fired(&self) -> bool {
         self.armed.lock().expect("hook lock").is_none()
     }
 
@@ -118,7 +131,16 @@ impl KvStore for HookStore {
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        self.inner.commit(txn).await
+        let refused = self
+            .refuse
+            .lock()
+            .expect("refusal lock")
+            .as_ref()
+            .and_then(|refuse| refuse(&txn));
+        match refused {
+            Some(e) => Err(e),
+            None => self.inner.commit(txn).await,
+        }
     }
 
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
@@ -1159,4 +1181,68 @@ pub async fn guarded_writes_stop_once_the_guard_no_longer_holds<F: StoreFactory>
         holder(&ipam, first).await.as_deref(),
         Some("while-guard-holds")
     );
+}
+
+/// The reclaimer's empty-block pass (`release_empty_blocks`) starts from the claim index: with no
+/// empty block it reads no block at all, whatever the store holds; with one host holding empty
+/// blocks it reads that host's blocks only, and releases all but its newest.
+pub async fn empty_block_release_reads_the_claim_index_and_only_the_blocks_it_may_release<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec("10.6.0.0/24", "release-pass", 30))
+        .await
+        .expect("create pool");
+    for h in 0..24 {
+        ipam.auto_assign(&v4(&format!("busy-{h}"), &format!("busy-host-{h}"), 1))
+            .await
+            .expect("a busy host claims a block");
+    }
+    let filter = ipam_core::EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: false,
+    };
+    let recording = Arc::new(RecordingStore {
+        inner: Arc::clone(&t.store),
+        reads: Mutex::new(Vec::new()),
+    });
+    let observed = Ipam::new(recording.clone() as Arc<dyn KvStore>);
+    let found = observed
+        .release_empty_blocks(filter, true)
+        .await
+        .expect("a pass with nothing to release");
+    assert!(found.is_empty(), "{found:?}");
+    let reads = recording.reads.lock().expect("reads").clone();
+    let shape = read_shape(&reads, "nobody");
+    assert_eq!(
+        (shape.round_trips, shape.block_listings, shape.block_gets),
+        (1, 0, 0),
+        "a pass over a store with no empty block read blocks: {reads:?}"
+    );
+
+    // One host with three blocks, all emptied: the two older ones go, its newest stays.
+    ipam.auto_assign(&v4("emptied", "quiet-host", 9))
+        .await
+        .expect("three blocks of four addresses");
+    ipam.release_handle("emptied").await.expect("release them");
+    recording.reads.lock().expect("reads").clear();
+    let found = observed
+        .release_empty_blocks(filter, true)
+        .await
+        .expect("a pass with blocks to release");
+    let released: Vec<_> = found.iter().filter(|b| b.released).collect();
+    assert_eq!(released.len(), 2, "{found:?}");
+    assert!(released
+        .iter()
+        .all(|b| b.host.as_deref() == Some("quiet-host")));
+    let reads = recording.reads.lock().expect("reads").clone();
+    let shape = read_shape(&reads, "quiet-host");
+    assert_eq!(
+        shape.block_listings, 0,
+        "the pass listed blocks other than the emptied host's: {reads:?}"
+    );
+    assert_clean(&ipam).await;
 }

@@ -132,6 +132,7 @@ macro_rules! ipam_conformance_tests {
         $crate::lifecycle_conformance_tests!($factory);
         $crate::reservations_conformance_tests!($factory);
         $crate::resize_conformance_tests!($factory);
+        $crate::repair_conformance_tests!($factory);
     };
 }
 

@@ -9,6 +9,7 @@ pub mod lifecycle;
 pub mod linearizability;
 pub mod model_based;
 pub mod nodes;
+pub mod repair;
 pub mod reservations;
 pub mod resize;
 

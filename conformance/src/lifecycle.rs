@@ -21,7 +21,7 @@ macro_rules! lifecycle_conformance_tests {
         $crate::__expand_cases!(lifecycle, $crate::lifecycle, $factory;
             cooling_address_is_not_handed_out_until_its_cooldown_passes,
             cooling_addresses_keep_a_block_from_being_empty,
-            explicitly_requested_cooling_address_is_handed_out,
+            explicitly_requested_cooling_address_is_refused_until_it_cools,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
             takeover_waits_for_cooling_addresses,
@@ -162,25 +162,44 @@ pub async fn cooling_addresses_keep_a_block_from_being_empty<F: StoreFactory>(fa
     assert_clean(&ipam).await;
 }
 
-/// An address named explicitly is handed out even while cooling (the cooldown guards
-/// auto-assign's choice, not the operator's).
-pub async fn explicitly_requested_cooling_address_is_handed_out<F: StoreFactory>(factory: &F) {
+/// An address named explicitly is refused while it cools, as Calico refuses it (it still has an
+/// allocation entry there), with an error saying until when, and nothing is written; once the
+/// cooldown has passed it is handed out.
+pub async fn explicitly_requested_cooling_address_is_refused_until_it_cools<F: StoreFactory>(
+    factory: &F,
+) {
     let clock = HandClock::new(9_000);
-    let (_t, ipam) = lab(factory, "10.42.0.0/28", 30, &clock, |c| {
+    let (t, ipam) = lab(factory, "10.42.0.0/28", 30, &clock, |c| {
         c.ip_cooldown_seconds = 600;
     })
     .await;
     let (ip, _) = assign(&ipam, "h0", "node-a").await;
     ipam.release_handle("h0").await.expect("release");
-    let got = ipam
-        .assign_ips(&ipam_core::AssignIpsRequest {
-            handle: "h1".into(),
-            host: "node-a".into(),
-            ips: vec![ip],
-            ..Default::default()
-        })
-        .await
-        .expect("explicit assign");
+    let request = ipam_core::AssignIpsRequest {
+        handle: "h1".into(),
+        host: "node-a".into(),
+        ips: vec![ip],
+        ..Default::default()
+    };
+    clock.set(9_599);
+    let before = t.store.list("").await.expect("list");
+    match ipam.assign_ips(&request).await {
+        Err(IpamError::AddressCooling {
+            ip: refused,
+            released_at,
+            cools_at,
+        }) => {
+            assert_eq!((refused, released_at, cools_at), (ip, 9_000, 9_600));
+        }
+        other => panic!("a cooling address was not refused: {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a refused assignment wrote"
+    );
+    clock.set(9_600);
+    let got = ipam.assign_ips(&request).await.expect("cooled: assigned");
     assert_eq!(got[0].ip, ip);
     assert_clean(&ipam).await;
 }

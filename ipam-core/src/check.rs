@@ -40,6 +40,81 @@ pub mod kinds {
     pub const EMPTY_UNAFFINE_BLOCK: &str = "empty-unaffine-block";
     /// Two pools overlap.
     pub const OVERLAPPING_POOLS: &str = "overlapping-pools";
+    /// A `blockipamctl import calico` did not finish (reported by `blockipamctl check`).
+    pub const IMPORT_IN_PROGRESS: &str = "import-in-progress";
+
+    /// Every kind, for tables and tests.
+    pub const ALL: &[&str] = &[
+        CORRUPT_OBJECT,
+        BLOCK_MISPLACED,
+        BLOCK_OUTSIDE_POOLS,
+        BLOCK_SIZE_MISMATCH,
+        OVERLAPPING_BLOCKS,
+        FREE_LIST,
+        ORPHANED_CLAIM,
+        CLAIM_MISMATCH,
+        HANDLE_COUNT,
+        MISSING_HANDLE,
+        EMPTY_UNAFFINE_BLOCK,
+        OVERLAPPING_POOLS,
+        IMPORT_IN_PROGRESS,
+    ];
+
+    /// What a person should do about a problem of `kind` (empty for a kind this build does not know).
+    pub fn remedy(kind: &str) -> &'static str {
+        match kind {
+            CORRUPT_OBJECT => {
+                "Find out what wrote the key: a value written by a newer blockipam (its format \
+                 version is above this build's) is read by upgrading this tool; damaged bytes are \
+                 restored from a backup or store snapshot. Until then, repairs that depend on the \
+                 object (the handles, claim index entries and empty blocks of its CIDR) are held \
+                 back; deleting the key instead loses the allocations it holds."
+            }
+            BLOCK_MISPLACED => {
+                "Stop the writers of this store and compare the block with its claim index entry; \
+                 move the value to the key the detail names (same bytes), then run check again."
+            }
+            BLOCK_OUTSIDE_POOLS => {
+                "Recreate the pool that held the block (same CIDR and block size), or release the \
+                 block's addresses and its affinity so it is deleted."
+            }
+            BLOCK_SIZE_MISMATCH => {
+                "Recreate the pool with the block size its blocks have, or record the change \
+                 with `blockipamctl pool set --block-size` (existing blocks keep their size and drain)."
+            }
+            OVERLAPPING_BLOCKS => {
+                "Addresses may be handed out twice: stop the writers, release the addresses of one \
+                 of the blocks (`blockipamctl release`), delete it, then run check again."
+            }
+            FREE_LIST => {
+                "Stop the writers and restore the block from a backup; releasing and reassigning \
+                 the listed addresses rebuilds the free list when no backup exists."
+            }
+            ORPHANED_CLAIM => "Run `blockipamctl check --repair`: it deletes the entry.",
+            CLAIM_MISMATCH => {
+                "Run `blockipamctl check --repair`: it rewrites the entry from the block. A repair \
+                 held back by an unreadable object waits until that object is fixed."
+            }
+            HANDLE_COUNT => {
+                "Run `blockipamctl check --repair`: it rewrites the handle from the blocks. A \
+                 repair held back by an unreadable block or claim entry waits until that object is \
+                 fixed (a rewrite then would lose the addresses it holds)."
+            }
+            MISSING_HANDLE => {
+                "Run `blockipamctl check --repair`: it recreates the handle, so the pod's DEL \
+                 releases its addresses."
+            }
+            EMPTY_UNAFFINE_BLOCK => "Run `blockipamctl check --repair`: it deletes the block.",
+            OVERLAPPING_POOLS => {
+                "Delete or shrink one of the pools (`blockipamctl pool delete`) once it holds no \
+                 addresses; new pools that overlap are refused."
+            }
+            IMPORT_IN_PROGRESS => {
+                "Run the same `blockipamctl import calico` again: it resumes the import."
+            }
+            _ => "",
+        }
+    }
 }
 
 /// One inconsistency.
@@ -51,6 +126,22 @@ pub struct Problem {
     pub detail: String,
     /// Whether `check --repair` fixes this kind.
     pub repairable: bool,
+    /// What a person should do about it ([`kinds::remedy`]); empty in reports written before
+    /// remedies were reported.
+    #[serde(default)]
+    pub remedy: String,
+}
+
+impl Problem {
+    /// A problem of `kind`, with that kind's remedy.
+    pub fn new(kind: &str, repairable: bool, detail: String) -> Problem {
+        Problem {
+            kind: kind.to_owned(),
+            detail,
+            repairable,
+            remedy: kinds::remedy(kind).to_owned(),
+        }
+    }
 }
 
 /// The result of a check (and of a repair, when asked).
@@ -70,11 +161,7 @@ pub struct CheckReport {
 
 impl CheckReport {
     fn problem(&mut self, kind: &str, repairable: bool, detail: String) {
-        self.problems.push(Problem {
-            kind: kind.to_owned(),
-            detail,
-            repairable,
-        });
+        self.problems.push(Problem::new(kind, repairable, detail));
     }
 }
 
@@ -99,19 +186,72 @@ fn overlapping_blocks(blocks: &[Stored<Block>], report: &mut CheckReport) {
     }
 }
 
+/// A block or claim index entry that cannot be decoded (damaged, or written by a newer format).
+#[derive(Debug)]
+struct Unreadable {
+    key: String,
+    /// The CIDR its key names; `None` when the key names none (it could be any block).
+    cidr: Option<IpNet>,
+}
+
 /// Everything the check reads, from one batched read.
 struct Snapshot {
     pools: Vec<Stored<Pool>>,
     blocks: Vec<Stored<Block>>,
     claims: BTreeMap<IpNet, Stored<ClaimEntry>>,
     handles: BTreeMap<String, Stored<Handle>>,
+    /// Blocks and claim index entries that failed to decode: what they hold is unknown.
+    unreadable: Vec<Unreadable>,
+}
+
+impl Snapshot {
+    /// The key of an undecodable block or claim index entry that may hold addresses of any of
+    /// `cidrs` (its CIDR overlaps one of them, or its key names no CIDR): a repair touching those
+    /// CIDRs is held back while it exists, since what it holds is unknown. `None` when no such key.
+    fn holding_back<'a>(&self, cidrs: impl IntoIterator<Item = &'a IpNet>) -> Option<&str> {
+        let cidrs: Vec<&IpNet> = cidrs.into_iter().collect();
+        self.unreadable
+            .iter()
+            .find(|u| match u.cidr {
+                None => true,
+                Some(bad) => cidrs
+                    .iter()
+                    .any(|c| c.contains(&bad.network()) || bad.contains(&c.network())),
+            })
+            .map(|u| u.key.as_str())
+    }
+
+    /// The CIDRs a repair of handle `id` touches: those it records and those the blocks hold for it.
+    fn handle_cidrs<'a>(
+        &'a self,
+        id: &str,
+        expected: Option<&'a BTreeMap<IpNet, u32>>,
+    ) -> BTreeSet<&'a IpNet> {
+        self.handles
+            .get(id)
+            .into_iter()
+            .flat_map(|h| h.value.blocks.keys())
+            .chain(expected.into_iter().flat_map(|e| e.keys()))
+            .collect()
+    }
+}
+
+/// Why a repair is held back, appended to the problem's detail.
+fn held_back_note(key: &str) -> String {
+    format!(
+        "; not repaired while {key} cannot be decoded (it may hold addresses this repair would \
+         lose track of)"
+    )
 }
 
 impl Ipam {
     /// Checks every stored object against the others; with `repair`, fixes what is safe to fix:
     /// handle counts (rewritten from the blocks, which are the authority), claim index entries,
     /// and empty blocks without affinity. Each repair is its own guarded transaction, so a repair
-    /// racing a live allocator changes nothing it should not.
+    /// racing a live allocator changes nothing it should not. A repair whose CIDRs overlap a block
+    /// or claim index entry that cannot be decoded (or any, when its key names no CIDR) is held
+    /// back, reported as not repairable: what that object holds is unknown, and rewriting a handle
+    /// without it would lose track of addresses (a leak once the pod's DEL finds no handle).
     ///
     /// # Errors
     /// Store failures.
@@ -212,39 +352,34 @@ impl Ipam {
                     format!("block {}: {detail}", block.cidr),
                 );
             }
+            let held_back = snapshot.holding_back([&block.cidr]);
+            let repairable = held_back.is_none();
+            let note = held_back.map(held_back_note).unwrap_or_default();
             if block.is_empty() && block.affinity.is_none() {
                 report.problem(
                     kinds::EMPTY_UNAFFINE_BLOCK,
-                    true,
-                    format!("block {} is empty and has no affinity", block.cidr),
+                    repairable,
+                    format!("block {} is empty and has no affinity{note}", block.cidr),
                 );
             }
-            match snapshot.claims.get(&block.cidr) {
-                None => report.problem(
-                    kinds::CLAIM_MISMATCH,
-                    true,
-                    format!("block {} has no claim index entry", block.cidr),
-                ),
-                Some(claim) if claim.value.affinity != block.affinity => report.problem(
-                    kinds::CLAIM_MISMATCH,
-                    true,
-                    format!(
-                        "claim index says block {} belongs to {:?}, the block says {:?}",
-                        block.cidr, claim.value.affinity, block.affinity
-                    ),
-                ),
-                Some(claim) if claim.value.free.is_some_and(|free| free != block.free()) => report
-                    .problem(
-                        kinds::CLAIM_MISMATCH,
-                        true,
-                        format!(
-                            "claim index says block {} has {} free addresses, the block has {}",
-                            block.cidr,
-                            claim.value.free.unwrap_or_default(),
-                            block.free()
-                        ),
-                    ),
-                Some(_) => {}
+            let claim_problem = match snapshot.claims.get(&block.cidr) {
+                None => Some(format!("block {} has no claim index entry", block.cidr)),
+                Some(claim) if claim.value.affinity != block.affinity => Some(format!(
+                    "claim index says block {} belongs to {:?}, the block says {:?}",
+                    block.cidr, claim.value.affinity, block.affinity
+                )),
+                Some(claim) if claim.value.free.is_some_and(|free| free != block.free()) => {
+                    Some(format!(
+                        "claim index says block {} has {} free addresses, the block has {}",
+                        block.cidr,
+                        claim.value.free.unwrap_or_default(),
+                        block.free()
+                    ))
+                }
+                Some(_) => None,
+            };
+            if let Some(detail) = claim_problem {
+                report.problem(kinds::CLAIM_MISMATCH, repairable, format!("{detail}{note}"));
             }
             for ordinal in block.allocations.keys() {
                 if let Some(attribute) = block.attribute_of(*ordinal) {
@@ -276,10 +411,14 @@ impl Ipam {
         }
         for cidr in snapshot.claims.keys() {
             if !seen_cidrs.contains_key(cidr) {
+                let held_back = snapshot.holding_back([cidr]);
                 report.problem(
                     kinds::ORPHANED_CLAIM,
-                    true,
-                    format!("claim index entry for {cidr} has no block"),
+                    held_back.is_none(),
+                    format!(
+                        "claim index entry for {cidr} has no block{}",
+                        held_back.map(held_back_note).unwrap_or_default()
+                    ),
                 );
             }
         }
@@ -287,25 +426,30 @@ impl Ipam {
             report.handles_checked += 1;
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
             if stored.value.blocks != expected {
+                let held_back =
+                    snapshot.holding_back(snapshot.handle_cidrs(id, expected_handles.get(id)));
                 report.problem(
                     kinds::HANDLE_COUNT,
-                    true,
+                    held_back.is_none(),
                     format!(
-                        "handle {id:?} records {:?} but the blocks hold {:?}",
+                        "handle {id:?} records {:?} but the blocks hold {:?}{}",
                         counts_text(&stored.value.blocks),
-                        counts_text(&expected)
+                        counts_text(&expected),
+                        held_back.map(held_back_note).unwrap_or_default()
                     ),
                 );
             }
         }
         for (id, counts) in &expected_handles {
             if !snapshot.handles.contains_key(id) {
+                let held_back = snapshot.holding_back(counts.keys());
                 report.problem(
                     kinds::MISSING_HANDLE,
-                    true,
+                    held_back.is_none(),
                     format!(
-                        "blocks hold {:?} for handle {id:?}, which does not exist",
-                        counts_text(counts)
+                        "blocks hold {:?} for handle {id:?}, which does not exist{}",
+                        counts_text(counts),
+                        held_back.map(held_back_note).unwrap_or_default()
                     ),
                 );
             }
@@ -348,18 +492,38 @@ impl Ipam {
             blocks: Vec::new(),
             claims: BTreeMap::new(),
             handles: BTreeMap::new(),
+            unreadable: Vec::new(),
         };
-        let mut corrupt = |key: &str, e: IpamError| {
+        let corrupt = |report: &mut CheckReport, key: &str, e: IpamError| {
             report.problem(kinds::CORRUPT_OBJECT, false, format!("{key}: {e}"));
+        };
+        let unreadable_entry = |report: &mut CheckReport,
+                                unreadable: &mut Vec<Unreadable>,
+                                key: &str,
+                                cidr: Option<IpNet>,
+                                e: IpamError| {
+            let scope = cidr.map_or_else(|| "every CIDR".to_owned(), |c| c.to_string());
+            report.problem(
+                kinds::CORRUPT_OBJECT,
+                false,
+                format!(
+                    "{key}: {e}; repairs of the handles, claim index entries and empty blocks of \
+                     {scope} are held back until it can be decoded"
+                ),
+            );
+            unreadable.push(Unreadable {
+                key: key.to_owned(),
+                cidr,
+            });
         };
         if let Some(kv) = config {
             if let Err(e) = decode::<IpamConfig>(&kv.key, &kv.value) {
-                corrupt(&kv.key, e);
+                corrupt(report, &kv.key, e);
             }
         }
         for kv in &reservations {
             if let Err(e) = crate::reservations::decode_reservations(std::slice::from_ref(kv)) {
-                corrupt(&kv.key, e);
+                corrupt(report, &kv.key, e);
             }
         }
         for kv in pools {
@@ -370,14 +534,18 @@ impl Ipam {
                     key: kv.key,
                     revision: kv.revision,
                 }),
-                Err(e) => corrupt(&key, e),
+                Err(e) => corrupt(report, &key, e),
             }
         }
+        let mut unreadable = Vec::new();
         for kv in blocks {
             let key = kv.key.clone();
             match decode_stored::<Block>(kv) {
                 Ok(b) => snapshot.blocks.push(b),
-                Err(e) => corrupt(&key, e),
+                Err(e) => {
+                    let cidr = key.rsplit('/').next().and_then(keys::parse_cidr_segment);
+                    unreadable_entry(report, &mut unreadable, &key, cidr, e);
+                }
             }
         }
         for kv in claims {
@@ -386,7 +554,13 @@ impl Ipam {
                 .strip_prefix(&keys::claims_dir())
                 .and_then(keys::parse_cidr_segment)
             else {
-                corrupt(&key, IpamError::invalid("key does not name a CIDR"));
+                unreadable_entry(
+                    report,
+                    &mut unreadable,
+                    &key,
+                    None,
+                    IpamError::invalid("key does not name a CIDR"),
+                );
                 continue;
             };
             match decode_claim(&kv.key, &kv.value) {
@@ -400,9 +574,10 @@ impl Ipam {
                         },
                     );
                 }
-                Err(e) => corrupt(&key, e),
+                Err(e) => unreadable_entry(report, &mut unreadable, &key, Some(cidr), e),
             }
         }
+        snapshot.unreadable = unreadable;
         for kv in handles {
             let key = kv.key.clone();
             let id = key
@@ -413,7 +588,7 @@ impl Ipam {
                 Ok(h) => {
                     snapshot.handles.insert(id, h);
                 }
-                Err(e) => corrupt(&key, e),
+                Err(e) => corrupt(report, &key, e),
             }
         }
         Ok(snapshot)
@@ -426,6 +601,8 @@ impl Ipam {
         report: &mut CheckReport,
     ) -> Result<(), IpamError> {
         let mut outcomes: Vec<(String, Result<(), IpamError>)> = Vec::new();
+        // Repairs that depend on an undecodable block or claim entry: reported, never made.
+        let mut held_back: Vec<String> = Vec::new();
         // Handle counts: the blocks are the authority.
         let ids: BTreeSet<&String> = snapshot
             .handles
@@ -436,6 +613,12 @@ impl Ipam {
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
             let stored = snapshot.handles.get(id);
             if stored.map(|s| &s.value.blocks) == Some(&expected) {
+                continue;
+            }
+            if let Some(bad) =
+                snapshot.holding_back(snapshot.handle_cidrs(id, expected_handles.get(id)))
+            {
+                held_back.push(format!("handle {id:?} (while {bad} cannot be decoded)"));
                 continue;
             }
             let key = keys::handle(id);
@@ -483,6 +666,13 @@ impl Ipam {
             {
                 continue; // stored twice: needs a person
             }
+            if let Some(bad) = snapshot.holding_back([&block.cidr]) {
+                held_back.push(format!(
+                    "claim index entry of {} (while {bad} cannot be decoded)",
+                    block.cidr
+                ));
+                continue;
+            }
             let mut plan = Plan::default();
             plan.expect(&stored.key, Some(stored.revision));
             plan.expect(&claim_key, claim.map(|c| c.revision));
@@ -497,6 +687,12 @@ impl Ipam {
         }
         for (cidr, claim) in &snapshot.claims {
             if snapshot.blocks.iter().any(|b| b.value.cidr == *cidr) {
+                continue;
+            }
+            if let Some(bad) = snapshot.holding_back([cidr]) {
+                held_back.push(format!(
+                    "claim index entry {cidr} (while {bad} cannot be decoded)"
+                ));
                 continue;
             }
             let mut plan = Plan::default();
@@ -517,6 +713,13 @@ impl Ipam {
             .iter()
             .filter(|b| b.value.is_empty() && b.value.affinity.is_none())
         {
+            if let Some(bad) = snapshot.holding_back([&stored.value.cidr]) {
+                held_back.push(format!(
+                    "empty block {} (while {bad} cannot be decoded)",
+                    stored.value.cidr
+                ));
+                continue;
+            }
             let mut plan = Plan::default();
             plan.expect(&stored.key, Some(stored.revision));
             plan.delete_block(&stored.key, &stored.value);
@@ -525,6 +728,11 @@ impl Ipam {
                 self.commit_repair(plan).await,
             ));
         }
+        report.repaired.extend(
+            held_back
+                .into_iter()
+                .map(|what| format!("held back, not repaired: {what}")),
+        );
         for (action, outcome) in outcomes {
             match outcome {
                 Ok(()) => report.repaired.push(action),
@@ -549,4 +757,48 @@ impl Ipam {
 
 fn counts_text(counts: &BTreeMap<IpNet, u32>) -> BTreeMap<String, u32> {
     counts.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kinds declared in this file's `kinds` module, read from the source itself, so a kind
+    /// added there without a remedy (or left out of `kinds::ALL`) fails the test below.
+    fn declared_kinds() -> Vec<String> {
+        let source = include_str!("check.rs");
+        let module = source
+            .split("pub mod kinds {")
+            .nth(1)
+            .and_then(|rest| rest.split("pub const ALL").next())
+            .unwrap_or_default();
+        module
+            .lines()
+            .filter_map(|line| line.trim().strip_prefix("pub const "))
+            .filter_map(|rest| rest.split('"').nth(1))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn every_problem_kind_says_what_to_do() {
+        let declared = declared_kinds();
+        assert!(declared.len() >= 12, "too few kinds read: {declared:?}");
+        let listed: Vec<String> = kinds::ALL.iter().map(|k| (*k).to_owned()).collect();
+        assert_eq!(declared, listed, "kinds::ALL must list every declared kind");
+        for kind in kinds::ALL {
+            let remedy = kinds::remedy(kind);
+            assert!(!remedy.trim().is_empty(), "kind {kind} has no remedy");
+            let problem = Problem::new(kind, false, "x".into());
+            assert_eq!(problem.remedy, remedy);
+        }
+    }
+
+    #[test]
+    fn reports_written_without_remedies_still_parse() {
+        let older = r#"{"kind":"orphaned-claim","detail":"d","repairable":true}"#;
+        let problem: Problem = serde_json::from_str(older).expect("older problem parses");
+        assert_eq!(problem.kind, kinds::ORPHANED_CLAIM);
+        assert!(problem.remedy.is_empty());
+    }
 }

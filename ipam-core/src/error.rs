@@ -157,6 +157,26 @@ pub enum IpamError {
         /// Attempts made.
         attempts: u32,
     },
+    /// Every attempt found the same objects changed by another writer (a host release whose
+    /// blocks keep changing); try again later.
+    #[error("gave up after {attempts} attempts: {what} kept changing under concurrent writers, try again later")]
+    KeptConflicting {
+        /// Attempts made.
+        attempts: u32,
+        /// What kept changing, naming the objects.
+        what: String,
+    },
+    /// An address named explicitly was released recently and is still in IP cooldown: like
+    /// Calico, it is not handed out again until the cooldown has passed.
+    #[error("address {ip} was released at {released_at} (seconds since the epoch) and is in IP cooldown until {cools_at}: ask for it again then, or for another address")]
+    AddressCooling {
+        /// The address.
+        ip: IpAddr,
+        /// When it was released.
+        released_at: u64,
+        /// When its cooldown ends (release time plus the configured `ip_cooldown_seconds`).
+        cools_at: u64,
+    },
     /// One change would not fit a single store transaction (operations or bytes); the callers
     /// that can split their work do so on this error.
     #[error("the change does not fit one store transaction: {0}")]
@@ -171,7 +191,7 @@ impl IpamError {
     pub fn is_retryable(&self) -> bool {
         match self {
             IpamError::Store(e) => e.is_retryable() || matches!(e, KvError::Indeterminate { .. }),
-            IpamError::RetriesExhausted { .. } => true,
+            IpamError::RetriesExhausted { .. } | IpamError::KeptConflicting { .. } => true,
             _ => false,
         }
     }

@@ -1,6 +1,12 @@
-//! Dead-node reclaim over the in-memory reference store: the decision table (alive, missing and
-//! marked, dead and released, never registered, the reservation pseudo-node) and a node that
-//! comes back in the middle of its release, which stops the release at its next write.
+//! Dead-node reclaim over the in-memory reference store: the decision table (alive, active,
+//! missing and marked, dead and released, never registered, the reservation pseudo-node), a node
+//! whose agent is down while its plugin keeps working (never reclaimed), marks left by earlier
+//! versions' wall clocks (never trusted), and a node that comes back or whose plugin writes in the
+//! middle of its release, which stops the release at its next write.
+//!
+//! The in-memory store cannot time keys, so [`TestCountdowns`] puts plain countdown keys and a
+//! test "lets the grace pass" by deleting one ([`grace_passes`]), as etcd does when the
+//! countdown's lease expires.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -10,8 +16,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ipam_core::dead_nodes::{
-    agent_key, liveness_key, preview_release, reclaim_pass, register, survey, NodeAction,
-    NodeState, ReclaimOptions, Registration, RESERVATION_NODE,
+    activity_key, agent_key, countdown_key, liveness_key, preview_release, reclaim_pass, register,
+    survey, Countdowns, NodeAction, NodeOutcome, NodeState, ReclaimOptions, Registration,
+    RESERVATION_NODE,
 };
 use ipam_core::{
     AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, KeyValue, KvError, KvStore,
@@ -20,6 +27,59 @@ use ipam_core::{
 
 const GRACE: Duration = Duration::from_secs(900);
 const T0: u64 = 1_800_000_000;
+
+/// Countdowns as plain keys: they run until [`grace_passes`] deletes them.
+struct TestCountdowns(Arc<dyn KvStore>);
+
+#[async_trait]
+impl Countdowns for TestCountdowns {
+    async fn start(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        _duration: Duration,
+    ) -> Result<Revision, IpamError> {
+        Ok(self.0.put(key, value).await?)
+    }
+}
+
+/// One reclaim pass with plain-key countdowns.
+async fn pass_with(store: &Arc<dyn KvStore>, options: &ReclaimOptions) -> Vec<NodeOutcome> {
+    reclaim_pass(
+        Arc::clone(store),
+        &TestCountdowns(Arc::clone(store)),
+        options,
+    )
+    .await
+    .expect("reclaim pass")
+}
+
+async fn pass(store: &Arc<dyn KvStore>) -> Vec<NodeOutcome> {
+    pass_with(store, &options()).await
+}
+
+/// What etcd does when a countdown's lease runs out: the key goes.
+async fn grace_passes(store: &dyn KvStore, host: &str) {
+    store
+        .delete(&countdown_key(host))
+        .await
+        .expect("delete the countdown");
+}
+
+/// One commit of `host`'s plugin: an allocation through an allocator recording its activity.
+async fn plugin_commit(store: &Arc<dyn KvStore>, host: &str, handle: &str) {
+    Ipam::new(Arc::clone(store))
+        .recording_activity(host, "test")
+        .expect("a valid host")
+        .auto_assign(&AutoAssignRequest {
+            handle: handle.to_owned(),
+            host: host.to_owned(),
+            num_v4: 1,
+            ..AutoAssignRequest::default()
+        })
+        .await
+        .expect("the plugin's ADD");
+}
 
 fn options() -> ReclaimOptions {
     ReclaimOptions {
@@ -118,10 +178,12 @@ async fn alive_node_is_never_touched() {
     set_live(store.as_ref(), "node-a").await;
     let before = store.get(&agent_key("node-a")).await.expect("get");
 
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 10 * GRACE.as_secs(), &options())
-        .await
-        .expect("pass");
+    let outcomes = pass(&store).await;
     assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::Alive);
+    assert_eq!(
+        store.get(&countdown_key("node-a")).await.expect("get"),
+        None
+    );
     assert_eq!(addresses_of(&ipam, "node-a").await, 3);
     assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
     assert_eq!(store.get(&agent_key("node-a")).await.expect("get"), before);
@@ -141,38 +203,40 @@ async fn missing_node_is_marked_then_released_once_the_grace_has_passed() {
         .expect("register b");
     set_live(store.as_ref(), "node-b").await;
 
-    // First sight of the missing liveness key: marked with the reclaimer's clock, nothing freed.
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5, &options())
-        .await
-        .expect("pass 1");
+    // First sight of the missing liveness key: a countdown started, the registration marked with
+    // its revision; nothing freed.
+    let outcomes = pass(&store).await;
     assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
-    assert_eq!(
-        registration(store.as_ref(), "node-a")
-            .await
-            .expect("registered")
-            .missing_since,
-        Some(T0 + 5)
-    );
+    let countdown = store
+        .get(&countdown_key("node-a"))
+        .await
+        .expect("get")
+        .expect("a countdown runs for node-a");
+    let mark = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered")
+        .missing_mark
+        .expect("marked");
+    assert_eq!(mark.countdown_revision, countdown.revision.0);
+    assert_eq!(mark.grace_seconds, GRACE.as_secs());
     assert_eq!(addresses_of(&ipam, "node-a").await, 3);
 
-    // One second short of the grace: still only missing.
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5 + GRACE.as_secs() - 1, &options())
-        .await
-        .expect("pass 2");
-    assert_eq!(
-        action_of(&outcomes, "node-a"),
-        &NodeAction::StillMissing {
-            since: T0 + 5,
-            remaining_seconds: 1
-        }
-    );
+    // While the countdown runs, however many passes: still only missing.
+    for _ in 0..3 {
+        let outcomes = pass(&store).await;
+        assert_eq!(
+            action_of(&outcomes, "node-a"),
+            &NodeAction::StillMissing {
+                grace_seconds: GRACE.as_secs()
+            }
+        );
+    }
     assert_eq!(addresses_of(&ipam, "node-a").await, 3);
     assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
 
     // The grace has passed: released like `node release --addresses`, registration deleted.
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 5 + GRACE.as_secs(), &options())
-        .await
-        .expect("pass 3");
+    grace_passes(store.as_ref(), "node-a").await;
+    let outcomes = pass(&store).await;
     match action_of(&outcomes, "node-a") {
         NodeAction::Reclaimed(release) => {
             assert_eq!(release.released_addresses.len(), 3, "{release:?}");
@@ -188,10 +252,110 @@ async fn missing_node_is_marked_then_released_once_the_grace_has_passed() {
     assert_check_clean(&ipam).await;
 
     // Reclaimed once: later passes no longer see it.
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + 10 * GRACE.as_secs(), &options())
-        .await
-        .expect("pass 4");
+    let outcomes = pass(&store).await;
     assert!(outcomes.iter().all(|o| o.host != "node-a"), "{outcomes:?}");
+}
+
+#[tokio::test]
+async fn agent_down_while_the_plugin_keeps_working_is_never_reclaimed_until_all_goes_quiet() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 3).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    // The agent is down (no liveness key) but the runtime keeps calling the plugin, which goes
+    // to the store directly: every countdown that runs out finds the activity record moved.
+    for round in 0..3 {
+        let outcomes = pass(&store).await;
+        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+        plugin_commit(&store, "node-a", &format!("net.pod-{round}")).await;
+        grace_passes(store.as_ref(), "node-a").await;
+        let nodes = survey(store.as_ref()).await.expect("survey");
+        assert_eq!(nodes[0].state, NodeState::Active, "round {round}");
+        let outcomes = pass(&store).await;
+        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::ClearedMark);
+        assert_eq!(
+            registration(store.as_ref(), "node-a")
+                .await
+                .expect("still registered")
+                .missing_mark,
+            None
+        );
+        assert_eq!(
+            store.get(&countdown_key("node-a")).await.expect("get"),
+            None
+        );
+        assert_eq!(addresses_of(&ipam, "node-a").await, 3 + round + 1);
+    }
+    // Then the node really goes: no agent, no calls. One whole countdown later it is released.
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
+    grace_passes(store.as_ref(), "node-a").await;
+    match action_of(&pass(&store).await, "node-a") {
+        NodeAction::Reclaimed(release) => assert_eq!(release.released_addresses.len(), 6),
+        other => panic!("node-a was not reclaimed: {other:?}"),
+    }
+    assert_eq!(addresses_of(&ipam, "node-a").await, 0);
+    assert_check_clean(&ipam).await;
+}
+
+#[tokio::test]
+async fn wall_clock_mark_of_an_earlier_version_is_never_trusted() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 2).await;
+    // An earlier agent, its clock far ahead or far behind, marked the node long ago.
+    for missing_since in [1, u64::MAX / 2] {
+        store
+            .put(
+                &agent_key("node-a"),
+                format!(
+                    r#"{{"node":"node-a","registered_at":1,"agent_version":"0.0.9","missing_since":{missing_since}}}"#
+                )
+                .into_bytes(),
+            )
+            .await
+            .expect("an earlier version's registration");
+        let outcomes = pass(&store).await;
+        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+        let registration = registration(store.as_ref(), "node-a")
+            .await
+            .expect("registered");
+        assert_eq!(registration.missing_since, None);
+        assert!(registration.missing_mark.is_some());
+        assert_eq!(addresses_of(&ipam, "node-a").await, 2);
+        grace_passes(store.as_ref(), "node-a").await;
+    }
+}
+
+#[tokio::test]
+async fn plugin_activity_before_the_mark_does_not_keep_a_node_forever() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    Ipam::new(Arc::clone(&store))
+        .create_pool(&PoolSpec {
+            cidr: "10.0.0.0/16".parse().expect("cidr"),
+            name: Some("pool".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("create the pool");
+    plugin_commit(&store, "node-a", "net.pod").await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
+    grace_passes(store.as_ref(), "node-a").await;
+    assert!(matches!(
+        action_of(&pass(&store).await, "node-a"),
+        NodeAction::Reclaimed(_)
+    ));
 }
 
 #[tokio::test]
@@ -224,11 +388,10 @@ async fn never_registered_node_and_reservations_are_never_touched() {
         .await
         .expect("write a registration under the pseudo-node's name");
 
-    for now in [T0, T0 + GRACE.as_secs(), T0 + 100 * GRACE.as_secs()] {
-        let outcomes = reclaim_pass(Arc::clone(&store), now, &options())
-            .await
-            .expect("pass");
+    for _ in 0..3 {
+        let outcomes = pass(&store).await;
         assert!(outcomes.is_empty(), "{outcomes:?}");
+        grace_passes(store.as_ref(), RESERVATION_NODE).await;
     }
     assert_eq!(addresses_of(&ipam, "plugin-only").await, 2);
     assert_eq!(blocks_of(store.as_ref(), "plugin-only").await, 1);
@@ -243,23 +406,19 @@ async fn live_node_with_a_stale_mark_is_cleared_not_released() {
     register(store.as_ref(), "node-a", "test", T0)
         .await
         .expect("register");
-    reclaim_pass(Arc::clone(&store), T0, &options())
-        .await
-        .expect("mark");
+    pass(&store).await;
     set_live(store.as_ref(), "node-a").await;
+    grace_passes(store.as_ref(), "node-a").await;
 
-    let later = T0 + 2 * GRACE.as_secs();
-    let nodes = survey(store.as_ref(), later, GRACE).await.expect("survey");
+    let nodes = survey(store.as_ref()).await.expect("survey");
     assert_eq!(nodes[0].state, NodeState::Alive);
-    let outcomes = reclaim_pass(Arc::clone(&store), later, &options())
-        .await
-        .expect("pass");
+    let outcomes = pass(&store).await;
     assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::ClearedMark);
     assert_eq!(
         registration(store.as_ref(), "node-a")
             .await
             .expect("registered")
-            .missing_since,
+            .missing_mark,
         None
     );
     assert_eq!(addresses_of(&ipam, "node-a").await, 1);
@@ -275,11 +434,9 @@ async fn survey_and_preview_write_nothing_and_count_what_a_reclaim_would_release
         .expect("register");
     let before = store.list("").await.expect("list");
 
-    let nodes = survey(store.as_ref(), T0 + 10 * GRACE.as_secs(), GRACE)
-        .await
-        .expect("survey");
+    let nodes = survey(store.as_ref()).await.expect("survey");
     assert_eq!(nodes.len(), 1);
-    assert_eq!(nodes[0].state, NodeState::Missing { since: None });
+    assert_eq!(nodes[0].state, NodeState::Missing { mark: None });
     let previews = preview_release(Arc::clone(&store), &["node-a"])
         .await
         .expect("preview");
@@ -303,6 +460,7 @@ struct ComesBackStore {
 enum ComeBack {
     LivenessKey,
     Registers,
+    PluginCommits,
 }
 
 #[async_trait]
@@ -326,6 +484,9 @@ impl KvStore for ComesBackStore {
                         .await
                         .expect("register again");
                 }
+                ComeBack::PluginCommits => {
+                    plugin_commit(&self.inner, &self.host, "net.late-pod").await;
+                }
             }
         }
         Ok(revision)
@@ -340,9 +501,8 @@ async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
     register(memory.as_ref(), "node-a", "test", T0)
         .await
         .expect("register");
-    reclaim_pass(Arc::clone(&memory), T0, &options())
-        .await
-        .expect("mark");
+    pass(&memory).await;
+    grace_passes(memory.as_ref(), "node-a").await;
 
     let store: Arc<dyn KvStore> = Arc::new(ComesBackStore {
         inner: Arc::clone(&memory),
@@ -351,12 +511,13 @@ async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
         host: "node-a".into(),
         how,
     });
-    let outcomes = reclaim_pass(store, T0 + GRACE.as_secs(), &options())
+    let outcomes = reclaim_pass(store, &TestCountdowns(Arc::clone(&memory)), &options())
         .await
         .expect("pass");
     let expected_key = match how {
         ComeBack::LivenessKey => liveness_key("node-a"),
         ComeBack::Registers => agent_key("node-a"),
+        ComeBack::PluginCommits => activity_key("node-a"),
     };
     assert_eq!(
         action_of(&outcomes, "node-a"),
@@ -365,8 +526,10 @@ async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
             released: None
         }
     );
-    // The first batch was released before the node came back; nothing after it.
-    assert_eq!(addresses_of(&ipam, "node-a").await, 40 - 32);
+    // The first batch was released before the node came back; nothing after it (the plugin's
+    // late commit added one address of its own).
+    let late = usize::from(matches!(how, ComeBack::PluginCommits));
+    assert_eq!(addresses_of(&ipam, "node-a").await, 40 - 32 + late);
     assert_eq!(blocks_of(memory.as_ref(), "node-a").await, 1);
     assert!(registration(memory.as_ref(), "node-a").await.is_some());
     assert_check_clean(&ipam).await;
@@ -383,6 +546,11 @@ async fn agent_registering_again_mid_release_stops_the_release() {
 }
 
 #[tokio::test]
+async fn plugin_committing_mid_release_stops_the_release() {
+    node_coming_back_mid_release_stops_the_release(ComeBack::PluginCommits).await;
+}
+
+#[tokio::test]
 async fn lost_extra_guard_stops_every_write_of_the_pass() {
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let ipam = ipam_with_pool(Arc::clone(&store)).await;
@@ -390,9 +558,8 @@ async fn lost_extra_guard_stops_every_write_of_the_pass() {
     register(store.as_ref(), "node-a", "test", T0)
         .await
         .expect("register a");
-    reclaim_pass(Arc::clone(&store), T0, &options())
-        .await
-        .expect("mark a");
+    pass(&store).await;
+    grace_passes(store.as_ref(), "node-a").await;
     register(store.as_ref(), "node-b", "test", T0)
         .await
         .expect("register b");
@@ -403,9 +570,7 @@ async fn lost_extra_guard_stops_every_write_of_the_pass() {
         grace: GRACE,
         extra_guard: vec![Condition::at_revision(&leader, Revision(1))],
     };
-    let outcomes = reclaim_pass(Arc::clone(&store), T0 + GRACE.as_secs(), &lost)
-        .await
-        .expect("pass");
+    let outcomes = pass_with(&store, &lost).await;
     assert_eq!(
         action_of(&outcomes, "node-a"),
         &NodeAction::Stopped {
@@ -420,7 +585,7 @@ async fn lost_extra_guard_stops_every_write_of_the_pass() {
         registration(store.as_ref(), "node-b")
             .await
             .expect("registered")
-            .missing_since,
+            .missing_mark,
         None
     );
 }
@@ -436,9 +601,7 @@ async fn lost_extra_guard_stops_the_marking_of_a_missing_node() {
         grace: GRACE,
         extra_guard: vec![Condition::at_revision(&leader, Revision(1))],
     };
-    let outcomes = reclaim_pass(Arc::clone(&store), T0, &lost)
-        .await
-        .expect("pass");
+    let outcomes = pass_with(&store, &lost).await;
     assert_eq!(
         action_of(&outcomes, "node-b"),
         &NodeAction::Stopped {
@@ -450,7 +613,7 @@ async fn lost_extra_guard_stops_the_marking_of_a_missing_node() {
         registration(store.as_ref(), "node-b")
             .await
             .expect("registered")
-            .missing_since,
+            .missing_mark,
         None
     );
 }

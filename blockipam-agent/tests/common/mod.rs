@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod etcd_agents;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

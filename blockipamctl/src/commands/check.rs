@@ -2,6 +2,7 @@
 //! fix the ones that are safe to fix.
 
 use blockipam_store::DatastoreSettings;
+use ipam_core::check::kinds;
 use ipam_core::{CheckReport, Problem};
 use serde::Serialize;
 
@@ -29,14 +30,16 @@ async fn unfinished_import(ipam: &ipam_core::Ipam) -> Result<Option<Problem>, Ct
     let marker = blockipam_import::interrupted_import(ipam.store())
         .await
         .map_err(|e| CtlError::failed(crate::error::one_line(&e.to_string())))?;
-    Ok(marker.map(|marker| Problem {
-        kind: "import-in-progress".into(),
-        detail: format!(
-            "an import of {} (etcd revision {}) did not finish: the store may lack blocks, handles \
-             or pools; run the same `blockipamctl import calico` again to resume it",
-            marker.source, marker.calico_revision
-        ),
-        repairable: false,
+    Ok(marker.map(|marker| {
+        Problem::new(
+            kinds::IMPORT_IN_PROGRESS,
+            false,
+            format!(
+                "an import of {} (etcd revision {}) did not finish: the store may lack blocks, \
+                 handles or pools",
+                marker.source, marker.calico_revision
+            ),
+        )
     }))
 }
 
@@ -49,7 +52,22 @@ fn problems_table(problems: &[Problem]) -> String {
             p.detail.clone(),
         ]);
     }
-    table.render()
+    let mut text = table.render();
+    text.push_str("What to do:\n");
+    let mut explained = std::collections::BTreeSet::new();
+    for p in problems {
+        if !explained.insert(p.kind.as_str()) {
+            continue;
+        }
+        // A report from an older build carries no remedy: this build's text for the kind.
+        let remedy = if p.remedy.is_empty() {
+            kinds::remedy(&p.kind)
+        } else {
+            &p.remedy
+        };
+        text.push_str(&format!("  {}: {remedy}\n", p.kind));
+    }
+    text
 }
 
 /// `check`: exit status 0 when the store is consistent (after the repair, with `--repair`), 1

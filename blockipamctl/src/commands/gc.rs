@@ -1,15 +1,17 @@
 //! `gc --dead-nodes [--grace-seconds N] [--apply]`: the nodes agents registered, whether each is
-//! alive, missing or dead, and what releasing the dead ones frees; with `--apply`, mark the
-//! missing ones and release the dead ones (`ipam_core::dead_nodes`, as the agents' reclaimer).
+//! alive, active (plugin at work, agent down), missing or dead, and what releasing the dead ones
+//! frees; with `--apply`, start the countdowns of missing ones and release the dead ones
+//! (`ipam_core::dead_nodes`, as the agents' reclaimer).
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use blockipam_store::countdowns::countdowns_for;
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use ipam_core::dead_nodes::{
-    preview_release, reclaim_pass, survey, NodeAction, NodeState, NodeStatus, ReclaimOptions,
-    ReleasePreview,
+    preview_release, reclaim_pass, survey, MissingMark, NodeAction, NodeState, NodeStatus,
+    ReclaimOptions, ReleasePreview,
 };
 use ipam_core::HostRelease;
 use serde::Serialize;
@@ -22,8 +24,7 @@ use crate::settings::OpenMode;
 
 #[derive(Debug, Serialize)]
 struct GcJson {
-    /// The clock reading the decisions were made at (unix seconds).
-    now: u64,
+    /// The grace period of the countdowns this run starts (with `--apply`).
     grace_seconds: u64,
     applied: bool,
     nodes: Vec<NodeJson>,
@@ -32,10 +33,16 @@ struct GcJson {
 #[derive(Debug, Serialize)]
 struct NodeJson {
     node: String,
-    /// `alive`, `missing` or `dead`, as found before anything was done.
+    /// `alive`, `active`, `missing` or `dead`, as found before anything was done.
     state: &'static str,
+    /// The reclaimer's mark: the countdown it started and the activity revision it saw.
     #[serde(skip_serializing_if = "Option::is_none")]
-    missing_since: Option<u64>,
+    missing_mark: Option<MissingMark>,
+    /// Whether a grace countdown runs for it now.
+    countdown_running: bool,
+    /// Revision of its plugin's last commit (its activity record), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    activity_revision: Option<u64>,
     registered_at: u64,
     agent_version: String,
     /// What releasing it would free now (missing and dead nodes, without `--apply`).
@@ -75,31 +82,27 @@ impl From<&HostRelease> for ReleasedJson {
     }
 }
 
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 fn state_name(state: NodeState) -> &'static str {
     match state {
         NodeState::Alive => "alive",
+        NodeState::Active => "active",
         NodeState::Missing { .. } => "missing",
         NodeState::Dead { .. } => "dead",
     }
 }
 
-/// The STATE cell: the state and, for a marked node, for how long it has been missing.
-fn state_text(state: NodeState, now: u64, grace: u64) -> String {
+/// The STATE cell: the state and, for a marked node, its countdown.
+fn state_text(state: NodeState) -> String {
     match state {
         NodeState::Alive => "alive".into(),
-        NodeState::Missing { since: None } => "missing (not marked yet)".into(),
-        NodeState::Missing { since: Some(since) } => {
-            let gone = now.saturating_sub(since);
-            format!("missing for {gone}s ({}s left)", grace.saturating_sub(gone))
+        NodeState::Active => "active (agent down, plugin at work)".into(),
+        NodeState::Missing { mark: None } => "missing (no countdown yet)".into(),
+        NodeState::Missing { mark: Some(mark) } => {
+            format!("missing (countdown of {}s runs)", mark.grace_seconds)
         }
-        NodeState::Dead { since } => format!("dead (missing for {}s)", now.saturating_sub(since)),
+        NodeState::Dead { mark } => {
+            format!("dead (countdown of {}s ran out)", mark.grace_seconds)
+        }
     }
 }
 
@@ -117,15 +120,12 @@ fn action_name(action: &NodeAction) -> &'static str {
 }
 
 fn node_json(status: &NodeStatus) -> NodeJson {
-    let missing_since = match status.state {
-        NodeState::Missing { since } => since,
-        NodeState::Dead { since } => Some(since),
-        NodeState::Alive => status.registration.missing_since,
-    };
     NodeJson {
         node: status.host.clone(),
         state: state_name(status.state),
-        missing_since,
+        missing_mark: status.registration.missing_mark,
+        countdown_running: status.countdown.is_some(),
+        activity_revision: status.activity.map(|r| r.0),
         registered_at: status.registration.registered_at,
         agent_version: status.registration.agent_version.clone(),
         would_release: None,
@@ -155,9 +155,8 @@ pub async fn run(
     let grace = Duration::from_secs(args.grace_seconds);
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let store = Arc::clone(ipam.store());
-    let now = unix_now();
     ctx.progress("reading the registered nodes ...");
-    let nodes = survey(store.as_ref(), now, grace).await?;
+    let nodes = survey(store.as_ref()).await?;
     let mut json_nodes: Vec<NodeJson> = nodes.iter().map(node_json).collect();
     let mut problems_found = false;
     let mut table =
@@ -168,7 +167,8 @@ pub async fn run(
             grace,
             extra_guard: Vec::new(),
         };
-        let outcomes = reclaim_pass(Arc::clone(&store), now, &options).await?;
+        let countdowns = countdowns_for(settings).await?;
+        let outcomes = reclaim_pass(Arc::clone(&store), countdowns.as_ref(), &options).await?;
         for (status, json) in nodes.iter().zip(json_nodes.iter_mut()) {
             let Some(outcome) = outcomes.iter().find(|o| o.host == status.host) else {
                 continue;
@@ -205,7 +205,7 @@ pub async fn run(
             }
             table.row(vec![
                 status.host.clone(),
-                state_text(status.state, now, args.grace_seconds),
+                state_text(status.state),
                 blocks,
                 addresses,
                 action,
@@ -214,7 +214,7 @@ pub async fn run(
     } else {
         let judged: Vec<&str> = nodes
             .iter()
-            .filter(|n| n.state != NodeState::Alive)
+            .filter(|n| !matches!(n.state, NodeState::Alive | NodeState::Active))
             .map(|n| n.host.as_str())
             .collect();
         ctx.progress("counting what a reclaim would release ...");
@@ -227,7 +227,7 @@ pub async fn run(
                     p.addresses.to_string(),
                     "would release (--apply)",
                 ),
-                (NodeState::Missing { since: None }, Some(p)) => (
+                (NodeState::Missing { mark: None }, Some(p)) => (
                     p.blocks.to_string(),
                     p.addresses.to_string(),
                     "would mark missing (--apply)",
@@ -237,7 +237,7 @@ pub async fn run(
             };
             table.row(vec![
                 status.host.clone(),
-                state_text(status.state, now, args.grace_seconds),
+                state_text(status.state),
                 blocks,
                 addresses,
                 action.to_owned(),
@@ -260,11 +260,14 @@ pub async fn run(
             table.render()
         )
     };
-    if !args.apply && nodes.iter().any(|n| n.state != NodeState::Alive) {
+    if !args.apply
+        && nodes
+            .iter()
+            .any(|n| !matches!(n.state, NodeState::Alive | NodeState::Active))
+    {
         text.push_str("\nRun again with --apply to mark missing nodes and release dead ones.\n");
     }
     let json = GcJson {
-        now,
         grace_seconds: args.grace_seconds,
         applied: args.apply,
         nodes: json_nodes,

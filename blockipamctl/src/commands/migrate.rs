@@ -94,9 +94,26 @@ pub async fn run(
     // Liveness keys and the reclaimer leader key belong to the source's running agents (on etcd,
     // to their leases): copied, they would outlive those leases and make dead nodes look alive
     // forever. The agents write them again on the target.
+    // Grace countdowns are on leases too, and a reclaimer's mark names revisions of the source:
+    // both are dropped, so every node starts the target unjudged.
     let liveness = ipam_core::dead_nodes::liveness_dir();
+    let countdowns = ipam_core::dead_nodes::countdown_dir();
     let leader = ipam_core::dead_nodes::reclaimer_leader_key();
-    snapshot.retain(|kv| !kv.key.starts_with(&liveness) && kv.key != leader);
+    snapshot.retain(|kv| {
+        !kv.key.starts_with(&liveness) && !kv.key.starts_with(&countdowns) && kv.key != leader
+    });
+    let agents = ipam_core::dead_nodes::agents_dir();
+    for kv in snapshot.iter_mut().filter(|kv| kv.key.starts_with(&agents)) {
+        if let Ok(mut registration) =
+            serde_json::from_slice::<ipam_core::dead_nodes::Registration>(&kv.value)
+        {
+            registration.missing_mark = None;
+            registration.missing_since = None;
+            if let Ok(value) = serde_json::to_vec(&registration) {
+                kv.value = value;
+            }
+        }
+    }
     if snapshot.is_empty() {
         ctx.progress_done();
         return Err(CtlError::failed(format!(

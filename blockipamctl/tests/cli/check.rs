@@ -87,6 +87,12 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
     for problem in report["problems"].as_array().expect("problems") {
         assert!(problem["detail"].as_str().is_some_and(|d| !d.is_empty()));
         assert_eq!(problem["repairable"], true);
+        assert!(
+            problem["remedy"]
+                .as_str()
+                .is_some_and(|r| r.contains("check --repair")),
+            "every problem says what to do: {problem}"
+        );
     }
     assert!(report.get("remaining").is_none());
     let table = lab.ctl(&["check"]);
@@ -94,6 +100,10 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
         .expect_code(1)
         .stdout_has("3 problems (3 repairable)")
         .stdout_has(kinds::HANDLE_COUNT)
+        .stdout_has("What to do:")
+        .stdout_has(
+            "handle-count-mismatch: Run `blockipamctl check --repair`: it rewrites the handle",
+        )
         .stdout_has("check --repair");
     assert_eq!(
         lab.snapshot(),

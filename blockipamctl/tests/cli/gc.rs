@@ -5,7 +5,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use backend_etcd::lease::LeaseSession;
 use backend_etcd::EtcdConfig;
-use ipam_core::dead_nodes::{agent_key, liveness_key, register, Registration};
+use ipam_core::dead_nodes::{
+    agent_key, countdown_key, liveness_key, register, MissingMark, Registration,
+};
 use serde_json::Value;
 
 use crate::common::{assert_columns_line_up, Backend, Lab};
@@ -51,10 +53,12 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
         lab.assign(&format!("net.plain{i}"), "plugin-only");
     }
     // alive-node: registered, liveness key on a real lease (60 s, longer than the test);
-    // dead-node: registered, marked missing long ago; new-node: registered, its key just gone.
+    // dead-node: registered, marked, its countdown run out (the key is gone) and no plugin
+    // activity since; new-node: registered, its key just gone; old-mark: marked by an earlier
+    // agent version's wall clock long ago, which is never acted on.
     let now = unix_now();
     lab.with_store(|store| async move {
-        for host in ["alive-node", "dead-node", "new-node"] {
+        for host in ["alive-node", "dead-node", "new-node", "old-mark"] {
             register(store.as_ref(), host, "test", now)
                 .await
                 .expect("register");
@@ -63,7 +67,12 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
             node: "dead-node".into(),
             registered_at: now - 5000,
             agent_version: "test".into(),
-            missing_since: Some(now - 2000),
+            missing_since: None,
+            missing_mark: Some(MissingMark {
+                countdown_revision: 1,
+                activity_revision: 0,
+                grace_seconds: 900,
+            }),
         };
         store
             .put(
@@ -71,7 +80,21 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
                 serde_json::to_vec(&dead).expect("JSON"),
             )
             .await
-            .expect("mark dead-node missing long ago");
+            .expect("mark dead-node, its countdown gone");
+        let old = Registration {
+            node: "old-mark".into(),
+            registered_at: now - 5000,
+            agent_version: "0.0.9".into(),
+            missing_since: Some(now - 2000),
+            missing_mark: None,
+        };
+        store
+            .put(
+                &agent_key("old-mark"),
+                serde_json::to_vec(&old).expect("JSON"),
+            )
+            .await
+            .expect("an earlier version's wall-clock mark");
         let session = LeaseSession::connect(
             &EtcdConfig::new([endpoint]).with_prefix(prefix),
             Duration::from_secs(60),
@@ -92,19 +115,22 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     assert_eq!(report["grace_seconds"], 900);
     assert_eq!(node(&report, "alive-node")["state"], "alive");
     assert_eq!(node(&report, "new-node")["state"], "missing");
-    assert_eq!(node(&report, "new-node")["missing_since"], Value::Null);
+    assert_eq!(node(&report, "new-node")["missing_mark"], Value::Null);
+    assert_eq!(node(&report, "new-node")["countdown_running"], false);
+    assert_eq!(node(&report, "old-mark")["state"], "missing");
     let dead = node(&report, "dead-node");
     assert_eq!(dead["state"], "dead");
-    assert_eq!(dead["missing_since"], now - 2000);
+    assert_eq!(dead["missing_mark"]["grace_seconds"], 900);
     assert_eq!(dead["would_release"]["blocks"], 1);
     assert_eq!(dead["would_release"]["addresses"], 3);
-    assert_eq!(report["nodes"].as_array().map(Vec::len), Some(3));
+    assert_eq!(report["nodes"].as_array().map(Vec::len), Some(4));
     let table = lab.ctl(&["gc", "--dead-nodes"]);
     table
         .ok()
-        .stdout_has("3 nodes registered (grace period 900s), nothing changed")
+        .stdout_has("4 nodes registered (grace period 900s), nothing changed")
         .stdout_has("would release (--apply)")
-        .stdout_has("missing (not marked yet)")
+        .stdout_has("missing (no countdown yet)")
+        .stdout_has("dead (countdown of 900s ran out)")
         .stdout_has("--apply");
     let rows = table
         .stdout
@@ -129,13 +155,22 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
         Some(3)
     );
     assert_eq!(node(&report, "new-node")["action"], "marked-missing");
+    assert_eq!(node(&report, "old-mark")["action"], "marked-missing");
     assert_eq!(node(&report, "alive-node")["action"], "none");
+    // The countdown is an etcd key on a lease: it exists now, and etcd alone will delete it.
+    let countdown = lab.with_store(|store| async move {
+        store
+            .get(&countdown_key("new-node"))
+            .await
+            .expect("read the countdown")
+    });
+    assert!(countdown.is_some(), "no countdown was started for new-node");
     assert_eq!(addresses_of(&lab, "dead-node"), 0);
     assert_eq!(addresses_of(&lab, "alive-node"), 2);
     assert_eq!(addresses_of(&lab, "plugin-only"), 2);
     lab.ctl(&["check"]).ok();
 
-    // Marked now, so dead only after its own grace: with a grace of one day it waits.
+    // Marked now, so dead only once its countdown has run out, whatever the clock says.
     let report = lab
         .ctl(&[
             "-o",
@@ -148,8 +183,13 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
         .ok()
         .json();
     assert_eq!(node(&report, "new-node")["state"], "missing");
-    assert!(node(&report, "new-node")["missing_since"].as_u64() >= Some(now));
-    assert_eq!(report["nodes"].as_array().map(Vec::len), Some(2));
+    assert_eq!(node(&report, "new-node")["countdown_running"], true);
+    assert_eq!(
+        node(&report, "new-node")["missing_mark"]["grace_seconds"],
+        900
+    );
+    assert_eq!(node(&report, "old-mark")["state"], "missing");
+    assert_eq!(report["nodes"].as_array().map(Vec::len), Some(3));
 }
 
 #[test]

@@ -217,26 +217,40 @@ fn migrate_leaves_agent_liveness_and_the_reclaimer_leader_behind() {
     populate(&source);
     let registration = ipam_core::dead_nodes::agent_key("node-a");
     let liveness = ipam_core::dead_nodes::liveness_key("node-a");
+    let countdown = ipam_core::dead_nodes::countdown_key("node-a");
     let leader = ipam_core::dead_nodes::reclaimer_leader_key();
-    let keys = [registration.clone(), liveness.clone(), leader.clone()];
+    let keys = [liveness.clone(), countdown.clone(), leader.clone()];
+    // A registration marked by a reclaimer: the mark names the source's revisions.
+    let marked = br#"{"node":"node-a","registered_at":1,"agent_version":"x","missing_since":5,"missing_mark":{"countdown_revision":7,"activity_revision":0,"grace_seconds":900}}"#;
+    let registration_key = registration.clone();
     source.with_store(|store| async move {
         for key in keys {
             store.put(&key, b"{}".to_vec()).await.expect("put");
         }
+        store
+            .put(&registration_key, marked.to_vec())
+            .await
+            .expect("put the registration");
     });
     let target = Lab::new(Backend::Redb);
     migrate(&source, &target).ok();
-    let copied: Vec<String> = target
-        .snapshot()
-        .into_iter()
-        .map(|(key, _, _)| key)
-        .collect();
+    let copied = target.snapshot();
+    let copied_keys: Vec<&String> = copied.iter().map(|(key, _, _)| key).collect();
     assert!(
-        copied.contains(&registration),
-        "the registration is data: copied"
+        !copied_keys.contains(&&liveness)
+            && !copied_keys.contains(&&leader)
+            && !copied_keys.contains(&&countdown),
+        "a lease-bound key was copied: {copied_keys:?}"
     );
-    assert!(
-        !copied.contains(&liveness) && !copied.contains(&leader),
-        "a lease-bound key was copied: {copied:?}"
+    let (_, value, _) = copied
+        .iter()
+        .find(|(key, _, _)| *key == registration)
+        .expect("the registration is data: copied");
+    let copied: ipam_core::dead_nodes::Registration =
+        serde_json::from_slice(value).expect("a registration");
+    assert_eq!(
+        (copied.missing_mark, copied.missing_since),
+        (None, None),
+        "a mark naming the source's revisions was carried over"
     );
 }

@@ -139,7 +139,9 @@ impl Ipam {
     /// first (by handle, so handles stay exact).
     ///
     /// # Errors
-    /// Store failures; [`IpamError::RetriesExhausted`].
+    /// Store failures; [`IpamError::RetriesExhausted`]; [`IpamError::KeptConflicting`] when the
+    /// host's blocks changed under every one of the retry policy's attempts (nothing more is
+    /// written; blocks released before stay released).
     pub async fn release_host(
         &self,
         host: &str,
@@ -167,6 +169,10 @@ impl Ipam {
                 .collect();
             report.released_addresses = self.release_ips(&requests).await?.released;
         }
+        // Consecutive conflicts: each is a block another writer changed meanwhile. Retried with
+        // the retry policy's backoff, up to its attempts, then reported naming the blocks.
+        let mut conflicts = 0u32;
+        let mut backoff = self.retry.base_backoff;
         loop {
             let host_blocks: Vec<Stored<Block>> = self
                 .store
@@ -200,12 +206,31 @@ impl Ipam {
                 }
                 take /= 2;
             };
-            // A conflict here just means a block changed: list again and carry on.
+            // A conflict here means a block changed: list again and carry on, within bounds.
             if let Attempt::Done(()) = self.commit_plan(plan, ()).await? {
                 report.deleted_blocks.extend(deleted);
                 report.unassigned_blocks.extend(unassigned);
+                conflicts = 0;
+                backoff = self.retry.base_backoff;
             } else {
-                tokio::time::sleep(self.retry.base_backoff).await;
+                conflicts += 1;
+                if conflicts >= self.retry.max_attempts {
+                    let blocks: Vec<String> = deleted
+                        .iter()
+                        .chain(unassigned.iter())
+                        .map(ToString::to_string)
+                        .collect();
+                    return Err(IpamError::KeptConflicting {
+                        attempts: conflicts,
+                        what: format!(
+                            "the blocks of host {host:?} being released ({})",
+                            blocks.join(", ")
+                        ),
+                    });
+                }
+                let jitter = rand::random::<f64>() + 0.5;
+                tokio::time::sleep(backoff.mul_f64(jitter)).await;
+                backoff = (backoff * 2).min(self.retry.max_backoff);
             }
         }
         Ok(report)

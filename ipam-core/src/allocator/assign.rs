@@ -542,8 +542,9 @@ impl Ipam {
     /// is accepted as is.
     ///
     /// # Errors
-    /// [`IpamError::NotInPool`]; [`IpamError::AlreadyAssigned`]; [`IpamError::AffinityConflict`]
-    /// under strict affinity; store failures.
+    /// [`IpamError::NotInPool`]; [`IpamError::AlreadyAssigned`]; [`IpamError::AddressCooling`]
+    /// for an address released recently and still in IP cooldown;
+    /// [`IpamError::AffinityConflict`] under strict affinity; store failures.
     pub async fn assign_ips(
         &self,
         request: &AssignIpsRequest,
@@ -585,7 +586,8 @@ impl Ipam {
         refuse_during_import(next_got(&mut results)?)?;
         // Only for the warning below: a damaged reservation must not stop an explicit assignment.
         let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?).unwrap_or_default();
-        let now = self.now();
+        let lifetime = self.lifetime(&config);
+        let now = lifetime.now;
 
         let mut targets: Vec<(IpAddr, IpNet, &Stored<Pool>)> = Vec::new();
         for ip in &request.ips {
@@ -660,10 +662,21 @@ impl Ipam {
                     handle: holder.handle.clone(),
                 });
             }
-            if entry.block.is_cooling(ordinal) {
-                // Named explicitly, a cooling address is handed out (the cooldown protects
-                // addresses from being picked by auto-assign, not from the operator's choice).
-                tracing::warn!(%ip, handle = %request.handle, "assigning an address still in IP cooldown, as explicitly requested");
+            // As Calico (the address keeps its allocation entry while it cools): not handed out,
+            // even named explicitly, until its cooldown has passed.
+            if let Some(cooling) = entry
+                .block
+                .cooling
+                .iter()
+                .find(|c| c.ordinal == ordinal && !lifetime.cooled(c.released_at))
+            {
+                return Err(IpamError::AddressCooling {
+                    ip: *ip,
+                    released_at: cooling.released_at,
+                    cools_at: cooling
+                        .released_at
+                        .saturating_add(u64::from(lifetime.cooldown_seconds)),
+                });
             }
             if reserved.contains(*ip) {
                 // As Calico: reservations keep addresses from auto-assign only.

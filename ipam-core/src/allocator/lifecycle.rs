@@ -147,12 +147,16 @@ impl Ipam {
         filter: EmptyBlockFilter,
         apply: bool,
     ) -> Result<Vec<EmptyBlock>, IpamError> {
+        // The claim index (one small entry per block: owner, free count, when it became empty)
+        // says which blocks may be empty; only those, and the blocks of their hosts (to know
+        // each host's newest), are read with their values. A store with no empty block costs
+        // one batched read of small entries, however many blocks it holds.
         let mut results = self
             .store
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::config()),
-                Read::List(keys::blocks_dir()),
+                Read::List(keys::claims_dir()),
                 Read::List(crate::nodes::nodes_dir()),
             ])
             .await?
@@ -160,10 +164,7 @@ impl Ipam {
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
         let lifetime = self.lifetime(&config);
-        let blocks: Vec<Stored<Block>> = next_listed(&mut results)?
-            .into_iter()
-            .map(decode_stored)
-            .collect::<Result<_, _>>()?;
+        let claims = next_listed(&mut results)?;
         let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
         for kv in next_listed(&mut results)? {
             if let Some(host) = kv.key.strip_prefix(&crate::nodes::nodes_dir()) {
@@ -173,6 +174,10 @@ impl Ipam {
                 );
             }
         }
+        let cutoff = lifetime.now.saturating_sub(filter.older_than_seconds);
+        let blocks = self
+            .blocks_that_may_be_empty(claims, lifetime, cutoff)
+            .await?;
         let no_labels = BTreeMap::new();
         let cutoff = lifetime.now.saturating_sub(filter.older_than_seconds);
         // Each host's newest block per family (latest claim, then highest address).
@@ -235,6 +240,67 @@ impl Ipam {
             });
         }
         Ok(found)
+    }
+
+    /// The blocks [`release_empty_blocks`](Self::release_empty_blocks) must look at, with their
+    /// values: every block whose claim entry says it is empty since `cutoff` or earlier (or does
+    /// not say: entries of format 1), and every block of the hosts those belong to (a host's
+    /// newest block decides which of its empty blocks it no longer needs).
+    async fn blocks_that_may_be_empty(
+        &self,
+        claims: Vec<KeyValue>,
+        lifetime: Lifetime,
+        cutoff: u64,
+    ) -> Result<Vec<Stored<Block>>, IpamError> {
+        let prefix = keys::claims_dir();
+        let mut unowned: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
+        let mut hosts: BTreeSet<String> = BTreeSet::new();
+        for kv in claims {
+            let cidr = kv
+                .key
+                .strip_prefix(&prefix)
+                .and_then(keys::parse_cidr_segment)
+                .ok_or_else(|| IpamError::Corrupt {
+                    key: kv.key.clone(),
+                    message: "a claim index key that names no CIDR".into(),
+                })?;
+            let claim = decode_claim(&kv.key, &kv.value)?;
+            let may_be_empty = claim.free.is_none()
+                || claim
+                    .empty_from(&cidr, lifetime.cooldown_seconds)
+                    .is_some_and(|from| from <= cutoff && from <= lifetime.now);
+            if !may_be_empty {
+                continue;
+            }
+            match claim.affinity {
+                Some(host) => {
+                    hosts.insert(host);
+                }
+                None => {
+                    unowned.insert(cidr, kv);
+                }
+            }
+        }
+        let mut blocks = Vec::new();
+        if !hosts.is_empty() {
+            let reads: Vec<Read> = hosts
+                .iter()
+                .map(|host| Read::List(keys::host_blocks_dir(host)))
+                .collect();
+            for result in self.store.read_many(&reads).await? {
+                for kv in result.into_listed()? {
+                    blocks.push(decode_stored(kv)?);
+                }
+            }
+        }
+        if !unowned.is_empty() {
+            let cidrs: BTreeSet<IpNet> = unowned.keys().copied().collect();
+            let loaded = self
+                .load_blocks_given_claims(&cidrs, unowned.into_values().map(Some).collect())
+                .await?;
+            blocks.extend(loaded.found.into_values());
+        }
+        Ok(blocks)
     }
 
     /// Deletes one empty block if it is still as read; false when it changed meanwhile.

@@ -658,6 +658,9 @@ pub struct Ipam {
     retry: RetryPolicy,
     /// Conditions added to every transaction this allocator commits (see [`Ipam::guarded_by`]).
     guard: Arc<[Condition]>,
+    /// A record (key, value) every commit of this allocator also writes: the plugin's node
+    /// activity record (see [`Ipam::recording_activity`]).
+    activity: Option<Arc<(String, Vec<u8>)>>,
     /// The caller's clock: stamps releases (IP cooldown) and block claims and emptying.
     clock: Clock,
 }
@@ -669,6 +672,7 @@ impl Ipam {
             store,
             retry: RetryPolicy::default(),
             guard: Arc::from(Vec::new()),
+            activity: None,
             clock: Clock::system(),
         }
     }
@@ -698,6 +702,30 @@ impl Ipam {
     pub fn guarded_by(mut self, guard: Vec<Condition>) -> Self {
         self.guard = Arc::from(guard);
         self
+    }
+
+    /// The same allocator, rewriting `host`'s activity record in every transaction it commits
+    /// (one more small put in a transaction it sends anyway, never a round trip of its own): the
+    /// evidence that the node's runtime gets work done, which keeps a node whose agent is down
+    /// from being reclaimed (`dead_nodes`). What the plugin uses for its node.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid host name.
+    pub fn recording_activity(
+        mut self,
+        host: &str,
+        plugin_version: &str,
+    ) -> Result<Self, IpamError> {
+        crate::model::validate_host(host)?;
+        let record = crate::dead_nodes::Activity {
+            node: host.to_owned(),
+            plugin_version: plugin_version.to_owned(),
+        };
+        self.activity = Some(Arc::new((
+            crate::dead_nodes::activity_key(host),
+            record.encode()?,
+        )));
+        Ok(self)
     }
 
     /// Replaces the retry policy.
@@ -755,6 +783,9 @@ impl Ipam {
         for condition in self.guard.iter() {
             plan.conditions
                 .insert(condition.key().to_owned(), condition.clone());
+        }
+        if let Some(activity) = &self.activity {
+            plan.put(&activity.0, activity.1.clone());
         }
         if !plan.fits_one_transaction() {
             return Err(IpamError::TooLarge(plan.describe_size()));

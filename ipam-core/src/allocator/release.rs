@@ -63,8 +63,14 @@ impl Ipam {
             .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
             .collect();
         let mut handle_counts: BTreeMap<IpNet, BTreeMap<String, u32>> = BTreeMap::new();
+        // Pools in which an address's block was not found: if one changed since it was read (a
+        // split, a block size change), the block was looked for in the wrong place.
+        let mut pools_of_absent_blocks: BTreeMap<&str, Revision> = BTreeMap::new();
         for (request, cidr) in targets {
             let Some(entry) = working.get_mut(&cidr) else {
+                if let Some(pool) = pools.iter().find(|p| p.value.cidr.contains(&request.ip)) {
+                    pools_of_absent_blocks.insert(&pool.key, pool.revision);
+                }
                 outcome.not_allocated.push(request.ip);
                 continue;
             };
@@ -90,6 +96,9 @@ impl Ipam {
             entry.dirty = true;
             outcome.released.push(request.ip);
         }
+        if self.any_pool_changed(&pools_of_absent_blocks).await? {
+            return Ok(Attempt::Conflict);
+        }
         let mut plan = Plan::default();
         let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
         for (cidr, counts) in handle_counts {
@@ -106,6 +115,21 @@ impl Ipam {
         outcome.not_allocated.sort();
         outcome.sequence_mismatch.sort();
         self.commit_plan(plan, outcome).await
+    }
+
+    /// Whether any of these pools (key and the revision read) is gone or was rewritten since: one
+    /// batched read, none when `pools` is empty.
+    async fn any_pool_changed(&self, pools: &BTreeMap<&str, Revision>) -> Result<bool, IpamError> {
+        if pools.is_empty() {
+            return Ok(false);
+        }
+        let reads: Vec<Read> = pools.keys().map(|k| Read::Get((*k).to_owned())).collect();
+        for ((_, revision), result) in pools.iter().zip(self.store.read_many(&reads).await?) {
+            if result.into_got()?.map(|kv| kv.revision) != Some(*revision) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Adds to `plan` the handle updates for releasing, per handle, `count` addresses of each

@@ -1,0 +1,52 @@
+//! Grace countdowns for dead-node reclaim, timed by etcd: a key on a lease nobody renews.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_etcd::lease::LeaseSession;
+use ipam_core::dead_nodes::{Countdowns, NoCountdowns};
+use ipam_core::{IpamError, KvError, Revision};
+
+use crate::{DatastoreSettings, DatastoreType};
+
+/// Countdowns as keys on etcd leases of the countdown's duration, never kept alive: etcd deletes
+/// the key once the lease's TTL has passed by its own clock (a leader change restarts the TTL,
+/// which only lengthens a grace period).
+#[derive(Debug, Clone)]
+pub struct LeaseCountdowns {
+    session: Arc<LeaseSession>,
+}
+
+impl LeaseCountdowns {
+    /// Countdowns granted through `session`.
+    pub fn new(session: Arc<LeaseSession>) -> Self {
+        LeaseCountdowns { session }
+    }
+}
+
+#[async_trait::async_trait]
+impl Countdowns for LeaseCountdowns {
+    async fn start(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        duration: Duration,
+    ) -> Result<Revision, IpamError> {
+        let lease = self.session.grant_for(duration).await?;
+        Ok(Revision(self.session.put(lease, key, &value).await?))
+    }
+}
+
+/// The countdowns for the store `settings` name: etcd leases on etcd; on sled and redb none (dead-node
+/// reclaim applies to etcd only: no node is ever marked there).
+///
+/// # Errors
+/// [`KvError`] when the etcd settings are incomplete or etcd cannot be reached.
+pub async fn countdowns_for(settings: &DatastoreSettings) -> Result<Box<dyn Countdowns>, KvError> {
+    if settings.datastore_type != DatastoreType::Etcdv3 {
+        return Ok(Box::new(NoCountdowns));
+    }
+    // The session's own TTL is unused: every countdown grants its lease with its own duration.
+    let session = LeaseSession::connect(&settings.etcd_config()?, Duration::from_secs(60)).await?;
+    Ok(Box::new(LeaseCountdowns::new(Arc::new(session))))
+}

@@ -1,0 +1,265 @@
+//! Repair and release cases: `check --repair` beside objects it cannot decode, a host release
+//! that keeps conflicting, and a release by address racing a pool split, on every backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ipam_core::check::kinds;
+use ipam_core::kv::{KvError, KvStore, Read};
+use ipam_core::model::{decode, keys, Block, FORMAT_VERSION};
+use ipam_core::{Ipam, IpamError, PoolChange, ReleaseRequest, RetryPolicy};
+
+use crate::integrity::HookStore;
+use crate::ipam::{assert_clean, assign_one, ipam_with_pool, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every repair case into one `#[tokio::test]` inside a module `repair`.
+#[macro_export]
+macro_rules! repair_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(repair, $crate::repair, $factory;
+            repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
+            release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
+            release_by_address_racing_a_pool_split_still_releases,
+        );
+    };
+}
+
+/// How a block is made undecodable.
+#[derive(Debug, Clone, Copy)]
+enum Damage {
+    /// Bytes no format reads.
+    Garbage,
+    /// A valid block stamped with a format version newer than this build reads.
+    FutureFormat,
+}
+
+/// Every key and value under `prefix`, without revisions (a repair that rewrote a value with the
+/// same bytes would still show; one that left it alone shows nothing).
+async fn contents(store: &dyn KvStore, prefix: &str) -> Vec<(String, Vec<u8>)> {
+    store
+        .list(prefix)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|kv| (kv.key, kv.value))
+        .collect()
+}
+
+/// A block that cannot be decoded (damaged, or written by a newer format) beside handles with
+/// addresses in it: `check --repair` rewrites and deletes nothing (every handle, claim index
+/// entry and block stays byte-identical), reports the key and what it held back; once the block
+/// is restored, releasing a handle by its id frees its addresses.
+pub async fn repair_leaves_handles_alone_while_a_block_cannot_be_decoded<F: StoreFactory>(
+    factory: &F,
+) {
+    for damage in [Damage::Garbage, Damage::FutureFormat] {
+        let (t, ipam) = ipam_with_pool(factory, "10.20.0.0/24", 28).await;
+        let pod_one = ipam
+            .auto_assign(&v4("pod-1", "node-a", 2))
+            .await
+            .expect("assign pod-1");
+        let mut pod_one: Vec<_> = pod_one.v4.iter().map(|a| a.ip).collect();
+        pod_one.sort();
+        assign_one(&ipam, "pod-2", "node-a").await;
+        let elsewhere = ipam
+            .auto_assign(&v4("pod-3", "node-b", 1))
+            .await
+            .expect("assign pod-3")
+            .v4[0]
+            .clone();
+        let block = t
+            .store
+            .list(&keys::host_blocks_dir("node-a"))
+            .await
+            .expect("list node-a's blocks")
+            .into_iter()
+            .find(|kv| {
+                decode::<Block>(&kv.key, &kv.value).is_ok_and(|b| b.cidr.contains(&pod_one[0]))
+            })
+            .expect("node-a's block");
+        let damaged = match damage {
+            Damage::Garbage => vec![0xff, 0x00, 0x13, 0x37],
+            Damage::FutureFormat => {
+                let mut bytes = block.value.clone();
+                bytes[0] = FORMAT_VERSION + 1;
+                bytes
+            }
+        };
+        t.store
+            .put(&block.key, damaged)
+            .await
+            .expect("plant the damaged block");
+        let before = contents(t.store.as_ref(), "").await;
+        // An unrelated, repairable problem, so that the repair runs: node-b's block loses its
+        // claim index entry (the repair writes it back, byte for byte).
+        let claim = keys::block_claim(&elsewhere.block);
+        t.store.delete(&claim).await.expect("delete a claim entry");
+
+        let report = ipam.check(true).await.expect("check --repair");
+        assert_eq!(
+            contents(t.store.as_ref(), "").await,
+            before,
+            "{damage:?}: the repair changed the store: {report:#?}"
+        );
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.kind == kinds::CORRUPT_OBJECT && p.detail.contains(&block.key)),
+            "{damage:?}: the damaged block is not reported: {report:#?}"
+        );
+        // Each handle with addresses in the block is reported, not repairable, naming the key.
+        for pod in ["pod-1", "pod-2"] {
+            assert!(
+                report.problems.iter().any(|p| p.kind == kinds::HANDLE_COUNT
+                    && !p.repairable
+                    && p.detail.contains(&format!("{pod:?}"))
+                    && p.detail.contains(&block.key)),
+                "{damage:?}: {pod}'s handle is not reported as held back: {report:#?}"
+            );
+        }
+        assert!(
+            report
+                .problems
+                .iter()
+                .all(|p| !p.repairable || p.detail.contains(&elsewhere.block.to_string())),
+            "{damage:?}: only node-b's claim entry may be repairable: {report:#?}"
+        );
+        assert!(
+            report.repaired.iter().any(|r| r.starts_with("held back")
+                && r.contains("\"pod-1\"")
+                && r.contains(&block.key)),
+            "{damage:?}: the repair does not say it held pod-1 back: {report:#?}"
+        );
+
+        // The block comes back (restored from a backup, or read by a newer build): the pods' DELs
+        // find their handles and free their addresses.
+        t.store
+            .put(&block.key, block.value.clone())
+            .await
+            .expect("restore the block");
+        let released = ipam.release_handle("pod-1").await.expect("release pod-1");
+        assert_eq!(released, pod_one, "{damage:?}: pod-1's addresses");
+        assert_eq!(
+            ipam.release_handle("pod-2")
+                .await
+                .expect("release pod-2")
+                .len(),
+            1,
+            "{damage:?}: pod-2's address"
+        );
+        assert_eq!(
+            ipam.release_handle("pod-3").await.expect("release pod-3"),
+            vec![elsewhere.ip],
+            "{damage:?}: pod-3's address"
+        );
+        assert_clean(&ipam).await;
+    }
+}
+
+/// Releasing a host whose blocks change under every attempt gives up after the retry policy's
+/// attempts, with an error naming the blocks, instead of retrying forever; nothing is written.
+pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.21.0.0/24", 28).await;
+    let block = ipam
+        .auto_assign(&v4("pod", "node-a", 1))
+        .await
+        .expect("assign")
+        .v4[0]
+        .block;
+    let before = contents(t.store.as_ref(), "").await;
+    // Every commit that rewrites a block fails its condition, as if another writer changed the
+    // block each time.
+    let hooked = HookStore::new(Arc::clone(&t.store));
+    hooked.refuse_commits(|txn| {
+        txn.conditions
+            .iter()
+            .map(|c| c.key())
+            .find(|k| k.starts_with(&keys::blocks_dir()))
+            .map(|key| KvError::Conflict {
+                key: key.to_owned(),
+            })
+    });
+    let conflicting = Ipam::new(hooked).with_retry_policy(RetryPolicy {
+        max_attempts: 6,
+        base_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(4),
+    });
+    // Bounded: without a bound on its retries the release never returns.
+    let outcome = tokio::time::timeout(
+        Duration::from_secs(60),
+        conflicting.release_host("node-a", false),
+    )
+    .await
+    .expect("release_host kept retrying a conflict that never clears");
+    match &outcome {
+        Err(e @ IpamError::KeptConflicting { attempts, .. }) => {
+            assert_eq!(*attempts, 6, "{e}");
+            assert!(e.is_retryable(), "{e}");
+            let text = e.to_string();
+            assert!(text.contains(&block.to_string()), "names the block: {text}");
+        }
+        other => panic!("expected KeptConflicting, got {other:?}"),
+    }
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "a release that gave up wrote"
+    );
+    // Without the interference it goes through.
+    let released = ipam.release_host("node-a", false).await.expect("release");
+    assert_eq!(released.unassigned_blocks, vec![block]);
+}
+
+/// A release by address of an address in a block of a former size, racing a split of its pool
+/// (the pool and its mixed-sizes record are replaced between the release's reads), still finds the
+/// block and frees the address.
+pub async fn release_by_address_racing_a_pool_split_still_releases<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let hooked = HookStore::new(Arc::clone(&t.store));
+    let store: Arc<dyn KvStore> = hooked.clone();
+    let ipam = Ipam::new(store);
+    let direct = Ipam::new(Arc::clone(&t.store));
+    direct
+        .create_pool(&spec("10.22.0.0/24", "pool", 28))
+        .await
+        .expect("create pool");
+    let ip = assign_one(&direct, "pod", "node-a").await;
+    // New blocks are /26 from now on: the pool records that it holds /28 blocks too.
+    direct
+        .set_pool(
+            "pool",
+            &PoolChange {
+                block_size: Some(26),
+                ..PoolChange::default()
+            },
+        )
+        .await
+        .expect("change the block size");
+    // Right after the release reads the pools, the pool is split in two.
+    let splitter = Ipam::new(Arc::clone(&t.store));
+    hooked.arm(
+        |reads| {
+            reads
+                .iter()
+                .any(|r| matches!(r, Read::List(p) if *p == keys::pools_dir()))
+        },
+        move || async move {
+            splitter.split_pool("pool", 2).await.expect("split");
+        },
+    );
+    let outcome = ipam
+        .release_ips(&[ReleaseRequest { ip, sequence: None }])
+        .await
+        .expect("release");
+    assert!(hooked.fired(), "the split did not run");
+    assert_eq!(outcome.released, vec![ip], "{outcome:?}");
+    assert!(outcome.not_allocated.is_empty(), "{outcome:?}");
+    assert_eq!(direct.get_assignment(ip).await.expect("who holds it"), None);
+    assert_clean(&direct).await;
+}
