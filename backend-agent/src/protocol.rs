@@ -5,14 +5,24 @@
 //! bincode 2 (standard configuration, through serde). The wire types mirror `ipam_core`'s on
 //! purpose instead of deriving serde there: the protocol changes only when [`PROTOCOL_VERSION`]
 //! does.
+//!
+//! Versions: the hello is always a [`RequestFrame`] carrying the client's newest version; the
+//! agent answers with the version both speak (the lower of the two). After it, protocol 1 sends
+//! [`RequestFrame`]s and protocol 2 [`BoundedRequestFrame`]s, which add the caller's deadline.
+//! Answers are [`ResponseFrame`]s in both. bincode is not self-describing: a variant or field is
+//! never changed or reordered, only new variants added at the end of an enum.
 
 use ipam_core::{Condition, KeyValue, KvError, Op, Read, ReadResult, Revision, Txn};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// The protocol version both sides announce in the hello; they must be equal.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// The newest protocol version this build speaks: 2, requests carry the caller's deadline.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// The first protocol version (requests without a deadline): the agent still serves clients
+/// that speak only it, and the client falls back to it for an agent that knows no other.
+pub const PROTOCOL_V1: u32 = 1;
 
 /// Largest request payload the agent reads (a transaction is at most about 1.4 MiB; a batched
 /// read names keys only).
@@ -76,6 +86,66 @@ pub struct RequestFrame {
     pub id: u64,
     /// What is asked.
     pub request: Request,
+}
+
+/// One request with its id and the caller's deadline: every request after the hello from
+/// protocol 2 on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BoundedRequestFrame {
+    /// As [`RequestFrame::id`].
+    pub id: u64,
+    /// When the caller gives up on this request.
+    pub deadline: WireDeadline,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// When a caller gives up, in two forms: the agent runs on the same host and reads the same
+/// monotonic clock, so the first is exact; the second serves when the clocks turn out to differ
+/// (see `backend_agent::deadline`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireDeadline {
+    /// The caller's `CLOCK_MONOTONIC` reading at which it gives up, in nanoseconds.
+    pub monotonic_nanos: u64,
+    /// The time the caller had left when it sent the request, in nanoseconds.
+    pub remaining_nanos: u64,
+}
+
+/// A request as the agent read it, whichever protocol version framed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReceivedRequest {
+    /// The request's id.
+    pub id: u64,
+    /// The caller's deadline (protocol 2 on); `None` from a protocol 1 client.
+    pub deadline: Option<WireDeadline>,
+    /// What is asked.
+    pub request: Request,
+}
+
+/// Decodes a request frame's payload as the negotiated `protocol` frames it (the hello, always
+/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]).
+///
+/// # Errors
+/// [`FrameError::Decode`] for a payload that is not one request of that framing, or an unknown
+/// version.
+pub fn decode_request(payload: &[u8], protocol: u32) -> Result<ReceivedRequest, FrameError> {
+    match protocol {
+        PROTOCOL_V1 => decode_payload::<RequestFrame>(payload).map(|frame| ReceivedRequest {
+            id: frame.id,
+            deadline: None,
+            request: frame.request,
+        }),
+        PROTOCOL_VERSION => {
+            decode_payload::<BoundedRequestFrame>(payload).map(|frame| ReceivedRequest {
+                id: frame.id,
+                deadline: Some(frame.deadline),
+                request: frame.request,
+            })
+        }
+        other => Err(FrameError::Decode(format!(
+            "no framing for protocol version {other}"
+        ))),
+    }
 }
 
 /// What a client asks.
@@ -525,6 +595,21 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
     reader: &mut R,
     limit: usize,
 ) -> Result<Option<T>, FrameError> {
+    match read_payload(reader, limit).await? {
+        Some(payload) => decode_payload(&payload).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Reads one frame's payload, undecoded; `Ok(None)` when the stream ends cleanly before a frame.
+///
+/// # Errors
+/// [`FrameError::Io`] when the stream fails or ends inside a frame, [`FrameError::TooLarge`]
+/// over `limit`.
+pub async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, FrameError> {
     let mut header = [0u8; 4];
     let mut filled = 0;
     while filled < header.len() {
@@ -549,15 +634,60 @@ pub async fn read_frame<R: AsyncRead + Unpin, T: DeserializeOwned>(
         .read_exact(&mut payload)
         .await
         .map_err(FrameError::Io)?;
-    let (value, used) = bincode::serde::decode_from_slice(&payload, bincode::config::standard())
-        .map_err(|e| FrameError::Decode(e.to_string()))?;
+    Ok(Some(payload))
+}
+
+/// How many bytes bincode's accounting may count per byte of payload: it counts every number at
+/// its full width (a `u64` as 8 bytes however short its encoding) and every string or byte string
+/// at its length, and the widest number in these types is 8 bytes.
+const COUNTED_PER_PAYLOAD_BYTE: usize = 8;
+
+/// Decodes one frame's payload (the bytes after the length prefix) as a `T`, whole.
+///
+/// bincode counts what a payload makes it allocate and read, and stops at a limit: the limit
+/// used is the smallest of a few steps that a legitimate payload of this size stays under
+/// ([`COUNTED_PER_PAYLOAD_BYTE`] times its size), so a length claiming more than the frame can
+/// hold is a decode error before anything is allocated for it (a claim that passes is at most
+/// 16 times that bound, and fails when the bytes run out).
+///
+/// # Errors
+/// [`FrameError::Decode`] for a payload that is not exactly one `T`.
+pub fn decode_payload<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
+    const KIB_512: usize = 512 * 1024;
+    const MIB_8: usize = 8 * 1024 * 1024;
+    const MIB_128: usize = 128 * 1024 * 1024;
+    const MIB_512: usize = 512 * 1024 * 1024;
+    const GIB_2: usize = 2 * 1024 * 1024 * 1024;
+    const LARGEST: usize = MAX_RESPONSE_BYTES * COUNTED_PER_PAYLOAD_BYTE;
+    match payload.len().saturating_mul(COUNTED_PER_PAYLOAD_BYTE) {
+        n if n <= KIB_512 => decode_within::<T, KIB_512>(payload),
+        n if n <= MIB_8 => decode_within::<T, MIB_8>(payload),
+        n if n <= MIB_128 => decode_within::<T, MIB_128>(payload),
+        n if n <= MIB_512 => decode_within::<T, MIB_512>(payload),
+        n if n <= GIB_2 => decode_within::<T, GIB_2>(payload),
+        _ => decode_within::<T, LARGEST>(payload),
+    }
+}
+
+/// [`decode_payload`] with bincode's accounting of the payload held to `LIMIT` bytes.
+fn decode_within<T: DeserializeOwned, const LIMIT: usize>(payload: &[u8]) -> Result<T, FrameError> {
+    let config = bincode::config::standard().with_limit::<LIMIT>();
+    let (value, used) =
+        bincode::serde::decode_from_slice(payload, config).map_err(|e| match e {
+            bincode::error::DecodeError::LimitExceeded => FrameError::Decode(format!(
+            "a length inside this {}-byte frame claims more than such a frame can hold (bincode \
+             limit {LIMIT} bytes)",
+            payload.len()
+        )),
+            other => FrameError::Decode(other.to_string()),
+        })?;
     if used != payload.len() {
         return Err(FrameError::Decode(format!(
             "{} bytes left over after the value",
             payload.len() - used
         )));
     }
-    Ok(Some(value))
+    Ok(value)
 }
 
 #[cfg(test)]
@@ -624,6 +754,117 @@ mod tests {
             .expect("runtime");
         let result = runtime.block_on(read_frame::<_, Vec<u8>>(&mut &frame[..], 100));
         assert!(matches!(result, Err(FrameError::TooLarge { .. })));
+    }
+
+    #[test]
+    fn a_claimed_length_beyond_the_frame_is_a_decode_error_not_an_allocation() {
+        // A request frame whose key claims 2^62 bytes (a get, id 0), as sent to a live agent.
+        let hostile = [
+            0x00, 0x00, 0x00, 0x0b, 0x00, 0x01, 0xfd, 0, 0, 0, 0, 0, 0, 0, 0x40,
+        ];
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let request = runtime.block_on(read_frame::<_, RequestFrame>(
+            &mut &hostile[..],
+            MAX_REQUEST_BYTES,
+        ));
+        match request {
+            Err(FrameError::Decode(message)) => {
+                assert!(message.contains("claims more"), "{message}")
+            }
+            other => panic!("expected a decode error, got {other:?}"),
+        }
+        // The same claim inside an answer (a get's value), as a hostile agent could send it.
+        let mut answer = vec![0x00, 0x02, 0x01, 0x01, b'k'];
+        answer.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x40]);
+        assert!(matches!(
+            decode_payload::<ResponseFrame>(&answer),
+            Err(FrameError::Decode(_))
+        ));
+    }
+
+    /// The wire samples committed as the protocol fuzzer's seeds (`fuzz/seeds/agent_frames`):
+    /// each a byte naming the framing (0: protocol 1 request, 1: protocol 2 request, 2: answer),
+    /// then one payload exactly as the previous release and this one put it on the wire.
+    #[test]
+    fn the_committed_wire_samples_decode_and_encode_back_to_the_same_bytes() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/agent_frames");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("the seeds directory") {
+            let path = entry.expect("a seed").path();
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            let name = name.unwrap_or_default();
+            let sample = std::fs::read(&path).expect("read a seed");
+            let (&kind, payload) = sample.split_first().expect("a non-empty seed");
+            let encoded = match kind {
+                0 | 1 => {
+                    let protocol = if kind == 0 {
+                        PROTOCOL_V1
+                    } else {
+                        PROTOCOL_VERSION
+                    };
+                    decode_request(payload, protocol).map(|request| match request.deadline {
+                        Some(deadline) => encode_frame(
+                            &BoundedRequestFrame {
+                                id: request.id,
+                                deadline,
+                                request: request.request,
+                            },
+                            MAX_REQUEST_BYTES,
+                        ),
+                        None => encode_frame(
+                            &RequestFrame {
+                                id: request.id,
+                                request: request.request,
+                            },
+                            MAX_REQUEST_BYTES,
+                        ),
+                    })
+                }
+                _ => decode_payload::<ResponseFrame>(payload)
+                    .map(|response| encode_frame(&response, MAX_RESPONSE_BYTES)),
+            };
+            if name.starts_with("hostile-") {
+                assert!(
+                    matches!(encoded, Err(FrameError::Decode(_))),
+                    "{name} decoded"
+                );
+            } else {
+                let frame = encoded
+                    .unwrap_or_else(|e| panic!("{name} no longer decodes: {e}"))
+                    .expect("encode");
+                assert_eq!(&frame[4..], payload, "{name} encodes to other bytes");
+            }
+            seen += 1;
+        }
+        assert!(seen >= 10, "only {seen} samples in {}", dir.display());
+    }
+
+    #[test]
+    fn frames_of_many_small_numbers_decode_at_every_size() {
+        // Empty keys and values: 3 bytes each on the wire, and 24 bytes of the decoder's
+        // accounting (a length or revision is counted at its full 8 bytes however short its
+        // encoding): the densest a legitimate frame gets.
+        for count in [1usize, 20_000, 400_000] {
+            let listed = ResponseFrame {
+                id: 1,
+                response: Response::Listed(
+                    (0..count)
+                        .map(|_| WireKeyValue {
+                            key: String::new(),
+                            value: vec![],
+                            revision: 1,
+                        })
+                        .collect(),
+                ),
+            };
+            let frame = encode_frame(&listed, MAX_RESPONSE_BYTES).expect("encode");
+            let decoded: ResponseFrame = decode_payload(&frame[4..])
+                .unwrap_or_else(|e| panic!("{count} records in {} bytes: {e}", frame.len()));
+            assert_eq!(decoded, listed);
+        }
     }
 
     #[test]

@@ -14,11 +14,15 @@ use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+use tokio::time::Instant;
+
 use crate::config::AgentConfig;
+use crate::deadline::caller_deadline;
 use crate::error::{answer_missing, connect_failed, hello_timed_out};
 use crate::protocol::{
-    encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
-    StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
+    encode_frame, read_frame, write_frame, BoundedRequestFrame, Request, RequestFrame, Response,
+    ResponseFrame, StoreIdentity, WireDeadline, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_V1,
+    PROTOCOL_VERSION,
 };
 
 /// The read buffer of a connection: most answers fit whole (larger ones are read past it).
@@ -28,7 +32,9 @@ const READ_BUFFER_BYTES: usize = 16 * 1024;
 ///
 /// One connection at a time, opened by [`connect`](Self::connect) and opened again by the next
 /// call after it was lost; calls are multiplexed on it by request id, so concurrent calls do not
-/// wait for each other. Every call is bounded by [`AgentConfig::request_timeout`].
+/// wait for each other. Every call is bounded by [`AgentConfig::request_timeout`], and by the
+/// caller's deadline when it runs inside [`deadline::within`](crate::deadline::within); the
+/// earlier of the two travels with the request, and the agent starts no commit after it.
 pub struct AgentStore {
     config: AgentConfig,
     served: StoreIdentity,
@@ -46,12 +52,14 @@ impl fmt::Debug for AgentStore {
 
 impl AgentStore {
     /// Connects to the agent at `config.socket` and exchanges the hello, within
-    /// `config.connect_timeout`.
+    /// `config.connect_timeout` (and the caller's deadline, if earlier). An agent that speaks
+    /// only protocol version 1 is spoken to in it (its requests carry no deadline; a warning is
+    /// logged).
     ///
     /// # Errors
     /// [`KvError::Unavailable`] when there is no socket, nothing accepts on it, or the agent does
-    /// not answer in time; [`KvError::Other`] when the agent refuses this peer, speaks another
-    /// protocol version, or connecting is not permitted.
+    /// not answer in time; [`KvError::Other`] when the agent refuses this peer, speaks no
+    /// protocol version this client does, or connecting is not permitted.
     pub async fn connect(config: AgentConfig) -> Result<AgentStore, KvError> {
         let (link, served) = open_link(&config).await?;
         Ok(AgentStore {
@@ -59,6 +67,11 @@ impl AgentStore {
             served,
             link: tokio::sync::Mutex::new(Some(link)),
         })
+    }
+
+    /// The protocol version spoken with the agent on the current connection.
+    pub async fn protocol(&self) -> Option<u32> {
+        self.link.lock().await.as_ref().map(|link| link.protocol)
     }
 
     /// The store the agent said it serves.
@@ -95,9 +108,41 @@ impl AgentStore {
     async fn call(&self, request: Request) -> Result<Response, KvError> {
         let kind = request.kind();
         let is_write = request.is_write();
-        let link = self.link().await?;
+        let timed_out = Instant::now() + self.config.request_timeout;
+        let (deadline, gives_up) = match caller_deadline() {
+            Some(caller) if caller < timed_out => {
+                (caller, "no answer before the caller's deadline".to_owned())
+            }
+            _ => (
+                timed_out,
+                format!("no answer within {:?}", self.config.request_timeout),
+            ),
+        };
+        let link = match tokio::time::timeout_at(deadline, self.link()).await {
+            Ok(link) => link?,
+            Err(_) => {
+                return Err(KvError::unavailable(format!(
+                    "{gives_up}: the {kind} was not sent, reconnecting to the blockipam agent at \
+                     {} took too long",
+                    self.config.socket.display()
+                )))
+            }
+        };
         let id = link.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES)
+        let encoded = if link.protocol >= PROTOCOL_VERSION {
+            let deadline = WireDeadline::at(deadline);
+            encode_frame(
+                &BoundedRequestFrame {
+                    id,
+                    deadline,
+                    request,
+                },
+                MAX_REQUEST_BYTES,
+            )
+        } else {
+            encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES)
+        };
+        let frame = encoded
             .map_err(|e| KvError::invalid(format!("cannot send this {kind} to the agent: {e}")))?;
         let answer = link.shared.register(id).ok_or_else(|| {
             KvError::unavailable(format!(
@@ -113,7 +158,7 @@ impl AgentStore {
             )));
         }
         let socket = &self.config.socket;
-        match tokio::time::timeout(self.config.request_timeout, answer).await {
+        match tokio::time::timeout_at(deadline, answer).await {
             Ok(Ok(Ok(Response::Failed(error)))) => Err(error.into()),
             Ok(Ok(Ok(response))) => Ok(response),
             Ok(Ok(Err(Failure::NotSent(why)))) => Err(KvError::unavailable(format!(
@@ -129,12 +174,7 @@ impl AgentStore {
             )),
             Err(_) => {
                 link.shared.forget(id);
-                Err(answer_missing(
-                    socket,
-                    kind,
-                    is_write,
-                    &format!("no answer within {:?}", self.config.request_timeout),
-                ))
+                Err(answer_missing(socket, kind, is_write, &gives_up))
             }
         }
     }
@@ -291,6 +331,8 @@ impl Drop for AbortOnDrop {
 
 #[derive(Debug, Clone)]
 struct Link {
+    /// The protocol version negotiated in the hello.
+    protocol: u32,
     outgoing: mpsc::UnboundedSender<(u64, Vec<u8>)>,
     shared: Arc<Shared>,
     _reader: Arc<AbortOnDrop>,
@@ -298,7 +340,7 @@ struct Link {
 
 async fn open_link(config: &AgentConfig) -> Result<(Link, StoreIdentity), KvError> {
     let socket = config.socket.as_path();
-    let (stream, served) = tokio::time::timeout(config.connect_timeout, hello(socket))
+    let (stream, served, protocol) = tokio::time::timeout(config.connect_timeout, greet(socket))
         .await
         .map_err(|_| hello_timed_out(socket, config.connect_timeout))??;
     let (read_half, write_half) = stream.into_split();
@@ -311,6 +353,7 @@ async fn open_link(config: &AgentConfig) -> Result<(Link, StoreIdentity), KvErro
     let reader = tokio::spawn(read_loop(read_half, Arc::clone(&shared)));
     Ok((
         Link {
+            protocol,
             outgoing,
             shared,
             _reader: Arc::new(AbortOnDrop(reader)),
@@ -369,9 +412,54 @@ fn check_server(stream: &UnixStream, socket: &Path) -> Result<(), KvError> {
     )))
 }
 
-/// Connects, checks who serves the socket, and exchanges the hello (unbounded: the caller bounds
-/// it).
-async fn hello(socket: &Path) -> Result<(UnixStream, StoreIdentity), KvError> {
+/// What an agent answered to a hello.
+enum Greeting {
+    /// It serves this client in `protocol`.
+    Accepted {
+        stream: UnixStream,
+        served: StoreIdentity,
+        protocol: u32,
+    },
+    /// It refused the version offered (an agent of an older release), saying `reason`.
+    VersionRefused { reason: String },
+}
+
+/// Connects and exchanges the hello in the newest version, then, with an agent that refuses
+/// it, in protocol 1 (unbounded: the caller bounds it). Returns the negotiated version.
+async fn greet(socket: &Path) -> Result<(UnixStream, StoreIdentity, u32), KvError> {
+    let refused = match hello(socket, PROTOCOL_VERSION).await? {
+        Greeting::Accepted {
+            stream,
+            served,
+            protocol,
+        } => return Ok((stream, served, protocol)),
+        Greeting::VersionRefused { reason } => reason,
+    };
+    match hello(socket, PROTOCOL_V1).await? {
+        Greeting::Accepted {
+            stream,
+            served,
+            protocol,
+        } => {
+            tracing::warn!(
+                socket = %socket.display(),
+                "the blockipam agent speaks protocol version {protocol} only, this client \
+                 {PROTOCOL_VERSION} ({refused}): its requests carry no deadline, so a call that \
+                 gives up may still be committed after it; upgrade the agent to this release"
+            );
+            Ok((stream, served, protocol))
+        }
+        Greeting::VersionRefused { reason } => Err(KvError::other(format!(
+            "the blockipam agent at {} refused protocol versions {PROTOCOL_VERSION} ({refused}) \
+             and {PROTOCOL_V1} ({reason}): run the same blockipam release on both sides",
+            socket.display()
+        ))),
+    }
+}
+
+/// Connects, checks who serves the socket, and exchanges one hello offering protocol version
+/// `offered` (unbounded).
+async fn hello(socket: &Path, offered: u32) -> Result<Greeting, KvError> {
     let mut stream = UnixStream::connect(socket)
         .await
         .map_err(|e| connect_failed(socket, &e))?;
@@ -379,9 +467,7 @@ async fn hello(socket: &Path) -> Result<(UnixStream, StoreIdentity), KvError> {
     let frame = encode_frame(
         &RequestFrame {
             id: 0,
-            request: Request::Hello {
-                protocol: PROTOCOL_VERSION,
-            },
+            request: Request::Hello { protocol: offered },
         },
         MAX_REQUEST_BYTES,
     )
@@ -391,6 +477,11 @@ async fn hello(socket: &Path) -> Result<(UnixStream, StoreIdentity), KvError> {
     let answer = read_frame::<_, ResponseFrame>(&mut stream, MAX_RESPONSE_BYTES).await;
     let shown = socket.display();
     match answer {
+        // An agent of an older release refuses any version but its own with these words.
+        Ok(Some(ResponseFrame {
+            response: Response::Refused { reason },
+            ..
+        })) if reason.starts_with("protocol version ") => Ok(Greeting::VersionRefused { reason }),
         Ok(Some(ResponseFrame {
             response: Response::Refused { reason },
             ..
@@ -401,12 +492,16 @@ async fn hello(socket: &Path) -> Result<(UnixStream, StoreIdentity), KvError> {
             response: Response::Hello { protocol, served },
             ..
         })) => {
-            if protocol == PROTOCOL_VERSION {
-                Ok((stream, served))
+            if (PROTOCOL_V1..=offered).contains(&protocol) {
+                Ok(Greeting::Accepted {
+                    stream,
+                    served,
+                    protocol,
+                })
             } else {
                 Err(KvError::other(format!(
                     "the blockipam agent at {shown} speaks protocol version {protocol}, this \
-                     client {PROTOCOL_VERSION}: run the same blockipam release on both sides"
+                     client {offered}: run the same blockipam release on both sides"
                 )))
             }
         }

@@ -6,7 +6,7 @@ use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -66,6 +66,13 @@ struct Inner {
     db: sled::Db,
     /// sled's log file, for the `fdatasync` that makes a flushed write durable (see `commit`).
     log_file: fs::File,
+    /// Held exclusively by a commit from before its transaction until its write is durable, and
+    /// shared by reads: sled shows a transaction's writes to readers as soon as it applies them,
+    /// before the flush and the sync, and a read must not act on a write a crash can still undo.
+    durable_writes: RwLock<()>,
+    /// Test builds: called by a commit between applying its transaction and flushing it.
+    #[cfg(test)]
+    after_apply: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
     /// What was done to each file and directory under `blobs/` (made private, synced at which
     /// length), so that a commit only fixes and syncs what sled made or changed since (while
     /// open, sled creates files nowhere else). The lock is held for a whole walk, so a commit
@@ -121,13 +128,19 @@ impl KvStore for SledStore {
         validate_key(key)?;
         let inner = Arc::clone(&self.inner);
         let key = key.to_owned();
-        run_blocking(Stage::Read, &self.inner.path, move || inner.get(key)).await
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            inner.once_durable(|| inner.get(key))
+        })
+        .await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
         let inner = Arc::clone(&self.inner);
         let prefix = prefix.to_owned();
-        run_blocking(Stage::Read, &self.inner.path, move || inner.list(&prefix)).await
+        run_blocking(Stage::Read, &self.inner.path, move || {
+            inner.once_durable(|| inner.list(&prefix))
+        })
+        .await
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
@@ -146,7 +159,7 @@ impl KvStore for SledStore {
         let inner = Arc::clone(&self.inner);
         let reads = reads.to_vec();
         run_blocking(Stage::Read, &self.inner.path, move || {
-            inner.read_many(&reads)
+            inner.once_durable(|| inner.read_many(&reads))
         })
         .await
     }
@@ -212,12 +225,24 @@ impl Inner {
             meta,
             db,
             log_file,
+            durable_writes: RwLock::new(()),
+            #[cfg(test)]
+            after_apply: Mutex::new(None),
             blob_files: Mutex::new(blob_files),
             #[cfg(test)]
             synced_log: Mutex::new(synced),
             path: path.clone(),
             _lock: lock,
         })
+    }
+
+    /// Runs `read` once no commit is between applying its writes and making them durable.
+    fn once_durable<T>(&self, read: impl FnOnce() -> T) -> T {
+        let _no_commit_in_flight = self
+            .durable_writes
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        read()
     }
 
     fn get(&self, key: String) -> Result<Option<KeyValue>, KvError> {
@@ -305,6 +330,11 @@ impl Inner {
 
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
         let path = &self.path;
+        // Until this commit's write is durable (or has failed), no read runs.
+        let _writing = self
+            .durable_writes
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let outcome = (&self.data, &self.meta).transaction(|(data, meta)| {
             let mut engine_failure = None;
             let failed = txn.first_failed_condition(|key| match data.get(key.as_bytes()) {
@@ -360,6 +390,15 @@ impl Inner {
                 })
             }
         };
+        #[cfg(test)]
+        if let Some(hook) = self
+            .after_apply
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+        {
+            hook();
+        }
         self.db.flush().map_err(|err| KvError::Indeterminate {
             message: format!(
                 "the write to {} was applied but flushing it to disk failed: {}",
@@ -870,6 +909,72 @@ mod tests {
              {synced:?}",
             blobs.display()
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_does_not_see_a_commit_before_it_is_durable() {
+        use std::sync::mpsc;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = SledStore::open(SledConfig::new(dir.path().join("store")).creating())
+            .await
+            .expect("create a sled store");
+        // The commit stops between applying its transaction and flushing it, until told to go.
+        let (reached, reached_here) = mpsc::channel::<()>();
+        let (go, wait_for_go) = mpsc::channel::<()>();
+        let wait_for_go = Mutex::new(wait_for_go);
+        *store
+            .inner
+            .after_apply
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::new(move || {
+            let _ = reached.send(());
+            let _ = wait_for_go
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .recv_timeout(Duration::from_secs(30));
+        }));
+        let committing = tokio::spawn({
+            let store = store.clone();
+            async move { store.put("k", b"v".to_vec()).await }
+        });
+        reached_here
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the commit applied its transaction");
+        // Reads while the write is applied but not durable.
+        let mut reading = tokio::spawn({
+            let store = store.clone();
+            async move {
+                let got = store.get("k").await;
+                let listed = store.list("").await;
+                let batch = store.read_many(&[Read::Get("k".into())]).await;
+                (got, listed, batch)
+            }
+        });
+        // Long enough for unblocked reads to be answered (a bounded wait, nothing asserted on it).
+        if let Ok(answered) = tokio::time::timeout(Duration::from_millis(300), &mut reading).await {
+            let (got, listed, batch) = answered.expect("reading task");
+            assert_eq!(got, Ok(None), "a get saw a write that was not durable yet");
+            assert_eq!(
+                listed,
+                Ok(vec![]),
+                "a list saw a write that was not durable yet"
+            );
+            assert_eq!(
+                batch,
+                Ok(vec![ReadResult::Got(None)]),
+                "a batch saw a write that was not durable yet"
+            );
+        }
+        go.send(()).expect("release the commit");
+        committing
+            .await
+            .expect("commit task")
+            .expect("the commit succeeds");
+        // Once durable, the write is seen.
+        let (got, _, _) = reading.await.expect("reading task");
+        let seen = store.get("k").await.expect("get after");
+        assert_eq!(seen.map(|kv| kv.value), Some(b"v".to_vec()));
+        assert!(got.is_ok(), "{got:?}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

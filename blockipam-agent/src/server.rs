@@ -1,6 +1,11 @@
 //! The server: an accept loop, one task per connection (peer credentials checked first) that reads
 //! requests, answers the first one in flight itself and runs any others beside it as tasks of
 //! their own, and writes answers back in whatever order they finish; bounded shutdown.
+//!
+//! Every request has a deadline (the caller's, protocol 2; [`V1_CLIENT_TIMEOUT`] after it was
+//! read, protocol 1), and every request of every connection passes one [`CommitOrder`]: no commit
+//! starts after its deadline, and a request read after a commit started waits for that commit to
+//! end, so that a caller that gave up leaves a settled outcome to the next one.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -8,21 +13,75 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_agent::protocol::{
-    encode_frame, read_frame, write_frame, FrameError, Request, RequestFrame, Response,
-    ResponseFrame, StoreIdentity, WireError, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
-    PROTOCOL_VERSION,
+    decode_request, encode_frame, read_payload, write_frame, FrameError, ReceivedRequest, Request,
+    Response, ResponseFrame, StoreIdentity, WireError, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
+    PROTOCOL_V1, PROTOCOL_VERSION,
 };
+use backend_agent::AgentConfig;
 use ipam_core::{KvError, KvStore, Read};
 use tokio::io::BufReader;
 use tokio::net::unix::OwnedReadHalf;
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::watch;
+use tokio::sync::{watch, RwLock};
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
 use crate::metrics::{AgentMetrics, ConnectionOutcome};
 
 /// The read buffer of a connection: most request frames fit whole (larger ones are read past it).
 const READ_BUFFER_BYTES: usize = 16 * 1024;
+
+/// The deadline of a request from a protocol 1 client, which sends none, counted from when it
+/// was read: such a client gives up after its fixed request timeout.
+pub const V1_CLIENT_TIMEOUT: Duration = AgentConfig::DEFAULT_REQUEST_TIMEOUT;
+
+/// The order between commits and the requests read after them, shared by every connection of a
+/// server: a commit runs alone, once every request admitted before it has ended; a read runs
+/// beside other reads, once every commit admitted before it has ended. Admission is in arrival
+/// order (the lock is fair), and a commit not admitted by its deadline is never started.
+///
+/// So when a caller gives up on a commit, either the commit was admitted before the caller's
+/// deadline, and every later request (the runtime's next call on the node, made after the
+/// caller gave up) waits for its outcome, or it was not, and it never runs.
+#[derive(Debug, Default)]
+pub struct CommitOrder {
+    lock: RwLock<()>,
+}
+
+impl CommitOrder {
+    /// Runs `commit` once admitted, unless `deadline` passes first.
+    async fn commit<T>(
+        &self,
+        deadline: Instant,
+        commit: impl Future<Output = Result<T, KvError>>,
+    ) -> Result<T, KvError> {
+        let admitted = tokio::time::timeout_at(deadline, self.lock.write()).await;
+        match admitted {
+            // Checked again once admitted: a free lock is taken even past the deadline.
+            Ok(_alone) if Instant::now() < deadline => commit.await,
+            _ => Err(KvError::unavailable(
+                "the caller's deadline passed before the agent could start this commit (an \
+                 earlier commit was still running): nothing was written",
+            )),
+        }
+    }
+
+    /// Runs `read` once every commit admitted before it has ended, unless `deadline` passes
+    /// first.
+    async fn read<T>(
+        &self,
+        deadline: Instant,
+        read: impl Future<Output = Result<T, KvError>>,
+    ) -> Result<T, KvError> {
+        match tokio::time::timeout_at(deadline, self.lock.read()).await {
+            Ok(_beside_reads) => read.await,
+            Err(_) => Err(KvError::unavailable(
+                "an earlier commit was still running on the agent when the caller's deadline \
+                 passed: nothing was read",
+            )),
+        }
+    }
+}
 
 /// How the server treats its peers and its shutdown.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +133,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let config = Arc::new(config);
+    let order = Arc::new(CommitOrder::default());
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
@@ -85,6 +145,7 @@ pub async fn serve(
                     connections.spawn(serve_connection(
                         stream,
                         Arc::clone(&store),
+                        Arc::clone(&order),
                         Arc::clone(&config),
                         stopped.clone(),
                     ));
@@ -121,6 +182,7 @@ pub async fn serve(
 async fn serve_connection(
     stream: UnixStream,
     store: Arc<dyn KvStore>,
+    order: Arc<CommitOrder>,
     config: Arc<ServerConfig>,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -163,6 +225,9 @@ async fn serve_connection(
         reader,
     )));
     let mut greeted = false;
+    // The hello is framed as in protocol 1 whatever the client speaks; the version it settles
+    // frames every later request.
+    let mut protocol = PROTOCOL_V1;
     let mut writable = true;
     let mut server_gone = false;
     loop {
@@ -212,10 +277,17 @@ async fn serve_connection(
                 continue;
             }
             Event::Frame(reader, frame) => match frame {
-                Ok(Some(frame)) => {
-                    reading = Some(read_next(reader));
-                    frame
-                }
+                Ok(Some(payload)) => match decode_request(&payload, protocol) {
+                    Ok(frame) => {
+                        reading = Some(read_next(reader));
+                        frame
+                    }
+                    Err(e) => {
+                        tracing::debug!(uid, "closing a connection: {e}");
+                        reading = None;
+                        continue;
+                    }
+                },
                 Ok(None) => {
                     reading = None;
                     continue;
@@ -227,18 +299,22 @@ async fn serve_connection(
                 }
             },
         };
+        let received = Instant::now();
         if !greeted {
             let response = match frame.request {
-                Request::Hello { protocol } if protocol == PROTOCOL_VERSION => {
+                Request::Hello { protocol: offered } if offered >= PROTOCOL_V1 => {
                     greeted = true;
+                    // The newest version both speak: a client of an older release keeps its own.
+                    protocol = offered.min(PROTOCOL_VERSION);
                     Response::Hello {
-                        protocol: PROTOCOL_VERSION,
+                        protocol,
                         served: config.served.clone(),
                     }
                 }
-                Request::Hello { protocol } => Response::Refused {
+                Request::Hello { protocol: offered } => Response::Refused {
                     reason: format!(
-                        "protocol version {protocol} is not this agent's {PROTOCOL_VERSION}"
+                        "protocol version {offered} is not spoken by this agent (it speaks \
+                         {PROTOCOL_V1} to {PROTOCOL_VERSION})"
                     ),
                 },
                 other => Response::Refused {
@@ -256,7 +332,19 @@ async fn serve_connection(
             }
             continue;
         }
-        let answering = respond(Arc::clone(&store), frame, &config);
+        let deadline = frame
+            .deadline
+            .map_or(received + V1_CLIENT_TIMEOUT, |deadline| {
+                deadline.instant(received)
+            });
+        let answering = respond(
+            Arc::clone(&store),
+            Arc::clone(&order),
+            frame,
+            deadline,
+            protocol,
+            &config,
+        );
         if inline.is_none() {
             inline = Some(answering);
         } else {
@@ -270,10 +358,9 @@ async fn serve_connection(
 /// The encoded answer to one request, `None` when it cannot be encoded at all.
 type Answering = Pin<Box<dyn Future<Output = Option<Vec<u8>>> + Send>>;
 
-/// A read of the next request frame; it hands the read half back with the frame.
-type Reading = Pin<
-    Box<dyn Future<Output = (ConnectionReader, Result<Option<RequestFrame>, FrameError>)> + Send>,
->;
+/// A read of the next request frame's payload; it hands the read half back with it.
+type Reading =
+    Pin<Box<dyn Future<Output = (ConnectionReader, Result<Option<Vec<u8>>, FrameError>)> + Send>>;
 
 /// The read half of a connection, buffered: a frame's length and payload in one system call.
 type ConnectionReader = BufReader<OwnedReadHalf>;
@@ -282,15 +369,15 @@ type ConnectionReader = BufReader<OwnedReadHalf>;
 enum Event {
     /// A request's answer is ready (`None`: it could not be encoded).
     Answer(Option<Vec<u8>>),
-    /// The next frame (or the end of the stream, or a failure), with the read half.
-    Frame(ConnectionReader, Result<Option<RequestFrame>, FrameError>),
+    /// The next frame's payload (or the end of the stream, or a failure), with the read half.
+    Frame(ConnectionReader, Result<Option<Vec<u8>>, FrameError>),
 }
 
 fn read_next(mut reader: ConnectionReader) -> Reading {
     Box::pin(async move {
         // Kept until it completes: only a connection that stops reading (shutdown, a client
         // gone) drops it half way.
-        let frame = read_frame::<_, RequestFrame>(&mut reader, MAX_REQUEST_BYTES).await;
+        let frame = read_payload(&mut reader, MAX_REQUEST_BYTES).await;
         (reader, frame)
     })
 }
@@ -306,21 +393,36 @@ async fn poll_answering(inline: &mut Option<Answering>) -> Option<Vec<u8>> {
 /// Waits for the read in progress; never completes when there is none.
 async fn poll_reading(
     reading: &mut Option<Reading>,
-) -> (ConnectionReader, Result<Option<RequestFrame>, FrameError>) {
+) -> (ConnectionReader, Result<Option<Vec<u8>>, FrameError>) {
     match reading {
         Some(read) => read.await,
         None => std::future::pending().await,
     }
 }
 
-/// Answers one request: runs it on the store, records its latency, encodes the answer.
-fn respond(store: Arc<dyn KvStore>, frame: RequestFrame, config: &ServerConfig) -> Answering {
+/// Answers one request: runs it on the store in its place in `order` and by its `deadline`,
+/// records its latency, encodes the answer.
+fn respond(
+    store: Arc<dyn KvStore>,
+    order: Arc<CommitOrder>,
+    frame: ReceivedRequest,
+    deadline: Instant,
+    protocol: u32,
+    config: &ServerConfig,
+) -> Answering {
     let served = config.served.clone();
     let metrics = config.metrics.clone();
     Box::pin(async move {
         let kind = frame.request.kind();
         let started = std::time::Instant::now();
-        let response = answer(&*store, frame.request, served).await;
+        let asked = Asked {
+            store: &*store,
+            order: &order,
+            deadline,
+            protocol,
+            served,
+        };
+        let response = asked.answer(frame.request).await;
         if let Some(metrics) = &metrics {
             metrics.observe_request(kind, started.elapsed());
         }
@@ -342,37 +444,54 @@ async fn refuse(mut stream: UnixStream, reason: String) {
     }
 }
 
-async fn answer(store: &dyn KvStore, request: Request, served: StoreIdentity) -> Response {
-    let outcome = match request {
-        Request::Hello { .. } => Ok(Response::Hello {
-            protocol: PROTOCOL_VERSION,
+/// One request's context: the store, the order it runs in, its deadline, the connection's
+/// protocol version and the store's identity (for a repeated hello).
+struct Asked<'a> {
+    store: &'a dyn KvStore,
+    order: &'a CommitOrder,
+    deadline: Instant,
+    protocol: u32,
+    served: StoreIdentity,
+}
+
+impl Asked<'_> {
+    async fn answer(self, request: Request) -> Response {
+        let Asked {
+            store,
+            order,
+            deadline,
+            protocol,
             served,
-        }),
-        Request::Get { key } => store
-            .get(&key)
-            .await
-            .map(|kv| Response::Got(kv.map(Into::into))),
-        Request::List { prefix } => store
-            .list(&prefix)
-            .await
-            .map(|kvs| Response::Listed(kvs.into_iter().map(Into::into).collect())),
-        Request::ReadMany { reads } => {
-            let reads: Vec<Read> = reads.into_iter().map(Into::into).collect();
-            store
-                .read_many(&reads)
-                .await
-                .map(|results| Response::ReadMany(results.into_iter().map(Into::into).collect()))
-        }
-        Request::Commit { txn } => {
-            store
-                .commit(txn.into())
-                .await
-                .map(|revision| Response::Committed {
-                    revision: revision.get(),
-                })
-        }
-    };
-    outcome.unwrap_or_else(|e| Response::Failed(WireError::from(&e)))
+        } = self;
+        let outcome =
+            match request {
+                Request::Hello { .. } => Ok(Response::Hello { protocol, served }),
+                Request::Get { key } => order
+                    .read(deadline, store.get(&key))
+                    .await
+                    .map(|kv| Response::Got(kv.map(Into::into))),
+                Request::List { prefix } => order
+                    .read(deadline, store.list(&prefix))
+                    .await
+                    .map(|kvs| Response::Listed(kvs.into_iter().map(Into::into).collect())),
+                Request::ReadMany { reads } => {
+                    let reads: Vec<Read> = reads.into_iter().map(Into::into).collect();
+                    order
+                        .read(deadline, store.read_many(&reads))
+                        .await
+                        .map(|results| {
+                            Response::ReadMany(results.into_iter().map(Into::into).collect())
+                        })
+                }
+                Request::Commit { txn } => order
+                    .commit(deadline, store.commit(txn.into()))
+                    .await
+                    .map(|revision| Response::Committed {
+                        revision: revision.get(),
+                    }),
+            };
+        outcome.unwrap_or_else(|e| Response::Failed(WireError::from(&e)))
+    }
 }
 
 /// The frame of an answer; an answer too large to send becomes an error naming its size.

@@ -8,10 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use backend_agent::protocol::{
-    encode_frame, read_frame, write_frame, RequestFrame, Response, ResponseFrame, StoreIdentity,
-    MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_VERSION,
-};
+use backend_agent::protocol::{read_payload, MAX_REQUEST_BYTES};
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
 use ipam_core::{KeyValue, KvError, KvStore, Op, Revision, Txn};
@@ -75,30 +72,8 @@ async fn store_errors_cross_the_socket_with_their_kind_and_fields() {
 /// A fake agent: answers the hello, then reads one request and closes without answering.
 async fn agent_that_dies_after_reading_a_request(listener: UnixListener) {
     let (mut stream, _) = listener.accept().await.expect("accept");
-    let hello: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
-        .await
-        .expect("read hello");
-    let id = hello.expect("a hello").id;
-    let answer = encode_frame(
-        &ResponseFrame {
-            id,
-            response: Response::Hello {
-                protocol: PROTOCOL_VERSION,
-                served: StoreIdentity {
-                    datastore_type: "fake".into(),
-                    path: None,
-                    etcd_endpoints: vec![],
-                    etcd_prefix: None,
-                },
-            },
-        },
-        MAX_RESPONSE_BYTES,
-    )
-    .expect("encode");
-    write_frame(&mut stream, &answer)
-        .await
-        .expect("answer hello");
-    let request: Option<RequestFrame> = read_frame(&mut stream, MAX_REQUEST_BYTES)
+    common::accept_hello(&mut stream).await;
+    let request = read_payload(&mut stream, MAX_REQUEST_BYTES)
         .await
         .expect("read the request");
     assert!(request.is_some(), "no request arrived");

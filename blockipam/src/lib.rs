@@ -352,7 +352,14 @@ fn locked(
         .build()
         .map_err(|e| CniError::new(codes::IO_FAILURE, format!("cannot start the runtime: {e}")))?;
     let outcome = runtime.block_on(async {
-        match tokio::time::timeout(conf.timeout, with_store(command, env, conf, args, node)).await {
+        // At most a day away (netconf.rs): the sum cannot overflow. The deadline travels with
+        // every request to an agent, which then starts no commit after this call has given up
+        // (docs/agent.md).
+        let deadline = tokio::time::Instant::now() + conf.timeout;
+        let call = with_store(command, env, conf, args, node);
+        match tokio::time::timeout_at(deadline, backend_agent::deadline::within(deadline, call))
+            .await
+        {
             Ok(outcome) => outcome,
             Err(_) => Err(CniError::new(
                 codes::TRY_AGAIN_LATER,

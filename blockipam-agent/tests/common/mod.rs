@@ -10,6 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use backend_agent::protocol::{
+    encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
+    StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
+};
 use backend_agent::{AgentConfig, AgentStore};
 use backend_redb::{RedbConfig, RedbStore};
 use backend_sled::{SledConfig, SledStore};
@@ -17,6 +21,7 @@ use blockipam_agent::{serve, ServerConfig};
 use conformance::embedded::EmbeddedFactory;
 use conformance::{StoreFactory, TestStore};
 use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use tokio::net::UnixStream;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -284,4 +289,42 @@ pub fn run_plugin(
         stdout: out.join().expect("stdout reader"),
         stderr: err.join().expect("stderr reader"),
     }
+}
+
+/// The store a fake agent says it serves.
+pub fn fake_identity() -> StoreIdentity {
+    StoreIdentity {
+        datastore_type: "fake".into(),
+        path: None,
+        etcd_endpoints: vec![],
+        etcd_prefix: None,
+    }
+}
+
+/// A fake agent's side of the hello: reads the client's; returns its id and the version offered.
+pub async fn read_hello(stream: &mut UnixStream) -> (u64, u32) {
+    let hello: Option<RequestFrame> = read_frame(stream, MAX_REQUEST_BYTES)
+        .await
+        .expect("read the hello");
+    match hello {
+        Some(RequestFrame {
+            id,
+            request: Request::Hello { protocol },
+        }) => (id, protocol),
+        other => panic!("the first request was not a hello: {other:?}"),
+    }
+}
+
+/// A fake agent's answer `response` to request `id`.
+pub async fn answer(stream: &mut UnixStream, id: u64, response: Response) {
+    let frame = encode_frame(&ResponseFrame { id, response }, MAX_RESPONSE_BYTES).expect("encode");
+    write_frame(stream, &frame).await.expect("write an answer");
+}
+
+/// A fake agent's hello that accepts the version the client offers; returns that version.
+pub async fn accept_hello(stream: &mut UnixStream) -> u32 {
+    let (id, protocol) = read_hello(stream).await;
+    let served = fake_identity();
+    answer(stream, id, Response::Hello { protocol, served }).await;
+    protocol
 }
