@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use backend_etcd::testing::{unique_prefix, EtcdCluster};
-use common::etcd_agents::{connect, netconf_with_pool, wait_until, Agent};
+use common::etcd_agents::{connect, ctl, netconf_with_pool, wait_until, Agent};
 use common::run_plugin;
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
@@ -129,28 +129,6 @@ fn node_runtime(node: &'static str, conf: Value, truth: Truth, stop: Arc<AtomicB
         }
         std::thread::sleep(Duration::from_millis(100 + dice.roll(200)));
     }
-}
-
-/// Runs `blockipamctl` in this process against the cluster; returns its status and output.
-fn ctl(endpoints: &str, prefix: &str, args: &[&str]) -> (i32, String) {
-    let env = blockipamctl::Env::new([
-        ("DATASTORE_TYPE", "etcdv3".to_owned()),
-        ("ETCD_ENDPOINTS", endpoints.to_owned()),
-        ("ETCD_PREFIX", prefix.to_owned()),
-        ("BLOCKIPAM_AGENT_SOCKET", "none".to_owned()),
-    ]);
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let mut argv = vec!["blockipamctl"];
-    argv.extend_from_slice(args);
-    let status = blockipamctl::run(argv, &env, &mut out, &mut err, false);
-    (
-        status,
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out),
-            String::from_utf8_lossy(&err)
-        ),
-    )
 }
 
 #[test]

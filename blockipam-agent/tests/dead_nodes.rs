@@ -21,7 +21,7 @@ use std::time::Duration;
 use backend_etcd::testing::{unique_prefix, EtcdCluster};
 use backend_etcd::EtcdStore;
 use common::etcd_agents::{
-    added_address, addresses_of, blocks_of, cni_add, connect, held_by, is_live, netconf,
+    added_address, addresses_of, blocks_of, cni_add, connect, ctl, held_by, is_live, netconf,
     netconf_with_pool, registration, wait_until, Agent, WAIT_LIMIT,
 };
 use ipam_core::dead_nodes::agent_key;
@@ -137,21 +137,8 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
     );
 
     // The store is consistent.
-    let env = blockipamctl::Env::new([
-        ("DATASTORE_TYPE", "etcdv3".to_owned()),
-        ("ETCD_ENDPOINTS", endpoints.clone()),
-        ("ETCD_PREFIX", prefix.clone()),
-        ("BLOCKIPAM_AGENT_SOCKET", "none".to_owned()),
-    ]);
-    let (mut out, mut err) = (Vec::new(), Vec::new());
-    let status = blockipamctl::run(["blockipamctl", "check"], &env, &mut out, &mut err, false);
-    assert_eq!(
-        status,
-        0,
-        "check: {}{}",
-        String::from_utf8_lossy(&out),
-        String::from_utf8_lossy(&err)
-    );
+    let (status, output) = ctl(&endpoints, &prefix, &["check"]);
+    assert_eq!(status, 0, "check: {output}");
     drop(agents);
     drop(cluster);
 }

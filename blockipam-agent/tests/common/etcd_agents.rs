@@ -245,3 +245,25 @@ pub async fn held_by(
         .map(|a| (a.handle, a.ip.to_string()))
         .collect()
 }
+
+/// Runs `blockipamctl` in this process against the cluster; returns its status and output.
+pub fn ctl(endpoints: &str, prefix: &str, args: &[&str]) -> (i32, String) {
+    let env = blockipamctl::Env::new([
+        ("DATASTORE_TYPE", "etcdv3".to_owned()),
+        ("ETCD_ENDPOINTS", endpoints.to_owned()),
+        ("ETCD_PREFIX", prefix.to_owned()),
+        ("BLOCKIPAM_AGENT_SOCKET", "none".to_owned()),
+    ]);
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let mut argv = vec!["blockipamctl"];
+    argv.extend_from_slice(args);
+    let status = blockipamctl::run(argv, &env, &mut out, &mut err, false);
+    (
+        status,
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(&err)
+        ),
+    )
+}

@@ -252,19 +252,14 @@ impl Ipam {
         lifetime: Lifetime,
         cutoff: u64,
     ) -> Result<Vec<Stored<Block>>, IpamError> {
-        let prefix = keys::claims_dir();
         let mut unowned: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
         let mut hosts: BTreeSet<String> = BTreeSet::new();
         for kv in claims {
-            let cidr = kv
-                .key
-                .strip_prefix(&prefix)
-                .and_then(keys::parse_cidr_segment)
-                .ok_or_else(|| IpamError::Corrupt {
-                    key: kv.key.clone(),
-                    message: "a claim index key that names no CIDR".into(),
-                })?;
-            let claim = decode_claim(&kv.key, &kv.value)?;
+            let IndexedClaim {
+                cidr,
+                claim,
+                stored,
+            } = IndexedClaim::decode(kv)?;
             let may_be_empty = claim.free.is_none()
                 || claim
                     .empty_from(&cidr, lifetime.cooldown_seconds)
@@ -277,7 +272,7 @@ impl Ipam {
                     hosts.insert(host);
                 }
                 None => {
-                    unowned.insert(cidr, kv);
+                    unowned.insert(cidr, stored);
                 }
             }
         }

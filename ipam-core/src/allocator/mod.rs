@@ -439,6 +439,25 @@ pub(crate) struct IndexedClaim {
     pub stored: KeyValue,
 }
 
+impl IndexedClaim {
+    /// A listed claim index entry, decoded, with the CIDR its key names.
+    pub(crate) fn decode(kv: KeyValue) -> Result<IndexedClaim, IpamError> {
+        let cidr = kv
+            .key
+            .strip_prefix(&keys::claims_dir())
+            .and_then(keys::parse_cidr_segment)
+            .ok_or_else(|| IpamError::Corrupt {
+                key: kv.key.clone(),
+                message: "a claim index key that names no CIDR".into(),
+            })?;
+        Ok(IndexedClaim {
+            cidr,
+            claim: decode_claim(&kv.key, &kv.value)?,
+            stored: kv,
+        })
+    }
+}
+
 /// Blocks a new-block search reads ahead, per candidate pool, from the host's hashed start.
 const NEW_BLOCK_PROBES: u128 = 16;
 
@@ -991,23 +1010,10 @@ impl Ipam {
             ])
             .await?;
         let mut results = results.into_iter();
-        let prefix = keys::claims_dir();
-        let mut entries = Vec::new();
-        for kv in next_listed(&mut results)? {
-            let cidr = kv
-                .key
-                .strip_prefix(&prefix)
-                .and_then(keys::parse_cidr_segment)
-                .ok_or_else(|| IpamError::Corrupt {
-                    key: kv.key.clone(),
-                    message: "a claim index key that names no CIDR".into(),
-                })?;
-            entries.push(IndexedClaim {
-                cidr,
-                claim: decode_claim(&kv.key, &kv.value)?,
-                stored: kv,
-            });
-        }
+        let entries = next_listed(&mut results)?
+            .into_iter()
+            .map(IndexedClaim::decode)
+            .collect::<Result<Vec<_>, _>>()?;
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
         Ok(ClaimIndex {
             entries,
