@@ -18,12 +18,13 @@ pub struct ReclaimCounters {
     pub registered: AtomicBool,
     /// Registered nodes by state at this agent's last reclaim pass (as reclaimer leader):
     /// alive, active (agent down, plugin at work), missing (countdown running or not yet
-    /// started), dead (released by that pass or about to be).
-    pub nodes_by_state: [AtomicU64; 4],
+    /// started), dead (its blocks released by that pass or about to be), reclaimed (blocks
+    /// released earlier, addresses kept until released by the node or by hand).
+    pub nodes_by_state: [AtomicU64; 5],
 }
 
 /// The states [`ReclaimCounters::nodes_by_state`] counts, in its order.
-pub const NODE_STATES: [&str; 4] = ["alive", "active", "missing", "dead"];
+pub const NODE_STATES: [&str; 5] = ["alive", "active", "missing", "dead", "reclaimed"];
 
 impl ReclaimCounters {
     /// Adds one reclaimed node with the addresses and blocks released for it.
@@ -35,15 +36,15 @@ impl ReclaimCounters {
     }
 
     /// Records the node states one reclaim pass found (indices as [`NODE_STATES`]).
-    pub fn record_pass(&self, counts: [u64; 4]) {
+    pub fn record_pass(&self, counts: [u64; 5]) {
         for (gauge, count) in self.nodes_by_state.iter().zip(counts) {
             gauge.store(count, Ordering::Relaxed);
         }
     }
 
     /// The node-state gauges, in [`NODE_STATES`] order.
-    pub fn nodes_by_state(&self) -> [u64; 4] {
-        [0, 1, 2, 3].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
+    pub fn nodes_by_state(&self) -> [u64; 5] {
+        [0, 1, 2, 3, 4].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
     }
 
     /// The three counts, in field order.

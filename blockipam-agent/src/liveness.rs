@@ -284,13 +284,14 @@ async fn reclaim_if_leader(
     let countdowns = LeaseCountdowns::new(session);
     match reclaim_pass(Arc::clone(store), &countdowns, &options).await {
         Ok(outcomes) => {
-            let mut by_state = [0u64; 4];
+            let mut by_state = [0u64; 5];
             for outcome in outcomes {
                 let index = match outcome.state {
                     NodeState::Alive => 0,
                     NodeState::Active => 1,
                     NodeState::Missing { .. } => 2,
                     NodeState::Dead { .. } => 3,
+                    NodeState::Reclaimed { .. } => 4,
                 };
                 by_state[index] += 1;
                 report(&outcome, counters);
@@ -344,14 +345,14 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
         }
         NodeAction::Reclaimed(release) => {
             let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
-            tracing::info!(
+            tracing::warn!(
                 node,
-                addresses = release.released_addresses.len(),
                 blocks,
-                released_addresses = ?release.released_addresses,
                 deleted_blocks = ?release.deleted_blocks,
                 unassigned_blocks = ?release.unassigned_blocks,
-                "dead node reclaimed: its blocks and addresses were released"
+                "dead node reclaimed: its blocks were released; its addresses are kept (it may \
+                 be cut off with its pods running): once you know its pods are gone, run \
+                 `blockipamctl node release <node> --addresses`"
             );
             counters.record_node(release.released_addresses.len() as u64, blocks as u64);
         }
@@ -367,6 +368,11 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
                 counters.record_node(release.released_addresses.len() as u64, blocks as u64);
             }
         }
+        NodeAction::AddressesKept => tracing::debug!(
+            node,
+            "node reclaimed earlier: its addresses are kept until it comes back or they are \
+             released by hand"
+        ),
         NodeAction::Changed => {
             tracing::debug!(
                 node,

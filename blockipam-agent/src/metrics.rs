@@ -937,7 +937,7 @@ mod tests {
         counters
             .registered
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        counters.record_pass([3, 1, 2, 0]);
+        counters.record_pass([3, 1, 2, 0, 4]);
         let after = metrics.scrape(&Arc::downgrade(&store), false).await;
         for line in [
             "# TYPE blockipam_agent_node_registered gauge\n",
@@ -947,6 +947,7 @@ mod tests {
             "blockipam_agent_nodes{state=\"active\"} 1\n",
             "blockipam_agent_nodes{state=\"missing\"} 2\n",
             "blockipam_agent_nodes{state=\"dead\"} 0\n",
+            "blockipam_agent_nodes{state=\"reclaimed\"} 4\n",
         ] {
             assert!(after.contains(line), "no {line:?} in:\n{after}");
         }

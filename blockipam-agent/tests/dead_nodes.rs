@@ -3,11 +3,15 @@
 //! On one member: the operator's scenario of a node whose agent is stopped (SIGTERM), then
 //! killed (SIGKILL, its socket left behind), while the node's runtime keeps calling the plugin:
 //! the node's running pods keep their addresses and no other node is handed them; once the node
-//! goes quiet for good it is reclaimed.
+//! goes quiet for good its blocks are reclaimed, its addresses kept. A node cut off from etcd
+//! (a proxy the test cuts) for longer than the grace: its blocks are reclaimed, its running pods'
+//! addresses are never handed to another node, and once the link heals it registers again and
+//! its pods' DELs release them.
 //!
 //! On a 3-member etcd cluster: three agents (nodes a, b, c) with a 2 s liveness TTL, a 10 s
-//! grace and a 1 s reclaim interval; addresses allocated through the real plugin. Agent a is killed (SIGKILL): once the grace has passed its
-//! blocks and addresses are gone and `blockipamctl check` is clean. Agent b is paused (SIGSTOP)
+//! grace and a 1 s reclaim interval; addresses allocated through the real plugin. Agent a is
+//! killed (SIGKILL): once the grace has passed its blocks are released, its addresses kept, and
+//! `blockipamctl check` is clean. Agent b is paused (SIGSTOP)
 //! until its liveness key has expired and a reclaimer has marked it missing, then resumed: it is
 //! never reclaimed and its liveness key comes back. Node c, and a node whose plugin runs without
 //! an agent (never registered), are untouched. A second test has the reclaimer leader release
@@ -24,6 +28,7 @@ use common::etcd_agents::{
     added_address, addresses_of, blocks_of, cni_add, connect, ctl, held_by, is_live, netconf,
     netconf_with_pool, registration, wait_until, Agent, WAIT_LIMIT,
 };
+use common::partition::PartitionProxy;
 use ipam_core::dead_nodes::agent_key;
 use ipam_core::{Ipam, KvStore};
 use serde_json::Value;
@@ -103,12 +108,15 @@ fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns
         "node-b did not take a new lease and register again after its pause:\n{log_b}"
     );
 
-    // a: reclaimed once the grace has passed.
+    // a: its blocks reclaimed once the grace has passed; its addresses kept (silence is no
+    // evidence that its pods are gone).
     wait_until(&runtime, "node-a is reclaimed", || async {
-        registration(&store, "node-a").await.is_none()
-            && addresses_of(&store, "node-a").await == 0
+        registration(&store, "node-a")
+            .await
+            .is_some_and(|r| r.blocks_released)
             && blocks_of(&store, "node-a").await == 0
     });
+    assert_eq!(runtime.block_on(addresses_of(&store, "node-a")), 2);
     let logs = format!("{}\n{}", agent_b.log(), agent_c.log());
     assert!(
         logs.lines()
@@ -325,15 +333,27 @@ fn a_node_whose_agent_is_stopped_or_killed_while_its_runtime_keeps_calling_is_ne
         );
     }
 
-    // Now node-b is really gone: no agent, no calls. One countdown later it is reclaimed.
+    // Now node-b is really gone: no agent, no calls. One countdown later its blocks are
+    // reclaimed; its addresses are kept until someone who knows its pods are gone releases them.
     wait_until(
         &runtime,
         "node-b is reclaimed once it went quiet",
         || async {
-            registration(&store, "node-b").await.is_none()
-                && held_by(&store, "node-b").await.is_empty()
+            registration(&store, "node-b")
+                .await
+                .is_some_and(|r| r.blocks_released)
+                && blocks_of(&store, "node-b").await == 0
         },
     );
+    assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
+    let (status, output) = ctl(
+        &endpoints,
+        &prefix,
+        &["-o", "json", "node", "release", "node-b", "--addresses"],
+    );
+    assert_eq!(status, 0, "node release: {output}");
+    assert!(runtime.block_on(held_by(&store, "node-b")).is_empty());
+    assert!(runtime.block_on(registration(&store, "node-b")).is_none());
     assert!(
         agent_a
             .log()
@@ -468,4 +488,134 @@ fn an_agent_started_while_etcd_is_down_serves_and_registers_once_etcd_is_back() 
         registration(&store, "node-boot").await.is_some() && is_live(&store, "node-boot").await
     });
     drop(agent);
+}
+
+/// A node cut off from etcd (its agent and plugin reach etcd through a proxy the test cuts) for
+/// longer than the liveness TTL and the grace: from etcd it looks exactly like a node that
+/// vanished, but its pods run on. Its blocks are reclaimed; its running pods' addresses are kept,
+/// and node-a, taking everything the one-block pool has left, is never handed one of them. When
+/// the link heals, node-b's agent registers again, the reclaim's marks are cleared, and its
+/// runtime's DELs release its pods' addresses.
+#[test]
+fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
+    const GRACE: &str = "3";
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let proxy = PartitionProxy::start(&cluster.endpoints()[0]);
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let socket = |node: &str| dir.path().join(format!("{node}.sock"));
+    let conf = |node: &str, endpoints: &str| {
+        netconf_with_pool(
+            node,
+            &socket(node).display().to_string(),
+            endpoints,
+            &prefix,
+            &dir.path().join(format!("{node}.lock")),
+            "10.91.0.0/26",
+        )
+    };
+    let conf_a = conf("node-a", &endpoints);
+    let conf_b = conf("node-b", &proxy.endpoint());
+    let agent_a =
+        Agent::start_with_grace("node-a", &socket("node-a"), &endpoints, &prefix, GRACE, &[]);
+    let agent_b = Agent::start_with_grace(
+        "node-b",
+        &socket("node-b"),
+        &proxy.endpoint(),
+        &prefix,
+        GRACE,
+        &[],
+    );
+    for node in ["node-a", "node-b"] {
+        wait_until(
+            &runtime,
+            &format!("{node} is registered and live"),
+            || async { registration(&store, node).await.is_some() && is_live(&store, node).await },
+        );
+    }
+    let running: Vec<String> = (0..3)
+        .map(|pod| added_address(&format!("node-b-pod{pod}"), &conf_b))
+        .collect();
+    let held_before = runtime.block_on(held_by(&store, "node-b"));
+    assert_eq!(held_before.len(), 3, "{held_before:?}");
+
+    proxy.cut();
+    wait_until(
+        &runtime,
+        "node-b, cut off, is reclaimed (its blocks released)",
+        || async {
+            registration(&store, "node-b")
+                .await
+                .is_some_and(|r| r.blocks_released)
+                && blocks_of(&store, "node-b").await == 0
+        },
+    );
+    assert!(
+        agent_a
+            .log()
+            .lines()
+            .any(|l| l.contains("dead node reclaimed")
+                && l.contains("node-b")
+                && l.contains("addresses are kept")),
+        "{}",
+        agent_a.log()
+    );
+    assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
+
+    // node-a takes everything the pool has left.
+    let mut handed_to_a = Vec::new();
+    let exhausted = loop {
+        let container = format!("node-a-pod{}", handed_to_a.len());
+        let (status, stdout) = cni_add(&container, &conf_a);
+        if status != 0 {
+            break stdout;
+        }
+        let result: Value = serde_json::from_str(&stdout).expect("an ADD result");
+        let address = result["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .expect("an address")
+            .to_owned();
+        assert!(
+            !running.contains(&address),
+            "node-a was handed {address}, which a running pod of node-b holds"
+        );
+        handed_to_a.push(address);
+        assert!(handed_to_a.len() <= 64, "more addresses than a /26 has");
+    };
+    // Every address the plugin hands out is now held, by node-a or by node-b's running pods: all
+    // of the block's 64 but its network and last addresses.
+    assert_eq!(
+        handed_to_a.len() + held_before.len(),
+        64 - 2,
+        "the pool ran out early: {exhausted}"
+    );
+    assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
+
+    // The link heals: node-b's agent takes a new lease and registers again; the marks go.
+    proxy.heal();
+    wait_until(
+        &runtime,
+        "node-b is live again, the reclaim's marks cleared",
+        || async {
+            is_live(&store, "node-b").await
+                && registration(&store, "node-b")
+                    .await
+                    .is_some_and(|r| !r.blocks_released && r.missing_mark.is_none())
+        },
+    );
+    // node-b's runtime tears its pods down: each DEL releases its address.
+    for pod in 0..3 {
+        let run = common::run_plugin("DEL", &format!("node-b-pod{pod}"), &conf_b, WAIT_LIMIT);
+        assert_eq!(run.status, 0, "DEL node-b-pod{pod}: {}", run.stdout);
+    }
+    assert!(runtime.block_on(held_by(&store, "node-b")).is_empty());
+    let (status, output) = ctl(&endpoints, &prefix, &["check"]);
+    assert_eq!(status, 0, "check: {output}");
+    drop(agent_b);
+    drop(agent_a);
+    drop(proxy);
+    drop(cluster);
 }

@@ -1,8 +1,8 @@
 //! Dead-node reclaim through the storage trait alone: agents' registrations, the evidence that a
 //! node is alive (its agents' liveness keys, its plugin's activity record), the per-node decision
-//! (alive / active / missing / dead) and the guarded release of a dead node's blocks and
-//! addresses. The grace period is timed by the store itself (a countdown key on an etcd lease that
-//! is never renewed), never by a machine's clock.
+//! (alive / active / missing / dead / reclaimed) and the guarded release of a dead node's blocks.
+//! The grace period is timed by the store itself (a countdown key on an etcd lease that is never
+//! renewed), never by a machine's clock.
 //!
 //! A node is judged only when its agent registered it (`ipam/v1/agents/<host>`). It is alive while
 //! any agent of it keeps its liveness key (`ipam/v1/liveness/<host>`, on the agent's lease), and
@@ -15,6 +15,17 @@
 //! moved since the mark; its release is guarded by exactly that (plus the registration's
 //! revision), so a node that comes back, registers again or makes one plugin call stops the
 //! release at its next write.
+//!
+//! Silence is not evidence that a node's pods are gone: a node cut off from the store (a network
+//! partition) is as silent as one that vanished, and its pods keep running with their addresses.
+//! So a reclaim releases only what no running pod uses: the node's empty blocks are deleted and
+//! its other blocks lose their affinity (their free addresses serve every node again). The node's
+//! addresses are kept, marked on its registration (`blocks_released`) and held by a record without
+//! lease under the countdown's key, until positive evidence comes: the node's own calls (its
+//! runtime's DELs once it is back), or an operator's `node release <node> --addresses`
+//! ([`forget_node`] then deletes the registration). Agents of the previous version, which release
+//! addresses when the countdown is gone, read that record as a countdown still running and leave
+//! the node alone.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -142,6 +153,17 @@ pub struct CountdownRecord {
     pub node: String,
     /// The grace period the countdown was started with (seconds).
     pub grace_seconds: u64,
+    /// Set on the record a reclaim leaves, without lease, once the node's blocks were released:
+    /// its addresses are kept until released by hand or by the node itself.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub addresses_kept: bool,
+}
+
+impl CountdownRecord {
+    fn encode(&self) -> Result<Vec<u8>, IpamError> {
+        serde_json::to_vec(self)
+            .map_err(|e| IpamError::Internal(format!("cannot encode a countdown: {e}")))
+    }
 }
 
 /// A reclaimer's mark on a registration: which countdown runs for it and what the node's activity
@@ -173,6 +195,11 @@ pub struct Registration {
     /// cleared when the node is seen alive or active, and whenever its agent registers again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub missing_mark: Option<MissingMark>,
+    /// Set by the reclaim of a dead node, beside its mark: its blocks were released, its
+    /// addresses are kept (a silent node may be cut off, its pods still running). Cleared with
+    /// the mark when the node is seen alive or active.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub blocks_released: bool,
 }
 
 impl Registration {
@@ -209,8 +236,32 @@ pub async fn register(
         agent_version: agent_version.to_owned(),
         missing_since: None,
         missing_mark: None,
+        blocks_released: false,
     };
     Ok(store.put(&agent_key(host), registration.encode()?).await?)
+}
+
+/// Forgets `host` once an operator released its addresses (`node release <node> --addresses`):
+/// deletes its registration and whatever is under its countdown's key, in one transaction guarded
+/// by "no liveness key, registration unchanged". A node an agent keeps live stays registered.
+/// Returns whether a registration was deleted (`false` also when there was none).
+///
+/// # Errors
+/// [`IpamError::InvalidArgument`] for an invalid host name or the reservation pseudo-node; store
+/// failures.
+pub async fn forget_node(store: &dyn KvStore, host: &str) -> Result<bool, IpamError> {
+    validate_node(host)?;
+    let Some(registration) = store.get(&agent_key(host)).await? else {
+        return Ok(false);
+    };
+    let txn = Txn::new()
+        .then(Op::delete(agent_key(host)))
+        .then(Op::delete(countdown_key(host)));
+    let guard = [
+        Condition::at_revision(agent_key(host), registration.revision),
+        Condition::absent(liveness_key(host)),
+    ];
+    Ok(commit_guarded(store, txn, &guard, &[]).await?.is_none())
 }
 
 /// Refuses names no registered node may have: invalid host names and the reservation pseudo-node.
@@ -244,6 +295,12 @@ pub enum NodeState {
         /// The mark whose countdown ran out.
         mark: MissingMark,
     },
+    /// Dead, and its blocks were released; its addresses are kept until the node comes back
+    /// and releases them, or an operator runs `node release <node> --addresses`.
+    Reclaimed {
+        /// The mark whose countdown ran out.
+        mark: MissingMark,
+    },
 }
 
 /// One registered node, as [`survey`] found it.
@@ -266,11 +323,14 @@ pub struct NodeStatus {
 }
 
 /// The decision for one node from what the store holds: alive while a liveness key exists;
-/// active when its activity record moved since the mark; missing while its countdown runs (or
-/// before a mark); dead once the countdown is gone with the activity record unmoved.
+/// active when its activity record moved since the mark; reclaimed once a reclaim released its
+/// blocks (`blocks_released`, whatever the record under the countdown's key); missing while its
+/// countdown runs (or before a mark); dead once the countdown is gone with the activity record
+/// unmoved.
 pub fn decide(
     live: bool,
     mark: Option<MissingMark>,
+    blocks_released: bool,
     activity: Option<Revision>,
     countdown: Option<Revision>,
 ) -> NodeState {
@@ -283,6 +343,8 @@ pub fn decide(
     };
     if activity.map_or(0, |r| r.0) != mark.activity_revision {
         NodeState::Active
+    } else if blocks_released {
+        NodeState::Reclaimed { mark }
     } else if countdown.is_some() {
         NodeState::Missing { mark: Some(mark) }
     } else {
@@ -341,7 +403,13 @@ pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
         let activity = activity.get(&host).copied();
         let countdown = countdowns.get(&host).copied();
         nodes.push(NodeStatus {
-            state: decide(is_live, registration.missing_mark, activity, countdown),
+            state: decide(
+                is_live,
+                registration.missing_mark,
+                registration.blocks_released,
+                activity,
+                countdown,
+            ),
             host,
             registration,
             revision: kv.revision,
@@ -353,18 +421,20 @@ pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
     Ok(nodes)
 }
 
-/// What a reclaim of a node would release: its blocks and the addresses `release_host` frees.
+/// What a node holds: the blocks a reclaim releases, and the addresses it keeps (released only
+/// by the node itself or by `node release <node> --addresses`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ReleasePreview {
-    /// Blocks affine to the node (empty ones are deleted, the others lose their affinity).
+    /// Blocks affine to the node (a reclaim deletes the empty ones, the others lose their
+    /// affinity).
     pub blocks: u64,
-    /// Addresses that would be released: every address of every handle holding an address
-    /// recorded for the node.
+    /// Addresses `node release <node> --addresses` would release: every address of every handle
+    /// holding an address recorded for the node.
     pub addresses: u64,
 }
 
-/// What releasing each of `hosts` would release now (one listing of every allocation, one
-/// listing of each host's blocks). Writes nothing.
+/// What each of `hosts` holds now (one listing of every allocation, one listing of each host's
+/// blocks). Writes nothing.
 ///
 /// # Errors
 /// Store failures; corrupt objects.
@@ -430,8 +500,12 @@ pub enum NodeAction {
         /// The grace period the countdown was started with (seconds).
         grace_seconds: u64,
     },
-    /// Dead, released, registration deleted.
+    /// Dead: its blocks were released (empty ones deleted, the others without affinity) and its
+    /// registration marked `blocks_released`; its addresses are kept (`released_addresses` is
+    /// empty).
     Reclaimed(HostRelease),
+    /// Reclaimed earlier: its addresses are still kept, nothing to do.
+    AddressesKept,
     /// A guard stopped the release (the node came back, its plugin wrote, or the extra guard
     /// stopped holding): whatever was released before that stays released; nothing more was
     /// written.
@@ -463,11 +537,13 @@ pub struct NodeOutcome {
 
 /// One reclaim pass: [`survey`], then for every registered node: clear the mark of a node seen
 /// alive or active; start the countdown of a node whose liveness key is gone and mark it; release
-/// a dead one with every write guarded by "no liveness key, registration unchanged, activity
-/// record unmoved, countdown gone" (plus `options.extra_guard`), then delete its registration. A
-/// write refused by the extra guard ends the pass (its node is reported `Stopped`, later nodes are
-/// not reported). Never touches a node whose liveness key exists or whose plugin committed since
-/// it was marked, a node that never registered, or the reservation pseudo-node.
+/// the blocks of a dead one with every write guarded by "no liveness key, registration unchanged,
+/// activity record unmoved, countdown gone" (plus `options.extra_guard`), then mark its
+/// registration `blocks_released` and leave the record that holds its addresses. A write refused
+/// by the extra guard ends the pass (its node is reported `Stopped`, later nodes are not
+/// reported). Never releases an address; never touches a node whose liveness key exists or whose
+/// plugin committed since it was marked, a node that never registered, or the reservation
+/// pseudo-node.
 ///
 /// # Errors
 /// Failure of the first batched read; a failure for one node is reported in its outcome and the
@@ -543,6 +619,7 @@ async fn clear_mark(
     let registration = Registration {
         missing_since: None,
         missing_mark: None,
+        blocks_released: false,
         ..node.registration.clone()
     };
     let key = agent_key(&node.host);
@@ -563,12 +640,12 @@ async fn mark_missing(
     node: &NodeStatus,
     options: &ReclaimOptions,
 ) -> Result<Option<String>, IpamError> {
-    let record = CountdownRecord {
+    let value = CountdownRecord {
         node: node.host.clone(),
         grace_seconds: options.grace.as_secs(),
-    };
-    let value = serde_json::to_vec(&record)
-        .map_err(|e| IpamError::Internal(format!("cannot encode a countdown: {e}")))?;
+        addresses_kept: false,
+    }
+    .encode()?;
     let countdown_revision = countdowns
         .start(&countdown_key(&node.host), value, options.grace)
         .await?;
@@ -579,6 +656,7 @@ async fn mark_missing(
             activity_revision: node.activity.map_or(0, |r| r.0),
             grace_seconds: options.grace.as_secs(),
         }),
+        blocks_released: false,
         ..node.registration.clone()
     };
     let txn = Txn::new().then(Op::put(agent_key(&node.host), registration.encode()?));
@@ -621,22 +699,26 @@ async fn act_on(
         NodeState::Missing { mark: Some(mark) } => Ok(NodeAction::StillMissing {
             grace_seconds: mark.grace_seconds,
         }),
-        NodeState::Dead { .. } => reclaim_dead(store, node, &options.extra_guard).await,
+        NodeState::Dead { mark } => reclaim_dead(store, node, mark, &options.extra_guard).await,
+        NodeState::Reclaimed { .. } => Ok(NodeAction::AddressesKept),
     }
 }
 
-/// Releases a dead node under its guard (its evidence unchanged and its countdown still gone),
-/// then deletes its registration under the same guard.
+/// Releases a dead node's blocks under its guard (its evidence unchanged and its countdown still
+/// gone), then, under the same guard, marks its registration `blocks_released` and puts the
+/// record (without lease) that keeps its addresses held, also against agents of the previous
+/// version. Its addresses are not released: a silent node may be cut off with its pods running.
 async fn reclaim_dead(
     store: &Arc<dyn KvStore>,
     node: &NodeStatus,
+    mark: MissingMark,
     extra_guard: &[Condition],
 ) -> Result<NodeAction, IpamError> {
     let mut guard = evidence_guard(node);
     guard.push(Condition::absent(countdown_key(&node.host)));
     guard.extend(extra_guard.iter().cloned());
     let ipam = Ipam::new(Arc::clone(store)).guarded_by(guard.clone());
-    let released = match ipam.release_host(&node.host, true).await {
+    let released = match ipam.release_host(&node.host, false).await {
         Ok(released) => released,
         Err(IpamError::GuardLost { key }) => {
             return Ok(NodeAction::Stopped {
@@ -646,7 +728,20 @@ async fn reclaim_dead(
         }
         Err(e) => return Err(e),
     };
-    let txn = Txn::new().then(Op::delete(agent_key(&node.host)));
+    let registration = Registration {
+        missing_since: None,
+        missing_mark: Some(mark),
+        blocks_released: true,
+        ..node.registration.clone()
+    };
+    let hold = CountdownRecord {
+        node: node.host.clone(),
+        grace_seconds: mark.grace_seconds,
+        addresses_kept: true,
+    };
+    let txn = Txn::new()
+        .then(Op::put(agent_key(&node.host), registration.encode()?))
+        .then(Op::put(countdown_key(&node.host), hold.encode()?));
     match commit_guarded(store.as_ref(), txn, &guard, &[]).await? {
         None => Ok(NodeAction::Reclaimed(released)),
         Some(key) => Ok(NodeAction::Stopped {
@@ -710,18 +805,24 @@ mod tests {
             grace_seconds: 900,
         };
         let at = |r| Some(Revision(r));
-        assert_eq!(decide(true, Some(mark), at(9), None), NodeState::Alive);
         assert_eq!(
-            decide(false, None, at(5), None),
+            decide(true, Some(mark), false, at(9), None),
+            NodeState::Alive
+        );
+        assert_eq!(
+            decide(false, None, false, at(5), None),
             NodeState::Missing { mark: None }
         );
-        assert_eq!(decide(false, Some(mark), at(6), None), NodeState::Active);
         assert_eq!(
-            decide(false, Some(mark), at(5), at(7)),
+            decide(false, Some(mark), false, at(6), None),
+            NodeState::Active
+        );
+        assert_eq!(
+            decide(false, Some(mark), false, at(5), at(7)),
             NodeState::Missing { mark: Some(mark) }
         );
         assert_eq!(
-            decide(false, Some(mark), at(5), None),
+            decide(false, Some(mark), false, at(5), None),
             NodeState::Dead { mark }
         );
         let unmarked_activity = MissingMark {
@@ -729,14 +830,34 @@ mod tests {
             ..mark
         };
         assert_eq!(
-            decide(false, Some(unmarked_activity), None, None),
+            decide(false, Some(unmarked_activity), false, None, None),
             NodeState::Dead {
                 mark: unmarked_activity
             }
         );
         assert_eq!(
-            decide(false, Some(unmarked_activity), at(3), None),
+            decide(false, Some(unmarked_activity), false, at(3), None),
             NodeState::Active
+        );
+        // Reclaimed: whatever lies under the countdown's key (the record that keeps the
+        // addresses); back to alive or active as soon as the node shows itself.
+        for countdown in [None, at(8)] {
+            assert_eq!(
+                decide(false, Some(mark), true, at(5), countdown),
+                NodeState::Reclaimed { mark }
+            );
+        }
+        assert_eq!(
+            decide(true, Some(mark), true, at(5), at(8)),
+            NodeState::Alive
+        );
+        assert_eq!(
+            decide(false, Some(mark), true, at(6), at(8)),
+            NodeState::Active
+        );
+        assert_eq!(
+            decide(false, None, true, at(5), None),
+            NodeState::Missing { mark: None }
         );
     }
 }

@@ -1,8 +1,10 @@
 //! Dead-node reclaim over the in-memory reference store: the decision table (alive, active,
-//! missing and marked, dead and released, never registered, the reservation pseudo-node), a node
-//! whose agent is down while its plugin keeps working (never reclaimed), marks left by earlier
-//! versions' wall clocks (never trusted), and a node that comes back or whose plugin writes in the
-//! middle of its release, which stops the release at its next write.
+//! missing and marked, dead and its blocks released, reclaimed with its addresses kept, never
+//! registered, the reservation pseudo-node), a node whose agent is down while its plugin keeps
+//! working (never reclaimed), a node cut off for longer than the grace (its pods' addresses never
+//! handed to another node; back to normal when it returns), marks left by earlier versions' wall
+//! clocks (never trusted), and a node that comes back or whose plugin writes in the middle of its
+//! reclaim, which stops the reclaim at its next write.
 //!
 //! The in-memory store cannot time keys, so [`TestCountdowns`] puts plain countdown keys and a
 //! test "lets the grace pass" by deleting one ([`grace_passes`]), as etcd does when the
@@ -16,9 +18,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ipam_core::dead_nodes::{
-    activity_key, agent_key, countdown_key, liveness_key, preview_release, reclaim_pass, register,
-    survey, Countdowns, NodeAction, NodeOutcome, NodeState, ReclaimOptions, Registration,
-    RESERVATION_NODE,
+    activity_key, agent_key, countdown_key, forget_node, liveness_key, preview_release,
+    reclaim_pass, register, survey, CountdownRecord, Countdowns, NodeAction, NodeOutcome,
+    NodeState, ReclaimOptions, Registration, RESERVATION_NODE,
 };
 use ipam_core::{
     AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, KeyValue, KvError, KvStore,
@@ -190,7 +192,7 @@ async fn alive_node_is_never_touched() {
 }
 
 #[tokio::test]
-async fn missing_node_is_marked_then_released_once_the_grace_has_passed() {
+async fn missing_node_is_marked_then_its_blocks_released_once_the_grace_has_passed() {
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let ipam = ipam_with_pool(Arc::clone(&store)).await;
     allocate(&ipam, "node-a", 3).await;
@@ -234,26 +236,167 @@ async fn missing_node_is_marked_then_released_once_the_grace_has_passed() {
     assert_eq!(addresses_of(&ipam, "node-a").await, 3);
     assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
 
-    // The grace has passed: released like `node release --addresses`, registration deleted.
+    // The grace has passed: its block loses its affinity (like `node release` without
+    // `--addresses`); its addresses are kept, the registration marked.
     grace_passes(store.as_ref(), "node-a").await;
     let outcomes = pass(&store).await;
     match action_of(&outcomes, "node-a") {
         NodeAction::Reclaimed(release) => {
-            assert_eq!(release.released_addresses.len(), 3, "{release:?}");
-            assert_eq!(release.deleted_blocks.len(), 1, "{release:?}");
+            assert!(release.released_addresses.is_empty(), "{release:?}");
+            assert_eq!(release.unassigned_blocks.len(), 1, "{release:?}");
+            assert!(release.deleted_blocks.is_empty(), "{release:?}");
         }
         other => panic!("node-a was not reclaimed: {other:?}"),
     }
     assert_eq!(action_of(&outcomes, "node-b"), &NodeAction::Alive);
-    assert_eq!(addresses_of(&ipam, "node-a").await, 0);
+    assert_eq!(addresses_of(&ipam, "node-a").await, 3);
     assert_eq!(blocks_of(store.as_ref(), "node-a").await, 0);
-    assert_eq!(registration(store.as_ref(), "node-a").await, None);
+    let reclaimed = registration(store.as_ref(), "node-a")
+        .await
+        .expect("still registered");
+    assert!(reclaimed.blocks_released);
+    assert_eq!(reclaimed.missing_mark, Some(mark));
     assert_eq!(addresses_of(&ipam, "node-b").await, 2);
     assert_check_clean(&ipam).await;
 
-    // Reclaimed once: later passes no longer see it.
+    // The record that keeps the addresses sits under the countdown's key, so that an agent of
+    // the previous version (dead = "countdown gone") never releases them.
+    let hold = store
+        .get(&countdown_key("node-a"))
+        .await
+        .expect("get")
+        .expect("the record that keeps the addresses");
+    let hold: CountdownRecord = serde_json::from_slice(&hold.value).expect("JSON");
+    assert!(hold.addresses_kept, "{hold:?}");
+
+    // Later passes: reclaimed, nothing more done, however often.
+    for _ in 0..2 {
+        let outcomes = pass(&store).await;
+        assert_eq!(
+            outcomes
+                .iter()
+                .find(|o| o.host == "node-a")
+                .map(|o| o.state),
+            Some(NodeState::Reclaimed { mark })
+        );
+        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::AddressesKept);
+    }
+    assert_eq!(addresses_of(&ipam, "node-a").await, 3);
+
+    // The operator knows its pods are gone: `node release node-a --addresses` releases them and
+    // forgets the node.
+    let released = ipam.release_host("node-a", true).await.expect("release");
+    assert_eq!(released.released_addresses.len(), 3);
+    assert!(forget_node(store.as_ref(), "node-a").await.expect("forget"));
+    assert_eq!(registration(store.as_ref(), "node-a").await, None);
+    assert_eq!(
+        store.get(&countdown_key("node-a")).await.expect("get"),
+        None
+    );
     let outcomes = pass(&store).await;
     assert!(outcomes.iter().all(|o| o.host != "node-a"), "{outcomes:?}");
+    assert_check_clean(&ipam).await;
+    // A node whose agent is live is never forgotten.
+    assert!(!forget_node(store.as_ref(), "node-b").await.expect("forget"));
+    assert!(registration(store.as_ref(), "node-b").await.is_some());
+    assert!(!forget_node(store.as_ref(), "never-registered")
+        .await
+        .expect("forget"));
+}
+
+/// A node cut off from the store for longer than the grace looks exactly like one that
+/// vanished; its pods still run. The reclaim must hand none of their addresses to another node,
+/// and the node must carry on when it comes back.
+#[tokio::test]
+async fn node_cut_off_past_the_grace_keeps_its_pods_addresses_and_carries_on_when_back() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = Ipam::new(Arc::clone(&store));
+    // One pool of one block: whatever node-b gets comes from node-a's block.
+    ipam.create_pool(&PoolSpec {
+        cidr: "10.9.0.0/28".parse().expect("cidr"),
+        name: Some("one-block".into()),
+        block_size: Some(28),
+        disabled: false,
+    })
+    .await
+    .expect("create the pool");
+    let held = allocate(&ipam, "node-a", 3).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    // The partition: no liveness key, no plugin commit, for a whole grace.
+    pass(&store).await;
+    grace_passes(store.as_ref(), "node-a").await;
+    assert!(matches!(
+        action_of(&pass(&store).await, "node-a"),
+        NodeAction::Reclaimed(_)
+    ));
+
+    // node-b takes everything the pool has left: never one of node-a's pods' addresses.
+    let mut taken = Vec::new();
+    for i in 0.. {
+        match ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: format!("net.node-b-c{i}"),
+                host: "node-b".into(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+        {
+            Ok(result) if !result.v4.is_empty() => taken.extend(result.v4.iter().map(|a| a.ip)),
+            _ => break,
+        }
+        assert!(
+            i < 64,
+            "node-b kept getting addresses from a 16-address pool"
+        );
+    }
+    assert_eq!(taken.len(), 16 - 3, "node-b got {taken:?}");
+    for ip in &held {
+        assert!(
+            !taken.contains(ip),
+            "{ip} of node-a's running pod went to node-b"
+        );
+        let owner = ipam
+            .get_assignment(*ip)
+            .await
+            .expect("read")
+            .expect("still allocated");
+        assert_eq!(
+            owner.attributes.get("node").map(String::as_str),
+            Some("node-a")
+        );
+    }
+    assert_check_clean(&ipam).await;
+
+    // The partition heals: node-a's agent is back; the next pass clears the mark and the record
+    // that kept the addresses; its runtime's DELs release them.
+    set_live(store.as_ref(), "node-a").await;
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::ClearedMark
+    );
+    let back = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered");
+    assert!(
+        !back.blocks_released && back.missing_mark.is_none(),
+        "{back:?}"
+    );
+    assert_eq!(
+        store.get(&countdown_key("node-a")).await.expect("get"),
+        None
+    );
+    for i in 0..3 {
+        let released = ipam
+            .release_handle(&format!("net.node-a-c{i}"))
+            .await
+            .expect("DEL");
+        assert_eq!(released.len(), 1);
+    }
+    assert_eq!(addresses_of(&ipam, "node-a").await, 0);
+    assert_check_clean(&ipam).await;
 }
 
 #[tokio::test]
@@ -295,10 +438,14 @@ async fn agent_down_while_the_plugin_keeps_working_is_never_reclaimed_until_all_
     );
     grace_passes(store.as_ref(), "node-a").await;
     match action_of(&pass(&store).await, "node-a") {
-        NodeAction::Reclaimed(release) => assert_eq!(release.released_addresses.len(), 6),
+        NodeAction::Reclaimed(release) => {
+            assert!(release.released_addresses.is_empty(), "{release:?}");
+            assert!(!release.unassigned_blocks.is_empty(), "{release:?}");
+        }
         other => panic!("node-a was not reclaimed: {other:?}"),
     }
-    assert_eq!(addresses_of(&ipam, "node-a").await, 0);
+    assert_eq!(addresses_of(&ipam, "node-a").await, 6);
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 0);
     assert_check_clean(&ipam).await;
 }
 
@@ -493,10 +640,10 @@ impl KvStore for ComesBackStore {
     }
 }
 
-async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
+async fn node_coming_back_mid_reclaim_stops_the_reclaim(how: ComeBack) {
     let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let ipam = ipam_with_pool(Arc::clone(&memory)).await;
-    // 40 handles: the release takes two transactions of at most 32 addresses.
+    // The reclaim takes two transactions: the blocks' affinity, then the registration's mark.
     allocate(&ipam, "node-a", 40).await;
     register(memory.as_ref(), "node-a", "test", T0)
         .await
@@ -519,35 +666,46 @@ async fn node_coming_back_mid_release_stops_the_release(how: ComeBack) {
         ComeBack::Registers => agent_key("node-a"),
         ComeBack::PluginCommits => activity_key("node-a"),
     };
-    assert_eq!(
-        action_of(&outcomes, "node-a"),
-        &NodeAction::Stopped {
-            key: expected_key,
-            released: None
+    match action_of(&outcomes, "node-a") {
+        // Stopped at the registration's mark; or, when the late commit claimed a new block for
+        // the node, already at that block's release.
+        NodeAction::Stopped { key, released } => {
+            assert_eq!(key, &expected_key);
+            if let Some(release) = released {
+                assert_eq!(release.unassigned_blocks.len(), 1, "{release:?}");
+                assert!(release.released_addresses.is_empty(), "{release:?}");
+            } else {
+                assert!(matches!(how, ComeBack::PluginCommits), "{how:?}");
+            }
         }
-    );
-    // The first batch was released before the node came back; nothing after it (the plugin's
-    // late commit added one address of its own).
+        other => panic!("the reclaim was not stopped by {expected_key}: {other:?}"),
+    }
+    // The block lost its affinity before the node came back; nothing after it: the registration
+    // is not marked reclaimed, and every address is kept (the plugin's late commit added one of
+    // its own).
     let late = usize::from(matches!(how, ComeBack::PluginCommits));
-    assert_eq!(addresses_of(&ipam, "node-a").await, 40 - 32 + late);
-    assert_eq!(blocks_of(memory.as_ref(), "node-a").await, 1);
-    assert!(registration(memory.as_ref(), "node-a").await.is_some());
+    assert_eq!(addresses_of(&ipam, "node-a").await, 40 + late);
+    assert_eq!(blocks_of(memory.as_ref(), "node-a").await, late);
+    let registration = registration(memory.as_ref(), "node-a")
+        .await
+        .expect("still registered");
+    assert!(!registration.blocks_released, "{registration:?}");
     assert_check_clean(&ipam).await;
 }
 
 #[tokio::test]
 async fn liveness_key_reappearing_mid_release_stops_the_release() {
-    node_coming_back_mid_release_stops_the_release(ComeBack::LivenessKey).await;
+    node_coming_back_mid_reclaim_stops_the_reclaim(ComeBack::LivenessKey).await;
 }
 
 #[tokio::test]
 async fn agent_registering_again_mid_release_stops_the_release() {
-    node_coming_back_mid_release_stops_the_release(ComeBack::Registers).await;
+    node_coming_back_mid_reclaim_stops_the_reclaim(ComeBack::Registers).await;
 }
 
 #[tokio::test]
 async fn plugin_committing_mid_release_stops_the_release() {
-    node_coming_back_mid_release_stops_the_release(ComeBack::PluginCommits).await;
+    node_coming_back_mid_reclaim_stops_the_reclaim(ComeBack::PluginCommits).await;
 }
 
 #[tokio::test]

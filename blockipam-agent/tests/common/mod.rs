@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod etcd_agents;
+pub mod partition;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

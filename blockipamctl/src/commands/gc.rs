@@ -1,7 +1,9 @@
 //! `gc --dead-nodes [--grace-seconds N] [--apply]`: the nodes agents registered, whether each is
-//! alive, active (plugin at work, agent down), missing or dead, and what releasing the dead ones
-//! frees; with `--apply`, start the countdowns of missing ones and release the dead ones
-//! (`ipam_core::dead_nodes`, as the agents' reclaimer).
+//! alive, active (plugin at work, agent down), missing, dead or reclaimed, and what each holds;
+//! with `--apply`, start the countdowns of missing ones and release the blocks of the dead ones
+//! (`ipam_core::dead_nodes`, as the agents' reclaimer). Addresses are never released here: a
+//! silent node may be cut off with its pods running; `node release <node> --addresses` does it
+//! once the operator knows they are gone.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -33,19 +35,22 @@ struct GcJson {
 #[derive(Debug, Serialize)]
 struct NodeJson {
     node: String,
-    /// `alive`, `active`, `missing` or `dead`, as found before anything was done.
+    /// `alive`, `active`, `missing`, `dead` or `reclaimed`, as found before anything was done.
     state: &'static str,
     /// The reclaimer's mark: the countdown it started and the activity revision it saw.
     #[serde(skip_serializing_if = "Option::is_none")]
     missing_mark: Option<MissingMark>,
     /// Whether a grace countdown runs for it now.
     countdown_running: bool,
+    /// Whether a reclaim released its blocks (its addresses are kept).
+    blocks_released: bool,
     /// Revision of its plugin's last commit (its activity record), if any.
     #[serde(skip_serializing_if = "Option::is_none")]
     activity_revision: Option<u64>,
     registered_at: u64,
     agent_version: String,
-    /// What releasing it would free now (missing and dead nodes, without `--apply`).
+    /// What it holds now (missing, dead and reclaimed nodes, without `--apply`): the blocks a
+    /// reclaim releases, the addresses `node release <node> --addresses` would.
     #[serde(skip_serializing_if = "Option::is_none")]
     would_release: Option<ReleasePreview>,
     /// What `--apply` did.
@@ -88,6 +93,7 @@ fn state_name(state: NodeState) -> &'static str {
         NodeState::Active => "active",
         NodeState::Missing { .. } => "missing",
         NodeState::Dead { .. } => "dead",
+        NodeState::Reclaimed { .. } => "reclaimed",
     }
 }
 
@@ -103,6 +109,7 @@ fn state_text(state: NodeState) -> String {
         NodeState::Dead { mark } => {
             format!("dead (countdown of {}s ran out)", mark.grace_seconds)
         }
+        NodeState::Reclaimed { .. } => "reclaimed (blocks released, addresses kept)".into(),
     }
 }
 
@@ -113,6 +120,7 @@ fn action_name(action: &NodeAction) -> &'static str {
         NodeAction::MarkedMissing => "marked-missing",
         NodeAction::StillMissing { .. } => "none",
         NodeAction::Reclaimed(_) => "reclaimed",
+        NodeAction::AddressesKept => "none",
         NodeAction::Stopped { .. } => "stopped",
         NodeAction::Changed => "changed",
         NodeAction::Failed(_) => "failed",
@@ -124,7 +132,9 @@ fn node_json(status: &NodeStatus) -> NodeJson {
         node: status.host.clone(),
         state: state_name(status.state),
         missing_mark: status.registration.missing_mark,
-        countdown_running: status.countdown.is_some(),
+        countdown_running: status.countdown.is_some()
+            && !matches!(status.state, NodeState::Reclaimed { .. }),
+        blocks_released: status.registration.blocks_released,
         activity_revision: status.activity.map(|r| r.0),
         registered_at: status.registration.registered_at,
         agent_version: status.registration.agent_version.clone(),
@@ -193,6 +203,10 @@ pub async fn run(
                 NodeAction::Stopped { key, .. } => Some(format!(
                     "stopped: {key} changed (the node came back); nothing more written"
                 )),
+                NodeAction::Reclaimed(_) | NodeAction::AddressesKept => Some(format!(
+                    "addresses kept: once its pods are gone, `node release {} --addresses`",
+                    status.host
+                )),
                 NodeAction::Failed(message) => {
                     problems_found = true;
                     Some(message.clone())
@@ -225,7 +239,12 @@ pub async fn run(
                 (NodeState::Dead { .. }, Some(p)) => (
                     p.blocks.to_string(),
                     p.addresses.to_string(),
-                    "would release (--apply)",
+                    "would release its blocks (--apply); addresses kept",
+                ),
+                (NodeState::Reclaimed { .. }, Some(p)) => (
+                    p.blocks.to_string(),
+                    p.addresses.to_string(),
+                    "addresses kept: once its pods are gone, `node release <node> --addresses`",
                 ),
                 (NodeState::Missing { mark: None }, Some(p)) => (
                     p.blocks.to_string(),
@@ -263,9 +282,11 @@ pub async fn run(
     if !args.apply
         && nodes
             .iter()
-            .any(|n| !matches!(n.state, NodeState::Alive | NodeState::Active))
+            .any(|n| matches!(n.state, NodeState::Missing { .. } | NodeState::Dead { .. }))
     {
-        text.push_str("\nRun again with --apply to mark missing nodes and release dead ones.\n");
+        text.push_str(
+            "\nRun again with --apply to mark missing nodes and release dead ones' blocks.\n",
+        );
     }
     let json = GcJson {
         grace_seconds: args.grace_seconds,

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
+use ipam_core::dead_nodes::{forget_node, RESERVATION_NODE};
 use ipam_core::model::validate_host;
 use ipam_core::nodes::validate_label_update;
 use serde::Serialize;
@@ -22,6 +23,9 @@ struct NodeReleaseJson {
     deleted_blocks: Vec<String>,
     unassigned_blocks: Vec<String>,
     released_addresses: Vec<IpAddr>,
+    /// With `--addresses`: the node's agent registration was deleted (its agent was not live),
+    /// so dead-node reclaim no longer lists it.
+    registration_deleted: bool,
 }
 
 fn joined<T: ToString>(items: &[T]) -> String {
@@ -33,7 +37,8 @@ fn joined<T: ToString>(items: &[T]) -> String {
 }
 
 /// `node release`: the host's empty blocks are deleted and its other blocks lose their affinity;
-/// with `--addresses`, every address whose node attribute is the host is released first.
+/// with `--addresses`, every address whose node attribute is the host is released first, and the
+/// registration its agent left is deleted unless that agent is live (`dead_nodes::forget_node`).
 ///
 /// # Errors
 /// [`CtlError::Usage`] for an invalid host name; store trouble.
@@ -54,6 +59,9 @@ pub async fn release(
         }
     ));
     let outcome = ipam.release_host(&args.host, args.addresses).await?;
+    let registration_deleted = args.addresses
+        && args.host != RESERVATION_NODE
+        && forget_node(ipam.store().as_ref(), &args.host).await?;
     ctx.progress_done();
     let mut text = String::new();
     if outcome.deleted_blocks.is_empty()
@@ -110,6 +118,12 @@ pub async fn release(
             .join("\n");
         text.push('\n');
     }
+    if registration_deleted {
+        text.push_str(&format!(
+            "The registration of node {}'s agent was deleted: dead-node reclaim no longer lists it.\n",
+            args.host
+        ));
+    }
     let json = NodeReleaseJson {
         host: args.host.clone(),
         deleted_blocks: outcome
@@ -123,6 +137,7 @@ pub async fn release(
             .map(ToString::to_string)
             .collect(),
         released_addresses: outcome.released_addresses,
+        registration_deleted,
     };
     Ok(Outcome::ok(to_json(&json)?, text))
 }

@@ -73,6 +73,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
                 activity_revision: 0,
                 grace_seconds: 900,
             }),
+            blocks_released: false,
         };
         store
             .put(
@@ -87,6 +88,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
             agent_version: "0.0.9".into(),
             missing_since: Some(now - 2000),
             missing_mark: None,
+            blocks_released: false,
         };
         store
             .put(
@@ -128,7 +130,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     table
         .ok()
         .stdout_has("4 nodes registered (grace period 900s), nothing changed")
-        .stdout_has("would release (--apply)")
+        .stdout_has("would release its blocks (--apply); addresses kept")
         .stdout_has("missing (no countdown yet)")
         .stdout_has("dead (countdown of 900s ran out)")
         .stdout_has("--apply");
@@ -140,7 +142,8 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     assert_columns_line_up(rows);
     assert_eq!(lab.snapshot(), before, "a dry run wrote to the store");
 
-    // --apply: dead-node released, new-node marked, the others untouched.
+    // --apply: dead-node's block released (it keeps its addresses: silence is no evidence its
+    // pods are gone), new-node marked, the others untouched.
     let report = lab
         .ctl(&["-o", "json", "gc", "--dead-nodes", "--apply"])
         .ok()
@@ -149,10 +152,14 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     let dead = node(&report, "dead-node");
     assert_eq!(dead["action"], "reclaimed");
     assert_eq!(
-        dead["released"]["released_addresses"]
+        dead["released"]["released_addresses"],
+        serde_json::json!([])
+    );
+    assert_eq!(
+        dead["released"]["unassigned_blocks"]
             .as_array()
             .map(Vec::len),
-        Some(3)
+        Some(1)
     );
     assert_eq!(node(&report, "new-node")["action"], "marked-missing");
     assert_eq!(node(&report, "old-mark")["action"], "marked-missing");
@@ -165,7 +172,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
             .expect("read the countdown")
     });
     assert!(countdown.is_some(), "no countdown was started for new-node");
-    assert_eq!(addresses_of(&lab, "dead-node"), 0);
+    assert_eq!(addresses_of(&lab, "dead-node"), 3);
     assert_eq!(addresses_of(&lab, "alive-node"), 2);
     assert_eq!(addresses_of(&lab, "plugin-only"), 2);
     lab.ctl(&["check"]).ok();
@@ -189,7 +196,40 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
         900
     );
     assert_eq!(node(&report, "old-mark")["state"], "missing");
+    let reclaimed = node(&report, "dead-node");
+    assert_eq!(reclaimed["state"], "reclaimed");
+    assert_eq!(reclaimed["blocks_released"], true);
+    assert_eq!(reclaimed["countdown_running"], false);
+    assert_eq!(reclaimed["would_release"]["blocks"], 0);
+    assert_eq!(reclaimed["would_release"]["addresses"], 3);
+    assert_eq!(report["nodes"].as_array().map(Vec::len), Some(4));
+    lab.ctl(&["gc", "--dead-nodes"])
+        .ok()
+        .stdout_has("reclaimed (blocks released, addresses kept)")
+        .stdout_has("node release <node> --addresses");
+
+    // The operator knows its pods are gone: the addresses go, and so does the registration.
+    let released = lab
+        .ctl(&["-o", "json", "node", "release", "dead-node", "--addresses"])
+        .ok()
+        .json();
+    assert_eq!(
+        released["released_addresses"].as_array().map(Vec::len),
+        Some(3)
+    );
+    assert_eq!(released["registration_deleted"], true);
+    assert_eq!(addresses_of(&lab, "dead-node"), 0);
+    let report = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]).ok().json();
     assert_eq!(report["nodes"].as_array().map(Vec::len), Some(3));
+    // A live node's registration stays, whatever is released by hand.
+    let released = lab
+        .ctl(&["-o", "json", "node", "release", "alive-node", "--addresses"])
+        .ok()
+        .json();
+    assert_eq!(released["registration_deleted"], false);
+    let report = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]).ok().json();
+    assert_eq!(node(&report, "alive-node")["state"], "alive");
+    lab.ctl(&["check"]).ok();
 }
 
 #[test]
