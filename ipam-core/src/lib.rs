@@ -1,22 +1,18 @@
-//! blockipam's core: the storage trait, the in-memory reference store, and the block-affinity allocator.
+//! blockipam's core, in three layers, each importing only from the ones below it: `kv` (the
+//! storage trait, the in-memory reference store, counting, blocking and the host lock file),
+//! `model` (keys, the versioned encoding and the stored objects) and `allocator` (the
+//! block-affinity allocator: every operation on a store, network set-up, check and dead-node
+//! reclaim). `docs/architecture.md` walks through them.
 
 pub mod allocator;
-pub mod blocking;
-pub mod check;
-pub mod counting;
-pub mod dead_nodes;
-pub mod error;
 pub mod fault;
-pub mod formats;
 pub mod kv;
-pub mod lockfile;
-pub mod memory;
 pub mod model;
-pub mod namespaces;
-pub mod network_setup;
-pub mod nodes;
-pub mod reservations;
-pub mod selector;
+
+// The paths each part had before the layers, kept for the crates built on them.
+pub use allocator::{check, dead_nodes, network_setup};
+pub use kv::{blocking, counting, lockfile, memory};
+pub use model::{error, formats, namespaces, nodes, reservations, selector};
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,

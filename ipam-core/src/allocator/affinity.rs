@@ -1,6 +1,13 @@
 //! Affinity: claiming and releasing blocks for a host.
 
-use super::*;
+use super::{
+    decode_stored, Attempt, HostRelease, Ipam, Plan, ReleaseRequest, Stored, WorkingBlock,
+    ATTR_NODE, BLOCKS_PER_TXN,
+};
+use crate::model::error::IpamError;
+use crate::model::{keys, validate_host, Block, Pool};
+use ipnet::IpNet;
+use std::collections::BTreeSet;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------

@@ -1,7 +1,22 @@
 //! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
 
-use super::*;
-use crate::reservations::ReservedRanges;
+use super::{
+    block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash, next_got,
+    next_listed, refuse_during_import, validate_attribute_size, with_node, AssignIpsRequest,
+    AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
+    NewBlockProbe, Plan, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
+};
+use crate::allocator::network_setup;
+use crate::kv::{KeyValue, Read};
+use crate::model::error::IpamError;
+use crate::model::reservations::ReservedRanges;
+use crate::model::{
+    encode, ip_to_u128, keys, validate_handle, validate_host, AllowedUse, AssignmentMode,
+    Attribute, Block, Family, Handle, Lifetime, Pool,
+};
+use ipnet::IpNet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------
@@ -47,11 +62,11 @@ impl Ipam {
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
-            Read::Get(crate::nodes::node_key(&request.host)),
-            Read::List(crate::reservations::reservations_dir()),
+            Read::Get(crate::model::nodes::node_key(&request.host)),
+            Read::List(crate::model::reservations::reservations_dir()),
         ];
         if let Some(lookup) = &request.namespace {
-            reads.push(Read::Get(crate::namespaces::namespace_key(
+            reads.push(Read::Get(crate::model::namespaces::namespace_key(
                 &lookup.namespace,
             )));
         }
@@ -72,19 +87,20 @@ impl Ipam {
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
-        let node_key = crate::nodes::node_key(&request.host);
+        let node_key = crate::model::nodes::node_key(&request.host);
         let node_labels =
-            crate::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
+            crate::model::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
         let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
         // The pools each family draws from: the request's, unless the namespace's setting
         // replaces them.
         let mut v4_pools = request.v4_pools.clone();
         let mut v6_pools = request.v6_pools.clone();
         if let Some(lookup) = &request.namespace {
-            let key = crate::namespaces::namespace_key(&lookup.namespace);
-            if let Some(set) =
-                crate::namespaces::decode_namespace_pools(&key, next_got(&mut results)?.as_ref())?
-            {
+            let key = crate::model::namespaces::namespace_key(&lookup.namespace);
+            if let Some(set) = crate::model::namespaces::decode_namespace_pools(
+                &key,
+                next_got(&mut results)?.as_ref(),
+            )? {
                 if lookup.v4 && !set.ipv4_pools.is_empty() {
                     v4_pools = set.ipv4_pools;
                 }
@@ -576,7 +592,7 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::Get(handle_key.clone()),
                 Read::Get(keys::import_in_progress()),
-                Read::List(crate::reservations::reservations_dir()),
+                Read::List(crate::model::reservations::reservations_dir()),
             ])
             .await?;
         let mut results = results.into_iter();

@@ -1,7 +1,16 @@
 //! Block lifecycle: taking over other hosts' long-empty blocks when a pool has no unclaimed block
 //! left, and releasing empty blocks a host no longer needs.
 
-use super::*;
+use super::{
+    decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Plan, Stored,
+    WorkingBlock,
+};
+use crate::kv::{KeyValue, Read};
+use crate::model::error::IpamError;
+use crate::model::{keys, Block, Family, IpamConfig, Lifetime, Pool};
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Why [`Ipam::release_empty_blocks`] releases (or would release) an empty block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,7 +166,7 @@ impl Ipam {
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::config()),
                 Read::List(keys::claims_dir()),
-                Read::List(crate::nodes::nodes_dir()),
+                Read::List(crate::model::nodes::nodes_dir()),
             ])
             .await?
             .into_iter();
@@ -167,10 +176,10 @@ impl Ipam {
         let claims = next_listed(&mut results)?;
         let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
         for kv in next_listed(&mut results)? {
-            if let Some(host) = kv.key.strip_prefix(&crate::nodes::nodes_dir()) {
+            if let Some(host) = kv.key.strip_prefix(&crate::model::nodes::nodes_dir()) {
                 labels.insert(
                     host.to_owned(),
-                    crate::nodes::decode_node_labels(&kv.key, Some(&kv))?,
+                    crate::model::nodes::decode_node_labels(&kv.key, Some(&kv))?,
                 );
             }
         }

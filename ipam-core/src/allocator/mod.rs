@@ -16,24 +16,28 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::error::IpamError;
 use crate::kv::{
     Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn, MAX_TXN_BYTES,
     MAX_TXN_CONDITIONS, MAX_TXN_OPS, MAX_VALUE_BYTES,
 };
+use crate::model::error::IpamError;
 use crate::model::{
-    decode, decode_claim, decode_pool, default_pool_name, encode, encode_claim, ip_to_u128, keys,
-    validate_handle, validate_host, validate_pool_name, AllowedUse, AllowedUses, AssignmentMode,
-    Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Lifetime, Pool,
-    DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES,
-    V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+    decode, decode_claim, decode_pool, encode, encode_claim, keys, AllowedUse, AllowedUses,
+    AssignmentMode, Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Lifetime, Pool,
+    MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES,
 };
 mod affinity;
 mod assign;
+pub mod check;
+pub mod dead_nodes;
 mod lifecycle;
+mod namespaces;
+pub mod network_setup;
+mod nodes;
 mod pools;
 mod queries;
 mod release;
+mod reservations;
 mod resize;
 
 pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
@@ -41,8 +45,8 @@ pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
 pub use lifecycle::{EmptyBlock, EmptyBlockFilter, EmptyBlockReason};
 pub(crate) use pools::find_pool;
 
-use crate::network_setup::{self, NetworkSetup};
-use crate::selector::Selector;
+use self::network_setup::NetworkSetup;
+use crate::model::selector::Selector;
 
 /// Metadata key recording the host an allocation was made for.
 pub const ATTR_NODE: &str = "node";
@@ -106,7 +110,7 @@ pub struct AutoAssignRequest {
     /// `v4_pools`/`v6_pools`, family by family (read in the same batch).
     pub namespace: Option<NamespaceLookup>,
     /// What the caller's network needs in place, checked in the same batched read
-    /// ([`crate::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
+    /// ([`crate::allocator::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
     /// nothing is written.
     pub setup: Option<NetworkSetup>,
 }
@@ -736,12 +740,12 @@ impl Ipam {
         plugin_version: &str,
     ) -> Result<Self, IpamError> {
         crate::model::validate_host(host)?;
-        let record = crate::dead_nodes::Activity {
+        let record = crate::allocator::dead_nodes::Activity {
             node: host.to_owned(),
             plugin_version: plugin_version.to_owned(),
         };
         self.activity = Some(Arc::new((
-            crate::dead_nodes::activity_key(host),
+            crate::allocator::dead_nodes::activity_key(host),
             record.encode()?,
         )));
         Ok(self)

@@ -1,6 +1,19 @@
 //! Pools: creating, changing, deleting and reading IP pools, and the IPAM config.
 
-use super::*;
+use super::{
+    decode_stored, next_got, next_listed, Attempt, Ipam, Plan, PoolChange, PoolDeletion,
+    PoolPolicy, PoolSpec, ReleaseRequest, Stored,
+};
+use crate::kv::{KeyValue, Read};
+use crate::model::error::IpamError;
+use crate::model::selector::Selector;
+use crate::model::{
+    default_pool_name, encode, keys, validate_pool_name, AllowedUses, AssignmentMode, Block,
+    Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES,
+    V6_BLOCK_SIZES,
+};
+use ipnet::IpNet;
+use std::collections::BTreeSet;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------

@@ -1,6 +1,15 @@
 //! Queries: who holds what (by handle, by address, everything) and utilization.
 
-use super::*;
+use super::{
+    allocation_info, decode_stored, next_got, next_listed, AllocationInfo, AssignedAddress,
+    BlockUsage, Ipam, PoolUsage, Utilization,
+};
+use crate::kv::Read;
+use crate::model::error::IpamError;
+use crate::model::{keys, validate_handle, Block, Family};
+use ipnet::IpNet;
+use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------
@@ -96,7 +105,7 @@ impl Ipam {
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::List(keys::blocks_dir()),
-                Read::List(crate::reservations::reservations_dir()),
+                Read::List(crate::model::reservations::reservations_dir()),
                 Read::Get(keys::config()),
             ])
             .await?;
@@ -107,7 +116,7 @@ impl Ipam {
             .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
             .collect::<Result<_, _>>()?;
         let reserved =
-            crate::reservations::ReservedRanges::from_listed(&next_listed(&mut results)?)?;
+            crate::model::reservations::ReservedRanges::from_listed(&next_listed(&mut results)?)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
         let lifetime = self.lifetime(&config);
         blocks.sort_by_key(|b| (Family::of_net(&b.cidr), b.cidr.network()));

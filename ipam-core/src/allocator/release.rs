@@ -1,6 +1,15 @@
 //! Release: addresses, handles, an attachment's chosen addresses, and a removed host.
 
-use super::*;
+use super::{
+    allocation_info, decode_stored, next_got, next_listed, AllocationInfo, Attempt, ChosenRelease,
+    Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock, RELEASES_PER_TXN,
+};
+use crate::kv::{Read, Revision};
+use crate::model::error::IpamError;
+use crate::model::{encode, keys, validate_handle, validate_host, Block, Handle};
+use ipnet::IpNet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------

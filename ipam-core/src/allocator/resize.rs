@@ -12,22 +12,27 @@
 //! have different claim keys, which alone would not stop them). Pools that never changed size keep
 //! the exact-CIDR path and its round trips.
 
-use super::*;
-use crate::model::{host_bits, u128_to_ip, ROOT};
-use crate::namespaces::{namespace_key, NamespacePools};
+use super::{
+    find_pool, next_got, next_listed, Attempt, Ipam, LoadedBlocks, Plan, PoolChange,
+    ReleaseRequest, Stored, WorkingBlock,
+};
+use crate::kv::{KeyValue, Read};
+use crate::model::error::IpamError;
+use crate::model::namespaces::{namespace_key, NamespacePools};
+use crate::model::{
+    decode, encode, ip_to_u128, keys, validate_pool_name, Block, Family, Pool, V4_BLOCK_SIZES,
+    V6_BLOCK_SIZES,
+};
+use crate::model::{host_bits, u128_to_ip};
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+pub use crate::model::keys::{mixed_sizes_dir, mixed_sizes_key};
 
 /// Most sub-pools one split makes (one transaction writes each, and its mixed-sizes record).
 pub const MAX_SPLIT_PARTS: u32 = 32;
-
-/// Prefix of every mixed-sizes record.
-pub fn mixed_sizes_dir() -> String {
-    format!("{ROOT}mixed-block-sizes/")
-}
-
-/// The mixed-sizes record of the pool named `pool`.
-pub fn mixed_sizes_key(pool: &str) -> String {
-    format!("{ROOT}mixed-block-sizes/{pool}")
-}
 
 /// Says that the pool with this CIDR may hold blocks of other sizes than its block size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -434,7 +439,7 @@ impl Ipam {
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::pool_generation()),
                 Read::List(keys::claims_dir()),
-                Read::List(crate::namespaces::namespaces_dir()),
+                Read::List(crate::model::namespaces::namespaces_dir()),
             ])
             .await?;
         let mut results = results.into_iter();

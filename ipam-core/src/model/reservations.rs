@@ -6,31 +6,19 @@
 //! reserved (with a warning). A block every assignable address of which is reserved is skipped as
 //! a whole, by comparing its CIDR with the merged reserved ranges, never address by address.
 
-use std::net::IpAddr;
-
+use crate::kv::KeyValue;
+use crate::model::error::IpamError;
+use crate::model::{decode, host_bits, ip_to_u128, Attribute, Block, Family};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
+use std::net::IpAddr;
 
-use crate::allocator::Plan;
-use crate::error::IpamError;
-use crate::kv::KeyValue;
-use crate::model::{decode, encode, host_bits, ip_to_u128, Attribute, Block, Family, ROOT};
-use crate::Ipam;
+pub use crate::model::keys::{reservation_key, reservations_dir};
 
 /// Most CIDRs one reservation may list (keeps the object, read by every auto-assign, small).
 pub const MAX_RESERVED_CIDRS: usize = 1024;
 /// Longest reservation name.
 pub const MAX_RESERVATION_NAME: usize = crate::model::MAX_OBJECT_NAME;
-
-/// Prefix of every reservation.
-pub fn reservations_dir() -> String {
-    format!("{ROOT}ipreservations/")
-}
-
-/// The key of the reservation `name`.
-pub fn reservation_key(name: &str) -> String {
-    format!("{ROOT}ipreservations/{name}")
-}
 
 /// One stored reservation (format as every object: a version byte, then bincode).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,66 +256,6 @@ fn merge(mut ranges: Vec<(u128, u128)>) -> Vec<(u128, u128)> {
         }
     }
     merged
-}
-
-impl Ipam {
-    /// Creates a reservation, in one compare-and-swap that requires its name to be free.
-    ///
-    /// # Errors
-    /// [`IpamError::InvalidArgument`] (see [`validate_reservation`]);
-    /// [`IpamError::ReservationExists`]; store failures. Nothing is written on error.
-    pub async fn add_reservation(&self, reservation: &Reservation) -> Result<(), IpamError> {
-        validate_reservation(reservation)?;
-        let key = reservation_key(&reservation.name);
-        let value = encode(reservation)?;
-        self.retrying(|| async {
-            if self.store().get(&key).await?.is_some() {
-                return Err(IpamError::ReservationExists(reservation.name.clone()));
-            }
-            let mut plan = Plan::default();
-            plan.expect(&key, None);
-            plan.put(&key, value.clone());
-            self.commit_plan(plan, ()).await
-        })
-        .await
-    }
-
-    /// Every reservation, sorted by name.
-    ///
-    /// # Errors
-    /// [`IpamError::Corrupt`] naming a reservation that does not decode; store failures.
-    pub async fn list_reservations(&self) -> Result<Vec<Reservation>, IpamError> {
-        let listed = self.store().list(&reservations_dir()).await?;
-        let mut reservations = decode_reservations(&listed)?;
-        reservations.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(reservations)
-    }
-
-    /// Deletes a reservation (one compare-and-swap at the revision read) and returns what it
-    /// held. Addresses it covered become assignable again; allocations are untouched.
-    ///
-    /// # Errors
-    /// [`IpamError::InvalidArgument`] for an invalid name; [`IpamError::ReservationNotFound`];
-    /// store failures.
-    pub async fn delete_reservation(&self, name: &str) -> Result<Reservation, IpamError> {
-        validate_reservation_name(name)?;
-        let key = reservation_key(name);
-        self.retrying(|| async {
-            let Some(read) = self.store().get(&key).await? else {
-                return Err(IpamError::ReservationNotFound(name.to_owned()));
-            };
-            // A damaged record is deleted all the same: it names what the operator asked for.
-            let held = decode::<Reservation>(&key, &read.value).unwrap_or(Reservation {
-                name: name.to_owned(),
-                cidrs: Vec::new(),
-            });
-            let mut plan = Plan::default();
-            plan.expect(&key, Some(read.revision));
-            plan.delete(&key);
-            self.commit_plan(plan, held).await
-        })
-        .await
-    }
 }
 
 #[cfg(test)]

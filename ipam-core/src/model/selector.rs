@@ -25,7 +25,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::error::IpamError;
+use crate::model::error::IpamError;
 
 /// Deepest nesting of parentheses a selector may have: the parser is recursive, and no sensible
 /// selector comes near this.

@@ -35,9 +35,14 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{HostRelease, Ipam, ATTR_NODE};
-use crate::error::IpamError;
 use crate::kv::{Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn};
-use crate::model::{keys, validate_host, ROOT};
+use crate::model::error::IpamError;
+use crate::model::{keys, validate_host};
+
+pub use crate::model::keys::{
+    activity_dir, activity_key, agent_key, agents_dir, countdown_dir, countdown_key, liveness_dir,
+    liveness_key, reclaimer_leader_key,
+};
 
 /// Calico's default: a node whose liveness has been gone this long is dead.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
@@ -45,53 +50,6 @@ pub const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
 /// The pseudo-node the plugin makes network (gateway) reservations for: never a real node,
 /// never reclaimed, whatever is stored under its name.
 pub const RESERVATION_NODE: &str = "-";
-
-/// Prefix of every agent registration.
-pub fn agents_dir() -> String {
-    format!("{ROOT}agents/")
-}
-
-/// The registration record of `host`'s agent (persistent; deleted once the node is reclaimed).
-pub fn agent_key(host: &str) -> String {
-    format!("{ROOT}agents/{host}")
-}
-
-/// Prefix of every liveness key.
-pub fn liveness_dir() -> String {
-    format!("{ROOT}liveness/")
-}
-
-/// `host`'s liveness key: attached to its agent's etcd lease, gone when the lease expires.
-pub fn liveness_key(host: &str) -> String {
-    format!("{ROOT}liveness/{host}")
-}
-
-/// Prefix of every activity record.
-pub fn activity_dir() -> String {
-    format!("{ROOT}activity/")
-}
-
-/// `host`'s activity record: rewritten by every commit of the plugin on that node, so its
-/// revision moves whenever the node's runtime gets work done, whatever the node's agent does.
-pub fn activity_key(host: &str) -> String {
-    format!("{ROOT}activity/{host}")
-}
-
-/// Prefix of every grace countdown.
-pub fn countdown_dir() -> String {
-    format!("{ROOT}missing/")
-}
-
-/// `host`'s grace countdown: put by a reclaimer when it finds the node's liveness key gone, on a
-/// lease of the grace period that nobody renews; the store deletes it once the grace has passed.
-pub fn countdown_key(host: &str) -> String {
-    format!("{ROOT}missing/{host}")
-}
-
-/// The reclaimer leader key: attached to the lease of the agent that reclaims; the others wait.
-pub fn reclaimer_leader_key() -> String {
-    format!("{ROOT}reclaimer-leader")
-}
 
 /// What the plugin writes into its node's activity record (JSON, readable with `etcdctl`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -754,6 +712,7 @@ async fn reclaim_dead(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::ROOT;
 
     #[test]
     fn the_default_grace_is_calicos_fifteen_minutes() {

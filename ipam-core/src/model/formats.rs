@@ -7,12 +7,12 @@ use std::collections::{BTreeMap, VecDeque};
 use ipnet::IpNet;
 use serde::Deserialize;
 
-use crate::error::IpamError;
+use crate::model::error::IpamError;
+use crate::model::selector::Selector;
 use crate::model::{
     decode_body, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry, IpamConfig,
     Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS,
 };
-use crate::selector::Selector;
 
 /// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed uses).
 #[derive(Deserialize)]

@@ -23,12 +23,12 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{Ipam, PoolSpec, Stored};
-use crate::error::IpamError;
 use crate::kv::{Condition, KeyValue, Op, Read, ReadResult, Revision, Txn};
+use crate::model::error::IpamError;
 use crate::model::{keys, Family, Pool};
 
 /// What a caller's network needs in place; given to auto-assign in
-/// [`AutoAssignRequest::setup`](crate::AutoAssignRequest::setup).
+/// [`AutoAssignRequest::setup`](crate::allocator::AutoAssignRequest::setup).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NetworkSetup {
     /// Pools that must exist: one with the same CIDR and block size (whatever its name).

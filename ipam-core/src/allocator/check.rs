@@ -7,8 +7,8 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{decode_stored, Ipam, Plan, Stored};
-use crate::error::IpamError;
 use crate::kv::{KvError, Read};
+use crate::model::error::IpamError;
 use crate::model::{
     decode, decode_claim, encode, encode_claim, keys, Block, ClaimEntry, Family, Handle,
     IpamConfig, Pool,
@@ -470,7 +470,7 @@ impl Ipam {
                 Read::List(keys::claims_dir()),
                 Read::List(keys::handles_dir()),
                 Read::Get(keys::config()),
-                Read::List(crate::reservations::reservations_dir()),
+                Read::List(crate::model::reservations::reservations_dir()),
             ])
             .await?;
         let mut lists = Vec::new();
@@ -522,7 +522,9 @@ impl Ipam {
             }
         }
         for kv in &reservations {
-            if let Err(e) = crate::reservations::decode_reservations(std::slice::from_ref(kv)) {
+            if let Err(e) =
+                crate::model::reservations::decode_reservations(std::slice::from_ref(kv))
+            {
                 corrupt(report, &kv.key, e);
             }
         }

@@ -7,6 +7,11 @@ use std::fmt;
 
 use async_trait::async_trait;
 
+pub mod blocking;
+pub mod counting;
+pub mod lockfile;
+pub mod memory;
+
 /// Largest number of operations (puts plus deletes) one transaction may carry.
 ///
 /// etcd's default `--max-txn-ops` is 128; every backend enforces the same limit so that code

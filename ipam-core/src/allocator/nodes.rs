@@ -1,0 +1,96 @@
+//! The allocator's operations on node labels: reading, setting and removing a node's labels by
+//! compare-and-swap (the objects and their validation: `model::nodes`).
+
+use crate::allocator::Ipam;
+use crate::allocator::{Attempt, Plan};
+use crate::model::error::IpamError;
+use crate::model::nodes::{
+    decode_node_labels, node_key, nodes_dir, validate_label_update, NodeLabels, StoredNode,
+    MAX_NODE_LABELS,
+};
+use crate::model::{encode, validate_host};
+use std::collections::BTreeMap;
+
+impl Ipam {
+    /// The labels of `host` (empty for a node never labelled).
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid host name; a corrupt node object; store
+    /// failures.
+    pub async fn node_labels(&self, host: &str) -> Result<BTreeMap<String, String>, IpamError> {
+        validate_host(host)?;
+        let key = node_key(host);
+        let read = self.store().get(&key).await?;
+        decode_node_labels(&key, read.as_ref())
+    }
+
+    /// Sets the labels in `set` (replacing a label's value when it has one) and removes those in
+    /// `remove` (a label the node does not have is no error), in one compare-and-swap write of the
+    /// node's object: a concurrent update is re-read and this one applied on top, so none is
+    /// lost. A node left without labels has no object. Returns the node's labels afterwards.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid host name, label key or value, a key given
+    /// twice, or more than [`MAX_NODE_LABELS`] labels; a corrupt node object;
+    /// [`IpamError::RetriesExhausted`]; store failures. Nothing is written on error.
+    pub async fn set_node_labels(
+        &self,
+        host: &str,
+        set: &[(String, String)],
+        remove: &[String],
+    ) -> Result<BTreeMap<String, String>, IpamError> {
+        validate_host(host)?;
+        validate_label_update(set, remove)?;
+        let key = node_key(host);
+        self.retrying(|| async {
+            let read = self.store().get(&key).await?;
+            let before = decode_node_labels(&key, read.as_ref())?;
+            let mut labels = before.clone();
+            for name in remove {
+                labels.remove(name);
+            }
+            for (name, value) in set {
+                labels.insert(name.clone(), value.clone());
+            }
+            if labels.len() > MAX_NODE_LABELS {
+                return Err(IpamError::InvalidArgument(format!(
+                    "node {host:?} would have {} labels, more than the {MAX_NODE_LABELS} allowed",
+                    labels.len()
+                )));
+            }
+            if labels == before {
+                return Ok(Attempt::Done(labels));
+            }
+            let mut plan = Plan::default();
+            plan.expect(&key, read.as_ref().map(|kv| kv.revision));
+            if labels.is_empty() {
+                plan.delete(&key);
+            } else {
+                plan.put(
+                    &key,
+                    encode(&StoredNode {
+                        labels: labels.clone(),
+                    })?,
+                );
+            }
+            self.commit_plan(plan, labels).await
+        })
+        .await
+    }
+
+    /// Every node that has labels, sorted by host name.
+    ///
+    /// # Errors
+    /// A corrupt node object; store failures.
+    pub async fn list_nodes_with_labels(&self) -> Result<Vec<NodeLabels>, IpamError> {
+        let dir = nodes_dir();
+        let listed = self.store().list(&dir).await?;
+        let mut nodes = Vec::with_capacity(listed.len());
+        for kv in &listed {
+            let host = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
+            let labels = decode_node_labels(&kv.key, Some(kv))?;
+            nodes.push(NodeLabels { host, labels });
+        }
+        Ok(nodes)
+    }
+}

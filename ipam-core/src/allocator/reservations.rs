@@ -1,0 +1,71 @@
+//! The allocator's operations on IP reservations: adding, listing and deleting them (the objects,
+//! their validation and the merged reserved ranges: `model::reservations`).
+
+use crate::allocator::Ipam;
+use crate::allocator::Plan;
+use crate::model::error::IpamError;
+use crate::model::reservations::{
+    decode_reservations, reservation_key, reservations_dir, validate_reservation,
+    validate_reservation_name, Reservation,
+};
+use crate::model::{decode, encode};
+
+impl Ipam {
+    /// Creates a reservation, in one compare-and-swap that requires its name to be free.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] (see [`validate_reservation`]);
+    /// [`IpamError::ReservationExists`]; store failures. Nothing is written on error.
+    pub async fn add_reservation(&self, reservation: &Reservation) -> Result<(), IpamError> {
+        validate_reservation(reservation)?;
+        let key = reservation_key(&reservation.name);
+        let value = encode(reservation)?;
+        self.retrying(|| async {
+            if self.store().get(&key).await?.is_some() {
+                return Err(IpamError::ReservationExists(reservation.name.clone()));
+            }
+            let mut plan = Plan::default();
+            plan.expect(&key, None);
+            plan.put(&key, value.clone());
+            self.commit_plan(plan, ()).await
+        })
+        .await
+    }
+
+    /// Every reservation, sorted by name.
+    ///
+    /// # Errors
+    /// [`IpamError::Corrupt`] naming a reservation that does not decode; store failures.
+    pub async fn list_reservations(&self) -> Result<Vec<Reservation>, IpamError> {
+        let listed = self.store().list(&reservations_dir()).await?;
+        let mut reservations = decode_reservations(&listed)?;
+        reservations.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(reservations)
+    }
+
+    /// Deletes a reservation (one compare-and-swap at the revision read) and returns what it
+    /// held. Addresses it covered become assignable again; allocations are untouched.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid name; [`IpamError::ReservationNotFound`];
+    /// store failures.
+    pub async fn delete_reservation(&self, name: &str) -> Result<Reservation, IpamError> {
+        validate_reservation_name(name)?;
+        let key = reservation_key(name);
+        self.retrying(|| async {
+            let Some(read) = self.store().get(&key).await? else {
+                return Err(IpamError::ReservationNotFound(name.to_owned()));
+            };
+            // A damaged record is deleted all the same: it names what the operator asked for.
+            let held = decode::<Reservation>(&key, &read.value).unwrap_or(Reservation {
+                name: name.to_owned(),
+                cidrs: Vec::new(),
+            });
+            let mut plan = Plan::default();
+            plan.expect(&key, Some(read.revision));
+            plan.delete(&key);
+            self.commit_plan(plan, held).await
+        })
+        .await
+    }
+}

@@ -1,0 +1,446 @@
+//! Blocks and their allocations: address arithmetic, the allocations' attributes, cooling
+//! addresses and the block's own bookkeeping.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::model::Family;
+
+/// Total address bits of a family.
+pub fn host_bits(family: Family) -> u8 {
+    match family {
+        Family::V4 => 32,
+        Family::V6 => 128,
+    }
+}
+
+/// An address as an integer.
+pub fn ip_to_u128(ip: IpAddr) -> u128 {
+    match ip {
+        IpAddr::V4(v4) => u128::from(u32::from(v4)),
+        IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// An integer as an address of `family` (IPv4 keeps the low 32 bits).
+pub fn u128_to_ip(family: Family, value: u128) -> IpAddr {
+    match family {
+        Family::V4 => IpAddr::V4(std::net::Ipv4Addr::from(value as u32)),
+        Family::V6 => IpAddr::V6(std::net::Ipv6Addr::from(value)),
+    }
+}
+
+/// Who an allocation belongs to and what it is for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attribute {
+    /// The allocation's owner (normally `<network>.<container id>`).
+    pub handle: String,
+    /// Free-form metadata: `node`, `namespace`, `pod`, `container_id`, `interface`, `timestamp`.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// One allocated ordinal of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// Index into the block's attribute table.
+    pub attribute: u32,
+    /// The block's sequence number when this allocation was made.
+    pub sequence: u64,
+}
+
+/// A power-of-two slice of a pool, and the authority on which of its addresses are in use.
+///
+/// The free list is kept compact: ordinals from `next_fresh` up that are neither allocated nor
+/// queued in `released` were never handed out and come first, in ascending order; after them come
+/// the `released` ordinals in release order. So a /20 block costs nothing per free address, and a
+/// released address is the last to be reused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Block {
+    /// The block's network.
+    pub cidr: IpNet,
+    /// The host this block is affine to, if any.
+    pub affinity: Option<String>,
+    /// Bumped on every write of the block.
+    pub sequence: u64,
+    /// Ordinals at or above this that are not allocated and not in `released` were never used.
+    pub next_fresh: u32,
+    /// Freed ordinals, oldest first: reused in this order once fresh ordinals run out.
+    pub released: VecDeque<u32>,
+    /// Allocated ordinals.
+    pub allocations: BTreeMap<u32, Allocation>,
+    /// Attributes referenced by allocations.
+    pub attributes: Vec<Attribute>,
+    /// When the block was claimed, in seconds since the Unix epoch by the claimer's clock; `None`
+    /// for a block written by format 3 or earlier (format 4).
+    pub claimed_at: Option<u64>,
+    /// When its last allocation was released (or, for a block that never held one, when it was
+    /// claimed), while it holds none; `None` while it holds allocations, or when a format 3 or
+    /// earlier block never said (format 4).
+    pub emptied_at: Option<u64>,
+    /// Addresses released while an IP cooldown was set, oldest release first: neither free nor
+    /// in use until their cooldown has passed, when the next write of the block queues them on
+    /// `released` (format 4).
+    pub cooling: VecDeque<CoolingAddress>,
+}
+
+/// An address of a block in IP cooldown (see [`IpamConfig::ip_cooldown_seconds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoolingAddress {
+    /// The address's ordinal in its block.
+    pub ordinal: u32,
+    /// When it was released, in seconds since the Unix epoch by the releaser's clock.
+    pub released_at: u64,
+}
+
+/// The time and cooldown a block change is made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Lifetime {
+    /// Now, in seconds since the Unix epoch.
+    pub now: u64,
+    /// The IP cooldown in force ([`IpamConfig::ip_cooldown_seconds`]).
+    pub cooldown_seconds: u32,
+}
+
+impl Lifetime {
+    /// Whether an address released at `released_at` has finished cooling. A release stamped in the
+    /// future (a releaser whose clock runs ahead) cools for that much longer.
+    pub fn cooled(&self, released_at: u64) -> bool {
+        released_at.saturating_add(u64::from(self.cooldown_seconds)) <= self.now
+    }
+}
+
+impl Block {
+    /// A new, empty block whose sequence numbers start at `first_sequence` (the store's sequence
+    /// floor, see [`keys::sequence_floor`]).
+    pub fn new(cidr: IpNet, affinity: Option<String>, first_sequence: u64) -> Block {
+        Block {
+            cidr: cidr.trunc(),
+            affinity,
+            sequence: first_sequence,
+            next_fresh: 0,
+            released: VecDeque::new(),
+            allocations: BTreeMap::new(),
+            attributes: Vec::new(),
+            claimed_at: None,
+            emptied_at: None,
+            cooling: VecDeque::new(),
+        }
+    }
+
+    /// A new, empty block claimed at `now` (seconds since the Unix epoch).
+    pub fn claimed(cidr: IpNet, affinity: Option<String>, first_sequence: u64, now: u64) -> Block {
+        Block {
+            claimed_at: Some(now),
+            emptied_at: Some(now),
+            ..Block::new(cidr, affinity, first_sequence)
+        }
+    }
+
+    /// Number of addresses in the block.
+    pub fn capacity(&self) -> u32 {
+        let bits = u32::from(host_bits(Family::of_net(&self.cidr)) - self.cidr.prefix_len());
+        1u32.checked_shl(bits).unwrap_or(u32::MAX)
+    }
+
+    /// Number of allocated addresses.
+    pub fn in_use(&self) -> u32 {
+        self.allocations.len() as u32
+    }
+
+    /// Number of addresses not allocated: the free ones and the cooling ones (which a later
+    /// write frees). What decides whether a block has room and what its claim entry records.
+    pub fn free(&self) -> u32 {
+        self.capacity() - self.in_use()
+    }
+
+    /// Addresses still cooling under `lifetime`.
+    pub fn cooling_at(&self, lifetime: Lifetime) -> u32 {
+        self.cooling
+            .iter()
+            .filter(|c| !lifetime.cooled(c.released_at))
+            .count() as u32
+    }
+
+    /// True when nothing is allocated and no address is in cooldown.
+    pub fn is_empty(&self) -> bool {
+        self.allocations.is_empty() && self.cooling.is_empty()
+    }
+
+    /// From when the block counts as empty under a cooldown of `cooldown_seconds`: when its last
+    /// allocation was released or its last cooling address cools, whichever is later. `None` while
+    /// it holds allocations. A block written by format 3 or earlier, which never recorded when it
+    /// became empty, counts as empty since the epoch.
+    pub fn empty_from(&self, cooldown_seconds: u32) -> Option<u64> {
+        if !self.allocations.is_empty() {
+            return None;
+        }
+        let emptied = self.emptied_at.unwrap_or(0);
+        Some(
+            self.cooling
+                .iter()
+                .map(|c| c.released_at.saturating_add(u64::from(cooldown_seconds)))
+                .fold(emptied, u64::max),
+        )
+    }
+
+    /// Queues the cooling addresses whose cooldown has passed on the free list (in release order),
+    /// so the next allocation may take them. True when any moved.
+    pub fn finish_cooling(&mut self, lifetime: Lifetime) -> bool {
+        let mut moved = false;
+        // Oldest first; one still cooling keeps the ones behind it (released later) in place.
+        while let Some(first) = self.cooling.front().copied() {
+            if !lifetime.cooled(first.released_at) {
+                break;
+            }
+            self.cooling.pop_front();
+            self.released.push_back(first.ordinal);
+            moved = true;
+        }
+        moved
+    }
+
+    /// The address of an ordinal.
+    pub fn ip_of(&self, ordinal: u32) -> IpAddr {
+        u128_to_ip(
+            Family::of_net(&self.cidr),
+            ip_to_u128(self.cidr.network()) + u128::from(ordinal),
+        )
+    }
+
+    /// The ordinal of an address inside the block.
+    pub fn ordinal_of(&self, ip: IpAddr) -> Option<u32> {
+        if !self.cidr.contains(&ip) {
+            return None;
+        }
+        u32::try_from(ip_to_u128(ip) - ip_to_u128(self.cidr.network())).ok()
+    }
+
+    /// Hands out the next free ordinal in free-list order, recording `attribute` for it.
+    pub fn allocate_next(&mut self, attribute: &Attribute) -> Option<u32> {
+        let ordinal = self.next_free_ordinal(|_| true)?;
+        self.take(ordinal, attribute);
+        Some(ordinal)
+    }
+
+    /// As [`allocate_next`](Block::allocate_next), but never the block's network address or last
+    /// address (see [`is_edge`](Block::is_edge)): the next free host address of the block's prefix.
+    pub fn allocate_next_host_address(&mut self, attribute: &Attribute) -> Option<u32> {
+        let edges = self.edges();
+        let ordinal = self.next_free_ordinal(|o| !edges.contains(&o))?;
+        self.take(ordinal, attribute);
+        Some(ordinal)
+    }
+
+    /// True for the block's network address and its last (IPv4 broadcast) address when the block
+    /// is large enough to have them: larger than /31 (IPv4) or /127 (IPv6).
+    pub fn is_edge(&self, ordinal: u32) -> bool {
+        self.edges().contains(&ordinal)
+    }
+
+    fn edges(&self) -> Vec<u32> {
+        let bits = host_bits(Family::of_net(&self.cidr)) - self.cidr.prefix_len();
+        if bits >= 2 {
+            vec![0, self.capacity() - 1]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The first free ordinal in free-list order that `allowed` accepts. Ordinals it rejects keep
+    /// their place in the free list.
+    fn next_free_ordinal(&mut self, allowed: impl Fn(u32) -> bool) -> Option<u32> {
+        let capacity = self.capacity();
+        // Move the fresh cursor past ordinals that are no longer fresh.
+        while self.next_fresh < capacity
+            && (self.allocations.contains_key(&self.next_fresh)
+                || self.released.contains(&self.next_fresh)
+                || self.is_cooling(self.next_fresh))
+        {
+            self.next_fresh += 1;
+        }
+        let fresh = (self.next_fresh..capacity).find(|candidate| {
+            !self.allocations.contains_key(candidate)
+                && !self.released.contains(candidate)
+                && !self.is_cooling(*candidate)
+                && allowed(*candidate)
+        });
+        fresh.or_else(|| self.released.iter().copied().find(|o| allowed(*o)))
+    }
+
+    /// Allocates a given ordinal; false when it is already allocated or outside the block.
+    pub fn allocate_ordinal(&mut self, ordinal: u32, attribute: &Attribute) -> bool {
+        if ordinal >= self.capacity() || self.allocations.contains_key(&ordinal) {
+            return false;
+        }
+        self.take(ordinal, attribute);
+        true
+    }
+
+    /// Whether an ordinal is in cooldown.
+    pub fn is_cooling(&self, ordinal: u32) -> bool {
+        self.cooling.iter().any(|c| c.ordinal == ordinal)
+    }
+
+    fn take(&mut self, ordinal: u32, attribute: &Attribute) {
+        if let Some(position) = self.released.iter().position(|o| *o == ordinal) {
+            self.released.remove(position);
+        }
+        // Only an explicit request takes a cooling address.
+        if let Some(position) = self.cooling.iter().position(|c| c.ordinal == ordinal) {
+            self.cooling.remove(position);
+        }
+        self.emptied_at = None;
+        if ordinal == self.next_fresh {
+            self.next_fresh += 1;
+        }
+        let index = match self.attributes.iter().position(|a| a == attribute) {
+            Some(index) => index,
+            None => {
+                self.attributes.push(attribute.clone());
+                self.attributes.len() - 1
+            }
+        };
+        self.allocations.insert(
+            ordinal,
+            Allocation {
+                attribute: index as u32,
+                sequence: self.sequence,
+            },
+        );
+    }
+
+    /// Frees an ordinal at `lifetime.now`: to the tail of the free list, or, with a cooldown set,
+    /// into cooling. Returns the freed allocation's attribute, or `None` when it was not allocated.
+    pub fn release_ordinal(&mut self, ordinal: u32, lifetime: Lifetime) -> Option<Attribute> {
+        let allocation = self.allocations.remove(&ordinal)?;
+        let attribute = self.attributes.get(allocation.attribute as usize).cloned();
+        if lifetime.cooldown_seconds == 0 {
+            // To the tail, whether or not the fresh cursor has passed it: the cursor skips queued ordinals.
+            self.released.push_back(ordinal);
+        } else {
+            self.cooling.push_back(CoolingAddress {
+                ordinal,
+                released_at: lifetime.now,
+            });
+        }
+        if self.allocations.is_empty() {
+            self.emptied_at = Some(lifetime.now);
+        }
+        self.compact_attributes();
+        attribute
+    }
+
+    /// The attribute of an allocated ordinal.
+    pub fn attribute_of(&self, ordinal: u32) -> Option<&Attribute> {
+        let allocation = self.allocations.get(&ordinal)?;
+        self.attributes.get(allocation.attribute as usize)
+    }
+
+    /// Ordinals held by `handle`.
+    pub fn ordinals_of_handle(&self, handle: &str) -> Vec<u32> {
+        self.allocations
+            .iter()
+            .filter(|(_, a)| {
+                self.attributes
+                    .get(a.attribute as usize)
+                    .is_some_and(|attr| attr.handle == handle)
+            })
+            .map(|(o, _)| *o)
+            .collect()
+    }
+
+    /// Drops attributes no allocation refers to, renumbering the rest.
+    fn compact_attributes(&mut self) {
+        let mut used = vec![false; self.attributes.len()];
+        for allocation in self.allocations.values() {
+            if let Some(flag) = used.get_mut(allocation.attribute as usize) {
+                *flag = true;
+            }
+        }
+        if used.iter().all(|u| *u) {
+            return;
+        }
+        let mut remap = vec![u32::MAX; self.attributes.len()];
+        let mut kept = Vec::new();
+        for (index, attribute) in std::mem::take(&mut self.attributes).into_iter().enumerate() {
+            if used[index] {
+                remap[index] = kept.len() as u32;
+                kept.push(attribute);
+            }
+        }
+        self.attributes = kept;
+        for allocation in self.allocations.values_mut() {
+            if let Some(new) = remap.get(allocation.attribute as usize) {
+                allocation.attribute = *new;
+            }
+        }
+    }
+
+    /// Describes every way this block's own bookkeeping is inconsistent (empty when sound).
+    pub fn self_check(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        let capacity = self.capacity();
+        if self.cidr.trunc() != self.cidr {
+            problems.push(format!("block CIDR {} has host bits set", self.cidr));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for ordinal in &self.released {
+            if *ordinal >= capacity {
+                problems.push(format!("free-list ordinal {ordinal} is outside the block"));
+            }
+            if !seen.insert(*ordinal) {
+                problems.push(format!("ordinal {ordinal} appears twice in the free list"));
+            }
+            if self.allocations.contains_key(ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} ({}) is both allocated and free",
+                    self.ip_of(*ordinal)
+                ));
+            }
+        }
+        for (ordinal, allocation) in &self.allocations {
+            if *ordinal >= capacity {
+                problems.push(format!("allocated ordinal {ordinal} is outside the block"));
+            }
+            if allocation.attribute as usize >= self.attributes.len() {
+                problems.push(format!(
+                    "ordinal {ordinal} refers to missing attribute {}",
+                    allocation.attribute
+                ));
+            }
+            if allocation.sequence > self.sequence {
+                problems.push(format!(
+                    "ordinal {ordinal} was allocated at sequence {} after the block's {}",
+                    allocation.sequence, self.sequence
+                ));
+            }
+        }
+        for cooling in &self.cooling {
+            let ordinal = cooling.ordinal;
+            if ordinal >= capacity {
+                problems.push(format!("cooling ordinal {ordinal} is outside the block"));
+            }
+            if !seen.insert(ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} is cooling twice, or both cooling and free"
+                ));
+            }
+            if self.allocations.contains_key(&ordinal) {
+                problems.push(format!(
+                    "ordinal {ordinal} ({}) is both allocated and cooling",
+                    self.ip_of(ordinal)
+                ));
+            }
+        }
+        if self.next_fresh > capacity {
+            problems.push(format!(
+                "next fresh ordinal {} is past the block's {capacity} addresses",
+                self.next_fresh
+            ));
+        }
+        problems
+    }
+}

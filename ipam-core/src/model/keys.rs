@@ -1,0 +1,219 @@
+//! The key layout, in one place: every key blockipam writes, and the directories it lists.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use crate::model::{Block, ROOT};
+
+/// The IPAM configuration object.
+pub fn config() -> String {
+    format!("{ROOT}config")
+}
+
+/// Bumped on every pool write, so that pool writes (and their overlap checks) serialise.
+pub fn pool_generation() -> String {
+    format!("{ROOT}pool-generation")
+}
+
+/// The record confirming which addresses a reservation handle holds (see
+/// `network_setup`).
+pub fn reservations_held(handle: &str) -> String {
+    format!("{ROOT}reservations-held/{handle}")
+}
+
+/// Prefix of every pool.
+pub fn pools_dir() -> String {
+    format!("{ROOT}pools/")
+}
+
+/// One pool, by name.
+pub fn pool(name: &str) -> String {
+    format!("{ROOT}pools/{name}")
+}
+
+/// Prefix of every block, affine or not.
+pub fn blocks_dir() -> String {
+    format!("{ROOT}blocks/")
+}
+
+/// Prefix of every block affine to `host` (all families, with room or full).
+pub fn host_blocks_dir(host: &str) -> String {
+    format!("{ROOT}blocks/host/{host}/")
+}
+
+/// Prefix of the blocks affine to `host` that have a free address: the steady-state read, whose
+/// size does not grow with the number of full blocks the host owns.
+pub fn host_open_blocks_dir(host: &str) -> String {
+    format!("{ROOT}blocks/host/{host}/open/")
+}
+
+/// Prefix of the blocks affine to `host` that are full.
+pub fn host_full_blocks_dir(host: &str) -> String {
+    format!("{ROOT}blocks/host/{host}/full/")
+}
+
+/// Where a block with room lives: under its host's `open/` when it has an affinity, else under
+/// `unaffine/`.
+pub fn block(affinity: Option<&str>, cidr: &IpNet) -> String {
+    match affinity {
+        Some(host) => format!("{ROOT}blocks/host/{host}/open/{}", cidr_segment(cidr)),
+        None => format!("{ROOT}blocks/unaffine/{}", cidr_segment(cidr)),
+    }
+}
+
+/// Where a full block affine to `host` lives.
+pub fn full_block(host: &str, cidr: &IpNet) -> String {
+    format!("{ROOT}blocks/host/{host}/full/{}", cidr_segment(cidr))
+}
+
+/// Where this block belongs, given its affinity and whether it has room.
+pub fn block_key_of(block: &Block) -> String {
+    match block.affinity.as_deref() {
+        Some(host) if block.free() == 0 => full_block(host, &block.cidr),
+        affinity => self::block(affinity, &block.cidr),
+    }
+}
+
+/// Every key a block with this claim entry may live at (open and full for an affine block).
+pub fn block_candidates(affinity: Option<&str>, cidr: &IpNet) -> Vec<String> {
+    match affinity {
+        Some(host) => vec![self::block(Some(host), cidr), full_block(host, cidr)],
+        None => vec![self::block(None, cidr)],
+    }
+}
+
+/// The claim index entry of a block CIDR: exists exactly while the block exists, value = the
+/// block's affine host (empty for none). Creating it with an "absent" condition is what makes
+/// two hosts unable to claim the same CIDR.
+pub fn block_claim(cidr: &IpNet) -> String {
+    format!("{ROOT}claims/{}", cidr_segment(cidr))
+}
+
+/// Prefix of every claim index entry.
+pub fn claims_dir() -> String {
+    format!("{ROOT}claims/")
+}
+
+/// The sequence floor: every block is created with a sequence number at or above it, and
+/// every block deletion raises it past the deleted block's last sequence number, so an
+/// (address, sequence) pair never repeats, whatever CIDR or block size later covers the address.
+pub fn sequence_floor() -> String {
+    format!("{ROOT}sequence-floor")
+}
+
+/// Present exactly while a `blockipamctl import` into this store is unfinished: the allocator
+/// refuses to assign until it is gone (the store may still lack blocks, handles or pools).
+pub fn import_in_progress() -> String {
+    format!("{ROOT}import-in-progress")
+}
+
+/// One handle.
+pub fn handle(id: &str) -> String {
+    format!("{ROOT}handles/{id}")
+}
+
+/// Prefix of every handle.
+pub fn handles_dir() -> String {
+    format!("{ROOT}handles/")
+}
+
+/// A CIDR as one key segment: `10.0.0.0/26` → `10.0.0.0-26`.
+pub fn cidr_segment(cidr: &IpNet) -> String {
+    format!("{}-{}", cidr.network(), cidr.prefix_len())
+}
+
+/// Parses a key segment written by [`cidr_segment`].
+pub fn parse_cidr_segment(segment: &str) -> Option<IpNet> {
+    let (addr, len) = segment.rsplit_once('-')?;
+    let addr: IpAddr = addr.parse().ok()?;
+    let len: u8 = len.parse().ok()?;
+    IpNet::new(addr, len).ok()
+}
+
+/// Prefix of every node object.
+pub fn nodes_dir() -> String {
+    format!("{ROOT}nodes/")
+}
+
+/// The key of `host`'s node object.
+pub fn node_key(host: &str) -> String {
+    format!("{ROOT}nodes/{host}")
+}
+
+/// Prefix of every namespace's pools setting.
+pub fn namespaces_dir() -> String {
+    format!("{ROOT}namespaces/")
+}
+
+/// The key of `namespace`'s pools setting.
+pub fn namespace_key(namespace: &str) -> String {
+    format!("{ROOT}namespaces/{namespace}")
+}
+
+/// Prefix of every reservation.
+pub fn reservations_dir() -> String {
+    format!("{ROOT}ipreservations/")
+}
+
+/// The key of the reservation `name`.
+pub fn reservation_key(name: &str) -> String {
+    format!("{ROOT}ipreservations/{name}")
+}
+
+/// Prefix of every mixed-sizes record.
+pub fn mixed_sizes_dir() -> String {
+    format!("{ROOT}mixed-block-sizes/")
+}
+
+/// The mixed-sizes record of the pool named `pool`.
+pub fn mixed_sizes_key(pool: &str) -> String {
+    format!("{ROOT}mixed-block-sizes/{pool}")
+}
+
+/// Prefix of every agent registration.
+pub fn agents_dir() -> String {
+    format!("{ROOT}agents/")
+}
+
+/// The registration record of `host`'s agent (persistent; deleted once the node is reclaimed).
+pub fn agent_key(host: &str) -> String {
+    format!("{ROOT}agents/{host}")
+}
+
+/// Prefix of every liveness key.
+pub fn liveness_dir() -> String {
+    format!("{ROOT}liveness/")
+}
+
+/// `host`'s liveness key: attached to its agent's etcd lease, gone when the lease expires.
+pub fn liveness_key(host: &str) -> String {
+    format!("{ROOT}liveness/{host}")
+}
+
+/// Prefix of every activity record.
+pub fn activity_dir() -> String {
+    format!("{ROOT}activity/")
+}
+
+/// `host`'s activity record: rewritten by every commit of the plugin on that node, so its
+/// revision moves whenever the node's runtime gets work done, whatever the node's agent does.
+pub fn activity_key(host: &str) -> String {
+    format!("{ROOT}activity/{host}")
+}
+
+/// Prefix of every grace countdown.
+pub fn countdown_dir() -> String {
+    format!("{ROOT}missing/")
+}
+
+/// `host`'s grace countdown: put by a reclaimer when it finds the node's liveness key gone, on a
+/// lease of the grace period that nobody renews; the store deletes it once the grace has passed.
+pub fn countdown_key(host: &str) -> String {
+    format!("{ROOT}missing/{host}")
+}
+
+/// The reclaimer leader key: attached to the lease of the agent that reclaims; the others wait.
+pub fn reclaimer_leader_key() -> String {
+    format!("{ROOT}reclaimer-leader")
+}

@@ -1,0 +1,150 @@
+//! Unit tests of the stored objects, their encoding and their validation.
+
+use crate::model::{decode, encode, keys, Attribute, Block, Lifetime, Pool};
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+
+use crate::model::error::IpamError;
+
+fn attr(handle: &str) -> Attribute {
+    Attribute {
+        handle: handle.into(),
+        metadata: BTreeMap::new(),
+    }
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().expect("cidr")
+}
+
+#[test]
+fn fresh_ordinals_come_first_and_released_ones_are_reused_last() {
+    let mut block = Block::new(net("10.0.0.0/30"), None, 0);
+    let a = attr("a");
+    assert_eq!(block.allocate_next(&a), Some(0));
+    assert_eq!(block.allocate_next(&a), Some(1));
+    block.release_ordinal(0, Lifetime::default());
+    assert_eq!(block.allocate_next(&a), Some(2));
+    assert_eq!(block.allocate_next(&a), Some(3));
+    assert_eq!(block.allocate_next(&a), Some(0));
+    assert_eq!(block.allocate_next(&a), None);
+    assert!(block.self_check().is_empty());
+}
+
+#[test]
+fn specific_ordinal_is_skipped_by_the_fresh_cursor_and_queued_when_released() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    let a = attr("a");
+    assert!(block.allocate_ordinal(3, &a));
+    assert!(!block.allocate_ordinal(3, &a));
+    block.release_ordinal(3, Lifetime::default());
+    let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next(&a)).collect();
+    assert_eq!(order, vec![0, 1, 2, 4, 5, 6, 7, 3]);
+    assert!(block.self_check().is_empty());
+}
+
+#[test]
+fn host_address_allocation_skips_block_edges_and_keeps_them_free() {
+    let mut block = Block::new(net("10.0.0.8/29"), None, 0);
+    let a = attr("a");
+    let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next_host_address(&a)).collect();
+    assert_eq!(order, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(block.free(), 2);
+    // The edges are still free for callers that may use them, in free-list order.
+    assert_eq!(block.allocate_next(&a), Some(0));
+    assert_eq!(block.allocate_next(&a), Some(7));
+    assert!(block.self_check().is_empty());
+    // /31 and /32 blocks (and /127, /128) have no edges.
+    let mut small = Block::new(net("10.0.0.0/31"), None, 0);
+    assert_eq!(small.allocate_next_host_address(&a), Some(0));
+    assert_eq!(small.allocate_next_host_address(&a), Some(1));
+    let v6 = Block::new(net("fd00::/126"), None, 0);
+    assert!(v6.is_edge(0) && v6.is_edge(3) && !v6.is_edge(1));
+}
+
+#[test]
+fn unused_attributes_are_dropped_and_indices_stay_valid() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a"));
+    block.allocate_next(&attr("b"));
+    block.allocate_next(&attr("a"));
+    assert_eq!(block.attributes.len(), 2);
+    block.release_ordinal(0, Lifetime::default());
+    block.release_ordinal(2, Lifetime::default());
+    assert_eq!(block.attributes.len(), 1);
+    assert_eq!(block.attribute_of(1).map(|a| a.handle.as_str()), Some("b"));
+    assert!(block.self_check().is_empty());
+}
+
+#[test]
+fn large_block_encoding_is_small_when_mostly_free() {
+    let mut block = Block::new(net("10.0.0.0/23"), Some("host-a".into()), 0);
+    for i in 0..10 {
+        block.allocate_next(&attr(&format!("h{i}")));
+    }
+    let bytes = encode(&block).expect("encode");
+    assert!(
+        bytes.len() < 1024,
+        "a /23 block with 10 allocations took {} bytes",
+        bytes.len()
+    );
+    let back: Block = decode("k", &bytes).expect("decode");
+    assert_eq!(back, block);
+}
+
+#[test]
+fn decoding_damaged_bytes_is_an_error_not_a_panic() {
+    let block = Block::new(net("fd00::/122"), Some("h".into()), 0);
+    let bytes = encode(&block).expect("encode");
+    for cut in 0..bytes.len() {
+        assert!(
+            decode::<Block>("k", &bytes[..cut]).is_err(),
+            "truncated at {cut} decoded"
+        );
+    }
+    let mut wrong_version = bytes.clone();
+    wrong_version[0] = 99;
+    assert!(matches!(
+        decode::<Block>("k", &wrong_version),
+        Err(IpamError::Corrupt { .. })
+    ));
+    let mut trailing = bytes;
+    trailing.push(0);
+    assert!(decode::<Block>("k", &trailing).is_err());
+}
+
+#[test]
+fn cidr_segments_round_trip_for_both_families() {
+    for s in ["10.0.0.0/26", "fd00::/122", "0.0.0.0/0", "2001:db8::40/122"] {
+        let n = net(s);
+        assert_eq!(keys::parse_cidr_segment(&keys::cidr_segment(&n)), Some(n));
+    }
+}
+
+#[test]
+fn pool_block_arithmetic() {
+    let pool = Pool {
+        name: "p".into(),
+        cidr: net("10.1.0.0/24"),
+        block_size: 26,
+        disabled: false,
+        ..Pool::default()
+    };
+    assert_eq!(pool.block_count(), 4);
+    assert_eq!(pool.block_at(3), Some(net("10.1.0.192/26")));
+    assert_eq!(
+        pool.block_containing("10.1.0.77".parse().expect("ip")),
+        Some(net("10.1.0.64/26"))
+    );
+    assert_eq!(pool.block_containing("10.2.0.1".parse().expect("ip")), None);
+    let v6 = Pool {
+        name: "p6".into(),
+        cidr: net("fd00::/64"),
+        block_size: 122,
+        disabled: false,
+        ..Pool::default()
+    };
+    assert_eq!(v6.block_count(), 1u128 << 58);
+    assert_eq!(v6.block_at(1), Some(net("fd00::40/122")));
+}
