@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use ipam_core::kv::records::{decode_counter, decode_record};
 use ipam_core::kv::{
     validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
 };
-use ipam_core::lockfile::{LockError, LockFile};
+use ipam_core::lockfile::{sibling, store_lock_error, LockFile};
 use redb::backends::FileBackend;
 use redb::{
     Database, DatabaseError, Durability, ReadTransaction, ReadableDatabase, ReadableTable,
@@ -35,8 +36,6 @@ pub const FORMAT_KEY: &str = "format";
 /// The key of the store-wide revision counter (8 bytes, big-endian) in [`META_TABLE`].
 pub const REVISION_KEY: &str = "revision";
 
-/// Bytes of the revision header in front of every stored value.
-const HEADER: usize = 8;
 /// Longest pause between two attempts to take redb's own lock.
 const MAX_PAUSE: Duration = Duration::from_millis(20);
 /// Least time given to redb's own lock, whatever the configured lock wait: by then our
@@ -167,8 +166,8 @@ impl Inner {
             refuse_if_missing(path)?;
         }
         let lock_path = sibling(path, "lock")?;
-        let lock =
-            LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
+        let lock = LockFile::acquire(&lock_path, config.lock_wait)
+            .map_err(|err| store_lock_error(err, path))?;
         match refuse_if_missing(path) {
             Ok(()) => {}
             Err(missing) if !config.create_if_missing || missing_is_damage(&missing) => {
@@ -267,11 +266,11 @@ impl Inner {
                 key: condition.key().to_owned(),
             });
         }
-        let current = decode_counter(
-            meta.get(REVISION_KEY)
-                .engine(path)?
-                .map(|g| g.value().to_vec()),
-        )?;
+        let stored = meta
+            .get(REVISION_KEY)
+            .engine(path)?
+            .map(|g| g.value().to_vec());
+        let current = decode_counter(REVISION_KEY, stored.as_deref())?;
         let next = current
             .checked_add(1)
             .ok_or_else(|| KvError::other("the revision counter is exhausted"))?;
@@ -293,53 +292,6 @@ impl Inner {
         }
         Ok(Revision(next))
     }
-}
-
-fn decode_record<'a>(key: &str, record: &'a [u8]) -> Result<(Revision, &'a [u8]), KvError> {
-    let Some((header, value)) = record.split_first_chunk::<HEADER>() else {
-        return Err(KvError::corrupt(
-            Some(key),
-            format!(
-                "the stored record is {} bytes, shorter than its {HEADER}-byte revision header",
-                record.len()
-            ),
-        ));
-    };
-    match u64::from_be_bytes(*header) {
-        0 => Err(KvError::corrupt(
-            Some(key),
-            "the stored record carries revision 0",
-        )),
-        revision => Ok((Revision(revision), value)),
-    }
-}
-
-fn decode_counter(stored: Option<Vec<u8>>) -> Result<u64, KvError> {
-    match stored {
-        None => Ok(0),
-        Some(bytes) => <[u8; 8]>::try_from(bytes.as_slice())
-            .map(u64::from_be_bytes)
-            .map_err(|_| {
-                KvError::corrupt(
-                    Some(REVISION_KEY),
-                    format!("the revision counter is {} bytes, not 8", bytes.len()),
-                )
-            }),
-    }
-}
-
-/// `<path>.<suffix>`, beside the store.
-fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
-    let Some(name) = path.file_name() else {
-        return Err(KvError::invalid(format!(
-            "the store path {} does not end in a name",
-            path.display()
-        )));
-    };
-    let mut name = name.to_owned();
-    name.push(".");
-    name.push(suffix);
-    Ok(path.with_file_name(name))
 }
 
 /// Syncs the directory holding `path`, so that a file just created there keeps its name.
@@ -425,17 +377,6 @@ fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
          mounted, and an empty new one would hand out addresses that are still in use",
         path.display()
     )))
-}
-
-fn lock_error(err: LockError, path: &Path) -> KvError {
-    match err {
-        LockError::TimedOut { path: lock, waited } => KvError::unavailable(format!(
-            "the store {} is held by another process or handle: no lock on {} after {waited:?}",
-            path.display(),
-            lock.display()
-        )),
-        other => KvError::other(format!("cannot lock the store {}: {other}", path.display())),
-    }
 }
 
 /// Opens (with `create`, creating with mode 0600 when missing) the redb file at `path`, retrying
@@ -530,11 +471,11 @@ fn check_format(db: &Database, path: &Path) -> Result<(), KvError> {
         }
         None => return Err(not_ours()),
     }
-    decode_counter(
-        meta.get(REVISION_KEY)
-            .engine(path)?
-            .map(|g| g.value().to_vec()),
-    )?;
+    let stored = meta
+        .get(REVISION_KEY)
+        .engine(path)?
+        .map(|g| g.value().to_vec());
+    decode_counter(REVISION_KEY, stored.as_deref())?;
     Ok(())
 }
 

@@ -10,10 +10,11 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use ipam_core::kv::records::{decode_counter, decode_record, encode_record};
 use ipam_core::kv::{
     validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
 };
-use ipam_core::lockfile::{LockError, LockFile};
+use ipam_core::lockfile::{sibling, store_lock_error, LockFile};
 use sled::transaction::{
     ConflictableTransactionError, TransactionError, UnabortableTransactionError,
 };
@@ -34,8 +35,6 @@ pub const FORMAT_KEY: &str = "format";
 /// The key of the store-wide revision counter (8 bytes, big-endian) in [`META_TREE`].
 pub const REVISION_KEY: &str = "revision";
 
-/// Bytes of the revision header in front of every stored value.
-const HEADER: usize = 8;
 /// How often a list (or batch of reads) is repeated while writes keep landing, before giving up.
 const CONSISTENT_READ_ATTEMPTS: usize = 64;
 /// sled's log file inside the store directory.
@@ -194,8 +193,8 @@ impl Inner {
             }
         }
         let lock_path = sibling(path, "lock")?;
-        let lock =
-            LockFile::acquire(&lock_path, config.lock_wait).map_err(|err| lock_error(err, path))?;
+        let lock = LockFile::acquire(&lock_path, config.lock_wait)
+            .map_err(|err| store_lock_error(err, path))?;
         if let Found::Nothing(what) = inspect(path)? {
             if !config.create_if_missing {
                 return Err(missing_store(path, what));
@@ -325,7 +324,7 @@ impl Inner {
             .meta
             .get(REVISION_KEY)
             .map_err(|e| engine_error(e, &self.path))?;
-        decode_counter(stored.as_deref())
+        decode_counter(REVISION_KEY, stored.as_deref())
     }
 
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
@@ -354,8 +353,8 @@ impl Inner {
                 }));
             }
             let stored = meta.get(REVISION_KEY).map_err(|e| staged(e, path))?;
-            let current =
-                decode_counter(stored.as_deref()).map_err(ConflictableTransactionError::Abort)?;
+            let current = decode_counter(REVISION_KEY, stored.as_deref())
+                .map_err(ConflictableTransactionError::Abort)?;
             let next = current.checked_add(1).ok_or_else(|| {
                 ConflictableTransactionError::Abort(KvError::other(
                     "the revision counter is exhausted",
@@ -450,69 +449,6 @@ fn staged(err: UnabortableTransactionError, path: &Path) -> ConflictableTransact
         UnabortableTransactionError::Storage(err) => {
             ConflictableTransactionError::Abort(engine_error(err, path))
         }
-    }
-}
-
-fn encode_record(revision: u64, value: &[u8]) -> Vec<u8> {
-    let mut record = Vec::with_capacity(HEADER + value.len());
-    record.extend_from_slice(&revision.to_be_bytes());
-    record.extend_from_slice(value);
-    record
-}
-
-fn decode_record<'a>(key: &str, record: &'a [u8]) -> Result<(Revision, &'a [u8]), KvError> {
-    let Some((header, value)) = record.split_first_chunk::<HEADER>() else {
-        return Err(KvError::corrupt(
-            Some(key),
-            format!(
-                "the stored record is {} bytes, shorter than its {HEADER}-byte revision header",
-                record.len()
-            ),
-        ));
-    };
-    match u64::from_be_bytes(*header) {
-        0 => Err(KvError::corrupt(
-            Some(key),
-            "the stored record carries revision 0",
-        )),
-        revision => Ok((Revision(revision), value)),
-    }
-}
-
-fn decode_counter(stored: Option<&[u8]>) -> Result<u64, KvError> {
-    match stored {
-        None => Ok(0),
-        Some(bytes) => bytes.try_into().map(u64::from_be_bytes).map_err(|_| {
-            KvError::corrupt(
-                Some(REVISION_KEY),
-                format!("the revision counter is {} bytes, not 8", bytes.len()),
-            )
-        }),
-    }
-}
-
-/// `<path>.<suffix>`, beside the store.
-fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, KvError> {
-    let Some(name) = path.file_name() else {
-        return Err(KvError::invalid(format!(
-            "the store path {} does not end in a name",
-            path.display()
-        )));
-    };
-    let mut name = name.to_owned();
-    name.push(".");
-    name.push(suffix);
-    Ok(path.with_file_name(name))
-}
-
-fn lock_error(err: LockError, path: &Path) -> KvError {
-    match err {
-        LockError::TimedOut { path: lock, waited } => KvError::unavailable(format!(
-            "the store {} is held by another process or handle: no lock on {} after {waited:?}",
-            path.display(),
-            lock.display()
-        )),
-        other => KvError::other(format!("cannot lock the store {}: {other}", path.display())),
     }
 }
 
@@ -670,7 +606,10 @@ fn check_format(db: &sled::Db, path: &Path) -> Result<(sled::Tree, sled::Tree), 
         }
         None => return Err(not_ours()),
     }
-    decode_counter(meta.get(REVISION_KEY).map_err(fail)?.as_deref())?;
+    decode_counter(
+        REVISION_KEY,
+        meta.get(REVISION_KEY).map_err(fail)?.as_deref(),
+    )?;
     let data = db.open_tree(DATA_TREE).map_err(fail)?;
     Ok((data, meta))
 }

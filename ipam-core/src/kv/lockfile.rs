@@ -32,6 +32,38 @@ pub enum LockError {
     },
 }
 
+/// `<path>.<suffix>`, beside a store kept at `path` (its lock file, its staging file).
+///
+/// # Errors
+/// [`KvError::InvalidArgument`](super::KvError) when `path` does not end in a name.
+pub fn sibling(path: &Path, suffix: &str) -> Result<PathBuf, super::KvError> {
+    let Some(name) = path.file_name() else {
+        return Err(super::KvError::invalid(format!(
+            "the store path {} does not end in a name",
+            path.display()
+        )));
+    };
+    let mut name = name.to_owned();
+    name.push(".");
+    name.push(suffix);
+    Ok(path.with_file_name(name))
+}
+
+/// The store error for a lock on the store at `path` that could not be taken: `Unavailable`
+/// (held by another process or handle for the whole wait) or `Other`.
+pub fn store_lock_error(err: LockError, path: &Path) -> super::KvError {
+    match err {
+        LockError::TimedOut { path: lock, waited } => super::KvError::unavailable(format!(
+            "the store {} is held by another process or handle: no lock on {} after {waited:?}",
+            path.display(),
+            lock.display()
+        )),
+        other => {
+            super::KvError::other(format!("cannot lock the store {}: {other}", path.display()))
+        }
+    }
+}
+
 /// A held exclusive lock; released when dropped (or when the process exits, however it exits).
 #[derive(Debug)]
 pub struct LockFile {

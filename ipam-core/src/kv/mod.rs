@@ -11,6 +11,7 @@ pub mod blocking;
 pub mod counting;
 pub mod lockfile;
 pub mod memory;
+pub mod records;
 
 /// Largest number of operations (puts plus deletes) one transaction may carry.
 ///
