@@ -18,6 +18,15 @@ use ipnet::IpNet;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+/// What one try of auto-assign came to (besides a conflict, which is tried again).
+enum Assignment {
+    /// Addresses assigned (or found held by the handle).
+    Assigned(AutoAssignResult),
+    /// The request's network is not set up (a pool or a reservation is missing): nothing was
+    /// written; [`Ipam::auto_assign`] sets it up and tries again.
+    SetupMissing,
+}
+
 impl Ipam {
     // -----------------------------------------------------------------------------------------
     // Auto-assign
@@ -48,13 +57,42 @@ impl Ipam {
                 )));
             }
         }
-        self.retrying(|| self.try_auto_assign(request)).await
+        match self.retrying(|| self.try_auto_assign(request)).await? {
+            Assignment::Assigned(result) => Ok(result),
+            Assignment::SetupMissing => {
+                let Some(setup) = &request.setup else {
+                    return Err(IpamError::Internal(
+                        "auto-assign found a network set-up missing that nobody asked for".into(),
+                    ));
+                };
+                tracing::info!(network = %setup.network, "setting the network up");
+                let pools = self.prepare_network(setup).await?;
+                // Set up now (or as far as it could be: a reservation that failed is tried again
+                // at the next call); the block edges are decided from the pools just prepared.
+                let mut again = request.clone();
+                again.setup = None;
+                again.skip_block_edges = network_setup::block_prefix_reportable(
+                    &pools,
+                    &[
+                        (Family::V4, request.num_v4 > 0, request.v4_pools.as_slice()),
+                        (Family::V6, request.num_v6 > 0, request.v6_pools.as_slice()),
+                    ],
+                    &setup.gateways,
+                );
+                match self.retrying(|| self.try_auto_assign(&again)).await? {
+                    Assignment::Assigned(result) => Ok(result),
+                    Assignment::SetupMissing => Err(IpamError::Internal(
+                        "auto-assign without a set-up to check found one missing".into(),
+                    )),
+                }
+            }
+        }
     }
 
     async fn try_auto_assign(
         &self,
         request: &AutoAssignRequest,
-    ) -> Result<Attempt<AutoAssignResult>, IpamError> {
+    ) -> Result<Attempt<Assignment>, IpamError> {
         let handle_key = keys::handle(&request.handle);
         let mut reads = vec![
             Read::List(keys::pools_dir()),
@@ -62,13 +100,11 @@ impl Ipam {
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
-            Read::Get(crate::model::nodes::node_key(&request.host)),
-            Read::List(crate::model::reservations::reservations_dir()),
+            Read::Get(keys::node_key(&request.host)),
+            Read::List(keys::reservations_dir()),
         ];
         if let Some(lookup) = &request.namespace {
-            reads.push(Read::Get(crate::model::namespaces::namespace_key(
-                &lookup.namespace,
-            )));
+            reads.push(Read::Get(keys::namespace_key(&lookup.namespace)));
         }
         if let Some(setup) = &request.setup {
             reads.push(Read::Get(keys::handle(&setup.reservation_handle)));
@@ -87,7 +123,7 @@ impl Ipam {
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
-        let node_key = crate::model::nodes::node_key(&request.host);
+        let node_key = keys::node_key(&request.host);
         let node_labels =
             crate::model::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
         let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
@@ -96,7 +132,7 @@ impl Ipam {
         let mut v4_pools = request.v4_pools.clone();
         let mut v6_pools = request.v6_pools.clone();
         if let Some(lookup) = &request.namespace {
-            let key = crate::model::namespaces::namespace_key(&lookup.namespace);
+            let key = keys::namespace_key(&lookup.namespace);
             if let Some(set) = crate::model::namespaces::decode_namespace_pools(
                 &key,
                 next_got(&mut results)?.as_ref(),
@@ -120,9 +156,7 @@ impl Ipam {
                 reservation_revision,
                 confirmation.as_ref(),
             )? {
-                return Err(IpamError::SetupNeeded(
-                    "a pool or a reservation of the network is missing".into(),
-                ));
+                return Ok(Attempt::Done(Assignment::SetupMissing));
             }
             skip_block_edges = network_setup::block_prefix_reportable(
                 &listed_pools,
@@ -138,12 +172,12 @@ impl Ipam {
             let held = self
                 .addresses_in_blocks(&request.handle, &handle, &host_blocks)
                 .await?;
-            return Ok(Attempt::Done(AutoAssignResult {
+            return Ok(Attempt::Done(Assignment::Assigned(AutoAssignResult {
                 v4: held.iter().filter(|a| a.ip.is_ipv4()).cloned().collect(),
                 v6: held.iter().filter(|a| a.ip.is_ipv6()).cloned().collect(),
                 reused: true,
                 pools: listed_pools,
-            }));
+            })));
         }
 
         let attribute = Attribute {
@@ -399,7 +433,7 @@ impl Ipam {
         }
 
         if result.v4.is_empty() && result.v6.is_empty() {
-            return Ok(Attempt::Done(result));
+            return Ok(Attempt::Done(Assignment::Assigned(result)));
         }
         for working in working.values() {
             plan.write_block(working)?;
@@ -422,7 +456,7 @@ impl Ipam {
         }
         plan.expect(&handle_key, handle_revision);
         plan.put(&handle_key, encode(&handle)?);
-        self.commit_plan(plan, result).await
+        self.commit_plan(plan, Assignment::Assigned(result)).await
     }
 
     /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
@@ -592,7 +626,7 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::Get(handle_key.clone()),
                 Read::Get(keys::import_in_progress()),
-                Read::List(crate::model::reservations::reservations_dir()),
+                Read::List(keys::reservations_dir()),
             ])
             .await?;
         let mut results = results.into_iter();

@@ -470,7 +470,7 @@ impl Ipam {
                 Read::List(keys::claims_dir()),
                 Read::List(keys::handles_dir()),
                 Read::Get(keys::config()),
-                Read::List(crate::model::reservations::reservations_dir()),
+                Read::List(keys::reservations_dir()),
             ])
             .await?;
         let mut lists = Vec::new();

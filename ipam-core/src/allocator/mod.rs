@@ -50,6 +50,11 @@ use crate::model::selector::Selector;
 
 /// Metadata key recording the host an allocation was made for.
 pub const ATTR_NODE: &str = "node";
+/// Attribute naming the network an allocation belongs to.
+pub const ATTR_NETWORK: &str = "network";
+/// Attribute saying what a non-workload allocation is for (`gateway` for a network's
+/// reservations).
+pub const ATTR_PURPOSE: &str = "purpose";
 /// Most addresses one request may ask for, per family.
 pub const MAX_ADDRESSES_PER_REQUEST: u32 = 32;
 /// Addresses released per transaction by [`Ipam::release_ips`] (each may touch a block and a
@@ -110,8 +115,8 @@ pub struct AutoAssignRequest {
     /// `v4_pools`/`v6_pools`, family by family (read in the same batch).
     pub namespace: Option<NamespaceLookup>,
     /// What the caller's network needs in place, checked in the same batched read
-    /// ([`crate::allocator::network_setup`]): when something is missing, [`IpamError::SetupNeeded`] and
-    /// nothing is written.
+    /// ([`crate::allocator::network_setup`]): when something is missing, auto-assign sets it up
+    /// ([`Ipam::prepare_network`]) and tries again, deciding `skip_block_edges` from the pools.
     pub setup: Option<NetworkSetup>,
 }
 

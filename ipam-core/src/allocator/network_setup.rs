@@ -7,8 +7,9 @@
 //! reservation handle and its blocks. Now auto-assign reads, in the same batch as everything
 //! else, the pools, the reservation handle and a small *confirmation* record, and compares them in
 //! memory: when all is in place (the steady state) nothing more is read. When something is missing
-//! it answers [`IpamError::SetupNeeded`] and the caller sets it up (creating pools, reserving
-//! addresses, then [`Ipam::confirm_reservations`]) and asks again.
+//! nothing is written, and auto-assign sets the network up ([`Ipam::prepare_network`]: creating
+//! pools, reserving addresses, then [`Ipam::confirm_reservations`]) and tries again: the caller
+//! makes one call either way.
 //!
 //! The confirmation record (`ipam/v1/reservations-held/<handle>`) says "at the handle's revision
 //! R, the handle held exactly these addresses". It was verified against the blocks when written,
@@ -22,7 +23,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{Ipam, PoolSpec, Stored};
+use std::collections::BTreeMap;
+
+use crate::allocator::dead_nodes::RESERVATION_NODE;
+use crate::allocator::{AssignIpsRequest, Ipam, PoolSpec, Stored, ATTR_NETWORK, ATTR_PURPOSE};
 use crate::kv::{Condition, KeyValue, Op, Read, ReadResult, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::{keys, Family, Pool};
@@ -31,6 +35,8 @@ use crate::model::{keys, Family, Pool};
 /// [`AutoAssignRequest::setup`](crate::allocator::AutoAssignRequest::setup).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NetworkSetup {
+    /// The network's name, recorded on its reservations (`network` attribute).
+    pub network: String,
     /// Pools that must exist: one with the same CIDR and block size (whatever its name).
     pub pools: Vec<PoolSpec>,
     /// Gateways of the network: each one inside an enabled pool is reserved, with that pool's
@@ -147,6 +153,95 @@ pub(crate) fn setup_in_place(
 }
 
 impl Ipam {
+    /// Sets up what `setup` needs before its addresses are handed out, for a network's first call
+    /// and whenever something went missing: creates the pools that do not exist yet (a pool with
+    /// the same CIDR and block size counts, whatever its name), reserves the network's addresses
+    /// ([`reserved_addresses`]) for the reservations' pseudo-node, held by
+    /// `setup.reservation_handle`, and confirms them, so that the next calls find it all in place
+    /// in auto-assign's one read. Returns the store's pools. A reservation that cannot be made or
+    /// confirmed is logged and tried again at the next call (it never fails the call); an
+    /// address a container holds is left to it, with a warning.
+    ///
+    /// # Errors
+    /// A pool that clashes with a different existing one; store failures.
+    pub async fn prepare_network(&self, setup: &NetworkSetup) -> Result<Vec<Pool>, IpamError> {
+        let pools = self.ensure_network_pools(&setup.pools).await?;
+        if let Err(e) = self.reserve_network_addresses(setup, &pools).await {
+            tracing::warn!(network = %setup.network, "the network's reservations could not be made ({e}); going on, they are tried again at the next ADD");
+        } else if !setup.gateways.is_empty() {
+            if let Err(e) = self.confirm_reservations(&setup.reservation_handle).await {
+                tracing::warn!(network = %setup.network, "the network's reservations could not be confirmed ({e}); the next ADD checks them again");
+            }
+        }
+        Ok(pools)
+    }
+
+    /// The store's pools, after creating those of `specs` that do not exist yet: one read when
+    /// they all exist.
+    async fn ensure_network_pools(&self, specs: &[PoolSpec]) -> Result<Vec<Pool>, IpamError> {
+        let pools = self.list_pools().await?;
+        let mut created = false;
+        for spec in specs {
+            let present = pools.iter().any(|p| {
+                p.cidr == spec.cidr
+                    && Some(p.block_size) == Ipam::pool_from_spec(spec).ok().map(|s| s.block_size)
+            });
+            if !present {
+                let pool = self.ensure_pool(spec).await?;
+                tracing::info!(pool = %pool.name, cidr = %pool.cidr, "pool present");
+                created = true;
+            }
+        }
+        if created {
+            return self.list_pools().await;
+        }
+        Ok(pools)
+    }
+
+    /// Reserves the network's addresses among `pools` that its handle does not hold yet; when it
+    /// holds them all this is one read.
+    async fn reserve_network_addresses(
+        &self,
+        setup: &NetworkSetup,
+        pools: &[Pool],
+    ) -> Result<(), IpamError> {
+        for gateway in gateways_outside_pools(pools, &setup.gateways) {
+            tracing::warn!(%gateway, "the gateway lies in no enabled pool: it is neither reserved nor reported");
+        }
+        let wanted = reserved_addresses(pools, &setup.gateways);
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        let handle = &setup.reservation_handle;
+        let held: BTreeSet<IpAddr> = self
+            .ips_by_handle(handle)
+            .await?
+            .into_iter()
+            .map(|a| a.ip)
+            .collect();
+        for ip in wanted.into_iter().filter(|ip| !held.contains(ip)) {
+            let request = AssignIpsRequest {
+                ips: vec![ip],
+                handle: handle.clone(),
+                host: RESERVATION_NODE.to_owned(),
+                attributes: BTreeMap::from([
+                    (ATTR_NETWORK.to_owned(), setup.network.clone()),
+                    (ATTR_PURPOSE.to_owned(), "gateway".to_owned()),
+                ]),
+                ignore_strict_affinity: true,
+                purpose: None,
+            };
+            match self.assign_ips(&request).await {
+                Ok(_) => tracing::info!(%ip, %handle, "reserved"),
+                Err(IpamError::AlreadyAssigned { ip, handle }) => {
+                    tracing::warn!(%ip, %handle, "an address the network reserves is held by a container; it is reserved once that container releases it");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
     /// Records which addresses `handle_id` holds now (see the module documentation), so that
     /// auto-assign can tell in memory that a network's reservations are in place. Reads the handle
     /// and its blocks, then writes the record on the condition that the handle has not changed

@@ -105,7 +105,7 @@ impl Ipam {
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::List(keys::blocks_dir()),
-                Read::List(crate::model::reservations::reservations_dir()),
+                Read::List(keys::reservations_dir()),
                 Read::Get(keys::config()),
             ])
             .await?;

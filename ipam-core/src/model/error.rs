@@ -20,10 +20,6 @@ pub enum IpamError {
         /// What is wrong.
         message: String,
     },
-    /// What the request's `setup` needs (pools, reservations) is not all in place: set it up,
-    /// then ask again. Nothing was written.
-    #[error("the network's set-up is not complete: {0}")]
-    SetupNeeded(String),
     /// A condition the caller guarded every write with (see `Ipam::guarded_by`) stopped holding:
     /// nothing more was written.
     #[error("guard condition on key {key:?} no longer holds: stopped, nothing more written")]

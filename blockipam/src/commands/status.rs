@@ -1,0 +1,230 @@
+//! STATUS: whether the network can hand out an address on this node now.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use ipam_core::{BlockUsage, Family, Ipam, IpamError, Pool, Utilization};
+use ipnet::IpNet;
+
+use super::may_report_block_prefix;
+use crate::netconf::NetConf;
+use crate::protocol::{codes, CniError};
+
+/// STATUS: the store answers and this node can still get an address of every family the
+/// netconf asks for.
+///
+/// # Errors
+/// Code 50 saying which of the two fails.
+pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniError> {
+    let unreachable = |e: IpamError| {
+        CniError::new(
+            codes::PLUGIN_NOT_AVAILABLE,
+            format!("the IPAM store is not usable: {e}"),
+        )
+    };
+    let config = ipam.get_config().await.map_err(unreachable)?;
+    let usage = ipam.utilization().await.map_err(unreachable)?;
+    let node_key = ipam_core::nodes::node_key(node);
+    let labels = ipam_core::nodes::decode_node_labels(
+        &node_key,
+        ipam.store()
+            .get(&node_key)
+            .await
+            .map_err(|e| unreachable(e.into()))?
+            .as_ref(),
+    )
+    .map_err(unreachable)?;
+    let pools: Vec<Pool> = usage.pools.iter().map(|p| p.pool.clone()).collect();
+    let skip_edges = may_report_block_prefix(conf, &pools);
+    // Which block edges are taken matters only for a block with one or two free addresses.
+    let ambiguous = usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
+    let allocated: BTreeSet<IpAddr> = if skip_edges && ambiguous {
+        ipam.list_allocations()
+            .await
+            .map_err(unreachable)?
+            .into_iter()
+            .map(|a| a.ip)
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    let usable = Usable {
+        skip_edges,
+        allocated: &allocated,
+    };
+    for (family, wanted, requested) in [
+        (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
+        (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
+    ] {
+        if !wanted {
+            continue;
+        }
+        let scope = NodeScope {
+            node,
+            labels: &labels,
+        };
+        if let Err(why) =
+            family_available(conf, &usage, &config, &scope, family, requested, &usable)
+        {
+            return Err(CniError::new(
+                codes::PLUGIN_NOT_AVAILABLE,
+                format!("node {node:?} cannot get an {family} address: {why}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The node STATUS answers for, and its labels (what pools' node selectors match).
+struct NodeScope<'a> {
+    node: &'a str,
+    labels: &'a BTreeMap<String, String>,
+}
+
+/// Which free addresses of a block an ADD can be given.
+struct Usable<'a> {
+    /// ADD skips block edges ([`may_report_block_prefix`]).
+    skip_edges: bool,
+    /// Every allocated address (read only when it matters).
+    allocated: &'a BTreeSet<IpAddr>,
+}
+
+impl Usable<'_> {
+    /// True when an ADD can be given one of the block's free addresses.
+    fn has_room(&self, block: &BlockUsage) -> bool {
+        if !self.skip_edges {
+            return block.free > 0;
+        }
+        let free_edges = block_edges(block.cidr)
+            .iter()
+            .filter(|ip| !self.allocated.contains(ip))
+            .count() as u64;
+        block.free > free_edges
+    }
+}
+
+/// A block's network and last address when it has them as edges (IPv4 blocks larger than /31,
+/// IPv6 blocks larger than /127): what `skip_block_edges` never hands out.
+fn block_edges(block: IpNet) -> Vec<IpAddr> {
+    if block.max_prefix_len() - block.prefix_len() >= 2 {
+        vec![block.network(), block.broadcast()]
+    } else {
+        Vec::new()
+    }
+}
+
+fn family_available(
+    conf: &NetConf,
+    usage: &Utilization,
+    config: &ipam_core::IpamConfig,
+    scope: &NodeScope<'_>,
+    family: Family,
+    requested: &[String],
+    usable: &Usable<'_>,
+) -> Result<(), String> {
+    let node = scope.node;
+    // Netconf pools not created yet will be on the next ADD: they count as available.
+    let pending: Vec<&ipam_core::PoolSpec> = conf
+        .pools
+        .iter()
+        .filter(|s| Family::of_net(&s.cidr) == family)
+        .filter(|s| !usage.pools.iter().any(|p| p.pool.cidr == s.cidr))
+        .collect();
+    let matches_pending = |wanted: &str| {
+        pending.iter().any(|s| {
+            s.name.as_deref() == Some(wanted) || wanted.parse::<IpNet>().ok() == Some(s.cidr)
+        })
+    };
+    let candidates: Vec<&ipam_core::PoolUsage> = if requested.is_empty() {
+        if !pending.is_empty() {
+            return Ok(());
+        }
+        let enabled: Vec<&ipam_core::PoolUsage> = usage
+            .pools
+            .iter()
+            .filter(|p| p.pool.family() == family && !p.pool.disabled)
+            .collect();
+        // As auto-assign: automatic pools allowing workload addresses that select the node.
+        let selecting: Vec<&ipam_core::PoolUsage> = enabled
+            .iter()
+            .copied()
+            .filter(|p| {
+                p.pool.assignment_mode == ipam_core::AssignmentMode::Automatic
+                    && p.pool.allowed_uses.allows(ipam_core::AllowedUse::Workload)
+                    && p.pool.node_selector.matches(scope.labels)
+            })
+            .collect();
+        if selecting.is_empty() && !enabled.is_empty() {
+            return Err(format!(
+                "no IP pool selects node {node:?} for automatic assignment (enabled pools: {}; \
+                 check their node selectors, assignment modes and allowed uses, or the node's \
+                 labels)",
+                enabled
+                    .iter()
+                    .map(|p| p.pool.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        selecting
+    } else {
+        let mut chosen = Vec::new();
+        for wanted in requested {
+            if matches_pending(wanted) {
+                return Ok(());
+            }
+            let found = usage.pools.iter().find(|p| {
+                p.pool.name == *wanted || wanted.parse::<IpNet>().ok() == Some(p.pool.cidr)
+            });
+            match found {
+                None => return Err(format!("pool {wanted:?} does not exist")),
+                Some(p) if p.pool.disabled => return Err(format!("pool {wanted:?} is disabled")),
+                Some(p) if p.pool.family() != family => {
+                    return Err(format!("pool {wanted:?} is not an {family} pool"))
+                }
+                Some(p) => chosen.push(p),
+            }
+        }
+        chosen
+    };
+    if candidates.is_empty() {
+        return Err("there is no enabled pool".into());
+    }
+    let blocks = || candidates.iter().flat_map(|p| p.blocks.iter());
+    if blocks().any(|b| b.host.as_deref() == Some(node) && usable.has_room(b)) {
+        return Ok(());
+    }
+    if config.auto_allocate_blocks {
+        let owned = usage
+            .pools
+            .iter()
+            .filter(|p| p.pool.family() == family)
+            .flat_map(|p| p.blocks.iter())
+            .filter(|b| b.host.as_deref() == Some(node))
+            .count();
+        let under_limit =
+            config.max_blocks_per_host == 0 || owned < config.max_blocks_per_host as usize;
+        let room = candidates
+            .iter()
+            .any(|p| (p.blocks.len() as u128) < p.pool.block_count());
+        if !under_limit {
+            // The allocator refuses with a block-limit error before it would borrow.
+            return Err(format!(
+                "its {owned} blocks are full and the per-node block limit is {}",
+                config.max_blocks_per_host
+            ));
+        }
+        if room {
+            return Ok(());
+        }
+    }
+    if !config.strict_affinity && blocks().any(|b| usable.has_room(b)) {
+        return Ok(());
+    }
+    let names: Vec<&str> = candidates.iter().map(|p| p.pool.name.as_str()).collect();
+    Err(format!("no free address in pools {names:?}"))
+}
