@@ -3,10 +3,7 @@
 //! the two reads that find it, blocks and batches outgrowing the store's limits), on every backend.
 
 use std::collections::BTreeMap;
-use std::fmt;
-use std::future::Future;
 use std::net::IpAddr;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -16,6 +13,7 @@ use ipam_core::{
     AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, Op, PoolSpec, ReleaseRequest,
 };
 
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, assign_one, ip, ipam_with_pool, net, spec, v4};
 use crate::StoreFactory;
 
@@ -46,109 +44,8 @@ macro_rules! ipam_integrity_tests {
     };
 }
 
-// ---------------------------------------------------------------------------------------------
-// A store that runs a hook right after a chosen read returns: the hook's writes land between
-// that read and whatever the caller does next, deterministically. It can also refuse chosen
-// commits, as if another writer always got there first.
-// ---------------------------------------------------------------------------------------------
-
-type Hook = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
-type Trigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
-type Refusal = Box<dyn Fn(&Txn) -> Option<KvError> + Send + Sync>;
-
-pub(crate) struct HookStore {
-    inner: Arc<dyn KvStore>,
-    armed: Mutex<Option<(Trigger, Hook)>>,
-    refuse: Mutex<Option<Refusal>>,
-}
-
-impl fmt::Debug for HookStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HookStore")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-impl HookStore {
-    pub(crate) fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
-        Arc::new(HookStore {
-            inner,
-            armed: Mutex::new(None),
-            refuse: Mutex::new(None),
-        })
-    }
-
-    /// From now on, a commit for which `refuse` returns an error fails with it, writing nothing.
-    pub(crate) fn refuse_commits<R>(&self, refuse: R)
-    where
-        R: Fn(&Txn) -> Option<KvError> + Send + Sync + 'static,
-    {
-        *self.refuse.lock().expect("refusal lock") = Some(Box::new(refuse));
-    }
-
-    /// Runs `hook` once, after the first read for which `trigger` holds has been answered.
-    pub(crate) fn arm<T, H, Fut>(&self, trigger: T, hook: H)
-    where
-        T: Fn(&[Read]) -> bool + Send + Sync + 'static,
-        H: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let hook: Hook = Box::new(move || Box::pin(hook()));
-        *self.armed.lock().expect("hook lock") = Some((Box::new(trigger), hook));
-    }
-
-    pub(crate) fn fired(&self) -> bool {
-        self.armed.lock().expect("hook lock").is_none()
-    }
-
-    async fn after(&self, reads: &[Read]) {
-        let hook = {
-            let mut armed = self.armed.lock().expect("hook lock");
-            match &*armed {
-                Some((trigger, _)) if trigger(reads) => armed.take().map(|(_, hook)| hook),
-                _ => None,
-            }
-        };
-        if let Some(hook) = hook {
-            hook().await;
-        }
-    }
-}
-
-#[async_trait]
-impl KvStore for HookStore {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
-        let found = self.inner.get(key).await;
-        self.after(&[Read::Get(key.to_owned())]).await;
-        found
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        let found = self.inner.list(prefix).await;
-        self.after(&[Read::List(prefix.to_owned())]).await;
-        found
-    }
-
-    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        let refused = self
-            .refuse
-            .lock()
-            .expect("refusal lock")
-            .as_ref()
-            .and_then(|refuse| refuse(&txn));
-        match refused {
-            Some(e) => Err(e),
-            None => self.inner.commit(txn).await,
-        }
-    }
-
-    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
-        let found = self.inner.read_many(reads).await;
-        self.after(reads).await;
-        found
-    }
-}
+/// Which read a hook follows.
+type ReadTrigger = Box<dyn Fn(&[Read]) -> bool + Send + Sync>;
 
 fn lists(prefix: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
     move |reads| {
@@ -272,11 +169,11 @@ pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFac
     for (moment, trigger) in [
         (
             "after the delete's first read",
-            Box::new(|_: &[Read]| true) as Trigger,
+            Box::new(|_: &[Read]| true) as ReadTrigger,
         ),
         (
             "after the delete lists the blocks",
-            Box::new(lists(keys::blocks_dir())) as Trigger,
+            Box::new(lists(keys::blocks_dir())) as ReadTrigger,
         ),
     ] {
         let t = factory.fresh().await;
@@ -284,17 +181,20 @@ pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFac
         node.create_pool(&spec("10.8.0.0/28", "pool", 30))
             .await
             .expect("pool");
-        let hooked = HookStore::new(Arc::clone(&t.store));
+        let hooked = HookedStore::new(Arc::clone(&t.store));
         let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
         let add_result = Arc::new(Mutex::new(None));
         let slot = Arc::clone(&add_result);
         let racer = node.clone();
-        hooked.arm(trigger, move || async move {
+        hooked.after_read(trigger, move || async move {
             let got = racer.auto_assign(&v4("racer", "node-a", 1)).await;
             *slot.lock().expect("slot") = Some(got);
         });
         let deleted = admin.delete_pool("pool", false).await;
-        assert!(hooked.fired(), "{moment}: the racing ADD never ran");
+        assert!(
+            hooked.read_hook_fired(),
+            "{moment}: the racing ADD never ran"
+        );
         let added = add_result
             .lock()
             .expect("slot")
@@ -344,12 +244,12 @@ pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactor
             .await
             .expect("assign");
         let (address, block) = (got.v4[0].ip, got.v4[0].block);
-        let hooked = HookStore::new(Arc::clone(&t.store));
+        let hooked = HookedStore::new(Arc::clone(&t.store));
         let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
         let mover = node.clone();
         let moving_host = host.clone();
         // Right after the claim entry is read, the block loses its affinity (moves key).
-        hooked.arm(is_exactly(keys::block_claim(&block)), move || async move {
+        hooked.after_read(is_exactly(keys::block_claim(&block)), move || async move {
             mover
                 .release_affinity(&moving_host, block)
                 .await
@@ -367,7 +267,10 @@ pub async fn block_moving_between_reads_is_never_taken_for_absent<F: StoreFactor
                 .expect("release address")
                 .released
         };
-        assert!(hooked.fired(), "the block never moved under the read");
+        assert!(
+            hooked.read_hook_fired(),
+            "the block never moved under the read"
+        );
         assert_eq!(
             released,
             vec![address],

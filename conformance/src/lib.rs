@@ -1,7 +1,8 @@
 //! The conformance suite: store factories, the cases every backend must pass, and the macros that
-//! expand them into one named `#[tokio::test]` per case in each backend's `tests/conformance.rs`.
+//! expand them into one named `#[test]` per case in each backend's `tests/conformance.rs`.
 
 pub mod embedded;
+pub mod hooked;
 pub mod integrity;
 pub mod ipam;
 pub mod kv;
@@ -17,8 +18,27 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
-use async_trait::async_trait;
+use std::future::Future;
+
 use ipam_core::KvStore;
+
+/// Re-exported for backends implementing [`StoreFactory`] and [`MultiClientFactory`]
+/// (`#[conformance::async_trait]`), so that running the suite needs no dependency of its own.
+pub use async_trait::async_trait;
+
+/// Runs one case on a runtime of its own (four worker threads, as the cases assume concurrent
+/// clients really run at once); the macros call it, so the caller needs no runtime of its own.
+///
+/// # Panics
+/// When the runtime cannot be built, and whenever the case fails.
+pub fn run_case<F: Future<Output = ()>>(case: F) {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .expect("a multi-threaded tokio runtime for the case")
+        .block_on(case);
+}
 
 /// A store handed to one case, with whatever must live exactly as long as the case does
 /// (a temporary directory, a unique etcd key prefix) in `guard`.
@@ -74,7 +94,7 @@ pub trait MultiClientFactory: Send + Sync + 'static {
     async fn fresh_clients(&self, count: usize) -> TestClients;
 }
 
-/// Expands every generic storage case into one `#[tokio::test]`, inside a module `kv`.
+/// Expands every generic storage case into one `#[test]`, inside a module `kv`.
 ///
 /// `$factory` is an expression building a [`StoreFactory`]; it is evaluated once per case.
 #[macro_export]
@@ -124,7 +144,7 @@ macro_rules! kv_conformance_tests {
 }
 
 /// Expands the cases that need several independent clients of one store (for a cluster: each
-/// connected to a different member) into `#[tokio::test]`s, inside a module
+/// connected to a different member) into `#[test]`s, inside a module
 /// `linearizability_across_clients`. `$factory` builds a [`MultiClientFactory`].
 #[macro_export]
 macro_rules! multi_client_conformance_tests {
@@ -135,7 +155,7 @@ macro_rules! multi_client_conformance_tests {
     };
 }
 
-/// Internal: expands a list of case names into `#[tokio::test]` functions inside module `$module`.
+/// Internal: expands a list of case names into `#[test]` functions inside module `$module`.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __expand_cases {
@@ -144,13 +164,15 @@ macro_rules! __expand_cases {
             #[allow(unused_imports)]
             use super::*;
             $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    let factory = $factory;
-                    {
-                        use $cases as cases;
-                        cases::$case(&factory).await;
-                    }
+                #[test]
+                fn $case() {
+                    $crate::run_case(async {
+                        let factory = $factory;
+                        {
+                            use $cases as cases;
+                            cases::$case(&factory).await;
+                        }
+                    });
                 }
             )+
         }

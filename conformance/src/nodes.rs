@@ -2,15 +2,14 @@
 //! pools' node selectors read, stored and updated by compare-and-swap, on every backend.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use ipam_core::kv::{KeyValue, KvError, KvStore, Revision, Txn};
+use ipam_core::kv::KvStore;
 use ipam_core::nodes::{node_key, nodes_dir, NodeLabels, MAX_NODE_LABELS};
 use ipam_core::selector::Selector;
 use ipam_core::{Ipam, IpamError};
 
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, assign_one, ipam_with_pool};
 use crate::StoreFactory;
 
@@ -292,57 +291,35 @@ pub async fn concurrent_label_updates_of_one_node_lose_nothing<F: StoreFactory>(
     }
 }
 
-/// A store that, right after the first read of one key has been answered, writes labels of its
-/// own to that node through the inner store: a writer between the update's read and its commit.
-#[derive(Debug)]
-struct InterposingStore {
-    inner: Arc<dyn KvStore>,
-    host: String,
-    fired: AtomicBool,
-}
-
-#[async_trait]
-impl KvStore for InterposingStore {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
-        let found = self.inner.get(key).await;
-        if key == node_key(&self.host) && !self.fired.swap(true, Ordering::SeqCst) {
-            Ipam::new(Arc::clone(&self.inner))
-                .set_node_labels(&self.host, &pairs(&[("written-between", "yes")]), &[])
-                .await
-                .expect("the interposed write");
-        }
-        found
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        self.inner.list(prefix).await
-    }
-
-    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        self.inner.commit(txn).await
-    }
-}
-
 /// Another writer changing the node between an update's read and its commit makes the commit's
 /// revision condition fail; the update is read again and applied on top, so both survive
 /// (deterministic: the other write happens exactly in that window).
 pub async fn update_racing_another_writer_is_applied_on_top_of_it<F: StoreFactory>(factory: &F) {
     let (t, _) = fresh_ipam(factory).await;
     ipam_with_existing_labels(&t.store).await;
-    let interposing = Arc::new(InterposingStore {
-        inner: Arc::clone(&t.store),
-        host: "node-1".to_owned(),
-        fired: AtomicBool::new(false),
-    });
+    // Right after the first read of the node's labels is answered, another writer changes them.
+    let interposing = HookedStore::new(Arc::clone(&t.store));
+    let other = Ipam::new(Arc::clone(&t.store));
+    let key = node_key("node-1");
+    interposing.after_read(
+        move |reads| {
+            reads
+                .iter()
+                .any(|r| matches!(r, ipam_core::Read::Get(k) if *k == key))
+        },
+        move || async move {
+            other
+                .set_node_labels("node-1", &pairs(&[("written-between", "yes")]), &[])
+                .await
+                .expect("the interposed write");
+        },
+    );
     let ipam = Ipam::new(interposing.clone());
     let labels = ipam
         .set_node_labels("node-1", &pairs(&[("rack", "r2")]), &keys(&["gpu"]))
         .await
         .expect("update");
-    assert!(
-        interposing.fired.load(Ordering::SeqCst),
-        "the race was not staged"
-    );
+    assert!(interposing.read_hook_fired(), "the race was not staged");
     let expected = map(&[("rack", "r2"), ("written-between", "yes")]);
     assert_eq!(labels, expected);
     assert_eq!(

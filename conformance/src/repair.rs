@@ -9,7 +9,7 @@ use ipam_core::kv::{KvError, KvStore, Read};
 use ipam_core::model::{decode, keys, Block, FORMAT_VERSION};
 use ipam_core::{Ipam, IpamError, PoolChange, ReleaseRequest, RetryPolicy};
 
-use crate::integrity::HookStore;
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, assign_one, ipam_with_pool, spec, v4};
 use crate::StoreFactory;
 
@@ -175,7 +175,7 @@ pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_the
     let before = contents(t.store.as_ref(), "").await;
     // Every commit that rewrites a block fails its condition, as if another writer changed the
     // block each time.
-    let hooked = HookStore::new(Arc::clone(&t.store));
+    let hooked = HookedStore::new(Arc::clone(&t.store));
     hooked.refuse_commits(|txn| {
         txn.conditions
             .iter()
@@ -221,7 +221,7 @@ pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_the
 /// block and frees the address.
 pub async fn release_by_address_racing_a_pool_split_still_releases<F: StoreFactory>(factory: &F) {
     let t = factory.fresh().await;
-    let hooked = HookStore::new(Arc::clone(&t.store));
+    let hooked = HookedStore::new(Arc::clone(&t.store));
     let store: Arc<dyn KvStore> = hooked.clone();
     let ipam = Ipam::new(store);
     let direct = Ipam::new(Arc::clone(&t.store));
@@ -243,7 +243,7 @@ pub async fn release_by_address_racing_a_pool_split_still_releases<F: StoreFacto
         .expect("change the block size");
     // Right after the release reads the pools, the pool is split in two.
     let splitter = Ipam::new(Arc::clone(&t.store));
-    hooked.arm(
+    hooked.after_read(
         |reads| {
             reads
                 .iter()
@@ -257,7 +257,7 @@ pub async fn release_by_address_racing_a_pool_split_still_releases<F: StoreFacto
         .release_ips(&[ReleaseRequest { ip, sequence: None }])
         .await
         .expect("release");
-    assert!(hooked.fired(), "the split did not run");
+    assert!(hooked.read_hook_fired(), "the split did not run");
     assert_eq!(outcome.released, vec![ip], "{outcome:?}");
     assert!(outcome.not_allocated.is_empty(), "{outcome:?}");
     assert_eq!(direct.get_assignment(ip).await.expect("who holds it"), None);

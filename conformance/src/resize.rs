@@ -3,13 +3,8 @@
 //! everything that finds "the block holding an address" finds it whatever its size.
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::net::IpAddr;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-
-use async_trait::async_trait;
-use ipam_core::kv::{KeyValue, KvError, Read, ReadResult, Revision};
+use std::sync::Arc;
 
 use ipam_core::check::kinds;
 use ipam_core::model::{block_entries, Block};
@@ -21,6 +16,7 @@ use ipam_core::{
 };
 use ipnet::IpNet;
 
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, ip, ipam_with_pool, net, spec, v4};
 use crate::StoreFactory;
 
@@ -560,61 +556,6 @@ pub async fn address_lookups_keep_their_round_trips_until_a_size_change<F: Store
     );
 }
 
-type BeforeCommit = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
-
-/// A store that runs a hook once, right before its first commit reaches the store: the hook's
-/// writes land between the caller's reads and its transaction, deterministically.
-struct PauseBeforeCommit {
-    inner: Arc<dyn KvStore>,
-    hook: Mutex<Option<BeforeCommit>>,
-}
-
-impl PauseBeforeCommit {
-    /// Wraps `inner`; `hook` runs once, right before the first commit.
-    fn new<H, Fut>(inner: &Arc<dyn KvStore>, hook: H) -> Arc<Self>
-    where
-        H: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        let hook: BeforeCommit = Box::new(move || Box::pin(hook()));
-        Arc::new(PauseBeforeCommit {
-            inner: Arc::clone(inner),
-            hook: Mutex::new(Some(hook)),
-        })
-    }
-}
-
-impl std::fmt::Debug for PauseBeforeCommit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PauseBeforeCommit")
-            .field("inner", &self.inner)
-            .finish_non_exhaustive()
-    }
-}
-
-#[async_trait]
-impl KvStore for PauseBeforeCommit {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
-        self.inner.get(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        self.inner.list(prefix).await
-    }
-
-    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        let hook = self.hook.lock().expect("hook lock").take();
-        if let Some(hook) = hook {
-            hook().await;
-        }
-        self.inner.commit(txn).await
-    }
-
-    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
-        self.inner.read_many(reads).await
-    }
-}
-
 /// In a pool of mixed sizes, an explicit assignment that chose a /28 from a snapshot where an old
 /// /28 still blocked the /26 around it, and a new host that claimed that /26 once the old block was
 /// gone, have different claim keys: without the pool's record rewritten by each claim, both would
@@ -655,20 +596,24 @@ pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlappi
     // B reads (the /26 around .66 is blocked by .80/28: B picks .64/28), then, before B commits,
     // the blocking block goes and a new host claims .64/26.
     let racer = ipam.clone();
-    let paused = PauseBeforeCommit::new(&t.store, move || async move {
-        racer
-            .release_ips(&[ReleaseRequest {
-                ip: ip("10.0.0.81"),
-                sequence: None,
-            }])
-            .await
-            .expect("release the blocking address");
-        let got = racer
-            .auto_assign(&v4("h-c", "node-c", 1))
-            .await
-            .expect("the new host claims a block");
-        assert_eq!(got.v4[0].block, net("10.0.0.64/26"));
-    });
+    let paused = HookedStore::new(Arc::clone(&t.store));
+    paused.before_commit(
+        |_| true,
+        move || async move {
+            racer
+                .release_ips(&[ReleaseRequest {
+                    ip: ip("10.0.0.81"),
+                    sequence: None,
+                }])
+                .await
+                .expect("release the blocking address");
+            let got = racer
+                .auto_assign(&v4("h-c", "node-c", 1))
+                .await
+                .expect("the new host claims a block");
+            assert_eq!(got.v4[0].block, net("10.0.0.64/26"));
+        },
+    );
     let explicit = Ipam::new(paused.clone() as Arc<dyn KvStore>)
         .assign_ips(&AssignIpsRequest {
             ips: vec![ip("10.0.0.66")],
@@ -678,10 +623,7 @@ pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlappi
         })
         .await
         .expect("explicit assign");
-    assert!(
-        paused.hook.lock().expect("hook lock").is_none(),
-        "the race never ran"
-    );
+    assert!(paused.commit_hook_fired(), "the race never ran");
     assert_eq!(
         explicit[0].block,
         net("10.0.0.64/26"),
@@ -704,9 +646,13 @@ pub async fn a_namespace_setting_racing_a_split_never_names_the_split_pool<F: St
         .await
         .expect("create pool");
     let racer = ipam.clone();
-    let paused = PauseBeforeCommit::new(&t.store, move || async move {
-        racer.split_pool("big", 2).await.expect("split");
-    });
+    let paused = HookedStore::new(Arc::clone(&t.store));
+    paused.before_commit(
+        |_| true,
+        move || async move {
+            racer.split_pool("big", 2).await.expect("split");
+        },
+    );
     let set = Ipam::new(paused.clone() as Arc<dyn KvStore>)
         .set_namespace_pools(
             "team",
@@ -716,10 +662,7 @@ pub async fn a_namespace_setting_racing_a_split_never_names_the_split_pool<F: St
             },
         )
         .await;
-    assert!(
-        paused.hook.lock().expect("hook lock").is_none(),
-        "the race never ran"
-    );
+    assert!(paused.commit_hook_fired(), "the race never ran");
     assert!(
         matches!(&set, Err(IpamError::PoolNotFound(_))),
         "a namespace setting naming a pool split meanwhile: {set:?}"
