@@ -1,0 +1,362 @@
+//! Calico's IPAM gauges, computed from the store at scrape time and cached, and the dead-node
+//! reclaim counters and node states.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ipam_core::allocator::ATTR_NODE;
+use ipam_core::{Ipam, IpamError, KvStore};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabel, EncodeLabelSet, EncodeMetric, LabelSetEncoder,
+};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use tokio::sync::Mutex;
+
+use crate::counters::{ReclaimCounters, NODE_STATES};
+
+use super::{IPAM_COMPUTATION_TIMEOUT, NO_AFFINITY_LABEL, NO_POOL_LABEL, UNKNOWN_NODE_LABEL};
+
+// ---------------------------------------------------------------------------------------------
+// The IPAM gauges
+// ---------------------------------------------------------------------------------------------
+
+/// The IPAM gauges at one moment, computed from the store.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct IpamSnapshot {
+    /// Addresses each pool spans, by pool name.
+    pub pool_sizes: BTreeMap<String, f64>,
+    /// Allocated addresses, by (pool, node recorded with the address).
+    pub in_use: BTreeMap<(String, String), u64>,
+    /// Allocated addresses of a block affine to another node (or to none), by (pool, node).
+    pub borrowed: BTreeMap<(String, String), u64>,
+    /// Blocks, by (pool, affine node).
+    pub blocks: BTreeMap<(String, String), u64>,
+}
+
+impl IpamSnapshot {
+    /// Reads the store (one batched read of pools and blocks, one listing of blocks) and counts
+    /// as Calico's kube-controllers do: blocks by affine node (`no_affinity` for none), addresses
+    /// by the node recorded with them (`unknown_node` for none), borrowed when that node is not
+    /// the block's; things outside every pool under `no_ippool`. Every node seen anywhere gets
+    /// an explicit zero in each pool's in-use and borrowed gauges.
+    ///
+    /// # Errors
+    /// Store failures and corrupt objects, as the allocator reports them.
+    pub async fn compute(store: Arc<dyn KvStore>) -> Result<Self, IpamError> {
+        let ipam = Ipam::new(store);
+        let usage = ipam.utilization().await?;
+        let allocations = ipam.list_allocations().await?;
+        let mut snapshot = IpamSnapshot::default();
+        let mut pool_of_block: BTreeMap<String, String> = BTreeMap::new();
+        let mut nodes: BTreeSet<String> = BTreeSet::new();
+        for pool in &usage.pools {
+            // An IPv6 pool may span more than 2^64 addresses: a gauge is a float anyway.
+            let size = pool.capacity as f64;
+            snapshot.pool_sizes.insert(pool.pool.name.clone(), size);
+            for block in &pool.blocks {
+                pool_of_block.insert(block.cidr.to_string(), pool.pool.name.clone());
+            }
+        }
+        let all_blocks = usage
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .chain(usage.orphan_blocks.iter());
+        for block in all_blocks {
+            let pool = pool_of_block
+                .get(&block.cidr.to_string())
+                .cloned()
+                .unwrap_or_else(|| NO_POOL_LABEL.to_owned());
+            let node = match &block.host {
+                Some(host) => {
+                    nodes.insert(host.clone());
+                    host.clone()
+                }
+                None => NO_AFFINITY_LABEL.to_owned(),
+            };
+            *snapshot.blocks.entry((pool, node)).or_default() += 1;
+        }
+        for allocation in &allocations {
+            let pool = pool_of_block
+                .get(&allocation.block.to_string())
+                .cloned()
+                .unwrap_or_else(|| NO_POOL_LABEL.to_owned());
+            let node = allocation.attributes.get(ATTR_NODE).cloned();
+            if let Some(node) = &node {
+                nodes.insert(node.clone());
+                if allocation.block_host.as_ref() != Some(node) {
+                    *snapshot
+                        .borrowed
+                        .entry((pool.clone(), node.clone()))
+                        .or_default() += 1;
+                }
+            }
+            let node = node.unwrap_or_else(|| UNKNOWN_NODE_LABEL.to_owned());
+            *snapshot.in_use.entry((pool, node)).or_default() += 1;
+        }
+        for pool in snapshot.pool_sizes.keys() {
+            for node in &nodes {
+                let key = (pool.clone(), node.clone());
+                snapshot.in_use.entry(key.clone()).or_default();
+                snapshot.borrowed.entry(key).or_default();
+            }
+        }
+        Ok(snapshot)
+    }
+}
+
+/// What the collector encodes: the last snapshot computed and whether the last attempt worked.
+#[derive(Debug, Default)]
+pub(super) struct Published {
+    snapshot: Option<Arc<IpamSnapshot>>,
+    store_up: bool,
+    /// Unix time of the last successful computation.
+    last_success_unix_seconds: Option<f64>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct RefreshState {
+    last_attempt: Option<Instant>,
+}
+
+#[derive(Debug)]
+pub(super) struct IpamState {
+    pub(super) cache_for: Duration,
+    pub(super) refresh: Mutex<RefreshState>,
+    pub(super) published: RwLock<Published>,
+}
+
+impl IpamState {
+    pub(super) async fn refresh(&self, store: &Weak<dyn KvStore>) {
+        let mut refresh = self.refresh.lock().await;
+        if refresh
+            .last_attempt
+            .is_some_and(|at| at.elapsed() < self.cache_for)
+        {
+            return;
+        }
+        refresh.last_attempt = Some(Instant::now());
+        let outcome = match store.upgrade() {
+            None => Err("the store is closed (the agent is stopping)".to_owned()),
+            Some(store) => {
+                match tokio::time::timeout(IPAM_COMPUTATION_TIMEOUT, IpamSnapshot::compute(store))
+                    .await
+                {
+                    Ok(Ok(snapshot)) => Ok(snapshot),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => Err(format!(
+                        "reading the pools and blocks took longer than {IPAM_COMPUTATION_TIMEOUT:?}"
+                    )),
+                }
+            }
+        };
+        let mut published = self
+            .published
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        match outcome {
+            Ok(snapshot) => {
+                published.snapshot = Some(Arc::new(snapshot));
+                published.store_up = true;
+                published.last_success_unix_seconds = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .ok()
+                    .map(|d| d.as_secs_f64());
+            }
+            Err(message) => {
+                if published.store_up || published.snapshot.is_none() {
+                    tracing::warn!(
+                        "metrics: cannot compute the IPAM gauges, keeping the last values: {message}"
+                    );
+                }
+                published.store_up = false;
+            }
+        }
+    }
+}
+
+/// Encodes the IPAM gauges from the last snapshot, and the store's health.
+#[derive(Debug)]
+pub(super) struct IpamCollector {
+    pub(super) state: Arc<IpamState>,
+}
+
+/// A pool label alone, or a pool and a node.
+#[derive(Debug)]
+struct PoolNode<'a> {
+    pool: &'a str,
+    node: Option<&'a str>,
+}
+
+impl EncodeLabelSet for PoolNode<'_> {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        EncodeLabel::encode(&("ippool", self.pool), encoder.encode_label())?;
+        if let Some(node) = self.node {
+            EncodeLabel::encode(&("node", node), encoder.encode_label())?;
+        }
+        Ok(())
+    }
+}
+
+fn encode_gauge_family<'a, N>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    values: impl IntoIterator<Item = (PoolNode<'a>, N)>,
+) -> Result<(), std::fmt::Error>
+where
+    ConstGauge<N>: EncodeMetric,
+{
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (labels, value) in values {
+        ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for IpamCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let published = self
+            .state
+            .published
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        let up = ConstGauge::new(i64::from(published.store_up));
+        up.encode(encoder.encode_descriptor(
+            "blockipam_agent_store_up",
+            "1 when the last computation of the ipam_* gauges read the store, 0 when it failed \
+             (the ipam_* gauges then keep their last values)",
+            None,
+            up.metric_type(),
+        )?)?;
+        if let Some(seconds) = published.last_success_unix_seconds {
+            let gauge = ConstGauge::new(seconds);
+            gauge.encode(encoder.encode_descriptor(
+                "blockipam_agent_ipam_last_success_timestamp_seconds",
+                "Unix time of the last successful computation of the ipam_* gauges",
+                None,
+                gauge.metric_type(),
+            )?)?;
+        }
+        let Some(snapshot) = &published.snapshot else {
+            return Ok(());
+        };
+        encode_gauge_family(
+            &mut encoder,
+            "ipam_ippool_size",
+            "Total number of addresses in the IP pool",
+            snapshot.pool_sizes.iter().map(|(pool, size)| {
+                (
+                    PoolNode {
+                        pool: pool.as_str(),
+                        node: None,
+                    },
+                    *size,
+                )
+            }),
+        )?;
+        encode_gauge_family(
+            &mut encoder,
+            "ipam_allocations_in_use",
+            "Addresses currently allocated, by pool and by the node recorded with the address",
+            snapshot
+                .in_use
+                .iter()
+                .map(|(key, count)| (pool_node(key), saturating_i64(*count))),
+        )?;
+        encode_gauge_family(
+            &mut encoder,
+            "ipam_allocations_borrowed",
+            "Addresses currently allocated to a node from a block affine to another node (or to \
+             none), by pool and node",
+            snapshot
+                .borrowed
+                .iter()
+                .map(|(key, count)| (pool_node(key), saturating_i64(*count))),
+        )?;
+        encode_gauge_family(
+            &mut encoder,
+            "ipam_blocks",
+            "Blocks currently allocated for the IP pool, by affine node",
+            snapshot
+                .blocks
+                .iter()
+                .map(|(key, count)| (pool_node(key), saturating_i64(*count))),
+        )?;
+        Ok(())
+    }
+}
+
+fn pool_node((pool, node): &(String, String)) -> PoolNode<'_> {
+    PoolNode {
+        pool: pool.as_str(),
+        node: Some(node.as_str()),
+    }
+}
+
+fn saturating_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// Encodes the dead-node reclaim counters kept by the reclaimer.
+#[derive(Debug)]
+pub(super) struct ReclaimCollector {
+    pub(super) counters: Arc<ReclaimCounters>,
+}
+
+impl Collector for ReclaimCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let (nodes, addresses, blocks) = self.counters.snapshot();
+        for (name, help, value) in [
+            (
+                "ipam_allocations_gc_reclamations",
+                "Addresses released by this agent's dead-node reclaim",
+                addresses,
+            ),
+            (
+                "blockipam_agent_dead_nodes_reclaimed",
+                "Dead nodes whose blocks and addresses this agent released",
+                nodes,
+            ),
+            (
+                "blockipam_agent_dead_node_blocks_released",
+                "Blocks whose affinity this agent released (deleted when empty) for dead nodes",
+                blocks,
+            ),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        let registered = ConstGauge::new(i64::from(
+            self.counters
+                .registered
+                .load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        registered.encode(encoder.encode_descriptor(
+            "blockipam_agent_node_registered",
+            "1 while this agent's node is registered and its liveness key on a lease (etcd)",
+            None,
+            registered.metric_type(),
+        )?)?;
+        let mut family = encoder.encode_descriptor(
+            "blockipam_agent_nodes",
+            "Registered nodes by state at this agent's last reclaim pass (reclaimer leader only)",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (state, count) in NODE_STATES.iter().zip(self.counters.nodes_by_state()) {
+            let labels = [("state", *state)];
+            ConstGauge::new(saturating_i64(count)).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
