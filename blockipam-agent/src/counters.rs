@@ -19,12 +19,20 @@ pub struct ReclaimCounters {
     /// Registered nodes by state at this agent's last reclaim pass (as reclaimer leader):
     /// alive, active (agent down, plugin at work), missing (countdown running or not yet
     /// started), dead (its blocks released by that pass or about to be), reclaimed (blocks
-    /// released earlier, addresses kept until released by the node or by hand).
-    pub nodes_by_state: [AtomicU64; 5],
+    /// released earlier, addresses kept until released by the node or by hand), unreadable (a
+    /// registration that does not decode: nothing done for it).
+    pub nodes_by_state: [AtomicU64; 6],
 }
 
 /// The states [`ReclaimCounters::nodes_by_state`] counts, in its order.
-pub const NODE_STATES: [&str; 5] = ["alive", "active", "missing", "dead", "reclaimed"];
+pub const NODE_STATES: [&str; 6] = [
+    "alive",
+    "active",
+    "missing",
+    "dead",
+    "reclaimed",
+    "unreadable",
+];
 
 impl ReclaimCounters {
     /// Adds one reclaimed node with the addresses and blocks released for it.
@@ -36,15 +44,15 @@ impl ReclaimCounters {
     }
 
     /// Records the node states one reclaim pass found (indices as [`NODE_STATES`]).
-    pub fn record_pass(&self, counts: [u64; 5]) {
+    pub fn record_pass(&self, counts: [u64; 6]) {
         for (gauge, count) in self.nodes_by_state.iter().zip(counts) {
             gauge.store(count, Ordering::Relaxed);
         }
     }
 
     /// The node-state gauges, in [`NODE_STATES`] order.
-    pub fn nodes_by_state(&self) -> [u64; 5] {
-        [0, 1, 2, 3, 4].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
+    pub fn nodes_by_state(&self) -> [u64; 6] {
+        [0, 1, 2, 3, 4, 5].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
     }
 
     /// The three counts, in field order.

@@ -284,7 +284,7 @@ async fn reclaim_if_leader(
     let countdowns = LeaseCountdowns::new(session);
     match reclaim_pass(Arc::clone(store), &countdowns, &options).await {
         Ok(outcomes) => {
-            let mut by_state = [0u64; 5];
+            let mut by_state = [0u64; 6];
             for outcome in outcomes {
                 let index = match outcome.state {
                     NodeState::Alive => 0,
@@ -292,6 +292,7 @@ async fn reclaim_if_leader(
                     NodeState::Missing { .. } => 2,
                     NodeState::Dead { .. } => 3,
                     NodeState::Reclaimed { .. } => 4,
+                    NodeState::Unreadable => 5,
                 };
                 by_state[index] += 1;
                 report(&outcome, counters);

@@ -875,3 +875,52 @@ async fn a_registration_changed_under_the_pass_is_left_for_the_next_pass() {
         None
     );
 }
+
+/// A registration that does not decode (damaged, or written by a version this one cannot read)
+/// is reported and left alone; it no longer stops the pass for every other node.
+#[tokio::test]
+async fn an_unreadable_registration_is_reported_and_the_other_nodes_are_still_judged() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 2).await;
+    allocate(&ipam, "node-x", 2).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register a");
+    store
+        .put(&agent_key("node-x"), b"\x00not json".to_vec())
+        .await
+        .expect("a damaged registration");
+    let damaged = store.get(&agent_key("node-x")).await.expect("get");
+
+    let nodes = survey(store.as_ref()).await.expect("survey");
+    let x = nodes
+        .iter()
+        .find(|n| n.host == "node-x")
+        .expect("node-x listed");
+    assert_eq!(x.state, NodeState::Unreadable);
+    assert!(
+        x.problem.as_deref().is_some_and(|p| p.contains("node-x")),
+        "{:?}",
+        x.problem
+    );
+
+    // node-a goes through its whole reclaim; node-x is reported failed every time.
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
+    grace_passes(store.as_ref(), "node-a").await;
+    let outcomes = pass(&store).await;
+    assert!(
+        matches!(action_of(&outcomes, "node-a"), NodeAction::Reclaimed(_)),
+        "{outcomes:?}"
+    );
+    match action_of(&outcomes, "node-x") {
+        NodeAction::Failed(message) => assert!(message.contains("nothing is done"), "{message}"),
+        other => panic!("node-x: {other:?}"),
+    }
+    assert_eq!(store.get(&agent_key("node-x")).await.expect("get"), damaged);
+    assert_eq!(addresses_of(&ipam, "node-x").await, 2);
+    assert_eq!(blocks_of(store.as_ref(), "node-x").await, 1);
+}

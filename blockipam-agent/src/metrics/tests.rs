@@ -59,7 +59,7 @@ async fn registration_and_node_states_are_exported_as_gauges() {
     counters
         .registered
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    counters.record_pass([3, 1, 2, 0, 4]);
+    counters.record_pass([3, 1, 2, 0, 4, 1]);
     let after = metrics.scrape(&Arc::downgrade(&store), false).await;
     for line in [
         "# TYPE blockipam_agent_node_registered gauge\n",
@@ -70,6 +70,7 @@ async fn registration_and_node_states_are_exported_as_gauges() {
         "blockipam_agent_nodes{state=\"missing\"} 2\n",
         "blockipam_agent_nodes{state=\"dead\"} 0\n",
         "blockipam_agent_nodes{state=\"reclaimed\"} 4\n",
+        "blockipam_agent_nodes{state=\"unreadable\"} 1\n",
     ] {
         assert!(after.contains(line), "no {line:?} in:\n{after}");
     }

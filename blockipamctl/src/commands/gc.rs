@@ -94,6 +94,7 @@ fn state_name(state: NodeState) -> &'static str {
         NodeState::Missing { .. } => "missing",
         NodeState::Dead { .. } => "dead",
         NodeState::Reclaimed { .. } => "reclaimed",
+        NodeState::Unreadable => "unreadable",
     }
 }
 
@@ -110,6 +111,7 @@ fn state_text(state: NodeState) -> String {
             format!("dead (countdown of {}s ran out)", mark.grace_seconds)
         }
         NodeState::Reclaimed { .. } => "reclaimed (blocks released, addresses kept)".into(),
+        NodeState::Unreadable => "unreadable registration".into(),
     }
 }
 
@@ -141,7 +143,7 @@ fn node_json(status: &NodeStatus) -> NodeJson {
         would_release: None,
         action: None,
         released: None,
-        detail: None,
+        detail: status.problem.clone(),
     }
 }
 
@@ -241,6 +243,14 @@ pub async fn run(
                     p.addresses.to_string(),
                     "would release its blocks (--apply); addresses kept",
                 ),
+                (NodeState::Unreadable, _) => {
+                    problems_found = true;
+                    (
+                        "-".to_owned(),
+                        "-".to_owned(),
+                        "none: the registration does not decode (see the JSON detail)",
+                    )
+                }
                 (NodeState::Reclaimed { .. }, Some(p)) => (
                     p.blocks.to_string(),
                     p.addresses.to_string(),

@@ -244,3 +244,47 @@ fn gc_dead_nodes_on_an_embedded_store_says_registrations_are_etcd_only() {
     assert_eq!(addresses_of(&lab, "host-a"), 1);
     lab.ctl(&["gc"]).expect_code(2);
 }
+
+#[test]
+fn gc_dead_nodes_reports_an_unreadable_registration_and_still_judges_the_others() {
+    let lab = Lab::new(Backend::Etcd);
+    lab.ctl(&["pool", "add", "10.62.0.0/16"]).ok();
+    lab.assign("net.bad0", "bad-node");
+    let now = unix_now();
+    lab.with_store(|store| async move {
+        register(store.as_ref(), "new-node", "test", now)
+            .await
+            .expect("register");
+        store
+            .put(&agent_key("bad-node"), b"\x00damaged".to_vec())
+            .await
+            .expect("a damaged registration");
+    });
+    let before = lab.snapshot();
+
+    // Dry run: listed as unreadable with the reason, exit status 1, nothing written.
+    let dry = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]);
+    dry.expect_code(1);
+    let report = dry.json();
+    let bad = node(&report, "bad-node");
+    assert_eq!(bad["state"], "unreadable");
+    assert!(
+        bad["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("ipam/v1/agents/bad-node")),
+        "{bad:#}"
+    );
+    assert_eq!(node(&report, "new-node")["state"], "missing");
+    lab.ctl(&["gc", "--dead-nodes"])
+        .expect_code(1)
+        .stdout_has("unreadable registration");
+    assert_eq!(lab.snapshot(), before, "a dry run wrote to the store");
+
+    // --apply: the other node is still marked; the unreadable one is reported, left alone.
+    let applied = lab.ctl(&["-o", "json", "gc", "--dead-nodes", "--apply"]);
+    applied.expect_code(1);
+    let report = applied.json();
+    assert_eq!(node(&report, "new-node")["action"], "marked-missing");
+    assert_eq!(node(&report, "bad-node")["action"], "failed");
+    assert_eq!(addresses_of(&lab, "bad-node"), 1);
+}

@@ -259,6 +259,9 @@ pub enum NodeState {
         /// The mark whose countdown ran out.
         mark: MissingMark,
     },
+    /// Its registration does not decode (damaged, or written by a version this one cannot
+    /// read): nothing is done for it, and it is reported; the other nodes are judged as usual.
+    Unreadable,
 }
 
 /// One registered node, as [`survey`] found it.
@@ -278,6 +281,8 @@ pub struct NodeStatus {
     pub countdown: Option<Revision>,
     /// The decision.
     pub state: NodeState,
+    /// Why the registration could not be read ([`NodeState::Unreadable`] only).
+    pub problem: Option<String>,
 }
 
 /// The decision for one node from what the store holds: alive while a liveness key exists;
@@ -323,10 +328,11 @@ fn by_host(dir: &str, kvs: Vec<KeyValue>) -> BTreeMap<String, Revision> {
 
 /// Every registered node and its state, from one batched read of the registrations, liveness
 /// keys, activity records and countdowns. Writes nothing. Records under the reservation
-/// pseudo-node's name or an invalid host name are left out (never judged).
+/// pseudo-node's name or an invalid host name are left out (never judged); a registration that
+/// does not decode is listed as [`NodeState::Unreadable`], with the reason.
 ///
 /// # Errors
-/// Store failures; [`IpamError::Corrupt`] for a registration that does not decode.
+/// Store failures.
 pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
     let reads = [
         Read::List(agents_dir()),
@@ -356,10 +362,32 @@ pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
         if validate_node(&host).is_err() {
             continue;
         }
-        let registration = Registration::decode(&kv.key, &kv.value)?;
         let is_live = live.contains_key(&host);
         let activity = activity.get(&host).copied();
         let countdown = countdowns.get(&host).copied();
+        let registration = match Registration::decode(&kv.key, &kv.value) {
+            Ok(registration) => registration,
+            Err(e) => {
+                nodes.push(NodeStatus {
+                    registration: Registration {
+                        node: host.clone(),
+                        registered_at: 0,
+                        agent_version: String::new(),
+                        missing_since: None,
+                        missing_mark: None,
+                        blocks_released: false,
+                    },
+                    host,
+                    revision: kv.revision,
+                    live: is_live,
+                    activity,
+                    countdown,
+                    state: NodeState::Unreadable,
+                    problem: Some(e.to_string()),
+                });
+                continue;
+            }
+        };
         nodes.push(NodeStatus {
             state: decide(
                 is_live,
@@ -368,6 +396,7 @@ pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
                 activity,
                 countdown,
             ),
+            problem: None,
             host,
             registration,
             revision: kv.revision,
@@ -659,6 +688,13 @@ async fn act_on(
         }),
         NodeState::Dead { mark } => reclaim_dead(store, node, mark, &options.extra_guard).await,
         NodeState::Reclaimed { .. } => Ok(NodeAction::AddressesKept),
+        NodeState::Unreadable => {
+            Ok(NodeAction::Failed(format!(
+            "{}; nothing is done for this node until its agent registers again (or the record is \
+             deleted)",
+            node.problem.as_deref().unwrap_or("its registration does not decode")
+        )))
+        }
     }
 }
 
