@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use blockipam_store::flags::EtcdConnectionFlags;
 use blockipam_store::{
     seconds_from_f64, DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret,
     DEFAULT_AGENT_SOCKET,
@@ -71,38 +72,9 @@ pub struct AgentArgs {
         help_heading = "Store"
     )]
     pub datastore_path: Option<PathBuf>,
-    /// etcd endpoints, comma-separated (http://host:port or host:port)
-    #[arg(
-        long,
-        value_name = "LIST",
-        env = "ETCD_ENDPOINTS",
-        help_heading = "Store"
-    )]
-    pub etcd_endpoints: Option<String>,
-    /// etcd CA certificate (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_CA_CERT_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_ca_cert_file: Option<PathBuf>,
-    /// etcd client certificate (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_CERT_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// etcd client key (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_KEY_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_key_file: Option<PathBuf>,
+    /// etcd endpoints and TLS files
+    #[command(flatten)]
+    pub etcd: EtcdConnectionFlags,
     /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam/]
     #[arg(
         long,
@@ -199,18 +171,15 @@ impl AgentArgs {
             .map(|value| seconds(value, "etcd-timeout-seconds", false))
             .transpose()?;
         let lock_wait = seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?;
-        let raw = RawDatastoreSettings {
+        let raw = self.etcd.apply(RawDatastoreSettings {
             datastore_type,
             path: self.datastore_path.clone(),
-            etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
-            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
-            etcd_cert_file: self.etcd_cert_file.clone(),
-            etcd_key_file: self.etcd_key_file.clone(),
             etcd_prefix: self.etcd_prefix.clone(),
             etcd_username: self.etcd_username.clone(),
             etcd_password: self.etcd_password.clone(),
             etcd_request_timeout,
-        };
+            ..RawDatastoreSettings::default()
+        });
         // The agent probes etcd at start (`lazy_connect` stays off), so that a wrong setting
         // stops it at once.
         Ok(DatastoreSettings {

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use blockipam_store::flags::EtcdConnectionFlags;
 use blockipam_store::{
     parse_seconds, DatastoreSettings, DatastoreType, RawDatastoreSettings, SecondsError, Secret,
 };
@@ -79,38 +80,9 @@ pub struct Cli {
         help_heading = "Store"
     )]
     pub datastore_path: Option<PathBuf>,
-    /// etcd endpoints, comma-separated (http://host:port or host:port)
-    #[arg(
-        long,
-        env = "ETCD_ENDPOINTS",
-        value_name = "LIST",
-        help_heading = "Store"
-    )]
-    pub etcd_endpoints: Option<String>,
-    /// etcd CA certificate (PEM)
-    #[arg(
-        long,
-        env = "ETCD_CA_CERT_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_ca_cert_file: Option<PathBuf>,
-    /// etcd client certificate (PEM)
-    #[arg(
-        long,
-        env = "ETCD_CERT_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// etcd client key (PEM)
-    #[arg(
-        long,
-        env = "ETCD_KEY_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_key_file: Option<PathBuf>,
+    /// etcd endpoints and TLS files
+    #[command(flatten)]
+    pub etcd: EtcdConnectionFlags,
     /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
     #[arg(
         long,
@@ -286,18 +258,15 @@ impl Cli {
         let etcd_request_timeout = string(&self.etcd_timeout_seconds)
             .map(|text| seconds(&text, "--etcd-timeout-seconds", false))
             .transpose()?;
-        let mut settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+        let mut settings = DatastoreSettings::from_raw(self.etcd.apply(RawDatastoreSettings {
             datastore_type,
             path: self.datastore_path.clone(),
-            etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
-            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
-            etcd_cert_file: self.etcd_cert_file.clone(),
-            etcd_key_file: self.etcd_key_file.clone(),
             etcd_prefix: self.etcd_prefix.clone(),
             etcd_username: self.etcd_username.clone(),
             etcd_password: self.etcd_password.clone(),
             etcd_request_timeout,
-        })
+            ..RawDatastoreSettings::default()
+        }))
         .map_err(|e| LoadError::usage(ipam_core::KvError::from(e).to_string()))?;
         if let Some(lock_wait) = lock_wait {
             settings.lock_wait = lock_wait;

@@ -2,6 +2,8 @@
 
 use std::fmt;
 pub mod countdowns;
+#[cfg(feature = "clap")]
+pub mod flags;
 pub mod seconds;
 #[cfg(feature = "testing")]
 pub mod testing;
