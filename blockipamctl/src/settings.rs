@@ -356,6 +356,21 @@ mod tests {
         Env::default()
     }
 
+    /// `migrate` into the etcd at 127.0.0.1:2379 under `prefix`.
+    fn migrate_to_etcd(prefix: Option<String>) -> MigrateArgs {
+        MigrateArgs {
+            to_datastore_type: "etcdv3".into(),
+            to_datastore_path: None,
+            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
+            to_etcd_ca_cert_file: None,
+            to_etcd_cert_file: None,
+            to_etcd_key_file: None,
+            to_etcd_prefix: prefix,
+            to_etcd_username: None,
+            to_etcd_password: None,
+        }
+    }
+
     #[test]
     fn defaults_are_the_plugins_defaults() {
         let settings = resolve(&GlobalArgs::default(), &no_env()).expect("defaults");
@@ -403,17 +418,7 @@ mod tests {
             default.identity().etcd_prefix.as_deref(),
             Some(DEFAULT_ETCD_PREFIX)
         );
-        let migrate = MigrateArgs {
-            to_datastore_type: "etcdv3".into(),
-            to_datastore_path: None,
-            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
-            to_etcd_ca_cert_file: None,
-            to_etcd_cert_file: None,
-            to_etcd_key_file: None,
-            to_etcd_prefix: Some(String::new()),
-            to_etcd_username: None,
-            to_etcd_password: None,
-        };
+        let migrate = migrate_to_etcd(Some(String::new()));
         let target = resolve_target(&migrate, &default, None).expect("target");
         assert_eq!(target.identity(), default.identity());
     }
@@ -524,17 +529,7 @@ mod tests {
         };
         let source = resolve(&global, &no_env()).expect("a sled source");
         assert_eq!(source.datastore_type(), DatastoreType::Sled);
-        let migrate = MigrateArgs {
-            to_datastore_type: "etcdv3".into(),
-            to_datastore_path: None,
-            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
-            to_etcd_ca_cert_file: None,
-            to_etcd_cert_file: None,
-            to_etcd_key_file: None,
-            to_etcd_prefix: None,
-            to_etcd_username: None,
-            to_etcd_password: None,
-        };
+        let migrate = migrate_to_etcd(None);
         let request = etcd_request_timeout(&global, &no_env()).expect("timeout");
         let target = resolve_target(&migrate, &source, request).expect("target");
         assert_eq!(
