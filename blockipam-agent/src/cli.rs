@@ -4,8 +4,11 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use backend_agent::DEFAULT_AGENT_SOCKET;
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
+use blockipam_store::flags::EtcdConnectionFlags;
+use blockipam_store::{
+    seconds_from_f64, DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret,
+    DEFAULT_AGENT_SOCKET,
+};
 use clap::Parser;
 
 use crate::AgentError;
@@ -69,38 +72,9 @@ pub struct AgentArgs {
         help_heading = "Store"
     )]
     pub datastore_path: Option<PathBuf>,
-    /// etcd endpoints, comma-separated (http://host:port or host:port)
-    #[arg(
-        long,
-        value_name = "LIST",
-        env = "ETCD_ENDPOINTS",
-        help_heading = "Store"
-    )]
-    pub etcd_endpoints: Option<String>,
-    /// etcd CA certificate (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_CA_CERT_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_ca_cert_file: Option<PathBuf>,
-    /// etcd client certificate (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_CERT_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// etcd client key (PEM)
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "ETCD_KEY_FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_key_file: Option<PathBuf>,
+    /// etcd endpoints and TLS files
+    #[command(flatten)]
+    pub etcd: EtcdConnectionFlags,
     /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam/]
     #[arg(
         long,
@@ -175,16 +149,11 @@ pub struct AgentArgs {
 }
 
 fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {
-    let valid =
-        value.is_finite() && value <= 86_400.0 && (value > 0.0 || allow_zero && value == 0.0);
-    Duration::try_from_secs_f64(value)
-        .ok()
-        .filter(|_| valid)
-        .ok_or_else(|| {
-            AgentError::new(format!(
-                "invalid value {value} for --{flag}: expected seconds, up to one day"
-            ))
-        })
+    seconds_from_f64(value, allow_zero).map_err(|_| {
+        AgentError::new(format!(
+            "invalid value {value} for --{flag}: expected seconds, up to one day"
+        ))
+    })
 }
 
 impl AgentArgs {
@@ -197,38 +166,33 @@ impl AgentArgs {
             .datastore_type
             .parse::<DatastoreType>()
             .map_err(|e| AgentError::new(format!("invalid value for --datastore-type: {e}")))?;
-        let etcd_timeouts = match self.etcd_timeout_seconds {
-            None => None,
-            Some(value) => {
-                let request = seconds(value, "etcd-timeout-seconds", false)?;
-                Some((request.min(backend_etcd::DEFAULT_CONNECT_TIMEOUT), request))
-            }
-        };
-        let settings = DatastoreSettings {
-            etcd_timeouts,
-            lock_wait: seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?,
+        let etcd_request_timeout = self
+            .etcd_timeout_seconds
+            .map(|value| seconds(value, "etcd-timeout-seconds", false))
+            .transpose()?;
+        let lock_wait = seconds(self.lock_wait_seconds, "lock-wait-seconds", true)?;
+        let raw = self.etcd.apply(RawDatastoreSettings {
+            datastore_type,
+            path: self.datastore_path.clone(),
+            etcd_prefix: self.etcd_prefix.clone(),
+            etcd_username: self.etcd_username.clone(),
+            etcd_password: self.etcd_password.clone(),
+            etcd_request_timeout,
+            ..RawDatastoreSettings::default()
+        });
+        // The agent probes etcd at start (`lazy_connect` stays off), so that a wrong setting
+        // stops it at once.
+        Ok(DatastoreSettings {
+            lock_wait,
             create_if_missing: self.create_if_missing,
             agent_socket: None,
-            // The agent probes etcd at start, so that a wrong setting stops it at once.
-            lazy_etcd_connect: false,
-            ..DatastoreSettings::from_raw(RawDatastoreSettings {
-                datastore_type,
-                path: self.datastore_path.clone(),
-                etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
-                etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
-                etcd_cert_file: self.etcd_cert_file.clone(),
-                etcd_key_file: self.etcd_key_file.clone(),
-                etcd_prefix: self.etcd_prefix.clone(),
-                etcd_username: self.etcd_username.clone(),
-                etcd_password: self.etcd_password.clone(),
-            })
-        };
-        if datastore_type == DatastoreType::Etcdv3 {
-            settings
-                .etcd_config()
-                .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
-        }
-        Ok(settings)
+            ..DatastoreSettings::from_raw(raw).map_err(|e| {
+                AgentError::new(format!(
+                    "incomplete etcd settings: {}",
+                    ipam_core::KvError::from(e)
+                ))
+            })?
+        })
     }
 
     /// How long a computation of the IPAM gauges is reused.
@@ -272,11 +236,11 @@ mod tests {
         ];
         let default = settings(&etcd);
         let empty = settings(&[&etcd[..], &["--etcd-prefix", ""]].concat());
-        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.etcd().expect("etcd").prefix, None);
         assert_eq!(empty.identity(), default.identity());
         assert_eq!(
             default.identity().etcd_prefix.as_deref(),
-            Some(backend_etcd::DEFAULT_PREFIX)
+            Some(blockipam_store::DEFAULT_ETCD_PREFIX)
         );
     }
 }

@@ -58,7 +58,9 @@ pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result
     let mut settings = args.datastore_settings()?;
     // etcd unreachable at boot: serve the socket anyway (calls answer "try again later" until
     // etcd answers) and register the node once it does, rather than exit and be restarted.
-    settings.lazy_etcd_connect = true;
+    if let Some(etcd) = settings.etcd_mut() {
+        etcd.lazy_connect = true;
+    }
     socket::refuse_if_live(&args.socket)?;
     // Shared by the dead-node reclaimer (adds) and the metrics endpoint (reads).
     let reclaim_counters = Arc::new(counters::ReclaimCounters::default());

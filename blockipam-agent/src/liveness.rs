@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use backend_etcd::lease::{Holder, LeaseSession, LeaseState, LeasedKey};
 use backend_etcd::EtcdConfig;
 use blockipam_store::countdowns::LeaseCountdowns;
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::DatastoreSettings;
 use ipam_core::dead_nodes::{
     liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome, NodeState,
     ReclaimOptions, RESERVATION_NODE,
@@ -415,16 +415,16 @@ pub async fn start_for(
     store: &Arc<dyn KvStore>,
     counters: &Arc<ReclaimCounters>,
 ) -> Result<Option<LivenessTask>, AgentError> {
-    if settings.datastore_type != DatastoreType::Etcdv3 {
+    let Some(etcd) = settings.etcd() else {
         tracing::info!(
             "liveness and dead-node reclaim apply to etcd only: off for this {} store",
-            settings.datastore_type
+            settings.datastore_type()
         );
         return Ok(None);
-    }
+    };
     let liveness = LivenessSettings::from_args(args)?;
-    let etcd = settings
-        .etcd_config()
+    let etcd = etcd
+        .config()
         .map_err(|e| AgentError::new(format!("incomplete etcd settings: {e}")))?;
     let (stop, mut stopped) = oneshot::channel();
     let store = Arc::clone(store);

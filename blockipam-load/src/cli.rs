@@ -7,7 +7,10 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
+use blockipam_store::flags::EtcdConnectionFlags;
+use blockipam_store::{
+    parse_seconds, DatastoreSettings, DatastoreType, RawDatastoreSettings, SecondsError, Secret,
+};
 use clap::{ArgGroup, Parser, ValueEnum};
 
 use crate::config::{LoadConfig, Mode, StopRule};
@@ -23,9 +26,6 @@ pub const EXIT_PASSED: i32 = 0;
 pub const EXIT_FAILED: i32 = 1;
 /// Exit status: bad flags.
 pub const EXIT_USAGE: i32 = 2;
-
-/// Longest request timeout accepted, as blockipamctl.
-const MAX_SECONDS: f64 = 24.0 * 3600.0;
 
 /// How operations reach the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -80,38 +80,9 @@ pub struct Cli {
         help_heading = "Store"
     )]
     pub datastore_path: Option<PathBuf>,
-    /// etcd endpoints, comma-separated (http://host:port or host:port)
-    #[arg(
-        long,
-        env = "ETCD_ENDPOINTS",
-        value_name = "LIST",
-        help_heading = "Store"
-    )]
-    pub etcd_endpoints: Option<String>,
-    /// etcd CA certificate (PEM)
-    #[arg(
-        long,
-        env = "ETCD_CA_CERT_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_ca_cert_file: Option<PathBuf>,
-    /// etcd client certificate (PEM)
-    #[arg(
-        long,
-        env = "ETCD_CERT_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_cert_file: Option<PathBuf>,
-    /// etcd client key (PEM)
-    #[arg(
-        long,
-        env = "ETCD_KEY_FILE",
-        value_name = "FILE",
-        help_heading = "Store"
-    )]
-    pub etcd_key_file: Option<PathBuf>,
+    /// etcd endpoints and TLS files
+    #[command(flatten)]
+    pub etcd: EtcdConnectionFlags,
     /// etcd key prefix, ending with '/'; empty means the default [default: /blockipam-load/<network>-<seed>-<time>-<pid>/]
     #[arg(
         long,
@@ -260,20 +231,15 @@ fn string(value: &Option<String>) -> Option<String> {
 }
 
 fn seconds(text: &str, flag: &str, allow_zero: bool) -> Result<Duration, LoadError> {
-    let value: f64 = text.trim().parse().map_err(|_| {
-        LoadError::usage(format!(
+    parse_seconds(text, allow_zero).map_err(|e| match e {
+        SecondsError::NotANumber => LoadError::usage(format!(
             "invalid value {text:?} for {flag}: expected a number of seconds"
-        ))
-    })?;
-    let valid =
-        value.is_finite() && value <= MAX_SECONDS && (value > 0.0 || (allow_zero && value == 0.0));
-    if !valid {
-        return Err(LoadError::usage(format!(
+        )),
+        SecondsError::OutOfRange => LoadError::usage(format!(
             "invalid value {text:?} for {flag}: expected seconds {} up to one day",
             if allow_zero { "from 0" } else { "above 0" }
-        )));
-    }
-    Ok(Duration::from_secs_f64(value))
+        )),
+    })
 }
 
 impl Cli {
@@ -286,29 +252,24 @@ impl Cli {
             .datastore_type
             .parse::<DatastoreType>()
             .map_err(|e| LoadError::usage(format!("invalid value for --datastore-type: {e}")))?;
-        let mut settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+        let lock_wait = string(&self.lock_wait_seconds)
+            .map(|text| seconds(&text, "--lock-wait-seconds", true))
+            .transpose()?;
+        let etcd_request_timeout = string(&self.etcd_timeout_seconds)
+            .map(|text| seconds(&text, "--etcd-timeout-seconds", false))
+            .transpose()?;
+        let mut settings = DatastoreSettings::from_raw(self.etcd.apply(RawDatastoreSettings {
             datastore_type,
             path: self.datastore_path.clone(),
-            etcd_endpoints: self.etcd_endpoints.iter().cloned().collect(),
-            etcd_ca_cert_file: self.etcd_ca_cert_file.clone(),
-            etcd_cert_file: self.etcd_cert_file.clone(),
-            etcd_key_file: self.etcd_key_file.clone(),
             etcd_prefix: self.etcd_prefix.clone(),
             etcd_username: self.etcd_username.clone(),
             etcd_password: self.etcd_password.clone(),
-        });
-        if let Some(text) = string(&self.lock_wait_seconds) {
-            settings.lock_wait = seconds(&text, "--lock-wait-seconds", true)?;
-        }
-        if let Some(text) = string(&self.etcd_timeout_seconds) {
-            let request = seconds(&text, "--etcd-timeout-seconds", false)?;
-            settings.etcd_timeouts =
-                Some((request.min(backend_etcd::DEFAULT_CONNECT_TIMEOUT), request));
-        }
-        if datastore_type == DatastoreType::Etcdv3 {
-            settings
-                .etcd_config()
-                .map_err(|e| LoadError::usage(e.to_string()))?;
+            etcd_request_timeout,
+            ..RawDatastoreSettings::default()
+        }))
+        .map_err(|e| LoadError::usage(ipam_core::KvError::from(e).to_string()))?;
+        if let Some(lock_wait) = lock_wait {
+            settings.lock_wait = lock_wait;
         }
         Ok(settings)
     }
@@ -565,7 +526,7 @@ mod tests {
         let empty = parse(&[&etcd[..], &["--etcd-prefix", ""]].concat())
             .settings()
             .expect("settings");
-        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.etcd().expect("etcd").prefix, None);
         assert_eq!(empty.identity(), default.identity());
     }
 
@@ -587,8 +548,8 @@ mod tests {
             "7",
         ]);
         let settings = cli.settings().expect("settings");
-        assert_eq!(settings.datastore_type, DatastoreType::Etcdv3);
-        assert_eq!(settings.etcd_endpoints.len(), 2);
+        assert_eq!(settings.datastore_type(), DatastoreType::Etcdv3);
+        assert_eq!(settings.etcd().expect("etcd").endpoints.len(), 2);
         let config = cli.load_config().expect("config");
         assert_eq!(config.stop, StopRule::Operations(300));
         assert_eq!(

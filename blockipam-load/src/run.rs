@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings};
 use ipam_core::{Ipam, KvStore, PoolSpec};
 use tokio::task::JoinSet;
 
@@ -114,8 +114,7 @@ pub async fn run(
     progress: &mut dyn FnMut(&Progress),
 ) -> Result<Report, LoadError> {
     config.validate()?;
-    let on_etcd =
-        matches!(&target, StoreTarget::Settings(s) if s.datastore_type == DatastoreType::Etcdv3);
+    let on_etcd = matches!(&target, StoreTarget::Settings(s) if s.etcd().is_some());
     if config.raw_etcd_ceiling.is_some() && !on_etcd {
         return Err(LoadError::usage(
             "--raw-etcd-ceiling-seconds needs an etcd store (--datastore-type etcdv3)",
@@ -133,13 +132,10 @@ pub async fn run(
         None
     };
 
-    let status_client = match &settings {
-        Some(s) if s.datastore_type == DatastoreType::Etcdv3 => Some(Arc::new(
-            StatusClient::new(
-                &s.etcd_config()
-                    .map_err(|e| LoadError::usage(e.to_string()))?,
-            )
-            .map_err(LoadError::failed)?,
+    let status_client = match settings.as_ref().and_then(DatastoreSettings::etcd) {
+        Some(etcd) => Some(Arc::new(
+            StatusClient::new(&etcd.config().map_err(|e| LoadError::usage(e.to_string()))?)
+                .map_err(LoadError::failed)?,
         )),
         _ => None,
     };
@@ -203,7 +199,7 @@ pub async fn run(
             if let Some(duration) = config.raw_etcd_ceiling {
                 let prefix = settings
                     .as_ref()
-                    .and_then(|s| s.etcd_prefix.clone())
+                    .and_then(|s| s.etcd().and_then(|etcd| etcd.prefix.clone()))
                     .unwrap_or_default();
                 raw_ceiling = Some(
                     raw_ceiling::measure(client, &prefix, config.concurrency, duration).await?,
@@ -303,22 +299,20 @@ pub(crate) async fn open_target(
         }
         StoreTarget::Settings(settings) => {
             let mut settings = *settings;
-            match settings.datastore_type {
-                DatastoreType::Sled | DatastoreType::Redb if settings.path.is_none() => {
+            let kind = settings.datastore_type();
+            match &mut settings.backend {
+                Backend::Sled { path } | Backend::Redb { path } if path.is_none() => {
                     let dir = tempfile::Builder::new()
                         .prefix("blockipam-load-")
                         .tempdir()
                         .map_err(|e| {
                             LoadError::failed(format!("cannot create a temporary directory: {e}"))
                         })?;
-                    settings.path = Some(
-                        dir.path()
-                            .join(format!("store.{}", settings.datastore_type)),
-                    );
+                    *path = Some(dir.path().join(format!("store.{kind}")));
                     temporary_store_dir = Some(dir);
                 }
-                DatastoreType::Etcdv3 if settings.etcd_prefix.is_none() => {
-                    settings.etcd_prefix = Some(unique_etcd_prefix(config));
+                Backend::Etcd(etcd) if etcd.prefix.is_none() => {
+                    etcd.prefix = Some(unique_etcd_prefix(config));
                 }
                 _ => {}
             }
@@ -403,7 +397,7 @@ async fn build_drivers(
     let names: Vec<String> = (0..config.nodes).map(LoadConfig::node_name).collect();
     match config.mode {
         Mode::Api => {
-            let etcd = settings.filter(|s| s.datastore_type == DatastoreType::Etcdv3);
+            let etcd = settings.filter(|s| s.etcd().is_some());
             let drivers = match etcd {
                 Some(settings) => {
                     let mut drivers = Vec::with_capacity(names.len());
@@ -469,7 +463,7 @@ async fn build_drivers(
                     NodeDriver::Plugin(PluginNode::new(runner.clone(), &netconf))
                 })
                 .collect();
-            let embedded = settings.datastore_type != DatastoreType::Etcdv3;
+            let embedded = settings.etcd().is_none();
             let clients = if embedded {
                 "plugin mode: one blockipam process per operation, each node with its own nodename and ipam_lock_file; the processes take turns on the embedded store's own lock"
             } else {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use backend_etcd::testing::EtcdServer;
 use blockipam_load::{run, LoadConfig, Mode, OpKind, Report, StopRule, StoreTarget};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
 use ipam_core::model::keys;
 use ipam_core::{KeyValue, KvError, KvStore, MemoryStore, Op, Read, ReadResult, Revision, Txn};
 
@@ -79,9 +79,11 @@ fn assert_clean(report: &Report, operations: u64) {
 fn fifty_nodes_on_a_real_etcd_through_the_api_leave_no_duplicate_and_a_clean_check() {
     let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Etcdv3,
-        etcd_endpoints: vec![etcd.endpoint()],
-        etcd_prefix: Some("/guard/api/".into()),
+        backend: Backend::Etcd(EtcdSettings {
+            endpoints: vec![etcd.endpoint()],
+            prefix: Some("/guard/api/".into()),
+            ..EtcdSettings::default()
+        }),
         ..DatastoreSettings::default()
     };
     let report = run_load(&fifty_nodes(), StoreTarget::from(settings));
@@ -106,8 +108,9 @@ fn fifty_nodes_on_a_real_etcd_through_the_api_leave_no_duplicate_and_a_clean_che
 fn fifty_nodes_on_sled_through_the_api_leave_no_duplicate_and_a_clean_check() {
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Sled,
-        path: Some(dir.path().join("store.sled")),
+        backend: Backend::Sled {
+            path: Some(dir.path().join("store.sled")),
+        },
         ..DatastoreSettings::default()
     };
     let report = run_load(&fifty_nodes(), StoreTarget::from(settings));
@@ -125,9 +128,11 @@ fn five_nodes_through_the_real_plugin_on_etcd_leave_no_duplicate_and_a_clean_che
     let plugin = build_plugin();
     let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Etcdv3,
-        etcd_endpoints: vec![etcd.endpoint()],
-        etcd_prefix: Some("/guard/plugin/".into()),
+        backend: Backend::Etcd(EtcdSettings {
+            endpoints: vec![etcd.endpoint()],
+            prefix: Some("/guard/plugin/".into()),
+            ..EtcdSettings::default()
+        }),
         ..DatastoreSettings::default()
     };
     let config = LoadConfig {

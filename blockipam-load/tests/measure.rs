@@ -7,7 +7,7 @@ use std::path::Path;
 
 use backend_etcd::testing::EtcdServer;
 use blockipam_load::{run, LoadConfig, LoadError, Mode, OpKind, Report, StopRule, StoreTarget};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
 use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_blockipam-load");
@@ -42,9 +42,11 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
     let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
     let prefix = "/measure/raw/";
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Etcdv3,
-        etcd_endpoints: vec![etcd.endpoint()],
-        etcd_prefix: Some(prefix.into()),
+        backend: Backend::Etcd(EtcdSettings {
+            endpoints: vec![etcd.endpoint()],
+            prefix: Some(prefix.into()),
+            ..EtcdSettings::default()
+        }),
         ..DatastoreSettings::default()
     };
     let config = LoadConfig {
@@ -97,8 +99,9 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
 fn the_raw_etcd_ceiling_on_an_embedded_store_is_a_usage_error() {
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Sled,
-        path: Some(dir.path().join("store.sled")),
+        backend: Backend::Sled {
+            path: Some(dir.path().join("store.sled")),
+        },
         ..DatastoreSettings::default()
     };
     let config = LoadConfig {
@@ -113,8 +116,9 @@ fn the_raw_etcd_ceiling_on_an_embedded_store_is_a_usage_error() {
 fn prefilled_allocations_are_not_measured_nor_leaked_and_are_all_present_at_the_end() {
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Sled,
-        path: Some(dir.path().join("store.sled")),
+        backend: Backend::Sled {
+            path: Some(dir.path().join("store.sled")),
+        },
         ..DatastoreSettings::default()
     };
     let config = LoadConfig {
@@ -141,8 +145,9 @@ fn many_plugin_processes_of_one_node_share_its_lock_on_redb_with_a_prefill() {
     let plugin = blockipam_store::testing::build_plugin_beside(Path::new(BIN));
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = DatastoreSettings {
-        datastore_type: DatastoreType::Redb,
-        path: Some(dir.path().join("store.redb")),
+        backend: Backend::Redb {
+            path: Some(dir.path().join("store.redb")),
+        },
         ..DatastoreSettings::default()
     };
     let config = LoadConfig {

@@ -8,7 +8,7 @@ use std::process::Command;
 
 use blockipam_load::scenario::{run_scenario, Scenario, ScenarioConfig, ScenarioReport};
 use blockipam_load::{LoadConfig, StoreTarget};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings};
 
 const BIN: &str = env!("CARGO_BIN_EXE_blockipam-load");
 
@@ -22,8 +22,9 @@ fn runtime() -> tokio::runtime::Runtime {
 
 fn sled(dir: &Path) -> StoreTarget {
     StoreTarget::from(DatastoreSettings {
-        datastore_type: DatastoreType::Sled,
-        path: Some(dir.join("store.sled")),
+        backend: Backend::Sled {
+            path: Some(dir.join("store.sled")),
+        },
         ..DatastoreSettings::default()
     })
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_etcd::testing::EtcdServer;
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings};
 use ipam_core::{
     AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, MemoryStore, PoolSpec, RoundTrips,
 };
@@ -141,14 +141,17 @@ async fn main() {
                 "memory" => Arc::new(MemoryStore::new()),
                 other => {
                     let datastore_type: DatastoreType = other.parse().expect("type");
-                    DatastoreSettings {
+                    let raw = RawDatastoreSettings {
                         datastore_type,
                         path: Some(path),
                         etcd_endpoints: vec![endpoint],
                         etcd_prefix: Some(format!("/bench-{counter}/")),
+                        ..RawDatastoreSettings::default()
+                    };
+                    DatastoreSettings {
                         lock_wait: Duration::from_secs(10),
                         create_if_missing: true,
-                        ..DatastoreSettings::default()
+                        ..DatastoreSettings::from_raw(raw).expect("bench settings")
                     }
                     .open()
                     .await

@@ -7,7 +7,7 @@ use backend_etcd::lease::LeaseSession;
 use ipam_core::dead_nodes::{Countdowns, NoCountdowns};
 use ipam_core::{IpamError, KvError, Revision};
 
-use crate::{DatastoreSettings, DatastoreType};
+use crate::DatastoreSettings;
 
 /// Countdowns as keys on etcd leases of the countdown's duration, never kept alive: etcd deletes
 /// the key once the lease's TTL has passed by its own clock (a leader change restarts the TTL,
@@ -43,10 +43,10 @@ impl Countdowns for LeaseCountdowns {
 /// # Errors
 /// [`KvError`] when the etcd settings are incomplete or etcd cannot be reached.
 pub async fn countdowns_for(settings: &DatastoreSettings) -> Result<Box<dyn Countdowns>, KvError> {
-    if settings.datastore_type != DatastoreType::Etcdv3 {
+    let Some(etcd) = settings.etcd() else {
         return Ok(Box::new(NoCountdowns));
-    }
+    };
     // The session's own TTL is unused: every countdown grants its lease with its own duration.
-    let session = LeaseSession::connect(&settings.etcd_config()?, Duration::from_secs(60)).await?;
+    let session = LeaseSession::connect(&etcd.config()?, Duration::from_secs(60)).await?;
     Ok(Box::new(LeaseCountdowns::new(Arc::new(session))))
 }

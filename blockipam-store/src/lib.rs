@@ -2,6 +2,9 @@
 
 use std::fmt;
 pub mod countdowns;
+#[cfg(feature = "clap")]
+pub mod flags;
+pub mod seconds;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -18,6 +21,11 @@ use ipam_core::lockfile::DEFAULT_LOCK_WAIT;
 use ipam_core::{KvError, KvStore};
 
 pub use backend_agent::DEFAULT_AGENT_SOCKET;
+/// How long connecting to etcd may take by default; a shorter request timeout bounds it too.
+pub use backend_etcd::DEFAULT_CONNECT_TIMEOUT as DEFAULT_ETCD_CONNECT_TIMEOUT;
+/// The etcd key prefix when none is given (an empty one included).
+pub use backend_etcd::DEFAULT_PREFIX as DEFAULT_ETCD_PREFIX;
+pub use seconds::{parse_seconds, seconds_from_f64, SecondsError, MAX_SECONDS};
 
 /// Directory the embedded stores live in by default.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/blockipam";
@@ -109,30 +117,13 @@ impl FromStr for Secret {
     }
 }
 
-/// Everything needed to open a store; the plugin fills it from netconf, the CLI from flags and
-/// environment variables, with the same defaults.
+/// Everything needed to open a store: which backend with its own settings, and what applies to
+/// every backend. The plugin fills it from netconf, the CLI, the agent and the load generator
+/// from flags and environment variables, all through [`DatastoreSettings::from_raw`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DatastoreSettings {
-    /// Which backend.
-    pub datastore_type: DatastoreType,
-    /// Embedded stores: the database path (default under [`DEFAULT_DATA_DIR`]).
-    pub path: Option<PathBuf>,
-    /// etcd: endpoints (`http://host:port` or `host:port`).
-    pub etcd_endpoints: Vec<String>,
-    /// etcd: CA certificate file.
-    pub etcd_ca_cert_file: Option<PathBuf>,
-    /// etcd: client certificate file.
-    pub etcd_cert_file: Option<PathBuf>,
-    /// etcd: client key file.
-    pub etcd_key_file: Option<PathBuf>,
-    /// etcd: key prefix (default `/blockipam/`).
-    pub etcd_prefix: Option<String>,
-    /// etcd: user name, for clusters with authentication enabled (with `etcd_password`).
-    pub etcd_username: Option<String>,
-    /// etcd: password of `etcd_username`.
-    pub etcd_password: Option<Secret>,
-    /// etcd: connect and per-request timeouts (adapter defaults when `None`).
-    pub etcd_timeouts: Option<(Duration, Duration)>,
+    /// Which backend, and its own settings.
+    pub backend: Backend,
     /// Embedded stores: how long to wait for another process holding the store.
     pub lock_wait: Duration,
     /// Embedded stores: whether [`open`](Self::open) creates the store when it is missing (off by
@@ -148,37 +139,201 @@ pub struct DatastoreSettings {
     /// another; a socket that does not answer in time is [`KvError::Unavailable`]. No socket
     /// file: the store is opened directly.
     pub agent_socket: Option<PathBuf>,
-    /// etcd only: skip the probe read that [`open`](Self::open) makes so that a bad endpoint,
-    /// TLS setting or credential fails at once; the first real request then reports it (with
-    /// the same hint). What the plugin sets: a CNI call is short and every round trip counts.
-    pub lazy_etcd_connect: bool,
+}
+
+/// Which backend, each with only its own settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// Embedded sled database (the default local mode).
+    Sled {
+        /// The database path (default under [`DEFAULT_DATA_DIR`]).
+        path: Option<PathBuf>,
+    },
+    /// Embedded redb database (one file).
+    Redb {
+        /// The database file (default under [`DEFAULT_DATA_DIR`]).
+        path: Option<PathBuf>,
+    },
+    /// An etcd v3 cluster.
+    Etcd(EtcdSettings),
+}
+
+impl Default for Backend {
+    fn default() -> Self {
+        Backend::Sled { path: None }
+    }
+}
+
+impl Backend {
+    /// The embedded backend of type `datastore_type` at `path`; `None` for etcd, which has no
+    /// path.
+    pub fn embedded(datastore_type: DatastoreType, path: Option<PathBuf>) -> Option<Backend> {
+        match datastore_type {
+            DatastoreType::Sled => Some(Backend::Sled { path }),
+            DatastoreType::Redb => Some(Backend::Redb { path }),
+            DatastoreType::Etcdv3 => None,
+        }
+    }
+
+    /// The backend's type name.
+    pub fn datastore_type(&self) -> DatastoreType {
+        match self {
+            Backend::Sled { .. } => DatastoreType::Sled,
+            Backend::Redb { .. } => DatastoreType::Redb,
+            Backend::Etcd(_) => DatastoreType::Etcdv3,
+        }
+    }
+}
+
+/// How to reach an etcd cluster.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdSettings {
+    /// Endpoints (`http://host:port` or `host:port`).
+    pub endpoints: Vec<String>,
+    /// Key prefix (default [`DEFAULT_ETCD_PREFIX`]).
+    pub prefix: Option<String>,
+    /// CA certificate file.
+    pub ca_cert_file: Option<PathBuf>,
+    /// Client certificate file (with `key_file`).
+    pub cert_file: Option<PathBuf>,
+    /// Client key file (with `cert_file`).
+    pub key_file: Option<PathBuf>,
+    /// User name, for clusters with authentication enabled (with `password`).
+    pub username: Option<String>,
+    /// Password of `username`.
+    pub password: Option<Secret>,
+    /// Connect and per-request timeouts (adapter defaults when `None`).
+    pub timeouts: Option<(Duration, Duration)>,
+    /// Skip the probe read that [`DatastoreSettings::open`] makes so that a bad endpoint, TLS
+    /// setting or credential fails at once; the first real request then reports it (with the
+    /// same hint). What the plugin sets: a CNI call is short and every round trip counts.
+    pub lazy_connect: bool,
+}
+
+impl EtcdSettings {
+    /// The prefix in use: the one given, else [`DEFAULT_ETCD_PREFIX`].
+    pub fn prefix_or_default(&self) -> &str {
+        self.prefix.as_deref().unwrap_or(DEFAULT_ETCD_PREFIX)
+    }
+
+    /// The connect and request timeouts for a request timeout given by a flag or variable: the
+    /// request timeout, and connecting bounded by it too.
+    pub fn timeouts_for_request(request: Duration) -> (Duration, Duration) {
+        (request.min(DEFAULT_ETCD_CONNECT_TIMEOUT), request)
+    }
+
+    /// Checks what [`DatastoreSettings::from_raw`] checks: endpoints, and the certificate and
+    /// the credentials each given whole or not at all.
+    ///
+    /// # Errors
+    /// The first [`SettingsError`] found, in that order.
+    pub fn check(&self) -> Result<(), SettingsError> {
+        if self.endpoints.is_empty() {
+            return Err(SettingsError::NoEtcdEndpoints);
+        }
+        check_etcd_pairs(
+            self.cert_file.is_some(),
+            self.key_file.is_some(),
+            self.username.is_some(),
+            self.password.is_some(),
+        )
+    }
+
+    /// The etcd adapter configuration these settings describe.
+    ///
+    /// # Errors
+    /// [`KvError::InvalidArgument`] for what [`check`](Self::check) refuses.
+    pub fn config(&self) -> Result<EtcdConfig, KvError> {
+        self.check()?;
+        let mut config = EtcdConfig::new(self.endpoints.iter().cloned());
+        if let Some(prefix) = &self.prefix {
+            config = config.with_prefix(prefix.clone());
+        }
+        if let Some(ca) = &self.ca_cert_file {
+            config = config.with_ca_cert(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&self.cert_file, &self.key_file) {
+            config = config.with_client_cert(cert.clone(), key.clone());
+        }
+        if let (Some(user), Some(password)) = (&self.username, &self.password) {
+            config = config.with_credentials(user.clone(), password.expose());
+        }
+        if let Some((connect, request)) = self.timeouts {
+            config = config.with_timeouts(connect, request);
+        }
+        Ok(config)
+    }
+}
+
+/// The certificate and the credentials each given whole or not at all.
+fn check_etcd_pairs(
+    cert: bool,
+    key: bool,
+    username: bool,
+    password: bool,
+) -> Result<(), SettingsError> {
+    if cert != key {
+        return Err(SettingsError::UnpairedClientCertificate);
+    }
+    if username != password {
+        return Err(SettingsError::UnpairedCredentials);
+    }
+    Ok(())
+}
+
+/// Store settings that cannot name a store; each entry point may word it for its own keys or
+/// flags, and the default wording names them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SettingsError {
+    /// etcd without endpoints.
+    NoEtcdEndpoints,
+    /// Only one of the client certificate and its key.
+    UnpairedClientCertificate,
+    /// Only one of the user name and the password.
+    UnpairedCredentials,
+}
+
+impl fmt::Display for SettingsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SettingsError::NoEtcdEndpoints => {
+                "datastore type etcdv3 needs etcd endpoints (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS)"
+            }
+            SettingsError::UnpairedClientCertificate => {
+                "etcd client certificate and key must be given together"
+            }
+            SettingsError::UnpairedCredentials => {
+                "etcd user name and password must be given together"
+            }
+        })
+    }
+}
+
+impl std::error::Error for SettingsError {}
+
+impl From<SettingsError> for KvError {
+    fn from(error: SettingsError) -> Self {
+        KvError::invalid(error.to_string())
+    }
 }
 
 impl Default for DatastoreSettings {
     fn default() -> Self {
         DatastoreSettings {
-            datastore_type: DatastoreType::default(),
-            path: None,
-            etcd_endpoints: Vec::new(),
-            etcd_ca_cert_file: None,
-            etcd_cert_file: None,
-            etcd_key_file: None,
-            etcd_prefix: None,
-            etcd_username: None,
-            etcd_password: None,
-            etcd_timeouts: None,
+            backend: Backend::default(),
             lock_wait: DEFAULT_LOCK_WAIT,
             create_if_missing: false,
             agent_socket: Some(PathBuf::from(DEFAULT_AGENT_SOCKET)),
-            lazy_etcd_connect: false,
         }
     }
 }
 
 /// The store selection as an entry point received it (the plugin's netconf keys, the flags and
 /// environment variables of `blockipamctl`, `blockipam-agent` and `blockipam-load`), before
-/// [`DatastoreSettings::from_raw`] reads it. The type is parsed by each entry point (its errors
-/// name the key, flag or variable); everything else is read here, once, the same way for all.
+/// [`DatastoreSettings::from_raw`] reads it. The type and the numbers of seconds are parsed by
+/// each entry point (its errors name the key, flag or variable); everything else is read there,
+/// once, the same way for all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RawDatastoreSettings {
     /// Which backend.
@@ -199,6 +354,26 @@ pub struct RawDatastoreSettings {
     pub etcd_username: Option<String>,
     /// etcd password.
     pub etcd_password: Option<Secret>,
+    /// Upper bound on one etcd request, connecting included (see
+    /// [`EtcdSettings::timeouts_for_request`]); the adapter's defaults when `None`.
+    pub etcd_request_timeout: Option<Duration>,
+}
+
+impl RawDatastoreSettings {
+    /// Checks the etcd certificate and credentials are each given whole or not at all, whatever
+    /// the datastore type (what the plugin's netconf requires; [`DatastoreSettings::from_raw`]
+    /// checks them for etcd only). Values that are not given (see `from_raw`) count as absent.
+    ///
+    /// # Errors
+    /// [`SettingsError::UnpairedClientCertificate`] or [`SettingsError::UnpairedCredentials`].
+    pub fn check_etcd_pairs(&self) -> Result<(), SettingsError> {
+        check_etcd_pairs(
+            given_path(self.etcd_cert_file.as_deref()).is_some(),
+            given_path(self.etcd_key_file.as_deref()).is_some(),
+            given(self.etcd_username.as_deref()).is_some(),
+            given_secret(self.etcd_password.clone()).is_some(),
+        )
+    }
 }
 
 /// `value` without surrounding white space; `None` when nothing is left.
@@ -216,38 +391,102 @@ fn given_path(path: Option<&Path>) -> Option<PathBuf> {
     }
 }
 
+/// A password as given (never trimmed); `None` when empty.
+fn given_secret(password: Option<Secret>) -> Option<Secret> {
+    password.filter(|p| !p.expose().is_empty())
+}
+
+/// The agent socket an entry point's text names: `""` or `none` (surrounding white space
+/// ignored) is no agent, anything else the socket at that path.
+pub fn agent_socket_from_text(text: &str) -> Option<PathBuf> {
+    match text.trim() {
+        "" | "none" => None,
+        path => Some(PathBuf::from(path)),
+    }
+}
+
 impl DatastoreSettings {
-    /// The settings `raw` selects, every other field at its default (callers set the lock wait,
-    /// the timeouts, the agent socket and the open mode themselves). A value that is absent, empty
-    /// or only white space is not given and takes its default, wherever it comes from: an empty
-    /// etcd prefix is the default prefix `/blockipam/` (never the root of the keyspace), an empty
-    /// path the type's default path, an empty endpoint list no endpoints. Other values are taken
-    /// without surrounding white space, except the password, which is taken as it is.
-    pub fn from_raw(raw: RawDatastoreSettings) -> DatastoreSettings {
+    /// The settings `raw` selects, every field that `raw` does not hold at its default (callers
+    /// set the lock wait, the agent socket and the open mode themselves). A value that is absent,
+    /// empty or only white space is not given and takes its default, wherever it comes from: an
+    /// empty etcd prefix is the default prefix `/blockipam/` (never the root of the keyspace), an
+    /// empty path the type's default path, an empty endpoint list no endpoints. Other values are
+    /// taken without surrounding white space, except the password, which is taken as it is.
+    /// Only the selected backend's values are kept.
+    ///
+    /// # Errors
+    /// For etcd, what [`EtcdSettings::check`] refuses.
+    pub fn from_raw(raw: RawDatastoreSettings) -> Result<DatastoreSettings, SettingsError> {
         let owned = |value: Option<String>| given(value.as_deref()).map(str::to_owned);
-        DatastoreSettings {
-            datastore_type: raw.datastore_type,
-            path: given_path(raw.path.as_deref()),
-            etcd_endpoints: raw
-                .etcd_endpoints
-                .iter()
-                .flat_map(|list| Self::parse_endpoints(list))
-                .collect(),
-            etcd_ca_cert_file: given_path(raw.etcd_ca_cert_file.as_deref()),
-            etcd_cert_file: given_path(raw.etcd_cert_file.as_deref()),
-            etcd_key_file: given_path(raw.etcd_key_file.as_deref()),
-            etcd_prefix: owned(raw.etcd_prefix),
-            etcd_username: owned(raw.etcd_username),
-            etcd_password: raw.etcd_password.filter(|p| !p.expose().is_empty()),
+        let backend = match raw.datastore_type {
+            DatastoreType::Sled => Backend::Sled {
+                path: given_path(raw.path.as_deref()),
+            },
+            DatastoreType::Redb => Backend::Redb {
+                path: given_path(raw.path.as_deref()),
+            },
+            DatastoreType::Etcdv3 => {
+                let etcd = EtcdSettings {
+                    endpoints: raw
+                        .etcd_endpoints
+                        .iter()
+                        .flat_map(|list| Self::parse_endpoints(list))
+                        .collect(),
+                    prefix: owned(raw.etcd_prefix),
+                    ca_cert_file: given_path(raw.etcd_ca_cert_file.as_deref()),
+                    cert_file: given_path(raw.etcd_cert_file.as_deref()),
+                    key_file: given_path(raw.etcd_key_file.as_deref()),
+                    username: owned(raw.etcd_username),
+                    password: given_secret(raw.etcd_password),
+                    timeouts: raw
+                        .etcd_request_timeout
+                        .map(EtcdSettings::timeouts_for_request),
+                    lazy_connect: false,
+                };
+                etcd.check()?;
+                Backend::Etcd(etcd)
+            }
+        };
+        Ok(DatastoreSettings {
+            backend,
             ..DatastoreSettings::default()
+        })
+    }
+
+    /// The backend's type name.
+    pub fn datastore_type(&self) -> DatastoreType {
+        self.backend.datastore_type()
+    }
+
+    /// The etcd settings, when the backend is etcd.
+    pub fn etcd(&self) -> Option<&EtcdSettings> {
+        match &self.backend {
+            Backend::Etcd(etcd) => Some(etcd),
+            _ => None,
         }
     }
 
-    /// The embedded store's path: the one given, else the type's default.
+    /// The etcd settings to change, when the backend is etcd.
+    pub fn etcd_mut(&mut self) -> Option<&mut EtcdSettings> {
+        match &mut self.backend {
+            Backend::Etcd(etcd) => Some(etcd),
+            _ => None,
+        }
+    }
+
+    /// The embedded store's path as given (`None` for etcd, or when not given).
+    pub fn path(&self) -> Option<&Path> {
+        match &self.backend {
+            Backend::Sled { path } | Backend::Redb { path } => path.as_deref(),
+            Backend::Etcd(_) => None,
+        }
+    }
+
+    /// The embedded store's path: the one given, else the type's default (`None` for etcd).
     pub fn resolved_path(&self) -> Option<PathBuf> {
-        self.path
-            .clone()
-            .or_else(|| self.datastore_type.default_path())
+        self.path()
+            .map(Path::to_path_buf)
+            .or_else(|| self.datastore_type().default_path())
     }
 
     /// Splits Calico's comma-separated `etcd_endpoints` string into endpoints.
@@ -261,16 +500,15 @@ impl DatastoreSettings {
 
     /// A one-line description for messages: `sled at /var/lib/blockipam/store.sled`.
     pub fn describe(&self) -> String {
-        match self.datastore_type {
-            DatastoreType::Etcdv3 => format!(
+        match &self.backend {
+            Backend::Etcd(etcd) => format!(
                 "etcdv3 at {} (prefix {})",
-                self.etcd_endpoints.join(","),
-                self.etcd_prefix
-                    .as_deref()
-                    .unwrap_or(backend_etcd::DEFAULT_PREFIX)
+                etcd.endpoints.join(","),
+                etcd.prefix_or_default()
             ),
-            other => format!(
-                "{other} at {}",
+            _ => format!(
+                "{} at {}",
+                self.datastore_type(),
                 self.resolved_path().unwrap_or_default().display()
             ),
         }
@@ -372,33 +610,24 @@ impl DatastoreSettings {
     /// Which store these settings name, as an agent announces the store it serves: embedded
     /// stores by their canonical path, etcd by its endpoints (without scheme) and prefix.
     pub fn identity(&self) -> StoreIdentity {
-        match self.datastore_type {
-            DatastoreType::Etcdv3 => {
-                let mut endpoints: Vec<String> = self
-                    .etcd_endpoints
+        match &self.backend {
+            Backend::Etcd(etcd) => {
+                let mut endpoints: Vec<String> = etcd
+                    .endpoints
                     .iter()
-                    .map(|e| {
-                        e.trim_start_matches("http://")
-                            .trim_start_matches("https://")
-                            .trim_end_matches('/')
-                            .to_owned()
-                    })
+                    .map(|e| bare_endpoint(e).to_owned())
                     .collect();
                 endpoints.sort();
                 endpoints.dedup();
                 StoreIdentity {
-                    datastore_type: self.datastore_type.as_str().to_owned(),
+                    datastore_type: self.datastore_type().as_str().to_owned(),
                     path: None,
                     etcd_endpoints: endpoints,
-                    etcd_prefix: Some(
-                        self.etcd_prefix
-                            .clone()
-                            .unwrap_or_else(|| backend_etcd::DEFAULT_PREFIX.to_owned()),
-                    ),
+                    etcd_prefix: Some(etcd.prefix_or_default().to_owned()),
                 }
             }
             _ => StoreIdentity {
-                datastore_type: self.datastore_type.as_str().to_owned(),
+                datastore_type: self.datastore_type().as_str().to_owned(),
                 path: self.resolved_path().map(|path| {
                     std::fs::canonicalize(&path)
                         .unwrap_or(path)
@@ -416,8 +645,8 @@ impl DatastoreSettings {
     /// # Errors
     /// As [`open`](Self::open), without the agent's.
     pub async fn open_directly(&self) -> Result<Arc<dyn KvStore>, KvError> {
-        match self.datastore_type {
-            DatastoreType::Sled => {
+        match &self.backend {
+            Backend::Sled { .. } => {
                 let path = self.embedded_path()?;
                 let config = SledConfig {
                     create_if_missing: self.create_if_missing,
@@ -425,7 +654,7 @@ impl DatastoreSettings {
                 };
                 Ok(Arc::new(SledStore::open(config).await?))
             }
-            DatastoreType::Redb => {
+            Backend::Redb { .. } => {
                 let path = self.embedded_path()?;
                 let config = RedbConfig {
                     create_if_missing: self.create_if_missing,
@@ -433,10 +662,10 @@ impl DatastoreSettings {
                 };
                 Ok(Arc::new(RedbStore::open(config).await?))
             }
-            DatastoreType::Etcdv3 if self.lazy_etcd_connect => {
-                Ok(Arc::new(EtcdStore::connect_lazy(self.etcd_config()?)?))
+            Backend::Etcd(etcd) if etcd.lazy_connect => {
+                Ok(Arc::new(EtcdStore::connect_lazy(etcd.config()?)?))
             }
-            DatastoreType::Etcdv3 => Ok(Arc::new(EtcdStore::connect(self.etcd_config()?).await?)),
+            Backend::Etcd(etcd) => Ok(Arc::new(EtcdStore::connect(etcd.config()?).await?)),
         }
     }
 
@@ -448,49 +677,15 @@ impl DatastoreSettings {
         check_store_path_ownership(&path)?;
         Ok(path)
     }
+}
 
-    /// The etcd adapter configuration these settings describe.
-    ///
-    /// # Errors
-    /// [`KvError::InvalidArgument`] without endpoints, or with only one of certificate and key.
-    pub fn etcd_config(&self) -> Result<EtcdConfig, KvError> {
-        if self.etcd_endpoints.is_empty() {
-            return Err(KvError::invalid(
-                "datastore type etcdv3 needs etcd endpoints (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS)",
-            ));
-        }
-        let mut config = EtcdConfig::new(self.etcd_endpoints.iter().cloned());
-        if let Some(prefix) = &self.etcd_prefix {
-            config = config.with_prefix(prefix.clone());
-        }
-        if let Some(ca) = &self.etcd_ca_cert_file {
-            config = config.with_ca_cert(ca.clone());
-        }
-        match (&self.etcd_cert_file, &self.etcd_key_file) {
-            (Some(cert), Some(key)) => config = config.with_client_cert(cert.clone(), key.clone()),
-            (None, None) => {}
-            _ => {
-                return Err(KvError::invalid(
-                    "etcd client certificate and key must be given together",
-                ))
-            }
-        }
-        match (&self.etcd_username, &self.etcd_password) {
-            (Some(user), Some(password)) => {
-                config = config.with_credentials(user.clone(), password.expose())
-            }
-            (None, None) => {}
-            _ => {
-                return Err(KvError::invalid(
-                    "etcd user name and password must be given together",
-                ))
-            }
-        }
-        if let Some((connect, request)) = self.etcd_timeouts {
-            config = config.with_timeouts(connect, request);
-        }
-        Ok(config)
-    }
+/// An etcd endpoint without its scheme and trailing slash: `http://h:1/` and `h:1` are one
+/// endpoint.
+pub fn bare_endpoint(endpoint: &str) -> &str {
+    endpoint
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .trim_end_matches('/')
 }
 
 /// Refuses an embedded store path that is a symbolic link or that another user owns. The store
@@ -593,42 +788,132 @@ mod tests {
                 etcd_prefix: prefix.map(str::to_owned),
                 ..RawDatastoreSettings::default()
             })
+            .expect("etcd settings")
         };
+        let prefix = |settings: &DatastoreSettings| settings.etcd().expect("etcd").prefix.clone();
         let default = etcd(None);
         assert_eq!(
             default.identity().etcd_prefix.as_deref(),
-            Some(backend_etcd::DEFAULT_PREFIX)
+            Some(DEFAULT_ETCD_PREFIX)
         );
         for blank in ["", "  "] {
             let settings = etcd(Some(blank));
-            assert_eq!(settings.etcd_prefix, None, "{blank:?}");
+            assert_eq!(prefix(&settings), None, "{blank:?}");
             assert_eq!(settings.identity(), default.identity(), "{blank:?}");
         }
         assert_eq!(
-            etcd(Some(" /a/ ")).etcd_prefix.as_deref(),
+            prefix(&etcd(Some(" /a/ "))).as_deref(),
             Some("/a/"),
             "a given prefix is kept, trimmed"
         );
-        let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+        let embedded = DatastoreSettings::from_raw(RawDatastoreSettings {
             path: Some(PathBuf::from("")),
+            ..RawDatastoreSettings::default()
+        })
+        .expect("sled settings");
+        assert_eq!(embedded.path(), None);
+        let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+            datastore_type: DatastoreType::Etcdv3,
             etcd_endpoints: vec![" h:1, ".into(), "h:2,h:3".into(), String::new()],
             etcd_ca_cert_file: Some(PathBuf::from(" ")),
             etcd_username: Some(String::new()),
             etcd_password: Some(Secret::new("")),
             ..RawDatastoreSettings::default()
-        });
-        assert_eq!(settings.path, None);
-        assert_eq!(settings.etcd_endpoints, ["h:1", "h:2", "h:3"]);
-        assert_eq!(settings.etcd_ca_cert_file, None);
-        assert_eq!(settings.etcd_username, None);
-        assert_eq!(settings.etcd_password, None);
+        })
+        .expect("etcd settings");
+        let etcd_settings = settings.etcd().expect("etcd");
+        assert_eq!(etcd_settings.endpoints, ["h:1", "h:2", "h:3"]);
+        assert_eq!(etcd_settings.ca_cert_file, None);
+        assert_eq!(etcd_settings.username, None);
+        assert_eq!(etcd_settings.password, None);
         let kept = DatastoreSettings::from_raw(RawDatastoreSettings {
+            datastore_type: DatastoreType::Etcdv3,
+            etcd_endpoints: vec!["h:1".into()],
+            etcd_username: Some("u".into()),
             etcd_password: Some(Secret::new(" spaced ")),
             ..RawDatastoreSettings::default()
-        });
+        })
+        .expect("etcd settings");
         assert_eq!(
-            kept.etcd_password.as_ref().map(Secret::expose),
+            kept.etcd()
+                .and_then(|etcd| etcd.password.as_ref())
+                .map(Secret::expose),
             Some(" spaced ")
+        );
+    }
+
+    #[test]
+    fn only_the_selected_backends_values_are_kept() {
+        let raw = RawDatastoreSettings {
+            path: Some("/x/store".into()),
+            etcd_endpoints: vec!["h:1".into()],
+            etcd_prefix: Some("/p/".into()),
+            etcd_request_timeout: Some(Duration::from_secs(2)),
+            ..RawDatastoreSettings::default()
+        };
+        let sled = DatastoreSettings::from_raw(raw.clone()).expect("sled");
+        assert_eq!(
+            sled.backend,
+            Backend::Sled {
+                path: Some("/x/store".into())
+            }
+        );
+        let etcd = DatastoreSettings::from_raw(RawDatastoreSettings {
+            datastore_type: DatastoreType::Etcdv3,
+            ..raw
+        })
+        .expect("etcd");
+        assert_eq!(etcd.path(), None);
+        assert_eq!(etcd.resolved_path(), None);
+        let etcd = etcd.etcd().expect("etcd");
+        assert_eq!(etcd.prefix.as_deref(), Some("/p/"));
+        assert_eq!(
+            etcd.timeouts,
+            Some((Duration::from_secs(2), Duration::from_secs(2)))
+        );
+    }
+
+    #[test]
+    fn etcd_settings_are_refused_without_endpoints_or_with_half_a_pair() {
+        let etcd = |raw: RawDatastoreSettings| {
+            DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type: DatastoreType::Etcdv3,
+                ..raw
+            })
+        };
+        assert_eq!(
+            etcd(RawDatastoreSettings::default()),
+            Err(SettingsError::NoEtcdEndpoints)
+        );
+        let endpoints = || vec!["h:1".to_owned()];
+        assert_eq!(
+            etcd(RawDatastoreSettings {
+                etcd_endpoints: endpoints(),
+                etcd_key_file: Some("/k.pem".into()),
+                ..RawDatastoreSettings::default()
+            }),
+            Err(SettingsError::UnpairedClientCertificate)
+        );
+        assert_eq!(
+            etcd(RawDatastoreSettings {
+                etcd_endpoints: endpoints(),
+                etcd_username: Some("u".into()),
+                etcd_password: Some(Secret::new("")),
+                ..RawDatastoreSettings::default()
+            }),
+            Err(SettingsError::UnpairedCredentials)
+        );
+        let embedded = RawDatastoreSettings {
+            etcd_cert_file: Some("/c.pem".into()),
+            ..RawDatastoreSettings::default()
+        };
+        assert!(
+            DatastoreSettings::from_raw(embedded.clone()).is_ok(),
+            "an embedded store ignores etcd values"
+        );
+        assert_eq!(
+            embedded.check_etcd_pairs(),
+            Err(SettingsError::UnpairedClientCertificate)
         );
     }
 
@@ -654,8 +939,8 @@ mod tests {
             let dir = tempfile::tempdir().expect("temp dir");
             let path = dir.path().join("data").join("store");
             let mut settings = DatastoreSettings {
-                datastore_type,
-                path: Some(path.clone()),
+                backend: Backend::embedded(datastore_type, Some(path.clone()))
+                    .expect("an embedded type"),
                 ..DatastoreSettings::default()
             };
             assert!(!settings.create_if_missing, "the default must not create");
@@ -688,18 +973,15 @@ mod tests {
 
     #[test]
     fn etcd_settings_need_endpoints_and_paired_certificates() {
-        let mut settings = DatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
-            ..DatastoreSettings::default()
-        };
+        let mut settings = EtcdSettings::default();
         assert!(matches!(
-            settings.etcd_config(),
+            settings.config(),
             Err(KvError::InvalidArgument { .. })
         ));
-        settings.etcd_endpoints = vec!["127.0.0.1:1".into()];
-        settings.etcd_cert_file = Some("/c.pem".into());
+        settings.endpoints = vec!["127.0.0.1:1".into()];
+        settings.cert_file = Some("/c.pem".into());
         assert!(matches!(
-            settings.etcd_config(),
+            settings.config(),
             Err(KvError::InvalidArgument { .. })
         ));
     }

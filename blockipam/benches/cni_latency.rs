@@ -45,7 +45,7 @@ use std::ffi::OsString;
 
 use backend_agent::{AgentConfig, AgentStore};
 use backend_etcd::testing::{unique_prefix, EtcdServer};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
 use ipam_core::{AutoAssignRequest, Ipam, IpamConfig, KvStore, Op, PoolSpec, Txn};
 use serde_json::{json, Value};
 
@@ -304,8 +304,7 @@ fn prefill_host_local(data_dir: &Path) {
 fn embedded(kind: DatastoreType, dir: &Path) -> (Value, DatastoreSettings) {
     let path = dir.join(format!("store.{}", kind.as_str()));
     let settings = DatastoreSettings {
-        datastore_type: kind,
-        path: Some(path.clone()),
+        backend: Backend::embedded(kind, Some(path.clone())).expect("an embedded store type"),
         create_if_missing: true,
         ..DatastoreSettings::default()
     };
@@ -371,9 +370,11 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
             (
                 json!({"datastore_type": "etcdv3", "etcd_endpoints": etcd.endpoint(), "etcd_prefix": prefix}),
                 DatastoreSettings {
-                    datastore_type: kind,
-                    etcd_endpoints: vec![etcd.endpoint()],
-                    etcd_prefix: Some(prefix.clone()),
+                    backend: Backend::Etcd(EtcdSettings {
+                        endpoints: vec![etcd.endpoint()],
+                        prefix: Some(prefix.clone()),
+                        ..EtcdSettings::default()
+                    }),
                     ..DatastoreSettings::default()
                 },
                 ["--datastore-type", "etcdv3", "--etcd-endpoints"]
@@ -389,7 +390,7 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
         }
         None => {
             let (netconf, settings) = embedded(kind, dir.path());
-            let path = settings.path.clone().expect("an embedded path");
+            let path = settings.resolved_path().expect("an embedded path");
             let flags = ["--datastore-type", kind.as_str(), "--datastore-path"]
                 .map(OsString::from)
                 .into_iter()
@@ -546,10 +547,12 @@ fn print_breakdown() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("agent.sock");
     let (mut netconf_settings, settings) = embedded(DatastoreType::Sled, dir.path());
-    let path = settings.path.clone().expect("an embedded path");
+    let path = settings.resolved_path().expect("an embedded path");
     let sled_commit = runtime().block_on(async {
         let own = DatastoreSettings {
-            path: Some(dir.path().join("in-process.sled")),
+            backend: Backend::Sled {
+                path: Some(dir.path().join("in-process.sled")),
+            },
             ..settings.clone()
         };
         let store = own.open_directly().await.expect("open sled");

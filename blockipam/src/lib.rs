@@ -399,13 +399,15 @@ async fn with_store(
     // creates the store. Any other call fails on a missing store rather than hand out addresses
     // from an empty new one while the lost store's (a deleted file, an unmounted volume) are in use.
     settings.create_if_missing = !conf.pools.is_empty();
-    settings.etcd_timeouts = Some(etcd_timeouts(conf.timeout));
+    if let Some(etcd) = settings.etcd_mut() {
+        etcd.timeouts = Some(etcd_timeouts(conf.timeout));
+    }
     tracing::debug!(store = %settings.describe(), "opening the store");
     let store = settings
         .open_noting_direct(|| {
             // sled's start allocates and frees megabytes: the system allocator reuses that
             // memory, the arena would touch a fresh page for each of it (arena.rs).
-            if settings.datastore_type == DatastoreType::Sled {
+            if settings.datastore_type() == DatastoreType::Sled {
                 arena::CALL_ARENA.stop_bumping();
             }
         })

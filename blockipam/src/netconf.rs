@@ -9,7 +9,10 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
+use blockipam_store::{
+    agent_socket_from_text, seconds_from_f64, DatastoreSettings, DatastoreType,
+    RawDatastoreSettings, Secret, SettingsError, MAX_SECONDS,
+};
 use ipam_core::{Ipam, IpamError, PoolSpec};
 use ipnet::IpNet;
 use serde_json::{Map, Value};
@@ -24,8 +27,6 @@ pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(10);
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(90);
 /// The node-name file Calico writes (read when `nodename` is not set).
 pub const DEFAULT_NODENAME_FILE: &str = "/var/lib/calico/nodename";
-/// Largest duration accepted for the timeouts (one day).
-const MAX_SECONDS: f64 = 86_400.0;
 
 /// How much the plugin logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
@@ -170,6 +171,23 @@ fn secret(source: &Source<'_>, key: &str) -> Result<Option<Secret>, CniError> {
     }
 }
 
+/// Store settings that name no store, worded with the netconf's keys.
+fn settings_error(error: &SettingsError) -> CniError {
+    CniError::config(match error {
+        SettingsError::NoEtcdEndpoints => {
+            "datastore_type etcdv3 needs etcd_endpoints (for example \"http://127.0.0.1:2379\")"
+                .to_owned()
+        }
+        SettingsError::UnpairedClientCertificate => {
+            "etcd_cert_file and etcd_key_file must be given together".to_owned()
+        }
+        SettingsError::UnpairedCredentials => {
+            "etcd_username and etcd_password must be given together".to_owned()
+        }
+        other => other.to_string(),
+    })
+}
+
 fn unsupported(path: &str, value: &str, why: impl std::fmt::Display) -> CniError {
     CniError::with_details(
         codes::UNSUPPORTED_FIELD,
@@ -236,11 +254,8 @@ impl<'a> Source<'a> {
         let seconds = value
             .as_f64()
             .ok_or_else(|| type_error(&path, "a number of seconds", value))?;
-        // Converted first: a positive value below one nanosecond is a zero deadline.
-        let duration = Duration::try_from_secs_f64(seconds)
-            .ok()
-            .filter(|d| seconds <= MAX_SECONDS && (allow_zero || !d.is_zero()));
-        duration.ok_or_else(|| {
+        // A positive value below one nanosecond is a zero deadline.
+        seconds_from_f64(seconds, allow_zero).map_err(|_| {
             CniError::config(format!(
                 "netconf key {path:?} must be {} and at most {MAX_SECONDS} seconds, found {value}",
                 if allow_zero {
@@ -429,37 +444,29 @@ pub fn parse_netconf(
         etcd_prefix: source.string("etcd_prefix", Scope::Both)?,
         etcd_username: source.string("etcd_username", Scope::Both)?,
         etcd_password: secret(&source, "etcd_password")?,
+        // Set per call from `timeout_seconds` (see `with_store`).
+        etcd_request_timeout: None,
     };
-    let datastore = DatastoreSettings {
-        etcd_timeouts: None,
+    // `agent_socket`: the node agent's socket; "" (or "none") never uses an agent.
+    let agent_socket = match source.string("agent_socket", Scope::Both)? {
+        None => DatastoreSettings::default().agent_socket,
+        Some(text) => agent_socket_from_text(&text),
+    };
+    // The etcd certificate and credentials come in pairs whatever the datastore type.
+    let selected = DatastoreSettings::from_raw(raw.clone())
+        .and_then(|settings| raw.check_etcd_pairs().map(|()| settings))
+        .map_err(|e| settings_error(&e))?;
+    let mut datastore = DatastoreSettings {
         lock_wait,
         // Decided per call from `pools` (see `with_store`): only a netconf listing pools may
         // create a missing embedded store.
         create_if_missing: false,
-        // `agent_socket`: the node agent's socket; "" (or "none") never uses an agent.
-        agent_socket: match source.string("agent_socket", Scope::Both)? {
-            None => DatastoreSettings::default().agent_socket,
-            Some(text) if matches!(text.trim(), "" | "none") => None,
-            Some(text) => Some(PathBuf::from(text.trim())),
-        },
-        // Every round trip counts in a CNI call: no probe read at open (see the field).
-        lazy_etcd_connect: true,
-        ..DatastoreSettings::from_raw(raw)
+        agent_socket,
+        ..selected
     };
-    if datastore_type == DatastoreType::Etcdv3 && datastore.etcd_endpoints.is_empty() {
-        return Err(CniError::config(
-            "datastore_type etcdv3 needs etcd_endpoints (for example \"http://127.0.0.1:2379\")",
-        ));
-    }
-    if datastore.etcd_cert_file.is_some() != datastore.etcd_key_file.is_some() {
-        return Err(CniError::config(
-            "etcd_cert_file and etcd_key_file must be given together",
-        ));
-    }
-    if datastore.etcd_username.is_some() != datastore.etcd_password.is_some() {
-        return Err(CniError::config(
-            "etcd_username and etcd_password must be given together",
-        ));
+    if let Some(etcd) = datastore.etcd_mut() {
+        // Every round trip counts in a CNI call: no probe read at open (see the field).
+        etcd.lazy_connect = true;
     }
 
     let log_level = match source.lookup("log_level", Scope::Both) {
@@ -814,7 +821,7 @@ mod tests {
         let default = etcd(json!({}));
         for empty in ["", " "] {
             let settings = etcd(json!({ "etcd_prefix": empty }));
-            assert_eq!(settings.etcd_prefix, None, "{empty:?}");
+            assert_eq!(settings.etcd().expect("etcd").prefix, None, "{empty:?}");
             assert_eq!(settings.identity(), default.identity(), "{empty:?}");
         }
         assert_eq!(
@@ -831,8 +838,8 @@ mod tests {
         }))
         .expect("parse");
         assert_eq!(conf.nodename.as_deref(), Some("inner"));
-        assert_eq!(conf.datastore.path, Some(PathBuf::from("/top")));
-        assert_eq!(conf.datastore.datastore_type, DatastoreType::Sled);
+        assert_eq!(conf.datastore.path(), Some(std::path::Path::new("/top")));
+        assert_eq!(conf.datastore.datastore_type(), DatastoreType::Sled);
         assert!(conf.assign_ipv4 && !conf.assign_ipv6);
         assert_eq!(conf.lock_file, PathBuf::from(DEFAULT_LOCK_FILE));
         assert_eq!(conf.timeout, DEFAULT_TIMEOUT);
@@ -908,7 +915,7 @@ mod tests {
         }))
         .expect("parse");
         assert!(!conf.assign_ipv4 && conf.assign_ipv6);
-        assert_eq!(conf.datastore.etcd_endpoints.len(), 2);
+        assert_eq!(conf.datastore.etcd().expect("etcd").endpoints.len(), 2);
         assert_eq!(conf.gateways.len(), 2);
     }
 
@@ -920,8 +927,9 @@ mod tests {
             "ipam": {"etcd_username": "blockipam", "etcd_password": " s3cret "}
         }))
         .expect("parse");
-        assert_eq!(conf.datastore.etcd_username.as_deref(), Some("blockipam"));
-        let password = conf.datastore.etcd_password.as_ref().expect("password");
+        let etcd = conf.datastore.etcd().expect("etcd");
+        assert_eq!(etcd.username.as_deref(), Some("blockipam"));
+        let password = etcd.password.as_ref().expect("password");
         assert_eq!(password.expose(), " s3cret ");
         assert!(!format!("{conf:?}").contains("s3cret"));
 

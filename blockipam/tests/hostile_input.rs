@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam::protocol::SUPPORTED_VERSIONS;
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, DatastoreType};
 use common::*;
 use ipam_core::KvStore;
 use serde_json::{json, Value};
@@ -104,8 +104,8 @@ impl Target {
         block_on(async {
             let store: std::sync::Arc<dyn KvStore> = match self {
                 Target::Embedded(sandbox) => DatastoreSettings {
-                    datastore_type: sandbox.store_type,
-                    path: Some(sandbox.store_path()),
+                    backend: Backend::embedded(sandbox.store_type, Some(sandbox.store_path()))
+                        .expect("an embedded store type"),
                     ..DatastoreSettings::default()
                 }
                 .open()

@@ -99,8 +99,11 @@ fn agent_mode_reaches_the_store_only_through_the_agent() {
     // The agent holds the store: nothing else can open it while it serves.
     let direct = block_on(
         blockipam_store::DatastoreSettings {
-            datastore_type: sandbox.store_type,
-            path: Some(sandbox.store_path()),
+            backend: blockipam_store::Backend::embedded(
+                sandbox.store_type,
+                Some(sandbox.store_path()),
+            )
+            .expect("an embedded store type"),
             lock_wait: Duration::ZERO,
             agent_socket: None,
             ..blockipam_store::DatastoreSettings::default()

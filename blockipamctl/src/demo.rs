@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings};
 use ipam_core::{Ipam, Pool, PoolSpec, Utilization};
 use ipnet::IpNet;
 use serde::Serialize;
@@ -275,8 +275,9 @@ pub async fn run(
     let store_path = dir.join("store.sled");
     let lock_path = dir.join("ipam.lock");
     let store = DatastoreSettings {
-        datastore_type: DatastoreType::Sled,
-        path: Some(store_path.clone()),
+        backend: Backend::Sled {
+            path: Some(store_path.clone()),
+        },
         lock_wait,
         ..DatastoreSettings::default()
     };

@@ -6,13 +6,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret};
+use blockipam_store::{
+    agent_socket_from_text, bare_endpoint, DatastoreSettings, DatastoreType, RawDatastoreSettings,
+    SecondsError, Secret, SettingsError,
+};
 use ipam_core::{KvError, KvStore};
 
 use crate::cli::{self, GlobalArgs, MigrateArgs, OutputFormat};
 use crate::error::{one_line, CtlError};
-
-use backend_etcd::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_PREFIX};
 
 /// The environment the CLI reads its fallbacks from (the process environment in the binary, a map
 /// in tests). Empty values count as unset.
@@ -75,25 +76,19 @@ fn pick_path(flag: Option<&Path>, env: &Env, var: &str) -> Option<PathBuf> {
 
 /// Parses a number of seconds (fractions allowed); `allow_zero` says whether 0 is accepted.
 pub fn parse_seconds(text: &str, source: &str, allow_zero: bool) -> Result<Duration, CtlError> {
-    let seconds: f64 = text.trim().parse().map_err(|_| {
-        CtlError::usage(format!(
+    blockipam_store::parse_seconds(text, allow_zero).map_err(|e| match e {
+        SecondsError::NotANumber => CtlError::usage(format!(
             "invalid value {text:?} for {source}: expected a number of seconds"
-        ))
-    })?;
-    let valid = seconds.is_finite() && seconds >= 0.0 && (allow_zero || seconds > 0.0);
-    let duration = Duration::try_from_secs_f64(seconds).ok().filter(|_| valid);
-    duration
-        .filter(|d| *d <= Duration::from_secs(24 * 3600))
-        .ok_or_else(|| {
-            CtlError::usage(format!(
-                "invalid value {text:?} for {source}: expected {} seconds up to one day",
-                if allow_zero {
-                    "0 or more"
-                } else {
-                    "more than 0"
-                }
-            ))
-        })
+        )),
+        SecondsError::OutOfRange => CtlError::usage(format!(
+            "invalid value {text:?} for {source}: expected {} seconds up to one day",
+            if allow_zero {
+                "0 or more"
+            } else {
+                "more than 0"
+            }
+        )),
+    })
 }
 
 /// The output format: `-o`, else `BLOCKIPAMCTL_OUTPUT`, else table.
@@ -127,6 +122,23 @@ pub fn lock_wait(global: &GlobalArgs, env: &Env) -> Result<Duration, CtlError> {
         Some((text, source)) => parse_seconds(text, &source, true),
         None => Ok(DatastoreSettings::default().lock_wait),
     }
+}
+
+/// The upper bound on one etcd request: `--etcd-timeout-seconds`, else
+/// `BLOCKIPAM_ETCD_TIMEOUT_SECONDS`, else none (the adapter's default). It bounds every etcd the
+/// command reaches: the selected store, a `migrate` target, an `import` source.
+///
+/// # Errors
+/// [`CtlError::Usage`] for a value that is not a number of seconds above 0.
+pub fn etcd_request_timeout(global: &GlobalArgs, env: &Env) -> Result<Option<Duration>, CtlError> {
+    pick(
+        global.etcd_timeout_seconds.as_deref(),
+        "--etcd-timeout-seconds",
+        env,
+        cli::ENV_ETCD_TIMEOUT_SECONDS,
+    )
+    .map(|(text, source)| parse_seconds(text, &source, false))
+    .transpose()
 }
 
 /// The store the global flags and environment select.
@@ -185,85 +197,75 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
         .etcd_password
         .clone()
         .or_else(|| env.get(cli::ENV_ETCD_PASSWORD).map(Secret::new));
-    let mut settings = DatastoreSettings::from_raw(raw);
-    settings.lock_wait = lock_wait(global, env)?;
+    let lock_wait = lock_wait(global, env)?;
+    raw.etcd_request_timeout = etcd_request_timeout(global, env)?;
+    let mut settings = DatastoreSettings {
+        lock_wait,
+        ..DatastoreSettings::from_raw(raw).map_err(|e| settings_error(e, ""))?
+    };
     if let Some((text, _)) = pick(
         global.agent_socket.as_deref(),
         "--agent-socket",
         env,
         cli::ENV_AGENT_SOCKET,
     ) {
-        settings.agent_socket = match text.trim() {
-            "" | "none" => None,
-            path => Some(PathBuf::from(path)),
-        };
+        settings.agent_socket = agent_socket_from_text(text);
     }
-    if let Some((text, source)) = pick(
-        global.etcd_timeout_seconds.as_deref(),
-        "--etcd-timeout-seconds",
-        env,
-        cli::ENV_ETCD_TIMEOUT_SECONDS,
-    ) {
-        let request = parse_seconds(text, &source, false)?;
-        settings.etcd_timeouts = Some((request.min(DEFAULT_CONNECT_TIMEOUT), request));
-    }
-    validate(&settings, "")?;
     Ok(settings)
 }
 
-/// The target store of `migrate`: its own flags, the source's lock wait and etcd timeouts.
+/// The target store of `migrate`: its own flags, the source's lock wait and agent socket, and the
+/// etcd request timeout of the global flags ([`etcd_request_timeout`]).
 ///
 /// # Errors
 /// [`CtlError::Usage`] for a bad value or an incomplete etcd selection.
 pub fn resolve_target(
     args: &MigrateArgs,
     source: &DatastoreSettings,
+    etcd_request_timeout: Option<Duration>,
 ) -> Result<DatastoreSettings, CtlError> {
     let datastore_type = args
         .to_datastore_type
         .parse::<DatastoreType>()
         .map_err(|e| CtlError::usage(format!("invalid value for --to-datastore-type: {e}")))?;
-    let settings = DatastoreSettings {
-        etcd_timeouts: source.etcd_timeouts,
+    let raw = RawDatastoreSettings {
+        datastore_type,
+        path: args.to_datastore_path.clone(),
+        etcd_endpoints: args.to_etcd_endpoints.iter().cloned().collect(),
+        etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
+        etcd_cert_file: args.to_etcd_cert_file.clone(),
+        etcd_key_file: args.to_etcd_key_file.clone(),
+        etcd_prefix: args.to_etcd_prefix.clone(),
+        etcd_username: args.to_etcd_username.clone(),
+        etcd_password: args.to_etcd_password.clone(),
+        etcd_request_timeout,
+    };
+    Ok(DatastoreSettings {
         lock_wait: source.lock_wait,
         // Decided by the open mode (see `open`).
         create_if_missing: false,
         // Used only when the agent there serves this very store.
         agent_socket: source.agent_socket.clone(),
-        lazy_etcd_connect: false,
-        ..DatastoreSettings::from_raw(RawDatastoreSettings {
-            datastore_type,
-            path: args.to_datastore_path.clone(),
-            etcd_endpoints: args.to_etcd_endpoints.iter().cloned().collect(),
-            etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
-            etcd_cert_file: args.to_etcd_cert_file.clone(),
-            etcd_key_file: args.to_etcd_key_file.clone(),
-            etcd_prefix: args.to_etcd_prefix.clone(),
-            etcd_username: args.to_etcd_username.clone(),
-            etcd_password: args.to_etcd_password.clone(),
-        })
-    };
-    validate(&settings, "to-")?;
-    Ok(settings)
+        ..DatastoreSettings::from_raw(raw).map_err(|e| settings_error(e, "to-"))?
+    })
 }
 
-fn validate(settings: &DatastoreSettings, flag_prefix: &str) -> Result<(), CtlError> {
-    if settings.datastore_type == DatastoreType::Etcdv3 {
-        if settings.etcd_endpoints.is_empty() {
+/// The usage error for settings that name no store, naming the flags (with `flag_prefix`) and,
+/// for the global flags, the environment variable.
+fn settings_error(error: SettingsError, flag_prefix: &str) -> CtlError {
+    match error {
+        SettingsError::NoEtcdEndpoints => {
             let env = if flag_prefix.is_empty() {
                 format!(" or {}", cli::ENV_ETCD_ENDPOINTS)
             } else {
                 String::new()
             };
-            return Err(CtlError::usage(format!(
+            CtlError::usage(format!(
                 "datastore type etcdv3 needs endpoints: give --{flag_prefix}etcd-endpoints{env}"
-            )));
+            ))
         }
-        settings
-            .etcd_config()
-            .map_err(|e| CtlError::usage(one_line(&e.to_string())))?;
+        other => CtlError::usage(one_line(&KvError::from(other).to_string())),
     }
-    Ok(())
 }
 
 /// Whether opening may create a missing embedded store.
@@ -287,14 +289,14 @@ pub async fn open(
     settings: &DatastoreSettings,
     mode: OpenMode,
 ) -> Result<Arc<dyn KvStore>, CtlError> {
-    if mode == OpenMode::Existing && settings.datastore_type != DatastoreType::Etcdv3 {
+    if mode == OpenMode::Existing && settings.etcd().is_none() {
         if let Some(path) = settings.resolved_path() {
             if !path.exists() {
                 return Err(CtlError::failed(format!(
                     "no {} store at {}: check --datastore-path / {}; a store is created only by \
                      `blockipamctl pool add` (or `migrate` or `import calico` into it, or `demo`) or by a plugin call \
                      whose netconf lists `ipam.pools`",
-                    settings.datastore_type,
+                    settings.datastore_type(),
                     path.display(),
                     cli::ENV_DATASTORE_PATH
                 )));
@@ -324,25 +326,16 @@ fn open_error(settings: &DatastoreSettings, error: &KvError) -> CtlError {
 
 /// True when both settings name the same store (same embedded file, or same etcd and prefix).
 pub fn same_store(a: &DatastoreSettings, b: &DatastoreSettings) -> bool {
-    if a.datastore_type != b.datastore_type {
+    if a.datastore_type() != b.datastore_type() {
         return false;
     }
-    match a.datastore_type {
-        DatastoreType::Etcdv3 => {
-            let prefix = |s: &DatastoreSettings| {
-                s.etcd_prefix
-                    .clone()
-                    .unwrap_or_else(|| DEFAULT_PREFIX.to_owned())
-            };
-            let bare = |e: &String| {
-                e.trim_start_matches("http://")
-                    .trim_start_matches("https://")
-                    .trim_end_matches('/')
-                    .to_owned()
-            };
-            let ea: Vec<String> = a.etcd_endpoints.iter().map(bare).collect();
-            let eb: Vec<String> = b.etcd_endpoints.iter().map(bare).collect();
-            ea.iter().any(|e| eb.contains(e)) && prefix(a) == prefix(b)
+    match (a.etcd(), b.etcd()) {
+        (Some(a), Some(b)) => {
+            a.endpoints.iter().any(|e| {
+                b.endpoints
+                    .iter()
+                    .any(|f| bare_endpoint(e) == bare_endpoint(f))
+            }) && a.prefix_or_default() == b.prefix_or_default()
         }
         _ => {
             let canonical = |s: &DatastoreSettings| {
@@ -357,9 +350,25 @@ pub fn same_store(a: &DatastoreSettings, b: &DatastoreSettings) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blockipam_store::{Backend, EtcdSettings, DEFAULT_ETCD_PREFIX};
 
     fn no_env() -> Env {
         Env::default()
+    }
+
+    /// `migrate` into the etcd at 127.0.0.1:2379 under `prefix`.
+    fn migrate_to_etcd(prefix: Option<String>) -> MigrateArgs {
+        MigrateArgs {
+            to_datastore_type: "etcdv3".into(),
+            to_datastore_path: None,
+            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
+            to_etcd_ca_cert_file: None,
+            to_etcd_cert_file: None,
+            to_etcd_key_file: None,
+            to_etcd_prefix: prefix,
+            to_etcd_username: None,
+            to_etcd_password: None,
+        }
     }
 
     #[test]
@@ -380,15 +389,15 @@ mod tests {
             ("BLOCKIPAM_LOCK_WAIT_SECONDS", "0.5"),
         ]);
         let settings = resolve(&GlobalArgs::default(), &env).expect("env");
-        assert_eq!(settings.datastore_type, DatastoreType::Redb);
-        assert_eq!(settings.path, Some(PathBuf::from("/env/store.redb")));
+        assert_eq!(settings.datastore_type(), DatastoreType::Redb);
+        assert_eq!(settings.path(), Some(Path::new("/env/store.redb")));
         assert_eq!(settings.lock_wait, Duration::from_millis(500));
         let global = GlobalArgs {
             datastore_path: Some("/flag/store".into()),
             ..GlobalArgs::default()
         };
         let settings = resolve(&global, &env).expect("flag");
-        assert_eq!(settings.path, Some(PathBuf::from("/flag/store")));
+        assert_eq!(settings.path(), Some(Path::new("/flag/store")));
     }
 
     /// `--etcd-prefix ""` (or `--to-etcd-prefix ""`) is the default prefix, as an empty
@@ -403,24 +412,14 @@ mod tests {
         };
         let default = resolve(&etcd(None), &no_env()).expect("default prefix");
         let empty = resolve(&etcd(Some("")), &no_env()).expect("empty prefix");
-        assert_eq!(empty.etcd_prefix, None);
+        assert_eq!(empty.etcd().expect("etcd").prefix, None);
         assert_eq!(empty.identity(), default.identity());
         assert_eq!(
             default.identity().etcd_prefix.as_deref(),
-            Some(DEFAULT_PREFIX)
+            Some(DEFAULT_ETCD_PREFIX)
         );
-        let migrate = MigrateArgs {
-            to_datastore_type: "etcdv3".into(),
-            to_datastore_path: None,
-            to_etcd_endpoints: Some("127.0.0.1:2379".into()),
-            to_etcd_ca_cert_file: None,
-            to_etcd_cert_file: None,
-            to_etcd_key_file: None,
-            to_etcd_prefix: Some(String::new()),
-            to_etcd_username: None,
-            to_etcd_password: None,
-        };
-        let target = resolve_target(&migrate, &default).expect("target");
+        let migrate = migrate_to_etcd(Some(String::new()));
+        let target = resolve_target(&migrate, &default, None).expect("target");
         assert_eq!(target.identity(), default.identity());
     }
 
@@ -428,7 +427,7 @@ mod tests {
     fn empty_environment_values_count_as_unset() {
         let env = Env::new([("DATASTORE_TYPE", "")]);
         let settings = resolve(&GlobalArgs::default(), &env).expect("empty");
-        assert_eq!(settings.datastore_type, DatastoreType::Sled);
+        assert_eq!(settings.datastore_type(), DatastoreType::Sled);
     }
 
     #[test]
@@ -485,8 +484,9 @@ mod tests {
         };
         let env = Env::new([("ETCD_USERNAME", "env-user"), ("ETCD_PASSWORD", "env-pw")]);
         let settings = resolve(&global, &env).expect("credentials from the environment");
-        assert_eq!(settings.etcd_username.as_deref(), Some("env-user"));
-        assert_eq!(settings.etcd_password, Some(Secret::new("env-pw")));
+        let etcd = settings.etcd().expect("etcd");
+        assert_eq!(etcd.username.as_deref(), Some("env-user"));
+        assert_eq!(etcd.password, Some(Secret::new("env-pw")));
         assert!(!format!("{settings:?}").contains("env-pw"));
         let flags = GlobalArgs {
             etcd_username: Some("flag-user".into()),
@@ -494,8 +494,9 @@ mod tests {
             ..global.clone()
         };
         let settings = resolve(&flags, &env).expect("flags win");
-        assert_eq!(settings.etcd_username.as_deref(), Some("flag-user"));
-        assert_eq!(settings.etcd_password, Some(Secret::new("flag-pw")));
+        let etcd = settings.etcd().expect("etcd");
+        assert_eq!(etcd.username.as_deref(), Some("flag-user"));
+        assert_eq!(etcd.password, Some(Secret::new("flag-pw")));
         let alone = Env::new([("ETCD_PASSWORD", "env-pw")]);
         let err = resolve(&global, &alone).expect_err("a password without a user");
         assert!(
@@ -514,33 +515,74 @@ mod tests {
         };
         let settings = resolve(&global, &no_env()).expect("timeouts");
         assert_eq!(
-            settings.etcd_timeouts,
+            settings.etcd().expect("etcd").timeouts,
             Some((Duration::from_secs(2), Duration::from_secs(2)))
+        );
+    }
+
+    /// The global etcd timeout bounds a `migrate` target on etcd whatever the source's type.
+    #[test]
+    fn a_migrate_target_on_etcd_takes_the_global_etcd_timeout_from_an_embedded_source() {
+        let global = GlobalArgs {
+            etcd_timeout_seconds: Some("2".into()),
+            ..GlobalArgs::default()
+        };
+        let source = resolve(&global, &no_env()).expect("a sled source");
+        assert_eq!(source.datastore_type(), DatastoreType::Sled);
+        let migrate = migrate_to_etcd(None);
+        let request = etcd_request_timeout(&global, &no_env()).expect("timeout");
+        let target = resolve_target(&migrate, &source, request).expect("target");
+        assert_eq!(
+            target.etcd().expect("etcd").timeouts,
+            Some((Duration::from_secs(2), Duration::from_secs(2)))
+        );
+    }
+
+    /// A timeout below one nanosecond is zero: refused like 0, not taken as a zero timeout.
+    #[test]
+    fn an_etcd_timeout_below_one_nanosecond_is_a_usage_error() {
+        let global = GlobalArgs {
+            datastore_type: Some("etcdv3".into()),
+            etcd_endpoints: Some("127.0.0.1:1".into()),
+            etcd_timeout_seconds: Some("1e-10".into()),
+            ..GlobalArgs::default()
+        };
+        let err = resolve(&global, &no_env()).expect_err("a zero timeout");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("--etcd-timeout-seconds")),
+            "{err}"
         );
     }
 
     #[test]
     fn same_store_compares_paths_and_etcd_prefixes() {
         let a = DatastoreSettings {
-            path: Some("/x/store".into()),
+            backend: Backend::Sled {
+                path: Some("/x/store".into()),
+            },
             ..DatastoreSettings::default()
         };
         let mut b = a.clone();
         assert!(same_store(&a, &b));
-        b.path = Some("/y/store".into());
+        b.backend = Backend::Sled {
+            path: Some("/y/store".into()),
+        };
         assert!(!same_store(&a, &b));
-        let e1 = DatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
-            etcd_endpoints: vec!["127.0.0.1:1".into()],
+        let etcd = |endpoint: &str, prefix: Option<&str>| DatastoreSettings {
+            backend: Backend::Etcd(EtcdSettings {
+                endpoints: vec![endpoint.into()],
+                prefix: prefix.map(str::to_owned),
+                ..EtcdSettings::default()
+            }),
             ..DatastoreSettings::default()
         };
-        let mut e2 = e1.clone();
-        e2.etcd_endpoints = vec!["http://127.0.0.1:1".into()];
+        let e1 = etcd("127.0.0.1:1", None);
+        let e2 = etcd("http://127.0.0.1:1", None);
         assert!(
             same_store(&e1, &e2),
             "a scheme does not make another endpoint"
         );
-        e2.etcd_prefix = Some("/other/".into());
+        let e2 = etcd("http://127.0.0.1:1", Some("/other/"));
         assert!(!same_store(&e1, &e2));
     }
 }

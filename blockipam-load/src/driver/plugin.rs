@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::DatastoreSettings;
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
@@ -48,32 +48,30 @@ impl PluginRunner {
             "ipam_lock_timeout_seconds": settings.lock_wait.as_secs_f64(),
             "log_level": "error",
             "pools": [pool],
-            "datastore_type": settings.datastore_type.as_str(),
+            "datastore_type": settings.datastore_type().as_str(),
         });
         let mut set = |key: &str, value: Value| ipam[key] = value;
-        match settings.datastore_type {
-            DatastoreType::Sled | DatastoreType::Redb => {
+        match settings.etcd() {
+            None => {
                 if let Some(path) = settings.resolved_path() {
                     set("datastore_path", json!(path));
                 }
             }
-            DatastoreType::Etcdv3 => {
-                set("etcd_endpoints", json!(settings.etcd_endpoints));
-                if let Some(prefix) = &settings.etcd_prefix {
+            Some(etcd) => {
+                set("etcd_endpoints", json!(etcd.endpoints));
+                if let Some(prefix) = &etcd.prefix {
                     set("etcd_prefix", json!(prefix));
                 }
                 for (key, file) in [
-                    ("etcd_ca_cert_file", &settings.etcd_ca_cert_file),
-                    ("etcd_cert_file", &settings.etcd_cert_file),
-                    ("etcd_key_file", &settings.etcd_key_file),
+                    ("etcd_ca_cert_file", &etcd.ca_cert_file),
+                    ("etcd_cert_file", &etcd.cert_file),
+                    ("etcd_key_file", &etcd.key_file),
                 ] {
                     if let Some(file) = file {
                         set(key, json!(file));
                     }
                 }
-                if let (Some(user), Some(password)) =
-                    (&settings.etcd_username, &settings.etcd_password)
-                {
+                if let (Some(user), Some(password)) = (&etcd.username, &etcd.password) {
                     set("etcd_username", json!(user));
                     set("etcd_password", json!(password.expose()));
                 }
@@ -178,6 +176,7 @@ pub fn parse_result_ips(stdout: &[u8]) -> Result<Vec<IpAddr>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blockipam_store::{Backend, EtcdSettings};
 
     #[test]
     fn result_addresses_are_read_from_ips_and_an_empty_result_is_an_error() {
@@ -194,9 +193,11 @@ mod tests {
     fn each_node_gets_its_own_name_and_lock_file() {
         let runner = PluginRunner::new("/x/blockipam".into(), "/locks".into());
         let settings = DatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
-            etcd_endpoints: vec!["http://127.0.0.1:1".into()],
-            etcd_prefix: Some("/p/".into()),
+            backend: Backend::Etcd(EtcdSettings {
+                endpoints: vec!["http://127.0.0.1:1".into()],
+                prefix: Some("/p/".into()),
+                ..EtcdSettings::default()
+            }),
             ..DatastoreSettings::default()
         };
         let config = LoadConfig {

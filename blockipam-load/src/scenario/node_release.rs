@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings};
 use etcd_client::DeleteOptions;
 use ipam_core::{AutoAssignRequest, CountingStore, Ipam, RoundTrips};
 use serde::Serialize;
@@ -180,15 +180,16 @@ pub async fn run(
         .tempdir()
         .map_err(|e| LoadError::failed(format!("cannot create a temporary directory: {e}")))?;
     let mut twin_settings = settings.clone();
-    let twin_description = match settings.datastore_type {
-        DatastoreType::Etcdv3 => {
-            let prefix = settings.etcd_prefix.clone().unwrap_or_default();
+    let kind = settings.datastore_type();
+    let twin_description = match &mut twin_settings.backend {
+        Backend::Etcd(etcd) => {
+            let prefix = etcd.prefix.clone().unwrap_or_default();
             let twin_prefix = format!("{}-twin/", prefix.trim_end_matches('/'));
-            twin_settings.etcd_prefix = Some(twin_prefix.clone());
+            etcd.prefix = Some(twin_prefix.clone());
             format!("the same etcd under prefix {twin_prefix}, deleted afterwards")
         }
-        kind => {
-            twin_settings.path = Some(twin_dir.path().join(format!("twin.{kind}")));
+        Backend::Sled { path } | Backend::Redb { path } => {
+            *path = Some(twin_dir.path().join(format!("twin.{kind}")));
             format!("a second {kind} store in a temporary directory")
         }
     };
@@ -231,7 +232,7 @@ pub async fn run(
         released_addresses: released.released_addresses.len() as u64,
     };
     drop(twin_store);
-    if settings.datastore_type == DatastoreType::Etcdv3 {
+    if settings.etcd().is_some() {
         delete_etcd_prefix(&twin_settings).await?;
     }
 
@@ -313,7 +314,7 @@ fn run_blockipamctl(
 ) -> Result<CtlRun, LoadError> {
     let mut args: Vec<String> = vec![
         "--datastore-type".into(),
-        settings.datastore_type.as_str().into(),
+        settings.datastore_type().as_str().into(),
         "--agent-socket".into(),
         "none".into(),
     ];
@@ -324,21 +325,21 @@ fn run_blockipamctl(
         }
     };
     let text = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
-    match settings.datastore_type {
-        DatastoreType::Etcdv3 => {
-            push("--etcd-endpoints", Some(settings.etcd_endpoints.join(",")));
-            push("--etcd-prefix", settings.etcd_prefix.clone());
-            push("--etcd-ca-cert-file", text(&settings.etcd_ca_cert_file));
-            push("--etcd-cert-file", text(&settings.etcd_cert_file));
-            push("--etcd-key-file", text(&settings.etcd_key_file));
-            push("--etcd-username", settings.etcd_username.clone());
+    match settings.etcd() {
+        Some(etcd) => {
+            push("--etcd-endpoints", Some(etcd.endpoints.join(",")));
+            push("--etcd-prefix", etcd.prefix.clone());
+            push("--etcd-ca-cert-file", text(&etcd.ca_cert_file));
+            push("--etcd-cert-file", text(&etcd.cert_file));
+            push("--etcd-key-file", text(&etcd.key_file));
+            push("--etcd-username", etcd.username.clone());
         }
-        _ => push("--datastore-path", text(&settings.resolved_path())),
+        None => push("--datastore-path", text(&settings.resolved_path())),
     }
     args.extend(["node", "release", host, "--addresses"].map(String::from));
     let mut command = Command::new(ctl);
     command.env_clear().args(&args);
-    if let Some(password) = &settings.etcd_password {
+    if let Some(password) = settings.etcd().and_then(|etcd| etcd.password.as_ref()) {
         command.env("ETCD_PASSWORD", password.expose());
     }
     let started = Instant::now();
@@ -358,7 +359,9 @@ fn run_blockipamctl(
 /// Deletes every key under the etcd prefix `settings` name (the twin's).
 async fn delete_etcd_prefix(settings: &DatastoreSettings) -> Result<(), LoadError> {
     let config = settings
-        .etcd_config()
+        .etcd()
+        .ok_or_else(|| LoadError::usage("the twin store is not on etcd"))?
+        .config()
         .map_err(|e| LoadError::usage(e.to_string()))?;
     let client = StatusClient::new(&config).map_err(LoadError::failed)?;
     let mut connection = client.connect_cluster().await.map_err(LoadError::failed)?;

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 
 use std::sync::Mutex;
 
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, DatastoreType};
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
 
@@ -257,8 +257,8 @@ impl Sandbox {
     pub async fn open_store(&self) -> std::sync::Arc<dyn KvStore> {
         self.ensure_agent();
         DatastoreSettings {
-            datastore_type: self.store_type,
-            path: Some(self.store_path()),
+            backend: Backend::embedded(self.store_type, Some(self.store_path()))
+                .expect("an embedded store type"),
             create_if_missing: true,
             agent_socket: (self.mode == Mode::Agent).then(|| self.agent_socket()),
             ..DatastoreSettings::default()

@@ -15,7 +15,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
 use ipam_core::{AllocationInfo, Ipam};
 use serde_json::{json, Value};
 
@@ -251,17 +251,19 @@ impl Fleet {
     pub fn settings(&self) -> DatastoreSettings {
         match &self.target {
             Target::Embedded => DatastoreSettings {
-                datastore_type: self.store_type,
-                path: Some(self.sandbox.store_path()),
+                backend: Backend::embedded(self.store_type, Some(self.sandbox.store_path()))
+                    .expect("an embedded store type"),
                 lock_wait: Duration::from_secs(LOCK_WAIT_SECONDS),
                 ..DatastoreSettings::default()
             },
             Target::Etcd {
                 endpoint, prefix, ..
             } => DatastoreSettings {
-                datastore_type: DatastoreType::Etcdv3,
-                etcd_endpoints: vec![endpoint.clone()],
-                etcd_prefix: Some(prefix.clone()),
+                backend: Backend::Etcd(EtcdSettings {
+                    endpoints: vec![endpoint.clone()],
+                    prefix: Some(prefix.clone()),
+                    ..EtcdSettings::default()
+                }),
                 ..DatastoreSettings::default()
             },
         }
@@ -305,7 +307,7 @@ impl Fleet {
             "-o".into(),
             "json".into(),
             "--datastore-type".into(),
-            settings.datastore_type.as_str().into(),
+            settings.datastore_type().as_str().into(),
             "--lock-wait-seconds".into(),
             LOCK_WAIT_SECONDS.to_string(),
         ];

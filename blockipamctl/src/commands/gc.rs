@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blockipam_store::countdowns::countdowns_for;
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::DatastoreSettings;
 use ipam_core::dead_nodes::{
     preview_release, reclaim_pass, survey, MissingMark, NodeAction, NodeState, NodeStatus,
     ReclaimOptions, ReleasePreview,
@@ -276,7 +276,7 @@ pub async fn run(
     ctx.progress_done();
     let mut text = if nodes.is_empty() {
         let mut text = "No node is registered: dead-node reclaim judges only nodes whose agent registered them.\n".to_owned();
-        if settings.datastore_type != DatastoreType::Etcdv3 {
+        if settings.etcd().is_none() {
             text.push_str("(Agents register their nodes and keep liveness keys on etcd only.)\n");
         }
         text

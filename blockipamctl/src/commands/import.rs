@@ -29,9 +29,9 @@ struct ImportJson<'a> {
 /// # Errors
 /// [`CtlError::Usage`] for a password variable that is not set, or a user without one.
 fn source(
-    settings: &DatastoreSettings,
     args: &ImportCalicoArgs,
     env: &Env,
+    etcd_request_timeout: Option<Duration>,
 ) -> Result<CalicoEtcdSource, CtlError> {
     let password = match (&args.from_etcd_username, &args.from_etcd_password_env) {
         (None, None) => None,
@@ -63,10 +63,7 @@ fn source(
         key_file: args.from_etcd_key_file.clone(),
         username: args.from_etcd_username.clone(),
         password,
-        request_timeout: settings
-            .etcd_timeouts
-            .map(|(_, request)| request)
-            .or(Some(Duration::from_secs(10))),
+        request_timeout: etcd_request_timeout.or(Some(Duration::from_secs(10))),
     };
     source
         .validate()
@@ -93,8 +90,9 @@ pub async fn calico(
     settings: &DatastoreSettings,
     args: &ImportCalicoArgs,
     env: &Env,
+    etcd_request_timeout: Option<Duration>,
 ) -> Result<Outcome, CtlError> {
-    let source = source(settings, args, env)?;
+    let source = source(args, env, etcd_request_timeout)?;
     ctx.progress(&format!("reading {} ...", source.describe()));
     // Read and map first: a refusal opens (and creates) nothing.
     let plan = read_plan(&source, None)

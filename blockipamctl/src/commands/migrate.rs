@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
@@ -45,8 +46,9 @@ pub async fn run(
     ctx: &mut Ctx<'_>,
     source_settings: &DatastoreSettings,
     args: &MigrateArgs,
+    etcd_request_timeout: Option<Duration>,
 ) -> Result<Outcome, CtlError> {
-    let target_settings = settings::resolve_target(args, source_settings)?;
+    let target_settings = settings::resolve_target(args, source_settings, etcd_request_timeout)?;
     if settings::same_store(source_settings, &target_settings) {
         return Err(CtlError::usage(format!(
             "the target ({}) is the source store itself",

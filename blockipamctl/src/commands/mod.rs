@@ -77,9 +77,13 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
             blocks::release_empty(&store, args).await
         }
         Command::Gc(args) => gc::run(ctx, &store, args).await,
-        Command::Migrate(args) => migrate::run(ctx, &store, args).await,
+        Command::Migrate(args) => {
+            let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;
+            migrate::run(ctx, &store, args, etcd_request_timeout).await
+        }
         Command::Import(crate::cli::ImportCommand::Calico(args)) => {
-            import::calico(ctx, &store, args, env).await
+            let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;
+            import::calico(ctx, &store, args, env, etcd_request_timeout).await
         }
         Command::Demo(_) => Err(CtlError::failed("internal error: demo dispatched twice")),
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
-use blockipam_store::{DatastoreSettings, DatastoreType};
+use blockipam_store::{Backend as StoreBackend, DatastoreSettings, EtcdSettings};
 use ipam_core::{AutoAssignRequest, Ipam, KvStore};
 use serde_json::Value;
 
@@ -178,16 +178,18 @@ impl Lab {
 
     /// The same store as the library opens it (creating an embedded store when missing).
     pub fn settings(&self) -> DatastoreSettings {
-        let datastore_type = match self.backend {
-            Backend::Sled => DatastoreType::Sled,
-            Backend::Redb => DatastoreType::Redb,
-            Backend::Etcd => DatastoreType::Etcdv3,
+        let path = Some(self.path());
+        let backend = match self.backend {
+            Backend::Sled => StoreBackend::Sled { path },
+            Backend::Redb => StoreBackend::Redb { path },
+            Backend::Etcd => StoreBackend::Etcd(EtcdSettings {
+                endpoints: self.endpoint.iter().cloned().collect(),
+                prefix: self.prefix.clone(),
+                ..EtcdSettings::default()
+            }),
         };
         DatastoreSettings {
-            datastore_type,
-            path: (self.backend != Backend::Etcd).then(|| self.path()),
-            etcd_endpoints: self.endpoint.iter().cloned().collect(),
-            etcd_prefix: self.prefix.clone(),
+            backend,
             create_if_missing: true,
             ..DatastoreSettings::default()
         }
