@@ -2,8 +2,6 @@
 
 use std::fmt;
 pub mod countdowns;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;

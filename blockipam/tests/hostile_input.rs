@@ -23,13 +23,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam::protocol::SUPPORTED_VERSIONS;
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use common::*;
 use ipam_core::KvStore;
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 /// Longest one plugin call may take before the row counts as a hang (not a timing assertion:
 /// a healthy call takes milliseconds).

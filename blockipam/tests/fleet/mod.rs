@@ -14,10 +14,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use blockipam_store::{DatastoreSettings, DatastoreType};
 use ipam_core::{AllocationInfo, Ipam};
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 use crate::common::{block_on, cni_env, merge, Sandbox, BIN, NETWORK};
 
