@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::*;
-use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
 use serde_json::{json, Value};
+use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
 
 const PLUGIN_DIR: &str = "/usr/lib/cni";
 

@@ -1,9 +1,11 @@
 //! Running a CNI plugin as a runtime does: the CNI environment, the netconf on standard input,
 //! and its exit status, standard output and standard error collected within a time bound.
 
+use std::ffi::{OsStr, OsString};
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -102,9 +104,8 @@ pub fn full_cni_env(
 }
 
 /// Runs `program` with `args`, exactly the environment `env` (nothing inherited) and `stdin`
-/// written to its standard input (a program that exits without reading it is fine), and
-/// collects what it produced. A program still running after `hang_guard` is killed and the test
-/// fails: a safety net, not a timing assertion.
+/// written to its standard input, and collects what it produced: [`start_cni`] then
+/// [`CniProcess::finish`].
 ///
 /// # Panics
 /// When the program cannot be started, or outlives `hang_guard`.
@@ -115,59 +116,166 @@ pub fn run_cni(
     stdin: &[u8],
     hang_guard: Duration,
 ) -> Outcome {
+    start_cni(program, args, env.iter().map(|(k, v)| (k, v)), stdin).finish(hang_guard)
+}
+
+/// Starts `program` with `args` and exactly the environment `env` (nothing inherited; values
+/// need not be UTF-8), writes `stdin` to its standard input from a thread of its own (a program
+/// that exits without reading it is fine) and reads its output as it comes.
+///
+/// # Panics
+/// When the program cannot be started.
+pub fn start_cni<K, V>(
+    program: &Path,
+    args: &[&str],
+    env: impl IntoIterator<Item = (K, V)>,
+    stdin: &[u8],
+) -> CniProcess
+where
+    K: AsRef<OsStr>,
+    V: AsRef<OsStr>,
+{
+    let env: Vec<(OsString, OsString)> = env
+        .into_iter()
+        .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+        .collect();
+    let command = env
+        .iter()
+        .find(|(name, _)| name == "CNI_COMMAND")
+        .map(|(_, value)| value.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let mut child = Command::new(program)
         .args(args)
         .env_clear()
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .envs(env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
-    let stdout = child.stdout.take().map(read_to_end_on_a_thread);
-    let stderr = child.stderr.take().map(read_to_end_on_a_thread);
-    if let Some(mut input) = child.stdin.take() {
-        // A plugin may exit without reading (VERSION): a broken pipe is fine.
-        let _ = input.write_all(stdin);
-    }
-    let deadline = Instant::now() + hang_guard;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for the plugin") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            let command = env
-                .iter()
-                .find(|(name, _)| name == "CNI_COMMAND")
-                .map_or("", |(_, value)| value.as_str());
-            panic!(
-                "{} ({command}) hung: killed after {hang_guard:?}",
-                program.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let collect = |reader: Option<std::thread::JoinHandle<String>>| {
-        reader
-            .map(|reader| reader.join().expect("an output reader"))
-            .unwrap_or_default()
-    };
-    Outcome {
-        status: status.code().unwrap_or(-1),
-        stdout: collect(stdout),
-        stderr: collect(stderr),
+    let feeder = child.stdin.take().map(|mut pipe| {
+        let input = stdin.to_vec();
+        // A plugin may exit without reading (VERSION, an environment error): a broken pipe is
+        // fine.
+        std::thread::spawn(move || {
+            let _ = pipe.write_all(&input);
+        })
+    });
+    let stdout = read_to_end_on_a_thread(child.stdout.take());
+    let stderr = read_to_end_on_a_thread(child.stderr.take());
+    CniProcess {
+        child,
+        feeder,
+        stdout,
+        stderr,
+        what: format!("{} ({command})", program.display()),
     }
 }
 
-/// Reads `pipe` to its end on a thread of its own, so that a full pipe never blocks the child.
-fn read_to_end_on_a_thread(
-    mut pipe: impl Read + Send + 'static,
-) -> std::thread::JoinHandle<String> {
+/// A process started by [`start_cni`].
+#[derive(Debug)]
+pub struct CniProcess {
+    child: Child,
+    feeder: Option<JoinHandle<()>>,
+    stdout: JoinHandle<Vec<u8>>,
+    stderr: JoinHandle<Vec<u8>>,
+    /// The program and its `CNI_COMMAND`, for messages.
+    what: String,
+}
+
+/// How a process started by [`start_cni`] ended.
+#[derive(Debug)]
+pub struct Ended {
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// Standard output (invalid UTF-8 replaced).
+    pub stdout: String,
+    /// Standard error (invalid UTF-8 replaced).
+    pub stderr: String,
+    /// It outlived the bound and was killed.
+    pub hung: bool,
+}
+
+impl From<Ended> for Outcome {
+    fn from(ended: Ended) -> Self {
+        Outcome {
+            status: ended.status.code().unwrap_or(-1),
+            stdout: ended.stdout,
+            stderr: ended.stderr,
+        }
+    }
+}
+
+impl CniProcess {
+    /// Sends it `SIGKILL`.
+    ///
+    /// # Errors
+    /// When it was already reaped.
+    pub fn kill(&mut self) -> std::io::Result<()> {
+        self.child.kill()
+    }
+
+    /// Waits until it ends; one still running after `hang_guard` is killed and reported as
+    /// hung. A bound that only turns a hang into a result, not a timing assertion.
+    ///
+    /// # Panics
+    /// When it cannot be waited for, or an output reader panicked.
+    pub fn wait_or_kill(mut self, hang_guard: Duration) -> Ended {
+        let deadline = Instant::now() + hang_guard;
+        let mut hung = false;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("poll the plugin") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                hung = true;
+                break self.child.wait().expect("reap the killed plugin");
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        };
+        if let Some(feeder) = self.feeder {
+            let _ = feeder.join();
+        }
+        let text = |reader: JoinHandle<Vec<u8>>| {
+            String::from_utf8_lossy(&reader.join().expect("an output reader")).into_owned()
+        };
+        Ended {
+            status,
+            stdout: text(self.stdout),
+            stderr: text(self.stderr),
+            hung,
+        }
+    }
+
+    /// As [`wait_or_kill`](Self::wait_or_kill), failing the test when it hung.
+    ///
+    /// # Panics
+    /// When it outlived `hang_guard`.
+    pub fn wait(self, hang_guard: Duration) -> Ended {
+        let what = self.what.clone();
+        let ended = self.wait_or_kill(hang_guard);
+        assert!(!ended.hung, "{what} hung: killed after {hang_guard:?}");
+        ended
+    }
+
+    /// As [`wait`](Self::wait), as an [`Outcome`].
+    ///
+    /// # Panics
+    /// As [`wait`](Self::wait).
+    pub fn finish(self, hang_guard: Duration) -> Outcome {
+        self.wait(hang_guard).into()
+    }
+}
+
+/// Reads `pipe` (if any) to its end on a thread of its own, so that a full pipe never blocks the
+/// child.
+fn read_to_end_on_a_thread(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<Vec<u8>> {
     std::thread::spawn(move || {
         let mut bytes = Vec::new();
-        let _ = pipe.read_to_end(&mut bytes);
-        String::from_utf8_lossy(&bytes).into_owned()
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
     })
 }
