@@ -4,11 +4,11 @@
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use backend_etcd::testing::EtcdServer;
 use backend_etcd::EtcdStore;
 use criterion::{criterion_group, criterion_main, Criterion};
 use etcd_client::{Client, Compare, CompareOp, TxnOp};
 use ipam_core::{KvStore, Op, Revision, Txn};
+use test_kit::etcd::EtcdServer;
 
 const PREFIX: &str = "/bench/";
 const VALUE: [u8; 64] = [7; 64];

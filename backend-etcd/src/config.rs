@@ -455,7 +455,7 @@ mod tests {
 
     #[test]
     fn plain_http_with_tls_files_is_invalid() {
-        let pki = crate::testing::TestPki::generate().expect("openssl");
+        let pki = test_kit::etcd::TestPki::generate().expect("openssl");
         let message = invalid_message(
             EtcdConfig::new(["http://h:1"])
                 .with_ca_cert(pki.ca_cert())
@@ -472,7 +472,7 @@ mod tests {
 
     #[test]
     fn tls_files_that_do_not_parse_are_invalid_and_named() {
-        let pki = crate::testing::TestPki::generate().expect("openssl");
+        let pki = test_kit::etcd::TestPki::generate().expect("openssl");
         let dir = tempfile::tempdir().expect("temp dir");
         let garbage = dir.path().join("garbage.pem");
         std::fs::write(

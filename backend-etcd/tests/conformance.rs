@@ -5,13 +5,13 @@
 use std::sync::{Arc, OnceLock};
 
 use async_trait::async_trait;
-use backend_etcd::testing::{unique_prefix, EtcdCluster, PrefixGuard};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use conformance::{MultiClientFactory, TestClients};
 use ipam_core::KvStore;
+use test_kit::etcd::{unique_prefix, EtcdCluster, PrefixGuard};
 
-conformance::kv_conformance_tests!(backend_etcd::testing::EtcdFactory::new());
-conformance::ipam_conformance_tests!(backend_etcd::testing::EtcdFactory::new());
+conformance::kv_conformance_tests!(test_kit::etcd::EtcdFactory::new());
+conformance::ipam_conformance_tests!(test_kit::etcd::EtcdFactory::new());
 conformance::multi_client_conformance_tests!(ClusterClients);
 
 /// Clients of a 3-member loopback cluster shared by this test binary (its watchdogs stop it when

@@ -6,13 +6,13 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend_etcd::testing::{
-    unique_prefix, EtcdCluster, EtcdFactory, EtcdServer, EtcdServerOptions, TestPki,
-};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use conformance::StoreFactory;
 use ipam_core::kv::{Read, ReadResult};
 use ipam_core::{KvError, KvStore, Revision};
+use test_kit::etcd::{
+    unique_prefix, EtcdCluster, EtcdFactory, EtcdServer, EtcdServerOptions, TestPki,
+};
 
 /// Short timeouts so that outages are reported quickly.
 fn quick(config: EtcdConfig) -> EtcdConfig {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_etcd::lease::{Holder, LeaseSession, LeasedKey};
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use backend_etcd::EtcdStore;
 use ipam_core::KvStore;
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 /// Polls `condition` every 50 ms for at most 30 s.
 async fn wait_until<F, Fut>(what: &str, mut condition: F)

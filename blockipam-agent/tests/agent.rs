@@ -356,7 +356,7 @@ async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
     );
     for (allowed, expect_ok) in [(vec![4242], false), (vec![NOBODY], true)] {
         let store: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
-        let agent = common::InProcessAgent::start(
+        let agent = common::InProcessAgent::serve_on_current_runtime(
             Arc::clone(&store),
             ServerConfig {
                 allowed_uids: allowed.clone(),

@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::{unique_prefix, EtcdCluster};
 use common::etcd_agents::{connect, ctl, netconf_with_pool, wait_until, Agent};
 use common::run_plugin;
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdCluster};
 
 const NODES: [&str; 3] = ["churn-0", "churn-1", "churn-2"];
 /// Agent settings: a 2 s liveness TTL (`Agent`), a short grace, the reclaimer every second.

@@ -51,7 +51,7 @@ async fn store_errors_cross_the_socket_with_their_kind_and_fields() {
         KvError::other("disk full"),
     ];
     for error in errors {
-        let agent = common::InProcessAgent::start(
+        let agent = common::InProcessAgent::serve_on_current_runtime(
             Arc::new(FailingStore(error.clone())),
             ServerConfig::default(),
         );
@@ -136,7 +136,7 @@ async fn socket_that_accepts_nothing_is_unavailable_within_the_connect_timeout()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_calls_share_one_connection_and_each_gets_its_own_answer() {
-    let agent = common::InProcessAgent::start(
+    let agent = common::InProcessAgent::serve_on_current_runtime(
         Arc::new(ipam_core::MemoryStore::new()),
         ServerConfig::default(),
     );
@@ -357,7 +357,7 @@ print('received', received, flush=True)
     );
 
     // A real agent, run by this process's user (root), is served.
-    let agent = common::InProcessAgent::start(
+    let agent = common::InProcessAgent::serve_on_current_runtime(
         Arc::new(ipam_core::MemoryStore::new()),
         ServerConfig::default(),
     );

@@ -22,7 +22,6 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend_etcd::testing::{unique_prefix, EtcdCluster};
 use backend_etcd::EtcdStore;
 use common::etcd_agents::{
     added_address, addresses_of, blocks_of, cni_add, connect, ctl, held_by, is_live, netconf,
@@ -32,6 +31,7 @@ use common::partition::PartitionProxy;
 use ipam_core::dead_nodes::agent_key;
 use ipam_core::{Ipam, KvStore};
 use serde_json::Value;
+use test_kit::etcd::{unique_prefix, EtcdCluster};
 
 #[test]
 fn killed_agents_node_is_reclaimed_after_the_grace_and_a_paused_one_that_returns_is_not() {
@@ -457,7 +457,7 @@ fn two_agents_of_one_node_name_one_stopping_never_gets_the_node_reclaimed() {
 /// socket anyway and registers its node once etcd answers.
 #[test]
 fn an_agent_started_while_etcd_is_down_serves_and_registers_once_etcd_is_back() {
-    let mut server = backend_etcd::testing::EtcdServer::start().expect("an etcd server");
+    let mut server = test_kit::etcd::EtcdServer::start().expect("an etcd server");
     let endpoint = server.endpoint();
     let prefix = unique_prefix();
     let dir = tempfile::tempdir().expect("temp dir");

@@ -83,7 +83,8 @@ const SHORT: Duration = Duration::from_millis(300);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_not_started_by_the_callers_deadline_never_lands() {
     let engine = Arc::new(OneWriterEngine::new());
-    let agent = common::InProcessAgent::start(engine.clone(), ServerConfig::default());
+    let agent =
+        common::InProcessAgent::serve_on_current_runtime(engine.clone(), ServerConfig::default());
     let first = Arc::new(agent.client().await);
     let second = agent.client().await;
     // Another call's commit holds the engine's writer.
@@ -114,7 +115,8 @@ async fn a_commit_not_started_by_the_callers_deadline_never_lands() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_after_a_commit_its_caller_gave_up_on_waits_for_the_outcome() {
     let engine = Arc::new(OneWriterEngine::new());
-    let agent = common::InProcessAgent::start(engine.clone(), ServerConfig::default());
+    let agent =
+        common::InProcessAgent::serve_on_current_runtime(engine.clone(), ServerConfig::default());
     let giving_up = agent.client().await;
     let next = Arc::new(agent.client().await);
     // A call's commit starts in time and then outlives its caller's deadline.
@@ -198,7 +200,8 @@ fn wire_put(key: &str) -> Request {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_nothing() {
     let store = Arc::new(ipam_core::MemoryStore::new());
-    let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
+    let agent =
+        common::InProcessAgent::serve_on_current_runtime(store.clone(), ServerConfig::default());
     let (mut stream, hello) = greeted(&agent, PROTOCOL_VERSION).await;
     assert!(
         matches!(hello, Response::Hello { protocol, .. } if protocol == PROTOCOL_VERSION),
@@ -230,7 +233,8 @@ async fn a_commit_read_after_its_deadline_is_refused_as_unavailable_and_writes_n
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_protocol_1_client_keeps_working_with_this_agent() {
     let store = Arc::new(ipam_core::MemoryStore::new());
-    let agent = common::InProcessAgent::start(store.clone(), ServerConfig::default());
+    let agent =
+        common::InProcessAgent::serve_on_current_runtime(store.clone(), ServerConfig::default());
     // Exactly what the previous release's client sends.
     let (mut stream, hello) = greeted(&agent, PROTOCOL_V1).await;
     assert!(
@@ -365,7 +369,7 @@ async fn a_plugin_call_that_gives_up_behind_a_commit_in_flight_writes_nothing_af
         served,
         ..ServerConfig::default()
     };
-    let agent = common::InProcessAgent::start(engine.clone(), config);
+    let agent = common::InProcessAgent::serve_on_current_runtime(engine.clone(), config);
     // Built (once per test binary) before anything is held.
     tokio::task::spawn_blocking(common::plugin)
         .await

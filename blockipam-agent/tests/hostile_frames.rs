@@ -23,7 +23,7 @@ const HOSTILE_REQUEST: [u8; 15] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_claiming_more_than_its_frame_closes_that_connection_and_the_agent_serves_on() {
-    let agent = common::InProcessAgent::start(
+    let agent = common::InProcessAgent::serve_on_current_runtime(
         Arc::new(ipam_core::MemoryStore::new()),
         ServerConfig::default(),
     );

@@ -7,8 +7,6 @@ pub mod calico;
 pub mod error;
 pub mod mapping;
 pub mod source;
-#[cfg(feature = "testing")]
-pub mod testing;
 pub mod writer;
 
 use std::sync::Arc;

@@ -9,9 +9,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use blockipam_import::testing::{
-    sample_cluster, CalicoBlockBuilder, CalicoFixture, SAMPLE_NETWORK,
-};
 use blockipam_import::writer::{self, planned_units};
 use blockipam_import::{
     inspect_target, map, marker_key, plan_import, CalicoSnapshot, ImportError, ImportPlan,
@@ -23,6 +20,8 @@ use ipam_core::{
     AutoAssignRequest, Clock, Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn,
 };
 use serde_json::{json, Value};
+use test_kit::block_on;
+use test_kit::calico::{sample_cluster, CalicoBlockBuilder, CalicoFixture, SAMPLE_NETWORK};
 
 fn snapshot(fixture: &CalicoFixture) -> CalicoSnapshot {
     CalicoSnapshot::parse(42, fixture.entries())
@@ -56,14 +55,6 @@ async fn written_to_memory(plan: &ImportPlan) -> Arc<dyn KvStore> {
         .await
         .expect("write and verify");
     store
-}
-
-fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(future)
 }
 
 #[test]

@@ -9,11 +9,11 @@ use std::process::Command;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use backend_etcd::testing::EtcdServer;
 use blockipam_load::{run, LoadConfig, Mode, OpKind, Report, StopRule, StoreTarget};
 use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
 use ipam_core::model::keys;
 use ipam_core::{KeyValue, KvError, KvStore, MemoryStore, Op, Read, ReadResult, Revision, Txn};
+use test_kit::etcd::EtcdServer;
 
 const BIN: &str = env!("CARGO_BIN_EXE_blockipam-load");
 
@@ -120,7 +120,7 @@ fn fifty_nodes_on_sled_through_the_api_leave_no_duplicate_and_a_clean_check() {
 
 /// Builds the plugin beside this package's binary and returns its path.
 fn build_plugin() -> PathBuf {
-    blockipam_store::testing::build_plugin_beside(Path::new(BIN))
+    test_kit::plugin::build_plugin_beside(Path::new(BIN))
 }
 
 #[test]

@@ -5,10 +5,10 @@
 
 use std::path::Path;
 
-use backend_etcd::testing::EtcdServer;
 use blockipam_load::{run, LoadConfig, LoadError, Mode, OpKind, Report, StopRule, StoreTarget};
 use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
 use std::time::Duration;
+use test_kit::etcd::EtcdServer;
 
 const BIN: &str = env!("CARGO_BIN_EXE_blockipam-load");
 
@@ -142,7 +142,7 @@ fn prefilled_allocations_are_not_measured_nor_leaked_and_are_all_present_at_the_
 
 #[test]
 fn many_plugin_processes_of_one_node_share_its_lock_on_redb_with_a_prefill() {
-    let plugin = blockipam_store::testing::build_plugin_beside(Path::new(BIN));
+    let plugin = test_kit::plugin::build_plugin_beside(Path::new(BIN));
     let dir = tempfile::tempdir().expect("temp dir");
     let settings = DatastoreSettings {
         backend: Backend::Redb {

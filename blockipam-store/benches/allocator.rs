@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::EtcdServer;
 use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings};
 use ipam_core::{
     AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, MemoryStore, PoolSpec, RoundTrips,
 };
+use test_kit::etcd::EtcdServer;
 
 const HOSTS: usize = 8;
 

@@ -5,8 +5,6 @@ pub mod countdowns;
 #[cfg(feature = "clap")]
 pub mod flags;
 pub mod seconds;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;

@@ -44,16 +44,12 @@ use std::time::{Duration, Instant};
 use std::ffi::OsString;
 
 use backend_agent::{AgentConfig, AgentStore};
-use backend_etcd::testing::{unique_prefix, EtcdServer};
 use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
 use ipam_core::{AutoAssignRequest, Ipam, IpamConfig, KvStore, Op, PoolSpec, Txn};
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer};
 
-#[allow(dead_code)]
-#[path = "../tests/common/agent.rs"]
-mod agent;
-
-use agent::InProcessAgent;
+use test_kit::agent::InProcessAgent;
 
 /// The test build of the plugin (glibc, dynamically linked): the breakdown's default comparison.
 const TEST_BUILD: &str = env!("CARGO_BIN_EXE_blockipam");
@@ -414,7 +410,7 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
                 extra.insert("agent_socket".into(), json!(socket));
             }
             Some(
-                InProcessAgent::start_with_flags(&socket, agent_store_flags)
+                InProcessAgent::run_binary_with_flags(&socket, agent_store_flags)
                     .unwrap_or_else(|e| panic!("start the agent: {e}")),
             )
         }
@@ -572,7 +568,7 @@ fn print_breakdown() {
         .into_iter()
         .chain([path.into(), "--create-if-missing".into()])
         .collect();
-    let _agent = InProcessAgent::start_with_flags(&socket, store_flags)
+    let _agent = InProcessAgent::run_binary_with_flags(&socket, store_flags)
         .unwrap_or_else(|e| panic!("start the agent: {e}"));
     if let Value::Object(extra) = &mut netconf_settings {
         extra.insert("agent_socket".into(), json!(socket));

@@ -8,39 +8,25 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::process::{Child, Command, Stdio};
 
 use blockipam_store::DatastoreType;
 use common::*;
 use serde_json::{json, Value};
+use test_kit::cni::{start_cni, CniProcess, HANG_GUARD};
 
 const PROCESSES: usize = 32;
 
-fn spawn(command: &str, container: &str, netconf: &Value) -> Child {
-    let mut child = Command::new(plugin_binary())
-        .env_clear()
-        .envs(cni_env(command, container, "eth0"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    let mut stdin = child.stdin.take().expect("stdin");
-    stdin
-        .write_all(netconf.to_string().as_bytes())
-        .expect("write the netconf");
-    drop(stdin);
-    child
+fn spawn(command: &str, container: &str, netconf: &Value) -> CniProcess {
+    start_cni(
+        plugin_binary(),
+        &[],
+        cni_env(command, container, "eth0"),
+        netconf.to_string().as_bytes(),
+    )
 }
 
-fn finish(child: Child) -> Outcome {
-    let output = child.wait_with_output().expect("wait");
-    Outcome {
-        status: output.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
+fn finish(process: CniProcess) -> Outcome {
+    process.finish(HANG_GUARD)
 }
 
 fn concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(store: DatastoreType) {
@@ -52,7 +38,7 @@ fn concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(store: Datast
         json!({"gateway": null, "ipam_lock_timeout_seconds": 120, "log_level": "warning"}),
     );
     let containers: Vec<String> = (0..PROCESSES).map(|i| format!("ctr{i:02}")).collect();
-    let children: Vec<Child> = containers
+    let children: Vec<CniProcess> = containers
         .iter()
         .map(|c| spawn("ADD", c, &netconf))
         .collect();
@@ -74,7 +60,7 @@ fn concurrent_adds_are_distinct_and_concurrent_dels_empty_the_pool(store: Datast
         .collect();
     assert_eq!(recorded, seen, "the store disagrees with what was printed");
 
-    let children: Vec<Child> = containers
+    let children: Vec<CniProcess> = containers
         .iter()
         .map(|c| spawn("DEL", c, &netconf))
         .collect();

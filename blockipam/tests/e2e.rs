@@ -10,13 +10,13 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use common::*;
 use serde_json::{json, Value};
+use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
 
 const PLUGIN_DIR: &str = "/usr/lib/cni";
 
@@ -123,36 +123,22 @@ fn main_plugin(
     cni_args: &str,
 ) -> Outcome {
     let blockipam_dir = plugin_binary().parent().expect("binary directory");
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", host_ns])
-        .arg(Path::new(PLUGIN_DIR).join(plugin))
-        .env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", container_id)
-        .env("CNI_NETNS", format!("/var/run/netns/{container_ns}"))
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_ARGS", cni_args)
-        .env(
-            "CNI_PATH",
-            format!("{}:{PLUGIN_DIR}", blockipam_dir.display()),
-        )
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the main plugin");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(netconf.to_string().as_bytes())
-        .expect("write the netconf");
-    let output = child.wait_with_output().expect("wait");
-    Outcome {
-        status: output.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
+    let main_plugin = Path::new(PLUGIN_DIR).join(plugin).display().to_string();
+    let mut env = full_cni_env(
+        command,
+        container_id,
+        "eth0",
+        &format!("/var/run/netns/{container_ns}"),
+        &format!("{}:{PLUGIN_DIR}", blockipam_dir.display()),
+    );
+    env.push(("CNI_ARGS".to_owned(), cni_args.to_owned()));
+    run_cni(
+        Path::new("ip"),
+        &["netns", "exec", host_ns, &main_plugin],
+        &env,
+        netconf.to_string().as_bytes(),
+        HANG_GUARD,
+    )
 }
 
 /// One ping from `from_ns`. iputils' exit status: 0 a reply came, 1 no reply (the packet left

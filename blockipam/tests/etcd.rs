@@ -11,11 +11,11 @@ use std::net::TcpListener;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use common::*;
 use ipam_core::Ipam;
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 fn server() -> &'static EtcdServer {
     match EtcdServer::try_shared() {

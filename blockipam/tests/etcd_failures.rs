@@ -17,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use backend_etcd::testing::{unique_prefix, EtcdCluster, EtcdServer};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam::args::CniArgs;
 use blockipam::commands::{self, Attachment};
@@ -25,6 +24,7 @@ use blockipam::netconf::{parse_netconf, NetConf};
 use common::*;
 use ipam_core::{Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn};
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdCluster, EtcdServer};
 
 /// A plugin process still running after this long is hung: it is killed and the test fails.
 /// This is only the safety net; what the tests assert is each call's code and message.

@@ -17,19 +17,18 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::io::Write;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam::protocol::SUPPORTED_VERSIONS;
 use blockipam_store::{Backend, DatastoreSettings, DatastoreType};
 use common::*;
 use ipam_core::KvStore;
 use serde_json::{json, Value};
+use test_kit::cni::start_cni;
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 /// Longest one plugin call may take before the row counts as a hang (not a timing assertion:
 /// a healthy call takes milliseconds).
@@ -805,60 +804,14 @@ struct Call {
     hung: bool,
 }
 
-/// Reads a pipe to its end on a thread of its own.
-fn drain(pipe: Option<impl std::io::Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_end(&mut bytes);
-        }
-        bytes
-    })
-}
-
 /// Runs the plugin with exactly `env` and `stdin`, killing it after [`HANG_BOUND`].
 fn run_plugin(env: &BTreeMap<OsString, OsString>, stdin: &[u8]) -> Call {
-    let mut child = Command::new(plugin_binary())
-        .env_clear()
-        .envs(env)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    let feeder = child.stdin.take().map(|mut pipe| {
-        let input = stdin.to_vec();
-        // The plugin may stop reading early (an environment error): a broken pipe is fine.
-        std::thread::spawn(move || {
-            let _ = pipe.write_all(&input);
-        })
-    });
-    let stdout = drain(child.stdout.take());
-    let stderr = drain(child.stderr.take());
-    let started = Instant::now();
-    let mut hung = false;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("poll the plugin") {
-            break status;
-        }
-        if started.elapsed() > HANG_BOUND {
-            let _ = child.kill();
-            hung = true;
-            break child.wait().expect("reap the killed plugin");
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    };
-    if let Some(feeder) = feeder {
-        let _ = feeder.join();
-    }
-    let text = |reader: std::thread::JoinHandle<Vec<u8>>| {
-        String::from_utf8_lossy(&reader.join().expect("pipe reader")).into_owned()
-    };
+    let ended = start_cni(plugin_binary(), &[], env, stdin).wait_or_kill(HANG_BOUND);
     Call {
-        status: status.code(),
-        stdout: text(stdout),
-        stderr: text(stderr),
-        hung,
+        status: ended.status.code(),
+        stdout: ended.stdout,
+        stderr: ended.stderr,
+        hung: ended.hung,
     }
 }
 

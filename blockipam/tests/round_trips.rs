@@ -11,12 +11,12 @@ use std::net::IpAddr;
 use std::path::Path;
 use std::sync::Arc;
 
-use backend_etcd::testing::{unique_prefix, EtcdServer};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam_store::DatastoreType;
 use common::*;
 use ipam_core::{Ipam, ReleaseRequest};
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer};
 
 /// One call's counts from the plugin's log.
 #[derive(Debug, Clone, PartialEq, Eq)]

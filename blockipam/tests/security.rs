@@ -15,12 +15,12 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, EtcdServerOptions, TestPki};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam_store::DatastoreType;
 use common::*;
 use ipam_core::KvStore;
 use serde_json::{json, Value};
+use test_kit::etcd::{unique_prefix, EtcdServer, EtcdServerOptions, TestPki};
 
 /// A plugin process still running after this long is hung: it is killed and the test fails.
 /// Only a safety net: each failing call's bound is its `timeout_seconds`.

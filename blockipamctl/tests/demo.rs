@@ -12,7 +12,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_blockipamctl");
 
 /// Builds the plugin beside this package's binary and returns its path.
 fn build_plugin() -> PathBuf {
-    blockipam_store::testing::build_plugin_beside(Path::new(BIN))
+    test_kit::plugin::build_plugin_beside(Path::new(BIN))
 }
 
 fn run_demo(dir: &Path, json: bool) -> (i32, String, String) {

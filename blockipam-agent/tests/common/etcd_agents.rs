@@ -7,11 +7,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::EtcdCluster;
 use backend_etcd::{EtcdConfig, EtcdStore};
 use ipam_core::dead_nodes::{agent_key, liveness_key, Registration};
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
+use test_kit::etcd::EtcdCluster;
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
 pub const TTL_SECONDS: &str = "2";

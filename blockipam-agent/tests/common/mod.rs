@@ -1,5 +1,5 @@
-//! Test helpers: an agent server in the test's own process on a temporary socket, the store
-//! factories that put it between the conformance suite and sled or redb, and process helpers.
+//! Test helpers: the store factories that put an in-process agent between the conformance suite
+//! and sled or redb, the plugin runner, and a fake agent's side of the protocol.
 
 #![allow(dead_code)]
 
@@ -15,75 +15,17 @@ use backend_agent::protocol::{
     encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
     StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
 };
-use backend_agent::{AgentConfig, AgentStore};
+use backend_agent::AgentStore;
 use backend_redb::{RedbConfig, RedbStore};
 use backend_sled::{SledConfig, SledStore};
-use blockipam_agent::{serve, ServerConfig};
+use blockipam_agent::ServerConfig;
 use conformance::embedded::EmbeddedFactory;
 use conformance::{StoreFactory, TestStore};
 use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
 use tokio::net::UnixStream;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
-/// An agent server running in this process, serving one store on a socket in its own temporary
-/// directory. Dropping it asks the server to stop (it finishes asynchronously).
-pub struct InProcessAgent {
-    pub socket: PathBuf,
-    stop: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<()>>,
-    _dir: tempfile::TempDir,
-}
-
-impl InProcessAgent {
-    /// Serves `store` with `config` on a new socket.
-    pub fn start(store: Arc<dyn KvStore>, config: ServerConfig) -> Self {
-        let dir = tempfile::tempdir().expect("a temp dir for the socket");
-        let socket = dir.path().join("agent.sock");
-        let (listener, guard) =
-            blockipam_agent::socket::bind(&socket, !config.allowed_uids.is_empty())
-                .expect("bind the agent socket");
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            serve(listener, store, config, async {
-                let _ = stopped.await;
-            })
-            .await;
-            drop(guard);
-        });
-        InProcessAgent {
-            socket,
-            stop: Some(stop),
-            task: Some(task),
-            _dir: dir,
-        }
-    }
-
-    /// A client of this agent.
-    pub async fn client(&self) -> AgentStore {
-        AgentStore::connect(AgentConfig::new(&self.socket))
-            .await
-            .expect("connect to the in-process agent")
-    }
-
-    /// Stops the server and waits until it has let go of the store.
-    pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(task) = self.task.take() {
-            task.await.expect("the agent server task");
-        }
-    }
-}
-
-impl Drop for InProcessAgent {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
+pub use test_kit::agent::InProcessAgent;
+use test_kit::cni::{full_cni_env, run_cni, Outcome};
 
 /// The embedded engine behind the agent.
 #[derive(Debug, Clone, Copy)]
@@ -126,14 +68,6 @@ pub struct ServedStore {
     agent: InProcessAgent,
 }
 
-impl std::fmt::Debug for InProcessAgent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InProcessAgent")
-            .field("socket", &self.socket)
-            .finish_non_exhaustive()
-    }
-}
-
 #[async_trait]
 impl KvStore for ServedStore {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
@@ -172,7 +106,7 @@ impl StoreFactory for AgentFactory {
             .open(&dir.path().join("store"), Duration::from_secs(10), true)
             .await
             .expect("open a fresh store");
-        let agent = InProcessAgent::start(store, ServerConfig::default());
+        let agent = InProcessAgent::serve_on_current_runtime(store, ServerConfig::default());
         let client = agent.client().await;
         TestStore {
             store: Arc::new(client),
@@ -193,7 +127,7 @@ impl EmbeddedFactory for AgentFactory {
             .backend
             .open(path, lock_wait, create_if_missing)
             .await?;
-        let agent = InProcessAgent::start(store, ServerConfig::default());
+        let agent = InProcessAgent::serve_on_current_runtime(store, ServerConfig::default());
         let client = agent.client().await;
         Ok(Arc::new(ServedStore { client, agent }))
     }
@@ -217,22 +151,9 @@ pub fn plugin() -> PathBuf {
     static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     PLUGIN
         .get_or_init(|| {
-            blockipam_store::testing::build_plugin_beside(Path::new(env!(
-                "CARGO_BIN_EXE_blockipam-agent"
-            )))
+            test_kit::plugin::build_plugin_beside(Path::new(env!("CARGO_BIN_EXE_blockipam-agent")))
         })
         .clone()
-}
-
-/// What one plugin call produced.
-#[derive(Debug)]
-pub struct PluginRun {
-    /// Exit status (-1 when killed by a signal).
-    pub status: i32,
-    /// Standard output.
-    pub stdout: String,
-    /// Standard error.
-    pub stderr: String,
 }
 
 /// Runs the real plugin once for `command` on `container` (interface eth0) with `netconf` on
@@ -243,53 +164,23 @@ pub fn run_plugin(
     container: &str,
     netconf: &serde_json::Value,
     hang_guard: Duration,
-) -> PluginRun {
-    use std::io::{Read as _, Write as _};
-    use std::process::{Command, Stdio};
+) -> Outcome {
     let plugin = plugin();
-    let mut child = Command::new(&plugin)
-        .env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", container)
-        .env("CNI_NETNS", "/var/run/netns/blockipam-agent-test")
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_PATH", plugin.parent().expect("plugin dir"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(netconf.to_string().as_bytes());
-    }
-    let mut stdout = child.stdout.take().expect("stdout");
-    let mut stderr = child.stderr.take().expect("stderr");
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let deadline = Instant::now() + hang_guard;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("poll the plugin") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the plugin ({command} {container}) hung for {hang_guard:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    PluginRun {
-        status: status.code().unwrap_or(-1),
-        stdout: out.join().expect("stdout reader"),
-        stderr: err.join().expect("stderr reader"),
-    }
+    let plugin_dir = plugin.parent().expect("plugin dir").display().to_string();
+    let env = full_cni_env(
+        command,
+        container,
+        "eth0",
+        "/var/run/netns/blockipam-agent-test",
+        &plugin_dir,
+    );
+    run_cni(
+        &plugin,
+        &[],
+        &env,
+        netconf.to_string().as_bytes(),
+        hang_guard,
+    )
 }
 
 /// The store a fake agent says it serves.

@@ -5,12 +5,8 @@
 //! runners for the real `blockipam` binary and the in-process library entry point.
 #![allow(dead_code)]
 
-pub mod agent;
-
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 use std::sync::Mutex;
 
@@ -18,7 +14,20 @@ use blockipam_store::{Backend, DatastoreSettings, DatastoreType};
 use ipam_core::{Ipam, KvStore};
 use serde_json::{json, Value};
 
-pub use agent::{InProcessAgent, Mode};
+pub use test_kit::agent::InProcessAgent;
+pub use test_kit::block_on;
+pub use test_kit::cni::{cni_env, Outcome};
+use test_kit::cni::{run_cni, HANG_GUARD};
+
+/// How the plugin under test reaches a sandbox's store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The plugin opens the store itself (no agent).
+    Direct,
+    /// An agent holds the store open and the netconf's `agent_socket` names its socket: the
+    /// plugin can only reach the store through it (the agent holds the store's lock).
+    Agent,
+}
 
 /// The test build of the plugin: the one with crash points (`BLOCKIPAM_FAULT`), which the crash
 /// tests need. Every other test runs [`plugin_binary`].
@@ -55,53 +64,6 @@ pub const NETWORK: &str = "testnet";
 
 /// The node name every netconf here uses.
 pub const NODE: &str = "node-a";
-
-/// What one invocation produced.
-#[derive(Debug, Clone)]
-pub struct Outcome {
-    /// Exit status.
-    pub status: i32,
-    /// Standard output, verbatim.
-    pub stdout: String,
-    /// Standard error, verbatim.
-    pub stderr: String,
-}
-
-impl Outcome {
-    /// Stdout parsed as JSON (panics with the whole outcome when it is not).
-    pub fn json(&self) -> Value {
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"))
-    }
-
-    /// Asserts success with empty stdout.
-    pub fn assert_silent_success(&self, what: &str) {
-        assert_eq!(self.status, 0, "{what} failed: {self:#?}");
-        assert_eq!(self.stdout, "", "{what} printed on stdout: {self:#?}");
-    }
-
-    /// Asserts success and returns the result JSON.
-    pub fn success_json(&self, what: &str) -> Value {
-        assert_eq!(self.status, 0, "{what} failed: {self:#?}");
-        self.json()
-    }
-
-    /// Asserts an error JSON with `code` (and the exact key set the spec defines) and
-    /// returns its message.
-    pub fn assert_error(&self, code: u64, what: &str) -> String {
-        assert_ne!(self.status, 0, "{what} should have failed: {self:#?}");
-        let value = self.json();
-        let object = value.as_object().expect("error is an object");
-        let keys: Vec<&str> = object.keys().map(String::as_str).collect();
-        assert_eq!(
-            keys,
-            vec!["cniVersion", "code", "details", "msg"],
-            "{what}: error JSON keys: {self:#?}"
-        );
-        assert_eq!(value["code"], json!(code), "{what}: wrong code: {self:#?}");
-        value["msg"].as_str().expect("msg is a string").to_owned()
-    }
-}
 
 /// A temporary directory holding one test's store, lock file and node-name file; in
 /// [`Mode::Agent`] also the agent serving that store (started by the first netconf or store
@@ -175,7 +137,11 @@ impl Sandbox {
         assert_eq!(self.mode, Mode::Agent, "start_agent in direct mode");
         let mut state = self.agent.lock().expect("agent state");
         if let AgentState::NotStarted = *state {
-            match InProcessAgent::start(&self.agent_socket(), self.store_type, &self.store_path()) {
+            match InProcessAgent::run_binary(
+                &self.agent_socket(),
+                self.store_type,
+                &self.store_path(),
+            ) {
                 Ok(agent) => *state = AgentState::Serving(agent),
                 Err(refusal) => {
                     *state = AgentState::Refused;
@@ -193,9 +159,12 @@ impl Sandbox {
         }
         let mut state = self.agent.lock().expect("agent state");
         if let AgentState::NotStarted = *state {
-            let agent =
-                InProcessAgent::start(&self.agent_socket(), self.store_type, &self.store_path())
-                    .unwrap_or_else(|e| panic!("the sandbox's agent did not start: {e}"));
+            let agent = InProcessAgent::run_binary(
+                &self.agent_socket(),
+                self.store_type,
+                &self.store_path(),
+            )
+            .unwrap_or_else(|e| panic!("the sandbox's agent did not start: {e}"));
             *state = AgentState::Serving(agent);
         }
     }
@@ -336,34 +305,6 @@ pub fn merge(base: &mut Value, extra: Value) {
     }
 }
 
-/// Runs a future on a fresh current-thread runtime.
-pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-        .block_on(future)
-}
-
-/// The environment of a call for `command` on container `container`, interface `ifname`.
-pub fn cni_env(command: &str, container: &str, ifname: &str) -> Vec<(String, String)> {
-    let mut env = vec![("CNI_COMMAND".to_owned(), command.to_owned())];
-    if matches!(command, "ADD" | "DEL" | "CHECK") {
-        env.push(("CNI_CONTAINERID".to_owned(), container.to_owned()));
-        env.push(("CNI_IFNAME".to_owned(), ifname.to_owned()));
-    }
-    if matches!(command, "ADD" | "CHECK") {
-        env.push((
-            "CNI_NETNS".to_owned(),
-            format!("/var/run/netns/{container}"),
-        ));
-    }
-    if command != "VERSION" {
-        env.push(("CNI_PATH".to_owned(), "/usr/lib/cni".to_owned()));
-    }
-    env
-}
-
 /// Runs the real binary with exactly `env` and `stdin`.
 pub fn exec(env: &[(String, String)], stdin: &[u8]) -> Outcome {
     exec_bin(plugin_binary(), env, stdin)
@@ -371,24 +312,7 @@ pub fn exec(env: &[(String, String)], stdin: &[u8]) -> Outcome {
 
 /// Runs `bin` with exactly `env` and `stdin`.
 pub fn exec_bin(bin: &Path, env: &[(String, String)], stdin: &[u8]) -> Outcome {
-    let mut child = Command::new(bin)
-        .env_clear()
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-    if let Some(mut input) = child.stdin.take() {
-        // A plugin may exit without reading (VERSION): a broken pipe is fine.
-        let _ = input.write_all(stdin);
-    }
-    let output = child.wait_with_output().expect("wait for the plugin");
-    Outcome {
-        status: output.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
+    run_cni(bin, &[], env, stdin, HANG_GUARD)
 }
 
 /// The CNI environment for `command` on (`container`, `ifname`), plus `extra_env`.
@@ -476,45 +400,11 @@ pub fn run_plugin_bounded(
     netconf: &Value,
     hang_guard: std::time::Duration,
 ) -> Outcome {
-    use std::io::Read as _;
-    let mut child = Command::new(plugin_binary())
-        .env_clear()
-        .envs(cni_env(command, container, "eth0"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the plugin");
-    if let Some(mut stdin) = child.stdin.take() {
-        let _ = stdin.write_all(netconf.to_string().as_bytes());
-    }
-    let mut stdout = child.stdout.take().expect("stdout pipe");
-    let mut stderr = child.stderr.take().expect("stderr pipe");
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let guard = std::time::Instant::now() + hang_guard;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for the plugin") {
-            break status;
-        }
-        if std::time::Instant::now() > guard {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{command} {container} hung: killed after {hang_guard:?}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    };
-    Outcome {
-        status: status.code().unwrap_or(-1),
-        stdout: out.join().expect("stdout reader"),
-        stderr: err.join().expect("stderr reader"),
-    }
+    run_cni(
+        plugin_binary(),
+        &[],
+        &cni_env(command, container, "eth0"),
+        netconf.to_string().as_bytes(),
+        hang_guard,
+    )
 }

@@ -8,16 +8,16 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeSet;
-use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
 use ipam_core::{AllocationInfo, Ipam};
 use serde_json::{json, Value};
+use test_kit::cni::{start_cni, HANG_GUARD};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 use crate::common::{block_on, cni_env, merge, Sandbox, BIN, NETWORK};
 
@@ -460,33 +460,22 @@ pub fn call(
         env.push(("BLOCKIPAM_FAULT".to_owned(), spec.clone()));
     }
     let started = Instant::now();
-    let mut child = Command::new(bin)
-        .env_clear()
-        .envs(env)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-    if let Some(mut input) = child.stdin.take() {
-        // A killed plugin may not read its input: a broken pipe is fine.
-        let _ = input.write_all(netconf.to_string().as_bytes());
-    }
+    let mut process = start_cni(bin, &[], env, netconf.to_string().as_bytes());
     if let Sabotage::KillAfter(delay) = sabotage {
         std::thread::sleep(*delay);
         // Fails only when the process was already reaped, which it cannot be here.
-        child.kill().expect("send SIGKILL to the plugin");
+        process.kill().expect("send SIGKILL to the plugin");
     }
-    let output = child.wait_with_output().expect("wait for the plugin");
+    let ended = process.wait(HANG_GUARD);
     Call {
         node,
         command: command.to_owned(),
         container: container.to_owned(),
         started,
         ended: Instant::now(),
-        status: output.status,
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+        status: ended.status,
+        stdout: ended.stdout,
+        stderr: ended.stderr,
     }
 }
 

@@ -10,10 +10,11 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
 use blockipam_store::{Backend as StoreBackend, DatastoreSettings, EtcdSettings};
 use ipam_core::{AutoAssignRequest, Ipam, KvStore};
 use serde_json::Value;
+use test_kit::cni::{full_cni_env, run_cni};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_blockipamctl");
@@ -74,14 +75,7 @@ macro_rules! on_every_backend {
     };
 }
 
-/// Runs `future` to completion on a fresh current-thread runtime.
-pub fn block_on<F: Future>(future: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
-        .block_on(future)
-}
+pub use test_kit::block_on;
 
 /// One fresh store and the flags that select it.
 pub struct Lab {
@@ -303,7 +297,6 @@ impl Lab {
         ipam: Value,
         top: Value,
     ) -> (i32, Value) {
-        use std::io::Write;
         let mut conf = serde_json::json!({
             "type": "blockipam",
             "datastore_type": self.type_name(),
@@ -326,42 +319,36 @@ impl Lab {
         if let (Some(netconf), Value::Object(extra)) = (netconf.as_object_mut(), top) {
             netconf.extend(extra);
         }
-        let plugin = blockipam_store::testing::build_plugin_beside(std::path::Path::new(BIN));
-        let mut child = Command::new(plugin)
-            .env_clear()
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", container)
-            .env("CNI_NETNS", "/var/run/netns/blockipamctl-test")
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", "/nonexistent")
-            .env(
-                "CNI_ARGS",
-                format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}"),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the plugin");
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(netconf.to_string().as_bytes())
-            .expect("write the netconf");
-        let output = child.wait_with_output().expect("the plugin ends");
+        let plugin = test_kit::plugin::build_plugin_beside(std::path::Path::new(BIN));
+        let mut env = full_cni_env(
+            command,
+            container,
+            "eth0",
+            "/var/run/netns/blockipamctl-test",
+            "/nonexistent",
+        );
+        env.push((
+            "CNI_ARGS".to_owned(),
+            format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}"),
+        ));
+        let output = run_cni(
+            &plugin,
+            &[],
+            &env,
+            netconf.to_string().as_bytes(),
+            HANG_GUARD,
+        );
         let stdout = if output.stdout.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+            serde_json::from_str(&output.stdout).unwrap_or_else(|e| {
                 panic!(
                     "the plugin's stdout is not JSON ({e}): {}\n{}",
-                    String::from_utf8_lossy(&output.stdout),
-                    String::from_utf8_lossy(&output.stderr)
+                    output.stdout, output.stderr
                 )
             })
         };
-        (output.status.code().unwrap_or(-1), stdout)
+        (output.status, stdout)
     }
 
     /// Allocates one IPv4 address for `handle` on `host` and returns it.

@@ -1,17 +1,16 @@
 //! `import calico`: a real etcd holds Calico-format objects (built from Calico's JSON shapes by
-//! `blockipam_import::testing`); the real `blockipamctl` imports them into sled, redb and etcd,
+//! `test_kit::calico`); the real `blockipamctl` imports them into sled, redb and etcd,
 //! then the real `blockipam` plugin releases an imported pod (same network name and container id)
 //! and allocates on an imported node without duplicating or handing out an address Calico left in
 //! IP cooldown. Refusals (unsupported block size, non-empty target) write nothing; a dry run
 //! writes nothing.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, PrefixGuard};
-use blockipam_import::testing::{sample_cluster, CalicoFixture, SAMPLE_NETWORK};
 use serde_json::{json, Value};
+use test_kit::calico::{sample_cluster, CalicoFixture, SAMPLE_NETWORK};
+use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
+use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 use crate::common::{assert_columns_line_up, block_on, Backend, Lab, BIN};
 
@@ -60,7 +59,7 @@ fn import(lab: &Lab, calico: &CalicoEtcd, extra: &[&str]) -> crate::common::Run 
 fn plugin() -> PathBuf {
     static PLUGIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     PLUGIN
-        .get_or_init(|| blockipam_store::testing::build_plugin_beside(Path::new(BIN)))
+        .get_or_init(|| test_kit::plugin::build_plugin_beside(Path::new(BIN)))
         .clone()
 }
 
@@ -82,32 +81,22 @@ fn cni(lab: &Lab, command: &str, container: &str, node: &str) -> (i32, Value, St
         None => ipam["datastore_path"] = json!(lab.path()),
     }
     let netconf = json!({"cniVersion": "1.0.0", "name": SAMPLE_NETWORK, "ipam": ipam});
-    let mut child = Command::new(plugin())
-        .env_clear()
-        .env("CNI_COMMAND", command)
-        .env("CNI_CONTAINERID", container)
-        .env("CNI_IFNAME", "eth0")
-        .env("CNI_NETNS", format!("/var/run/netns/{container}"))
-        .env("CNI_PATH", "/usr/lib/cni")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the blockipam plugin");
-    child
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(netconf.to_string().as_bytes())
-        .expect("write the netconf");
-    let output = child.wait_with_output().expect("wait for the plugin");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let value = serde_json::from_str(&stdout).unwrap_or(Value::Null);
-    (
-        output.status.code().unwrap_or(-1),
-        value,
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
+    let env = full_cni_env(
+        command,
+        container,
+        "eth0",
+        &format!("/var/run/netns/{container}"),
+        "/usr/lib/cni",
+    );
+    let output = run_cni(
+        &plugin(),
+        &[],
+        &env,
+        netconf.to_string().as_bytes(),
+        HANG_GUARD,
+    );
+    let value = serde_json::from_str(&output.stdout).unwrap_or(Value::Null);
+    (output.status, value, output.stderr)
 }
 
 fn holder(lab: &Lab, ip: &str) -> Option<String> {
@@ -331,9 +320,9 @@ fn source_flag_mistakes_are_usage_errors() {
 /// the certificate, the CA and a user whose role reads only Calico's prefix.
 #[test]
 fn import_reads_a_tls_etcd_with_client_certificates_and_a_user() {
-    use backend_etcd::testing::{EtcdServerOptions, TestPki};
     use backend_etcd::{EtcdConfig, EtcdStore};
     use ipam_core::KvStore;
+    use test_kit::etcd::{EtcdServerOptions, TestPki};
 
     let pki = TestPki::generate().expect("this test needs openssl");
     let server = EtcdServer::start_with(EtcdServerOptions {

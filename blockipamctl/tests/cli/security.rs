@@ -12,9 +12,9 @@ use std::os::unix::fs::{chown, symlink};
 use std::path::Path;
 use std::sync::OnceLock;
 
-use backend_etcd::testing::{unique_prefix, EtcdServer, EtcdServerOptions, TestPki};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use ipam_core::KvStore;
+use test_kit::etcd::{unique_prefix, EtcdServer, EtcdServerOptions, TestPki};
 
 use crate::common::{block_on, ctl, Backend, Lab, Run};
 

@@ -1,4 +1,4 @@
-//! Test helpers for other crates' tests (feature `testing`): building the `blockipam` plugin binary.
+//! The `blockipam` plugin binary for tests: building it beside a test's own binary.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,4 +1,4 @@
-//! Test helpers (feature `testing`): builders of Calico-format objects, as Calico's etcdv3 backend
+//! Builders of Calico-format objects, as Calico's etcdv3 backend
 //! stores them (JSON shapes of libcalico-go `model.AllocationBlock`, `BlockAffinity`, `IPAMHandle`,
 //! `IPAMConfig` and the v3 `IPPool` / `IPReservation` resources), and a writer putting them into a
 //! real etcd under a test's own prefix.
@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use ipnet::IpNet;
 use serde_json::{json, Value};
 
-use crate::calico::{
+use blockipam_import::calico::{
     cidr_segment, family_segment, RawEntry, CONFIG_KEY, POOLS_DIR, RESERVATIONS_DIR,
 };
 

@@ -1,0 +1,21 @@
+//! blockipam's test kit, a dev-dependency only: throwaway etcd servers, clusters and a test PKI
+//! ([`etcd`]), the agent run in the test's own process ([`agent`]), the plugin binary and the
+//! CNI calls that run it ([`plugin`], [`cni`]), and Calico-format fixtures ([`calico`]).
+
+pub mod agent;
+pub mod calico;
+pub mod cni;
+pub mod etcd;
+pub mod plugin;
+
+/// Runs `future` to completion on a fresh current-thread runtime.
+///
+/// # Panics
+/// When the runtime cannot be built.
+pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(future)
+}
