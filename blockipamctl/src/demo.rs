@@ -9,15 +9,14 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
+use blockipam_store::plugin_call::{self, PluginCall, PluginCallError};
 use blockipam_store::{Backend, DatastoreSettings};
 use ipam_core::{Ipam, Pool, PoolSpec, Utilization};
 use ipnet::IpNet;
 use serde::Serialize;
 use serde_json::{json, Value};
-use tokio::io::AsyncWriteExt;
 
 use crate::cli::{DemoArgs, ENV_PLUGIN};
 use crate::commands::show::{
@@ -38,8 +37,6 @@ pub const DEMO_POOL_NAME: &str = "demo";
 pub const DEMO_BLOCK_SIZE: u8 = 26;
 /// Longest one plugin call may take (the CNI timeout calico-ipam uses is 90 s).
 const PLUGIN_TIMEOUT: Duration = Duration::from_secs(120);
-/// `ETXTBSY`: the plugin binary is still open for writing somewhere (being replaced or just built).
-const TEXT_FILE_BUSY: i32 = 26;
 
 /// One simulated container.
 #[derive(Debug, Clone, Serialize)]
@@ -167,60 +164,30 @@ async fn run_plugin(
     netconf: &Value,
     env: &Env,
 ) -> Result<PluginRun, CtlError> {
-    let plugin_dir = plugin.parent().map(Path::to_path_buf).unwrap_or_default();
     let input = serde_json::to_vec(netconf)
         .map_err(|e| CtlError::failed(format!("internal error: cannot encode netconf: {e}")))?;
-    let mut attempts = 0;
-    let mut child = loop {
-        let mut command_line = tokio::process::Command::new(plugin);
-        command_line
-            .env_clear()
-            .env(
-                "PATH",
-                env.get("PATH")
-                    .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
-            )
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", container_id)
-            .env("CNI_NETNS", format!("/var/run/netns/{container_id}"))
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", &plugin_dir)
-            .env(
-                "CNI_ARGS",
-                format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME={container_id}"),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        match command_line.spawn() {
-            Ok(child) => break child,
-            Err(e) if e.raw_os_error() == Some(TEXT_FILE_BUSY) && attempts < 20 => {
-                attempts += 1;
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            Err(e) => {
-                return Err(CtlError::failed(format!(
-                    "cannot run the plugin {}: {e}",
-                    plugin.display()
-                )))
-            }
-        }
+    let path = env
+        .get("PATH")
+        .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+    let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME={container_id}");
+    let call = PluginCall {
+        plugin,
+        command,
+        container_id,
+        extra_env: &[("PATH", path), ("CNI_ARGS", &cni_args)],
     };
-    if let Some(mut stdin) = child.stdin.take() {
-        // A plugin that exits without reading its input is judged by its exit status, not here.
-        let _ = stdin.write_all(&input).await;
-        drop(stdin);
-    }
-    let output = tokio::time::timeout(PLUGIN_TIMEOUT, child.wait_with_output())
+    let output = plugin_call::run_plugin(&call, &input, Some(PLUGIN_TIMEOUT))
         .await
-        .map_err(|_| {
-            CtlError::failed(format!(
+        .map_err(|e| match e {
+            PluginCallError::TimedOut(_) => CtlError::failed(format!(
                 "the plugin did not finish {command} for {container_id} within {} s",
                 PLUGIN_TIMEOUT.as_secs()
-            ))
-        })?
-        .map_err(|e| CtlError::failed(format!("cannot run the plugin: {e}")))?;
+            )),
+            PluginCallError::Spawn(e) => {
+                CtlError::failed(format!("cannot run the plugin {}: {e}", plugin.display()))
+            }
+            PluginCallError::Wait(e) => CtlError::failed(format!("cannot run the plugin: {e}")),
+        })?;
     Ok(PluginRun {
         success: output.status.success(),
         status: match output.status.code() {

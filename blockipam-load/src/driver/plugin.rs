@@ -3,13 +3,12 @@
 //! `ipam_lock_file`) on stdin.
 
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use blockipam_store::plugin_call::{run_plugin, PluginCall};
 use blockipam_store::DatastoreSettings;
 use serde_json::{json, Value};
-use tokio::io::AsyncWriteExt;
 
 use crate::config::LoadConfig;
 
@@ -79,13 +78,6 @@ impl PluginRunner {
         }
         json!({"cniVersion": "1.0.0", "name": config.network, "type": "ptp", "ipam": ipam})
     }
-
-    fn cni_path(&self) -> PathBuf {
-        self.binary
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default()
-    }
 }
 
 impl PluginNode {
@@ -99,29 +91,18 @@ impl PluginNode {
 
     /// Runs one CNI command for `container` and returns its standard output.
     async fn call(&self, command: &str, container: &str) -> Result<Vec<u8>, String> {
-        let mut child = tokio::process::Command::new(&self.runner.binary)
-            .env_clear()
-            .env("CNI_COMMAND", command)
-            .env("CNI_CONTAINERID", container)
-            .env("CNI_NETNS", format!("/var/run/netns/{container}"))
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_PATH", self.runner.cni_path())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot run {}: {e}", self.runner.binary.display()))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(&self.netconf)
-                .await
-                .map_err(|e| format!("{command} {container}: cannot write the netconf: {e}"))?;
-        }
-        let output = child
-            .wait_with_output()
-            .await
-            .map_err(|e| format!("{command} {container}: {e}"))?;
+        let call = PluginCall {
+            plugin: &self.runner.binary,
+            command,
+            container_id: container,
+            extra_env: &[],
+        };
+        let output = run_plugin(&call, &self.netconf, None).await.map_err(|e| {
+            format!(
+                "{command} {container}: {}: {e}",
+                self.runner.binary.display()
+            )
+        })?;
         if output.status.success() {
             Ok(output.stdout)
         } else {
