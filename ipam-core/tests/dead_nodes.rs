@@ -924,3 +924,41 @@ async fn an_unreadable_registration_is_reported_and_the_other_nodes_are_still_ju
     assert_eq!(addresses_of(&ipam, "node-x").await, 2);
     assert_eq!(blocks_of(store.as_ref(), "node-x").await, 1);
 }
+
+/// A registration that says its blocks were released but carries no mark (written by hand, or
+/// left by an interrupted tool) is marked missing from scratch: its countdown runs in full before
+/// anything is decided, and its blocks are then released as for any dead node.
+#[tokio::test]
+async fn a_released_flag_without_a_mark_starts_a_fresh_countdown() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 1).await;
+    store
+        .put(
+            &agent_key("node-a"),
+            br#"{"node":"node-a","registered_at":1,"agent_version":"x","blocks_released":true}"#
+                .to_vec(),
+        )
+        .await
+        .expect("a registration flagged without a mark");
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
+    let marked = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered");
+    assert!(!marked.blocks_released, "{marked:?}");
+    assert!(matches!(
+        action_of(&pass(&store).await, "node-a"),
+        NodeAction::StillMissing { .. }
+    ));
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
+    grace_passes(store.as_ref(), "node-a").await;
+    assert!(matches!(
+        action_of(&pass(&store).await, "node-a"),
+        NodeAction::Reclaimed(_)
+    ));
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 0);
+    assert_eq!(addresses_of(&ipam, "node-a").await, 1);
+}

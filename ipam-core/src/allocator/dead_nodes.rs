@@ -722,9 +722,8 @@ async fn reclaim_dead(
         }
         Err(e) => return Err(e),
     };
+    // The registration still carries the mark the decision read (its revision is guarded).
     let registration = Registration {
-        missing_since: None,
-        missing_mark: Some(mark),
         blocks_released: true,
         ..node.registration.clone()
     };
