@@ -88,6 +88,19 @@ pub async fn pool_recarved_with_another_block_size_refuses_a_stale_guarded_relea
 /// What the racing ADD of the delete-pool regression case got.
 type RacerOutcome = Result<Vec<AssignedAddress>, IpamError>;
 
+/// The racing client's ADD: one address for handle `racer` on node `n9`.
+async fn racer_add(other: &Ipam) -> RacerOutcome {
+    other
+        .auto_assign(&AutoAssignRequest {
+            handle: "racer".into(),
+            host: "n9".into(),
+            num_v4: 1,
+            ..Default::default()
+        })
+        .await
+        .map(|r| r.v4)
+}
+
 /// Found by [`concurrent_tasks_hold_exactly_what_they_believe`] (the check reported "block
 /// 10.0.0.8/29 lies in no pool" after a task's `DeletePool a` raced another's `SetPoolDisabled a
 /// false` and `AutoAssign`). `delete_pool` disables the pool, lists its blocks, deletes those, then
@@ -108,16 +121,7 @@ pub async fn delete_pool_racing_an_enable_and_an_add_leaves_no_block_outside_poo
         let other = Ipam::new(inner);
         let enabled = other.set_pool_disabled("a", false).await;
         assert!(enabled.is_ok(), "re-enable: {enabled:?}");
-        let got = other
-            .auto_assign(&AutoAssignRequest {
-                handle: "racer".into(),
-                host: "n9".into(),
-                num_v4: 1,
-                ..Default::default()
-            })
-            .await
-            .map(|r| r.v4);
-        *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
+        *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(racer_add(&other).await);
     };
     let store = HookedStore::new(Arc::clone(&test_store.store));
     store.before_commit(writes_key(ipam_core::model::keys::pool("a"), false), hook);
@@ -162,16 +166,7 @@ pub async fn delete_pool_racing_a_recreation_under_the_same_name_leaves_no_block
         assert!(deleted.is_ok(), "the other client's delete: {deleted:?}");
         let created = other.create_pool(&menu_spec(4)).await;
         assert!(created.is_ok(), "the new pool a: {created:?}");
-        let got = other
-            .auto_assign(&AutoAssignRequest {
-                handle: "racer".into(),
-                host: "n9".into(),
-                num_v4: 1,
-                ..Default::default()
-            })
-            .await
-            .map(|r| r.v4);
-        *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(got);
+        *seen.lock().unwrap_or_else(|p| p.into_inner()) = Some(racer_add(&other).await);
     };
     let store = HookedStore::new(Arc::clone(&test_store.store));
     store.before_commit(writes_key(ipam_core::model::keys::pool("a"), true), hook);
