@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Drives containerd's CRI plugin over gRPC for blockipam/tests/cri.rs (the kubelet's path, without a kubelet).
+"""Drives containerd's CRI plugin over gRPC for blockipam/tests/system/cri.rs (the kubelet's path, without a kubelet).
 
 Run with Debian's /usr/bin/python3 (python3-grpcio, python3-protobuf) and protoc (protobuf-compiler).
 

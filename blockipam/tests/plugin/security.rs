@@ -7,7 +7,7 @@
 //! stdout, stderr or in the log file. An embedded store (sled or redb) whose path is a symbolic
 //! link, or that another user owns, is refused and left untouched.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::{chown, symlink};

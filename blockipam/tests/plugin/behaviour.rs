@@ -4,7 +4,7 @@
 //! container, specific addresses, recorded attributes, reservations, result shaping, DEL of
 //! Calico's legacy handle, GC and the in-process entry point.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -5,7 +5,7 @@
 //! lack of the lock, none corrupts the store); they never race inside the store. Real races between
 //! nodes (different node names and lock files, one store) are in `multinode.rs`.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 

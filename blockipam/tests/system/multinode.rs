@@ -23,8 +23,8 @@
 //! Size: `BLOCKIPAM_MULTINODE_ROUNDS` calls per node (default [`CI_ROUNDS`]);
 //! `BLOCKIPAM_MULTINODE_SEED` replays a run's choices.
 
-mod common;
-mod fleet;
+use crate::common;
+use crate::fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

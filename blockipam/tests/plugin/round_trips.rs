@@ -4,7 +4,7 @@
 //! DEL make two each: one batched read and one transaction. Also: the checks folded into that read
 //! still notice a missing reservation or a changed gateway.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;

@@ -7,7 +7,7 @@
 //! `KvError::Indeterminate` at every commit of an ADD/DEL sequence prove that a write whose
 //! outcome is unknown ends with no duplicate and no leak once the runtime retries.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::{Read as _, Write as _};

@@ -13,7 +13,7 @@
 //! `fuzz_seeds_and_corpus_replay_without_panic` replays the fuzz targets' committed seeds (and a
 //! local corpus, when `scripts/fuzz` left one) through the same parsers, as an ordinary test.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;

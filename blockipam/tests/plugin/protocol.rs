@@ -11,7 +11,7 @@
 //! `agent_mode_reaches_the_store_only_through_the_agent` shows that directly. The tests that
 //! never reach a store (VERSION, the about line, errors before any netconf is read) run once.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::process::{Command, Stdio};

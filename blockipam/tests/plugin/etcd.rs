@@ -4,7 +4,7 @@
 //! concurrent ADDs, and an unreachable or silent etcd giving code 11 (50 for STATUS) without
 //! hanging.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::net::TcpListener;

@@ -8,7 +8,7 @@
 //! address, which a new container then gets and answers at; DEL removes the allocations. Every link, route and sysctl the plugins change lives in
 //! namespaces these tests create and always delete.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! under a call that cannot know the network is new: the node would hand out addresses that its
 //! running pods, or other nodes, still hold. Each case runs the real binary on sled and on redb.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

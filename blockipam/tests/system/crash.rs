@@ -15,8 +15,8 @@
 //! Size: `BLOCKIPAM_CRASH_CALLS` sabotaged calls per backend (default [`CI_SABOTAGED_CALLS`]); the
 //! long run in `docs/reliability.md` uses 1000. `BLOCKIPAM_CRASH_SEED` replays a run's choices.
 
-mod common;
-mod fleet;
+use crate::common;
+use crate::fleet;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
