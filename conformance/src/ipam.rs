@@ -133,6 +133,7 @@ macro_rules! ipam_conformance_tests {
         $crate::reservations_conformance_tests!($factory);
         $crate::resize_conformance_tests!($factory);
         $crate::repair_conformance_tests!($factory);
+        $crate::upgrade_conformance_tests!($factory);
     };
 }
 

@@ -13,6 +13,7 @@ pub mod nodes;
 pub mod repair;
 pub mod reservations;
 pub mod resize;
+pub mod upgrade;
 
 use std::any::Any;
 use std::fmt;

@@ -10,9 +10,9 @@ pub mod kv;
 pub mod model;
 
 // The paths each part had before the layers, kept for the crates built on them.
-pub use allocator::{check, dead_nodes, network_setup};
+pub use allocator::{check, dead_nodes, network_setup, upgrade};
 pub use kv::{blocking, counting, lockfile, memory};
-pub use model::{error, formats, namespaces, nodes, reservations, selector};
+pub use model::{error, formats, namespaces, nodes, reservations, selector, store_format};
 
 pub use allocator::{
     AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,

@@ -67,6 +67,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
             node: "dead-node".into(),
             registered_at: now - 5000,
             agent_version: "test".into(),
+            reads_format: Some(4),
             missing_since: None,
             missing_mark: Some(MissingMark {
                 countdown_revision: 1,
@@ -86,6 +87,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
             node: "old-mark".into(),
             registered_at: now - 5000,
             agent_version: "0.0.9".into(),
+            reads_format: None,
             missing_since: Some(now - 2000),
             missing_mark: None,
             blocks_released: false,

@@ -6,6 +6,7 @@ use super::{
     AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
     NewBlockProbe, Plan, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
+use crate::allocator::upgrade::format_read;
 use crate::allocator::network_setup;
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
@@ -97,6 +98,7 @@ impl Ipam {
         let mut reads = vec![
             Read::List(keys::pools_dir()),
             Read::Get(keys::config()),
+                format_read(),
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
@@ -116,6 +118,7 @@ impl Ipam {
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
         let host_blocks: Vec<Stored<Block>> = next_listed(&mut results)?
             .into_iter()
@@ -624,6 +627,7 @@ impl Ipam {
             .read_many(&[
                 Read::List(keys::pools_dir()),
                 Read::Get(keys::config()),
+                format_read(),
                 Read::Get(handle_key.clone()),
                 Read::Get(keys::import_in_progress()),
                 Read::List(keys::reservations_dir()),
@@ -632,6 +636,7 @@ impl Ipam {
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
+        self.learn_format(next_got(&mut results)?).await?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
         // Only for the warning below: a damaged reservation must not stop an explicit assignment.

@@ -752,8 +752,17 @@ impl Ipam {
             let floor = self.store().get(&keys::sequence_floor()).await?;
             plan.raise_sequence_floor(floor)?;
         }
-        self.store().commit(plan.into_txn()).await?;
-        Ok(())
+        let txn = self.seal(plan.into_txn()).await?;
+        match self.store().commit(txn).await {
+            Ok(revision) => {
+                self.committed(revision);
+                Ok(())
+            }
+            Err(e) => {
+                self.forget_format();
+                Err(e.into())
+            }
+        }
     }
 }
 

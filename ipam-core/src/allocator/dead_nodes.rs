@@ -58,6 +58,10 @@ pub struct Activity {
     pub node: String,
     /// The version of the plugin that wrote it.
     pub plugin_version: String,
+    /// The newest stored format that plugin reads; absent in records of releases that predate
+    /// the format record (they read format 3 at most). Read by `blockipamctl upgrade`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads_format: Option<u8>,
 }
 
 impl Activity {
@@ -145,6 +149,10 @@ pub struct Registration {
     pub registered_at: u64,
     /// The version of the agent that registered.
     pub agent_version: String,
+    /// The newest stored format that agent reads; absent in registrations of releases that
+    /// predate the format record (they read format 3 at most). Read by `blockipamctl upgrade`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads_format: Option<u8>,
     /// A wall-clock mark that agents of earlier versions set (unix seconds). Read for display
     /// only; this version never decides on it, and clears it when it rewrites the registration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -192,6 +200,7 @@ pub async fn register(
         node: host.to_owned(),
         registered_at: now,
         agent_version: agent_version.to_owned(),
+        reads_format: Some(crate::model::FORMAT_VERSION),
         missing_since: None,
         missing_mark: None,
         blocks_released: false,
@@ -373,6 +382,7 @@ pub async fn survey(store: &dyn KvStore) -> Result<Vec<NodeStatus>, IpamError> {
                         node: host.clone(),
                         registered_at: 0,
                         agent_version: String::new(),
+                        reads_format: None,
                         missing_since: None,
                         missing_mark: None,
                         blocks_released: false,
@@ -774,6 +784,7 @@ mod tests {
         let record = Activity {
             node: "node-a".into(),
             plugin_version: "1.2.3".into(),
+            reads_format: Some(4),
         };
         let bytes = record.encode().expect("encode");
         let back: Activity = serde_json::from_slice(&bytes).expect("JSON");

@@ -39,6 +39,7 @@ mod queries;
 mod release;
 mod reservations;
 mod resize;
+pub mod upgrade;
 
 pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
 
@@ -483,6 +484,9 @@ struct NewBlockProbe {
     sequence_floor: u64,
 }
 
+/// Bytes a transaction keeps free for the format record's key and value (see `Ipam::seal`).
+const FORMAT_RECORD_ROOM: usize = 64;
+
 /// Accumulates the conditions and writes of one transaction, one entry per key.
 #[derive(Debug, Default)]
 pub(crate) struct Plan {
@@ -525,9 +529,10 @@ impl Plan {
 
     /// True when the transaction fits every store's limits (operations, conditions, bytes).
     pub fn fits_one_transaction(&self) -> bool {
-        self.writes.len() <= MAX_TXN_OPS
-            && self.conditions.len() <= MAX_TXN_CONDITIONS
-            && self.bytes() <= MAX_TXN_BYTES
+        // One more write and condition for the store's format record (see `Ipam::seal`).
+        self.writes.len() < MAX_TXN_OPS
+            && self.conditions.len() < MAX_TXN_CONDITIONS
+            && self.bytes() + FORMAT_RECORD_ROOM <= MAX_TXN_BYTES
     }
 
     /// The plan's size against the limits, for an error message.
@@ -691,6 +696,8 @@ pub struct Ipam {
     activity: Option<Arc<(String, Vec<u8>)>>,
     /// The caller's clock: stamps releases (IP cooldown) and block claims and emptying.
     clock: Clock,
+    /// The store's write format as last learned ([`upgrade`]).
+    format: self::upgrade::FormatCell,
 }
 
 impl Ipam {
@@ -702,6 +709,7 @@ impl Ipam {
             guard: Arc::from(Vec::new()),
             activity: None,
             clock: Clock::system(),
+            format: Default::default(),
         }
     }
 
@@ -748,6 +756,7 @@ impl Ipam {
         let record = crate::allocator::dead_nodes::Activity {
             node: host.to_owned(),
             plugin_version: plugin_version.to_owned(),
+            reads_format: Some(crate::model::FORMAT_VERSION),
         };
         self.activity = Some(Arc::new((
             crate::allocator::dead_nodes::activity_key(host),
@@ -818,16 +827,23 @@ impl Ipam {
         if !plan.fits_one_transaction() {
             return Err(IpamError::TooLarge(plan.describe_size()));
         }
+        let txn = self.seal(plan.into_txn()).await?;
         crate::fault::point(crate::fault::FaultPoint::BeforeCommit);
-        match self.store.commit(plan.into_txn()).await {
-            Ok(_) => {
+        match self.store.commit(txn).await {
+            Ok(revision) => {
+                self.committed(revision);
                 crate::fault::point(crate::fault::FaultPoint::AfterCommit);
                 Ok(Attempt::Done(value))
             }
             Err(KvError::Conflict { key }) if self.guard.iter().any(|c| c.key() == key) => {
                 Err(IpamError::GuardLost { key })
             }
-            Err(KvError::Conflict { .. }) => Ok(Attempt::Conflict),
+            Err(KvError::Conflict { key }) => {
+                if key == keys::store_format() {
+                    self.forget_format();
+                }
+                Ok(Attempt::Conflict)
+            }
             Err(e) => Err(e.into()),
         }
     }

@@ -467,11 +467,13 @@ impl Ipam {
     /// Replaces the IPAM configuration.
     ///
     /// # Errors
-    /// Store failures.
+    /// Store failures; [`IpamError::FormatNotFinalized`] for a setting the store's write format
+    /// cannot hold.
     pub async fn set_config(&self, config: &IpamConfig) -> Result<(), IpamError> {
         config.validate()?;
-        self.store.put(&keys::config(), encode(config)?).await?;
-        Ok(())
+        self.update_config(|current| *current = config.clone())
+            .await
+            .map(|_| ())
     }
 
     /// Changes the configuration with `change` applied to the current one, compare-and-swap: a

@@ -5,6 +5,7 @@ use super::{
     Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock, RELEASES_PER_TXN,
 };
 use crate::kv::{Read, Revision};
+use crate::allocator::upgrade::format_read;
 use crate::model::error::IpamError;
 use crate::model::{encode, keys, validate_handle, validate_host, Block, Handle};
 use ipnet::IpNet;
@@ -57,11 +58,16 @@ impl Ipam {
     ) -> Result<Attempt<ReleaseOutcome>, IpamError> {
         let mut results = self
             .store
-            .read_many(&[Read::List(keys::pools_dir()), Read::Get(keys::config())])
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::Get(keys::config()),
+                format_read(),
+            ])
             .await?
             .into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
         let mut outcome = ReleaseOutcome::default();
         // The block each address lies in, whatever its size (resize.rs).
@@ -188,11 +194,16 @@ impl Ipam {
         let key = keys::handle(handle_id);
         let mut results = self
             .store
-            .read_many(&[Read::Get(key.clone()), Read::Get(keys::config())])
+            .read_many(&[
+                Read::Get(key.clone()),
+                Read::Get(keys::config()),
+                format_read(),
+            ])
             .await?
             .into_iter();
         let handle_kv = next_got(&mut results)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
         let Some(kv) = handle_kv else {
             return Ok(Attempt::Done(Vec::new()));
@@ -255,12 +266,14 @@ impl Ipam {
                 Read::Get(key.clone()),
                 Read::List(keys::host_blocks_dir(host)),
                 Read::Get(keys::config()),
+                format_read(),
             ])
             .await?
             .into_iter();
         let handle_kv = next_got(&mut results)?;
         let host_blocks = next_listed(&mut results)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
         let Some(handle_kv) = handle_kv else {
             return Ok(Attempt::Done(ChosenRelease::default()));

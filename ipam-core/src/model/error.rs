@@ -177,6 +177,26 @@ pub enum IpamError {
     /// that can split their work do so on this error.
     #[error("the change does not fit one store transaction: {0}")]
     TooLarge(String),
+    /// A change needs a newer stored format than the store's writers use: the cluster's upgrade
+    /// to it is not finalized, so nodes of the previous release may still read the store.
+    #[error("{what} needs stored format {needs}, and this store's writers use format {writes} until the upgrade is finalized: once every node runs this release, run `blockipamctl upgrade finalize` (docs/upgrading.md)")]
+    FormatNotFinalized {
+        /// The change refused.
+        what: String,
+        /// The format the change needs.
+        needs: u8,
+        /// The format the store's writers use.
+        writes: u8,
+    },
+    /// The store's writers use a newer format than this build can write: a newer release
+    /// finalized its upgrade.
+    #[error("this store's writers use stored format {writes}, and this build writes formats up to {newest}: install the release that finalized the store's upgrade (docs/upgrading.md)")]
+    FormatTooNew {
+        /// The format the store records.
+        writes: u8,
+        /// The newest this build writes.
+        newest: u8,
+    },
     /// A bug: an invariant the code relies on did not hold.
     #[error("internal error: {0}")]
     Internal(String),

@@ -1,17 +1,20 @@
-//! Readers of the stored layouts older formats wrote: each old object is read into today's shape,
-//! with the defaults its missing fields had, and rewritten in the current format on its next write.
+//! The stored layouts older formats wrote: readers that bring each old object into today's shape
+//! (with the defaults its missing fields had), and the writer of format 3 that a store whose
+//! upgrade is not finalized still gets ([`downgrade`]).
 
 use std::any::Any;
 use std::collections::{BTreeMap, VecDeque};
 
 use ipnet::IpNet;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::model::error::IpamError;
 use crate::model::selector::Selector;
+use crate::model::keys;
+use crate::model::store_format::OLDEST_WRITABLE_FORMAT;
 use crate::model::{
-    decode_body, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry, IpamConfig,
-    Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS,
+    decode_body, encode, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry, IpamConfig,
+    Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION,
 };
 
 /// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed uses).
@@ -24,7 +27,7 @@ struct PoolFormat2 {
 }
 
 /// A block as formats 1 to 3 stored it (before claim and empty timestamps and cooling addresses).
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct BlockFormat3 {
     cidr: IpNet,
     affinity: Option<String>,
@@ -36,7 +39,7 @@ struct BlockFormat3 {
 }
 
 /// The IPAM config as formats 1 to 3 stored it (before IP cooldown and the reclaim age).
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct IpamConfigFormat3 {
     strict_affinity: bool,
     auto_allocate_blocks: bool,
@@ -44,7 +47,7 @@ struct IpamConfigFormat3 {
 }
 
 /// A claim index entry as formats 2 and 3 stored it (host and free count).
-#[derive(Deserialize)]
+#[derive(Serialize, Deserialize)]
 struct ClaimFormat3 {
     affinity: Option<String>,
     free: u32,
@@ -138,4 +141,82 @@ pub(crate) fn decode_older_claim(
         emptied_at: None,
         last_cooling_release: None,
     })
+}
+
+/// Rewrites `value`, an object this build encoded for `key` (in [`FORMAT_VERSION`]), in format
+/// `to`, the one the store's writers use. Values that are not versioned objects (the JSON records
+/// of agents, plugins and the format record) are returned as they are.
+///
+/// Format 3 has no place for what format 4 added: a block's claim and empty timestamps are left
+/// out (a reader then counts them as unknown, as for any block format 3 wrote); its cooling
+/// addresses become free ones, so none is lost; the IP cooldown and a changed empty-block reclaim
+/// age cannot be written at all ([`IpamError::FormatNotFinalized`]).
+///
+/// # Errors
+/// [`IpamError::FormatNotFinalized`] for a setting format `to` cannot hold;
+/// [`IpamError::Internal`] for a format this build cannot write.
+pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError> {
+    if to >= FORMAT_VERSION || value.first() != Some(&FORMAT_VERSION) {
+        return Ok(value);
+    }
+    if to < OLDEST_WRITABLE_FORMAT {
+        return Err(IpamError::Internal(format!(
+            "cannot write format {to}: the oldest this build writes is {OLDEST_WRITABLE_FORMAT}"
+        )));
+    }
+    let body = &value[1..];
+    let mut out = vec![to];
+    let blocks = keys::blocks_dir();
+    let claims = keys::claims_dir();
+    let rewritten = if key == keys::config() {
+        let config: IpamConfig = decode_body(key, body)?;
+        if config.ip_cooldown_seconds != 0 {
+            return Err(IpamError::FormatNotFinalized {
+                what: format!("an IP cooldown ({} s)", config.ip_cooldown_seconds),
+                needs: FORMAT_VERSION,
+                writes: to,
+            });
+        }
+        if config.empty_block_reclaim_seconds != DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS {
+            return Err(IpamError::FormatNotFinalized {
+                what: format!(
+                    "an empty-block reclaim age other than the default {DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS} s ({} s)",
+                    config.empty_block_reclaim_seconds
+                ),
+                needs: FORMAT_VERSION,
+                writes: to,
+            });
+        }
+        Some(encode(&IpamConfigFormat3 {
+            strict_affinity: config.strict_affinity,
+            auto_allocate_blocks: config.auto_allocate_blocks,
+            max_blocks_per_host: config.max_blocks_per_host,
+        })?)
+    } else if key.starts_with(&claims) {
+        let claim: crate::model::Claim = decode_body(key, body)?;
+        Some(encode(&ClaimFormat3 {
+            affinity: claim.affinity,
+            free: claim.free,
+        })?)
+    } else if key.starts_with(&blocks) {
+        let block: Block = decode_body(key, body)?;
+        let mut released = block.released;
+        released.extend(block.cooling.iter().map(|cooling| cooling.ordinal));
+        Some(encode(&BlockFormat3 {
+            cidr: block.cidr,
+            affinity: block.affinity,
+            sequence: block.sequence,
+            next_fresh: block.next_fresh,
+            released,
+            allocations: block.allocations,
+            attributes: block.attributes,
+        })?)
+    } else {
+        None
+    };
+    match rewritten {
+        Some(encoded) => out.extend_from_slice(&encoded[1..]),
+        None => out.extend_from_slice(body),
+    }
+    Ok(out)
 }

@@ -6,6 +6,12 @@ use ipnet::IpNet;
 
 use crate::model::{Block, ROOT};
 
+/// The store's format record: which stored-format version every writer writes
+/// ([`crate::model::store_format`]).
+pub fn store_format() -> String {
+    format!("{ROOT}format")
+}
+
 /// The IPAM configuration object.
 pub fn config() -> String {
     format!("{ROOT}config")

@@ -16,6 +16,7 @@ pub mod namespaces;
 pub mod nodes;
 pub mod reservations;
 pub mod selector;
+pub mod store_format;
 
 mod block;
 mod handle;
@@ -38,7 +39,8 @@ pub const ROOT: &str = "ipam/v1/";
 /// Older layouts are read by [`crate::model::formats`].
 pub const FORMAT_VERSION: u8 = 4;
 /// Oldest format version this build reads. Objects of an older version are rewritten in the
-/// current version the next time they are written (`docs/data-model.md`, "Format versions").
+/// format the store's writers use ([`store_format`]) the next time they are written
+/// (`docs/data-model.md`, "Format versions").
 pub const OLDEST_READABLE_FORMAT_VERSION: u8 = 1;
 
 /// Default IPv4 block prefix length (64 addresses), as Calico.

@@ -1,0 +1,309 @@
+//! Store format cases: writers write the format the store records (the previous release's until
+//! the upgrade is finalized), the record, the upgrade status and finalize, on every backend.
+
+use std::sync::Arc;
+
+use ipam_core::store_format::FormatRecord;
+use ipam_core::{Ipam, IpamConfig, IpamError, KvStore};
+
+use crate::ipam::{assert_clean, ipam_with_pool, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every store-format case into one `#[test]` inside a module `upgrade`.
+#[macro_export]
+macro_rules! upgrade_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(upgrade, $crate::upgrade, $factory;
+            a_new_store_records_the_current_format_with_its_first_write,
+            a_store_in_use_without_a_record_is_written_in_format_3_and_recorded_so,
+            settings_the_recorded_format_cannot_hold_are_refused_and_change_nothing,
+            finalize_refuses_while_a_node_may_read_an_older_format_unless_forced,
+            after_finalize_every_write_is_in_the_current_format,
+            a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one,
+            a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written,
+        );
+    };
+}
+
+const RECORD: &str = "ipam/v1/format";
+
+async fn recorded(store: &Arc<dyn KvStore>) -> Option<u8> {
+    let kv = store.get(RECORD).await.expect("get record")?;
+    Some(
+        FormatRecord::decode(&kv.key, &kv.value)
+            .expect("a format record")
+            .writes,
+    )
+}
+
+/// The format byte of every versioned object (blocks, claims, handles, pools, config).
+async fn object_formats(store: &Arc<dyn KvStore>) -> Vec<(String, u8)> {
+    let mut formats = Vec::new();
+    for kv in store.list("ipam/v1/").await.expect("list") {
+        let versioned = ["blocks/", "claims/", "handles/", "pools/", "config"]
+            .iter()
+            .any(|kind| kv.key.starts_with(&format!("ipam/v1/{kind}")));
+        if versioned {
+            formats.push((kv.key.clone(), kv.value[0]));
+        }
+    }
+    formats
+}
+
+/// A store as the previous release leaves it: in use (a pool, an allocation) and no record.
+async fn store_of_the_previous_release(factory: &impl StoreFactory) -> (crate::TestStore, Ipam) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.auto_assign(&v4("before", "old-1", 1))
+        .await
+        .expect("assign");
+    t.store.delete(RECORD).await.expect("delete the record");
+    let fresh = Ipam::new(Arc::clone(&t.store));
+    (t, fresh)
+}
+
+/// An empty store is new: its first write records this build's format, and writes it.
+pub async fn a_new_store_records_the_current_format_with_its_first_write<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    assert_eq!(recorded(&t.store).await, None);
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("create pool");
+    assert_eq!(recorded(&t.store).await, Some(ipam_core::model::FORMAT_VERSION));
+    ipam.auto_assign(&v4("h", "node-a", 1)).await.expect("assign");
+    for (key, format) in object_formats(&t.store).await {
+        assert_eq!(format, ipam_core::model::FORMAT_VERSION, "{key}");
+    }
+}
+
+/// A store in use without a record predates it: every write is in format 3, which the previous
+/// release reads, and the first write records format 3. This build still reads it all.
+pub async fn a_store_in_use_without_a_record_is_written_in_format_3_and_recorded_so<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = store_of_the_previous_release(factory).await;
+    ipam.auto_assign(&v4("after", "new-1", 1))
+        .await
+        .expect("assign on new-1");
+    ipam.auto_assign(&v4("borrow", "old-1", 1))
+        .await
+        .expect("assign on old-1");
+    ipam.update_config(|c| c.max_blocks_per_host = 30)
+        .await
+        .expect("config");
+    ipam.create_pool(&spec("10.9.0.0/24", "other", 26))
+        .await
+        .expect("create pool");
+    assert_eq!(recorded(&t.store).await, Some(3));
+    let written: Vec<(String, u8)> = object_formats(&t.store)
+        .await
+        .into_iter()
+        .filter(|(key, _)| !key.ends_with("handles/before") && !key.ends_with("pools/pool"))
+        .collect();
+    assert!(written.len() >= 5, "{written:?}");
+    for (key, format) in &written {
+        assert_eq!(*format, 3, "{key} was written in format {format}");
+    }
+    // Format 3's readers (this build's, for the claim index and blocks) read it all back.
+    assert_eq!(ipam.get_config().await.expect("config").max_blocks_per_host, 30);
+    assert_clean(&ipam).await;
+}
+
+/// Until finalize, a cooldown (which format 3 cannot hold) is refused with a clear error, and the
+/// store is unchanged.
+pub async fn settings_the_recorded_format_cannot_hold_are_refused_and_change_nothing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = store_of_the_previous_release(factory).await;
+    let before = t.store.list("ipam/v1/").await.expect("list");
+    let refused = ipam
+        .set_config(&IpamConfig {
+            ip_cooldown_seconds: 30,
+            ..IpamConfig::default()
+        })
+        .await
+        .expect_err("a cooldown needs format 4");
+    assert!(
+        matches!(
+            refused,
+            IpamError::FormatNotFinalized {
+                needs: 4,
+                writes: 3,
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    assert!(refused.to_string().contains("blockipamctl upgrade finalize"));
+    let after = t.store.list("ipam/v1/").await.expect("list");
+    assert_eq!(before, after, "a refused change writes nothing");
+}
+
+/// Finalize refuses while a node may read an older format: an agent registration of a release
+/// that does not say what it reads, or a node holding blocks whose plugin was never seen; with
+/// `force` it records format 4 in one write.
+pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_forced<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = store_of_the_previous_release(factory).await;
+    t.store
+        .put(
+            "ipam/v1/agents/old-2",
+            br#"{"node":"old-2","registered_at":1,"agent_version":"0.1.0"}"#.to_vec(),
+        )
+        .await
+        .expect("an older agent's registration");
+    let status = ipam.upgrade_status().await.expect("status");
+    assert_eq!(status.recorded, None);
+    assert_eq!(status.writes, 3);
+    let behind: Vec<&str> = status
+        .nodes
+        .iter()
+        .filter(|n| n.reads_format() < 4)
+        .map(|n| n.node.as_str())
+        .collect();
+    assert_eq!(behind, ["old-1", "old-2"]);
+    let refused = ipam.finalize_upgrade(false).await.expect_err("refused");
+    let message = refused.to_string();
+    assert!(message.contains("old-1") && message.contains("old-2"), "{message}");
+    assert_eq!(recorded(&t.store).await, None, "a refusal writes nothing");
+
+    // The nodes are upgraded: old-1's plugin records what it reads with its next call, old-2's
+    // agent registers again.
+    let upgraded = Ipam::new(Arc::clone(&t.store))
+        .recording_activity("old-1", "0.2.0")
+        .expect("activity");
+    upgraded
+        .auto_assign(&v4("upgraded", "old-1", 1))
+        .await
+        .expect("assign");
+    ipam_core::dead_nodes::register(t.store.as_ref(), "old-2", "0.2.0", 2)
+        .await
+        .expect("register");
+    let outcome = ipam.finalize_upgrade(false).await.expect("finalize");
+    assert!(outcome.changed);
+    assert_eq!(outcome.previous, Some(3));
+    assert_eq!(recorded(&t.store).await, Some(4));
+    let again = ipam.finalize_upgrade(false).await.expect("finalize again");
+    assert!(!again.changed, "finalizing twice changes nothing");
+
+    // Forced over a node that still reads format 3.
+    let (t, ipam) = store_of_the_previous_release(factory).await;
+    let outcome = ipam.finalize_upgrade(true).await.expect("forced");
+    assert_eq!(outcome.overridden.len(), 1, "{outcome:?}");
+    assert_eq!(recorded(&t.store).await, Some(4));
+}
+
+/// After finalize every object written is in format 4, and settings that need it are accepted.
+pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = store_of_the_previous_release(factory).await;
+    ipam.auto_assign(&v4("in-3", "new-1", 1))
+        .await
+        .expect("assign");
+    ipam.finalize_upgrade(true).await.expect("finalize");
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.auto_assign(&v4("in-4", "new-1", 1))
+        .await
+        .expect("assign");
+    ipam.set_config(&IpamConfig {
+        ip_cooldown_seconds: 30,
+        ..IpamConfig::default()
+    })
+    .await
+    .expect("a cooldown once finalized");
+    let formats = object_formats(&t.store).await;
+    let format_of = |part: &str| {
+        formats
+            .iter()
+            .find(|(key, _)| key.contains(part))
+            .unwrap_or_else(|| panic!("no key with {part} in {formats:?}"))
+            .1
+    };
+    assert_eq!(format_of("ipam/v1/config"), 4);
+    assert_eq!(format_of("handles/in-4"), 4);
+    assert_eq!(format_of("handles/in-3"), 3, "untouched objects keep their format");
+    assert_clean(&ipam).await;
+}
+
+/// An allocator that learned format 3 (an agent's, long-lived) and then writes after another
+/// finalized: its commit is conditioned on the record it learned, so it fails, re-reads the
+/// record and writes format 4; never format 3 over a finalized store.
+pub async fn a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, learner) = store_of_the_previous_release(factory).await;
+    learner
+        .create_pool(&spec("10.8.0.0/24", "learned-in-3", 26))
+        .await
+        .expect("pool");
+    assert_eq!(recorded(&t.store).await, Some(3));
+    let other_learner = Ipam::new(Arc::clone(&t.store));
+    other_learner
+        .auto_assign(&v4("learned", "new-1", 1))
+        .await
+        .expect("assign");
+    Ipam::new(Arc::clone(&t.store))
+        .finalize_upgrade(true)
+        .await
+        .expect("finalize");
+    // A write it still thinks goes in format 3: the commit fails on the record and is redone.
+    learner
+        .create_pool(&spec("10.7.0.0/24", "after-finalize", 26))
+        .await
+        .expect("pool after finalize");
+    let formats = object_formats(&t.store).await;
+    let pool = formats
+        .iter()
+        .find(|(key, _)| key.ends_with("pools/after-finalize"))
+        .expect("the pool");
+    assert_eq!(pool.1, 4, "{formats:?}");
+    // A setting it thinks format 3 cannot hold: refused only after reading the record again.
+    other_learner
+        .set_config(&IpamConfig {
+            ip_cooldown_seconds: 30,
+            ..IpamConfig::default()
+        })
+        .await
+        .expect("a cooldown once finalized, by an allocator that learned format 3");
+    assert_eq!(recorded(&t.store).await, Some(4));
+}
+
+/// A record naming a format newer than this build writes (a newer release finalized the store):
+/// every write is refused with an error that says so, and nothing is written.
+pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    t.store
+        .put(RECORD, br#"{"writes":9}"#.to_vec())
+        .await
+        .expect("a newer record");
+    let before = t.store.list("ipam/v1/").await.expect("list");
+    let fresh = Ipam::new(Arc::clone(&t.store));
+    let refused = fresh
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(refused, IpamError::FormatTooNew { writes: 9, newest: 4 }),
+        "{refused:?}"
+    );
+    let refused = ipam
+        .create_pool(&spec("10.9.0.0/24", "other", 26))
+        .await
+        .expect_err("refused");
+    assert!(matches!(refused, IpamError::FormatTooNew { .. }), "{refused:?}");
+    assert_eq!(before, t.store.list("ipam/v1/").await.expect("list"));
+}
