@@ -1,12 +1,14 @@
 //! blockipam's test kit, a dev-dependency only: throwaway etcd servers, clusters and a test PKI
 //! ([`etcd`]), the agent run in the test's own process ([`agent`]), the plugin binary and the
-//! CNI calls that run it ([`plugin`], [`cni`]), and Calico-format fixtures ([`calico`]).
+//! CNI calls that run it ([`plugin`], [`cni`]), the previous release's binaries ([`previous`]),
+//! and Calico-format fixtures ([`calico`]).
 
 pub mod agent;
 pub mod calico;
 pub mod cni;
 pub mod etcd;
 pub mod plugin;
+pub mod previous;
 
 /// Runs `future` to completion on a fresh current-thread runtime.
 ///

@@ -1,0 +1,157 @@
+//! The previous release's binaries (plugin, CLI, agent), built by `scripts/build-previous`, for the tests that run it beside today's build.
+
+use std::path::{Path, PathBuf};
+
+/// The commit the previous release is built from: the last one whose binaries write stored-format
+/// version 3. `scripts/build-previous` pins the same commit.
+pub const PREVIOUS_COMMIT: &str = "ff39a16";
+
+/// Environment variable naming the directory that holds the previous release's executables
+/// (what `scripts/build-previous` prints); `scripts/test` sets it.
+pub const PREVIOUS_BIN_ENV: &str = "BLOCKIPAM_PREVIOUS_BIN";
+
+/// The script that builds the previous release, relative to the workspace.
+pub const BUILD_SCRIPT: &str = "scripts/build-previous";
+
+/// The previous release's executables, all three present.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreviousRelease {
+    bin_dir: PathBuf,
+}
+
+impl PreviousRelease {
+    /// The directory [`PREVIOUS_BIN_ENV`] names, else `previous/<commit>/bin` under
+    /// `CARGO_TARGET_DIR` (when set) or the workspace's `target/`, as `scripts/build-previous`
+    /// places it.
+    pub fn bin_dir_to_use() -> PathBuf {
+        if let Some(dir) = std::env::var_os(PREVIOUS_BIN_ENV).filter(|d| !d.is_empty()) {
+            return PathBuf::from(dir);
+        }
+        let workspace = workspace_root();
+        let target = match std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+            Some(dir) => workspace.join(dir),
+            None => workspace.join("target"),
+        };
+        target.join("previous").join(PREVIOUS_COMMIT).join("bin")
+    }
+
+    /// The previous release in [`bin_dir_to_use`](Self::bin_dir_to_use).
+    ///
+    /// # Errors
+    /// A message naming the missing executables and the command that builds them.
+    pub fn try_locate() -> Result<PreviousRelease, String> {
+        Self::in_dir(&Self::bin_dir_to_use())
+    }
+
+    /// The previous release in `bin_dir`.
+    ///
+    /// # Errors
+    /// As [`try_locate`](Self::try_locate).
+    pub fn in_dir(bin_dir: &Path) -> Result<PreviousRelease, String> {
+        let release = PreviousRelease {
+            bin_dir: bin_dir.to_owned(),
+        };
+        let missing: Vec<String> = [release.plugin(), release.cli(), release.agent()]
+            .iter()
+            .filter(|path| !path.is_file())
+            .map(|path| path.display().to_string())
+            .collect();
+        if missing.is_empty() {
+            return Ok(release);
+        }
+        Err(format!(
+            "the previous release's binaries (commit {PREVIOUS_COMMIT}) are missing: {}; build them \
+             with `{BUILD_SCRIPT}` (it prints their directory; `scripts/test` runs it and sets \
+             {PREVIOUS_BIN_ENV}), or point {PREVIOUS_BIN_ENV} at a directory holding blockipam, \
+             blockipamctl and blockipam-agent of that commit",
+            missing.join(", ")
+        ))
+    }
+
+    /// As [`try_locate`](Self::try_locate).
+    ///
+    /// # Panics
+    /// When a binary is missing, with the message of [`try_locate`](Self::try_locate): a test
+    /// that needs the previous release fails, never skips.
+    pub fn locate() -> PreviousRelease {
+        Self::try_locate().unwrap_or_else(|message| panic!("{message}"))
+    }
+
+    /// The directory holding the executables.
+    pub fn bin_dir(&self) -> &Path {
+        &self.bin_dir
+    }
+
+    /// The CNI plugin, `blockipam`.
+    pub fn plugin(&self) -> PathBuf {
+        self.bin_dir.join("blockipam")
+    }
+
+    /// The operator CLI, `blockipamctl`.
+    pub fn cli(&self) -> PathBuf {
+        self.bin_dir.join("blockipamctl")
+    }
+
+    /// The node agent, `blockipam-agent`.
+    pub fn agent(&self) -> PathBuf {
+        self.bin_dir.join("blockipam-agent")
+    }
+
+    /// The commit the binaries were built from.
+    pub fn commit(&self) -> &'static str {
+        PREVIOUS_COMMIT
+    }
+}
+
+/// The workspace's root directory (the test kit's parent).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the test kit sits in the workspace")
+        .to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_build_script_pins_the_same_commit() {
+        let script_path = workspace_root().join(BUILD_SCRIPT);
+        let script = std::fs::read_to_string(&script_path)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", script_path.display()));
+        let pinned: Vec<&str> = script
+            .lines()
+            .filter_map(|line| line.strip_prefix("previous_commit="))
+            .collect();
+        assert_eq!(
+            pinned,
+            vec![PREVIOUS_COMMIT],
+            "{BUILD_SCRIPT} pins {pinned:?}"
+        );
+    }
+
+    #[test]
+    fn a_directory_without_the_binaries_is_refused_naming_the_build_script() {
+        let empty = tempfile::tempdir().expect("a temp dir");
+        let message = PreviousRelease::in_dir(empty.path()).expect_err("no binaries there");
+        assert!(message.contains(BUILD_SCRIPT), "{message}");
+        for name in ["blockipam", "blockipamctl", "blockipam-agent"] {
+            let path = empty.path().join(name).display().to_string();
+            assert!(message.contains(&path), "{message} does not name {path}");
+        }
+    }
+
+    #[test]
+    fn a_directory_with_all_three_binaries_is_the_previous_release() {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        for name in ["blockipam", "blockipamctl", "blockipam-agent"] {
+            std::fs::write(dir.path().join(name), b"").expect("write a stand-in");
+        }
+        let release = PreviousRelease::in_dir(dir.path()).expect("all three are there");
+        assert_eq!(release.cli(), dir.path().join("blockipamctl"));
+        assert_eq!(release.agent(), dir.path().join("blockipam-agent"));
+        assert_eq!(release.plugin(), dir.path().join("blockipam"));
+        assert_eq!(release.commit(), PREVIOUS_COMMIT);
+    }
+}
