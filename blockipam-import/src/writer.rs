@@ -3,6 +3,7 @@
 //! import is detected and resumed (or refused) by the next run; and the verification that runs
 //! before the marker is removed.
 
+use ipam_core::store_format::FormatRecord;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -183,7 +184,18 @@ pub async fn write(
                     Txn::new()
                         .when(Condition::absent(&marker_key))
                         .when(Condition::absent(keys::config()))
-                        .then(Op::put(&marker_key, encode(&marker)?)),
+                        .when(Condition::absent(keys::store_format()))
+                        .then(Op::put(&marker_key, encode(&marker)?))
+                        // A new store: every writer writes this build's format (the import
+                        // carries settings, such as Calico's IP cooldown, that only it holds).
+                        .then(Op::put(
+                            keys::store_format(),
+                            FormatRecord {
+                                writes: ipam_core::model::FORMAT_VERSION,
+                            }
+                            .encode()
+                            .map_err(|e| ImportError::Target(e.to_string()))?,
+                        )),
                 )
                 .await
                 .map_err(|e| {
@@ -206,7 +218,9 @@ pub async fn write(
                 .collect();
             let present = target.list(ROOT).await?;
             let mut done = BTreeSet::new();
-            for kv in present.iter().filter(|kv| kv.key != marker_key) {
+            // The marker and the format record were written together, first.
+            let written_first = [marker_key.clone(), keys::store_format()];
+            for kv in present.iter().filter(|kv| !written_first.contains(&kv.key)) {
                 if planned.get(kv.key.as_str()) != Some(&kv.value.as_slice()) {
                     return Err(ImportError::Target(format!(
                         "the interrupted import's key {} differs from what this import would write \

@@ -165,6 +165,31 @@ pub enum Command {
     Import(ImportCommand),
     /// Run the real blockipam plugin through the CNI protocol against a local sled store.
     Demo(DemoArgs),
+    /// Rolling upgrades: the stored format every writer writes, what each node reads, and the
+    /// finalize that lets writers use this release's format.
+    #[command(subcommand)]
+    Upgrade(UpgradeCommand),
+}
+
+/// `upgrade` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum UpgradeCommand {
+    /// Show the format the store records, the one writers write, what this build reads, and what
+    /// each node's agent and plugin read (exit 1 while a node may read only an older format).
+    Status,
+    /// Record this release's format as the one every writer writes, in one compare-and-swap;
+    /// refused while a node may read only an older format, unless --force. Binaries of the
+    /// previous release refuse the store afterwards.
+    Finalize(UpgradeFinalizeArgs),
+}
+
+/// `upgrade finalize`.
+#[derive(Debug, Args)]
+pub struct UpgradeFinalizeArgs {
+    /// Finalize although nodes may read only an older format: their binaries will refuse the
+    /// store until they are upgraded
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `pool` subcommands.

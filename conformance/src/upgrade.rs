@@ -71,8 +71,13 @@ pub async fn a_new_store_records_the_current_format_with_its_first_write<F: Stor
     ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
         .await
         .expect("create pool");
-    assert_eq!(recorded(&t.store).await, Some(ipam_core::model::FORMAT_VERSION));
-    ipam.auto_assign(&v4("h", "node-a", 1)).await.expect("assign");
+    assert_eq!(
+        recorded(&t.store).await,
+        Some(ipam_core::model::FORMAT_VERSION)
+    );
+    ipam.auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect("assign");
     for (key, format) in object_formats(&t.store).await {
         assert_eq!(format, ipam_core::model::FORMAT_VERSION, "{key}");
     }
@@ -109,7 +114,10 @@ pub async fn a_store_in_use_without_a_record_is_written_in_format_3_and_recorded
         assert_eq!(*format, 3, "{key} was written in format {format}");
     }
     // Format 3's readers (this build's, for the claim index and blocks) read it all back.
-    assert_eq!(ipam.get_config().await.expect("config").max_blocks_per_host, 30);
+    assert_eq!(
+        ipam.get_config().await.expect("config").max_blocks_per_host,
+        30
+    );
     assert_clean(&ipam).await;
 }
 
@@ -140,7 +148,9 @@ pub async fn settings_the_recorded_format_cannot_hold_are_refused_and_change_not
         ),
         "{refused:?}"
     );
-    assert!(refused.to_string().contains("blockipamctl upgrade finalize"));
+    assert!(refused
+        .to_string()
+        .contains("blockipamctl upgrade finalize"));
     let after = t.store.list("ipam/v1/").await.expect("list");
     assert_eq!(before, after, "a refused change writes nothing");
 }
@@ -173,7 +183,10 @@ pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_force
     assert_eq!(behind, ["old-1", "old-2"]);
     let refused = ipam.finalize_upgrade(false).await.expect_err("refused");
     let message = refused.to_string();
-    assert!(message.contains("old-1") && message.contains("old-2"), "{message}");
+    assert!(
+        message.contains("old-1") && message.contains("old-2"),
+        "{message}"
+    );
     assert_eq!(recorded(&t.store).await, None, "a refusal writes nothing");
 
     // The nodes are upgraded: old-1's plugin records what it reads with its next call, old-2's
@@ -229,7 +242,11 @@ pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory
     };
     assert_eq!(format_of("ipam/v1/config"), 4);
     assert_eq!(format_of("handles/in-4"), 4);
-    assert_eq!(format_of("handles/in-3"), 3, "untouched objects keep their format");
+    assert_eq!(
+        format_of("handles/in-3"),
+        3,
+        "untouched objects keep their format"
+    );
     assert_clean(&ipam).await;
 }
 
@@ -297,13 +314,22 @@ pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_wr
         .await
         .expect_err("refused");
     assert!(
-        matches!(refused, IpamError::FormatTooNew { writes: 9, newest: 4 }),
+        matches!(
+            refused,
+            IpamError::FormatTooNew {
+                writes: 9,
+                newest: 4
+            }
+        ),
         "{refused:?}"
     );
     let refused = ipam
         .create_pool(&spec("10.9.0.0/24", "other", 26))
         .await
         .expect_err("refused");
-    assert!(matches!(refused, IpamError::FormatTooNew { .. }), "{refused:?}");
+    assert!(
+        matches!(refused, IpamError::FormatTooNew { .. }),
+        "{refused:?}"
+    );
     assert_eq!(before, t.store.list("ipam/v1/").await.expect("list"));
 }

@@ -14,6 +14,7 @@ pub mod release;
 pub mod reservation;
 pub mod show;
 pub mod tunnel;
+pub mod upgrade;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::model::Family;
@@ -77,6 +78,10 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
             blocks::release_empty(&store, args).await
         }
         Command::Gc(args) => gc::run(ctx, &store, args).await,
+        Command::Upgrade(crate::cli::UpgradeCommand::Status) => upgrade::status(&store).await,
+        Command::Upgrade(crate::cli::UpgradeCommand::Finalize(args)) => {
+            upgrade::finalize(&store, args).await
+        }
         Command::Migrate(args) => {
             let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;
             migrate::run(ctx, &store, args, etcd_request_timeout).await

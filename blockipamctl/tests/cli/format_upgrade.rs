@@ -1,8 +1,9 @@
 //! Format upgrade: stores written by formats 1, 2 and 3 (`fixtures/format-v1` to `format-v3`,
 //! each made by that release's own binaries) open, check clean and keep working through the real
 //! binaries on sled, redb and etcd (etcd receives the redb fixture through `migrate`, a raw copy);
-//! the objects that later calls write are rewritten in the current format, the others stay as they
-//! were. Their pools read with Calico's defaults (node selector `all()`, automatic, workload and
+//! until `upgrade finalize` the objects that later calls write are rewritten in format 3 (what the
+//! previous release reads), after it in the current format; the others stay as they were. Finalize
+//! is refused while a node that holds blocks was never seen with this release. Their pools read with Calico's defaults (node selector `all()`, automatic, workload and
 //! tunnel) and take the new settings through `pool set`; their config reads with no IP cooldown and
 //! the default reclaim age; their blocks, which never recorded when they were claimed or emptied,
 //! take IP cooldown and the release of empty blocks.
@@ -198,22 +199,46 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
     } else {
         "10.80.0.48/28"
     };
+    // The store predates the format record: until finalize, writers write format 3, which the
+    // previous release's nodes still read.
     let (written_format, free) = claim_of(&lab, block_of_new);
-    assert_eq!(written_format, ipam_core::model::FORMAT_VERSION);
+    assert_eq!(written_format, 3);
     assert!(free.is_some(), "a rewritten entry records the free count");
     assert_eq!(claim_of(&lab, UNTOUCHED_BLOCK), untouched_claim);
 
-    // An old pool takes a node selector: it is rewritten in the current format, and the
-    // netconf, which names it, still allocates from it on a node it does not select.
+    // An old pool takes a node selector: it is rewritten (in format 3), and the netconf, which
+    // names it, still allocates from it on a node it does not select.
     lab.ctl(&["pool", "set", "v4", "--node-selector", "rack == \"r9\""])
+        .ok();
+    assert_eq!(format_of(&lab, &keys::pool("v4")), 3.max(version));
+    assert_eq!(format_of(&lab, &keys::pool("v6")), version);
+    let named = addresses(&plugin(&lab, "ADD", "node-a", "ctr-named"));
+    assert!(named.iter().any(|a| a.addr().is_ipv4()), "{named:?}");
+    lab.ctl(&["check"]).ok();
+
+    // Finalize waits for node-b, which holds a block and was never seen with this release; once
+    // its plugin made a call, every node reads format 4 and the finalize goes through.
+    let refused = lab.ctl(&["upgrade", "finalize"]);
+    refused.expect_code(1);
+    let line = refused.error_line();
+    assert!(
+        line.contains("node-b") && !line.contains("node-a:"),
+        "{line}"
+    );
+    lab.ctl(&["upgrade", "status"]).expect_code(1);
+    plugin(&lab, "ADD", "node-b", "ctr-b-upgraded");
+    let status = lab.ctl(&["-o", "json", "upgrade", "status"]).ok().json();
+    assert_eq!(status["ready_to_finalize"], true, "{status}");
+    assert_eq!(status["writes_format"], 3, "{status}");
+    lab.ctl(&["upgrade", "finalize"])
+        .ok()
+        .stdout_has("finalized");
+    lab.ctl(&["pool", "set", "v4", "--node-selector", "all()"])
         .ok();
     assert_eq!(
         format_of(&lab, &keys::pool("v4")),
         ipam_core::model::FORMAT_VERSION
     );
-    assert_eq!(format_of(&lab, &keys::pool("v6")), version);
-    let named = addresses(&plugin(&lab, "ADD", "node-a", "ctr-named"));
-    assert!(named.iter().any(|a| a.addr().is_ipv4()), "{named:?}");
     lab.ctl(&["check"]).ok();
 }
 
@@ -262,6 +287,19 @@ fn a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks(backend: Ba
     assert_eq!(config["max_blocks_per_host"], 0, "{config}");
     assert_eq!(config["ip_cooldown_seconds"], 0, "{config}");
     assert_eq!(config["empty_block_reclaim_seconds"], 60, "{config}");
+    // Format 3, which the previous release's nodes read, has no cooldown: refused, nothing
+    // written, until the upgrade is finalized (forced here: the fixture's nodes run no binary).
+    let refused = lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1200"]);
+    refused.expect_code(1);
+    assert!(
+        refused
+            .error_line()
+            .contains("blockipamctl upgrade finalize"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(format_of(&lab, &keys::config()), 3);
+    lab.ctl(&["upgrade", "finalize", "--force"]).ok();
     lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1200"])
         .ok();
     assert_eq!(

@@ -6,8 +6,8 @@ use super::{
     AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
     NewBlockProbe, Plan, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
-use crate::allocator::upgrade::format_read;
 use crate::allocator::network_setup;
+use crate::allocator::upgrade::format_read;
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::reservations::ReservedRanges;
@@ -98,7 +98,7 @@ impl Ipam {
         let mut reads = vec![
             Read::List(keys::pools_dir()),
             Read::Get(keys::config()),
-                format_read(),
+            format_read(),
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),

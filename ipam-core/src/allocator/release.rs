@@ -4,8 +4,8 @@ use super::{
     allocation_info, decode_stored, next_got, next_listed, AllocationInfo, Attempt, ChosenRelease,
     Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock, RELEASES_PER_TXN,
 };
-use crate::kv::{Read, Revision};
 use crate::allocator::upgrade::format_read;
+use crate::kv::{Read, Revision};
 use crate::model::error::IpamError;
 use crate::model::{encode, keys, validate_handle, validate_host, Block, Handle};
 use ipnet::IpNet;

@@ -34,11 +34,17 @@ pub(crate) struct KnownFormat {
 
 impl FormatCell {
     fn get(&self) -> Option<KnownFormat> {
-        *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn set(&self, known: Option<KnownFormat>) {
-        *self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = known;
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = known;
     }
 }
 
@@ -56,7 +62,10 @@ impl Ipam {
     ///
     /// # Errors
     /// Store failures; a damaged record; [`IpamError::FormatTooNew`].
-    pub(crate) async fn learn_format(&self, record: Option<KeyValue>) -> Result<KnownFormat, IpamError> {
+    pub(crate) async fn learn_format(
+        &self,
+        record: Option<KeyValue>,
+    ) -> Result<KnownFormat, IpamError> {
         let known = match record {
             Some(kv) => KnownFormat {
                 writes: FormatRecord::decode(&kv.key, &kv.value)?.writable()?,

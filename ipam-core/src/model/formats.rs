@@ -9,12 +9,12 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use crate::model::error::IpamError;
-use crate::model::selector::Selector;
 use crate::model::keys;
+use crate::model::selector::Selector;
 use crate::model::store_format::OLDEST_WRITABLE_FORMAT;
 use crate::model::{
-    decode_body, encode, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry, IpamConfig,
-    Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION,
+    decode_body, encode, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry,
+    IpamConfig, Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION,
 };
 
 /// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed uses).

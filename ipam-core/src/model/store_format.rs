@@ -10,9 +10,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::error::IpamError;
+use crate::model::FORMAT_VERSION;
 #[cfg(doc)]
 use crate::model::OLDEST_READABLE_FORMAT_VERSION;
-use crate::model::FORMAT_VERSION;
 
 /// The format a store that predates the record counts as: the newest format written before the
 /// record existed (the previous release's).
@@ -45,10 +45,11 @@ impl FormatRecord {
     /// [`IpamError::Corrupt`] when it is not a format record, or names a format older than any
     /// writer ever wrote.
     pub fn decode(key: &str, bytes: &[u8]) -> Result<FormatRecord, IpamError> {
-        let record: FormatRecord = serde_json::from_slice(bytes).map_err(|e| IpamError::Corrupt {
-            key: key.to_owned(),
-            message: format!("not a format record: {e}"),
-        })?;
+        let record: FormatRecord =
+            serde_json::from_slice(bytes).map_err(|e| IpamError::Corrupt {
+                key: key.to_owned(),
+                message: format!("not a format record: {e}"),
+            })?;
         if record.writes < FORMAT_OF_UNRECORDED_STORES {
             return Err(IpamError::Corrupt {
                 key: key.to_owned(),
