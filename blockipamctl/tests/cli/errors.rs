@@ -165,7 +165,7 @@ fn help_and_version_exit_0() {
     }
     ctl(&["--version".to_owned()], &[])
         .ok()
-        .stdout_has("blockipamctl 0.1.0");
+        .stdout_has(concat!("blockipamctl ", env!("CARGO_PKG_VERSION")));
 }
 
 #[test]
