@@ -148,3 +148,97 @@ fn pool_block_arithmetic() {
     assert_eq!(v6.block_count(), 1u128 << 58);
     assert_eq!(v6.block_at(1), Some(net("fd00::40/122")));
 }
+
+#[test]
+fn downgraded_to_format_3_a_block_keeps_every_address_and_reads_back() {
+    use crate::model::formats::downgrade;
+    let mut block = Block::new(net("10.0.0.0/29"), Some("node-a".into()), 7);
+    let cooling = Lifetime {
+        now: 1_000,
+        cooldown_seconds: 60,
+    };
+    for handle in ["a", "b", "c"] {
+        block.allocate_next(&attr(handle)).expect("room");
+    }
+    block.release_ordinal(1, cooling).expect("held");
+    block.claimed_at = Some(900);
+    assert_eq!(block.cooling.len(), 1, "ordinal 1 cools");
+    let key = keys::block_key_of(&block);
+    let written = downgrade(&key, encode(&block).expect("encode"), 3).expect("downgrade");
+    assert_eq!(written[0], 3);
+    let read: Block = decode(&key, &written).expect("format 3 reads back");
+    assert_eq!(read.allocations, block.allocations);
+    assert_eq!(read.sequence, block.sequence);
+    assert_eq!(read.next_fresh, block.next_fresh);
+    assert!(read.cooling.is_empty());
+    assert_eq!(read.claimed_at, None, "format 3 has no claim time");
+    assert!(
+        read.released.contains(&1),
+        "the cooling address is free, not lost: {:?}",
+        read.released
+    );
+    assert_eq!(read.free(), block.free());
+    // The claim entry too.
+    let claim_key = keys::block_claim(&block.cidr);
+    let claim = downgrade(
+        &claim_key,
+        crate::model::encode_claim(&block).expect("claim"),
+        3,
+    )
+    .expect("downgrade");
+    assert_eq!(claim[0], 3);
+    let entry = crate::model::decode_claim(&claim_key, &claim).expect("reads back");
+    assert_eq!(entry.affinity.as_deref(), Some("node-a"));
+    assert_eq!(entry.free, Some(block.free()));
+    // At the current format, and for values that are not versioned objects, nothing changes.
+    let current = encode(&block).expect("encode");
+    assert_eq!(downgrade(&key, current.clone(), 4).expect("same"), current);
+    let json = br#"{"node":"node-a","plugin_version":"0.2.0"}"#.to_vec();
+    assert_eq!(
+        downgrade(&keys::activity_key("node-a"), json.clone(), 3).expect("same"),
+        json
+    );
+}
+
+#[test]
+fn downgraded_to_format_3_a_config_with_a_cooldown_is_refused() {
+    use crate::model::formats::downgrade;
+    use crate::model::IpamConfig;
+    let plain = IpamConfig {
+        max_blocks_per_host: 30,
+        ..IpamConfig::default()
+    };
+    let written =
+        downgrade(&keys::config(), encode(&plain).expect("encode"), 3).expect("downgrade");
+    assert_eq!(written[0], 3);
+    let read: IpamConfig = decode(&keys::config(), &written).expect("reads back");
+    assert_eq!(read, plain);
+    for config in [
+        IpamConfig {
+            ip_cooldown_seconds: 30,
+            ..IpamConfig::default()
+        },
+        IpamConfig {
+            empty_block_reclaim_seconds: 600,
+            ..IpamConfig::default()
+        },
+    ] {
+        let refused = downgrade(&keys::config(), encode(&config).expect("encode"), 3)
+            .expect_err("format 3 cannot hold it");
+        assert!(
+            matches!(
+                refused,
+                IpamError::FormatNotFinalized {
+                    needs: 4,
+                    writes: 3,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+    }
+    assert!(matches!(
+        downgrade(&keys::config(), encode(&plain).expect("encode"), 2),
+        Err(IpamError::Internal(_))
+    ));
+}
