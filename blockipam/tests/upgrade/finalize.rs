@@ -226,8 +226,8 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
         .map_or(0, |problems| problems.len() - corrupt.len());
     eprintln!(
         "{step}: exited {}, {} objects in format 4 reported corrupt, and {others} other problems it \
-         cannot judge without them (`--repair` must not be run: see \
-         the_previous_check_repair_after_finalize_writes_nothing)",
+         cannot judge without them (its `--repair` must never be run on a finalized store: it \
+         deletes the handles whose blocks it cannot read; docs/upgrading.md)",
         out.status,
         corrupt.len()
     );
@@ -271,35 +271,28 @@ pub fn finalize_forced_over_a_node_that_reads_format_3(kind: StoreKind) {
             "{step}: `upgrade status` should show format 4 recorded and old-1 reading format 3; exited {exit}: {status}"
         ));
     }
-    // old-1's containers are deleted at the end by today's plugin.
-    cluster.upgrade_node(OLD_1);
-    cluster.finish("finalize --force over a node that reads format 3");
-}
-
-/// The previous CLI's `check --repair`, run once the store is finalized and today's writers have
-/// rewritten the blocks in format 4, must write nothing: it cannot read those blocks.
-///
-/// It does not (hence `#[ignore]`): it counts the addresses of every handle still in format 3
-/// against the blocks it could decode (none), calls each such handle of a live container
-/// "handle-count-mismatch, repairable", and deletes it. Today's DEL of those containers then
-/// succeeds and releases nothing, and today's `check` finds the addresses held for handles that
-/// do not exist: `finish` lists it all.
-pub fn the_previous_check_repair_after_finalize_writes_nothing(kind: StoreKind) {
-    let cluster = MixedCluster::start(kind);
-    previous_release_sets_up(&cluster);
-    both_releases_allocate_and_borrow(&cluster);
-    finalized_once_old_1_is_upgraded(&cluster);
-    a_cooldown_works_once_finalized(&cluster);
-    let step = "after finalize, the previous CLI's `check --repair`";
+    // The finalize rewrote the configuration in format 4: the previous plugin's next ADD refuses
+    // the store at once and writes nothing, while its DEL, which reads only the handle and its
+    // blocks (still format 3), goes on releasing what the node holds.
+    let step = "after a forced finalize, the previous plugin on old-1";
     let before = cluster.dump();
-    let out = cluster.ctl(Release::Previous, &["check", "--repair"]);
-    let repaired = &out.json()["repaired"];
-    if repaired.as_array().is_some_and(|done| !done.is_empty()) {
+    let netconf = cluster.netconf(OLD_1, json!({}));
+    let done = cluster.plugin(OLD_1, "ADD", "old-1-after-finalize", &netconf);
+    let error: Value = serde_json::from_str(&done.stdout).unwrap_or(Value::Null);
+    if done.status == 0
+        || error["code"].as_u64() != Some(CNI_CORRUPT_STORE)
+        || !done.stdout.contains("ipam/v1/config")
+        || done.stderr.contains("panicked")
+    {
         cluster.fail(format!(
-            "{step}: exited {} reporting it repaired {repaired}",
-            out.status
+            "{step}: ADD should fail with CNI error {CNI_CORRUPT_STORE} naming ipam/v1/config; exited {}: {}",
+            done.status,
+            describe(&done)
         ));
     }
-    cluster.store_unchanged(step, &before);
-    cluster.finish("the previous release's check --repair after finalize");
+    cluster.store_unchanged(&format!("{step}: its refused ADD"), &before);
+    cluster.del(step, OLD_1, OLD_1_CONTAINERS[0]);
+    // old-1's other containers are deleted at the end by today's plugin.
+    cluster.upgrade_node(OLD_1);
+    cluster.finish("finalize --force over a node that reads format 3");
 }

@@ -22,7 +22,6 @@ use cluster::{
 };
 use finalize::{
     finalize_forced_over_a_node_that_reads_format_3, finalize_once_every_node_is_upgraded,
-    the_previous_check_repair_after_finalize_writes_nothing,
 };
 use serde_json::{json, Value};
 
@@ -450,6 +449,4 @@ on_both_stores!(
     check_repair,
     finalize_once_every_node_is_upgraded,
     finalize_forced_over_a_node_that_reads_format_3,
-    #[ignore = "the previous release's `check --repair` deletes the handles of live containers once their blocks are in format 4 (finalize.rs)"]
-    the_previous_check_repair_after_finalize_writes_nothing,
 );

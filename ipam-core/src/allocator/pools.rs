@@ -471,7 +471,7 @@ impl Ipam {
     /// cannot hold.
     pub async fn set_config(&self, config: &IpamConfig) -> Result<(), IpamError> {
         config.validate()?;
-        self.update_config(|current| *current = config.clone())
+        self.update_config(|current| *current = *config)
             .await
             .map(|_| ())
     }

@@ -8,13 +8,13 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use crate::allocator::dead_nodes::{Activity, Registration};
-use crate::allocator::{next_got, next_listed, Ipam};
-use crate::kv::{Condition, KeyValue, Op, Read, Revision, Txn};
+use crate::allocator::{next_got, next_listed, Attempt, Ipam};
+use crate::kv::{Condition, KeyValue, KvError, Op, Read, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::formats::downgrade;
 use crate::model::keys;
 use crate::model::store_format::{FormatRecord, FORMAT_OF_UNRECORDED_STORES};
-use crate::model::{decode_claim, FORMAT_VERSION, OLDEST_READABLE_FORMAT_VERSION};
+use crate::model::{decode_claim, encode, FORMAT_VERSION, OLDEST_READABLE_FORMAT_VERSION};
 
 /// What an allocator learned of the store's format record, shared by its clones.
 #[derive(Debug, Clone, Default)]
@@ -276,8 +276,9 @@ impl Ipam {
         Ok((status, revision))
     }
 
-    /// Records [`FORMAT_VERSION`] as the format every writer writes, in one compare-and-swap on
-    /// the record as read; from then on binaries of the previous release refuse the store. Refused
+    /// Records [`FORMAT_VERSION`] as the format every writer writes, and rewrites the IPAM
+    /// configuration in it, in one compare-and-swap on both as read; from then on every ADD of a
+    /// binary of the previous release refuses the store (it reads the configuration). Refused
     /// while a node that can be seen may read less (an agent or plugin that says so, or does not
     /// say, or a node that holds blocks and was never seen with this release), unless `force`.
     ///
@@ -285,14 +286,21 @@ impl Ipam {
     /// [`IpamError::InvalidArgument`] naming the nodes that hold it back; store failures;
     /// [`IpamError::RetriesExhausted`] when the record kept changing.
     pub async fn finalize_upgrade(&self, force: bool) -> Result<FinalizeOutcome, IpamError> {
+        self.retrying(|| self.try_finalize_upgrade(force)).await
+    }
+
+    async fn try_finalize_upgrade(
+        &self,
+        force: bool,
+    ) -> Result<Attempt<FinalizeOutcome>, IpamError> {
         let (status, revision) = self.upgrade_status_at().await?;
         if status.recorded == Some(FORMAT_VERSION) {
-            return Ok(FinalizeOutcome {
+            return Ok(Attempt::Done(FinalizeOutcome {
                 previous: status.recorded,
                 writes: FORMAT_VERSION,
                 changed: false,
                 overridden: Vec::new(),
-            });
+            }));
         }
         let behind: Vec<String> = status
             .nodes
@@ -312,23 +320,42 @@ impl Ipam {
             Some(revision) => Condition::at_revision(&key, revision),
             None => Condition::absent(&key),
         };
-        let txn = Txn::new().when(condition).then(Op::put(
-            &key,
-            FormatRecord {
-                writes: FORMAT_VERSION,
-            }
-            .encode()?,
-        ));
-        // One compare-and-swap: a record changed since it was read (another finalize, or the
-        // first write recording an unrecorded store) fails it, and the operator runs it again.
-        self.store().commit(txn).await?;
+        // The configuration is rewritten in the new format in the same write: every ADD of a
+        // binary that reads only older formats reads it, and so refuses the store at once (and
+        // writes nothing) rather than failing later, object by object. Their DELs, which do not
+        // read it, keep releasing what they hold in objects still in the older format.
+        let config_kv = self.store().get(&keys::config()).await?;
+        let config_condition = match &config_kv {
+            Some(kv) => Condition::at_revision(&kv.key, kv.revision),
+            None => Condition::absent(keys::config()),
+        };
+        let (config, _) = Self::decode_config(config_kv)?;
+        let txn = Txn::new()
+            .when(condition)
+            .when(config_condition)
+            .then(Op::put(
+                &key,
+                FormatRecord {
+                    writes: FORMAT_VERSION,
+                }
+                .encode()?,
+            ))
+            .then(Op::put(keys::config(), encode(&config)?));
+        // One compare-and-swap: a record or configuration changed since it was read (another
+        // finalize, the first write recording an unrecorded store, a `config set`) fails it, and
+        // it is decided again on what is there now.
+        match self.store().commit(txn).await {
+            Ok(_) => {}
+            Err(KvError::Conflict { .. }) => return Ok(Attempt::Conflict),
+            Err(e) => return Err(e.into()),
+        }
         self.forget_format();
-        Ok(FinalizeOutcome {
+        Ok(Attempt::Done(FinalizeOutcome {
             previous: status.recorded,
             writes: FORMAT_VERSION,
             changed: true,
             overridden: if force { behind } else { Vec::new() },
-        })
+        }))
     }
 }
 
