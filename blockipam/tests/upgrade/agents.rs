@@ -1,5 +1,6 @@
 //! Each release's plugin and CLI through the other release's agent (a sled store): every call is answered within its bound, by a success or an error naming both versions.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,8 +17,8 @@ use crate::cluster::{describe, merge, CALL_BOUND, MAIN, MAIN_POOL, NETWORK};
 /// Longest the previous agent may take to bind its socket.
 const AGENT_START_BOUND: Duration = Duration::from_secs(30);
 
-/// The previous release's agent, a process of its own serving a sled store; killed on drop.
-struct PreviousAgent {
+/// The previous release's agent, a process of its own; killed on drop.
+pub(crate) struct PreviousAgent {
     child: Child,
     log: PathBuf,
 }
@@ -27,21 +28,33 @@ impl PreviousAgent {
     /// the socket is there.
     ///
     /// # Panics
-    /// When it cannot start, exits, or does not bind within [`AGENT_START_BOUND`].
+    /// As [`PreviousAgent::start_with_flags`].
     fn start(previous: &PreviousRelease, socket: &Path, store: &Path, log: PathBuf) -> Self {
+        let mut flags: Vec<OsString> = ["--datastore-type", "sled", "--datastore-path"]
+            .map(OsString::from)
+            .into();
+        flags.push(store.into());
+        flags.push("--create-if-missing".into());
+        Self::start_with_flags(previous, socket, &flags, log)
+    }
+
+    /// Starts it on `socket` with `flags` (the store it serves, and any other), its log (stderr,
+    /// at its default level) written to `log`, and waits until the socket is there.
+    ///
+    /// # Panics
+    /// When it cannot start, exits, or does not bind within [`AGENT_START_BOUND`].
+    pub(crate) fn start_with_flags(
+        previous: &PreviousRelease,
+        socket: &Path,
+        flags: &[OsString],
+        log: PathBuf,
+    ) -> Self {
         let log_file = std::fs::File::create(&log).expect("the agent's log file");
         let child = Command::new(previous.agent())
             .arg("--socket")
             .arg(socket)
-            .args(["--datastore-type", "sled", "--datastore-path"])
-            .arg(store)
-            .args([
-                "--create-if-missing",
-                "--lock-wait-seconds",
-                "0",
-                "--shutdown-grace-seconds",
-                "5",
-            ])
+            .args(flags)
+            .args(["--lock-wait-seconds", "0", "--shutdown-grace-seconds", "5"])
             .env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -68,7 +81,20 @@ impl PreviousAgent {
         agent
     }
 
-    fn log_text(&self) -> String {
+    /// Kills it with SIGKILL (nothing of it runs on: no lease revoked, its socket left behind)
+    /// and waits for it.
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether it is still running.
+    pub(crate) fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// What it logged so far.
+    pub(crate) fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }

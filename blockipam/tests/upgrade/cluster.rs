@@ -244,6 +244,21 @@ impl MixedCluster {
         }
     }
 
+    /// The previous release's binaries this cluster runs.
+    pub fn previous(&self) -> &PreviousRelease {
+        &self.previous
+    }
+
+    /// The etcd endpoint and key prefix of the store; `None` for a sled store.
+    pub fn etcd_location(&self) -> Option<(String, String)> {
+        match &self.store {
+            Store::Etcd {
+                endpoint, prefix, ..
+            } => Some((endpoint.clone(), prefix.clone())),
+            Store::AgentSled { .. } => None,
+        }
+    }
+
     /// Records a failure; the scenario goes on.
     pub fn fail(&self, message: String) {
         self.failures.lock().expect("failures").push(message);

@@ -7,8 +7,9 @@
 //! today's, new-1's ADD and DEL succeed, and old-1's again. Every address is handed to one live
 //! container at a time, and at the end the store holds exactly what the live containers were
 //! given. `finalize` takes the last step, `upgrade finalize`, and what follows it. Every scenario
-//! runs on etcd (`etcd::`) and on sled served by today's agent (`agent_sled::`); `agents` runs
-//! each release's plugin and CLI through the other release's agent.
+//! runs on etcd (`etcd::`) and on sled served by today's agent (`agent_sled::`), but `reclaim`'s,
+//! today's agent reclaiming a dead node of the previous release, which needs etcd's leases;
+//! `agents` runs each release's plugin and CLI through the other release's agent.
 //!
 //! Needs the previous release's binaries: `scripts/build-previous` (run by `scripts/test`, which
 //! passes their directory in `BLOCKIPAM_PREVIOUS_BIN`).
@@ -16,6 +17,7 @@
 mod agents;
 mod cluster;
 mod finalize;
+mod reclaim;
 
 use cluster::{
     MixedCluster, Release, StoreKind, BLOCK_SIZE, NEW_1, OLD_1, OLD_2, OTHER, OTHER_POOL,
@@ -23,6 +25,7 @@ use cluster::{
 use finalize::{
     finalize_forced_over_a_node_that_reads_format_3, finalize_once_every_node_is_upgraded,
 };
+use reclaim::todays_agent_reclaims_a_dead_node_of_the_previous_release;
 use serde_json::{json, Value};
 
 /// Containers old-1 holds once the previous release has set the store up.
@@ -408,15 +411,25 @@ fn operator_step(
 }
 
 /// One `#[test]` per scenario and store: `etcd::<scenario>` and `agent_sled::<scenario>`, each
-/// with the attributes (`#[ignore = ...]`) written before the scenario's name.
+/// with the attributes (`#[ignore = ...]`) written before the scenario's name; the scenarios
+/// after `; etcd only:` (dead-node reclaim needs etcd's leases) get `etcd::<scenario>` alone.
 macro_rules! on_both_stores {
-    ($($(#[$attribute:meta])* $scenario:ident),* $(,)?) => {
+    (
+        $($(#[$attribute:meta])* $scenario:ident),* $(,)?;
+        etcd only: $($etcd_scenario:ident),* $(,)?
+    ) => {
         mod etcd {
             $(
                 #[test]
                 $(#[$attribute])*
                 fn $scenario() {
                     super::$scenario(super::StoreKind::Etcd);
+                }
+            )*
+            $(
+                #[test]
+                fn $etcd_scenario() {
+                    super::$etcd_scenario(super::StoreKind::Etcd);
                 }
             )*
         }
@@ -448,5 +461,6 @@ on_both_stores!(
     blocks_release_empty,
     check_repair,
     finalize_once_every_node_is_upgraded,
-    finalize_forced_over_a_node_that_reads_format_3,
+    finalize_forced_over_a_node_that_reads_format_3;
+    etcd only: todays_agent_reclaims_a_dead_node_of_the_previous_release,
 );
