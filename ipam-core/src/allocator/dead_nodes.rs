@@ -23,9 +23,9 @@
 //! addresses are kept, marked on its registration (`blocks_released`) and held by a record without
 //! lease under the countdown's key, until positive evidence comes: the node's own calls (its
 //! runtime's DELs once it is back), or an operator's `node release <node> --addresses`
-//! ([`forget_node`] then deletes the registration). Agents of the previous version, which release
-//! addresses when the countdown is gone, read that record as a countdown still running and leave
-//! the node alone.
+//! ([`forget_node`] then deletes the registration). Agents of release 0.1.0 read neither the record
+//! nor the marks: one of them that leads the reclaim applies its own rule (it releases a dead
+//! node's addresses too), which is why `docs/upgrading.md` upgrades the agents first.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -710,8 +710,8 @@ async fn act_on(
 
 /// Releases a dead node's blocks under its guard (its evidence unchanged and its countdown still
 /// gone), then, under the same guard, marks its registration `blocks_released` and puts the
-/// record (without lease) that keeps its addresses held, also against agents of the previous
-/// version. Its addresses are not released: a silent node may be cut off with its pods running.
+/// record (without lease) that says its addresses are kept. Its addresses are not released: a
+/// silent node may be cut off with its pods running.
 async fn reclaim_dead(
     store: &Arc<dyn KvStore>,
     node: &NodeStatus,
