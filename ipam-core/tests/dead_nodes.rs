@@ -259,8 +259,7 @@ async fn missing_node_is_marked_then_its_blocks_released_once_the_grace_has_pass
     assert_eq!(addresses_of(&ipam, "node-b").await, 2);
     assert_check_clean(&ipam).await;
 
-    // The record that says the addresses are kept sits under the countdown's key, so that the
-    // countdown never looks gone again (which would count the node dead once more).
+    // The record that says the addresses are kept sits under the countdown's key, without lease.
     let hold = store
         .get(&countdown_key("node-a"))
         .await
