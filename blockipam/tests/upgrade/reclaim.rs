@@ -22,8 +22,8 @@
 //! judges by its own wall-clock `missing_since`; tried by hand as leader with a 1 s grace after
 //! this reclaim, it rewrote old-2's registration without today's `missing_mark` and
 //! `blocks_released`, released all six of old-2's addresses a second later, deleted the
-//! registration and left the hold record behind. docs/agent.md says that record protects such a
-//! node from earlier agents; against this release it does not.
+//! registration and left the hold record behind. docs/agent.md ("One reclaimer at a time") and
+//! docs/upgrading.md say so, and upgrade the agents first.
 
 use std::ffi::OsString;
 use std::path::Path;
