@@ -21,6 +21,7 @@ macro_rules! upgrade_conformance_tests {
             after_finalize_every_write_is_in_the_current_format,
             a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one,
             a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written,
+            a_damaged_record_fails_every_write_naming_it_and_nothing_is_written,
         );
     };
 }
@@ -332,4 +333,42 @@ pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_wr
         "{refused:?}"
     );
     assert_eq!(before, t.store.list("ipam/v1/").await.expect("list"));
+}
+
+/// A damaged record: every write fails as corrupt, naming the record, and nothing is written;
+/// `upgrade_status` names it too. Put back, everything works again.
+pub async fn a_damaged_record_fails_every_write_naming_it_and_nothing_is_written<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, _) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    t.store
+        .put(RECORD, b"\x04garbage".to_vec())
+        .await
+        .expect("a damaged record");
+    let before = t.store.list("ipam/v1/").await.expect("list");
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let named = |e: &IpamError| matches!(e, IpamError::Corrupt { key, .. } if key == RECORD);
+    let refused = ipam
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect_err("refused");
+    assert!(named(&refused), "{refused:?}");
+    let refused = ipam
+        .create_pool(&spec("10.9.0.0/24", "other", 26))
+        .await
+        .expect_err("refused");
+    assert!(named(&refused), "{refused:?}");
+    let refused = ipam.upgrade_status().await.expect_err("refused");
+    assert!(named(&refused), "{refused:?}");
+    assert_eq!(before, t.store.list("ipam/v1/").await.expect("list"));
+    t.store
+        .put(RECORD, br#"{"writes":4}"#.to_vec())
+        .await
+        .expect("the record put back");
+    Ipam::new(Arc::clone(&t.store))
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect("assign once the record is back");
 }
