@@ -1,4 +1,5 @@
-//! The `blockipam` plugin binary for tests: building it beside a test's own binary.
+//! The `blockipam` plugin binary for tests: building it beside a test's own binary, and pinning a
+//! private link to it for the length of a test.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -72,4 +73,41 @@ pub fn build_plugin_beside(binary: &Path) -> PathBuf {
         plugin.display()
     );
     plugin
+}
+
+/// A private hard link (or copy) of a built plugin, removed on drop.
+///
+/// `CARGO_BIN_EXE_blockipam` is `target/debug/blockipam`, which any `cargo build -p blockipam`
+/// replaces (without the `fault-injection` feature, for one). A test that runs the plugin for a
+/// while pins its own link when it starts, so such a build cannot swap the binary under it.
+#[derive(Debug)]
+pub struct PinnedPlugin {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+impl PinnedPlugin {
+    /// Links (or copies) `built` into a fresh directory under `beside` (the test's
+    /// `CARGO_TARGET_TMPDIR`, on the build's own file system).
+    ///
+    /// # Panics
+    /// When the directory cannot be made or the binary neither linked nor copied.
+    pub fn pin(built: &Path, beside: &Path) -> PinnedPlugin {
+        let dir = tempfile::Builder::new()
+            .prefix("blockipam-plugin-")
+            .tempdir_in(beside)
+            .expect("a temporary directory next to the build");
+        let path = dir.path().join("blockipam");
+        if std::fs::hard_link(built, &path).is_err() {
+            std::fs::copy(built, &path).unwrap_or_else(|e| {
+                panic!("cannot copy {} to {}: {e}", built.display(), path.display())
+            });
+        }
+        PinnedPlugin { _dir: dir, path }
+    }
+
+    /// The pinned binary.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
 }

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use test_kit::agent::InProcessAgent;
 use test_kit::cni::{cni_env, start_cni, Outcome};
 use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
+use test_kit::plugin::PinnedPlugin;
 use test_kit::previous::PreviousRelease;
 
 /// The network name of every netconf here (handles are `upgrade.<container>`).
@@ -234,7 +235,10 @@ impl MixedCluster {
             store,
             dir,
             previous,
-            today_plugin: PinnedPlugin::pin(),
+            today_plugin: PinnedPlugin::pin(
+                Path::new(env!("CARGO_BIN_EXE_blockipam")),
+                Path::new(env!("CARGO_TARGET_TMPDIR")),
+            ),
             ledger: Mutex::new(BTreeMap::new()),
             upgraded: Mutex::new(BTreeSet::new()),
             failures: Mutex::new(Vec::new()),
@@ -790,34 +794,6 @@ impl MixedCluster {
                 listed.join("\n")
             );
         }
-    }
-}
-
-/// A private hard link (or copy) of today's plugin, so that a concurrent `cargo build -p
-/// blockipam` cannot replace the binary under a running test.
-#[derive(Debug)]
-struct PinnedPlugin {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-}
-
-impl PinnedPlugin {
-    fn pin() -> PinnedPlugin {
-        let built = env!("CARGO_BIN_EXE_blockipam");
-        let dir = tempfile::Builder::new()
-            .prefix("blockipam-upgrade-plugin-")
-            .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-            .expect("a temporary directory next to the build");
-        let path = dir.path().join("blockipam");
-        if std::fs::hard_link(built, &path).is_err() {
-            std::fs::copy(built, &path)
-                .unwrap_or_else(|e| panic!("cannot copy {built} to {}: {e}", path.display()));
-        }
-        PinnedPlugin { _dir: dir, path }
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
     }
 }
 

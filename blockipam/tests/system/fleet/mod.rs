@@ -18,6 +18,7 @@ use ipam_core::{AllocationInfo, Ipam};
 use serde_json::{json, Value};
 use test_kit::cni::{start_cni, HANG_GUARD};
 use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
+use test_kit::plugin::PinnedPlugin;
 
 use crate::common::{block_on, cni_env, merge, Sandbox, BIN, NETWORK};
 
@@ -107,38 +108,6 @@ impl Rng {
     }
 }
 
-/// A private hard link (or copy) of the plugin binary under test, removed on drop.
-///
-/// `CARGO_BIN_EXE_blockipam` is `target/debug/blockipam`, which any `cargo build -p blockipam`
-/// replaces, without the `fault-injection` feature (blockipamctl's demo test runs one). Each fleet
-/// runs its own link, taken when it is made, so such a build cannot swap the binary under a
-/// running test.
-#[derive(Debug)]
-pub struct PinnedPlugin {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-}
-
-impl PinnedPlugin {
-    fn pin() -> PinnedPlugin {
-        let dir = tempfile::Builder::new()
-            .prefix("blockipam-plugin-")
-            .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
-            .expect("a temporary directory next to the build");
-        let path = dir.path().join("blockipam");
-        if std::fs::hard_link(BIN, &path).is_err() {
-            std::fs::copy(BIN, &path)
-                .unwrap_or_else(|e| panic!("cannot copy {BIN} to {}: {e}", path.display()));
-        }
-        PinnedPlugin { _dir: dir, path }
-    }
-
-    /// The binary.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-}
-
 /// Where the fleet's store lives.
 #[derive(Debug)]
 enum Target {
@@ -188,7 +157,7 @@ impl Fleet {
             target,
             nodes: (0..node_count).map(|i| format!("node-{i}")).collect(),
             ipam_extra,
-            plugin: PinnedPlugin::pin(),
+            plugin: PinnedPlugin::pin(Path::new(BIN), Path::new(env!("CARGO_TARGET_TMPDIR"))),
         }
     }
 
