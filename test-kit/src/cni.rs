@@ -279,3 +279,18 @@ fn read_to_end_on_a_thread(pipe: Option<impl Read + Send + 'static>) -> JoinHand
         bytes
     })
 }
+
+/// Every address (without prefix) of an ADD result of spec 0.3.0 or later; none for anything
+/// else.
+pub fn result_addresses(result: &Value) -> Vec<String> {
+    result["ips"]
+        .as_array()
+        .map(|ips| {
+            ips.iter()
+                .filter_map(|ip| ip["address"].as_str())
+                .filter_map(|a| a.split('/').next())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
+}

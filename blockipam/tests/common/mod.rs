@@ -379,18 +379,7 @@ pub fn first_address(result: &Value) -> String {
 }
 
 /// Every address (without prefix) of an ADD result of spec 0.3.0 or later.
-pub fn addresses(result: &Value) -> Vec<String> {
-    result["ips"]
-        .as_array()
-        .map(|ips| {
-            ips.iter()
-                .filter_map(|ip| ip["address"].as_str())
-                .filter_map(|a| a.split('/').next())
-                .map(str::to_owned)
-                .collect()
-        })
-        .unwrap_or_default()
-}
+pub use test_kit::cni::result_addresses as addresses;
 
 /// Runs the real plugin for `command` on (`container`, eth0) with `netconf` on stdin, killing it
 /// (and failing the test) if it outlives `hang_guard`: a safety net, not a timing assertion.

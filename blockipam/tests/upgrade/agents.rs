@@ -220,20 +220,27 @@ fn plugin_calls(calls: &mut Calls, plugin: &Path, netconf: &Value, who: &str) {
     run("DEL", "c2", netconf);
 }
 
+/// The arguments of a CLI `command` (JSON output) on the sled `store` through the agent at
+/// `socket`, for either release's CLI.
+fn cli_args(socket: &Path, store: &Path, command: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "-o".into(),
+        "json".into(),
+        "--datastore-type".into(),
+        "sled".into(),
+        "--datastore-path".into(),
+        store.display().to_string(),
+        "--agent-socket".into(),
+        socket.display().to_string(),
+    ];
+    args.extend(command.iter().map(|a| (*a).to_owned()));
+    args
+}
+
 /// The previous release's CLI: `show`, `pool list`, `check`, bounded.
 fn previous_cli_calls(calls: &mut Calls, previous: &PreviousRelease, socket: &Path, store: &Path) {
     for command in [&["show"][..], &["pool", "list"], &["check"]] {
-        let mut args: Vec<String> = vec![
-            "-o".into(),
-            "json".into(),
-            "--datastore-type".into(),
-            "sled".into(),
-            "--datastore-path".into(),
-            store.display().to_string(),
-            "--agent-socket".into(),
-            socket.display().to_string(),
-        ];
-        args.extend(command.iter().map(|a| (*a).to_owned()));
+        let args = cli_args(socket, store, command);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let ended = start_cni(&previous.cli(), &args, Vec::<(String, String)>::new(), b"")
             .wait_or_kill(CALL_BOUND);
@@ -250,18 +257,8 @@ fn previous_cli_calls(calls: &mut Calls, previous: &PreviousRelease, socket: &Pa
 /// Today's CLI (in-process): `show`, `pool list`, `check`.
 fn todays_cli_calls(calls: &mut Calls, socket: &Path, store: &Path) {
     for command in [&["show"][..], &["pool", "list"], &["check"]] {
-        let mut argv: Vec<String> = vec![
-            "blockipamctl".into(),
-            "-o".into(),
-            "json".into(),
-            "--datastore-type".into(),
-            "sled".into(),
-            "--datastore-path".into(),
-            store.display().to_string(),
-            "--agent-socket".into(),
-            socket.display().to_string(),
-        ];
-        argv.extend(command.iter().map(|a| (*a).to_owned()));
+        let mut argv: Vec<String> = vec!["blockipamctl".into()];
+        argv.extend(cli_args(socket, store, command));
         let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
         let mut stdout = Vec::new();
         let mut stderr = Vec::new();

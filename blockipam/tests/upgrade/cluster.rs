@@ -817,17 +817,7 @@ pub fn merge(base: &mut Value, extra: Value) {
 
 /// Every address (without prefix) of an ADD result.
 pub fn result_addresses(done: &Outcome) -> Vec<String> {
-    let result: Value = serde_json::from_str(&done.stdout).unwrap_or(Value::Null);
-    result["ips"]
-        .as_array()
-        .map(|ips| {
-            ips.iter()
-                .filter_map(|ip| ip["address"].as_str())
-                .filter_map(|a| a.split('/').next())
-                .map(str::to_owned)
-                .collect()
-        })
-        .unwrap_or_default()
+    test_kit::cni::result_addresses(&serde_json::from_str(&done.stdout).unwrap_or(Value::Null))
 }
 
 /// A failed call in one line: its CNI error code and message, else its status and stderr.
