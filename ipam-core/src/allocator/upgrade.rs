@@ -151,6 +151,10 @@ impl Ipam {
     pub(crate) async fn seal(&self, txn: Txn) -> Result<Txn, IpamError> {
         let cached = self.format.get().is_some();
         let known = self.known_format().await?;
+        if known.writes >= FORMAT_VERSION {
+            // Finalized (or new): every value is written as encoded, without a copy.
+            return Self::sealed(txn.conditions, txn.ops, known);
+        }
         match Self::rewrite_ops(&txn.ops, known.writes) {
             Err(IpamError::FormatNotFinalized { .. }) if cached => {
                 // What was learned may predate a finalize: refuse only on the record as it is.
