@@ -6,8 +6,7 @@ use std::time::Duration;
 
 use blockipam_store::flags::EtcdConnectionFlags;
 use blockipam_store::{
-    seconds_from_f64, DatastoreSettings, DatastoreType, RawDatastoreSettings, Secret,
-    DEFAULT_AGENT_SOCKET,
+    seconds_from_f64, DatastoreSettings, RawDatastoreSettings, Secret, DEFAULT_AGENT_SOCKET,
 };
 use clap::Parser;
 
@@ -55,15 +54,14 @@ pub struct AgentArgs {
     /// Create the store when it does not exist (off: a missing store is an error)
     #[arg(long)]
     pub create_if_missing: bool,
-    /// Store type: sled, redb or etcdv3
+    /// Store type: sled, redb or etcdv3 [default: etcdv3 when etcd endpoints are given, else sled]
     #[arg(
         long,
         value_name = "TYPE",
         env = "DATASTORE_TYPE",
-        default_value = "sled",
         help_heading = "Store"
     )]
-    pub datastore_type: String,
+    pub datastore_type: Option<String>,
     /// Embedded store path [default: /var/lib/blockipam/store.sled (sled), /var/lib/blockipam/store.redb (redb)]
     #[arg(
         long,
@@ -162,9 +160,7 @@ impl AgentArgs {
     /// # Errors
     /// [`AgentError`] for an unknown type, a bad number of seconds, or incomplete etcd settings.
     pub fn datastore_settings(&self) -> Result<DatastoreSettings, AgentError> {
-        let datastore_type = self
-            .datastore_type
-            .parse::<DatastoreType>()
+        let datastore_type = blockipam_store::given_datastore_type(self.datastore_type.as_deref())
             .map_err(|e| AgentError::new(format!("invalid value for --datastore-type: {e}")))?;
         let etcd_request_timeout = self
             .etcd_timeout_seconds

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use blockipam_store::flags::EtcdConnectionFlags;
 use blockipam_store::{
-    parse_seconds, DatastoreSettings, DatastoreType, RawDatastoreSettings, SecondsError, Secret,
+    parse_seconds, DatastoreSettings, RawDatastoreSettings, SecondsError, Secret,
 };
 use clap::{ArgGroup, Parser, ValueEnum};
 
@@ -63,15 +63,14 @@ pub enum ScenarioArg {
                   temporary store; etcd without --etcd-prefix gets a new prefix of its own."
 )]
 pub struct Cli {
-    /// Store type: sled, redb or etcdv3
+    /// Store type: sled, redb or etcdv3 [default: etcdv3 when etcd endpoints are given, else sled]
     #[arg(
         long,
         env = "DATASTORE_TYPE",
         value_name = "TYPE",
-        default_value = "sled",
         help_heading = "Store"
     )]
-    pub datastore_type: String,
+    pub datastore_type: Option<String>,
     /// Embedded store path [default: a new temporary store]
     #[arg(
         long,
@@ -248,9 +247,7 @@ impl Cli {
     /// # Errors
     /// [`LoadError::Usage`] for a bad value or an incomplete etcd selection.
     pub fn settings(&self) -> Result<DatastoreSettings, LoadError> {
-        let datastore_type = self
-            .datastore_type
-            .parse::<DatastoreType>()
+        let datastore_type = blockipam_store::given_datastore_type(self.datastore_type.as_deref())
             .map_err(|e| LoadError::usage(format!("invalid value for --datastore-type: {e}")))?;
         let lock_wait = string(&self.lock_wait_seconds)
             .map(|text| seconds(&text, "--lock-wait-seconds", true))
@@ -506,6 +503,7 @@ fn fail(stderr: &mut dyn Write, error: &LoadError) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use blockipam_store::DatastoreType;
 
     fn parse(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("blockipam-load").chain(args.iter().copied()))

@@ -142,7 +142,7 @@ async fn main() {
                 other => {
                     let datastore_type: DatastoreType = other.parse().expect("type");
                     let raw = RawDatastoreSettings {
-                        datastore_type,
+                        datastore_type: Some(datastore_type),
                         path: Some(path),
                         etcd_endpoints: vec![endpoint],
                         etcd_prefix: Some(format!("/bench-{counter}/")),

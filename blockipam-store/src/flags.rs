@@ -82,7 +82,7 @@ mod tests {
         ])
         .expect("flags parse");
         let settings = DatastoreSettings::from_raw(program.etcd.apply(RawDatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
+            datastore_type: Some(DatastoreType::Etcdv3),
             ..RawDatastoreSettings::default()
         }))
         .expect("etcd settings");

@@ -291,21 +291,41 @@ pub enum SettingsError {
     UnpairedClientCertificate,
     /// Only one of the user name and the password.
     UnpairedCredentials,
+    /// An embedded store type given together with etcd endpoints.
+    EndpointsForEmbeddedStore(DatastoreType),
+    /// etcd given together with an embedded store's path.
+    PathForEtcd,
+    /// No type given, and both etcd endpoints and an embedded store's path.
+    EndpointsAndPath,
 }
 
 impl fmt::Display for SettingsError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            SettingsError::NoEtcdEndpoints => {
-                "datastore type etcdv3 needs etcd endpoints (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS)"
-            }
+        match self {
+            SettingsError::EndpointsForEmbeddedStore(embedded) => write!(
+                f,
+                "datastore type {embedded} is an embedded store, but etcd endpoints are given too \
+                 (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS); remove the endpoints, or \
+                 set the datastore type to etcdv3 (or leave it out: endpoints alone mean etcd)"
+            ),
+            SettingsError::PathForEtcd => f.write_str(
+                "datastore type etcdv3 keeps no local file, but a datastore path is given too \
+                 (datastore_path / --datastore-path / DATASTORE_PATH); remove one of them",
+            ),
+            SettingsError::EndpointsAndPath => f.write_str(
+                "both etcd endpoints and a datastore path are given, and no datastore type: set \
+                 the datastore type (etcdv3, sled or redb) and remove what the other one needs",
+            ),
+            SettingsError::NoEtcdEndpoints => f.write_str(
+                "datastore type etcdv3 needs etcd endpoints (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS)",
+            ),
             SettingsError::UnpairedClientCertificate => {
-                "etcd client certificate and key must be given together"
+                f.write_str("etcd client certificate and key must be given together")
             }
             SettingsError::UnpairedCredentials => {
-                "etcd user name and password must be given together"
+                f.write_str("etcd user name and password must be given together")
             }
-        })
+        }
     }
 }
 
@@ -335,8 +355,9 @@ impl Default for DatastoreSettings {
 /// once, the same way for all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RawDatastoreSettings {
-    /// Which backend.
-    pub datastore_type: DatastoreType,
+    /// Which backend; when not given, etcd if etcd endpoints are given (Calico's default for a
+    /// netconf with `etcd_endpoints`), else sled.
+    pub datastore_type: Option<DatastoreType>,
     /// The embedded store's path.
     pub path: Option<PathBuf>,
     /// etcd endpoints, each entry one endpoint or a comma-separated list of them.
@@ -395,6 +416,15 @@ fn given_secret(password: Option<Secret>) -> Option<Secret> {
     password.filter(|p| !p.expose().is_empty())
 }
 
+/// The datastore type `text` names; `None` when not given (absent, empty or only white space),
+/// which [`DatastoreSettings::from_raw`] resolves from the other settings.
+///
+/// # Errors
+/// What [`DatastoreType::from_str`] refuses.
+pub fn given_datastore_type(text: Option<&str>) -> Result<Option<DatastoreType>, String> {
+    given(text).map(str::parse).transpose()
+}
+
 /// The agent socket an entry point's text names: `""` or `none` (surrounding white space
 /// ignored) is no agent, anything else the socket at that path.
 pub fn agent_socket_from_text(text: &str) -> Option<PathBuf> {
@@ -413,11 +443,31 @@ impl DatastoreSettings {
     /// taken without surrounding white space, except the password, which is taken as it is.
     /// Only the selected backend's values are kept.
     ///
+    /// No datastore type given: etcd when etcd endpoints are given, as Calico reads a netconf
+    /// with `etcd_endpoints` and no `datastore_type`; sled otherwise.
+    ///
     /// # Errors
-    /// For etcd, what [`EtcdSettings::check`] refuses.
+    /// [`SettingsError::EndpointsForEmbeddedStore`] for an embedded type given with etcd
+    /// endpoints, [`SettingsError::PathForEtcd`] for etcd given with an embedded store's path,
+    /// and for etcd what [`EtcdSettings::check`] refuses.
     pub fn from_raw(raw: RawDatastoreSettings) -> Result<DatastoreSettings, SettingsError> {
         let owned = |value: Option<String>| given(value.as_deref()).map(str::to_owned);
-        let backend = match raw.datastore_type {
+        let endpoints_given = raw
+            .etcd_endpoints
+            .iter()
+            .any(|list| !Self::parse_endpoints(list).is_empty());
+        let path_given = given_path(raw.path.as_deref()).is_some();
+        let datastore_type = match raw.datastore_type {
+            Some(embedded @ (DatastoreType::Sled | DatastoreType::Redb)) if endpoints_given => {
+                return Err(SettingsError::EndpointsForEmbeddedStore(embedded))
+            }
+            Some(DatastoreType::Etcdv3) if path_given => return Err(SettingsError::PathForEtcd),
+            Some(given) => given,
+            None if endpoints_given && path_given => return Err(SettingsError::EndpointsAndPath),
+            None if endpoints_given => DatastoreType::Etcdv3,
+            None => DatastoreType::default(),
+        };
+        let backend = match datastore_type {
             DatastoreType::Sled => Backend::Sled {
                 path: given_path(raw.path.as_deref()),
             },
@@ -782,7 +832,7 @@ mod tests {
     fn empty_and_blank_raw_values_are_not_given_and_take_their_defaults() {
         let etcd = |prefix: Option<&str>| {
             DatastoreSettings::from_raw(RawDatastoreSettings {
-                datastore_type: DatastoreType::Etcdv3,
+                datastore_type: Some(DatastoreType::Etcdv3),
                 etcd_endpoints: vec!["http://127.0.0.1:2379".into()],
                 etcd_prefix: prefix.map(str::to_owned),
                 ..RawDatastoreSettings::default()
@@ -812,7 +862,7 @@ mod tests {
         .expect("sled settings");
         assert_eq!(embedded.path(), None);
         let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
+            datastore_type: Some(DatastoreType::Etcdv3),
             etcd_endpoints: vec![" h:1, ".into(), "h:2,h:3".into(), String::new()],
             etcd_ca_cert_file: Some(PathBuf::from(" ")),
             etcd_username: Some(String::new()),
@@ -826,7 +876,7 @@ mod tests {
         assert_eq!(etcd_settings.username, None);
         assert_eq!(etcd_settings.password, None);
         let kept = DatastoreSettings::from_raw(RawDatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
+            datastore_type: Some(DatastoreType::Etcdv3),
             etcd_endpoints: vec!["h:1".into()],
             etcd_username: Some("u".into()),
             etcd_password: Some(Secret::new(" spaced ")),
@@ -845,7 +895,6 @@ mod tests {
     fn only_the_selected_backends_values_are_kept() {
         let raw = RawDatastoreSettings {
             path: Some("/x/store".into()),
-            etcd_endpoints: vec!["h:1".into()],
             etcd_prefix: Some("/p/".into()),
             etcd_request_timeout: Some(Duration::from_secs(2)),
             ..RawDatastoreSettings::default()
@@ -858,7 +907,9 @@ mod tests {
             }
         );
         let etcd = DatastoreSettings::from_raw(RawDatastoreSettings {
-            datastore_type: DatastoreType::Etcdv3,
+            datastore_type: Some(DatastoreType::Etcdv3),
+            path: None,
+            etcd_endpoints: vec!["h:1".into()],
             ..raw
         })
         .expect("etcd");
@@ -872,11 +923,70 @@ mod tests {
         );
     }
 
+    /// Calico's default: etcd endpoints with no type mean etcd; no type and no endpoints, sled;
+    /// a type that contradicts the other settings is refused, naming both.
+    #[test]
+    fn the_type_follows_the_endpoints_when_not_given_and_contradictions_are_refused() {
+        let endpoints = || vec![" http://h:2379 ".to_owned()];
+        let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+            etcd_endpoints: endpoints(),
+            ..RawDatastoreSettings::default()
+        })
+        .expect("endpoints alone");
+        assert_eq!(settings.datastore_type(), DatastoreType::Etcdv3);
+        assert_eq!(settings.etcd().expect("etcd").endpoints, ["http://h:2379"]);
+        let blank = DatastoreSettings::from_raw(RawDatastoreSettings {
+            etcd_endpoints: vec![" , ".into()],
+            ..RawDatastoreSettings::default()
+        })
+        .expect("blank endpoints are not given");
+        assert_eq!(blank.datastore_type(), DatastoreType::Sled);
+        for embedded in [DatastoreType::Sled, DatastoreType::Redb] {
+            let refused = DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type: Some(embedded),
+                etcd_endpoints: endpoints(),
+                ..RawDatastoreSettings::default()
+            });
+            assert_eq!(
+                refused,
+                Err(SettingsError::EndpointsForEmbeddedStore(embedded))
+            );
+            let message = refused.expect_err("refused").to_string();
+            assert!(
+                message.contains(embedded.as_str()) && message.contains("ETCD_ENDPOINTS"),
+                "{message}"
+            );
+        }
+        assert_eq!(
+            DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type: Some(DatastoreType::Etcdv3),
+                etcd_endpoints: endpoints(),
+                path: Some("/x/store".into()),
+                ..RawDatastoreSettings::default()
+            }),
+            Err(SettingsError::PathForEtcd)
+        );
+        assert_eq!(
+            DatastoreSettings::from_raw(RawDatastoreSettings {
+                etcd_endpoints: endpoints(),
+                path: Some("/x/store".into()),
+                ..RawDatastoreSettings::default()
+            }),
+            Err(SettingsError::EndpointsAndPath)
+        );
+        assert_eq!(given_datastore_type(Some(" ")), Ok(None));
+        assert_eq!(
+            given_datastore_type(Some("redb")),
+            Ok(Some(DatastoreType::Redb))
+        );
+        assert!(given_datastore_type(Some("kubernetes")).is_err());
+    }
+
     #[test]
     fn etcd_settings_are_refused_without_endpoints_or_with_half_a_pair() {
         let etcd = |raw: RawDatastoreSettings| {
             DatastoreSettings::from_raw(RawDatastoreSettings {
-                datastore_type: DatastoreType::Etcdv3,
+                datastore_type: Some(DatastoreType::Etcdv3),
                 ..raw
             })
         };

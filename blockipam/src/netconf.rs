@@ -403,14 +403,17 @@ pub fn parse_netconf(
     };
     let source = Source { top, ipam };
 
+    // Absent: etcd when etcd_endpoints are given (Calico's default), sled otherwise.
     let datastore_type = match source.lookup("datastore_type", Scope::Both) {
-        None => DatastoreType::default(),
+        None => None,
         Some((path, value)) => {
             let text = value
                 .as_str()
                 .ok_or_else(|| type_error(&path, "a string", value))?;
-            text.parse::<DatastoreType>()
-                .map_err(|why| unsupported(&path, text, why))?
+            Some(
+                text.parse::<DatastoreType>()
+                    .map_err(|why| unsupported(&path, text, why))?,
+            )
         }
     };
     // One string (comma-separated) or a list; split and trimmed by `DatastoreSettings::from_raw`.
@@ -939,6 +942,41 @@ mod tests {
         let err = parse(json!({"etcd_username": "u", "etcd_password": 918273})).expect_err("type");
         assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG);
         assert!(!err.msg.contains("918273"), "{}", err.msg);
+    }
+
+    /// Calico's default: a netconf with `etcd_endpoints` and no `datastore_type` is on etcd, not on
+    /// each node's own embedded store; a type that contradicts the other keys is refused.
+    #[test]
+    fn etcd_endpoints_without_a_type_mean_etcd_and_a_contradicting_type_is_refused() {
+        let conf = parse(json!({"ipam": {"etcd_endpoints": "http://10.0.0.1:2379"}}))
+            .expect("endpoints alone");
+        assert_eq!(conf.datastore.datastore_type(), DatastoreType::Etcdv3);
+        assert_eq!(
+            conf.datastore.etcd().expect("etcd").endpoints,
+            ["http://10.0.0.1:2379"]
+        );
+        let conf = parse(json!({"ipam": {"etcd_endpoints": " ", "datastore_type": "redb"}}))
+            .expect("blank endpoints are not given");
+        assert_eq!(conf.datastore.datastore_type(), DatastoreType::Redb);
+        for (ipam, names) in [
+            (
+                json!({"datastore_type": "sled", "etcd_endpoints": "10.0.0.1:2379"}),
+                "etcd endpoints",
+            ),
+            (
+                json!({"datastore_type": "etcdv3", "etcd_endpoints": "10.0.0.1:2379",
+                       "datastore_path": "/var/lib/x"}),
+                "datastore path",
+            ),
+            (
+                json!({"etcd_endpoints": ["10.0.0.1:2379"], "datastore_path": "/var/lib/x"}),
+                "no datastore type",
+            ),
+        ] {
+            let err = parse(json!({ "ipam": ipam })).expect_err("contradiction");
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{ipam}");
+            assert!(err.msg.contains(names), "{ipam}: {}", err.msg);
+        }
     }
 
     #[test]

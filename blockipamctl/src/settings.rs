@@ -153,9 +153,10 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
         env,
         cli::ENV_DATASTORE_TYPE,
     ) {
-        raw.datastore_type = text
-            .parse::<DatastoreType>()
-            .map_err(|e| CtlError::usage(format!("invalid value for {source}: {e}")))?;
+        raw.datastore_type = Some(
+            text.parse::<DatastoreType>()
+                .map_err(|e| CtlError::usage(format!("invalid value for {source}: {e}")))?,
+        );
     }
     let text = |flag: Option<&str>, flag_name: &str, var: &str| {
         pick(flag, flag_name, env, var).map(|(text, _)| text.to_owned())
@@ -229,7 +230,7 @@ pub fn resolve_target(
         .parse::<DatastoreType>()
         .map_err(|e| CtlError::usage(format!("invalid value for --to-datastore-type: {e}")))?;
     let raw = RawDatastoreSettings {
-        datastore_type,
+        datastore_type: Some(datastore_type),
         path: args.to_datastore_path.clone(),
         etcd_endpoints: args.to_etcd_endpoints.iter().cloned().collect(),
         etcd_ca_cert_file: args.to_etcd_ca_cert_file.clone(),
@@ -421,6 +422,24 @@ mod tests {
         let migrate = migrate_to_etcd(Some(String::new()));
         let target = resolve_target(&migrate, &default, None).expect("target");
         assert_eq!(target.identity(), default.identity());
+    }
+
+    /// `ETCD_ENDPOINTS` exported and no `DATASTORE_TYPE`: etcd, as calicoctl reads it; a flag
+    /// that names an embedded store beside them is refused rather than silently local.
+    #[test]
+    fn etcd_endpoints_without_a_type_select_etcd() {
+        let env = Env::new([("ETCD_ENDPOINTS", "http://10.0.0.1:2379")]);
+        let settings = resolve(&GlobalArgs::default(), &env).expect("endpoints alone");
+        assert_eq!(settings.datastore_type(), DatastoreType::Etcdv3);
+        let local = GlobalArgs {
+            datastore_type: Some("sled".into()),
+            ..GlobalArgs::default()
+        };
+        let err = resolve(&local, &env).expect_err("sled with endpoints");
+        assert!(
+            matches!(&err, CtlError::Usage(m) if m.contains("sled") && m.contains("ETCD_ENDPOINTS")),
+            "{err}"
+        );
     }
 
     #[test]

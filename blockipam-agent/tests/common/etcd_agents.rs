@@ -54,7 +54,8 @@ impl Agent {
             .env("BLOCKIPAM_AGENT_LOG", "info")
             .arg("--socket")
             .arg(socket)
-            .args(["--datastore-type", "etcdv3", "--etcd-endpoints", endpoints])
+            // No --datastore-type: endpoints alone select etcd, as in a Calico deployment.
+            .args(["--etcd-endpoints", endpoints])
             .args(["--etcd-prefix", prefix, "--node", node])
             .args(["--liveness-ttl-seconds", TTL_SECONDS])
             .args(["--dead-node-grace-seconds", grace_seconds])

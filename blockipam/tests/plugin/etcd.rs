@@ -107,6 +107,46 @@ fn add_check_del_round_trip_on_etcd() {
     assert!(default_prefix.is_empty(), "{default_prefix:?}");
 }
 
+/// A Calico netconf names its etcd and no `datastore_type`: the plugin allocates on that etcd (as
+/// calico-ipam does), not on a store of each node's own; and a netconf whose type says sled while
+/// it names an etcd is refused, with nothing written anywhere.
+#[test]
+fn etcd_endpoints_without_a_datastore_type_allocate_on_etcd() {
+    let server = server();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    let sandbox = Sandbox::new();
+    let mut calico_like = etcd_netconf(&sandbox, "1.0.0", &server.endpoint(), &prefix, json!({}));
+    let ipam = calico_like["ipam"].as_object_mut().expect("ipam");
+    ipam.remove("datastore_type");
+    ipam.remove("datastore_path");
+    let result = cni("ADD", "c1", "eth0", &calico_like, &[]).success_json("ADD");
+    assert_eq!(addresses(&result), vec!["10.244.7.64".to_owned()]);
+    assert_eq!(
+        container_allocations_on(&server.endpoint(), &prefix),
+        vec![("10.244.7.64".to_owned(), format!("{NETWORK}.c1"))]
+    );
+
+    let contradicting = etcd_netconf(
+        &sandbox,
+        "1.0.0",
+        &server.endpoint(),
+        &prefix,
+        json!({"datastore_type": "sled", "datastore_path": sandbox.store_path()}),
+    );
+    let message = cni("ADD", "c2", "eth0", &contradicting, &[])
+        .assert_error(7, "ADD with sled and etcd_endpoints");
+    assert!(message.contains("etcd endpoints"), "{message}");
+    assert!(!sandbox.store_path().exists(), "a sled store was created");
+    assert_eq!(
+        container_allocations_on(&server.endpoint(), &prefix).len(),
+        1,
+        "the refused ADD wrote to etcd"
+    );
+    cni("DEL", "c1", "eth0", &calico_like, &[]).assert_silent_success("DEL");
+    assert!(container_allocations_on(&server.endpoint(), &prefix).is_empty());
+}
+
 #[test]
 fn concurrent_adds_on_etcd_from_two_hosts_are_distinct() {
     let server = server();

@@ -24,4 +24,5 @@ mod resize;
 mod security;
 mod show;
 mod store_presence;
+mod store_selection;
 mod tunnel;
