@@ -17,6 +17,8 @@ use serde_json::Value;
 pub const POOLS_DIR: &str = "/resources/v3/projectcalico.org/ippools/";
 /// Path of the IP reservations below the Calico prefix.
 pub const RESERVATIONS_DIR: &str = "/resources/v3/projectcalico.org/ipreservations/";
+/// Path of the Calico Node resources below the Calico prefix (their labels select pools).
+pub const NODES_DIR: &str = "/resources/v3/projectcalico.org/nodes/";
 /// Path of every IPAM object (config, blocks, affinities, handles) below the Calico prefix.
 pub const IPAM_DIR: &str = "/ipam/v2/";
 /// Path of the IPAM configuration below the Calico prefix.
@@ -169,6 +171,23 @@ pub struct CalicoPoolSpec {
     pub other: BTreeMap<String, Value>,
 }
 
+/// A Calico Node resource (`/calico/resources/v3/projectcalico.org/nodes/<name>`): only its labels
+/// are read, since pools' node selectors are evaluated against them.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+pub struct CalicoNode {
+    /// Name and labels.
+    #[serde(default)]
+    pub metadata: CalicoNodeMetadata,
+}
+
+/// The metadata of a Calico Node.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+pub struct CalicoNodeMetadata {
+    /// The node's labels (Kubernetes labels, copied by Calico from the Kubernetes node).
+    #[serde(default)]
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
 /// An IP reservation resource (`/calico/resources/v3/projectcalico.org/ipreservations/<name>`).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct CalicoReservation {
@@ -214,6 +233,8 @@ pub struct CalicoSnapshot {
     pub handles: Vec<(String, CalicoHandle)>,
     /// IP reservations, by key name.
     pub reservations: Vec<(String, CalicoReservation)>,
+    /// Calico Nodes, by key name.
+    pub nodes: Vec<(String, CalicoNode)>,
     /// Keys read that are none of the above (reported, never imported).
     pub unrecognised: Vec<String>,
     /// Values that could not be parsed: `key: why`. Any makes the import refuse.
@@ -239,6 +260,10 @@ impl CalicoSnapshot {
         if let Some(name) = key.strip_prefix(POOLS_DIR) {
             if let Some(pool) = self.json(key, value) {
                 self.pools.push((name.to_owned(), pool));
+            }
+        } else if let Some(name) = key.strip_prefix(NODES_DIR) {
+            if let Some(node) = self.json(key, value) {
+                self.nodes.push((name.to_owned(), node));
             }
         } else if let Some(name) = key.strip_prefix(RESERVATIONS_DIR) {
             if let Some(reservation) = self.json(key, value) {

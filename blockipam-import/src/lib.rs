@@ -48,6 +48,8 @@ pub struct ImportReport {
     pub handles: usize,
     /// IP reservations imported.
     pub reservations: usize,
+    /// Nodes whose Calico labels were imported (what pools' node selectors read).
+    pub labelled_nodes: usize,
     /// The IPAM configuration written.
     pub config: IpamConfig,
     /// Whether Calico stored a configuration (else its defaults were imported).
@@ -80,6 +82,7 @@ impl ImportReport {
             cooling_addresses: plan.blocks.iter().map(|b| b.cooling.len()).sum(),
             handles: plan.handles.len(),
             reservations: plan.reservations.len(),
+            labelled_nodes: plan.node_labels.len(),
             config: plan.config,
             config_from_calico: plan.config_stored,
             sequence_floor: plan.sequence_floor,

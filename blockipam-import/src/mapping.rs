@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
 
 use ipam_core::allocator::ATTR_NODE;
+use ipam_core::model::nodes::{validate_label_key, validate_label_value, MAX_NODE_LABELS};
 use ipam_core::model::{
     encode, validate_handle, validate_host, Allocation, Attribute, Block, CoolingAddress, Handle,
     DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, MAX_ATTRIBUTE_BYTES, MAX_IP_COOLDOWN_SECONDS,
@@ -95,6 +96,9 @@ pub struct ImportPlan {
     pub not_mapped: Vec<NotMapped>,
     /// IP reservations (Calico's `IPReservation`s), sorted by name.
     pub reservations: Vec<Reservation>,
+    /// The labels of each Calico Node that has any, by node name: what pools' node selectors
+    /// are evaluated against.
+    pub node_labels: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 /// The plan, and the reasons (if any) it must not be written.
@@ -258,6 +262,7 @@ pub fn map(snapshot: &CalicoSnapshot) -> Mapping {
     compare_handles(snapshot, &handles, &mut not_mapped);
 
     let reservations = map_reservations(snapshot, &mut not_mapped);
+    let node_labels = map_node_labels(snapshot, &mut refusals);
     for key in &snapshot.unrecognised {
         not_mapped.push(NotMapped {
             object: key.clone(),
@@ -285,9 +290,53 @@ pub fn map(snapshot: &CalicoSnapshot) -> Mapping {
             expected,
             not_mapped,
             reservations,
+            node_labels,
         },
         refusals,
     }
+}
+
+/// The labels of every Calico Node that has any. A node name or a label blockipam cannot hold is
+/// a refusal, not a label dropped: pools select nodes by their labels, and a partial set could
+/// send a node's pods to another pool.
+fn map_node_labels(
+    snapshot: &CalicoSnapshot,
+    refusals: &mut Vec<String>,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for (name, node) in &snapshot.nodes {
+        let labels = node.metadata.labels.clone().unwrap_or_default();
+        if labels.is_empty() {
+            continue;
+        }
+        let object = format!("node {name:?}");
+        let mut problems = Vec::new();
+        if let Err(e) = validate_host(name) {
+            problems.push(e.to_string());
+        }
+        if labels.len() > MAX_NODE_LABELS {
+            problems.push(format!(
+                "it has {} labels, more than the {MAX_NODE_LABELS} blockipam keeps per node",
+                labels.len()
+            ));
+        }
+        for (key, value) in &labels {
+            if let Err(e) = validate_label_key(key).and_then(|()| validate_label_value(key, value))
+            {
+                problems.push(e.to_string());
+            }
+        }
+        if problems.is_empty() {
+            out.insert(name.clone(), labels);
+        } else {
+            refusals.extend(problems.into_iter().map(|why| {
+                format!(
+                    "{object}: {why} (pools' node selectors read every label; fix it in Calico)"
+                )
+            }));
+        }
+    }
+    out
 }
 
 /// Calico's IP reservations as blockipam reservations: a single address becomes a /32 or /128,

@@ -10,7 +10,7 @@ use etcd_client::{
     TlsOptions,
 };
 
-use crate::calico::{CalicoSnapshot, RawEntry, IPAM_DIR, POOLS_DIR, RESERVATIONS_DIR};
+use crate::calico::{CalicoSnapshot, RawEntry, IPAM_DIR, NODES_DIR, POOLS_DIR, RESERVATIONS_DIR};
 use crate::error::ImportError;
 
 /// Calico's default key prefix.
@@ -170,7 +170,7 @@ impl CalicoEtcdSource {
         let prefix = self.normalized_prefix();
         let mut revision = at_revision.unwrap_or(0);
         let mut entries = Vec::new();
-        for dir in [POOLS_DIR, IPAM_DIR, RESERVATIONS_DIR] {
+        for dir in [POOLS_DIR, IPAM_DIR, RESERVATIONS_DIR, NODES_DIR] {
             let full = format!("{prefix}{dir}");
             self.read_range(&mut kv, &full, &mut revision, &mut entries)
                 .await?;

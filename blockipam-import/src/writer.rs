@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_CONDITIONS, MAX_TXN_OPS};
+use ipam_core::model::nodes::{decode_node_labels, node_key, nodes_dir, StoredNode};
 use ipam_core::model::{block_entries, decode, decode_pool, encode, keys, Block, Handle, ROOT};
 use ipam_core::reservations::{decode_reservations, reservation_key, reservations_dir};
 use ipam_core::{Condition, Ipam, IpamConfig, KeyValue, KvStore, Op, Pool, Txn};
@@ -66,8 +67,8 @@ pub async fn inspect_target(target: &Arc<dyn KvStore>) -> Result<TargetState, Im
 pub type Unit = Vec<(String, Vec<u8>)>;
 
 /// Every key and value the plan stores, in write order: the sequence floor, the config, each
-/// block with its claim entry, the handles, the pools, the IP reservations, then the pool
-/// generation counter.
+/// block with its claim entry, the handles, the pools, the IP reservations, the node labels,
+/// then the pool generation counter.
 ///
 /// # Errors
 /// [`ImportError::Target`] when an object cannot be encoded.
@@ -94,6 +95,12 @@ pub fn planned_units(plan: &ImportPlan) -> Result<Vec<Unit>, ImportError> {
             reservation_key(&reservation.name),
             encode(reservation)?,
         )]);
+    }
+    for (host, labels) in &plan.node_labels {
+        let node = StoredNode {
+            labels: labels.clone(),
+        };
+        units.push(vec![(node_key(host), encode(&node)?)]);
     }
     if !plan.pools.is_empty() {
         units.push(vec![(
@@ -397,6 +404,18 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
     reservations.sort_by(|a, b| a.name.cmp(&b.name));
     if reservations != plan.reservations {
         return fail("the stored IP reservations differ from the plan".into());
+    }
+    let mut node_labels = BTreeMap::new();
+    for kv in target.list(&nodes_dir()).await? {
+        let host = kv
+            .key
+            .strip_prefix(&nodes_dir())
+            .unwrap_or(&kv.key)
+            .to_owned();
+        node_labels.insert(host, decode_node_labels(&kv.key, Some(&kv))?);
+    }
+    if node_labels != plan.node_labels {
+        return fail("the stored node labels differ from the Calico Nodes' labels".into());
     }
     let config: Option<IpamConfig> = match target.get(&keys::config()).await? {
         Some(kv) => Some(decode(&kv.key, &kv.value)?),

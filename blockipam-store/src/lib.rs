@@ -293,8 +293,6 @@ pub enum SettingsError {
     UnpairedCredentials,
     /// An embedded store type given together with etcd endpoints.
     EndpointsForEmbeddedStore(DatastoreType),
-    /// etcd given together with an embedded store's path.
-    PathForEtcd,
     /// No type given, and both etcd endpoints and an embedded store's path.
     EndpointsAndPath,
 }
@@ -307,10 +305,6 @@ impl fmt::Display for SettingsError {
                 "datastore type {embedded} is an embedded store, but etcd endpoints are given too \
                  (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS); remove the endpoints, or \
                  set the datastore type to etcdv3 (or leave it out: endpoints alone mean etcd)"
-            ),
-            SettingsError::PathForEtcd => f.write_str(
-                "datastore type etcdv3 keeps no local file, but a datastore path is given too \
-                 (datastore_path / --datastore-path / DATASTORE_PATH); remove one of them",
             ),
             SettingsError::EndpointsAndPath => f.write_str(
                 "both etcd endpoints and a datastore path are given, and no datastore type: set \
@@ -448,8 +442,9 @@ impl DatastoreSettings {
     ///
     /// # Errors
     /// [`SettingsError::EndpointsForEmbeddedStore`] for an embedded type given with etcd
-    /// endpoints, [`SettingsError::PathForEtcd`] for etcd given with an embedded store's path,
-    /// and for etcd what [`EtcdSettings::check`] refuses.
+    /// endpoints, [`SettingsError::EndpointsAndPath`] for no type with both endpoints and a path
+    /// (which store is meant?), and for etcd what [`EtcdSettings::check`] refuses. etcd given
+    /// with a path is not refused: the path is ignored, as it always was.
     pub fn from_raw(raw: RawDatastoreSettings) -> Result<DatastoreSettings, SettingsError> {
         let owned = |value: Option<String>| given(value.as_deref()).map(str::to_owned);
         let endpoints_given = raw
@@ -461,7 +456,6 @@ impl DatastoreSettings {
             Some(embedded @ (DatastoreType::Sled | DatastoreType::Redb)) if endpoints_given => {
                 return Err(SettingsError::EndpointsForEmbeddedStore(embedded))
             }
-            Some(DatastoreType::Etcdv3) if path_given => return Err(SettingsError::PathForEtcd),
             Some(given) => given,
             None if endpoints_given && path_given => return Err(SettingsError::EndpointsAndPath),
             None if endpoints_given => DatastoreType::Etcdv3,
@@ -957,15 +951,14 @@ mod tests {
                 "{message}"
             );
         }
-        assert_eq!(
-            DatastoreSettings::from_raw(RawDatastoreSettings {
-                datastore_type: Some(DatastoreType::Etcdv3),
-                etcd_endpoints: endpoints(),
-                path: Some("/x/store".into()),
-                ..RawDatastoreSettings::default()
-            }),
-            Err(SettingsError::PathForEtcd)
-        );
+        let etcd_with_a_path = DatastoreSettings::from_raw(RawDatastoreSettings {
+            datastore_type: Some(DatastoreType::Etcdv3),
+            etcd_endpoints: endpoints(),
+            path: Some("/x/store".into()),
+            ..RawDatastoreSettings::default()
+        })
+        .expect("etcd named, the path ignored as before");
+        assert_eq!(etcd_with_a_path.path(), None);
         assert_eq!(
             DatastoreSettings::from_raw(RawDatastoreSettings {
                 etcd_endpoints: endpoints(),

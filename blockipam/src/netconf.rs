@@ -964,11 +964,6 @@ mod tests {
                 "etcd endpoints",
             ),
             (
-                json!({"datastore_type": "etcdv3", "etcd_endpoints": "10.0.0.1:2379",
-                       "datastore_path": "/var/lib/x"}),
-                "datastore path",
-            ),
-            (
                 json!({"etcd_endpoints": ["10.0.0.1:2379"], "datastore_path": "/var/lib/x"}),
                 "no datastore type",
             ),

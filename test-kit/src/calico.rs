@@ -9,7 +9,7 @@ use ipnet::IpNet;
 use serde_json::{json, Value};
 
 use blockipam_import::calico::{
-    cidr_segment, family_segment, RawEntry, CONFIG_KEY, POOLS_DIR, RESERVATIONS_DIR,
+    cidr_segment, family_segment, RawEntry, CONFIG_KEY, NODES_DIR, POOLS_DIR, RESERVATIONS_DIR,
 };
 
 /// A Calico allocation block under construction.
@@ -273,6 +273,20 @@ impl CalicoFixture {
             "spec": {"reservedCIDRs": cidrs},
         });
         self.json(&format!("{RESERVATIONS_DIR}{name}"), &value)
+    }
+
+    /// A Calico Node resource with `labels` (as calico-node writes it from the Kubernetes node).
+    pub fn node(self, name: &str, labels: &[(&str, &str)]) -> Self {
+        let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+        let value = json!({
+            "kind": "Node",
+            "apiVersion": "projectcalico.org/v3",
+            "metadata": {"name": name, "uid": "5d1c2b3a-0000-4000-8000-000000000002",
+                         "creationTimestamp": "2026-01-01T00:00:00Z", "labels": labels},
+            "spec": {"bgp": {"ipv4Address": "192.0.2.10/24"},
+                     "orchRefs": [{"nodeName": name, "orchestrator": "k8s"}]},
+        });
+        self.json(&format!("{NODES_DIR}{name}"), &value)
     }
 
     /// The objects, keys relative to the Calico prefix.

@@ -158,7 +158,7 @@ fn render(report: &ImportReport, target: &str) -> Result<Outcome, CtlError> {
         )
     };
     text.push_str(&format!(
-        "  {}, {} ({} affine to a host), {}, {}, {}, {}\n  config{}: strict_affinity {}, \
+        "  {}, {} ({} affine to a host), {}, {}, {}, {}, {}\n  config{}: strict_affinity {}, \
          auto_allocate_blocks {}, max_blocks_per_host {}, ip_cooldown_seconds {}; sequence floor \
          {}\n",
         counted(n(report.pools), "pool", "pools"),
@@ -167,6 +167,7 @@ fn render(report: &ImportReport, target: &str) -> Result<Outcome, CtlError> {
         counted(n(report.allocations), "allocation", "allocations"),
         counted(n(report.handles), "handle", "handles"),
         counted(n(report.reservations), "IP reservation", "IP reservations"),
+        counted(n(report.labelled_nodes), "labelled node", "labelled nodes"),
         counted(
             n(report.cooling_addresses),
             "address in IP cooldown",

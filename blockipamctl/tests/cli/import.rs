@@ -431,3 +431,74 @@ fn interrupted_import_is_reported_by_check_and_resumed_by_the_next_run() {
     assert_eq!(doc["verified"], true);
     lab.ctl(&["check"]).ok();
 }
+
+/// Calico's pools select nodes by the labels of Calico's Node resources: the import carries the
+/// labels, so after it each node's pods come from the pool that selected it under Calico, and a
+/// node no pool selects still gets none (code 109).
+#[test]
+fn calico_node_labels_are_imported_and_pools_select_on_them() {
+    let fixture = CalicoFixture::new()
+        .pool(
+            "rack-a",
+            "10.50.0.0/24",
+            26,
+            json!({"nodeSelector": "rack == \"a\""}),
+        )
+        .pool(
+            "rack-b",
+            "10.51.0.0/24",
+            26,
+            json!({"nodeSelector": "rack == \"b\" && has(kubernetes.io/hostname)"}),
+        )
+        .node(
+            "node-a",
+            &[("rack", "a"), ("kubernetes.io/hostname", "node-a")],
+        )
+        .node(
+            "node-b",
+            &[("rack", "b"), ("kubernetes.io/hostname", "node-b")],
+        )
+        .node("node-c", &[]);
+    let calico = CalicoEtcd::holding(&fixture);
+    for backend in [Backend::Sled, Backend::Etcd] {
+        let lab = Lab::new(backend);
+        let doc = import(&lab, &calico, &["-o", "json"]).ok().json();
+        assert_eq!(doc["labelled_nodes"], 2, "{doc:#}");
+        assert_eq!(doc["verified"], true, "{doc:#}");
+        lab.ctl(&["node", "show", "node-b"])
+            .ok()
+            .stdout_has("rack")
+            .stdout_has("kubernetes.io/hostname");
+        for (node, pool) in [("node-a", "10.50.0."), ("node-b", "10.51.0.")] {
+            let (status, result, stderr) = cni(&lab, "ADD", &format!("pod-on-{node}"), node);
+            assert_eq!(status, 0, "{node}: {stderr} {result}");
+            let ip = result["ips"][0]["address"].as_str().unwrap_or_default();
+            assert!(ip.starts_with(pool), "{node} got {ip}, not from {pool}0/24");
+        }
+        let (status, error, _) = cni(&lab, "ADD", "pod-on-node-c", "node-c");
+        assert_ne!(status, 0);
+        assert_eq!(error["code"], 109, "{error}");
+    }
+}
+
+/// A Calico Node label blockipam cannot hold refuses the import before anything is written: a
+/// node without one of its labels could draw addresses from another pool.
+#[test]
+fn a_node_label_blockipam_cannot_hold_refuses_the_import_and_writes_nothing() {
+    let fixture = CalicoFixture::new()
+        .pool("all", "10.52.0.0/24", 26, json!({"nodeSelector": "all()"}))
+        .node("node-a", &[("rack", "a")])
+        .node("node-z", &[("zone", "not a label value!")]);
+    let calico = CalicoEtcd::holding(&fixture);
+    let lab = Lab::new(Backend::Sled);
+    let run = import(&lab, &calico, &[]);
+    run.expect_code(1);
+    let message = run.stderr.clone();
+    assert!(
+        message.contains("node-z")
+            && message.contains("zone")
+            && message.contains("nothing was written"),
+        "{message}"
+    );
+    assert!(!lab.path().exists(), "no embedded store was even created");
+}
