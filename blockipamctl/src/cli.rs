@@ -82,7 +82,7 @@ pub struct Cli {
 /// Flags shared by every command.
 #[derive(Debug, Clone, Default, Args)]
 pub struct GlobalArgs {
-    /// Store type: sled, redb or etcdv3 [env: DATASTORE_TYPE] [default: sled]
+    /// Store type: sled, redb or etcdv3 [env: DATASTORE_TYPE] [default: etcdv3 when etcd endpoints are given, else sled]
     #[arg(long, global = true, value_name = "TYPE", help_heading = "Store")]
     pub datastore_type: Option<String>,
     /// Embedded store path [env: DATASTORE_PATH] [default: /var/lib/blockipam/store.sled (sled), /var/lib/blockipam/store.redb (redb)]
