@@ -355,14 +355,25 @@ pub struct ShowArgs {
 
 /// `release`.
 #[derive(Debug, Args)]
-#[command(group(ArgGroup::new("what").required(true).args(["ip", "handle"])))]
+#[command(group(ArgGroup::new("what").required(true).args(["ip", "handle", "from_report"])))]
 pub struct ReleaseArgs {
     /// Addresses to release (repeat the flag or list several after it).
-    #[arg(long, value_name = "IP", num_args = 1.., conflicts_with = "handle")]
+    #[arg(long, value_name = "IP", num_args = 1.., conflicts_with_all = ["handle", "from_report"])]
     pub ip: Vec<IpAddr>,
     /// Release every address of this handle (what a CNI DEL does).
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", conflicts_with = "from_report")]
     pub handle: Option<String>,
+    /// With one --ip: release it only while it carries this sequence number (as `show --ip`
+    /// prints it); an address allocated again since is refused, and nothing changes
+    #[arg(long, value_name = "N", requires = "ip")]
+    pub sequence: Option<u64>,
+    /// Release the leaked addresses (kind missing-handle) a `check -o json` report of this store
+    /// lists, each only while it carries the sequence number the report recorded
+    #[arg(long, value_name = "FILE")]
+    pub from_report: Option<PathBuf>,
+    /// With --from-report: release them; without it nothing is written
+    #[arg(long, requires = "from_report")]
+    pub apply: bool,
 }
 
 /// `check`.

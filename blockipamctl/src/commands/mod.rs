@@ -11,6 +11,7 @@ pub mod namespace;
 pub mod node;
 pub mod pool;
 pub mod release;
+pub mod report;
 pub mod reservation;
 pub mod show;
 pub mod tunnel;

@@ -9,6 +9,7 @@ mod demo_checks;
 mod errors;
 mod format_upgrade;
 mod gc;
+mod guarded_release;
 mod import;
 mod library;
 mod lifecycle;
