@@ -138,7 +138,8 @@ pub enum Command {
     Release(ReleaseArgs),
     /// Check the store for inconsistencies (exit 1 when any); optionally repair the safe ones.
     Check(CheckArgs),
-    /// Label nodes (for pools' node selectors), or retire a node that was removed from the cluster.
+    /// List nodes, label them (for pools' node selectors), or retire a node that was removed from
+    /// the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
     /// A node's tunnel address (IPIP, VXLAN, WireGuard), from a pool that allows tunnel use, with
@@ -462,6 +463,13 @@ pub struct TunnelAddressArgs {
 /// `node` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
+    /// Every node the store knows (agent registrations, labels, blocks, addresses) with its
+    /// liveness as `gc` sees it, its labels, blocks and addresses.
+    List,
+    /// Remove everything a removed node leaves behind: its addresses, blocks, labels and agent
+    /// registration. Shows what it would do unless --apply; refused while the node is alive or
+    /// active, unless --force.
+    Retire(NodeRetireArgs),
     /// Release a removed node's block affinities (empty blocks are deleted, others un-assigned).
     Release(NodeReleaseArgs),
     /// Set or remove a node's labels (what pools' node selectors match), in one atomic update.
@@ -494,6 +502,21 @@ pub struct NodeShowArgs {
     /// The node (host) name.
     #[arg(value_name = "HOST")]
     pub host: String,
+}
+
+/// `node retire`.
+#[derive(Debug, Args)]
+pub struct NodeRetireArgs {
+    /// The node (host) name, as the plugin recorded it.
+    #[arg(value_name = "HOST")]
+    pub host: String,
+    /// Remove it; without it nothing is written
+    #[arg(long)]
+    pub apply: bool,
+    /// Retire it although it is seen alive (its agent keeps its liveness key) or active (its
+    /// plugin committed since it was marked missing): its pods' addresses are released
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `node release`.

@@ -15,6 +15,7 @@ mod library;
 mod lifecycle;
 mod migrate;
 mod node;
+mod node_inventory;
 mod node_labels;
 mod pod_pools;
 mod pool_selection;
