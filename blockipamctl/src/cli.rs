@@ -134,9 +134,11 @@ pub enum Command {
     Config(ConfigCommand),
     /// Show pool usage; optionally blocks, borrowed addresses, or one address.
     Show(ShowArgs),
-    /// Release addresses by IP or by handle.
+    /// Release addresses by IP (optionally only while they carry a sequence number), by handle, or
+    /// the leaked ones a check report lists.
     Release(ReleaseArgs),
     /// Check the store for inconsistencies (exit 1 when any); optionally repair the safe ones.
+    /// With -o json, the output is a report `release --from-report` reads.
     Check(CheckArgs),
     /// List nodes, label them (for pools' node selectors), or retire a node that was removed from
     /// the cluster.

@@ -60,8 +60,7 @@ impl Liveness {
 
 /// The host a block key under `ipam/v1/blocks/host/<host>/...` names.
 fn block_host(key: &str) -> Option<&str> {
-    key.strip_prefix(&keys::blocks_dir())?
-        .strip_prefix("host/")?
+    key.strip_prefix(&keys::affine_blocks_dir())?
         .split('/')
         .next()
 }
@@ -117,7 +116,7 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
         .map(|node| (node.host, node.labels))
         .collect();
     let block_owners: BTreeSet<String> = store
-        .list(&format!("{}host/", keys::blocks_dir()))
+        .list(&keys::affine_blocks_dir())
         .await?
         .iter()
         .filter_map(|kv| block_host(&kv.key).map(str::to_owned))
@@ -264,7 +263,7 @@ pub async fn retire(
         retired: None,
     };
     let mut text = format!(
-        "Node {host} ({}) holds {}, {}, {} and {}.\n",
+        "Node {host}, {}, holds {}, {}, {} and {}.\n",
         liveness.text,
         counted(held.addresses, "address", "addresses"),
         counted(held.blocks, "block", "blocks"),

@@ -150,16 +150,15 @@ async fn guarded(
         ));
     }
     if outcome.sequence_mismatch.contains(&ip) {
-        let now = ipam.get_assignment(ip).await?;
-        let holder = match now {
+        let holder = match ipam.get_assignment(ip).await? {
             Some(info) => format!(
-                "it carries sequence {} now (handle {:?}): it was allocated again since",
+                "it carries sequence {} now, not {sequence} (handle {:?})",
                 info.sequence, info.handle
             ),
-            None => "it was allocated again since".to_owned(),
+            None => format!("it no longer carries sequence {sequence}"),
         };
         return Err(CtlError::failed(format!(
-            "{ip} was not released: {holder}, not at sequence {sequence}; nothing changed"
+            "{ip} was not released: {holder}: it was allocated again since; nothing changed"
         )));
     }
     Err(CtlError::failed(format!(
