@@ -8,7 +8,7 @@ use std::path::Path;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::model::{keys, validate_handle};
-use ipam_core::{Ipam, ReleaseRequest};
+use ipam_core::{AllocationInfo, Ipam, Read, ReleaseRequest};
 use serde::Serialize;
 
 use super::pool::invalid_text;
@@ -204,32 +204,50 @@ struct FromReportJson {
     kinds_not_released: Vec<KindNotReleased>,
 }
 
-/// Why `address` may not be released now (`None`: it may): it is no longer allocated, it was
-/// allocated again since the report (another sequence number), or its handle exists again (the
-/// pod's DEL can release it).
-async fn why_not(ipam: &Ipam, address: &ReportedAddress) -> Result<Option<String>, CtlError> {
-    let Some(now) = ipam.get_assignment(address.ip).await? else {
-        return Ok(Some("no longer allocated".to_owned()));
+/// Why `address` may not be released now (`None`: it may), given what is allocated now and which
+/// of the reported handles exist: it is no longer allocated, it was allocated again since the
+/// report (another sequence number), or its handle exists again (the pod's DEL can release it).
+fn why_not(
+    address: &ReportedAddress,
+    allocated: &BTreeMap<IpAddr, AllocationInfo>,
+    existing_handles: &BTreeSet<String>,
+) -> Option<String> {
+    let Some(now) = allocated.get(&address.ip) else {
+        return Some("no longer allocated".to_owned());
     };
     if now.sequence != address.sequence {
-        return Ok(Some(format!(
+        return Some(format!(
             "allocated again since the report (sequence {} now, {} in the report)",
             now.sequence, address.sequence
-        )));
+        ));
     }
-    if ipam
-        .store()
-        .get(&keys::handle(&address.handle))
-        .await?
-        .is_some()
-    {
-        return Ok(Some(format!(
+    if existing_handles.contains(&address.handle) {
+        return Some(format!(
             "its handle {:?} exists again (check --repair recreated it, or its pod wrote it): its \
              DEL releases it",
             address.handle
-        )));
+        ));
     }
-    Ok(None)
+    None
+}
+
+/// The reported handles that exist now, in one batched read.
+async fn existing_handles(
+    ipam: &Ipam,
+    addresses: &BTreeMap<IpAddr, ReportedAddress>,
+) -> Result<BTreeSet<String>, CtlError> {
+    let handles: BTreeSet<&str> = addresses.values().map(|a| a.handle.as_str()).collect();
+    let reads: Vec<Read> = handles.iter().map(|h| Read::Get(keys::handle(h))).collect();
+    let mut existing = BTreeSet::new();
+    if reads.is_empty() {
+        return Ok(existing);
+    }
+    for (handle, result) in handles.iter().zip(ipam.store().read_many(&reads).await?) {
+        if result.into_got()?.is_some() {
+            existing.insert((*handle).to_owned());
+        }
+    }
+    Ok(existing)
 }
 
 /// `release --from-report FILE [--apply]`: the addresses of the report's problems of
@@ -260,10 +278,20 @@ async fn from_report(
         }
     }
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let allocated: BTreeMap<IpAddr, AllocationInfo> = if candidates.is_empty() {
+        BTreeMap::new()
+    } else {
+        ipam.list_allocations()
+            .await?
+            .into_iter()
+            .map(|a| (a.ip, a))
+            .collect()
+    };
+    let existing = existing_handles(&ipam, &candidates).await?;
     let mut chosen: Vec<ReportedAddress> = Vec::new();
     let mut skipped: Vec<SkippedAddress> = Vec::new();
     for address in candidates.into_values() {
-        match why_not(&ipam, &address).await? {
+        match why_not(&address, &allocated, &existing) {
             Some(reason) => skipped.push(SkippedAddress { address, reason }),
             None => chosen.push(address),
         }

@@ -200,25 +200,6 @@ impl Problem {
     }
 }
 
-/// Every address `block` holds for `handle`, in address order.
-fn addresses_of_handle(block: &Block, handle: &str) -> Vec<ProblemAddress> {
-    block
-        .ordinals_of_handle(handle)
-        .into_iter()
-        .filter_map(|ordinal| {
-            let allocation = block.allocations.get(&ordinal)?;
-            let attribute = block.attribute_of(ordinal)?;
-            Some(ProblemAddress {
-                ip: block.ip_of(ordinal),
-                block: block.cidr,
-                handle: attribute.handle.clone(),
-                node: attribute.metadata.get(ATTR_NODE).cloned(),
-                sequence: allocation.sequence,
-            })
-        })
-        .collect()
-}
-
 /// The result of a check (and of a repair, when asked).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CheckReport {
@@ -241,8 +222,16 @@ impl CheckReport {
 }
 
 impl Snapshot {
-    /// Every address the blocks hold for `handle`, in block then address order.
-    fn addresses_of_handle(&self, handle: &str) -> Vec<ProblemAddress> {
+    /// Every address the blocks hold for each of `handles`, in one pass over the blocks: per
+    /// handle, in block then address order.
+    fn addresses_of_handles(
+        &self,
+        handles: &BTreeSet<&str>,
+    ) -> BTreeMap<String, Vec<ProblemAddress>> {
+        let mut found: BTreeMap<String, Vec<ProblemAddress>> = BTreeMap::new();
+        if handles.is_empty() {
+            return found;
+        }
         let mut blocks: Vec<&Block> = self.blocks.iter().map(|b| &b.value).collect();
         blocks.sort_by_key(|b| {
             (
@@ -251,10 +240,27 @@ impl Snapshot {
                 b.cidr.prefix_len(),
             )
         });
-        blocks
-            .into_iter()
-            .flat_map(|b| addresses_of_handle(b, handle))
-            .collect()
+        for block in blocks {
+            for (ordinal, allocation) in &block.allocations {
+                let Some(attribute) = block.attribute_of(*ordinal) else {
+                    continue;
+                };
+                if !handles.contains(attribute.handle.as_str()) {
+                    continue;
+                }
+                found
+                    .entry(attribute.handle.clone())
+                    .or_default()
+                    .push(ProblemAddress {
+                        ip: block.ip_of(*ordinal),
+                        block: block.cidr,
+                        handle: attribute.handle.clone(),
+                        node: attribute.metadata.get(ATTR_NODE).cloned(),
+                        sequence: allocation.sequence,
+                    });
+            }
+        }
+        found
     }
 }
 
@@ -527,6 +533,26 @@ impl Ipam {
                 );
             }
         }
+        // The handles with a problem, and every address the blocks hold for them.
+        let handles_with_problems: BTreeSet<&str> = snapshot
+            .handles
+            .iter()
+            .filter(|(id, stored)| {
+                expected_handles
+                    .get(*id)
+                    .map_or(!stored.value.blocks.is_empty(), |e| {
+                        *e != stored.value.blocks
+                    })
+            })
+            .map(|(id, _)| id.as_str())
+            .chain(
+                expected_handles
+                    .keys()
+                    .filter(|id| !snapshot.handles.contains_key(*id))
+                    .map(String::as_str),
+            )
+            .collect();
+        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems);
         for (id, stored) in &snapshot.handles {
             report.handles_checked += 1;
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
@@ -545,7 +571,7 @@ impl Ipam {
                         ),
                     )
                     .with_handle(id)
-                    .with_addresses(snapshot.addresses_of_handle(id)),
+                    .with_addresses(addresses.remove(id).unwrap_or_default()),
                 );
             }
         }
@@ -563,7 +589,7 @@ impl Ipam {
                         ),
                     )
                     .with_handle(id)
-                    .with_addresses(snapshot.addresses_of_handle(id)),
+                    .with_addresses(addresses.remove(id).unwrap_or_default()),
                 );
             }
         }
