@@ -1,7 +1,9 @@
 //! `node list` and `node retire HOST [--apply] [--force]` on every backend: agents' registrations
 //! and liveness keys are written through the storage trait, as an agent writes them.
 
-use ipam_core::dead_nodes::{agent_key, liveness_key, register};
+use ipam_core::dead_nodes::{
+    activity_key, agent_key, liveness_key, register, MissingMark, Registration,
+};
 use serde_json::{json, Value};
 
 use crate::common::{Backend, Lab};
@@ -9,6 +11,7 @@ use crate::common::{Backend, Lab};
 crate::on_every_backend!(
     node_list_shows_every_node_the_store_knows,
     node_retire_previews_refuses_a_live_node_and_removes_everything,
+    node_retire_refuses_an_active_node_and_retires_a_dead_one,
 );
 
 /// host-a: registered with a liveness key (alive), labelled, one address; host-b: registered
@@ -195,5 +198,74 @@ fn node_retire_previews_refuses_a_live_node_and_removes_everything(backend: Back
     lab.ctl(&["node", "retire", "host-never-seen", "--apply"])
         .ok()
         .stdout_has("addresses released:          0");
+    lab.ctl(&["check"]).ok();
+}
+
+/// A registration marked missing by a reclaimer that saw no plugin activity (revision 0).
+fn marked(host: &str) -> Vec<u8> {
+    serde_json::to_vec(&Registration {
+        node: host.to_owned(),
+        registered_at: 1_700_000_000,
+        agent_version: "test".into(),
+        reads_format: Some(4),
+        missing_since: None,
+        missing_mark: Some(MissingMark {
+            countdown_revision: 1,
+            activity_revision: 0,
+            grace_seconds: 900,
+        }),
+        blocks_released: false,
+    })
+    .expect("JSON")
+}
+
+fn node_retire_refuses_an_active_node_and_retires_a_dead_one(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.61.0.0/24", "--block-size", "28"])
+        .ok();
+    let e = lab.assign("net.e", "host-e").to_string();
+    let f = lab.assign("net.f", "host-f").to_string();
+    // host-e: marked, and its plugin committed since (its activity record moved): active.
+    // host-f: marked, countdown gone, no activity since: dead.
+    lab.with_store(|store| async move {
+        store
+            .put(&agent_key("host-e"), marked("host-e"))
+            .await
+            .expect("mark host-e");
+        store
+            .put(&activity_key("host-e"), b"{}".to_vec())
+            .await
+            .expect("host-e's plugin at work");
+        store
+            .put(&agent_key("host-f"), marked("host-f"))
+            .await
+            .expect("mark host-f");
+    });
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert_eq!(node_of(&list, "host-e")["state"], "active");
+    assert_eq!(node_of(&list, "host-f")["state"], "dead");
+
+    let before = lab.snapshot();
+    let refused = lab.ctl(&["node", "retire", "host-e", "--apply"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains("node host-e is active"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(lab.snapshot(), before, "a refused retire writes nothing");
+
+    let retired = lab
+        .ctl(&["-o", "json", "node", "retire", "host-f", "--apply"])
+        .ok()
+        .json();
+    assert_eq!(retired["state"], "dead");
+    assert_eq!(retired["retired"]["released_addresses"], json!([f]));
+    assert_eq!(retired["retired"]["registration_deleted"], true);
+    assert_eq!(
+        lab.ctl(&["-o", "json", "show", "--ip", &e]).ok().json()["allocated"],
+        true,
+        "the active node keeps its address"
+    );
     lab.ctl(&["check"]).ok();
 }
