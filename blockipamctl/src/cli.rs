@@ -134,11 +134,14 @@ pub enum Command {
     Config(ConfigCommand),
     /// Show pool usage; optionally blocks, borrowed addresses, or one address.
     Show(ShowArgs),
-    /// Release addresses by IP or by handle.
+    /// Release addresses by IP (optionally only while they carry a sequence number), by handle, or
+    /// the leaked ones a check report lists.
     Release(ReleaseArgs),
     /// Check the store for inconsistencies (exit 1 when any); optionally repair the safe ones.
+    /// With -o json, the output is a report `release --from-report` reads.
     Check(CheckArgs),
-    /// Label nodes (for pools' node selectors), or retire a node that was removed from the cluster.
+    /// List nodes, label them (for pools' node selectors), or retire a node that was removed from
+    /// the cluster.
     #[command(subcommand)]
     Node(NodeCommand),
     /// A node's tunnel address (IPIP, VXLAN, WireGuard), from a pool that allows tunnel use, with
@@ -355,14 +358,25 @@ pub struct ShowArgs {
 
 /// `release`.
 #[derive(Debug, Args)]
-#[command(group(ArgGroup::new("what").required(true).args(["ip", "handle"])))]
+#[command(group(ArgGroup::new("what").required(true).args(["ip", "handle", "from_report"])))]
 pub struct ReleaseArgs {
     /// Addresses to release (repeat the flag or list several after it).
-    #[arg(long, value_name = "IP", num_args = 1.., conflicts_with = "handle")]
+    #[arg(long, value_name = "IP", num_args = 1.., conflicts_with_all = ["handle", "from_report"])]
     pub ip: Vec<IpAddr>,
     /// Release every address of this handle (what a CNI DEL does).
-    #[arg(long, value_name = "ID")]
+    #[arg(long, value_name = "ID", conflicts_with = "from_report")]
     pub handle: Option<String>,
+    /// With one --ip: release it only while it carries this sequence number (as `show --ip`
+    /// prints it); an address allocated again since is refused, and nothing changes
+    #[arg(long, value_name = "N", requires = "ip")]
+    pub sequence: Option<u64>,
+    /// Release the leaked addresses (kind missing-handle) a `check -o json` report of this store
+    /// lists, each only while it carries the sequence number the report recorded
+    #[arg(long, value_name = "FILE")]
+    pub from_report: Option<PathBuf>,
+    /// With --from-report: release them; without it nothing is written
+    #[arg(long, requires = "from_report")]
+    pub apply: bool,
 }
 
 /// `check`.
@@ -451,6 +465,13 @@ pub struct TunnelAddressArgs {
 /// `node` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum NodeCommand {
+    /// Every node the store knows (agent registrations, labels, blocks, addresses) with its
+    /// liveness as `gc` sees it, its labels, blocks and addresses.
+    List,
+    /// Remove everything a removed node leaves behind: its addresses, blocks, labels and agent
+    /// registration. Shows what it would do unless --apply; refused while the node is alive or
+    /// active, unless --force.
+    Retire(NodeRetireArgs),
     /// Release a removed node's block affinities (empty blocks are deleted, others un-assigned).
     Release(NodeReleaseArgs),
     /// Set or remove a node's labels (what pools' node selectors match), in one atomic update.
@@ -483,6 +504,21 @@ pub struct NodeShowArgs {
     /// The node (host) name.
     #[arg(value_name = "HOST")]
     pub host: String,
+}
+
+/// `node retire`.
+#[derive(Debug, Args)]
+pub struct NodeRetireArgs {
+    /// The node (host) name, as the plugin recorded it.
+    #[arg(value_name = "HOST")]
+    pub host: String,
+    /// Remove it; without it nothing is written
+    #[arg(long)]
+    pub apply: bool,
+    /// Retire it although it is seen alive (its agent keeps its liveness key) or active (its
+    /// plugin committed since it was marked missing): its pods' addresses are released
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `node release`.

@@ -6,14 +6,23 @@ use ipam_core::check::kinds;
 use ipam_core::{CheckReport, Problem};
 use serde::Serialize;
 
+use super::report::{ReportStore, REPORT_NAME, REPORT_VERSION};
 use super::{open_ipam, to_json};
 use crate::cli::CheckArgs;
 use crate::error::CtlError;
 use crate::output::{counted, yes_no, Ctx, Outcome, Table};
 use crate::settings::OpenMode;
 
+/// The check report: a versioned document naming the store it was made from, which
+/// `release --from-report` reads back (`report.rs`).
 #[derive(Debug, Serialize)]
 struct CheckJson {
+    /// Always [`REPORT_NAME`].
+    report: &'static str,
+    /// [`REPORT_VERSION`].
+    version: u32,
+    /// The store checked.
+    store: ReportStore,
     clean: bool,
     problems: Vec<Problem>,
     repaired: Vec<String>,
@@ -153,6 +162,9 @@ pub async fn run(
         None => !report.problems.is_empty(),
     };
     let json = CheckJson {
+        report: REPORT_NAME,
+        version: REPORT_VERSION,
+        store: ReportStore::of(settings),
         clean: !problems_found,
         problems: report.problems,
         repaired: report.repaired,

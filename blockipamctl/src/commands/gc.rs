@@ -87,7 +87,7 @@ impl From<&HostRelease> for ReleasedJson {
     }
 }
 
-fn state_name(state: NodeState) -> &'static str {
+pub(crate) fn state_name(state: NodeState) -> &'static str {
     match state {
         NodeState::Alive => "alive",
         NodeState::Active => "active",
@@ -99,7 +99,7 @@ fn state_name(state: NodeState) -> &'static str {
 }
 
 /// The STATE cell: the state and, for a marked node, its countdown.
-fn state_text(state: NodeState) -> String {
+pub(crate) fn state_text(state: NodeState) -> String {
     match state {
         NodeState::Alive => "alive".into(),
         NodeState::Active => "active (agent down, plugin at work)".into(),

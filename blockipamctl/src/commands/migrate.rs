@@ -190,7 +190,7 @@ fn summarize(snapshot: &[KeyValue]) -> MigrateJson {
     MigrateJson {
         pools: count(&keys::pools_dir()),
         blocks: count(&keys::blocks_dir()),
-        affine_blocks: count(&format!("{}host/", keys::blocks_dir())),
+        affine_blocks: count(&keys::affine_blocks_dir()),
         claims: count(&keys::claims_dir()),
         handles: count(&keys::handles_dir()),
         config: snapshot.iter().any(|kv| kv.key == keys::config()),

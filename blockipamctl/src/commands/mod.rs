@@ -9,8 +9,10 @@ pub mod import;
 pub mod migrate;
 pub mod namespace;
 pub mod node;
+pub mod node_inventory;
 pub mod pool;
 pub mod release;
+pub mod report;
 pub mod reservation;
 pub mod show;
 pub mod tunnel;
@@ -71,6 +73,8 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         Command::Show(args) => show::run(ctx, &store, args).await,
         Command::Release(args) => release::run(&store, args).await,
         Command::Check(args) => check::run(ctx, &store, args).await,
+        Command::Node(NodeCommand::List) => node_inventory::list(ctx, &store).await,
+        Command::Node(NodeCommand::Retire(args)) => node_inventory::retire(ctx, &store, args).await,
         Command::Node(NodeCommand::Release(args)) => node::release(ctx, &store, args).await,
         Command::Node(NodeCommand::Label(args)) => node::label(&store, args).await,
         Command::Node(NodeCommand::Show(args)) => node::show(&store, args).await,

@@ -2,11 +2,12 @@
 //! repairs that are safe to make automatically.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{decode_stored, Ipam, Plan, Stored};
+use crate::allocator::{decode_stored, Ipam, Plan, Stored, ATTR_NODE};
 use crate::kv::{KvError, Read};
 use crate::model::error::IpamError;
 use crate::model::{
@@ -102,7 +103,9 @@ pub mod kinds {
             }
             MISSING_HANDLE => {
                 "Run `blockipamctl check --repair`: it recreates the handle, so the pod's DEL \
-                 releases its addresses."
+                 releases its addresses. When the pod is gone, release them instead: \
+                 `blockipamctl check -o json > report.json`, then `blockipamctl release \
+                 --from-report report.json --apply`."
             }
             EMPTY_UNAFFINE_BLOCK => "Run `blockipamctl check --repair`: it deletes the block.",
             OVERLAPPING_POOLS => {
@@ -130,6 +133,36 @@ pub struct Problem {
     /// remedies were reported.
     #[serde(default)]
     pub remedy: String,
+    /// The block it concerns, when it concerns one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block: Option<IpNet>,
+    /// The handle it concerns, when it concerns one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<String>,
+    /// The node it concerns, when it concerns one (a block's affine host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Every allocated address it involves, each with the sequence number a guarded release
+    /// needs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<ProblemAddress>,
+}
+
+/// One allocated address a [`Problem`] involves, as the check found it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProblemAddress {
+    /// The address.
+    pub ip: IpAddr,
+    /// The block holding it.
+    pub block: IpNet,
+    /// Its owner.
+    pub handle: String,
+    /// The node it was allocated for (its `node` attribute), if recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// The block's sequence number when it was allocated: a release guarded by it frees the
+    /// address only while this allocation still holds it.
+    pub sequence: u64,
 }
 
 impl Problem {
@@ -140,7 +173,30 @@ impl Problem {
             detail,
             repairable,
             remedy: kinds::remedy(kind).to_owned(),
+            block: None,
+            handle: None,
+            node: None,
+            addresses: Vec::new(),
         }
+    }
+
+    /// The same problem, naming the block (and its affine host as the node) it concerns.
+    pub fn with_block(mut self, block: &Block) -> Problem {
+        self.block = Some(block.cidr);
+        self.node = block.affinity.clone();
+        self
+    }
+
+    /// The same problem, naming the handle it concerns.
+    pub fn with_handle(mut self, handle: &str) -> Problem {
+        self.handle = Some(handle.to_owned());
+        self
+    }
+
+    /// The same problem, listing the addresses it involves.
+    pub fn with_addresses(mut self, addresses: Vec<ProblemAddress>) -> Problem {
+        self.addresses = addresses;
+        self
     }
 }
 
@@ -162,6 +218,49 @@ pub struct CheckReport {
 impl CheckReport {
     fn problem(&mut self, kind: &str, repairable: bool, detail: String) {
         self.problems.push(Problem::new(kind, repairable, detail));
+    }
+}
+
+impl Snapshot {
+    /// Every address the blocks hold for each of `handles`, in one pass over the blocks: per
+    /// handle, in block then address order.
+    fn addresses_of_handles(
+        &self,
+        handles: &BTreeSet<&str>,
+    ) -> BTreeMap<String, Vec<ProblemAddress>> {
+        let mut found: BTreeMap<String, Vec<ProblemAddress>> = BTreeMap::new();
+        if handles.is_empty() {
+            return found;
+        }
+        let mut blocks: Vec<&Block> = self.blocks.iter().map(|b| &b.value).collect();
+        blocks.sort_by_key(|b| {
+            (
+                Family::of_net(&b.cidr),
+                b.cidr.network(),
+                b.cidr.prefix_len(),
+            )
+        });
+        for block in blocks {
+            for (ordinal, allocation) in &block.allocations {
+                let Some(attribute) = block.attribute_of(*ordinal) else {
+                    continue;
+                };
+                if !handles.contains(attribute.handle.as_str()) {
+                    continue;
+                }
+                found
+                    .entry(attribute.handle.clone())
+                    .or_default()
+                    .push(ProblemAddress {
+                        ip: block.ip_of(*ordinal),
+                        block: block.cidr,
+                        handle: attribute.handle.clone(),
+                        node: attribute.metadata.get(ATTR_NODE).cloned(),
+                        sequence: allocation.sequence,
+                    });
+            }
+        }
+        found
     }
 }
 
@@ -310,10 +409,13 @@ impl Ipam {
                 .iter()
                 .find(|p| p.value.cidr.contains(&block.cidr.network()))
             {
-                None => report.problem(
-                    kinds::BLOCK_OUTSIDE_POOLS,
-                    false,
-                    format!("block {} lies in no pool", block.cidr),
+                None => report.problems.push(
+                    Problem::new(
+                        kinds::BLOCK_OUTSIDE_POOLS,
+                        false,
+                        format!("block {} lies in no pool", block.cidr),
+                    )
+                    .with_block(block),
                 ),
                 Some(pool) if block.cidr.prefix_len() < pool.value.cidr.prefix_len() => report
                     .problem(
@@ -346,20 +448,26 @@ impl Ipam {
                 Some(_) => {}
             }
             for detail in block.self_check() {
-                report.problem(
-                    kinds::FREE_LIST,
-                    false,
-                    format!("block {}: {detail}", block.cidr),
+                report.problems.push(
+                    Problem::new(
+                        kinds::FREE_LIST,
+                        false,
+                        format!("block {}: {detail}", block.cidr),
+                    )
+                    .with_block(block),
                 );
             }
             let held_back = snapshot.holding_back([&block.cidr]);
             let repairable = held_back.is_none();
             let note = held_back.map(held_back_note).unwrap_or_default();
             if block.is_empty() && block.affinity.is_none() {
-                report.problem(
-                    kinds::EMPTY_UNAFFINE_BLOCK,
-                    repairable,
-                    format!("block {} is empty and has no affinity{note}", block.cidr),
+                report.problems.push(
+                    Problem::new(
+                        kinds::EMPTY_UNAFFINE_BLOCK,
+                        repairable,
+                        format!("block {} is empty and has no affinity{note}", block.cidr),
+                    )
+                    .with_block(block),
                 );
             }
             let claim_problem = match snapshot.claims.get(&block.cidr) {
@@ -379,7 +487,10 @@ impl Ipam {
                 Some(_) => None,
             };
             if let Some(detail) = claim_problem {
-                report.problem(kinds::CLAIM_MISMATCH, repairable, format!("{detail}{note}"));
+                report.problems.push(
+                    Problem::new(kinds::CLAIM_MISMATCH, repairable, format!("{detail}{note}"))
+                        .with_block(block),
+                );
             }
             for ordinal in block.allocations.keys() {
                 if let Some(attribute) = block.attribute_of(*ordinal) {
@@ -422,35 +533,63 @@ impl Ipam {
                 );
             }
         }
+        // The handles with a problem, and every address the blocks hold for them.
+        let handles_with_problems: BTreeSet<&str> = snapshot
+            .handles
+            .iter()
+            .filter(|(id, stored)| {
+                expected_handles
+                    .get(*id)
+                    .map_or(!stored.value.blocks.is_empty(), |e| {
+                        *e != stored.value.blocks
+                    })
+            })
+            .map(|(id, _)| id.as_str())
+            .chain(
+                expected_handles
+                    .keys()
+                    .filter(|id| !snapshot.handles.contains_key(*id))
+                    .map(String::as_str),
+            )
+            .collect();
+        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems);
         for (id, stored) in &snapshot.handles {
             report.handles_checked += 1;
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
             if stored.value.blocks != expected {
                 let held_back =
                     snapshot.holding_back(snapshot.handle_cidrs(id, expected_handles.get(id)));
-                report.problem(
-                    kinds::HANDLE_COUNT,
-                    held_back.is_none(),
-                    format!(
-                        "handle {id:?} records {:?} but the blocks hold {:?}{}",
-                        counts_text(&stored.value.blocks),
-                        counts_text(&expected),
-                        held_back.map(held_back_note).unwrap_or_default()
-                    ),
+                report.problems.push(
+                    Problem::new(
+                        kinds::HANDLE_COUNT,
+                        held_back.is_none(),
+                        format!(
+                            "handle {id:?} records {:?} but the blocks hold {:?}{}",
+                            counts_text(&stored.value.blocks),
+                            counts_text(&expected),
+                            held_back.map(held_back_note).unwrap_or_default()
+                        ),
+                    )
+                    .with_handle(id)
+                    .with_addresses(addresses.remove(id).unwrap_or_default()),
                 );
             }
         }
         for (id, counts) in &expected_handles {
             if !snapshot.handles.contains_key(id) {
                 let held_back = snapshot.holding_back(counts.keys());
-                report.problem(
-                    kinds::MISSING_HANDLE,
-                    held_back.is_none(),
-                    format!(
-                        "blocks hold {:?} for handle {id:?}, which does not exist{}",
-                        counts_text(counts),
-                        held_back.map(held_back_note).unwrap_or_default()
-                    ),
+                report.problems.push(
+                    Problem::new(
+                        kinds::MISSING_HANDLE,
+                        held_back.is_none(),
+                        format!(
+                            "blocks hold {:?} for handle {id:?}, which does not exist{}",
+                            counts_text(counts),
+                            held_back.map(held_back_note).unwrap_or_default()
+                        ),
+                    )
+                    .with_handle(id)
+                    .with_addresses(addresses.remove(id).unwrap_or_default()),
                 );
             }
         }

@@ -43,6 +43,11 @@ pub fn blocks_dir() -> String {
     format!("{ROOT}blocks/")
 }
 
+/// Prefix of every block affine to a host (the host's name is the next key segment).
+pub fn affine_blocks_dir() -> String {
+    format!("{ROOT}blocks/host/")
+}
+
 /// Prefix of every block affine to `host` (all families, with room or full).
 pub fn host_blocks_dir(host: &str) -> String {
     format!("{ROOT}blocks/host/{host}/")

@@ -1,0 +1,357 @@
+//! `node list`: every node the store knows, with its liveness, labels, blocks and addresses;
+//! `node retire HOST [--apply] [--force]`: remove everything a removed node leaves behind.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use blockipam_store::DatastoreSettings;
+use ipam_core::allocator::ATTR_NODE;
+use ipam_core::dead_nodes::{
+    activity_key, forget_node, liveness_dir, liveness_key, preview_release, survey, NodeState,
+    NodeStatus, ReleasePreview, RESERVATION_NODE,
+};
+use ipam_core::model::{keys, validate_host};
+use ipam_core::KvStore;
+use serde::Serialize;
+
+use super::gc::{state_name, state_text};
+use super::pool::invalid_text;
+use super::{open_ipam, to_json};
+use crate::cli::NodeRetireArgs;
+use crate::error::CtlError;
+use crate::output::{counted, Ctx, Outcome, Table};
+use crate::settings::OpenMode;
+
+/// How a node's liveness is seen: the dead-node reclaim's judgement of a registered node; a node
+/// no agent registered is not judged, but a liveness key of it still counts as alive.
+#[derive(Debug, Clone)]
+struct Liveness {
+    /// `alive`, `active`, `missing`, `dead`, `reclaimed`, `unreadable` or `unregistered`.
+    state: &'static str,
+    /// The STATE cell.
+    text: String,
+    /// Whether the node is seen at work: alive or active as `gc` decides, or a liveness key
+    /// without registration.
+    live: bool,
+}
+
+impl Liveness {
+    fn of(status: Option<&NodeStatus>, liveness_key: bool) -> Liveness {
+        match status {
+            Some(status) => Liveness {
+                state: state_name(status.state),
+                text: state_text(status.state),
+                live: matches!(status.state, NodeState::Alive | NodeState::Active),
+            },
+            None if liveness_key => Liveness {
+                state: "alive",
+                text: "alive (liveness key, no registration)".into(),
+                live: true,
+            },
+            None => Liveness {
+                state: "unregistered",
+                text: "unregistered (no agent: not judged)".into(),
+                live: false,
+            },
+        }
+    }
+}
+
+/// The host a block key under `ipam/v1/blocks/host/<host>/...` names.
+fn block_host(key: &str) -> Option<&str> {
+    key.strip_prefix(&keys::affine_blocks_dir())?
+        .split('/')
+        .next()
+}
+
+/// The hosts under `dir` (`<dir><host>`).
+fn hosts_under(dir: &str, keys: &[ipam_core::KeyValue]) -> BTreeSet<String> {
+    keys.iter()
+        .filter_map(|kv| kv.key.strip_prefix(dir).map(str::to_owned))
+        .collect()
+}
+
+#[derive(Debug, Serialize)]
+struct NodeListJson {
+    nodes: Vec<NodeJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct NodeJson {
+    node: String,
+    /// As `gc --dead-nodes` judges it, or `unregistered`.
+    state: &'static str,
+    /// Whether an agent registered it.
+    registered: bool,
+    /// Whether its liveness key exists.
+    liveness_key: bool,
+    labels: BTreeMap<String, String>,
+    /// Blocks affine to it.
+    blocks: u64,
+    /// Addresses `node retire` (or `node release --addresses`) would release: every address of
+    /// every handle holding an address recorded for the node.
+    addresses: u64,
+}
+
+/// `node list`: the union of agent registrations, liveness keys, labelled nodes, block owners
+/// and the `node` attributes of allocations (the network reservations' pseudo-node left out).
+///
+/// # Errors
+/// Store trouble; corrupt objects.
+pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let store: Arc<dyn KvStore> = Arc::clone(ipam.store());
+    ctx.progress("reading the nodes ...");
+    let registered: BTreeMap<String, NodeStatus> = survey(store.as_ref())
+        .await?
+        .into_iter()
+        .map(|status| (status.host.clone(), status))
+        .collect();
+    let live_keys = hosts_under(&liveness_dir(), &store.list(&liveness_dir()).await?);
+    let labelled: BTreeMap<String, BTreeMap<String, String>> = ipam
+        .list_nodes_with_labels()
+        .await?
+        .into_iter()
+        .map(|node| (node.host, node.labels))
+        .collect();
+    let block_owners: BTreeSet<String> = store
+        .list(&keys::affine_blocks_dir())
+        .await?
+        .iter()
+        .filter_map(|kv| block_host(&kv.key).map(str::to_owned))
+        .collect();
+    let address_nodes: BTreeSet<String> = ipam
+        .list_allocations()
+        .await?
+        .into_iter()
+        .filter_map(|a| a.attributes.get(ATTR_NODE).cloned())
+        .collect();
+    let hosts: BTreeSet<String> = registered
+        .keys()
+        .cloned()
+        .chain(live_keys.iter().cloned())
+        .chain(labelled.keys().cloned())
+        .chain(block_owners)
+        .chain(address_nodes)
+        .filter(|host| host != RESERVATION_NODE && validate_host(host).is_ok())
+        .collect();
+    let host_refs: Vec<&str> = hosts.iter().map(String::as_str).collect();
+    let held = preview_release(Arc::clone(&store), &host_refs).await?;
+    ctx.progress_done();
+    let mut table =
+        Table::new(&["NODE", "STATE", "BLOCKS", "ADDRESSES", "LABELS"]).right_align(&[2, 3]);
+    let mut nodes = Vec::new();
+    for host in &hosts {
+        let liveness = Liveness::of(registered.get(host), live_keys.contains(host));
+        let labels = labelled.get(host).cloned().unwrap_or_default();
+        let ReleasePreview { blocks, addresses } = held.get(host).copied().unwrap_or_default();
+        table.row(vec![
+            host.clone(),
+            liveness.text.clone(),
+            blocks.to_string(),
+            addresses.to_string(),
+            if labels.is_empty() {
+                "-".into()
+            } else {
+                labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            },
+        ]);
+        nodes.push(NodeJson {
+            node: host.clone(),
+            state: liveness.state,
+            registered: registered.contains_key(host),
+            liveness_key: live_keys.contains(host),
+            labels,
+            blocks,
+            addresses,
+        });
+    }
+    let text = if nodes.is_empty() {
+        "The store knows no node (no registration, labels, block or address names one).\n".into()
+    } else {
+        format!(
+            "{}:\n{}",
+            counted(nodes.len() as u64, "node", "nodes"),
+            table.render()
+        )
+    };
+    Ok(Outcome::ok(to_json(&NodeListJson { nodes })?, text))
+}
+
+#[derive(Debug, Serialize)]
+struct RetireJson {
+    node: String,
+    state: &'static str,
+    applied: bool,
+    /// What it holds (before `--apply`).
+    labels: BTreeMap<String, String>,
+    registered: bool,
+    blocks: u64,
+    addresses: u64,
+    /// With `--apply`: what was done.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retired: Option<RetiredJson>,
+}
+
+#[derive(Debug, Serialize)]
+struct RetiredJson {
+    released_addresses: Vec<IpAddr>,
+    deleted_blocks: Vec<String>,
+    unassigned_blocks: Vec<String>,
+    labels_removed: bool,
+    registration_deleted: bool,
+    activity_record_deleted: bool,
+}
+
+/// `node retire`: previews, or with `--apply` releases the node's addresses and blocks (as
+/// `node release --addresses`), removes its labels, and deletes its agent registration and its
+/// plugin's activity record. Refused while the node is seen at work (alive or active as `gc`
+/// decides, or a liveness key), unless `--force`.
+///
+/// # Errors
+/// [`CtlError::Usage`] for an invalid host name or the reservations' pseudo-node;
+/// [`CtlError::Failed`] for a live node without `--force`; store trouble.
+pub async fn retire(
+    ctx: &mut Ctx<'_>,
+    settings: &DatastoreSettings,
+    args: &NodeRetireArgs,
+) -> Result<Outcome, CtlError> {
+    let host = args.host.as_str();
+    validate_host(host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    if host == RESERVATION_NODE {
+        return Err(CtlError::usage(format!(
+            "{RESERVATION_NODE:?} is the network reservations' pseudo-node, not a node"
+        )));
+    }
+    let ipam = open_ipam(settings, OpenMode::Existing).await?;
+    let store: Arc<dyn KvStore> = Arc::clone(ipam.store());
+    ctx.progress(&format!("reading node {host} ..."));
+    let status = survey(store.as_ref())
+        .await?
+        .into_iter()
+        .find(|s| s.host == host);
+    let liveness_key_present = store.get(&liveness_key(host)).await?.is_some();
+    let liveness = Liveness::of(status.as_ref(), liveness_key_present);
+    if liveness.live && !args.force {
+        ctx.progress_done();
+        return Err(CtlError::failed(format!(
+            "node {host} is {}: retiring it would release addresses its pods may use; nothing \
+             changed. Stop its agent and wait until `blockipamctl gc --dead-nodes` no longer sees \
+             it alive, or pass --force",
+            liveness.text
+        )));
+    }
+    let labels = ipam.node_labels(host).await?;
+    let held = preview_release(Arc::clone(&store), &[host])
+        .await?
+        .get(host)
+        .copied()
+        .unwrap_or_default();
+    let mut json = RetireJson {
+        node: host.to_owned(),
+        state: liveness.state,
+        applied: args.apply,
+        labels: labels.clone(),
+        registered: status.is_some(),
+        blocks: held.blocks,
+        addresses: held.addresses,
+        retired: None,
+    };
+    let mut text = format!(
+        "Node {host}, {}, holds {}, {}, {} and {}.\n",
+        liveness.text,
+        counted(held.addresses, "address", "addresses"),
+        counted(held.blocks, "block", "blocks"),
+        counted(labels.len() as u64, "label", "labels"),
+        if status.is_some() {
+            "an agent registration"
+        } else {
+            "no agent registration"
+        }
+    );
+    if liveness.live {
+        text.push_str("It is seen at work: retiring it anyway (--force).\n");
+    }
+    if !args.apply {
+        ctx.progress_done();
+        text.push_str("Nothing was changed: run again with --apply to remove all of it.\n");
+        return Ok(Outcome::ok(to_json(&json)?, text));
+    }
+    ctx.progress(&format!("retiring node {host} ..."));
+    let released = ipam.release_host(host, true).await?;
+    let labels_removed = if labels.is_empty() {
+        false
+    } else {
+        let keys: Vec<String> = labels.keys().cloned().collect();
+        ipam.set_node_labels(host, &[], &keys).await?;
+        true
+    };
+    let registration_deleted = forget_node(store.as_ref(), host).await?;
+    let activity_record_deleted = if registration_deleted || status.is_none() {
+        match store.get(&activity_key(host)).await? {
+            Some(kv) => match store.delete_at(&kv.key, kv.revision).await {
+                Ok(_) => true,
+                Err(ipam_core::KvError::Conflict { .. }) => false,
+                Err(e) => return Err(e.into()),
+            },
+            None => false,
+        }
+    } else {
+        false
+    };
+    ctx.progress_done();
+    text = format!("Node {host} retired:\n");
+    text.push_str(&format!(
+        "  addresses released:          {}\n",
+        released.released_addresses.len()
+    ));
+    text.push_str(&format!(
+        "  empty blocks deleted:        {}\n",
+        released.deleted_blocks.len()
+    ));
+    text.push_str(&format!(
+        "  blocks left without a host:  {}{}\n",
+        released.unassigned_blocks.len(),
+        if released.unassigned_blocks.is_empty() {
+            ""
+        } else {
+            " (they hold other nodes' addresses; each is deleted when its last address goes)"
+        }
+    ));
+    text.push_str(&format!(
+        "  labels removed:              {}\n",
+        if labels_removed { labels.len() } else { 0 }
+    ));
+    text.push_str(&format!(
+        "  agent registration deleted:  {}\n",
+        if registration_deleted {
+            "yes"
+        } else if status.is_some() {
+            "no (its agent keeps its liveness key; it is deleted once the agent stops and the node is retired again)"
+        } else {
+            "no (it had none)"
+        }
+    ));
+    json.retired = Some(RetiredJson {
+        released_addresses: released.released_addresses,
+        deleted_blocks: released
+            .deleted_blocks
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        unassigned_blocks: released
+            .unassigned_blocks
+            .iter()
+            .map(ToString::to_string)
+            .collect(),
+        labels_removed,
+        registration_deleted,
+        activity_record_deleted,
+    });
+    Ok(Outcome::ok(to_json(&json)?, text))
+}

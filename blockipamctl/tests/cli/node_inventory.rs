@@ -1,0 +1,271 @@
+//! `node list` and `node retire HOST [--apply] [--force]` on every backend: agents' registrations
+//! and liveness keys are written through the storage trait, as an agent writes them.
+
+use ipam_core::dead_nodes::{
+    activity_key, agent_key, liveness_key, register, MissingMark, Registration,
+};
+use serde_json::{json, Value};
+
+use crate::common::{Backend, Lab};
+
+crate::on_every_backend!(
+    node_list_shows_every_node_the_store_knows,
+    node_retire_previews_refuses_a_live_node_and_removes_everything,
+    node_retire_refuses_an_active_node_and_retires_a_dead_one,
+);
+
+/// host-a: registered with a liveness key (alive), labelled, one address; host-b: registered
+/// without liveness key (missing), labelled, two addresses; host-c: labels only; host-d: an
+/// address only (no agent). The store has a pool.
+fn populate(lab: &Lab) -> (String, Vec<String>, String) {
+    lab.with_store(|store| async move {
+        for host in ["host-a", "host-b"] {
+            register(store.as_ref(), host, "test", 1_700_000_000)
+                .await
+                .expect("register");
+        }
+        store
+            .put(&liveness_key("host-a"), b"host-a".to_vec())
+            .await
+            .expect("put the liveness key");
+    });
+    let a = lab.assign("net.a", "host-a").to_string();
+    let b = vec![
+        lab.assign("net.b1", "host-b").to_string(),
+        lab.assign("net.b2", "host-b").to_string(),
+    ];
+    let d = lab.assign("net.d", "host-d").to_string();
+    lab.ctl(&["node", "label", "host-a", "rack=r1"]).ok();
+    lab.ctl(&["node", "label", "host-b", "zone=z1"]).ok();
+    lab.ctl(&["node", "label", "host-c", "rack=r2", "zone=z2"])
+        .ok();
+    (a, b, d)
+}
+
+fn node_of<'a>(list: &'a Value, host: &str) -> &'a Value {
+    list["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["node"] == host)
+        .unwrap_or_else(|| panic!("{host} is listed: {list}"))
+}
+
+fn node_list_shows_every_node_the_store_knows(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.60.0.0/24", "--block-size", "28"])
+        .ok();
+    lab.ctl(&["node", "list"])
+        .ok()
+        .stdout_has("The store knows no node");
+    populate(&lab);
+    let before = lab.snapshot();
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    let hosts: Vec<&str> = list["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .map(|n| n["node"].as_str().expect("node"))
+        .collect();
+    assert_eq!(hosts, ["host-a", "host-b", "host-c", "host-d"]);
+    assert_eq!(
+        node_of(&list, "host-a"),
+        &json!({"node": "host-a", "state": "alive", "registered": true, "liveness_key": true,
+                "labels": {"rack": "r1"}, "blocks": 1, "addresses": 1})
+    );
+    assert_eq!(
+        node_of(&list, "host-b"),
+        &json!({"node": "host-b", "state": "missing", "registered": true, "liveness_key": false,
+                "labels": {"zone": "z1"}, "blocks": 1, "addresses": 2})
+    );
+    assert_eq!(
+        node_of(&list, "host-c"),
+        &json!({"node": "host-c", "state": "unregistered", "registered": false,
+                "liveness_key": false, "labels": {"rack": "r2", "zone": "z2"}, "blocks": 0,
+                "addresses": 0})
+    );
+    assert_eq!(node_of(&list, "host-d")["addresses"], 1);
+    assert_eq!(node_of(&list, "host-d")["state"], "unregistered");
+
+    let table = lab.ctl(&["node", "list"]);
+    table
+        .ok()
+        .stdout_has("4 nodes:")
+        .stdout_has("NODE")
+        .stdout_has("missing (no countdown yet)")
+        .stdout_has("rack=r2,zone=z2");
+    let (_, rows) = table
+        .stdout
+        .split_once('\n')
+        .expect("a table under the count");
+    crate::common::assert_columns_line_up(rows);
+    assert_eq!(lab.snapshot(), before, "node list writes nothing");
+}
+
+fn node_retire_previews_refuses_a_live_node_and_removes_everything(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.60.0.0/24", "--block-size", "28"])
+        .ok();
+    let (a, b, d) = populate(&lab);
+    let before = lab.snapshot();
+
+    let refused = lab.ctl(&["node", "retire", "host-a", "--apply"]);
+    refused.expect_code(1);
+    let line = refused.error_line();
+    assert!(
+        line.contains("node host-a is alive") && line.contains("--force"),
+        "{line}"
+    );
+    let preview = lab
+        .ctl(&["-o", "json", "node", "retire", "host-b"])
+        .ok()
+        .json();
+    assert_eq!(
+        preview,
+        json!({"node": "host-b", "state": "missing", "applied": false,
+               "labels": {"zone": "z1"}, "registered": true, "blocks": 1, "addresses": 2})
+    );
+    lab.ctl(&["node", "retire", "host-b"])
+        .ok()
+        .stdout_has("holds 2 addresses, 1 block, 1 label and an agent registration")
+        .stdout_has("run again with --apply");
+    assert_eq!(
+        lab.snapshot(),
+        before,
+        "a refusal and a preview write nothing"
+    );
+
+    let retired = lab
+        .ctl(&["-o", "json", "node", "retire", "host-b", "--apply"])
+        .ok()
+        .json();
+    let done = &retired["retired"];
+    let mut released: Vec<String> = done["released_addresses"]
+        .as_array()
+        .expect("released")
+        .iter()
+        .map(|v| v.as_str().expect("ip").to_owned())
+        .collect();
+    released.sort();
+    let mut expected = b.clone();
+    expected.sort();
+    assert_eq!(released, expected);
+    assert_eq!(done["deleted_blocks"].as_array().map(Vec::len), Some(1));
+    assert_eq!(done["labels_removed"], true);
+    assert_eq!(done["registration_deleted"], true);
+    let registration =
+        lab.with_store(|store| async move { store.get(&agent_key("host-b")).await.expect("get") });
+    assert!(registration.is_none(), "the registration is deleted");
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert!(
+        list["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .all(|n| n["node"] != "host-b"),
+        "nothing of host-b is left: {list}"
+    );
+    for ip in &b {
+        assert_eq!(
+            lab.ctl(&["-o", "json", "show", "--ip", ip]).ok().json()["allocated"],
+            false
+        );
+    }
+    assert_eq!(
+        lab.ctl(&["-o", "json", "show", "--ip", &d]).ok().json()["allocated"],
+        true,
+        "another node's address stays"
+    );
+
+    // --force retires a live node; its agent's registration stays while it keeps its liveness key.
+    lab.ctl(&["node", "retire", "host-a", "--apply", "--force"])
+        .ok()
+        .stdout_has("Node host-a retired:")
+        .stdout_has("addresses released:          1")
+        .stdout_has("agent registration deleted:  no");
+    assert_eq!(
+        lab.ctl(&["-o", "json", "show", "--ip", &a]).ok().json()["allocated"],
+        false
+    );
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    let host_a = node_of(&list, "host-a");
+    assert_eq!(
+        (&host_a["labels"], &host_a["blocks"], &host_a["addresses"]),
+        (&json!({}), &json!(0), &json!(0))
+    );
+
+    lab.ctl(&["node", "retire", "-"]).expect_code(2);
+    lab.ctl(&["node", "retire", "host-never-seen", "--apply"])
+        .ok()
+        .stdout_has("addresses released:          0");
+    lab.ctl(&["check"]).ok();
+}
+
+/// A registration marked missing by a reclaimer that saw no plugin activity (revision 0).
+fn marked(host: &str) -> Vec<u8> {
+    serde_json::to_vec(&Registration {
+        node: host.to_owned(),
+        registered_at: 1_700_000_000,
+        agent_version: "test".into(),
+        reads_format: Some(4),
+        missing_since: None,
+        missing_mark: Some(MissingMark {
+            countdown_revision: 1,
+            activity_revision: 0,
+            grace_seconds: 900,
+        }),
+        blocks_released: false,
+    })
+    .expect("JSON")
+}
+
+fn node_retire_refuses_an_active_node_and_retires_a_dead_one(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.61.0.0/24", "--block-size", "28"])
+        .ok();
+    let e = lab.assign("net.e", "host-e").to_string();
+    let f = lab.assign("net.f", "host-f").to_string();
+    // host-e: marked, and its plugin committed since (its activity record moved): active.
+    // host-f: marked, countdown gone, no activity since: dead.
+    lab.with_store(|store| async move {
+        store
+            .put(&agent_key("host-e"), marked("host-e"))
+            .await
+            .expect("mark host-e");
+        store
+            .put(&activity_key("host-e"), b"{}".to_vec())
+            .await
+            .expect("host-e's plugin at work");
+        store
+            .put(&agent_key("host-f"), marked("host-f"))
+            .await
+            .expect("mark host-f");
+    });
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert_eq!(node_of(&list, "host-e")["state"], "active");
+    assert_eq!(node_of(&list, "host-f")["state"], "dead");
+
+    let before = lab.snapshot();
+    let refused = lab.ctl(&["node", "retire", "host-e", "--apply"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains("node host-e is active"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(lab.snapshot(), before, "a refused retire writes nothing");
+
+    let retired = lab
+        .ctl(&["-o", "json", "node", "retire", "host-f", "--apply"])
+        .ok()
+        .json();
+    assert_eq!(retired["state"], "dead");
+    assert_eq!(retired["retired"]["released_addresses"], json!([f]));
+    assert_eq!(retired["retired"]["registration_deleted"], true);
+    assert_eq!(
+        lab.ctl(&["-o", "json", "show", "--ip", &e]).ok().json()["allocated"],
+        true,
+        "the active node keeps its address"
+    );
+    lab.ctl(&["check"]).ok();
+}
