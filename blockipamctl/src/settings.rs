@@ -141,6 +141,40 @@ pub fn etcd_request_timeout(global: &GlobalArgs, env: &Env) -> Result<Option<Dur
     .transpose()
 }
 
+/// Flags win over the environment, for the kind of store too: when the flags name an embedded
+/// store (`--datastore-type sled|redb`, or `--datastore-path` without a type), etcd endpoints that
+/// come only from the environment (an `ETCD_ENDPOINTS` exported for another tool) are ignored;
+/// when they name etcd, an embedded path that comes only from the environment is. What one level
+/// says against itself (`DATASTORE_TYPE=sled` beside `ETCD_ENDPOINTS`, or both flags) is still
+/// refused by [`DatastoreSettings::from_raw`].
+fn ignore_environment_the_flags_override(global: &GlobalArgs, raw: &mut RawDatastoreSettings) {
+    let given = |flag: Option<&str>| flag.is_some_and(|text| !text.trim().is_empty());
+    let type_flag = global
+        .datastore_type
+        .as_deref()
+        .filter(|text| !text.trim().is_empty())
+        .and_then(|text| text.parse::<DatastoreType>().ok());
+    let path_flag = global
+        .datastore_path
+        .as_deref()
+        .is_some_and(|path| !path.as_os_str().is_empty());
+    let endpoints_flag = given(global.etcd_endpoints.as_deref());
+    let flags_name_embedded = match type_flag {
+        Some(kind) => kind != DatastoreType::Etcdv3,
+        None => path_flag && !endpoints_flag,
+    };
+    let flags_name_etcd = match type_flag {
+        Some(kind) => kind == DatastoreType::Etcdv3,
+        None => endpoints_flag && !path_flag,
+    };
+    if flags_name_embedded && !endpoints_flag {
+        raw.etcd_endpoints.clear();
+    }
+    if flags_name_etcd && !path_flag {
+        raw.path = None;
+    }
+}
+
 /// The store the global flags and environment select.
 ///
 /// # Errors
@@ -200,6 +234,7 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
         .or_else(|| env.get(cli::ENV_ETCD_PASSWORD).map(Secret::new));
     let lock_wait = lock_wait(global, env)?;
     raw.etcd_request_timeout = etcd_request_timeout(global, env)?;
+    ignore_environment_the_flags_override(global, &mut raw);
     let mut settings = DatastoreSettings {
         lock_wait,
         ..DatastoreSettings::from_raw(raw).map_err(|e| settings_error(e, ""))?
@@ -424,22 +459,71 @@ mod tests {
         assert_eq!(target.identity(), default.identity());
     }
 
-    /// `ETCD_ENDPOINTS` exported and no `DATASTORE_TYPE`: etcd, as calicoctl reads it; a flag
-    /// that names an embedded store beside them is refused rather than silently local.
+    /// `ETCD_ENDPOINTS` exported and no `DATASTORE_TYPE`: etcd, as calicoctl reads it;
+    /// `DATASTORE_TYPE=sled` beside them is refused rather than silently local.
     #[test]
     fn etcd_endpoints_without_a_type_select_etcd() {
         let env = Env::new([("ETCD_ENDPOINTS", "http://10.0.0.1:2379")]);
         let settings = resolve(&GlobalArgs::default(), &env).expect("endpoints alone");
         assert_eq!(settings.datastore_type(), DatastoreType::Etcdv3);
-        let local = GlobalArgs {
-            datastore_type: Some("sled".into()),
-            ..GlobalArgs::default()
-        };
-        let err = resolve(&local, &env).expect_err("sled with endpoints");
+        let local = Env::new([
+            ("DATASTORE_TYPE", "sled"),
+            ("ETCD_ENDPOINTS", "http://10.0.0.1:2379"),
+        ]);
+        let err = resolve(&GlobalArgs::default(), &local).expect_err("sled with endpoints");
         assert!(
             matches!(&err, CtlError::Usage(m) if m.contains("sled") && m.contains("ETCD_ENDPOINTS")),
             "{err}"
         );
+    }
+
+    /// Flags win over the environment for the kind of store: an embedded store named by flags
+    /// ignores endpoints exported for another tool, etcd named by flags ignores an exported path;
+    /// one level contradicting itself is still refused.
+    #[test]
+    fn flags_naming_a_store_kind_override_the_other_kinds_environment() {
+        let env = Env::new([
+            ("ETCD_ENDPOINTS", "http://10.0.0.1:2379"),
+            ("DATASTORE_PATH", "/env/store.sled"),
+        ]);
+        let sled = GlobalArgs {
+            datastore_type: Some("sled".into()),
+            datastore_path: Some("/flag/store.sled".into()),
+            ..GlobalArgs::default()
+        };
+        let settings = resolve(&sled, &env).expect("sled by flags");
+        assert_eq!(settings.datastore_type(), DatastoreType::Sled);
+        assert_eq!(settings.path(), Some(Path::new("/flag/store.sled")));
+        let path_only = GlobalArgs {
+            datastore_path: Some("/flag/store.sled".into()),
+            ..GlobalArgs::default()
+        };
+        assert_eq!(
+            resolve(&path_only, &env)
+                .expect("a path flag")
+                .datastore_type(),
+            DatastoreType::Sled
+        );
+        let etcd = GlobalArgs {
+            etcd_endpoints: Some("http://10.0.0.2:2379".into()),
+            ..GlobalArgs::default()
+        };
+        let settings = resolve(&etcd, &env).expect("etcd by flags");
+        assert_eq!(
+            settings.etcd().expect("etcd").endpoints,
+            ["http://10.0.0.2:2379"]
+        );
+        let both_flags = GlobalArgs {
+            datastore_type: Some("redb".into()),
+            etcd_endpoints: Some("http://10.0.0.2:2379".into()),
+            ..GlobalArgs::default()
+        };
+        assert!(resolve(&both_flags, &no_env()).is_err());
+        let env_only = Env::new([
+            ("DATASTORE_TYPE", "sled"),
+            ("ETCD_ENDPOINTS", "http://10.0.0.1:2379"),
+        ]);
+        assert!(resolve(&GlobalArgs::default(), &env_only).is_err());
     }
 
     #[test]
