@@ -92,6 +92,8 @@ impl Logged {
         assert!(status.success(), "kill -TERM failed");
     }
 
+    /// Waits for the exit; a process still running after the hang guard (an agent serving where
+    /// it should have refused) fails the test, and is killed when dropped.
     fn wait(&mut self) -> ExitStatus {
         let deadline = Instant::now() + HANG_GUARD;
         loop {
@@ -438,11 +440,10 @@ fn a_fresh_node_gets_its_store_and_a_deleted_store_is_refused_by_its_marker() {
 
     // The store is deleted: the agent refuses and creates nothing.
     std::fs::remove_dir_all(&store).expect("delete the store");
-    let output = agent_command(&variables, &[])
-        .output()
-        .expect("run the agent");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let mut refused = Logged::spawn(agent_command(&variables, &[]), &dir.path().join("gone.log"));
+    let status = refused.wait();
+    let stderr = refused.log();
+    assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains(&format!("the store {} does not exist", store.display()))
             && stderr.contains(&format!("its marker {}", marker.display()))
