@@ -546,7 +546,7 @@ fn the_log_has_no_colour_escapes_when_stderr_is_not_a_terminal() {
     assert!(agent.wait().success(), "{}", agent.log());
     let log = agent.log();
     assert!(
-        log.contains(" INFO ") && log.contains("blockipam-agent stopped"),
+        log.contains("INFO") && log.contains("blockipam-agent stopped"),
         "{log}"
     );
     assert!(!log.contains("\x1b["), "colour escapes in the log:\n{log}");
