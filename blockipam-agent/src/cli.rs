@@ -68,11 +68,7 @@ pub struct AgentArgs {
     pub create_if_missing: bool,
     /// Create a missing embedded store only if this node never had one: a marker file beside the
     /// store (<store>.created) records its creation, and a missing store with a marker is refused
-    #[arg(
-        long,
-        env = "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START",
-        conflicts_with = "create_if_missing"
-    )]
+    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START")]
     pub create_on_first_start: bool,
     /// Store type: sled, redb or etcdv3
     #[arg(
@@ -186,6 +182,15 @@ impl AgentArgs {
     /// # Errors
     /// [`AgentError`] for an unknown type, a bad number of seconds, or incomplete etcd settings.
     pub fn datastore_settings(&self) -> Result<DatastoreSettings, AgentError> {
+        // Checked here rather than by clap, which would count a variable set to `false` as given.
+        if self.create_if_missing && self.create_on_first_start {
+            return Err(AgentError::new(
+                "--create-if-missing (BLOCKIPAM_AGENT_CREATE_IF_MISSING) and \
+                 --create-on-first-start (BLOCKIPAM_AGENT_CREATE_ON_FIRST_START) are both on: \
+                 choose one (the unit sets BLOCKIPAM_AGENT_CREATE_ON_FIRST_START=true; set it to \
+                 false to create the store always)",
+            ));
+        }
         let datastore_type = self
             .datastore_type
             .parse::<DatastoreType>()
@@ -272,6 +277,24 @@ mod tests {
             );
         }
         assert!(flags >= 24, "only {flags} flags seen");
+    }
+
+    /// The two ways of creating a store exclude each other; a switch's variable set to `false`
+    /// is off, and does not count against the other.
+    #[test]
+    fn create_if_missing_and_create_on_first_start_exclude_each_other() {
+        let parsed = |args: &[&str]| {
+            AgentArgs::try_parse_from(
+                std::iter::once("blockipam-agent").chain(args.iter().copied()),
+            )
+            .expect("flags parse")
+        };
+        let err = parsed(&["--create-if-missing", "--create-on-first-start"])
+            .datastore_settings()
+            .expect_err("both on");
+        assert!(err.message.contains("choose one"), "{err}");
+        assert!(settings(&["--create-if-missing"]).create_if_missing);
+        assert!(parsed(&["--create-on-first-start"]).create_on_first_start);
     }
 
     /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches

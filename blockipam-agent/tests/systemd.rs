@@ -342,6 +342,8 @@ fn every_flag_is_taken_from_the_environment_alone() {
         ("BLOCKIPAM_AGENT_METRICS_LISTEN", "127.0.0.1:0".into()),
         ("BLOCKIPAM_AGENT_METRICS_CACHE_SECONDS", "7".into()),
         ("BLOCKIPAM_AGENT_CREATE_IF_MISSING", "true".into()),
+        // As an environment file overrides the unit's `true`: off, and no conflict with the above.
+        ("BLOCKIPAM_AGENT_CREATE_ON_FIRST_START", "false".into()),
         ("DATASTORE_TYPE", "redb".into()),
         ("DATASTORE_PATH", store.display().to_string()),
         ("ETCD_ENDPOINTS", "http://192.0.2.1:2379".into()),
@@ -369,7 +371,7 @@ fn every_flag_is_taken_from_the_environment_alone() {
         "shutdown_grace_seconds: 3.5".into(),
         "metrics_listen: Some(127.0.0.1:0)".into(),
         "metrics_cache_seconds: 7.0".into(),
-        "create_if_missing: true".into(),
+        "create_if_missing: true, create_on_first_start: false".into(),
         "datastore_type: \"redb\"".into(),
         format!("datastore_path: Some({:?})", store.display().to_string()),
         "etcd_endpoints: Some(\"http://192.0.2.1:2379\")".into(),
