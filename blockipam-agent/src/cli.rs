@@ -28,10 +28,20 @@ pub struct AgentArgs {
     pub socket: PathBuf,
     /// A user (uid) besides root allowed to connect; repeat for several. Makes the socket 0666 and
     /// its new directory 0711: the peer credentials keep other users out
-    #[arg(long = "allowed-uid", value_name = "UID")]
+    #[arg(
+        long = "allowed-uid",
+        value_name = "UID",
+        env = "BLOCKIPAM_AGENT_ALLOWED_UIDS",
+        value_delimiter = ','
+    )]
     pub allowed_uid: Vec<u32>,
     /// Seconds requests in flight at shutdown may take to finish
-    #[arg(long, value_name = "SECONDS", default_value = "10")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        env = "BLOCKIPAM_AGENT_SHUTDOWN_GRACE_SECONDS",
+        default_value = "10"
+    )]
     pub shutdown_grace_seconds: f64,
     /// Serve Prometheus metrics over HTTP at this IP:PORT (GET /metrics), for example
     /// 127.0.0.1:9091; off when absent
@@ -47,13 +57,18 @@ pub struct AgentArgs {
     #[arg(
         long,
         value_name = "SECONDS",
+        env = "BLOCKIPAM_AGENT_METRICS_CACHE_SECONDS",
         default_value = "5",
         help_heading = "Metrics"
     )]
     pub metrics_cache_seconds: f64,
-    /// Create the store when it does not exist (off: a missing store is an error)
-    #[arg(long)]
+    /// Create the store when it does not exist, always (off: a missing store is an error)
+    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_IF_MISSING")]
     pub create_if_missing: bool,
+    /// Create a missing embedded store only if this node never had one: a marker file beside the
+    /// store (<store>.created) records its creation, and a missing store with a marker is refused
+    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START")]
+    pub create_on_first_start: bool,
     /// Store type: sled, redb or etcdv3 [default: etcdv3 when etcd endpoints are given, else sled]
     #[arg(
         long,
@@ -124,22 +139,27 @@ pub struct AgentArgs {
     )]
     pub node: Option<String>,
     /// TTL of the etcd lease that keeps this node's liveness key; kept alive every TTL/3
-    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LIVENESS_TTL_SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub liveness_ttl_seconds: u64,
     /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
     /// liveness key and no plugin commit before its blocks and addresses are released
-    #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_DEAD_NODE_GRACE_SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub dead_node_grace_seconds: u64,
     /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)
-    #[arg(long, value_name = "SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_RECLAIM_INTERVAL_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub reclaim_interval_seconds: u64,
     /// Never reclaim dead nodes from this agent (this node's own liveness is still kept)
-    #[arg(long, help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(
+        long,
+        env = "BLOCKIPAM_AGENT_NO_RECLAIM",
+        help_heading = "Liveness and dead-node reclaim (etcd only)"
+    )]
     pub no_reclaim: bool,
     /// As reclaimer leader, also release empty blocks hosts no longer need (as `blockipamctl blocks release-empty --apply`) once empty this long; 0: never
     #[arg(
         long,
         value_name = "SECONDS",
+        env = "BLOCKIPAM_AGENT_EMPTY_BLOCK_RELEASE_SECONDS",
         default_value_t = 900,
         help_heading = "Liveness and dead-node reclaim (etcd only)"
     )]
@@ -160,6 +180,15 @@ impl AgentArgs {
     /// # Errors
     /// [`AgentError`] for an unknown type, a bad number of seconds, or incomplete etcd settings.
     pub fn datastore_settings(&self) -> Result<DatastoreSettings, AgentError> {
+        // Checked here rather than by clap, which would count a variable set to `false` as given.
+        if self.create_if_missing && self.create_on_first_start {
+            return Err(AgentError::new(
+                "--create-if-missing (BLOCKIPAM_AGENT_CREATE_IF_MISSING) and \
+                 --create-on-first-start (BLOCKIPAM_AGENT_CREATE_ON_FIRST_START) are both on: \
+                 choose one (the unit sets BLOCKIPAM_AGENT_CREATE_ON_FIRST_START=true; set it to \
+                 false to create the store always)",
+            ));
+        }
         let datastore_type = blockipam_store::given_datastore_type(self.datastore_type.as_deref())
             .map_err(|e| AgentError::new(format!("invalid value for --datastore-type: {e}")))?;
         let etcd_request_timeout = self
@@ -217,6 +246,51 @@ mod tests {
             .expect("flags parse")
             .datastore_settings()
             .expect("settings")
+    }
+
+    /// Every flag can be set from the environment (`/etc/default/blockipam-agent`), and
+    /// docs/agent.md names each variable.
+    #[test]
+    fn every_flag_has_an_environment_variable_named_in_the_docs() {
+        use clap::CommandFactory;
+        let docs = include_str!("../../docs/agent.md");
+        let command = AgentArgs::command();
+        let mut flags = 0;
+        for arg in command.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            flags += 1;
+            let variable = arg
+                .get_env()
+                .unwrap_or_else(|| panic!("--{long} has no environment variable"))
+                .to_string_lossy()
+                .into_owned();
+            assert!(
+                docs.contains(&format!("`--{long}")) && docs.contains(&format!("`{variable}`")),
+                "docs/agent.md does not name --{long} and {variable}"
+            );
+        }
+        assert!(flags >= 24, "only {flags} flags seen");
+    }
+
+    /// The two ways of creating a store exclude each other; a switch's variable set to `false`
+    /// is off, and does not count against the other.
+    #[test]
+    fn create_if_missing_and_create_on_first_start_exclude_each_other() {
+        let parsed = |args: &[&str]| {
+            AgentArgs::try_parse_from(
+                std::iter::once("blockipam-agent").chain(args.iter().copied()),
+            )
+            .expect("flags parse")
+        };
+        let err = parsed(&["--create-if-missing", "--create-on-first-start"])
+            .datastore_settings()
+            .expect_err("both on");
+        assert!(err.message.contains("choose one"), "{err}");
+        assert!(settings(&["--create-if-missing"]).create_if_missing);
+        assert!(parsed(&["--create-on-first-start"]).create_on_first_start);
     }
 
     /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches

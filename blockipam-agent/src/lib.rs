@@ -6,8 +6,10 @@
 //! process) reaches an open store over the socket instead of opening it; the other end is
 //! `backend_agent::AgentStore`. See `docs/agent.md`.
 
+pub mod activation;
 pub mod cli;
 pub mod counters;
+pub mod first_start;
 pub mod liveness;
 pub mod metrics;
 pub mod server;
@@ -55,13 +57,37 @@ impl std::error::Error for AgentError {}
 /// [`AgentError`] when the settings are invalid, the store cannot be opened, or the socket cannot
 /// be set up.
 pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+    run_on(args, None, shutdown).await
+}
+
+/// As [`run`], serving on `inherited` when given: the listening socket systemd passed (socket
+/// activation, [`activation`]). That socket is systemd's: the agent neither binds nor checks the
+/// socket path, and leaves the socket in place at shutdown.
+///
+/// # Errors
+/// As [`run`].
+pub async fn run_on(
+    args: &AgentArgs,
+    inherited: Option<std::os::unix::net::UnixListener>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), AgentError> {
+    // Every setting, from flags or the environment (the etcd password redacted), for whoever
+    // reads the journal.
+    tracing::info!(configuration = ?args, "blockipam-agent starting");
     let mut settings = args.datastore_settings()?;
     // etcd unreachable at boot: serve the socket anyway (calls answer "try again later" until
     // etcd answers) and register the node once it does, rather than exit and be restarted.
     if let Some(etcd) = settings.etcd_mut() {
         etcd.lazy_connect = true;
     }
-    socket::refuse_if_live(&args.socket)?;
+    let marker = if args.create_on_first_start {
+        first_start::prepare(&mut settings)?
+    } else {
+        None
+    };
+    if inherited.is_none() {
+        socket::refuse_if_live(&args.socket)?;
+    }
     // Shared by the dead-node reclaimer (adds) and the metrics endpoint (reads).
     let reclaim_counters = Arc::new(counters::ReclaimCounters::default());
     // Bound before the store is opened: a bad --metrics-listen stops the agent at once.
@@ -73,16 +99,48 @@ pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result
             settings.describe()
         ))
     })?;
+    if let Some(marker) = marker {
+        marker.write()?;
+    }
     let store = match &metrics_endpoint {
         Some(endpoint) => endpoint.metrics().instrument(store),
         None => store,
     };
     let liveness = liveness::start_for(args, &settings, &store, &reclaim_counters).await?;
     let served = settings.identity();
-    let (listener, guard) = socket::bind(&args.socket, !args.allowed_uid.is_empty())?;
+    let (listener, guard, socket_shown) = match inherited {
+        Some(inherited) => {
+            let listener = tokio::net::UnixListener::from_std(inherited).map_err(|e| {
+                AgentError::new(format!(
+                    "socket activation: cannot serve the inherited socket: {e}"
+                ))
+            })?;
+            let path = listener
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(std::path::Path::to_path_buf));
+            if path.as_deref() != Some(args.socket.as_path()) {
+                tracing::warn!(
+                    inherited = ?path,
+                    socket = %args.socket.display(),
+                    "the socket systemd passed is not at --socket: clients find the agent at the \
+                     .socket unit's ListenStream="
+                );
+            }
+            let shown = path.map_or_else(
+                || "an inherited socket".to_owned(),
+                |p| format!("{} (socket activation)", p.display()),
+            );
+            (listener, None, shown)
+        }
+        None => {
+            let (listener, guard) = socket::bind(&args.socket, !args.allowed_uid.is_empty())?;
+            (listener, Some(guard), args.socket.display().to_string())
+        }
+    };
     tracing::info!(
         store = %settings.describe(),
-        socket = %args.socket.display(),
+        socket = %socket_shown,
         allowed_uids = ?args.allowed_uid,
         "blockipam-agent serving"
     );
@@ -103,7 +161,8 @@ pub async fn run(args: &AgentArgs, shutdown: impl Future<Output = ()>) -> Result
         metrics_server.stop().await;
     }
     // `serve` has dropped every clone of the store it handed out: the store is closed here.
+    // An inherited socket has no guard: it stays, systemd's, and starts the agent again.
     drop(guard);
-    tracing::info!(socket = %args.socket.display(), "blockipam-agent stopped");
+    tracing::info!(socket = %socket_shown, "blockipam-agent stopped");
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The agent as a real process, with the real plugin: SIGTERM, a live socket refused, peer
 //! credentials, a socket that never answers (code 11), no socket (direct), SIGKILL in the middle
-//! of a churn of plugin calls, and the systemd unit.
+//! of a churn of plugin calls (the systemd units: tests/systemd.rs).
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
-use ipam_core::{KvError, KvStore};
+use ipam_core::KvStore;
 use serde_json::{json, Value};
 
 const AGENT: &str = env!("CARGO_BIN_EXE_blockipam-agent");
@@ -283,64 +283,6 @@ fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
     });
 }
 
-/// Child entry point of the peer-credential test: connects as whatever user it runs as.
-#[tokio::test]
-#[ignore = "child process of peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones"]
-async fn peer_credential_child() {
-    let socket = std::env::var("BLOCKIPAM_TEST_AGENT_SOCKET").expect("socket variable");
-    let outcome = match AgentStore::connect(AgentConfig::new(socket)).await {
-        Ok(store) => store.put("from-child", b"x".to_vec()).await.map(|_| ()),
-        Err(e) => Err(e),
-    };
-    match outcome {
-        Ok(()) => println!("PEER-OUTCOME ok"),
-        Err(KvError::Other { message }) => println!("PEER-OUTCOME other {message}"),
-        Err(e) => println!("PEER-OUTCOME unexpected {e:?}"),
-    }
-}
-
-fn run_child_as(uid: u32, socket: &Path) -> String {
-    use std::os::unix::fs::PermissionsExt;
-    use std::os::unix::process::CommandExt;
-    // The checkout may sit in a directory only root can enter (a CI clone under a 0700 temporary
-    // directory): run a world-readable copy of this test binary instead.
-    let exe = std::env::current_exe().expect("this test binary");
-    let copy_dir = tempfile::tempdir().expect("a directory for the child's binary");
-    std::fs::set_permissions(copy_dir.path(), std::fs::Permissions::from_mode(0o755))
-        .expect("open the directory to the child's user");
-    let copy = copy_dir.path().join("peer-credential-child");
-    std::fs::copy(&exe, &copy).expect("copy this test binary");
-    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))
-        .expect("make the copy executable by the child's user");
-    let output = Command::new(&copy)
-        .args([
-            "--exact",
-            "peer_credential_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("BLOCKIPAM_TEST_AGENT_SOCKET", socket)
-        .uid(uid)
-        .gid(uid)
-        .output()
-        .expect("run the child as another user");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    stdout
-        .lines()
-        .find_map(|line| {
-            line.split_once("PEER-OUTCOME ")
-                .map(|(_, rest)| rest.to_owned())
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "the child (uid {uid}) printed no outcome: {}\nstdout:\n{stdout}\nstderr:\n{}",
-                output.status,
-                String::from_utf8_lossy(&output.stderr)
-            )
-        })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
     use std::os::unix::fs::PermissionsExt;
@@ -374,7 +316,7 @@ async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
             .await
             .expect("root is served");
         let socket = agent.socket.clone();
-        let outcome = tokio::task::spawn_blocking(move || run_child_as(NOBODY, &socket))
+        let outcome = tokio::task::spawn_blocking(move || common::run_child_as(NOBODY, &socket))
             .await
             .expect("child");
         let child_wrote = store.get("from-child").await.expect("get").is_some();
@@ -605,33 +547,4 @@ fn sigkill_during_a_plugin_churn_loses_nothing_and_retries_succeed_after_restart
     restarted.signal("TERM");
     let (status, stderr) = restarted.wait();
     assert!(status.success(), "{stderr}");
-}
-
-#[test]
-fn systemd_unit_passes_systemd_analyze_verify() {
-    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/blockipam-agent.service");
-    let text = std::fs::read_to_string(&unit).expect("read deploy/blockipam-agent.service");
-    assert!(
-        text.contains("ExecStart=/usr/local/bin/blockipam-agent"),
-        "{text}"
-    );
-    // verify insists that ExecStart's binary exists: point it at the one cargo built.
-    let dir = tempfile::tempdir().expect("temp dir");
-    let copy = dir.path().join("blockipam-agent.service");
-    std::fs::write(&copy, text.replace("/usr/local/bin/blockipam-agent", AGENT))
-        .expect("write the unit copy");
-    let output = Command::new("systemd-analyze")
-        .arg("verify")
-        .arg(&copy)
-        .current_dir(dir.path())
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("systemd-analyze is needed (Debian package systemd; scripts/setup installs it): {e}")
-        });
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success() && stderr.trim().is_empty(),
-        "systemd-analyze verify: {}\n{stderr}",
-        output.status
-    );
 }

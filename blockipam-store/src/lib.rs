@@ -579,33 +579,55 @@ impl DatastoreSettings {
         &self,
         before_direct: impl FnOnce(),
     ) -> Result<Arc<dyn KvStore>, KvError> {
-        if let Some(socket) = &self.agent_socket {
-            if let Some(store) = self.open_through_agent(socket).await? {
-                return Ok(store);
-            }
-        }
-        before_direct();
-        self.open_directly().await
+        Ok(self.open_routed(before_direct).await?.0)
     }
 
-    /// The agent at `socket` when it serves the store these settings name; `None` when there is
-    /// no socket (or this user cannot see it), or the agent serves another store.
+    /// As [`open_noting_direct`](Self::open_noting_direct), telling which way the store was
+    /// reached: through the agent, or directly and why (the plugin logs it on every call).
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub async fn open_routed(
+        &self,
+        before_direct: impl FnOnce(),
+    ) -> Result<(Arc<dyn KvStore>, StoreRoute), KvError> {
+        let reason = match &self.agent_socket {
+            Some(socket) => match self.open_through_agent(socket).await? {
+                Ok(store) => {
+                    let route = StoreRoute::Agent {
+                        socket: socket.clone(),
+                        served: store.served().clone(),
+                    };
+                    return Ok((Arc::new(store), route));
+                }
+                Err(reason) => reason,
+            },
+            None => DirectReason::NoAgentConfigured,
+        };
+        before_direct();
+        Ok((self.open_directly().await?, StoreRoute::Direct(reason)))
+    }
+
+    /// The agent at `socket` when it serves the store these settings name; otherwise why the
+    /// store is to be opened directly: there is no socket (or this user cannot see it), the agent
+    /// is dead, or it serves another store.
     ///
     /// # Errors
     /// [`KvError::Unavailable`] when the socket exists but the agent does not answer in time (or
     /// nothing accepts on it); [`KvError::Other`] when the path is not a socket, the agent
     /// refuses this user, or the socket is served by a user other than root or this process's own
     /// (nothing is sent to it then).
-    async fn open_through_agent(&self, socket: &Path) -> Result<Option<Arc<dyn KvStore>>, KvError> {
+    async fn open_through_agent(
+        &self,
+        socket: &Path,
+    ) -> Result<Result<AgentStore, DirectReason>, KvError> {
         use std::os::unix::fs::FileTypeExt;
         match std::fs::symlink_metadata(socket) {
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
-                ) =>
-            {
-                return Ok(None)
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Err(DirectReason::NoSocketFile(socket.to_owned())))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Ok(Err(DirectReason::SocketNotVisible(socket.to_owned())))
             }
             Err(e) => {
                 return Err(KvError::other(format!(
@@ -633,20 +655,23 @@ impl DatastoreSettings {
                     "the agent socket is left by a dead agent (nothing accepts on it): opening \
                      the store directly ({e})"
                 );
-                return Ok(None);
+                return Ok(Err(DirectReason::DeadAgent(socket.to_owned())));
             }
             Err(e) => return Err(e),
         };
         let wanted = self.identity();
         if store.served().matches(&wanted) {
-            Ok(Some(Arc::new(store)))
+            Ok(Ok(store))
         } else {
             tracing::debug!(
                 agent = %store.served(),
                 wanted = %wanted,
                 "the agent serves another store: opening this one directly"
             );
-            Ok(None)
+            Ok(Err(DirectReason::AgentServesAnotherStore {
+                socket: socket.to_owned(),
+                served: store.served().clone(),
+            }))
         }
     }
 
@@ -719,6 +744,82 @@ impl DatastoreSettings {
             .ok_or_else(|| KvError::invalid("an embedded store needs a path"))?;
         check_store_path_ownership(&path)?;
         Ok(path)
+    }
+}
+
+/// Which way [`DatastoreSettings::open_routed`] reached the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreRoute {
+    /// Every call goes through the agent at `socket`, which serves `served` with its own
+    /// settings (for etcd: its own endpoints, TLS files and credentials, not the caller's).
+    Agent {
+        /// The agent's socket.
+        socket: PathBuf,
+        /// The store the agent announced.
+        served: StoreIdentity,
+    },
+    /// The store was opened by this process, for this reason.
+    Direct(DirectReason),
+}
+
+/// Why the store was opened directly rather than through an agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DirectReason {
+    /// No agent socket is configured (`""` or `none`).
+    NoAgentConfigured,
+    /// Nothing is at the socket path: no agent runs.
+    NoSocketFile(PathBuf),
+    /// This user may not look into the socket's directory.
+    SocketNotVisible(PathBuf),
+    /// A socket nothing accepts on: its agent is dead.
+    DeadAgent(PathBuf),
+    /// The agent at `socket` serves another store.
+    AgentServesAnotherStore {
+        /// The agent's socket.
+        socket: PathBuf,
+        /// The store it serves.
+        served: StoreIdentity,
+    },
+}
+
+impl fmt::Display for StoreRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreRoute::Agent { socket, served } => write!(
+                f,
+                "through the agent at {} (it serves {served})",
+                socket.display()
+            ),
+            StoreRoute::Direct(reason) => write!(f, "directly: {reason}"),
+        }
+    }
+}
+
+impl fmt::Display for DirectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DirectReason::NoAgentConfigured => f.write_str("no agent socket is configured"),
+            DirectReason::NoSocketFile(socket) => {
+                write!(f, "no socket file at {} (no agent runs)", socket.display())
+            }
+            DirectReason::SocketNotVisible(socket) => write!(
+                f,
+                "this user may not look for the agent socket {}",
+                socket.display()
+            ),
+            DirectReason::DeadAgent(socket) => write!(
+                f,
+                "nothing accepts on {} (its agent is dead)",
+                socket.display()
+            ),
+            DirectReason::AgentServesAnotherStore { socket, served } => write!(
+                f,
+                "the agent at {} serves another store ({served})",
+                socket.display()
+            ),
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use std::io::{Read, Write};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use blockipam_store::DatastoreType;
+use blockipam_store::{DatastoreSettings, DatastoreType, StoreRoute};
 use ipam_core::fault::{self, FaultPoint};
 use ipam_core::lockfile::LockFile;
 use ipam_core::{CountingStore, Ipam};
@@ -387,6 +387,20 @@ fn etcd_timeouts(deadline: Duration) -> (Duration, Duration) {
     (under(ETCD_CONNECT_TIMEOUT), under(ETCD_REQUEST_TIMEOUT))
 }
 
+/// Logs (at info, every call) which way the store was reached, so that an operator can tell the
+/// agent is used. Through an agent serving etcd, the netconf's etcd TLS files and credentials are
+/// not used: the agent's own are.
+fn log_route(route: &StoreRoute, settings: &DatastoreSettings) {
+    match route {
+        StoreRoute::Agent { .. } if settings.etcd().is_some() => tracing::info!(
+            "store reached {route}; the agent's own etcd credentials and TLS files are used, not \
+             this netconf's"
+        ),
+        StoreRoute::Agent { .. } => tracing::info!("store reached {route}"),
+        _ => tracing::info!("store opened {route}"),
+    }
+}
+
 async fn with_store(
     command: Command,
     env: &CniEnv,
@@ -403,8 +417,8 @@ async fn with_store(
         etcd.timeouts = Some(etcd_timeouts(conf.timeout));
     }
     tracing::debug!(store = %settings.describe(), "opening the store");
-    let store = settings
-        .open_noting_direct(|| {
+    let (store, route) = settings
+        .open_routed(|| {
             // sled's start allocates and frees megabytes: the system allocator reuses that
             // memory, the arena would touch a fresh page for each of it (arena.rs).
             if settings.datastore_type() == DatastoreType::Sled {
@@ -413,6 +427,7 @@ async fn with_store(
         })
         .await
         .map_err(|e| from_kv(&e, true))?;
+    log_route(&route, &settings);
     // Every call logs (at debug) how many store round trips it made: the figure the allocator
     // is built to keep at two per steady-state ADD and per DEL.
     let counted = Arc::new(CountingStore::new(store));

@@ -1,5 +1,6 @@
 //! The `blockipam-agent` binary: parses the flags, logs to stderr, runs the agent until SIGTERM or SIGINT.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use blockipam_agent::AgentArgs;
@@ -8,13 +9,24 @@ use tokio::signal::unix::{signal, SignalKind};
 
 fn main() -> ExitCode {
     let args = AgentArgs::parse();
+    // Taken before any thread starts: the variables are removed from the environment.
+    let listen_environment = blockipam_agent::activation::ListenEnvironment::take_from_process();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, never into the journal or a file.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("BLOCKIPAM_AGENT_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
+    let inherited = match blockipam_agent::activation::inherited_listener(&listen_environment) {
+        Ok(inherited) => inherited,
+        Err(e) => {
+            eprintln!("blockipam-agent: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -43,7 +55,7 @@ fn main() -> ExitCode {
                 _ = interrupt.recv() => tracing::info!("SIGINT: shutting down"),
             }
         };
-        blockipam_agent::run(&args, shutdown).await
+        blockipam_agent::run_on(&args, inherited, shutdown).await
     });
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -15,7 +15,7 @@ use backend_agent::protocol::{
     encode_frame, read_frame, write_frame, Request, RequestFrame, Response, ResponseFrame,
     StoreIdentity, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES,
 };
-use backend_agent::AgentStore;
+use backend_agent::{AgentConfig, AgentStore};
 use backend_redb::{RedbConfig, RedbStore};
 use backend_sled::{SledConfig, SledStore};
 use blockipam_agent::ServerConfig;
@@ -219,4 +219,64 @@ pub async fn accept_hello(stream: &mut UnixStream) -> u32 {
     let served = fake_identity();
     answer(stream, id, Response::Hello { protocol, served }).await;
     protocol
+}
+
+/// Child entry point of [`run_child_as`]: connects as whatever user it runs as and writes one key.
+#[tokio::test]
+#[ignore = "child process of run_child_as"]
+async fn peer_credential_child() {
+    let socket = std::env::var("BLOCKIPAM_TEST_AGENT_SOCKET").expect("socket variable");
+    let outcome = match AgentStore::connect(AgentConfig::new(socket)).await {
+        Ok(store) => store.put("from-child", b"x".to_vec()).await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    match outcome {
+        Ok(()) => println!("PEER-OUTCOME ok"),
+        Err(KvError::Other { message }) => println!("PEER-OUTCOME other {message}"),
+        Err(e) => println!("PEER-OUTCOME unexpected {e:?}"),
+    }
+}
+
+/// Runs [`peer_credential_child`] as `uid` against the agent at `socket`; returns its outcome:
+/// `ok`, `other <message>` (a refusal), or `unexpected <error>`.
+pub fn run_child_as(uid: u32, socket: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // The checkout may sit in a directory only root can enter (a CI clone under a 0700 temporary
+    // directory): run a world-readable copy of this test binary instead.
+    let exe = std::env::current_exe().expect("this test binary");
+    let copy_dir = tempfile::tempdir().expect("a directory for the child's binary");
+    std::fs::set_permissions(copy_dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("open the directory to the child's user");
+    let copy = copy_dir.path().join("peer-credential-child");
+    std::fs::copy(&exe, &copy).expect("copy this test binary");
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))
+        .expect("make the copy executable by the child's user");
+    let output = std::process::Command::new(&copy)
+        .args([
+            "--exact",
+            "common::peer_credential_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("BLOCKIPAM_TEST_AGENT_SOCKET", socket)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .expect("run the child as another user");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    stdout
+        .lines()
+        .find_map(|line| {
+            line.split_once("PEER-OUTCOME ")
+                .map(|(_, rest)| rest.to_owned())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the child (uid {uid}) printed no outcome: {}\nstdout:\n{stdout}\nstderr:\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })
 }
