@@ -1037,6 +1037,13 @@ mod tests {
         .expect("blank endpoints are not given");
         assert_eq!(blank.datastore_type(), DatastoreType::Sled);
         for embedded in [DatastoreType::Sled, DatastoreType::Redb] {
+            let alone = DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type: Some(embedded),
+                etcd_endpoints: vec![" ".into()],
+                ..RawDatastoreSettings::default()
+            })
+            .expect("an embedded type without endpoints");
+            assert_eq!(alone.datastore_type(), embedded);
             let refused = DatastoreSettings::from_raw(RawDatastoreSettings {
                 datastore_type: Some(embedded),
                 etcd_endpoints: endpoints(),
