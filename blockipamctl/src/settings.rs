@@ -152,8 +152,7 @@ fn ignore_environment_the_flags_override(global: &GlobalArgs, raw: &mut RawDatas
     let type_flag = global
         .datastore_type
         .as_deref()
-        .filter(|text| !text.trim().is_empty())
-        .and_then(|text| text.parse::<DatastoreType>().ok());
+        .and_then(|text| text.trim().parse::<DatastoreType>().ok());
     let path_flag = global
         .datastore_path
         .as_deref()
@@ -494,6 +493,16 @@ mod tests {
         let settings = resolve(&sled, &env).expect("sled by flags");
         assert_eq!(settings.datastore_type(), DatastoreType::Sled);
         assert_eq!(settings.path(), Some(Path::new("/flag/store.sled")));
+        let type_only = GlobalArgs {
+            datastore_type: Some("redb".into()),
+            ..GlobalArgs::default()
+        };
+        let settings = resolve(
+            &type_only,
+            &Env::new([("ETCD_ENDPOINTS", "http://10.0.0.1:2379")]),
+        )
+        .expect("a type flag alone");
+        assert_eq!(settings.datastore_type(), DatastoreType::Redb);
         let path_only = GlobalArgs {
             datastore_path: Some("/flag/store.sled".into()),
             ..GlobalArgs::default()
