@@ -446,6 +446,11 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             vec![("CNI_NETWORK_CONFIG", &no_blockipam)],
             "template",
         ),
+        (
+            vec!["--network-config-file", "/nonexistent/template.json"],
+            vec![("CNI_NETWORK_CONFIG", &no_blockipam)],
+            "give one",
+        ),
         (vec!["--conf-name", "../x.conflist"], vec![], "--conf-name"),
         (vec!["--network-name", "a b"], vec![], "--network-name"),
         (vec!["--cni-version", "0.2.0"], vec![], "cniVersion"),
