@@ -33,8 +33,29 @@ pub const ENV_ETCD_TIMEOUT_SECONDS: &str = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS";
 pub const ENV_AGENT_SOCKET: &str = "BLOCKIPAM_AGENT_SOCKET";
 /// Environment variable: output format (`table` or `json`).
 pub const ENV_OUTPUT: &str = "BLOCKIPAMCTL_OUTPUT";
-/// Environment variable: the `blockipam` plugin binary the demo runs.
+/// Environment variable: the `blockipam` plugin binary the demo runs and `install-cni` copies.
 pub const ENV_PLUGIN: &str = "BLOCKIPAM_PLUGIN";
+/// Environment variable: the host's CNI binary directory, as `install-cni` sees it.
+pub const ENV_CNI_BIN_DIR: &str = "CNI_BIN_DIR";
+/// Environment variable: the host's CNI network config directory, as `install-cni` sees it
+/// (Calico's name).
+pub const ENV_CNI_NET_DIR: &str = "CNI_NET_DIR";
+/// Environment variable: the file name of the conflist `install-cni` writes (Calico's name).
+pub const ENV_CNI_CONF_NAME: &str = "CNI_CONF_NAME";
+/// Environment variable: a whole conflist template, as text (Calico's name).
+pub const ENV_CNI_NETWORK_CONFIG: &str = "CNI_NETWORK_CONFIG";
+/// Environment variable: a file holding a conflist template (Calico's name).
+pub const ENV_CNI_NETWORK_CONFIG_FILE: &str = "CNI_NETWORK_CONFIG_FILE";
+/// Environment variable: the network name of the generated conflist.
+pub const ENV_NETWORK_NAME: &str = "BLOCKIPAM_NETWORK_NAME";
+/// Environment variable: the main plugin type of the generated conflist.
+pub const ENV_MAIN_PLUGIN: &str = "BLOCKIPAM_MAIN_PLUGIN";
+/// Environment variable: the `cniVersion` of the generated conflist.
+pub const ENV_CNI_VERSION: &str = "BLOCKIPAM_CNI_VERSION";
+/// Environment variable: extra keys (a JSON object) for the conflist's `ipam` section.
+pub const ENV_IPAM_CONFIG: &str = "BLOCKIPAM_IPAM_CONFIG";
+/// Environment variables naming the node, in the order they are read (Calico's names).
+pub const ENV_NODE_NAMES: [&str; 2] = ["NODENAME", "KUBERNETES_NODE_NAME"];
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
@@ -168,6 +189,10 @@ pub enum Command {
     Import(ImportCommand),
     /// Run the real blockipam plugin through the CNI protocol against a local sled store.
     Demo(DemoArgs),
+    /// Install the plugin and a network config (conflist) into a node's CNI directories, as the
+    /// container image's init container does: each file replaced atomically, and only when it
+    /// changed.
+    InstallCni(InstallCniArgs),
     /// Rolling upgrades: the stored format every writer writes, what each node reads, and the
     /// finalize that lets writers use this release's format.
     #[command(subcommand)]
@@ -655,4 +680,39 @@ pub struct DemoArgs {
     /// Containers per node.
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=16))]
     pub containers_per_node: u8,
+}
+
+/// `install-cni`.
+#[derive(Debug, Args)]
+pub struct InstallCniArgs {
+    /// The blockipam plugin binary to install [env: BLOCKIPAM_PLUGIN] [default: `blockipam` next to this executable]
+    #[arg(long, value_name = "PATH")]
+    pub plugin: Option<PathBuf>,
+    /// The host's CNI binary directory, where `blockipam` is installed [env: CNI_BIN_DIR] [default: /host/opt/cni/bin]
+    #[arg(long, value_name = "DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// The host's CNI network config directory [env: CNI_NET_DIR] [default: /host/etc/cni/net.d]
+    #[arg(long, value_name = "DIR")]
+    pub conf_dir: Option<PathBuf>,
+    /// File name of the conflist, ending with .conflist [env: CNI_CONF_NAME] [default: 10-blockipam.conflist]
+    #[arg(long, value_name = "NAME")]
+    pub conf_name: Option<String>,
+    /// A conflist template file: its plugins whose ipam type is blockipam get the store and node settings [env: CNI_NETWORK_CONFIG_FILE, or the template itself in CNI_NETWORK_CONFIG]
+    #[arg(long, value_name = "FILE")]
+    pub network_config_file: Option<PathBuf>,
+    /// Network name of the generated conflist (without a template) [env: BLOCKIPAM_NETWORK_NAME] [default: pods]
+    #[arg(long, value_name = "NAME")]
+    pub network_name: Option<String>,
+    /// Main plugin of the generated conflist, e.g. ptp or bridge (without a template) [env: BLOCKIPAM_MAIN_PLUGIN] [default: ptp]
+    #[arg(long, value_name = "TYPE")]
+    pub main_plugin: Option<String>,
+    /// cniVersion of the generated conflist (without a template) [env: BLOCKIPAM_CNI_VERSION] [default: 1.0.0]
+    #[arg(long, value_name = "VERSION")]
+    pub cni_version: Option<String>,
+    /// Extra keys for the ipam section, as a JSON object, e.g. '{"gateway": "10.244.0.1"}' [env: BLOCKIPAM_IPAM_CONFIG]
+    #[arg(long, value_name = "JSON")]
+    pub ipam_config: Option<String>,
+    /// The node name written as ipam.nodename [env: NODENAME, else KUBERNETES_NODE_NAME] [default: none: the plugin reads /var/lib/calico/nodename, else the host name]
+    #[arg(long, value_name = "NAME")]
+    pub node: Option<String>,
 }

@@ -6,6 +6,7 @@ pub mod check;
 pub mod config;
 pub mod gc;
 pub mod import;
+pub mod install_cni;
 pub mod migrate;
 pub mod namespace;
 pub mod node;
@@ -38,6 +39,9 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
     if let Command::Demo(args) = &cli.command {
         let lock_wait = settings::lock_wait(&cli.global, env)?;
         return crate::demo::run(ctx, args, env, lock_wait).await;
+    }
+    if let Command::InstallCni(args) = &cli.command {
+        return install_cni::run(&cli.global, args, env);
     }
     let store = settings::resolve(&cli.global, env)?;
     match &cli.command {
@@ -94,7 +98,9 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
             let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;
             import::calico(ctx, &store, args, env, etcd_request_timeout).await
         }
-        Command::Demo(_) => Err(CtlError::failed("internal error: demo dispatched twice")),
+        Command::Demo(_) | Command::InstallCni(_) => Err(CtlError::failed(
+            "internal error: a command that opens no store was dispatched to one",
+        )),
     }
 }
 

@@ -11,6 +11,7 @@ mod format_upgrade;
 mod gc;
 mod guarded_release;
 mod import;
+mod install_cni;
 mod library;
 mod lifecycle;
 mod migrate;
