@@ -497,12 +497,13 @@ mod tests {
             datastore_type: Some("redb".into()),
             ..GlobalArgs::default()
         };
-        let settings = resolve(
-            &type_only,
-            &Env::new([("ETCD_ENDPOINTS", "http://10.0.0.1:2379")]),
-        )
-        .expect("a type flag alone");
+        let settings = resolve(&type_only, &env).expect("a type flag alone");
         assert_eq!(settings.datastore_type(), DatastoreType::Redb);
+        assert_eq!(
+            settings.path(),
+            Some(Path::new("/env/store.sled")),
+            "the environment's path still applies to an embedded type flag"
+        );
         let path_only = GlobalArgs {
             datastore_path: Some("/flag/store.sled".into()),
             ..GlobalArgs::default()
