@@ -397,7 +397,8 @@ fn every_flag_is_taken_from_the_environment_alone() {
         ("BLOCKIPAM_AGENT_CREATE_ON_FIRST_START", "false".into()),
         ("DATASTORE_TYPE", "redb".into()),
         ("DATASTORE_PATH", store.display().to_string()),
-        ("ETCD_ENDPOINTS", "http://192.0.2.1:2379".into()),
+        // ETCD_ENDPOINTS beside an embedded type is refused (which store is meant?): it is
+        // taken from the environment in a second run below, alone.
         ("ETCD_CA_CERT_FILE", "/nonexistent/ca.pem".into()),
         ("ETCD_CERT_FILE", "/nonexistent/cert.pem".into()),
         ("ETCD_KEY_FILE", "/nonexistent/key.pem".into()),
@@ -423,9 +424,8 @@ fn every_flag_is_taken_from_the_environment_alone() {
         "metrics_listen: Some(127.0.0.1:0)".into(),
         "metrics_cache_seconds: 7.0".into(),
         "create_if_missing: true, create_on_first_start: false".into(),
-        "datastore_type: \"redb\"".into(),
+        "datastore_type: Some(\"redb\")".into(),
         format!("datastore_path: Some({:?})", store.display().to_string()),
-        "etcd_endpoints: Some(\"http://192.0.2.1:2379\")".into(),
         "etcd_ca_cert_file: Some(\"/nonexistent/ca.pem\")".into(),
         "etcd_cert_file: Some(\"/nonexistent/cert.pem\")".into(),
         "etcd_key_file: Some(\"/nonexistent/key.pem\")".into(),
@@ -459,6 +459,31 @@ fn every_flag_is_taken_from_the_environment_alone() {
     assert!(log.contains("metrics endpoint listening"), "{log}");
     agent.terminate();
     assert!(agent.wait().success(), "{}", agent.log());
+
+    // ETCD_ENDPOINTS alone: the agent serves that etcd (endpoints without a type mean etcd), even
+    // while nothing answers there.
+    let endpoint = "http://127.0.0.1:1";
+    let etcd_socket = dir.path().join("etcd/agent.sock");
+    let etcd_variables: Vec<(&str, String)> = vec![
+        ("BLOCKIPAM_AGENT_SOCKET", etcd_socket.display().to_string()),
+        ("ETCD_ENDPOINTS", endpoint.into()),
+        ("NODENAME", "env-node".into()),
+        ("BLOCKIPAM_AGENT_NO_RECLAIM", "true".into()),
+    ];
+    let mut etcd_agent = Logged::spawn(
+        agent_command(&etcd_variables, &[]),
+        &dir.path().join("etcd-log"),
+    );
+    etcd_agent.wait_for_log("blockipam-agent serving");
+    let log = etcd_agent.log();
+    for expected in [
+        format!("etcd_endpoints: Some({endpoint:?})"),
+        format!("etcdv3 at {endpoint}"),
+    ] {
+        assert!(log.contains(&expected), "no {expected:?} in:\n{log}");
+    }
+    etcd_agent.terminate();
+    assert!(etcd_agent.wait().success(), "{}", etcd_agent.log());
 }
 
 /// The unit's setting, from the environment as the unit gives it: a fresh node's store is
