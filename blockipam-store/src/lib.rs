@@ -12,13 +12,15 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backend_agent::{AgentConfig, AgentStore, StoreIdentity};
+use backend_agent::{AgentConfig, AgentStore};
 use backend_etcd::{EtcdConfig, EtcdStore};
 use backend_redb::{RedbConfig, RedbStore};
 use backend_sled::{SledConfig, SledStore};
 use ipam_core::lockfile::DEFAULT_LOCK_WAIT;
 use ipam_core::{KvError, KvStore};
 
+/// Which store an agent serves, as settings name it ([`DatastoreSettings::identity`]).
+pub use backend_agent::StoreIdentity;
 pub use backend_agent::DEFAULT_AGENT_SOCKET;
 /// How long connecting to etcd may take by default; a shorter request timeout bounds it too.
 pub use backend_etcd::DEFAULT_CONNECT_TIMEOUT as DEFAULT_ETCD_CONNECT_TIMEOUT;

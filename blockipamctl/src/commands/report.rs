@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use blockipam_store::DatastoreSettings;
+use blockipam_store::{DatastoreSettings, StoreIdentity};
 use ipam_core::check::kinds;
 use ipam_core::Problem;
 use serde::{Deserialize, Serialize};
@@ -60,36 +60,26 @@ impl ReportStore {
         }
     }
 
-    /// Whether both name the same store: same type, and the same path (embedded stores) or the
-    /// same prefix and at least one common endpoint (etcd).
+    /// The same store as the agent socket's identity, which compares and prints stores.
+    fn identity(&self) -> StoreIdentity {
+        StoreIdentity {
+            datastore_type: self.datastore_type.clone(),
+            path: self.path.clone(),
+            etcd_endpoints: self.etcd_endpoints.clone(),
+            etcd_prefix: self.etcd_prefix.clone(),
+        }
+    }
+
+    /// Whether both name the same store, as [`StoreIdentity::matches`] decides: same type, and
+    /// the same path (embedded stores) or the same prefix and at least one common endpoint (etcd).
     pub fn matches(&self, other: &ReportStore) -> bool {
-        if self.datastore_type != other.datastore_type {
-            return false;
-        }
-        if self.etcd_endpoints.is_empty() && other.etcd_endpoints.is_empty() {
-            return self.path == other.path && self.etcd_prefix == other.etcd_prefix;
-        }
-        self.etcd_prefix == other.etcd_prefix
-            && self
-                .etcd_endpoints
-                .iter()
-                .any(|endpoint| other.etcd_endpoints.contains(endpoint))
+        self.identity().matches(&other.identity())
     }
 }
 
 impl std::fmt::Display for ReportStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.datastore_type)?;
-        if let Some(path) = &self.path {
-            write!(f, " at {path}")?;
-        }
-        if !self.etcd_endpoints.is_empty() {
-            write!(f, " at {}", self.etcd_endpoints.join(","))?;
-        }
-        if let Some(prefix) = &self.etcd_prefix {
-            write!(f, " (prefix {prefix})")?;
-        }
-        Ok(())
+        self.identity().fmt(f)
     }
 }
 
