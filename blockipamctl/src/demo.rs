@@ -106,10 +106,18 @@ impl PluginRun {
 }
 
 /// Where the plugin binary is: `--plugin`, else `BLOCKIPAM_PLUGIN`, else `blockipam` next to the
-/// running executable.
-fn find_plugin(args: &DemoArgs, env: &Env) -> Result<PathBuf, CtlError> {
-    let (candidate, source) = match (&args.plugin, env.get(ENV_PLUGIN)) {
-        (Some(path), _) => (path.clone(), "--plugin".to_owned()),
+/// running executable; it must be a regular file. `hint` ends the error when it is not there.
+/// Shared by `demo` and `install-cni`.
+///
+/// # Errors
+/// [`CtlError::Failed`] when the running executable cannot be located or no file is there.
+pub(crate) fn locate_plugin(
+    flag: Option<&Path>,
+    env: &Env,
+    hint: &str,
+) -> Result<PathBuf, CtlError> {
+    let (candidate, source) = match (flag, env.get(ENV_PLUGIN)) {
+        (Some(path), _) => (path.to_path_buf(), "--plugin".to_owned()),
         (None, Some(path)) => (PathBuf::from(path), ENV_PLUGIN.to_owned()),
         (None, None) => {
             let exe = std::env::current_exe().map_err(|e| {
@@ -126,11 +134,21 @@ fn find_plugin(args: &DemoArgs, env: &Env) -> Result<PathBuf, CtlError> {
     };
     if !candidate.is_file() {
         return Err(CtlError::failed(format!(
-            "the blockipam plugin binary was not found at {} (from {source}): build it with \
-             `cargo build -p blockipam` so that it sits next to blockipamctl, or pass --plugin PATH",
+            "the blockipam plugin binary was not found at {} (from {source}): {hint}",
             candidate.display()
         )));
     }
+    Ok(candidate)
+}
+
+/// The plugin `demo` runs, resolved to its real path.
+fn find_plugin(args: &DemoArgs, env: &Env) -> Result<PathBuf, CtlError> {
+    let candidate = locate_plugin(
+        args.plugin.as_deref(),
+        env,
+        "build it with `cargo build -p blockipam` so that it sits next to blockipamctl, or pass \
+         --plugin PATH",
+    )?;
     std::fs::canonicalize(&candidate)
         .map_err(|e| CtlError::failed(format!("cannot resolve {}: {e}", candidate.display())))
 }

@@ -229,31 +229,9 @@ fn check_conf_name(name: &str, source: &str) -> Result<(), CtlError> {
 }
 
 /// Where the plugin binary is: `--plugin`, else `BLOCKIPAM_PLUGIN`, else `blockipam` next to the
-/// running executable; it must be a regular file.
+/// running executable (as `demo` finds it); it must be a regular file.
 fn plugin_source(args: &InstallCniArgs, env: &Env) -> Result<PathBuf, CtlError> {
-    let (candidate, source) = match (&args.plugin, env.get(cli::ENV_PLUGIN)) {
-        (Some(path), _) => (path.clone(), "--plugin".to_owned()),
-        (None, Some(path)) => (PathBuf::from(path), cli::ENV_PLUGIN.to_owned()),
-        (None, None) => {
-            let exe = std::env::current_exe().map_err(|e| {
-                CtlError::failed(format!(
-                    "cannot tell where blockipamctl runs from ({e}); pass --plugin PATH"
-                ))
-            })?;
-            let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-            (
-                dir.join(PLUGIN_FILE_NAME),
-                "the directory of blockipamctl".to_owned(),
-            )
-        }
-    };
-    if !candidate.is_file() {
-        return Err(CtlError::failed(format!(
-            "the blockipam plugin binary was not found at {} (from {source}): pass --plugin PATH",
-            candidate.display()
-        )));
-    }
-    Ok(candidate)
+    crate::demo::locate_plugin(args.plugin.as_deref(), env, "pass --plugin PATH")
 }
 
 /// The conflist: the template's (flag, file variable or text variable), else a generated one, with
