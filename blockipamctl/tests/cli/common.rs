@@ -5,12 +5,13 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Read;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blockipam_store::{Backend as StoreBackend, DatastoreSettings, EtcdSettings};
+use ipam_core::dead_nodes::{MissingMark, Registration};
 use ipam_core::{AutoAssignRequest, Ipam, KvStore};
 use serde_json::Value;
 use test_kit::cni::{full_cni_env, run_cni};
@@ -320,35 +321,8 @@ impl Lab {
             netconf.extend(extra);
         }
         let plugin = test_kit::plugin::build_plugin_beside(std::path::Path::new(BIN));
-        let mut env = full_cni_env(
-            command,
-            container,
-            "eth0",
-            "/var/run/netns/blockipamctl-test",
-            "/nonexistent",
-        );
-        env.push((
-            "CNI_ARGS".to_owned(),
-            format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}"),
-        ));
-        let output = run_cni(
-            &plugin,
-            &[],
-            &env,
-            netconf.to_string().as_bytes(),
-            HANG_GUARD,
-        );
-        let stdout = if output.stdout.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_str(&output.stdout).unwrap_or_else(|e| {
-                panic!(
-                    "the plugin's stdout is not JSON ({e}): {}\n{}",
-                    output.stdout, output.stderr
-                )
-            })
-        };
-        (output.status, stdout)
+        let pod_args = format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}");
+        call_plugin_binary(&plugin, command, container, Some(&pod_args), &netconf)
     }
 
     /// Allocates one IPv4 address for `handle` on `host` and returns it.
@@ -534,4 +508,62 @@ pub fn assert_columns_line_up(table: &str) {
 pub fn closed_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
     listener.local_addr().expect("local address").port()
+}
+
+/// Runs `plugin` once for `command` on `container` (interface eth0, a netns path nobody opens) with
+/// `netconf` on stdin and `cni_args` as `CNI_ARGS`; returns its exit status and its stdout as JSON
+/// (null when empty).
+pub fn call_plugin_binary(
+    plugin: &Path,
+    command: &str,
+    container: &str,
+    cni_args: Option<&str>,
+    netconf: &Value,
+) -> (i32, Value) {
+    let mut env = full_cni_env(
+        command,
+        container,
+        "eth0",
+        "/var/run/netns/blockipamctl-test",
+        "/nonexistent",
+    );
+    if let Some(cni_args) = cni_args {
+        env.push(("CNI_ARGS".to_owned(), cni_args.to_owned()));
+    }
+    let output = run_cni(
+        plugin,
+        &[],
+        &env,
+        netconf.to_string().as_bytes(),
+        HANG_GUARD,
+    );
+    let stdout = if output.stdout.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&output.stdout).unwrap_or_else(|e| {
+            panic!(
+                "the plugin's stdout is not JSON ({e}): {}\n{}",
+                output.stdout, output.stderr
+            )
+        })
+    };
+    (output.status, stdout)
+}
+
+/// A registration of `host` (agent version "test", reading format 4) marked missing by a reclaimer
+/// that saw no plugin activity (countdown revision 1, activity revision 0, grace 900 s).
+pub fn marked_registration(host: &str, registered_at: u64) -> Registration {
+    Registration {
+        node: host.to_owned(),
+        registered_at,
+        agent_version: "test".into(),
+        reads_format: Some(4),
+        missing_since: None,
+        missing_mark: Some(MissingMark {
+            countdown_revision: 1,
+            activity_revision: 0,
+            grace_seconds: 900,
+        }),
+        blocks_released: false,
+    }
 }

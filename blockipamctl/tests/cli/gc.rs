@@ -5,12 +5,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use backend_etcd::lease::LeaseSession;
 use backend_etcd::EtcdConfig;
-use ipam_core::dead_nodes::{
-    agent_key, countdown_key, liveness_key, register, MissingMark, Registration,
-};
+use ipam_core::dead_nodes::{agent_key, countdown_key, liveness_key, register, Registration};
 use serde_json::Value;
 
-use crate::common::{assert_columns_line_up, Backend, Lab};
+use crate::common::{assert_columns_line_up, marked_registration, Backend, Lab};
 
 fn unix_now() -> u64 {
     SystemTime::now()
@@ -63,19 +61,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
                 .await
                 .expect("register");
         }
-        let dead = Registration {
-            node: "dead-node".into(),
-            registered_at: now - 5000,
-            agent_version: "test".into(),
-            reads_format: Some(4),
-            missing_since: None,
-            missing_mark: Some(MissingMark {
-                countdown_revision: 1,
-                activity_revision: 0,
-                grace_seconds: 900,
-            }),
-            blocks_released: false,
-        };
+        let dead = marked_registration("dead-node", now - 5000);
         store
             .put(
                 &agent_key("dead-node"),

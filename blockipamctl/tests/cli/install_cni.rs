@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use test_kit::cni::{full_cni_env, run_cni};
+use test_kit::cni::run_cni;
 
-use crate::common::{run_guarded, Backend, Lab, Run, BIN, CTL_ENV};
+use crate::common::{call_plugin_binary, run_guarded, Backend, Lab, Run, BIN, CTL_ENV};
 
 /// Variables `install-cni` reads besides blockipamctl's own: removed from every child.
 const INSTALL_ENV: &[&str] = &[
@@ -122,26 +122,7 @@ fn call_plugin(plugin: &Path, conflist: &Value, command: &str, container: &str) 
     let mut netconf = conflist["plugins"][0].clone();
     netconf["name"] = conflist["name"].clone();
     netconf["cniVersion"] = conflist["cniVersion"].clone();
-    let env = full_cni_env(
-        command,
-        container,
-        "eth0",
-        "/var/run/netns/install-cni-test",
-        "/nonexistent",
-    );
-    let output = run_cni(
-        plugin,
-        &[],
-        &env,
-        netconf.to_string().as_bytes(),
-        HANG_GUARD,
-    );
-    let stdout = if output.stdout.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_str(&output.stdout).expect("the plugin's stdout is JSON")
-    };
-    (output.status, stdout)
+    call_plugin_binary(plugin, command, container, None, &netconf)
 }
 
 #[test]

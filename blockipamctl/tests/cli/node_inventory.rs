@@ -1,12 +1,10 @@
 //! `node list` and `node retire HOST [--apply] [--force]` on every backend: agents' registrations
 //! and liveness keys are written through the storage trait, as an agent writes them.
 
-use ipam_core::dead_nodes::{
-    activity_key, agent_key, liveness_key, register, MissingMark, Registration,
-};
+use ipam_core::dead_nodes::{activity_key, agent_key, liveness_key, register};
 use serde_json::{json, Value};
 
-use crate::common::{Backend, Lab};
+use crate::common::{marked_registration, Backend, Lab};
 
 crate::on_every_backend!(
     node_list_shows_every_node_the_store_knows,
@@ -203,20 +201,7 @@ fn node_retire_previews_refuses_a_live_node_and_removes_everything(backend: Back
 
 /// A registration marked missing by a reclaimer that saw no plugin activity (revision 0).
 fn marked(host: &str) -> Vec<u8> {
-    serde_json::to_vec(&Registration {
-        node: host.to_owned(),
-        registered_at: 1_700_000_000,
-        agent_version: "test".into(),
-        reads_format: Some(4),
-        missing_since: None,
-        missing_mark: Some(MissingMark {
-            countdown_revision: 1,
-            activity_revision: 0,
-            grace_seconds: 900,
-        }),
-        blocks_released: false,
-    })
-    .expect("JSON")
+    serde_json::to_vec(&marked_registration(host, 1_700_000_000)).expect("JSON")
 }
 
 fn node_retire_refuses_an_active_node_and_retires_a_dead_one(backend: Backend) {
