@@ -134,6 +134,7 @@ macro_rules! ipam_conformance_tests {
         $crate::resize_conformance_tests!($factory);
         $crate::repair_conformance_tests!($factory);
         $crate::upgrade_conformance_tests!($factory);
+        $crate::leaks_conformance_tests!($factory);
     };
 }
 

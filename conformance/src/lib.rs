@@ -6,6 +6,7 @@ pub mod hooked;
 pub mod integrity;
 pub mod ipam;
 pub mod kv;
+pub mod leaks;
 pub mod lifecycle;
 pub mod linearizability;
 pub mod model_based;

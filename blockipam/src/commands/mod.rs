@@ -29,7 +29,7 @@ pub use status::status;
 /// Attribute: the network an allocation was made on.
 pub const ATTR_NETWORK: &str = ipam_core::allocator::ATTR_NETWORK;
 /// Attribute: the container id.
-pub const ATTR_CONTAINER_ID: &str = "container_id";
+pub const ATTR_CONTAINER_ID: &str = ipam_core::allocator::leaks::ATTR_CONTAINER_ID;
 /// Attribute: the interface inside the container.
 pub const ATTR_INTERFACE: &str = "interface";
 /// Attribute: the Kubernetes namespace.
@@ -37,7 +37,7 @@ pub const ATTR_NAMESPACE: &str = "namespace";
 /// Attribute: the Kubernetes pod.
 pub const ATTR_POD: &str = "pod";
 /// Attribute: when the allocation was made (RFC 3339 UTC).
-pub const ATTR_TIMESTAMP: &str = "timestamp";
+pub const ATTR_TIMESTAMP: &str = ipam_core::allocator::leaks::ATTR_TIMESTAMP;
 /// Attribute: what a reservation is for (`gateway`).
 pub const ATTR_PURPOSE: &str = ipam_core::allocator::ATTR_PURPOSE;
 /// Attribute the allocator records with the node.

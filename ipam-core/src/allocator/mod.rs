@@ -30,6 +30,7 @@ mod affinity;
 mod assign;
 pub mod check;
 pub mod dead_nodes;
+pub mod leaks;
 mod lifecycle;
 mod namespaces;
 pub mod network_setup;

@@ -17,6 +17,7 @@ pub mod nodes;
 pub mod reservations;
 pub mod selector;
 pub mod store_format;
+pub mod timestamp;
 
 mod block;
 mod handle;

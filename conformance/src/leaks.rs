@@ -1,0 +1,235 @@
+//! Leak collection cases: the decision on a real store's allocations, and the release of what it decided, on every backend.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipam_core::allocator::leaks::{
+    AddressHolder, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID,
+};
+use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
+use ipam_core::{Ipam, ReleaseRequest};
+
+use crate::ipam::{assert_clean, ipam_with_pool};
+use crate::StoreFactory;
+
+/// Expands every leak-collection case into one `#[test]` inside a module `leaks`.
+#[macro_export]
+macro_rules! leaks_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(leaks, $crate::leaks, $factory;
+            a_look_releases_only_this_nodes_missing_containers_and_only_after_the_grace,
+            a_decided_leak_whose_address_changed_hands_is_left_alone,
+            live_addresses_recorded_for_another_node_or_free_are_reported,
+        );
+    };
+}
+
+const GRACE: u64 = 900;
+const POLICY: LeakPolicy = LeakPolicy {
+    grace_seconds: GRACE,
+    max_gap_seconds: GRACE,
+};
+const T0: u64 = 1_800_000_000;
+
+/// One address for `container` on `host`, as the plugin asks for it (the allocator records `node`).
+async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
+    let got = ipam
+        .auto_assign(&AutoAssignRequest {
+            handle: format!("net.{container}"),
+            host: host.into(),
+            num_v4: 1,
+            attributes: BTreeMap::from([(ATTR_CONTAINER_ID.to_owned(), container.to_owned())]),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("assign {container} on {host}: {e}"));
+    let address = got.v4[0].ip;
+    let info = ipam
+        .get_assignment(address)
+        .await
+        .expect("read back")
+        .expect("assigned");
+    (address, info.sequence)
+}
+
+fn view(at: u64, live: &[(&str, Vec<IpAddr>)]) -> RuntimeView {
+    RuntimeView {
+        observed_at: at,
+        sandboxes: live
+            .iter()
+            .map(|(id, addresses)| {
+                (
+                    (*id).to_owned(),
+                    LiveSandbox {
+                        pod: format!("pod-{id}"),
+                        namespace: "default".into(),
+                        uid: format!("uid-{id}"),
+                        addresses: addresses.clone(),
+                    },
+                )
+            })
+            .collect(),
+    }
+}
+
+/// node-a: a live container, a gone one and a reservation (no container); node-b: a gone
+/// container. Only node-a's gone container is released, and only at the look a grace after the
+/// first that found it missing.
+pub async fn a_look_releases_only_this_nodes_missing_containers_and_only_after_the_grace<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let (gone, _) = assign_for(&ipam, "gone", "node-a").await;
+    let (elsewhere, _) = assign_for(&ipam, "gone-b", "node-b").await;
+    let reserved: IpAddr = "10.0.0.200".parse().expect("address");
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec![reserved],
+        handle: "reservation".into(),
+        host: "node-a".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("reserve");
+
+    let mut watch = LeakWatch::new();
+    let runtime = |at| view(at, &[("live", vec![live])]);
+    for at in [T0, T0 + GRACE / 2, T0 + GRACE - 1] {
+        let decisions = ipam
+            .look_for_leaks("node-a", &runtime(at), &mut watch, POLICY)
+            .await
+            .expect("look");
+        assert!(decisions.leaked.is_empty(), "at {at}: {decisions:#?}");
+        assert_eq!(decisions.waiting.len(), 1);
+        assert_eq!(decisions.waiting[0].allocation.ip, gone);
+        assert_eq!(decisions.live, 1);
+        assert_eq!(decisions.not_a_container, 1);
+        assert!(decisions.disagreements.is_empty(), "{decisions:#?}");
+    }
+    let decisions = ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
+        .await
+        .expect("look");
+    assert_eq!(decisions.leaked.len(), 1, "{decisions:#?}");
+    assert_eq!(decisions.leaked[0].allocation.ip, gone);
+    assert_eq!(decisions.leaked[0].missing_since, T0);
+    let outcome = ipam
+        .release_leaked(&decisions.leaked)
+        .await
+        .expect("release");
+    assert_eq!(outcome.released, [gone]);
+    assert!(outcome.skipped.is_empty());
+
+    assert_eq!(ipam.get_assignment(gone).await.expect("read"), None);
+    for kept in [live, elsewhere, reserved] {
+        assert!(
+            ipam.get_assignment(kept).await.expect("read").is_some(),
+            "{kept} must be kept"
+        );
+    }
+    assert_clean(&ipam).await;
+}
+
+/// A leak decided on, then its address released and taken by another pod before the release
+/// runs: the release is refused by the sequence guard and the new owner keeps it.
+pub async fn a_decided_leak_whose_address_changed_hands_is_left_alone<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (gone, sequence) = assign_for(&ipam, "gone", "node-a").await;
+    let mut watch = LeakWatch::new();
+    ipam.look_for_leaks("node-a", &view(T0, &[]), &mut watch, POLICY)
+        .await
+        .expect("look");
+    let decisions = ipam
+        .look_for_leaks("node-a", &view(T0 + GRACE, &[]), &mut watch, POLICY)
+        .await
+        .expect("look");
+    assert_eq!(decisions.leaked.len(), 1);
+    assert_eq!(decisions.leaked[0].allocation.sequence, sequence);
+
+    // Between the decision and its release: the pod's own DEL, and a new pod given the address.
+    ipam.release_ips(&[ReleaseRequest {
+        ip: gone,
+        sequence: None,
+    }])
+    .await
+    .expect("DEL");
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec![gone],
+        handle: "net.newcomer".into(),
+        host: "node-a".into(),
+        attributes: BTreeMap::from([(ATTR_CONTAINER_ID.to_owned(), "newcomer".to_owned())]),
+        ..Default::default()
+    })
+    .await
+    .expect("the address taken again");
+
+    let outcome = ipam
+        .release_leaked(&decisions.leaked)
+        .await
+        .expect("release");
+    assert!(outcome.released.is_empty(), "{outcome:?}");
+    assert_eq!(outcome.skipped, [gone]);
+    let holder = ipam
+        .get_assignment(gone)
+        .await
+        .expect("read")
+        .expect("still assigned");
+    assert_eq!(holder.handle, "net.newcomer");
+    assert_clean(&ipam).await;
+}
+
+/// A live pod using an address the store records for another node's container (a duplicate), and
+/// one using a free address of a pool: both reported at the first look; an address outside every
+/// pool is not ours and is not reported. Nothing is written.
+pub async fn live_addresses_recorded_for_another_node_or_free_are_reported<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (own, _) = assign_for(&ipam, "own", "node-a").await;
+    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let free: IpAddr = "10.0.0.150".parse().expect("address");
+    let outside: IpAddr = "192.168.7.7".parse().expect("address");
+    let before = t.store.list("").await.expect("list");
+    let mut watch = LeakWatch::new();
+    let decisions = ipam
+        .look_for_leaks(
+            "node-a",
+            &view(
+                T0,
+                &[("own", vec![own, theirs]), ("stray", vec![free, outside])],
+            ),
+            &mut watch,
+            POLICY,
+        )
+        .await
+        .expect("look");
+    let reported: Vec<(IpAddr, &str, bool)> = decisions
+        .disagreements
+        .iter()
+        .map(|d| {
+            (
+                d.address,
+                d.sandbox_id.as_str(),
+                matches!(&d.holder, AddressHolder::Other(info) if info.handle == "net.theirs"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        reported,
+        [(theirs, "own", true), (free, "stray", false)],
+        "{decisions:#?}"
+    );
+    assert!(matches!(
+        decisions.disagreements[1].holder,
+        AddressHolder::Free
+    ));
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a look writes nothing"
+    );
+}

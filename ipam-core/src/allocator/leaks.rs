@@ -1,0 +1,287 @@
+//! The store checked against what a node's container runtime runs: allocations whose container is gone, released only after they were seen gone at every look for a grace period; live addresses the store disagrees with, reported.
+//!
+//! The caller (the node agent) asks the runtime which pod sandboxes exist and hands the answer
+//! to [`LeakWatch::observe`] (the decision, pure), through [`Ipam::look_for_leaks`] (the decision on
+//! the store's allocations), then [`Ipam::release_leaked`]. The watch is the only memory between
+//! looks, and it forgets on purpose: a look the runtime did not answer, or two looks too far apart
+//! to call the absence continuous, start every countdown again. What it never releases: an
+//! allocation whose container the runtime reports in any state, one another node made, one that
+//! names no container (the network's reservations, addresses assigned by hand), one younger than
+//! the grace by its own timestamp, and one whose address was re-allocated since it was first seen
+//! missing (each release carries the sequence number it was decided on).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+use super::{AllocationInfo, Ipam, ReleaseRequest, ATTR_NODE};
+use crate::model::error::IpamError;
+use crate::model::timestamp;
+
+/// Attribute: the container (pod sandbox) an allocation was made for, as the runtime names it.
+pub const ATTR_CONTAINER_ID: &str = "container_id";
+/// Attribute: when the allocation was made (RFC 3339, UTC).
+pub const ATTR_TIMESTAMP: &str = "timestamp";
+/// How long an allocation's container must have been missing at every look before it is
+/// released: Calico's `leakGracePeriod` default, 15 minutes.
+pub const DEFAULT_LEAK_GRACE_SECONDS: u64 = 900;
+/// Addresses released per transaction by a leak pass.
+const LEAK_RELEASE_BATCH: usize = 32;
+
+/// One pod sandbox the runtime reports, in any state (a stopped sandbox still names its pod).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveSandbox {
+    /// The pod's name.
+    pub pod: String,
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's uid.
+    pub uid: String,
+    /// The addresses the runtime reports for the sandbox's network (none for a host-network pod).
+    pub addresses: Vec<IpAddr>,
+}
+
+/// What the runtime answered at one look.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuntimeView {
+    /// When the runtime was asked (Unix seconds, this node's clock).
+    pub observed_at: u64,
+    /// Every sandbox it reported, by id (the container id the plugin was called with).
+    pub sandboxes: BTreeMap<String, LiveSandbox>,
+}
+
+/// How a leak pass decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeakPolicy {
+    /// Seconds an allocation's container must have been missing at every look (and, by its
+    /// timestamp, the allocation's least age) before it is released.
+    pub grace_seconds: u64,
+    /// Two looks further apart than this do not prove the absence in between: every countdown
+    /// starts again (set it to a few scan intervals).
+    pub max_gap_seconds: u64,
+}
+
+/// An allocation of this node whose container the runtime does not report.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MissingAllocation {
+    /// The allocation, as read at this look.
+    pub allocation: AllocationInfo,
+    /// Since when it has been missing at every look (Unix seconds).
+    pub missing_since: u64,
+}
+
+/// What the store holds for an address a live sandbox uses, when that is not the sandbox's own
+/// allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AddressHolder {
+    /// Nobody: the address is free in its pool.
+    Free,
+    /// Another allocation (another container's, or another node's).
+    Other(AllocationInfo),
+}
+
+/// A live sandbox's address that the store does not record for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Disagreement {
+    /// The address.
+    pub address: IpAddr,
+    /// The sandbox using it.
+    pub sandbox_id: String,
+    /// Its pod's namespace and name.
+    pub pod: String,
+    /// What the store holds instead.
+    pub holder: AddressHolder,
+}
+
+/// What one look decided.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeakDecisions {
+    /// This node's allocations whose container the runtime reports.
+    pub live: usize,
+    /// This node's allocations whose container is missing, still within the grace.
+    pub waiting: Vec<MissingAllocation>,
+    /// Missing for the whole grace: to release, each guarded by its sequence number.
+    pub leaked: Vec<MissingAllocation>,
+    /// This node's allocations left alone because they name no container.
+    pub not_a_container: usize,
+    /// Live sandboxes' addresses the store does not record for them.
+    pub disagreements: Vec<Disagreement>,
+    /// Whether this look restarted every countdown (the previous one was too long ago).
+    pub countdowns_restarted: bool,
+}
+
+/// What releasing decided leaks did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeakRelease {
+    /// Addresses released.
+    pub released: Vec<IpAddr>,
+    /// Decided leaks left alone: their address changed hands since it was decided on (sequence
+    /// guard), or was free already.
+    pub skipped: Vec<IpAddr>,
+}
+
+/// The memory between looks: since when each of this node's allocations has been missing.
+#[derive(Debug, Clone, Default)]
+pub struct LeakWatch {
+    /// (address, sequence) → first look at which its container was missing.
+    missing_since: BTreeMap<(IpAddr, u64), u64>,
+    /// The last look the runtime answered.
+    last_look: Option<u64>,
+}
+
+impl LeakWatch {
+    /// A watch that has seen nothing yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The runtime could not be asked: nothing is known about the time since the last look, so
+    /// every countdown starts again at the next answered look.
+    pub fn runtime_unanswered(&mut self) {
+        self.missing_since.clear();
+        self.last_look = None;
+    }
+
+    /// How many allocations are counting down.
+    pub fn counting(&self) -> usize {
+        self.missing_since.len()
+    }
+
+    /// Decides on one look. `allocations` is every allocation the store holds (this node's are
+    /// those whose `node` attribute is `host`); `in_pools` says whether an address belongs to one
+    /// of the store's pools (a live address outside them is another IPAM's business).
+    pub fn observe(
+        &mut self,
+        host: &str,
+        allocations: &[AllocationInfo],
+        view: &RuntimeView,
+        in_pools: &dyn Fn(IpAddr) -> bool,
+        policy: LeakPolicy,
+    ) -> LeakDecisions {
+        let mut decisions = LeakDecisions::default();
+        let now = view.observed_at;
+        let continuous = self
+            .last_look
+            .is_some_and(|last| now >= last && now - last <= policy.max_gap_seconds);
+        if !continuous {
+            decisions.countdowns_restarted = self.last_look.is_some();
+            self.missing_since.clear();
+        }
+        self.last_look = Some(now);
+
+        let mut still_missing = BTreeSet::new();
+        for allocation in allocations
+            .iter()
+            .filter(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host))
+        {
+            let Some(container) = allocation.attributes.get(ATTR_CONTAINER_ID) else {
+                decisions.not_a_container += 1;
+                continue;
+            };
+            if view.sandboxes.contains_key(container) {
+                decisions.live += 1;
+                continue;
+            }
+            let key = (allocation.ip, allocation.sequence);
+            still_missing.insert(key);
+            let since = *self.missing_since.entry(key).or_insert(now);
+            let missing = MissingAllocation {
+                allocation: allocation.clone(),
+                missing_since: since,
+            };
+            let old_enough =
+                allocation_age(allocation, now).is_none_or(|age| age >= policy.grace_seconds);
+            if now.saturating_sub(since) >= policy.grace_seconds && old_enough {
+                decisions.leaked.push(missing);
+            } else {
+                decisions.waiting.push(missing);
+            }
+        }
+        self.missing_since
+            .retain(|key, _| still_missing.contains(key));
+
+        let by_address: BTreeMap<IpAddr, &AllocationInfo> =
+            allocations.iter().map(|a| (a.ip, a)).collect();
+        for (sandbox_id, sandbox) in &view.sandboxes {
+            for address in &sandbox.addresses {
+                let holder = match by_address.get(address) {
+                    Some(held)
+                        if held.attributes.get(ATTR_CONTAINER_ID).map(String::as_str)
+                            == Some(sandbox_id.as_str()) =>
+                    {
+                        continue;
+                    }
+                    Some(held) => AddressHolder::Other((*held).clone()),
+                    None if in_pools(*address) => AddressHolder::Free,
+                    None => continue,
+                };
+                decisions.disagreements.push(Disagreement {
+                    address: *address,
+                    sandbox_id: sandbox_id.clone(),
+                    pod: format!("{}/{}", sandbox.namespace, sandbox.pod),
+                    holder,
+                });
+            }
+        }
+        decisions
+    }
+}
+
+/// The allocation's age by its own timestamp, when it records a readable one (a timestamp in the
+/// future counts as age zero).
+fn allocation_age(allocation: &AllocationInfo, now: u64) -> Option<u64> {
+    let stamp = allocation.attributes.get(ATTR_TIMESTAMP)?;
+    let made = timestamp::parse_rfc3339_utc(stamp)?;
+    Some(now.saturating_sub(made))
+}
+
+impl Ipam {
+    /// One look for `host`: reads every allocation and pool and decides with `watch` (see
+    /// [`LeakWatch::observe`]). Writes nothing.
+    ///
+    /// # Errors
+    /// Store failures and corrupt objects (the watch is left as it was: no decision is made).
+    pub async fn look_for_leaks(
+        &self,
+        host: &str,
+        view: &RuntimeView,
+        watch: &mut LeakWatch,
+        policy: LeakPolicy,
+    ) -> Result<LeakDecisions, IpamError> {
+        let allocations = self.list_allocations().await?;
+        let pools = self.list_pools().await?;
+        let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
+        Ok(watch.observe(host, &allocations, view, &in_pools, policy))
+    }
+
+    /// Releases decided leaks, each address guarded by the sequence number it was decided on: an
+    /// address re-allocated since (or already free) is left alone and reported as skipped.
+    ///
+    /// # Errors
+    /// Store failures; [`IpamError::RetriesExhausted`]. Batches released before a failure stay
+    /// released (each batch is one transaction).
+    pub async fn release_leaked(
+        &self,
+        leaked: &[MissingAllocation],
+    ) -> Result<LeakRelease, IpamError> {
+        let requests: Vec<ReleaseRequest> = leaked
+            .iter()
+            .map(|m| ReleaseRequest {
+                ip: m.allocation.ip,
+                sequence: Some(m.allocation.sequence),
+            })
+            .collect();
+        let mut outcome = LeakRelease::default();
+        for batch in requests.chunks(LEAK_RELEASE_BATCH) {
+            let done = self.release_ips(batch).await?;
+            outcome.released.extend(done.released);
+            outcome.skipped.extend(done.sequence_mismatch);
+            outcome.skipped.extend(done.not_allocated);
+        }
+        Ok(outcome)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+//! RFC 3339 UTC timestamps (`2024-05-01T12:34:56Z`) for the `timestamp` attribute, both ways, without a date-time crate.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Now, as RFC 3339 UTC with whole seconds.
+pub fn now_rfc3339() -> String {
+    let seconds = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format_unix(seconds)
+}
+
+/// Formats seconds since the Unix epoch as RFC 3339 UTC.
+pub fn format_unix(seconds: u64) -> String {
+    let days = seconds / 86_400;
+    let rest = seconds % 86_400;
+    let (year, month, day) = civil_from_days(days);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        (rest % 3600) / 60,
+        rest % 60
+    )
+}
+
+/// Howard Hinnant's `civil_from_days` for days since 1970-01-01 (non-negative).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Unix seconds of an RFC 3339 UTC time `YYYY-MM-DDTHH:MM:SS[.fraction]Z` (what the plugin writes);
+/// `None` for anything else.
+pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
+    let text = text.strip_suffix('Z')?;
+    let (date, time) = text.split_once('T')?;
+    let mut date = date.splitn(3, '-').map(str::parse::<u64>);
+    let (year, month, day) = (date.next()?.ok()?, date.next()?.ok()?, date.next()?.ok()?);
+    let time = time.split_once('.').map_or(time, |(whole, _)| whole);
+    let mut time = time.splitn(3, ':').map(str::parse::<u64>);
+    let (hour, minute, second) = (time.next()?.ok()?, time.next()?.ok()?, time.next()?.ok()?);
+    if !(1970..=9999).contains(&year)
+        || !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return None;
+    }
+    // Days from 1970-01-01 to the civil date (Howard Hinnant's days_from_civil).
+    let (y, m) = if month <= 2 {
+        (year - 1, month + 9)
+    } else {
+        (year, month - 3)
+    };
+    let era = y / 400;
+    let year_of_era = y - era * 400;
+    let day_of_year = (153 * m + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = (era * 146_097 + day_of_era).checked_sub(719_468)?;
+    Some(days * 86_400 + hour * 3_600 + minute * 60 + second)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn known_instants_format_as_rfc3339_utc() {
+        assert_eq!(format_unix(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_unix(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(format_unix(1_709_210_096), "2024-02-29T12:34:56Z");
+        assert_eq!(format_unix(4_102_444_799), "2099-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn what_is_formatted_parses_back_to_the_same_second() {
+        for seconds in [0, 59, 86_399, 951_782_400, 1_709_210_096, 4_102_444_799] {
+            assert_eq!(parse_rfc3339_utc(&format_unix(seconds)), Some(seconds));
+        }
+        // Every day of four years (a leap year among them), at a second that is not round.
+        for day in 10_957..10_957 + 4 * 366 {
+            let seconds = day * 86_400 + 45_296;
+            assert_eq!(parse_rfc3339_utc(&format_unix(seconds)), Some(seconds));
+        }
+        assert_eq!(
+            parse_rfc3339_utc("2024-02-29T12:34:56.789Z"),
+            Some(1_709_210_096),
+            "a fraction is dropped"
+        );
+    }
+
+    #[test]
+    fn anything_else_is_not_a_time() {
+        for text in [
+            "",
+            "2024-02-29T12:34:56",
+            "2024-02-29 12:34:56Z",
+            "2024-13-01T00:00:00Z",
+            "2024-00-01T00:00:00Z",
+            "2024-01-32T00:00:00Z",
+            "2024-01-01T24:00:00Z",
+            "2024-01-01T00:60:00Z",
+            "1969-12-31T23:59:59Z",
+            "2024-01-01T00:00:00+01:00",
+            "yesterday",
+        ] {
+            assert_eq!(parse_rfc3339_utc(text), None, "{text:?}");
+        }
+    }
+}
