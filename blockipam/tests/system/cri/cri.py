@@ -12,7 +12,7 @@ Run with Debian's /usr/bin/python3 (python3-grpcio, python3-protobuf) and protoc
                                             proto3 JSON mapping of METHODRequest); print the response as JSON
 
 Every failure exits non-zero with one line on stderr naming what failed (a gRPC error: its code and details).
-api.proto beside this script is kubernetes/cri-api's pkg/apis/runtime/v1/api.proto, verbatim (see README.md);
+cri-client/proto/api.proto is kubernetes/cri-api's pkg/apis/runtime/v1/api.proto, verbatim (see README.md);
 `stubs` drops its gogoproto lines (an import and Go code-generation options only) before running protoc.
 """
 
@@ -26,6 +26,8 @@ import sys
 import tarfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The CRI proto, shared with the agent's CRI client (cri-client/build.rs generates it for Rust).
+API_PROTO = os.path.join(HERE, "..", "..", "..", "..", "cri-client", "proto", "api.proto")
 BUSYBOX = "/bin/busybox"
 
 
@@ -36,7 +38,7 @@ def fail(message):
 
 def generate_stubs(directory):
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(HERE, "api.proto"), encoding="utf-8") as source:
+    with open(API_PROTO, encoding="utf-8") as source:
         lines = [line for line in source if "gogoproto" not in line]
     with open(os.path.join(directory, "api.proto"), "w", encoding="utf-8") as target:
         target.writelines(lines)
