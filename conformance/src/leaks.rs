@@ -5,6 +5,7 @@ use std::net::IpAddr;
 
 use ipam_core::allocator::leaks::{
     AddressHolder, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID,
+    ATTR_NAMESPACE, ATTR_POD,
 };
 use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
 use ipam_core::{Ipam, ReleaseRequest};
@@ -31,6 +32,15 @@ const POLICY: LeakPolicy = LeakPolicy {
 };
 const T0: u64 = 1_800_000_000;
 
+/// The attributes the plugin records for a Kubernetes pod's container (the allocator adds `node`).
+fn pod_attributes(container: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (ATTR_CONTAINER_ID.to_owned(), container.to_owned()),
+        (ATTR_POD.to_owned(), format!("pod-{container}")),
+        (ATTR_NAMESPACE.to_owned(), "default".to_owned()),
+    ])
+}
+
 /// One address for `container` on `host`, as the plugin asks for it (the allocator records `node`).
 async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
     let got = ipam
@@ -38,7 +48,7 @@ async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
             handle: format!("net.{container}"),
             host: host.into(),
             num_v4: 1,
-            attributes: BTreeMap::from([(ATTR_CONTAINER_ID.to_owned(), container.to_owned())]),
+            attributes: pod_attributes(container),
             ..Default::default()
         })
         .await
@@ -105,7 +115,7 @@ pub async fn a_look_releases_only_this_nodes_missing_containers_and_only_after_t
         assert_eq!(decisions.waiting.len(), 1);
         assert_eq!(decisions.waiting[0].allocation.ip, gone);
         assert_eq!(decisions.live, 1);
-        assert_eq!(decisions.not_a_container, 1);
+        assert_eq!(decisions.not_a_pod, 1);
         assert!(decisions.disagreements.is_empty(), "{decisions:#?}");
     }
     let decisions = ipam
@@ -139,12 +149,14 @@ pub async fn a_decided_leak_whose_address_changed_hands_is_left_alone<F: StoreFa
 ) {
     let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
     let (gone, sequence) = assign_for(&ipam, "gone", "node-a").await;
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let runtime = |at| view(at, &[("live", vec![live])]);
     let mut watch = LeakWatch::new();
-    ipam.look_for_leaks("node-a", &view(T0, &[]), &mut watch, POLICY)
+    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
         .await
         .expect("look");
     let decisions = ipam
-        .look_for_leaks("node-a", &view(T0 + GRACE, &[]), &mut watch, POLICY)
+        .look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
         .await
         .expect("look");
     assert_eq!(decisions.leaked.len(), 1);
@@ -161,7 +173,7 @@ pub async fn a_decided_leak_whose_address_changed_hands_is_left_alone<F: StoreFa
         ips: vec![gone],
         handle: "net.newcomer".into(),
         host: "node-a".into(),
-        attributes: BTreeMap::from([(ATTR_CONTAINER_ID.to_owned(), "newcomer".to_owned())]),
+        attributes: pod_attributes("newcomer"),
         ..Default::default()
     })
     .await

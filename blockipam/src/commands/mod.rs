@@ -33,9 +33,9 @@ pub const ATTR_CONTAINER_ID: &str = ipam_core::allocator::leaks::ATTR_CONTAINER_
 /// Attribute: the interface inside the container.
 pub const ATTR_INTERFACE: &str = "interface";
 /// Attribute: the Kubernetes namespace.
-pub const ATTR_NAMESPACE: &str = "namespace";
+pub const ATTR_NAMESPACE: &str = ipam_core::allocator::leaks::ATTR_NAMESPACE;
 /// Attribute: the Kubernetes pod.
-pub const ATTR_POD: &str = "pod";
+pub const ATTR_POD: &str = ipam_core::allocator::leaks::ATTR_POD;
 /// Attribute: when the allocation was made (RFC 3339 UTC).
 pub const ATTR_TIMESTAMP: &str = ipam_core::allocator::leaks::ATTR_TIMESTAMP;
 /// Attribute: what a reservation is for (`gateway`).

@@ -6,9 +6,11 @@
 //! looks, and it forgets on purpose: a look the runtime did not answer, or two looks too far apart
 //! to call the absence continuous, start every countdown again. What it never releases: an
 //! allocation whose container the runtime reports in any state, one another node made, one that
-//! names no container (the network's reservations, addresses assigned by hand), one younger than
-//! the grace by its own timestamp, and one whose address was re-allocated since it was first seen
-//! missing (each release carries the sequence number it was decided on).
+//! names no container or no Kubernetes pod (the network's reservations, addresses assigned by hand,
+//! a Podman container), one younger than the grace by its own timestamp, one whose address was
+//! re-allocated since it was first seen missing (each release carries the sequence number it was
+//! decided on), and nothing at all while the runtime reports none of the containers this node's
+//! allocations name (it has not shown it is the runtime the plugin serves).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -23,6 +25,11 @@ use crate::model::timestamp;
 pub const ATTR_CONTAINER_ID: &str = "container_id";
 /// Attribute: when the allocation was made (RFC 3339, UTC).
 pub const ATTR_TIMESTAMP: &str = "timestamp";
+/// Attribute: the Kubernetes pod an allocation was made for (`K8S_POD_NAME`): only such
+/// allocations were made through a CRI runtime, and only they are judged against it.
+pub const ATTR_POD: &str = "pod";
+/// Attribute: the Kubernetes namespace of that pod (`K8S_POD_NAMESPACE`).
+pub const ATTR_NAMESPACE: &str = "namespace";
 /// How long an allocation's container must have been missing at every look before it is
 /// released: Calico's `leakGracePeriod` default, 15 minutes.
 pub const DEFAULT_LEAK_GRACE_SECONDS: u64 = 900;
@@ -101,10 +108,17 @@ pub struct LeakDecisions {
     pub live: usize,
     /// This node's allocations whose container is missing, still within the grace.
     pub waiting: Vec<MissingAllocation>,
-    /// Missing for the whole grace: to release, each guarded by its sequence number.
+    /// Missing for the whole grace: to release, each guarded by its sequence number (empty while
+    /// the runtime is unproven: those wait in `waiting`).
     pub leaked: Vec<MissingAllocation>,
-    /// This node's allocations left alone because they name no container.
-    pub not_a_container: usize,
+    /// This node's allocations left alone because they name no container or no Kubernetes pod
+    /// (the network's reservations, addresses assigned by hand, containers another runtime such
+    /// as Podman started through the plugin).
+    pub not_a_pod: usize,
+    /// True when the runtime reports none of the containers this node's allocations name: it has
+    /// not shown it is the runtime the plugin serves (a socket of another runtime, one that has
+    /// just lost its state and runs nothing yet), so nothing is released; countdowns go on.
+    pub runtime_unproven: bool,
     /// Live sandboxes' addresses the store does not record for them.
     pub disagreements: Vec<Disagreement>,
     /// Whether this look restarted every countdown (the previous one was too long ago).
@@ -175,8 +189,11 @@ impl LeakWatch {
             .iter()
             .filter(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host))
         {
-            let Some(container) = allocation.attributes.get(ATTR_CONTAINER_ID) else {
-                decisions.not_a_container += 1;
+            let (Some(container), Some(_pod)) = (
+                allocation.attributes.get(ATTR_CONTAINER_ID),
+                allocation.attributes.get(ATTR_POD),
+            ) else {
+                decisions.not_a_pod += 1;
                 continue;
             };
             if view.sandboxes.contains_key(container) {
@@ -200,6 +217,11 @@ impl LeakWatch {
         }
         self.missing_since
             .retain(|key, _| still_missing.contains(key));
+        decisions.runtime_unproven = decisions.live == 0;
+        if decisions.runtime_unproven {
+            let held = std::mem::take(&mut decisions.leaked);
+            decisions.waiting.extend(held);
+        }
 
         let by_address: BTreeMap<IpAddr, &AllocationInfo> =
             allocations.iter().map(|a| (a.ip, a)).collect();

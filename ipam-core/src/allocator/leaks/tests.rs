@@ -9,16 +9,20 @@ const POLICY: LeakPolicy = LeakPolicy {
     max_gap_seconds: 180,
 };
 const T0: u64 = 1_800_000_000;
+/// A runtime view's one live sandbox, whose allocation ("10.0.0.1") proves the runtime is the
+/// plugin's.
+const LIVE: &[(&str, &[&str])] = &[("live", &["10.0.0.1"])];
 
 fn ip(text: &str) -> IpAddr {
     text.parse().expect("an address")
 }
 
-/// An allocation the plugin made on `node` for `container` (no timestamp unless given).
+/// An allocation the plugin made on `node` for `container`'s pod (no timestamp unless given).
 fn allocation(address: &str, sequence: u64, node: &str, container: Option<&str>) -> AllocationInfo {
     let mut attributes = BTreeMap::from([(ATTR_NODE.to_owned(), node.to_owned())]);
     if let Some(container) = container {
         attributes.insert(ATTR_CONTAINER_ID.to_owned(), container.to_owned());
+        attributes.insert(ATTR_POD.to_owned(), format!("pod-{container}"));
     }
     AllocationInfo {
         ip: ip(address),
@@ -110,7 +114,7 @@ fn other_nodes_and_reservations_are_never_touched() {
     for at in [T0, T0 + 60, T0 + GRACE, T0 + GRACE + 60] {
         let decisions = watch.observe("node-a", &allocations, &view(at, &[]), &in_pool, POLICY);
         assert!(decisions.leaked.is_empty() && decisions.waiting.is_empty());
-        assert_eq!(decisions.not_a_container, 1);
+        assert_eq!(decisions.not_a_pod, 1);
         assert_eq!(decisions.live, 0);
     }
     assert_eq!(watch.counting(), 0);
@@ -142,11 +146,11 @@ fn an_allocation_younger_than_the_grace_by_its_timestamp_waits() {
     young
         .attributes
         .insert(ATTR_TIMESTAMP.to_owned(), timestamp::format_unix(T0 + 300));
-    let allocations = [young];
+    let allocations = [young, allocation("10.0.0.1", 1, "node-a", Some("live"))];
     let mut watch = LeakWatch::new();
     let mut seen = Vec::new();
     for at in (T0..=T0 + GRACE + 600).step_by(60) {
-        let decisions = watch.observe("node-a", &allocations, &view(at, &[]), &in_pool, POLICY);
+        let decisions = watch.observe("node-a", &allocations, &view(at, LIVE), &in_pool, POLICY);
         if !decisions.leaked.is_empty() {
             seen.push(at);
         }
@@ -158,16 +162,19 @@ fn an_allocation_younger_than_the_grace_by_its_timestamp_waits() {
 
 #[test]
 fn an_unanswered_look_or_a_long_gap_restarts_every_countdown() {
-    let allocations = [allocation("10.0.0.7", 1, "node-a", Some("gone"))];
+    let allocations = [
+        allocation("10.0.0.7", 1, "node-a", Some("gone")),
+        allocation("10.0.0.1", 1, "node-a", Some("live")),
+    ];
     let mut watch = LeakWatch::new();
-    watch.observe("node-a", &allocations, &view(T0, &[]), &in_pool, POLICY);
+    watch.observe("node-a", &allocations, &view(T0, LIVE), &in_pool, POLICY);
     assert_eq!(watch.counting(), 1);
     watch.runtime_unanswered();
     assert_eq!(watch.counting(), 0);
     let decisions = watch.observe(
         "node-a",
         &allocations,
-        &view(T0 + GRACE, &[]),
+        &view(T0 + GRACE, LIVE),
         &in_pool,
         POLICY,
     );
@@ -176,7 +183,7 @@ fn an_unanswered_look_or_a_long_gap_restarts_every_countdown() {
 
     // Two answered looks too far apart: the absence in between is not proven.
     let later = T0 + GRACE + POLICY.max_gap_seconds + 1;
-    let decisions = watch.observe("node-a", &allocations, &view(later, &[]), &in_pool, POLICY);
+    let decisions = watch.observe("node-a", &allocations, &view(later, LIVE), &in_pool, POLICY);
     assert!(decisions.countdowns_restarted);
     assert!(decisions.leaked.is_empty());
     assert_eq!(decisions.waiting[0].missing_since, later);
@@ -185,7 +192,7 @@ fn an_unanswered_look_or_a_long_gap_restarts_every_countdown() {
     let decisions = watch.observe(
         "node-a",
         &allocations,
-        &view(later - 10, &[]),
+        &view(later - 10, LIVE),
         &in_pool,
         POLICY,
     );
@@ -196,26 +203,32 @@ fn an_unanswered_look_or_a_long_gap_restarts_every_countdown() {
 #[test]
 fn a_reallocated_address_or_a_container_back_starts_a_fresh_countdown() {
     let mut watch = LeakWatch::new();
-    let first = [allocation("10.0.0.8", 1, "node-a", Some("gone"))];
-    watch.observe("node-a", &first, &view(T0, &[]), &in_pool, POLICY);
+    let first = [
+        allocation("10.0.0.8", 1, "node-a", Some("gone")),
+        allocation("10.0.0.1", 1, "node-a", Some("live")),
+    ];
+    watch.observe("node-a", &first, &view(T0, LIVE), &in_pool, POLICY);
     // The address was released and taken again (new sequence) by another missing container.
-    let second = [allocation("10.0.0.8", 7, "node-a", Some("also-gone"))];
-    let decisions = watch.observe("node-a", &second, &view(T0 + GRACE, &[]), &in_pool, POLICY);
+    let second = [
+        allocation("10.0.0.8", 7, "node-a", Some("also-gone")),
+        allocation("10.0.0.1", 1, "node-a", Some("live")),
+    ];
+    let decisions = watch.observe("node-a", &second, &view(T0 + GRACE, LIVE), &in_pool, POLICY);
     assert!(decisions.leaked.is_empty());
     assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE);
     assert_eq!(watch.counting(), 1, "the first countdown is forgotten");
 
     // The container comes back for one look: its countdown is dropped.
     let mut watch = LeakWatch::new();
-    watch.observe("node-a", &first, &view(T0, &[]), &in_pool, POLICY);
+    watch.observe("node-a", &first, &view(T0, LIVE), &in_pool, POLICY);
     watch.observe(
         "node-a",
         &first,
-        &view(T0 + 60, &[("gone", &[])]),
+        &view(T0 + 60, &[("gone", &[]), ("live", &["10.0.0.1"])]),
         &in_pool,
         POLICY,
     );
-    let decisions = watch.observe("node-a", &first, &view(T0 + GRACE, &[]), &in_pool, POLICY);
+    let decisions = watch.observe("node-a", &first, &view(T0 + GRACE, LIVE), &in_pool, POLICY);
     assert!(decisions.leaked.is_empty());
     assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE);
 }
@@ -255,4 +268,59 @@ fn live_addresses_the_store_does_not_record_for_their_sandbox_are_reported() {
     assert_eq!(free.address, ip("10.0.0.12"));
     assert_eq!(free.sandbox_id, "unrecorded");
     assert_eq!(free.holder, AddressHolder::Free);
+}
+
+#[test]
+fn nothing_is_released_while_the_runtime_reports_none_of_this_nodes_containers() {
+    // A runtime that runs none of the containers the store records for this node (another
+    // runtime's socket, or one that lost its state and runs nothing yet): the countdowns go on,
+    // and nothing is released until it reports one of them.
+    let allocations = [
+        allocation("10.0.0.20", 1, "node-a", Some("gone-1")),
+        allocation("10.0.0.21", 1, "node-a", Some("gone-2")),
+    ];
+    let mut watch = LeakWatch::new();
+    for at in (T0..=T0 + 2 * GRACE).step_by(60) {
+        let decisions = watch.observe(
+            "node-a",
+            &allocations,
+            &view(at, &[("someone-elses", &["10.0.0.99"])]),
+            &in_pool,
+            POLICY,
+        );
+        assert!(decisions.runtime_unproven);
+        assert!(decisions.leaked.is_empty(), "at {at}: {decisions:?}");
+        assert_eq!(decisions.waiting.len(), 2);
+    }
+    // A pod the plugin served runs again: the runtime is the plugin's, and both allocations,
+    // missing at every look since T0, are released at once.
+    let mut with_live = allocations.to_vec();
+    with_live.push(allocation("10.0.0.1", 1, "node-a", Some("live")));
+    let decisions = watch.observe(
+        "node-a",
+        &with_live,
+        &view(T0 + 2 * GRACE + 60, LIVE),
+        &in_pool,
+        POLICY,
+    );
+    assert!(!decisions.runtime_unproven);
+    assert_eq!(
+        leaked_addresses(&decisions),
+        [ip("10.0.0.20"), ip("10.0.0.21")]
+    );
+    assert!(decisions.leaked.iter().all(|m| m.missing_since == T0));
+}
+
+#[test]
+fn a_container_without_a_kubernetes_pod_is_not_judged() {
+    // Podman (or anything calling the plugin without K8S_POD_NAME) is not a CRI pod.
+    let mut podman = allocation("10.0.0.30", 1, "node-a", Some("podman-container"));
+    podman.attributes.remove(ATTR_POD);
+    let allocations = [podman, allocation("10.0.0.1", 1, "node-a", Some("live"))];
+    let mut watch = LeakWatch::new();
+    for at in [T0, T0 + GRACE, T0 + 2 * GRACE] {
+        let decisions = watch.observe("node-a", &allocations, &view(at, LIVE), &in_pool, POLICY);
+        assert_eq!(decisions.not_a_pod, 1);
+        assert!(decisions.leaked.is_empty() && decisions.waiting.is_empty());
+    }
 }
