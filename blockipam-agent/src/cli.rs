@@ -44,7 +44,8 @@ pub struct AgentArgs {
     )]
     pub shutdown_grace_seconds: f64,
     /// Serve Prometheus metrics over HTTP at this IP:PORT (GET /metrics), for example
-    /// 127.0.0.1:9091; off when absent
+    /// 127.0.0.1:9091, with the probes GET /healthz (live) and GET /readyz (store open, socket
+    /// accepting, store answering; 503 with the reason otherwise); off when absent
     #[arg(
         long,
         value_name = "ADDR",

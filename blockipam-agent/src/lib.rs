@@ -93,6 +93,10 @@ pub async fn run_on(
     // Bound before the store is opened: a bad --metrics-listen stops the agent at once.
     let metrics_endpoint =
         metrics::MetricsEndpoint::from_args(args, Arc::clone(&reclaim_counters))?;
+    // Served from here on, so that probes see the agent start: /healthz answers, /readyz says
+    // what the agent is waiting for until its socket accepts.
+    let health = Arc::new(metrics::Health::starting("opening the store"));
+    let metrics_server = metrics_endpoint.map(|e| e.spawn(Arc::clone(&health)));
     let store: Arc<dyn KvStore> = settings.open().await.map_err(|e| {
         AgentError::new(format!(
             "cannot open the store ({}): {e}",
@@ -102,10 +106,13 @@ pub async fn run_on(
     if let Some(marker) = marker {
         marker.write()?;
     }
-    let store = match &metrics_endpoint {
-        Some(endpoint) => endpoint.metrics().instrument(store),
+    // Probed as it is (readiness reads do not count as the agent's store round trips).
+    let probed_store = Arc::downgrade(&store);
+    let store = match &metrics_server {
+        Some(server) => server.metrics().instrument(store),
         None => store,
     };
+    health.set_starting("registering the node and binding the socket");
     let liveness = liveness::start_for(args, &settings, &store, &reclaim_counters).await?;
     let served = settings.identity();
     let (listener, guard, socket_shown) = match inherited {
@@ -148,10 +155,14 @@ pub async fn run_on(
         served,
         allowed_uids: args.allowed_uid.clone(),
         drain_timeout: args.shutdown_grace()?,
-        metrics: metrics_endpoint.as_ref().map(|e| Arc::clone(e.metrics())),
+        metrics: metrics_server.as_ref().map(|s| Arc::clone(s.metrics())),
         ..ServerConfig::default()
     };
-    let metrics_server = metrics_endpoint.map(|e| e.spawn(Arc::downgrade(&store)));
+    health.set_serving(Arc::downgrade(&store), probed_store);
+    let shutdown = async {
+        shutdown.await;
+        health.set_stopping();
+    };
     serve(listener, store, config, shutdown).await;
     if let Some(liveness) = liveness {
         liveness.stop().await;

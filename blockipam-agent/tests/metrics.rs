@@ -562,3 +562,120 @@ fn metrics_are_off_by_default_and_a_bad_address_stops_the_agent_before_the_store
     assert!(said.contains("--metrics-listen"), "{said}");
     drop(taken);
 }
+
+/// Polls `GET path` until it answers `status`, for at most `limit`; the last answer.
+fn wait_for_status(address: SocketAddr, path: &str, status: u16, limit: Duration) -> HttpAnswer {
+    let deadline = Instant::now() + limit;
+    loop {
+        let answer = http_get(address, path, None);
+        if answer.status == status || Instant::now() >= deadline {
+            return answer;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `/healthz` answers while the agent runs; `/readyz` is `503` with its one-line reason while the
+/// agent's etcd cannot be reached (the agent serves its socket and waits), and `200` once etcd
+/// answers; both beside `/metrics` on the `--metrics-listen` listener.
+#[test]
+fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
+    let mut etcd = test_kit::etcd::EtcdServer::start().expect("an etcd server");
+    let endpoint = etcd.endpoint();
+    // etcd down at the agent's start: the endpoint is known, nothing answers there.
+    etcd.stop();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let mut child = Command::new(AGENT)
+        .env_clear()
+        .env("BLOCKIPAM_AGENT_LOG", "info")
+        .arg("--socket")
+        .arg(&socket)
+        .args(["--etcd-endpoints", &endpoint, "--node", "probed-node"])
+        .args(["--etcd-prefix", &test_kit::etcd::unique_prefix()])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start blockipam-agent");
+    let stderr = child.stderr.take().expect("stderr");
+    let agent = Agent {
+        child,
+        socket: socket.clone(),
+        store: dir.path().join("unused"),
+        log: Arc::new(Mutex::new(String::new())),
+        _dir: dir,
+    };
+    {
+        let log = Arc::clone(&agent.log);
+        let mut pipe = stderr;
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 8192];
+            while let Ok(n) = pipe.read(&mut buffer) {
+                if n == 0 {
+                    break;
+                }
+                log.lock()
+                    .expect("log")
+                    .push_str(&String::from_utf8_lossy(&buffer[..n]));
+            }
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !agent.log().contains("metrics endpoint listening on") {
+        assert!(
+            Instant::now() < deadline,
+            "no metrics address logged: {}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let address = agent.metrics_address();
+
+    let live = http_get(address, "/healthz", None);
+    assert_eq!((live.status, live.body.as_str()), (200, "ok\n"), "{live:?}");
+    // Not ready, and says why in one line, until etcd answers; the socket is served meanwhile.
+    let unready = wait_for_status(address, "/readyz", 503, Duration::from_secs(30));
+    assert_eq!(unready.status, 503, "{unready:?}");
+    assert!(unready.body.starts_with("not ready: "), "{unready:?}");
+    assert_eq!(unready.body.trim_end().lines().count(), 1, "{unready:?}");
+    assert!(
+        unready.content_type.starts_with("text/plain"),
+        "{unready:?}"
+    );
+    let live = http_get(address, "/healthz", None);
+    assert_eq!(live.status, 200, "{live:?}");
+    assert!(
+        http_get(address, "/metrics", None)
+            .body
+            .contains("blockipam_agent"),
+        "the metrics beside the probes"
+    );
+
+    etcd.restart().expect("start etcd again");
+    let ready = wait_for_status(address, "/readyz", 200, Duration::from_secs(60));
+    assert_eq!(
+        (ready.status, ready.body.as_str()),
+        (200, "ok\n"),
+        "{ready:?}\n{}",
+        agent.log()
+    );
+    assert_eq!(http_get(address, "/nowhere", None).status, 404);
+    drop(agent);
+}
+
+/// On an embedded store `/readyz` is `200` once the agent serves its socket, and the probes'
+/// answers are the plain `ok` a kubelet's httpGet probe accepts.
+#[test]
+fn readyz_and_healthz_answer_ok_once_an_embedded_store_agent_serves() {
+    let agent = Agent::start(&["--metrics-listen", "127.0.0.1:0"]);
+    let address = agent.metrics_address();
+    for path in ["/healthz", "/readyz"] {
+        let answer = wait_for_status(address, path, 200, Duration::from_secs(10));
+        assert_eq!(
+            (answer.status, answer.body.as_str()),
+            (200, "ok\n"),
+            "{path}: {answer:?}"
+        );
+    }
+}

@@ -1,10 +1,11 @@
 //! The metrics endpoint: an HTTP/1.1 listener answering `GET /metrics` in the classic text
-//! format or OpenMetrics, with bounded connections.
+//! format or OpenMetrics, and the probes `GET /healthz` and `GET /readyz`, with bounded
+//! connections.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::Full;
@@ -12,7 +13,6 @@ use hyper::body::{Bytes, Incoming};
 use hyper::header::{HeaderValue, ACCEPT, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use ipam_core::KvStore;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -20,6 +20,7 @@ use tokio::task::JoinSet;
 use crate::counters::ReclaimCounters;
 use crate::AgentError;
 
+use super::health::Health;
 use super::{AgentMetrics, ConnectionLimits, OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE};
 
 // ---------------------------------------------------------------------------------------------
@@ -100,20 +101,22 @@ impl MetricsEndpoint {
         &self.metrics
     }
 
-    /// Starts serving; `store` is what the IPAM gauges are computed from (held weakly, so that
-    /// the store closes when the agent lets go of it).
-    pub fn spawn(self, store: Weak<dyn KvStore>) -> MetricsServer {
+    /// Starts serving; `health` says whether the agent is ready and holds the store the IPAM
+    /// gauges are computed from (weakly, so that the store closes when the agent lets go of it).
+    pub fn spawn(self, health: Arc<Health>) -> MetricsServer {
         let (stop, stopped) = watch::channel(false);
+        let metrics = Arc::clone(&self.metrics);
         let task = tokio::spawn(accept_loop(
             self.listener,
             self.metrics,
-            store,
+            health,
             self.limits,
             stopped,
         ));
         MetricsServer {
             stop,
             task: Some(task),
+            metrics,
         }
     }
 }
@@ -123,9 +126,15 @@ impl MetricsEndpoint {
 pub struct MetricsServer {
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<()>>,
+    metrics: Arc<AgentMetrics>,
 }
 
 impl MetricsServer {
+    /// The metrics this endpoint serves.
+    pub fn metrics(&self) -> &Arc<AgentMetrics> {
+        &self.metrics
+    }
+
     /// Stops accepting, drops the scrapes in progress and waits until they are gone.
     pub async fn stop(mut self) {
         let _ = self.stop.send(true);
@@ -148,7 +157,7 @@ impl Drop for MetricsServer {
 async fn accept_loop(
     listener: TcpListener,
     metrics: Arc<AgentMetrics>,
-    store: Weak<dyn KvStore>,
+    health: Arc<Health>,
     limits: ConnectionLimits,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -164,14 +173,14 @@ async fn accept_loop(
                         continue;
                     }
                     let metrics = Arc::clone(&metrics);
-                    let store = store.clone();
+                    let health = Arc::clone(&health);
                     let served = Arc::clone(&served);
                     connections.spawn(async move {
                         let service = hyper::service::service_fn(move |request| {
                             let metrics = Arc::clone(&metrics);
-                            let store = store.clone();
+                            let health = Arc::clone(&health);
                             served.fetch_add(1, Ordering::Relaxed);
-                            async move { Ok::<_, Infallible>(respond(&metrics, &store, request).await) }
+                            async move { Ok::<_, Infallible>(respond(&metrics, &health, request).await) }
                         });
                         // One request per connection (Prometheus connects anew for each scrape),
                         // so that the lifetime bound never cuts a kept-alive connection between
@@ -215,28 +224,41 @@ async fn accept_loop(
 
 async fn respond(
     metrics: &AgentMetrics,
-    store: &Weak<dyn KvStore>,
+    health: &Health,
     request: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
-    if request.uri().path() != "/metrics" {
+    let path = request.uri().path();
+    if !matches!(path, "/metrics" | "/healthz" | "/readyz") {
         return plain(
             StatusCode::NOT_FOUND,
-            "not found: the metrics are at /metrics\n",
+            "not found: the metrics are at /metrics, the probes at /healthz and /readyz\n",
         );
     }
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return plain(
             StatusCode::METHOD_NOT_ALLOWED,
-            "only GET and HEAD are served at /metrics\n",
+            "only GET and HEAD are served here\n",
         );
     }
+    match path {
+        // Live: this answer comes from the agent's runtime, which is all liveness asks.
+        "/healthz" => return plain(StatusCode::OK, "ok\n"),
+        "/readyz" => {
+            return match health.readiness().await {
+                Ok(()) => plain(StatusCode::OK, "ok\n"),
+                Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+            }
+        }
+        _ => {}
+    }
+    let store = health.metrics_store();
     let openmetrics = request
         .headers()
         .get_all(ACCEPT)
         .iter()
         .filter_map(|value| value.to_str().ok())
         .any(|value| value.contains("application/openmetrics-text"));
-    let body = metrics.scrape(store, openmetrics).await;
+    let body = metrics.scrape(&store, openmetrics).await;
     let content_type = if openmetrics {
         OPENMETRICS_CONTENT_TYPE
     } else {
@@ -250,7 +272,11 @@ async fn respond(
 }
 
 pub(super) fn plain(status: StatusCode, message: &'static str) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from_static(message.as_bytes())));
+    text(status, message.to_owned())
+}
+
+fn text(status: StatusCode, message: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(message)));
     *response.status_mut() = status;
     response.headers_mut().insert(
         CONTENT_TYPE,

@@ -17,6 +17,7 @@ use tokio::sync::Mutex;
 use crate::counters::ReclaimCounters;
 
 mod gauges;
+mod health;
 mod http;
 mod store;
 #[cfg(test)]
@@ -26,6 +27,7 @@ use gauges::{IpamCollector, IpamState, Published, ReclaimCollector, RefreshState
 use store::InstrumentedStore;
 
 pub use gauges::IpamSnapshot;
+pub use health::{Health, READINESS_CACHE, READINESS_READ_TIMEOUT};
 pub use http::{MetricsEndpoint, MetricsServer};
 
 /// `Content-Type` of the classic Prometheus text format, served by default.

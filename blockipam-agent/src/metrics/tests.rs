@@ -98,7 +98,7 @@ async fn clients_that_send_nothing_are_closed_within_the_header_bound_while_scra
         max_connections: 2,
     });
     let address = endpoint.local_addr().expect("address");
-    let server = endpoint.spawn(Arc::downgrade(&store));
+    let server = endpoint.spawn(Arc::new(super::Health::serving(Arc::downgrade(&store))));
 
     let mut first = tokio::net::TcpStream::connect(address)
         .await
@@ -167,7 +167,7 @@ async fn a_connection_is_closed_at_its_lifetime_whatever_it_waits_for() {
         max_connections: 2,
     });
     let address = endpoint.local_addr().expect("address");
-    let server = endpoint.spawn(Arc::downgrade(&store));
+    let server = endpoint.spawn(Arc::new(super::Health::serving(Arc::downgrade(&store))));
     let mut stream = tokio::net::TcpStream::connect(address)
         .await
         .expect("connect");
