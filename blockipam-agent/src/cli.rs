@@ -10,6 +10,7 @@ use blockipam_store::{
 };
 use clap::Parser;
 
+use crate::leak_collection::LeakAction;
 use crate::AgentError;
 
 /// blockipam-agent: holds a blockipam store open and serves it to the plugin and blockipamctl on
@@ -131,7 +132,7 @@ pub struct AgentArgs {
         help_heading = "Store"
     )]
     pub etcd_timeout_seconds: Option<f64>,
-    /// This node's name, as the plugin records it [default: /var/lib/calico/nodename, else the host name, lower-cased]
+    /// This node's name, as the plugin records it (liveness, reclaim, leak collection) [default: /var/lib/calico/nodename, else the host name, lower-cased]
     #[arg(
         long,
         value_name = "NAME",
@@ -165,6 +166,35 @@ pub struct AgentArgs {
         help_heading = "Liveness and dead-node reclaim (etcd only)"
     )]
     pub empty_block_release_seconds: u64,
+    /// Compare this node's allocations with the pods the container runtime runs: release those
+    /// whose container has been gone at every look for the grace (release), only log and count
+    /// (report), or never ask the runtime (off)
+    #[arg(
+        long,
+        value_enum,
+        value_name = "ACTION",
+        env = "BLOCKIPAM_AGENT_LEAK_COLLECTION",
+        default_value = "release",
+        help_heading = "Leak collection (container runtime)"
+    )]
+    pub leak_collection: LeakAction,
+    /// The container runtime's CRI socket (containerd's; CRI-O's is /var/run/crio/crio.sock)
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "BLOCKIPAM_AGENT_CRI_SOCKET",
+        default_value = cri_client::CONTAINERD_SOCKET,
+        help_heading = "Leak collection (container runtime)"
+    )]
+    pub cri_socket: PathBuf,
+    /// How long an allocation's container must have been gone at every look (and the allocation
+    /// at least this old) before it is released (Calico's leakGracePeriod)
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LEAK_GRACE_SECONDS", default_value_t = ipam_core::allocator::leaks::DEFAULT_LEAK_GRACE_SECONDS, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Leak collection (container runtime)")]
+    pub leak_grace_seconds: u64,
+    /// Seconds between two looks at the runtime; looks more than three intervals apart restart
+    /// every countdown
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LEAK_SCAN_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Leak collection (container runtime)")]
+    pub leak_scan_seconds: u64,
 }
 
 fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {

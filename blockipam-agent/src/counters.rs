@@ -64,3 +64,23 @@ impl ReclaimCounters {
         )
     }
 }
+
+/// What this agent's leak collection has seen and done since it started (shared, behind an `Arc`,
+/// between the collection, which writes it, and the metrics endpoint, which reads it).
+#[derive(Debug, Default)]
+pub struct LeakCounters {
+    /// Whether the container runtime answered the last look (1) or not (0).
+    pub runtime_answering: AtomicBool,
+    /// Looks at which the runtime answered.
+    pub looks: AtomicU64,
+    /// Looks at which the runtime could not be asked.
+    pub unanswered_looks: AtomicU64,
+    /// This node's allocations whose container the runtime did not report at the last look.
+    pub missing_allocations: AtomicU64,
+    /// Live sandboxes' addresses the store records for another holder, at the last look.
+    pub duplicate_addresses: AtomicU64,
+    /// Live sandboxes' addresses the store records as free, at the last look.
+    pub unrecorded_addresses: AtomicU64,
+    /// Addresses released as leaks.
+    pub released: AtomicU64,
+}

@@ -10,6 +10,7 @@ pub mod activation;
 pub mod cli;
 pub mod counters;
 pub mod first_start;
+pub mod leak_collection;
 pub mod liveness;
 pub mod metrics;
 pub mod server;
@@ -91,8 +92,14 @@ pub async fn run_on(
     // Shared by the dead-node reclaimer (adds) and the metrics endpoint (reads).
     let reclaim_counters = Arc::new(counters::ReclaimCounters::default());
     // Bound before the store is opened: a bad --metrics-listen stops the agent at once.
-    let metrics_endpoint =
-        metrics::MetricsEndpoint::from_args(args, Arc::clone(&reclaim_counters))?;
+    // Shared by the leak collection (writes) and the metrics endpoint (reads).
+    let leak_counters = Arc::new(counters::LeakCounters::default());
+    let leak_settings = leak_collection::LeakSettings::from_args(args)?;
+    let metrics_endpoint = metrics::MetricsEndpoint::from_args(
+        args,
+        Arc::clone(&reclaim_counters),
+        Arc::clone(&leak_counters),
+    )?;
     // Served from here on, so that probes see the agent start: /healthz answers, /readyz says
     // what the agent is waiting for until its socket accepts.
     let health = Arc::new(metrics::Health::starting("opening the store"));
@@ -114,6 +121,17 @@ pub async fn run_on(
     };
     health.set_starting("registering the node and binding the socket");
     let liveness = liveness::start_for(args, &settings, &store, &reclaim_counters).await?;
+    let leaks = match leak_settings {
+        Some(leak_settings) => Some(leak_collection::LeakCollection::start(
+            leak_settings,
+            Arc::clone(&store),
+            leak_counters,
+        )),
+        None => {
+            tracing::info!("leak collection off (--leak-collection off)");
+            None
+        }
+    };
     let served = settings.identity();
     let (listener, guard, socket_shown) = match inherited {
         Some(inherited) => {
@@ -164,6 +182,9 @@ pub async fn run_on(
         health.set_stopping();
     };
     serve(listener, store, config, shutdown).await;
+    if let Some(leaks) = leaks {
+        leaks.stop().await;
+    }
     if let Some(liveness) = liveness {
         liveness.stop().await;
     }

@@ -54,16 +54,7 @@ impl LivenessSettings {
     /// # Errors
     /// [`AgentError`] when no node name can be found, or it is not a valid node name.
     pub fn from_args(args: &AgentArgs) -> Result<LivenessSettings, AgentError> {
-        let node = match &args.node {
-            Some(node) => node.clone(),
-            None => default_node_name()?,
-        };
-        validate_host(&node).map_err(|e| AgentError::new(format!("invalid --node: {e}")))?;
-        if node == RESERVATION_NODE {
-            return Err(AgentError::new(format!(
-                "invalid --node: {RESERVATION_NODE:?} is the network reservations' pseudo-node"
-            )));
-        }
+        let node = node_name(args)?;
         Ok(LivenessSettings {
             node,
             ttl: Duration::from_secs(args.liveness_ttl_seconds),
@@ -74,6 +65,25 @@ impl LivenessSettings {
                 .then(|| Duration::from_secs(args.empty_block_release_seconds)),
         })
     }
+}
+
+/// This node's name: `--node` (`NODENAME`), else the contents of [`NODENAME_FILE`], else the host
+/// name lower-cased (the plugin's own order).
+///
+/// # Errors
+/// [`AgentError`] when no node name can be found, or it is not a valid node name.
+pub fn node_name(args: &AgentArgs) -> Result<String, AgentError> {
+    let node = match &args.node {
+        Some(node) => node.clone(),
+        None => default_node_name()?,
+    };
+    validate_host(&node).map_err(|e| AgentError::new(format!("invalid --node: {e}")))?;
+    if node == RESERVATION_NODE {
+        return Err(AgentError::new(format!(
+            "invalid --node: {RESERVATION_NODE:?} is the network reservations' pseudo-node"
+        )));
+    }
+    Ok(node)
 }
 
 fn default_node_name() -> Result<String, AgentError> {

@@ -16,7 +16,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use tokio::sync::Mutex;
 
-use crate::counters::{ReclaimCounters, NODE_STATES};
+use crate::counters::{LeakCounters, ReclaimCounters, NODE_STATES};
 
 use super::{IPAM_COMPUTATION_TIMEOUT, NO_AFFINITY_LABEL, NO_POOL_LABEL, UNKNOWN_NODE_LABEL};
 
@@ -356,6 +356,75 @@ impl Collector for ReclaimCollector {
         for (state, count) in NODE_STATES.iter().zip(self.counters.nodes_by_state()) {
             let labels = [("state", *state)];
             ConstGauge::new(saturating_i64(count)).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Encodes the leak collection's counters and the gauges of its last look.
+#[derive(Debug)]
+pub(super) struct LeakCollector {
+    pub(super) counters: Arc<LeakCounters>,
+}
+
+impl Collector for LeakCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.counters;
+        for (name, help, value) in [
+            (
+                "blockipam_agent_leaks_released",
+                "Addresses this agent released because their container was gone from the \
+                 container runtime at every look for the grace",
+                c.released.load(Relaxed),
+            ),
+            (
+                "blockipam_agent_runtime_looks",
+                "Looks at which the container runtime answered",
+                c.looks.load(Relaxed),
+            ),
+            (
+                "blockipam_agent_runtime_looks_unanswered",
+                "Looks at which the container runtime could not be asked (nothing is collected \
+                 then)",
+                c.unanswered_looks.load(Relaxed),
+            ),
+        ] {
+            let counter = ConstCounter::new(value);
+            counter.encode(encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                counter.metric_type(),
+            )?)?;
+        }
+        for (name, help, value) in [
+            (
+                "blockipam_agent_runtime_answering",
+                "1 when the container runtime answered the last look",
+                u64::from(c.runtime_answering.load(Relaxed)),
+            ),
+            (
+                "ipam_leaked_allocations",
+                "This node's allocations whose container the runtime did not report at the last \
+                 look (released once gone for the whole grace)",
+                c.missing_allocations.load(Relaxed),
+            ),
+            (
+                "ipam_duplicate_addresses",
+                "Addresses live pods of this node use that the store records for another holder, \
+                 at the last look",
+                c.duplicate_addresses.load(Relaxed),
+            ),
+            (
+                "ipam_unrecorded_live_addresses",
+                "Addresses live pods of this node use that the store records as free, at the last \
+                 look",
+                c.unrecorded_addresses.load(Relaxed),
+            ),
+        ] {
+            let gauge = ConstGauge::new(saturating_i64(value));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::counters::ReclaimCounters;
+use crate::counters::{LeakCounters, ReclaimCounters};
 use crate::AgentError;
 
 use super::health::Health;
@@ -44,13 +44,15 @@ impl MetricsEndpoint {
     pub fn from_args(
         args: &crate::AgentArgs,
         reclaim: Arc<ReclaimCounters>,
+        leaks: Arc<LeakCounters>,
     ) -> Result<Option<Self>, AgentError> {
         let cache_for = args.metrics_cache()?;
         let Some(address) = args.metrics_listen else {
             tracing::info!("metrics endpoint off (no --metrics-listen)");
             return Ok(None);
         };
-        let endpoint = Self::bind(address, Arc::new(AgentMetrics::new(reclaim, cache_for)))?;
+        let metrics = AgentMetrics::new(reclaim, cache_for).with_leak_counters(leaks);
+        let endpoint = Self::bind(address, Arc::new(metrics))?;
         tracing::info!(
             "metrics endpoint listening on http://{}/metrics",
             endpoint.local_addr()?

@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
 
-use crate::counters::ReclaimCounters;
+use crate::counters::{LeakCounters, ReclaimCounters};
 
 mod gauges;
 mod health;
@@ -23,7 +23,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-use gauges::{IpamCollector, IpamState, Published, ReclaimCollector, RefreshState};
+use gauges::{IpamCollector, IpamState, LeakCollector, Published, ReclaimCollector, RefreshState};
 use store::InstrumentedStore;
 
 pub use gauges::IpamSnapshot;
@@ -177,6 +177,13 @@ impl AgentMetrics {
             connections,
             ipam,
         }
+    }
+
+    /// These metrics with the leak collection's counters and gauges, read from `leaks`.
+    pub fn with_leak_counters(mut self, leaks: Arc<LeakCounters>) -> Self {
+        self.registry
+            .register_collector(Box::new(LeakCollector { counters: leaks }));
+        self
     }
 
     /// Records how long a client request of `kind` took to answer.

@@ -1,0 +1,339 @@
+//! Leak collection on a live node: the agent asks the container runtime (CRI) which pod sandboxes exist, compares them with this node's allocations, releases those whose container has been gone at every look for the grace, and reports live addresses the store disagrees with.
+//!
+//! The decision is `ipam_core::allocator::leaks` (what is never touched, why a look restarts the
+//! countdowns, why nothing is released until the runtime reports a container the store records);
+//! this module asks the runtime, keeps the watch between looks, logs and counts. See docs/agent.md,
+//! "Leak collection".
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use cri_client::{CriClient, CriError};
+use ipam_core::allocator::leaks::{
+    AddressHolder, LeakDecisions, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView,
+};
+use ipam_core::{Ipam, KvStore};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::counters::LeakCounters;
+use crate::{AgentArgs, AgentError};
+
+/// What `--leak-collection` asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LeakAction {
+    /// Release allocations missing for the whole grace (and report disagreements).
+    Release,
+    /// Only report (log and metrics): nothing is written.
+    Report,
+    /// Do not ask the runtime at all.
+    Off,
+}
+
+/// The leak collection's settings, from the agent's flags.
+#[derive(Debug, Clone)]
+pub struct LeakSettings {
+    /// This node's name, as the plugin records it.
+    pub node: String,
+    /// The runtime's CRI socket.
+    pub socket: PathBuf,
+    /// The grace and the longest gap between looks that still counts as continuous.
+    pub policy: LeakPolicy,
+    /// Seconds between looks.
+    pub interval: Duration,
+    /// Release, or only report.
+    pub release: bool,
+    /// Deadline of each CRI call.
+    pub call_deadline: Duration,
+}
+
+/// Looks further apart than this many intervals do not prove an absence in between.
+const GAP_INTERVALS: u64 = 3;
+/// The longest a CRI call may take.
+const CRI_CALL_DEADLINE: Duration = Duration::from_secs(10);
+
+impl LeakSettings {
+    /// The settings the flags give, or `None` when `--leak-collection off`.
+    ///
+    /// # Errors
+    /// [`AgentError`] when no valid node name can be found.
+    pub fn from_args(args: &AgentArgs) -> Result<Option<LeakSettings>, AgentError> {
+        if args.leak_collection == LeakAction::Off {
+            return Ok(None);
+        }
+        let node = crate::liveness::node_name(args)?;
+        let interval = args.leak_scan_seconds;
+        Ok(Some(LeakSettings {
+            node,
+            socket: args.cri_socket.clone(),
+            policy: LeakPolicy {
+                grace_seconds: args.leak_grace_seconds,
+                max_gap_seconds: interval.saturating_mul(GAP_INTERVALS),
+            },
+            interval: Duration::from_secs(interval),
+            release: args.leak_collection == LeakAction::Release,
+            call_deadline: CRI_CALL_DEADLINE.min(Duration::from_secs(interval)),
+        }))
+    }
+}
+
+/// The running leak collection; [`stop`](Self::stop) it at shutdown.
+#[derive(Debug)]
+pub struct LeakCollection {
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl LeakCollection {
+    /// Starts looking at once (an agent starting after a reclaim or a restore compares first),
+    /// then every interval.
+    pub fn start(
+        settings: LeakSettings,
+        store: Arc<dyn KvStore>,
+        counters: Arc<LeakCounters>,
+    ) -> LeakCollection {
+        tracing::info!(
+            node = %settings.node,
+            runtime = %settings.socket.display(),
+            interval_seconds = settings.interval.as_secs(),
+            grace_seconds = settings.policy.grace_seconds,
+            "leak collection: comparing this node's allocations with the container runtime; {}",
+            if settings.release {
+                "releasing those whose container is gone at every look for the grace"
+            } else {
+                "reporting only (--leak-collection report)"
+            }
+        );
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(run_loop(settings, store, counters, stopped));
+        LeakCollection {
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    /// Stops looking; a release in progress finishes first.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+/// The runtime's state as last logged, so that each change is logged once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RuntimeState {
+    Unknown,
+    Answering,
+    Unanswered,
+}
+
+async fn run_loop(
+    settings: LeakSettings,
+    store: Arc<dyn KvStore>,
+    counters: Arc<LeakCounters>,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let ipam = Ipam::new(store);
+    let mut watch = LeakWatch::new();
+    let mut client: Option<CriClient> = None;
+    let mut state = RuntimeState::Unknown;
+    let mut reported = BTreeSet::new();
+    let mut unproven_logged = false;
+    loop {
+        match ask_runtime(&settings, &mut client).await {
+            Err(e) => {
+                watch.runtime_unanswered();
+                client = None;
+                counters.runtime_answering.store(false, Ordering::Relaxed);
+                counters.unanswered_looks.fetch_add(1, Ordering::Relaxed);
+                if state != RuntimeState::Unanswered {
+                    tracing::warn!(
+                        "leak collection: the container runtime cannot be asked ({e}); nothing is \
+                         collected until it answers, and every countdown starts again then \
+                         (a node whose runtime has no CRI, such as Podman, never collects: \
+                         --leak-collection off says so)"
+                    );
+                    state = RuntimeState::Unanswered;
+                }
+            }
+            Ok(view) => {
+                counters.runtime_answering.store(true, Ordering::Relaxed);
+                counters.looks.fetch_add(1, Ordering::Relaxed);
+                if state != RuntimeState::Answering {
+                    tracing::info!(
+                        runtime = %settings.socket.display(),
+                        sandboxes = view.sandboxes.len(),
+                        "leak collection: the container runtime answers"
+                    );
+                    state = RuntimeState::Answering;
+                }
+                match ipam
+                    .look_for_leaks(&settings.node, &view, &mut watch, settings.policy)
+                    .await
+                {
+                    Ok(decisions) => {
+                        report(&decisions, &counters, &mut reported, &mut unproven_logged);
+                        if settings.release && !decisions.leaked.is_empty() {
+                            release(&ipam, &decisions, &counters).await;
+                        }
+                    }
+                    Err(e) => tracing::warn!(
+                        "leak collection: cannot read this node's allocations ({e}); nothing \
+                         released at this look"
+                    ),
+                }
+            }
+        }
+        tokio::select! {
+            _ = &mut stopped => return,
+            () = tokio::time::sleep(settings.interval) => {}
+        }
+    }
+}
+
+/// One look at the runtime: every sandbox, with the moment it was asked.
+async fn ask_runtime(
+    settings: &LeakSettings,
+    client: &mut Option<CriClient>,
+) -> Result<RuntimeView, CriError> {
+    if client.is_none() {
+        *client = Some(CriClient::connect(&settings.socket, settings.call_deadline).await?);
+    }
+    let Some(connected) = client.as_ref() else {
+        unreachable!("connected just above");
+    };
+    let sandboxes = connected.sandboxes().await?;
+    Ok(RuntimeView {
+        observed_at: unix_now(),
+        sandboxes: sandboxes
+            .into_iter()
+            .map(|sandbox| {
+                (
+                    sandbox.id,
+                    LiveSandbox {
+                        pod: sandbox.pod,
+                        namespace: sandbox.namespace,
+                        uid: sandbox.uid,
+                        addresses: sandbox.addresses,
+                    },
+                )
+            })
+            .collect(),
+    })
+}
+
+/// Logs what one look found (each disagreement once while it lasts) and sets the gauges.
+fn report(
+    decisions: &LeakDecisions,
+    counters: &LeakCounters,
+    reported: &mut BTreeSet<(IpAddr, String)>,
+    unproven_logged: &mut bool,
+) {
+    let missing = decisions.waiting.len() + decisions.leaked.len();
+    counters
+        .missing_allocations
+        .store(missing as u64, Ordering::Relaxed);
+    let duplicates = decisions
+        .disagreements
+        .iter()
+        .filter(|d| matches!(d.holder, AddressHolder::Other(_)))
+        .count();
+    counters
+        .duplicate_addresses
+        .store(duplicates as u64, Ordering::Relaxed);
+    counters.unrecorded_addresses.store(
+        (decisions.disagreements.len() - duplicates) as u64,
+        Ordering::Relaxed,
+    );
+    if decisions.runtime_unproven && missing > 0 {
+        if !*unproven_logged {
+            tracing::warn!(
+                missing,
+                "leak collection: the container runtime runs none of the containers this node's \
+                 allocations name; nothing is released until it does (is --cri-socket the runtime \
+                 the kubelet uses?)"
+            );
+            *unproven_logged = true;
+        }
+    } else {
+        *unproven_logged = false;
+    }
+    let mut now_seen = BTreeSet::new();
+    for disagreement in &decisions.disagreements {
+        let key = (disagreement.address, disagreement.sandbox_id.clone());
+        if !reported.contains(&key) {
+            match &disagreement.holder {
+                AddressHolder::Free => tracing::warn!(
+                    address = %disagreement.address,
+                    pod = %disagreement.pod,
+                    sandbox = %disagreement.sandbox_id,
+                    "leak collection: a live pod uses an address the store records as free \
+                     (blockipamctl check; a restored backup?)"
+                ),
+                AddressHolder::Other(holder) => tracing::warn!(
+                    address = %disagreement.address,
+                    pod = %disagreement.pod,
+                    sandbox = %disagreement.sandbox_id,
+                    holder = %holder.handle,
+                    holder_node = holder.attributes.get(ipam_core::allocator::ATTR_NODE).map_or("", String::as_str),
+                    "leak collection: DUPLICATE: a live pod uses an address the store records \
+                     for another holder"
+                ),
+            }
+        }
+        now_seen.insert(key);
+    }
+    *reported = now_seen;
+}
+
+/// Releases what the look decided, logging each address.
+async fn release(ipam: &Ipam, decisions: &LeakDecisions, counters: &LeakCounters) {
+    match ipam.release_leaked(&decisions.leaked).await {
+        Ok(outcome) => {
+            counters
+                .released
+                .fetch_add(outcome.released.len() as u64, Ordering::Relaxed);
+            for missing in &decisions.leaked {
+                let attributes = &missing.allocation.attributes;
+                let field = |key: &str| attributes.get(key).map_or("", String::as_str);
+                let released = outcome.released.contains(&missing.allocation.ip);
+                tracing::info!(
+                    address = %missing.allocation.ip,
+                    handle = %missing.allocation.handle,
+                    container = field(ipam_core::allocator::leaks::ATTR_CONTAINER_ID),
+                    pod = format!(
+                        "{}/{}",
+                        field(ipam_core::allocator::leaks::ATTR_NAMESPACE),
+                        field(ipam_core::allocator::leaks::ATTR_POD)
+                    ),
+                    missing_since = missing.missing_since,
+                    "leak collection: {}",
+                    if released {
+                        "released an address whose container the runtime no longer runs"
+                    } else {
+                        "left an address alone: it changed hands since the decision"
+                    }
+                );
+            }
+        }
+        Err(e) => tracing::warn!(
+            leaked = decisions.leaked.len(),
+            "leak collection: releasing failed ({e}); the next look decides again"
+        ),
+    }
+}
+
+/// Seconds since the Unix epoch on this machine's clock (0 if the clock is before 1970).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
