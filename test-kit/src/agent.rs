@@ -78,7 +78,8 @@ impl InProcessAgent {
     }
 
     /// As [`run_binary`](Self::run_binary), serving the store `store_flags` select (the
-    /// binary's `--datastore-*` / `--etcd-*` flags).
+    /// binary's `--datastore-*` / `--etcd-*` flags, and any other of its flags; leak collection
+    /// is off unless they set `--leak-collection`).
     ///
     /// # Errors
     /// As [`run_binary`](Self::run_binary).
@@ -88,10 +89,16 @@ impl InProcessAgent {
     ) -> Result<Self, String> {
         let mut flags: Vec<OsString> = vec!["blockipam-agent".into(), "--socket".into()];
         flags.push(socket.into());
+        // Leak collection asks the machine's container runtime unless told otherwise: off for
+        // tests that do not ask for it, so that no test depends on what the machine runs.
+        let leak_collection_given = store_flags.iter().any(|f| f == "--leak-collection");
         flags.extend(store_flags);
         flags.extend(
             ["--lock-wait-seconds", "0", "--shutdown-grace-seconds", "10"].map(OsString::from),
         );
+        if !leak_collection_given {
+            flags.extend(["--leak-collection", "off"].map(OsString::from));
+        }
         let args =
             AgentArgs::try_parse_from(flags).map_err(|e| format!("the agent's flags: {e}"))?;
         let (stop, stopped) = oneshot::channel::<()>();
