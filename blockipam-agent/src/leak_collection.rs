@@ -14,7 +14,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cri_client::{CriClient, CriError};
 use ipam_core::allocator::leaks::{
-    AddressHolder, LeakDecisions, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView,
+    AddressHolder, LeakDecisions, LeakPolicy, LeakReport, LeakWatch, LiveSandbox, RuntimeView,
+    LEAK_REPORT_FILE, LEAK_REPORT_VERSION,
 };
 use ipam_core::{Ipam, KvStore};
 use tokio::sync::oneshot;
@@ -49,6 +50,8 @@ pub struct LeakSettings {
     pub release: bool,
     /// Deadline of each CRI call.
     pub call_deadline: Duration,
+    /// Where each look's report is written for `blockipamctl gc --leaks` (beside the socket).
+    pub report_path: PathBuf,
 }
 
 /// Looks further apart than this many intervals do not prove an absence in between.
@@ -77,6 +80,7 @@ impl LeakSettings {
             interval: Duration::from_secs(interval),
             release: args.leak_collection == LeakAction::Release,
             call_deadline: CRI_CALL_DEADLINE.min(Duration::from_secs(interval)),
+            report_path: args.socket.with_file_name(LEAK_REPORT_FILE),
         }))
     }
 }
@@ -150,6 +154,7 @@ async fn run_loop(
     loop {
         match ask_runtime(&settings, &mut client).await {
             Err(e) => {
+                write_report(&settings, unix_now(), Some(e.to_string()), None);
                 watch.runtime_unanswered();
                 client = None;
                 counters.runtime_answering.store(false, Ordering::Relaxed);
@@ -181,6 +186,7 @@ async fn run_loop(
                 {
                     Ok(decisions) => {
                         report(&decisions, &counters, &mut reported, &mut unproven_logged);
+                        write_report(&settings, view.observed_at, None, Some(&decisions));
                         if settings.release && !decisions.leaked.is_empty() {
                             release(&ipam, &decisions, &counters).await;
                         }
@@ -328,6 +334,48 @@ async fn release(ipam: &Ipam, decisions: &LeakDecisions, counters: &LeakCounters
             leaked = decisions.leaked.len(),
             "leak collection: releasing failed ({e}); the next look decides again"
         ),
+    }
+}
+
+/// Writes one look's report beside the socket (written beside, then renamed: a reader never sees
+/// half of one; mode 0600: it names pods and addresses). A failure is logged, never fatal.
+fn write_report(
+    settings: &LeakSettings,
+    observed_at: u64,
+    runtime_error: Option<String>,
+    decisions: Option<&LeakDecisions>,
+) {
+    let report = LeakReport {
+        version: LEAK_REPORT_VERSION,
+        node: settings.node.clone(),
+        runtime: settings.socket.display().to_string(),
+        observed_at,
+        grace_seconds: settings.policy.grace_seconds,
+        scan_seconds: settings.interval.as_secs(),
+        runtime_error,
+        decisions: decisions.cloned(),
+    };
+    let written = serde_json::to_vec_pretty(&report)
+        .map_err(std::io::Error::other)
+        .and_then(|bytes| {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let partial = settings.report_path.with_extension("json.partial");
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&partial)?;
+            file.write_all(&bytes)?;
+            file.write_all(b"\n")?;
+            std::fs::rename(&partial, &settings.report_path)
+        });
+    if let Err(e) = written {
+        tracing::warn!(
+            path = %settings.report_path.display(),
+            "leak collection: cannot write the report for blockipamctl gc --leaks: {e}"
+        );
     }
 }
 

@@ -562,14 +562,24 @@ pub struct NodeReleaseArgs {
 pub struct GcArgs {
     /// Nodes an agent registered: show each with its state (alive, active, missing, dead) and
     /// what releasing it would free
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["leaks", "report"])]
     pub dead_nodes: bool,
+    /// This node's leaks, as its agent's last look at the container runtime found them: each
+    /// allocation whose container the runtime no longer runs, since when, and whether its grace
+    /// has passed; live pods' addresses the store disagrees with. With --apply, release the ones
+    /// past their grace
+    #[arg(long)]
+    pub leaks: bool,
+    /// The agent's report that --leaks reads [default: leaks.json beside the agent's socket]
+    #[arg(long, value_name = "PATH", requires = "leaks")]
+    pub report: Option<std::path::PathBuf>,
     /// Length of the grace countdowns --apply starts (an etcd lease): a node is dead once its
     /// countdown ran out with no liveness key and no plugin commit meanwhile
     #[arg(long, value_name = "SECONDS", default_value_t = 900)]
     pub grace_seconds: u64,
-    /// Start the countdowns of newly missing nodes and release dead ones (like `node release
-    /// --addresses`); without it nothing is written
+    /// --dead-nodes: start the countdowns of newly missing nodes and release dead ones (like
+    /// `node release --addresses`); --leaks: release the leaks past their grace (each guarded by
+    /// its sequence number); without it nothing is written
     #[arg(long)]
     pub apply: bool,
 }

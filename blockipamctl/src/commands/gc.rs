@@ -156,9 +156,12 @@ pub async fn run(
     settings: &DatastoreSettings,
     args: &GcArgs,
 ) -> Result<Outcome, CtlError> {
+    if args.leaks {
+        return super::leaks::run(ctx, settings, args).await;
+    }
     if !args.dead_nodes {
         return Err(CtlError::usage(
-            "gc needs what to collect: --dead-nodes (the only kind so far)",
+            "gc needs what to collect: --dead-nodes or --leaks",
         ));
     }
     if args.grace_seconds == 0 {

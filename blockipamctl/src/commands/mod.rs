@@ -7,6 +7,7 @@ pub mod config;
 pub mod gc;
 pub mod import;
 pub mod install_cni;
+mod leaks;
 pub mod migrate;
 pub mod namespace;
 pub mod node;

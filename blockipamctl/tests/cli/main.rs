@@ -12,6 +12,7 @@ mod gc;
 mod guarded_release;
 mod import;
 mod install_cni;
+mod leaks;
 mod library;
 mod lifecycle;
 mod migrate;

@@ -135,6 +135,35 @@ pub struct LeakRelease {
     pub skipped: Vec<IpAddr>,
 }
 
+/// The name of the file an agent writes its last look's [`LeakReport`] to, in its socket's
+/// directory.
+pub const LEAK_REPORT_FILE: &str = "leaks.json";
+/// The version of [`LeakReport`] this build writes and reads.
+pub const LEAK_REPORT_VERSION: u32 = 1;
+
+/// What an agent's last look found, as it writes it for `blockipamctl gc --leaks` (JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeakReport {
+    /// [`LEAK_REPORT_VERSION`].
+    pub version: u32,
+    /// The node the agent looks after.
+    pub node: String,
+    /// The runtime's CRI socket.
+    pub runtime: String,
+    /// When the look was made (Unix seconds, the node's clock).
+    pub observed_at: u64,
+    /// The agent's grace.
+    pub grace_seconds: u64,
+    /// The agent's interval between looks.
+    pub scan_seconds: u64,
+    /// Why the runtime could not be asked at this look (then there are no decisions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_error: Option<String>,
+    /// What the look decided, when the runtime answered and the store was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decisions: Option<LeakDecisions>,
+}
+
 /// The memory between looks: since when each of this node's allocations has been missing.
 #[derive(Debug, Clone, Default)]
 pub struct LeakWatch {
