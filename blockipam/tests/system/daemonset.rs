@@ -33,6 +33,8 @@
 //! is removed on drop, and checked to be gone.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::io::Read as _;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -634,6 +636,11 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     .unwrap_or_else(|e| panic!("derive the second image: {e}"));
     cri.import_image(&v2_archive);
 
+    // A plugin the runtime started just before the update: its file stays v1's, whole, whatever
+    // the update does (a new file renamed over the name), which an in-place rewrite would break.
+    let mut opened_before_update =
+        std::fs::File::open(&installed_plugin).expect("open the installed plugin");
+    let inode_before_update = std::fs::metadata(&installed_plugin).expect("plugin").ino();
     let stop = AtomicBool::new(false);
     let updated = AtomicBool::new(false);
     let after_update = AtomicUsize::new(0);
@@ -735,6 +742,22 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     assert!(
         std::fs::read(&installed_plugin).expect("the installed plugin") == v2_plugin,
         "the installed plugin is not v2's after the update"
+    );
+    let mut seen_by_earlier_run = Vec::new();
+    opened_before_update
+        .read_to_end(&mut seen_by_earlier_run)
+        .expect("read the plugin opened before the update");
+    assert!(
+        seen_by_earlier_run == v1_plugin,
+        "the plugin file opened before the update changed under it ({} bytes, v1 has {}): the \
+         update rewrote it in place instead of replacing it",
+        seen_by_earlier_run.len(),
+        v1_plugin.len()
+    );
+    assert_ne!(
+        std::fs::metadata(&installed_plugin).expect("plugin").ino(),
+        inode_before_update,
+        "the update did not replace the plugin's file"
     );
     assert_eq!(
         serde_json::from_slice::<Value>(&std::fs::read(&conflist_path).expect("conflist"))
