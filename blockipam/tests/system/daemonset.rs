@@ -193,21 +193,63 @@ fn host_path_volumes(spec: &Value) -> BTreeMap<String, PathBuf> {
         .as_array()
         .expect("volumes")
         .iter()
-        .map(|volume| {
-            let path = volume["hostPath"]["path"]
-                .as_str()
-                .unwrap_or_else(|| panic!("the test runs hostPath volumes only: {volume}"));
-            (
+        .filter_map(|volume| {
+            let path = volume["hostPath"]["path"].as_str()?;
+            Some((
                 volume["name"].as_str().expect("volume name").to_owned(),
                 PathBuf::from(path),
-            )
+            ))
         })
         .collect()
 }
 
+/// Every volume of the pod as the kubelet provides it: a hostPath volume is its host path; a
+/// secret volume a directory (under `dir`) holding one file per key of the Secret, empty when an
+/// optional Secret does not exist. Other kinds fail the test.
+fn pod_volumes(manifest: &Manifest, dir: &Path) -> BTreeMap<String, PathBuf> {
+    let mut volumes = host_path_volumes(manifest.pod_spec());
+    for volume in manifest.pod_spec()["volumes"].as_array().expect("volumes") {
+        let name = volume["name"].as_str().expect("volume name");
+        if volumes.contains_key(name) {
+            continue;
+        }
+        let secret = &volume["secret"];
+        let secret_name = secret["secretName"]
+            .as_str()
+            .unwrap_or_else(|| panic!("the test runs hostPath and secret volumes only: {volume}"));
+        let files = dir.join("secret-volumes").join(name);
+        std::fs::create_dir_all(&files).expect("a secret volume's directory");
+        match manifest.object("Secret", secret_name) {
+            Some(object) => {
+                for field in ["stringData", "data"] {
+                    for key in object[field]
+                        .as_object()
+                        .into_iter()
+                        .flatten()
+                        .map(|(k, _)| k)
+                    {
+                        let value = manifest.key("Secret", secret_name, key).expect("a value");
+                        std::fs::write(files.join(key), value).expect("a secret file");
+                    }
+                }
+            }
+            None => assert_eq!(
+                secret["optional"], true,
+                "volume {name}: no Secret {secret_name} (the kubelet would not start the pod)"
+            ),
+        }
+        volumes.insert(name.to_owned(), files);
+    }
+    volumes
+}
+
 /// The CRI ContainerConfig the kubelet makes of a pod spec's container.
-fn container_config(manifest: &Manifest, container: &Value, image: &str) -> Value {
-    let volumes = host_path_volumes(manifest.pod_spec());
+fn container_config(
+    manifest: &Manifest,
+    volumes: &BTreeMap<String, PathBuf>,
+    container: &Value,
+    image: &str,
+) -> Value {
     let mounts: Vec<Value> = container["volumeMounts"]
         .as_array()
         .into_iter()
@@ -308,6 +350,7 @@ fn run_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation:
             "security_context": {"namespace_options": {"network": "NODE", "pid": "CONTAINER"}}
         }
     });
+    let volumes = pod_volumes(manifest, &logs);
     let sandbox_id = cri
         .run_pod_config(&sandbox_config)
         .unwrap_or_else(|e| panic!("RunPodSandbox of the DaemonSet's pod: {e}\n{}", cri.log()));
@@ -318,7 +361,7 @@ fn run_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation:
     };
     for init in spec["initContainers"].as_array().expect("initContainers") {
         let name = init["name"].as_str().expect("name");
-        let config = container_config(manifest, init, &image_of(init));
+        let config = container_config(manifest, &volumes, init, &image_of(init));
         let id = cri
             .run_container(&sandbox_id, &sandbox_config, &config)
             .unwrap_or_else(|e| panic!("init container {name}: {e}\n{}", cri.log()));
@@ -342,7 +385,7 @@ fn run_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation:
         .run_container(
             &sandbox_id,
             &sandbox_config,
-            &container_config(manifest, agent, &image_of(agent)),
+            &container_config(manifest, &volumes, agent, &image_of(agent)),
         )
         .unwrap_or_else(|e| panic!("container {name}: {e}\n{}", cri.log()));
     let pod = NodePod {
@@ -470,6 +513,136 @@ fn manifest_pool(manifest: &Manifest) -> ipnet::IpNet {
         .expect("a CIDR")
 }
 
+/// The test's node: its containerd in a private mount namespace with the test's directories over
+/// the manifest's host paths (and libcni's cache), Debian's `ptp` and `loopback` in its CNI binary
+/// directory, the image imported. Dropped: everything removed (`cri` before the sandbox's directory).
+struct Node {
+    cri: Cri,
+    /// Where the test sees the node's CNI binary directory.
+    bin_seen: PathBuf,
+    /// Where the test sees the node's CNI config directory.
+    conf_seen: PathBuf,
+    /// Host paths that did not exist before (mount points the run creates, and must remove).
+    missing_before: Vec<PathBuf>,
+    _sandbox: Sandbox,
+}
+
+impl Node {
+    fn start(manifest: &Manifest, archive: &Path) -> Node {
+        let sandbox = Sandbox::new();
+        let mut cri = Cri::prepare(&sandbox);
+        let spec = manifest.pod_spec();
+        let host = cri.traces().dir.join("host");
+        // The test's directory for each host path the manifest names, and for libcni's cache.
+        let mut host_paths: BTreeSet<PathBuf> = host_path_volumes(spec).into_values().collect();
+        host_paths.insert(PathBuf::from(CNI_CACHE));
+        let mounts: Vec<HostPathMount> = host_paths
+            .iter()
+            .map(|host_path| HostPathMount {
+                host_path: host_path.clone(),
+                source: host.join(host_path.strip_prefix("/").expect("absolute")),
+            })
+            .collect();
+        let missing_before: Vec<PathBuf> =
+            host_paths.iter().filter(|p| !p.exists()).cloned().collect();
+        for mount in &mounts {
+            std::fs::create_dir_all(&mount.source).expect("the test's host directory");
+        }
+        let seen_at = |host_path: &Path| {
+            mounts
+                .iter()
+                .find(|m| m.host_path == host_path)
+                .unwrap_or_else(|| {
+                    panic!("the manifest mounts no hostPath {}", host_path.display())
+                })
+                .source
+                .clone()
+        };
+        // containerd's CNI directories are the ones the init container writes into.
+        let init = &spec["initContainers"][0];
+        let volumes = host_path_volumes(spec);
+        let host_dir_of = |mount_path: &str| {
+            init["volumeMounts"]
+                .as_array()
+                .expect("volumeMounts")
+                .iter()
+                .find(|m| m["mountPath"] == mount_path)
+                .map(|m| volumes[m["name"].as_str().expect("name")].clone())
+                .unwrap_or_else(|| panic!("install-cni has no volume at {mount_path}"))
+        };
+        let bin_dir = host_dir_of("/host/opt/cni/bin");
+        let conf_dir = host_dir_of("/host/etc/cni/net.d");
+        let bin_seen = seen_at(&bin_dir);
+        let conf_seen = seen_at(&conf_dir);
+        // What the node already has: Debian's plugins the conflist's main plugin needs.
+        for plugin in ["ptp", "loopback"] {
+            std::fs::copy(
+                Path::new("/usr/lib/cni").join(plugin),
+                bin_seen.join(plugin),
+            )
+            .expect("copy a CNI plugin");
+        }
+        cri.start_with_host_paths(&mounts, &bin_dir, &conf_dir);
+        let imported = cri.import_image(archive);
+        eprintln!("imported {}: {}", archive.display(), imported.trim());
+        Node {
+            cri,
+            bin_seen,
+            conf_seen,
+            missing_before,
+            _sandbox: sandbox,
+        }
+    }
+
+    /// Shuts containerd down, cleans up, and checks that nothing is left.
+    fn finish(self) {
+        let traces = self.cri.traces();
+        let missing_before = self.missing_before.clone();
+        drop(self);
+        assert_eq!(traces.leftovers(), Vec::<String>::new());
+        let left: Vec<&PathBuf> = missing_before.iter().filter(|p| p.exists()).collect();
+        assert_eq!(
+            left,
+            Vec::<&PathBuf>::new(),
+            "mount points left on the machine"
+        );
+    }
+}
+
+/// Ordinary pods started on the node get distinct addresses of the manifest's pool through the
+/// agent (its accepted connections move; `blockipamctl show --ip` in its container sees each, for
+/// this node). Returns the pods (sandbox id, address).
+fn pods_get_distinct_addresses_through_the_agent(
+    cri: &Cri,
+    manifest: &Manifest,
+    agent: &NodePod,
+    prefix: &str,
+    count: usize,
+) -> Vec<(String, String)> {
+    let pool = manifest_pool(manifest);
+    let before = accepted_connections(cri, manifest);
+    let mut pods = Vec::new();
+    for n in 0..count {
+        let (id, ip) = run_ordinary_pod(cri, &format!("{prefix}-{n}")).unwrap_or_else(|e| {
+            panic!("an ordinary pod: {e}\n{}\n{}", cri.log(), agent.agent_log())
+        });
+        let address: std::net::IpAddr = ip.parse().expect("an address");
+        assert!(pool.contains(&address), "{ip} is not in {pool}");
+        let shown = ctl(cri, agent, &["show", "--ip", &ip]);
+        assert_eq!(shown["allocated"], true, "{shown}");
+        assert_eq!(shown["attributes"]["node"], NODE, "{shown}");
+        pods.push((id, ip));
+    }
+    let distinct: BTreeSet<&String> = pods.iter().map(|(_, ip)| ip).collect();
+    assert_eq!(distinct.len(), pods.len(), "{pods:?}");
+    let after = accepted_connections(cri, manifest);
+    assert!(
+        after >= before + count as f64,
+        "the plugin calls did not go through the agent: accepted connections {before} → {after}"
+    );
+    pods
+}
+
 /// What the churn thread saw while the DaemonSet was updated.
 #[derive(Debug, Default)]
 struct ChurnReport {
@@ -499,61 +672,13 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         .key("ConfigMap", "blockipam-config", "network_name")
         .expect("network_name");
 
-    let sandbox = Sandbox::new();
-    let mut cri = Cri::prepare(&sandbox);
-    let host = cri.traces().dir.join("host");
-    // The test's directory for each host path the manifest names, and for libcni's cache.
-    let mut host_paths: BTreeSet<PathBuf> = host_path_volumes(spec).into_values().collect();
-    host_paths.insert(PathBuf::from(CNI_CACHE));
-    let mounts: Vec<HostPathMount> = host_paths
-        .iter()
-        .map(|host_path| HostPathMount {
-            host_path: host_path.clone(),
-            source: host.join(host_path.strip_prefix("/").expect("absolute")),
-        })
-        .collect();
-    let missing_before: Vec<PathBuf> = host_paths.iter().filter(|p| !p.exists()).cloned().collect();
-    for mount in &mounts {
-        std::fs::create_dir_all(&mount.source).expect("the test's host directory");
-    }
-    let seen_at = |host_path: &str| {
-        mounts
-            .iter()
-            .find(|m| m.host_path == Path::new(host_path))
-            .unwrap_or_else(|| panic!("the manifest mounts no hostPath {host_path}"))
-            .source
-            .clone()
-    };
-    // containerd's CNI directories are the ones the init container writes into.
+    let node = Node::start(&manifest, &archive);
+    let cri = &node.cri;
     let init = &spec["initContainers"][0];
-    let volumes = host_path_volumes(spec);
-    let host_dir_of = |mount_path: &str| {
-        init["volumeMounts"]
-            .as_array()
-            .expect("volumeMounts")
-            .iter()
-            .find(|m| m["mountPath"] == mount_path)
-            .map(|m| volumes[m["name"].as_str().expect("name")].clone())
-            .unwrap_or_else(|| panic!("install-cni has no volume at {mount_path}"))
-    };
-    let bin_dir = host_dir_of("/host/opt/cni/bin");
-    let conf_dir = host_dir_of("/host/etc/cni/net.d");
-    let bin_seen = seen_at(bin_dir.to_str().expect("path"));
-    let conf_seen = seen_at(conf_dir.to_str().expect("path"));
-    // What the node already has: Debian's plugins the conflist's main plugin needs.
-    for plugin in ["ptp", "loopback"] {
-        std::fs::copy(
-            Path::new("/usr/lib/cni").join(plugin),
-            bin_seen.join(plugin),
-        )
-        .expect("copy a CNI plugin");
-    }
-    cri.start_with_host_paths(&mounts, &bin_dir, &conf_dir);
-    let imported = cri.import_image(&archive);
-    eprintln!("imported {}: {}", archive.display(), imported.trim());
+    let (bin_seen, conf_seen) = (node.bin_seen.clone(), node.conf_seen.clone());
 
     // 1. The DaemonSet's pod: install-cni, then the agent until ready.
-    let first = run_node_pod(&cri, &manifest, None, 1);
+    let first = run_node_pod(cri, &manifest, None, 1);
     let installed_plugin = bin_seen.join("blockipam");
     let conflist_path = conf_seen.join("10-blockipam.conflist");
     let v1_plugin = std::fs::read(&installed_plugin).expect("install-cni installed the plugin");
@@ -591,30 +716,11 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
 
     // 2. Ordinary pods get distinct addresses of the pool through the agent; StopPodSandbox
     // releases them.
-    let before = accepted_connections(&cri, &manifest);
-    let mut held = Vec::new();
-    for n in 0..3 {
-        let (id, ip) = run_ordinary_pod(&cri, &format!("pod-{n}")).unwrap_or_else(|e| {
-            panic!("an ordinary pod: {e}\n{}\n{}", cri.log(), first.agent_log())
-        });
-        let address: std::net::IpAddr = ip.parse().expect("an address");
-        assert!(pool.contains(&address), "{ip} is not in {pool}");
-        let shown = ctl(&cri, &first, &["show", "--ip", &ip]);
-        assert_eq!(shown["allocated"], true, "{shown}");
-        assert_eq!(shown["attributes"]["node"], NODE, "{shown}");
-        held.push((id, ip));
-    }
-    let distinct: BTreeSet<&String> = held.iter().map(|(_, ip)| ip).collect();
-    assert_eq!(distinct.len(), held.len(), "{held:?}");
-    let after = accepted_connections(&cri, &manifest);
-    assert!(
-        after >= before + 3.0,
-        "the plugin calls did not go through the agent: accepted connections {before} → {after}"
-    );
+    let mut held = pods_get_distinct_addresses_through_the_agent(cri, &manifest, &first, "pod", 3);
     let (released_id, released_ip) = held.pop().expect("a pod");
     cri.stop_pod(&released_id);
     cri.remove_pod(&released_id);
-    let shown = ctl(&cri, &first, &["show", "--ip", &released_ip]);
+    let shown = ctl(cri, &first, &["show", "--ip", &released_ip]);
     assert_eq!(shown["allocated"], false, "after StopPodSandbox: {shown}");
 
     // 3. The rolling update, under pod churn.
@@ -654,7 +760,7 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
             let mut n = 0;
             while !stop.load(Ordering::SeqCst) {
                 n += 1;
-                match run_ordinary_pod(&cri, &format!("churn-{n}")) {
+                match run_ordinary_pod(cri, &format!("churn-{n}")) {
                     Ok((id, ip)) => {
                         if held_ips.contains(&ip) || live.iter().any(|(_, other)| *other == ip) {
                             report.duplicates.push(ip.clone());
@@ -702,8 +808,8 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
             (created.load(Ordering::SeqCst) >= 2 || churn.is_finished()).then_some(())
         });
         assert!(started.is_some(), "no pod started through the first agent");
-        first.stop(&cri, grace_seconds);
-        let second = run_node_pod(&cri, &manifest, Some(&v2_image), 2);
+        first.stop(cri, grace_seconds);
+        let second = run_node_pod(cri, &manifest, Some(&v2_image), 2);
         updated.store(true, Ordering::SeqCst);
         let enough = wait_for(WAIT_LIMIT, || {
             (after_update.load(Ordering::SeqCst) >= PODS_AFTER_UPDATE || churn.is_finished())
@@ -769,7 +875,7 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     // 4. The pods held across the update keep their addresses; once all are stopped the store
     // holds nothing, and check finds nothing.
     for (id, ip) in &held {
-        let shown = ctl(&cri, &second, &["show", "--ip", ip]);
+        let shown = ctl(cri, &second, &["show", "--ip", ip]);
         assert_eq!(
             shown["allocated"], true,
             "{ip} held across the update: {shown}"
@@ -778,11 +884,11 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         cri.remove_pod(id);
     }
     ctl(
-        &cri,
+        cri,
         &second,
         &["release", "--handle", &format!("{network}:gateway")],
     );
-    let usage = ctl(&cri, &second, &["show"]);
+    let usage = ctl(cri, &second, &["show"]);
     for pool in usage["pools"].as_array().expect("pools") {
         assert_eq!(pool["in_use"], 0, "{usage}");
     }
@@ -791,14 +897,6 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     assert_eq!(code, 0, "blockipamctl check: {stdout}\n{stderr}");
 
     // Shutting everything down leaves nothing behind, the mount points it made included.
-    second.stop(&cri, grace_seconds);
-    let traces = cri.traces();
-    drop(cri);
-    assert_eq!(traces.leftovers(), Vec::<String>::new());
-    let left: Vec<&PathBuf> = missing_before.iter().filter(|p| p.exists()).collect();
-    assert_eq!(
-        left,
-        Vec::<&PathBuf>::new(),
-        "mount points left on the machine"
-    );
+    second.stop(cri, grace_seconds);
+    node.finish();
 }
