@@ -198,12 +198,8 @@ pub fn check_socket_directory(directory: &Path, owner: u32) -> Result<(), AgentE
 /// the name in between is changed. Returns the socket's metadata.
 fn set_socket_mode(binding: &Path, owner: u32, mode: u32) -> Result<std::fs::Metadata, String> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
 
-    let opened = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW)
-        .open(binding)
+    let opened = open_path_nofollow(binding)
         .map_err(|e| format!("cannot open the socket {}: {e}", binding.display()))?;
     let metadata = opened
         .metadata()
@@ -226,6 +222,32 @@ fn set_socket_mode(binding: &Path, owner: u32, mode: u32) -> Result<std::fs::Met
         },
     )?;
     Ok(metadata)
+}
+
+/// Opens `path` itself with `O_PATH | O_NOFOLLOW` (a socket cannot be opened otherwise).
+///
+/// Not through `OpenOptions::custom_flags`: the standard library clears the access-mode bits of
+/// custom flags, and musl's `O_ACCMODE` includes `O_PATH` (`O_SEARCH`), so the static build (the
+/// one the container image ships) would open the socket without `O_PATH` and fail with ENXIO.
+#[allow(unsafe_code)]
+fn open_path_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::os::unix::ffi::OsStrExt;
+
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `c_path` is a NUL-terminated string that outlives the call; `open` reads nothing else.
+    let fd = unsafe {
+        libc::open(
+            c_path.as_ptr(),
+            libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor `open` just returned, owned by nothing else.
+    Ok(std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
 }
 
 /// Where the socket is bound before it is renamed to `path`: a hidden name of this process in the

@@ -11,8 +11,10 @@
 mod common;
 mod fleet;
 
+mod containerd;
 mod crash;
 mod cri;
+mod daemonset;
 mod e2e;
 mod etcd_failures;
 mod multinode;

@@ -1,11 +1,16 @@
 #!/usr/bin/python3
-"""Drives containerd's CRI plugin over gRPC for blockipam/tests/system/cri.rs (the kubelet's path, without a kubelet).
+"""Drives containerd's CRI plugin over gRPC for blockipam/tests/system/cri.rs and daemonset.rs (the kubelet's path, without a kubelet).
 
 Run with Debian's /usr/bin/python3 (python3-grpcio, python3-protobuf) and protoc (protobuf-compiler).
 
   cri.py stubs DIR                          generate the runtime.v1 message classes into DIR
   cri.py image TAR NAME COMMAND...          write a docker-archive image NAME whose rootfs is busybox-static
                                             (bin/busybox, bin/sh, bin/sleep) and whose command is COMMAND
+  cri.py extract ARCHIVE PATH OUT           write the file PATH of the OCI image archive ARCHIVE (its top-most
+                                            layer holding PATH) to OUT
+  cri.py add-layer ARCHIVE OUT NAME PATH FILE
+                                            write OUT: the OCI archive ARCHIVE with one more layer holding FILE
+                                            at PATH (mode 0755), tagged NAME (a second image version)
   cri.py --stubs DIR --socket SOCK wait     wait (up to 30 s) for the CRI to answer Version; print it
   cri.py --stubs DIR --socket SOCK call METHOD REQUEST_JSON
                                             call runtime.v1.RuntimeService/METHOD with REQUEST_JSON (the
@@ -101,6 +106,75 @@ def write_image(path, name, command):
         tar_member(archive, "manifest.json", json.dumps(manifest).encode())
 
 
+def oci_blob(layout, digest):
+    algorithm, value = digest.split(":", 1)
+    return layout.extractfile(f"blobs/{algorithm}/{value}").read()
+
+
+def oci_image(layout):
+    index = json.loads(layout.extractfile("index.json").read())
+    if len(index["manifests"]) != 1:
+        fail(f"expected one image in the archive, found {len(index['manifests'])}")
+    manifest = json.loads(oci_blob(layout, index["manifests"][0]["digest"]))
+    config = json.loads(oci_blob(layout, manifest["config"]["digest"]))
+    return index, manifest, config
+
+
+def extract_file(archive, path, out):
+    with tarfile.open(archive) as layout:
+        _, manifest, _ = oci_image(layout)
+        found = None
+        for descriptor in manifest["layers"]:
+            with tarfile.open(fileobj=io.BytesIO(oci_blob(layout, descriptor["digest"])), mode="r:*") as layer:
+                for member in layer.getmembers():
+                    if member.isfile() and member.name.lstrip("./") == path.lstrip("/"):
+                        found = layer.extractfile(member).read()
+        if found is None:
+            fail(f"{archive} has no file {path}")
+    with open(out, "wb") as target:
+        target.write(found)
+
+
+def sha256_digest(data):
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def add_layer(archive, out, name, path, file):
+    with open(file, "rb") as source:
+        data = source.read()
+    layer_bytes = io.BytesIO()
+    with tarfile.open(fileobj=layer_bytes, mode="w", format=tarfile.PAX_FORMAT) as layer:
+        info = tarfile.TarInfo(path.lstrip("/"))
+        info.size = len(data)
+        info.mode = 0o755
+        layer.addfile(info, io.BytesIO(data))
+    layer_data = layer_bytes.getvalue()
+    with tarfile.open(archive) as layout:
+        index, manifest, config = oci_image(layout)
+        blobs = {}
+        for member in layout.getmembers():
+            if member.isfile() and member.name.startswith("blobs/"):
+                blobs[member.name] = layout.extractfile(member).read()
+    config["rootfs"]["diff_ids"].append(sha256_digest(layer_data))
+    config.setdefault("history", []).append({"created_by": f"cri.py add-layer {path}"})
+    config_data = json.dumps(config).encode()
+    manifest["config"] = dict(manifest["config"], digest=sha256_digest(config_data), size=len(config_data))
+    manifest["layers"].append(
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": sha256_digest(layer_data), "size": len(layer_data)}
+    )
+    manifest_data = json.dumps(manifest).encode()
+    descriptor = dict(index["manifests"][0], digest=sha256_digest(manifest_data), size=len(manifest_data))
+    descriptor["annotations"] = dict(descriptor.get("annotations", {}), **{"org.opencontainers.image.ref.name": name})
+    index["manifests"] = [descriptor]
+    for data in (layer_data, config_data, manifest_data):
+        blobs["blobs/sha256/" + hashlib.sha256(data).hexdigest()] = data
+    with tarfile.open(out, mode="w") as target:
+        tar_member(target, "oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
+        tar_member(target, "index.json", json.dumps(index).encode())
+        for blob_name, data in sorted(blobs.items()):
+            tar_member(target, blob_name, data)
+
+
 def runtime_client(stubs, socket):
     sys.path.insert(0, stubs)
     try:
@@ -141,7 +215,7 @@ def main():
     parser.add_argument("--stubs")
     parser.add_argument("--socket")
     parser.add_argument("--timeout", type=float, default=60.0)
-    parser.add_argument("command", choices=["stubs", "image", "wait", "call"])
+    parser.add_argument("command", choices=["stubs", "image", "extract", "add-layer", "wait", "call"])
     parser.add_argument("arguments", nargs="*")
     options = parser.parse_args()
     if options.command == "stubs":
@@ -153,6 +227,16 @@ def main():
         if len(options.arguments) < 3:
             fail("usage: cri.py image TAR NAME COMMAND...")
         write_image(options.arguments[0], options.arguments[1], options.arguments[2:])
+        return
+    if options.command == "extract":
+        if len(options.arguments) != 3:
+            fail("usage: cri.py extract ARCHIVE PATH OUT")
+        extract_file(*options.arguments)
+        return
+    if options.command == "add-layer":
+        if len(options.arguments) != 5:
+            fail("usage: cri.py add-layer ARCHIVE OUT NAME PATH FILE")
+        add_layer(*options.arguments)
         return
     if not options.stubs or not options.socket:
         fail(f"{options.command} needs --stubs and --socket")
