@@ -56,7 +56,7 @@ pub struct LeakSettings {
 
 /// Looks further apart than this many intervals do not prove an absence in between.
 const GAP_INTERVALS: u64 = 3;
-/// The longest a CRI call may take.
+/// The longest a CRI call may take (and at most half the interval between looks).
 const CRI_CALL_DEADLINE: Duration = Duration::from_secs(10);
 
 impl LeakSettings {
@@ -79,7 +79,7 @@ impl LeakSettings {
             },
             interval: Duration::from_secs(interval),
             release: args.leak_collection == LeakAction::Release,
-            call_deadline: CRI_CALL_DEADLINE.min(Duration::from_secs(interval)),
+            call_deadline: CRI_CALL_DEADLINE.min(Duration::from_secs(interval) / 2),
             report_path: args.socket.with_file_name(LEAK_REPORT_FILE),
         }))
     }

@@ -538,6 +538,23 @@ impl Cri {
         )
     }
 
+    /// Stops containerd with SIGSTOP, as a hung runtime: its socket accepts, nothing answers.
+    pub(crate) fn pause_containerd(&self) {
+        assert!(self.signal_containerd("STOP"), "SIGSTOP to containerd");
+    }
+
+    /// Lets a paused containerd go on (SIGCONT; harmless when it runs).
+    pub(crate) fn resume_containerd(&self) {
+        self.signal_containerd("CONT");
+    }
+
+    /// Sends SIG`signal` to containerd; whether it was sent (false when it is not running).
+    fn signal_containerd(&self, signal: &str) -> bool {
+        self.containerd.as_ref().is_some_and(|child| {
+            run_quietly(Command::new("kill").args([format!("-{signal}"), child.id().to_string()]))
+        })
+    }
+
     /// containerd's log so far (for failure messages).
     pub(crate) fn log(&self) -> String {
         let path = self.traces().dir.join("logs/containerd.log");
@@ -697,6 +714,8 @@ impl Cri {
 
 impl Drop for Cri {
     fn drop(&mut self) {
+        // 0. A containerd a test paused and did not resume (an assertion failed meanwhile).
+        self.resume_containerd();
         // 1. Pods still there: stopped and removed through the CRI (this runs the CNI DELs).
         if self.containerd.is_some() {
             match self.list_pods() {
@@ -885,4 +904,40 @@ pub(crate) fn base64_decode(text: &str) -> Vec<u8> {
         }
     }
     out
+}
+
+/// Runs `blockipamctl -o json <args>` on the sled store at `store` (in-process, through the library
+/// entry point the binary calls), through the agent at `agent_socket` or directly, and returns its
+/// JSON output; panics unless it succeeds.
+pub(crate) fn ctl_on(store: &Path, agent_socket: Option<&Path>, args: &[&str]) -> Value {
+    let store = store.display().to_string();
+    let socket = agent_socket.map_or_else(|| "none".to_owned(), |s| s.display().to_string());
+    let mut argv: Vec<String> = [
+        "blockipamctl",
+        "-o",
+        "json",
+        "--datastore-type",
+        "sled",
+        "--datastore-path",
+        &store,
+        "--agent-socket",
+        &socket,
+        "--lock-wait-seconds",
+        "10",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    argv.extend(args.iter().map(|a| (*a).to_owned()));
+    let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let status = blockipamctl::run(argv.clone(), &env, &mut stdout, &mut stderr, false);
+    let stdout = String::from_utf8_lossy(&stdout);
+    assert_eq!(
+        status,
+        0,
+        "{argv:?} failed: {stdout}\n{}",
+        String::from_utf8_lossy(&stderr)
+    );
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{argv:?}: not JSON ({e}): {stdout}"))
 }

@@ -18,7 +18,7 @@
 use std::collections::BTreeMap;
 
 use crate::common::Sandbox;
-use crate::containerd::{require_environment, Cri};
+use crate::containerd::{ctl_on, require_environment, Cri};
 use serde_json::{json, Value};
 
 /// The node name in the netconf.
@@ -56,38 +56,9 @@ fn conflist(sandbox: &Sandbox, network: &str) -> Value {
     })
 }
 
-/// Runs `blockipamctl -o json <args>` on the sandbox's store (in-process, through the library entry
-/// point the binary calls) and returns its JSON output; panics unless it succeeds.
+/// `blockipamctl -o json <args>` on the sandbox's store, opened directly.
 fn ctl(sandbox: &Sandbox, args: &[&str]) -> Value {
-    let store = sandbox.store_path().display().to_string();
-    let mut argv: Vec<String> = [
-        "blockipamctl",
-        "-o",
-        "json",
-        "--datastore-type",
-        "sled",
-        "--datastore-path",
-        &store,
-        "--agent-socket",
-        "none",
-        "--lock-wait-seconds",
-        "10",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    argv.extend(args.iter().map(|a| (*a).to_owned()));
-    let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let status = blockipamctl::run(argv.clone(), &env, &mut stdout, &mut stderr, false);
-    let stdout = String::from_utf8_lossy(&stdout);
-    assert_eq!(
-        status,
-        0,
-        "{argv:?} failed: {stdout}\n{}",
-        String::from_utf8_lossy(&stderr)
-    );
-    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{argv:?}: not JSON ({e}): {stdout}"))
+    ctl_on(&sandbox.store_path(), None, args)
 }
 
 /// The pool an address lies in.

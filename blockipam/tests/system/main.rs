@@ -17,4 +17,5 @@ mod cri;
 mod daemonset;
 mod e2e;
 mod etcd_failures;
+mod leaks;
 mod multinode;

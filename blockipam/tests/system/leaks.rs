@@ -1,0 +1,408 @@
+//! Leak collection under containerd's CRI, as a node lives it: the agent releases the address of a container the runtime no longer runs once the grace has passed, never a live pod's, reports a live pod's address the store lost, and collects nothing while the runtime cannot be asked.
+//!
+//! The test starts its own containerd (see `containerd.rs`), a real agent (the binary's `run`,
+//! in-process) serving a sled store with leak collection on (grace 3 s,
+//! `--cri-socket` at that containerd; a look every 2 s), and pods through the CRI whose addresses the plugin takes
+//! through that agent. A container whose sandbox vanished without a DEL is made as the runtime
+//! makes one: an ADD through the plugin for a sandbox id containerd does not hold. What the agent
+//! saw is read from its metrics endpoint; what it did, from the store through `blockipamctl`.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, TcpListener, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use test_kit::agent::InProcessAgent;
+use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
+
+use crate::common::{plugin_binary, Sandbox};
+use crate::containerd::{ctl_on, require_environment, Cri};
+
+/// The node name in the netconf and the agent's `--node`.
+const NODE: &str = "leak-node";
+/// The pool and its gateway (ptp needs one inside the returned prefix).
+const POOL: &str = "10.96.0.0/24";
+const GATEWAY: &str = "10.96.0.1";
+/// The agent's leak grace and look interval (its CRI calls time out after half of it, and looks
+/// more than three intervals apart restart the countdowns by themselves).
+const GRACE_SECONDS: u64 = 3;
+const SCAN_SECONDS: u64 = 2;
+/// Only turns a collection that never happens into a failure (far above grace + two looks).
+const WAIT_GUARD: Duration = Duration::from_secs(60);
+
+fn conflist(sandbox: &Sandbox, network: &str, agent_socket: &Path) -> Value {
+    json!({
+        "cniVersion": "1.0.0",
+        "name": network,
+        "plugins": [{
+            "type": "ptp",
+            "ipMasq": false,
+            "ipam": ipam(sandbox, agent_socket),
+        }]
+    })
+}
+
+fn ipam(sandbox: &Sandbox, agent_socket: &Path) -> Value {
+    json!({
+        "type": "blockipam",
+        "nodename": NODE,
+        "datastore_type": "sled",
+        "datastore_path": sandbox.store_path(),
+        "ipam_lock_file": sandbox.lock_path(),
+        "agent_socket": agent_socket,
+        "gateway": [GATEWAY],
+    })
+}
+
+/// ADD through the plugin alone for sandbox `id` of pod `pod`, as containerd's libcni calls it
+/// (the pod's CNI_ARGS), on network `network`: the address it took.
+fn add_without_a_sandbox(
+    sandbox: &Sandbox,
+    network: &str,
+    agent_socket: &Path,
+    id: &str,
+    pod: &str,
+) -> IpAddr {
+    let mut env = full_cni_env(
+        "ADD",
+        id,
+        "eth0",
+        "/var/run/netns/leak-test",
+        "/nonexistent",
+    );
+    env.push((
+        "CNI_ARGS".to_owned(),
+        format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod};\
+             K8S_POD_INFRA_CONTAINER_ID={id};K8S_POD_UID=uid-{pod}"
+        ),
+    ));
+    let netconf = json!({
+        "cniVersion": "1.0.0",
+        "name": network,
+        "ipam": ipam(sandbox, agent_socket),
+    });
+    let outcome = run_cni(
+        plugin_binary(),
+        &[],
+        &env,
+        netconf.to_string().as_bytes(),
+        HANG_GUARD,
+    );
+    let result = outcome.success_json("ADD without a sandbox");
+    let address = result["ips"][0]["address"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no address in {result}"));
+    address
+        .split('/')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("not an address: {address}"))
+}
+
+/// The handle holding `address` in the store, read through the agent.
+fn holder(sandbox: &Sandbox, agent_socket: &Path, address: IpAddr) -> Option<String> {
+    let shown = ctl_on(
+        &sandbox.store_path(),
+        Some(agent_socket),
+        &["show", "--ip", &address.to_string()],
+    );
+    shown["handle"].as_str().map(str::to_owned)
+}
+
+/// One sample of the agent's metrics, by exact name (no labels).
+fn metric(port: u16, name: &str) -> Option<f64> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).ok()?;
+    answer.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == name).then(|| value.trim().parse().ok()).flatten()
+    })
+}
+
+/// Polls `condition` every 100 ms until it holds; panics with `what` after [`WAIT_GUARD`].
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT_GUARD;
+    while !condition() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {WAIT_GUARD:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The addresses a `gc --leaks` answer shows counting down.
+fn waiting(answer: &Value) -> Vec<IpAddr> {
+    answer["report"]["decisions"]["waiting"]
+        .as_array()
+        .map(|all| {
+            all.iter()
+                .filter_map(|m| m["allocation"]["ip"].as_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `blockipamctl -o json gc --leaks --report PATH`: its JSON answer (status 0, or 1 when the
+/// look found a problem: a runtime that could not be asked, a live address the store disagrees
+/// with).
+fn gc_leaks(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> Value {
+    let (status, answer) = gc_leaks_run(sandbox, agent_socket, report);
+    assert!(
+        status == 0 || status == 1,
+        "gc --leaks: status {status}: {answer}"
+    );
+    answer
+}
+
+/// Whether `blockipamctl gc --leaks` reports a look the runtime did not answer (status 1, with
+/// the runtime's error in the report).
+fn gc_leaks_status(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> bool {
+    let (status, answer) = gc_leaks_run(sandbox, agent_socket, report);
+    status == 1 && answer["report"]["runtime_error"].is_string()
+}
+
+fn gc_leaks_run(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> (i32, Value) {
+    let argv: Vec<String> = [
+        "blockipamctl",
+        "-o",
+        "json",
+        "--datastore-type",
+        "sled",
+        "--datastore-path",
+        &sandbox.store_path().display().to_string(),
+        "--agent-socket",
+        &agent_socket.display().to_string(),
+        "gc",
+        "--leaks",
+        "--report",
+        &report.display().to_string(),
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
+    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let status = blockipamctl::run(argv, &env, &mut stdout, &mut stderr, false);
+    let answer = serde_json::from_slice(&stdout).unwrap_or_else(|_| {
+        json!({ "stdout": String::from_utf8_lossy(&stdout), "stderr": String::from_utf8_lossy(&stderr) })
+    });
+    (status, answer)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+fn sandbox_id(n: u8) -> String {
+    format!("{:02x}", n).repeat(32)
+}
+
+#[test]
+fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_address() {
+    require_environment();
+    let sandbox = Sandbox::new();
+    let agent_socket = sandbox.dir.path().join("leak-agent.sock");
+    ctl_on(
+        &sandbox.store_path(),
+        None,
+        &[
+            "pool",
+            "add",
+            POOL,
+            "--name",
+            "leak-pool",
+            "--block-size",
+            "28",
+        ],
+    );
+    let mut cri = Cri::prepare(&sandbox);
+    let traces = cri.traces();
+    cri.start(&conflist(&sandbox, &traces.network, &agent_socket));
+
+    let port = free_port();
+    let flags: Vec<std::ffi::OsString> = [
+        "--datastore-type",
+        "sled",
+        "--datastore-path",
+        &sandbox.store_path().display().to_string(),
+        "--node",
+        NODE,
+        "--leak-collection",
+        "release",
+        "--cri-socket",
+        &traces.socket.display().to_string(),
+        "--leak-grace-seconds",
+        &GRACE_SECONDS.to_string(),
+        "--leak-scan-seconds",
+        &SCAN_SECONDS.to_string(),
+        "--metrics-listen",
+        &format!("127.0.0.1:{port}"),
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    let agent = InProcessAgent::run_binary_with_flags(&agent_socket, flags)
+        .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
+
+    // Two pods the runtime runs, their addresses taken through the agent.
+    let mut live: Vec<(String, IpAddr)> = Vec::new();
+    for name in ["web-1", "web-2"] {
+        let id = cri
+            .run_pod(name, "default", &BTreeMap::new())
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", cri.log()));
+        let status = cri.status(&id);
+        let address: IpAddr = status["status"]["network"]["ip"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no address for {name}: {status}"));
+        assert_eq!(
+            holder(&sandbox, &agent_socket, address),
+            Some(format!("{}.{id}", traces.network))
+        );
+        live.push((id, address));
+    }
+    wait_until("the runtime answers the agent", || {
+        metric(port, "blockipam_agent_runtime_answering") == Some(1.0)
+    });
+    // What `blockipamctl gc --leaks` reads: the agent's last look, written beside its socket.
+    let report_path = agent_socket.with_file_name("leaks.json");
+    let mut report = Value::Null;
+    wait_until("a look that sees both pods", || {
+        report = gc_leaks(&sandbox, &agent_socket, &report_path);
+        report["report"]["decisions"]["live"] == 2
+    });
+    assert_eq!(report["report"]["node"], NODE, "{report}");
+    assert_eq!(
+        report["report"]["decisions"]["runtime_unproven"], false,
+        "{report}"
+    );
+    assert_eq!(
+        report["report"]["decisions"]["leaked"],
+        json!([]),
+        "{report}"
+    );
+
+    // A sandbox that vanished without a DEL: its address is released once gone for the grace.
+    let added = Instant::now();
+    let orphan = add_without_a_sandbox(
+        &sandbox,
+        &traces.network,
+        &agent_socket,
+        &sandbox_id(1),
+        "gone-1",
+    );
+    assert!(holder(&sandbox, &agent_socket, orphan).is_some());
+    wait_until("the orphan's address released", || {
+        holder(&sandbox, &agent_socket, orphan).is_none()
+    });
+    assert!(
+        added.elapsed() >= Duration::from_secs(GRACE_SECONDS),
+        "released before its grace"
+    );
+    assert_eq!(
+        metric(port, "blockipam_agent_leaks_released_total"),
+        Some(1.0)
+    );
+    for (id, address) in &live {
+        assert_eq!(
+            holder(&sandbox, &agent_socket, *address),
+            Some(format!("{}.{id}", traces.network)),
+            "a live pod's address must never be collected"
+        );
+    }
+
+    // The store loses a live pod's address (a restored backup): reported within a look or two.
+    let (_, lost) = &live[1];
+    ctl_on(
+        &sandbox.store_path(),
+        Some(&agent_socket),
+        &["release", "--ip", &lost.to_string()],
+    );
+    wait_until("the lost live address reported", || {
+        metric(port, "ipam_unrecorded_live_addresses") == Some(1.0)
+    });
+
+    // A short outage (containerd paused for one failed look, shorter than the gap that restarts
+    // countdowns by itself): a countdown running before it starts again after it.
+    let second = add_without_a_sandbox(
+        &sandbox,
+        &traces.network,
+        &agent_socket,
+        &sandbox_id(2),
+        "gone-2",
+    );
+    wait_until("a look counting the second orphan down", || {
+        waiting(&gc_leaks(&sandbox, &agent_socket, &report_path)).contains(&second)
+    });
+    cri.pause_containerd();
+    wait_until("the agent sees the runtime down", || {
+        metric(port, "blockipam_agent_runtime_answering") == Some(0.0)
+    });
+    let resumed = Instant::now();
+    cri.resume_containerd();
+    assert!(
+        holder(&sandbox, &agent_socket, second).is_some(),
+        "collected while the runtime could not be asked"
+    );
+    wait_until("the second orphan released after a fresh grace", || {
+        holder(&sandbox, &agent_socket, second).is_none()
+    });
+    assert!(
+        resumed.elapsed() >= Duration::from_secs(GRACE_SECONDS),
+        "the countdown did not start again when the runtime came back"
+    );
+
+    // A long outage: nothing is collected however long the runtime cannot be asked, and the
+    // report says so.
+    let third = add_without_a_sandbox(
+        &sandbox,
+        &traces.network,
+        &agent_socket,
+        &sandbox_id(3),
+        "gone-3",
+    );
+    wait_until("a look counting the third orphan down", || {
+        waiting(&gc_leaks(&sandbox, &agent_socket, &report_path)).contains(&third)
+    });
+    cri.pause_containerd();
+    wait_until(
+        "the agent's report says the runtime could not be asked",
+        || gc_leaks_status(&sandbox, &agent_socket, &report_path),
+    );
+    std::thread::sleep(Duration::from_secs(GRACE_SECONDS + 3 * SCAN_SECONDS));
+    assert!(
+        holder(&sandbox, &agent_socket, third).is_some(),
+        "collected while the runtime could not be asked"
+    );
+    let resumed = Instant::now();
+    cri.resume_containerd();
+    wait_until("the third orphan released after a fresh grace", || {
+        holder(&sandbox, &agent_socket, third).is_none()
+    });
+    assert!(resumed.elapsed() >= Duration::from_secs(GRACE_SECONDS));
+    assert_eq!(
+        metric(port, "blockipam_agent_leaks_released_total"),
+        Some(3.0)
+    );
+
+    // The normal path: StopPodSandbox sends DEL; the agent had nothing to do with it.
+    for (id, _) in &live {
+        cri.stop_pod(id);
+        cri.remove_pod(id);
+    }
+    assert_eq!(holder(&sandbox, &agent_socket, live[0].1), None);
+    let report = ctl_on(&sandbox.store_path(), Some(&agent_socket), &["check"]);
+    assert_eq!(report["problems"], json!([]), "{report}");
+    drop(agent);
+}
