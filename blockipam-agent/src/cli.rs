@@ -195,6 +195,16 @@ pub struct AgentArgs {
     /// every countdown
     #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LEAK_SCAN_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Leak collection (container runtime)")]
     pub leak_scan_seconds: u64,
+    /// libcni's cache directory (its results/ record each ADD): a live pod's address the store
+    /// records as free is recorded for it again from there
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "BLOCKIPAM_AGENT_CNI_CACHE_DIR",
+        default_value = crate::cni_cache::DEFAULT_CNI_CACHE_DIR,
+        help_heading = "Leak collection (container runtime)"
+    )]
+    pub cni_cache_dir: PathBuf,
 }
 
 fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {

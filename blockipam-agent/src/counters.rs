@@ -83,4 +83,6 @@ pub struct LeakCounters {
     pub unrecorded_addresses: AtomicU64,
     /// Addresses released as leaks.
     pub released: AtomicU64,
+    /// Live pods' addresses the store recorded as free, recorded for them again.
+    pub reasserted: AtomicU64,
 }

@@ -52,6 +52,8 @@ pub struct LeakSettings {
     pub call_deadline: Duration,
     /// Where each look's report is written for `blockipamctl gc --leaks` (beside the socket).
     pub report_path: PathBuf,
+    /// libcni's cache directory, the witness for re-asserting a live pod's lost address.
+    pub cni_cache_dir: PathBuf,
 }
 
 /// Looks further apart than this many intervals do not prove an absence in between.
@@ -81,6 +83,7 @@ impl LeakSettings {
             release: args.leak_collection == LeakAction::Release,
             call_deadline: CRI_CALL_DEADLINE.min(Duration::from_secs(interval) / 2),
             report_path: args.socket.with_file_name(LEAK_REPORT_FILE),
+            cni_cache_dir: args.cni_cache_dir.clone(),
         }))
     }
 }
@@ -189,6 +192,9 @@ async fn run_loop(
                         write_report(&settings, view.observed_at, None, Some(&decisions));
                         if settings.release && !decisions.leaked.is_empty() {
                             release(&ipam, &decisions, &counters).await;
+                        }
+                        if settings.release {
+                            reassert(&ipam, &settings, &decisions, &counters).await;
                         }
                     }
                     Err(e) => tracing::warn!(
@@ -334,6 +340,60 @@ async fn release(ipam: &Ipam, decisions: &LeakDecisions, counters: &LeakCounters
             leaked = decisions.leaked.len(),
             "leak collection: releasing failed ({e}); the next look decides again"
         ),
+    }
+}
+
+/// Records each live pod's address the store holds as free for it again, from libcni's cache of
+/// its ADD (the runtime's own record); an address without such a record is only reported.
+async fn reassert(
+    ipam: &Ipam,
+    settings: &LeakSettings,
+    decisions: &LeakDecisions,
+    counters: &LeakCounters,
+) {
+    let now = ipam_core::model::timestamp::now_rfc3339();
+    for disagreement in &decisions.disagreements {
+        if !matches!(disagreement.holder, AddressHolder::Free) {
+            continue;
+        }
+        let Some(reassertion) = crate::cni_cache::reassertion_for(
+            &settings.cni_cache_dir,
+            &disagreement.sandbox_id,
+            disagreement.address,
+            &settings.node,
+            &now,
+        ) else {
+            tracing::warn!(
+                address = %disagreement.address,
+                pod = %disagreement.pod,
+                cache = %settings.cni_cache_dir.display(),
+                "leak collection: no libcni cache entry records this live pod's address: it is \
+                 only reported (blockipamctl check)"
+            );
+            continue;
+        };
+        match ipam.reassert(&reassertion).await {
+            Ok(true) => {
+                counters.reasserted.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    address = %disagreement.address,
+                    pod = %disagreement.pod,
+                    handle = %reassertion.handle,
+                    "leak collection: recorded a live pod's address again (the store held it free)"
+                );
+            }
+            Ok(false) => tracing::warn!(
+                address = %disagreement.address,
+                pod = %disagreement.pod,
+                "leak collection: a live pod's address was taken before it could be recorded \
+                 again: a duplicate"
+            ),
+            Err(e) => tracing::warn!(
+                address = %disagreement.address,
+                pod = %disagreement.pod,
+                "leak collection: cannot record a live pod's address again: {e}"
+            ),
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 
 pub mod activation;
 pub mod cli;
+pub mod cni_cache;
 pub mod counters;
 pub mod first_start;
 pub mod leak_collection;

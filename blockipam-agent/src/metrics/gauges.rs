@@ -379,6 +379,12 @@ impl Collector for LeakCollector {
                 c.released.load(Relaxed),
             ),
             (
+                "blockipam_agent_addresses_reasserted",
+                "Live pods' addresses the store recorded as free, recorded for them again from \
+                 libcni's cache",
+                c.reasserted.load(Relaxed),
+            ),
+            (
                 "blockipam_agent_runtime_looks",
                 "Looks at which the container runtime answered",
                 c.looks.load(Relaxed),

@@ -31,7 +31,7 @@ pub const ATTR_NETWORK: &str = ipam_core::allocator::ATTR_NETWORK;
 /// Attribute: the container id.
 pub const ATTR_CONTAINER_ID: &str = ipam_core::allocator::leaks::ATTR_CONTAINER_ID;
 /// Attribute: the interface inside the container.
-pub const ATTR_INTERFACE: &str = "interface";
+pub const ATTR_INTERFACE: &str = ipam_core::allocator::leaks::ATTR_INTERFACE;
 /// Attribute: the Kubernetes namespace.
 pub const ATTR_NAMESPACE: &str = ipam_core::allocator::leaks::ATTR_NAMESPACE;
 /// Attribute: the Kubernetes pod.
@@ -115,10 +115,7 @@ impl Attachment<'_> {
     }
 }
 
-/// The handle id of a container on a network.
-pub fn handle_id(network: &str, container_id: &str) -> String {
-    format!("{network}.{container_id}")
-}
+pub use ipam_core::allocator::leaks::handle_id;
 
 /// The handle gateway reservations of a network are held by: `<network>:gateway` (a colon never
 /// appears in a network name or container id, so no container's handle can collide with it).

@@ -1,4 +1,4 @@
-//! Leak collection under containerd's CRI, as a node lives it: the agent releases the address of a container the runtime no longer runs once the grace has passed, never a live pod's, reports a live pod's address the store lost, and collects nothing while the runtime cannot be asked.
+//! Leak collection under containerd's CRI, as a node lives it: the agent releases the address of a container the runtime no longer runs once the grace has passed, never a live pod's, records a live pod's address the store lost for it again, and collects nothing while the runtime cannot be asked.
 //!
 //! The test starts its own containerd (see `containerd.rs`), a real agent (the binary's `run`,
 //! in-process) serving a sled store with leak collection on (grace 3 s,
@@ -331,6 +331,26 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     );
     wait_until("the lost live address reported", || {
         metric(port, "ipam_unrecorded_live_addresses") == Some(1.0)
+    });
+    // ... and recorded for its pod again, from containerd's (libcni's) cache of the pod's ADD.
+    wait_until("the lost live address recorded again", || {
+        metric(port, "blockipam_agent_addresses_reasserted_total") == Some(1.0)
+    });
+    let (lost_id, _) = &live[1];
+    let shown = ctl_on(
+        &sandbox.store_path(),
+        Some(&agent_socket),
+        &["show", "--ip", &lost.to_string()],
+    );
+    assert_eq!(
+        shown["handle"],
+        format!("{}.{lost_id}", traces.network),
+        "{shown}"
+    );
+    assert_eq!(shown["attributes"]["pod"], "web-2", "{shown}");
+    assert_eq!(shown["attributes"]["node"], NODE, "{shown}");
+    wait_until("no live address unrecorded any more", || {
+        metric(port, "ipam_unrecorded_live_addresses") == Some(0.0)
     });
 
     // A short outage (containerd paused for one failed look, shorter than the gap that restarts

@@ -17,9 +17,10 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use super::{AllocationInfo, Ipam, ReleaseRequest, ATTR_NODE};
+use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NODE};
 use crate::model::error::IpamError;
 use crate::model::timestamp;
+use crate::model::AllowedUse;
 
 /// Attribute: the container (pod sandbox) an allocation was made for, as the runtime names it.
 pub const ATTR_CONTAINER_ID: &str = "container_id";
@@ -30,6 +31,14 @@ pub const ATTR_TIMESTAMP: &str = "timestamp";
 pub const ATTR_POD: &str = "pod";
 /// Attribute: the Kubernetes namespace of that pod (`K8S_POD_NAMESPACE`).
 pub const ATTR_NAMESPACE: &str = "namespace";
+/// Attribute: the interface inside the container (`CNI_IFNAME`).
+pub const ATTR_INTERFACE: &str = "interface";
+
+/// The handle of a container's addresses on a network: `<network>.<container id>`, as Calico.
+pub fn handle_id(network: &str, container_id: &str) -> String {
+    format!("{network}.{container_id}")
+}
+
 /// How long an allocation's container must have been missing at every look before it is
 /// released: Calico's `leakGracePeriod` default, 15 minutes.
 pub const DEFAULT_LEAK_GRACE_SECONDS: u64 = 900;
@@ -287,7 +296,43 @@ fn allocation_age(allocation: &AllocationInfo, now: u64) -> Option<u64> {
     Some(now.saturating_sub(made))
 }
 
+/// A live sandbox's address the store records as free, to be recorded again for it (what the
+/// plugin recorded at its ADD, as the runtime's own cache of that ADD tells).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reassertion {
+    /// The address.
+    pub address: IpAddr,
+    /// Its owner: `<network>.<container id>`.
+    pub handle: String,
+    /// The node the sandbox runs on.
+    pub host: String,
+    /// The attributes the plugin records (the allocator adds `node`).
+    pub attributes: BTreeMap<String, String>,
+}
+
 impl Ipam {
+    /// Records `reassertion.address` for its live owner again, if it is still free: `Ok(true)`
+    /// when recorded, `Ok(false)` when it is held by now (then nothing is written: it is a
+    /// duplicate for the next look to report).
+    ///
+    /// # Errors
+    /// Store failures; an address in no pool, or in a pool that does not allow workloads.
+    pub async fn reassert(&self, reassertion: &Reassertion) -> Result<bool, IpamError> {
+        let request = AssignIpsRequest {
+            ips: vec![reassertion.address],
+            handle: reassertion.handle.clone(),
+            host: reassertion.host.clone(),
+            attributes: reassertion.attributes.clone(),
+            ignore_strict_affinity: false,
+            purpose: Some(AllowedUse::Workload),
+        };
+        match self.assign_ips(&request).await {
+            Ok(_) => Ok(true),
+            Err(IpamError::AlreadyAssigned { .. }) => Ok(false),
+            Err(other) => Err(other),
+        }
+    }
+
     /// One look for `host`: reads every allocation and pool and decides with `watch` (see
     /// [`LeakWatch::observe`]). Writes nothing.
     ///
