@@ -13,7 +13,10 @@ use std::net::{IpAddr, TcpListener, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use ipam_core::allocator::leaks::{LeakPolicy, LeakWatch, LiveSandbox, RuntimeView};
+use ipam_core::{CountingStore, Ipam, KvStore};
 use serde_json::{json, Value};
+use std::sync::Arc;
 use test_kit::agent::InProcessAgent;
 use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
 
@@ -425,4 +428,129 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     let report = ctl_on(&sandbox.store_path(), Some(&agent_socket), &["check"]);
     assert_eq!(report["problems"], json!([]), "{report}");
     drop(agent);
+}
+
+/// Pods in the scan-cost run: `BLOCKIPAM_LEAK_SCAN_PODS` (110, Kubernetes' default pod limit per
+/// node, for the figure in docs/benchmarks.md), 8 when unset (CI).
+fn scan_pods() -> usize {
+    std::env::var("BLOCKIPAM_LEAK_SCAN_PODS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8)
+}
+
+/// What one leak look costs on a node with N running pods: the CRI calls (one ListPodSandbox, one
+/// PodSandboxStatus per ready sandbox) and the store's round trips, counted exactly (asserted);
+/// the time of each half printed (median of 7 looks), never asserted.
+#[test]
+fn one_leak_look_costs_one_cri_list_one_status_per_pod_and_two_store_reads() {
+    require_environment();
+    let pods = scan_pods();
+    let sandbox = Sandbox::new();
+    ctl_on(
+        &sandbox.store_path(),
+        None,
+        &[
+            "pool",
+            "add",
+            POOL,
+            "--name",
+            "scan-pool",
+            "--block-size",
+            "26",
+        ],
+    );
+    let mut cri = Cri::prepare(&sandbox);
+    let traces = cri.traces();
+    let mut direct = conflist(&sandbox, &traces.network, Path::new("none"));
+    direct["plugins"][0]["ipam"]["agent_socket"] = json!("");
+    cri.start(&direct);
+    for n in 0..pods {
+        cri.run_pod(&format!("scan-{n}"), "default", &BTreeMap::new())
+            .unwrap_or_else(|e| panic!("RunPodSandbox scan-{n}: {e}\n{}", cri.log()));
+    }
+
+    let runtime = test_kit::block_on(async {
+        let client = cri_client::CriClient::connect(&traces.socket, Duration::from_secs(10))
+            .await
+            .expect("connect to containerd's CRI");
+        let mut times = Vec::new();
+        let mut sandboxes = Vec::new();
+        for _ in 0..7 {
+            let started = Instant::now();
+            sandboxes = client.sandboxes().await.expect("every sandbox");
+            times.push(started.elapsed());
+        }
+        (sandboxes, median(times))
+    });
+    let (sandboxes, cri_time) = runtime;
+    assert_eq!(sandboxes.len(), pods, "every pod's sandbox");
+    assert!(sandboxes.iter().all(|s| s.ready && s.addresses.len() == 1));
+
+    let view = RuntimeView {
+        observed_at: unix_now(),
+        sandboxes: sandboxes
+            .into_iter()
+            .map(|s| {
+                (
+                    s.id,
+                    LiveSandbox {
+                        pod: s.pod,
+                        namespace: s.namespace,
+                        uid: s.uid,
+                        addresses: s.addresses,
+                    },
+                )
+            })
+            .collect(),
+    };
+    let (round_trips, store_time, live) = test_kit::block_on(async {
+        let store = sandbox.open_store().await;
+        let counting = Arc::new(CountingStore::new(store));
+        let ipam = Ipam::new(Arc::clone(&counting) as Arc<dyn KvStore>);
+        let policy = LeakPolicy {
+            grace_seconds: 900,
+            max_gap_seconds: 180,
+        };
+        let mut times = Vec::new();
+        let mut live = 0;
+        counting.take();
+        for _ in 0..7 {
+            let mut watch = LeakWatch::new();
+            let started = Instant::now();
+            let decisions = ipam
+                .look_for_leaks(NODE, &view, &mut watch, policy)
+                .await
+                .expect("look");
+            times.push(started.elapsed());
+            live = decisions.live;
+            assert!(decisions.disagreements.is_empty(), "{decisions:?}");
+        }
+        (counting.take(), median(times), live)
+    });
+    assert_eq!(live, pods, "every pod's allocation seen live");
+    assert_eq!(
+        (round_trips.reads, round_trips.commits),
+        (7 * 2, 0),
+        "a look is two reads (every block, the pools) and writes nothing"
+    );
+    println!(
+        "leak look, {pods} pods: CRI {} calls (1 ListPodSandbox + {pods} PodSandboxStatus), median \
+         {:.2} ms; store 2 reads, 0 commits, median {:.2} ms",
+        1 + pods,
+        cri_time.as_secs_f64() * 1e3,
+        store_time.as_secs_f64() * 1e3
+    );
+}
+
+fn median(mut times: Vec<Duration>) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970")
+        .as_secs()
 }
