@@ -680,6 +680,35 @@ fn pods_get_distinct_addresses_through_the_agent(
     pods
 }
 
+/// The resident size of this run's agents, in KiB (`VmRSS` of each `blockipam-agent` process in
+/// the run's cgroups), for the log: what the manifest's memory request and limit are set from.
+fn agents_resident_kib(cri: &Cri) -> Vec<u64> {
+    let cgroup_parent = cri.traces().cgroup_parent;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/usr/bin/blockipam-agent\0"))
+                && std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                    .is_ok_and(|c| c.contains(&cgroup_parent))
+        })
+        .filter_map(|pid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
 /// What the churn thread saw while the DaemonSet was updated.
 #[derive(Debug, Default)]
 struct ChurnReport {
@@ -909,6 +938,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         "the update changed the conflist"
     );
 
+    eprintln!(
+        "the agent's resident size after the update, in KiB: {:?}",
+        agents_resident_kib(cri)
+    );
     // 4. The pods held across the update keep their addresses; once all are stopped the store
     // holds nothing, and check finds nothing.
     for (id, ip) in &held {
@@ -1059,7 +1092,12 @@ fn daemonset_on_etcd_is_ready_once_etcd_answers_and_serves_pods_through_the_agen
     }
     let (code, stdout, stderr) = cri.exec_sync(&pod.agent_id, &["/usr/bin/blockipamctl", "check"]);
     assert_eq!(code, 0, "blockipamctl check: {stdout}\n{stderr}");
-    eprintln!("etcd at {}: {} pods served", etcd.endpoint, pods.len());
+    eprintln!(
+        "etcd at {}: {} pods served; the agent's resident size in KiB: {:?}",
+        etcd.endpoint,
+        pods.len(),
+        agents_resident_kib(cri)
+    );
 
     pod.stop(cri, grace_seconds);
     drop(etcd);
