@@ -137,6 +137,26 @@ impl Manifest {
             .expect("the manifest has a DaemonSet")
     }
 
+    /// Every container's image is `localhost/blockipam:<the workspace's version>`, the name
+    /// `scripts/build-image` gives the image (operators retag it).
+    fn assert_images_are_this_version(&self) {
+        let expected = format!("localhost/blockipam:{}", env!("CARGO_PKG_VERSION"));
+        let spec = self.pod_spec();
+        for container in spec["initContainers"]
+            .as_array()
+            .into_iter()
+            .chain(spec["containers"].as_array())
+            .flatten()
+        {
+            assert_eq!(
+                container["image"],
+                expected.as_str(),
+                "{}",
+                container["name"]
+            );
+        }
+    }
+
     fn pod_spec(&self) -> &Value {
         &self.daemonset()["spec"]["template"]["spec"]
     }
@@ -725,6 +745,7 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     require_environment();
     let archive = image_archive();
     let manifest = Manifest::read(SINGLE_NODE_MANIFEST);
+    manifest.assert_images_are_this_version();
     let daemonset = manifest.daemonset();
     let strategy = &daemonset["spec"]["updateStrategy"];
     assert_eq!(strategy["type"], "RollingUpdate", "{strategy}");
@@ -816,6 +837,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     let stop = AtomicBool::new(false);
     let updated = AtomicBool::new(false);
     let after_update = AtomicUsize::new(0);
+    // Sandboxes created while the node's pod was being replaced (for the log: how many fell in
+    // that window depends on timing).
+    let updating = AtomicBool::new(false);
+    let during_update = AtomicUsize::new(0);
     let created = AtomicUsize::new(0);
     let torn_reads = Mutex::new(Vec::<String>::new());
     let held_ips: BTreeSet<String> = held.iter().map(|(_, ip)| ip.clone()).collect();
@@ -833,6 +858,9 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
                         }
                         report.addresses.push(ip.clone());
                         created.fetch_add(1, Ordering::SeqCst);
+                        if updating.load(Ordering::SeqCst) {
+                            during_update.fetch_add(1, Ordering::SeqCst);
+                        }
                         if updated.load(Ordering::SeqCst) {
                             after_update.fetch_add(1, Ordering::SeqCst);
                         }
@@ -874,8 +902,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
             (created.load(Ordering::SeqCst) >= 2 || churn.is_finished()).then_some(())
         });
         assert!(started.is_some(), "no pod started through the first agent");
+        updating.store(true, Ordering::SeqCst);
         first.stop(cri, grace_seconds);
         let second = run_node_pod(cri, &manifest, Some(&v2_image), 2);
+        updating.store(false, Ordering::SeqCst);
         updated.store(true, Ordering::SeqCst);
         let enough = wait_for(WAIT_LIMIT, || {
             (after_update.load(Ordering::SeqCst) >= PODS_AFTER_UPDATE || churn.is_finished())
@@ -892,8 +922,9 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         (report, second)
     });
     eprintln!(
-        "churn during the update: {} sandboxes, {} failed creations (retried): {:?}",
+        "churn: {} sandboxes ({} while the node's pod was replaced), {} failed creations (retried): {:?}",
         report.addresses.len(),
+        during_update.load(Ordering::SeqCst),
         report.failures.len(),
         report.failures
     );
@@ -1035,6 +1066,7 @@ fn daemonset_on_etcd_is_ready_once_etcd_answers_and_serves_pods_through_the_agen
     require_environment();
     let archive = image_archive();
     let mut manifest = Manifest::read(ETCD_MANIFEST);
+    manifest.assert_images_are_this_version();
     manifest.set_secret("blockipam-etcd", "etcd_endpoints", NodeEtcd::CLIENT);
     manifest.set_secret("blockipam-etcd", "etcd_prefix", "/daemonset-test/");
     let grace_seconds = manifest.pod_spec()["terminationGracePeriodSeconds"]
