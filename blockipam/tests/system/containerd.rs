@@ -347,7 +347,7 @@ pub(crate) struct Cri {
     /// One containerd test at a time in this process: they share `/run/containerd/s`,
     /// `/var/lib/cni` and the mount points, which each creates and removes when missing. Dropped
     /// last, after the cleanup.
-    _exclusive: MutexGuard<'static, ()>,
+    exclusive: Option<MutexGuard<'static, ()>>,
 }
 
 /// Held by the running containerd test (see [`Cri`]).
@@ -392,7 +392,7 @@ impl Cri {
             // Deepest last, so that drop removes them deepest first.
             created_shared_dirs: shared.into_iter().filter(|d| !d.exists()).collect(),
             created_mount_points: Vec::new(),
-            _exclusive: exclusive,
+            exclusive: Some(exclusive),
         };
         let netns = cri.traces().host_netns;
         run_ok(
@@ -404,6 +404,15 @@ impl Cri {
             "bring up lo in containerd's namespace",
         );
         cri
+    }
+
+    /// Shuts containerd down and cleans up as drop does, but keeps other containerd tests out
+    /// until the caller lets go of the returned guard: what is left can be checked meanwhile
+    /// without seeing the next test's directories.
+    pub(crate) fn shut_down_holding_the_lock(mut self) -> MutexGuard<'static, ()> {
+        let exclusive = self.exclusive.take().expect("held from prepare to drop");
+        drop(self);
+        exclusive
     }
 
     pub(crate) fn traces(&self) -> Traces {

@@ -48,6 +48,8 @@ use serde_json::{json, Value};
 
 /// The node the test plays (the downward API's `spec.nodeName`).
 const NODE: &str = "daemonset-node";
+/// The etcd manifest, relative to the workspace.
+const ETCD_MANIFEST: &str = "deploy/kubernetes/blockipam-etcd.yaml";
 /// The single-node manifest, relative to the workspace.
 const SINGLE_NODE_MANIFEST: &str = "deploy/kubernetes/blockipam-single-node.yaml";
 /// The variable naming the image archive of `scripts/build-image`.
@@ -112,6 +114,16 @@ impl Manifest {
         Manifest { docs }
     }
 
+    /// Sets `stringData[key]` of the Secret `name`, as an operator edits it before applying.
+    fn set_secret(&mut self, name: &str, key: &str, value: &str) {
+        let secret = self
+            .docs
+            .iter_mut()
+            .find(|doc| doc["kind"] == "Secret" && doc["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("the manifest has no Secret {name}"));
+        secret["stringData"][key] = Value::from(value);
+    }
+
     fn object(&self, kind: &str, name: &str) -> Option<&Value> {
         self.docs
             .iter()
@@ -123,6 +135,26 @@ impl Manifest {
             .iter()
             .find(|doc| doc["kind"] == "DaemonSet")
             .expect("the manifest has a DaemonSet")
+    }
+
+    /// Every container's image is `localhost/blockipam:<the workspace's version>`, the name
+    /// `scripts/build-image` gives the image (operators retag it).
+    fn assert_images_are_this_version(&self) {
+        let expected = format!("localhost/blockipam:{}", env!("CARGO_PKG_VERSION"));
+        let spec = self.pod_spec();
+        for container in spec["initContainers"]
+            .as_array()
+            .into_iter()
+            .chain(spec["containers"].as_array())
+            .flatten()
+        {
+            assert_eq!(
+                container["image"],
+                expected.as_str(),
+                "{}",
+                container["name"]
+            );
+        }
     }
 
     fn pod_spec(&self) -> &Value {
@@ -309,8 +341,9 @@ fn http_get(cri: &Cri, url: &str) -> Result<String, String> {
         .args([
             "/usr/bin/python3",
             "-c",
-            "import sys, urllib.request\n\
+            "import sys, urllib.error, urllib.request\n\
              try:\n    sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())\n\
+             except urllib.error.HTTPError as e:\n    sys.exit(f'HTTP {e.code}: {e.read().decode().strip()}')\n\
              except Exception as e:\n    sys.exit(str(e))",
             url,
         ])
@@ -329,6 +362,14 @@ fn http_get(cri: &Cri, url: &str) -> Result<String, String> {
 /// Runs the DaemonSet's pod as the kubelet does: the sandbox on the node's network, each init
 /// container to its exit 0, then the containers until the readiness probe answers.
 fn run_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation: u32) -> NodePod {
+    let pod = start_node_pod(cri, manifest, image, generation);
+    pod.wait_until_ready(cri, manifest);
+    pod
+}
+
+/// Starts the DaemonSet's pod as the kubelet does: the sandbox on the node's network, each init
+/// container to its exit 0, then the containers (not waiting for readiness).
+fn start_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation: u32) -> NodePod {
     let daemonset = manifest.daemonset();
     let spec = manifest.pod_spec();
     assert_eq!(
@@ -388,43 +429,52 @@ fn run_node_pod(cri: &Cri, manifest: &Manifest, image: Option<&str>, generation:
             &container_config(manifest, &volumes, agent, &image_of(agent)),
         )
         .unwrap_or_else(|e| panic!("container {name}: {e}\n{}", cri.log()));
-    let pod = NodePod {
+    NodePod {
         sandbox_id,
         agent_id,
         logs,
-    };
-    let mut last = String::new();
-    let ready = wait_for(WAIT_LIMIT, || {
-        let status = cri.container_status(&pod.agent_id);
+    }
+}
+
+impl NodePod {
+    /// Waits, as the kubelet's readiness probe does, until the manifest's readiness probe answers
+    /// `200 ok` (the agent must keep running meanwhile); then the liveness probe must answer too.
+    fn wait_until_ready(&self, cri: &Cri, manifest: &Manifest) {
+        let agent = &manifest.pod_spec()["containers"][0];
+        let mut last = String::new();
+        let ready = wait_for(WAIT_LIMIT, || {
+            self.assert_running(cri);
+            match probe(cri, &agent["readinessProbe"]) {
+                Ok(body) => Some(body),
+                Err(e) => {
+                    last = e;
+                    None
+                }
+            }
+        });
+        assert_eq!(
+            ready.as_deref(),
+            Some("ok\n"),
+            "the readiness probe did not pass within {WAIT_LIMIT:?}: {last}\n{}",
+            self.agent_log()
+        );
+        assert_eq!(
+            probe(cri, &agent["livenessProbe"]).as_deref(),
+            Ok("ok\n"),
+            "the liveness probe"
+        );
+    }
+
+    fn assert_running(&self, cri: &Cri) {
+        let status = cri.container_status(&self.agent_id);
         assert_eq!(
             status["state"],
             "CONTAINER_RUNNING",
             "the agent stopped: {status}\n{}",
-            pod.agent_log()
+            self.agent_log()
         );
-        match probe(cri, &agent["readinessProbe"]) {
-            Ok(body) => Some(body),
-            Err(e) => {
-                last = e;
-                None
-            }
-        }
-    });
-    assert_eq!(
-        ready.as_deref(),
-        Some("ok\n"),
-        "the readiness probe did not pass within {WAIT_LIMIT:?}: {last}\n{}",
-        pod.agent_log()
-    );
-    assert_eq!(
-        probe(cri, &agent["livenessProbe"]).as_deref(),
-        Ok("ok\n"),
-        "the liveness probe"
-    );
-    pod
-}
+    }
 
-impl NodePod {
     fn agent_log(&self) -> String {
         read_log(&self.logs.join("blockipam-agent.log"))
     }
@@ -597,8 +647,14 @@ impl Node {
     /// Shuts containerd down, cleans up, and checks that nothing is left.
     fn finish(self) {
         let traces = self.cri.traces();
-        let missing_before = self.missing_before.clone();
-        drop(self);
+        let Node {
+            cri,
+            missing_before,
+            _sandbox,
+            ..
+        } = self;
+        // Checked before the next containerd test may start and make the same mount points.
+        let exclusive = cri.shut_down_holding_the_lock();
         assert_eq!(traces.leftovers(), Vec::<String>::new());
         let left: Vec<&PathBuf> = missing_before.iter().filter(|p| p.exists()).collect();
         assert_eq!(
@@ -606,6 +662,7 @@ impl Node {
             Vec::<&PathBuf>::new(),
             "mount points left on the machine"
         );
+        drop(exclusive);
     }
 }
 
@@ -643,6 +700,35 @@ fn pods_get_distinct_addresses_through_the_agent(
     pods
 }
 
+/// The resident size of this run's agents, in KiB (`VmRSS` of each `blockipam-agent` process in
+/// the run's cgroups), for the log: what the manifest's memory request and limit are set from.
+fn agents_resident_kib(cri: &Cri) -> Vec<u64> {
+    let cgroup_parent = cri.traces().cgroup_parent;
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with(b"/usr/bin/blockipam-agent\0"))
+                && std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+                    .is_ok_and(|c| c.contains(&cgroup_parent))
+        })
+        .filter_map(|pid| {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmRSS:"))?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
 /// What the churn thread saw while the DaemonSet was updated.
 #[derive(Debug, Default)]
 struct ChurnReport {
@@ -659,6 +745,7 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     require_environment();
     let archive = image_archive();
     let manifest = Manifest::read(SINGLE_NODE_MANIFEST);
+    manifest.assert_images_are_this_version();
     let daemonset = manifest.daemonset();
     let strategy = &daemonset["spec"]["updateStrategy"];
     assert_eq!(strategy["type"], "RollingUpdate", "{strategy}");
@@ -750,6 +837,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
     let stop = AtomicBool::new(false);
     let updated = AtomicBool::new(false);
     let after_update = AtomicUsize::new(0);
+    // Sandboxes created while the node's pod was being replaced (for the log: how many fell in
+    // that window depends on timing).
+    let updating = AtomicBool::new(false);
+    let during_update = AtomicUsize::new(0);
     let created = AtomicUsize::new(0);
     let torn_reads = Mutex::new(Vec::<String>::new());
     let held_ips: BTreeSet<String> = held.iter().map(|(_, ip)| ip.clone()).collect();
@@ -767,6 +858,9 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
                         }
                         report.addresses.push(ip.clone());
                         created.fetch_add(1, Ordering::SeqCst);
+                        if updating.load(Ordering::SeqCst) {
+                            during_update.fetch_add(1, Ordering::SeqCst);
+                        }
                         if updated.load(Ordering::SeqCst) {
                             after_update.fetch_add(1, Ordering::SeqCst);
                         }
@@ -808,8 +902,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
             (created.load(Ordering::SeqCst) >= 2 || churn.is_finished()).then_some(())
         });
         assert!(started.is_some(), "no pod started through the first agent");
+        updating.store(true, Ordering::SeqCst);
         first.stop(cri, grace_seconds);
         let second = run_node_pod(cri, &manifest, Some(&v2_image), 2);
+        updating.store(false, Ordering::SeqCst);
         updated.store(true, Ordering::SeqCst);
         let enough = wait_for(WAIT_LIMIT, || {
             (after_update.load(Ordering::SeqCst) >= PODS_AFTER_UPDATE || churn.is_finished())
@@ -826,8 +922,9 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         (report, second)
     });
     eprintln!(
-        "churn during the update: {} sandboxes, {} failed creations (retried): {:?}",
+        "churn: {} sandboxes ({} while the node's pod was replaced), {} failed creations (retried): {:?}",
         report.addresses.len(),
+        during_update.load(Ordering::SeqCst),
         report.failures.len(),
         report.failures
     );
@@ -872,6 +969,10 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
         "the update changed the conflist"
     );
 
+    eprintln!(
+        "the agent's resident size after the update, in KiB: {:?}",
+        agents_resident_kib(cri)
+    );
     // 4. The pods held across the update keep their addresses; once all are stopped the store
     // holds nothing, and check finds nothing.
     for (id, ip) in &held {
@@ -898,5 +999,139 @@ fn daemonset_installs_the_plugin_runs_the_agent_and_survives_a_rolling_update_un
 
     // Shutting everything down leaves nothing behind, the mount points it made included.
     second.stop(cri, grace_seconds);
+    node.finish();
+}
+
+/// An etcd server in the node's network namespace (where the DaemonSet's agent, on the node's
+/// network, reaches it at 127.0.0.1); killed on drop.
+struct NodeEtcd {
+    child: std::process::Child,
+    endpoint: String,
+}
+
+impl NodeEtcd {
+    /// Ports of the node's own namespace: nothing else listens there.
+    const CLIENT: &'static str = "http://127.0.0.1:23790";
+    const PEER: &'static str = "http://127.0.0.1:23800";
+
+    fn start(cri: &Cri) -> NodeEtcd {
+        let dir = cri.traces().dir.join("etcd");
+        let log = std::fs::File::create(cri.traces().dir.join("logs/etcd.log")).expect("etcd log");
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", cri.traces().host_netns))
+            .arg("/usr/bin/etcd")
+            .args(["--name", "node-etcd", "--data-dir"])
+            .arg(&dir)
+            .args(["--listen-client-urls", Self::CLIENT])
+            .args(["--advertise-client-urls", Self::CLIENT])
+            .args(["--listen-peer-urls", Self::PEER])
+            .args(["--initial-advertise-peer-urls", Self::PEER])
+            .args(["--initial-cluster", &format!("node-etcd={}", Self::PEER)])
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .expect("start etcd (Debian package etcd-server)");
+        let etcd = NodeEtcd {
+            child,
+            endpoint: Self::CLIENT.to_owned(),
+        };
+        let healthy = wait_for(WAIT_LIMIT, || {
+            http_get(cri, &format!("{}/health", Self::CLIENT))
+                .ok()
+                .filter(|body| body.contains("true"))
+        });
+        assert!(
+            healthy.is_some(),
+            "etcd did not become healthy within {WAIT_LIMIT:?}"
+        );
+        etcd
+    }
+}
+
+impl Drop for NodeEtcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The clustered manifest on a real etcd: the Secret filled with the test's etcd (endpoint and a
+/// key prefix; the optional user, password and TLS keys left out, as the kubelet leaves out their
+/// variables), the optional TLS Secret absent (an empty volume). While etcd is not there the agent
+/// runs but `/readyz` answers 503 with its reason; once etcd answers the probe passes, pods get
+/// distinct addresses of the pool through the agent, StopPodSandbox releases them, and `check` on
+/// the etcd store is clean.
+#[test]
+fn daemonset_on_etcd_is_ready_once_etcd_answers_and_serves_pods_through_the_agent() {
+    require_environment();
+    let archive = image_archive();
+    let mut manifest = Manifest::read(ETCD_MANIFEST);
+    manifest.assert_images_are_this_version();
+    manifest.set_secret("blockipam-etcd", "etcd_endpoints", NodeEtcd::CLIENT);
+    manifest.set_secret("blockipam-etcd", "etcd_prefix", "/daemonset-test/");
+    let grace_seconds = manifest.pod_spec()["terminationGracePeriodSeconds"]
+        .as_u64()
+        .unwrap_or(30);
+    let network = manifest
+        .key("ConfigMap", "blockipam-config", "network_name")
+        .expect("network_name");
+    let node = Node::start(&manifest, &archive);
+    let cri = &node.cri;
+
+    let pod = start_node_pod(cri, &manifest, None, 1);
+    let readiness = &manifest.pod_spec()["containers"][0]["readinessProbe"];
+    let mut last = Ok(String::new());
+    let unready = wait_for(WAIT_LIMIT, || {
+        pod.assert_running(cri);
+        last = probe(cri, readiness);
+        last.clone().err().filter(|e| e.contains(": HTTP 503: "))
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "/readyz never answered 503 without etcd (last: {last:?})\n{}",
+            pod.agent_log()
+        )
+    });
+    assert!(unready.contains("not ready: "), "{unready}");
+    eprintln!("without etcd: {unready}");
+    let conflist: Value = serde_json::from_slice(
+        &std::fs::read(node.conf_seen.join("10-blockipam.conflist")).expect("the conflist"),
+    )
+    .expect("JSON");
+    let ipam = &conflist["plugins"][0]["ipam"];
+    assert_eq!(ipam["datastore_type"], "etcdv3", "{conflist}");
+    assert_eq!(ipam["etcd_endpoints"], NodeEtcd::CLIENT, "{conflist}");
+    assert_eq!(ipam["etcd_prefix"], "/daemonset-test/", "{conflist}");
+    assert!(ipam.get("etcd_password").is_none(), "{conflist}");
+
+    let etcd = NodeEtcd::start(cri);
+    pod.wait_until_ready(cri, &manifest);
+    let pods = pods_get_distinct_addresses_through_the_agent(cri, &manifest, &pod, "etcd-pod", 3);
+    for (id, ip) in &pods {
+        cri.stop_pod(id);
+        cri.remove_pod(id);
+        let shown = ctl(cri, &pod, &["show", "--ip", ip]);
+        assert_eq!(shown["allocated"], false, "after StopPodSandbox: {shown}");
+    }
+    ctl(
+        cri,
+        &pod,
+        &["release", "--handle", &format!("{network}:gateway")],
+    );
+    let usage = ctl(cri, &pod, &["show"]);
+    for pool in usage["pools"].as_array().expect("pools") {
+        assert_eq!(pool["in_use"], 0, "{usage}");
+    }
+    let (code, stdout, stderr) = cri.exec_sync(&pod.agent_id, &["/usr/bin/blockipamctl", "check"]);
+    assert_eq!(code, 0, "blockipamctl check: {stdout}\n{stderr}");
+    eprintln!(
+        "etcd at {}: {} pods served; the agent's resident size in KiB: {:?}",
+        etcd.endpoint,
+        pods.len(),
+        agents_resident_kib(cri)
+    );
+
+    pod.stop(cri, grace_seconds);
+    drop(etcd);
     node.finish();
 }

@@ -1,5 +1,6 @@
 //! System tests: the plugin among real parts and failures (several nodes racing, crashes, etcd
-//! members killed, Debian's `ptp`/`bridge` in network namespaces, containerd's CRI).
+//! members killed, Debian's `ptp`/`bridge` in network namespaces, containerd's CRI, the DaemonSet of
+//! `deploy/kubernetes/` run from the container image).
 //!
 //! One test binary per kind of test: this one runs many processes at once (plugins of several
 //! simulated nodes, etcd clusters, containerd) and checks what they leave in the store. The
