@@ -415,6 +415,16 @@ impl Cri {
         exclusive
     }
 
+    /// Puts containerd's gRPC socket at `socket` instead of the run's directory (before it starts):
+    /// where a pod that mounts the runtime's socket directory finds it.
+    pub(crate) fn set_socket(&mut self, socket: PathBuf) {
+        assert!(
+            self.containerd.is_none(),
+            "set_socket after containerd started"
+        );
+        self.traces.lock().expect("traces").socket = socket;
+    }
+
     pub(crate) fn traces(&self) -> Traces {
         self.traces.lock().expect("traces").clone()
     }

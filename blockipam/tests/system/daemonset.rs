@@ -219,6 +219,18 @@ impl Manifest {
     }
 }
 
+/// The value of variable `name` in the agent container's environment (a plain `value`).
+fn agent_env(spec: &Value, name: &str) -> PathBuf {
+    spec["containers"][0]["env"]
+        .as_array()
+        .expect("the agent's env")
+        .iter()
+        .find(|e| e["name"] == name)
+        .and_then(|e| e["value"].as_str())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("the agent's env has no {name}"))
+}
+
 /// The hostPath volumes of a pod spec: volume name → host path.
 fn host_path_volumes(spec: &Value) -> BTreeMap<String, PathBuf> {
     spec["volumes"]
@@ -521,6 +533,16 @@ fn ctl(cri: &Cri, pod: &NodePod, args: &[&str]) -> Value {
 
 /// The agent's `blockipam_agent_connections_total{outcome="accepted"}`: plugin calls it served.
 fn accepted_connections(cri: &Cri, manifest: &Manifest) -> f64 {
+    agent_metric(
+        cri,
+        manifest,
+        "blockipam_agent_connections_total{outcome=\"accepted\"}",
+    )
+    .unwrap_or(0.0)
+}
+
+/// One sample of the agent's metrics, scraped at the address its probes use.
+fn agent_metric(cri: &Cri, manifest: &Manifest, sample: &str) -> Option<f64> {
     let agent = &manifest.pod_spec()["containers"][0];
     let http = &agent["readinessProbe"]["httpGet"];
     let url = format!(
@@ -530,11 +552,8 @@ fn accepted_connections(cri: &Cri, manifest: &Manifest) -> f64 {
     );
     let text = http_get(cri, &url).expect("scrape the agent's metrics");
     text.lines()
-        .find_map(|line| {
-            line.strip_prefix("blockipam_agent_connections_total{outcome=\"accepted\"} ")
-        })
+        .find_map(|line| line.strip_prefix(&format!("{sample} ")))
         .and_then(|value| value.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// An ordinary pod's sandbox: RunPodSandbox on the pod network, and its address.
@@ -632,6 +651,11 @@ impl Node {
             )
             .expect("copy a CNI plugin");
         }
+        // The runtime's socket where the manifest's agent looks for it (leak collection): in the
+        // test's directory bound over the host path the manifest mounts.
+        let cri_socket = agent_env(spec, "BLOCKIPAM_AGENT_CRI_SOCKET");
+        let cri_socket_dir = cri_socket.parent().expect("a socket in a directory");
+        cri.set_socket(seen_at(cri_socket_dir).join(cri_socket.file_name().expect("a file name")));
         cri.start_with_host_paths(&mounts, &bin_dir, &conf_dir);
         let imported = cri.import_image(archive);
         eprintln!("imported {}: {}", archive.display(), imported.trim());
@@ -697,6 +721,23 @@ fn pods_get_distinct_addresses_through_the_agent(
         after >= before + count as f64,
         "the plugin calls did not go through the agent: accepted connections {before} → {after}"
     );
+    // The agent reaches the runtime through the socket directory the manifest mounts, and finds
+    // every allocation of the node live (leak collection).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let answering = agent_metric(cri, manifest, "blockipam_agent_runtime_answering");
+        let missing = agent_metric(cri, manifest, "ipam_leaked_allocations");
+        if answering == Some(1.0) && missing == Some(0.0) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent's leak collection does not see the runtime (answering {answering:?}, \
+             missing {missing:?})\n{}",
+            agent.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     pods
 }
 
