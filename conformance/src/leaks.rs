@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipam_core::allocator::leaks::{
-    AddressHolder, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID,
-    ATTR_NAMESPACE, ATTR_POD,
+    handle_id, AddressHolder, LeakPolicy, LeakWatch, LiveSandbox, Reassertion, RuntimeView,
+    ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD,
 };
 use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
 use ipam_core::{Ipam, ReleaseRequest};
@@ -21,6 +21,7 @@ macro_rules! leaks_conformance_tests {
             a_look_releases_only_this_nodes_missing_containers_and_only_after_the_grace,
             a_decided_leak_whose_address_changed_hands_is_left_alone,
             live_addresses_recorded_for_another_node_or_free_are_reported,
+            a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_alone,
         );
     };
 }
@@ -244,4 +245,60 @@ pub async fn live_addresses_recorded_for_another_node_or_free_are_reported<F: St
         before,
         "a look writes nothing"
     );
+}
+
+/// A live pod's address the store holds as free is recorded for it again, as the plugin recorded
+/// it (handle, attributes, node); once held, a re-assertion writes nothing (and succeeds only for
+/// the handle that holds it).
+pub async fn a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_alone<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (address, _) = assign_for(&ipam, "restored", "node-a").await;
+    ipam.release_ips(&[ReleaseRequest {
+        ip: address,
+        sequence: None,
+    }])
+    .await
+    .expect("the store loses it (an older backup)");
+    let reassertion = Reassertion {
+        address,
+        handle: handle_id("net", "restored"),
+        host: "node-a".into(),
+        attributes: pod_attributes("restored"),
+    };
+    assert!(ipam.reassert(&reassertion).await.expect("re-assert"));
+    let held = ipam
+        .get_assignment(address)
+        .await
+        .expect("read")
+        .expect("recorded again");
+    assert_eq!(held.handle, "net.restored");
+    assert_eq!(
+        held.attributes.get("pod").map(String::as_str),
+        Some("pod-restored")
+    );
+    assert_eq!(
+        held.attributes.get("node").map(String::as_str),
+        Some("node-a")
+    );
+
+    let before = t.store.list("").await.expect("list");
+    assert!(
+        ipam.reassert(&reassertion).await.expect("re-assert again"),
+        "held by its own handle already: done"
+    );
+    let other = Reassertion {
+        handle: handle_id("net", "someone-else"),
+        ..reassertion
+    };
+    assert!(!ipam.reassert(&other).await.expect("re-assert for another"));
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a held address is left alone"
+    );
+    assert_clean(&ipam).await;
 }
