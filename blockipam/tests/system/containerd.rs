@@ -929,6 +929,21 @@ pub(crate) fn base64_decode(text: &str) -> Vec<u8> {
 /// entry point the binary calls), through the agent at `agent_socket` or directly, and returns its
 /// JSON output; panics unless it succeeds.
 pub(crate) fn ctl_on(store: &Path, agent_socket: Option<&Path>, args: &[&str]) -> Value {
+    let (status, stdout, stderr) = ctl_run(store, agent_socket, args);
+    assert_eq!(
+        status, 0,
+        "blockipamctl {args:?} failed: {stdout}\n{stderr}"
+    );
+    serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("blockipamctl {args:?}: not JSON ({e}): {stdout}"))
+}
+
+/// As [`ctl_on`], whatever the outcome: the exit status, stdout and stderr.
+pub(crate) fn ctl_run(
+    store: &Path,
+    agent_socket: Option<&Path>,
+    args: &[&str],
+) -> (i32, String, String) {
     let store = store.display().to_string();
     let socket = agent_socket.map_or_else(|| "none".to_owned(), |s| s.display().to_string());
     let mut argv: Vec<String> = [
@@ -950,13 +965,10 @@ pub(crate) fn ctl_on(store: &Path, agent_socket: Option<&Path>, args: &[&str]) -
     argv.extend(args.iter().map(|a| (*a).to_owned()));
     let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
     let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let status = blockipamctl::run(argv.clone(), &env, &mut stdout, &mut stderr, false);
-    let stdout = String::from_utf8_lossy(&stdout);
-    assert_eq!(
+    let status = blockipamctl::run(argv, &env, &mut stdout, &mut stderr, false);
+    (
         status,
-        0,
-        "{argv:?} failed: {stdout}\n{}",
-        String::from_utf8_lossy(&stderr)
-    );
-    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{argv:?}: not JSON ({e}): {stdout}"))
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
 }

@@ -21,7 +21,7 @@ use test_kit::agent::InProcessAgent;
 use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
 
 use crate::common::{plugin_binary, Sandbox};
-use crate::containerd::{ctl_on, require_environment, Cri};
+use crate::containerd::{ctl_on, ctl_run, require_environment, Cri};
 
 /// The node name in the netconf and the agent's `--node`.
 const NODE: &str = "leak-node";
@@ -173,30 +173,14 @@ fn gc_leaks_status(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> boo
 }
 
 fn gc_leaks_run(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> (i32, Value) {
-    let argv: Vec<String> = [
-        "blockipamctl",
-        "-o",
-        "json",
-        "--datastore-type",
-        "sled",
-        "--datastore-path",
-        &sandbox.store_path().display().to_string(),
-        "--agent-socket",
-        &agent_socket.display().to_string(),
-        "gc",
-        "--leaks",
-        "--report",
-        &report.display().to_string(),
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    let env = blockipamctl::Env::new(Vec::<(String, String)>::new());
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
-    let status = blockipamctl::run(argv, &env, &mut stdout, &mut stderr, false);
-    let answer = serde_json::from_slice(&stdout).unwrap_or_else(|_| {
-        json!({ "stdout": String::from_utf8_lossy(&stdout), "stderr": String::from_utf8_lossy(&stderr) })
-    });
+    let report = report.display().to_string();
+    let (status, stdout, stderr) = ctl_run(
+        &sandbox.store_path(),
+        Some(agent_socket),
+        &["gc", "--leaks", "--report", &report],
+    );
+    let answer = serde_json::from_str(&stdout)
+        .unwrap_or_else(|_| json!({ "stdout": stdout, "stderr": stderr }));
     (status, answer)
 }
 
