@@ -289,6 +289,35 @@ mod tests {
             .expect("settings")
     }
 
+    /// Bad leak-collection settings are refused by the flag parser (exit 2), naming the flag.
+    #[test]
+    fn bad_leak_collection_settings_are_refused_naming_the_flag() {
+        for (args, flag) in [
+            (&["--leak-collection", "sometimes"][..], "--leak-collection"),
+            (&["--leak-collection", ""][..], "--leak-collection"),
+            (&["--leak-grace-seconds", "0"][..], "--leak-grace-seconds"),
+            (&["--leak-grace-seconds", "15m"][..], "--leak-grace-seconds"),
+            (&["--leak-scan-seconds", "0"][..], "--leak-scan-seconds"),
+            (&["--leak-scan-seconds", "86401"][..], "--leak-scan-seconds"),
+            (&["--cri-socket", ""][..], "--cri-socket"),
+        ] {
+            let error = AgentArgs::try_parse_from(
+                std::iter::once("blockipam-agent").chain(args.iter().copied()),
+            )
+            .expect_err(&format!("{args:?} must be refused"));
+            assert_eq!(error.exit_code(), 2, "{args:?}");
+            assert!(error.to_string().contains(flag), "{args:?}: {error}");
+        }
+        let parsed = AgentArgs::try_parse_from(["blockipam-agent"]).expect("defaults");
+        assert_eq!(parsed.leak_collection, LeakAction::Release);
+        assert_eq!(parsed.leak_grace_seconds, 900);
+        assert_eq!(parsed.leak_scan_seconds, 60);
+        assert_eq!(
+            parsed.cri_socket,
+            PathBuf::from(cri_client::CONTAINERD_SOCKET)
+        );
+    }
+
     /// Every flag can be set from the environment (`/etc/default/blockipam-agent`), and
     /// docs/agent.md names each variable.
     #[test]

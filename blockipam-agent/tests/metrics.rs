@@ -57,21 +57,7 @@ impl Agent {
             .stderr(Stdio::piped())
             .spawn()
             .expect("start blockipam-agent");
-        let log = Arc::new(Mutex::new(String::new()));
-        if let Some(mut pipe) = child.stderr.take() {
-            let log = Arc::clone(&log);
-            std::thread::spawn(move || {
-                let mut buffer = [0u8; 8192];
-                while let Ok(n) = pipe.read(&mut buffer) {
-                    if n == 0 {
-                        break;
-                    }
-                    log.lock()
-                        .expect("log")
-                        .push_str(&String::from_utf8_lossy(&buffer[..n]));
-                }
-            });
-        }
+        let log = capture_stderr(&mut child);
         let mut agent = Agent {
             child,
             socket,
@@ -180,6 +166,26 @@ struct HttpAnswer {
 }
 
 /// `GET path` over a plain TCP connection (HTTP/1.1, `Connection: close`).
+/// Collects the child's standard error, as it comes, into a shared string.
+fn capture_stderr(child: &mut std::process::Child) -> Arc<Mutex<String>> {
+    let log = Arc::new(Mutex::new(String::new()));
+    if let Some(mut pipe) = child.stderr.take() {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || {
+            let mut buffer = [0u8; 8192];
+            while let Ok(n) = pipe.read(&mut buffer) {
+                if n == 0 {
+                    break;
+                }
+                log.lock()
+                    .expect("log")
+                    .push_str(&String::from_utf8_lossy(&buffer[..n]));
+            }
+        });
+    }
+    log
+}
+
 fn http_get(address: SocketAddr, path: &str, accept: Option<&str>) -> HttpAnswer {
     let mut stream =
         TcpStream::connect_timeout(&address, Duration::from_secs(10)).expect("connect to metrics");
@@ -598,29 +604,14 @@ fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start blockipam-agent");
-    let stderr = child.stderr.take().expect("stderr");
+    let log = capture_stderr(&mut child);
     let agent = Agent {
         child,
         socket: socket.clone(),
         store: dir.path().join("unused"),
-        log: Arc::new(Mutex::new(String::new())),
+        log,
         _dir: dir,
     };
-    {
-        let log = Arc::clone(&agent.log);
-        let mut pipe = stderr;
-        std::thread::spawn(move || {
-            let mut buffer = [0u8; 8192];
-            while let Ok(n) = pipe.read(&mut buffer) {
-                if n == 0 {
-                    break;
-                }
-                log.lock()
-                    .expect("log")
-                    .push_str(&String::from_utf8_lossy(&buffer[..n]));
-            }
-        });
-    }
     let deadline = Instant::now() + Duration::from_secs(30);
     while !agent.log().contains("metrics endpoint listening on") {
         assert!(

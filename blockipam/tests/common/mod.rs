@@ -292,6 +292,19 @@ impl Default for Sandbox {
     }
 }
 
+/// Whether this test process runs as root (its real uid in `/proc/self/status`), as the tests that
+/// create network namespaces and run containerd need.
+pub fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1).map(str::to_owned))
+        })
+        .is_some_and(|uid| uid == "0")
+}
+
 /// Merges `extra` into `base` (objects only; `null` removes the key).
 pub fn merge(base: &mut Value, extra: Value) {
     if let (Some(base), Value::Object(extra)) = (base.as_object_mut(), extra) {

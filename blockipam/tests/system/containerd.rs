@@ -82,19 +82,11 @@ pub(crate) fn require_environment() {
         "ip",
     );
     need(exists("/usr/bin/nsenter"), "util-linux", "/usr/bin/nsenter");
-    let uid = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(str::to_owned))
-        })
-        .unwrap_or_default();
     assert!(
-        missing.is_empty() && uid == "0",
+        missing.is_empty() && crate::common::running_as_root(),
         "the containerd CRI end-to-end test needs root and these Debian packages: run as root after \
          `apt-get install containerd python3-grpcio busybox-static protobuf-compiler \
-         containernetworking-plugins iproute2` (or scripts/setup); missing: {missing:?}, uid: {uid:?}"
+         containernetworking-plugins iproute2` (or scripts/setup); missing: {missing:?}, root: {}", crate::common::running_as_root()
     );
 }
 

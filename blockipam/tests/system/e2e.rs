@@ -34,19 +34,12 @@ fn require_environment() {
             missing.push(tool.to_owned());
         }
     }
-    let uid = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .and_then(|l| l.split_whitespace().nth(1).map(str::to_owned))
-        })
-        .unwrap_or_default();
     assert!(
-        missing.is_empty() && uid == "0",
+        missing.is_empty() && crate::common::running_as_root(),
         "the end-to-end tests need root and Debian's CNI plugins: run as root after \
          `apt-get install containernetworking-plugins iproute2 iputils-ping` (or scripts/setup); \
-         missing: {missing:?}, uid: {uid:?}"
+         missing: {missing:?}, root: {}",
+        crate::common::running_as_root()
     );
 }
 
