@@ -285,6 +285,36 @@ impl Traces {
         found
     }
 
+    /// Kills what containerd started (its shims and anything else naming this run), deletes the
+    /// containers runc still knows, unmounts what is mounted under the run's directory (network
+    /// namespaces, shm, root file systems) and removes the pods' cgroups.
+    fn stop_everything_started(&self) {
+        // Shims (and anything else) this containerd started, then the containers runc still knows.
+        for pid in self.processes() {
+            run_quietly(Command::new("kill").args(["-KILL", &pid.to_string()]));
+        }
+        let runc_root = self.dir.join("runc").join(CRI_NAMESPACE);
+        if let Ok(entries) = std::fs::read_dir(&runc_root) {
+            for entry in entries.filter_map(Result::ok) {
+                run_quietly(
+                    Command::new("runc")
+                        .arg("--root")
+                        .arg(&runc_root)
+                        .args(["delete", "--force"])
+                        .arg(entry.file_name()),
+                );
+            }
+        }
+        // Mounts (network namespaces, shm, root file systems) under the directory.
+        for mount in self.mounts() {
+            run_quietly(Command::new("umount").arg("--lazy").arg(&mount));
+        }
+        // Cgroups, children first.
+        for cgroup in self.cgroups() {
+            remove_cgroup_tree(&cgroup);
+        }
+    }
+
     fn netns_exists(&self) -> bool {
         Path::new("/run/netns").join(&self.host_netns).exists()
     }
@@ -549,6 +579,51 @@ impl Cri {
         )
     }
 
+    /// The node goes down hard and comes back with a fresh runtime state: containerd, its shims
+    /// and the pods' processes killed (no StopPodSandbox, so no CNI DEL reaches the plugin), the
+    /// pods' mounts, network namespaces and cgroups gone, and containerd's root, state and socket
+    /// wiped. libcni's cache, on disk, stays. [`Cri::power_on`] starts containerd again.
+    pub(crate) fn power_off(&mut self) {
+        self.resume_containerd();
+        if let Some(mut child) = self.containerd.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let traces = self.traces();
+        traces.stop_everything_started();
+        for id in &traces.sandbox_ids {
+            if let Some(socket) = traces.shim_socket(id) {
+                let _ = std::fs::remove_file(socket);
+            }
+        }
+        for wiped in ["root", "state", "runc"] {
+            let path = traces.dir.join(wiped);
+            if path.exists() {
+                std::fs::remove_dir_all(&path)
+                    .unwrap_or_else(|e| panic!("wipe {}: {e}", path.display()));
+            }
+        }
+        for socket in [
+            traces.socket.clone(),
+            traces.socket.with_extension("sock.ttrpc"),
+        ] {
+            let _ = std::fs::remove_file(socket);
+        }
+        assert!(
+            traces.mounts().is_empty() && traces.processes().is_empty(),
+            "the power-off left something running: {:?}",
+            traces.leftovers()
+        );
+    }
+
+    /// Starts containerd again after [`Cri::power_off`], on the configuration and CNI directories
+    /// of [`Cri::start`]: it knows no sandbox.
+    pub(crate) fn power_on(&mut self) {
+        assert!(self.containerd.is_none(), "power_on while containerd runs");
+        let dir = self.traces().dir;
+        self.launch(&dir.join("cni-bin"), &dir.join("cni-conf"), &[]);
+    }
+
     /// Stops containerd with SIGSTOP, as a hung runtime: its socket accepts, nothing answers.
     pub(crate) fn pause_containerd(&self) {
         assert!(self.signal_containerd("STOP"), "SIGSTOP to containerd");
@@ -771,30 +846,8 @@ impl Drop for Cri {
                 let _ = child.wait();
             }
         }
-        // 3. Shims (and anything else) this containerd started, then the containers runc still knows.
-        for pid in traces.processes() {
-            run_quietly(Command::new("kill").args(["-KILL", &pid.to_string()]));
-        }
-        let runc_root = traces.dir.join("runc").join(CRI_NAMESPACE);
-        if let Ok(entries) = std::fs::read_dir(&runc_root) {
-            for entry in entries.filter_map(Result::ok) {
-                run_quietly(
-                    Command::new("runc")
-                        .arg("--root")
-                        .arg(&runc_root)
-                        .args(["delete", "--force"])
-                        .arg(entry.file_name()),
-                );
-            }
-        }
-        // 4. Mounts (network namespaces, shm, root file systems) under the directory.
-        for mount in traces.mounts() {
-            run_quietly(Command::new("umount").arg("--lazy").arg(&mount));
-        }
-        // 5. Cgroups, children first.
-        for cgroup in traces.cgroups() {
-            remove_cgroup_tree(&cgroup);
-        }
+        // 3-5. Shims, containers, mounts and cgroups.
+        traces.stop_everything_started();
         // 6. libcni's cache entries and the shim sockets of this run.
         for entry in traces.cache_entries() {
             let _ = std::fs::remove_file(entry);

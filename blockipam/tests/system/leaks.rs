@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ipam_core::allocator::leaks::{LeakPolicy, LeakWatch, LiveSandbox, RuntimeView};
@@ -195,52 +195,133 @@ fn sandbox_id(n: u8) -> String {
     format!("{:02x}", n).repeat(32)
 }
 
+/// One node as the leak tests run it: a sled store with a /28-block pool, containerd with the
+/// plugin (through ptp) in its conflist, and the real agent serving the store with leak
+/// collection on. Dropped agent first, then containerd (its cleanup sends the remaining DELs),
+/// then the directory.
+struct LeakNode {
+    /// Runs until the node is dropped.
+    _agent: InProcessAgent,
+    cri: Cri,
+    sandbox: Sandbox,
+    agent_socket: PathBuf,
+    /// What `blockipamctl gc --leaks` reads: the agent's last look, written beside its socket.
+    report_path: PathBuf,
+    /// The agent's metrics port.
+    port: u16,
+    /// The CNI network's name (handles are `<network>.<sandbox id>`).
+    network: String,
+}
+
+impl LeakNode {
+    fn start() -> LeakNode {
+        require_environment();
+        let sandbox = Sandbox::new();
+        let agent_socket = sandbox.dir.path().join("leak-agent.sock");
+        ctl_on(
+            &sandbox.store_path(),
+            None,
+            &[
+                "pool",
+                "add",
+                POOL,
+                "--name",
+                "leak-pool",
+                "--block-size",
+                "28",
+            ],
+        );
+        let mut cri = Cri::prepare(&sandbox);
+        let traces = cri.traces();
+        cri.start(&conflist(&sandbox, &traces.network, &agent_socket));
+
+        let port = free_port();
+        let flags: Vec<std::ffi::OsString> = [
+            "--datastore-type",
+            "sled",
+            "--datastore-path",
+            &sandbox.store_path().display().to_string(),
+            "--node",
+            NODE,
+            "--leak-collection",
+            "release",
+            "--cri-socket",
+            &traces.socket.display().to_string(),
+            "--leak-grace-seconds",
+            &GRACE_SECONDS.to_string(),
+            "--leak-scan-seconds",
+            &SCAN_SECONDS.to_string(),
+            "--metrics-listen",
+            &format!("127.0.0.1:{port}"),
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        let agent = InProcessAgent::run_binary_with_flags(&agent_socket, flags)
+            .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
+        LeakNode {
+            _agent: agent,
+            cri,
+            report_path: agent_socket.with_file_name("leaks.json"),
+            agent_socket,
+            sandbox,
+            port,
+            network: traces.network,
+        }
+    }
+
+    /// Runs pod `name` through the CRI: its sandbox id and address, checked recorded for it.
+    fn run_pod(&self, name: &str) -> (String, IpAddr) {
+        let id = self
+            .cri
+            .run_pod(name, "default", &BTreeMap::new())
+            .unwrap_or_else(|e| panic!("RunPodSandbox {name}: {e}\n{}", self.cri.log()));
+        let status = self.cri.status(&id);
+        let address: IpAddr = status["status"]["network"]["ip"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no address for {name}: {status}"));
+        assert_eq!(self.holder(address), Some(self.handle_of(&id)));
+        (id, address)
+    }
+
+    /// The handle the plugin records for sandbox `id` on this network.
+    fn handle_of(&self, id: &str) -> String {
+        format!("{}.{id}", self.network)
+    }
+
+    fn holder(&self, address: IpAddr) -> Option<String> {
+        holder(&self.sandbox, &self.agent_socket, address)
+    }
+
+    fn metric(&self, name: &str) -> Option<f64> {
+        metric(self.port, name)
+    }
+
+    /// Looks the runtime answered so far.
+    fn answered_looks(&self) -> u64 {
+        self.metric("blockipam_agent_runtime_looks_total")
+            .map_or(0, |v| v as u64)
+    }
+
+    fn gc_leaks(&self) -> Value {
+        gc_leaks(&self.sandbox, &self.agent_socket, &self.report_path)
+    }
+}
+
 #[test]
 fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_address() {
-    require_environment();
-    let sandbox = Sandbox::new();
-    let agent_socket = sandbox.dir.path().join("leak-agent.sock");
-    ctl_on(
-        &sandbox.store_path(),
-        None,
-        &[
-            "pool",
-            "add",
-            POOL,
-            "--name",
-            "leak-pool",
-            "--block-size",
-            "28",
-        ],
-    );
-    let mut cri = Cri::prepare(&sandbox);
+    let node = LeakNode::start();
+    let LeakNode {
+        cri,
+        sandbox,
+        agent_socket,
+        port,
+        report_path,
+        ..
+    } = &node;
+    let port = *port;
     let traces = cri.traces();
-    cri.start(&conflist(&sandbox, &traces.network, &agent_socket));
-
-    let port = free_port();
-    let flags: Vec<std::ffi::OsString> = [
-        "--datastore-type",
-        "sled",
-        "--datastore-path",
-        &sandbox.store_path().display().to_string(),
-        "--node",
-        NODE,
-        "--leak-collection",
-        "release",
-        "--cri-socket",
-        &traces.socket.display().to_string(),
-        "--leak-grace-seconds",
-        &GRACE_SECONDS.to_string(),
-        "--leak-scan-seconds",
-        &SCAN_SECONDS.to_string(),
-        "--metrics-listen",
-        &format!("127.0.0.1:{port}"),
-    ]
-    .iter()
-    .map(Into::into)
-    .collect();
-    let agent = InProcessAgent::run_binary_with_flags(&agent_socket, flags)
-        .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
 
     // Two pods the runtime runs, their addresses taken through the agent.
     let mut live: Vec<(String, IpAddr)> = Vec::new();
@@ -254,7 +335,7 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("no address for {name}: {status}"));
         assert_eq!(
-            holder(&sandbox, &agent_socket, address),
+            holder(sandbox, agent_socket, address),
             Some(format!("{}.{id}", traces.network))
         );
         live.push((id, address));
@@ -262,11 +343,9 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     wait_until("the runtime answers the agent", || {
         metric(port, "blockipam_agent_runtime_answering") == Some(1.0)
     });
-    // What `blockipamctl gc --leaks` reads: the agent's last look, written beside its socket.
-    let report_path = agent_socket.with_file_name("leaks.json");
     let mut report = Value::Null;
     wait_until("a look that sees both pods", || {
-        report = gc_leaks(&sandbox, &agent_socket, &report_path);
+        report = gc_leaks(sandbox, agent_socket, report_path);
         report["report"]["decisions"]["live"] == 2
     });
     assert_eq!(report["report"]["node"], NODE, "{report}");
@@ -283,15 +362,15 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     // A sandbox that vanished without a DEL: its address is released once gone for the grace.
     let added = Instant::now();
     let orphan = add_without_a_sandbox(
-        &sandbox,
+        sandbox,
         &traces.network,
-        &agent_socket,
+        agent_socket,
         &sandbox_id(1),
         "gone-1",
     );
-    assert!(holder(&sandbox, &agent_socket, orphan).is_some());
+    assert!(holder(sandbox, agent_socket, orphan).is_some());
     wait_until("the orphan's address released", || {
-        holder(&sandbox, &agent_socket, orphan).is_none()
+        holder(sandbox, agent_socket, orphan).is_none()
     });
     assert!(
         added.elapsed() >= Duration::from_secs(GRACE_SECONDS),
@@ -303,7 +382,7 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     );
     for (id, address) in &live {
         assert_eq!(
-            holder(&sandbox, &agent_socket, *address),
+            holder(sandbox, agent_socket, *address),
             Some(format!("{}.{id}", traces.network)),
             "a live pod's address must never be collected"
         );
@@ -313,7 +392,7 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     let (_, lost) = &live[1];
     ctl_on(
         &sandbox.store_path(),
-        Some(&agent_socket),
+        Some(agent_socket),
         &["release", "--ip", &lost.to_string()],
     );
     wait_until("the lost live address reported", || {
@@ -326,7 +405,7 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     let (lost_id, _) = &live[1];
     let shown = ctl_on(
         &sandbox.store_path(),
-        Some(&agent_socket),
+        Some(agent_socket),
         &["show", "--ip", &lost.to_string()],
     );
     assert_eq!(
@@ -343,14 +422,14 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     // A short outage (containerd paused for one failed look, shorter than the gap that restarts
     // countdowns by itself): a countdown running before it starts again after it.
     let second = add_without_a_sandbox(
-        &sandbox,
+        sandbox,
         &traces.network,
-        &agent_socket,
+        agent_socket,
         &sandbox_id(2),
         "gone-2",
     );
     wait_until("a look counting the second orphan down", || {
-        waiting(&gc_leaks(&sandbox, &agent_socket, &report_path)).contains(&second)
+        waiting(&gc_leaks(sandbox, agent_socket, report_path)).contains(&second)
     });
     cri.pause_containerd();
     wait_until("the agent sees the runtime down", || {
@@ -359,11 +438,11 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     let resumed = Instant::now();
     cri.resume_containerd();
     assert!(
-        holder(&sandbox, &agent_socket, second).is_some(),
+        holder(sandbox, agent_socket, second).is_some(),
         "collected while the runtime could not be asked"
     );
     wait_until("the second orphan released after a fresh grace", || {
-        holder(&sandbox, &agent_socket, second).is_none()
+        holder(sandbox, agent_socket, second).is_none()
     });
     assert!(
         resumed.elapsed() >= Duration::from_secs(GRACE_SECONDS),
@@ -373,29 +452,29 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     // A long outage: nothing is collected however long the runtime cannot be asked, and the
     // report says so.
     let third = add_without_a_sandbox(
-        &sandbox,
+        sandbox,
         &traces.network,
-        &agent_socket,
+        agent_socket,
         &sandbox_id(3),
         "gone-3",
     );
     wait_until("a look counting the third orphan down", || {
-        waiting(&gc_leaks(&sandbox, &agent_socket, &report_path)).contains(&third)
+        waiting(&gc_leaks(sandbox, agent_socket, report_path)).contains(&third)
     });
     cri.pause_containerd();
     wait_until(
         "the agent's report says the runtime could not be asked",
-        || gc_leaks_status(&sandbox, &agent_socket, &report_path),
+        || gc_leaks_status(sandbox, agent_socket, report_path),
     );
     std::thread::sleep(Duration::from_secs(GRACE_SECONDS + 3 * SCAN_SECONDS));
     assert!(
-        holder(&sandbox, &agent_socket, third).is_some(),
+        holder(sandbox, agent_socket, third).is_some(),
         "collected while the runtime could not be asked"
     );
     let resumed = Instant::now();
     cri.resume_containerd();
     wait_until("the third orphan released after a fresh grace", || {
-        holder(&sandbox, &agent_socket, third).is_none()
+        holder(sandbox, agent_socket, third).is_none()
     });
     assert!(resumed.elapsed() >= Duration::from_secs(GRACE_SECONDS));
     assert_eq!(
@@ -408,10 +487,150 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
         cri.stop_pod(id);
         cri.remove_pod(id);
     }
-    assert_eq!(holder(&sandbox, &agent_socket, live[0].1), None);
-    let report = ctl_on(&sandbox.store_path(), Some(&agent_socket), &["check"]);
+    assert_eq!(holder(sandbox, agent_socket, live[0].1), None);
+    let report = ctl_on(&sandbox.store_path(), Some(agent_socket), &["check"]);
     assert_eq!(report["problems"], json!([]), "{report}");
-    drop(agent);
+    drop(node);
+}
+
+/// Puts a plugin at the node's `blockipam` whose DEL fails with a CNI error (as a plugin that
+/// cannot reach its store answers) and whose other commands run the real plugin.
+fn break_the_plugins_del(cri: &Cri) {
+    let bin = cri.traces().dir.join("cni-bin");
+    let script = format!(
+        "#!/bin/sh\n\
+         if [ \"$CNI_COMMAND\" = DEL ]; then\n\
+         \x20 echo '{{\"cniVersion\":\"1.0.0\",\"code\":11,\"msg\":\"the store cannot be reached\"}}'\n\
+         \x20 exit 1\n\
+         fi\n\
+         exec {} \"$@\"\n",
+        plugin_binary().display()
+    );
+    replace_plugin(&bin, |path| {
+        std::fs::write(path, script)?;
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+    });
+}
+
+/// Puts the real plugin back at the node's `blockipam`.
+fn mend_the_plugin(cri: &Cri) {
+    let bin = cri.traces().dir.join("cni-bin");
+    replace_plugin(&bin, |path| {
+        std::os::unix::fs::symlink(plugin_binary(), path)
+    });
+}
+
+/// Replaces `<bin>/blockipam` by what `make` writes at a temporary path, renamed into place.
+fn replace_plugin(bin: &Path, make: impl FnOnce(&Path) -> std::io::Result<()>) {
+    let staged = bin.join(".blockipam.new");
+    let _ = std::fs::remove_file(&staged);
+    make(&staged).expect("stage the plugin");
+    std::fs::rename(&staged, bin.join("blockipam")).expect("put the plugin in place");
+}
+
+/// Looks the agent makes, at most, between the first look that finds a container gone and the
+/// one that collects its address: the grace, then two more intervals.
+fn looks_within_grace_and_two_intervals() -> u64 {
+    GRACE_SECONDS.div_ceil(SCAN_SECONDS) + 2
+}
+
+#[test]
+fn a_pod_whose_del_failed_is_kept_while_its_sandbox_exists_and_collected_with_the_rest_after_a_reboot(
+) {
+    let mut node = LeakNode::start();
+    let (running_id, running) = node.run_pod("web-1");
+    let (failed_id, failed) = node.run_pod("web-2");
+    wait_until("a look that sees both pods", || {
+        node.gc_leaks()["report"]["decisions"]["live"] == 2
+    });
+
+    // web-2 is stopped, and its DEL fails: containerd keeps the sandbox (not ready), and the
+    // address stays recorded.
+    break_the_plugins_del(&node.cri);
+    let stopped = node
+        .cri
+        .call("StopPodSandbox", &json!({"pod_sandbox_id": failed_id}));
+    let error = stopped.expect_err("StopPodSandbox must fail when the plugin's DEL fails");
+    assert!(
+        error.contains("the store cannot be reached"),
+        "not the plugin's error: {error}"
+    );
+    let status = node.cri.status(&failed_id);
+    assert_eq!(status["status"]["state"], "SANDBOX_NOTREADY", "{status}");
+    // While the sandbox exists, in whatever state, its address is the pod's: longer than the
+    // grace plus two looks, and every look counts it live.
+    let from = node.answered_looks();
+    wait_until("the grace and two more looks", || {
+        node.answered_looks() > from + looks_within_grace_and_two_intervals()
+    });
+    assert_eq!(node.holder(failed), Some(node.handle_of(&failed_id)));
+    let report = node.gc_leaks();
+    assert_eq!(report["report"]["decisions"]["live"], 2, "{report}");
+    assert_eq!(
+        report["report"]["decisions"]["waiting"],
+        json!([]),
+        "{report}"
+    );
+    assert_eq!(
+        node.metric("blockipam_agent_leaks_released_total"),
+        Some(0.0)
+    );
+
+    // The node goes down and comes back with containerd's state wiped: no DEL ever reaches the
+    // plugin for either pod. While the runtime's socket is gone nothing is collected.
+    node.cri.power_off();
+    mend_the_plugin(&node.cri);
+    wait_until("the agent sees the runtime gone", || {
+        node.metric("blockipam_agent_runtime_answering") == Some(0.0)
+    });
+    std::thread::sleep(Duration::from_secs(GRACE_SECONDS + 3 * SCAN_SECONDS));
+    assert_eq!(node.holder(running), Some(node.handle_of(&running_id)));
+    assert_eq!(node.holder(failed), Some(node.handle_of(&failed_id)));
+    assert!(
+        gc_leaks_status(&node.sandbox, &node.agent_socket, &node.report_path),
+        "the report must say the runtime could not be asked"
+    );
+
+    node.cri.power_on();
+    wait_until("the agent sees the runtime again", || {
+        node.metric("blockipam_agent_runtime_answering") == Some(1.0)
+    });
+    let answering_again = Instant::now();
+    let first_look_back = node.answered_looks();
+    // The kubelet starts the node's pods again: new sandboxes, new addresses.
+    let (recreated_id, recreated) = node.run_pod("web-1");
+    let recreated_seen = node.answered_looks() + 1;
+    let mut collected_at_look = 0;
+    wait_until("both lost pods' addresses collected", || {
+        let gone = node.holder(running).is_none() && node.holder(failed).is_none();
+        collected_at_look = node.answered_looks();
+        gone
+    });
+    assert!(
+        answering_again.elapsed() >= Duration::from_secs(GRACE_SECONDS),
+        "collected before the grace"
+    );
+    let bound = (first_look_back + looks_within_grace_and_two_intervals()).max(recreated_seen);
+    assert!(
+        collected_at_look <= bound,
+        "collected at look {collected_at_look}, later than the grace plus two looks (look {bound}; \
+         the runtime answered again at look {first_look_back})"
+    );
+    assert_eq!(
+        node.metric("blockipam_agent_leaks_released_total"),
+        Some(2.0)
+    );
+    assert_eq!(node.holder(recreated), Some(node.handle_of(&recreated_id)));
+
+    node.cri.stop_pod(&recreated_id);
+    node.cri.remove_pod(&recreated_id);
+    assert_eq!(node.holder(recreated), None);
+    let report = ctl_on(
+        &node.sandbox.store_path(),
+        Some(&node.agent_socket),
+        &["check"],
+    );
+    assert_eq!(report["problems"], json!([]), "{report}");
 }
 
 /// Pods in the scan-cost run: `BLOCKIPAM_LEAK_SCAN_PODS` (110, Kubernetes' default pod limit per
