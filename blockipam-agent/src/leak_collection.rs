@@ -188,6 +188,19 @@ async fn run_loop(
                     .await
                 {
                     Ok(decisions) => {
+                        if let Err(e) = ipam
+                            .record_disagreements(
+                                &settings.node,
+                                view.observed_at,
+                                &decisions.disagreements,
+                            )
+                            .await
+                        {
+                            tracing::warn!(
+                                "leak collection: cannot record this look's disagreements for \
+                                 `blockipamctl check` ({e})"
+                            );
+                        }
                         report(&decisions, &counters, &mut reported, &mut unproven_logged);
                         write_report(&settings, view.observed_at, None, Some(&decisions));
                         if settings.release && !decisions.leaked.is_empty() {

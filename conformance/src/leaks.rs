@@ -4,10 +4,13 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipam_core::allocator::leaks::{
-    handle_id, AddressHolder, LeakPolicy, LeakWatch, LiveSandbox, Reassertion, RuntimeView,
-    ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD,
+    handle_id, AddressHolder, Disagreement, LeakPolicy, LeakWatch, LiveSandbox, Reassertion,
+    RuntimeView, ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD,
 };
 use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
+use ipam_core::check::kinds;
+use ipam_core::dead_nodes::{forget_node, register};
+use ipam_core::model::keys;
 use ipam_core::{Ipam, ReleaseRequest};
 
 use crate::ipam::{assert_clean, ipam_with_pool};
@@ -22,6 +25,8 @@ macro_rules! leaks_conformance_tests {
             a_decided_leak_whose_address_changed_hands_is_left_alone,
             live_addresses_recorded_for_another_node_or_free_are_reported,
             a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_alone,
+            a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none,
+            a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten,
         );
     };
 }
@@ -301,4 +306,139 @@ pub async fn a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_a
         "a held address is left alone"
     );
     assert_clean(&ipam).await;
+}
+
+/// The disagreements node-a's look found (a duplicate of node-b's address, a free address).
+async fn node_a_disagreements(ipam: &Ipam) -> (Vec<Disagreement>, IpAddr, IpAddr) {
+    let (own, _) = assign_for(ipam, "own", "node-a").await;
+    let (theirs, _) = assign_for(ipam, "theirs", "node-b").await;
+    let free: IpAddr = "10.0.0.150".parse().expect("address");
+    let decisions = ipam
+        .look_for_leaks(
+            "node-a",
+            &view(T0, &[("own", vec![own, theirs]), ("stray", vec![free])]),
+            &mut LeakWatch::new(),
+            POLICY,
+        )
+        .await
+        .expect("look");
+    assert_eq!(decisions.disagreements.len(), 2, "{decisions:#?}");
+    (decisions.disagreements, theirs, free)
+}
+
+/// What a node's agent records of its look is what `check` reports, one problem per address
+/// (`duplicate-address` naming the holder's handle and node, `unrecorded-live-address`), each
+/// naming the node that found it; the same findings are not written again; a look that finds
+/// nothing deletes the record and `check` is clean again.
+pub async fn a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (disagreements, theirs, free) = node_a_disagreements(&ipam).await;
+    assert_clean(&ipam).await;
+    assert!(ipam
+        .record_disagreements("node-a", T0, &disagreements)
+        .await
+        .expect("record"));
+    let key = keys::live_disagreements_key("node-a");
+    let written = t.store.get(&key).await.expect("read").expect("recorded");
+
+    let report = ipam.check(false).await.expect("check");
+    let found: Vec<(&str, Option<&str>, Option<&str>)> = report
+        .problems
+        .iter()
+        .map(|p| (p.kind.as_str(), p.node.as_deref(), p.handle.as_deref()))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            (kinds::DUPLICATE_ADDRESS, Some("node-a"), Some("net.theirs")),
+            (kinds::UNRECORDED_LIVE_ADDRESS, Some("node-a"), None),
+        ],
+        "{report:#?}"
+    );
+    let duplicate = &report.problems[0].detail;
+    assert!(
+        duplicate.contains(&theirs.to_string())
+            && duplicate.contains("pod-own")
+            && duplicate.contains("node node-b"),
+        "{duplicate}"
+    );
+    assert!(report.problems[1].detail.contains(&free.to_string()));
+    assert!(report
+        .problems
+        .iter()
+        .all(|p| !p.repairable && !p.remedy.is_empty()));
+
+    // The next look finds the same: nothing written (the record keeps when it was first found).
+    assert!(!ipam
+        .record_disagreements("node-a", T0 + 60, &disagreements)
+        .await
+        .expect("record again"));
+    let kept = t.store.get(&key).await.expect("read").expect("recorded");
+    assert_eq!(
+        kept.revision, written.revision,
+        "the same findings rewritten"
+    );
+    // One of them resolved: rewritten with what is left.
+    assert!(ipam
+        .record_disagreements("node-a", T0 + 120, &disagreements[..1])
+        .await
+        .expect("record fewer"));
+    let report = ipam.check(false).await.expect("check");
+    assert_eq!(report.problems.len(), 1, "{report:#?}");
+    assert_eq!(report.problems[0].kind, kinds::DUPLICATE_ADDRESS);
+    // A look that finds nothing: the record goes, and check is clean.
+    assert!(ipam
+        .record_disagreements("node-a", T0 + 180, &[])
+        .await
+        .expect("record none"));
+    assert_eq!(t.store.get(&key).await.expect("read"), None);
+    assert!(!ipam
+        .record_disagreements("node-a", T0 + 240, &[])
+        .await
+        .expect("record none again"));
+    assert_clean(&ipam).await;
+}
+
+/// Bytes at a node's record that do not decode are a `corrupt-object` for `check`, never a
+/// panic; the agent's next record replaces them; forgetting the node (`node release`) deletes
+/// its record with its registration.
+pub async fn a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let key = keys::live_disagreements_key("node-a");
+    t.store
+        .put(&key, b"{not json".to_vec())
+        .await
+        .expect("garbage");
+    let report = ipam.check(false).await.expect("check");
+    assert_eq!(report.problems.len(), 1, "{report:#?}");
+    assert_eq!(report.problems[0].kind, kinds::CORRUPT_OBJECT);
+    assert!(report.problems[0].detail.contains(&key), "{report:#?}");
+
+    let (disagreements, _, _) = node_a_disagreements(&ipam).await;
+    assert!(ipam
+        .record_disagreements("node-a", T0, &disagreements)
+        .await
+        .expect("replace"));
+    let report = ipam.check(false).await.expect("check");
+    assert_eq!(report.problems.len(), 2, "{report:#?}");
+    assert!(report
+        .problems
+        .iter()
+        .all(|p| p.kind != kinds::CORRUPT_OBJECT));
+
+    register(t.store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    assert!(forget_node(t.store.as_ref(), "node-a")
+        .await
+        .expect("forget"));
+    assert_eq!(t.store.get(&key).await.expect("read"), None);
 }

@@ -419,6 +419,44 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
         metric(port, "ipam_unrecorded_live_addresses") == Some(0.0)
     });
 
+    // A stale node name (Calico #12257's case): the store hands web-1's address to a container on
+    // another node. The agent reports the duplicate, and `blockipamctl check` shows it with the
+    // node that found it; the address stays with its recorded holder until an operator acts.
+    let (web_1, taken) = &live[0];
+    let stale = add_on_another_node(sandbox, agent_socket, &traces.network, *taken);
+    wait_until("the duplicate reported", || {
+        metric(port, "ipam_duplicate_addresses") == Some(1.0)
+    });
+    let (status, stdout, _) = ctl_run(&sandbox.store_path(), Some(agent_socket), &["check"]);
+    let checked: Value = serde_json::from_str(&stdout).expect("check's JSON report");
+    assert_eq!(status, 1, "{checked}");
+    let problems = checked["problems"].as_array().expect("problems");
+    assert_eq!(problems.len(), 1, "{checked}");
+    assert_eq!(problems[0]["kind"], "duplicate-address", "{checked}");
+    assert_eq!(problems[0]["node"], NODE, "{checked}");
+    assert_eq!(problems[0]["handle"], stale, "{checked}");
+    assert!(
+        problems[0]["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("web-1") && d.contains(STALE_NODE)),
+        "{checked}"
+    );
+    assert_eq!(holder(sandbox, agent_socket, *taken), Some(stale.clone()));
+    // The operator releases the stale holder's address: the agent records it for web-1 again,
+    // and the record `check` reads is cleared.
+    ctl_on(
+        &sandbox.store_path(),
+        Some(agent_socket),
+        &["release", "--ip", &taken.to_string()],
+    );
+    wait_until("web-1's address recorded for it again", || {
+        holder(sandbox, agent_socket, *taken) == Some(format!("{}.{web_1}", traces.network))
+            && metric(port, "ipam_duplicate_addresses") == Some(0.0)
+    });
+    wait_until("check clean again", || {
+        ctl_run(&sandbox.store_path(), Some(agent_socket), &["check"]).0 == 0
+    });
+
     // A short outage (containerd paused for one failed look, shorter than the gap that restarts
     // countdowns by itself): a countdown running before it starts again after it.
     let second = add_without_a_sandbox(
@@ -491,6 +529,52 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     let report = ctl_on(&sandbox.store_path(), Some(agent_socket), &["check"]);
     assert_eq!(report["problems"], json!([]), "{report}");
     drop(node);
+}
+
+/// The other node in the duplicate case.
+const STALE_NODE: &str = "stale-node";
+
+/// Releases `address` and has the plugin take exactly it (`IP=` in CNI_ARGS) for a container on
+/// [`STALE_NODE`]: the handle that holds it then. Tried again when this node's agent recorded the
+/// address for its live pod between the two calls.
+fn add_on_another_node(
+    sandbox: &Sandbox,
+    agent_socket: &Path,
+    network: &str,
+    address: IpAddr,
+) -> String {
+    let id = sandbox_id(0xee);
+    let mut last = None;
+    for _ in 0..5 {
+        ctl_on(
+            &sandbox.store_path(),
+            Some(agent_socket),
+            &["release", "--ip", &address.to_string()],
+        );
+        let mut env = full_cni_env("ADD", &id, "eth0", "/var/run/netns/stale", "/nonexistent");
+        env.push((
+            "CNI_ARGS".to_owned(),
+            format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME=stale;\
+                 K8S_POD_INFRA_CONTAINER_ID={id};IP={address}"
+            ),
+        ));
+        let mut settings = ipam(sandbox, agent_socket);
+        settings["nodename"] = json!(STALE_NODE);
+        let netconf = json!({"cniVersion": "1.0.0", "name": network, "ipam": settings});
+        let outcome = run_cni(
+            plugin_binary(),
+            &[],
+            &env,
+            netconf.to_string().as_bytes(),
+            HANG_GUARD,
+        );
+        if outcome.status == 0 {
+            return format!("{network}.{id}");
+        }
+        last = Some(outcome);
+    }
+    panic!("the plugin never took {address} for {STALE_NODE}: {last:#?}");
 }
 
 /// Puts a plugin at the node's `blockipam` whose DEL fails with a CNI error (as a plugin that

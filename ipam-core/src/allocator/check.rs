@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use crate::allocator::leaks::{AddressHolder, LiveDisagreements};
 use crate::allocator::{decode_stored, Ipam, Plan, Stored, ATTR_NODE};
 use crate::kv::{KvError, Read};
 use crate::model::error::IpamError;
@@ -43,6 +44,11 @@ pub mod kinds {
     pub const OVERLAPPING_POOLS: &str = "overlapping-pools";
     /// A `blockipamctl import calico` did not finish (reported by `blockipamctl check`).
     pub const IMPORT_IN_PROGRESS: &str = "import-in-progress";
+    /// A node's agent found a live pod using an address the store records for another
+    /// allocation (another container's, or another node's): two pods may answer on it.
+    pub const DUPLICATE_ADDRESS: &str = "duplicate-address";
+    /// A node's agent found a live pod using an address the store holds as free.
+    pub const UNRECORDED_LIVE_ADDRESS: &str = "unrecorded-live-address";
 
     /// Every kind, for tables and tests.
     pub const ALL: &[&str] = &[
@@ -59,6 +65,8 @@ pub mod kinds {
         EMPTY_UNAFFINE_BLOCK,
         OVERLAPPING_POOLS,
         IMPORT_IN_PROGRESS,
+        DUPLICATE_ADDRESS,
+        UNRECORDED_LIVE_ADDRESS,
     ];
 
     /// What a person should do about a problem of `kind` (empty for a kind this build does not know).
@@ -114,6 +122,21 @@ pub mod kinds {
             }
             IMPORT_IN_PROGRESS => {
                 "Run the same `blockipamctl import calico` again: it resumes the import."
+            }
+            DUPLICATE_ADDRESS => {
+                "Two pods may answer on the address: the live pod the detail names and the holder \
+                 the store records. The store keeps it for the holder, so it is not handed out \
+                 again. Find out which pod really owns it (`blockipamctl show --ip`); delete the \
+                 live pod the store does not record (its controller recreates it with an address \
+                 of its own), or, when the holder is gone, release the holder's address \
+                 (`blockipamctl release --ip`) and delete the live pod. The node's agent clears \
+                 the record at its next look once they agree."
+            }
+            UNRECORDED_LIVE_ADDRESS => {
+                "A live pod uses an address the store holds as free, so it may be handed to \
+                 another pod. The node's agent records it for the pod again at its next look \
+                 (`--leak-collection release`, with the runtime's libcni cache readable); when it \
+                 cannot, delete the pod so that it is recreated with an address of its own."
             }
             _ => "",
         }
@@ -198,6 +221,48 @@ impl Problem {
         self.addresses = addresses;
         self
     }
+}
+
+/// The problems a node's record of live disagreements stands for: one per address.
+fn live_disagreement_problems(record: &LiveDisagreements) -> Vec<Problem> {
+    let since = crate::model::timestamp::format_unix(record.since);
+    record
+        .disagreements
+        .iter()
+        .map(|d| {
+            let sandbox: String = d.sandbox_id.chars().take(12).collect();
+            let user = format!(
+                "{} is used by live pod {} (sandbox {sandbox}) on node {}",
+                d.address, d.pod, record.node
+            );
+            let found = format!("found by the node's agent since {since}");
+            let mut problem = match &d.holder {
+                AddressHolder::Free => Problem::new(
+                    kinds::UNRECORDED_LIVE_ADDRESS,
+                    false,
+                    format!("{user} and free in the store ({found})"),
+                ),
+                AddressHolder::Other(holder) => {
+                    let node = holder
+                        .attributes
+                        .get(ATTR_NODE)
+                        .or(holder.block_host.as_ref())
+                        .map_or_else(|| "no node".to_owned(), |n| format!("node {n}"));
+                    Problem::new(
+                        kinds::DUPLICATE_ADDRESS,
+                        false,
+                        format!(
+                            "{user} and recorded for handle {} on {node} ({found})",
+                            holder.handle
+                        ),
+                    )
+                    .with_handle(&holder.handle)
+                }
+            };
+            problem.node = Some(record.node.clone());
+            problem
+        })
+        .collect()
 }
 
 /// The result of a check (and of a repair, when asked).
@@ -610,6 +675,7 @@ impl Ipam {
                 Read::List(keys::handles_dir()),
                 Read::Get(keys::config()),
                 Read::List(keys::reservations_dir()),
+                Read::List(keys::live_disagreements_dir()),
             ])
             .await?;
         let mut lists = Vec::new();
@@ -620,12 +686,13 @@ impl Ipam {
                 crate::kv::ReadResult::Got(kv) => config = kv,
             }
         }
-        let [pools, blocks, claims, handles, reservations]: [Vec<crate::kv::KeyValue>; 5] =
-            lists.try_into().map_err(|_| {
-                IpamError::Store(KvError::other(
-                    "read_many returned the wrong number of results",
-                ))
-            })?;
+        let [pools, blocks, claims, handles, reservations, live_disagreements]: [Vec<
+            crate::kv::KeyValue,
+        >; 6] = lists.try_into().map_err(|_| {
+            IpamError::Store(KvError::other(
+                "read_many returned the wrong number of results",
+            ))
+        })?;
         let mut snapshot = Snapshot {
             pools: Vec::new(),
             blocks: Vec::new(),
@@ -658,6 +725,12 @@ impl Ipam {
         if let Some(kv) = config {
             if let Err(e) = decode::<IpamConfig>(&kv.key, &kv.value) {
                 corrupt(report, &kv.key, e);
+            }
+        }
+        for kv in &live_disagreements {
+            match LiveDisagreements::decode(&kv.key, &kv.value) {
+                Ok(record) => report.problems.extend(live_disagreement_problems(&record)),
+                Err(e) => corrupt(report, &kv.key, e),
             }
         }
         for kv in &reservations {

@@ -209,7 +209,8 @@ pub async fn register(
 }
 
 /// Forgets `host` once an operator released its addresses (`node release <node> --addresses`):
-/// deletes its registration and whatever is under its countdown's key, in one transaction guarded
+/// deletes its registration, its agent's record of live disagreements and whatever is under its
+/// countdown's key, in one transaction guarded
 /// by "no liveness key, registration unchanged". A node an agent keeps live stays registered.
 /// Returns whether a registration was deleted (`false` also when there was none).
 ///
@@ -223,7 +224,8 @@ pub async fn forget_node(store: &dyn KvStore, host: &str) -> Result<bool, IpamEr
     };
     let txn = Txn::new()
         .then(Op::delete(agent_key(host)))
-        .then(Op::delete(countdown_key(host)));
+        .then(Op::delete(countdown_key(host)))
+        .then(Op::delete(crate::model::keys::live_disagreements_key(host)));
     let guard = [
         Condition::at_revision(agent_key(host), registration.revision),
         Condition::absent(liveness_key(host)),

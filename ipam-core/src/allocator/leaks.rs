@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NODE};
 use crate::model::error::IpamError;
+use crate::model::keys;
 use crate::model::timestamp;
 use crate::model::AllowedUse;
 
@@ -171,6 +172,47 @@ pub struct LeakReport {
     /// What the look decided, when the runtime answered and the store was read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decisions: Option<LeakDecisions>,
+}
+
+/// The version of [`LiveDisagreements`] this build writes and reads.
+pub const LIVE_DISAGREEMENTS_VERSION: u32 = 1;
+
+/// What a node's agent found at its looks: the live addresses the store disagrees with, stored
+/// under [`keys::live_disagreements_key`] (JSON) for `check` to report cluster-wide.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LiveDisagreements {
+    /// [`LIVE_DISAGREEMENTS_VERSION`].
+    pub version: u32,
+    /// The node whose agent looked.
+    pub node: String,
+    /// The look that first found exactly these (Unix seconds, the node's clock).
+    pub since: u64,
+    /// What it found, each still there at the agent's last look.
+    pub disagreements: Vec<Disagreement>,
+}
+
+impl LiveDisagreements {
+    /// Decodes a stored record; a record of another version is refused (a newer build wrote it).
+    ///
+    /// # Errors
+    /// [`IpamError::Corrupt`] naming the key.
+    pub fn decode(key: &str, bytes: &[u8]) -> Result<LiveDisagreements, IpamError> {
+        let record: LiveDisagreements =
+            serde_json::from_slice(bytes).map_err(|e| IpamError::Corrupt {
+                key: key.to_owned(),
+                message: format!("not a live-disagreements record: {e}"),
+            })?;
+        if record.version != LIVE_DISAGREEMENTS_VERSION {
+            return Err(IpamError::Corrupt {
+                key: key.to_owned(),
+                message: format!(
+                    "live-disagreements record version {} (this build reads {})",
+                    record.version, LIVE_DISAGREEMENTS_VERSION
+                ),
+            });
+        }
+        Ok(record)
+    }
 }
 
 /// The memory between looks: since when each of this node's allocations has been missing.
@@ -331,6 +373,48 @@ impl Ipam {
             Err(IpamError::AlreadyAssigned { .. }) => Ok(false),
             Err(other) => Err(other),
         }
+    }
+
+    /// Records what a look of `host`'s agent found at `observed_at` where `check` reads it:
+    /// written only when it differs from the record (which keeps the look that first found it),
+    /// deleted when the look found nothing. Whether it wrote.
+    ///
+    /// # Errors
+    /// Store failures. A record that does not decode is replaced.
+    pub async fn record_disagreements(
+        &self,
+        host: &str,
+        observed_at: u64,
+        disagreements: &[Disagreement],
+    ) -> Result<bool, IpamError> {
+        let key = keys::live_disagreements_key(host);
+        let stored = self.store.get(&key).await?;
+        let unchanged = stored.as_ref().is_some_and(|kv| {
+            LiveDisagreements::decode(&kv.key, &kv.value)
+                .is_ok_and(|r| r.node == host && r.disagreements == disagreements)
+        });
+        if disagreements.is_empty() {
+            if stored.is_none() {
+                return Ok(false);
+            }
+            self.store.delete(&key).await?;
+            return Ok(true);
+        }
+        if unchanged {
+            return Ok(false);
+        }
+        let record = LiveDisagreements {
+            version: LIVE_DISAGREEMENTS_VERSION,
+            node: host.to_owned(),
+            since: observed_at,
+            disagreements: disagreements.to_vec(),
+        };
+        let bytes = serde_json::to_vec(&record).map_err(|e| IpamError::Corrupt {
+            key: key.clone(),
+            message: format!("cannot encode: {e}"),
+        })?;
+        self.store.put(&key, bytes).await?;
+        Ok(true)
     }
 
     /// One look for `host`: reads every allocation and pool and decides with `watch` (see

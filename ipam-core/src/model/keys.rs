@@ -213,6 +213,18 @@ pub fn activity_key(host: &str) -> String {
     format!("{ROOT}activity/{host}")
 }
 
+/// Prefix of every node's record of live addresses the store disagrees with.
+pub fn live_disagreements_dir() -> String {
+    format!("{ROOT}live-disagreements/")
+}
+
+/// `host`'s record of the live addresses the store disagrees with: written by that node's agent
+/// when what its looks find changes, deleted when they find nothing and when the node is
+/// forgotten; read by `check`.
+pub fn live_disagreements_key(host: &str) -> String {
+    format!("{ROOT}live-disagreements/{host}")
+}
+
 /// Prefix of every grace countdown.
 pub fn countdown_dir() -> String {
     format!("{ROOT}missing/")
