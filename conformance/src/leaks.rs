@@ -11,7 +11,7 @@ use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
 use ipam_core::check::kinds;
 use ipam_core::dead_nodes::{forget_node, register};
 use ipam_core::model::keys;
-use ipam_core::{Ipam, ReleaseRequest};
+use ipam_core::{Ipam, IpamError, ReleaseRequest};
 
 use crate::ipam::{assert_clean, ipam_with_pool};
 use crate::StoreFactory;
@@ -27,6 +27,7 @@ macro_rules! leaks_conformance_tests {
             a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_alone,
             a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none,
             a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten,
+            a_block_that_does_not_decode_stops_the_look_and_nothing_is_written,
         );
     };
 }
@@ -441,4 +442,59 @@ pub async fn a_live_disagreements_record_that_does_not_decode_is_reported_replac
         .await
         .expect("forget"));
     assert_eq!(t.store.get(&key).await.expect("read"), None);
+}
+
+/// A look that meets a block it cannot decode (another node's, damaged) decides nothing: the
+/// error names the key, nothing is written (the damaged bytes stay for an operator to restore),
+/// and once the block is restored the look goes on.
+pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (gone, _) = assign_for(&ipam, "gone", "node-a").await;
+    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let runtime = |at| view(at, &[]);
+    let mut watch = LeakWatch::new();
+    let first = ipam
+        .look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("look");
+    assert_eq!(first.waiting.len(), 1, "{first:#?}");
+
+    let block = ipam
+        .get_assignment(theirs)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let key = keys::block(Some("node-b"), &block);
+    let intact = t.store.get(&key).await.expect("get").expect("block").value;
+    let mut damaged = intact.clone();
+    damaged.truncate(damaged.len() / 2);
+    t.store.put(&key, damaged).await.expect("damage it");
+    let before = t.store.list("").await.expect("list");
+    match ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
+        .await
+    {
+        Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
+        other => panic!("expected a corruption error naming {key}, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a failed look writes nothing"
+    );
+    assert!(ipam.get_assignment(gone).await.expect("read").is_some());
+
+    t.store.put(&key, intact).await.expect("restore it");
+    let again = ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE + 1), &mut watch, POLICY)
+        .await
+        .expect("look after the restore");
+    assert_eq!(
+        again.leaked.len() + again.waiting.len(),
+        1,
+        "node-a's gone container is judged again: {again:#?}"
+    );
 }
