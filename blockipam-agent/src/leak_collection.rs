@@ -14,8 +14,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use cri_client::{CriClient, CriError};
 use ipam_core::allocator::leaks::{
-    AddressHolder, LeakDecisions, LeakPolicy, LeakReport, LeakWatch, LiveSandbox, RuntimeView,
-    LEAK_REPORT_FILE, LEAK_REPORT_VERSION,
+    AddressHolder, Disagreement, LeakDecisions, LeakPolicy, LeakReport, LeakWatch, LiveSandbox,
+    RuntimeView, LEAK_REPORT_FILE, LEAK_REPORT_VERSION,
 };
 use ipam_core::{Ipam, KvStore};
 use tokio::sync::oneshot;
@@ -188,26 +188,32 @@ async fn run_loop(
                     .await
                 {
                     Ok(decisions) => {
+                        report(&decisions, &counters, &mut reported, &mut unproven_logged);
+                        write_report(&settings, view.observed_at, None, Some(&decisions));
+                        if settings.release && !decisions.leaked.is_empty() {
+                            release(&ipam, &decisions, &counters).await;
+                        }
+                        let recorded_again = if settings.release {
+                            reassert(&ipam, &settings, &decisions, &counters).await
+                        } else {
+                            BTreeSet::new()
+                        };
+                        // What `blockipamctl check` reports: what this look found and did not
+                        // settle itself.
+                        let unsettled: Vec<Disagreement> = decisions
+                            .disagreements
+                            .iter()
+                            .filter(|d| !recorded_again.contains(&d.address))
+                            .cloned()
+                            .collect();
                         if let Err(e) = ipam
-                            .record_disagreements(
-                                &settings.node,
-                                view.observed_at,
-                                &decisions.disagreements,
-                            )
+                            .record_disagreements(&settings.node, view.observed_at, &unsettled)
                             .await
                         {
                             tracing::warn!(
                                 "leak collection: cannot record this look's disagreements for \
                                  `blockipamctl check` ({e})"
                             );
-                        }
-                        report(&decisions, &counters, &mut reported, &mut unproven_logged);
-                        write_report(&settings, view.observed_at, None, Some(&decisions));
-                        if settings.release && !decisions.leaked.is_empty() {
-                            release(&ipam, &decisions, &counters).await;
-                        }
-                        if settings.release {
-                            reassert(&ipam, &settings, &decisions, &counters).await;
                         }
                     }
                     Err(e) => tracing::warn!(
@@ -357,14 +363,16 @@ async fn release(ipam: &Ipam, decisions: &LeakDecisions, counters: &LeakCounters
 }
 
 /// Records each live pod's address the store holds as free for it again, from libcni's cache of
-/// its ADD (the runtime's own record); an address without such a record is only reported.
+/// its ADD (the runtime's own record); an address without such a record is only reported. The
+/// addresses recorded again.
 async fn reassert(
     ipam: &Ipam,
     settings: &LeakSettings,
     decisions: &LeakDecisions,
     counters: &LeakCounters,
-) {
+) -> BTreeSet<IpAddr> {
     let now = ipam_core::model::timestamp::now_rfc3339();
+    let mut recorded_again = BTreeSet::new();
     for disagreement in &decisions.disagreements {
         if !matches!(disagreement.holder, AddressHolder::Free) {
             continue;
@@ -387,6 +395,7 @@ async fn reassert(
         };
         match ipam.reassert(&reassertion).await {
             Ok(true) => {
+                recorded_again.insert(disagreement.address);
                 counters.reasserted.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
                     address = %disagreement.address,
@@ -408,6 +417,7 @@ async fn reassert(
             ),
         }
     }
+    recorded_again
 }
 
 /// Writes one look's report beside the socket (written beside, then renamed: a reader never sees

@@ -200,8 +200,8 @@ fn sandbox_id(n: u8) -> String {
 /// collection on. Dropped agent first, then containerd (its cleanup sends the remaining DELs),
 /// then the directory.
 struct LeakNode {
-    /// Runs until the node is dropped.
-    _agent: InProcessAgent,
+    /// Runs until the node is dropped (or [`LeakNode::stop_agent`]).
+    agent: Option<InProcessAgent>,
     cri: Cri,
     sandbox: Sandbox,
     agent_socket: PathBuf,
@@ -236,38 +236,53 @@ impl LeakNode {
         cri.start(&conflist(&sandbox, &traces.network, &agent_socket));
 
         let port = free_port();
-        let flags: Vec<std::ffi::OsString> = [
-            "--datastore-type",
-            "sled",
-            "--datastore-path",
-            &sandbox.store_path().display().to_string(),
-            "--node",
-            NODE,
-            "--leak-collection",
-            "release",
-            "--cri-socket",
-            &traces.socket.display().to_string(),
-            "--leak-grace-seconds",
-            &GRACE_SECONDS.to_string(),
-            "--leak-scan-seconds",
-            &SCAN_SECONDS.to_string(),
-            "--metrics-listen",
-            &format!("127.0.0.1:{port}"),
-        ]
-        .iter()
-        .map(Into::into)
-        .collect();
-        let agent = InProcessAgent::run_binary_with_flags(&agent_socket, flags)
-            .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
-        LeakNode {
-            _agent: agent,
+        let mut node = LeakNode {
+            agent: None,
             cri,
             report_path: agent_socket.with_file_name("leaks.json"),
             agent_socket,
             sandbox,
             port,
             network: traces.network,
-        }
+        };
+        node.start_agent();
+        node
+    }
+
+    /// Starts the real agent on the store, with leak collection at the test's grace and
+    /// interval, against this node's containerd.
+    fn start_agent(&mut self) {
+        assert!(self.agent.is_none(), "the agent runs already");
+        let flags: Vec<std::ffi::OsString> = [
+            "--datastore-type",
+            "sled",
+            "--datastore-path",
+            &self.sandbox.store_path().display().to_string(),
+            "--node",
+            NODE,
+            "--leak-collection",
+            "release",
+            "--cri-socket",
+            &self.cri.traces().socket.display().to_string(),
+            "--leak-grace-seconds",
+            &GRACE_SECONDS.to_string(),
+            "--leak-scan-seconds",
+            &SCAN_SECONDS.to_string(),
+            "--metrics-listen",
+            &format!("127.0.0.1:{}", self.port),
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        self.agent = Some(
+            InProcessAgent::run_binary_with_flags(&self.agent_socket, flags)
+                .unwrap_or_else(|e| panic!("the agent did not start: {e}")),
+        );
+    }
+
+    /// Stops the agent (its countdowns and counters go with it).
+    fn stop_agent(&mut self) {
+        self.agent = None;
     }
 
     /// Runs pod `name` through the CRI: its sandbox id and address, checked recorded for it.
@@ -427,9 +442,12 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
     wait_until("the duplicate reported", || {
         metric(port, "ipam_duplicate_addresses") == Some(1.0)
     });
-    let (status, stdout, _) = ctl_run(&sandbox.store_path(), Some(agent_socket), &["check"]);
-    let checked: Value = serde_json::from_str(&stdout).expect("check's JSON report");
-    assert_eq!(status, 1, "{checked}");
+    let mut checked = Value::Null;
+    wait_until("check reports the duplicate", || {
+        let (status, stdout, _) = ctl_run(&sandbox.store_path(), Some(agent_socket), &["check"]);
+        checked = serde_json::from_str(&stdout).expect("check's JSON report");
+        status == 1
+    });
     let problems = checked["problems"].as_array().expect("problems");
     assert_eq!(problems.len(), 1, "{checked}");
     assert_eq!(problems[0]["kind"], "duplicate-address", "{checked}");
@@ -704,6 +722,24 @@ fn a_pod_whose_del_failed_is_kept_while_its_sandbox_exists_and_collected_with_th
         node.metric("blockipam_agent_leaks_released_total"),
         Some(2.0)
     );
+    assert_eq!(node.holder(recreated), Some(node.handle_of(&recreated_id)));
+
+    // The agent stops, and the store is restored from a backup older than the recreated pod: its
+    // address is free there. The agent's first look after it starts records it for the pod again.
+    node.stop_agent();
+    ctl_on(
+        &node.sandbox.store_path(),
+        None,
+        &["release", "--ip", &recreated.to_string()],
+    );
+    node.start_agent();
+    let mut looks = 0;
+    wait_until("the restored store's lost address recorded again", || {
+        let done = node.metric("blockipam_agent_addresses_reasserted_total") == Some(1.0);
+        looks = node.answered_looks();
+        done
+    });
+    assert_eq!(looks, 1, "recorded again at the agent's first look");
     assert_eq!(node.holder(recreated), Some(node.handle_of(&recreated_id)));
 
     node.cri.stop_pod(&recreated_id);

@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
+use ipam_core::allocator::leaks::{AddressHolder, Disagreement};
 use ipam_core::model::keys;
 use ipam_core::store_format::FormatRecord;
 use ipam_core::{Ipam, KeyValue};
@@ -592,6 +593,39 @@ impl MixedCluster {
                 ..DatastoreSettings::default()
             },
         }
+    }
+
+    /// Records, as today's agent on `node` does after a look, that a live pod there uses each of
+    /// `addresses` while the store holds it for its current holder (a duplicate); an empty list
+    /// clears the record.
+    pub fn record_live_duplicates(&self, node: &str, addresses: &[String]) {
+        let settings = self.settings();
+        test_kit::block_on(async move {
+            let store = settings.open().await.expect("open the store");
+            let ipam = Ipam::new(store);
+            let mut disagreements = Vec::new();
+            for address in addresses {
+                let ip: std::net::IpAddr = address
+                    .split('/')
+                    .next()
+                    .and_then(|a| a.parse().ok())
+                    .unwrap_or_else(|| panic!("not an address: {address}"));
+                let held = ipam
+                    .get_assignment(ip)
+                    .await
+                    .expect("read the address")
+                    .unwrap_or_else(|| panic!("{ip} is not allocated"));
+                disagreements.push(Disagreement {
+                    address: ip,
+                    sandbox_id: "f".repeat(64),
+                    pod: "default/intruder".into(),
+                    holder: AddressHolder::Other(held),
+                });
+            }
+            ipam.record_disagreements(node, 1_800_000_000, &disagreements)
+                .await
+                .expect("record the look's findings");
+        });
     }
 
     /// Deletes `key` from the store as damage would (no format involved).

@@ -97,6 +97,34 @@ fn todays_read_only_commands_change_nothing_for_old_nodes(kind: StoreKind) {
     cluster.finish("today's read-only commands beside the previous release");
 }
 
+/// Today's agent on new-1 records a duplicate its leak collection found (one of old-1's
+/// addresses used by a live pod on new-1): the previous release's nodes go on, its `check` does
+/// not read the record and finds the store clean, today's `check` reports the duplicate; once the
+/// agent clears the record both are clean.
+fn a_live_duplicate_recorded_by_todays_agent(kind: StoreKind) {
+    let cluster = MixedCluster::start(kind);
+    previous_release_sets_up(&cluster);
+    let step = "today's agent records a live duplicate";
+    let taken = cluster.addresses_of(OLD_1_CONTAINERS[0]);
+    cluster.record_live_duplicates(NEW_1.name, &taken);
+    cluster.add_and_del(&format!("after {step}, old-1's next call"), OLD_1);
+    cluster.check_with(step, &[Release::Previous]);
+    let out = cluster.ctl(Release::Today, &["check"]);
+    let kinds: Vec<Value> = out.json()["problems"]
+        .as_array()
+        .map(|p| p.iter().map(|p| p["kind"].clone()).collect())
+        .unwrap_or_default();
+    if out.status != 1 || kinds != [json!("duplicate-address")] {
+        cluster.fail(format!(
+            "{step}: today's check should report the duplicate alone: {}",
+            out.summary()
+        ));
+    }
+    cluster.record_live_duplicates(NEW_1.name, &[]);
+    cluster.both_nodes_keep_working_after(step);
+    cluster.finish("a live duplicate recorded by today's agent");
+}
+
 /// new-1 joins and allocates in a block of its own, beside old-1's.
 fn a_new_node_allocating_in_its_own_block(kind: StoreKind) {
     let cluster = MixedCluster::start(kind);
@@ -461,6 +489,7 @@ on_both_stores!(
     blocks_release_empty,
     check_repair,
     finalize_once_every_node_is_upgraded,
-    finalize_forced_over_a_node_that_reads_format_3;
+    finalize_forced_over_a_node_that_reads_format_3,
+    a_live_duplicate_recorded_by_todays_agent;
     etcd only: todays_agent_reclaims_a_dead_node_of_the_previous_release,
 );
