@@ -231,9 +231,9 @@ impl Ipam {
     /// holds (it is given the handle's allocations in address order): the handle is updated, or
     /// deleted when it is left with nothing. What a CNI DEL needs, in two round trips when the
     /// handle's blocks are the host's blocks with room (the common case): one batched read of the
-    /// handle and of the host's open blocks, then the transaction. What it reads does not grow
-    /// with the blocks the host holds: the handle's blocks that are full read by key cost one
-    /// more read, blocks affine elsewhere one or two more.
+    /// handle and of the host's open blocks, then the transaction. Its reads grow with the host's
+    /// blocks that have room, never with its full ones: a handle's block that is full is read by
+    /// key, one more read; a block affine elsewhere costs two more.
     ///
     /// # Errors
     /// Store failures; corrupt objects; [`IpamError::RetriesExhausted`].
