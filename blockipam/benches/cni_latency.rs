@@ -12,9 +12,11 @@
 //! host-local on its data directory; all in the same run, each with 0 and with 10,000 addresses
 //! already allocated:
 //! - blockipam is prefilled through the allocator API (through the agent in agent mode, after one
-//!   plugin ADD/DEL has created the pool and reserved the gateway): "10k cluster" spreads them over
-//!   100 other nodes (100 each, what a node sees in a cluster), "10k this node" puts all of them on
-//!   the benchmarked node (157 blocks of its own; `max_blocks_per_host` set to unlimited for that);
+//!   plugin ADD/DEL has created the pool and reserved the gateway), each address as the plugin's
+//!   ADD for a Kubernetes pod records it (one per container, the plugin's handle and attributes):
+//!   "10k cluster" spreads them over 100 other nodes (100 each, what a node sees in a cluster),
+//!   "10k this node" puts all of them on the benchmarked node (157 blocks of its own;
+//!   `max_blocks_per_host` set to unlimited for that);
 //! - host-local is prefilled by writing its data-directory files (one per address, as it does).
 //!
 //! Peak RSS (of the plugin process) comes from a second pass of the same calls under
@@ -44,8 +46,12 @@ use std::time::{Duration, Instant};
 use std::ffi::OsString;
 
 use backend_agent::{AgentConfig, AgentStore};
+use blockipam::args::CniArgs;
+use blockipam::commands::{allocation_attributes, handle_id};
 use blockipam_store::{Backend, DatastoreSettings, DatastoreType, EtcdSettings};
-use ipam_core::{AutoAssignRequest, Ipam, IpamConfig, KvStore, Op, PoolSpec, Txn};
+use ipam_core::{
+    AllowedUse, AssignIpsRequest, AutoAssignRequest, Ipam, IpamConfig, KvStore, Op, PoolSpec, Txn,
+};
 use serde_json::{json, Value};
 use test_kit::etcd::{unique_prefix, EtcdServer};
 
@@ -61,6 +67,10 @@ const POOL: &str = "10.128.0.0/16";
 const GATEWAY: &str = "10.128.0.1";
 const NODE: &str = "bench-node";
 const PREFILL: usize = 10_000;
+/// Concurrent writers filling this node's blocks.
+const PREFILL_WRITERS: usize = 16;
+/// The netconf's network name (the plugin's handles and attributes carry it).
+const NETWORK: &str = "bench";
 /// Names another plugin binary that the breakdown times call by call beside this build's.
 const COMPARE_ENV: &str = "BLOCKIPAM_BENCH_COMPARE";
 
@@ -206,8 +216,12 @@ fn quantile(samples: &[Duration], q: f64) -> f64 {
     ms[index]
 }
 
-/// Puts 10,000 addresses in the store through the allocator: on 100 other nodes, or all on
-/// [`NODE`].
+/// Puts 10,000 addresses in the store through the allocator, each as the plugin's ADD records
+/// it (one address per container, its handle `<network>.<container id>`, the attributes the plugin
+/// records for a Kubernetes pod): on 100 other nodes, or all on [`NODE`]. Calls run concurrently,
+/// each writer on blocks no other writer touches: one per node for the cluster, and on this node
+/// [`PREFILL_WRITERS`] assigning specific addresses of their own blocks (what auto-assign would
+/// have filled block by block).
 async fn prefill_blockipam(store: Arc<dyn KvStore>, prefill: Prefill) {
     let ipam = Ipam::new(store);
     ipam.ensure_pool(&PoolSpec {
@@ -229,28 +243,74 @@ async fn prefill_blockipam(store: Arc<dyn KvStore>, prefill: Prefill) {
         .await
         .expect("config");
     }
-    let mut left = PREFILL;
-    let mut batch = 0;
-    while left > 0 {
-        let node = match prefill {
-            Prefill::Cluster => format!("node-{:03}", (PREFILL - left) / 100),
-            _ => NODE.to_owned(),
-        };
-        // Up to 32 per request, never crossing a 100-address node boundary.
-        let room = 100 - (PREFILL - left) % 100;
-        let count = left.min(32).min(room);
-        ipam.auto_assign(&AutoAssignRequest {
-            handle: format!("prefill.{batch}"),
-            host: node,
-            num_v4: count as u32,
-            attributes: BTreeMap::from([("interface".to_owned(), "eth0".to_owned())]),
-            ..AutoAssignRequest::default()
-        })
-        .await
-        .expect("prefill");
-        left -= count;
-        batch += 1;
+    let mut writers = tokio::task::JoinSet::new();
+    match prefill {
+        Prefill::Cluster => {
+            for node in 0..PREFILL / 100 {
+                let ipam = ipam.clone();
+                writers.spawn(async move {
+                    let host = format!("node-{node:03}");
+                    for n in node * 100..(node + 1) * 100 {
+                        let (handle, attributes) = pod_allocation(n);
+                        ipam.auto_assign(&AutoAssignRequest {
+                            handle,
+                            host: host.clone(),
+                            num_v4: 1,
+                            attributes,
+                            ..AutoAssignRequest::default()
+                        })
+                        .await
+                        .expect("prefill");
+                    }
+                });
+            }
+        }
+        _ => {
+            // From 10.128.64.0, clear of the gateway's block and the pool's last address.
+            let first = u32::from(Ipv4Addr::new(10, 128, 64, 0));
+            for writer in 0..PREFILL_WRITERS {
+                let ipam = ipam.clone();
+                writers.spawn(async move {
+                    let mine = (0..PREFILL).filter(|n| (n / 64) % PREFILL_WRITERS == writer);
+                    for n in mine {
+                        let (handle, attributes) = pod_allocation(n);
+                        let ip = Ipv4Addr::from(first + n as u32);
+                        ipam.assign_ips(&AssignIpsRequest {
+                            ips: vec![ip.into()],
+                            handle,
+                            host: NODE.to_owned(),
+                            attributes,
+                            purpose: Some(AllowedUse::Workload),
+                            ..AssignIpsRequest::default()
+                        })
+                        .await
+                        .expect("prefill");
+                    }
+                });
+            }
+        }
     }
+    while let Some(done) = writers.join_next().await {
+        done.expect("a prefill writer");
+    }
+}
+
+/// The handle and attributes the plugin records for the `n`th prefilled pod's `eth0`: a 64-hex
+/// container id, the pod's name and namespace (`CNI_ARGS`, as a CRI runtime sends them).
+fn pod_allocation(n: usize) -> (String, BTreeMap<String, String>) {
+    let container = format!("{:064x}", 0x00c0_ffee_u128 << 64 | n as u128);
+    let args = CniArgs {
+        ignore_unknown: true,
+        pod_namespace: Some(format!("team-{:02}", n % 50)),
+        pod_name: Some(format!("frontend-7d9f8b6c5-{n:05}")),
+        infra_container_id: Some(container.clone()),
+        pod_uid: Some(format!("{:08x}-0000-4000-8000-{n:012x}", n)),
+        ..CniArgs::default()
+    };
+    (
+        handle_id(NETWORK, &container),
+        allocation_attributes(NETWORK, &container, "eth0", &args),
+    )
 }
 
 fn blockipam_netconf(dir: &Path, settings: Value) -> Value {
@@ -265,7 +325,7 @@ fn blockipam_netconf(dir: &Path, settings: Value) -> Value {
     if let (Some(ipam), Value::Object(extra)) = (ipam.as_object_mut(), settings) {
         ipam.extend(extra);
     }
-    json!({"cniVersion": "1.0.0", "name": "bench", "type": "ptp", "ipam": ipam})
+    json!({"cniVersion": "1.0.0", "name": NETWORK, "type": "ptp", "ipam": ipam})
 }
 
 fn host_local_netconf(data_dir: &Path) -> Value {

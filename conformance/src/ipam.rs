@@ -135,6 +135,7 @@ macro_rules! ipam_conformance_tests {
         $crate::repair_conformance_tests!($factory);
         $crate::upgrade_conformance_tests!($factory);
         $crate::leaks_conformance_tests!($factory);
+        $crate::read_cost_conformance_tests!($factory);
     };
 }
 

@@ -11,6 +11,7 @@ pub mod lifecycle;
 pub mod linearizability;
 pub mod model_based;
 pub mod nodes;
+pub mod read_cost;
 pub mod repair;
 pub mod reservations;
 pub mod resize;

@@ -73,19 +73,7 @@ impl Attachment<'_> {
     }
 
     fn attributes(&self) -> BTreeMap<String, String> {
-        let mut attributes = BTreeMap::from([
-            (ATTR_NETWORK.to_owned(), self.conf.name.clone()),
-            (ATTR_CONTAINER_ID.to_owned(), self.container_id.to_owned()),
-            (ATTR_INTERFACE.to_owned(), self.ifname.to_owned()),
-            (ATTR_TIMESTAMP.to_owned(), now_rfc3339()),
-        ]);
-        if let Some(ns) = self.args.pod_namespace.as_ref().filter(|s| !s.is_empty()) {
-            attributes.insert(ATTR_NAMESPACE.to_owned(), ns.clone());
-        }
-        if let Some(pod) = self.args.pod_name.as_ref().filter(|s| !s.is_empty()) {
-            attributes.insert(ATTR_POD.to_owned(), pod.clone());
-        }
-        attributes
+        allocation_attributes(&self.conf.name, self.container_id, self.ifname, self.args)
     }
 
     /// Specific addresses asked for, de-duplicated in order: `args.cni.ips` when that key is
@@ -116,6 +104,30 @@ impl Attachment<'_> {
 }
 
 pub use ipam_core::allocator::leaks::handle_id;
+
+/// The attributes the plugin records with each address it hands out on `network` to the
+/// attachment of `container_id`'s interface `ifname`: those, the time, and the pod and its
+/// namespace when `CNI_ARGS` names them (the allocator adds the node).
+pub fn allocation_attributes(
+    network: &str,
+    container_id: &str,
+    ifname: &str,
+    args: &CniArgs,
+) -> BTreeMap<String, String> {
+    let mut attributes = BTreeMap::from([
+        (ATTR_NETWORK.to_owned(), network.to_owned()),
+        (ATTR_CONTAINER_ID.to_owned(), container_id.to_owned()),
+        (ATTR_INTERFACE.to_owned(), ifname.to_owned()),
+        (ATTR_TIMESTAMP.to_owned(), now_rfc3339()),
+    ]);
+    if let Some(ns) = args.pod_namespace.as_ref().filter(|s| !s.is_empty()) {
+        attributes.insert(ATTR_NAMESPACE.to_owned(), ns.clone());
+    }
+    if let Some(pod) = args.pod_name.as_ref().filter(|s| !s.is_empty()) {
+        attributes.insert(ATTR_POD.to_owned(), pod.clone());
+    }
+    attributes
+}
 
 /// The handle gateway reservations of a network are held by: `<network>:gateway` (a colon never
 /// appears in a network name or container id, so no container's handle can collide with it).

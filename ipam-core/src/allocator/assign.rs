@@ -173,7 +173,7 @@ impl Ipam {
 
         if request.reuse_existing && handle.total() > 0 {
             let held = self
-                .addresses_in_blocks(&request.handle, &handle, &host_blocks)
+                .addresses_in_blocks(&request.handle, &handle, &request.host, &host_blocks)
                 .await?;
             return Ok(Attempt::Done(Assignment::Assigned(AutoAssignResult {
                 v4: held.iter().filter(|a| a.ip.is_ipv4()).cloned().collect(),
@@ -552,11 +552,13 @@ impl Ipam {
             .ok_or_else(|| IpamError::Internal("claim index cache vanished".into()))
     }
 
-    /// The addresses a handle holds, reading only the blocks not already in hand.
+    /// The addresses a handle holds, reading only the blocks not already in hand (by key, as
+    /// `host`'s blocks first: one read when they are).
     async fn addresses_in_blocks(
         &self,
         handle_id: &str,
         handle: &Handle,
+        host: &str,
         in_hand: &[Stored<Block>],
     ) -> Result<Vec<AssignedAddress>, IpamError> {
         let mut blocks: BTreeMap<IpNet, Block> = in_hand
@@ -570,7 +572,7 @@ impl Ipam {
             .filter(|c| !blocks.contains_key(c))
             .copied()
             .collect();
-        for (cidr, stored) in self.load_blocks(&missing).await? {
+        for (cidr, stored) in self.load_host_blocks(host, &missing).await? {
             blocks.insert(cidr, stored.value);
         }
         let mut addresses = Vec::new();

@@ -909,6 +909,68 @@ impl Ipam {
         Ok(self.load_blocks_for_write(cidrs).await?.found)
     }
 
+    /// Reads the blocks with these CIDRs, expecting them affine to `host`: one round trip reading,
+    /// per CIDR, its claim entry and the two keys the block may live at under `host` (open and
+    /// full). A CIDR whose claim names another owner (or a block that is not where its claim
+    /// says) is read again the general way, one more round trip. A block whose claim is absent
+    /// in the same snapshot does not exist and is not returned.
+    ///
+    /// # Errors
+    /// As [`load_blocks_for_write`](Ipam::load_blocks_for_write).
+    pub(crate) async fn load_host_blocks(
+        &self,
+        host: &str,
+        cidrs: &BTreeSet<IpNet>,
+    ) -> Result<BTreeMap<IpNet, Stored<Block>>, IpamError> {
+        let mut found = BTreeMap::new();
+        if cidrs.is_empty() {
+            return Ok(found);
+        }
+        let mut reads = Vec::with_capacity(cidrs.len() * 3);
+        let mut spans = Vec::with_capacity(cidrs.len());
+        for cidr in cidrs {
+            let first = reads.len();
+            reads.push(Read::Get(keys::block_claim(cidr)));
+            for key in keys::block_candidates(Some(host), cidr) {
+                reads.push(Read::Get(key));
+            }
+            spans.push(first..reads.len());
+        }
+        let mut results: Vec<Option<KeyValue>> = Vec::with_capacity(reads.len());
+        for result in self.store.read_many(&reads).await? {
+            results.push(result.into_got()?);
+        }
+        let mut elsewhere = BTreeSet::new();
+        let mut their_claims = Vec::new();
+        for (cidr, span) in cidrs.iter().zip(spans) {
+            let Some(claim) = results[span.start].take() else {
+                continue;
+            };
+            let owner = decode_claim(&claim.key, &claim.value)?.affinity;
+            let at_host = results[span.start + 1..span.end]
+                .iter_mut()
+                .filter_map(Option::take)
+                .last();
+            match at_host {
+                Some(kv) if owner.as_deref() == Some(host) => {
+                    found.insert(*cidr, decode_stored(kv)?);
+                }
+                _ => {
+                    elsewhere.insert(*cidr);
+                    their_claims.push(Some(claim));
+                }
+            }
+        }
+        if !elsewhere.is_empty() {
+            found.extend(
+                self.load_blocks_given_claims(&elsewhere, their_claims)
+                    .await?
+                    .found,
+            );
+        }
+        Ok(found)
+    }
+
     /// Reads the blocks with these CIDRs, and the sequence floor. Two round trips: the claim index entries, then the blocks they point at read
     /// together with the claims again. A block is reported absent only when its claim entry is
     /// absent in the same snapshot; when a claim moved between the two reads (a block changing

@@ -230,8 +230,10 @@ impl Ipam {
     /// Releases, in one transaction, the addresses `choose` picks among everything `handle_id`
     /// holds (it is given the handle's allocations in address order): the handle is updated, or
     /// deleted when it is left with nothing. What a CNI DEL needs, in two round trips when the
-    /// handle's blocks are affine to `host` (the common case): one batched read of the handle and
-    /// of the host's blocks, then the transaction. Blocks elsewhere cost one more read.
+    /// handle's blocks are the host's blocks with room (the common case): one batched read of the
+    /// handle and of the host's open blocks, then the transaction. Its reads grow with the host's
+    /// blocks that have room, never with its full ones: a handle's block that is full is read by
+    /// key, one more read; a block affine elsewhere costs two more.
     ///
     /// # Errors
     /// Store failures; corrupt objects; [`IpamError::RetriesExhausted`].
@@ -264,14 +266,14 @@ impl Ipam {
             .store
             .read_many(&[
                 Read::Get(key.clone()),
-                Read::List(keys::host_blocks_dir(host)),
+                Read::List(keys::host_open_blocks_dir(host)),
                 Read::Get(keys::config()),
                 format_read(),
             ])
             .await?
             .into_iter();
         let handle_kv = next_got(&mut results)?;
-        let host_blocks = next_listed(&mut results)?;
+        let open_blocks = next_listed(&mut results)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
         self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
@@ -281,18 +283,18 @@ impl Ipam {
         let stored: Stored<Handle> = decode_stored(handle_kv)?;
         let wanted: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
         let mut working: BTreeMap<IpNet, WorkingBlock> = BTreeMap::new();
-        for kv in host_blocks {
+        for kv in open_blocks {
             let block: Stored<Block> = decode_stored(kv)?;
             if wanted.contains(&block.value.cidr) {
                 working.insert(block.value.cidr, WorkingBlock::from_stored(block));
             }
         }
-        let elsewhere: BTreeSet<IpNet> = wanted
+        let not_open: BTreeSet<IpNet> = wanted
             .iter()
             .filter(|c| !working.contains_key(c))
             .copied()
             .collect();
-        for (cidr, block) in self.load_blocks(&elsewhere).await? {
+        for (cidr, block) in self.load_host_blocks(host, &not_open).await? {
             working.insert(cidr, WorkingBlock::from_stored(block));
         }
         let mut held = Vec::new();

@@ -1,0 +1,318 @@
+//! Per-call read cost (issue 25): a steady-state CNI ADD and DEL read the same keys, and about the same bytes, whether the node holds 16 blocks or 1,024.
+//!
+//! The node's state is made the plugin's way (one address per container, with the attributes the
+//! plugin records) on the in-memory store, then copied into the store under test in large
+//! transactions, so that 1,024 blocks cost seconds on every backend.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ipam_core::allocator::leaks::{
+    handle_id, ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
+};
+use ipam_core::allocator::{AutoAssignRequest, NamespaceLookup, ATTR_NETWORK};
+use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
+use ipam_core::model::keys;
+use ipam_core::{
+    AllowedUse, Ipam, KeyValue, KvError, KvStore, MemoryStore, Op, Read, ReadResult, Revision, Txn,
+};
+
+use crate::ipam::{assert_clean, spec};
+use crate::StoreFactory;
+
+/// Expands every read-cost case into one `#[test]` inside a module `read_cost`.
+#[macro_export]
+macro_rules! read_cost_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(read_cost, $crate::read_cost, $factory;
+            steady_state_add_and_del_read_as_much_with_1024_blocks_on_the_node_as_with_16,
+            del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
+        );
+    };
+}
+
+/// The network name the plugin records (and builds handles from).
+const NETWORK: &str = "k8s-pod-network";
+/// The pool: 2,048 blocks of four addresses, room for both nodes.
+const POOL: &str = "10.64.0.0/19";
+/// Four addresses per block: 1,024 mostly full blocks stay a few thousand allocations.
+const BLOCK_SIZE: u8 = 30;
+/// Addresses in one block of [`BLOCK_SIZE`].
+const BLOCK_ADDRESSES: u32 = 4;
+/// The two nodes, names of one length, and how many blocks each holds.
+const SMALL_NODE: (&str, u32) = ("node-0016", 16);
+const LARGE_NODE: (&str, u32) = ("node-1024", 1024);
+/// What the two nodes' reads may differ by: the same keys, whose text (a block's CIDR, a pod's
+/// name) differs by a few bytes. One full block's value is over a kilobyte here, so one more
+/// block read is more than this.
+const BYTES_SLACK: u64 = 256;
+
+/// What reads brought back, and how many calls reached the store.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct ReadCost {
+    /// Reads (`get`, `list`, or one `read_many` batch).
+    round_trips: u64,
+    /// Transactions.
+    commits: u64,
+    /// Keys returned (a `get` that found nothing returns none).
+    keys: u64,
+    /// Bytes of the keys and values returned.
+    bytes: u64,
+}
+
+/// Passes every call through and tallies what reads return.
+#[derive(Debug)]
+struct ReadMeter {
+    inner: Arc<dyn KvStore>,
+    tally: Mutex<ReadCost>,
+}
+
+impl ReadMeter {
+    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+        Arc::new(ReadMeter {
+            inner,
+            tally: Mutex::new(ReadCost::default()),
+        })
+    }
+
+    /// The tally so far, starting again from zero.
+    fn take(&self) -> ReadCost {
+        std::mem::take(&mut *self.tally.lock().expect("tally"))
+    }
+
+    fn count<'a>(&self, returned: impl Iterator<Item = &'a KeyValue>) {
+        let mut tally = self.tally.lock().expect("tally");
+        tally.round_trips += 1;
+        for kv in returned {
+            tally.keys += 1;
+            tally.bytes += (kv.key.len() + kv.value.len()) as u64;
+        }
+    }
+}
+
+#[async_trait]
+impl KvStore for ReadMeter {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        let got = self.inner.get(key).await?;
+        self.count(got.iter());
+        Ok(got)
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let listed = self.inner.list(prefix).await?;
+        self.count(listed.iter());
+        Ok(listed)
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.tally.lock().expect("tally").commits += 1;
+        self.inner.commit(txn).await
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let results = self.inner.read_many(reads).await?;
+        self.count(results.iter().flat_map(|result| match result {
+            ReadResult::Got(got) => got.iter().collect::<Vec<_>>(),
+            ReadResult::Listed(listed) => listed.iter().collect(),
+        }));
+        Ok(results)
+    }
+}
+
+/// The `n`th container on node `node`: a 64-hex id, as runtimes name sandboxes.
+fn container_id(node: &str, n: u32) -> String {
+    let tag = node
+        .bytes()
+        .fold(0u64, |h, b| h.wrapping_mul(31) ^ u64::from(b));
+    format!("{:032x}{:032x}", u128::from(tag), n)
+}
+
+/// The plugin's ADD for the `n`th pod on `node`: the handle and attributes it records, one
+/// address, the pod's namespace looked up.
+fn pod_add(node: &str, n: u32) -> AutoAssignRequest {
+    let container = container_id(node, n);
+    let namespace = format!("team-{:03}", n % 97);
+    AutoAssignRequest {
+        handle: handle_id(NETWORK, &container),
+        host: node.to_owned(),
+        num_v4: 1,
+        attributes: BTreeMap::from([
+            (ATTR_NETWORK.to_owned(), NETWORK.to_owned()),
+            (ATTR_CONTAINER_ID.to_owned(), container),
+            (ATTR_INTERFACE.to_owned(), "eth0".to_owned()),
+            (ATTR_TIMESTAMP.to_owned(), "2026-11-24T04:30:00Z".to_owned()),
+            (ATTR_NAMESPACE.to_owned(), namespace.clone()),
+            (
+                ATTR_POD.to_owned(),
+                format!("frontend-7d9f8b6c5-{n:05}-{node}"),
+            ),
+        ]),
+        reuse_existing: true,
+        namespace: Some(NamespaceLookup {
+            namespace,
+            v4: true,
+            v6: true,
+        }),
+        purpose: AllowedUse::Workload,
+        ..Default::default()
+    }
+}
+
+/// The plugin's DEL of the `n`th pod on `node`: its handle's addresses on `eth0` released.
+async fn pod_del(ipam: &Ipam, node: &str, n: u32) {
+    let released = ipam
+        .release_chosen(&handle_id(NETWORK, &container_id(node, n)), node, |held| {
+            held.iter()
+                .filter(|info| {
+                    info.attributes.get(ATTR_INTERFACE).map(String::as_str) == Some("eth0")
+                })
+                .map(|info| info.ip)
+                .collect()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("DEL of pod {n} on {node}: {e}"));
+    assert_eq!(released.released.len(), 1, "DEL of pod {n} on {node}");
+}
+
+/// A store holding both nodes, each with its blocks full but the last, which has two of its
+/// four addresses in use: made on the in-memory store, copied in transactions as large as the
+/// storage contract allows.
+async fn two_nodes<F: StoreFactory>(factory: &F) -> crate::TestStore {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let maker = Ipam::new(Arc::clone(&memory));
+    maker
+        .create_pool(&spec(POOL, "pool", BLOCK_SIZE))
+        .await
+        .expect("create pool");
+    maker
+        .update_config(|c| c.max_blocks_per_host = 0)
+        .await
+        .expect("no per-node block limit");
+    for (node, blocks) in [SMALL_NODE, LARGE_NODE] {
+        for n in 0..blocks * BLOCK_ADDRESSES - 2 {
+            maker
+                .auto_assign(&pod_add(node, n))
+                .await
+                .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
+        }
+    }
+    let t = factory.fresh().await;
+    let everything = memory.list("").await.expect("list the made store");
+    let mut txn = Txn::new();
+    let mut txn_bytes = 0;
+    for kv in everything {
+        let size = kv.key.len() + kv.value.len();
+        if txn.ops.len() == MAX_TXN_OPS || txn_bytes + size > MAX_TXN_BYTES / 2 {
+            t.store
+                .commit(std::mem::take(&mut txn))
+                .await
+                .expect("copy");
+            txn_bytes = 0;
+        }
+        txn_bytes += size;
+        txn = txn.then(Op::put(kv.key, kv.value));
+    }
+    t.store.commit(txn).await.expect("copy");
+    for (node, blocks) in [SMALL_NODE, LARGE_NODE] {
+        let full = t
+            .store
+            .list(&keys::host_full_blocks_dir(node))
+            .await
+            .expect("list full blocks");
+        let open = t
+            .store
+            .list(&keys::host_open_blocks_dir(node))
+            .await
+            .expect("list open blocks");
+        assert_eq!(
+            (full.len(), open.len()),
+            (blocks as usize - 1, 1),
+            "{node}: full and open blocks"
+        );
+    }
+    t
+}
+
+/// Asserts the two nodes' costs of one call are the same round trips, commits and keys, and
+/// bytes within [`BYTES_SLACK`].
+fn assert_flat(call: &str, small: ReadCost, large: ReadCost) {
+    assert_eq!(
+        (small.round_trips, small.commits, small.keys),
+        (large.round_trips, large.commits, large.keys),
+        "{call}: round trips, commits and keys read grew from {} to {} blocks on the node: {small:?} then {large:?}",
+        SMALL_NODE.1,
+        LARGE_NODE.1
+    );
+    assert!(
+        large.bytes.abs_diff(small.bytes) <= BYTES_SLACK,
+        "{call}: bytes read went from {} with {} blocks on the node to {} with {}",
+        small.bytes,
+        SMALL_NODE.1,
+        large.bytes,
+        LARGE_NODE.1
+    );
+}
+
+/// Issue 25: one steady-state ADD (the node's open block has room) and the DEL of that pod read
+/// the same keys, and the same bytes but for a few, with 16 blocks on the node and with 1,024,
+/// and each is one read and one transaction.
+pub async fn steady_state_add_and_del_read_as_much_with_1024_blocks_on_the_node_as_with_16<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = two_nodes(factory).await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let mut costs = Vec::new();
+    for (node, blocks) in [SMALL_NODE, LARGE_NODE] {
+        let probe = blocks * BLOCK_ADDRESSES;
+        meter.take();
+        ipam.auto_assign(&pod_add(node, probe))
+            .await
+            .unwrap_or_else(|e| panic!("ADD on {node}: {e}"));
+        let add = meter.take();
+        pod_del(&ipam, node, probe).await;
+        let del = meter.take();
+        for (call, cost) in [("ADD", add), ("DEL", del)] {
+            assert_eq!(
+                (cost.round_trips, cost.commits),
+                (1, 1),
+                "steady-state {call} on {node}: {cost:?}"
+            );
+        }
+        costs.push((add, del));
+    }
+    assert_flat("steady-state ADD", costs[0].0, costs[1].0);
+    assert_flat("steady-state DEL", costs[0].1, costs[1].1);
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// Issue 25: the DEL of a pod whose address lies in one of the node's full blocks reads that
+/// block by key (one read more than the steady state), never every block of the node: the same
+/// keys, and the same bytes but for a few, with 16 blocks on the node and with 1,024.
+pub async fn del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = two_nodes(factory).await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let mut costs = Vec::new();
+    for (node, _) in [SMALL_NODE, LARGE_NODE] {
+        meter.take();
+        // The node's first pod: its block filled long ago.
+        pod_del(&ipam, node, 0).await;
+        let del = meter.take();
+        assert_eq!(
+            (del.round_trips, del.commits),
+            (2, 1),
+            "DEL from a full block on {node}: {del:?}"
+        );
+        costs.push(del);
+    }
+    assert_flat("DEL from a full block", costs[0], costs[1]);
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
