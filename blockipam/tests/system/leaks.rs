@@ -184,6 +184,23 @@ fn gc_leaks_run(sandbox: &Sandbox, agent_socket: &Path, report: &Path) -> (i32, 
     (status, answer)
 }
 
+/// Adds the test's pool, named `name`, with blocks of `/block_size`, to the sled store.
+fn add_pool(sandbox: &Sandbox, name: &str, block_size: u8) {
+    ctl_on(
+        &sandbox.store_path(),
+        None,
+        &[
+            "pool",
+            "add",
+            POOL,
+            "--name",
+            name,
+            "--block-size",
+            &block_size.to_string(),
+        ],
+    );
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -218,19 +235,7 @@ impl LeakNode {
         require_environment();
         let sandbox = Sandbox::new();
         let agent_socket = sandbox.dir.path().join("leak-agent.sock");
-        ctl_on(
-            &sandbox.store_path(),
-            None,
-            &[
-                "pool",
-                "add",
-                POOL,
-                "--name",
-                "leak-pool",
-                "--block-size",
-                "28",
-            ],
-        );
+        add_pool(&sandbox, "leak-pool", 28);
         let mut cri = Cri::prepare(&sandbox);
         let traces = cri.traces();
         cri.start(&conflist(&sandbox, &traces.network, &agent_socket));
@@ -770,19 +775,7 @@ fn one_leak_look_costs_one_cri_list_one_status_per_pod_and_two_store_reads() {
     require_environment();
     let pods = scan_pods();
     let sandbox = Sandbox::new();
-    ctl_on(
-        &sandbox.store_path(),
-        None,
-        &[
-            "pool",
-            "add",
-            POOL,
-            "--name",
-            "scan-pool",
-            "--block-size",
-            "26",
-        ],
-    );
+    add_pool(&sandbox, "scan-pool", 26);
     let mut cri = Cri::prepare(&sandbox);
     let traces = cri.traces();
     let mut direct = conflist(&sandbox, &traces.network, Path::new("none"));
