@@ -87,13 +87,7 @@ fn add_without_a_sandbox(
         "name": network,
         "ipam": ipam(sandbox, agent_socket),
     });
-    let outcome = run_cni(
-        plugin_binary(),
-        &[],
-        &env,
-        netconf.to_string().as_bytes(),
-        HANG_GUARD,
-    );
+    let outcome = plugin_call(&env, &netconf);
     let result = outcome.success_json("ADD without a sandbox");
     let address = result["ips"][0]["address"]
         .as_str()
@@ -103,6 +97,17 @@ fn add_without_a_sandbox(
         .next()
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("not an address: {address}"))
+}
+
+/// One call of the real plugin with this CNI environment and netconf.
+fn plugin_call(env: &[(String, String)], netconf: &Value) -> test_kit::cni::Outcome {
+    run_cni(
+        plugin_binary(),
+        &[],
+        env,
+        netconf.to_string().as_bytes(),
+        HANG_GUARD,
+    )
 }
 
 /// The handle holding `address` in the store, read through the agent.
@@ -585,13 +590,7 @@ fn add_on_another_node(
         let mut settings = ipam(sandbox, agent_socket);
         settings["nodename"] = json!(STALE_NODE);
         let netconf = json!({"cniVersion": "1.0.0", "name": network, "ipam": settings});
-        let outcome = run_cni(
-            plugin_binary(),
-            &[],
-            &env,
-            netconf.to_string().as_bytes(),
-            HANG_GUARD,
-        );
+        let outcome = plugin_call(&env, &netconf);
         if outcome.status == 0 {
             return format!("{network}.{id}");
         }
