@@ -28,6 +28,10 @@ macro_rules! leaks_conformance_tests {
             a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none,
             a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten,
             a_block_that_does_not_decode_stops_the_look_and_nothing_is_written,
+            a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks,
+            a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_survey,
+            a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey,
+            a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays,
         );
     };
 }
@@ -444,9 +448,9 @@ pub async fn a_live_disagreements_record_that_does_not_decode_is_reported_replac
     assert_eq!(t.store.get(&key).await.expect("read"), None);
 }
 
-/// A look that meets a block it cannot decode (another node's, damaged) decides nothing: the
-/// error names the key, nothing is written (the damaged bytes stay for an operator to restore),
-/// and once the block is restored the look goes on.
+/// A block the look reads that does not decode stops the look, naming the block's key, and
+/// nothing is written. A look that reads only the node's blocks is not stopped by another node's
+/// damaged block; a survey of the whole store (the first look of an agent) is.
 pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<F: StoreFactory>(
     factory: &F,
 ) {
@@ -460,34 +464,73 @@ pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<
         .await
         .expect("look");
     assert_eq!(first.waiting.len(), 1, "{first:#?}");
+    assert!(
+        watch.last_look_surveyed(),
+        "an agent's first look reads the whole store"
+    );
 
-    let block = ipam
-        .get_assignment(theirs)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
-    let key = keys::block(Some("node-b"), &block);
-    let intact = t.store.get(&key).await.expect("get").expect("block").value;
-    let mut damaged = intact.clone();
-    damaged.truncate(damaged.len() / 2);
-    t.store.put(&key, damaged).await.expect("damage it");
-    let before = t.store.list("").await.expect("list");
-    match ipam
-        .look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
-        .await
-    {
+    let damage = |address: IpAddr, node: &'static str| {
+        let store = std::sync::Arc::clone(&t.store);
+        let ipam = &ipam;
+        async move {
+            let block = ipam
+                .get_assignment(address)
+                .await
+                .expect("read")
+                .expect("assigned")
+                .block;
+            let key = keys::block(Some(node), &block);
+            let intact = store.get(&key).await.expect("get").expect("block").value;
+            let mut damaged = intact.clone();
+            damaged.truncate(damaged.len() / 2);
+            store.put(&key, damaged).await.expect("damage it");
+            (key, intact)
+        }
+    };
+    let expect_corrupt = |outcome: Result<_, IpamError>, key: &str| match outcome {
         Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
         other => panic!("expected a corruption error naming {key}, got {other:?}"),
-    }
+    };
+
+    // Another node's block: node-a's own looks do not read it.
+    let (their_key, their_intact) = damage(theirs, "node-b").await;
+    let second = ipam
+        .look_for_leaks("node-a", &runtime(T0 + 1), &mut watch, POLICY)
+        .await
+        .expect("a look at node-a's blocks does not read node-b's");
+    assert!(!watch.last_look_surveyed());
+    assert_eq!(second.waiting.len(), 1, "{second:#?}");
+    let before = t.store.list("").await.expect("list");
+    expect_corrupt(
+        ipam.look_for_leaks("node-a", &runtime(T0 + 2), &mut LeakWatch::new(), POLICY)
+            .await,
+        &their_key,
+    );
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "a failed survey writes nothing"
+    );
+    t.store
+        .put(&their_key, their_intact)
+        .await
+        .expect("restore it");
+
+    // The node's own block: every look reads it.
+    let (own_key, own_intact) = damage(gone, "node-a").await;
+    let before = t.store.list("").await.expect("list");
+    expect_corrupt(
+        ipam.look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
+            .await,
+        &own_key,
+    );
     assert_eq!(
         t.store.list("").await.expect("list"),
         before,
         "a failed look writes nothing"
     );
+    t.store.put(&own_key, own_intact).await.expect("restore it");
     assert!(ipam.get_assignment(gone).await.expect("read").is_some());
-
-    t.store.put(&key, intact).await.expect("restore it");
     let again = ipam
         .look_for_leaks("node-a", &runtime(T0 + GRACE + 1), &mut watch, POLICY)
         .await
@@ -497,4 +540,226 @@ pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<
         1,
         "node-a's gone container is judged again: {again:#?}"
     );
+}
+
+/// A pool of one /30 block that node-b claims first: node-a's address comes from node-b's block.
+async fn borrowed_for_node_a<F: StoreFactory>(
+    factory: &F,
+) -> (crate::TestStore, Ipam, IpAddr, IpAddr) {
+    let (t, ipam) = ipam_with_pool(factory, "10.9.0.0/30", 30).await;
+    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let (borrowed, _) = assign_for(&ipam, "gone", "node-a").await;
+    let info = ipam
+        .get_assignment(borrowed)
+        .await
+        .expect("read")
+        .expect("assigned");
+    assert_eq!(
+        info.block_host.as_deref(),
+        Some("node-b"),
+        "node-a borrowed"
+    );
+    (t, ipam, borrowed, theirs)
+}
+
+/// The looks in a row after the first (a survey) that read only the node's blocks.
+async fn bounded_looks(
+    ipam: &Ipam,
+    watch: &mut LeakWatch,
+    runtime: &dyn Fn(u64) -> RuntimeView,
+    at: &[u64],
+) -> Vec<ipam_core::allocator::leaks::LeakDecisions> {
+    let mut all = Vec::new();
+    for at in at {
+        let decisions = ipam
+            .look_for_leaks("node-a", &runtime(*at), watch, POLICY)
+            .await
+            .expect("look");
+        assert!(
+            !watch.last_look_surveyed(),
+            "the look at {at} read the whole store"
+        );
+        all.push(decisions);
+    }
+    all
+}
+
+/// An address node-a borrowed from node-b's block is put in node-a's borrowed-block index by the
+/// assigning transaction; looks that read only node-a's blocks and that index find it missing and
+/// release it after the grace; the next look deletes the entry that names nothing of node-a's.
+pub async fn a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam, borrowed, theirs) = borrowed_for_node_a(factory).await;
+    let block = ipam
+        .get_assignment(borrowed)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let entry = keys::borrowed_key("node-a", &block);
+    assert!(
+        t.store.get(&entry).await.expect("get").is_some(),
+        "the borrowing transaction indexed the block"
+    );
+    // A live pod in node-a's own block proves the runtime.
+    ipam.create_pool(&crate::ipam::spec("10.9.1.0/26", "own", 26))
+        .await
+        .expect("a second pool");
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let runtime = move |at| view(at, &[("live", vec![live])]);
+    let mut watch = LeakWatch::new();
+    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("the first look");
+    let looks = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60, T0 + GRACE]).await;
+    assert_eq!(looks[0].waiting.len(), 1, "{:#?}", looks[0]);
+    assert_eq!(looks[0].waiting[0].allocation.ip, borrowed);
+    assert_eq!(looks[1].leaked.len(), 1, "{:#?}", looks[1]);
+    let outcome = ipam
+        .release_leaked(&looks[1].leaked)
+        .await
+        .expect("release");
+    assert_eq!(outcome.released, [borrowed]);
+    assert!(ipam.get_assignment(theirs).await.expect("read").is_some());
+    bounded_looks(&ipam, &mut watch, &runtime, &[T0 + GRACE + 60]).await;
+    assert!(
+        t.store.get(&entry).await.expect("get").is_none(),
+        "the entry of a block that holds nothing of node-a is deleted"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A borrowed address written without its index entry (by a writer that keeps none, such as the
+/// previous release's plugin) is not judged by looks that read only the node's blocks; the next
+/// survey of the store puts the entry, and from then on every look judges it.
+pub async fn a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_survey<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam, borrowed, _) = borrowed_for_node_a(factory).await;
+    ipam.create_pool(&crate::ipam::spec("10.9.1.0/26", "own", 26))
+        .await
+        .expect("a second pool");
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let runtime = move |at| view(at, &[("live", vec![live])]);
+    let mut watch = LeakWatch::new();
+    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("the first look");
+    let block = ipam
+        .get_assignment(borrowed)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let entry = keys::borrowed_key("node-a", &block);
+    t.store
+        .delete(&entry)
+        .await
+        .expect("as an older writer left it");
+    let unseen = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60]).await;
+    assert!(unseen[0].waiting.is_empty(), "{:#?}", unseen[0]);
+
+    let mut at = T0 + 120;
+    while !watch.survey_due() {
+        bounded_looks(&ipam, &mut watch, &runtime, &[at]).await;
+        at += 60;
+    }
+    let survey = ipam
+        .look_for_leaks("node-a", &runtime(at), &mut watch, POLICY)
+        .await
+        .expect("the survey");
+    assert!(watch.last_look_surveyed());
+    assert_eq!(survey.waiting.len(), 1, "{survey:#?}");
+    assert!(
+        t.store.get(&entry).await.expect("get").is_some(),
+        "the survey put the missing entry"
+    );
+    let after = bounded_looks(&ipam, &mut watch, &runtime, &[at + 60]).await;
+    assert_eq!(after[0].waiting.len(), 1, "{:#?}", after[0]);
+    assert_eq!(after[0].waiting[0].allocation.ip, borrowed);
+    assert_eq!(
+        after[0].waiting[0].missing_since, at,
+        "its countdown went on"
+    );
+}
+
+/// A live pod of node-a using an address of node-b's block (a duplicate): a look that would read
+/// only node-a's blocks cannot tell who holds it, so it reads the whole store and reports it.
+pub async fn a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let mut watch = LeakWatch::new();
+    let only_live = |at| view(at, &[("live", vec![live])]);
+    ipam.look_for_leaks("node-a", &only_live(T0), &mut watch, POLICY)
+        .await
+        .expect("the first look");
+    bounded_looks(&ipam, &mut watch, &only_live, &[T0 + 60]).await;
+    let with_duplicate = view(T0 + 120, &[("live", vec![live]), ("copy", vec![theirs])]);
+    let decisions = ipam
+        .look_for_leaks("node-a", &with_duplicate, &mut watch, POLICY)
+        .await
+        .expect("look");
+    assert!(watch.last_look_surveyed());
+    assert_eq!(decisions.disagreements.len(), 1, "{decisions:#?}");
+    assert_eq!(decisions.disagreements[0].address, theirs);
+    assert!(matches!(
+        decisions.disagreements[0].holder,
+        AddressHolder::Other(ref held) if held.handle == "net.theirs"
+    ));
+}
+
+/// `node release --addresses` and `node retire --apply` forget a node: its borrowed-block index
+/// goes too (with or without a registration), but not while its agent keeps it live.
+pub async fn a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam, borrowed, _) = borrowed_for_node_a(factory).await;
+    let block = ipam
+        .get_assignment(borrowed)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let entry = keys::borrowed_key("node-a", &block);
+    register(t.store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    let liveness = ipam_core::dead_nodes::liveness_key("node-a");
+    t.store
+        .put(&liveness, b"node-a".to_vec())
+        .await
+        .expect("the agent is live");
+    assert!(!forget_node(t.store.as_ref(), "node-a")
+        .await
+        .expect("forget a live node"));
+    assert!(
+        t.store.get(&entry).await.expect("get").is_some(),
+        "a live node keeps its index"
+    );
+    t.store.delete(&liveness).await.expect("the agent stops");
+    assert!(forget_node(t.store.as_ref(), "node-a")
+        .await
+        .expect("forget"));
+    assert_eq!(t.store.get(&entry).await.expect("get"), None);
+
+    // A node that never had an agent: its index goes all the same.
+    let (other, _) = assign_for(&ipam, "more", "node-c").await;
+    let other_block = ipam
+        .get_assignment(other)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let other_entry = keys::borrowed_key("node-c", &other_block);
+    assert!(t.store.get(&other_entry).await.expect("get").is_some());
+    assert!(!forget_node(t.store.as_ref(), "node-c")
+        .await
+        .expect("forget a node without registration"));
+    assert_eq!(t.store.get(&other_entry).await.expect("get"), None);
 }

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use ipam_core::allocator::leaks::{
-    handle_id, ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
+    handle_id, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID, ATTR_INTERFACE,
+    ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
 };
 use ipam_core::allocator::{AutoAssignRequest, NamespaceLookup, ATTR_NETWORK};
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
@@ -28,6 +29,7 @@ macro_rules! read_cost_conformance_tests {
         $crate::__expand_cases!(read_cost, $crate::read_cost, $factory;
             steady_state_add_and_del_read_as_much_with_1024_blocks_on_the_node_as_with_16,
             del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
+            a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
         );
     };
 }
@@ -198,22 +200,7 @@ async fn two_nodes<F: StoreFactory>(factory: &F) -> crate::TestStore {
         }
     }
     let t = factory.fresh().await;
-    let everything = memory.list("").await.expect("list the made store");
-    let mut txn = Txn::new();
-    let mut txn_bytes = 0;
-    for kv in everything {
-        let size = kv.key.len() + kv.value.len();
-        if txn.ops.len() == MAX_TXN_OPS || txn_bytes + size > MAX_TXN_BYTES / 2 {
-            t.store
-                .commit(std::mem::take(&mut txn))
-                .await
-                .expect("copy");
-            txn_bytes = 0;
-        }
-        txn_bytes += size;
-        txn = txn.then(Op::put(kv.key, kv.value));
-    }
-    t.store.commit(txn).await.expect("copy");
+    copy_store(&memory, &t.store).await;
     for (node, blocks) in [SMALL_NODE, LARGE_NODE] {
         let full = t
             .store
@@ -232,6 +219,23 @@ async fn two_nodes<F: StoreFactory>(factory: &F) -> crate::TestStore {
         );
     }
     t
+}
+
+/// Copies every key of `from` into `to`, in transactions as large as the storage contract allows.
+async fn copy_store(from: &Arc<dyn KvStore>, to: &Arc<dyn KvStore>) {
+    let everything = from.list("").await.expect("list the made store");
+    let mut txn = Txn::new();
+    let mut txn_bytes = 0;
+    for kv in everything {
+        let size = kv.key.len() + kv.value.len();
+        if txn.ops.len() == MAX_TXN_OPS || txn_bytes + size > MAX_TXN_BYTES / 2 {
+            to.commit(std::mem::take(&mut txn)).await.expect("copy");
+            txn_bytes = 0;
+        }
+        txn_bytes += size;
+        txn = txn.then(Op::put(kv.key, kv.value));
+    }
+    to.commit(txn).await.expect("copy");
 }
 
 /// Asserts the two nodes' costs of one call are the same round trips, commits and keys, and
@@ -314,5 +318,117 @@ pub async fn del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on
         costs.push(del);
     }
     assert_flat("DEL from a full block", costs[0], costs[1]);
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// A node agent's leak look after its first (which reads the whole store once) reads the node's
+/// own blocks and its borrowed-block index: the same keys, and the same bytes, whether the rest
+/// of the store holds nothing or 1,024 blocks of another node, full of pods' attributes. The
+/// first look of an agent, a survey, reads those blocks too.
+pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let maker = Ipam::new(Arc::clone(&memory));
+    maker
+        .create_pool(&spec(POOL, "pool", BLOCK_SIZE))
+        .await
+        .expect("create pool");
+    maker
+        .update_config(|c| c.max_blocks_per_host = 0)
+        .await
+        .expect("no per-node block limit");
+    let (node, blocks) = SMALL_NODE;
+    for n in 0..blocks * BLOCK_ADDRESSES - 2 {
+        maker
+            .auto_assign(&pod_add(node, n))
+            .await
+            .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
+    }
+    let t = factory.fresh().await;
+    copy_store(&memory, &t.store).await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    // Pod 1 runs; every other pod of the node is gone.
+    let live = ipam
+        .list_allocations()
+        .await
+        .expect("list")
+        .into_iter()
+        .find(|a| a.attributes.get(ATTR_CONTAINER_ID) == Some(&container_id(node, 1)))
+        .expect("pod 1's address");
+    let view = |at| RuntimeView {
+        observed_at: at,
+        sandboxes: BTreeMap::from([(
+            container_id(node, 1),
+            LiveSandbox {
+                pod: "frontend".into(),
+                namespace: "team-001".into(),
+                uid: "uid-1".into(),
+                addresses: vec![live.ip],
+            },
+        )]),
+    };
+    let policy = LeakPolicy {
+        grace_seconds: 900,
+        max_gap_seconds: 900,
+    };
+    let mut looks = Vec::new();
+    let mut surveys = Vec::new();
+    for round in 0..2u64 {
+        if round == 1 {
+            // 1,024 blocks of another node join the store.
+            let (other, other_blocks) = LARGE_NODE;
+            for n in 0..other_blocks * BLOCK_ADDRESSES - 2 {
+                maker
+                    .auto_assign(&pod_add(other, n))
+                    .await
+                    .unwrap_or_else(|e| panic!("ADD of pod {n} on {other}: {e}"));
+            }
+            copy_store(&memory, &t.store).await;
+        }
+        let at = 1_800_000_000 + round * 10_000;
+        let mut watch = LeakWatch::new();
+        meter.take();
+        let first = ipam
+            .look_for_leaks(node, &view(at), &mut watch, policy)
+            .await
+            .expect("first look");
+        surveys.push(meter.take());
+        assert!(watch.last_look_surveyed());
+        let second = ipam
+            .look_for_leaks(node, &view(at + 60), &mut watch, policy)
+            .await
+            .expect("second look");
+        let cost = meter.take();
+        assert!(!watch.last_look_surveyed());
+        assert_eq!(
+            (first.live, first.waiting.len()),
+            (second.live, second.waiting.len()),
+            "both looks judge the node's allocations alike"
+        );
+        assert_eq!(second.live, 1);
+        assert_eq!(second.waiting.len() as u32, blocks * BLOCK_ADDRESSES - 3);
+        assert_eq!(
+            cost.commits, 0,
+            "a look with nothing to index writes nothing"
+        );
+        looks.push(cost);
+    }
+    assert_eq!(
+        (looks[0].round_trips, looks[0].keys, looks[0].bytes),
+        (looks[1].round_trips, looks[1].keys, looks[1].bytes),
+        "a look's reads grew with the other node's blocks: {:?} then {:?}",
+        looks[0],
+        looks[1]
+    );
+    assert!(
+        surveys[1].keys >= surveys[0].keys + u64::from(LARGE_NODE.1),
+        "an agent's first look reads every block: {:?} then {:?}",
+        surveys[0],
+        surveys[1]
+    );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }

@@ -421,6 +421,9 @@ impl Ipam {
                 });
             }
             for address in &got {
+                if let Some(working) = working.get(&address.block) {
+                    plan.index_borrowed(&request.host, &working.block);
+                }
                 if let Some(pool) = candidates
                     .iter()
                     .find(|p| p.value.cidr.contains(&address.ip))
@@ -741,6 +744,7 @@ impl Ipam {
             }
             entry.block.allocate_ordinal(ordinal, &attribute);
             entry.dirty = true;
+            plan.index_borrowed(&request.host, &entry.block);
             handle.add(*cidr, 1);
             plan.expect(&pool.key, Some(pool.revision));
             assigned.push(AssignedAddress {

@@ -208,10 +208,14 @@ pub async fn register(
     Ok(store.put(&agent_key(host), registration.encode()?).await?)
 }
 
+/// Index entries deleted per transaction when a node is forgotten.
+const FORGET_INDEX_BATCH: usize = 100;
+
 /// Forgets `host` once an operator released its addresses (`node release <node> --addresses`):
-/// deletes its registration, its agent's record of live disagreements and whatever is under its
-/// countdown's key, in one transaction guarded
-/// by "no liveness key, registration unchanged". A node an agent keeps live stays registered.
+/// deletes its borrowed-block index (also when it has no registration), then its registration,
+/// its agent's record of live disagreements and whatever is under its countdown's key, in one
+/// transaction guarded by "no liveness key, registration unchanged". A node an agent keeps live
+/// stays registered and keeps its index.
 /// Returns whether a registration was deleted (`false` also when there was none).
 ///
 /// # Errors
@@ -219,17 +223,35 @@ pub async fn register(
 /// failures.
 pub async fn forget_node(store: &dyn KvStore, host: &str) -> Result<bool, IpamError> {
     validate_node(host)?;
-    let Some(registration) = store.get(&agent_key(host)).await? else {
+    let registration = store.get(&agent_key(host)).await?;
+    let guard = [
+        match &registration {
+            Some(registration) => Condition::at_revision(agent_key(host), registration.revision),
+            None => Condition::absent(agent_key(host)),
+        },
+        Condition::absent(liveness_key(host)),
+    ];
+    // Its borrowed-block index, under the same guard, before the registration goes (a node an
+    // agent keeps live keeps its index; so does one whose agent registers meanwhile).
+    let borrowed = store
+        .list(&crate::model::keys::host_borrowed_dir(host))
+        .await?;
+    for chunk in borrowed.chunks(FORGET_INDEX_BATCH) {
+        let mut txn = Txn::new();
+        for kv in chunk {
+            txn = txn.then(Op::delete(&kv.key));
+        }
+        if commit_guarded(store, txn, &guard, &[]).await?.is_some() {
+            return Ok(false);
+        }
+    }
+    if registration.is_none() {
         return Ok(false);
-    };
+    }
     let txn = Txn::new()
         .then(Op::delete(agent_key(host)))
         .then(Op::delete(countdown_key(host)))
         .then(Op::delete(crate::model::keys::live_disagreements_key(host)));
-    let guard = [
-        Condition::at_revision(agent_key(host), registration.revision),
-        Condition::absent(liveness_key(host)),
-    ];
     Ok(commit_guarded(store, txn, &guard, &[]).await?.is_none())
 }
 

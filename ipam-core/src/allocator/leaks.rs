@@ -15,6 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NODE};
@@ -25,6 +26,9 @@ use crate::model::AllowedUse;
 
 /// Attribute: the container (pod sandbox) an allocation was made for, as the runtime names it.
 pub const ATTR_CONTAINER_ID: &str = "container_id";
+/// A leak look reads every block of the store once in this many looks (and at the first): the
+/// others read the node's own blocks and its borrowed-block index.
+pub const SURVEY_EVERY_LOOKS: u32 = 60;
 /// Attribute: when the allocation was made (RFC 3339, UTC).
 pub const ATTR_TIMESTAMP: &str = "timestamp";
 /// Attribute: the Kubernetes pod an allocation was made for (`K8S_POD_NAME`): only such
@@ -222,6 +226,8 @@ pub struct LeakWatch {
     missing_since: BTreeMap<(IpAddr, u64), u64>,
     /// The last look the runtime answered.
     last_look: Option<u64>,
+    /// Looks since the last one that read every block of the store (`None`: none did yet).
+    looks_since_survey: Option<u32>,
 }
 
 impl LeakWatch {
@@ -240,6 +246,26 @@ impl LeakWatch {
     /// How many allocations are counting down.
     pub fn counting(&self) -> usize {
         self.missing_since.len()
+    }
+
+    /// Whether the next look reads every block of the store: the first look, and one look in
+    /// [`SURVEY_EVERY_LOOKS`]; the others read the node's blocks and its borrowed-block index.
+    pub fn survey_due(&self) -> bool {
+        self.looks_since_survey
+            .is_none_or(|looks| looks.saturating_add(1) >= SURVEY_EVERY_LOOKS)
+    }
+
+    /// Whether the last look read every block of the store.
+    pub fn last_look_surveyed(&self) -> bool {
+        self.looks_since_survey == Some(0)
+    }
+
+    fn looked(&mut self, surveyed: bool) {
+        self.looks_since_survey = match (surveyed, self.looks_since_survey) {
+            (true, _) => Some(0),
+            (false, Some(looks)) => Some(looks.saturating_add(1)),
+            (false, None) => None,
+        };
     }
 
     /// Decides on one look. `allocations` is every allocation the store holds (this node's are
@@ -417,8 +443,18 @@ impl Ipam {
         Ok(true)
     }
 
-    /// One look for `host`: reads every allocation and pool and decides with `watch` (see
-    /// [`LeakWatch::observe`]). Writes nothing.
+    /// One look for `host`: reads `host`'s allocations and the pools and decides with `watch`
+    /// (see [`LeakWatch::observe`]).
+    ///
+    /// What it reads: the node's own blocks and the blocks its borrowed-block index names
+    /// ([`keys::host_borrowed_dir`]), so that a look costs what the node holds, not what the
+    /// store holds. Every block of the store instead at the first look, at one look in
+    /// [`SURVEY_EVERY_LOOKS`], and at any look where a live sandbox's address is not among the
+    /// node's allocations read (it may be held by another node, free, or borrowed by a writer
+    /// that keeps no index): then the index is completed with every block outside the node's own
+    /// that holds one of its addresses. The only writes: that index, completed after a survey and
+    /// cleared of blocks that no longer hold anything of the node (each deletion conditioned on
+    /// the block as it was read).
     ///
     /// # Errors
     /// Store failures and corrupt objects (the watch is left as it was: no decision is made).
@@ -429,9 +465,25 @@ impl Ipam {
         watch: &mut LeakWatch,
         policy: LeakPolicy,
     ) -> Result<LeakDecisions, IpamError> {
-        let allocations = self.list_allocations().await?;
         let pools = self.list_pools().await?;
         let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
+        let mut surveyed = watch.survey_due();
+        let allocations = if surveyed {
+            self.list_allocations().await?
+        } else {
+            let node = self.node_allocations(host).await?;
+            if live_addresses_inside(&node.blocks, view, &in_pools) {
+                self.forget_borrowed(host, &node.unneeded).await?;
+                node.allocations
+            } else {
+                surveyed = true;
+                self.list_allocations().await?
+            }
+        };
+        if surveyed {
+            self.complete_borrowed_index(host, &allocations).await?;
+        }
+        watch.looked(surveyed);
         Ok(watch.observe(host, &allocations, view, &in_pools, policy))
     }
 
@@ -462,6 +514,21 @@ impl Ipam {
         Ok(outcome)
     }
 }
+
+/// Every live sandbox's address (in one of the pools) lies in one of `blocks`: a look that read
+/// only those blocks knows whether each is held for its sandbox, for another holder, or free.
+fn live_addresses_inside(
+    blocks: &[IpNet],
+    view: &RuntimeView,
+    in_pools: &dyn Fn(IpAddr) -> bool,
+) -> bool {
+    view.sandboxes
+        .values()
+        .flat_map(|sandbox| sandbox.addresses.iter())
+        .all(|address| !in_pools(*address) || blocks.iter().any(|b| b.contains(address)))
+}
+
+mod borrowed_index;
 
 #[cfg(test)]
 mod tests;

@@ -59,6 +59,9 @@ pub const ATTR_NETWORK: &str = "network";
 pub const ATTR_PURPOSE: &str = "purpose";
 /// Most addresses one request may ask for, per family.
 pub const MAX_ADDRESSES_PER_REQUEST: u32 = 32;
+
+/// The value of a borrowed-block index entry: the key says everything (node and block).
+pub const BORROWED_INDEX_VALUE: &[u8] = b"{}";
 /// Addresses released per transaction by [`Ipam::release_ips`] (each may touch a block and a
 /// handle, so this keeps a transaction well under `MAX_TXN_OPS`).
 const RELEASES_PER_TXN: usize = 32;
@@ -518,6 +521,17 @@ impl Plan {
 
     pub fn is_empty(&self) -> bool {
         self.writes.is_empty()
+    }
+
+    /// Records `block` in `host`'s borrowed-block index when it is not affine to `host`: the
+    /// transaction is putting an address for `host` there.
+    pub fn index_borrowed(&mut self, host: &str, block: &Block) {
+        if block.affinity.as_deref() != Some(host) {
+            self.put(
+                &keys::borrowed_key(host, &block.cidr),
+                BORROWED_INDEX_VALUE.to_vec(),
+            );
+        }
     }
 
     fn bytes(&self) -> usize {

@@ -225,6 +225,25 @@ pub fn live_disagreements_key(host: &str) -> String {
     format!("{ROOT}live-disagreements/{host}")
 }
 
+/// Prefix of every node's index of the blocks it borrowed addresses from.
+pub fn borrowed_dir() -> String {
+    format!("{ROOT}borrowed/")
+}
+
+/// Prefix of `host`'s borrowed-block index: one key per block not affine to `host` that may hold
+/// an address recorded for `host`, so that the node's agent reads its allocations without
+/// reading every block of the store.
+pub fn host_borrowed_dir(host: &str) -> String {
+    format!("{ROOT}borrowed/{host}/")
+}
+
+/// `host`'s borrowed-block index entry for `cidr`: put by every transaction that records an
+/// address for `host` in a block not affine to it; deleted by the node's agent once the block
+/// holds nothing of `host`, and when the node is forgotten.
+pub fn borrowed_key(host: &str, cidr: &IpNet) -> String {
+    format!("{ROOT}borrowed/{host}/{}", cidr_segment(cidr))
+}
+
 /// Prefix of every grace countdown.
 pub fn countdown_dir() -> String {
     format!("{ROOT}missing/")

@@ -324,3 +324,25 @@ fn a_container_without_a_kubernetes_pod_is_not_judged() {
         assert!(decisions.leaked.is_empty() && decisions.waiting.is_empty());
     }
 }
+
+#[test]
+fn the_first_look_and_one_in_sixty_survey_the_store() {
+    let mut watch = LeakWatch::new();
+    assert!(watch.survey_due(), "an agent's first look surveys");
+    assert!(!watch.last_look_surveyed());
+    watch.looked(true);
+    assert!(watch.last_look_surveyed());
+    for look in 1..SURVEY_EVERY_LOOKS {
+        assert!(!watch.survey_due(), "look {look} after a survey");
+        watch.looked(false);
+        assert!(!watch.last_look_surveyed());
+    }
+    assert!(
+        watch.survey_due(),
+        "the look {SURVEY_EVERY_LOOKS} after a survey"
+    );
+    // A look that had to survey early (a live address outside the node's blocks) starts the
+    // count again.
+    watch.looked(true);
+    assert!(!watch.survey_due());
+}
