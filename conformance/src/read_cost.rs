@@ -52,26 +52,27 @@ const BYTES_SLACK: u64 = 256;
 
 /// What reads brought back, and how many calls reached the store.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct ReadCost {
+pub struct ReadCost {
     /// Reads (`get`, `list`, or one `read_many` batch).
-    round_trips: u64,
+    pub round_trips: u64,
     /// Transactions.
-    commits: u64,
+    pub commits: u64,
     /// Keys returned (a `get` that found nothing returns none).
-    keys: u64,
+    pub keys: u64,
     /// Bytes of the keys and values returned.
-    bytes: u64,
+    pub bytes: u64,
 }
 
-/// Passes every call through and tallies what reads return.
+/// Passes every call through and tallies what reads return (benchmarks use it too).
 #[derive(Debug)]
-struct ReadMeter {
+pub struct ReadMeter {
     inner: Arc<dyn KvStore>,
     tally: Mutex<ReadCost>,
 }
 
 impl ReadMeter {
-    fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
+    /// A meter in front of `inner`, its tally at zero.
+    pub fn new(inner: Arc<dyn KvStore>) -> Arc<Self> {
         Arc::new(ReadMeter {
             inner,
             tally: Mutex::new(ReadCost::default()),
@@ -79,7 +80,7 @@ impl ReadMeter {
     }
 
     /// The tally so far, starting again from zero.
-    fn take(&self) -> ReadCost {
+    pub fn take(&self) -> ReadCost {
         std::mem::take(&mut *self.tally.lock().expect("tally"))
     }
 
@@ -123,7 +124,7 @@ impl KvStore for ReadMeter {
 }
 
 /// The `n`th container on node `node`: a 64-hex id, as runtimes name sandboxes.
-fn container_id(node: &str, n: u32) -> String {
+pub fn container_id(node: &str, n: u32) -> String {
     let tag = node
         .bytes()
         .fold(0u64, |h, b| h.wrapping_mul(31) ^ u64::from(b));
@@ -132,7 +133,7 @@ fn container_id(node: &str, n: u32) -> String {
 
 /// The plugin's ADD for the `n`th pod on `node`: the handle and attributes it records, one
 /// address, the pod's namespace looked up.
-fn pod_add(node: &str, n: u32) -> AutoAssignRequest {
+pub fn pod_add(node: &str, n: u32) -> AutoAssignRequest {
     let container = container_id(node, n);
     let namespace = format!("team-{:03}", n % 97);
     AutoAssignRequest {

@@ -38,7 +38,7 @@ pub struct IpamSnapshot {
 }
 
 impl IpamSnapshot {
-    /// Reads the store (one batched read of pools and blocks, one listing of blocks) and counts
+    /// Reads the store (one batched read of pools, blocks, reservations and config) and counts
     /// as Calico's kube-controllers do: blocks by affine node (`no_affinity` for none), addresses
     /// by the node recorded with them (`unknown_node` for none), borrowed when that node is not
     /// the block's; things outside every pool under `no_ippool`. Every node seen anywhere gets
@@ -48,8 +48,7 @@ impl IpamSnapshot {
     /// Store failures and corrupt objects, as the allocator reports them.
     pub async fn compute(store: Arc<dyn KvStore>) -> Result<Self, IpamError> {
         let ipam = Ipam::new(store);
-        let usage = ipam.utilization().await?;
-        let allocations = ipam.list_allocations().await?;
+        let (usage, allocations) = ipam.utilization_and_allocations().await?;
         let mut snapshot = IpamSnapshot::default();
         let mut pool_of_block: BTreeMap<String, String> = BTreeMap::new();
         let mut nodes: BTreeSet<String> = BTreeSet::new();

@@ -255,12 +255,11 @@ pub async fn run(
         return show_ip(&ipam, ip).await;
     }
     ctx.progress("reading pools and blocks ...");
-    let usage = ipam.utilization().await?;
-    let borrowed_rows = if args.borrowed {
-        ctx.progress("reading every allocation ...");
-        Some(borrowed(ipam.list_allocations().await?))
+    let (usage, borrowed_rows) = if args.borrowed {
+        let (usage, allocations) = ipam.utilization_and_allocations().await?;
+        (usage, Some(borrowed(allocations)))
     } else {
-        None
+        (ipam.utilization().await?, None)
     };
     ctx.progress_done();
     let mut text = pools_table(&usage);

@@ -100,6 +100,24 @@ impl Ipam {
     /// # Errors
     /// Store failures; corrupt objects.
     pub async fn utilization(&self) -> Result<Utilization, IpamError> {
+        Ok(self.read_utilization(false).await?.0)
+    }
+
+    /// [`utilization`](Self::utilization) and [`list_allocations`](Self::list_allocations) from
+    /// one read of the blocks (callers that need both read every block once, not twice).
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn utilization_and_allocations(
+        &self,
+    ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
+        self.read_utilization(true).await
+    }
+
+    async fn read_utilization(
+        &self,
+        with_allocations: bool,
+    ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
         let results = self
             .store
             .read_many(&[
@@ -115,6 +133,17 @@ impl Ipam {
             .into_iter()
             .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
             .collect::<Result<_, _>>()?;
+        let mut allocations = Vec::new();
+        if with_allocations {
+            for block in &blocks {
+                for ordinal in block.allocations.keys() {
+                    if let Some(info) = allocation_info(block, block.ip_of(*ordinal)) {
+                        allocations.push(info);
+                    }
+                }
+            }
+            allocations.sort_by_key(|a| a.ip);
+        }
         let reserved =
             crate::model::reservations::ReservedRanges::from_listed(&next_listed(&mut results)?)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
@@ -168,6 +197,6 @@ impl Ipam {
                 None => usage.orphan_blocks.push(row),
             }
         }
-        Ok(usage)
+        Ok((usage, allocations))
     }
 }
