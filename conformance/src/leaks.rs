@@ -32,6 +32,7 @@ macro_rules! leaks_conformance_tests {
             a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_survey,
             a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey,
             a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays,
+            a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_addresses_of,
         );
     };
 }
@@ -762,4 +763,48 @@ pub async fn a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays<F: Sto
         .await
         .expect("forget a node without registration"));
     assert_eq!(t.store.get(&other_entry).await.expect("get"), None);
+}
+
+/// A block whose affinity is released while it holds addresses (an operator's `blocks
+/// release-affinity`, a node retired without releasing its addresses) is put in the index of every
+/// node it holds addresses of, in the same transaction: the node's steady looks keep judging them.
+pub async fn a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_addresses_of<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let (gone, _) = assign_for(&ipam, "gone", "node-a").await;
+    let runtime = move |at| view(at, &[("live", vec![live])]);
+    let mut watch = LeakWatch::new();
+    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("the first look");
+    let block = ipam
+        .get_assignment(gone)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let entry = keys::borrowed_key("node-a", &block);
+    assert_eq!(t.store.get(&entry).await.expect("get"), None);
+    ipam.release_affinity("node-a", block)
+        .await
+        .expect("release the affinity");
+    let info = ipam
+        .get_assignment(gone)
+        .await
+        .expect("read")
+        .expect("still assigned");
+    assert_eq!(info.block_host, None, "the block has no owner now");
+    assert!(
+        t.store.get(&entry).await.expect("get").is_some(),
+        "the transaction that released the affinity indexed the block for node-a"
+    );
+    let looks = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60, T0 + GRACE]).await;
+    assert_eq!(looks[0].live, 1, "{:#?}", looks[0]);
+    assert_eq!(looks[0].waiting.len(), 1, "{:#?}", looks[0]);
+    assert_eq!(looks[1].leaked.len(), 1, "{:#?}", looks[1]);
+    assert_eq!(looks[1].leaked[0].allocation.ip, gone);
 }

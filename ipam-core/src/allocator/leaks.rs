@@ -26,9 +26,10 @@ use crate::model::AllowedUse;
 
 /// Attribute: the container (pod sandbox) an allocation was made for, as the runtime names it.
 pub const ATTR_CONTAINER_ID: &str = "container_id";
-/// A leak look reads every block of the store once in this many looks (and at the first): the
+/// A leak look reads every block of the store once in this many looks (daily at the default
+/// interval), at the first, and whenever a live address lies outside the blocks it read: the
 /// others read the node's own blocks and its borrowed-block index.
-pub const SURVEY_EVERY_LOOKS: u32 = 60;
+pub const SURVEY_EVERY_LOOKS: u32 = 1_440;
 /// Attribute: when the allocation was made (RFC 3339, UTC).
 pub const ATTR_TIMESTAMP: &str = "timestamp";
 /// Attribute: the Kubernetes pod an allocation was made for (`K8S_POD_NAME`): only such

@@ -626,6 +626,19 @@ impl Plan {
                     // The block moved (affinity changed, or it filled up or got room again).
                     self.expect(&key, None);
                     self.delete(read_key);
+                    if keys::affinity_of_block_key(read_key) != Some(block.affinity.as_deref()) {
+                        // A new owner (or none): the addresses it holds for other nodes are
+                        // borrowed from now on.
+                        for node in block
+                            .allocations
+                            .keys()
+                            .filter_map(|ordinal| block.attribute_of(*ordinal))
+                            .filter_map(|attribute| attribute.metadata.get(ATTR_NODE))
+                            .collect::<BTreeSet<_>>()
+                        {
+                            self.index_borrowed(node, block);
+                        }
+                    }
                 }
             }
         }

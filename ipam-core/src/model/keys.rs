@@ -86,6 +86,17 @@ pub fn block_key_of(block: &Block) -> String {
     }
 }
 
+/// The affinity a block key records: `Some(Some(host))` under a host's directory, `Some(None)`
+/// under `unaffine/`, `None` for a key that is not a block's.
+pub fn affinity_of_block_key(key: &str) -> Option<Option<&str>> {
+    if let Some(rest) = key.strip_prefix(&format!("{ROOT}blocks/unaffine/")) {
+        return (!rest.is_empty()).then_some(None);
+    }
+    let rest = key.strip_prefix(&format!("{ROOT}blocks/host/"))?;
+    let (host, _) = rest.split_once('/')?;
+    Some(Some(host))
+}
+
 /// Every key a block with this claim entry may live at (open and full for an affine block).
 pub fn block_candidates(affinity: Option<&str>, cidr: &IpNet) -> Vec<String> {
     match affinity {

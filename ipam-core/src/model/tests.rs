@@ -242,3 +242,28 @@ fn downgraded_to_format_3_a_config_with_a_cooldown_is_refused() {
         Err(IpamError::Internal(_))
     ));
 }
+
+#[test]
+fn a_block_key_tells_its_affinity_and_other_keys_tell_nothing() {
+    let cidr = net("10.0.0.0/26");
+    assert_eq!(
+        keys::affinity_of_block_key(&keys::block(Some("node-a"), &cidr)),
+        Some(Some("node-a"))
+    );
+    assert_eq!(
+        keys::affinity_of_block_key(&keys::full_block("node-a", &cidr)),
+        Some(Some("node-a"))
+    );
+    assert_eq!(
+        keys::affinity_of_block_key(&keys::block(None, &cidr)),
+        Some(None)
+    );
+    for other in [
+        keys::block_claim(&cidr),
+        keys::borrowed_key("node-a", &cidr),
+        keys::affine_blocks_dir(),
+        format!("{}unaffine/", keys::blocks_dir()),
+    ] {
+        assert_eq!(keys::affinity_of_block_key(&other), None, "{other}");
+    }
+}

@@ -326,7 +326,7 @@ fn a_container_without_a_kubernetes_pod_is_not_judged() {
 }
 
 #[test]
-fn the_first_look_and_one_in_sixty_survey_the_store() {
+fn the_first_look_and_one_in_survey_every_looks_survey_the_store() {
     let mut watch = LeakWatch::new();
     assert!(watch.survey_due(), "an agent's first look surveys");
     assert!(!watch.last_look_surveyed());
