@@ -74,6 +74,15 @@ async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
     (address, info.sequence)
 }
 
+/// The block holding `address` (assigned).
+async fn block_of(ipam: &Ipam, address: IpAddr) -> ipnet::IpNet {
+    ipam.get_assignment(address)
+        .await
+        .expect("read")
+        .unwrap_or_else(|| panic!("{address} is assigned"))
+        .block
+}
+
 fn view(at: u64, live: &[(&str, Vec<IpAddr>)]) -> RuntimeView {
     RuntimeView {
         observed_at: at,
@@ -474,12 +483,7 @@ pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<
         let store = std::sync::Arc::clone(&t.store);
         let ipam = &ipam;
         async move {
-            let block = ipam
-                .get_assignment(address)
-                .await
-                .expect("read")
-                .expect("assigned")
-                .block;
+            let block = block_of(&ipam, address).await;
             let key = keys::block(Some(node), &block);
             let intact = store.get(&key).await.expect("get").expect("block").value;
             let mut damaged = intact.clone();
@@ -563,6 +567,18 @@ async fn borrowed_for_node_a<F: StoreFactory>(
     (t, ipam, borrowed, theirs)
 }
 
+/// A live pod "live" on node-a (its runtime's view at any moment), and a watch that has made the
+/// agent's first look (a survey) at `T0`.
+async fn live_pod_on_node_a(ipam: &Ipam) -> (impl Fn(u64) -> RuntimeView, LeakWatch) {
+    let (live, _) = assign_for(ipam, "live", "node-a").await;
+    let runtime = move |at| view(at, &[("live", vec![live])]);
+    let mut watch = LeakWatch::new();
+    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("the first look");
+    (runtime, watch)
+}
+
 /// The looks in a row after the first (a survey) that read only the node's blocks.
 async fn bounded_looks(
     ipam: &Ipam,
@@ -592,12 +608,7 @@ pub async fn a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks<
     factory: &F,
 ) {
     let (t, ipam, borrowed, theirs) = borrowed_for_node_a(factory).await;
-    let block = ipam
-        .get_assignment(borrowed)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
+    let block = block_of(&ipam, borrowed).await;
     let entry = keys::borrowed_key("node-a", &block);
     assert!(
         t.store.get(&entry).await.expect("get").is_some(),
@@ -607,12 +618,7 @@ pub async fn a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks<
     ipam.create_pool(&crate::ipam::spec("10.9.1.0/26", "own", 26))
         .await
         .expect("a second pool");
-    let (live, _) = assign_for(&ipam, "live", "node-a").await;
-    let runtime = move |at| view(at, &[("live", vec![live])]);
-    let mut watch = LeakWatch::new();
-    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
-        .await
-        .expect("the first look");
+    let (runtime, mut watch) = live_pod_on_node_a(&ipam).await;
     let looks = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60, T0 + GRACE]).await;
     assert_eq!(looks[0].waiting.len(), 1, "{:#?}", looks[0]);
     assert_eq!(looks[0].waiting[0].allocation.ip, borrowed);
@@ -643,18 +649,8 @@ pub async fn a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_su
     ipam.create_pool(&crate::ipam::spec("10.9.1.0/26", "own", 26))
         .await
         .expect("a second pool");
-    let (live, _) = assign_for(&ipam, "live", "node-a").await;
-    let runtime = move |at| view(at, &[("live", vec![live])]);
-    let mut watch = LeakWatch::new();
-    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
-        .await
-        .expect("the first look");
-    let block = ipam
-        .get_assignment(borrowed)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
+    let (runtime, mut watch) = live_pod_on_node_a(&ipam).await;
+    let block = block_of(&ipam, borrowed).await;
     let entry = keys::borrowed_key("node-a", &block);
     t.store
         .delete(&entry)
@@ -721,12 +717,7 @@ pub async fn a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays<F: Sto
     factory: &F,
 ) {
     let (t, ipam, borrowed, _) = borrowed_for_node_a(factory).await;
-    let block = ipam
-        .get_assignment(borrowed)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
+    let block = block_of(&ipam, borrowed).await;
     let entry = keys::borrowed_key("node-a", &block);
     register(t.store.as_ref(), "node-a", "test", T0)
         .await
@@ -751,12 +742,7 @@ pub async fn a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays<F: Sto
 
     // A node that never had an agent: its index goes all the same.
     let (other, _) = assign_for(&ipam, "more", "node-c").await;
-    let other_block = ipam
-        .get_assignment(other)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
+    let other_block = block_of(&ipam, other).await;
     let other_entry = keys::borrowed_key("node-c", &other_block);
     assert!(t.store.get(&other_entry).await.expect("get").is_some());
     assert!(!forget_node(t.store.as_ref(), "node-c")
@@ -774,19 +760,9 @@ pub async fn a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_a
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
-    let (live, _) = assign_for(&ipam, "live", "node-a").await;
+    let (runtime, mut watch) = live_pod_on_node_a(&ipam).await;
     let (gone, _) = assign_for(&ipam, "gone", "node-a").await;
-    let runtime = move |at| view(at, &[("live", vec![live])]);
-    let mut watch = LeakWatch::new();
-    ipam.look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
-        .await
-        .expect("the first look");
-    let block = ipam
-        .get_assignment(gone)
-        .await
-        .expect("read")
-        .expect("assigned")
-        .block;
+    let block = block_of(&ipam, gone).await;
     let entry = keys::borrowed_key("node-a", &block);
     assert_eq!(t.store.get(&entry).await.expect("get"), None);
     ipam.release_affinity("node-a", block)
@@ -802,7 +778,7 @@ pub async fn a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_a
         t.store.get(&entry).await.expect("get").is_some(),
         "the transaction that released the affinity indexed the block for node-a"
     );
-    let looks = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60, T0 + GRACE]).await;
+    let looks = bounded_looks(&ipam, &mut watch, &runtime, &[T0 + 60, T0 + 60 + GRACE]).await;
     assert_eq!(looks[0].live, 1, "{:#?}", looks[0]);
     assert_eq!(looks[0].waiting.len(), 1, "{:#?}", looks[0]);
     assert_eq!(looks[1].leaked.len(), 1, "{:#?}", looks[1]);

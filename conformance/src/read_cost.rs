@@ -182,23 +182,9 @@ async fn pod_del(ipam: &Ipam, node: &str, n: u32) {
 /// four addresses in use: made on the in-memory store, copied in transactions as large as the
 /// storage contract allows.
 async fn two_nodes<F: StoreFactory>(factory: &F) -> crate::TestStore {
-    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-    let maker = Ipam::new(Arc::clone(&memory));
-    maker
-        .create_pool(&spec(POOL, "pool", BLOCK_SIZE))
-        .await
-        .expect("create pool");
-    maker
-        .update_config(|c| c.max_blocks_per_host = 0)
-        .await
-        .expect("no per-node block limit");
+    let (memory, maker) = memory_maker().await;
     for (node, blocks) in [SMALL_NODE, LARGE_NODE] {
-        for n in 0..blocks * BLOCK_ADDRESSES - 2 {
-            maker
-                .auto_assign(&pod_add(node, n))
-                .await
-                .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
-        }
+        fill_node(&maker, node, blocks).await;
     }
     let t = factory.fresh().await;
     copy_store(&memory, &t.store).await;
@@ -220,6 +206,31 @@ async fn two_nodes<F: StoreFactory>(factory: &F) -> crate::TestStore {
         );
     }
     t
+}
+
+/// The in-memory store the nodes are made on, with the pool and no per-node block limit.
+async fn memory_maker() -> (Arc<dyn KvStore>, Ipam) {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let maker = Ipam::new(Arc::clone(&memory));
+    maker
+        .create_pool(&spec(POOL, "pool", BLOCK_SIZE))
+        .await
+        .expect("create pool");
+    maker
+        .update_config(|c| c.max_blocks_per_host = 0)
+        .await
+        .expect("no per-node block limit");
+    (memory, maker)
+}
+
+/// `blocks` blocks of `node`, full but the last, which has two of its addresses in use.
+async fn fill_node(maker: &Ipam, node: &str, blocks: u32) {
+    for n in 0..blocks * BLOCK_ADDRESSES - 2 {
+        maker
+            .auto_assign(&pod_add(node, n))
+            .await
+            .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
+    }
 }
 
 /// Copies every key of `from` into `to`, in transactions as large as the storage contract allows.
@@ -331,23 +342,9 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
 >(
     factory: &F,
 ) {
-    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-    let maker = Ipam::new(Arc::clone(&memory));
-    maker
-        .create_pool(&spec(POOL, "pool", BLOCK_SIZE))
-        .await
-        .expect("create pool");
-    maker
-        .update_config(|c| c.max_blocks_per_host = 0)
-        .await
-        .expect("no per-node block limit");
+    let (memory, maker) = memory_maker().await;
     let (node, blocks) = SMALL_NODE;
-    for n in 0..blocks * BLOCK_ADDRESSES - 2 {
-        maker
-            .auto_assign(&pod_add(node, n))
-            .await
-            .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
-    }
+    fill_node(&maker, node, blocks).await;
     let t = factory.fresh().await;
     copy_store(&memory, &t.store).await;
     let meter = ReadMeter::new(Arc::clone(&t.store));
@@ -382,12 +379,7 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
         if round == 1 {
             // 1,024 blocks of another node join the store.
             let (other, other_blocks) = LARGE_NODE;
-            for n in 0..other_blocks * BLOCK_ADDRESSES - 2 {
-                maker
-                    .auto_assign(&pod_add(other, n))
-                    .await
-                    .unwrap_or_else(|e| panic!("ADD of pod {n} on {other}: {e}"));
-            }
+            fill_node(&maker, other, other_blocks).await;
             copy_store(&memory, &t.store).await;
         }
         let at = 1_800_000_000 + round * 10_000;
