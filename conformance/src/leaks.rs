@@ -483,7 +483,7 @@ pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<
         let store = std::sync::Arc::clone(&t.store);
         let ipam = &ipam;
         async move {
-            let block = block_of(&ipam, address).await;
+            let block = block_of(ipam, address).await;
             let key = keys::block(Some(node), &block);
             let intact = store.get(&key).await.expect("get").expect("block").value;
             let mut damaged = intact.clone();
