@@ -40,6 +40,7 @@ macro_rules! ipam_integrity_tests {
             release_chosen_frees_what_the_caller_picks_in_one_transaction,
             guarded_writes_stop_once_the_guard_no_longer_holds,
             empty_block_release_reads_the_claim_index_and_only_the_blocks_it_may_release,
+            allocation_counts_read_the_claim_index_and_only_blocks_holding_other_nodes_addresses,
         );
     };
 }
@@ -1150,4 +1151,129 @@ pub async fn empty_block_release_reads_the_claim_index_and_only_the_blocks_it_ma
         "the pass listed blocks other than the emptied host's: {reads:?}"
     );
     assert_clean(&ipam).await;
+}
+
+/// Allocated addresses by block and node (the agent's `ipam_*` gauges) come from the claim index
+/// and the borrowed-block indexes: the same counts as every allocation's own record, reading the
+/// values of only the blocks that hold another node's addresses (a borrowed address, a block whose
+/// affinity was released). An address recorded without its index entry (by a writer that keeps
+/// none) counts for the block's owner until the borrower's agent's next survey puts the entry back.
+pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_other_nodes_addresses<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/24", 28).await;
+    let mut first = Vec::new();
+    for h in 0..6 {
+        for n in 0..3 {
+            let got = assign_one(&ipam, &format!("h{h}-pod-{n}"), &format!("h{h}")).await;
+            if n == 0 {
+                first.push(got);
+            }
+        }
+    }
+    let block_of = |address: IpAddr| {
+        let ipam = &ipam;
+        async move {
+            ipam.get_assignment(address)
+                .await
+                .expect("read")
+                .expect("assigned")
+                .block
+        }
+    };
+    let lender = block_of(first[0]).await;
+    let mut borrowed = None;
+    for candidate in lender.hosts() {
+        if ipam
+            .get_assignment(candidate)
+            .await
+            .expect("read")
+            .is_none()
+        {
+            borrowed = Some(candidate);
+            break;
+        }
+    }
+    ipam.assign_ips(&ipam_core::AssignIpsRequest {
+        ips: vec![borrowed.expect("a free address in h0's block")],
+        handle: "borrower-pod".into(),
+        host: "borrower".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("an address of h0's block for another node");
+    let orphaned = block_of(first[1]).await;
+    ipam.release_affinity("h1", orphaned)
+        .await
+        .expect("h1's block loses its owner");
+
+    let exact = || async {
+        let mut by_block: BTreeMap<ipnet::IpNet, BTreeMap<Option<String>, u64>> = BTreeMap::new();
+        for a in ipam.list_allocations().await.expect("list") {
+            *by_block
+                .entry(a.block)
+                .or_default()
+                .entry(a.attributes.get("node").cloned())
+                .or_default() += 1;
+        }
+        by_block
+    };
+    let recording = Arc::new(RecordingStore {
+        inner: Arc::clone(&t.store),
+        reads: Mutex::new(Vec::new()),
+    });
+    let observed = Ipam::new(recording.clone() as Arc<dyn KvStore>);
+    let counts = observed.allocation_counts().await.expect("counts");
+    let counted: BTreeMap<ipnet::IpNet, BTreeMap<Option<String>, u64>> = counts
+        .blocks
+        .iter()
+        .filter(|b| !b.by_node.is_empty())
+        .map(|b| (b.cidr, b.by_node.clone()))
+        .collect();
+    assert_eq!(
+        counted,
+        exact().await,
+        "counts from the indexes and the blocks' own records"
+    );
+    let read: std::collections::BTreeSet<ipnet::IpNet> = counts
+        .blocks
+        .iter()
+        .filter(|b| b.read)
+        .map(|b| b.cidr)
+        .collect();
+    assert_eq!(
+        read,
+        [lender, orphaned].into(),
+        "only the blocks holding other nodes' addresses are read"
+    );
+    let reads = recording.reads.lock().expect("reads").clone();
+    assert!(
+        reads
+            .iter()
+            .flatten()
+            .all(|r| !matches!(r, Read::List(p) if p.starts_with(&keys::blocks_dir()))),
+        "a listing of block values: {reads:?}"
+    );
+    assert_eq!(counts.blocks.len(), 6);
+
+    // The borrower's entry gone (as a writer that keeps none leaves it): its address counts for
+    // h0, the block's owner.
+    t.store
+        .delete(&keys::borrowed_key("borrower", &lender))
+        .await
+        .expect("delete the entry");
+    let counts = observed.allocation_counts().await.expect("counts");
+    let h0 = counts
+        .blocks
+        .iter()
+        .find(|b| b.cidr == lender)
+        .expect("h0's block");
+    assert!(!h0.read);
+    assert_eq!(
+        h0.by_node,
+        BTreeMap::from([(Some("h0".to_owned()), 4)]),
+        "three of h0's addresses and the borrower's"
+    );
 }

@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ipam_core::allocator::ATTR_NODE;
 use ipam_core::{Ipam, IpamError, KvStore};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
@@ -38,64 +37,57 @@ pub struct IpamSnapshot {
 }
 
 impl IpamSnapshot {
-    /// Reads the store (one batched read of pools, blocks, reservations and config) and counts
-    /// as Calico's kube-controllers do: blocks by affine node (`no_affinity` for none), addresses
-    /// by the node recorded with them (`unknown_node` for none), borrowed when that node is not
-    /// the block's; things outside every pool under `no_ippool`. Every node seen anywhere gets
-    /// an explicit zero in each pool's in-use and borrowed gauges.
+    /// Counts as Calico's kube-controllers do: blocks by affine node (`no_affinity` for none),
+    /// addresses by the node recorded with them (`unknown_node` for none), borrowed when that node
+    /// is not the block's; things outside every pool under `no_ippool`. Every node seen anywhere
+    /// gets an explicit zero in each pool's in-use and borrowed gauges.
+    ///
+    /// What it reads ([`Ipam::allocation_counts`]): the pools, the claim index and the
+    /// borrowed-block indexes in one batch, then only the blocks a node borrowed from, blocks
+    /// without an owner and blocks whose claim entry records no free count; every other block's
+    /// addresses count for its owner. So a scrape reads small entries, not block values.
     ///
     /// # Errors
     /// Store failures and corrupt objects, as the allocator reports them.
     pub async fn compute(store: Arc<dyn KvStore>) -> Result<Self, IpamError> {
-        let ipam = Ipam::new(store);
-        let (usage, allocations) = ipam.utilization_and_allocations().await?;
+        let counts = Ipam::new(store).allocation_counts().await?;
         let mut snapshot = IpamSnapshot::default();
-        let mut pool_of_block: BTreeMap<String, String> = BTreeMap::new();
         let mut nodes: BTreeSet<String> = BTreeSet::new();
-        for pool in &usage.pools {
+        for pool in &counts.pools {
             // An IPv6 pool may span more than 2^64 addresses: a gauge is a float anyway.
-            let size = pool.capacity as f64;
-            snapshot.pool_sizes.insert(pool.pool.name.clone(), size);
-            for block in &pool.blocks {
-                pool_of_block.insert(block.cidr.to_string(), pool.pool.name.clone());
-            }
+            snapshot
+                .pool_sizes
+                .insert(pool.name.clone(), pool.capacity() as f64);
         }
-        let all_blocks = usage
-            .pools
-            .iter()
-            .flat_map(|p| p.blocks.iter())
-            .chain(usage.orphan_blocks.iter());
-        for block in all_blocks {
-            let pool = pool_of_block
-                .get(&block.cidr.to_string())
-                .cloned()
-                .unwrap_or_else(|| NO_POOL_LABEL.to_owned());
-            let node = match &block.host {
+        for block in &counts.blocks {
+            let pool = counts
+                .pools
+                .iter()
+                .find(|p| p.cidr.contains(&block.cidr.network()))
+                .map_or_else(|| NO_POOL_LABEL.to_owned(), |p| p.name.clone());
+            let owner = match &block.host {
                 Some(host) => {
                     nodes.insert(host.clone());
                     host.clone()
                 }
                 None => NO_AFFINITY_LABEL.to_owned(),
             };
-            *snapshot.blocks.entry((pool, node)).or_default() += 1;
-        }
-        for allocation in &allocations {
-            let pool = pool_of_block
-                .get(&allocation.block.to_string())
-                .cloned()
-                .unwrap_or_else(|| NO_POOL_LABEL.to_owned());
-            let node = allocation.attributes.get(ATTR_NODE).cloned();
-            if let Some(node) = &node {
-                nodes.insert(node.clone());
-                if allocation.block_host.as_ref() != Some(node) {
-                    *snapshot
-                        .borrowed
-                        .entry((pool.clone(), node.clone()))
-                        .or_default() += 1;
+            *snapshot.blocks.entry((pool.clone(), owner)).or_default() += 1;
+            for (node, count) in &block.by_node {
+                if let Some(node) = node {
+                    nodes.insert(node.clone());
+                    if block.host.as_ref() != Some(node) {
+                        *snapshot
+                            .borrowed
+                            .entry((pool.clone(), node.clone()))
+                            .or_default() += count;
+                    }
                 }
+                let node = node
+                    .clone()
+                    .unwrap_or_else(|| UNKNOWN_NODE_LABEL.to_owned());
+                *snapshot.in_use.entry((pool.clone(), node)).or_default() += count;
             }
-            let node = node.unwrap_or_else(|| UNKNOWN_NODE_LABEL.to_owned());
-            *snapshot.in_use.entry((pool, node)).or_default() += 1;
         }
         for pool in snapshot.pool_sizes.keys() {
             for node in &nodes {

@@ -29,6 +29,7 @@ use crate::model::{
 mod affinity;
 mod assign;
 pub mod check;
+mod counts;
 pub mod dead_nodes;
 pub mod leaks;
 mod lifecycle;
@@ -44,6 +45,7 @@ pub mod upgrade;
 
 pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
 
+pub use counts::{AllocationCounts, BlockCount};
 pub use lifecycle::{EmptyBlock, EmptyBlockFilter, EmptyBlockReason};
 pub(crate) use pools::find_pool;
 

@@ -17,6 +17,12 @@ pub fn host_bits(family: Family) -> u8 {
     }
 }
 
+/// Addresses in a block of this CIDR.
+pub fn block_capacity(cidr: &IpNet) -> u32 {
+    let bits = u32::from(host_bits(Family::of_net(cidr)) - cidr.prefix_len());
+    1u32.checked_shl(bits).unwrap_or(u32::MAX)
+}
+
 /// An address as an integer.
 pub fn ip_to_u128(ip: IpAddr) -> u128 {
     match ip {
@@ -141,8 +147,7 @@ impl Block {
 
     /// Number of addresses in the block.
     pub fn capacity(&self) -> u32 {
-        let bits = u32::from(host_bits(Family::of_net(&self.cidr)) - self.cidr.prefix_len());
-        1u32.checked_shl(bits).unwrap_or(u32::MAX)
+        block_capacity(&self.cidr)
     }
 
     /// Number of allocated addresses.

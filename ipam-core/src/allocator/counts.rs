@@ -1,0 +1,131 @@
+//! Allocated addresses counted by block and by node from the claim index and the borrowed-block indexes, reading block values only where an address may be recorded for another node than the block's.
+//!
+//! A claim entry records its block's owner and free count, so a block's allocated count is its
+//! capacity minus that. Addresses a node holds in a block not affine to it are in that node's
+//! borrowed-block index (`ipam/v1/borrowed/<node>/`), put by every transaction that records one;
+//! those blocks, blocks without an owner and blocks whose claim entry records no free count
+//! (format 1) are read and counted address by address. Every other block's addresses count for
+//! its owner.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use ipnet::IpNet;
+
+use super::{next_listed, IndexedClaim, Ipam, ATTR_NODE};
+use crate::kv::{KeyValue, Read};
+use crate::model::error::IpamError;
+use crate::model::{keys, Pool};
+
+/// What [`Ipam::allocation_counts`] counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AllocationCounts {
+    /// Every pool.
+    pub pools: Vec<Pool>,
+    /// Every block, in key order of its claim entry.
+    pub blocks: Vec<BlockCount>,
+}
+
+/// One block's allocated addresses, by the node recorded with them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockCount {
+    /// The block.
+    pub cidr: IpNet,
+    /// Its owner, if any.
+    pub host: Option<String>,
+    /// Allocated addresses by the node recorded with them (`None`: none recorded).
+    pub by_node: BTreeMap<Option<String>, u64>,
+    /// Whether the block's value was read (else its count is its owner's, from its claim entry).
+    pub read: bool,
+}
+
+impl Ipam {
+    /// Allocated addresses of every block, by node: one batched read of the pools, the claim
+    /// index and every borrowed-block index, then the blocks that need reading (see the module
+    /// documentation), by key.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn allocation_counts(&self) -> Result<AllocationCounts, IpamError> {
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::List(keys::pools_dir()),
+                Read::List(keys::claims_dir()),
+                Read::List(keys::borrowed_dir()),
+            ])
+            .await?
+            .into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?
+            .into_iter()
+            .map(|p| p.value)
+            .collect();
+        let claims = next_listed(&mut results)?
+            .into_iter()
+            .map(IndexedClaim::decode)
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut borrowed: BTreeSet<IpNet> = BTreeSet::new();
+        for kv in next_listed(&mut results)? {
+            let cidr = kv
+                .key
+                .rsplit('/')
+                .next()
+                .and_then(keys::parse_cidr_segment)
+                .ok_or_else(|| IpamError::Corrupt {
+                    key: kv.key.clone(),
+                    message: "a borrowed-block index key that names no block".into(),
+                })?;
+            borrowed.insert(cidr);
+        }
+        let to_read: BTreeMap<IpNet, KeyValue> = claims
+            .iter()
+            .filter(|e| {
+                e.claim.affinity.is_none() || e.claim.free.is_none() || borrowed.contains(&e.cidr)
+            })
+            .map(|e| (e.cidr, e.stored.clone()))
+            .collect();
+        let cidrs: BTreeSet<IpNet> = to_read.keys().copied().collect();
+        let mut read = self
+            .load_blocks_given_claims(&cidrs, to_read.into_values().map(Some).collect())
+            .await?
+            .found;
+        let mut blocks = Vec::with_capacity(claims.len());
+        for entry in claims {
+            let count = match read.remove(&entry.cidr) {
+                Some(stored) => {
+                    let block = stored.value;
+                    let mut by_node: BTreeMap<Option<String>, u64> = BTreeMap::new();
+                    for ordinal in block.allocations.keys() {
+                        let node = block
+                            .attribute_of(*ordinal)
+                            .and_then(|a| a.metadata.get(ATTR_NODE))
+                            .cloned();
+                        *by_node.entry(node).or_default() += 1;
+                    }
+                    BlockCount {
+                        cidr: block.cidr,
+                        host: block.affinity,
+                        by_node,
+                        read: true,
+                    }
+                }
+                None if cidrs.contains(&entry.cidr) => continue,
+                None => {
+                    let capacity = crate::model::block_capacity(&entry.cidr);
+                    let in_use = u64::from(capacity.saturating_sub(entry.claim.free.unwrap_or(0)));
+                    let mut by_node = BTreeMap::new();
+                    if in_use > 0 {
+                        by_node.insert(entry.claim.affinity.clone(), in_use);
+                    }
+                    BlockCount {
+                        cidr: entry.cidr,
+                        host: entry.claim.affinity,
+                        by_node,
+                        read: false,
+                    }
+                }
+            };
+            blocks.push(count);
+        }
+        Ok(AllocationCounts { pools, blocks })
+    }
+}
