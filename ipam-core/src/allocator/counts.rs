@@ -84,10 +84,13 @@ impl Ipam {
             .map(|e| (e.cidr, e.stored.clone()))
             .collect();
         let cidrs: BTreeSet<IpNet> = to_read.keys().copied().collect();
-        let mut read = self
-            .load_blocks_given_claims(&cidrs, to_read.into_values().map(Some).collect())
-            .await?
-            .found;
+        let mut read = if cidrs.is_empty() {
+            BTreeMap::new()
+        } else {
+            self.load_blocks_given_claims(&cidrs, to_read.into_values().map(Some).collect())
+                .await?
+                .found
+        };
         let mut blocks = Vec::with_capacity(claims.len());
         for entry in claims {
             let count = match read.remove(&entry.cidr) {
