@@ -26,10 +26,6 @@ use crate::model::AllowedUse;
 
 /// Attribute: the container (pod sandbox) an allocation was made for, as the runtime names it.
 pub const ATTR_CONTAINER_ID: &str = "container_id";
-/// A leak look reads every block of the store once in this many looks (daily at the default
-/// interval), at the first, and whenever a live address lies outside the blocks it read: the
-/// others read the node's own blocks and its borrowed-block index.
-pub const SURVEY_EVERY_LOOKS: u32 = 1_440;
 /// Attribute: when the allocation was made (RFC 3339, UTC).
 pub const ATTR_TIMESTAMP: &str = "timestamp";
 /// Attribute: the Kubernetes pod an allocation was made for (`K8S_POD_NAME`): only such
@@ -39,6 +35,10 @@ pub const ATTR_POD: &str = "pod";
 pub const ATTR_NAMESPACE: &str = "namespace";
 /// Attribute: the interface inside the container (`CNI_IFNAME`).
 pub const ATTR_INTERFACE: &str = "interface";
+/// A leak look reads every block of the store once in this many looks (daily at the default
+/// interval), at the first, and whenever a live address lies outside the blocks it read: the
+/// others read the node's own blocks and its borrowed-block index.
+pub const SURVEY_EVERY_LOOKS: u32 = 1_440;
 
 /// The handle of a container's addresses on a network: `<network>.<container id>`, as Calico.
 pub fn handle_id(network: &str, container_id: &str) -> String {
@@ -450,10 +450,10 @@ impl Ipam {
     /// What it reads: the node's own blocks and the blocks its borrowed-block index names
     /// ([`keys::host_borrowed_dir`]), so that a look costs what the node holds, not what the
     /// store holds. Every block of the store instead at the first look, at one look in
-    /// [`SURVEY_EVERY_LOOKS`], and at any look where a live sandbox's address is not among the
-    /// node's allocations read (it may be held by another node, free, or borrowed by a writer
-    /// that keeps no index): then the index is completed with every block outside the node's own
-    /// that holds one of its addresses. The only writes: that index, completed after a survey and
+    /// [`SURVEY_EVERY_LOOKS`], and at any look where a live sandbox's address lies outside the
+    /// blocks read (it may be held by another node, free, or recorded by a writer that keeps no
+    /// index): then the index is completed with every block outside the node's own that holds
+    /// one of its addresses. The only writes: that index, completed after a survey and
     /// cleared of blocks that no longer hold anything of the node (each deletion conditioned on
     /// the block as it was read).
     ///
