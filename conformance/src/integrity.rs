@@ -1208,6 +1208,11 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
     ipam.release_affinity("h1", orphaned)
         .await
         .expect("h1's block loses its owner");
+    // An ownerless block is read whether or not an index names it.
+    t.store
+        .delete(&keys::borrowed_key("h1", &orphaned))
+        .await
+        .expect("forget h1's entry");
 
     let exact = || async {
         let mut by_block: BTreeMap<ipnet::IpNet, BTreeMap<Option<String>, u64>> = BTreeMap::new();
@@ -1257,6 +1262,57 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
         "a listing of block values: {reads:?}"
     );
     assert_eq!(counts.blocks.len(), 6);
+
+    // A claim entry of format 1 records no free count: its block is read and counted exactly.
+    let plain = block_of(first[2]).await;
+    let claim_key = keys::block_claim(&plain);
+    let owner = ipam_core::model::decode_claim(
+        &claim_key,
+        &t.store
+            .get(&claim_key)
+            .await
+            .expect("get")
+            .expect("claim")
+            .value,
+    )
+    .expect("decode")
+    .affinity;
+    let mut format_1 = encode(&owner).expect("encode");
+    format_1[0] = 1;
+    t.store
+        .put(&claim_key, format_1)
+        .await
+        .expect("a format-1 entry");
+    let counts = observed.allocation_counts().await.expect("counts");
+    let h2 = counts
+        .blocks
+        .iter()
+        .find(|b| b.cidr == plain)
+        .expect("h2's block");
+    assert!(h2.read, "a block whose free count is unknown is read");
+    assert_eq!(h2.by_node, BTreeMap::from([(Some("h2".to_owned()), 3)]));
+
+    // The ownerless block emptied (and so deleted) between the index read and its own read: it
+    // counts nothing, not what its claim entry said.
+    let hooked = HookedStore::new(Arc::clone(&t.store));
+    let releaser = Ipam::new(Arc::clone(&t.store));
+    hooked.after_read(lists(keys::claims_dir()), move || async move {
+        for n in 0..3 {
+            releaser
+                .release_handle(&format!("h1-pod-{n}"))
+                .await
+                .expect("release h1's pods");
+        }
+    });
+    let counts = Ipam::new(hooked.clone() as Arc<dyn KvStore>)
+        .allocation_counts()
+        .await
+        .expect("counts");
+    assert!(hooked.read_hook_fired());
+    assert!(
+        counts.blocks.iter().all(|b| b.cidr != orphaned),
+        "the deleted block is not counted: {counts:#?}"
+    );
 
     // The borrower's entry gone (as a writer that keeps none leaves it): its address counts for
     // h0, the block's owner.
