@@ -33,6 +33,7 @@ macro_rules! leaks_conformance_tests {
             a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey,
             a_forgotten_nodes_borrowed_index_goes_but_a_live_nodes_stays,
             a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_addresses_of,
+            an_index_key_that_names_no_block_stops_the_look_and_the_counts_naming_it,
         );
     };
 }
@@ -783,4 +784,37 @@ pub async fn a_block_that_loses_its_affinity_is_indexed_for_the_nodes_it_holds_a
     assert_eq!(looks[0].waiting.len(), 1, "{:#?}", looks[0]);
     assert_eq!(looks[1].leaked.len(), 1, "{:#?}", looks[1]);
     assert_eq!(looks[1].leaked[0].allocation.ip, gone);
+}
+
+/// A key under a node's borrowed-block index that names no block (written by hand, or damaged):
+/// the node's look and the allocation counts fail naming it, and nothing is written.
+pub async fn an_index_key_that_names_no_block_stops_the_look_and_the_counts_naming_it<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (runtime, mut watch) = live_pod_on_node_a(&ipam).await;
+    let bad = format!("{}not-a-block", keys::host_borrowed_dir("node-a"));
+    t.store
+        .put(&bad, b"{}".to_vec())
+        .await
+        .expect("a damaged entry");
+    let before = t.store.list("").await.expect("list");
+    match ipam
+        .look_for_leaks("node-a", &runtime(T0 + 60), &mut watch, POLICY)
+        .await
+    {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, bad),
+        other => panic!("expected a corruption error naming {bad}, got {other:?}"),
+    }
+    match ipam.allocation_counts().await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, bad),
+        other => panic!("expected a corruption error naming {bad}, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written"
+    );
 }

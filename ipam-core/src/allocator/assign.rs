@@ -499,16 +499,7 @@ impl Ipam {
         let mut host_full = Vec::new();
         if read_full {
             for kv in next_listed(&mut results)? {
-                let cidr = kv
-                    .key
-                    .rsplit('/')
-                    .next()
-                    .and_then(keys::parse_cidr_segment)
-                    .ok_or_else(|| IpamError::Corrupt {
-                        key: kv.key.clone(),
-                        message: "a block key that names no CIDR".into(),
-                    })?;
-                host_full.push(cidr);
+                host_full.push(super::cidr_of_key(&kv.key, "a block key")?);
             }
         }
         let mut unclaimed = Vec::new();

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 
-use super::{next_listed, IndexedClaim, Ipam, ATTR_NODE};
+use super::{cidr_of_key, next_listed, IndexedClaim, Ipam, ATTR_NODE};
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::{keys, Pool};
@@ -65,16 +65,7 @@ impl Ipam {
             .collect::<Result<Vec<_>, _>>()?;
         let mut borrowed: BTreeSet<IpNet> = BTreeSet::new();
         for kv in next_listed(&mut results)? {
-            let cidr = kv
-                .key
-                .rsplit('/')
-                .next()
-                .and_then(keys::parse_cidr_segment)
-                .ok_or_else(|| IpamError::Corrupt {
-                    key: kv.key.clone(),
-                    message: "a borrowed-block index key that names no block".into(),
-                })?;
-            borrowed.insert(cidr);
+            borrowed.insert(cidr_of_key(&kv.key, "a borrowed-block index key")?);
         }
         let to_read: BTreeMap<IpNet, KeyValue> = claims
             .iter()

@@ -1164,6 +1164,21 @@ fn refuse_during_import(marker: Option<KeyValue>) -> Result<(), IpamError> {
     }
 }
 
+/// The CIDR a key ends with (a block's, a claim's or an index entry's last segment).
+///
+/// # Errors
+/// [`IpamError::Corrupt`] naming the key when its last segment is not a CIDR; `what` says what
+/// kind of key it is.
+pub(crate) fn cidr_of_key(key: &str, what: &str) -> Result<IpNet, IpamError> {
+    key.rsplit('/')
+        .next()
+        .and_then(keys::parse_cidr_segment)
+        .ok_or_else(|| IpamError::Corrupt {
+            key: key.to_owned(),
+            message: format!("{what} that names no CIDR"),
+        })
+}
+
 pub(crate) fn next_listed(
     results: &mut impl Iterator<Item = crate::kv::ReadResult>,
 ) -> Result<Vec<KeyValue>, IpamError> {

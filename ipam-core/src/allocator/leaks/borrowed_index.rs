@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 
 use super::super::{
-    allocation_info, decode_stored, next_listed, AllocationInfo, Ipam, Stored, BORROWED_INDEX_VALUE,
+    allocation_info, cidr_of_key, decode_stored, next_listed, AllocationInfo, Ipam, Stored,
+    BORROWED_INDEX_VALUE,
 };
 use crate::kv::{Condition, KvError, Op, Read, Txn, MAX_TXN_OPS};
 use crate::model::error::IpamError;
@@ -54,15 +55,7 @@ impl Ipam {
             .collect::<Result<_, _>>()?;
         let mut indexed: BTreeMap<IpNet, String> = BTreeMap::new();
         for kv in next_listed(&mut results)? {
-            let cidr = kv
-                .key
-                .strip_prefix(&borrowed_dir)
-                .and_then(keys::parse_cidr_segment)
-                .ok_or_else(|| IpamError::Corrupt {
-                    key: kv.key.clone(),
-                    message: "a borrowed-block index key that names no block".into(),
-                })?;
-            indexed.insert(cidr, kv.key);
+            indexed.insert(cidr_of_key(&kv.key, "a borrowed-block index key")?, kv.key);
         }
         let own_cidrs: BTreeSet<IpNet> = own.iter().map(|s| s.value.cidr).collect();
         let elsewhere: BTreeSet<IpNet> = indexed
