@@ -254,6 +254,15 @@ pub enum WireRead {
     Get(String),
     /// A string prefix.
     List(String),
+    /// A window of a string prefix's listing (protocol 3 on).
+    Range {
+        /// The string prefix.
+        prefix: String,
+        /// The smallest key answered.
+        from: String,
+        /// How many keys at most.
+        limit: u32,
+    },
 }
 
 /// [`ReadResult`] on the wire.
@@ -354,6 +363,15 @@ impl From<&Read> for WireRead {
         match read {
             Read::Get(key) => WireRead::Get(key.clone()),
             Read::List(prefix) => WireRead::List(prefix.clone()),
+            Read::Range {
+                prefix,
+                from,
+                limit,
+            } => WireRead::Range {
+                prefix: prefix.clone(),
+                from: from.clone(),
+                limit: *limit,
+            },
         }
     }
 }
@@ -363,6 +381,15 @@ impl From<WireRead> for Read {
         match read {
             WireRead::Get(key) => Read::Get(key),
             WireRead::List(prefix) => Read::List(prefix),
+            WireRead::Range {
+                prefix,
+                from,
+                limit,
+            } => Read::Range {
+                prefix,
+                from,
+                limit,
+            },
         }
     }
 }

@@ -225,6 +225,29 @@ impl EtcdStore {
                     ),
                 ))
             }
+            Read::Range { prefix, .. } if matches_nothing(prefix) => {
+                read.validate()?;
+                None
+            }
+            Read::Range {
+                prefix,
+                from,
+                limit,
+            } => {
+                read.validate()?;
+                let (_, end) = self.range_for(prefix);
+                let start = self.full_key(Read::range_start(prefix, from));
+                Some(TxnOp::get(
+                    if start.is_empty() { vec![0] } else { start },
+                    Some(
+                        GetOptions::new()
+                            .with_range(end)
+                            .with_limit(i64::from(*limit))
+                            .with_sort(SortTarget::Key, SortOrder::Ascend)
+                            .with_revision(revision),
+                    ),
+                ))
+            }
         })
     }
 
@@ -572,7 +595,7 @@ impl KvStore for EtcdStore {
                     };
                     results.push(match read {
                         Read::Get(_) => ReadResult::Got(kvs.into_iter().next()),
-                        Read::List(_) => ReadResult::Listed(kvs),
+                        Read::List(_) | Read::Range { .. } => ReadResult::Listed(kvs),
                     });
                 }
             }

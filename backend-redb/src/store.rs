@@ -127,9 +127,7 @@ impl KvStore for RedbStore {
     /// Answers every read from one redb read transaction, so from one snapshot.
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
         for read in reads {
-            if let Read::Get(key) = read {
-                validate_key(key)?;
-            }
+            read.validate()?;
         }
         let inner = Arc::clone(&self.inner);
         let reads = reads.to_vec();
@@ -140,6 +138,13 @@ impl KvStore for RedbStore {
                 .map(|read| match read {
                     Read::Get(key) => inner.get(&snapshot, key).map(ReadResult::Got),
                     Read::List(prefix) => inner.list(&snapshot, &prefix).map(ReadResult::Listed),
+                    Read::Range {
+                        prefix,
+                        from,
+                        limit,
+                    } => inner
+                        .window(&snapshot, &prefix, &from, limit)
+                        .map(ReadResult::Listed),
                 })
                 .collect()
         })
@@ -205,10 +210,25 @@ impl Inner {
     }
 
     fn list(&self, snapshot: &ReadTransaction, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.window(snapshot, prefix, prefix, u32::MAX)
+    }
+
+    /// At most `limit` keys starting with `prefix`, from `from` on (a [`Read::Range`]).
+    fn window(
+        &self,
+        snapshot: &ReadTransaction,
+        prefix: &str,
+        from: &str,
+        limit: u32,
+    ) -> Result<Vec<KeyValue>, KvError> {
         let path = &self.path;
         let table = snapshot.open_table(DATA_TABLE).engine(path)?;
         let mut listed = Vec::new();
-        for item in table.range::<&str>(prefix..).engine(path)? {
+        let start = Read::range_start(prefix, from);
+        for item in table.range::<&str>(start..).engine(path)? {
+            if listed.len() >= limit as usize {
+                break;
+            }
             let (key, record) = item.engine(path)?;
             let key = key.value();
             if !key.starts_with(prefix) {

@@ -293,14 +293,32 @@ impl Inner {
                 .map(|read| match read {
                     Read::Get(key) => self.get(key.clone()).map(ReadResult::Got),
                     Read::List(prefix) => self.scan(prefix).map(ReadResult::Listed),
+                    Read::Range {
+                        prefix,
+                        from,
+                        limit,
+                    } => {
+                        read.validate()?;
+                        self.scan_window(prefix, from, *limit)
+                            .map(ReadResult::Listed)
+                    }
                 })
                 .collect()
         })
     }
 
     fn scan(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.scan_window(prefix, prefix, u32::MAX)
+    }
+
+    /// At most `limit` keys starting with `prefix`, from `from` on (a [`Read::Range`]).
+    fn scan_window(&self, prefix: &str, from: &str, limit: u32) -> Result<Vec<KeyValue>, KvError> {
         let mut listed = Vec::new();
-        for item in self.data.scan_prefix(prefix.as_bytes()) {
+        let start = Read::range_start(prefix, from).as_bytes().to_vec();
+        for item in self.data.range(start..) {
+            if listed.len() >= limit as usize {
+                break;
+            }
             let (raw_key, record) = item.map_err(|e| engine_error(e, &self.path))?;
             let key = String::from_utf8(raw_key.to_vec()).map_err(|_| {
                 KvError::corrupt(
@@ -308,6 +326,9 @@ impl Inner {
                     "stored key is not UTF-8",
                 )
             })?;
+            if !key.starts_with(prefix) {
+                break;
+            }
             let (revision, value) = decode_record(&key, &record)?;
             let value = value.to_vec();
             listed.push(KeyValue {

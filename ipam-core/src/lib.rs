@@ -23,6 +23,8 @@ pub use allocator::{
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};
 pub use error::IpamError;
-pub use kv::{Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn};
+pub use kv::{
+    range_of_listing, Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+};
 pub use memory::MemoryStore;
 pub use model::{AllowedUse, AllowedUses, AssignmentMode, Family, IpamConfig, Lifetime, Pool};

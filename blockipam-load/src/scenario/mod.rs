@@ -197,6 +197,7 @@ impl CallSummary {
             total.block_values += r.block_values;
             total.claim_gets += r.claim_gets;
             total.claim_listings += r.claim_listings;
+            total.claim_windows += r.claim_windows;
             total.claim_entries += r.claim_entries;
             total.other_reads += r.other_reads;
         }

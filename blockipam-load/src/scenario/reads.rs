@@ -23,6 +23,8 @@ pub struct ReadKinds {
     pub claim_gets: u64,
     /// Prefix listings of the claim index.
     pub claim_listings: u64,
+    /// Windowed reads of the claim index (at most a given number of entries each).
+    pub claim_windows: u64,
     /// Claim-index entries returned.
     pub claim_entries: u64,
     /// Reads of any other key or prefix.
@@ -36,6 +38,7 @@ struct Counters {
     block_values: AtomicU64,
     claim_gets: AtomicU64,
     claim_listings: AtomicU64,
+    claim_windows: AtomicU64,
     claim_entries: AtomicU64,
     other_reads: AtomicU64,
 }
@@ -70,6 +73,7 @@ impl ReadClassifier {
             block_values: load(&c.block_values),
             claim_gets: load(&c.claim_gets),
             claim_listings: load(&c.claim_listings),
+            claim_windows: load(&c.claim_windows),
             claim_entries: load(&c.claim_entries),
             other_reads: load(&c.other_reads),
         }
@@ -133,6 +137,14 @@ impl KvStore for ReadClassifier {
             match read {
                 Read::Get(key) => self.count_get(key),
                 Read::List(prefix) => self.count_list(prefix),
+                Read::Range { prefix, .. } => {
+                    let counter = if prefix.starts_with(&self.claims) {
+                        &self.counters.claim_windows
+                    } else {
+                        &self.counters.other_reads
+                    };
+                    counter.fetch_add(1, Ordering::SeqCst);
+                }
             }
         }
         let results = self.inner.read_many(reads).await?;

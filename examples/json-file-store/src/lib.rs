@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use async_trait::async_trait;
 use ipam_core::blocking::{run_blocking, Stage};
 use ipam_core::kv::{
-    validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+    range_of_listing, validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
 };
 use serde::{Deserialize, Serialize};
 
@@ -181,6 +181,13 @@ impl KvStore for JsonFileStore {
             .map(|read| match read {
                 Read::Get(key) => validate_key(key).map(|()| ReadResult::Got(contents.get(key))),
                 Read::List(prefix) => Ok(ReadResult::Listed(contents.list(prefix))),
+                Read::Range {
+                    prefix,
+                    from,
+                    limit,
+                } => read.validate().map(|()| {
+                    ReadResult::Listed(range_of_listing(contents.list(prefix), from, *limit))
+                }),
             })
             .collect()
     }

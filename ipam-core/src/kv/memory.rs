@@ -83,6 +83,22 @@ impl KvStore for MemoryStore {
                         .map(snapshot)
                         .collect(),
                 )),
+                Read::Range {
+                    prefix,
+                    from,
+                    limit,
+                } => {
+                    read.validate()?;
+                    Ok(ReadResult::Listed(
+                        state
+                            .entries
+                            .range(Read::range_start(prefix, from).to_owned()..)
+                            .take_while(|(key, _)| key.starts_with(prefix.as_str()))
+                            .take(*limit as usize)
+                            .map(snapshot)
+                            .collect(),
+                    ))
+                }
             })
             .collect()
     }

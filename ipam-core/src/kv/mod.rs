@@ -387,6 +387,63 @@ pub enum Read {
     Get(String),
     /// List a string prefix, as [`KvStore::list`].
     List(String),
+    /// The first `limit` keys that start with `prefix` and are not below `from`, ascending:
+    /// a window of a listing, sized by the caller rather than by the store. Answered by
+    /// [`ReadResult::Listed`]; `from` below `prefix` starts at the prefix's first key, and a
+    /// `limit` of 0 is [`KvError::InvalidArgument`].
+    Range {
+        /// The string prefix every answered key starts with.
+        prefix: String,
+        /// The smallest key answered.
+        from: String,
+        /// How many keys at most.
+        limit: u32,
+    },
+}
+
+impl Read {
+    /// A window of `prefix`'s listing: at most `limit` keys from `from` on.
+    pub fn range(prefix: impl Into<String>, from: impl Into<String>, limit: u32) -> Self {
+        Read::Range {
+            prefix: prefix.into(),
+            from: from.into(),
+            limit,
+        }
+    }
+
+    /// Checks what can be checked before asking the store: a `Get`'s key, a `Range`'s limit.
+    ///
+    /// # Errors
+    /// [`KvError::InvalidArgument`] for an empty key or a limit of 0.
+    pub fn validate(&self) -> Result<(), KvError> {
+        match self {
+            Read::Get(key) => validate_key(key),
+            Read::List(_) => Ok(()),
+            Read::Range { limit: 0, .. } => Err(KvError::invalid(
+                "a range read must ask for at least one key",
+            )),
+            Read::Range { .. } => Ok(()),
+        }
+    }
+
+    /// Where a window of `prefix` from `from` starts: `from`, or the prefix when `from` is below it.
+    pub fn range_start<'a>(prefix: &'a str, from: &'a str) -> &'a str {
+        if from < prefix {
+            prefix
+        } else {
+            from
+        }
+    }
+}
+
+/// The window a [`Read::Range`] answers, cut from the whole listing of its prefix (sorted by
+/// key): for stores and protocols without a ranged read of their own.
+pub fn range_of_listing(listed: Vec<KeyValue>, from: &str, limit: u32) -> Vec<KeyValue> {
+    listed
+        .into_iter()
+        .filter(|kv| kv.key.as_str() >= from)
+        .take(limit as usize)
+        .collect()
 }
 
 /// The answer to one [`Read`], in the same position as the request.
@@ -394,7 +451,7 @@ pub enum Read {
 pub enum ReadResult {
     /// Answer to [`Read::Get`].
     Got(Option<KeyValue>),
-    /// Answer to [`Read::List`].
+    /// Answer to [`Read::List`] and [`Read::Range`].
     Listed(Vec<KeyValue>),
 }
 
@@ -494,6 +551,14 @@ pub trait KvStore: Send + Sync + fmt::Debug {
             results.push(match read {
                 Read::Get(key) => ReadResult::Got(self.get(key).await?),
                 Read::List(prefix) => ReadResult::Listed(self.list(prefix).await?),
+                Read::Range {
+                    prefix,
+                    from,
+                    limit,
+                } => {
+                    read.validate()?;
+                    ReadResult::Listed(range_of_listing(self.list(prefix).await?, from, *limit))
+                }
             });
         }
         Ok(results)
