@@ -136,6 +136,7 @@ macro_rules! ipam_conformance_tests {
         $crate::upgrade_conformance_tests!($factory);
         $crate::leaks_conformance_tests!($factory);
         $crate::read_cost_conformance_tests!($factory);
+        $crate::full_pools_conformance_tests!($factory);
     };
 }
 

@@ -2,6 +2,7 @@
 //! expand them into one named `#[test]` per case in each backend's `tests/conformance.rs`.
 
 pub mod embedded;
+pub mod full_pools;
 pub mod hooked;
 pub mod integrity;
 pub mod ipam;

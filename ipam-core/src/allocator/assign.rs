@@ -6,6 +6,7 @@ use super::{
     AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
     NewBlockProbe, Plan, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
+use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
 use crate::allocator::upgrade::format_read;
 use crate::kv::{KeyValue, Read};
@@ -195,6 +196,8 @@ impl Ipam {
         // Mixed-sizes records of candidate pools a new block may be claimed in (resize.rs).
         let mut mixed_seen: Vec<(IpNet, KeyValue)> = Vec::new();
         let mut plan = Plan::default();
+        // Full-pool marks this allocation's search proved (full_pools.rs), by key.
+        let mut proven_full: BTreeMap<String, FullPoolMark> = BTreeMap::new();
         let mut result = AutoAssignResult {
             pools: listed_pools,
             ..AutoAssignResult::default()
@@ -242,69 +245,127 @@ impl Ipam {
                 &mut got,
             );
 
-            // 2. New blocks for this host.
-            let mut limit_hit: Option<u32> = None;
-            if (got.len() as u32) < wanted && config.auto_allocate_blocks {
-                config_used = true;
-                // The steady-state read holds only the host's blocks with room; the per-host
-                // limit counts its full ones too, read in the same batch as the probe.
-                let limited = config.max_blocks_per_host != 0;
-                let probe = self
-                    .probe_new_blocks(&candidates, &request.host, limited)
-                    .await?;
-                mixed_seen.extend(probe.mixed.iter().cloned());
-                let host_owns = |block: &Block| {
-                    block.affinity.as_deref() == Some(request.host.as_str())
-                        && Family::of_net(&block.cidr) == family
-                };
-                let owned_blocks: BTreeSet<IpNet> = probe
-                    .host_full
-                    .iter()
-                    .copied()
-                    .filter(|c| Family::of_net(c) == family)
-                    .chain(
-                        working
-                            .values()
-                            .map(|w| &w.block)
-                            .filter(|b| host_owns(b))
-                            .map(|b| b.cidr),
-                    )
-                    .collect();
-                let mut owned = owned_blocks.len() as u32;
-                let mut unclaimed = probe.unclaimed.into_iter();
-                while (got.len() as u32) < wanted {
-                    if limited && owned >= config.max_blocks_per_host {
-                        limit_hit = Some(owned);
-                        break;
-                    }
-                    let create = |cidr: IpNet, sequence_floor: u64| {
-                        WorkingBlock::created(
-                            cidr,
-                            Some(request.host.clone()),
-                            sequence_floor,
-                            lifetime.now,
-                        )
+            // Steps 2 and 3, at most twice: a first pass may believe the candidate pools'
+            // full-pool marks and look only at a window of the claim index (full_pools.rs); when
+            // that window does not hold enough, a second pass reads the whole index.
+            let mut believe_marks = true;
+            loop {
+                // Set when this pass looked only at a window of the claim index.
+                let mut window: Option<ClaimIndex> = None;
+
+                // 2. New blocks for this host.
+                let mut limit_hit: Option<u32> = None;
+                if (got.len() as u32) < wanted && config.auto_allocate_blocks {
+                    config_used = true;
+                    // The steady-state read holds only the host's blocks with room; the per-host
+                    // limit counts its full ones too, read in the same batch as the probe.
+                    let limited = config.max_blocks_per_host != 0;
+                    let probe = self
+                        .probe_new_blocks(&candidates, &request.host, limited)
+                        .await?;
+                    mixed_seen.extend(probe.mixed.iter().cloned());
+                    let host_owns = |block: &Block| {
+                        block.affinity.as_deref() == Some(request.host.as_str())
+                            && Family::of_net(&block.cidr) == family
                     };
-                    let usable = |c: &IpNet| !reserved.leaves_block_nothing(c, skip_block_edges);
-                    let claimed = match unclaimed
-                        .by_ref()
-                        .find(|c| !working.contains_key(c) && usable(c))
-                    {
-                        Some(found) => create(found, probe.sequence_floor),
-                        None => {
-                            // Every probed block is taken: one listing of the claim index
-                            // (small entries, not blocks) settles it.
-                            let index = self.ensure_claim_index(&mut claim_index).await?;
-                            match find_unclaimed_block(
-                                &candidates,
-                                &request.host,
-                                index.entries.iter().map(|e| e.cidr),
-                                &working,
-                                usable,
-                            ) {
-                                Some(cidr) => create(cidr, index.sequence_floor),
+                    let owned_blocks: BTreeSet<IpNet> = probe
+                        .host_full
+                        .iter()
+                        .copied()
+                        .filter(|c| Family::of_net(c) == family)
+                        .chain(
+                            working
+                                .values()
+                                .map(|w| &w.block)
+                                .filter(|b| host_owns(b))
+                                .map(|b| b.cidr),
+                        )
+                        .collect();
+                    let mut owned = owned_blocks.len() as u32;
+                    let mut unclaimed = probe.unclaimed.into_iter();
+                    if believe_marks && probe.marked_full {
+                        window = Some(ClaimIndex {
+                            entries: probe.window,
+                            sequence_floor: probe.sequence_floor,
+                        });
+                    }
+                    while (got.len() as u32) < wanted {
+                        if limited && owned >= config.max_blocks_per_host {
+                            limit_hit = Some(owned);
+                            break;
+                        }
+                        let create = |cidr: IpNet, sequence_floor: u64| {
+                            WorkingBlock::created(
+                                cidr,
+                                Some(request.host.clone()),
+                                sequence_floor,
+                                lifetime.now,
+                            )
+                        };
+                        let usable =
+                            |c: &IpNet| !reserved.leaves_block_nothing(c, skip_block_edges);
+                        let claimed = match unclaimed
+                            .by_ref()
+                            .find(|c| !working.contains_key(c) && usable(c))
+                        {
+                            Some(found) => create(found, probe.sequence_floor),
+                            None => {
+                                let index = match &window {
+                                    // Every candidate pool is marked full: no unclaimed block
+                                    // to look for, another host's long-empty block perhaps.
+                                    Some(window) => window,
+                                    None => {
+                                        // Every probed block is taken: one listing of the claim
+                                        // index (small entries, not blocks) settles it.
+                                        let index =
+                                            self.ensure_claim_index(&mut claim_index).await?;
+                                        match find_unclaimed_block(
+                                            &candidates,
+                                            &request.host,
+                                            index.entries.iter().map(|e| e.cidr),
+                                            &working,
+                                            usable,
+                                        ) {
+                                            Some(cidr) => {
+                                                let found = create(cidr, index.sequence_floor);
+                                                let cidr = found.block.cidr;
+                                                working.insert(cidr, found);
+                                                owned += 1;
+                                                take_from_blocks(
+                                                    &mut working,
+                                                    &[cidr],
+                                                    &attribute,
+                                                    wanted,
+                                                    skip_block_edges,
+                                                    lifetime,
+                                                    &reserved,
+                                                    &mut got,
+                                                );
+                                                continue;
+                                            }
+                                            None => {
+                                                // The whole index shows none: the pools are
+                                                // full, marked so by this transaction.
+                                                for pool in &candidates {
+                                                    if !probe.mixed.iter().any(|(c, _)| {
+                                                        *c == pool.value.cidr
+                                                    }) {
+                                                        proven_full.insert(
+                                                            full_pools::mark_key(&pool.value),
+                                                            FullPoolMark::of(
+                                                                &pool.value,
+                                                                probe.releases,
+                                                            ),
+                                                        );
+                                                    }
+                                                }
+                                                index
+                                            }
+                                        }
+                                    }
+                                };
                                 // No unclaimed block left: another host's long-empty block.
-                                None => match self
+                                match self
                                     .take_over_empty_block(
                                         index,
                                         &candidates,
@@ -319,97 +380,107 @@ impl Ipam {
                                 {
                                     Some(taken) => taken,
                                     None => break,
-                                },
+                                }
                             }
-                        }
-                    };
-                    let cidr = claimed.block.cidr;
-                    working.insert(cidr, claimed);
-                    owned += 1;
-                    take_from_blocks(
-                        &mut working,
-                        &[cidr],
-                        &attribute,
-                        wanted,
-                        skip_block_edges,
-                        lifetime,
-                        &reserved,
-                        &mut got,
-                    );
-                }
-            }
-            if let Some(owned) = limit_hit {
-                if (got.len() as u32) < wanted {
-                    return Err(IpamError::BlockLimit {
-                        host: request.host.clone(),
-                        family,
-                        owned,
-                        limit: config.max_blocks_per_host,
-                    });
-                }
-            }
-
-            // 3. Borrow from any other block, unless strict affinity forbids it.
-            if (got.len() as u32) < wanted && !config.strict_affinity {
-                config_used = true;
-                let index = self.ensure_claim_index(&mut claim_index).await?;
-                // Lenders come from the claim index: blocks nobody owns first, then other hosts'
-                // blocks, each in address order; entries that record no free address are skipped
-                // (format-1 entries, which record no count, are tried).
-                let mut lenders: Vec<&IndexedClaim> = index
-                    .entries
-                    .iter()
-                    .filter(|e| Family::of_net(&e.cidr) == family)
-                    .filter(|e| e.claim.affinity.as_deref() != Some(request.host.as_str()))
-                    .filter(|e| in_candidates(&e.cidr) && e.claim.free != Some(0))
-                    .filter(|e| !reserved.leaves_block_nothing(&e.cidr, skip_block_edges))
-                    .filter(|e| !working.contains_key(&e.cidr))
-                    .collect();
-                lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
-                let mut lenders = lenders.into_iter();
-                // Read only as many lenders as the missing addresses need, one batch at a time;
-                // a lender that filled up since the listing sends the loop to the next ones.
-                while (got.len() as u32) < wanted {
-                    let missing = wanted - got.len() as u32;
-                    let mut batch: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
-                    let mut covered = 0u32;
-                    while covered < missing {
-                        let Some(lender) = lenders.next() else {
-                            break;
                         };
-                        covered = covered.saturating_add(lender.claim.free.unwrap_or(1));
-                        batch.insert(lender.cidr, lender.stored.clone());
+                        let cidr = claimed.block.cidr;
+                        working.insert(cidr, claimed);
+                        owned += 1;
+                        take_from_blocks(
+                            &mut working,
+                            &[cidr],
+                            &attribute,
+                            wanted,
+                            skip_block_edges,
+                            lifetime,
+                            &reserved,
+                            &mut got,
+                        );
                     }
-                    if batch.is_empty() {
-                        break;
-                    }
-                    let cidrs: BTreeSet<IpNet> = batch.keys().copied().collect();
-                    let claims = batch.into_values().map(Some).collect();
-                    let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
-                    let mut order = Vec::with_capacity(loaded.found.len());
-                    for (cidr, stored) in loaded.found {
-                        working
-                            .entry(cidr)
-                            .or_insert_with(|| WorkingBlock::from_stored(stored));
-                        order.push(cidr);
-                    }
-                    order.sort_by_key(|c| {
-                        (
-                            working.get(c).is_some_and(|w| w.block.affinity.is_some()),
-                            c.network(),
-                        )
-                    });
-                    take_from_blocks(
-                        &mut working,
-                        &order,
-                        &attribute,
-                        wanted,
-                        skip_block_edges,
-                        lifetime,
-                        &reserved,
-                        &mut got,
-                    );
                 }
+                if let Some(owned) = limit_hit {
+                    if (got.len() as u32) < wanted {
+                        return Err(IpamError::BlockLimit {
+                            host: request.host.clone(),
+                            family,
+                            owned,
+                            limit: config.max_blocks_per_host,
+                        });
+                    }
+                }
+
+                // 3. Borrow from any other block, unless strict affinity forbids it.
+                if (got.len() as u32) < wanted && !config.strict_affinity {
+                    config_used = true;
+                    let index = match &window {
+                        Some(window) => window,
+                        None => self.ensure_claim_index(&mut claim_index).await?,
+                    };
+                    // Lenders come from the claim index: blocks nobody owns first, then other
+                    // hosts' blocks, each in address order; entries that record no free address
+                    // are skipped (format-1 entries, which record no count, are tried).
+                    let mut lenders: Vec<&IndexedClaim> = index
+                        .entries
+                        .iter()
+                        .filter(|e| Family::of_net(&e.cidr) == family)
+                        .filter(|e| e.claim.affinity.as_deref() != Some(request.host.as_str()))
+                        .filter(|e| in_candidates(&e.cidr) && e.claim.free != Some(0))
+                        .filter(|e| !reserved.leaves_block_nothing(&e.cidr, skip_block_edges))
+                        .filter(|e| !working.contains_key(&e.cidr))
+                        .collect();
+                    lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
+                    let mut lenders = lenders.into_iter();
+                    // Read only as many lenders as the missing addresses need, one batch at a
+                    // time; a lender that filled up since the listing sends the loop to the
+                    // next ones.
+                    while (got.len() as u32) < wanted {
+                        let missing = wanted - got.len() as u32;
+                        let mut batch: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
+                        let mut covered = 0u32;
+                        while covered < missing {
+                            let Some(lender) = lenders.next() else {
+                                break;
+                            };
+                            covered = covered.saturating_add(lender.claim.free.unwrap_or(1));
+                            batch.insert(lender.cidr, lender.stored.clone());
+                        }
+                        if batch.is_empty() {
+                            break;
+                        }
+                        let cidrs: BTreeSet<IpNet> = batch.keys().copied().collect();
+                        let claims = batch.into_values().map(Some).collect();
+                        let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
+                        let mut order = Vec::with_capacity(loaded.found.len());
+                        for (cidr, stored) in loaded.found {
+                            working
+                                .entry(cidr)
+                                .or_insert_with(|| WorkingBlock::from_stored(stored));
+                            order.push(cidr);
+                        }
+                        order.sort_by_key(|c| {
+                            (
+                                working.get(c).is_some_and(|w| w.block.affinity.is_some()),
+                                c.network(),
+                            )
+                        });
+                        take_from_blocks(
+                            &mut working,
+                            &order,
+                            &attribute,
+                            wanted,
+                            skip_block_edges,
+                            lifetime,
+                            &reserved,
+                            &mut got,
+                        );
+                    }
+                }
+                if (got.len() as u32) < wanted && window.is_some() {
+                    // The window held too little: the whole index decides.
+                    believe_marks = false;
+                    continue;
+                }
+                break;
             }
 
             if (got.len() as u32) < wanted {
@@ -462,40 +533,64 @@ impl Ipam {
         }
         plan.expect(&handle_key, handle_revision);
         plan.put(&handle_key, encode(&handle)?);
+        for (key, mark) in &proven_full {
+            plan.put(key, mark.encode());
+        }
         self.commit_plan(plan, Assignment::Assigned(result)).await
     }
 
     /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
-    /// limit needs counting), the sequence floor and, for each candidate pool, the claim entries of the
-    /// [`NEW_BLOCK_PROBES`] blocks that follow the host's hashed start. Its size does not grow
-    /// with the number of blocks or hosts in the store.
+    /// limit needs counting), the sequence floor, for each candidate pool the claim entries of the
+    /// [`NEW_BLOCK_PROBES`] blocks that follow the host's hashed start and its full-pool mark, the
+    /// block-release counter, and a window of the claim index from the first candidate's start
+    /// ([`full_pools::CLAIM_WINDOW`] entries, and as many from the index's first entry). Its size
+    /// does not grow with the number of blocks or hosts in the store.
     async fn probe_new_blocks(
         &self,
         candidates: &[&Stored<Pool>],
         host: &str,
         read_full: bool,
     ) -> Result<NewBlockProbe, IpamError> {
-        let mut reads = vec![Read::Get(keys::sequence_floor())];
+        let mut reads = vec![
+            Read::Get(keys::sequence_floor()),
+            Read::Get(keys::block_releases()),
+        ];
         if read_full {
             reads.push(Read::List(keys::host_full_blocks_dir(host)));
         }
         let mut probed = Vec::new();
+        let mut window_start = keys::claims_dir();
         for (pool_index, pool) in candidates.iter().enumerate() {
             let count = pool.value.block_count();
             let start = u128::from(host_hash(host)) % count;
             for step in 0..count.min(NEW_BLOCK_PROBES) {
                 if let Some(cidr) = pool.value.block_at((start + step) % count) {
+                    if probed.is_empty() {
+                        window_start = keys::block_claim(&cidr);
+                    }
                     probed.push((pool_index, cidr));
                     reads.push(Read::Get(keys::block_claim(&cidr)));
                 }
             }
         }
-        // Each candidate's mixed-sizes record (resize.rs), in the same batch.
+        // Each candidate's mixed-sizes record (resize.rs) and full-pool mark, in the same batch.
         for pool in candidates {
             reads.push(Read::Get(super::resize::mixed_sizes_key(&pool.value.name)));
+            reads.push(Read::Get(full_pools::mark_key(&pool.value)));
         }
+        reads.push(Read::range(
+            keys::claims_dir(),
+            window_start.clone(),
+            full_pools::CLAIM_WINDOW,
+        ));
+        reads.push(Read::range(
+            keys::claims_dir(),
+            keys::claims_dir(),
+            full_pools::CLAIM_WINDOW,
+        ));
         let mut results = self.store.read_many(&reads).await?.into_iter();
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
+        let releases = full_pools::releases_revision(next_got(&mut results)?.as_ref());
         let mut host_full = Vec::new();
         if read_full {
             for kv in next_listed(&mut results)? {
@@ -512,14 +607,29 @@ impl Ipam {
         // from the first such pool on, the search goes to the claim index and its overlap test.
         let mut mixed = Vec::new();
         let mut first_mixed = candidates.len();
+        let mut marked_full = !candidates.is_empty();
         for (pool_index, pool) in candidates.iter().enumerate() {
             let kv = next_got(&mut results)?;
             if super::resize::mixed_record_for(&pool.value, kv.as_ref())?.is_some() {
                 if let Some(kv) = kv {
                     first_mixed = first_mixed.min(pool_index);
                     mixed.push((pool.value.cidr, kv));
+                    marked_full = false;
                 }
             }
+            let mark = next_got(&mut results)?;
+            marked_full &= FullPoolMark::believed(mark.as_ref(), &pool.value, releases);
+        }
+        // The window: from the start to the index's end, then from its first entry on.
+        let mut window = Vec::new();
+        let after_start = next_listed(&mut results)?;
+        let from_first = next_listed(&mut results)?;
+        for kv in after_start.into_iter().chain(
+            from_first
+                .into_iter()
+                .take_while(|kv| kv.key < window_start),
+        ) {
+            window.push(IndexedClaim::decode(kv)?);
         }
         let unclaimed = unclaimed
             .into_iter()
@@ -531,6 +641,9 @@ impl Ipam {
             host_full,
             unclaimed,
             sequence_floor,
+            releases,
+            marked_full,
+            window,
         })
     }
 

@@ -5,7 +5,8 @@ use super::{
     decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Plan, Stored,
     WorkingBlock,
 };
-use crate::kv::{KeyValue, Read};
+use super::full_pools::{self, FullPoolMark};
+use crate::kv::{Condition, KeyValue, Op, Read, Txn};
 use crate::model::error::IpamError;
 use crate::model::{keys, Block, Family, IpamConfig, Lifetime, Pool};
 use ipnet::IpNet;
@@ -167,6 +168,8 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::List(keys::claims_dir()),
                 Read::List(crate::model::nodes::nodes_dir()),
+                Read::List(keys::full_pool_marks_dir()),
+                Read::Get(keys::block_releases()),
             ])
             .await?
             .into_iter();
@@ -174,8 +177,15 @@ impl Ipam {
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
         let lifetime = self.lifetime(&config);
         let claims = next_listed(&mut results)?;
+        let nodes = next_listed(&mut results)?;
+        let marks = next_listed(&mut results)?;
+        let counter = next_got(&mut results)?;
+        if apply {
+            self.forget_wrong_full_pool_marks(&pools, &claims, &marks, counter.as_ref())
+                .await?;
+        }
         let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
-        for kv in next_listed(&mut results)? {
+        for kv in nodes {
             if let Some(host) = kv.key.strip_prefix(&crate::model::nodes::nodes_dir()) {
                 labels.insert(
                     host.to_owned(),
@@ -249,6 +259,58 @@ impl Ipam {
             });
         }
         Ok(found)
+    }
+
+    /// Puts the block-release counter, so that no full-pool mark is believed any more, when a
+    /// believed mark's pool shows fewer claimed blocks in `claims` (the whole claim index, read
+    /// in one snapshot with `marks` and `counter`) than it holds: a writer that keeps no marks
+    /// released one of its blocks. Conditioned on the counter as read; a counter that moved
+    /// meanwhile already did the same.
+    async fn forget_wrong_full_pool_marks(
+        &self,
+        pools: &[Stored<Pool>],
+        claims: &[KeyValue],
+        marks: &[KeyValue],
+        counter: Option<&KeyValue>,
+    ) -> Result<(), IpamError> {
+        let releases = full_pools::releases_revision(counter);
+        let wrong = pools.iter().find(|pool| {
+            let mark = marks
+                .iter()
+                .find(|kv| kv.key == full_pools::mark_key(&pool.value));
+            if !FullPoolMark::believed(mark, &pool.value, releases) {
+                return false;
+            }
+            let claimed = claims
+                .iter()
+                .filter_map(|kv| kv.key.strip_prefix(&keys::claims_dir()))
+                .filter_map(keys::parse_cidr_segment)
+                .filter(|cidr| pool.value.cidr.contains(&cidr.network()))
+                .count() as u128;
+            claimed < pool.value.block_count()
+        });
+        let Some(pool) = wrong else {
+            return Ok(());
+        };
+        let key = keys::block_releases();
+        let txn = Txn::new()
+            .when(match counter {
+                Some(kv) => Condition::at_revision(&key, kv.revision),
+                None => Condition::absent(&key),
+            })
+            .then(Op::put(&key, b"{}".to_vec()));
+        match self.store.commit(txn).await {
+            Ok(_) => {
+                tracing::info!(
+                    pool = %pool.value.name,
+                    "a pool marked full has unclaimed blocks (released by a writer that keeps no \
+                     marks): no full-pool mark is believed until a search proves one again"
+                );
+                Ok(())
+            }
+            Err(e) if e.is_conflict() => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The blocks [`release_empty_blocks`](Self::release_empty_blocks) must look at, with their

@@ -30,6 +30,7 @@ mod affinity;
 mod assign;
 pub mod check;
 mod counts;
+mod full_pools;
 pub mod dead_nodes;
 pub mod leaks;
 mod lifecycle;
@@ -488,6 +489,12 @@ struct NewBlockProbe {
     unclaimed: Vec<IpNet>,
     /// The sequence floor, read in the same snapshot.
     sequence_floor: u64,
+    /// The block-release counter's revision (full_pools.rs).
+    releases: u64,
+    /// Every candidate pool has a believed full-pool mark (and none has mixed block sizes).
+    marked_full: bool,
+    /// A window of the claim index from the host's start (full_pools.rs).
+    window: Vec<IndexedClaim>,
 }
 
 /// Bytes a transaction keeps free for the format record's key and value (see `Ipam::seal`).
@@ -581,6 +588,8 @@ impl Plan {
     pub fn delete_block(&mut self, key: &str, block: &Block) {
         self.delete(key);
         self.delete(&keys::block_claim(&block.cidr));
+        // Full-pool marks made before this release are no longer believed (full_pools.rs).
+        self.put(&keys::block_releases(), b"{}".to_vec());
         self.retired_sequence = self.retired_sequence.max(block.sequence.saturating_add(1));
     }
 

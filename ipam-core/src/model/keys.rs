@@ -124,6 +124,23 @@ pub fn sequence_floor() -> String {
     format!("{ROOT}sequence-floor")
 }
 
+/// The block-release counter: put (value `{}`) by every transaction that deletes a block, so that
+/// its revision changes with every release; full-pool marks record the revision they were made at.
+pub fn block_releases() -> String {
+    format!("{ROOT}block-releases")
+}
+
+/// Prefix of every full-pool mark.
+pub fn full_pool_marks_dir() -> String {
+    format!("{ROOT}full-pools/")
+}
+
+/// `pool`'s full-pool mark: a hint that the pool had no unclaimed block when the block-release
+/// counter was at the revision it records (value `<pool CIDR> <block size> <revision>`).
+pub fn full_pool_mark(pool: &str) -> String {
+    format!("{ROOT}full-pools/{pool}")
+}
+
 /// Present exactly while a `blockipamctl import` into this store is unfinished: the allocator
 /// refuses to assign until it is gone (the store may still lack blocks, handles or pools).
 pub fn import_in_progress() -> String {

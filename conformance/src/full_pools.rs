@@ -1,0 +1,344 @@
+//! Full pools: a new node's ADD in a pool with no unclaimed block reads a window of the claim index, not all of it, and a released block is claimed again, whatever the marks say.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipam_core::kv::MAX_TXN_OPS;
+use ipam_core::model::keys;
+use ipam_core::{AssignIpsRequest, EmptyBlockFilter, Ipam, KvStore, MemoryStore, Op, Txn};
+use ipnet::IpNet;
+
+use crate::ipam::{assert_clean, spec, v4};
+use crate::read_cost::{ReadCost, ReadMeter};
+use crate::StoreFactory;
+
+/// Expands every full-pool case into one `#[test]` inside a module `full_pools`.
+#[macro_export]
+macro_rules! full_pools_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(full_pools, $crate::full_pools, $factory;
+            a_borrowing_add_in_a_full_pool_reads_as_much_with_1024_blocks_as_with_64,
+            a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_next_new_node,
+            a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_block_pass,
+            a_window_without_room_falls_back_to_the_whole_claim_index,
+        );
+    };
+}
+
+/// Blocks of four addresses: a pool of 1,024 blocks is a /20.
+const BLOCK_SIZE: u8 = 30;
+
+/// The store under test holding a pool of `blocks` blocks of [`BLOCK_SIZE`] at `pool`, every
+/// block claimed by its own filler node holding `used` of its addresses; made on the in-memory
+/// store (fast at any size) and copied in large transactions.
+async fn filled_pool<F: StoreFactory>(
+    factory: &F,
+    pool: &str,
+    blocks: u32,
+    used: impl Fn(u32) -> u32,
+) -> crate::TestStore {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let maker = Ipam::new(Arc::clone(&memory));
+    maker
+        .create_pool(&spec(pool, "pool", BLOCK_SIZE))
+        .await
+        .expect("create pool");
+    let pool: IpNet = pool.parse().expect("pool CIDR");
+    let first = match pool.network() {
+        IpAddr::V4(a) => u32::from(a),
+        IpAddr::V6(_) => unreachable!("an IPv4 pool"),
+    };
+    for block in 0..blocks {
+        let ips = (0..used(block))
+            .map(|i| IpAddr::V4((first + block * 4 + i).into()))
+            .collect();
+        maker
+            .assign_ips(&AssignIpsRequest {
+                ips,
+                handle: format!("filler.{block:04}"),
+                host: format!("filler-{block:04}"),
+                ..AssignIpsRequest::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("filling block {block}: {e}"));
+    }
+    let t = factory.fresh().await;
+    let everything = memory.list("").await.expect("list the made store");
+    for chunk in everything.chunks(MAX_TXN_OPS) {
+        let mut txn = Txn::new();
+        for kv in chunk {
+            txn = txn.then(Op::put(kv.key.clone(), kv.value.clone()));
+        }
+        t.store.commit(txn).await.expect("copy");
+    }
+    t
+}
+
+/// The host the block holding `ip` is affine to.
+async fn block_host(ipam: &Ipam, ip: IpAddr) -> Option<String> {
+    ipam.get_assignment(ip)
+        .await
+        .expect("who holds it")
+        .and_then(|a| a.block_host)
+}
+
+/// Where `host`'s new-block search starts in a pool of `blocks` blocks: FNV-1a of the host name
+/// (stable across builds), modulo the block count.
+fn search_start(host: &str, blocks: u64) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in host.as_bytes() {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash % blocks
+}
+
+/// True when the store holds a full-pool mark for the pool named `pool`.
+async fn marked(store: &Arc<dyn KvStore>, pool: &str) -> bool {
+    store
+        .get(&keys::full_pool_mark(pool))
+        .await
+        .expect("read the mark")
+        .is_some()
+}
+
+/// In a pool whose every block is claimed by another node, with room, the first new node's ADD
+/// reads the whole claim index and marks the pool full; every later new node's ADD reads the
+/// same keys, and bytes within a few per key, with 1,024 blocks in the pool as with 64: a window
+/// of the claim index and one lender's block, never the whole index.
+pub async fn a_borrowing_add_in_a_full_pool_reads_as_much_with_1024_blocks_as_with_64<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let mut costs: Vec<ReadCost> = Vec::new();
+    for (pool, blocks) in [("10.64.0.0/24", 64), ("10.64.0.0/20", 1024)] {
+        let t = filled_pool(factory, pool, blocks, |_| 1).await;
+        let meter = ReadMeter::new(Arc::clone(&t.store));
+        let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+        meter.take();
+        let proving = ipam
+            .auto_assign(&v4("new-a", "new-node-a", 1))
+            .await
+            .expect("the first new node's ADD");
+        let proof = meter.take();
+        assert!(
+            proof.keys > u64::from(blocks),
+            "the first ADD lists the whole claim index ({blocks} entries): {proof:?}"
+        );
+        assert!(marked(&t.store, "pool").await, "the first ADD marked the pool full");
+        assert_ne!(
+            block_host(&ipam, proving.v4[0].ip).await.as_deref(),
+            Some("new-node-a")
+        );
+        meter.take();
+        let got = ipam
+            .auto_assign(&v4("new-b", "new-node-b", 1))
+            .await
+            .expect("the next new node's ADD");
+        let cost = meter.take();
+        let lender = block_host(&ipam, got.v4[0].ip).await;
+        assert!(
+            lender.as_deref().is_some_and(|h| h.starts_with("filler-")),
+            "the next new node borrowed from a filler: {lender:?}"
+        );
+        assert_eq!(
+            (cost.round_trips, cost.commits),
+            (3, 1),
+            "with {blocks} blocks: the first read, the new-block probe with its window, the lender's block; one transaction: {cost:?}"
+        );
+        assert!(
+            cost.keys < 100,
+            "with {blocks} blocks the ADD read {} keys: more than a window",
+            cost.keys
+        );
+        costs.push(cost);
+        assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+    }
+    let (small, large) = (costs[0], costs[1]);
+    assert_eq!(
+        small.keys, large.keys,
+        "keys read grew from 64 to 1,024 blocks: {small:?} then {large:?}"
+    );
+    assert!(
+        large.bytes <= small.bytes + 4 * large.keys,
+        "bytes read grew from 64 to 1,024 blocks by more than a few per key: {small:?} then {large:?}"
+    );
+}
+
+/// After the pool was marked full, a block released through the allocator (its affinity given
+/// up while empty: the block is deleted) is claimed by the next new node, not passed over for a
+/// borrowed address: the release moved the block-release counter, so the mark is not believed.
+pub async fn a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_next_new_node<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = filled_pool(factory, "10.64.0.0/24", 64, |_| 1).await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.auto_assign(&v4("new-a", "new-node-a", 1))
+        .await
+        .expect("the first new node's ADD");
+    assert!(marked(&t.store, "pool").await, "the pool is marked full");
+    // A filler half the pool away from where new-node-b's search starts (out of reach of the
+    // few blocks a search probes first) gives its block up: its address goes, then its
+    // affinity, and the empty block is deleted.
+    let index = (search_start("new-node-b", 64) + 32) % 64;
+    ipam.release_handle(&format!("filler.{index:04}"))
+        .await
+        .expect("release");
+    let freed: IpNet = format!("10.64.0.{}/30", index * 4).parse().expect("cidr");
+    ipam.release_affinity(&format!("filler-{index:04}"), freed)
+        .await
+        .expect("release the affinity");
+    assert!(
+        t.store
+            .get(&keys::block_claim(&freed))
+            .await
+            .expect("read")
+            .is_none(),
+        "the block is gone"
+    );
+    let got = ipam
+        .auto_assign(&v4("new-b", "new-node-b", 1))
+        .await
+        .expect("the next new node's ADD");
+    assert!(freed.contains(&got.v4[0].ip), "claimed the freed block: {got:?}");
+    assert_eq!(
+        block_host(&ipam, got.v4[0].ip).await.as_deref(),
+        Some("new-node-b")
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A writer that keeps no marks (the previous release) deletes a block of a pool marked full
+/// without moving the block-release counter. The reclaimer's empty-block pass, which reads the
+/// whole claim index, sees fewer claimed blocks than the pool holds and moves the counter; a dry
+/// run does not. The next new node then claims the free block.
+pub async fn a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_block_pass<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = filled_pool(factory, "10.64.0.0/24", 64, |_| 1).await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    // A filler half the pool away from where new-node-b's search starts has an empty block (kept:
+    // it is the filler's newest).
+    let index = (search_start("new-node-b", 64) + 32) % 64;
+    ipam.release_handle(&format!("filler.{index:04}"))
+        .await
+        .expect("release");
+    ipam.auto_assign(&v4("new-a", "new-node-a", 1))
+        .await
+        .expect("the first new node's ADD");
+    assert!(marked(&t.store, "pool").await, "the pool is marked full");
+    // Delete that empty block and its claim entry as a writer without marks would.
+    let freed: IpNet = format!("10.64.0.{}/30", index * 4).parse().expect("cidr");
+    let block_key = keys::block(Some(&format!("filler-{index:04}")), &freed);
+    let stored = t
+        .store
+        .get(&block_key)
+        .await
+        .expect("read")
+        .expect("the filler's empty block");
+    let counter_before = t.store.get(&keys::block_releases()).await.expect("read");
+    t.store
+        .commit(
+            Txn::new()
+                .then(Op::delete(stored.key.clone()))
+                .then(Op::delete(keys::block_claim(&freed))),
+        )
+        .await
+        .expect("delete the block as an older writer");
+    let filter = EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: false,
+    };
+    ipam.release_empty_blocks(filter, false)
+        .await
+        .expect("dry run");
+    assert_eq!(
+        t.store.get(&keys::block_releases()).await.expect("read"),
+        counter_before,
+        "a dry run writes nothing"
+    );
+    ipam.release_empty_blocks(filter, true)
+        .await
+        .expect("the empty-block pass");
+    assert_ne!(
+        t.store
+            .get(&keys::block_releases())
+            .await
+            .expect("read")
+            .map(|kv| kv.revision),
+        counter_before.map(|kv| kv.revision),
+        "the pass moved the counter"
+    );
+    let got = ipam
+        .auto_assign(&v4("new-b", "new-node-b", 1))
+        .await
+        .expect("the next new node's ADD");
+    assert!(freed.contains(&got.v4[0].ip), "claimed the freed block: {got:?}");
+    // A pass that finds the marks right moves nothing.
+    ipam.auto_assign(&v4("new-c", "new-node-c", 1))
+        .await
+        .expect("a new node's ADD in the full pool again");
+    assert!(marked(&t.store, "pool").await, "marked full again");
+    let counter = t.store.get(&keys::block_releases()).await.expect("read");
+    ipam.release_empty_blocks(filter, true)
+        .await
+        .expect("the empty-block pass");
+    assert_eq!(
+        t.store.get(&keys::block_releases()).await.expect("read"),
+        counter,
+        "marks that are right are left alone"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// In a pool marked full whose blocks are all full but one, far from where the new nodes' windows
+/// start, every new node still gets an address: a window without room sends the search to the
+/// whole claim index, which finds the block with room.
+pub async fn a_window_without_room_falls_back_to_the_whole_claim_index<F: StoreFactory>(
+    factory: &F,
+) {
+    // Block 700 keeps three free addresses; every other block is full.
+    let t = filled_pool(factory, "10.64.0.0/20", 1024, |block| {
+        if block == 700 {
+            1
+        } else {
+            4
+        }
+    })
+    .await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let room: IpNet = "10.64.10.240/30".parse().expect("cidr");
+    let mut fell_back = 0;
+    for node in ["new-node-a", "new-node-b", "new-node-c"] {
+        meter.take();
+        let got = ipam
+            .auto_assign(&v4(&format!("{node}-pod"), node, 1))
+            .await
+            .unwrap_or_else(|e| panic!("{node}'s ADD: {e}"));
+        let cost = meter.take();
+        assert!(room.contains(&got.v4[0].ip), "{node} borrowed from the block with room: {got:?}");
+        if cost.keys > 1024 {
+            fell_back += 1;
+        }
+    }
+    assert!(marked(&t.store, "pool").await, "the pool is marked full");
+    assert!(
+        fell_back >= 2,
+        "the nodes after the first believed the mark, found no room in their window and read the whole index: {fell_back} of 3 read it"
+    );
+    let exhausted = ipam
+        .auto_assign(&v4("new-d-pod", "new-node-d", 1))
+        .await
+        .expect_err("no address left");
+    assert!(
+        matches!(exhausted, ipam_core::IpamError::Exhausted { .. }),
+        "{exhausted}"
+    );
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
