@@ -21,12 +21,61 @@ macro_rules! full_pools_conformance_tests {
             a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_next_new_node,
             a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_block_pass,
             a_window_without_room_falls_back_to_the_whole_claim_index,
+            a_new_node_in_a_nearly_full_pool_claims_a_block_its_window_shows_unclaimed,
         );
     };
 }
 
 /// Blocks of four addresses: a pool of 1,024 blocks is a /20.
 const BLOCK_SIZE: u8 = 30;
+
+/// The store under test holding a pool of `blocks` blocks of [`BLOCK_SIZE`] at `pool`, the
+/// blocks `claimed` says claimed by their own filler node each, holding one address; made on
+/// the in-memory store and copied.
+async fn partly_claimed_pool<F: StoreFactory>(
+    factory: &F,
+    pool: &str,
+    blocks: u32,
+    claimed: impl Fn(u32) -> bool,
+) -> crate::TestStore {
+    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let maker = Ipam::new(Arc::clone(&memory));
+    maker
+        .create_pool(&spec(pool, "pool", BLOCK_SIZE))
+        .await
+        .expect("create pool");
+    let pool: IpNet = pool.parse().expect("pool CIDR");
+    let first = match pool.network() {
+        IpAddr::V4(a) => u32::from(a),
+        IpAddr::V6(_) => unreachable!("an IPv4 pool"),
+    };
+    for block in (0..blocks).filter(|b| claimed(*b)) {
+        maker
+            .assign_ips(&AssignIpsRequest {
+                ips: vec![IpAddr::V4((first + block * 4).into())],
+                handle: format!("filler.{block:04}"),
+                host: format!("filler-{block:04}"),
+                ..AssignIpsRequest::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("filling block {block}: {e}"));
+    }
+    copy_into(factory, &memory).await
+}
+
+/// A fresh store under test holding every key of `memory`, copied in large transactions.
+async fn copy_into<F: StoreFactory>(factory: &F, memory: &Arc<dyn KvStore>) -> crate::TestStore {
+    let t = factory.fresh().await;
+    let everything = memory.list("").await.expect("list the made store");
+    for chunk in everything.chunks(MAX_TXN_OPS) {
+        let mut txn = Txn::new();
+        for kv in chunk {
+            txn = txn.then(Op::put(kv.key.clone(), kv.value.clone()));
+        }
+        t.store.commit(txn).await.expect("copy");
+    }
+    t
+}
 
 /// The store under test holding a pool of `blocks` blocks of [`BLOCK_SIZE`] at `pool`, every
 /// block claimed by its own filler node holding `used` of its addresses; made on the in-memory
@@ -62,16 +111,7 @@ async fn filled_pool<F: StoreFactory>(
             .await
             .unwrap_or_else(|e| panic!("filling block {block}: {e}"));
     }
-    let t = factory.fresh().await;
-    let everything = memory.list("").await.expect("list the made store");
-    for chunk in everything.chunks(MAX_TXN_OPS) {
-        let mut txn = Txn::new();
-        for kv in chunk {
-            txn = txn.then(Op::put(kv.key.clone(), kv.value.clone()));
-        }
-        t.store.commit(txn).await.expect("copy");
-    }
-    t
+    copy_into(factory, &memory).await
 }
 
 /// The host the block holding `ip` is affine to.
@@ -339,6 +379,63 @@ pub async fn a_window_without_room_falls_back_to_the_whole_claim_index<F: StoreF
     assert!(
         matches!(exhausted, ipam_core::IpamError::Exhausted { .. }),
         "{exhausted}"
+    );
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// In a pool of 1,024 blocks of which one in twenty is unclaimed, none of them among the 16 blocks
+/// a new node probes first, the node claims an unclaimed block that the window of the claim index
+/// it read in the same batch shows (a block next to a listed one whose claim key the window
+/// covers but did not return), without listing the whole index.
+pub async fn a_new_node_in_a_nearly_full_pool_claims_a_block_its_window_shows_unclaimed<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let node = "new-node-a";
+    let blocks = 1024;
+    let start = search_start(node, u64::from(blocks)) as u32;
+    let probed = |block: u32| (block + blocks - start) % blocks < 16;
+    let t = partly_claimed_pool(factory, "10.64.0.0/20", blocks, |block| {
+        block % 20 != 7 || probed(block)
+    })
+    .await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    meter.take();
+    let got = ipam
+        .auto_assign(&v4("new-a", node, 1))
+        .await
+        .expect("the new node's ADD");
+    let cost = meter.take();
+    let block = got.v4[0].block;
+    assert_eq!(
+        block_host(&ipam, got.v4[0].ip).await.as_deref(),
+        Some(node),
+        "claimed a block of its own: {got:?}"
+    );
+    let index = (u32::from(match block.network() {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(_) => unreachable!("an IPv4 pool"),
+    }) - u32::from(std::net::Ipv4Addr::new(10, 64, 0, 0)))
+        / 4;
+    assert!(
+        index % 20 == 7 && !probed(index),
+        "an unclaimed block the probes did not reach: {block}"
+    );
+    assert_eq!(
+        (cost.round_trips, cost.commits),
+        (2, 1),
+        "the first read and the probe with its window; one transaction: {cost:?}"
+    );
+    assert!(
+        cost.keys < 100,
+        "read {} keys: more than the probes and a window",
+        cost.keys
+    );
+    assert!(
+        !marked(&t.store, "pool").await,
+        "a pool with unclaimed blocks is not marked full"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }

@@ -620,10 +620,22 @@ impl Ipam {
             let mark = next_got(&mut results)?;
             marked_full &= FullPoolMark::believed(mark.as_ref(), &pool.value, releases);
         }
-        // The window: from the start to the index's end, then from its first entry on.
-        let mut window = Vec::new();
+        // The window: from the start to the index's end, then from its first entry on. Each part
+        // lists every claim key from where it starts to its last key (to the index's end when it
+        // came back short), so a block whose claim key falls in there but is missing is unclaimed.
         let after_start = next_listed(&mut results)?;
         let from_first = next_listed(&mut results)?;
+        let covered = |part: &[KeyValue], from: &str| ClaimKeyRange {
+            from: from.to_owned(),
+            through: (part.len() as u32 >= full_pools::CLAIM_WINDOW)
+                .then(|| part.last().map(|kv| kv.key.clone()))
+                .flatten(),
+        };
+        let ranges = [
+            covered(&after_start, &window_start),
+            covered(&from_first, &keys::claims_dir()),
+        ];
+        let mut window = Vec::new();
         for kv in after_start.into_iter().chain(
             from_first
                 .into_iter()
@@ -631,6 +643,29 @@ impl Ipam {
         ) {
             window.push(IndexedClaim::decode(kv)?);
         }
+        // Unclaimed blocks the window shows: next to a listed block of a candidate pool (of the
+        // pool's block size, in a pool without mixed sizes), their claim key inside a part.
+        let listed: BTreeSet<IpNet> = window.iter().map(|e| e.cidr).collect();
+        let mut gaps: Vec<(usize, u128, IpNet)> = Vec::new();
+        for (pool_index, pool) in candidates.iter().enumerate().take(first_mixed) {
+            let pool = &pool.value;
+            let count = pool.block_count();
+            let start = u128::from(host_hash(host)) % count;
+            for index in window.iter().filter_map(|e| pool.block_index_of(&e.cidr)) {
+                for neighbour in [(index + 1) % count, (index + count - 1) % count] {
+                    let Some(cidr) = pool.block_at(neighbour) else {
+                        continue;
+                    };
+                    let key = keys::block_claim(&cidr);
+                    if !listed.contains(&cidr) && ranges.iter().any(|r| r.holds(&key)) {
+                        gaps.push((pool_index, (neighbour + count - start) % count, cidr));
+                    }
+                }
+            }
+        }
+        gaps.sort();
+        gaps.dedup();
+        unclaimed.extend(gaps.into_iter().map(|(pool_index, _, cidr)| (pool_index, cidr)));
         let unclaimed = unclaimed
             .into_iter()
             .filter(|(pool_index, _)| *pool_index < first_mixed)
@@ -979,6 +1014,20 @@ fn take_from_blocks(
         if (got.len() as u32) >= wanted {
             return;
         }
+    }
+}
+
+/// The claim keys a [`Read::Range`] of the claim index answered every one of: from where it
+/// started through its last key, or to the index's end when it came back with fewer keys than
+/// asked for.
+struct ClaimKeyRange {
+    from: String,
+    through: Option<String>,
+}
+
+impl ClaimKeyRange {
+    fn holds(&self, key: &str) -> bool {
+        key >= self.from.as_str() && self.through.as_deref().is_none_or(|last| key <= last)
     }
 }
 

@@ -260,6 +260,21 @@ impl Pool {
         IpNet::new(u128_to_ip(self.family(), start), self.block_size).ok()
     }
 
+    /// Where `block` is among the pool's blocks (the inverse of [`block_at`](Self::block_at));
+    /// `None` for a CIDR that is not one of them.
+    pub fn block_index_of(&self, block: &IpNet) -> Option<u128> {
+        if block.prefix_len() != self.block_size
+            || Family::of_net(block) != self.family()
+            || !self.cidr.contains(&block.network())
+        {
+            return None;
+        }
+        let shift = u32::from(host_bits(self.family()) - self.block_size);
+        let offset = ip_to_u128(block.network()) - ip_to_u128(self.cidr.network());
+        let index = offset.checked_shr(shift)?;
+        (self.block_at(index) == Some(*block)).then_some(index)
+    }
+
     /// The block of this pool that contains `ip`.
     pub fn block_containing(&self, ip: IpAddr) -> Option<IpNet> {
         if !self.cidr.contains(&ip) {

@@ -147,6 +147,27 @@ fn pool_block_arithmetic() {
     };
     assert_eq!(v6.block_count(), 1u128 << 58);
     assert_eq!(v6.block_at(1), Some(net("fd00::40/122")));
+    for index in [0, 1, 3] {
+        let block = pool.block_at(index).expect("a block");
+        assert_eq!(pool.block_index_of(&block), Some(index));
+    }
+    assert_eq!(v6.block_index_of(&net("fd00::40/122")), Some(1));
+    assert_eq!(
+        v6.block_index_of(&net("fd00::ffff:ffff:ffff:ffc0/122")),
+        Some((1u128 << 58) - 1)
+    );
+    for not_one_of_its_blocks in [
+        "10.1.0.64/27",   // another size
+        "10.1.0.96/26",   // not aligned (as written: IpNet keeps host bits)
+        "10.1.1.0/26",    // outside
+        "fd00::40/122",   // another family
+    ] {
+        assert_eq!(
+            pool.block_index_of(&net(not_one_of_its_blocks)),
+            None,
+            "{not_one_of_its_blocks}"
+        );
+    }
 }
 
 #[test]
