@@ -759,6 +759,183 @@ pub async fn read_many_answers_each_read_in_order<F: StoreFactory>(factory: &F) 
     assert_invalid(t.store.read_many(&[Read::Get(String::new())]).await);
 }
 
+/// The keys a range case reads: five under `r/a/` written one at a time (each with a revision of
+/// its own), and three around it that share a string prefix with it or sort next to it.
+async fn put_keys_in_and_around_r_a(store: &dyn KvStore) {
+    for key in [
+        "r/a/3", "r/a/1", "r/a/5", "r/a/2", "r/a/4", "r/a", "r/ab", "r/b",
+    ] {
+        store
+            .put(key, format!("value of {key}").into_bytes())
+            .await
+            .unwrap_or_else(|e| panic!("put {key:?} failed: {e}"));
+    }
+}
+
+/// The answer to one `Read::Range` of `prefix` from `from`, at most `limit` keys.
+async fn range_of(
+    store: &dyn KvStore,
+    prefix: &str,
+    from: &str,
+    limit: u32,
+) -> Result<Vec<ipam_core::kv::KeyValue>, KvError> {
+    use ipam_core::kv::Read;
+    let mut results = store.read_many(&[Read::range(prefix, from, limit)]).await?;
+    assert_eq!(results.len(), 1, "one read, {} results", results.len());
+    results.remove(0).into_listed()
+}
+
+/// The keys of a range's answer, or a panic naming the range.
+async fn range_keys(store: &dyn KvStore, prefix: &str, from: &str, limit: u32) -> Vec<String> {
+    range_of(store, prefix, from, limit)
+        .await
+        .unwrap_or_else(|e| panic!("range of {prefix:?} from {from:?}, {limit}: {e}"))
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect()
+}
+
+/// A range from a key in the middle of a prefix answers exactly `limit` keys from it (the key
+/// itself included) in ascending order, each with the value and revision `get` returns; from a
+/// key that does not exist it starts at the next one.
+pub async fn range_from_the_middle_answers_limit_keys_as_get_does<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    let window = range_of(&*t.store, "r/a/", "r/a/2", 3)
+        .await
+        .expect("a range");
+    let mut expected = Vec::new();
+    for key in ["r/a/2", "r/a/3", "r/a/4"] {
+        expected.push(t.store.get(key).await.expect("get").expect("present"));
+    }
+    assert_eq!(window, expected);
+    assert_eq!(
+        range_keys(&*t.store, "r/a/", "r/a/25", 2).await,
+        ["r/a/3", "r/a/4"]
+    );
+}
+
+/// A range from a key below its prefix (the empty key, a shorter key the prefix starts with, a
+/// key sorting before it) starts at the prefix's first key.
+pub async fn range_from_below_the_prefix_starts_at_its_first_key<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    for from in ["", "r/", "r/a", "a"] {
+        assert_eq!(
+            range_keys(&*t.store, "r/a/", from, 2).await,
+            ["r/a/1", "r/a/2"],
+            "from {from:?}"
+        );
+    }
+}
+
+/// A range from past the prefix's last key, or of a prefix without keys, is empty.
+pub async fn range_from_past_the_last_key_is_empty<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    assert!(range_keys(&*t.store, "r/a/", "r/a/6", 3).await.is_empty());
+    assert!(range_keys(&*t.store, "r/a/", "r/b", 3).await.is_empty());
+    assert!(range_keys(&*t.store, "zz/", "", 3).await.is_empty());
+}
+
+/// A range never answers a key outside its prefix, however near it sorts: `r/ab` and `r/b` are not
+/// in `r/a/` (as with `list`, the prefix is a string prefix: `r/ab` is in `r/a`).
+pub async fn range_never_answers_a_key_outside_its_prefix<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    for key in ["r/a/1", "r/a/2", "r/ab", "r/b"] {
+        t.store.put(key, b"v".to_vec()).await.expect("put");
+    }
+    assert_eq!(
+        range_keys(&*t.store, "r/a/", "r/a/", 10).await,
+        ["r/a/1", "r/a/2"]
+    );
+    assert_eq!(range_keys(&*t.store, "r/a/", "r/a/2", 10).await, ["r/a/2"]);
+    assert!(range_keys(&*t.store, "r/a/", "r/a/3", 10).await.is_empty());
+    assert_eq!(range_keys(&*t.store, "r/a", "r/a/3", 10).await, ["r/ab"]);
+}
+
+/// A range whose limit is larger than what is left of its prefix answers the rest: the whole
+/// listing from its first key on.
+pub async fn range_with_a_limit_beyond_the_rest_answers_the_rest<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    assert_eq!(
+        range_keys(&*t.store, "r/a/", "r/a/4", 100).await,
+        ["r/a/4", "r/a/5"]
+    );
+    let listed = t.store.list("r/a/").await.expect("list");
+    assert_eq!(listed.len(), 5);
+    assert_eq!(
+        range_of(&*t.store, "r/a/", "", u32::MAX)
+            .await
+            .expect("a range"),
+        listed
+    );
+}
+
+/// A range of limit 0 is an invalid argument, alone or in a batch with other reads: the batch
+/// answers nothing.
+pub async fn range_of_limit_0_is_invalid_argument<F: StoreFactory>(factory: &F) {
+    use ipam_core::kv::Read;
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    assert_invalid(range_of(&*t.store, "r/a/", "", 0).await);
+    assert_invalid(
+        t.store
+            .read_many(&[
+                Read::Get("r/a/1".into()),
+                Read::range("r/a/", "r/a/2", 0),
+                Read::List("r/a/".into()),
+            ])
+            .await,
+    );
+}
+
+/// Ranges in a batch with gets and lists are answered in request order, each as its single call
+/// would: a range as the window of its prefix's listing.
+pub async fn read_many_answers_ranges_beside_gets_and_lists_in_order<F: StoreFactory>(factory: &F) {
+    use ipam_core::kv::{Read, ReadResult};
+    let t = factory.fresh().await;
+    put_keys_in_and_around_r_a(&*t.store).await;
+    let results = t
+        .store
+        .read_many(&[
+            Read::range("r/a/", "r/a/2", 2),
+            Read::Get("r/b".into()),
+            Read::List("r/a/".into()),
+            Read::range("r/", "r/a/5", 2),
+            Read::Get("missing".into()),
+        ])
+        .await
+        .expect("read_many");
+    assert_eq!(results.len(), 5);
+    let listed = t.store.list("r/a/").await.expect("list");
+    assert_eq!(results[0], ReadResult::Listed(listed[1..3].to_vec()));
+    assert_eq!(
+        results[1],
+        ReadResult::Got(t.store.get("r/b").await.expect("get"))
+    );
+    assert_eq!(results[2], ReadResult::Listed(listed));
+    let from_r_a_5: Vec<_> = t
+        .store
+        .list("r/")
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|kv| kv.key.as_str() >= "r/a/5")
+        .take(2)
+        .collect();
+    assert_eq!(
+        from_r_a_5
+            .iter()
+            .map(|kv| kv.key.as_str())
+            .collect::<Vec<_>>(),
+        ["r/a/5", "r/ab"]
+    );
+    assert_eq!(results[3], ReadResult::Listed(from_r_a_5));
+    assert_eq!(results[4], ReadResult::Got(None));
+}
+
 /// A transaction whose keys and values exceed `MAX_TXN_BYTES` in all is invalid and writes nothing,
 /// even when each value alone is allowed.
 pub async fn transaction_over_the_total_size_limit_is_invalid_and_writes_nothing<

@@ -138,6 +138,13 @@ macro_rules! kv_conformance_tests {
             concurrent_cas_increments_sum_exactly,
             concurrent_creates_of_one_key_have_one_winner,
             read_many_answers_each_read_in_order,
+            range_from_the_middle_answers_limit_keys_as_get_does,
+            range_from_below_the_prefix_starts_at_its_first_key,
+            range_from_past_the_last_key_is_empty,
+            range_never_answers_a_key_outside_its_prefix,
+            range_with_a_limit_beyond_the_rest_answers_the_rest,
+            range_of_limit_0_is_invalid_argument,
+            read_many_answers_ranges_beside_gets_and_lists_in_order,
             transaction_over_the_total_size_limit_is_invalid_and_writes_nothing,
             commit_that_changes_nothing_never_goes_backwards,
         );
