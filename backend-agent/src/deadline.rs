@@ -2,7 +2,7 @@
 //!
 //! A caller that must give up by a given instant (the plugin, under `timeout_seconds`) runs its
 //! store calls inside [`within`]; every [`AgentStore`](crate::AgentStore) call made inside sends
-//! the earlier of that instant and its own request timeout with the request (protocol 2), waits
+//! the earlier of that instant and its own request timeout with the request (protocol 2 on), waits
 //! no longer than it, and the agent starts no commit after it.
 //!
 //! On the wire a deadline is the caller's `CLOCK_MONOTONIC` reading at which it gives up, plus the

@@ -11,9 +11,11 @@
 //! with its protocol version and which store it serves ([`StoreIdentity`]), or refuses a peer whose
 //! uid it does not allow. Store errors cross the socket with their kind and fields intact.
 //!
-//! Every request carries the caller's deadline ([`deadline`]; protocol 2, negotiated in the hello,
-//! with protocol 1 still spoken to and by the previous release): the agent starts no commit after
-//! it, and orders later requests behind any commit already started.
+//! Every request carries the caller's deadline ([`deadline`]; protocol 2 on, negotiated in the
+//! hello, with protocol 1 still spoken to and by the previous release): the agent starts no commit
+//! after it, and orders later requests behind any commit already started. Protocol 3 adds range
+//! reads (`Read::Range`) to batched reads; with an agent that speaks an earlier version the client
+//! reads the prefix's listing instead and cuts the window itself.
 //!
 //! Every call is bounded ([`AgentConfig`]): a socket that exists but does not answer is
 //! [`KvError::Unavailable`](ipam_core::KvError::Unavailable); a connection lost (or an answer

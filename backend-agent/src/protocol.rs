@@ -8,21 +8,33 @@
 //!
 //! Versions: the hello is always a [`RequestFrame`] carrying the client's newest version; the
 //! agent answers with the version both speak (the lower of the two). After it, protocol 1 sends
-//! [`RequestFrame`]s and protocol 2 [`BoundedRequestFrame`]s, which add the caller's deadline.
-//! Answers are [`ResponseFrame`]s in both. bincode is not self-describing: a variant or field is
-//! never changed or reordered, only new variants added at the end of an enum.
+//! [`RequestFrame`]s, protocols 2 and 3 [`BoundedRequestFrame`]s, which add the caller's deadline.
+//! Protocol 3 differs from 2 only in what a request may hold: a [`WireRead::Range`] in a batched
+//! read. Answers are [`ResponseFrame`]s in all three. bincode is not self-describing: a variant or
+//! field is never changed or reordered, only new variants added at the end of an enum, and a
+//! variant added in version N is never sent on a connection that negotiated less (an agent of an
+//! older build cannot decode it and closes the connection): [`Request::spoken_in`] rewrites a
+//! request for such a connection.
 
 use ipam_core::{Condition, KeyValue, KvError, Op, Read, ReadResult, Revision, Txn};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-/// The newest protocol version this build speaks: 2, requests carry the caller's deadline.
-pub const PROTOCOL_VERSION: u32 = 2;
-
 /// The first protocol version (requests without a deadline): the agent still serves clients
 /// that speak only it, and the client falls back to it for an agent that knows no other.
 pub const PROTOCOL_V1: u32 = 1;
+
+/// The first protocol version whose requests carry the caller's deadline
+/// ([`BoundedRequestFrame`]); it knows no [`WireRead::Range`].
+pub const PROTOCOL_V2: u32 = 2;
+
+/// The first protocol version in which a batched read may hold a [`WireRead::Range`] (framed as
+/// [`PROTOCOL_V2`]).
+pub const PROTOCOL_V3: u32 = 3;
+
+/// The newest protocol version this build speaks: [`PROTOCOL_V3`].
+pub const PROTOCOL_VERSION: u32 = PROTOCOL_V3;
 
 /// Largest request payload the agent reads (a transaction is at most about 1.4 MiB; a batched
 /// read names keys only).
@@ -88,8 +100,8 @@ pub struct RequestFrame {
     pub request: Request,
 }
 
-/// One request with its id and the caller's deadline: every request after the hello from
-/// protocol 2 on.
+/// One request with its id and the caller's deadline: every request after the hello in
+/// protocols 2 and 3.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BoundedRequestFrame {
     /// As [`RequestFrame::id`].
@@ -123,7 +135,9 @@ pub struct ReceivedRequest {
 }
 
 /// Decodes a request frame's payload as the negotiated `protocol` frames it (the hello, always
-/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]).
+/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]). Protocols 2 and 3 share a framing;
+/// a [`WireRead::Range`] decodes in either (a client of this build never sends one in 2, and
+/// one that does is simply served).
 ///
 /// # Errors
 /// [`FrameError::Decode`] for a payload that is not one request of that framing, or an unknown
@@ -135,7 +149,7 @@ pub fn decode_request(payload: &[u8], protocol: u32) -> Result<ReceivedRequest, 
             deadline: None,
             request: frame.request,
         }),
-        PROTOCOL_VERSION => {
+        PROTOCOL_V2..=PROTOCOL_VERSION => {
             decode_payload::<BoundedRequestFrame>(payload).map(|frame| ReceivedRequest {
                 id: frame.id,
                 deadline: Some(frame.deadline),
@@ -182,6 +196,19 @@ impl Request {
     /// True for the one request that may write.
     pub fn is_write(&self) -> bool {
         matches!(self, Request::Commit { .. })
+    }
+
+    /// This request as a connection that negotiated `protocol` can carry it: before
+    /// [`PROTOCOL_V3`], each [`WireRead::Range`] of a batched read becomes a
+    /// [`WireRead::List`] of its prefix (the caller cuts the window from the listing, see
+    /// `ipam_core::range_of_listing`); anything else is unchanged.
+    pub fn spoken_in(self, protocol: u32) -> Request {
+        match self {
+            Request::ReadMany { reads } if protocol < PROTOCOL_V3 => Request::ReadMany {
+                reads: reads.into_iter().map(WireRead::without_range).collect(),
+            },
+            other => other,
+        }
     }
 
     /// A short name for logs.
@@ -254,7 +281,7 @@ pub enum WireRead {
     Get(String),
     /// A string prefix.
     List(String),
-    /// A window of a string prefix's listing (protocol 3 on).
+    /// A window of a string prefix's listing (protocol 3 on; see [`Request::spoken_in`]).
     Range {
         /// The string prefix.
         prefix: String,
@@ -263,6 +290,17 @@ pub enum WireRead {
         /// How many keys at most.
         limit: u32,
     },
+}
+
+impl WireRead {
+    /// This read as protocols 1 and 2 know it: a [`WireRead::Range`] becomes the
+    /// [`WireRead::List`] of its prefix, whose answer holds the window.
+    pub fn without_range(self) -> WireRead {
+        match self {
+            WireRead::Range { prefix, .. } => WireRead::List(prefix),
+            other => other,
+        }
+    }
 }
 
 /// [`ReadResult`] on the wire.
@@ -812,8 +850,9 @@ mod tests {
     }
 
     /// The wire samples committed as the protocol fuzzer's seeds (`fuzz/seeds/agent_frames`):
-    /// each a byte naming the framing (0: protocol 1 request, 1: protocol 2 request, 2: answer),
-    /// then one payload exactly as the previous release and this one put it on the wire.
+    /// each a byte naming the framing (0: protocol 1 request, 1: protocol 2 or 3 request, one
+    /// framing, 2: answer), then one payload exactly as an earlier build and this one put it on
+    /// the wire.
     #[test]
     fn the_committed_wire_samples_decode_and_encode_back_to_the_same_bytes() {
         let dir =
@@ -867,6 +906,107 @@ mod tests {
             seen += 1;
         }
         assert!(seen >= 10, "only {seen} samples in {}", dir.display());
+    }
+
+    /// A batched read holding every kind of read, as protocol 3 sends it.
+    fn bounded_batch_with_a_range() -> BoundedRequestFrame {
+        BoundedRequestFrame {
+            id: 7,
+            deadline: WireDeadline {
+                monotonic_nanos: 123_456_789_000,
+                remaining_nanos: 5_000_000_000,
+            },
+            request: Request::ReadMany {
+                reads: vec![
+                    WireRead::Get("config".into()),
+                    WireRead::List("blocks/".into()),
+                    WireRead::Range {
+                        prefix: "claims/".into(),
+                        from: "claims/10.0.0.64".into(),
+                        limit: 16,
+                    },
+                ],
+            },
+        }
+    }
+
+    #[test]
+    fn protocols_2_and_3_decode_one_framing_and_no_other_version_has_one() {
+        let frame = bounded_batch_with_a_range();
+        let bytes = encode_frame(&frame, MAX_REQUEST_BYTES).expect("encode");
+        let expected = ReceivedRequest {
+            id: frame.id,
+            deadline: Some(frame.deadline),
+            request: frame.request,
+        };
+        for protocol in [PROTOCOL_V2, PROTOCOL_V3] {
+            let received = decode_request(&bytes[4..], protocol)
+                .unwrap_or_else(|e| panic!("protocol {protocol}: {e}"));
+            assert_eq!(received, expected, "protocol {protocol}");
+        }
+        for unknown in [0, PROTOCOL_VERSION + 1] {
+            assert!(
+                matches!(
+                    decode_request(&bytes[4..], unknown),
+                    Err(FrameError::Decode(_))
+                ),
+                "protocol {unknown} decoded"
+            );
+        }
+    }
+
+    #[test]
+    fn a_range_round_trips_and_the_reads_of_earlier_versions_keep_their_bytes() {
+        let range = Read::range("claims/", "claims/10", 3);
+        let wire = WireRead::from(&range);
+        let frame = encode_frame(&wire, MAX_REQUEST_BYTES).expect("encode");
+        assert_eq!(Read::from(tokio_test_read::<WireRead>(&frame)), range);
+        // Variant indexes: a get 0 and a list 1 as in protocols 1 and 2, a range appended as 2.
+        let payload =
+            |read: &WireRead| encode_frame(read, MAX_REQUEST_BYTES).expect("encode")[4..].to_vec();
+        assert_eq!(payload(&WireRead::Get("k".into())), [0, 1, b'k']);
+        assert_eq!(payload(&WireRead::List("p".into())), [1, 1, b'p']);
+        assert_eq!(
+            payload(&WireRead::Range {
+                prefix: "p".into(),
+                from: "q".into(),
+                limit: 5
+            }),
+            [2, 1, b'p', 1, b'q', 5]
+        );
+    }
+
+    #[test]
+    fn before_protocol_3_a_range_is_spoken_as_the_list_of_its_prefix() {
+        let batch = bounded_batch_with_a_range().request;
+        let without_ranges = Request::ReadMany {
+            reads: vec![
+                WireRead::Get("config".into()),
+                WireRead::List("blocks/".into()),
+                WireRead::List("claims/".into()),
+            ],
+        };
+        for older in [PROTOCOL_V1, PROTOCOL_V2] {
+            assert_eq!(
+                batch.clone().spoken_in(older),
+                without_ranges,
+                "protocol {older}"
+            );
+        }
+        assert_eq!(batch.clone().spoken_in(PROTOCOL_V3), batch);
+        let get = Request::Get { key: "k".into() };
+        assert_eq!(get.clone().spoken_in(PROTOCOL_V1), get);
+    }
+
+    /// The protocol 3 sample among the fuzzer's seeds is [`bounded_batch_with_a_range`] as this
+    /// build sends it.
+    #[test]
+    fn the_committed_protocol_3_sample_is_a_batch_holding_a_range() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/seeds/agent_frames/request-v3-read-many-range");
+        let sample = std::fs::read(&path).expect("read the protocol 3 sample");
+        let frame = encode_frame(&bounded_batch_with_a_range(), MAX_REQUEST_BYTES).expect("encode");
+        assert_eq!(sample.split_first(), Some((&1u8, &frame[4..])));
     }
 
     #[test]

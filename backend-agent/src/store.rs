@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use ipam_core::{range_of_listing, KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
 use tokio::io::BufReader;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -22,7 +22,7 @@ use crate::error::{answer_missing, connect_failed, hello_timed_out};
 use crate::protocol::{
     encode_frame, read_frame, write_frame, BoundedRequestFrame, Request, RequestFrame, Response,
     ResponseFrame, StoreIdentity, WireDeadline, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES, PROTOCOL_V1,
-    PROTOCOL_VERSION,
+    PROTOCOL_V2, PROTOCOL_V3, PROTOCOL_VERSION,
 };
 
 /// The read buffer of a connection: most answers fit whole (larger ones are read past it).
@@ -54,7 +54,9 @@ impl AgentStore {
     /// Connects to the agent at `config.socket` and exchanges the hello, within
     /// `config.connect_timeout` (and the caller's deadline, if earlier). An agent that speaks
     /// only protocol version 1 is spoken to in it (its requests carry no deadline; a warning is
-    /// logged).
+    /// logged). Below protocol 3 a `Read::Range` is sent as the listing of its prefix and its
+    /// window cut here, decided anew for each connection (one opened again after a loss may reach
+    /// an agent of another version).
     ///
     /// # Errors
     /// [`KvError::Unavailable`] when there is no socket, nothing accepts on it, or the agent does
@@ -106,6 +108,15 @@ impl AgentStore {
     }
 
     async fn call(&self, request: Request) -> Result<Response, KvError> {
+        self.call_spoken(request)
+            .await
+            .map(|(response, _protocol)| response)
+    }
+
+    /// Sends `request` over the current connection (opened again if it was lost, possibly to an
+    /// agent of another version), as that connection's protocol can carry it
+    /// ([`Request::spoken_in`]), and returns the answer with the protocol it went in.
+    async fn call_spoken(&self, request: Request) -> Result<(Response, u32), KvError> {
         let kind = request.kind();
         let is_write = request.is_write();
         let timed_out = Instant::now() + self.config.request_timeout;
@@ -128,8 +139,10 @@ impl AgentStore {
                 )))
             }
         };
+        let protocol = link.protocol;
+        let request = request.spoken_in(protocol);
         let id = link.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let encoded = if link.protocol >= PROTOCOL_VERSION {
+        let encoded = if protocol >= PROTOCOL_V2 {
             let deadline = WireDeadline::at(deadline);
             encode_frame(
                 &BoundedRequestFrame {
@@ -160,7 +173,7 @@ impl AgentStore {
         let socket = &self.config.socket;
         match tokio::time::timeout_at(deadline, answer).await {
             Ok(Ok(Ok(Response::Failed(error)))) => Err(error.into()),
-            Ok(Ok(Ok(response))) => Ok(response),
+            Ok(Ok(Ok(response))) => Ok((response, protocol)),
             Ok(Ok(Err(Failure::NotSent(why)))) => Err(KvError::unavailable(format!(
                 "{why}; the {kind} was not sent to the blockipam agent at {}",
                 socket.display()
@@ -177,6 +190,17 @@ impl AgentStore {
                 Err(answer_missing(socket, kind, is_write, &gives_up))
             }
         }
+    }
+}
+
+/// The answer to `read` from the `result` an agent spoken to in `protocol` gave: before
+/// protocol 3 a range was sent as the listing of its prefix, and its window is cut from it here.
+fn answer_in(read: &Read, result: ReadResult, protocol: u32) -> ReadResult {
+    match (read, result) {
+        (Read::Range { from, limit, .. }, ReadResult::Listed(listed)) if protocol < PROTOCOL_V3 => {
+            ReadResult::Listed(range_of_listing(listed, from, *limit))
+        }
+        (_, result) => result,
     }
 }
 
@@ -225,16 +249,25 @@ impl KvStore for AgentStore {
     }
 
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        // Refused before anything is sent, as every store refuses it: an agent spoken to in
+        // protocol 1 or 2 is asked for the prefix's listing, which has no limit to refuse.
+        for read in reads {
+            if let Read::Range { .. } = read {
+                read.validate()?;
+            }
+        }
         let count = reads.len();
-        match self
-            .call(Request::ReadMany {
+        let (response, protocol) = self
+            .call_spoken(Request::ReadMany {
                 reads: reads.iter().map(Into::into).collect(),
             })
-            .await?
-        {
-            Response::ReadMany(results) if results.len() == count => {
-                Ok(results.into_iter().map(Into::into).collect())
-            }
+            .await?;
+        match response {
+            Response::ReadMany(results) if results.len() == count => Ok(reads
+                .iter()
+                .zip(results)
+                .map(|(read, result)| answer_in(read, result.into(), protocol))
+                .collect()),
             Response::ReadMany(results) => Err(KvError::other(format!(
                 "the blockipam agent answered {} reads with {} results",
                 count,
@@ -559,6 +592,272 @@ async fn read_loop(reader: OwnedReadHalf, shared: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::{decode_request, read_payload, WireRead};
+    use ipam_core::MemoryStore;
+    use std::time::Duration;
+    use tokio::net::UnixListener;
+
+    /// How a fake agent serves one connection: the newest protocol it speaks on it, and how many
+    /// requests after the hello it answers before closing it (`None`: until the client goes).
+    #[derive(Debug, Clone, Copy)]
+    struct FakeConnection {
+        newest_protocol: u32,
+        answers: Option<usize>,
+    }
+
+    /// A request as a fake agent received it, with the protocol of its connection.
+    type Received = Arc<Mutex<Vec<(u32, Request)>>>;
+
+    fn fake_identity() -> StoreIdentity {
+        StoreIdentity {
+            datastore_type: "fake".into(),
+            path: None,
+            etcd_endpoints: vec![],
+            etcd_prefix: None,
+        }
+    }
+
+    /// An agent of any build, as far as the protocol goes: serves `store`, one connection after
+    /// the other as `connections` says, recording every request. A batched read holding a range
+    /// on a connection below protocol 3 is recorded and the connection closed, as an agent of an
+    /// older build that cannot decode it does.
+    async fn fake_agent(
+        listener: UnixListener,
+        store: Arc<MemoryStore>,
+        connections: Vec<FakeConnection>,
+        received: Received,
+    ) {
+        for connection in connections {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let hello: RequestFrame = read_frame(&mut stream, MAX_REQUEST_BYTES)
+                .await
+                .expect("read the hello")
+                .expect("a hello frame");
+            let Request::Hello { protocol: offered } = hello.request else {
+                panic!("the first request was not a hello: {hello:?}");
+            };
+            let protocol = offered.min(connection.newest_protocol);
+            let served = fake_identity();
+            answer(&mut stream, hello.id, Response::Hello { protocol, served }).await;
+            let mut answered = 0;
+            while connection.answers != Some(answered) {
+                let Ok(Some(payload)) = read_payload(&mut stream, MAX_REQUEST_BYTES).await else {
+                    break;
+                };
+                let frame = decode_request(&payload, protocol).expect("a request");
+                received
+                    .lock()
+                    .expect("received")
+                    .push((protocol, frame.request.clone()));
+                let response = match frame.request {
+                    Request::ReadMany { reads } => {
+                        let holds_range = reads
+                            .iter()
+                            .any(|read| matches!(read, WireRead::Range { .. }));
+                        if holds_range && protocol < PROTOCOL_V3 {
+                            break;
+                        }
+                        let reads: Vec<Read> = reads.into_iter().map(Into::into).collect();
+                        match store.read_many(&reads).await {
+                            Ok(results) => {
+                                Response::ReadMany(results.into_iter().map(Into::into).collect())
+                            }
+                            Err(e) => Response::Failed((&e).into()),
+                        }
+                    }
+                    Request::Get { key } => {
+                        Response::Got(store.get(&key).await.expect("get").map(Into::into))
+                    }
+                    other => panic!("the fake agent serves no {}", other.kind()),
+                };
+                answer(&mut stream, frame.id, response).await;
+                answered += 1;
+            }
+        }
+    }
+
+    async fn answer(stream: &mut UnixStream, id: u64, response: Response) {
+        let frame =
+            encode_frame(&ResponseFrame { id, response }, MAX_RESPONSE_BYTES).expect("encode");
+        write_frame(stream, &frame).await.expect("write an answer");
+    }
+
+    /// A store with keys in and around the prefix `r/a/`, and a fake agent serving it.
+    async fn serve_fake(
+        connections: Vec<FakeConnection>,
+    ) -> (tempfile::TempDir, AgentStore, Arc<MemoryStore>, Received) {
+        let store = Arc::new(MemoryStore::new());
+        for key in ["r/a", "r/a/1", "r/a/2", "r/a/3", "r/a/4", "r/ab", "r/b"] {
+            store.put(key, key.as_bytes().to_vec()).await.expect("put");
+        }
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let received = Received::default();
+        tokio::spawn(fake_agent(
+            listener,
+            Arc::clone(&store),
+            connections,
+            Arc::clone(&received),
+        ));
+        let config = AgentConfig::new(&socket)
+            .with_timeouts(Duration::from_secs(5), Duration::from_secs(10));
+        let client = AgentStore::connect(config).await.expect("connect");
+        (dir, client, store, received)
+    }
+
+    /// Windows of every shape: from the middle, from below the prefix, past the end, larger than
+    /// the rest; beside a get and a list.
+    fn range_batch() -> Vec<Read> {
+        vec![
+            Read::Get("r/b".into()),
+            Read::range("r/a/", "r/a/2", 2),
+            Read::List("r/a/".into()),
+            Read::range("r/a/", "", 2),
+            Read::range("r/a/", "r/a/9", 5),
+            Read::range("r/a/", "r/a/3", 10),
+        ]
+    }
+
+    fn ranges_sent(received: &Received) -> usize {
+        received
+            .lock()
+            .expect("received")
+            .iter()
+            .filter_map(|(_, request)| match request {
+                Request::ReadMany { reads } => Some(reads),
+                _ => None,
+            })
+            .flatten()
+            .filter(|read| matches!(read, WireRead::Range { .. }))
+            .count()
+    }
+
+    fn keys(result: &ReadResult) -> Vec<&str> {
+        match result {
+            ReadResult::Listed(kvs) => kvs.iter().map(|kv| kv.key.as_str()).collect(),
+            ReadResult::Got(kv) => kv.iter().map(|kv| kv.key.as_str()).collect(),
+        }
+    }
+
+    /// [`FakeConnection::answers`] of a connection served for as long as the client keeps it.
+    const UNTIL_THE_CLIENT_GOES: Option<usize> = None;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn with_a_protocol_2_agent_a_range_goes_as_a_list_and_its_window_is_cut_here() {
+        let (_dir, client, store, received) = serve_fake(vec![FakeConnection {
+            newest_protocol: PROTOCOL_V2,
+            answers: UNTIL_THE_CLIENT_GOES,
+        }])
+        .await;
+        assert_eq!(client.protocol().await, Some(PROTOCOL_V2));
+        let reads = range_batch();
+        let results = client.read_many(&reads).await.expect("read_many");
+        assert_eq!(
+            results,
+            store.read_many(&reads).await.expect("the store's own")
+        );
+        assert_eq!(keys(&results[1]), ["r/a/2", "r/a/3"]);
+        assert_eq!(keys(&results[3]), ["r/a/1", "r/a/2"]);
+        assert!(keys(&results[4]).is_empty());
+        assert_eq!(keys(&results[5]), ["r/a/3", "r/a/4"]);
+        assert_eq!(ranges_sent(&received), 0, "a range was sent in protocol 2");
+        let sent = received.lock().expect("received").clone();
+        assert_eq!(
+            sent,
+            vec![(
+                PROTOCOL_V2,
+                Request::ReadMany {
+                    reads: vec![
+                        WireRead::Get("r/b".into()),
+                        WireRead::List("r/a/".into()),
+                        WireRead::List("r/a/".into()),
+                        WireRead::List("r/a/".into()),
+                        WireRead::List("r/a/".into()),
+                        WireRead::List("r/a/".into()),
+                    ]
+                }
+            )]
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn with_a_protocol_3_agent_a_range_goes_as_a_range() {
+        let (_dir, client, store, received) = serve_fake(vec![FakeConnection {
+            newest_protocol: PROTOCOL_V3,
+            answers: UNTIL_THE_CLIENT_GOES,
+        }])
+        .await;
+        assert_eq!(client.protocol().await, Some(PROTOCOL_V3));
+        let reads = range_batch();
+        let results = client.read_many(&reads).await.expect("read_many");
+        assert_eq!(
+            results,
+            store.read_many(&reads).await.expect("the store's own")
+        );
+        assert_eq!(ranges_sent(&received), 4);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_range_of_limit_0_is_refused_before_anything_is_sent_in_every_protocol() {
+        for newest_protocol in [PROTOCOL_V2, PROTOCOL_V3] {
+            let (_dir, client, _store, received) = serve_fake(vec![FakeConnection {
+                newest_protocol,
+                answers: UNTIL_THE_CLIENT_GOES,
+            }])
+            .await;
+            let refused = client
+                .read_many(&[Read::Get("r/b".into()), Read::range("r/a/", "", 0)])
+                .await;
+            assert!(
+                matches!(refused, Err(KvError::InvalidArgument { .. })),
+                "protocol {newest_protocol}: {refused:?}"
+            );
+            // The next call is the first the agent sees.
+            client.get("r/b").await.expect("get");
+            assert_eq!(
+                received.lock().expect("received").clone(),
+                vec![(newest_protocol, Request::Get { key: "r/b".into() })],
+                "protocol {newest_protocol}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_connection_opened_again_to_an_agent_of_protocol_2_is_sent_no_range() {
+        // The first agent speaks 3 and goes after one answer; the one that takes its place
+        // (a downgraded agent on the same socket) speaks 2.
+        let (_dir, client, store, received) = serve_fake(vec![
+            FakeConnection {
+                newest_protocol: PROTOCOL_V3,
+                answers: Some(1),
+            },
+            FakeConnection {
+                newest_protocol: PROTOCOL_V2,
+                answers: UNTIL_THE_CLIENT_GOES,
+            },
+        ])
+        .await;
+        let reads = range_batch();
+        let expected = store.read_many(&reads).await.expect("the store's own");
+        assert_eq!(client.read_many(&reads).await.expect("read_many"), expected);
+        assert_eq!(ranges_sent(&received), 4);
+        // Until the client has seen the first connection end, a call may go over it and be lost.
+        let mut attempts = 0;
+        let results = loop {
+            attempts += 1;
+            match client.read_many(&reads).await {
+                Ok(results) => break results,
+                Err(KvError::Unavailable { .. }) if attempts < 100 => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("after {attempts} attempts: {e}"),
+            }
+        };
+        assert_eq!(client.protocol().await, Some(PROTOCOL_V2));
+        assert_eq!(results, expected);
+        assert_eq!(ranges_sent(&received), 4, "a range was sent in protocol 2");
+    }
 
     #[test]
     fn only_root_or_the_clients_own_user_may_serve_it() {

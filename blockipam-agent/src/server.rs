@@ -2,10 +2,10 @@
 //! requests, answers the first one in flight itself and runs any others beside it as tasks of
 //! their own, and writes answers back in whatever order they finish; bounded shutdown.
 //!
-//! Every request has a deadline (the caller's, protocol 2; [`V1_CLIENT_TIMEOUT`] after it was
-//! read, protocol 1), and every request of every connection passes one [`CommitOrder`]: no commit
-//! starts after its deadline, and a request read after a commit started waits for that commit to
-//! end, so that a caller that gave up leaves a settled outcome to the next one.
+//! Every request has a deadline (the caller's, protocols 2 and 3; [`V1_CLIENT_TIMEOUT`] after it
+//! was read, protocol 1), and every request of every connection passes one [`CommitOrder`]: no
+//! commit starts after its deadline, and a request read after a commit started waits for that
+//! commit to end, so that a caller that gave up leaves a settled outcome to the next one.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -226,7 +226,8 @@ async fn serve_connection(
     )));
     let mut greeted = false;
     // The hello is framed as in protocol 1 whatever the client speaks; the version it settles
-    // frames every later request.
+    // frames every later request. A range read arriving on a protocol 2 connection (a client of
+    // this build never sends one there) decodes all the same and is served like any other.
     let mut protocol = PROTOCOL_V1;
     let mut writable = true;
     let mut server_gone = false;
@@ -304,7 +305,8 @@ async fn serve_connection(
             let response = match frame.request {
                 Request::Hello { protocol: offered } if offered >= PROTOCOL_V1 => {
                     greeted = true;
-                    // The newest version both speak: a client of an older release keeps its own.
+                    // The newest version both speak: a client of an older build keeps its own
+                    // (1: no deadlines, 2: no range reads).
                     protocol = offered.min(PROTOCOL_VERSION);
                     Response::Hello {
                         protocol,

@@ -327,7 +327,7 @@ async fn an_agent_refusing_every_version_is_a_clear_error_naming_both() {
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("agent.sock");
     let listener = UnixListener::bind(&socket).expect("bind");
-    // Speaks only a version of its own: refuses 2, then 1.
+    // Speaks only a version of its own: refuses this client's newest, then 1.
     let picky = tokio::spawn(async move {
         for _ in 0..2 {
             let (mut stream, _) = listener.accept().await.expect("accept");
@@ -343,7 +343,8 @@ async fn an_agent_refusing_every_version_is_a_clear_error_naming_both() {
     {
         Err(KvError::Other { message }) => {
             assert!(
-                message.contains("versions 2") && message.contains("and 1"),
+                message.contains(&format!("versions {PROTOCOL_VERSION}"))
+                    && message.contains("and 1"),
                 "{message}"
             );
             assert!(message.contains("this agent's 7"), "{message}");

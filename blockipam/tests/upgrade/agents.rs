@@ -1,4 +1,4 @@
-//! Each release's plugin and CLI through the other release's agent (a sled store): every call is answered within its bound, by a success or an error naming both versions.
+//! Each release's plugin and CLI through the other release's agent (a sled store): every call is answered within its bound, by a success or an error naming both versions; today's client reads ranges through the previous agent (protocol 1) as listings cut to their windows.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -6,6 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use backend_agent::protocol::{PROTOCOL_V1, PROTOCOL_VERSION};
+use backend_agent::{AgentConfig, AgentStore};
 use blockipam_store::DatastoreType;
 use serde_json::{json, Value};
 use test_kit::agent::InProcessAgent;
@@ -316,4 +317,59 @@ fn todays_plugin_and_cli_through_the_previous_agent_are_answered() {
         "today's release through the previous agent ({})",
         previous.commit()
     ));
+}
+
+#[test]
+fn todays_client_reads_ranges_through_the_previous_agent() {
+    use ipam_core::{KvStore, Read, ReadResult};
+    let previous = PreviousRelease::locate();
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let socket = dir.path().join("agent.sock");
+    let store = dir.path().join("store.sled");
+    let agent = PreviousAgent::start(&previous, &socket, &store, dir.path().join("agent.log"));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let windows = runtime.block_on(async {
+        let client =
+            AgentStore::connect(AgentConfig::new(&socket).with_timeouts(CALL_BOUND, CALL_BOUND))
+                .await
+                .expect("connect to the previous agent");
+        assert_eq!(client.protocol().await, Some(PROTOCOL_V1));
+        for key in ["r/a", "r/a/1", "r/a/2", "r/a/3", "r/a/4", "r/ab", "r/b"] {
+            client.put(key, b"v".to_vec()).await.expect("put");
+        }
+        let results = client
+            .read_many(&[
+                Read::range("r/a/", "r/a/2", 2),
+                Read::Get("r/b".into()),
+                Read::range("r/a/", "", 2),
+                Read::range("r/a/", "r/a/9", 5),
+                Read::range("r/a/", "r/a/3", 10),
+            ])
+            .await
+            .expect("ranges through the previous agent");
+        let zero = client.read_many(&[Read::range("r/a/", "", 0)]).await;
+        assert!(
+            matches!(zero, Err(ipam_core::KvError::InvalidArgument { .. })),
+            "{zero:?}"
+        );
+        results
+    });
+    let keys = |result: &ReadResult| match result {
+        ReadResult::Listed(kvs) => kvs.iter().map(|kv| kv.key.clone()).collect::<Vec<_>>(),
+        other => panic!("expected a list result, got {other:?}"),
+    };
+    assert_eq!(keys(&windows[0]), ["r/a/2", "r/a/3"]);
+    assert!(matches!(&windows[1], ReadResult::Got(Some(kv)) if kv.key == "r/b"));
+    assert_eq!(keys(&windows[2]), ["r/a/1", "r/a/2"]);
+    assert!(keys(&windows[3]).is_empty());
+    assert_eq!(keys(&windows[4]), ["r/a/3", "r/a/4"]);
+    let log = agent.log_text();
+    drop(agent);
+    assert!(
+        !log.contains("ERROR"),
+        "the previous agent logged an error: {log}"
+    );
 }
