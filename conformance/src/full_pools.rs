@@ -166,7 +166,10 @@ pub async fn a_borrowing_add_in_a_full_pool_reads_as_much_with_1024_blocks_as_wi
             proof.keys > u64::from(blocks),
             "the first ADD lists the whole claim index ({blocks} entries): {proof:?}"
         );
-        assert!(marked(&t.store, "pool").await, "the first ADD marked the pool full");
+        assert!(
+            marked(&t.store, "pool").await,
+            "the first ADD marked the pool full"
+        );
         assert_ne!(
             block_host(&ipam, proving.v4[0].ip).await.as_deref(),
             Some("new-node-a")
@@ -243,7 +246,10 @@ pub async fn a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_n
         .auto_assign(&v4("new-b", "new-node-b", 1))
         .await
         .expect("the next new node's ADD");
-    assert!(freed.contains(&got.v4[0].ip), "claimed the freed block: {got:?}");
+    assert!(
+        freed.contains(&got.v4[0].ip),
+        "claimed the freed block: {got:?}"
+    );
     assert_eq!(
         block_host(&ipam, got.v4[0].ip).await.as_deref(),
         Some("new-node-b")
@@ -318,7 +324,10 @@ pub async fn a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_
         .auto_assign(&v4("new-b", "new-node-b", 1))
         .await
         .expect("the next new node's ADD");
-    assert!(freed.contains(&got.v4[0].ip), "claimed the freed block: {got:?}");
+    assert!(
+        freed.contains(&got.v4[0].ip),
+        "claimed the freed block: {got:?}"
+    );
     // A pass that finds the marks right moves nothing.
     ipam.auto_assign(&v4("new-c", "new-node-c", 1))
         .await
@@ -362,7 +371,10 @@ pub async fn a_window_without_room_falls_back_to_the_whole_claim_index<F: StoreF
             .await
             .unwrap_or_else(|e| panic!("{node}'s ADD: {e}"));
         let cost = meter.take();
-        assert!(room.contains(&got.v4[0].ip), "{node} borrowed from the block with room: {got:?}");
+        assert!(
+            room.contains(&got.v4[0].ip),
+            "{node} borrowed from the block with room: {got:?}"
+        );
         if cost.keys > 1024 {
             fell_back += 1;
         }
