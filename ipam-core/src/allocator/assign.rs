@@ -540,11 +540,12 @@ impl Ipam {
     }
 
     /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
-    /// limit needs counting), the sequence floor, for each candidate pool the claim entries of the
-    /// [`NEW_BLOCK_PROBES`] blocks that follow the host's hashed start and its full-pool mark, the
-    /// block-release counter, and a window of the claim index from the first candidate's start
-    /// ([`full_pools::CLAIM_WINDOW`] entries, and as many from the index's first entry). Its size
-    /// does not grow with the number of blocks or hosts in the store.
+    /// limit needs counting), the sequence floor, the block-release counter, for each candidate
+    /// pool its full-pool mark and the claim entries of the [`NEW_BLOCK_PROBES`] blocks that follow
+    /// the host's hashed start, and in the first candidate pool [`full_pools::CLAIM_WINDOW`] more:
+    /// the entries found are the *window* a search that believes the marks borrows from. Every
+    /// read is a key, so its cost does not grow with the number of blocks or hosts in the store,
+    /// on any backend.
     async fn probe_new_blocks(
         &self,
         candidates: &[&Stored<Pool>],
@@ -559,15 +560,16 @@ impl Ipam {
             reads.push(Read::List(keys::host_full_blocks_dir(host)));
         }
         let mut probed = Vec::new();
-        let mut window_start = keys::claims_dir();
         for (pool_index, pool) in candidates.iter().enumerate() {
             let count = pool.value.block_count();
             let start = u128::from(host_hash(host)) % count;
-            for step in 0..count.min(NEW_BLOCK_PROBES) {
+            let probes = if pool_index == 0 {
+                NEW_BLOCK_PROBES + u128::from(full_pools::CLAIM_WINDOW)
+            } else {
+                NEW_BLOCK_PROBES
+            };
+            for step in 0..count.min(probes) {
                 if let Some(cidr) = pool.value.block_at((start + step) % count) {
-                    if probed.is_empty() {
-                        window_start = keys::block_claim(&cidr);
-                    }
                     probed.push((pool_index, cidr));
                     reads.push(Read::Get(keys::block_claim(&cidr)));
                 }
@@ -578,16 +580,6 @@ impl Ipam {
             reads.push(Read::Get(super::resize::mixed_sizes_key(&pool.value.name)));
             reads.push(Read::Get(full_pools::mark_key(&pool.value)));
         }
-        reads.push(Read::range(
-            keys::claims_dir(),
-            window_start.clone(),
-            full_pools::CLAIM_WINDOW,
-        ));
-        reads.push(Read::range(
-            keys::claims_dir(),
-            keys::claims_dir(),
-            full_pools::CLAIM_WINDOW,
-        ));
         let mut results = self.store.read_many(&reads).await?.into_iter();
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
         let releases = full_pools::releases_revision(next_got(&mut results)?.as_ref());
@@ -598,9 +590,11 @@ impl Ipam {
             }
         }
         let mut unclaimed = Vec::new();
+        let mut window = Vec::new();
         for (pool_index, cidr) in probed {
-            if next_got(&mut results)?.is_none() {
-                unclaimed.push((pool_index, cidr));
+            match next_got(&mut results)? {
+                None => unclaimed.push((pool_index, cidr)),
+                Some(kv) => window.push(IndexedClaim::decode(kv)?),
             }
         }
         // A block of a pool with mixed sizes may overlap an unclaimed CIDR of the current size:
@@ -620,52 +614,6 @@ impl Ipam {
             let mark = next_got(&mut results)?;
             marked_full &= FullPoolMark::believed(mark.as_ref(), &pool.value, releases);
         }
-        // The window: from the start to the index's end, then from its first entry on. Each part
-        // lists every claim key from where it starts to its last key (to the index's end when it
-        // came back short), so a block whose claim key falls in there but is missing is unclaimed.
-        let after_start = next_listed(&mut results)?;
-        let from_first = next_listed(&mut results)?;
-        let covered = |part: &[KeyValue], from: &str| ClaimKeyRange {
-            from: from.to_owned(),
-            through: (part.len() as u32 >= full_pools::CLAIM_WINDOW)
-                .then(|| part.last().map(|kv| kv.key.clone()))
-                .flatten(),
-        };
-        let ranges = [
-            covered(&after_start, &window_start),
-            covered(&from_first, &keys::claims_dir()),
-        ];
-        let mut window = Vec::new();
-        for kv in after_start.into_iter().chain(
-            from_first
-                .into_iter()
-                .take_while(|kv| kv.key < window_start),
-        ) {
-            window.push(IndexedClaim::decode(kv)?);
-        }
-        // Unclaimed blocks the window shows: next to a listed block of a candidate pool (of the
-        // pool's block size, in a pool without mixed sizes), their claim key inside a part.
-        let listed: BTreeSet<IpNet> = window.iter().map(|e| e.cidr).collect();
-        let mut gaps: Vec<(usize, u128, IpNet)> = Vec::new();
-        for (pool_index, pool) in candidates.iter().enumerate().take(first_mixed) {
-            let pool = &pool.value;
-            let count = pool.block_count();
-            let start = u128::from(host_hash(host)) % count;
-            for index in window.iter().filter_map(|e| pool.block_index_of(&e.cidr)) {
-                for neighbour in [(index + 1) % count, (index + count - 1) % count] {
-                    let Some(cidr) = pool.block_at(neighbour) else {
-                        continue;
-                    };
-                    let key = keys::block_claim(&cidr);
-                    if !listed.contains(&cidr) && ranges.iter().any(|r| r.holds(&key)) {
-                        gaps.push((pool_index, (neighbour + count - start) % count, cidr));
-                    }
-                }
-            }
-        }
-        gaps.sort();
-        gaps.dedup();
-        unclaimed.extend(gaps.into_iter().map(|(pool_index, _, cidr)| (pool_index, cidr)));
         let unclaimed = unclaimed
             .into_iter()
             .filter(|(pool_index, _)| *pool_index < first_mixed)
@@ -1014,20 +962,6 @@ fn take_from_blocks(
         if (got.len() as u32) >= wanted {
             return;
         }
-    }
-}
-
-/// The claim keys a [`Read::Range`] of the claim index answered every one of: from where it
-/// started through its last key, or to the index's end when it came back with fewer keys than
-/// asked for.
-struct ClaimKeyRange {
-    from: String,
-    through: Option<String>,
-}
-
-impl ClaimKeyRange {
-    fn holds(&self, key: &str) -> bool {
-        key >= self.from.as_str() && self.through.as_deref().is_none_or(|last| key <= last)
     }
 }
 

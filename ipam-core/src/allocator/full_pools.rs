@@ -1,5 +1,7 @@
-//! Full-pool marks: a hint that a pool has no unclaimed block, so that a new-block search in a
-//! full pool reads a window of the claim index instead of all of it.
+//! Full-pool marks: hints that a pool has no unclaimed block, so a search there reads a window.
+//!
+//! With a believed mark, a new-block search in a full pool reads a window of claim entries by key
+//! instead of the whole claim index.
 //!
 //! A new-block search that listed the whole claim index and found no unclaimed block in a pool
 //! puts the pool's mark (`keys::full_pool_mark`) in its allocation's transaction, recording the
@@ -12,7 +14,7 @@
 //! puts the counter when a marked pool shows fewer claimed blocks than it holds.
 //!
 //! A mark only ever narrows where an allocation looks first: a search that believes it and finds
-//! no room in the window of the claim index it read falls back to the whole index, so an address
+//! no room in the window of claim entries it read by key falls back to the whole index, so an address
 //! is never refused because of a mark. A wrong mark costs placement (an address borrowed from a
 //! neighbour while an unclaimed block exists), never an address.
 
@@ -20,8 +22,9 @@ use crate::kv::KeyValue;
 use crate::model::{Pool, keys};
 use ipnet::IpNet;
 
-/// How many claim index entries a search that believes a full-pool mark reads, from the host's
-/// hashed start (and as many again from the index's first entry, for a start near the end).
+/// How many claim entries a new-block search reads by key beyond its first probes, in its first
+/// candidate pool, following the host's hashed start: the window a search that believes the
+/// pools' full-pool marks borrows from (and where it may find an unclaimed block first).
 pub(crate) const CLAIM_WINDOW: u32 = 32;
 
 /// A full-pool mark as stored: `<pool CIDR> <block size> <block-release counter revision>`.

@@ -493,7 +493,7 @@ struct NewBlockProbe {
     releases: u64,
     /// Every candidate pool has a believed full-pool mark (and none has mixed block sizes).
     marked_full: bool,
-    /// A window of the claim index from the host's start (full_pools.rs).
+    /// The claim entries the probes found: the window (full_pools.rs).
     window: Vec<IndexedClaim>,
 }
 
