@@ -1,4 +1,4 @@
-//! Full pools: a new node's ADD in a pool with no unclaimed block reads a window of the claim index, not all of it, and a released block is claimed again, whatever the marks say.
+//! Full pools: a new node's ADD reads a window of claim entries, not the whole index, and still claims any released block.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -21,7 +21,7 @@ macro_rules! full_pools_conformance_tests {
             a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_next_new_node,
             a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_block_pass,
             a_window_without_room_falls_back_to_the_whole_claim_index,
-            a_new_node_in_a_nearly_full_pool_claims_a_block_its_window_shows_unclaimed,
+            a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_window,
         );
     };
 }
@@ -396,10 +396,9 @@ pub async fn a_window_without_room_falls_back_to_the_whole_claim_index<F: StoreF
 }
 
 /// In a pool of 1,024 blocks of which one in twenty is unclaimed, none of them among the 16 blocks
-/// a new node probes first, the node claims an unclaimed block that the window of the claim index
-/// it read in the same batch shows (a block next to a listed one whose claim key the window
-/// covers but did not return), without listing the whole index.
-pub async fn a_new_node_in_a_nearly_full_pool_claims_a_block_its_window_shows_unclaimed<
+/// a new node probes first, the node claims an unclaimed block among the 32 that follow (the
+/// window, read by key in the same batch), without listing the whole index.
+pub async fn a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_window<
     F: StoreFactory,
 >(
     factory: &F,
