@@ -391,7 +391,7 @@ pub enum Read {
     /// a window of a listing, sized by the caller rather than by the store. Answered by
     /// [`ReadResult::Listed`]; `from` below `prefix` starts at the prefix's first key, and a
     /// `limit` of 0 is [`KvError::InvalidArgument`]. What comes back is bounded by `limit`; what
-    /// the store does to find it need not be: etcd (3.4 and 3.5) walks its in-memory index over
+    /// the store does to find it need not be: etcd (3.4; later releases still count the range) walks its in-memory index over
     /// every key from `from` to the prefix's end to answer a limited range, so on a large prefix a
     /// read of a few keys by [`Read::Get`] is cheaper for it.
     Range {
