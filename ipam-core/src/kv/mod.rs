@@ -391,9 +391,9 @@ pub enum Read {
     /// a window of a listing, sized by the caller rather than by the store. Answered by
     /// [`ReadResult::Listed`]; `from` below `prefix` starts at the prefix's first key, and a
     /// `limit` of 0 is [`KvError::InvalidArgument`]. What comes back is bounded by `limit`; what
-    /// the store does to find it need not be: etcd (3.4; later releases still count the range) walks its in-memory index over
-    /// every key from `from` to the prefix's end to answer a limited range, so on a large prefix a
-    /// read of a few keys by [`Read::Get`] is cheaper for it.
+    /// the store does to find it need not be: etcd walks its in-memory index over every key from
+    /// `from` to the prefix's end to answer a limited range (3.4 collects them all, later
+    /// releases still count them), so on a large prefix a few reads by [`Read::Get`] cost it less.
     Range {
         /// The string prefix every answered key starts with.
         prefix: String,
