@@ -347,9 +347,11 @@ impl Ipam {
                                                 // The whole index shows none: the pools are
                                                 // full, marked so by this transaction.
                                                 for pool in &candidates {
-                                                    if !probe.mixed.iter().any(|(c, _)| {
-                                                        *c == pool.value.cidr
-                                                    }) {
+                                                    if !probe
+                                                        .mixed
+                                                        .iter()
+                                                        .any(|(c, _)| *c == pool.value.cidr)
+                                                    {
                                                         proven_full.insert(
                                                             full_pools::mark_key(&pool.value),
                                                             FullPoolMark::of(

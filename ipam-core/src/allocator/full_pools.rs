@@ -19,7 +19,7 @@
 //! neighbour while an unclaimed block exists), never an address.
 
 use crate::kv::KeyValue;
-use crate::model::{Pool, keys};
+use crate::model::{keys, Pool};
 use ipnet::IpNet;
 
 /// How many claim entries a new-block search reads by key beyond its first probes, in its first
@@ -116,9 +116,20 @@ mod tests {
         let p = pool("10.64.0.0/13", 26);
         let mark = stored(&FullPoolMark::of(&p, 41).encode());
         assert!(FullPoolMark::believed(Some(&mark), &p, 41));
-        assert!(!FullPoolMark::believed(Some(&mark), &p, 42), "a block was released since");
-        assert!(!FullPoolMark::believed(Some(&mark), &pool("10.64.0.0/12", 26), 41));
-        assert!(!FullPoolMark::believed(Some(&mark), &pool("10.64.0.0/13", 27), 41));
+        assert!(
+            !FullPoolMark::believed(Some(&mark), &p, 42),
+            "a block was released since"
+        );
+        assert!(!FullPoolMark::believed(
+            Some(&mark),
+            &pool("10.64.0.0/12", 26),
+            41
+        ));
+        assert!(!FullPoolMark::believed(
+            Some(&mark),
+            &pool("10.64.0.0/13", 27),
+            41
+        ));
         assert!(!FullPoolMark::believed(None, &p, 41));
     }
 

@@ -1,11 +1,11 @@
 //! Block lifecycle: taking over other hosts' long-empty blocks when a pool has no unclaimed block
 //! left, and releasing empty blocks a host no longer needs.
 
+use super::full_pools::{self, FullPoolMark};
 use super::{
     decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Plan, Stored,
     WorkingBlock,
 };
-use super::full_pools::{self, FullPoolMark};
 use crate::kv::{Condition, KeyValue, Op, Read, Txn};
 use crate::model::error::IpamError;
 use crate::model::{keys, Block, Family, IpamConfig, Lifetime, Pool};

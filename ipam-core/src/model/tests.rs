@@ -157,10 +157,10 @@ fn pool_block_arithmetic() {
         Some((1u128 << 58) - 1)
     );
     for not_one_of_its_blocks in [
-        "10.1.0.64/27",   // another size
-        "10.1.0.96/26",   // not aligned (as written: IpNet keeps host bits)
-        "10.1.1.0/26",    // outside
-        "fd00::40/122",   // another family
+        "10.1.0.64/27", // another size
+        "10.1.0.96/26", // not aligned (as written: IpNet keeps host bits)
+        "10.1.1.0/26",  // outside
+        "fd00::40/122", // another family
     ] {
         assert_eq!(
             pool.block_index_of(&net(not_one_of_its_blocks)),
