@@ -287,6 +287,9 @@ impl Inner {
     }
 
     fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        for read in reads {
+            read.validate()?;
+        }
         self.at_one_revision("answer a batch of reads", || {
             reads
                 .iter()

@@ -60,6 +60,9 @@ impl KvStore for MemoryStore {
     }
 
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        for read in reads {
+            read.validate()?;
+        }
         let state = self.lock()?;
         let snapshot = |kv: (&String, &(Vec<u8>, Revision))| KeyValue {
             key: kv.0.clone(),

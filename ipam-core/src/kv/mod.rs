@@ -549,6 +549,10 @@ pub trait KvStore: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`get`](KvStore::get) and [`list`](KvStore::list).
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        // A read the store would refuse refuses the batch before anything is read.
+        for read in reads {
+            read.validate()?;
+        }
         let mut results = Vec::with_capacity(reads.len());
         for read in reads {
             results.push(match read {
