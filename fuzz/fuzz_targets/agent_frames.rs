@@ -1,7 +1,7 @@
-//! Fuzzes the agent protocol's decoders: request frames (protocol 1 and 2 framing) and answer frames.
+//! Fuzzes the agent protocol's decoders: request frames (protocol 1 and 2/3 framing) and answer frames.
 //!
-//! The first byte picks what the rest is (0: a protocol 1 request payload, 1: a protocol 2
-//! request payload, 2: an answer payload; the 4-byte length prefix is not included). Decoding
+//! The first byte picks what the rest is (0: a protocol 1 request payload, 1: a protocol 2 or 3
+//! request payload (one framing), 2: an answer payload; the 4-byte length prefix is not included). Decoding
 //! never panics nor aborts (a length claiming more than the frame holds is an error, not an
 //! allocation); whatever decodes encodes back to a frame that decodes to the same value.
 #![no_main]
