@@ -303,8 +303,9 @@ impl Ipam {
             Ok(_) => {
                 tracing::info!(
                     pool = %pool.value.name,
-                    "a pool marked full has unclaimed blocks (released by a writer that keeps no \
-                     marks): no full-pool mark is believed until a search proves one again"
+                    "a pool marked full holds fewer claimed blocks than it has room for (a writer that \
+                     keeps no marks released one, or its unclaimed blocks are reserved): no \
+                     full-pool mark is believed until a search proves one again"
                 );
                 Ok(())
             }
