@@ -223,10 +223,10 @@ pub async fn a_block_released_after_the_pool_was_marked_full_is_claimed_by_the_n
         .await
         .expect("the first new node's ADD");
     assert!(marked(&t.store, "pool").await, "the pool is marked full");
-    // A filler half the pool away from where new-node-b's search starts (out of reach of the
-    // few blocks a search probes first) gives its block up: its address goes, then its
+    // A filler 56 blocks after where new-node-b's search starts (beyond the 48 claim entries a
+    // search reads first) gives its block up: its address goes, then its
     // affinity, and the empty block is deleted.
-    let index = (search_start("new-node-b", 64) + 32) % 64;
+    let index = (search_start("new-node-b", 64) + 56) % 64;
     ipam.release_handle(&format!("filler.{index:04}"))
         .await
         .expect("release");
@@ -268,9 +268,9 @@ pub async fn a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_
 ) {
     let t = filled_pool(factory, "10.64.0.0/24", 64, |_| 1).await;
     let ipam = Ipam::new(Arc::clone(&t.store));
-    // A filler half the pool away from where new-node-b's search starts has an empty block (kept:
-    // it is the filler's newest).
-    let index = (search_start("new-node-b", 64) + 32) % 64;
+    // A filler 56 blocks after where new-node-b's search starts (beyond the 48 claim entries a
+    // search reads first) has an empty block (kept: it is the filler's newest).
+    let index = (search_start("new-node-b", 64) + 56) % 64;
     ipam.release_handle(&format!("filler.{index:04}"))
         .await
         .expect("release");
