@@ -5,9 +5,10 @@ use std::sync::Arc;
 
 use ipam_core::kv::MAX_TXN_OPS;
 use ipam_core::model::keys;
-use ipam_core::{AssignIpsRequest, EmptyBlockFilter, Ipam, KvStore, MemoryStore, Op, Txn};
+use ipam_core::{AssignIpsRequest, EmptyBlockFilter, Ipam, KvError, KvStore, MemoryStore, Op, Txn};
 use ipnet::IpNet;
 
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, spec, v4};
 use crate::read_cost::{ReadCost, ReadMeter};
 use crate::StoreFactory;
@@ -308,6 +309,20 @@ pub async fn a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_
         counter_before,
         "a dry run writes nothing"
     );
+    // A store failure on the counter's write is the pass's error, and writes nothing.
+    let failing = HookedStore::new(Arc::clone(&t.store));
+    failing.refuse_commits(|txn| {
+        touches_counter(txn).then(|| KvError::unavailable("the store is unreachable"))
+    });
+    Ipam::new(failing as Arc<dyn KvStore>)
+        .release_empty_blocks(filter, true)
+        .await
+        .expect_err("the counter's write failed");
+    assert_eq!(
+        t.store.get(&keys::block_releases()).await.expect("read"),
+        counter_before,
+        "a failed pass writes nothing"
+    );
     ipam.release_empty_blocks(filter, true)
         .await
         .expect("the empty-block pass");
@@ -342,7 +357,45 @@ pub async fn a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_
         counter,
         "marks that are right are left alone"
     );
+    // Made wrong again (another filler's emptied block deleted without the counter), the pass
+    // races a release that moves the counter between its read and its write: its write,
+    // conditioned on the counter as read, conflicts, and the pass goes on without an error.
+    let again = (index + 1) % 64;
+    ipam.release_handle(&format!("filler.{again:04}"))
+        .await
+        .expect("release");
+    let emptied: IpNet = format!("10.64.0.{}/30", again * 4).parse().expect("cidr");
+    t.store
+        .commit(
+            Txn::new()
+                .then(Op::delete(keys::block(
+                    Some(&format!("filler-{again:04}")),
+                    &emptied,
+                )))
+                .then(Op::delete(keys::block_claim(&emptied))),
+        )
+        .await
+        .expect("delete the block as an older writer");
+    let racing = HookedStore::new(Arc::clone(&t.store));
+    let other = Arc::clone(&t.store);
+    racing.before_commit(touches_counter, move || async move {
+        other
+            .put(&keys::block_releases(), b"{}".to_vec())
+            .await
+            .expect("another writer's release");
+    });
+    Ipam::new(racing.clone() as Arc<dyn KvStore>)
+        .release_empty_blocks(filter, true)
+        .await
+        .expect("a counter moved meanwhile is no error");
+    assert!(racing.commit_hook_fired(), "the pass wrote the counter");
+    assert_eq!(racing.conflicts(), 1, "and lost to the other writer");
     assert_clean(&ipam).await;
+}
+
+/// True when `txn` writes the block-release counter.
+fn touches_counter(txn: &Txn) -> bool {
+    txn.ops.iter().any(|op| op.key() == keys::block_releases())
 }
 
 /// In a pool marked full whose blocks are all full but one, far from where the new nodes' windows
