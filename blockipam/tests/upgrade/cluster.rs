@@ -84,6 +84,12 @@ pub const OLD_2: Node = Node {
     name: "old-2",
     release: Release::Previous,
 };
+/// A node of the previous release that is drained and removed (its affinities released by the
+/// previous CLI's `node release`).
+pub const OLD_3: Node = Node {
+    name: "old-3",
+    release: Release::Previous,
+};
 /// An upgraded node.
 pub const NEW_1: Node = Node {
     name: "new-1",
@@ -340,7 +346,18 @@ impl MixedCluster {
     /// ADD of `container` on `node`: its addresses when it succeeded (recorded as live, and
     /// checked against every other live container), else the failure is recorded under `step`.
     pub fn add(&self, step: &str, node: Node, container: &str) -> Option<Vec<String>> {
-        let netconf = self.netconf(node, json!({}));
+        self.add_with(step, node, container, json!({}))
+    }
+
+    /// [`MixedCluster::add`] with `extra` merged into the netconf's `ipam` object.
+    pub fn add_with(
+        &self,
+        step: &str,
+        node: Node,
+        container: &str,
+        extra: Value,
+    ) -> Option<Vec<String>> {
+        let netconf = self.netconf(node, extra);
         let done = self.plugin(node, "ADD", container, &netconf);
         if done.status != 0 {
             self.fail(format!(
@@ -379,7 +396,12 @@ impl MixedCluster {
 
     /// DEL of `container` on `node`; it is no longer live either way (a failure is recorded).
     pub fn del(&self, step: &str, node: Node, container: &str) {
-        let netconf = self.netconf(node, json!({}));
+        self.del_with(step, node, container, json!({}));
+    }
+
+    /// [`MixedCluster::del`] with `extra` merged into the netconf's `ipam` object.
+    pub fn del_with(&self, step: &str, node: Node, container: &str, extra: Value) {
+        let netconf = self.netconf(node, extra);
         let done = self.plugin(node, "DEL", container, &netconf);
         if done.status != 0 {
             self.fail(format!(
@@ -650,7 +672,7 @@ impl MixedCluster {
 
     /// `name` as it runs now: upgraded, or as it started.
     fn node_named(&self, name: &str) -> Node {
-        let node = [OLD_1, OLD_2, NEW_1]
+        let node = [OLD_1, OLD_2, OLD_3, NEW_1]
             .into_iter()
             .find(|n| n.name == name)
             .expect("a known node");

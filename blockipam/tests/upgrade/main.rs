@@ -6,7 +6,8 @@
 //! an upgrade needs: old-1's next ADD and DEL succeed, `check` is clean under the previous CLI and
 //! today's, new-1's ADD and DEL succeed, and old-1's again. Every address is handed to one live
 //! container at a time, and at the end the store holds exactly what the live containers were
-//! given. `finalize` takes the last step, `upgrade finalize`, and what follows it. Every scenario
+//! given. `finalize` takes the last step, `upgrade finalize`, and what follows it; `full_pools`
+//! has the previous release delete a block in a pool today's nodes marked full. Every scenario
 //! runs on etcd (`etcd::`) and on sled served by today's agent (`agent_sled::`), but `reclaim`'s,
 //! today's agent reclaiming a dead node of the previous release, which needs etcd's leases;
 //! `agents` runs each release's plugin and CLI through the other release's agent.
@@ -17,6 +18,7 @@
 mod agents;
 mod cluster;
 mod finalize;
+mod full_pools;
 mod reclaim;
 
 use cluster::{
@@ -25,6 +27,7 @@ use cluster::{
 use finalize::{
     finalize_forced_over_a_node_that_reads_format_3, finalize_once_every_node_is_upgraded,
 };
+use full_pools::a_block_the_previous_release_deletes_in_a_pool_marked_full;
 use reclaim::todays_agent_reclaims_a_dead_node_of_the_previous_release;
 use serde_json::{json, Value};
 
@@ -490,6 +493,7 @@ on_both_stores!(
     check_repair,
     finalize_once_every_node_is_upgraded,
     finalize_forced_over_a_node_that_reads_format_3,
-    a_live_duplicate_recorded_by_todays_agent;
+    a_live_duplicate_recorded_by_todays_agent,
+    a_block_the_previous_release_deletes_in_a_pool_marked_full;
     etcd only: todays_agent_reclaims_a_dead_node_of_the_previous_release,
 );
