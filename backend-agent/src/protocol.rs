@@ -237,7 +237,9 @@ pub struct ResponseFrame {
 pub enum Response {
     /// Answer to the hello.
     Hello {
-        /// [`PROTOCOL_VERSION`] of the agent.
+        /// The version this connection speaks from now on: the newest both peers speak, the
+        /// smaller of the client's offer and the agent's [`PROTOCOL_VERSION`] (an agent of
+        /// protocol 1 answers its own version whatever the offer).
         protocol: u32,
         /// The store the agent serves.
         served: StoreIdentity,

@@ -39,29 +39,7 @@ async fn partly_claimed_pool<F: StoreFactory>(
     blocks: u32,
     claimed: impl Fn(u32) -> bool,
 ) -> crate::TestStore {
-    let memory: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-    let maker = Ipam::new(Arc::clone(&memory));
-    maker
-        .create_pool(&spec(pool, "pool", BLOCK_SIZE))
-        .await
-        .expect("create pool");
-    let pool: IpNet = pool.parse().expect("pool CIDR");
-    let first = match pool.network() {
-        IpAddr::V4(a) => u32::from(a),
-        IpAddr::V6(_) => unreachable!("an IPv4 pool"),
-    };
-    for block in (0..blocks).filter(|b| claimed(*b)) {
-        maker
-            .assign_ips(&AssignIpsRequest {
-                ips: vec![IpAddr::V4((first + block * 4).into())],
-                handle: format!("filler.{block:04}"),
-                host: format!("filler-{block:04}"),
-                ..AssignIpsRequest::default()
-            })
-            .await
-            .unwrap_or_else(|e| panic!("filling block {block}: {e}"));
-    }
-    copy_into(factory, &memory).await
+    filled_pool(factory, pool, blocks, |block| u32::from(claimed(block))).await
 }
 
 /// A fresh store under test holding every key of `memory`, copied in large transactions.
@@ -78,9 +56,9 @@ async fn copy_into<F: StoreFactory>(factory: &F, memory: &Arc<dyn KvStore>) -> c
     t
 }
 
-/// The store under test holding a pool of `blocks` blocks of [`BLOCK_SIZE`] at `pool`, every
-/// block claimed by its own filler node holding `used` of its addresses; made on the in-memory
-/// store (fast at any size) and copied in large transactions.
+/// The store under test holding a pool of `blocks` blocks of [`BLOCK_SIZE`] at `pool`, each
+/// block where `used` is not 0 claimed by its own filler node holding `used` of its addresses;
+/// made on the in-memory store (fast at any size) and copied in large transactions.
 async fn filled_pool<F: StoreFactory>(
     factory: &F,
     pool: &str,
@@ -98,7 +76,7 @@ async fn filled_pool<F: StoreFactory>(
         IpAddr::V4(a) => u32::from(a),
         IpAddr::V6(_) => unreachable!("an IPv4 pool"),
     };
-    for block in 0..blocks {
+    for block in (0..blocks).filter(|b| used(*b) > 0) {
         let ips = (0..used(block))
             .map(|i| IpAddr::V4((first + block * 4 + i).into()))
             .collect();

@@ -289,7 +289,7 @@ impl Ipam {
                             sequence_floor: probe.sequence_floor,
                         });
                     }
-                    while (got.len() as u32) < wanted {
+                    'new_blocks: while (got.len() as u32) < wanted {
                         if limited && owned >= config.max_blocks_per_host {
                             limit_hit = Some(owned);
                             break;
@@ -304,85 +304,59 @@ impl Ipam {
                         };
                         let usable =
                             |c: &IpNet| !reserved.leaves_block_nothing(c, skip_block_edges);
-                        let claimed = match unclaimed
-                            .by_ref()
-                            .find(|c| !working.contains_key(c) && usable(c))
-                        {
-                            Some(found) => create(found, probe.sequence_floor),
-                            None => {
-                                let index = match &window {
-                                    // Every candidate pool is marked full: no unclaimed block
-                                    // to look for, another host's long-empty block perhaps.
-                                    Some(window) => window,
-                                    None => {
-                                        // Every probed block is taken: one listing of the claim
-                                        // index (small entries, not blocks) settles it.
-                                        let index =
-                                            self.ensure_claim_index(&mut claim_index).await?;
-                                        match find_unclaimed_block(
-                                            &candidates,
-                                            &request.host,
-                                            index.entries.iter().map(|e| e.cidr),
-                                            &working,
-                                            usable,
-                                        ) {
-                                            Some(cidr) => {
-                                                let found = create(cidr, index.sequence_floor);
-                                                let cidr = found.block.cidr;
-                                                working.insert(cidr, found);
-                                                owned += 1;
-                                                take_from_blocks(
-                                                    &mut working,
-                                                    &[cidr],
-                                                    &attribute,
-                                                    wanted,
-                                                    skip_block_edges,
-                                                    lifetime,
-                                                    &reserved,
-                                                    &mut got,
-                                                );
-                                                continue;
-                                            }
-                                            None => {
-                                                // The whole index shows none: the pools are
-                                                // full, marked so by this transaction.
-                                                for pool in &candidates {
-                                                    if !probe
-                                                        .mixed
-                                                        .iter()
-                                                        .any(|(c, _)| *c == pool.value.cidr)
-                                                    {
-                                                        proven_full.insert(
-                                                            full_pools::mark_key(&pool.value),
-                                                            FullPoolMark::of(
-                                                                &pool.value,
-                                                                probe.releases,
-                                                            ),
-                                                        );
-                                                    }
-                                                }
-                                                index
-                                            }
-                                        }
-                                    }
-                                };
-                                // No unclaimed block left: another host's long-empty block.
-                                match self
-                                    .take_over_empty_block(
-                                        index,
+                        let claimed = 'claimed: {
+                            if let Some(found) = unclaimed
+                                .by_ref()
+                                .find(|c| !working.contains_key(c) && usable(c))
+                            {
+                                break 'claimed create(found, probe.sequence_floor);
+                            }
+                            let index = match &window {
+                                // Every candidate pool is marked full: no unclaimed block to
+                                // look for, another host's long-empty block perhaps.
+                                Some(window) => window,
+                                None => {
+                                    // Every probed block is taken: one listing of the claim
+                                    // index (small entries, not blocks) settles it.
+                                    let index = self.ensure_claim_index(&mut claim_index).await?;
+                                    if let Some(cidr) = find_unclaimed_block(
                                         &candidates,
                                         &request.host,
-                                        family,
-                                        &config,
-                                        lifetime,
+                                        index.entries.iter().map(|e| e.cidr),
                                         &working,
                                         usable,
-                                    )
-                                    .await?
-                                {
-                                    Some(taken) => taken,
-                                    None => break,
+                                    ) {
+                                        break 'claimed create(cidr, index.sequence_floor);
+                                    }
+                                    // The whole index shows none: the pools are full, marked
+                                    // so by this transaction.
+                                    for pool in &candidates {
+                                        if !probe.mixed.iter().any(|(c, _)| *c == pool.value.cidr) {
+                                            proven_full.insert(
+                                                full_pools::mark_key(&pool.value),
+                                                FullPoolMark::of(&pool.value, probe.releases),
+                                            );
+                                        }
+                                    }
+                                    index
                                 }
+                            };
+                            // No unclaimed block left: another host's long-empty block.
+                            match self
+                                .take_over_empty_block(
+                                    index,
+                                    &candidates,
+                                    &request.host,
+                                    family,
+                                    &config,
+                                    lifetime,
+                                    &working,
+                                    usable,
+                                )
+                                .await?
+                            {
+                                Some(taken) => taken,
+                                None => break 'new_blocks,
                             }
                         };
                         let cidr = claimed.block.cidr;
