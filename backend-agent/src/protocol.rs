@@ -238,8 +238,8 @@ pub enum Response {
     /// Answer to the hello.
     Hello {
         /// The version this connection speaks from now on: the newest both peers speak, the
-        /// smaller of the client's offer and the agent's [`PROTOCOL_VERSION`] (an agent of
-        /// protocol 1 answers its own version whatever the offer).
+        /// smaller of the client's offer and the agent's [`PROTOCOL_VERSION`]. (An agent of
+        /// protocol 1 refuses any other offer; the client then connects again offering 1.)
         protocol: u32,
         /// The store the agent serves.
         served: StoreIdentity,
