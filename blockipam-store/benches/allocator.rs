@@ -143,9 +143,15 @@ async fn main() {
                     let datastore_type: DatastoreType = other.parse().expect("type");
                     let raw = RawDatastoreSettings {
                         datastore_type: Some(datastore_type),
-                        path: Some(path),
-                        etcd_endpoints: vec![endpoint],
-                        etcd_prefix: Some(format!("/bench-{counter}/")),
+                        // Endpoints for etcd only, a path for the embedded stores: the settings refuse both.
+                        path: (datastore_type != DatastoreType::Etcdv3).then_some(path),
+                        etcd_endpoints: if datastore_type == DatastoreType::Etcdv3 {
+                            vec![endpoint]
+                        } else {
+                            Vec::new()
+                        },
+                        etcd_prefix: (datastore_type == DatastoreType::Etcdv3)
+                            .then(|| format!("/bench-{counter}/")),
                         ..RawDatastoreSettings::default()
                     };
                     DatastoreSettings {
