@@ -9,20 +9,20 @@
 //! throwaway `etcd` on loopback for each etcd row, stopped after it), each with the store opened by the plugin itself ("direct") and
 //! through a `blockipam-agent` holding it open ("agent": the agent's own `run`, in this process,
 //! on a socket in the run's temporary directory, named by the netconf's `agent_socket`);
-//! host-local on its data directory; all in the same run, each with 0 and with 10,000 addresses
+//! host-local on its data directory; all in the same run, each with 0, 1,000 and 10,000 addresses
 //! already allocated:
 //! - blockipam is prefilled through the allocator API (through the agent in agent mode, after one
 //!   plugin ADD/DEL has created the pool and reserved the gateway), each address as the plugin's
 //!   ADD for a Kubernetes pod records it (one per container, the plugin's handle and attributes):
 //!   "10k cluster" spreads them over 100 other nodes (100 each, what a node sees in a cluster),
 //!   "10k this node" puts all of them on the benchmarked node (157 blocks of its own;
-//!   `max_blocks_per_host` set to unlimited for that);
+//!   `max_blocks_per_host` set to unlimited for that), "1k this node" 1,000 of them (16 blocks);
 //! - host-local is prefilled by writing its data-directory files (one per address, as it does).
 //!
 //! Peak RSS (of the plugin process) comes from a second pass of the same calls under
 //! `/usr/bin/time -f %M`, so the timings carry no wrapper. Environment: `BLOCKIPAM_BENCH_CALLS`
 //! sets the calls per mode (default 200); `BLOCKIPAM_BENCH_ONLY` (comma-separated words of the row
-//! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|10k this node>`, such as
+//! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|1k this node|10k this node>`, such as
 //! `sled,agent,0` or `redb`) runs only the blockipam rows whose label has every word (host-local
 //! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load
 //! average is printed with the table: figures from a busy machine are provisional.
@@ -78,6 +78,8 @@ const COMPARE_ENV: &str = "BLOCKIPAM_BENCH_COMPARE";
 enum Prefill {
     Empty,
     Cluster,
+    /// 1,000 addresses on this node.
+    ThisNodeThousand,
     ThisNode,
 }
 
@@ -86,8 +88,23 @@ impl Prefill {
         match self {
             Prefill::Empty => "0",
             Prefill::Cluster => "10k cluster",
+            Prefill::ThisNodeThousand => "1k this node",
             Prefill::ThisNode => "10k this node",
         }
+    }
+
+    /// How many addresses are allocated before the calls.
+    fn count(self) -> usize {
+        match self {
+            Prefill::Empty => 0,
+            Prefill::ThisNodeThousand => 1_000,
+            Prefill::Cluster | Prefill::ThisNode => PREFILL,
+        }
+    }
+
+    /// True when the prefilled addresses are all on this node (host-local is prefilled alike).
+    fn on_this_node(self) -> bool {
+        matches!(self, Prefill::ThisNodeThousand | Prefill::ThisNode)
     }
 }
 
@@ -235,7 +252,7 @@ async fn prefill_blockipam(store: Arc<dyn KvStore>, prefill: Prefill) {
     if prefill == Prefill::Empty {
         return;
     }
-    if prefill == Prefill::ThisNode {
+    if prefill.on_this_node() {
         ipam.set_config(&IpamConfig {
             max_blocks_per_host: 0,
             ..IpamConfig::default()
@@ -271,7 +288,8 @@ async fn prefill_blockipam(store: Arc<dyn KvStore>, prefill: Prefill) {
             for writer in 0..PREFILL_WRITERS {
                 let ipam = ipam.clone();
                 writers.spawn(async move {
-                    let mine = (0..PREFILL).filter(|n| (n / 64) % PREFILL_WRITERS == writer);
+                    let mine =
+                        (0..prefill.count()).filter(|n| (n / 64) % PREFILL_WRITERS == writer);
                     for n in mine {
                         let (handle, attributes) = pod_allocation(n);
                         let ip = Ipv4Addr::from(first + n as u32);
@@ -343,12 +361,12 @@ fn host_local_netconf(data_dir: &Path) -> Value {
 
 /// Writes host-local's files for 10,000 allocated addresses (`<dataDir>/<network>/<ip>`
 /// holding `<container id>\r\n<ifname>`, and the last reserved address).
-fn prefill_host_local(data_dir: &Path) {
+fn prefill_host_local(data_dir: &Path, count: usize) {
     let network = data_dir.join("bench");
     std::fs::create_dir_all(&network).expect("mkdir");
     let base = u32::from(Ipv4Addr::new(10, 128, 0, 2));
     let mut last = Ipv4Addr::new(10, 128, 0, 2);
-    for i in 0..PREFILL as u32 {
+    for i in 0..count as u32 {
         let ip = Ipv4Addr::from(base + i);
         std::fs::write(network.join(ip.to_string()), format!("prefill-{i}\r\neth0"))
             .expect("write");
@@ -477,7 +495,7 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
     };
     let netconf = blockipam_netconf(dir.path(), netconf_settings);
     // The plugin creates the pool and reserves the gateway (as on a live node) before the
-    // prefill takes 10,000 addresses.
+    // prefill takes its addresses.
     let setup = netconf.to_string().into_bytes();
     call(shipped_plugin(), "ADD", "setup", &setup, false);
     call(shipped_plugin(), "DEL", "setup", &setup, false);
@@ -509,12 +527,17 @@ fn main() {
     let load_before = load_average();
     let bare_at_start = bare_process_median();
     let mut rows = Vec::new();
-    for prefill in [Prefill::Empty, Prefill::Cluster, Prefill::ThisNode] {
+    for prefill in [
+        Prefill::Empty,
+        Prefill::Cluster,
+        Prefill::ThisNodeThousand,
+        Prefill::ThisNode,
+    ] {
         if prefill != Prefill::Cluster {
             let dir = tempfile::tempdir().expect("temp dir");
             let data = dir.path().join("host-local");
-            if prefill == Prefill::ThisNode {
-                prefill_host_local(&data);
+            if prefill.on_this_node() {
+                prefill_host_local(&data, prefill.count());
             }
             eprintln!("host-local, {} prefilled ...", prefill.label());
             rows.push(measure(
@@ -546,7 +569,7 @@ fn main() {
         print_breakdown();
     }
     println!(
-        "\n{} calls per mode; host-local's `10k this node` row is the baseline of both 10k rows. \
+        "\n{} calls per mode; host-local's row with as many addresses on its node is each row's baseline (`10k this node` for `10k cluster`). \
          Load average (1, 5, 15 min) before: {load_before}; after: {}. A bare process \
          (`/bin/true`, a busy machine shows here first): {bare_at_start:.2} ms before the table, \
          {bare_after:.2} ms after it.",
@@ -799,10 +822,11 @@ fn print_table(rows: &[Row]) {
     };
     for row in rows {
         let add = quantile(&row.add, 0.5);
-        let baseline_prefill = if row.prefill == Prefill::Empty.label() {
-            Prefill::Empty.label()
-        } else {
+        // host-local with as many addresses (all on its one node); for the cluster row, 10k.
+        let baseline_prefill = if row.prefill == Prefill::Cluster.label() {
             Prefill::ThisNode.label()
+        } else {
+            row.prefill
         };
         let vs_host_local = add_median("host-local", "", baseline_prefill)
             .map(|b| format!("{:.2}×", add / b))
