@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use ipam_core::kv::MAX_TXN_OPS;
 use ipam_core::model::keys;
+use ipam_core::reservations::Reservation;
 use ipam_core::{AssignIpsRequest, EmptyBlockFilter, Ipam, KvError, KvStore, MemoryStore, Op, Txn};
 use ipnet::IpNet;
 
@@ -23,6 +24,7 @@ macro_rules! full_pools_conformance_tests {
             a_mark_a_writer_without_marks_made_wrong_is_forgotten_by_the_empty_block_pass,
             a_window_without_room_falls_back_to_the_whole_claim_index,
             a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_window,
+            a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_the_empty_block_pass,
         );
     };
 }
@@ -480,4 +482,69 @@ pub async fn a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_w
         "a pool with unclaimed blocks is not marked full"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// A pool whose only unclaimed block is wholly reserved is full for every search (searches skip
+/// such blocks): the empty-block pass keeps its mark, so borrowing ADDs go on reading a window
+/// rather than listing the whole index after every pass. Once the reservation leaves room in the
+/// block, the same pass retires the mark and the next new node claims the block.
+pub async fn a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_the_empty_block_pass<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    // The unclaimed block lies 56 blocks after where new-node-a's search starts: beyond the 48
+    // claim entries a search reads first, so only a listing of the whole index finds it.
+    let index = (search_start("new-node-a", 64) + 56) % 64;
+    let t = partly_claimed_pool(factory, "10.64.0.0/24", 64, |b| u64::from(b) != index).await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let unclaimed: IpNet = format!("10.64.0.{}/30", index * 4).parse().expect("cidr");
+    ipam.add_reservation(&Reservation {
+        name: "vips".into(),
+        cidrs: vec![unclaimed],
+    })
+    .await
+    .expect("reserve the unclaimed block");
+    let got = ipam
+        .auto_assign(&v4("new-a", "new-node-a", 1))
+        .await
+        .expect("the first new node's ADD");
+    assert!(!unclaimed.contains(&got.v4[0].ip), "borrowed: {got:?}");
+    assert!(marked(&t.store, "pool").await, "the pool is marked full");
+    let filter = EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: false,
+    };
+    ipam.release_empty_blocks(filter, true)
+        .await
+        .expect("the empty-block pass");
+    assert_eq!(
+        t.store.get(&keys::block_releases()).await.expect("read"),
+        None,
+        "the pass kept the mark: the only unclaimed block is wholly reserved"
+    );
+    // The reservation goes: the block is claimable, and the pass says so.
+    ipam.delete_reservation("vips")
+        .await
+        .expect("delete the reservation");
+    ipam.release_empty_blocks(filter, true)
+        .await
+        .expect("the empty-block pass");
+    assert!(
+        t.store
+            .get(&keys::block_releases())
+            .await
+            .expect("read")
+            .is_some(),
+        "the pass retired the mark: the unclaimed block has room now"
+    );
+    let got = ipam
+        .auto_assign(&v4("new-b", "new-node-b", 1))
+        .await
+        .expect("the next new node's ADD");
+    assert!(
+        unclaimed.contains(&got.v4[0].ip),
+        "claimed the block the reservation left: {got:?}"
+    );
+    assert_clean(&ipam).await;
 }

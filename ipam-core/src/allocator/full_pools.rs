@@ -11,7 +11,7 @@
 //! believed only while its pool keeps the CIDR and block size it names and the counter is at the
 //! recorded revision. Writers that keep no marks (the previous release) may delete blocks without
 //! touching the counter: the reclaimer's empty-block pass, which lists the claim index anyway,
-//! puts the counter when a marked pool shows fewer claimed blocks than it holds.
+//! puts the counter when a marked pool has an unclaimed block reservations leave room in.
 //!
 //! A mark only ever narrows where an allocation looks first: a search that believes it and finds
 //! no room in the window of claim entries it read by key falls back to the whole index, so an address
@@ -19,8 +19,10 @@
 //! neighbour while an unclaimed block exists), never an address.
 
 use crate::kv::KeyValue;
+use crate::model::reservations::ReservedRanges;
 use crate::model::{keys, Pool};
 use ipnet::IpNet;
+use std::collections::BTreeSet;
 
 /// How many claim entries a new-block search reads by key beyond its first probes, in its first
 /// candidate pool, following the host's hashed start: the window a search that believes the
@@ -75,6 +77,35 @@ impl FullPoolMark {
 /// The block-release counter's revision as read (0 while no block was ever deleted).
 pub(crate) fn releases_revision(counter: Option<&KeyValue>) -> u64 {
     counter.map_or(0, |kv| kv.revision.get())
+}
+
+/// How many of a pool's blocks [`holds_an_unclaimed_usable_block`] looks at, as many as a
+/// new-block search's full scan: a pool with more unclaimed blocks than that is taken to have a
+/// usable one (a wrong answer costs one listing of the claim index, never an address).
+const MOST_BLOCKS_LOOKED_AT: u128 = 1 << 20;
+
+/// True when `pool` has a block that is not in `claimed` (claimed blocks of any pool) and that
+/// `reserved` leaves an address in: a block a new-block search would claim. Blocks wholly reserved are skipped by searches,
+/// so a pool whose only unclaimed blocks are reserved is rightly marked full.
+pub(crate) fn holds_an_unclaimed_usable_block(
+    pool: &Pool,
+    claimed: &BTreeSet<IpNet>,
+    reserved: &ReservedRanges,
+) -> bool {
+    let count = pool.block_count();
+    let inside = claimed
+        .iter()
+        .filter(|cidr| pool.cidr.contains(&cidr.network()))
+        .count() as u128;
+    if inside >= count {
+        return false;
+    }
+    if count > MOST_BLOCKS_LOOKED_AT {
+        return true;
+    }
+    (0..count)
+        .filter_map(|index| pool.block_at(index))
+        .any(|block| !claimed.contains(&block) && !reserved.leaves_block_nothing(&block, false))
 }
 
 /// The key of `pool`'s full-pool mark.
@@ -153,5 +184,45 @@ mod tests {
     fn the_counter_revision_is_zero_until_a_block_is_released() {
         assert_eq!(releases_revision(None), 0);
         assert_eq!(releases_revision(Some(&stored(b"{}"))), 9);
+    }
+
+    #[test]
+    fn only_an_unclaimed_block_reservations_leave_room_in_counts() {
+        use crate::model::reservations::Reservation;
+        let p = pool("10.64.0.0/28", 30);
+        let cidrs = |list: &[&str]| -> BTreeSet<IpNet> {
+            list.iter().map(|c| c.parse().expect("cidr")).collect()
+        };
+        let reserving = |list: &[&str]| {
+            let reservation = Reservation {
+                name: "r".into(),
+                cidrs: list.iter().map(|c| c.parse().expect("cidr")).collect(),
+            };
+            ReservedRanges::new([&reservation])
+        };
+        let three = cidrs(&["10.64.0.0/30", "10.64.0.4/30", "10.64.0.12/30"]);
+        let none = reserving(&[]);
+        assert!(holds_an_unclaimed_usable_block(&p, &three, &none));
+        let all = cidrs(&[
+            "10.64.0.0/30",
+            "10.64.0.4/30",
+            "10.64.0.8/30",
+            "10.64.0.12/30",
+        ]);
+        assert!(!holds_an_unclaimed_usable_block(&p, &all, &none));
+        // The unclaimed block wholly reserved: nothing a search would claim.
+        let whole = reserving(&["10.64.0.8/30"]);
+        assert!(!holds_an_unclaimed_usable_block(&p, &three, &whole));
+        // Reserved but for one address: claimable.
+        let partly = reserving(&["10.64.0.8/32", "10.64.0.9/32", "10.64.0.10/32"]);
+        assert!(holds_an_unclaimed_usable_block(&p, &three, &partly));
+        // Claimed blocks of another pool do not fill this one.
+        let elsewhere = cidrs(&[
+            "10.65.0.0/30",
+            "10.65.0.4/30",
+            "10.65.0.8/30",
+            "10.65.0.12/30",
+        ]);
+        assert!(holds_an_unclaimed_usable_block(&p, &elsewhere, &whole));
     }
 }

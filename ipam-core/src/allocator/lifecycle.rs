@@ -8,6 +8,7 @@ use super::{
 };
 use crate::kv::{Condition, KeyValue, Op, Read, Txn};
 use crate::model::error::IpamError;
+use crate::model::reservations::ReservedRanges;
 use crate::model::{keys, Block, Family, IpamConfig, Lifetime, Pool};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
@@ -170,6 +171,7 @@ impl Ipam {
                 Read::List(crate::model::nodes::nodes_dir()),
                 Read::List(keys::full_pool_marks_dir()),
                 Read::Get(keys::block_releases()),
+                Read::List(keys::reservations_dir()),
             ])
             .await?
             .into_iter();
@@ -180,8 +182,9 @@ impl Ipam {
         let nodes = next_listed(&mut results)?;
         let marks = next_listed(&mut results)?;
         let counter = next_got(&mut results)?;
+        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
         if apply {
-            self.forget_wrong_full_pool_marks(&pools, &claims, &marks, counter.as_ref())
+            self.forget_wrong_full_pool_marks(&pools, &claims, &marks, counter.as_ref(), &reserved)
                 .await?;
         }
         let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
@@ -262,18 +265,25 @@ impl Ipam {
     }
 
     /// Puts the block-release counter, so that no full-pool mark is believed any more, when a
-    /// believed mark's pool shows fewer claimed blocks in `claims` (the whole claim index, read
-    /// in one snapshot with `marks` and `counter`) than it holds: a writer that keeps no marks
-    /// released one of its blocks. Conditioned on the counter as read; a counter that moved
-    /// meanwhile already did the same.
+    /// believed mark's pool has a block with no entry in `claims` (the whole claim index, read
+    /// in one snapshot with `marks`, `counter` and `reserved`) that reservations leave room in:
+    /// a writer that keeps no marks released it. Unclaimed blocks wholly reserved do not count
+    /// (a search skips them too, and marks the pool full again). Conditioned on the counter as
+    /// read; a counter that moved meanwhile already did the same.
     async fn forget_wrong_full_pool_marks(
         &self,
         pools: &[Stored<Pool>],
         claims: &[KeyValue],
         marks: &[KeyValue],
         counter: Option<&KeyValue>,
+        reserved: &ReservedRanges,
     ) -> Result<(), IpamError> {
         let releases = full_pools::releases_revision(counter);
+        let claimed: BTreeSet<IpNet> = claims
+            .iter()
+            .filter_map(|kv| kv.key.strip_prefix(&keys::claims_dir()))
+            .filter_map(keys::parse_cidr_segment)
+            .collect();
         let wrong = pools.iter().find(|pool| {
             let mark = marks
                 .iter()
@@ -281,13 +291,7 @@ impl Ipam {
             if !FullPoolMark::believed(mark, &pool.value, releases) {
                 return false;
             }
-            let claimed = claims
-                .iter()
-                .filter_map(|kv| kv.key.strip_prefix(&keys::claims_dir()))
-                .filter_map(keys::parse_cidr_segment)
-                .filter(|cidr| pool.value.cidr.contains(&cidr.network()))
-                .count() as u128;
-            claimed < pool.value.block_count()
+            full_pools::holds_an_unclaimed_usable_block(&pool.value, &claimed, reserved)
         });
         let Some(pool) = wrong else {
             return Ok(());
@@ -303,9 +307,9 @@ impl Ipam {
             Ok(_) => {
                 tracing::info!(
                     pool = %pool.value.name,
-                    "a pool marked full holds fewer claimed blocks than it has room for (a writer that \
-                     keeps no marks released one, or its unclaimed blocks are reserved): no \
-                     full-pool mark is believed until a search proves one again"
+                    "a pool marked full has an unclaimed block with room (a writer that keeps no \
+                     marks released it, or a reservation on it went): no full-pool mark is \
+                     believed until a search proves one again"
                 );
                 Ok(())
             }
