@@ -5,13 +5,14 @@
 //! `BLOCKIPAM_BENCH_PAIRS` sets the pairs per backend and mode (default 400).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings};
 use ipam_core::{
-    AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, MemoryStore, PoolSpec, RoundTrips,
+    AutoAssignRequest, CountingStore, Ipam, IpamConfig, KvStore, PoolSpec, RoundTrips,
 };
-use test_kit::etcd::EtcdServer;
+
+mod common;
+use common::{BenchStores, KINDS};
 
 const HOSTS: usize = 8;
 
@@ -127,53 +128,14 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(400);
-    let etcd =
-        EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the benchmark: {e}"));
-    let dir = tempfile::tempdir().expect("temp dir");
-    let mut counter = 0;
-    let mut open = |kind: &str| {
-        counter += 1;
-        let kind = kind.to_owned();
-        let path = dir.path().join(format!("store-{counter}"));
-        let endpoint = etcd.endpoint();
-        async move {
-            let store: Arc<dyn KvStore> = match kind.as_str() {
-                "memory" => Arc::new(MemoryStore::new()),
-                other => {
-                    let datastore_type: DatastoreType = other.parse().expect("type");
-                    let raw = RawDatastoreSettings {
-                        datastore_type: Some(datastore_type),
-                        // Endpoints for etcd only, a path for the embedded stores: the settings refuse both.
-                        path: (datastore_type != DatastoreType::Etcdv3).then_some(path),
-                        etcd_endpoints: if datastore_type == DatastoreType::Etcdv3 {
-                            vec![endpoint]
-                        } else {
-                            Vec::new()
-                        },
-                        etcd_prefix: (datastore_type == DatastoreType::Etcdv3)
-                            .then(|| format!("/bench-{counter}/")),
-                        ..RawDatastoreSettings::default()
-                    };
-                    DatastoreSettings {
-                        lock_wait: Duration::from_secs(10),
-                        create_if_missing: true,
-                        ..DatastoreSettings::from_raw(raw).expect("bench settings")
-                    }
-                    .open()
-                    .await
-                    .expect("open store")
-                }
-            };
-            store
-        }
-    };
+    let mut stores = BenchStores::start();
     println!("| backend | 1 host pairs/s | vs memory | {HOSTS} hosts pairs/s | vs memory | round trips: steady | new block | borrow |");
     println!("|---|---|---|---|---|---|---|---|");
     let mut baseline = (0.0, 0.0);
-    for kind in ["memory", "sled", "redb", "etcdv3"] {
-        let single = throughput(open(kind).await, 1, pairs).await;
-        let parallel = throughput(open(kind).await, HOSTS, pairs).await;
-        let (steady, new_block, borrow) = round_trips(open(kind).await).await;
+    for kind in KINDS {
+        let single = throughput(stores.open(kind).await, 1, pairs).await;
+        let parallel = throughput(stores.open(kind).await, HOSTS, pairs).await;
+        let (steady, new_block, borrow) = round_trips(stores.open(kind).await).await;
         if kind == "memory" {
             baseline = (single, parallel);
         }

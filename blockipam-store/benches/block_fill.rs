@@ -14,14 +14,15 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use blockipam_store::{DatastoreSettings, DatastoreType, RawDatastoreSettings};
 use ipam_core::allocator::leaks::{
     ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
 };
 use ipam_core::allocator::ATTR_NETWORK;
 use ipam_core::model::keys;
-use ipam_core::{AutoAssignRequest, Ipam, KvStore, MemoryStore, PoolSpec};
-use test_kit::etcd::EtcdServer;
+use ipam_core::{AutoAssignRequest, Ipam, KvStore, PoolSpec};
+
+mod common;
+use common::{BenchStores, KINDS};
 
 /// The host whose block is kept near full.
 const FULL_HOST: &str = "near-full";
@@ -156,45 +157,14 @@ async fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100);
-    let etcd =
-        EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd for the benchmark: {e}"));
-    let dir = tempfile::tempdir().expect("temp dir");
+    let mut stores = BenchStores::start();
     println!(
         "| backend | block | assign near empty / near full, ms | ratio | release near empty / near full, ms | ratio | block bytes near empty / near full |"
     );
     println!("|---|---|---|---|---|---|---|");
-    let mut counter = 0;
     for block_size in [26u8, 23] {
-        for kind in ["memory", "sled", "redb", "etcdv3"] {
-            counter += 1;
-            let store: Arc<dyn KvStore> = match kind {
-                "memory" => Arc::new(MemoryStore::new()),
-                other => {
-                    let datastore_type: DatastoreType = other.parse().expect("type");
-                    let raw = RawDatastoreSettings {
-                        datastore_type: Some(datastore_type),
-                        // Endpoints for etcd only, a path for the embedded stores: the settings refuse both.
-                        path: (datastore_type != DatastoreType::Etcdv3)
-                            .then(|| dir.path().join(format!("store-{counter}"))),
-                        etcd_endpoints: if datastore_type == DatastoreType::Etcdv3 {
-                            vec![etcd.endpoint()]
-                        } else {
-                            Vec::new()
-                        },
-                        etcd_prefix: (datastore_type == DatastoreType::Etcdv3)
-                            .then(|| format!("/bench-fill-{counter}/")),
-                        ..RawDatastoreSettings::default()
-                    };
-                    DatastoreSettings {
-                        lock_wait: Duration::from_secs(10),
-                        create_if_missing: true,
-                        ..DatastoreSettings::from_raw(raw).expect("bench settings")
-                    }
-                    .open()
-                    .await
-                    .expect("open store")
-                }
-            };
+        for kind in KINDS {
+            let store = stores.open(kind).await;
             let row = measure(store, block_size, rounds).await;
             let ratio = |pair: [Duration; 2]| pair[1].as_secs_f64() / pair[0].as_secs_f64();
             println!(
