@@ -225,4 +225,27 @@ mod tests {
         ]);
         assert!(holds_an_unclaimed_usable_block(&p, &elsewhere, &whole));
     }
+
+    #[test]
+    fn a_pool_too_large_to_look_through_is_taken_to_hold_a_usable_block() {
+        use crate::model::reservations::Reservation;
+        let everything = Reservation {
+            name: "all".into(),
+            cidrs: vec!["10.0.0.0/8".parse().expect("cidr")],
+        };
+        let reserved = ReservedRanges::new([&everything]);
+        let nothing = BTreeSet::new();
+        // 2^20 blocks: looked through, every one wholly reserved.
+        assert!(!holds_an_unclaimed_usable_block(
+            &pool("10.0.0.0/8", 28),
+            &nothing,
+            &reserved
+        ));
+        // 2^21 blocks: not looked through; a listing costs less than a scan that size.
+        assert!(holds_an_unclaimed_usable_block(
+            &pool("10.0.0.0/8", 29),
+            &nothing,
+            &reserved
+        ));
+    }
 }
