@@ -1,14 +1,9 @@
 //! libcni's cache of each ADD's result (`<cache dir>/results/<network>-<container id>-<ifname>`, JSON of kind `cniCacheV1`): what the runtime believes a sandbox holds, the witness from which the agent records a live pod's lost address again.
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
 
-use ipam_core::allocator::leaks::{
-    handle_id, Reassertion, ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD,
-    ATTR_TIMESTAMP,
-};
-use ipam_core::allocator::ATTR_NETWORK;
+use ipam_core::allocator::leaks::{handle_id, Attachment, Reassertion};
 use serde::Deserialize;
 
 /// The libcni cache directory containerd and CRI-O use unless configured otherwise.
@@ -82,21 +77,16 @@ pub fn reassertion_for(
                 .cni_args
                 .iter()
                 .find(|(k, _)| k == key)
-                .map(|(_, v)| v.clone())
-                .filter(|v| !v.is_empty())
+                .map(|(_, v)| v.as_str())
         };
-        let mut attributes = BTreeMap::from([
-            (ATTR_NETWORK.to_owned(), cached.network_name.clone()),
-            (ATTR_CONTAINER_ID.to_owned(), container.to_owned()),
-            (ATTR_INTERFACE.to_owned(), cached.if_name.clone()),
-            (ATTR_TIMESTAMP.to_owned(), now.to_owned()),
-        ]);
-        if let Some(namespace) = arg("K8S_POD_NAMESPACE") {
-            attributes.insert(ATTR_NAMESPACE.to_owned(), namespace);
+        let attributes = Attachment {
+            network: &cached.network_name,
+            container_id: container,
+            interface: &cached.if_name,
+            namespace: arg("K8S_POD_NAMESPACE"),
+            pod: arg("K8S_POD_NAME"),
         }
-        if let Some(pod) = arg("K8S_POD_NAME") {
-            attributes.insert(ATTR_POD.to_owned(), pod);
-        }
+        .attributes(now);
         return Some(Reassertion {
             address,
             handle: handle_id(&cached.network_name, container),

@@ -181,7 +181,7 @@ pub struct Cli {
     /// Pod streams per node, each its own schedule, sharing the node's name and lock file (several of one node's operations in flight at once)
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub lanes_per_node: u32,
-    /// Before the measured run, put this many allocations held by --prefill-node through the allocator API (not measured, never counted as leaked; checked present at the end)
+    /// Before the measured run, put this many allocations held by --prefill-node in the store the plugin's way, one pod's address per handle with the plugin's attributes (not measured, never counted as leaked; checked present at the end)
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub prefill: u64,
     /// The node holding the prefilled allocations [default: the first node]

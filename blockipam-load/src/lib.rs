@@ -19,6 +19,7 @@ pub mod etcd_status;
 pub mod ledger;
 pub mod observe;
 pub mod plot;
+pub mod pods;
 pub mod prefill;
 pub mod progress;
 pub mod raw_ceiling;

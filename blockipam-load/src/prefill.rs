@@ -1,17 +1,15 @@
-//! Prefill: allocations put in the store through the allocator API before the measured run, held
-//! by one node (to measure per-call latency as the store grows), and their check after the run:
-//! every one still present, held by its own handle.
+//! Prefill: allocations put in the store the plugin's way (one pod's address per handle, with the plugin's attributes) before the measured run, held by one node (to measure per-call latency as the store grows), and their check after the run: every one still present, held by its own handle.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::Instant;
 
-use ipam_core::allocator::MAX_ADDRESSES_PER_REQUEST;
 use ipam_core::{AllocationInfo, AutoAssignRequest, Ipam};
 use serde::Serialize;
 
 use crate::config::LoadConfig;
 use crate::error::LoadError;
+use crate::pods::{self, container_id, PodKind};
 
 /// How many problem descriptions the summary keeps.
 const SAMPLES: usize = 10;
@@ -34,7 +32,7 @@ pub struct PrefillSummary {
     pub node: String,
     /// Addresses prefilled.
     pub addresses: u64,
-    /// Handles they were prefilled under (`<network>-prefill.<n>`, up to 32 addresses each).
+    /// Handles they were prefilled under (`<network>-prefill.<container id>`, one address each).
     pub handles: u64,
     /// Seconds the prefill took (not part of the measured run).
     pub seconds: f64,
@@ -61,8 +59,9 @@ pub fn handle_prefix(config: &LoadConfig) -> String {
     format!("{}-prefill.", config.network)
 }
 
-/// Puts `config.prefill` allocations held by the prefill node in the store, up to 32 addresses
-/// per `auto_assign` (one handle each), one call after another.
+/// Puts `config.prefill` allocations held by the prefill node in the store the plugin's way: one
+/// address per pod, under the pod's own handle, with the attributes the plugin records (a 64-hex
+/// container id, the pod and its namespace, the interface, the time), one call after another.
 ///
 /// # Errors
 /// [`LoadError::Failed`] when an assignment fails (with a hint when the host hit its block limit).
@@ -73,37 +72,32 @@ pub async fn prefill(ipam: &Ipam, config: &LoadConfig) -> Result<Prefilled, Load
         host: host.clone(),
         ..Prefilled::default()
     };
-    let mut remaining = config.prefill;
-    let mut index = 0_u64;
-    while remaining > 0 {
-        let batch = remaining.min(u64::from(MAX_ADDRESSES_PER_REQUEST));
-        let handle = format!("{}{index:06}", handle_prefix(config));
+    for index in 0..config.prefill {
+        let container = container_id(PodKind::Prefill, 0, index);
+        let handle = format!("{}{container}", handle_prefix(config));
         let request = AutoAssignRequest {
             handle: handle.clone(),
             host: host.clone(),
-            num_v4: u32::try_from(batch).unwrap_or(MAX_ADDRESSES_PER_REQUEST),
-            attributes: BTreeMap::from([("network".to_owned(), config.network.clone())]),
+            num_v4: 1,
+            attributes: pods::attributes(&config.network, &container),
             skip_block_edges: true,
             ..AutoAssignRequest::default()
         };
         let assigned = ipam.auto_assign(&request).await.map_err(|e| {
             LoadError::failed(format!(
-                "prefill: assigning {batch} addresses to {handle} on {host} failed after {} \
+                "prefill: assigning an address to {handle} on {host} failed after {index} \
                  addresses: {e} (a large prefill needs --max-blocks-per-host 0 and a pool big \
-                 enough)",
-                config.prefill - remaining
+                 enough)"
             ))
         })?;
-        if assigned.v4.len() as u64 != batch {
+        if assigned.v4.len() != 1 {
             return Err(LoadError::failed(format!(
-                "prefill: {handle} asked for {batch} addresses and got {}",
+                "prefill: {handle} asked for 1 address and got {}",
                 assigned.v4.len()
             )));
         }
         done.handles
             .insert(handle, assigned.v4.into_iter().map(|a| a.ip).collect());
-        remaining -= batch;
-        index += 1;
     }
     done.seconds = started.elapsed().as_secs_f64();
     Ok(done)

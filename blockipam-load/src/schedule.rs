@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::config::{LoadConfig, StopRule};
+use crate::pods::{container_id, PodKind};
 use crate::rng::SplitMix64;
 
 /// The kinds of operation, reported separately.
@@ -39,7 +40,7 @@ impl OpKind {
 /// A pod attachment: its container id and the addresses it believes it holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pod {
-    /// The CNI container id (`n00003p000012`).
+    /// The CNI container id, 64 hex digits ([`crate::pods::container_id`]).
     pub container: String,
     /// Addresses the ADD returned.
     pub ips: Vec<IpAddr>,
@@ -150,7 +151,7 @@ impl NodeSchedule {
     }
 
     fn new_pod(&mut self) -> Pod {
-        let container = format!("n{:05}p{:06}", self.node, self.next_pod);
+        let container = container_id(PodKind::Run, u64::from(self.node), self.next_pod);
         self.next_pod += 1;
         Pod {
             container,

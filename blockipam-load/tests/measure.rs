@@ -1,12 +1,19 @@
 //! The scale-measurement options of the load generator at small sizes: the raw etcd ceiling
-//! (measured, reported beside the allocation rate, its keys deleted), the prefill (excluded from
-//! the measured operations and from the leak count, checked present at the end), and several
+//! (measured, reported beside the allocation rate, its keys deleted), the prefill (made the
+//! plugin's way, excluded from the measured operations and from the leak count, checked present
+//! at the end), and several
 //! plugin processes of one node at once on an embedded store (lanes). Never asserts on time.
 
 use std::path::Path;
 
 use blockipam_load::{run, LoadConfig, LoadError, Mode, OpKind, Report, StopRule, StoreTarget};
 use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
+use ipam_core::allocator::leaks::{
+    ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
+};
+use ipam_core::allocator::ATTR_NODE;
+use ipam_core::model::timestamp::parse_rfc3339_utc;
+use ipam_core::{AllocationInfo, Ipam};
 use std::time::Duration;
 use test_kit::etcd::EtcdServer;
 
@@ -115,12 +122,7 @@ fn the_raw_etcd_ceiling_on_an_embedded_store_is_a_usage_error() {
 #[test]
 fn prefilled_allocations_are_not_measured_nor_leaked_and_are_all_present_at_the_end() {
     let dir = tempfile::tempdir().expect("temp dir");
-    let settings = DatastoreSettings {
-        backend: Backend::Sled {
-            path: Some(dir.path().join("store.sled")),
-        },
-        ..DatastoreSettings::default()
-    };
+    let settings = settings_for(dir.path());
     let config = LoadConfig {
         prefill: 70,
         ..small()
@@ -131,13 +133,81 @@ fn prefilled_allocations_are_not_measured_nor_leaked_and_are_all_present_at_the_
     assert_eq!(report.operations, 24, "the prefill was counted:\n{text}");
     let prefill = report.prefill.as_ref().expect("prefill is reported");
     assert_eq!(prefill.node, "load-node-00000", "{text}");
-    assert_eq!((prefill.addresses, prefill.handles), (70, 3), "{text}");
+    assert_eq!((prefill.addresses, prefill.handles), (70, 70), "{text}");
     assert_eq!(prefill.present, 70, "{text}");
     let v = &report.verification;
     assert_eq!(v.leaked, 0, "{text}");
     assert_eq!(v.run_allocations, v.believed_addresses, "{text}");
     assert_eq!(v.store_allocations, 70 + v.run_allocations, "{text}");
     assert_eq!(report.pool.in_use, 70 + v.run_allocations, "{text}");
+
+    // Every allocation, prefilled or made by the run, is recorded as the plugin records a pod's.
+    let allocations = allocations_in(&settings_for(dir.path()));
+    assert_eq!(allocations.len() as u64, v.store_allocations, "{text}");
+    let prefix = format!("{}-prefill.", config.network);
+    let prefilled = allocations
+        .iter()
+        .filter(|a| a.handle.starts_with(&prefix))
+        .count();
+    assert_eq!(prefilled, 70, "one prefilled address per handle");
+    assert_recorded_as_the_plugin_records(&allocations);
+}
+
+/// Every allocation the store at `settings` holds.
+fn allocations_in(settings: &DatastoreSettings) -> Vec<AllocationInfo> {
+    runtime().block_on(async {
+        let store = settings.open().await.expect("open the store");
+        Ipam::new(store).list_allocations().await.expect("list")
+    })
+}
+
+/// Asserts that each allocation carries what the plugin records for a Kubernetes pod: a 64-hex
+/// container id its handle ends with, the interface, the pod, its namespace, the time, the node.
+fn assert_recorded_as_the_plugin_records(allocations: &[AllocationInfo]) {
+    assert!(!allocations.is_empty());
+    for allocation in allocations {
+        let attribute = |key: &str| {
+            allocation
+                .attributes
+                .get(key)
+                .unwrap_or_else(|| panic!("{allocation:?} lacks {key}"))
+                .as_str()
+        };
+        let container = attribute(ATTR_CONTAINER_ID);
+        assert_eq!(container.len(), 64, "{allocation:?}");
+        assert!(
+            container.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{allocation:?}"
+        );
+        assert!(allocation.handle.ends_with(&format!(".{container}")));
+        assert_eq!(attribute(ATTR_INTERFACE), "eth0");
+        assert!(
+            attribute(ATTR_POD).starts_with("frontend-"),
+            "{allocation:?}"
+        );
+        assert!(
+            attribute(ATTR_NAMESPACE).starts_with("team-"),
+            "{allocation:?}"
+        );
+        assert!(
+            parse_rfc3339_utc(attribute(ATTR_TIMESTAMP)).is_some(),
+            "{allocation:?}"
+        );
+        assert!(
+            attribute(ATTR_NODE).starts_with("load-node-"),
+            "{allocation:?}"
+        );
+    }
+}
+
+/// The settings of a sled store in `dir`, as the prefill test opens it.
+fn settings_for(dir: &Path) -> DatastoreSettings {
+    DatastoreSettings {
+        backend: Backend::Sled {
+            path: Some(dir.join("store.sled")),
+        },
+        ..DatastoreSettings::default()
+    }
 }
 
 #[test]
@@ -169,4 +239,16 @@ fn many_plugin_processes_of_one_node_share_its_lock_on_redb_with_a_prefill() {
     let prefill = report.prefill.as_ref().expect("prefill is reported");
     assert_eq!(prefill.present, 40, "{text}");
     assert!(text.contains("4 lanes per node"), "{text}");
+    // The plugin was called as a kubelet's runtime calls it: it recorded the pods.
+    let allocations = allocations_in(&DatastoreSettings {
+        backend: Backend::Redb {
+            path: Some(dir.path().join("store.redb")),
+        },
+        ..DatastoreSettings::default()
+    });
+    assert_eq!(
+        allocations.len() as u64,
+        report.verification.store_allocations
+    );
+    assert_recorded_as_the_plugin_records(&allocations);
 }

@@ -14,10 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ipam_core::allocator::leaks::{
-    ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
-};
-use ipam_core::allocator::ATTR_NETWORK;
+use ipam_core::allocator::leaks::Attachment;
 use ipam_core::model::keys;
 use ipam_core::{AutoAssignRequest, Ipam, KvStore, PoolSpec};
 
@@ -31,20 +28,16 @@ const EMPTY_HOST: &str = "near-empty";
 /// Addresses left free in the near-full block.
 const LEFT_FREE: u32 = 4;
 
-/// What the plugin records with an address (`blockipam::commands::allocation_attributes`), for
-/// container number `n`.
+/// What the plugin records with an address, for container number `n`.
 fn plugin_attributes(n: usize) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (ATTR_NETWORK.to_owned(), "k8s-pod-network".to_owned()),
-        (ATTR_CONTAINER_ID.to_owned(), format!("{n:064x}")),
-        (ATTR_INTERFACE.to_owned(), "eth0".to_owned()),
-        (
-            ATTR_TIMESTAMP.to_owned(),
-            "2026-11-24T23:50:00.123456789Z".to_owned(),
-        ),
-        (ATTR_POD.to_owned(), format!("workload-7d4b9c8f6-{n:05}")),
-        (ATTR_NAMESPACE.to_owned(), "production-services".to_owned()),
-    ])
+    Attachment {
+        network: "k8s-pod-network",
+        container_id: &format!("{n:064x}"),
+        interface: "eth0",
+        namespace: Some("production-services"),
+        pod: Some(&format!("workload-7d4b9c8f6-{n:05}")),
+    }
+    .attributes("2026-11-24T23:50:00Z")
 }
 
 /// An assign of one IPv4 address for container `n` on `host`.

@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use ipam_core::allocator::leaks::{
-    handle_id, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID, ATTR_INTERFACE,
-    ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
+    handle_id, Attachment, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID,
+    ATTR_INTERFACE,
 };
-use ipam_core::allocator::{AutoAssignRequest, NamespaceLookup, ATTR_NETWORK};
+use ipam_core::allocator::{AutoAssignRequest, NamespaceLookup};
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
 use ipam_core::model::keys;
 use ipam_core::{
@@ -140,17 +140,14 @@ pub fn pod_add(node: &str, n: u32) -> AutoAssignRequest {
         handle: handle_id(NETWORK, &container),
         host: node.to_owned(),
         num_v4: 1,
-        attributes: BTreeMap::from([
-            (ATTR_NETWORK.to_owned(), NETWORK.to_owned()),
-            (ATTR_CONTAINER_ID.to_owned(), container),
-            (ATTR_INTERFACE.to_owned(), "eth0".to_owned()),
-            (ATTR_TIMESTAMP.to_owned(), "2026-11-24T04:30:00Z".to_owned()),
-            (ATTR_NAMESPACE.to_owned(), namespace.clone()),
-            (
-                ATTR_POD.to_owned(),
-                format!("frontend-7d9f8b6c5-{n:05}-{node}"),
-            ),
-        ]),
+        attributes: Attachment {
+            network: NETWORK,
+            container_id: &container,
+            interface: "eth0",
+            namespace: Some(&namespace),
+            pod: Some(&format!("frontend-7d9f8b6c5-{n:05}-{node}")),
+        }
+        .attributes("2026-11-24T04:30:00Z"),
         reuse_existing: true,
         namespace: Some(NamespaceLookup {
             namespace,

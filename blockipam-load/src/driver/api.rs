@@ -2,13 +2,13 @@
 //! IPv4 address with the plugin's attributes, `release_handle`), over the node's own counted
 //! store client.
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
 
 use crate::observe::ConflictCounter;
+use crate::pods;
 
 /// One node's allocator and the counters around its store client.
 #[derive(Debug, Clone)]
@@ -62,11 +62,7 @@ impl ApiNode {
             handle: handle.to_owned(),
             host: self.host.clone(),
             num_v4: 1,
-            attributes: BTreeMap::from([
-                ("network".to_owned(), self.network.clone()),
-                ("container_id".to_owned(), container.to_owned()),
-                ("interface".to_owned(), "eth0".to_owned()),
-            ]),
+            attributes: pods::attributes(&self.network, container),
             reuse_existing: true,
             skip_block_edges: true,
             ..AutoAssignRequest::default()

@@ -11,6 +11,7 @@ use blockipam_store::DatastoreSettings;
 use serde_json::{json, Value};
 
 use crate::config::LoadConfig;
+use crate::pods;
 
 /// The plugin binary and the directory of the nodes' lock files.
 #[derive(Debug)]
@@ -91,11 +92,12 @@ impl PluginNode {
 
     /// Runs one CNI command for `container` and returns its standard output.
     async fn call(&self, command: &str, container: &str) -> Result<Vec<u8>, String> {
+        let cni_args = pods::cni_args(container);
         let call = PluginCall {
             plugin: &self.runner.binary,
             command,
             container_id: container,
-            extra_env: &[],
+            extra_env: &[("CNI_ARGS", &cni_args)],
         };
         let output = run_plugin(&call, &self.netconf, None).await.map_err(|e| {
             format!(

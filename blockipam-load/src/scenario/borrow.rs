@@ -17,9 +17,10 @@ use tokio::task::JoinSet;
 
 use super::reads::ReadClassifier;
 use super::ScenarioConfig;
-use super::{check, pod_attributes, prepare_pool, CallSample, CallSummary, CheckOutcome};
+use super::{check, prepare_pool, CallSample, CallSummary, CheckOutcome};
 use crate::config::LoadConfig;
 use crate::error::LoadError;
+use crate::pods::{self, container_id, PodKind};
 use crate::run::{open_target, StoreTarget};
 
 /// Largest pool (in blocks) the scenario fills.
@@ -268,12 +269,12 @@ async fn add_one(
     let classifier = Arc::new(ReadClassifier::new(store));
     let counting = Arc::new(CountingStore::new(classifier.clone()));
     let ipam = Ipam::new(counting.clone());
-    let container = format!("b{node:05}");
+    let container = container_id(PodKind::Borrow, u64::from(node), 0);
     let request = AutoAssignRequest {
         handle: config.handle(&container),
         host: host.clone(),
         num_v4: 1,
-        attributes: pod_attributes(&config, &container),
+        attributes: pods::attributes(&config.network, &container),
         skip_block_edges: true,
         ..AutoAssignRequest::default()
     };

@@ -7,7 +7,6 @@ pub mod borrow;
 pub mod node_release;
 pub mod reads;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -262,13 +261,4 @@ async fn check(ipam: &Ipam) -> Result<CheckOutcome, LoadError> {
             .map(|p| format!("{}: {}", p.kind, p.detail))
             .collect(),
     })
-}
-
-/// Attributes an ADD from a simulated pod carries.
-fn pod_attributes(config: &LoadConfig, container: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("network".to_owned(), config.network.clone()),
-        ("container_id".to_owned(), container.to_owned()),
-        ("interface".to_owned(), "eth0".to_owned()),
-    ])
 }

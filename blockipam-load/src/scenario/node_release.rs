@@ -16,10 +16,11 @@ use ipam_core::{AutoAssignRequest, CountingStore, Ipam, RoundTrips};
 use serde::Serialize;
 
 use super::reads::{ReadClassifier, ReadKinds};
-use super::{check, pod_attributes, prepare_pool, CheckOutcome, ScenarioConfig};
+use super::{check, prepare_pool, CheckOutcome, ScenarioConfig};
 use crate::config::LoadConfig;
 use crate::error::LoadError;
 use crate::etcd_status::StatusClient;
+use crate::pods::{self, container_id, PodKind};
 use crate::run::{open, open_target, StoreTarget};
 
 /// What `blockipamctl node release --addresses` did.
@@ -288,12 +289,12 @@ async fn fill(
 ) -> Result<(), LoadError> {
     prepare_pool(ipam, config).await?;
     for index in 0..addresses {
-        let container = format!("r{index:07}");
+        let container = container_id(PodKind::NodeRelease, 0, index);
         let request = AutoAssignRequest {
             handle: config.handle(&container),
             host: host.to_owned(),
             num_v4: 1,
-            attributes: pod_attributes(config, &container),
+            attributes: pods::attributes(&config.network, &container),
             skip_block_edges: true,
             ..AutoAssignRequest::default()
         };

@@ -114,19 +114,14 @@ pub fn allocation_attributes(
     ifname: &str,
     args: &CniArgs,
 ) -> BTreeMap<String, String> {
-    let mut attributes = BTreeMap::from([
-        (ATTR_NETWORK.to_owned(), network.to_owned()),
-        (ATTR_CONTAINER_ID.to_owned(), container_id.to_owned()),
-        (ATTR_INTERFACE.to_owned(), ifname.to_owned()),
-        (ATTR_TIMESTAMP.to_owned(), now_rfc3339()),
-    ]);
-    if let Some(ns) = args.pod_namespace.as_ref().filter(|s| !s.is_empty()) {
-        attributes.insert(ATTR_NAMESPACE.to_owned(), ns.clone());
+    ipam_core::allocator::leaks::Attachment {
+        network,
+        container_id,
+        interface: ifname,
+        namespace: args.pod_namespace.as_deref(),
+        pod: args.pod_name.as_deref(),
     }
-    if let Some(pod) = args.pod_name.as_ref().filter(|s| !s.is_empty()) {
-        attributes.insert(ATTR_POD.to_owned(), pod.clone());
-    }
-    attributes
+    .attributes(&now_rfc3339())
 }
 
 /// The handle gateway reservations of a network are held by: `<network>:gateway` (a colon never

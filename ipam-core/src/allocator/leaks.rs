@@ -18,7 +18,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NODE};
+use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NETWORK, ATTR_NODE};
 use crate::model::error::IpamError;
 use crate::model::keys;
 use crate::model::timestamp;
@@ -43,6 +43,43 @@ pub const SURVEY_EVERY_LOOKS: u32 = 1_440;
 /// The handle of a container's addresses on a network: `<network>.<container id>`, as Calico.
 pub fn handle_id(network: &str, container_id: &str) -> String {
     format!("{network}.{container_id}")
+}
+
+/// One attachment of a container to a network, as the CNI plugin is told of it: what it records
+/// with each address it hands out.
+#[derive(Debug, Clone, Copy)]
+pub struct Attachment<'a> {
+    /// The network's name (the netconf's `name`).
+    pub network: &'a str,
+    /// The container, as the runtime names it (`CNI_CONTAINERID`).
+    pub container_id: &'a str,
+    /// The interface inside the container (`CNI_IFNAME`).
+    pub interface: &'a str,
+    /// The pod's namespace (`K8S_POD_NAMESPACE`), when the runtime names one.
+    pub namespace: Option<&'a str>,
+    /// The pod (`K8S_POD_NAME`), when the runtime names one.
+    pub pod: Option<&'a str>,
+}
+
+impl Attachment<'_> {
+    /// The attributes recorded with each of the attachment's addresses, made at `timestamp`
+    /// (RFC 3339): the network, the container, the interface, the time, and the pod and its
+    /// namespace when named and not empty (the allocator adds the node). The CNI plugin, the
+    /// agent's re-recording and the load generator all record these.
+    pub fn attributes(&self, timestamp: &str) -> BTreeMap<String, String> {
+        let mut attributes = BTreeMap::from([
+            (ATTR_NETWORK.to_owned(), self.network.to_owned()),
+            (ATTR_CONTAINER_ID.to_owned(), self.container_id.to_owned()),
+            (ATTR_INTERFACE.to_owned(), self.interface.to_owned()),
+            (ATTR_TIMESTAMP.to_owned(), timestamp.to_owned()),
+        ]);
+        for (key, value) in [(ATTR_NAMESPACE, self.namespace), (ATTR_POD, self.pod)] {
+            if let Some(value) = value.filter(|v| !v.is_empty()) {
+                attributes.insert(key.to_owned(), value.to_owned());
+            }
+        }
+        attributes
+    }
 }
 
 /// How long an allocation's container must have been missing at every look before it is

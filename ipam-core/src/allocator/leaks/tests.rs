@@ -346,3 +346,36 @@ fn the_first_look_and_one_in_survey_every_looks_survey_the_store() {
     watch.looked(true);
     assert!(!watch.survey_due());
 }
+
+#[test]
+fn an_attachment_records_the_pod_and_namespace_only_when_named() {
+    let named = Attachment {
+        network: "net",
+        container_id: "c1",
+        interface: "eth0",
+        namespace: Some("team-a"),
+        pod: Some("web-1"),
+    };
+    assert_eq!(
+        named.attributes("2026-11-25T01:00:00Z"),
+        BTreeMap::from([
+            (ATTR_NETWORK.to_owned(), "net".to_owned()),
+            (ATTR_CONTAINER_ID.to_owned(), "c1".to_owned()),
+            (ATTR_INTERFACE.to_owned(), "eth0".to_owned()),
+            (ATTR_TIMESTAMP.to_owned(), "2026-11-25T01:00:00Z".to_owned()),
+            (ATTR_NAMESPACE.to_owned(), "team-a".to_owned()),
+            (ATTR_POD.to_owned(), "web-1".to_owned()),
+        ])
+    );
+    // A runtime that is not Kubernetes names no pod; CNI_ARGS may name one empty.
+    for (namespace, pod) in [(None, None), (Some(""), Some(""))] {
+        let unnamed = Attachment {
+            namespace,
+            pod,
+            ..named
+        }
+        .attributes("2026-11-25T01:00:00Z");
+        assert_eq!(unnamed.len(), 4, "{unnamed:?}");
+        assert!(!unnamed.contains_key(ATTR_NAMESPACE) && !unnamed.contains_key(ATTR_POD));
+    }
+}
