@@ -17,12 +17,14 @@
 //!   "10k cluster" spreads them over 100 other nodes (100 each, what a node sees in a cluster),
 //!   "10k this node" puts all of them on the benchmarked node (157 blocks of its own;
 //!   `max_blocks_per_host` set to unlimited for that), "1k this node" 1,000 of them (16 blocks);
+//!   "10k this node no gateway" as "10k this node" with no gateway in the netconf (the plugin's
+//!   default: every block's network and last addresses stay free, 162 blocks);
 //! - host-local is prefilled by writing its data-directory files (one per address, as it does).
 //!
 //! Peak RSS (of the plugin process) comes from a second pass of the same calls under
 //! `/usr/bin/time -f %M`, so the timings carry no wrapper. Environment: `BLOCKIPAM_BENCH_CALLS`
 //! sets the calls per mode (default 200); `BLOCKIPAM_BENCH_ONLY` (comma-separated words of the row
-//! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|1k this node|10k this node>`, such as
+//! labels `<sled|redb|etcdv3> <agent|direct> <0|10k cluster|1k this node|10k this node|10k this node no gateway>`, such as
 //! `sled,agent,0` or `redb`) runs only the blockipam rows whose label has every word (host-local
 //! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load
 //! average is printed with the table: figures from a busy machine are provisional.
@@ -81,6 +83,10 @@ enum Prefill {
     /// 1,000 addresses on this node.
     ThisNodeThousand,
     ThisNode,
+    /// 10,000 addresses on this node, whose netconf names no gateway: the plugin's default, where
+    /// addresses are reported with their block's prefix and a block's network and last
+    /// addresses are never handed out, so each of the node's blocks keeps those two free.
+    ThisNodeNoGateway,
 }
 
 impl Prefill {
@@ -90,6 +96,7 @@ impl Prefill {
             Prefill::Cluster => "10k cluster",
             Prefill::ThisNodeThousand => "1k this node",
             Prefill::ThisNode => "10k this node",
+            Prefill::ThisNodeNoGateway => "10k this node no gateway",
         }
     }
 
@@ -98,13 +105,26 @@ impl Prefill {
         match self {
             Prefill::Empty => 0,
             Prefill::ThisNodeThousand => 1_000,
-            Prefill::Cluster | Prefill::ThisNode => PREFILL,
+            Prefill::Cluster | Prefill::ThisNode | Prefill::ThisNodeNoGateway => PREFILL,
+        }
+    }
+
+    /// Where the `n`th prefilled address lies from the first: consecutive, or without a gateway
+    /// the 62 host addresses of each /26 block (what auto-assign then hands out).
+    fn offset(self, n: usize) -> u32 {
+        let n = n as u32;
+        match self {
+            Prefill::ThisNodeNoGateway => n / 62 * 64 + 1 + n % 62,
+            _ => n,
         }
     }
 
     /// True when the prefilled addresses are all on this node (host-local is prefilled alike).
     fn on_this_node(self) -> bool {
-        matches!(self, Prefill::ThisNodeThousand | Prefill::ThisNode)
+        matches!(
+            self,
+            Prefill::ThisNodeThousand | Prefill::ThisNode | Prefill::ThisNodeNoGateway
+        )
     }
 }
 
@@ -288,11 +308,11 @@ async fn prefill_blockipam(store: Arc<dyn KvStore>, prefill: Prefill) {
             for writer in 0..PREFILL_WRITERS {
                 let ipam = ipam.clone();
                 writers.spawn(async move {
-                    let mine =
-                        (0..prefill.count()).filter(|n| (n / 64) % PREFILL_WRITERS == writer);
+                    let mine = (0..prefill.count())
+                        .filter(|n| (prefill.offset(*n) / 64) as usize % PREFILL_WRITERS == writer);
                     for n in mine {
                         let (handle, attributes) = pod_allocation(n);
-                        let ip = Ipv4Addr::from(first + n as u32);
+                        let ip = Ipv4Addr::from(first + prefill.offset(n));
                         ipam.assign_ips(&AssignIpsRequest {
                             ips: vec![ip.into()],
                             handle,
@@ -493,7 +513,12 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
             )
         }
     };
-    let netconf = blockipam_netconf(dir.path(), netconf_settings);
+    let mut netconf = blockipam_netconf(dir.path(), netconf_settings);
+    if prefill == Prefill::ThisNodeNoGateway {
+        if let Some(ipam) = netconf["ipam"].as_object_mut() {
+            ipam.remove("gateway");
+        }
+    }
     // The plugin creates the pool and reserves the gateway (as on a live node) before the
     // prefill takes its addresses.
     let setup = netconf.to_string().into_bytes();
@@ -532,6 +557,7 @@ fn main() {
         Prefill::Cluster,
         Prefill::ThisNodeThousand,
         Prefill::ThisNode,
+        Prefill::ThisNodeNoGateway,
     ] {
         if prefill != Prefill::Cluster {
             let dir = tempfile::tempdir().expect("temp dir");
