@@ -89,10 +89,18 @@ fn fifty_nodes_on_a_real_etcd_through_the_api_leave_no_duplicate_and_a_clean_che
     let report = run_load(&fifty_nodes(), StoreTarget::from(settings));
     assert_clean(&report, 300);
     let text = report.to_text();
-    // Round trips are observed in api mode; a steady ADD is one read and one transaction.
+    // Round trips are observed in api mode; a steady ADD is one read and one transaction, and so
+    // is every DEL (the plugin's).
     let steady = &report.kinds[&OpKind::Add];
     assert!(steady.round_trips_per_op.is_some(), "{text}");
     assert!(steady.conflicts.is_some(), "{text}");
+    let del = &report.kinds[&OpKind::Del];
+    let del_round_trips = del.round_trips_per_op.expect("DEL round trips");
+    let retried = 2.0 * del.conflicts_per_op.expect("DEL conflicts");
+    assert!(
+        (2.0..=2.0 + retried + 1e-9).contains(&del_round_trips),
+        "a DEL is one read and one transaction (and both again per conflict): {text}"
+    );
     let etcd_sizes = report
         .etcd
         .as_ref()

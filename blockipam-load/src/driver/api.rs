@@ -1,11 +1,13 @@
 //! Api mode: a node's ADD and DEL as the allocator calls the plugin makes (`auto_assign` of one
-//! IPv4 address with the plugin's attributes, `release_handle`), over the node's own counted
-//! store client.
+//! IPv4 address with the plugin's attributes, `release_chosen` of the pod's interface's addresses),
+//! over the node's own counted store client.
 
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
+
+use ipam_core::allocator::leaks::ATTR_INTERFACE;
 
 use crate::observe::ConflictCounter;
 use crate::pods;
@@ -78,15 +80,29 @@ impl ApiNode {
         (result, self.take_work())
     }
 
-    /// DEL of the pod holding `held` under `handle`: releases the handle, and fails unless exactly
-    /// `held` was released.
+    /// DEL of the pod holding `held` under `handle`: releases its interface's addresses, as the
+    /// plugin does, and fails unless exactly `held` was released.
     pub async fn del(
         &self,
         handle: &str,
         held: &[IpAddr],
     ) -> (Result<Vec<IpAddr>, String>, StoreWork) {
         self.take_work();
-        let result = match self.ipam.release_handle(handle).await {
+        // The plugin's DEL: the handle's addresses on the pod's interface, one read and one
+        // transaction.
+        let chosen = self
+            .ipam
+            .release_chosen(handle, &self.host, |held| {
+                held.iter()
+                    .filter(|info| {
+                        info.attributes.get(ATTR_INTERFACE).map(String::as_str)
+                            == Some(pods::INTERFACE)
+                    })
+                    .map(|info| info.ip)
+                    .collect()
+            })
+            .await;
+        let result = match chosen.map(|outcome| outcome.released) {
             Ok(mut released) => {
                 let mut expected = held.to_vec();
                 released.sort();
