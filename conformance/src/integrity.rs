@@ -592,7 +592,7 @@ pub async fn releasing_several_full_blocks_splits_into_transactions_that_fit<F: 
             handles.push(handle);
         }
         let claim = keys::block_claim(&block.cidr);
-        let key = keys::block_key_of(&block);
+        let key = keys::block_key_in(&block, ipam_core::model::FORMAT_VERSION);
         t.store
             .commit(
                 Txn::new()

@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
+use ipam_core::allocator::AutoAssignRequest;
+use ipam_core::model::{keys, FORMAT_VERSION};
 use ipam_core::store_format::FormatRecord;
 use ipam_core::{Ipam, IpamConfig, IpamError, KvStore};
+use ipnet::IpNet;
 
 use crate::ipam::{assert_clean, ipam_with_pool, spec, v4};
 use crate::StoreFactory;
@@ -22,6 +25,8 @@ macro_rules! upgrade_conformance_tests {
             a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one,
             a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written,
             a_damaged_record_fails_every_write_naming_it_and_nothing_is_written,
+            a_block_filled_to_its_edges_moves_to_full_only_once_finalized,
+            a_request_taking_edges_gets_the_edges_of_blocks_kept_full,
         );
     };
 }
@@ -158,7 +163,7 @@ pub async fn settings_the_recorded_format_cannot_hold_are_refused_and_change_not
 
 /// Finalize refuses while a node may read an older format: an agent registration of a release
 /// that does not say what it reads, or a node holding blocks whose plugin was never seen; with
-/// `force` it records format 4 in one write.
+/// `force` it records today's format in one write.
 pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_forced<
     F: StoreFactory,
 >(
@@ -178,7 +183,7 @@ pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_force
     let behind: Vec<&str> = status
         .nodes
         .iter()
-        .filter(|n| n.reads_format() < 4)
+        .filter(|n| n.reads_format() < FORMAT_VERSION)
         .map(|n| n.node.as_str())
         .collect();
     assert_eq!(behind, ["old-1", "old-2"]);
@@ -205,7 +210,7 @@ pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_force
     let outcome = ipam.finalize_upgrade(false).await.expect("finalize");
     assert!(outcome.changed);
     assert_eq!(outcome.previous, Some(3));
-    assert_eq!(recorded(&t.store).await, Some(4));
+    assert_eq!(recorded(&t.store).await, Some(FORMAT_VERSION));
     let again = ipam.finalize_upgrade(false).await.expect("finalize again");
     assert!(!again.changed, "finalizing twice changes nothing");
 
@@ -213,10 +218,10 @@ pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_force
     let (t, ipam) = store_of_the_previous_release(factory).await;
     let outcome = ipam.finalize_upgrade(true).await.expect("forced");
     assert_eq!(outcome.overridden.len(), 1, "{outcome:?}");
-    assert_eq!(recorded(&t.store).await, Some(4));
+    assert_eq!(recorded(&t.store).await, Some(FORMAT_VERSION));
 }
 
-/// After finalize every object written is in format 4, and settings that need it are accepted.
+/// After finalize every object written is in today's format, and settings that need it are accepted.
 pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory>(factory: &F) {
     let (t, ipam) = store_of_the_previous_release(factory).await;
     ipam.auto_assign(&v4("in-3", "new-1", 1))
@@ -241,8 +246,8 @@ pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory
             .unwrap_or_else(|| panic!("no key with {part} in {formats:?}"))
             .1
     };
-    assert_eq!(format_of("ipam/v1/config"), 4);
-    assert_eq!(format_of("handles/in-4"), 4);
+    assert_eq!(format_of("ipam/v1/config"), FORMAT_VERSION);
+    assert_eq!(format_of("handles/in-4"), FORMAT_VERSION);
     assert_eq!(
         format_of("handles/in-3"),
         3,
@@ -253,7 +258,7 @@ pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory
 
 /// An allocator that learned format 3 (an agent's, long-lived) and then writes after another
 /// finalized: its commit is conditioned on the record it learned, so it fails, re-reads the
-/// record and writes format 4; never format 3 over a finalized store.
+/// record and writes today's format; never format 3 over a finalized store.
 pub async fn a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one<
     F: StoreFactory,
 >(
@@ -284,7 +289,7 @@ pub async fn a_writer_that_learned_the_older_format_before_finalize_retries_in_t
         .iter()
         .find(|(key, _)| key.ends_with("pools/after-finalize"))
         .expect("the pool");
-    assert_eq!(pool.1, 4, "{formats:?}");
+    assert_eq!(pool.1, FORMAT_VERSION, "{formats:?}");
     // A setting it thinks format 3 cannot hold: refused only after reading the record again.
     other_learner
         .set_config(&IpamConfig {
@@ -293,7 +298,7 @@ pub async fn a_writer_that_learned_the_older_format_before_finalize_retries_in_t
         })
         .await
         .expect("a cooldown once finalized, by an allocator that learned format 3");
-    assert_eq!(recorded(&t.store).await, Some(4));
+    assert_eq!(recorded(&t.store).await, Some(FORMAT_VERSION));
 }
 
 /// A record naming a format newer than this build writes (a newer release finalized the store):
@@ -319,7 +324,7 @@ pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_wr
             refused,
             IpamError::FormatTooNew {
                 writes: 9,
-                newest: 4
+                newest: FORMAT_VERSION
             }
         ),
         "{refused:?}"
@@ -371,4 +376,108 @@ pub async fn a_damaged_record_fails_every_write_naming_it_and_nothing_is_written
         .auto_assign(&v4("h", "node-a", 1))
         .await
         .expect("assign once the record is back");
+}
+
+/// `v4(handle, host, 1)` as the plugin sends it without a gateway: block edges never handed out.
+fn skipping_edges(handle: &str, host: &str) -> AutoAssignRequest {
+    AutoAssignRequest {
+        skip_block_edges: true,
+        ..v4(handle, host, 1)
+    }
+}
+
+/// Which of `host`'s block keys for `block` hold it: `open`, `full`, both or neither.
+async fn placement(store: &Arc<dyn KvStore>, host: &str, block: &IpNet) -> Vec<&'static str> {
+    let mut found = Vec::new();
+    for (place, key) in [
+        ("open", keys::block(Some(host), block)),
+        ("full", keys::full_block(host, block)),
+    ] {
+        if store.get(&key).await.expect("get").is_some() {
+            found.push(place);
+        }
+    }
+    found
+}
+
+/// A block filled up to its edges (by requests that skip them) stays under `open/`, where the
+/// previous release (format 4) keeps it and its `check` expects it, while the store's writers
+/// write format 4; once the upgrade is finalized, the next allocation on its node moves it under
+/// `full/`, out of the node's steady-state read. `check` finds nothing wrong either way.
+pub async fn a_block_filled_to_its_edges_moves_to_full_only_once_finalized<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    t.store
+        .put(RECORD, br#"{"writes":4}"#.to_vec())
+        .await
+        .expect("record format 4");
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    ipam.create_pool(&spec("10.0.0.0/28", "pool", 30))
+        .await
+        .expect("create pool");
+    let first = ipam
+        .auto_assign(&skipping_edges("a", "node-a"))
+        .await
+        .expect("assign a");
+    let block = first.v4[0].block;
+    let second = ipam
+        .auto_assign(&skipping_edges("b", "node-a"))
+        .await
+        .expect("assign b");
+    assert_eq!(second.v4[0].block, block, "both host addresses of one /30");
+    assert_eq!(placement(&t.store, "node-a", &block).await, ["open"]);
+    assert_clean(&ipam).await;
+
+    ipam.finalize_upgrade(true).await.expect("finalize");
+    let third = ipam
+        .auto_assign(&skipping_edges("c", "node-a"))
+        .await
+        .expect("assign c");
+    assert_ne!(third.v4[0].block, block, "a new block for c");
+    assert_eq!(placement(&t.store, "node-a", &block).await, ["full"]);
+    assert_eq!(
+        placement(&t.store, "node-a", &third.v4[0].block).await,
+        ["open"]
+    );
+    assert_clean(&ipam).await;
+    // Its addresses stay where they were, and release from where it is now.
+    ipam.release_handle("a").await.expect("release a");
+    assert_eq!(placement(&t.store, "node-a", &block).await, ["open"]);
+    assert_clean(&ipam).await;
+}
+
+/// A request that may take block edges (a netconf with a gateway) on a node whose only block is
+/// full but for its edges, in a pool with no block left, gets those edges: a block kept under
+/// `full/` for having only its edges free never makes an allocation fail that had room.
+pub async fn a_request_taking_edges_gets_the_edges_of_blocks_kept_full<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/30", 30).await;
+    for handle in ["a", "b"] {
+        ipam.auto_assign(&skipping_edges(handle, "node-a"))
+            .await
+            .expect("assign a host address");
+    }
+    let block: IpNet = "10.0.0.0/30".parse().expect("cidr");
+    assert_eq!(placement(&t.store, "node-a", &block).await, ["full"]);
+    let mut edges = Vec::new();
+    for handle in ["c", "d"] {
+        let got = ipam
+            .auto_assign(&v4(handle, "node-a", 1))
+            .await
+            .unwrap_or_else(|e| panic!("assign {handle}, which may take an edge: {e}"));
+        edges.push(got.v4[0].ip.to_string());
+    }
+    edges.sort();
+    assert_eq!(edges, ["10.0.0.0", "10.0.0.3"]);
+    let refused = ipam
+        .auto_assign(&v4("e", "node-a", 1))
+        .await
+        .expect_err("the pool is full");
+    assert!(
+        matches!(refused, IpamError::Exhausted { .. }),
+        "{refused:?}"
+    );
+    assert_clean(&ipam).await;
 }

@@ -1,30 +1,59 @@
-//! The previous release's binaries (plugin, CLI, agent), built by `scripts/build-previous`, for the tests that run it beside today's build.
+//! Earlier releases' binaries (plugin, CLI, agent), built by `scripts/build-previous`, for the tests that run them beside today's build.
 
 use std::path::{Path, PathBuf};
 
-/// The commit the previous release is built from: the last one whose binaries write stored-format
-/// version 3. `scripts/build-previous` pins the same commit.
+/// The commit the previous release of the mixed-version suite is built from: the last one whose
+/// binaries write stored-format version 3. `scripts/build-previous` pins the same commit.
 pub const PREVIOUS_COMMIT: &str = "ff39a16";
 
 /// Environment variable naming the directory that holds the previous release's executables
 /// (what `scripts/build-previous` prints); `scripts/test` sets it.
 pub const PREVIOUS_BIN_ENV: &str = "BLOCKIPAM_PREVIOUS_BIN";
 
+/// The commit of the release before format 5: the last one whose binaries write (and read up
+/// to) stored-format version 4. `scripts/build-previous 4` pins the same commit.
+pub const FORMAT4_COMMIT: &str = "a17012b";
+
+/// Environment variable naming the directory that holds the format-4 release's executables
+/// (what `scripts/build-previous 4` prints); `scripts/test` sets it.
+pub const FORMAT4_BIN_ENV: &str = "BLOCKIPAM_FORMAT4_BIN";
+
 /// The script that builds the previous release, relative to the workspace.
 pub const BUILD_SCRIPT: &str = "scripts/build-previous";
 
-/// The previous release's executables, all three present.
+/// An earlier release: which commit, how `scripts/build-previous` is asked for it, and the
+/// environment variable that may name its directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pinned {
+    commit: &'static str,
+    build: &'static str,
+    env: &'static str,
+}
+
+/// The previous release of the mixed-version suite (writes format 3).
+const PREVIOUS: Pinned = Pinned {
+    commit: PREVIOUS_COMMIT,
+    build: BUILD_SCRIPT,
+    env: PREVIOUS_BIN_ENV,
+};
+
+/// The release before format 5 (writes format 4).
+const FORMAT4: Pinned = Pinned {
+    commit: FORMAT4_COMMIT,
+    build: "scripts/build-previous 4",
+    env: FORMAT4_BIN_ENV,
+};
+
+/// An earlier release's executables, all three present.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PreviousRelease {
     bin_dir: PathBuf,
+    pinned: Pinned,
 }
 
-impl PreviousRelease {
-    /// The directory [`PREVIOUS_BIN_ENV`] names, else `previous/<commit>/bin` under
-    /// `CARGO_TARGET_DIR` (when set) or the workspace's `target/`, as `scripts/build-previous`
-    /// places it.
-    pub fn bin_dir_to_use() -> PathBuf {
-        if let Some(dir) = std::env::var_os(PREVIOUS_BIN_ENV).filter(|d| !d.is_empty()) {
+impl Pinned {
+    fn bin_dir_to_use(self) -> PathBuf {
+        if let Some(dir) = std::env::var_os(self.env).filter(|d| !d.is_empty()) {
             return PathBuf::from(dir);
         }
         let workspace = workspace_root();
@@ -32,7 +61,16 @@ impl PreviousRelease {
             Some(dir) => workspace.join(dir),
             None => workspace.join("target"),
         };
-        target.join("previous").join(PREVIOUS_COMMIT).join("bin")
+        target.join("previous").join(self.commit).join("bin")
+    }
+}
+
+impl PreviousRelease {
+    /// The directory [`PREVIOUS_BIN_ENV`] names, else `previous/<commit>/bin` under
+    /// `CARGO_TARGET_DIR` (when set) or the workspace's `target/`, as `scripts/build-previous`
+    /// places it.
+    pub fn bin_dir_to_use() -> PathBuf {
+        PREVIOUS.bin_dir_to_use()
     }
 
     /// The previous release in [`bin_dir_to_use`](Self::bin_dir_to_use).
@@ -43,13 +81,29 @@ impl PreviousRelease {
         Self::in_dir(&Self::bin_dir_to_use())
     }
 
+    /// The release that writes format 4 (the one before format 5), in the directory
+    /// [`FORMAT4_BIN_ENV`] names, else where `scripts/build-previous 4` places it.
+    ///
+    /// # Panics
+    /// When a binary is missing, naming the command that builds them: a test that needs the
+    /// release fails, never skips.
+    pub fn locate_format4() -> PreviousRelease {
+        Self::pinned_in(FORMAT4, &FORMAT4.bin_dir_to_use())
+            .unwrap_or_else(|message| panic!("{message}"))
+    }
+
     /// The previous release in `bin_dir`.
     ///
     /// # Errors
     /// As [`try_locate`](Self::try_locate).
     pub fn in_dir(bin_dir: &Path) -> Result<PreviousRelease, String> {
+        Self::pinned_in(PREVIOUS, bin_dir)
+    }
+
+    fn pinned_in(pinned: Pinned, bin_dir: &Path) -> Result<PreviousRelease, String> {
         let release = PreviousRelease {
             bin_dir: bin_dir.to_owned(),
+            pinned,
         };
         let missing: Vec<String> = [release.plugin(), release.cli(), release.agent()]
             .iter()
@@ -59,11 +113,12 @@ impl PreviousRelease {
         if missing.is_empty() {
             return Ok(release);
         }
+        let Pinned { commit, build, env } = pinned;
         Err(format!(
-            "the previous release's binaries (commit {PREVIOUS_COMMIT}) are missing: {}; build them \
-             with `{BUILD_SCRIPT}` (it prints their directory; `scripts/test` runs it and sets \
-             {PREVIOUS_BIN_ENV}), or point {PREVIOUS_BIN_ENV} at a directory holding blockipam, \
-             blockipamctl and blockipam-agent of that commit",
+            "the binaries of the release at commit {commit} are missing: {}; build them with \
+             `{build}` (it prints their directory; `scripts/test` runs it and sets {env}), or \
+             point {env} at a directory holding blockipam, blockipamctl and blockipam-agent of \
+             that commit",
             missing.join(", ")
         ))
     }
@@ -99,7 +154,7 @@ impl PreviousRelease {
 
     /// The commit the binaries were built from.
     pub fn commit(&self) -> &'static str {
-        PREVIOUS_COMMIT
+        self.pinned.commit
     }
 }
 
@@ -120,15 +175,16 @@ mod tests {
         let script_path = workspace_root().join(BUILD_SCRIPT);
         let script = std::fs::read_to_string(&script_path)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", script_path.display()));
-        let pinned: Vec<&str> = script
-            .lines()
-            .filter_map(|line| line.strip_prefix("previous_commit="))
-            .collect();
-        assert_eq!(
-            pinned,
-            vec![PREVIOUS_COMMIT],
-            "{BUILD_SCRIPT} pins {pinned:?}"
-        );
+        for (variable, commit) in [
+            ("format3_commit=", PREVIOUS_COMMIT),
+            ("format4_commit=", FORMAT4_COMMIT),
+        ] {
+            let pinned: Vec<&str> = script
+                .lines()
+                .filter_map(|line| line.strip_prefix(variable))
+                .collect();
+            assert_eq!(pinned, vec![commit], "{BUILD_SCRIPT} pins {pinned:?}");
+        }
     }
 
     #[test]

@@ -107,10 +107,13 @@ impl Drop for PreviousAgent {
     }
 }
 
-/// Whether `text` names both sides' versions of a mismatch: the stored formats (today's 4, the
+/// Whether `text` names both sides' versions of a mismatch: the stored formats (today's, the
 /// previous release reading 1 to 3), or the agent protocols (today's and the previous one).
 fn names_both_versions(text: &str) -> bool {
-    let formats = text.contains("format version 4") && text.contains("versions 1 to 3");
+    let formats = text.contains(&format!(
+        "format version {}",
+        ipam_core::model::FORMAT_VERSION
+    )) && text.contains("versions 1 to 3");
     let protocols = text.contains("protocol version")
         && text.contains(&PROTOCOL_VERSION.to_string())
         && text.contains(&PROTOCOL_V1.to_string());

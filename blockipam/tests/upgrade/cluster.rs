@@ -819,7 +819,7 @@ impl MixedCluster {
             self.del("at the end", self.node_named(node), &container);
         }
         self.store_agrees_with_live_containers("at the end");
-        // Once finalized, the previous release's CLI refuses what today's writes in format 4
+        // Once finalized, the previous release's CLI refuses what today's writes in its format
         // (the finalize scenarios assert how); today's must still find the store clean.
         if self.recorded_format() == Some(ipam_core::model::FORMAT_VERSION) {
             self.check_with("at the end", &[Release::Today]);

@@ -1,9 +1,12 @@
-//! The last step of a rolling upgrade, `blockipamctl upgrade finalize`: refused while a node may read only format 3, done once every node is upgraded, then format-4 features work and the previous release is refused cleanly.
+//! The last step of a rolling upgrade, `blockipamctl upgrade finalize`: refused while a node may read only format 3, done once every node is upgraded, then today's format's features work and the previous release is refused cleanly.
 
 use serde_json::{json, Value};
 
 use crate::cluster::{describe, MixedCluster, Release, StoreKind, NEW_1, OLD_1, OLD_2};
 use crate::{add_several, borrowed, previous_release_sets_up, OLD_1_CONTAINERS};
+
+/// The format today's writers write once finalized.
+const TODAY: u64 = ipam_core::model::FORMAT_VERSION as u64;
 
 /// The CNI error code of a plugin that finds a stored object it cannot decode (a format newer
 /// than it reads): the previous release's `IpamError::Corrupt`.
@@ -89,10 +92,10 @@ fn refused_while_old_1_reads_format_3(cluster: &MixedCluster) {
     if exit != 1
         || status["ready_to_finalize"] != json!(false)
         || reads_format(&status, OLD_1.name).is_none_or(|reads| reads > 3)
-        || reads_format(&status, NEW_1.name) != Some(4)
+        || reads_format(&status, NEW_1.name) != Some(TODAY)
     {
         cluster.fail(format!(
-            "{step}: `upgrade status` should exit 1 showing old-1 reading format 3 at most and new-1 format 4; exited {exit}: {status}"
+            "{step}: `upgrade status` should exit 1 showing old-1 reading format 3 at most and new-1 format {TODAY}; exited {exit}: {status}"
         ));
     }
     refused(
@@ -117,7 +120,7 @@ fn refused_while_old_1_reads_format_3(cluster: &MixedCluster) {
 
 /// old-1 is upgraded (today's plugin: same node name, lock file and store) and makes one ADD,
 /// which records what it reads: `upgrade status` exits 0, ready; `upgrade finalize` records
-/// format 4.
+/// today's format.
 fn finalized_once_old_1_is_upgraded(cluster: &MixedCluster) {
     let step = "old-1 upgraded";
     let old_1 = cluster.upgrade_node(OLD_1);
@@ -129,13 +132,16 @@ fn finalized_once_old_1_is_upgraded(cluster: &MixedCluster) {
         ));
     }
     let finalized = cluster.ctl_ok(step, Release::Today, &["upgrade", "finalize"]);
-    if finalized["changed"] != json!(true) || finalized["writes"] != json!(4) {
+    if finalized["changed"] != json!(true) || finalized["writes"] != json!(TODAY) {
         cluster.fail(format!("{step}: `upgrade finalize` printed {finalized}"));
     }
     let (exit, status) = upgrade_status(cluster);
-    if exit != 0 || status["recorded_format"] != json!(4) || status["writes_format"] != json!(4) {
+    if exit != 0
+        || status["recorded_format"] != json!(TODAY)
+        || status["writes_format"] != json!(TODAY)
+    {
         cluster.fail(format!(
-            "{step}: after finalize `upgrade status` should exit 0 with format 4 recorded; exited {exit}: {status}"
+            "{step}: after finalize `upgrade status` should exit 0 with format {TODAY} recorded; exited {exit}: {status}"
         ));
     }
 }
@@ -197,11 +203,11 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
     eprintln!("{step}: ADD exited {}: {}", done.status, describe(&done));
     if done.status == 0
         || error["code"].as_u64() != Some(CNI_CORRUPT_STORE)
-        || !message.contains("format version 4")
+        || !message.contains(&format!("format version {TODAY}"))
         || done.stderr.contains("panicked")
     {
         cluster.fail(format!(
-            "{step}: ADD should fail with CNI error {CNI_CORRUPT_STORE} naming format version 4; exited {}: {}",
+            "{step}: ADD should fail with CNI error {CNI_CORRUPT_STORE} naming format version {TODAY}; exited {}: {}",
             done.status,
             describe(&done)
         ));
@@ -225,7 +231,7 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
         .as_array()
         .map_or(0, |problems| problems.len() - corrupt.len());
     eprintln!(
-        "{step}: exited {}, {} objects in format 4 reported corrupt, and {others} other problems it \
+        "{step}: exited {}, {} objects in format {TODAY} reported corrupt, and {others} other problems it \
          cannot judge without them (its `--repair` must never be run on a finalized store: it \
          deletes the handles whose blocks it cannot read; docs/upgrading.md)",
         out.status,
@@ -236,10 +242,10 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
         || corrupt.is_empty()
         || !corrupt
             .iter()
-            .all(|detail| detail.contains("format version 4"))
+            .all(|detail| detail.contains(&format!("format version {TODAY}")))
     {
         cluster.fail(format!(
-            "{step}: should exit non-zero reporting the objects in format 4 as corrupt; {}; stdout {}",
+            "{step}: should exit non-zero reporting the objects in format {TODAY} as corrupt; {}; stdout {}",
             out.summary(),
             out.stdout.trim()
         ));
@@ -248,7 +254,7 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
 }
 
 /// `upgrade finalize --force` while old-1 still runs the previous plugin: it goes ahead, lists
-/// old-1 as finalized over, and records format 4.
+/// old-1 as finalized over, and records today's format.
 pub fn finalize_forced_over_a_node_that_reads_format_3(kind: StoreKind) {
     let cluster = MixedCluster::start(kind);
     previous_release_sets_up(&cluster);
@@ -266,12 +272,12 @@ pub fn finalize_forced_over_a_node_that_reads_format_3(kind: StoreKind) {
         ));
     }
     let (exit, status) = upgrade_status(&cluster);
-    if status["recorded_format"] != json!(4) || reads_format(&status, OLD_1.name) != Some(3) {
+    if status["recorded_format"] != json!(TODAY) || reads_format(&status, OLD_1.name) != Some(3) {
         cluster.fail(format!(
-            "{step}: `upgrade status` should show format 4 recorded and old-1 reading format 3; exited {exit}: {status}"
+            "{step}: `upgrade status` should show format {TODAY} recorded and old-1 reading format 3; exited {exit}: {status}"
         ));
     }
-    // The finalize rewrote the configuration in format 4: the previous plugin's next ADD refuses
+    // The finalize rewrote the configuration in today's format: the previous plugin's next ADD refuses
     // the store at once and writes nothing, while its DEL, which reads only the handle and its
     // blocks (still format 3), goes on releasing what the node holds.
     let step = "after a forced finalize, the previous plugin on old-1";

@@ -195,6 +195,18 @@ impl Lab {
         self.ctl_env(args, &[])
     }
 
+    /// Runs another release's blockipamctl, `binary`, with this store's flags followed by `args`.
+    pub fn ctl_of(&self, binary: &std::path::Path, args: &[&str]) -> Run {
+        let mut command = Command::new(binary);
+        let mut full = self.store_args();
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        command.args(&full);
+        for name in CTL_ENV {
+            command.env_remove(name);
+        }
+        run_guarded(command, &full)
+    }
+
     /// As [`ctl`](Self::ctl), with extra environment variables.
     pub fn ctl_env(&self, args: &[&str], env: &[(&str, &str)]) -> Run {
         let mut full = self.store_args();
@@ -298,6 +310,45 @@ impl Lab {
         ipam: Value,
         top: Value,
     ) -> (i32, Value) {
+        let plugin = test_kit::plugin::build_plugin_beside(std::path::Path::new(BIN));
+        self.plugin_binary_in(
+            &plugin, namespace, version, command, node, container, ipam, top,
+        )
+    }
+
+    /// [`Lab::plugin`] with another release's plugin, `plugin`.
+    pub fn plugin_of(
+        &self,
+        plugin: &std::path::Path,
+        command: &str,
+        node: &str,
+        container: &str,
+        ipam: Value,
+    ) -> (i32, Value) {
+        self.plugin_binary_in(
+            plugin,
+            "default",
+            "1.0.0",
+            command,
+            node,
+            container,
+            ipam,
+            Value::Null,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn plugin_binary_in(
+        &self,
+        plugin: &std::path::Path,
+        namespace: &str,
+        version: &str,
+        command: &str,
+        node: &str,
+        container: &str,
+        ipam: Value,
+        top: Value,
+    ) -> (i32, Value) {
         let mut conf = serde_json::json!({
             "type": "blockipam",
             "datastore_type": self.type_name(),
@@ -320,9 +371,8 @@ impl Lab {
         if let (Some(netconf), Value::Object(extra)) = (netconf.as_object_mut(), top) {
             netconf.extend(extra);
         }
-        let plugin = test_kit::plugin::build_plugin_beside(std::path::Path::new(BIN));
         let pod_args = format!("K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={container}");
-        call_plugin_binary(&plugin, command, container, Some(&pod_args), &netconf)
+        call_plugin_binary(plugin, command, container, Some(&pod_args), &netconf)
     }
 
     /// Allocates one IPv4 address for `handle` on `host` and returns it.
@@ -550,14 +600,14 @@ pub fn call_plugin_binary(
     (output.status, stdout)
 }
 
-/// A registration of `host` (agent version "test", reading format 4) marked missing by a reclaimer
+/// A registration of `host` (agent version "test", reading today's format) marked missing by a reclaimer
 /// that saw no plugin activity (countdown revision 1, activity revision 0, grace 900 s).
 pub fn marked_registration(host: &str, registered_at: u64) -> Registration {
     Registration {
         node: host.to_owned(),
         registered_at,
         agent_version: "test".into(),
-        reads_format: Some(4),
+        reads_format: Some(ipam_core::model::FORMAT_VERSION),
         missing_since: None,
         missing_mark: Some(MissingMark {
             countdown_revision: 1,

@@ -1,8 +1,8 @@
 //! Affinity: claiming and releasing blocks for a host.
 
 use super::{
-    decode_stored, Attempt, HostRelease, Ipam, Plan, ReleaseRequest, Stored, WorkingBlock,
-    ATTR_NODE, BLOCKS_PER_TXN,
+    decode_stored, Attempt, HostRelease, Ipam, ReleaseRequest, Stored, WorkingBlock, ATTR_NODE,
+    BLOCKS_PER_TXN,
 };
 use crate::model::error::IpamError;
 use crate::model::{keys, validate_host, Block, Pool};
@@ -57,7 +57,7 @@ impl Ipam {
             ..pool.value.clone()
         };
         let wanted: BTreeSet<IpNet> = (0..count).filter_map(|i| sub.block_at(i)).collect();
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         // In a pool of mixed block sizes (resize.rs), a block of a former size may overlap the
         // wanted ones: refused, and the claim rewrites the pool's record so that no other claim
         // in the pool commits from the same snapshot.
@@ -134,7 +134,7 @@ impl Ipam {
             let mut working = WorkingBlock::from_stored(stored);
             working.block.affinity = None;
             working.dirty = true;
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.write_block(&working)?;
             self.commit_plan(plan, ()).await
         })
@@ -194,7 +194,7 @@ impl Ipam {
             // As many blocks as fit one transaction (by count and by bytes), at least one.
             let mut take = host_blocks.len().min(BLOCKS_PER_TXN);
             let (plan, deleted, unassigned) = loop {
-                let mut plan = Plan::default();
+                let mut plan = self.plan();
                 let mut deleted = Vec::new();
                 let mut unassigned = Vec::new();
                 for stored in host_blocks.iter().take(take) {

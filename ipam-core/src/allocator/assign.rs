@@ -4,7 +4,7 @@ use super::{
     block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash, next_got,
     next_listed, refuse_during_import, validate_attribute_size, with_node, AssignIpsRequest,
     AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
-    NewBlockProbe, Plan, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
+    NewBlockProbe, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
@@ -195,7 +195,26 @@ impl Ipam {
         let mut claim_index: Option<ClaimIndex> = None;
         // Mixed-sizes records of candidate pools a new block may be claimed in (resize.rs).
         let mut mixed_seen: Vec<(IpNet, KeyValue)> = Vec::new();
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
+        if plan.keeps_edge_blocks_full() {
+            // Blocks a writer of an older format left under `open/` with only their edges free
+            // move to `full/` with this write, a few per call, so that the node's steady-state
+            // read shrinks back once the store is finalized.
+            for entry in working
+                .values_mut()
+                .filter(|w| w.block.only_its_edges_free())
+                .take(EDGE_BLOCKS_MOVED_PER_CALL)
+            {
+                entry.dirty = true;
+            }
+        }
+        // Set once this allocation has read the host's blocks under `full/` for their edges.
+        let mut full_blocks_read = false;
+        // Whether a request out of room may find some in the edges of the host's blocks kept
+        // under `full/` (read at most once): only a request that may take edges, in a store whose
+        // writers keep such blocks there.
+        let keeps_edge_blocks_full = plan.keeps_edge_blocks_full();
+        let edges_may_help = |read: &bool| !skip_block_edges && keeps_edge_blocks_full && !*read;
         // Full-pool marks this allocation's search proved (full_pools.rs), by key.
         let mut proven_full: BTreeMap<String, FullPoolMark> = BTreeMap::new();
         let mut result = AutoAssignResult {
@@ -375,6 +394,29 @@ impl Ipam {
                     }
                 }
                 if let Some(owned) = limit_hit {
+                    if (got.len() as u32) < wanted && edges_may_help(&full_blocks_read) {
+                        // No new block for a request that may take block edges: the edges of
+                        // the host's blocks kept under `full/` for having only them free.
+                        let with_edges = self
+                            .blocks_kept_full_for_their_edges(
+                                &request.host,
+                                &candidates,
+                                family,
+                                &mut working,
+                            )
+                            .await?;
+                        full_blocks_read = true;
+                        take_from_blocks(
+                            &mut working,
+                            &with_edges,
+                            &attribute,
+                            wanted,
+                            skip_block_edges,
+                            lifetime,
+                            &reserved,
+                            &mut got,
+                        );
+                    }
                     if (got.len() as u32) < wanted {
                         return Err(IpamError::BlockLimit {
                             host: request.host.clone(),
@@ -459,6 +501,28 @@ impl Ipam {
                 break;
             }
 
+            if (got.len() as u32) < wanted && edges_may_help(&full_blocks_read) {
+                // Nowhere else to look: the edges of the host's blocks kept under `full/`.
+                let with_edges = self
+                    .blocks_kept_full_for_their_edges(
+                        &request.host,
+                        &candidates,
+                        family,
+                        &mut working,
+                    )
+                    .await?;
+                full_blocks_read = true;
+                take_from_blocks(
+                    &mut working,
+                    &with_edges,
+                    &attribute,
+                    wanted,
+                    skip_block_edges,
+                    lifetime,
+                    &reserved,
+                    &mut got,
+                );
+            }
             if (got.len() as u32) < wanted {
                 return Err(IpamError::Exhausted {
                     family,
@@ -513,6 +577,36 @@ impl Ipam {
             plan.put(key, mark.encode());
         }
         self.commit_plan(plan, Assignment::Assigned(result)).await
+    }
+
+    /// The host's blocks under `full/` of `family` in one of `candidates` that have a free address
+    /// (blocks whose only free addresses are their edges), added to `working`: their CIDRs, for a
+    /// request that may take edges and found no room elsewhere. One listing of the host's full
+    /// blocks.
+    async fn blocks_kept_full_for_their_edges(
+        &self,
+        host: &str,
+        candidates: &[&Stored<Pool>],
+        family: Family,
+        working: &mut BTreeMap<IpNet, WorkingBlock>,
+    ) -> Result<Vec<IpNet>, IpamError> {
+        let mut with_edges = Vec::new();
+        for kv in self.store.list(&keys::host_full_blocks_dir(host)).await? {
+            let stored: Stored<Block> = decode_stored(kv)?;
+            let cidr = stored.value.cidr;
+            let in_candidates = candidates
+                .iter()
+                .any(|p| p.value.cidr.contains(&cidr.network()));
+            if stored.value.free() > 0
+                && Family::of_net(&cidr) == family
+                && in_candidates
+                && !working.contains_key(&cidr)
+            {
+                working.insert(cidr, WorkingBlock::from_stored(stored));
+                with_edges.push(cidr);
+            }
+        }
+        Ok(with_edges)
     }
 
     /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
@@ -750,7 +844,7 @@ impl Ipam {
             handle: request.handle.clone(),
             metadata: with_node(&request.attributes, &request.host),
         };
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         let mut assigned = Vec::new();
         for (ip, cidr, pool) in &targets {
             let entry = working.entry(*cidr).or_insert_with(|| {
@@ -827,6 +921,10 @@ impl Ipam {
         self.commit_plan(plan, assigned).await
     }
 }
+
+/// How many blocks that a writer of an older format left under `open/` with only their edges free
+/// one allocation moves to `full/` (each move is two writes and a condition more).
+const EDGE_BLOCKS_MOVED_PER_CALL: usize = 4;
 
 /// The pools an auto-assign may use for one family.
 fn candidate_pools<'a>(

@@ -3,7 +3,7 @@
 
 use super::full_pools::{self, FullPoolMark};
 use super::{
-    decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Plan, Stored,
+    decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Stored,
     WorkingBlock,
 };
 use crate::kv::{Condition, KeyValue, Op, Read, Txn};
@@ -387,7 +387,7 @@ impl Ipam {
         }
         working.block.affinity = None;
         working.dirty = true;
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         plan.write_block(&working)?;
         Ok(matches!(
             self.commit_plan(plan, ()).await?,

@@ -508,9 +508,18 @@ pub(crate) struct Plan {
     /// Past the last sequence number of every block this plan deletes: the sequence floor must
     /// reach it in the same transaction (see [`Ipam::commit_plan`]).
     retired_sequence: u64,
+    /// The stored format whose layout decides where blocks are written ([`keys::block_key_in`]):
+    /// the store's write format as the allocator last learned it (0, the oldest layout, when it
+    /// has not). [`Ipam::commit_plan`] refuses a plan laid out for a newer format than the store's.
+    layout_format: u8,
 }
 
 impl Plan {
+    /// True when this plan puts blocks whose only free addresses are their edges under `full/`.
+    pub fn keeps_edge_blocks_full(&self) -> bool {
+        self.layout_format >= keys::EDGE_BLOCKS_FULL_FORMAT
+    }
+
     pub fn expect(&mut self, key: &str, revision: Option<Revision>) {
         self.conditions
             .entry(key.to_owned())
@@ -625,7 +634,7 @@ impl Plan {
             return Ok(());
         }
         let block = &working.block;
-        let key = keys::block_key_of(block);
+        let key = keys::block_key_in(block, self.layout_format);
         match &working.read {
             None => {
                 self.expect(&key, None);
@@ -841,6 +850,14 @@ impl Ipam {
         })
     }
 
+    /// An empty plan, laid out for the store's write format as this allocator last learned it.
+    pub(crate) fn plan(&self) -> Plan {
+        Plan {
+            layout_format: self.learned_format().unwrap_or(0),
+            ..Plan::default()
+        }
+    }
+
     /// Commits a plan; a failed condition becomes [`Attempt::Conflict`].
     pub(crate) async fn commit_plan<T>(
         &self,
@@ -849,6 +866,12 @@ impl Ipam {
     ) -> Result<Attempt<T>, IpamError> {
         if plan.is_empty() {
             return Ok(Attempt::Done(value));
+        }
+        if plan.layout_format > self.known_format().await?.writes {
+            // Laid out for a format the store no longer records as written (it was replaced under
+            // this allocator): decided again on the record as it is.
+            self.forget_format();
+            return Ok(Attempt::Conflict);
         }
         if plan.deletes_blocks() {
             // Deleting a block: one more read (rare: a block is deleted when it is empty and has

@@ -2,7 +2,7 @@
 //! (the objects and their validation: `model::namespaces`).
 
 use crate::allocator::Ipam;
-use crate::allocator::{find_pool, next_got, next_listed, Attempt, Plan};
+use crate::allocator::{find_pool, next_got, next_listed, Attempt};
 use crate::kv::Read;
 use crate::model::error::IpamError;
 use crate::model::namespaces::{
@@ -68,7 +68,7 @@ impl Ipam {
             if &before == pools {
                 return Ok(Attempt::Done(()));
             }
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
             plan.expect(&keys::pool_generation(), generation.map(|kv| kv.revision));
             if pools.ipv4_pools.is_empty() && pools.ipv6_pools.is_empty() {

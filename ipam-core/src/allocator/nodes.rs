@@ -1,8 +1,8 @@
 //! The allocator's operations on node labels: reading, setting and removing a node's labels by
 //! compare-and-swap (the objects and their validation: `model::nodes`).
 
+use crate::allocator::Attempt;
 use crate::allocator::Ipam;
-use crate::allocator::{Attempt, Plan};
 use crate::model::error::IpamError;
 use crate::model::nodes::{
     decode_node_labels, node_key, nodes_dir, validate_label_update, NodeLabels, StoredNode,
@@ -61,7 +61,7 @@ impl Ipam {
             if labels == before {
                 return Ok(Attempt::Done(labels));
             }
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
             if labels.is_empty() {
                 plan.delete(&key);

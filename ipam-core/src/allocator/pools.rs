@@ -146,7 +146,7 @@ impl Ipam {
             if pool == found.value && !write_unchanged {
                 return Ok(Attempt::Done(pool));
             }
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             self.bump_pool_generation(&mut plan, generation)?;
             plan.expect(&found.key, Some(found.revision));
             plan.put(&found.key, encode(&pool)?);
@@ -200,7 +200,7 @@ impl Ipam {
                 });
             }
         }
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         self.bump_pool_generation(&mut plan, generation)?;
         let key = keys::pool(&pool.name);
         plan.expect(&key, None);
@@ -412,7 +412,7 @@ impl Ipam {
         if occupied || !found.value.disabled {
             return Ok(Attempt::Done(false));
         }
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         self.bump_pool_generation(&mut plan, generation)?;
         plan.expect(&found.key, Some(found.revision));
         plan.delete(&found.key);
@@ -446,7 +446,7 @@ impl Ipam {
                 in_use: u64::from(stored.value.in_use()),
             });
         }
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         plan.expect(&stored.key, Some(stored.revision));
         plan.delete_block(&stored.key, &stored.value);
         self.commit_plan(plan, true).await
@@ -491,7 +491,7 @@ impl Ipam {
                 Self::decode_config(self.store.get(&keys::config()).await?)?;
             change(&mut config);
             config.validate()?;
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.expect(&keys::config(), revision);
             plan.put(&keys::config(), encode(&config)?);
             self.commit_plan(plan, config).await

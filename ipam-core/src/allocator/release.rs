@@ -114,7 +114,7 @@ impl Ipam {
         if self.any_pool_changed(&pools_of_absent_blocks).await? {
             return Ok(Attempt::Conflict);
         }
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
         for (cidr, counts) in handle_counts {
             for (handle, count) in counts {
@@ -211,7 +211,7 @@ impl Ipam {
         let stored: Stored<Handle> = decode_stored(kv)?;
         let cidrs: BTreeSet<IpNet> = stored.value.blocks.keys().copied().collect();
         let mut released = Vec::new();
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         for (_, block) in self.load_blocks(&cidrs).await? {
             let mut working = WorkingBlock::from_stored(block);
             for ordinal in working.block.ordinals_of_handle(handle_id) {
@@ -324,7 +324,7 @@ impl Ipam {
         if released.is_empty() {
             return Ok(Attempt::Done(ChosenRelease { held, released }));
         }
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         for entry in working.values().filter(|w| w.dirty) {
             plan.write_block(entry)?;
         }

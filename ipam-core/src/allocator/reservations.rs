@@ -2,7 +2,6 @@
 //! their validation and the merged reserved ranges: `model::reservations`).
 
 use crate::allocator::Ipam;
-use crate::allocator::Plan;
 use crate::model::error::IpamError;
 use crate::model::reservations::{
     decode_reservations, reservation_key, reservations_dir, validate_reservation,
@@ -24,7 +23,7 @@ impl Ipam {
             if self.store().get(&key).await?.is_some() {
                 return Err(IpamError::ReservationExists(reservation.name.clone()));
             }
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.expect(&key, None);
             plan.put(&key, value.clone());
             self.commit_plan(plan, ()).await
@@ -61,7 +60,7 @@ impl Ipam {
                 name: name.to_owned(),
                 cidrs: Vec::new(),
             });
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             plan.expect(&key, Some(read.revision));
             plan.delete(&key);
             self.commit_plan(plan, held).await

@@ -379,7 +379,7 @@ impl Ipam {
             if pool == found.value {
                 return Ok(Attempt::Done(pool));
             }
-            let mut plan = Plan::default();
+            let mut plan = self.plan();
             self.bump_pool_generation(&mut plan, generation)?;
             plan.expect(&found.key, Some(found.revision));
             plan.put(&found.key, encode(&pool)?);
@@ -478,7 +478,7 @@ impl Ipam {
             }
         }
 
-        let mut plan = Plan::default();
+        let mut plan = self.plan();
         self.bump_pool_generation(&mut plan, generation)?;
         plan.expect(&found.key, Some(found.revision));
         plan.delete(&found.key);

@@ -110,6 +110,11 @@ impl Ipam {
         Ok(in_use)
     }
 
+    /// The store's write format as last learned, without reading it.
+    pub(crate) fn learned_format(&self) -> Option<u8> {
+        self.format.get().map(|known| known.writes)
+    }
+
     /// The store's write format: as last learned, else read now.
     pub(crate) async fn known_format(&self) -> Result<KnownFormat, IpamError> {
         match self.format.get() {

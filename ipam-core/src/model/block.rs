@@ -239,6 +239,19 @@ impl Block {
         Some(ordinal)
     }
 
+    /// True when the block's only free addresses (cooling ones included) are both its edges
+    /// ([`is_edge`](Block::is_edge)): how requests that skip edges leave a block they filled, and
+    /// why they find no room in it. A block with one edge free is not such a block: requests that
+    /// take edges fill a block from its network address on, and its last address is still theirs.
+    pub fn only_its_edges_free(&self) -> bool {
+        let edges = self.edges();
+        !edges.is_empty()
+            && self.free() == edges.len() as u32
+            && edges
+                .iter()
+                .all(|ordinal| !self.allocations.contains_key(ordinal))
+    }
+
     /// True for the block's network address and its last (IPv4 broadcast) address when the block
     /// is large enough to have them: larger than /31 (IPv4) or /127 (IPv6).
     pub fn is_edge(&self, ordinal: u32) -> bool {

@@ -6,7 +6,9 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::model::error::IpamError;
 
-use crate::model::{keys, Block, FORMAT_VERSION, OLDEST_READABLE_FORMAT_VERSION};
+use crate::model::{
+    keys, Block, FORMAT_VERSION, NEWEST_OBJECT_LAYOUT, OLDEST_READABLE_FORMAT_VERSION,
+};
 
 fn bincode_config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<{ 16 * 1024 * 1024 }>()
@@ -60,7 +62,7 @@ pub(crate) fn decode_body<T: DeserializeOwned>(key: &str, body: &[u8]) -> Result
 /// whichever readable version they were written in ([`crate::model::formats`]).
 pub fn decode<T: DeserializeOwned + 'static>(key: &str, bytes: &[u8]) -> Result<T, IpamError> {
     let (version, body) = versioned(key, bytes)?;
-    if version < FORMAT_VERSION {
+    if version < NEWEST_OBJECT_LAYOUT {
         if let Some(upgraded) = crate::model::formats::decode_older::<T>(key, version, body)? {
             return Ok(upgraded);
         }
@@ -126,10 +128,10 @@ pub fn encode_claim(block: &Block) -> Result<Vec<u8>, IpamError> {
 }
 
 /// Decodes a claim index entry of format 1 (the host alone), 2 or 3 (host and free count) or 4
-/// ([`Claim`]).
+/// and later ([`Claim`]).
 pub fn decode_claim(key: &str, bytes: &[u8]) -> Result<ClaimEntry, IpamError> {
     let (version, body) = versioned(key, bytes)?;
-    if version < FORMAT_VERSION {
+    if version < NEWEST_OBJECT_LAYOUT {
         return crate::model::formats::decode_older_claim(key, version, body);
     }
     let claim: Claim = decode_body(key, body)?;
@@ -142,11 +144,11 @@ pub fn decode_claim(key: &str, bytes: &[u8]) -> Result<ClaimEntry, IpamError> {
 }
 
 /// The two entries that store `block` as it is: the block at its key, and its claim index entry.
-/// For writers that create whole stores (import, migration tools); the allocator writes blocks
-/// through its own conditional transactions.
+/// For writers that create whole stores, recorded at [`FORMAT_VERSION`] (import, migration tools);
+/// the allocator writes blocks through its own conditional transactions.
 pub fn block_entries(block: &Block) -> Result<Vec<(String, Vec<u8>)>, IpamError> {
     Ok(vec![
-        (keys::block_key_of(block), encode(block)?),
+        (keys::block_key_in(block, FORMAT_VERSION), encode(block)?),
         (keys::block_claim(&block.cidr), encode_claim(block)?),
     ])
 }

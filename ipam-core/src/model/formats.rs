@@ -14,8 +14,11 @@ use crate::model::selector::Selector;
 use crate::model::store_format::OLDEST_WRITABLE_FORMAT;
 use crate::model::{
     decode_body, encode, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry,
-    IpamConfig, Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION,
+    IpamConfig, Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION, NEWEST_OBJECT_LAYOUT,
 };
+
+/// The format that added the IP cooldown and the empty-block reclaim age to the IPAM config.
+const FORMAT_OF_COOLDOWN: u8 = 4;
 
 /// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed uses).
 #[derive(Deserialize)]
@@ -53,7 +56,7 @@ struct ClaimFormat3 {
     free: u32,
 }
 
-/// Reads `body`, written by format `version` (older than today's), when `T`'s layout changed since:
+/// Reads `body`, written by format `version` (older than [`NEWEST_OBJECT_LAYOUT`]), when `T`'s layout changed since:
 /// `Some` with the object in today's shape, `None` when `T` is laid out as it was then.
 pub(crate) fn decode_older<T: 'static>(
     key: &str,
@@ -147,7 +150,8 @@ pub(crate) fn decode_older_claim(
 /// `to`, the one the store's writers use. Values that are not versioned objects (the JSON records
 /// of agents, plugins and the format record) are returned as they are.
 ///
-/// Format 3 has no place for what format 4 added: a block's claim and empty timestamps are left
+/// Formats from [`NEWEST_OBJECT_LAYOUT`] on lay every object out alike: only the version byte is
+/// rewritten. Format 3 has no place for what format 4 added: a block's claim and empty timestamps are left
 /// out (a reader then counts them as unknown, as for any block format 3 wrote); its cooling
 /// addresses become free ones, so none is lost; the IP cooldown and a changed empty-block reclaim
 /// age cannot be written at all ([`IpamError::FormatNotFinalized`]).
@@ -166,6 +170,11 @@ pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError
     }
     let body = &value[1..];
     let mut out = vec![to];
+    if to >= NEWEST_OBJECT_LAYOUT {
+        // Laid out as today: only the version byte differs.
+        out.extend_from_slice(body);
+        return Ok(out);
+    }
     let blocks = keys::blocks_dir();
     let claims = keys::claims_dir();
     let rewritten = if key == keys::config() {
@@ -173,7 +182,7 @@ pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError
         if config.ip_cooldown_seconds != 0 {
             return Err(IpamError::FormatNotFinalized {
                 what: format!("an IP cooldown ({} s)", config.ip_cooldown_seconds),
-                needs: FORMAT_VERSION,
+                needs: FORMAT_OF_COOLDOWN,
                 writes: to,
             });
         }
@@ -183,7 +192,7 @@ pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError
                     "an empty-block reclaim age other than the default {DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS} s ({} s)",
                     config.empty_block_reclaim_seconds
                 ),
-                needs: FORMAT_VERSION,
+                needs: FORMAT_OF_COOLDOWN,
                 writes: to,
             });
         }

@@ -78,12 +78,34 @@ pub fn full_block(host: &str, cidr: &IpNet) -> String {
     format!("{ROOT}blocks/host/{host}/full/{}", cidr_segment(cidr))
 }
 
-/// Where this block belongs, given its affinity and whether it has room.
-pub fn block_key_of(block: &Block) -> String {
+/// The first stored format that keeps an affine block whose only free addresses are both its edges
+/// (network and last address, which a request that skips them never takes) under `full/`, so that
+/// a node's steady-state read, which lists `open/`, does not grow with the blocks such requests
+/// filled. Earlier formats keep such a block under `open/`.
+pub const EDGE_BLOCKS_FULL_FORMAT: u8 = 5;
+
+/// Where a writer of stored format `format` puts this block, given its affinity and whether it
+/// has room: under its host's `full/` when it has no free address (or, from
+/// [`EDGE_BLOCKS_FULL_FORMAT`] on, none but both its edges), else under `open/`.
+pub fn block_key_in(block: &Block, format: u8) -> String {
     match block.affinity.as_deref() {
-        Some(host) if block.free() == 0 => full_block(host, &block.cidr),
+        Some(host)
+            if block.free() == 0
+                || (format >= EDGE_BLOCKS_FULL_FORMAT && block.only_its_edges_free()) =>
+        {
+            full_block(host, &block.cidr)
+        }
         affinity => self::block(affinity, &block.cidr),
     }
+}
+
+/// True when `key` is a place a block may be stored at in a store of any format this build
+/// writes: its key in format 4, or its key from [`EDGE_BLOCKS_FULL_FORMAT`] on (they differ only
+/// for a block whose only free addresses are its edges, which a writer of format 4 last wrote
+/// before the store was finalized).
+pub fn is_block_key_of(key: &str, block: &Block) -> bool {
+    key == block_key_in(block, EDGE_BLOCKS_FULL_FORMAT - 1)
+        || key == block_key_in(block, EDGE_BLOCKS_FULL_FORMAT)
 }
 
 /// The affinity a block key records: `Some(Some(host))` under a host's directory, `Some(None)`

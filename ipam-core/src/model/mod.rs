@@ -37,8 +37,13 @@ pub const ROOT: &str = "ipam/v1/";
 /// selector, assignment mode and allowed uses ([`Pool`]); version 4 added a block's claim and
 /// empty timestamps and cooling addresses ([`Block`], [`Claim`]) and the IP cooldown and
 /// empty-block reclaim settings ([`IpamConfig`]); every other object is laid out as in version 1.
+/// Version 5 changed no object's layout, only where blocks live: an affine block whose only free
+/// addresses are its edges is kept under its host's `full/` ([`keys::block_key_in`]).
 /// Older layouts are read by [`crate::model::formats`].
-pub const FORMAT_VERSION: u8 = 4;
+pub const FORMAT_VERSION: u8 = 5;
+/// The newest format that changed how an object is laid out: a value of this format or a later
+/// one decodes as today's objects.
+pub const NEWEST_OBJECT_LAYOUT: u8 = 4;
 /// Oldest format version this build reads. Objects of an older version are rewritten in the
 /// format the store's writers use ([`store_format`]) the next time they are written
 /// (`docs/data-model.md`, "Format versions").

@@ -184,7 +184,7 @@ fn downgraded_to_format_3_a_block_keeps_every_address_and_reads_back() {
     block.release_ordinal(1, cooling).expect("held");
     block.claimed_at = Some(900);
     assert_eq!(block.cooling.len(), 1, "ordinal 1 cools");
-    let key = keys::block_key_of(&block);
+    let key = keys::block_key_in(&block, crate::model::FORMAT_VERSION);
     let written = downgrade(&key, encode(&block).expect("encode"), 3).expect("downgrade");
     assert_eq!(written[0], 3);
     let read: Block = decode(&key, &written).expect("format 3 reads back");
@@ -211,9 +211,17 @@ fn downgraded_to_format_3_a_block_keeps_every_address_and_reads_back() {
     let entry = crate::model::decode_claim(&claim_key, &claim).expect("reads back");
     assert_eq!(entry.affinity.as_deref(), Some("node-a"));
     assert_eq!(entry.free, Some(block.free()));
-    // At the current format, and for values that are not versioned objects, nothing changes.
+    // At the current format, and for values that are not versioned objects, nothing changes; at
+    // format 4, laid out as today, only the version byte does.
     let current = encode(&block).expect("encode");
-    assert_eq!(downgrade(&key, current.clone(), 4).expect("same"), current);
+    assert_eq!(
+        downgrade(&key, current.clone(), crate::model::FORMAT_VERSION).expect("same"),
+        current
+    );
+    let in_4 = downgrade(&key, current.clone(), 4).expect("format 4");
+    assert_eq!((in_4[0], &in_4[1..]), (4, &current[1..]));
+    let read: Block = decode(&key, &in_4).expect("format 4 reads back");
+    assert_eq!(read, block);
     let json = br#"{"node":"node-a","plugin_version":"0.2.0"}"#.to_vec();
     assert_eq!(
         downgrade(&keys::activity_key("node-a"), json.clone(), 3).expect("same"),
