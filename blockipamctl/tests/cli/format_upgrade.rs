@@ -258,14 +258,12 @@ fn a_format_4_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     an_old_store_opens_checks_clean_and_keeps_working(backend, 4);
 }
 
-/// node-a's first block in the format-4 fixture, and the one free address it has that is not an
-/// edge (the rest are in use but its last address).
-const NODE_A_FIRST: &str = "10.80.0.48/28";
-const NODE_A_LAST_HOST_ADDRESS: &str = "10.80.0.53";
+/// node-a's second block in the format-4 fixture: four pods (of its 14 host addresses) in it.
+const NODE_A_SECOND: &str = "10.80.0.64/28";
 
-/// Where node-a's first block is stored: "open", "full", or both or neither (a failure).
-fn placement_of_node_a_first(lab: &Lab) -> Vec<&'static str> {
-    let cidr: IpNet = NODE_A_FIRST.parse().expect("cidr");
+/// Where node-a's second block is stored: "open", "full", or both or neither (a failure).
+fn placement_of_node_a_second(lab: &Lab) -> Vec<&'static str> {
+    let cidr: IpNet = NODE_A_SECOND.parse().expect("cidr");
     lab.with_store(|store| async move {
         let mut found = Vec::new();
         for (place, key) in [
@@ -281,17 +279,16 @@ fn placement_of_node_a_first(lab: &Lab) -> Vec<&'static str> {
 }
 
 /// The IPv4 address of a plugin's ADD result.
-fn v4_of(result: &Value) -> String {
-    addresses(result)
+fn v4_of(result: &Value) -> IpNet {
+    *addresses(result)
         .iter()
         .find(|a| a.addr().is_ipv4())
-        .map(|a| a.addr().to_string())
         .expect("an IPv4 address")
 }
 
 /// A format-4 store in use beside the release that writes format 4 (its own plugin and CLI, built
 /// by `scripts/build-previous 4`). Today's plugin, whose netconf has no gateway and so never hands
-/// out a block's edges, fills node-a's first block up to them: while the store is at format 4 the
+/// out a block's edges, fills node-a's blocks up to them: while the store is at format 4 such a
 /// block stays under `open/`, where that release puts it, so the format-4 release's `check` finds
 /// the store clean and its plugin keeps allocating and releasing. Once finalized, today's next ADD
 /// on node-a moves the block under `full/` (its steady-state read no longer holds it); a DEL that
@@ -300,11 +297,18 @@ fn a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize(b
     let previous = test_kit::previous::PreviousRelease::locate_format4();
     let lab = Lab::new(backend);
     load_fixture(&lab, 4);
-    assert_eq!(placement_of_node_a_first(&lab), ["open"]);
-    let filled = plugin(&lab, "ADD", "node-a", "ctr-edge");
-    assert_eq!(v4_of(&filled), NODE_A_LAST_HOST_ADDRESS);
+    let second: IpNet = NODE_A_SECOND.parse().expect("cidr");
+    assert_eq!(placement_of_node_a_second(&lab), ["open"]);
+    // node-a's first block takes one pod more (the rest of it is in use, its network address by
+    // the node's tunnel); the next ten fill the second up to its edges.
+    let first = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-edge"));
+    assert!(!second.contains(&first.addr()), "{first}");
+    for n in 1..=10 {
+        let got = v4_of(&plugin(&lab, "ADD", "node-a", &format!("ctr-fill-{n}")));
+        assert!(second.contains(&got.addr()), "{got} is not in {second}");
+    }
     // Only its edges are free now; format 4 keeps such a block under open/.
-    assert_eq!(placement_of_node_a_first(&lab), ["open"]);
+    assert_eq!(placement_of_node_a_second(&lab), ["open"]);
     lab.ctl(&["check"]).ok();
     let old_check = lab.ctl_of(&previous.cli(), &["check"]);
     assert_eq!(
@@ -335,16 +339,17 @@ fn a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize(b
     // node-b last ran the format-4 plugin: finalize waits for it, unless forced.
     lab.ctl(&["upgrade", "finalize"]).expect_code(1);
     lab.ctl(&["upgrade", "finalize", "--force"]).ok();
-    let after = plugin(&lab, "ADD", "node-a", "ctr-after-finalize");
-    assert_ne!(v4_of(&after), NODE_A_LAST_HOST_ADDRESS);
-    assert_eq!(placement_of_node_a_first(&lab), ["full"]);
+    let after = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-after-finalize"));
+    assert!(!second.contains(&after.addr()), "{after}");
+    assert_eq!(placement_of_node_a_second(&lab), ["full"]);
     lab.ctl(&["check"]).ok();
-    // Its DEL frees a host address in it: the block has room again, back under open/.
-    plugin(&lab, "DEL", "node-a", "ctr-edge");
-    assert_eq!(placement_of_node_a_first(&lab), ["open"]);
-    let again = plugin(&lab, "ADD", "node-a", "ctr-edge-again");
-    assert_eq!(v4_of(&again), NODE_A_LAST_HOST_ADDRESS);
-    assert_eq!(placement_of_node_a_first(&lab), ["full"]);
+    // A DEL frees a host address in it: the block has room again, back under open/, and the next
+    // ADD (blocks in address order) takes that address.
+    plugin(&lab, "DEL", "node-a", "ctr-fill-1");
+    assert_eq!(placement_of_node_a_second(&lab), ["open"]);
+    let again = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-fill-again"));
+    assert!(second.contains(&again.addr()), "{again}");
+    assert_eq!(placement_of_node_a_second(&lab), ["full"]);
     lab.ctl(&["check"]).ok();
 }
 
