@@ -339,6 +339,20 @@ fn a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize(b
     // node-b last ran the format-4 plugin: finalize waits for it, unless forced.
     lab.ctl(&["upgrade", "finalize"]).expect_code(1);
     lab.ctl(&["upgrade", "finalize", "--force"]).ok();
+    // The format-4 release's plugin now refuses new containers, naming the format, and writes
+    // nothing.
+    let before = lab.snapshot();
+    let (status, refused) =
+        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
+    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
+    assert!(
+        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
+        "the format-4 release's ADD after finalize: exit {status}, {refused}"
+    );
+    assert!(
+        before == lab.snapshot(),
+        "the refused ADD wrote to the store"
+    );
     let after = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-after-finalize"));
     assert!(!second.contains(&after.addr()), "{after}");
     assert_eq!(placement_of_node_a_second(&lab), ["full"]);
