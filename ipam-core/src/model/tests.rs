@@ -296,3 +296,64 @@ fn a_block_key_tells_its_affinity_and_other_keys_tell_nothing() {
         assert_eq!(keys::affinity_of_block_key(&other), None, "{other}");
     }
 }
+
+#[test]
+fn a_block_has_only_its_edges_free_when_both_are_free_and_nothing_else() {
+    let a = attr("a");
+    let mut block = Block::new(net("10.0.0.8/29"), Some("node-a".into()), 0);
+    assert!(!block.only_its_edges_free(), "an empty block");
+    while block.allocate_next_host_address(&a).is_some() {}
+    assert!(
+        block.only_its_edges_free(),
+        "filled by a request that skips edges"
+    );
+    // One edge taken: the other is still room for requests that take edges.
+    assert_eq!(block.allocate_next(&a), Some(0));
+    assert!(!block.only_its_edges_free());
+    assert_eq!(block.allocate_next(&a), Some(7));
+    assert!(!block.only_its_edges_free(), "a full block");
+    // A host address released (even while cooling) is room again.
+    block.release_ordinal(0, Lifetime::default());
+    block.release_ordinal(7, Lifetime::default());
+    assert!(block.only_its_edges_free());
+    let cooling = Lifetime {
+        now: 1_000,
+        cooldown_seconds: 30,
+    };
+    block.release_ordinal(3, cooling).expect("held");
+    assert!(!block.only_its_edges_free(), "a cooling host address");
+    // Blocks without edges (/31, /32) never are such blocks.
+    let mut small = Block::new(net("10.0.0.0/31"), Some("node-a".into()), 0);
+    assert!(!small.only_its_edges_free());
+    small.allocate_next_host_address(&a);
+    small.allocate_next_host_address(&a);
+    assert!(!small.only_its_edges_free());
+}
+
+#[test]
+fn a_block_with_only_its_edges_free_is_stored_as_full_from_format_5_on() {
+    let a = attr("a");
+    let cidr = net("10.0.0.8/29");
+    let mut block = Block::new(cidr, Some("node-a".into()), 0);
+    while block.allocate_next_host_address(&a).is_some() {}
+    let open = keys::block(Some("node-a"), &cidr);
+    let full = keys::full_block("node-a", &cidr);
+    assert_eq!(keys::block_key_in(&block, 4), open);
+    assert_eq!(keys::block_key_in(&block, 5), full);
+    assert!(keys::is_block_key_of(&open, &block) && keys::is_block_key_of(&full, &block));
+    // A block with room, or truly full, has one place whatever the format.
+    block.allocate_next(&a);
+    for format in [4, 5] {
+        assert_eq!(keys::block_key_in(&block, format), open);
+    }
+    assert!(!keys::is_block_key_of(&full, &block));
+    block.allocate_next(&a);
+    for format in [4, 5] {
+        assert_eq!(keys::block_key_in(&block, format), full);
+    }
+    assert!(!keys::is_block_key_of(&open, &block));
+    // A block nobody owns lives under unaffine/.
+    let mut unowned = Block::new(cidr, None, 0);
+    while unowned.allocate_next_host_address(&a).is_some() {}
+    assert_eq!(keys::block_key_in(&unowned, 5), keys::block(None, &cidr));
+}
