@@ -447,32 +447,58 @@ pub async fn a_block_filled_to_its_edges_moves_to_full_only_once_finalized<F: St
     assert_clean(&ipam).await;
 }
 
-/// A request that may take block edges (a netconf with a gateway) on a node whose only block is
-/// full but for its edges, in a pool with no block left, gets those edges: a block kept under
-/// `full/` for having only its edges free never makes an allocation fail that had room.
+/// A request that may take block edges (a netconf with a gateway) on a node whose only block in
+/// its pool is full but for its edges, in a pool with no block left, gets those edges: a block kept
+/// under `full/` for having only its edges free never makes an allocation fail that had room. It
+/// takes them only from its own pool and family, although the node keeps such blocks of another
+/// pool and of IPv6 there too.
 pub async fn a_request_taking_edges_gets_the_edges_of_blocks_kept_full<F: StoreFactory>(
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/30", 30).await;
-    for handle in ["a", "b"] {
-        ipam.auto_assign(&skipping_edges(handle, "node-a"))
+    for (cidr, name, size) in [("10.0.1.0/30", "other", 30), ("fd00::/126", "v6", 126)] {
+        ipam.create_pool(&spec(cidr, name, size))
             .await
-            .expect("assign a host address");
+            .expect("create pool");
     }
-    let block: IpNet = "10.0.0.0/30".parse().expect("cidr");
-    assert_eq!(placement(&t.store, "node-a", &block).await, ["full"]);
+    let in_pool = |handle: &str, pool: &str, v6: bool, skip_block_edges: bool| {
+        let request = v4(handle, "node-a", u32::from(!v6));
+        AutoAssignRequest {
+            num_v6: u32::from(v6),
+            v4_pools: if v6 { vec![] } else { vec![pool.to_owned()] },
+            v6_pools: if v6 { vec![pool.to_owned()] } else { vec![] },
+            skip_block_edges,
+            ..request
+        }
+    };
+    for (pool, v6) in [("pool", false), ("other", false), ("v6", true)] {
+        for n in 0..2 {
+            ipam.auto_assign(&in_pool(&format!("{pool}-{n}"), pool, v6, true))
+                .await
+                .expect("assign a host address");
+        }
+    }
+    for block in ["10.0.0.0/30", "10.0.1.0/30", "fd00::/126"] {
+        let block: IpNet = block.parse().expect("cidr");
+        assert_eq!(
+            placement(&t.store, "node-a", &block).await,
+            ["full"],
+            "{block}"
+        );
+    }
     let mut edges = Vec::new();
     for handle in ["c", "d"] {
         let got = ipam
-            .auto_assign(&v4(handle, "node-a", 1))
+            .auto_assign(&in_pool(handle, "pool", false, false))
             .await
             .unwrap_or_else(|e| panic!("assign {handle}, which may take an edge: {e}"));
-        edges.push(got.v4[0].ip.to_string());
+        assert!(got.v6.is_empty(), "{got:?}");
+        edges.extend(got.v4.iter().map(|a| a.ip.to_string()));
     }
     edges.sort();
     assert_eq!(edges, ["10.0.0.0", "10.0.0.3"]);
     let refused = ipam
-        .auto_assign(&v4("e", "node-a", 1))
+        .auto_assign(&in_pool("e", "pool", false, false))
         .await
         .expect_err("the pool is full");
     assert!(
