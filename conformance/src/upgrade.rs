@@ -27,6 +27,7 @@ macro_rules! upgrade_conformance_tests {
             a_damaged_record_fails_every_write_naming_it_and_nothing_is_written,
             a_block_filled_to_its_edges_moves_to_full_only_once_finalized,
             a_request_taking_edges_gets_the_edges_of_blocks_kept_full,
+            a_dual_stack_request_at_the_block_limit_gets_the_edges_of_both_families,
         );
     };
 }
@@ -505,5 +506,57 @@ pub async fn a_request_taking_edges_gets_the_edges_of_blocks_kept_full<F: StoreF
         matches!(refused, IpamError::Exhausted { .. }),
         "{refused:?}"
     );
+    assert_clean(&ipam).await;
+}
+
+/// At the per-host block limit, a dual-stack request that may take edges gets an edge of each
+/// family from the node's blocks kept under `full/`, rather than a block-limit error.
+pub async fn a_dual_stack_request_at_the_block_limit_gets_the_edges_of_both_families<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/29", 30).await;
+    ipam.create_pool(&spec("fd00::/125", "v6", 126))
+        .await
+        .expect("create pool");
+    ipam.update_config(|c| c.max_blocks_per_host = 1)
+        .await
+        .expect("one block per family");
+    let dual = |handle: &str, skip_block_edges: bool| AutoAssignRequest {
+        num_v6: 1,
+        skip_block_edges,
+        ..v4(handle, "node-a", 1)
+    };
+    let mut blocks = Vec::new();
+    for handle in ["a", "b"] {
+        let got = ipam
+            .auto_assign(&dual(handle, true))
+            .await
+            .expect("assign host addresses");
+        blocks.extend(got.v4.iter().chain(&got.v6).map(|a| a.block));
+    }
+    blocks.sort();
+    blocks.dedup();
+    assert_eq!(blocks.len(), 2, "one block of each family: {blocks:?}");
+    for block in &blocks {
+        assert_eq!(
+            placement(&t.store, "node-a", block).await,
+            ["full"],
+            "{block}"
+        );
+    }
+    let got = ipam
+        .auto_assign(&dual("gateway", false))
+        .await
+        .expect("a request that may take edges, at the block limit");
+    for address in got.v4.iter().chain(&got.v6) {
+        assert!(blocks.contains(&address.block), "{address:?}");
+        assert!(
+            address.ip == address.block.network() || address.ip == address.block.broadcast(),
+            "{address:?} is not an edge of its block"
+        );
+    }
+    assert_eq!((got.v4.len(), got.v6.len()), (1, 1), "{got:?}");
     assert_clean(&ipam).await;
 }

@@ -208,13 +208,10 @@ impl Ipam {
                 entry.dirty = true;
             }
         }
-        // Set once this allocation has read the host's blocks under `full/` for their edges.
-        let mut full_blocks_read = false;
-        // Whether a request out of room may find some in the edges of the host's blocks kept
-        // under `full/` (read at most once): only a request that may take edges, in a store whose
-        // writers keep such blocks there.
-        let keeps_edge_blocks_full = plan.keeps_edge_blocks_full();
-        let edges_may_help = |read: &bool| !skip_block_edges && keeps_edge_blocks_full && !*read;
+        // Whether a request out of room may find some in the edges of the host's blocks kept under
+        // `full/`: only a request that may take edges, in a store whose writers keep such blocks
+        // there.
+        let edges_may_help = !skip_block_edges && plan.keeps_edge_blocks_full();
         // Full-pool marks this allocation's search proved (full_pools.rs), by key.
         let mut proven_full: BTreeMap<String, FullPoolMark> = BTreeMap::new();
         let mut result = AutoAssignResult {
@@ -268,6 +265,8 @@ impl Ipam {
             // full-pool marks and look only at a window of the claim index (full_pools.rs); when
             // that window does not hold enough, a second pass reads the whole index.
             let mut believe_marks = true;
+            // Set when the per-host block limit stopped the search short.
+            let mut block_limit: Option<u32> = None;
             loop {
                 // Set when this pass looked only at a window of the claim index.
                 let mut window: Option<ClaimIndex> = None;
@@ -394,36 +393,10 @@ impl Ipam {
                     }
                 }
                 if let Some(owned) = limit_hit {
-                    if (got.len() as u32) < wanted && edges_may_help(&full_blocks_read) {
-                        // No new block for a request that may take block edges: the edges of
-                        // the host's blocks kept under `full/` for having only them free.
-                        let with_edges = self
-                            .blocks_kept_full_for_their_edges(
-                                &request.host,
-                                &candidates,
-                                family,
-                                &mut working,
-                            )
-                            .await?;
-                        full_blocks_read = true;
-                        take_from_blocks(
-                            &mut working,
-                            &with_edges,
-                            &attribute,
-                            wanted,
-                            skip_block_edges,
-                            lifetime,
-                            &reserved,
-                            &mut got,
-                        );
-                    }
                     if (got.len() as u32) < wanted {
-                        return Err(IpamError::BlockLimit {
-                            host: request.host.clone(),
-                            family,
-                            owned,
-                            limit: config.max_blocks_per_host,
-                        });
+                        // No borrowing past the per-host block limit.
+                        block_limit = Some(owned);
+                        break;
                     }
                 }
 
@@ -501,8 +474,10 @@ impl Ipam {
                 break;
             }
 
-            if (got.len() as u32) < wanted && edges_may_help(&full_blocks_read) {
-                // Nowhere else to look: the edges of the host's blocks kept under `full/`.
+            if (got.len() as u32) < wanted && edges_may_help {
+                // No new block (the pool is full, or the per-host limit is reached) and nothing to
+                // borrow: the edges of the host's blocks kept under `full/` for having only them
+                // free.
                 let with_edges = self
                     .blocks_kept_full_for_their_edges(
                         &request.host,
@@ -511,7 +486,6 @@ impl Ipam {
                         &mut working,
                     )
                     .await?;
-                full_blocks_read = true;
                 take_from_blocks(
                     &mut working,
                     &with_edges,
@@ -524,6 +498,14 @@ impl Ipam {
                 );
             }
             if (got.len() as u32) < wanted {
+                if let Some(owned) = block_limit {
+                    return Err(IpamError::BlockLimit {
+                        host: request.host.clone(),
+                        family,
+                        owned,
+                        limit: config.max_blocks_per_host,
+                    });
+                }
                 return Err(IpamError::Exhausted {
                     family,
                     requested: wanted,
