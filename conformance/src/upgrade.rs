@@ -429,18 +429,34 @@ pub async fn a_block_filled_to_its_edges_moves_to_full_only_once_finalized<F: St
     assert_eq!(second.v4[0].block, block, "both host addresses of one /30");
     assert_eq!(placement(&t.store, "node-a", &block).await, ["open"]);
     assert_clean(&ipam).await;
+    // The next ADD, still at format 4, claims a new block and leaves that one as it is.
+    let open_key = keys::block(Some("node-a"), &block);
+    let revision = |store: Arc<dyn KvStore>, key: String| async move {
+        store.get(&key).await.expect("get").map(|kv| kv.revision)
+    };
+    let before = revision(Arc::clone(&t.store), open_key.clone()).await;
+    let next = ipam
+        .auto_assign(&skipping_edges("b2", "node-a"))
+        .await
+        .expect("assign b2");
+    let next_block = next.v4[0].block;
+    assert_ne!(next_block, block, "a new block for b2");
+    assert_eq!(
+        revision(Arc::clone(&t.store), open_key).await,
+        before,
+        "a format-4 writer rewrote a block it did not change"
+    );
 
     ipam.finalize_upgrade(true).await.expect("finalize");
     let third = ipam
         .auto_assign(&skipping_edges("c", "node-a"))
         .await
         .expect("assign c");
-    assert_ne!(third.v4[0].block, block, "a new block for c");
+    assert_eq!(third.v4[0].block, next_block, "c fills b2's block");
+    // The block format 4 left under open/ moved with c's write, and c's filled block is stored
+    // as full at once.
     assert_eq!(placement(&t.store, "node-a", &block).await, ["full"]);
-    assert_eq!(
-        placement(&t.store, "node-a", &third.v4[0].block).await,
-        ["open"]
-    );
+    assert_eq!(placement(&t.store, "node-a", &next_block).await, ["full"]);
     assert_clean(&ipam).await;
     // Its addresses stay where they were, and release from where it is now.
     ipam.release_handle("a").await.expect("release a");
