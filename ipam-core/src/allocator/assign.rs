@@ -208,9 +208,8 @@ impl Ipam {
                 entry.dirty = true;
             }
         }
-        // Whether a request out of room may find some in the edges of the host's blocks kept under
-        // `full/`: only a request that may take edges, in a store whose writers keep such blocks
-        // there.
+        // Whether a request may find room in the edges of the host's blocks kept under `full/`:
+        // only a request that may take edges, in a store whose writers keep such blocks there.
         let edges_may_help = !skip_block_edges && plan.keeps_edge_blocks_full();
         // Full-pool marks this allocation's search proved (full_pools.rs), by key.
         let mut proven_full: BTreeMap<String, FullPoolMark> = BTreeMap::new();
@@ -260,6 +259,30 @@ impl Ipam {
                 &reserved,
                 &mut got,
             );
+            if (got.len() as u32) < wanted && edges_may_help {
+                // Still the host's own blocks, as Calico takes them before a new one: a request
+                // that may take edges also takes them from the host's blocks kept under `full/`
+                // for having only them free (one listing of those, only when its blocks with
+                // room ran out).
+                let with_edges = self
+                    .blocks_kept_full_for_their_edges(
+                        &request.host,
+                        &candidates,
+                        family,
+                        &mut working,
+                    )
+                    .await?;
+                take_from_blocks(
+                    &mut working,
+                    &with_edges,
+                    &attribute,
+                    wanted,
+                    skip_block_edges,
+                    lifetime,
+                    &reserved,
+                    &mut got,
+                );
+            }
 
             // Steps 2 and 3, at most twice: a first pass may believe the candidate pools'
             // full-pool marks and look only at a window of the claim index (full_pools.rs); when
@@ -474,29 +497,6 @@ impl Ipam {
                 break;
             }
 
-            if (got.len() as u32) < wanted && edges_may_help {
-                // No new block (the pool is full, or the per-host limit is reached) and nothing to
-                // borrow: the edges of the host's blocks kept under `full/` for having only them
-                // free.
-                let with_edges = self
-                    .blocks_kept_full_for_their_edges(
-                        &request.host,
-                        &candidates,
-                        family,
-                        &mut working,
-                    )
-                    .await?;
-                take_from_blocks(
-                    &mut working,
-                    &with_edges,
-                    &attribute,
-                    wanted,
-                    skip_block_edges,
-                    lifetime,
-                    &reserved,
-                    &mut got,
-                );
-            }
             if (got.len() as u32) < wanted {
                 if let Some(owned) = block_limit {
                     return Err(IpamError::BlockLimit {
@@ -563,8 +563,8 @@ impl Ipam {
 
     /// The host's blocks under `full/` of `family` in one of `candidates` that have a free address
     /// (blocks whose only free addresses are their edges), added to `working`: their CIDRs, for a
-    /// request that may take edges and found no room elsewhere. One listing of the host's full
-    /// blocks.
+    /// request that may take edges and found no room in the host's other blocks. One listing of
+    /// the host's full blocks.
     async fn blocks_kept_full_for_their_edges(
         &self,
         host: &str,
