@@ -259,11 +259,11 @@ impl Ipam {
                 &reserved,
                 &mut got,
             );
-            if (got.len() as u32) < wanted && edges_may_help {
-                // Still the host's own blocks, as Calico takes them before a new one: a request
+            if (got.len() as u32) < wanted && edges_may_help && !config.auto_allocate_blocks {
+                // Still the host's own blocks, as Calico takes them before any other: a request
                 // that may take edges also takes them from the host's blocks kept under `full/`
                 // for having only them free (one listing of those, only when its blocks with
-                // room ran out).
+                // room ran out; with new blocks allowed, the new-block probe reads them).
                 let with_edges = self
                     .blocks_kept_full_for_their_edges(
                         &request.host,
@@ -302,9 +302,33 @@ impl Ipam {
                     // limit counts its full ones too, read in the same batch as the probe.
                     let limited = config.max_blocks_per_host != 0;
                     let probe = self
-                        .probe_new_blocks(&candidates, &request.host, limited)
+                        .probe_new_blocks(&candidates, &request.host, limited, edges_may_help)
                         .await?;
                     mixed_seen.extend(probe.mixed.iter().cloned());
+                    // Still the host's own blocks, as Calico takes them before a new one: a
+                    // request that may take edges takes them from the host's blocks kept under
+                    // `full/` for having only them free, read in the probe's batch.
+                    let mut with_edges = Vec::new();
+                    for stored in probe.edge_blocks {
+                        let cidr = stored.value.cidr;
+                        if Family::of_net(&cidr) == family
+                            && in_candidates(&cidr)
+                            && !working.contains_key(&cidr)
+                        {
+                            working.insert(cidr, WorkingBlock::from_stored(stored));
+                            with_edges.push(cidr);
+                        }
+                    }
+                    take_from_blocks(
+                        &mut working,
+                        &with_edges,
+                        &attribute,
+                        wanted,
+                        skip_block_edges,
+                        lifetime,
+                        &reserved,
+                        &mut got,
+                    );
                     let host_owns = |block: &Block| {
                         block.affinity.as_deref() == Some(request.host.as_str())
                             && Family::of_net(&block.cidr) == family
@@ -592,7 +616,7 @@ impl Ipam {
     }
 
     /// The first read of a new-block search, one batch: the host's full blocks (when the per-host
-    /// limit needs counting), the sequence floor, the block-release counter, for each candidate
+    /// limit needs counting them, or `edge_blocks` asks for those with only their edges free), the sequence floor, the block-release counter, for each candidate
     /// pool its full-pool mark and the claim entries of the [`NEW_BLOCK_PROBES`] blocks that follow
     /// the host's hashed start, and in the first candidate pool [`full_pools::CLAIM_WINDOW`] more:
     /// the entries found are the *window* a search that believes the marks borrows from. Every
@@ -602,8 +626,10 @@ impl Ipam {
         &self,
         candidates: &[&Stored<Pool>],
         host: &str,
-        read_full: bool,
+        count_full: bool,
+        edge_blocks: bool,
     ) -> Result<NewBlockProbe, IpamError> {
+        let read_full = count_full || edge_blocks;
         let mut reads = vec![
             Read::Get(keys::sequence_floor()),
             Read::Get(keys::block_releases()),
@@ -636,9 +662,16 @@ impl Ipam {
         let sequence_floor = decode_sequence_floor(next_got(&mut results)?)?;
         let releases = full_pools::releases_revision(next_got(&mut results)?.as_ref());
         let mut host_full = Vec::new();
+        let mut with_edges = Vec::new();
         if read_full {
             for kv in next_listed(&mut results)? {
                 host_full.push(super::cidr_of_key(&kv.key, "a block key")?);
+                if edge_blocks {
+                    let stored: Stored<Block> = decode_stored(kv)?;
+                    if stored.value.free() > 0 {
+                        with_edges.push(stored);
+                    }
+                }
             }
         }
         let mut unclaimed = Vec::new();
@@ -674,6 +707,7 @@ impl Ipam {
         Ok(NewBlockProbe {
             mixed,
             host_full,
+            edge_blocks: with_edges,
             unclaimed,
             sequence_floor,
             releases,

@@ -485,6 +485,8 @@ struct NewBlockProbe {
     mixed: Vec<(IpNet, KeyValue)>,
     /// The host's full blocks (all families), when the per-host limit needs them.
     host_full: Vec<IpNet>,
+    /// Of those, the ones with a free address (only their edges free), when asked for.
+    edge_blocks: Vec<Stored<Block>>,
     /// Unclaimed blocks among the probed ones, in search order.
     unclaimed: Vec<IpNet>,
     /// The sequence floor, read in the same snapshot.
