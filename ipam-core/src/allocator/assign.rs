@@ -308,17 +308,8 @@ impl Ipam {
                     // Still the host's own blocks, as Calico takes them before a new one: a
                     // request that may take edges takes them from the host's blocks kept under
                     // `full/` for having only them free, read in the probe's batch.
-                    let mut with_edges = Vec::new();
-                    for stored in probe.edge_blocks {
-                        let cidr = stored.value.cidr;
-                        if Family::of_net(&cidr) == family
-                            && in_candidates(&cidr)
-                            && !working.contains_key(&cidr)
-                        {
-                            working.insert(cidr, WorkingBlock::from_stored(stored));
-                            with_edges.push(cidr);
-                        }
-                    }
+                    let with_edges =
+                        adopt_edge_blocks(probe.edge_blocks, &candidates, family, &mut working);
                     take_from_blocks(
                         &mut working,
                         &with_edges,
@@ -596,22 +587,14 @@ impl Ipam {
         family: Family,
         working: &mut BTreeMap<IpNet, WorkingBlock>,
     ) -> Result<Vec<IpNet>, IpamError> {
-        let mut with_edges = Vec::new();
+        let mut listed = Vec::new();
         for kv in self.store.list(&keys::host_full_blocks_dir(host)).await? {
             let stored: Stored<Block> = decode_stored(kv)?;
-            let cidr = stored.value.cidr;
-            let in_candidates = candidates
-                .iter()
-                .any(|p| p.value.cidr.contains(&cidr.network()));
-            if stored.value.free() > 0
-                && Family::of_net(&cidr) == family
-                && in_candidates
-                && !working.contains_key(&cidr)
-            {
-                working.insert(cidr, WorkingBlock::from_stored(stored));
-                with_edges.push(cidr);
+            if stored.value.free() > 0 {
+                listed.push(stored);
             }
         }
+        let with_edges = adopt_edge_blocks(listed, candidates, family, working);
         Ok(with_edges)
     }
 
@@ -936,6 +919,28 @@ impl Ipam {
         }
         self.commit_plan(plan, assigned).await
     }
+}
+
+/// The blocks of `family` in one of `candidates` among `blocks` (the host's blocks kept under
+/// `full/` with only their edges free) that `working` does not hold yet, added to it: their CIDRs.
+fn adopt_edge_blocks(
+    blocks: Vec<Stored<Block>>,
+    candidates: &[&Stored<Pool>],
+    family: Family,
+    working: &mut BTreeMap<IpNet, WorkingBlock>,
+) -> Vec<IpNet> {
+    let mut adopted = Vec::new();
+    for stored in blocks {
+        let cidr = stored.value.cidr;
+        let in_candidates = candidates
+            .iter()
+            .any(|p| p.value.cidr.contains(&cidr.network()));
+        if Family::of_net(&cidr) == family && in_candidates && !working.contains_key(&cidr) {
+            working.insert(cidr, WorkingBlock::from_stored(stored));
+            adopted.push(cidr);
+        }
+    }
+    adopted
 }
 
 /// How many blocks that a writer of an older format left under `open/` with only their edges free
