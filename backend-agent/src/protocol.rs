@@ -10,7 +10,8 @@
 //! agent answers with the version both speak (the lower of the two). After it, protocol 1 sends
 //! [`RequestFrame`]s, protocols 2 and 3 [`BoundedRequestFrame`]s, which add the caller's deadline.
 //! Protocol 3 differs from 2 only in what a request may hold: a [`WireRead::Range`] in a batched
-//! read. Answers are [`ResponseFrame`]s in all three. bincode is not self-describing: a variant or
+//! read; protocol 4 from 3 only in a transaction's [`WireCondition::NoPutAfter`]. Answers are
+//! [`ResponseFrame`]s in all four. bincode is not self-describing: a variant or
 //! field is never changed or reordered, only new variants added at the end of an enum, and a
 //! variant added in version N is never sent on a connection that negotiated less (an agent of an
 //! older build cannot decode it and closes the connection): [`Request::spoken_in`] rewrites a
@@ -33,8 +34,12 @@ pub const PROTOCOL_V2: u32 = 2;
 /// [`PROTOCOL_V2`]).
 pub const PROTOCOL_V3: u32 = 3;
 
-/// The newest protocol version this build speaks: [`PROTOCOL_V3`].
-pub const PROTOCOL_VERSION: u32 = PROTOCOL_V3;
+/// The first protocol version in which a transaction may hold a [`WireCondition::NoPutAfter`]
+/// (framed as [`PROTOCOL_V2`]).
+pub const PROTOCOL_V4: u32 = 4;
+
+/// The newest protocol version this build speaks: [`PROTOCOL_V4`].
+pub const PROTOCOL_VERSION: u32 = PROTOCOL_V4;
 
 /// Largest request payload the agent reads (a transaction is at most about 1.4 MiB; a batched
 /// read names keys only).
@@ -135,9 +140,9 @@ pub struct ReceivedRequest {
 }
 
 /// Decodes a request frame's payload as the negotiated `protocol` frames it (the hello, always
-/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]). Protocols 2 and 3 share a framing;
-/// a [`WireRead::Range`] decodes in either (a client of this build never sends one in 2, and
-/// one that does is simply served).
+/// protocol 1's framing, is decoded with [`PROTOCOL_V1`]). Protocols 2 to 4 share a framing;
+/// a [`WireRead::Range`] or [`WireCondition::NoPutAfter`] decodes in any of them (a client of
+/// this build never sends one in a protocol before its own, and one that does is simply served).
 ///
 /// # Errors
 /// [`FrameError::Decode`] for a payload that is not one request of that framing, or an unknown
@@ -202,12 +207,28 @@ impl Request {
     /// [`PROTOCOL_V3`], each [`WireRead::Range`] of a batched read becomes a
     /// [`WireRead::List`] of its prefix (the caller cuts the window from the listing, see
     /// `ipam_core::range_of_listing`); anything else is unchanged.
-    pub fn spoken_in(self, protocol: u32) -> Request {
+    ///
+    /// # Errors
+    /// Why not, for a transaction holding a [`WireCondition::NoPutAfter`] before
+    /// [`PROTOCOL_V4`]: no condition of older protocols tests what it tests.
+    pub fn spoken_in(self, protocol: u32) -> Result<Request, String> {
         match self {
-            Request::ReadMany { reads } if protocol < PROTOCOL_V3 => Request::ReadMany {
+            Request::ReadMany { reads } if protocol < PROTOCOL_V3 => Ok(Request::ReadMany {
                 reads: reads.into_iter().map(WireRead::without_range).collect(),
-            },
-            other => other,
+            }),
+            Request::Commit { txn }
+                if protocol < PROTOCOL_V4
+                    && txn
+                        .conditions
+                        .iter()
+                        .any(|c| matches!(c, WireCondition::NoPutAfter(..))) =>
+            {
+                Err(format!(
+                    "a transaction conditioned on a prefix takes protocol {PROTOCOL_V4}, and \
+                     this agent speaks {protocol} (an older build: upgrade it)"
+                ))
+            }
+            other => Ok(other),
         }
     }
 
@@ -321,6 +342,9 @@ pub enum WireCondition {
     Absent(String),
     /// The key must be at this revision.
     AtRevision(String, u64),
+    /// No key under the prefix was put after the revision (protocol 4 on; see
+    /// [`Request::spoken_in`]).
+    NoPutAfter(String, u64),
 }
 
 /// [`Op`] on the wire.
@@ -467,6 +491,9 @@ impl From<Txn> for WireTxn {
                     Condition::AtRevision { key, revision } => {
                         WireCondition::AtRevision(key, revision.get())
                     }
+                    Condition::NoPutAfter { prefix, revision } => {
+                        WireCondition::NoPutAfter(prefix, revision.get())
+                    }
                 })
                 .collect(),
             ops: txn
@@ -491,6 +518,10 @@ impl From<WireTxn> for Txn {
                     WireCondition::Absent(key) => Condition::Absent { key },
                     WireCondition::AtRevision(key, revision) => Condition::AtRevision {
                         key,
+                        revision: Revision(revision),
+                    },
+                    WireCondition::NoPutAfter(prefix, revision) => Condition::NoPutAfter {
+                        prefix,
                         revision: Revision(revision),
                     },
                 })
@@ -991,13 +1022,41 @@ mod tests {
         for older in [PROTOCOL_V1, PROTOCOL_V2] {
             assert_eq!(
                 batch.clone().spoken_in(older),
-                without_ranges,
+                Ok(without_ranges.clone()),
                 "protocol {older}"
             );
         }
-        assert_eq!(batch.clone().spoken_in(PROTOCOL_V3), batch);
+        for newer in [PROTOCOL_V3, PROTOCOL_V4] {
+            assert_eq!(batch.clone().spoken_in(newer), Ok(batch.clone()));
+        }
         let get = Request::Get { key: "k".into() };
-        assert_eq!(get.clone().spoken_in(PROTOCOL_V1), get);
+        assert_eq!(get.clone().spoken_in(PROTOCOL_V1), Ok(get));
+    }
+
+    #[test]
+    fn before_protocol_4_a_transaction_conditioned_on_a_prefix_is_not_sent() {
+        let txn = WireTxn::from(
+            Txn::new()
+                .when(Condition::at_revision("a", Revision(3)))
+                .when(Condition::no_put_after("p/", Revision(9)))
+                .then(Op::put("a", b"v".to_vec())),
+        );
+        assert_eq!(txn.conditions[1], WireCondition::NoPutAfter("p/".into(), 9));
+        assert_eq!(
+            Txn::from(txn.clone()).conditions[1],
+            Condition::no_put_after("p/", Revision(9))
+        );
+        let commit = Request::Commit { txn };
+        for older in [PROTOCOL_V1, PROTOCOL_V2, PROTOCOL_V3] {
+            let refused = commit.clone().spoken_in(older).expect_err("not sendable");
+            assert!(refused.contains("protocol 4"), "{refused}");
+        }
+        assert_eq!(commit.clone().spoken_in(PROTOCOL_V4), Ok(commit.clone()));
+        // Without such a condition, a transaction goes in every protocol unchanged.
+        let plain = Request::Commit {
+            txn: Txn::new().then(Op::delete("a")).into(),
+        };
+        assert_eq!(plain.clone().spoken_in(PROTOCOL_V1), Ok(plain));
     }
 
     /// The protocol 3 sample among the fuzzer's seeds is [`bounded_batch_with_a_range`] as this

@@ -140,7 +140,12 @@ impl AgentStore {
             }
         };
         let protocol = link.protocol;
-        let request = request.spoken_in(protocol);
+        let request = request.spoken_in(protocol).map_err(|why| {
+            KvError::invalid(format!(
+                "{why}; the {kind} was not sent to the blockipam agent at {}",
+                self.config.socket.display()
+            ))
+        })?;
         let id = link.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let encoded = if protocol >= PROTOCOL_V2 {
             let deadline = WireDeadline::at(deadline);

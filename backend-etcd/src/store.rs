@@ -445,9 +445,19 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
-/// The etcd comparison for one condition.
-fn compare_for(condition: &Condition, key: Vec<u8>) -> Compare {
+/// The etcd comparison for one condition: `key` is the tested key with the store's prefix, or
+/// for [`Condition::NoPutAfter`] the start of its range, and `range_end` the end of that range.
+fn compare_for(condition: &Condition, key: Vec<u8>, range_end: Vec<u8>) -> Compare {
     match condition {
+        // Every key of the range must compare true (a range without keys holds): etcd 3.3 on.
+        Condition::NoPutAfter { revision, .. } => Compare::mod_revision(
+            key,
+            CompareOp::Less,
+            i64::try_from(revision.get())
+                .unwrap_or(i64::MAX)
+                .saturating_add(1),
+        )
+        .with_range(range_end),
         // A key that does not exist has create_revision 0.
         Condition::Absent { .. } => Compare::create_revision(key, CompareOp::Equal, 0),
         Condition::AtRevision { revision, .. } => match i64::try_from(revision.get()) {
@@ -609,10 +619,21 @@ impl KvStore for EtcdStore {
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
         txn.validate()?;
+        // The key a condition tests, or the range of its prefix (an empty end: one key).
+        let tested = |c: &Condition| {
+            if c.tests_a_prefix() {
+                self.range_for(c.key())
+            } else {
+                (self.full_key(c.key()), Vec::new())
+            }
+        };
         let compares: Vec<Compare> = txn
             .conditions
             .iter()
-            .map(|c| compare_for(c, self.full_key(c.key())))
+            .map(|c| {
+                let (key, end) = tested(c);
+                compare_for(c, key, end)
+            })
             .collect();
         let ops: Vec<TxnOp> = txn
             .ops
@@ -628,10 +649,12 @@ impl KvStore for EtcdStore {
             .conditions
             .iter()
             .map(|c| {
-                TxnOp::get(
-                    self.full_key(c.key()),
-                    Some(GetOptions::new().with_keys_only()),
-                )
+                let (key, end) = tested(c);
+                let mut options = GetOptions::new().with_keys_only();
+                if !end.is_empty() {
+                    options = options.with_range(end);
+                }
+                TxnOp::get(key, Some(options))
             })
             .collect();
         let request = etcd_client::Txn::new()
@@ -665,7 +688,14 @@ impl KvStore for EtcdStore {
                 }
             }
         }
-        match txn.first_failed_condition(|key| Ok(current.get(key).copied()))? {
+        let newest_under = |prefix: &str| {
+            Ok(current
+                .iter()
+                .filter(|(key, _)| key.starts_with(prefix))
+                .map(|(_, revision)| *revision)
+                .max())
+        };
+        match txn.first_failed_condition(|key| Ok(current.get(key).copied()), newest_under)? {
             Some(failed) => Err(KvError::Conflict {
                 key: failed.key().to_owned(),
             }),

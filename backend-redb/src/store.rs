@@ -276,12 +276,24 @@ impl Inner {
         let path = &self.path;
         let mut data = write.open_table(DATA_TABLE).engine(path)?;
         let mut meta = write.open_table(META_TABLE).engine(path)?;
-        if let Some(condition) =
-            txn.first_failed_condition(|key| match data.get(key).engine(path)? {
+        if let Some(condition) = txn.first_failed_condition(
+            |key| match data.get(key).engine(path)? {
                 None => Ok(None),
                 Some(record) => decode_record(key, record.value()).map(|(rev, _)| Some(rev)),
-            })?
-        {
+            },
+            |prefix| {
+                let mut newest = None;
+                for item in data.range::<&str>(prefix..).engine(path)? {
+                    let (key, record) = item.engine(path)?;
+                    if !key.value().starts_with(prefix) {
+                        break;
+                    }
+                    let (revision, _) = decode_record(key.value(), record.value())?;
+                    newest = newest.max(Some(revision));
+                }
+                Ok(newest)
+            },
+        )? {
             return Err(KvError::Conflict {
                 key: condition.key().to_owned(),
             });

@@ -358,16 +358,27 @@ impl Inner {
             .durable_writes
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // sled's transactions cannot scan: each tested prefix's newest revision is read here,
+        // where no other write of this process can run (the lock above; the store's lock file
+        // keeps other processes out).
+        let mut newest_under: HashMap<&str, Option<Revision>> = HashMap::new();
+        for prefix in txn.tested_prefixes() {
+            let newest = self.scan(prefix)?.iter().map(|kv| kv.revision).max();
+            newest_under.insert(prefix, newest);
+        }
         let outcome = (&self.data, &self.meta).transaction(|(data, meta)| {
             let mut engine_failure = None;
-            let failed = txn.first_failed_condition(|key| match data.get(key.as_bytes()) {
-                Ok(None) => Ok(None),
-                Ok(Some(record)) => decode_record(key, &record).map(|(rev, _)| Some(rev)),
-                Err(err) => {
-                    engine_failure = Some(err);
-                    Err(KvError::other("sled read failed"))
-                }
-            });
+            let failed = txn.first_failed_condition(
+                |key| match data.get(key.as_bytes()) {
+                    Ok(None) => Ok(None),
+                    Ok(Some(record)) => decode_record(key, &record).map(|(rev, _)| Some(rev)),
+                    Err(err) => {
+                        engine_failure = Some(err);
+                        Err(KvError::other("sled read failed"))
+                    }
+                },
+                |prefix| Ok(newest_under.get(prefix).copied().flatten()),
+            );
             if let Some(err) = engine_failure {
                 return Err(staged(err, path));
             }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use backend_agent::protocol::{
     decode_request, encode_frame, read_frame, read_payload, write_frame, BoundedRequestFrame,
     Request, RequestFrame, Response, ResponseFrame, WireDeadline, WireRead, MAX_REQUEST_BYTES,
-    MAX_RESPONSE_BYTES, PROTOCOL_V1, PROTOCOL_V2, PROTOCOL_V3, PROTOCOL_VERSION,
+    MAX_RESPONSE_BYTES, PROTOCOL_V1, PROTOCOL_V2, PROTOCOL_V3, PROTOCOL_V4, PROTOCOL_VERSION,
 };
 use backend_agent::{AgentConfig, AgentStore};
 use blockipam_agent::ServerConfig;
@@ -100,8 +100,8 @@ async fn each_hello_is_answered_with_the_newest_version_both_speak() {
         Arc::new(MemoryStore::new()),
         ServerConfig::default(),
     );
-    assert_eq!(PROTOCOL_VERSION, PROTOCOL_V3);
-    for (offered, answered) in [(1, 1), (2, 2), (3, 3), (4, 3), (u32::MAX, 3)] {
+    assert_eq!(PROTOCOL_VERSION, PROTOCOL_V4);
+    for (offered, answered) in [(1, 1), (2, 2), (3, 3), (4, 4), (5, 4), (u32::MAX, 4)] {
         let (_stream, protocol) = greeted(&agent, offered).await;
         assert_eq!(protocol, answered, "offering {offered}");
     }
@@ -209,7 +209,7 @@ async fn this_client_reads_each_window_through_an_agent_replaced_by_one_of_proto
     )
     .await
     .expect("connect");
-    assert_eq!(client.protocol().await, Some(PROTOCOL_V3));
+    assert_eq!(client.protocol().await, Some(PROTOCOL_V4));
     assert_windows(&client.read_many(&range_batch()).await.expect("read_many"));
     // It is replaced by an agent of the build before protocol 3 (a rollback) on the same socket.
     let _ = stop.send(());

@@ -969,3 +969,164 @@ pub async fn commit_that_changes_nothing_never_goes_backwards<F: StoreFactory>(f
     let after = t.store.put("k2", b"v".to_vec()).await.expect("put");
     assert!(after > before && after >= noop);
 }
+
+/// Puts `p/a`, `p/b` and, outside the string prefix `p/`, `p`, `pa` and `q/x`; returns the
+/// newest revision under `p/` (that of `p/b`).
+async fn put_keys_in_and_around_p(store: &dyn KvStore) -> Revision {
+    store.put("p/a", b"a".to_vec()).await.expect("put p/a");
+    let newest = store.put("p/b", b"b".to_vec()).await.expect("put p/b");
+    for key in ["p", "pa", "q/x"] {
+        store.put(key, b"o".to_vec()).await.expect("put outside");
+    }
+    newest
+}
+
+/// A transaction conditioned on "no key under the prefix put after R" applies while every key
+/// there carries R or less, and conflicts, naming the prefix and writing nothing, once a key
+/// there is put again or a new one is put: by another transaction or by one of this store's
+/// convenience writes.
+pub async fn no_put_after_holds_until_a_key_under_the_prefix_is_put<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let newest = put_keys_in_and_around_p(&*t.store).await;
+    let guarded = |revision: Revision, value: &[u8]| {
+        Txn::new()
+            .when(Condition::no_put_after("p/", revision))
+            .then(Op::put("out/result", value.to_vec()))
+    };
+    t.store
+        .commit(guarded(newest, b"1"))
+        .await
+        .expect("nothing under p/ was put after its newest revision");
+    // A revision beyond the newest holds too: the condition bounds revisions from above.
+    t.store
+        .commit(guarded(Revision(newest.get() + 1_000), b"2"))
+        .await
+        .expect("a bound above the newest revision holds");
+    // One revision short of the newest key's: p/b was put after it.
+    assert_conflict_on(
+        t.store
+            .commit(guarded(Revision(newest.get() - 1), b"3"))
+            .await,
+        "p/",
+    );
+    assert_eq!(value_of(&*t.store, "out/result").await, Some(b"2".to_vec()));
+    // An existing key put again.
+    let rewritten = revision_of(&*t.store, "p/a").await;
+    t.store
+        .update("p/a", rewritten, b"a2".to_vec())
+        .await
+        .expect("update p/a");
+    assert_conflict_on(t.store.commit(guarded(newest, b"4")).await, "p/");
+    // A new key below the prefix, at any depth.
+    let again = revision_of(&*t.store, "p/a").await;
+    t.store
+        .commit(guarded(again, b"5"))
+        .await
+        .expect("holds at the rewrite's revision");
+    t.store
+        .create("p/deeper/c", b"c".to_vec())
+        .await
+        .expect("create p/deeper/c");
+    assert_conflict_on(t.store.commit(guarded(again, b"6")).await, "p/");
+    assert_eq!(value_of(&*t.store, "out/result").await, Some(b"5".to_vec()));
+}
+
+/// Keys outside the string prefix never fail the condition, whatever their revision, and a
+/// delete under the prefix is not a put: the condition still holds after one.
+pub async fn no_put_after_ignores_keys_outside_the_prefix_and_deletes<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let newest = put_keys_in_and_around_p(&*t.store).await;
+    for key in ["p", "pa", "p0", "o/p/x", "q/x"] {
+        t.store.put(key, b"later".to_vec()).await.expect("put");
+    }
+    t.store.delete("p/a").await.expect("delete p/a");
+    t.store
+        .commit(
+            Txn::new()
+                .when(Condition::no_put_after("p/", newest))
+                .then(Op::put("out/result", b"1".to_vec())),
+        )
+        .await
+        .expect("only puts under p/ fail the condition");
+    assert_eq!(value_of(&*t.store, "out/result").await, Some(b"1".to_vec()));
+}
+
+/// A prefix with no key holds at revision 0 (a listing that answered nothing), until a key is
+/// put there; the empty prefix tests every key of the store.
+pub async fn no_put_after_on_a_prefix_without_keys_holds_until_one_is_put<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let guarded = |prefix: &str, value: &[u8]| {
+        Txn::new()
+            .when(Condition::no_put_after(prefix, Revision::NONE))
+            .then(Op::put("first", value.to_vec()))
+    };
+    t.store
+        .commit(guarded("", b"1"))
+        .await
+        .expect("an empty store holds for the empty prefix at revision 0");
+    assert_conflict_on(t.store.commit(guarded("", b"2")).await, "");
+    t.store
+        .commit(guarded("x/", b"3"))
+        .await
+        .expect("nothing under x/ yet");
+    t.store.put("x/1", b"1".to_vec()).await.expect("put x/1");
+    assert_conflict_on(t.store.commit(guarded("x/", b"4")).await, "x/");
+    assert_eq!(value_of(&*t.store, "first").await, Some(b"3".to_vec()));
+}
+
+/// A conflict names the first failed condition in order, prefix conditions among key
+/// conditions; a prefix and a key of the same text are two conditions, a prefix tested twice
+/// or one holding NUL is an invalid argument.
+pub async fn no_put_after_takes_its_place_among_the_conditions<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let newest = put_keys_in_and_around_p(&*t.store).await;
+    let stale = Condition::no_put_after("p/", Revision(newest.get() - 1));
+    let first_prefix = Txn::new()
+        .when(Condition::absent("free"))
+        .when(stale.clone())
+        .when(Condition::absent("q/x"))
+        .then(Op::put("free", b"x".to_vec()));
+    assert_conflict_on(t.store.commit(first_prefix).await, "p/");
+    let first_key = Txn::new()
+        .when(Condition::absent("q/x"))
+        .when(stale.clone())
+        .then(Op::put("free", b"x".to_vec()));
+    assert_conflict_on(t.store.commit(first_key).await, "q/x");
+    assert_eq!(value_of(&*t.store, "free").await, None);
+    // "p" as a key (it exists) and "p" as a prefix (p, p/a, p/b, pa): two conditions.
+    let p_revision = revision_of(&*t.store, "p").await;
+    let newest_under_p = revision_of(&*t.store, "pa").await.max(p_revision);
+    t.store
+        .commit(
+            Txn::new()
+                .when(Condition::at_revision("p", p_revision))
+                .when(Condition::no_put_after("p", newest_under_p))
+                .then(Op::put("free", b"y".to_vec())),
+        )
+        .await
+        .expect("a key and a prefix of the same text");
+    assert_invalid(
+        t.store
+            .commit(
+                Txn::new()
+                    .when(Condition::no_put_after("p/", newest))
+                    .when(Condition::no_put_after("p/", newest))
+                    .then(Op::put("free", b"z".to_vec())),
+            )
+            .await,
+    );
+    assert_invalid(
+        t.store
+            .commit(
+                Txn::new()
+                    .when(Condition::no_put_after("p/\0", newest))
+                    .then(Op::put("free", b"z".to_vec())),
+            )
+            .await,
+    );
+    assert_eq!(value_of(&*t.store, "free").await, Some(b"y".to_vec()));
+}

@@ -147,6 +147,10 @@ macro_rules! kv_conformance_tests {
             read_many_answers_ranges_beside_gets_and_lists_in_order,
             transaction_over_the_total_size_limit_is_invalid_and_writes_nothing,
             commit_that_changes_nothing_never_goes_backwards,
+            no_put_after_holds_until_a_key_under_the_prefix_is_put,
+            no_put_after_ignores_keys_outside_the_prefix_and_deletes,
+            no_put_after_on_a_prefix_without_keys_holds_until_one_is_put,
+            no_put_after_takes_its_place_among_the_conditions,
         );
         $crate::__expand_cases!(linearizability, $crate::linearizability, $factory;
             concurrent_histories_are_linearizable,

@@ -88,9 +88,17 @@ impl Inner {
 
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
         let mut contents = self.contents()?;
-        if let Some(failed) = txn.first_failed_condition(|key| {
-            Ok(contents.entries.get(key).map(|e| Revision(e.revision)))
-        })? {
+        if let Some(failed) = txn.first_failed_condition(
+            |key| Ok(contents.entries.get(key).map(|e| Revision(e.revision))),
+            |prefix| {
+                Ok(contents
+                    .entries
+                    .range(prefix.to_owned()..)
+                    .take_while(|(key, _)| key.starts_with(prefix))
+                    .map(|(_, e)| Revision(e.revision))
+                    .max())
+            },
+        )? {
             return Err(KvError::Conflict {
                 key: failed.key().to_owned(),
             });

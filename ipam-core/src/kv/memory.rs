@@ -109,9 +109,17 @@ impl KvStore for MemoryStore {
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
         txn.validate()?;
         let mut state = self.lock()?;
-        if let Some(failed) = txn.first_failed_condition(|key| {
-            Ok(state.entries.get(key).map(|(_, revision)| *revision))
-        })? {
+        if let Some(failed) = txn.first_failed_condition(
+            |key| Ok(state.entries.get(key).map(|(_, revision)| *revision)),
+            |prefix| {
+                Ok(state
+                    .entries
+                    .range(prefix.to_owned()..)
+                    .take_while(|(key, _)| key.starts_with(prefix))
+                    .map(|(_, (_, revision))| *revision)
+                    .max())
+            },
+        )? {
             return Err(KvError::Conflict {
                 key: failed.key().to_owned(),
             });

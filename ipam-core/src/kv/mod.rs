@@ -79,14 +79,32 @@ pub enum Condition {
         /// The revision it must carry.
         revision: Revision,
     },
+    /// No key starting with `prefix` may have been put after `revision`: every such key was last
+    /// written at or before it (a prefix without keys holds). A delete is not a put: a key deleted
+    /// since is not seen. What a write decided from an earlier listing of `prefix` is conditioned
+    /// on, the listing's newest revision (the greatest revision among the keys it answered, 0
+    /// for none) standing for the moment it was read: any put since carries a greater one.
+    NoPutAfter {
+        /// The string prefix tested, compared as [`KvStore::list`] compares it (`""`: every key).
+        prefix: String,
+        /// The newest revision a key under `prefix` may carry.
+        revision: Revision,
+    },
 }
 
 impl Condition {
-    /// The key this condition tests.
+    /// The key this condition tests; for [`Condition::NoPutAfter`], its prefix. A conflict
+    /// names the first failed condition by it.
     pub fn key(&self) -> &str {
         match self {
             Condition::Absent { key } | Condition::AtRevision { key, .. } => key,
+            Condition::NoPutAfter { prefix, .. } => prefix,
         }
+    }
+
+    /// True for [`Condition::NoPutAfter`], which tests every key under a prefix rather than one key.
+    pub fn tests_a_prefix(&self) -> bool {
+        matches!(self, Condition::NoPutAfter { .. })
     }
 
     /// Builds the condition "key is absent".
@@ -102,11 +120,25 @@ impl Condition {
         }
     }
 
-    /// True when a key currently stored at `current` (None: absent) satisfies this condition.
+    /// Builds the condition "no key under `prefix` was put after `revision`".
+    pub fn no_put_after(prefix: impl Into<String>, revision: Revision) -> Self {
+        Condition::NoPutAfter {
+            prefix: prefix.into(),
+            revision,
+        }
+    }
+
+    /// True when the store as it is satisfies this condition, given `current`: for a key
+    /// condition, the revision the key is stored at (None: absent); for
+    /// [`Condition::NoPutAfter`], the greatest revision among the keys under its prefix (None:
+    /// no key there).
     pub fn holds_for(&self, current: Option<Revision>) -> bool {
         match (self, current) {
             (Condition::Absent { .. }, None) => true,
             (Condition::AtRevision { revision, .. }, Some(found)) => *revision == found,
+            (Condition::NoPutAfter { revision, .. }, newest) => {
+                newest.is_none_or(|found| found <= *revision)
+            }
             _ => false,
         }
     }
@@ -238,10 +270,19 @@ impl Txn {
         }
         let mut tested = std::collections::HashSet::new();
         for condition in &self.conditions {
-            validate_key(condition.key())?;
-            if !tested.insert(condition.key()) {
+            if condition.tests_a_prefix() {
+                validate_prefix(condition.key())?;
+            } else {
+                validate_key(condition.key())?;
+            }
+            if !tested.insert((condition.tests_a_prefix(), condition.key())) {
                 return Err(KvError::invalid(format!(
-                    "key {:?} is tested twice in one transaction",
+                    "{} {:?} is tested twice in one transaction",
+                    if condition.tests_a_prefix() {
+                        "prefix"
+                    } else {
+                        "key"
+                    },
                     condition.key()
                 )));
             }
@@ -249,22 +290,39 @@ impl Txn {
         Ok(())
     }
 
-    /// The first condition (in order) that does not hold, given a lookup of current revisions.
+    /// The first condition (in order) that does not hold, given lookups of the store as it is:
+    /// `current_revision` of a key (None: absent), `newest_under` a prefix (the greatest revision
+    /// among its keys, None: no key), asked only for [`Condition::NoPutAfter`].
     ///
     /// Backends that evaluate conditions themselves use this so that all of them name the same key.
-    pub fn first_failed_condition<F>(
+    pub fn first_failed_condition<F, G>(
         &self,
         mut current_revision: F,
+        mut newest_under: G,
     ) -> Result<Option<&Condition>, KvError>
     where
         F: FnMut(&str) -> Result<Option<Revision>, KvError>,
+        G: FnMut(&str) -> Result<Option<Revision>, KvError>,
     {
         for condition in &self.conditions {
-            if !condition.holds_for(current_revision(condition.key())?) {
+            let current = if condition.tests_a_prefix() {
+                newest_under(condition.key())?
+            } else {
+                current_revision(condition.key())?
+            };
+            if !condition.holds_for(current) {
                 return Ok(Some(condition));
             }
         }
         Ok(None)
+    }
+
+    /// The prefixes this transaction's [`Condition::NoPutAfter`] conditions test, in order.
+    pub fn tested_prefixes(&self) -> impl Iterator<Item = &str> {
+        self.conditions
+            .iter()
+            .filter(|c| c.tests_a_prefix())
+            .map(Condition::key)
     }
 }
 
@@ -279,6 +337,19 @@ pub fn validate_key(key: &str) -> Result<(), KvError> {
     if key.contains('\0') {
         return Err(KvError::invalid(format!(
             "key {key:?} contains a NUL character"
+        )));
+    }
+    Ok(())
+}
+
+/// Rejects prefixes no backend can compare faithfully (the empty prefix, every key, is allowed).
+///
+/// # Errors
+/// [`KvError::InvalidArgument`] for a prefix containing a NUL character.
+pub fn validate_prefix(prefix: &str) -> Result<(), KvError> {
+    if prefix.contains('\0') {
+        return Err(KvError::invalid(format!(
+            "prefix {prefix:?} contains a NUL character"
         )));
     }
     Ok(())
