@@ -10,7 +10,8 @@
 //! agent answers with the version both speak (the lower of the two). After it, protocol 1 sends
 //! [`RequestFrame`]s, protocols 2 and 3 [`BoundedRequestFrame`]s, which add the caller's deadline.
 //! Protocol 3 differs from 2 only in what a request may hold: a [`WireRead::Range`] in a batched
-//! read; protocol 4 from 3 only in a transaction's [`WireCondition::NoPutAfter`]. Answers are
+//! read; protocol 4 from 3 in a transaction's [`WireCondition::NoPutAfter`] and in
+//! [`Request::ReadManyCached`], answered by [`Response::ReadManyCached`]. Answers are
 //! [`ResponseFrame`]s in all four. bincode is not self-describing: a variant or
 //! field is never changed or reordered, only new variants added at the end of an enum, and a
 //! variant added in version N is never sent on a connection that negotiated less (an agent of an
@@ -35,7 +36,7 @@ pub const PROTOCOL_V2: u32 = 2;
 pub const PROTOCOL_V3: u32 = 3;
 
 /// The first protocol version in which a transaction may hold a [`WireCondition::NoPutAfter`]
-/// (framed as [`PROTOCOL_V2`]).
+/// and a client may send [`Request::ReadManyCached`] (framed as [`PROTOCOL_V2`]).
 pub const PROTOCOL_V4: u32 = 4;
 
 /// The newest protocol version this build speaks: [`PROTOCOL_V4`].
@@ -195,6 +196,15 @@ pub enum Request {
         /// The transaction.
         txn: WireTxn,
     },
+    /// `KvStore::read_many_cached` (protocol 4 on; see [`Request::spoken_in`]): the reads,
+    /// answered with the conditions under which the answer is still the store's, and, when
+    /// allowed, from what the agent kept of earlier answers and writes.
+    ReadManyCached {
+        /// The reads, in order.
+        reads: Vec<WireRead>,
+        /// Whether the agent may answer from what it kept.
+        may_use_cache: bool,
+    },
 }
 
 impl Request {
@@ -206,13 +216,18 @@ impl Request {
     /// This request as a connection that negotiated `protocol` can carry it: before
     /// [`PROTOCOL_V3`], each [`WireRead::Range`] of a batched read becomes a
     /// [`WireRead::List`] of its prefix (the caller cuts the window from the listing, see
-    /// `ipam_core::range_of_listing`); anything else is unchanged.
+    /// `ipam_core::range_of_listing`); before [`PROTOCOL_V4`], a [`Request::ReadManyCached`]
+    /// becomes the [`Request::ReadMany`] of its reads; anything else is unchanged.
     ///
     /// # Errors
     /// Why not, for a transaction holding a [`WireCondition::NoPutAfter`] before
     /// [`PROTOCOL_V4`]: no condition of older protocols tests what it tests.
     pub fn spoken_in(self, protocol: u32) -> Result<Request, String> {
         match self {
+            // Before protocol 4, the reads themselves (answered from the store).
+            Request::ReadManyCached { reads, .. } if protocol < PROTOCOL_V4 => {
+                Request::ReadMany { reads }.spoken_in(protocol)
+            }
             Request::ReadMany { reads } if protocol < PROTOCOL_V3 => Ok(Request::ReadMany {
                 reads: reads.into_iter().map(WireRead::without_range).collect(),
             }),
@@ -240,6 +255,7 @@ impl Request {
             Request::List { .. } => "list",
             Request::ReadMany { .. } => "read_many",
             Request::Commit { .. } => "commit",
+            Request::ReadManyCached { .. } => "read_many_cached",
         }
     }
 }
@@ -283,6 +299,15 @@ pub enum Response {
     },
     /// The store's error, kind and fields intact.
     Failed(WireError),
+    /// Answer to `ReadManyCached` (protocol 4 on; `ipam_core::CachedRead`).
+    ReadManyCached {
+        /// One result per read, in order.
+        results: Vec<WireReadResult>,
+        /// The conditions under which the results are still the store's.
+        validators: Vec<WireCondition>,
+        /// True when answered from what the agent kept.
+        from_cache: bool,
+    },
 }
 
 /// [`KeyValue`] on the wire.
@@ -480,21 +505,43 @@ impl From<WireReadResult> for ReadResult {
     }
 }
 
+impl From<Condition> for WireCondition {
+    fn from(condition: Condition) -> Self {
+        match condition {
+            Condition::Absent { key } => WireCondition::Absent(key),
+            Condition::AtRevision { key, revision } => {
+                WireCondition::AtRevision(key, revision.get())
+            }
+            Condition::NoPutAfter { prefix, revision } => {
+                WireCondition::NoPutAfter(prefix, revision.get())
+            }
+        }
+    }
+}
+
+impl From<WireCondition> for Condition {
+    fn from(condition: WireCondition) -> Self {
+        match condition {
+            WireCondition::Absent(key) => Condition::Absent { key },
+            WireCondition::AtRevision(key, revision) => Condition::AtRevision {
+                key,
+                revision: Revision(revision),
+            },
+            WireCondition::NoPutAfter(prefix, revision) => Condition::NoPutAfter {
+                prefix,
+                revision: Revision(revision),
+            },
+        }
+    }
+}
+
 impl From<Txn> for WireTxn {
     fn from(txn: Txn) -> Self {
         WireTxn {
             conditions: txn
                 .conditions
                 .into_iter()
-                .map(|condition| match condition {
-                    Condition::Absent { key } => WireCondition::Absent(key),
-                    Condition::AtRevision { key, revision } => {
-                        WireCondition::AtRevision(key, revision.get())
-                    }
-                    Condition::NoPutAfter { prefix, revision } => {
-                        WireCondition::NoPutAfter(prefix, revision.get())
-                    }
-                })
+                .map(WireCondition::from)
                 .collect(),
             ops: txn
                 .ops
@@ -511,21 +558,7 @@ impl From<Txn> for WireTxn {
 impl From<WireTxn> for Txn {
     fn from(txn: WireTxn) -> Self {
         Txn {
-            conditions: txn
-                .conditions
-                .into_iter()
-                .map(|condition| match condition {
-                    WireCondition::Absent(key) => Condition::Absent { key },
-                    WireCondition::AtRevision(key, revision) => Condition::AtRevision {
-                        key,
-                        revision: Revision(revision),
-                    },
-                    WireCondition::NoPutAfter(prefix, revision) => Condition::NoPutAfter {
-                        prefix,
-                        revision: Revision(revision),
-                    },
-                })
-                .collect(),
+            conditions: txn.conditions.into_iter().map(Condition::from).collect(),
             ops: txn
                 .ops
                 .into_iter()

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use ipam_core::{range_of_listing, KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use ipam_core::{
+    range_of_listing, CachedRead, KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn,
+};
 use tokio::io::BufReader;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
@@ -220,6 +222,7 @@ fn unexpected(kind: &str, response: &Response) -> KvError {
             Response::ReadMany(_) => "a batched read result",
             Response::Committed { .. } => "a commit result",
             Response::Failed(_) => "an error",
+            Response::ReadManyCached { .. } => "a batched read result from the agent's cache",
         }
     ))
 }
@@ -254,6 +257,29 @@ impl KvStore for AgentStore {
     }
 
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let answered = self.batched_read(reads, None).await?;
+        Ok(answered.results)
+    }
+
+    /// Asked of the agent (protocol 4 on), which may answer from what it kept; an agent of an
+    /// older protocol reads the store and gives no conditions.
+    async fn read_many_cached(
+        &self,
+        reads: &[Read],
+        may_use_cache: bool,
+    ) -> Result<CachedRead, KvError> {
+        self.batched_read(reads, Some(may_use_cache)).await
+    }
+}
+
+impl AgentStore {
+    /// A batched read: `ReadManyCached` when `cached` says whether the agent may answer from
+    /// what it kept, `ReadMany` when it is None.
+    async fn batched_read(
+        &self,
+        reads: &[Read],
+        cached: Option<bool>,
+    ) -> Result<CachedRead, KvError> {
         // Refused before anything is sent, as every store refuses it: an agent spoken to in
         // protocol 1 or 2 is asked for the prefix's listing, which has no limit to refuse.
         for read in reads {
@@ -262,24 +288,40 @@ impl KvStore for AgentStore {
             }
         }
         let count = reads.len();
-        let (response, protocol) = self
-            .call_spoken(Request::ReadMany {
-                reads: reads.iter().map(Into::into).collect(),
-            })
-            .await?;
-        match response {
-            Response::ReadMany(results) if results.len() == count => Ok(reads
-                .iter()
-                .zip(results)
-                .map(|(read, result)| answer_in(read, result.into(), protocol))
-                .collect()),
-            Response::ReadMany(results) => Err(KvError::other(format!(
+        let wire_reads = reads.iter().map(Into::into).collect();
+        let request = match cached {
+            Some(may_use_cache) => Request::ReadManyCached {
+                reads: wire_reads,
+                may_use_cache,
+            },
+            None => Request::ReadMany { reads: wire_reads },
+        };
+        let (response, protocol) = self.call_spoken(request).await?;
+        let (results, validators, from_cache) = match response {
+            Response::ReadMany(results) => (results, Vec::new(), false),
+            Response::ReadManyCached {
+                results,
+                validators,
+                from_cache,
+            } if cached.is_some() => (results, validators, from_cache),
+            other => return Err(unexpected("read_many", &other)),
+        };
+        if results.len() != count {
+            return Err(KvError::other(format!(
                 "the blockipam agent answered {} reads with {} results",
                 count,
                 results.len()
-            ))),
-            other => Err(unexpected("read_many", &other)),
+            )));
         }
+        Ok(CachedRead {
+            results: reads
+                .iter()
+                .zip(results)
+                .map(|(read, result)| answer_in(read, result.into(), protocol))
+                .collect(),
+            validators: validators.into_iter().map(Into::into).collect(),
+            from_cache,
+        })
     }
 }
 

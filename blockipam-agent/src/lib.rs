@@ -21,6 +21,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+use ipam_core::caching::CachingStore;
 use ipam_core::KvStore;
 
 pub use cli::AgentArgs;
@@ -182,7 +183,14 @@ pub async fn run_on(
         shutdown.await;
         health.set_stopping();
     };
-    serve(listener, store, config, shutdown).await;
+    // Plugin calls are served from a cache of what the agent read and wrote, each answer with
+    // the conditions its commit must carry (ipam_core::caching); the agent's own work reads the
+    // store.
+    let cached: Arc<dyn KvStore> = Arc::new(
+        CachingStore::new(Arc::clone(&store))
+            .speculating_absent_under(ipam_core::model::keys::handles_dir()),
+    );
+    serve(listener, cached, config, shutdown).await;
     if let Some(leaks) = leaks {
         leaks.stop().await;
     }

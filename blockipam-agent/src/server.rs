@@ -485,6 +485,20 @@ impl Asked<'_> {
                             Response::ReadMany(results.into_iter().map(Into::into).collect())
                         })
                 }
+                Request::ReadManyCached {
+                    reads,
+                    may_use_cache,
+                } => {
+                    let reads: Vec<Read> = reads.into_iter().map(Into::into).collect();
+                    order
+                        .read(deadline, store.read_many_cached(&reads, may_use_cache))
+                        .await
+                        .map(|answered| Response::ReadManyCached {
+                            results: answered.results.into_iter().map(Into::into).collect(),
+                            validators: answered.validators.into_iter().map(Into::into).collect(),
+                            from_cache: answered.from_cache,
+                        })
+                }
                 Request::Commit { txn } => order
                     .commit(deadline, store.commit(txn.into()))
                     .await

@@ -137,6 +137,7 @@ macro_rules! ipam_conformance_tests {
         $crate::leaks_conformance_tests!($factory);
         $crate::read_cost_conformance_tests!($factory);
         $crate::full_pools_conformance_tests!($factory);
+        $crate::cached_reads_conformance_tests!($factory);
     };
 }
 

@@ -1,6 +1,7 @@
 //! The conformance suite: store factories, the cases every backend must pass, and the macros that
 //! expand them into one named `#[test]` per case in each backend's `tests/conformance.rs`.
 
+pub mod cached_reads;
 pub mod embedded;
 pub mod full_pools;
 pub mod hooked;

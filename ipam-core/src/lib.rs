@@ -11,7 +11,7 @@ pub mod model;
 
 // The paths each part had before the layers, kept for the crates built on them.
 pub use allocator::{check, dead_nodes, network_setup, upgrade};
-pub use kv::{blocking, counting, lockfile, memory};
+pub use kv::{blocking, caching, counting, lockfile, memory};
 pub use model::{error, formats, namespaces, nodes, reservations, selector, store_format};
 
 pub use allocator::{
@@ -24,7 +24,8 @@ pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};
 pub use error::IpamError;
 pub use kv::{
-    range_of_listing, Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+    range_of_listing, CachedRead, Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult,
+    Revision, Txn,
 };
 pub use memory::MemoryStore;
 pub use model::{AllowedUse, AllowedUses, AssignmentMode, Family, IpamConfig, Lifetime, Pool};

@@ -299,3 +299,91 @@ fn etcd_counts_two_requests_per_steady_state_add_and_del() {
     });
     assert_eq!(left, vec!["testnet.c0".to_owned()]);
 }
+
+/// Through the node agent (its cache of what it read and wrote), a steady-state ADD and DEL on a
+/// real etcd are one request each: the transaction, carrying the conditions under which the
+/// agent's answers were still the store's. The agent's own work is made quiet for the count
+/// (a long liveness lease and reclaim interval).
+#[test]
+fn etcd_counts_one_request_per_steady_state_add_and_del_through_the_agent() {
+    let server = EtcdServer::start().unwrap_or_else(|e| {
+        panic!(
+            "this test needs etcd (Debian: apt-get install etcd-server, or run scripts/setup): {e}"
+        )
+    });
+    let prefix = unique_prefix();
+    let sandbox = Sandbox::new();
+    let socket = sandbox.agent_socket();
+    std::fs::create_dir_all(socket.parent().expect("socket dir")).expect("socket dir");
+    let flags: Vec<std::ffi::OsString> = [
+        "--datastore-type",
+        "etcdv3",
+        "--etcd-endpoints",
+        &server.endpoint(),
+        "--etcd-prefix",
+        &prefix,
+        "--node",
+        NODE,
+        "--liveness-ttl-seconds",
+        "3600",
+        "--reclaim-interval-seconds",
+        "86400",
+    ]
+    .map(Into::into)
+    .into();
+    let _agent = InProcessAgent::run_binary_with_flags(&socket, flags)
+        .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
+    let mut netconf = sandbox.netconf("1.0.0", json!({"agent_socket": socket}));
+    netconf["ipam"]["datastore_type"] = json!("etcdv3");
+    netconf["ipam"]["datastore_path"] = Value::Null;
+    netconf["ipam"]["etcd_endpoints"] = json!(server.endpoint());
+    netconf["ipam"]["etcd_prefix"] = json!(prefix);
+    let add = |container: &str| {
+        cni("ADD", container, "eth0", &netconf, &[]).success_json("ADD");
+    };
+    let del = |container: &str| {
+        cni("DEL", container, "eth0", &netconf, &[]).assert_silent_success("DEL");
+    };
+    // The network's set-up, then an ADD whose read fills the agent's cache.
+    add("c0");
+    add("c1");
+    let quiet = grpc_requests_during(&server, || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    });
+    assert!(quiet.is_empty(), "the agent is not quiet: {quiet:?}");
+    for container in ["c2", "c3"] {
+        let steady = grpc_requests_during(&server, || add(container));
+        println!("ADD {container}: {steady:?}");
+        assert_eq!(
+            steady,
+            BTreeMap::from([("Txn".to_owned(), 1)]),
+            "a steady-state ADD through the agent is one transaction"
+        );
+    }
+    for container in ["c2", "c3"] {
+        let released = grpc_requests_during(&server, || del(container));
+        println!("DEL {container}: {released:?}");
+        assert_eq!(
+            released,
+            BTreeMap::from([("Txn".to_owned(), 1)]),
+            "a steady-state DEL through the agent is one transaction"
+        );
+    }
+    // The counts are real: c0 and c1 are still allocated, c2 and c3 are not.
+    let left = common::block_on(async {
+        let store = EtcdStore::connect(EtcdConfig::new([server.endpoint()]).with_prefix(&prefix))
+            .await
+            .expect("connect");
+        let mut left = Ipam::new(Arc::new(store))
+            .list_allocations()
+            .await
+            .expect("list")
+            .into_iter()
+            .filter(|a| !a.handle.ends_with(":gateway"))
+            .map(|a| a.handle)
+            .collect::<Vec<_>>();
+        left.sort();
+        left
+    });
+    assert_eq!(left, vec!["testnet.c0".to_owned(), "testnet.c1".to_owned()]);
+}

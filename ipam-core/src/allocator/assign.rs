@@ -19,6 +19,8 @@ use crate::model::{
 use ipnet::IpNet;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// What one try of auto-assign came to (besides a conflict, which is tried again).
 enum Assignment {
@@ -59,7 +61,11 @@ impl Ipam {
                 )));
             }
         }
-        match self.retrying(|| self.try_auto_assign(request)).await? {
+        let may_use_cache = AtomicBool::new(true);
+        match self
+            .retrying(|| self.try_auto_assign(request, &may_use_cache))
+            .await?
+        {
             Assignment::Assigned(result) => Ok(result),
             Assignment::SetupMissing => {
                 let Some(setup) = &request.setup else {
@@ -81,7 +87,11 @@ impl Ipam {
                     ],
                     &setup.gateways,
                 );
-                match self.retrying(|| self.try_auto_assign(&again)).await? {
+                let may_use_cache = AtomicBool::new(true);
+                match self
+                    .retrying(|| self.try_auto_assign(&again, &may_use_cache))
+                    .await?
+                {
                     Assignment::Assigned(result) => Ok(result),
                     Assignment::SetupMissing => Err(IpamError::Internal(
                         "auto-assign without a set-up to check found one missing".into(),
@@ -91,9 +101,31 @@ impl Ipam {
         }
     }
 
+    /// One attempt: the first of a call (`may_use_cache` set) may be answered from the store's
+    /// cache, and keeps its outcome only if it committed (`Ipam::attempt_through_cache`).
     async fn try_auto_assign(
         &self,
         request: &AutoAssignRequest,
+        may_use_cache: &AtomicBool,
+    ) -> Result<Attempt<Assignment>, IpamError> {
+        self.attempt_through_cache(
+            may_use_cache,
+            |assignment| {
+                matches!(assignment, Assignment::Assigned(result)
+                    if !result.reused && (!result.v4.is_empty() || !result.v6.is_empty()))
+            },
+            |use_cache, from_cache| self.try_auto_assign_reading(request, use_cache, from_cache),
+        )
+        .await
+    }
+
+    /// One attempt, answered from the store's cache when `use_cache` and it can (`from_cache`
+    /// tells whether it was).
+    async fn try_auto_assign_reading(
+        &self,
+        request: &AutoAssignRequest,
+        use_cache: bool,
+        from_cache: Arc<AtomicBool>,
     ) -> Result<Attempt<Assignment>, IpamError> {
         let handle_key = keys::handle(&request.handle);
         let mut reads = vec![
@@ -115,8 +147,14 @@ impl Ipam {
                 &setup.reservation_handle,
             )));
         }
-        let results = self.store.read_many(&reads).await?;
-        let mut results = results.into_iter();
+        // With the conditions under which the answer is still the store's (none from a store
+        // that keeps nothing): carried by the commit, they keep a cache in front of the store
+        // exact past it, and make an answer from the cache safe to decide from.
+        let answered = self.store.read_many_cached(&reads, use_cache).await?;
+        from_cache.store(answered.from_cache, Ordering::Relaxed);
+        let validators = answered.validators;
+        let answered_from_cache = answered.from_cache;
+        let mut results = answered.results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
         self.learn_format(next_got(&mut results)?).await?;
@@ -573,6 +611,7 @@ impl Ipam {
         for (key, mark) in &proven_full {
             plan.put(key, mark.encode());
         }
+        plan.carry_validators(validators, answered_from_cache);
         self.commit_plan(plan, Assignment::Assigned(result)).await
     }
 

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -531,6 +532,30 @@ impl Plan {
             });
     }
 
+    /// Adds the validators of the read a plan was decided from (`KvStore::read_many_cached`):
+    /// the commit then applies only if every answer is still the store's. Always for an answer
+    /// from the cache; for one from the store, when they fit beside the plan's own conditions
+    /// (carried, they keep a cache in front of the store exact past the commit).
+    pub fn carry_validators(&mut self, validators: Vec<Condition>, from_cache: bool) {
+        if from_cache || self.conditions.len() + validators.len() < MAX_TXN_CONDITIONS {
+            for validator in validators {
+                self.carry(validator);
+            }
+        }
+    }
+
+    /// Adds `condition` unless the plan already tests its key (the plan's own expectation,
+    /// from a later read, stands); a prefix condition is kept apart from a key of the same text.
+    fn carry(&mut self, condition: Condition) {
+        let tested = if condition.tests_a_prefix() {
+            // No key holds NUL: this never meets a key's entry.
+            format!("\0{}", condition.key())
+        } else {
+            condition.key().to_owned()
+        };
+        self.conditions.entry(tested).or_insert(condition);
+    }
+
     pub fn put(&mut self, key: &str, value: Vec<u8>) {
         self.writes.insert(key.to_owned(), Some(value));
     }
@@ -850,6 +875,42 @@ impl Ipam {
         Err(IpamError::RetriesExhausted {
             attempts: self.retry.max_attempts,
         })
+    }
+
+    /// Runs `attempt` for one attempt of a call: the first (`may_use_cache` set) may be answered
+    /// from the store's cache ([`KvStore::read_many_cached`]), and its outcome stands only if it
+    /// committed (`committed` tells it from the value) or the store failed; anything else decided
+    /// from a cached answer (a value that needed no write, an error, a conflict) is decided again
+    /// at once from the store. `attempt` gets whether it may use the cache and sets the flag it
+    /// is handed when its answer came from there.
+    pub(crate) async fn attempt_through_cache<T, F, Fut>(
+        &self,
+        may_use_cache: &AtomicBool,
+        committed: impl Fn(&T) -> bool,
+        attempt: F,
+    ) -> Result<Attempt<T>, IpamError>
+    where
+        F: Fn(bool, Arc<AtomicBool>) -> Fut,
+        Fut: Future<Output = Result<Attempt<T>, IpamError>>,
+    {
+        if may_use_cache.swap(false, Ordering::Relaxed) {
+            let from_cache = Arc::new(AtomicBool::new(false));
+            let outcome = attempt(true, Arc::clone(&from_cache)).await;
+            if !from_cache.load(Ordering::Relaxed) {
+                return outcome;
+            }
+            let stands = match &outcome {
+                Ok(Attempt::Done(value)) => committed(value),
+                Ok(Attempt::Conflict) | Err(IpamError::Store(KvError::Conflict { .. })) => false,
+                // The store's trouble, not the cache's: as from any attempt.
+                Err(IpamError::Store(_) | IpamError::GuardLost { .. }) => true,
+                Err(_) => false,
+            };
+            if stands {
+                return outcome;
+            }
+        }
+        attempt(false, Arc::new(AtomicBool::new(false))).await
     }
 
     /// An empty plan, laid out for the store's write format as this allocator last learned it.

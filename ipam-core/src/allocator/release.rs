@@ -11,6 +11,8 @@ use crate::model::{encode, keys, validate_handle, validate_host, Block, Handle};
 use ipnet::IpNet;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 impl Ipam {
     // -----------------------------------------------------------------------------------------
@@ -248,8 +250,19 @@ impl Ipam {
     {
         validate_handle(handle_id)?;
         validate_host(host)?;
-        self.retrying(|| self.try_release_chosen(handle_id, host, &choose))
-            .await
+        // The first attempt may be answered from the store's cache; it stands only if it
+        // released something (Ipam::attempt_through_cache).
+        let may_use_cache = AtomicBool::new(true);
+        self.retrying(|| {
+            self.attempt_through_cache(
+                &may_use_cache,
+                |outcome: &ChosenRelease| !outcome.released.is_empty(),
+                |use_cache, from_cache| {
+                    self.try_release_chosen(handle_id, host, &choose, use_cache, from_cache)
+                },
+            )
+        })
+        .await
     }
 
     async fn try_release_chosen<F>(
@@ -257,21 +270,23 @@ impl Ipam {
         handle_id: &str,
         host: &str,
         choose: &F,
+        use_cache: bool,
+        from_cache: Arc<AtomicBool>,
     ) -> Result<Attempt<ChosenRelease>, IpamError>
     where
         F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
     {
         let key = keys::handle(handle_id);
-        let mut results = self
-            .store
-            .read_many(&[
-                Read::Get(key.clone()),
-                Read::List(keys::host_open_blocks_dir(host)),
-                Read::Get(keys::config()),
-                format_read(),
-            ])
-            .await?
-            .into_iter();
+        let reads = [
+            Read::Get(key.clone()),
+            Read::List(keys::host_open_blocks_dir(host)),
+            Read::Get(keys::config()),
+            format_read(),
+        ];
+        let answered = self.store.read_many_cached(&reads, use_cache).await?;
+        from_cache.store(answered.from_cache, Ordering::Relaxed);
+        let validators = answered.validators;
+        let mut results = answered.results.into_iter();
         let handle_kv = next_got(&mut results)?;
         let open_blocks = next_listed(&mut results)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
@@ -334,6 +349,7 @@ impl Ipam {
         } else {
             plan.put(&key, encode(&handle)?);
         }
+        plan.carry_validators(validators, from_cache.load(Ordering::Relaxed));
         self.commit_plan(plan, ChosenRelease { held, released })
             .await
     }

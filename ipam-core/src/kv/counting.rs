@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::kv::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
+use crate::kv::{CachedRead, KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
 
 /// Round trips counted by a [`CountingStore`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -80,5 +80,14 @@ impl KvStore for CountingStore {
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.inner.read_many(reads).await
+    }
+
+    async fn read_many_cached(
+        &self,
+        reads: &[Read],
+        may_use_cache: bool,
+    ) -> Result<CachedRead, KvError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.read_many_cached(reads, may_use_cache).await
     }
 }

@@ -8,6 +8,7 @@ use std::fmt;
 use async_trait::async_trait;
 
 pub mod blocking;
+pub mod caching;
 pub mod counting;
 pub mod lockfile;
 pub mod memory;
@@ -557,6 +558,22 @@ impl ReadResult {
     }
 }
 
+/// The answer to [`KvStore::read_many_cached`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedRead {
+    /// One result per read, in request order, as [`KvStore::read_many`] answers.
+    pub results: Vec<ReadResult>,
+    /// The conditions that hold exactly when every result is still what the store holds (empty
+    /// from a store that keeps nothing). A transaction decided from these results carries them:
+    /// it must when `from_cache`; otherwise it may, and a store that keeps what it reads then
+    /// keeps it exact past the transaction.
+    pub validators: Vec<Condition>,
+    /// True when answered from what the store kept of earlier answers and writes, which may be
+    /// stale: a caller that ends without a transaction carrying `validators` must read again,
+    /// without the cache, before it reports anything decided from these results.
+    pub from_cache: bool,
+}
+
 /// A key-value store with revisions and atomic conditional transactions.
 ///
 /// Adapters implement [`get`](KvStore::get), [`list`](KvStore::list) and
@@ -640,6 +657,26 @@ pub trait KvStore: Send + Sync + fmt::Debug {
             });
         }
         Ok(results)
+    }
+
+    /// Performs several reads as [`read_many`](KvStore::read_many) does, with the conditions
+    /// under which the answer is still the store's ([`CachedRead`]); when `may_use_cache`, a
+    /// store that keeps what it read and wrote may answer from that. Stores that keep nothing
+    /// read, with no conditions (the default).
+    ///
+    /// # Errors
+    /// As [`read_many`](KvStore::read_many).
+    async fn read_many_cached(
+        &self,
+        reads: &[Read],
+        may_use_cache: bool,
+    ) -> Result<CachedRead, KvError> {
+        let _ = may_use_cache;
+        Ok(CachedRead {
+            results: self.read_many(reads).await?,
+            validators: Vec::new(),
+            from_cache: false,
+        })
     }
 
     /// Lists the children of a directory-like key: `list_dir("a/b")` is `list("a/b/")`.

@@ -1,0 +1,260 @@
+//! The allocator reading through a cache of what it read and wrote (the node agent's
+//! `ipam_core::caching::CachingStore`), with other writers changing the store under it: what was
+//! kept may be stale, no answer may be wrong.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipam_core::caching::CachingStore;
+use ipam_core::model::keys;
+use ipam_core::reservations::Reservation;
+use ipam_core::{AssignIpsRequest, CountingStore, Ipam, KvStore, RoundTrips};
+
+use ipnet::IpNet;
+
+use crate::ipam::{assert_clean, ipam_with_pool, net, spec, v4};
+use crate::StoreFactory;
+
+/// Expands every case into one `#[tokio::test]` inside a module `cached_reads`.
+#[macro_export]
+macro_rules! cached_reads_conformance_tests {
+    ($factory:expr) => {
+        $crate::__expand_cases!(cached_reads, $crate::cached_reads, $factory;
+            a_node_reading_through_its_cache_never_decides_from_what_another_writer_changed,
+            hosts_assigning_concurrently_through_caches_of_their_own_get_distinct_addresses,
+        );
+    };
+}
+
+/// A node's allocator as its agent serves it: over a cache (handles speculated absent) over a
+/// counter of the round trips that reach the store.
+fn cached_node(store: &Arc<dyn KvStore>) -> (Ipam, Arc<CachingStore>, Arc<CountingStore>) {
+    let counting = Arc::new(CountingStore::new(Arc::clone(store)));
+    let cache = Arc::new(
+        CachingStore::new(Arc::clone(&counting) as Arc<dyn KvStore>)
+            .speculating_absent_under(keys::handles_dir()),
+    );
+    let ipam = Ipam::new(Arc::clone(&cache) as Arc<dyn KvStore>);
+    (ipam, cache, counting)
+}
+
+async fn assign(ipam: &Ipam, handle: &str) -> IpAddr {
+    let got = ipam
+        .auto_assign(&v4(handle, "node-a", 1))
+        .await
+        .unwrap_or_else(|e| panic!("assign {handle}: {e}"));
+    assert_eq!(got.v4.len(), 1, "{handle}");
+    got.v4[0].ip
+}
+
+/// Node A assigns through its cache, so that a steady assign reaches the store with one commit
+/// and no read; then another writer (a CLI, another node) changes each thing A's next decision
+/// depends on: an address of A's block taken, an address reserved, A's own handle released, the
+/// pool disabled, a handle released. Each time A's answer from its cache is stale, its commit is
+/// refused or its outcome needed no write, and A decides again from the store: it never hands
+/// out the taken or reserved address, never reports a released address as still held, never
+/// allocates from the disabled pool. A steady release through the cache is one commit too.
+pub async fn a_node_reading_through_its_cache_never_decides_from_what_another_writer_changed<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, other) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let (node_a, cache, counting) = cached_node(&t.store);
+    // A's block is where its name hashes to: addresses are counted from its first.
+    let first = assign(&node_a, "h0").await;
+    let nth = |n: u32| {
+        IpAddr::V4(std::net::Ipv4Addr::from(
+            u32::from(match first {
+                IpAddr::V4(v4) => v4,
+                IpAddr::V6(_) => panic!("an IPv4 pool"),
+            }) + n,
+        ))
+    };
+    assert_eq!(assign(&node_a, "h1").await, nth(1));
+    counting.take();
+    let hits = cache.answered_from_cache();
+    assert_eq!(assign(&node_a, "h2").await, nth(2));
+    assert_eq!(
+        counting.take(),
+        RoundTrips {
+            reads: 0,
+            commits: 1
+        },
+        "a steady assign through the cache reaches the store once"
+    );
+    assert_eq!(cache.answered_from_cache(), hits + 1);
+
+    // The next address of A's block taken by another writer.
+    other
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![nth(3)],
+            handle: "other".into(),
+            host: "node-a".into(),
+            attributes: BTreeMap::new(),
+            ..Default::default()
+        })
+        .await
+        .expect("another writer takes the next address");
+    assert_eq!(assign(&node_a, "h3").await, nth(4));
+    assert_eq!(
+        counting.take(),
+        RoundTrips {
+            reads: 1,
+            commits: 2
+        },
+        "the commit decided from the cache is refused, then one read and one commit"
+    );
+
+    // The next address reserved.
+    other
+        .add_reservation(&Reservation {
+            name: "r".into(),
+            cidrs: vec![IpNet::from(nth(5))],
+        })
+        .await
+        .expect("reserve the next address");
+    assert_eq!(assign(&node_a, "h4").await, nth(6));
+    assert_eq!(counting.take().commits, 2, "a refused commit, then one");
+
+    // A's own handle released by another writer: A's repeated request for it gets an address
+    // of its own, not the one its cache still shows the handle holding.
+    assert_eq!(
+        other.release_handle("h0").await.expect("release h0"),
+        vec![first]
+    );
+    let mut again = v4("h0", "node-a", 1);
+    again.reuse_existing = true;
+    let got = node_a.auto_assign(&again).await.expect("h0 again");
+    assert!(!got.reused, "reported the released address as still held");
+    let held = other
+        .get_assignment(got.v4[0].ip)
+        .await
+        .expect("who")
+        .expect("held");
+    assert_eq!(held.handle, "h0");
+
+    // The pool disabled, another created.
+    other
+        .create_pool(&spec("10.1.0.0/24", "second", 26))
+        .await
+        .expect("second pool");
+    other
+        .set_pool_disabled("pool", true)
+        .await
+        .expect("disable");
+    let from_second = assign(&node_a, "h5").await;
+    assert!(
+        net("10.1.0.0/24").contains(&from_second),
+        "allocated {from_second} from a disabled pool"
+    );
+
+    // A steady release through the cache reaches the store once; a release of a handle another
+    // writer already released finds nothing once decided again from the store.
+    counting.take();
+    let released = node_a
+        .release_chosen("h2", "node-a", |held| held.iter().map(|a| a.ip).collect())
+        .await
+        .expect("release h2");
+    assert_eq!(released.released, vec![nth(2)]);
+    assert_eq!(
+        counting.take(),
+        RoundTrips {
+            reads: 0,
+            commits: 1
+        },
+        "a steady release through the cache reaches the store once"
+    );
+    other.release_handle("h1").await.expect("release h1");
+    let released = node_a
+        .release_chosen("h1", "node-a", |held| held.iter().map(|a| a.ip).collect())
+        .await
+        .expect("release h1 again");
+    assert!(
+        released.held.is_empty() && released.released.is_empty(),
+        "{released:?}"
+    );
+
+    // A handle another writer gave an address: not in A's cache, so taken for absent there;
+    // releasing it finds it once decided again from the store.
+    let by_other = other
+        .auto_assign(&v4("hx", "node-a", 1))
+        .await
+        .expect("another writer assigns for hx")
+        .v4[0]
+        .ip;
+    let released = node_a
+        .release_chosen("hx", "node-a", |held| held.iter().map(|a| a.ip).collect())
+        .await
+        .expect("release hx");
+    assert_eq!(released.released, vec![by_other]);
+
+    let mut seen = BTreeMap::new();
+    for info in other.list_allocations().await.expect("list") {
+        assert!(
+            seen.insert(info.ip, info.handle.clone()).is_none(),
+            "{} twice",
+            info.ip
+        );
+    }
+    assert_eq!(seen.len(), 5, "{seen:?}");
+    assert_clean(&other).await;
+}
+
+/// Eight hosts, each with four lanes sharing its own cache (as one agent serves a node's
+/// concurrent plugin calls), fill a pool too small for each to stay in its own blocks: they
+/// borrow from each other, so each one's cache goes stale under the others' writes. Every address
+/// is handed out once, and some answers did come from the caches.
+pub async fn hosts_assigning_concurrently_through_caches_of_their_own_get_distinct_addresses<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    const HOSTS: usize = 8;
+    const PER_HOST: usize = 60;
+    const LANES: usize = 4;
+    // 8 blocks of 64: 480 of 512 addresses.
+    let (t, other) = ipam_with_pool(factory, "10.0.0.0/23", 26).await;
+    let mut tasks = Vec::new();
+    let mut caches = Vec::new();
+    for host in 0..HOSTS {
+        let (ipam, cache, _counting) = cached_node(&t.store);
+        caches.push(cache);
+        for lane in 0..LANES {
+            let ipam = ipam.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut got = Vec::new();
+                for i in (lane..PER_HOST).step_by(LANES) {
+                    let handle = format!("net.h{host}-c{i}");
+                    let result = ipam
+                        .auto_assign(&v4(&handle, &format!("node-{host}"), 1))
+                        .await;
+                    let address = result.unwrap_or_else(|e| panic!("{handle}: {e}"));
+                    got.push((handle, address.v4[0].ip));
+                }
+                got
+            }));
+        }
+    }
+    let mut by_address: BTreeMap<IpAddr, String> = BTreeMap::new();
+    for task in tasks {
+        for (handle, address) in task.await.expect("worker panicked") {
+            if let Some(previous) = by_address.insert(address, handle.clone()) {
+                panic!("{address} handed to both {previous} and {handle}");
+            }
+        }
+    }
+    assert_eq!(by_address.len(), HOSTS * PER_HOST);
+    let allocations = other.list_allocations().await.expect("list");
+    assert_eq!(allocations.len(), HOSTS * PER_HOST);
+    for info in &allocations {
+        assert_eq!(by_address.get(&info.ip), Some(&info.handle));
+    }
+    let hits: u64 = caches.iter().map(|c| c.answered_from_cache()).sum();
+    assert!(
+        hits > 0,
+        "no answer came from a cache: the cases proved nothing of it"
+    );
+    assert_clean(&other).await;
+}

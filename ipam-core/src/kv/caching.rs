@@ -1,0 +1,634 @@
+//! A store that keeps what it last read and wrote, and answers a batched read from it with the
+//! conditions under which the answer is still the store's: one round trip fewer per decision.
+//!
+//! [`CachingStore`] wraps another store. Every read through it and every write it commits teach
+//! it keys' values and revisions and prefixes' listings. [`KvStore::read_many_cached`] answers a
+//! batch whose every read it knows without asking the wrapped store, and returns, beside the
+//! answers, *validators*: for each key answered, "absent" or "at this revision"; for each
+//! listing, "no key put under the prefix after the listing's newest revision" and each listed key
+//! at its revision. A transaction decided from the answers and carrying the validators applies
+//! only if every answer is still exactly what the store holds, so correctness never depends on
+//! what was kept: a stale answer costs a conflict and a fresh read, never a wrong write. A caller
+//! that ends without committing (an answer that needed no write, an error) must read again
+//! without the cache before it reports anything decided from a cached answer.
+//!
+//! Keys under a prefix configured with [`CachingStore::speculating_absent_under`] (the
+//! allocator's handles: a new container's handle has never been written) are answered absent
+//! when not known, validated by an "absent" condition.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+
+use crate::kv::{
+    CachedRead, Condition, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
+    MAX_TXN_CONDITIONS,
+};
+
+/// Most validators one cached answer carries: the rest of a transaction's conditions must fit
+/// beside them ([`MAX_TXN_CONDITIONS`]). A batch needing more is read from the store.
+pub const MAX_VALIDATORS: usize = MAX_TXN_CONDITIONS / 2;
+
+/// Most bytes of keys and values kept; past it, everything kept is forgotten.
+pub const MAX_KEPT_BYTES: usize = 16 * 1024 * 1024;
+
+/// A listing kept: its entries by key, and the newest revision among them when it was read or
+/// last brought up to date (0 for none).
+#[derive(Debug, Clone)]
+struct KeptListing {
+    entries: BTreeMap<String, (Vec<u8>, Revision)>,
+    newest: Revision,
+}
+
+impl KeptListing {
+    fn from_listed(listed: &[KeyValue]) -> Self {
+        KeptListing {
+            entries: listed
+                .iter()
+                .map(|kv| (kv.key.clone(), (kv.value.clone(), kv.revision)))
+                .collect(),
+            newest: listed
+                .iter()
+                .map(|kv| kv.revision)
+                .max()
+                .unwrap_or(Revision::NONE),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.entries
+            .iter()
+            .map(|(k, (v, _))| k.len() + v.len())
+            .sum()
+    }
+
+    fn listed(&self) -> Vec<KeyValue> {
+        self.entries
+            .iter()
+            .map(|(key, (value, revision))| KeyValue {
+                key: key.clone(),
+                value: value.clone(),
+                revision: *revision,
+            })
+            .collect()
+    }
+}
+
+/// The conditions that hold exactly when each of `results` is still what the store holds: for a
+/// key, absent or at its revision; for a listing, nothing put under its prefix after its newest
+/// revision and each listed key at its revision. None when two results disagree on a key (read
+/// at different times) or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
+pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condition>> {
+    let mut validators: BTreeMap<(bool, String), Condition> = BTreeMap::new();
+    let mut agreed = true;
+    let mut validate = |condition: Condition| {
+        let tested = (condition.tests_a_prefix(), condition.key().to_owned());
+        if let Some(earlier) = validators.insert(tested, condition.clone()) {
+            agreed &= earlier == condition;
+        }
+    };
+    for (read, result) in reads.iter().zip(results) {
+        match (read, result) {
+            (Read::Get(key), ReadResult::Got(Some(kv))) => {
+                validate(Condition::at_revision(key, kv.revision));
+            }
+            (Read::Get(key), ReadResult::Got(None)) => validate(Condition::absent(key)),
+            (Read::List(prefix), ReadResult::Listed(listed)) => {
+                let newest = listed.iter().map(|kv| kv.revision).max();
+                validate(Condition::no_put_after(
+                    prefix,
+                    newest.unwrap_or(Revision::NONE),
+                ));
+                for kv in listed {
+                    validate(Condition::at_revision(&kv.key, kv.revision));
+                }
+            }
+            _ => {}
+        }
+    }
+    (agreed && validators.len() <= MAX_VALIDATORS).then(|| validators.into_values().collect())
+}
+
+/// What is kept.
+#[derive(Debug, Default)]
+struct Kept {
+    /// Keys read or written, with their value and revision (None: absent when read).
+    keys: HashMap<String, Option<(Vec<u8>, Revision)>>,
+    /// Listings read, by prefix.
+    listings: HashMap<String, KeptListing>,
+    /// Bytes of keys and values kept, about.
+    bytes: usize,
+}
+
+impl Kept {
+    fn keep_key(&mut self, key: &str, entry: Option<(Vec<u8>, Revision)>) {
+        self.bytes += key.len() + entry.as_ref().map_or(0, |(v, _)| v.len());
+        self.keys.insert(key.to_owned(), entry);
+    }
+
+    fn keep_listing(&mut self, prefix: &str, listing: KeptListing) {
+        self.bytes += prefix.len() + listing.bytes();
+        self.listings.insert(prefix.to_owned(), listing);
+    }
+
+    fn forget_everything_past_the_limit(&mut self) {
+        if self.bytes > MAX_KEPT_BYTES {
+            *self = Kept::default();
+        }
+    }
+}
+
+/// A [`KvStore`] over another that keeps what it read and wrote: see the module's documentation.
+#[derive(Debug)]
+pub struct CachingStore {
+    inner: Arc<dyn KvStore>,
+    kept: Mutex<Kept>,
+    speculating: Vec<String>,
+    answered_from_kept: AtomicU64,
+}
+
+impl CachingStore {
+    /// A store over `inner` that has kept nothing yet.
+    pub fn new(inner: Arc<dyn KvStore>) -> Self {
+        CachingStore {
+            inner,
+            kept: Mutex::new(Kept::default()),
+            speculating: Vec::new(),
+            answered_from_kept: AtomicU64::new(0),
+        }
+    }
+
+    /// Answers a key under `prefix` that it does not know as absent (validated by an "absent"
+    /// condition), instead of reading the batch from the store.
+    pub fn speculating_absent_under(mut self, prefix: impl Into<String>) -> Self {
+        self.speculating.push(prefix.into());
+        self
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &Arc<dyn KvStore> {
+        &self.inner
+    }
+
+    /// How many batches [`KvStore::read_many_cached`] answered from what was kept.
+    pub fn answered_from_cache(&self) -> u64 {
+        self.answered_from_kept.load(Ordering::Relaxed)
+    }
+
+    /// Forgets everything kept.
+    pub fn forget(&self) {
+        *self.lock() = Kept::default();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        // What is kept is only ever a guess the store checks: a panic while it was held leaves
+        // nothing a later caller could trust less than any other guess.
+        self.kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Learns the answers of a batch read from the store.
+    fn learn(&self, reads: &[Read], results: &[ReadResult]) {
+        let mut kept = self.lock();
+        for (read, result) in reads.iter().zip(results) {
+            match (read, result) {
+                (Read::Get(key), ReadResult::Got(got)) => kept.keep_key(
+                    key,
+                    got.as_ref().map(|kv| (kv.value.clone(), kv.revision)),
+                ),
+                (Read::List(prefix), ReadResult::Listed(listed))
+                    // Too many keys to validate: never answered from what is kept.
+                    if listed.len() < MAX_VALIDATORS =>
+                {
+                    kept.keep_listing(prefix, KeptListing::from_listed(listed));
+                }
+                _ => {}
+            }
+        }
+        kept.forget_everything_past_the_limit();
+    }
+
+    /// The answers of `reads` from what is kept; None when one of them is not known.
+    fn answer_from_kept(&self, reads: &[Read]) -> Option<Vec<ReadResult>> {
+        let kept = self.lock();
+        let mut results = Vec::with_capacity(reads.len());
+        for read in reads {
+            match read {
+                Read::Get(key) => {
+                    let entry = match kept.keys.get(key) {
+                        Some(entry) => entry.clone(),
+                        None if self.speculating.iter().any(|p| key.starts_with(p.as_str())) => {
+                            None
+                        }
+                        None => return None,
+                    };
+                    results.push(ReadResult::Got(entry.map(|(value, revision)| KeyValue {
+                        key: key.clone(),
+                        value,
+                        revision,
+                    })));
+                }
+                Read::List(prefix) => {
+                    results.push(ReadResult::Listed(kept.listings.get(prefix)?.listed()));
+                }
+                Read::Range { .. } => return None,
+            }
+        }
+        Some(results)
+    }
+
+    /// Brings what is kept up to date with `txn`, committed at `revision`.
+    fn learn_commit(&self, txn: &Txn, revision: Revision) {
+        let mut kept = self.lock();
+        // A key put or deleted is exactly what this transaction left, whatever was there.
+        for op in &txn.ops {
+            match op {
+                Op::Put { key, value } => kept.keep_key(key, Some((value.clone(), revision))),
+                Op::Delete { key } => {
+                    kept.keys.remove(key);
+                }
+            }
+        }
+        // A listing the transaction writes under stays exact only if the transaction proved
+        // that nothing was put there since it was read (its own validator held).
+        let mut grown = 0;
+        kept.listings.retain(|prefix, listing| {
+            let writes: Vec<&Op> = txn
+                .ops
+                .iter()
+                .filter(|op| op.key().starts_with(prefix.as_str()))
+                .collect();
+            if writes.is_empty() {
+                return true;
+            }
+            let proven = txn.conditions.iter().any(|c| {
+                matches!(c, Condition::NoPutAfter { prefix: p, revision: r }
+                    if p == prefix && *r == listing.newest)
+            });
+            if !proven {
+                return false;
+            }
+            for op in writes {
+                match op {
+                    Op::Put { key, value } => {
+                        grown += key.len() + value.len();
+                        listing
+                            .entries
+                            .insert(key.clone(), (value.clone(), revision));
+                        listing.newest = listing.newest.max(revision);
+                    }
+                    Op::Delete { key } => {
+                        listing.entries.remove(key);
+                    }
+                }
+            }
+            listing.entries.len() < MAX_VALIDATORS
+        });
+        kept.bytes += grown;
+        kept.forget_everything_past_the_limit();
+    }
+
+    /// Forgets what a failed transaction's conditions tested: at least one of them is stale.
+    fn unlearn_conditions(&self, txn: &Txn) {
+        let mut kept = self.lock();
+        for condition in &txn.conditions {
+            if condition.tests_a_prefix() {
+                kept.listings.remove(condition.key());
+            } else {
+                kept.keys.remove(condition.key());
+                kept.listings
+                    .retain(|prefix, _| !condition.key().starts_with(prefix.as_str()));
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl KvStore for CachingStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        let got = self.inner.get(key).await?;
+        self.learn(
+            &[Read::Get(key.to_owned())],
+            &[ReadResult::Got(got.clone())],
+        );
+        Ok(got)
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        let listed = self.inner.list(prefix).await?;
+        self.learn(
+            &[Read::List(prefix.to_owned())],
+            &[ReadResult::Listed(listed.clone())],
+        );
+        Ok(listed)
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        match self.inner.commit(txn.clone()).await {
+            Ok(revision) => {
+                self.learn_commit(&txn, revision);
+                Ok(revision)
+            }
+            Err(e @ KvError::Conflict { .. }) => {
+                self.unlearn_conditions(&txn);
+                Err(e)
+            }
+            Err(e) => {
+                // The write may have landed, or the store may be another one now.
+                self.forget();
+                Err(e)
+            }
+        }
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        let results = self.inner.read_many(reads).await?;
+        self.learn(reads, &results);
+        Ok(results)
+    }
+
+    async fn read_many_cached(
+        &self,
+        reads: &[Read],
+        may_use_cache: bool,
+    ) -> Result<CachedRead, KvError> {
+        for read in reads {
+            read.validate()?;
+        }
+        if may_use_cache {
+            if let Some(results) = self.answer_from_kept(reads) {
+                if let Some(validators) = validators_of(reads, &results) {
+                    self.answered_from_kept.fetch_add(1, Ordering::Relaxed);
+                    return Ok(CachedRead {
+                        results,
+                        validators,
+                        from_cache: true,
+                    });
+                }
+            }
+        }
+        let results = self.read_many(reads).await?;
+        Ok(CachedRead {
+            validators: validators_of(reads, &results).unwrap_or_default(),
+            results,
+            from_cache: false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::counting::CountingStore;
+    use crate::kv::memory::MemoryStore;
+
+    /// A caching store over a counting one over `backing`, with handles under `h/` speculated.
+    fn cached_over(backing: &Arc<MemoryStore>) -> (CachingStore, Arc<CountingStore>) {
+        let counting = Arc::new(CountingStore::new(Arc::clone(backing) as Arc<dyn KvStore>));
+        let cached = CachingStore::new(Arc::clone(&counting) as Arc<dyn KvStore>)
+            .speculating_absent_under("h/");
+        (cached, counting)
+    }
+
+    fn batch() -> Vec<Read> {
+        vec![
+            Read::List("blocks/".into()),
+            Read::Get("config".into()),
+            Read::Get("h/new-pod".into()),
+        ]
+    }
+
+    async fn store_with_blocks() -> Arc<MemoryStore> {
+        let backing = Arc::new(MemoryStore::new());
+        backing.put("blocks/a", b"a0".to_vec()).await.expect("put");
+        backing.put("blocks/b", b"b0".to_vec()).await.expect("put");
+        backing.put("config", b"c0".to_vec()).await.expect("put");
+        backing
+    }
+
+    /// A transaction decided from `answered`, carrying its validators.
+    fn decided_from(answered: &CachedRead, writes: Txn) -> Txn {
+        let mut txn = writes;
+        for validator in answered.validators.clone() {
+            if !txn.conditions.iter().any(|c| {
+                c.key() == validator.key() && c.tests_a_prefix() == validator.tests_a_prefix()
+            }) {
+                txn.conditions.push(validator);
+            }
+        }
+        txn
+    }
+
+    #[tokio::test]
+    async fn a_batch_read_once_is_answered_again_without_the_store_with_its_validators() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        let first = cached
+            .read_many_cached(&batch(), true)
+            .await
+            .expect("first read");
+        assert!(!first.from_cache, "nothing kept yet: read from the store");
+        assert_eq!(counting.take().reads, 1);
+        let again = cached
+            .read_many_cached(&batch(), true)
+            .await
+            .expect("again");
+        assert!(again.from_cache);
+        assert_eq!(again.results, first.results);
+        assert_eq!(first.validators, again.validators, "the same conditions");
+        assert_eq!(counting.take().reads, 0, "answered from what was kept");
+        // Not allowed to use the cache: read from the store.
+        let fresh = cached
+            .read_many_cached(&batch(), false)
+            .await
+            .expect("fresh");
+        assert!(!fresh.from_cache);
+        assert_eq!(counting.take().reads, 1);
+        let a = backing
+            .get("blocks/a")
+            .await
+            .expect("get")
+            .expect("a")
+            .revision;
+        let b = backing
+            .get("blocks/b")
+            .await
+            .expect("get")
+            .expect("b")
+            .revision;
+        let config = backing
+            .get("config")
+            .await
+            .expect("get")
+            .expect("c")
+            .revision;
+        let mut validators = again.validators.clone();
+        validators
+            .sort_by(|x, y| (x.key(), x.tests_a_prefix()).cmp(&(y.key(), y.tests_a_prefix())));
+        assert_eq!(
+            validators,
+            vec![
+                Condition::no_put_after("blocks/", b),
+                Condition::at_revision("blocks/a", a),
+                Condition::at_revision("blocks/b", b),
+                Condition::at_revision("config", config),
+                Condition::absent("h/new-pod"),
+            ]
+        );
+        // A commit decided from it applies while nothing changed.
+        let txn = decided_from(
+            &again,
+            Txn::new()
+                .when(Condition::at_revision("blocks/a", a))
+                .then(Op::put("blocks/a", b"a1".to_vec()))
+                .then(Op::put("h/new-pod", b"h".to_vec())),
+        );
+        cached.commit(txn).await.expect("commit");
+        // What it wrote is kept: the next batch (the handle now present) needs no read either.
+        let after = cached
+            .read_many_cached(&batch(), true)
+            .await
+            .expect("after");
+        assert!(after.from_cache);
+        assert_eq!(
+            counting.take(),
+            crate::kv::counting::RoundTrips {
+                reads: 0,
+                commits: 1
+            }
+        );
+        assert_eq!(
+            after.results,
+            backing.read_many(&batch()).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn every_change_by_another_writer_fails_the_commit_and_the_next_read_goes_to_the_store() {
+        let changes: Vec<(&str, Txn)> = vec![
+            (
+                "a listed key rewritten",
+                Txn::new().then(Op::put("blocks/a", b"x".to_vec())),
+            ),
+            (
+                "a key added under the prefix",
+                Txn::new().then(Op::put("blocks/c", b"x".to_vec())),
+            ),
+            (
+                "a listed key deleted",
+                Txn::new().then(Op::delete("blocks/b")),
+            ),
+            (
+                "a got key rewritten",
+                Txn::new().then(Op::put("config", b"x".to_vec())),
+            ),
+            (
+                "a speculated key written",
+                Txn::new().then(Op::put("h/new-pod", b"x".to_vec())),
+            ),
+        ];
+        for (what, change) in changes {
+            let backing = store_with_blocks().await;
+            let (cached, counting) = cached_over(&backing);
+            cached.read_many(&batch()).await.expect("warm");
+            let answered = cached
+                .read_many_cached(&batch(), true)
+                .await
+                .expect("cached");
+            assert!(answered.from_cache, "{what}: answered from the cache");
+            backing.commit(change).await.expect("another writer");
+            let before = backing.list("").await.expect("list");
+            let txn = decided_from(&answered, Txn::new().then(Op::put("out", b"o".to_vec())));
+            let refused = cached.commit(txn).await;
+            assert!(
+                matches!(refused, Err(KvError::Conflict { .. })),
+                "{what}: {refused:?}"
+            );
+            assert_eq!(
+                backing.list("").await.expect("list"),
+                before,
+                "{what}: nothing written"
+            );
+            counting.take();
+            let fresh = cached
+                .read_many_cached(&batch(), true)
+                .await
+                .expect("fresh");
+            assert!(
+                !fresh.from_cache,
+                "{what}: the stale answer is not given again"
+            );
+            assert_eq!(counting.take().reads, 1, "{what}");
+            assert_eq!(
+                fresh.results,
+                backing.read_many(&batch()).await.expect("truth"),
+                "{what}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_with_an_unknown_key_or_a_range_is_read_from_the_store() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        cached.read_many(&batch()).await.expect("warm");
+        counting.take();
+        for extra in [
+            Read::Get("never-read".into()),
+            Read::range("blocks/", "", 1),
+        ] {
+            let mut reads = batch();
+            reads.push(extra.clone());
+            let answered = cached.read_many_cached(&reads, true).await.expect("read");
+            assert!(!answered.from_cache, "{extra:?}");
+            assert_eq!(counting.take().reads, 1, "{extra:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_listing_written_under_without_its_validator_is_forgotten() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        cached.read_many(&batch()).await.expect("warm");
+        // Another writer adds a key; then this store writes under the prefix unconditioned: the
+        // listing kept cannot be brought up to date, so it is not answered from again.
+        backing
+            .put("blocks/c", b"c".to_vec())
+            .await
+            .expect("another writer");
+        cached
+            .commit(Txn::new().then(Op::put("blocks/d", b"d".to_vec())))
+            .await
+            .expect("commit");
+        counting.take();
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(!answered.from_cache);
+        assert_eq!(counting.take().reads, 1);
+        assert_eq!(
+            answered.results,
+            backing.read_many(&batch()).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_listing_too_long_to_validate_is_not_kept() {
+        let backing = Arc::new(MemoryStore::new());
+        for n in 0..MAX_VALIDATORS {
+            backing
+                .put(&format!("blocks/{n:03}"), Vec::new())
+                .await
+                .expect("put");
+        }
+        let (cached, counting) = cached_over(&backing);
+        let reads = [Read::List("blocks/".into())];
+        cached.read_many(&reads).await.expect("warm");
+        counting.take();
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(!answered.from_cache);
+        assert!(answered.validators.is_empty(), "too many to carry");
+        assert_eq!(counting.take().reads, 1);
+    }
+}
