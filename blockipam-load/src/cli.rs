@@ -190,6 +190,9 @@ pub struct Cli {
     /// etcd: after the run, this many seconds of a raw etcd-client loop of one-key conditional Txn writes (--concurrency workers, own connections); reports raw_ceiling and allocation_to_raw_ratio
     #[arg(long, value_name = "SECONDS")]
     pub raw_etcd_ceiling_seconds: Option<f64>,
+    /// Api mode: each node reads through a cache of its own, as its node agent serves the plugin (a steady ADD or DEL is then one transaction)
+    #[arg(long)]
+    pub agent_cache: bool,
     /// What to run: churn (the load run), borrow (new nodes ADD in a nearly full pool) or node-release (blockipamctl node release --addresses of one node)
     #[arg(long, value_enum, default_value = "churn", help_heading = "Scenarios")]
     pub scenario: ScenarioArg,
@@ -319,6 +322,7 @@ impl Cli {
                 .raw_etcd_ceiling_seconds
                 .map(|s| seconds(&s.to_string(), "--raw-etcd-ceiling-seconds", false))
                 .transpose()?,
+            agent_cache: self.agent_cache,
         };
         config.validate()?;
         Ok(config)

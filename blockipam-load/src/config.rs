@@ -100,6 +100,9 @@ pub struct LoadConfig {
     /// `Txn` writes, `concurrency` workers each with its own connection (`--raw-etcd-ceiling-seconds`).
     #[serde(serialize_with = "optional_seconds")]
     pub raw_etcd_ceiling: Option<Duration>,
+    /// Api mode: each node's allocator reads through a cache of its own, as its node agent
+    /// serves the plugin (`ipam_core::caching::CachingStore`; `--agent-cache`).
+    pub agent_cache: bool,
 }
 
 fn optional_seconds<S: serde::Serializer>(
@@ -137,6 +140,7 @@ impl Default for LoadConfig {
             prefill: 0,
             prefill_node: None,
             raw_etcd_ceiling: None,
+            agent_cache: false,
         }
     }
 }
@@ -199,6 +203,11 @@ impl LoadConfig {
                 "--network {:?} must match [a-zA-Z0-9][a-zA-Z0-9_.-]* (a CNI network name)",
                 self.network
             )));
+        }
+        if self.agent_cache && self.mode != Mode::Api {
+            return Err(LoadError::usage(
+                "--agent-cache is for api mode (in plugin mode, run an agent and name its socket)",
+            ));
         }
         if self.mode == Mode::Plugin && self.plugin.is_none() {
             return Err(LoadError::usage(

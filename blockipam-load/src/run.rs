@@ -413,7 +413,12 @@ async fn build_drivers(
                             let (offset, name, store) = joined.map_err(|e| {
                                 LoadError::failed(format!("a connecting task failed: {e}"))
                             })?;
-                            let driver = ApiNode::new(name, config.network.clone(), store?);
+                            let driver = ApiNode::new(
+                                name,
+                                config.network.clone(),
+                                store?,
+                                config.agent_cache,
+                            );
                             opened.push((offset, NodeDriver::Api(driver)));
                         }
                         opened.sort_by_key(|(offset, _)| *offset);
@@ -424,14 +429,24 @@ async fn build_drivers(
                 None => names
                     .into_iter()
                     .map(|name| {
-                        NodeDriver::Api(ApiNode::new(name, config.network.clone(), store.clone()))
+                        NodeDriver::Api(ApiNode::new(
+                            name,
+                            config.network.clone(),
+                            store.clone(),
+                            config.agent_cache,
+                        ))
                     })
                     .collect(),
             };
-            let clients = match etcd {
+            let mut clients = match etcd {
                 Some(_) => "api mode: each node has its own Ipam and its own etcd client (own connections)".to_owned(),
                 None => "api mode: each node has its own Ipam, all over one shared store handle (an embedded store admits one process)".to_owned(),
             };
+            if config.agent_cache {
+                clients.push_str(
+                    "; each node reads through a cache of its own, as its agent serves the plugin",
+                );
+            }
             Ok(Drivers {
                 nodes: drivers,
                 description: clients,

@@ -112,6 +112,39 @@ fn fifty_nodes_on_a_real_etcd_through_the_api_leave_no_duplicate_and_a_clean_che
     assert!(size(&etcd_sizes.after).is_some_and(|b| b > 0), "{text}");
 }
 
+/// The same run with each node reading through a cache of its own, as its agent serves the
+/// plugin: no duplicate, a clean check, and a steady ADD or DEL reaches etcd once (a commit; a
+/// read and a commit again per conflict).
+#[test]
+fn fifty_nodes_on_a_real_etcd_reading_through_agent_caches_leave_no_duplicate_and_a_clean_check() {
+    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
+    let settings = DatastoreSettings {
+        backend: Backend::Etcd(EtcdSettings {
+            endpoints: vec![etcd.endpoint()],
+            prefix: Some("/guard/cached/".into()),
+            ..EtcdSettings::default()
+        }),
+        ..DatastoreSettings::default()
+    };
+    let config = LoadConfig {
+        agent_cache: true,
+        ..fifty_nodes()
+    };
+    let report = run_load(&config, StoreTarget::from(settings));
+    assert_clean(&report, 300);
+    let text = report.to_text();
+    for kind in [OpKind::Add, OpKind::Del] {
+        let steady = &report.kinds[&kind];
+        let round_trips = steady.round_trips_per_op.expect("round trips");
+        let retried = 2.0 * steady.conflicts_per_op.expect("conflicts");
+        assert!(
+            (1.0..=1.0 + retried + 1e-9).contains(&round_trips),
+            "{kind:?} through the cache is one transaction (and a read and a transaction again \
+             per conflict): {text}"
+        );
+    }
+}
+
 #[test]
 fn fifty_nodes_on_sled_through_the_api_leave_no_duplicate_and_a_clean_check() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -5,6 +5,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use ipam_core::caching::CachingStore;
 use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
 
 use ipam_core::allocator::leaks::ATTR_INTERFACE;
@@ -32,14 +33,24 @@ pub struct StoreWork {
 }
 
 impl ApiNode {
-    /// A node named `host` over `store` (its own client, or a handle it shares).
-    pub fn new(host: String, network: String, store: Arc<dyn KvStore>) -> Self {
+    /// A node named `host` over `store` (its own client, or a handle it shares); with
+    /// `agent_cache`, its allocator reads through a cache of its own, as its node agent serves
+    /// the plugin (the counters then count what reaches the store).
+    pub fn new(host: String, network: String, store: Arc<dyn KvStore>, agent_cache: bool) -> Self {
         let conflicts = Arc::new(ConflictCounter::new(store));
         let counting = Arc::new(CountingStore::new(conflicts.clone()));
+        let allocator_store: Arc<dyn KvStore> = if agent_cache {
+            Arc::new(
+                CachingStore::new(counting.clone())
+                    .speculating_absent_under(ipam_core::model::keys::handles_dir()),
+            )
+        } else {
+            counting.clone()
+        };
         ApiNode {
             host,
             network,
-            ipam: Ipam::new(counting.clone()),
+            ipam: Ipam::new(allocator_store),
             counting,
             conflicts,
         }
