@@ -1103,6 +1103,85 @@ mod tests {
         assert_eq!(sample.split_first(), Some((&1u8, &frame[4..])));
     }
 
+    /// Protocol 4's additions, as this build sends them: a batched read the agent may answer from
+    /// its cache, a commit conditioned on a prefix, and the cached answer.
+    fn protocol_4_samples() -> [(&'static str, Vec<u8>); 3] {
+        let deadline = WireDeadline {
+            monotonic_nanos: 123_456_789_000,
+            remaining_nanos: 5_000_000_000,
+        };
+        let request = |id, request| {
+            let frame = BoundedRequestFrame {
+                id,
+                deadline,
+                request,
+            };
+            let bytes = encode_frame(&frame, MAX_REQUEST_BYTES).expect("encode");
+            [&[1u8][..], &bytes[4..]].concat()
+        };
+        let cached_read = request(
+            8,
+            Request::ReadManyCached {
+                reads: vec![
+                    WireRead::List("blocks/".into()),
+                    WireRead::Get("handles/net.c1".into()),
+                ],
+                may_use_cache: true,
+            },
+        );
+        let commit = request(
+            9,
+            Request::Commit {
+                txn: WireTxn {
+                    conditions: vec![
+                        WireCondition::AtRevision("blocks/a".into(), 41),
+                        WireCondition::NoPutAfter("blocks/".into(), 41),
+                        WireCondition::Absent("handles/net.c1".into()),
+                    ],
+                    ops: vec![WireOp::Put("handles/net.c1".into(), b"{}".to_vec())],
+                },
+            },
+        );
+        let answer = ResponseFrame {
+            id: 8,
+            response: Response::ReadManyCached {
+                results: vec![
+                    WireReadResult::Listed(vec![WireKeyValue {
+                        key: "blocks/a".into(),
+                        value: b"a".to_vec(),
+                        revision: 41,
+                    }]),
+                    WireReadResult::Got(None),
+                ],
+                validators: vec![
+                    WireCondition::NoPutAfter("blocks/".into(), 41),
+                    WireCondition::AtRevision("blocks/a".into(), 41),
+                    WireCondition::Absent("handles/net.c1".into()),
+                ],
+                from_cache: true,
+            },
+        };
+        let answer_bytes = encode_frame(&answer, MAX_RESPONSE_BYTES).expect("encode");
+        [
+            ("request-v4-read-many-cached", cached_read),
+            ("request-v4-commit-no-put-after", commit),
+            (
+                "response-read-many-cached",
+                [&[2u8][..], &answer_bytes[4..]].concat(),
+            ),
+        ]
+    }
+
+    #[test]
+    fn the_committed_protocol_4_samples_are_a_cached_read_a_commit_on_a_prefix_and_its_answer() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/agent_frames");
+        for (name, expected) in protocol_4_samples() {
+            let sample = std::fs::read(dir.join(name)).expect("read a protocol 4 sample");
+            assert_eq!(sample, expected, "{name}");
+        }
+    }
+
     #[test]
     fn frames_of_many_small_numbers_decode_at_every_size() {
         // Empty keys and values: 3 bytes each on the wire, and 24 bytes of the decoder's
