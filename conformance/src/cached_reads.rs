@@ -13,7 +13,9 @@ use ipam_core::{AssignIpsRequest, CountingStore, Ipam, KvStore, RoundTrips};
 
 use ipnet::IpNet;
 
-use crate::ipam::{assert_clean, ipam_with_pool, net, spec, v4};
+use crate::ipam::{
+    assert_allocations_are, assert_clean, assign_concurrently, ipam_with_pool, net, spec, v4,
+};
 use crate::StoreFactory;
 
 /// Expands every case into one `#[tokio::test]` inside a module `cached_reads`.
@@ -216,41 +218,21 @@ pub async fn hosts_assigning_concurrently_through_caches_of_their_own_get_distin
     const LANES: usize = 4;
     // 8 blocks of 64: 480 of 512 addresses.
     let (t, other) = ipam_with_pool(factory, "10.0.0.0/23", 26).await;
-    let mut tasks = Vec::new();
-    let mut caches = Vec::new();
-    for host in 0..HOSTS {
-        let (ipam, cache, _counting) = cached_node(&t.store);
-        caches.push(cache);
-        for lane in 0..LANES {
-            let ipam = ipam.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut got = Vec::new();
-                for i in (lane..PER_HOST).step_by(LANES) {
-                    let handle = format!("net.h{host}-c{i}");
-                    let result = ipam
-                        .auto_assign(&v4(&handle, &format!("node-{host}"), 1))
-                        .await;
-                    let address = result.unwrap_or_else(|e| panic!("{handle}: {e}"));
-                    got.push((handle, address.v4[0].ip));
-                }
-                got
-            }));
-        }
-    }
-    let mut by_address: BTreeMap<IpAddr, String> = BTreeMap::new();
-    for task in tasks {
-        for (handle, address) in task.await.expect("worker panicked") {
-            if let Some(previous) = by_address.insert(address, handle.clone()) {
-                panic!("{address} handed to both {previous} and {handle}");
-            }
-        }
-    }
-    assert_eq!(by_address.len(), HOSTS * PER_HOST);
-    let allocations = other.list_allocations().await.expect("list");
-    assert_eq!(allocations.len(), HOSTS * PER_HOST);
-    for info in &allocations {
-        assert_eq!(by_address.get(&info.ip), Some(&info.handle));
-    }
+    let caches: Vec<Arc<CachingStore>> = Vec::new();
+    let caches = std::sync::Mutex::new(caches);
+    let by_address = assign_concurrently(
+        |_| {
+            let (ipam, cache, _counting) = cached_node(&t.store);
+            caches.lock().expect("caches").push(cache);
+            ipam
+        },
+        HOSTS,
+        PER_HOST,
+        LANES,
+    )
+    .await;
+    assert_allocations_are(&other, &by_address).await;
+    let caches = caches.into_inner().expect("caches");
     let hits: u64 = caches.iter().map(|c| c.answered_from_cache()).sum();
     assert!(
         hits > 0,

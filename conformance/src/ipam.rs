@@ -1251,13 +1251,29 @@ pub async fn eight_hosts_assigning_concurrently_get_distinct_addresses<F: StoreF
     const PER_HOST: usize = 100;
     const PER_HOST_CONCURRENCY: usize = 4;
     let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/20", 26).await;
+    let by_address =
+        assign_concurrently(|_| ipam.clone(), HOSTS, PER_HOST, PER_HOST_CONCURRENCY).await;
+    assert_allocations_are(&ipam, &by_address).await;
+    assert_clean(&ipam).await;
+}
+
+/// `per_host` assigns of one IPv4 address on each of `hosts` hosts (`node-<n>`), `lanes` at once
+/// per host, host `n` through `ipam_of(n)`: panics on a failed assign or an address handed out
+/// twice, and returns each address with the handle it went to.
+pub(crate) async fn assign_concurrently(
+    ipam_of: impl Fn(usize) -> Ipam,
+    hosts: usize,
+    per_host: usize,
+    lanes: usize,
+) -> BTreeMap<IpAddr, String> {
     let mut tasks = Vec::new();
-    for host in 0..HOSTS {
-        for lane in 0..PER_HOST_CONCURRENCY {
+    for host in 0..hosts {
+        let ipam = ipam_of(host);
+        for lane in 0..lanes {
             let ipam = ipam.clone();
             tasks.push(tokio::spawn(async move {
                 let mut got = Vec::new();
-                for i in (lane..PER_HOST).step_by(PER_HOST_CONCURRENCY) {
+                for i in (lane..per_host).step_by(lanes) {
                     let handle = format!("net.h{host}-c{i}");
                     let result = ipam
                         .auto_assign(&v4(&handle, &format!("node-{host}"), 1))
@@ -1277,13 +1293,18 @@ pub async fn eight_hosts_assigning_concurrently_get_distinct_addresses<F: StoreF
             }
         }
     }
-    assert_eq!(by_address.len(), HOSTS * PER_HOST);
+    assert_eq!(by_address.len(), hosts * per_host);
+    by_address
+}
+
+/// The store holds exactly the allocations of `by_address`, and checks clean.
+pub(crate) async fn assert_allocations_are(ipam: &Ipam, by_address: &BTreeMap<IpAddr, String>) {
     let allocations = ipam.list_allocations().await.expect("list");
-    assert_eq!(allocations.len(), HOSTS * PER_HOST);
+    assert_eq!(allocations.len(), by_address.len());
     for info in &allocations {
         assert_eq!(by_address.get(&info.ip), Some(&info.handle));
     }
-    assert_clean(&ipam).await;
+    assert_clean(ipam).await;
 }
 
 /// Random sequences of assigns and releases, checked after every step against a model (the set of

@@ -242,27 +242,49 @@ fn grpc_requests_during(server: &EtcdServer, call: impl FnOnce()) -> BTreeMap<St
         .collect()
 }
 
-#[test]
-fn etcd_counts_two_requests_per_steady_state_add_and_del() {
-    // A server of this test's own: nothing else sends it requests while it counts.
-    let server = EtcdServer::start().unwrap_or_else(|e| {
+/// An etcd server of the test's own: nothing else sends it requests while it counts.
+fn own_etcd() -> EtcdServer {
+    EtcdServer::start().unwrap_or_else(|e| {
         panic!(
             "this test needs etcd (Debian: apt-get install etcd-server, or run scripts/setup): {e}"
         )
-    });
-    let prefix = unique_prefix();
-    let sandbox = Sandbox::new();
-    let mut netconf = sandbox.netconf("1.0.0", json!({"agent_socket": ""}));
+    })
+}
+
+/// The sandbox's netconf on `server` under `prefix`, reaching it through the agent at
+/// `agent_socket` (`""`: the plugin opens the store itself).
+fn etcd_netconf(
+    sandbox: &Sandbox,
+    server: &EtcdServer,
+    prefix: &str,
+    agent_socket: Value,
+) -> Value {
+    let mut netconf = sandbox.netconf("1.0.0", json!({ "agent_socket": agent_socket }));
     netconf["ipam"]["datastore_type"] = json!("etcdv3");
     netconf["ipam"]["datastore_path"] = Value::Null;
     netconf["ipam"]["etcd_endpoints"] = json!(server.endpoint());
     netconf["ipam"]["etcd_prefix"] = json!(prefix);
-    let add = |container: &str| {
-        cni("ADD", container, "eth0", &netconf, &[]).success_json("ADD");
+    netconf
+}
+
+/// An ADD and a DEL of a container with `netconf`, each asserted to succeed.
+fn add_and_del(netconf: &Value) -> (impl Fn(&str) + '_, impl Fn(&str) + '_) {
+    let add = move |container: &str| {
+        cni("ADD", container, "eth0", netconf, &[]).success_json("ADD");
     };
-    let del = |container: &str| {
-        cni("DEL", container, "eth0", &netconf, &[]).assert_silent_success("DEL");
+    let del = move |container: &str| {
+        cni("DEL", container, "eth0", netconf, &[]).assert_silent_success("DEL");
     };
+    (add, del)
+}
+
+#[test]
+fn etcd_counts_two_requests_per_steady_state_add_and_del() {
+    let server = own_etcd();
+    let prefix = unique_prefix();
+    let sandbox = Sandbox::new();
+    let netconf = etcd_netconf(&sandbox, &server, &prefix, json!(""));
+    let (add, del) = add_and_del(&netconf);
     let first = grpc_requests_during(&server, || add("c0"));
     println!("first ADD: {first:?}");
     for container in ["c1", "c2"] {
@@ -306,11 +328,7 @@ fn etcd_counts_two_requests_per_steady_state_add_and_del() {
 /// (a long liveness lease and reclaim interval).
 #[test]
 fn etcd_counts_one_request_per_steady_state_add_and_del_through_the_agent() {
-    let server = EtcdServer::start().unwrap_or_else(|e| {
-        panic!(
-            "this test needs etcd (Debian: apt-get install etcd-server, or run scripts/setup): {e}"
-        )
-    });
+    let server = own_etcd();
     let prefix = unique_prefix();
     let sandbox = Sandbox::new();
     let socket = sandbox.agent_socket();
@@ -333,17 +351,8 @@ fn etcd_counts_one_request_per_steady_state_add_and_del_through_the_agent() {
     .into();
     let _agent = InProcessAgent::run_binary_with_flags(&socket, flags)
         .unwrap_or_else(|e| panic!("the agent did not start: {e}"));
-    let mut netconf = sandbox.netconf("1.0.0", json!({"agent_socket": socket}));
-    netconf["ipam"]["datastore_type"] = json!("etcdv3");
-    netconf["ipam"]["datastore_path"] = Value::Null;
-    netconf["ipam"]["etcd_endpoints"] = json!(server.endpoint());
-    netconf["ipam"]["etcd_prefix"] = json!(prefix);
-    let add = |container: &str| {
-        cni("ADD", container, "eth0", &netconf, &[]).success_json("ADD");
-    };
-    let del = |container: &str| {
-        cni("DEL", container, "eth0", &netconf, &[]).assert_silent_success("DEL");
-    };
+    let netconf = etcd_netconf(&sandbox, &server, &prefix, json!(socket));
+    let (add, del) = add_and_del(&netconf);
     // The network's set-up, then an ADD whose read fills the agent's cache.
     add("c0");
     add("c1");
