@@ -672,6 +672,239 @@ mod tests {
         assert_eq!(counting.take().reads, 0);
     }
 
+    /// A store that applies each commit but answers it as of unknown outcome.
+    #[derive(Debug, Default)]
+    struct LandsButSaysUnknown {
+        inner: MemoryStore,
+    }
+
+    #[async_trait]
+    impl KvStore for LandsButSaysUnknown {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+            self.inner.get(key).await
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+            self.inner.list(prefix).await
+        }
+
+        async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+            self.inner.commit(txn).await?;
+            Err(KvError::Indeterminate {
+                message: "the answer was lost".into(),
+            })
+        }
+
+        async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+            self.inner.read_many(reads).await
+        }
+    }
+
+    #[tokio::test]
+    async fn after_a_commit_of_unknown_outcome_nothing_kept_is_answered() {
+        let backing = Arc::new(LandsButSaysUnknown::default());
+        backing
+            .inner
+            .put("blocks/a", b"a0".to_vec())
+            .await
+            .expect("put");
+        let cached = CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>);
+        let reads = [Read::List("blocks/".into()), Read::Get("blocks/a".into())];
+        cached.read_many(&reads).await.expect("warm");
+        let outcome = cached
+            .commit(Txn::new().then(Op::put("blocks/a", b"a1".to_vec())))
+            .await;
+        assert!(
+            matches!(outcome, Err(KvError::Indeterminate { .. })),
+            "{outcome:?}"
+        );
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(!answered.from_cache);
+        assert_eq!(
+            answered.results,
+            backing.inner.read_many(&reads).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn answers_from_the_cache_after_its_own_writes_are_the_stores() {
+        let backing = store_with_blocks().await;
+        let (cached, _counting) = cached_over(&backing);
+        cached.read_many(&batch()).await.expect("warm");
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        // Its own writes, carrying the validators: a put and a delete under the listing, the
+        // configuration deleted.
+        let txn = decided_from(
+            &answered,
+            Txn::new()
+                .then(Op::put("blocks/c", b"c".to_vec()))
+                .then(Op::delete("blocks/a"))
+                .then(Op::delete("config")),
+        );
+        cached.commit(txn).await.expect("commit");
+        let after = cached
+            .read_many_cached(&batch(), true)
+            .await
+            .expect("after");
+        assert_eq!(
+            after.results,
+            backing.read_many(&batch()).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_whose_kept_answers_disagree_on_a_key_is_read_from_the_store() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        let reads = [Read::List("blocks/".into()), Read::Get("blocks/a".into())];
+        cached.read_many(&reads).await.expect("warm");
+        // Another writer rewrites a listed key; this store then reads that key alone: the
+        // listing kept shows it at its old revision, the key at its new one.
+        backing
+            .put("blocks/a", b"a1".to_vec())
+            .await
+            .expect("another writer");
+        cached.get("blocks/a").await.expect("get");
+        counting.take();
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(!answered.from_cache, "answered from two different moments");
+        assert_eq!(counting.take().reads, 1);
+        assert_eq!(
+            answered.results,
+            backing.read_many(&reads).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_condition_on_a_listed_key_forgets_the_listing() {
+        let backing = store_with_blocks().await;
+        let (cached, _counting) = cached_over(&backing);
+        let reads = [Read::List("blocks/".into())];
+        cached.read_many(&reads).await.expect("warm");
+        let stale = backing
+            .get("blocks/a")
+            .await
+            .expect("get")
+            .expect("a")
+            .revision;
+        backing
+            .put("blocks/a", b"a1".to_vec())
+            .await
+            .expect("another writer");
+        // A transaction conditioned on the listed key alone (no validator of the listing).
+        let refused = cached
+            .commit(
+                Txn::new()
+                    .when(Condition::at_revision("blocks/a", stale))
+                    .then(Op::put("out", b"o".to_vec())),
+            )
+            .await;
+        assert!(
+            matches!(refused, Err(KvError::Conflict { .. })),
+            "{refused:?}"
+        );
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(!answered.from_cache, "the stale listing was answered");
+        assert_eq!(
+            answered.results,
+            backing.read_many(&reads).await.expect("truth")
+        );
+    }
+
+    #[tokio::test]
+    async fn what_is_kept_counts_its_bytes_exactly_and_is_forgotten_past_its_bound() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        cached.read_many(&batch()).await.expect("warm");
+        let big = vec![7u8; 8 * 1024];
+        // Churn that keeps little at a time: 24 MiB put and deleted, a listing of 8 KiB read
+        // again 3,000 times.
+        backing.put("wide/one", big.clone()).await.expect("put");
+        for _ in 0..3_000 {
+            cached
+                .commit(Txn::new().then(Op::put("big/k", big.clone())))
+                .await
+                .expect("put");
+            cached
+                .commit(Txn::new().then(Op::delete("big/k")))
+                .await
+                .expect("delete");
+            cached
+                .read_many(&[Read::List("wide/".into())])
+                .await
+                .expect("list");
+        }
+        // 8 MiB kept at once, half the bound.
+        let mebibyte = vec![1u8; 1024 * 1024];
+        for n in 0..8 {
+            cached
+                .commit(Txn::new().then(Op::put(&format!("large/{n}"), mebibyte.clone())))
+                .await
+                .expect("put");
+        }
+        counting.take();
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(answered.from_cache, "forgotten below the bound");
+        // 9 MiB more, kept at once: past the bound, everything is forgotten.
+        for n in 8..17 {
+            cached
+                .commit(Txn::new().then(Op::put(&format!("large/{n}"), mebibyte.clone())))
+                .await
+                .expect("put");
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(!answered.from_cache, "kept past the bound");
+        // Listings count too: 17 listings of 1 MiB and more, past the bound.
+        cached.read_many(&batch()).await.expect("warm again");
+        for n in 0..17 {
+            cached
+                .read_many(&[Read::List(format!("large/{n}"))])
+                .await
+                .expect("list");
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(!answered.from_cache, "listings kept past the bound");
+        // Small listings do not fill it.
+        cached.read_many(&batch()).await.expect("warm again");
+        for n in 0..17 {
+            cached
+                .read_many(&[Read::List(format!("large/{n}/"))])
+                .await
+                .expect("list");
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(answered.from_cache, "empty listings are small");
+    }
+
+    #[tokio::test]
+    async fn plain_reads_answer_from_the_store_and_teach_the_cache() {
+        let backing = store_with_blocks().await;
+        let (cached, counting) = cached_over(&backing);
+        assert_eq!(
+            cached.get("config").await.expect("get"),
+            backing.get("config").await.expect("truth")
+        );
+        assert_eq!(
+            cached.list("blocks/").await.expect("list"),
+            backing.list("blocks/").await.expect("truth")
+        );
+        assert_eq!(counting.take().reads, 2);
+        let reads = [Read::List("blocks/".into()), Read::Get("config".into())];
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(answered.from_cache, "learned from the plain reads");
+        assert_eq!(counting.take().reads, 0);
+        assert_eq!(
+            answered.results,
+            backing.read_many(&reads).await.expect("truth")
+        );
+    }
+
+    #[test]
+    fn validators_leave_room_for_the_transactions_own_conditions() {
+        assert!(MAX_VALIDATORS * 2 <= MAX_TXN_CONDITIONS);
+        assert!(MAX_VALIDATORS >= 32, "room for a node's listings");
+    }
+
     #[tokio::test]
     async fn a_listing_too_long_to_validate_is_not_kept() {
         let backing = Arc::new(MemoryStore::new());
