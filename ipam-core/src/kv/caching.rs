@@ -31,6 +31,9 @@ use crate::kv::{
 /// beside them ([`MAX_TXN_CONDITIONS`]). A batch needing more is read from the store.
 pub const MAX_VALIDATORS: usize = MAX_TXN_CONDITIONS / 2;
 
+// Room for a transaction's own conditions beside the validators, and for a node's listings.
+const _: () = assert!(MAX_VALIDATORS * 2 <= MAX_TXN_CONDITIONS && MAX_VALIDATORS >= 32);
+
 /// Most bytes of keys and values kept; past it, everything kept is forgotten.
 pub const MAX_KEPT_BYTES: usize = 16 * 1024 * 1024;
 
@@ -838,7 +841,7 @@ mod tests {
         let mebibyte = vec![1u8; 1024 * 1024];
         for n in 0..8 {
             cached
-                .commit(Txn::new().then(Op::put(&format!("large/{n}"), mebibyte.clone())))
+                .commit(Txn::new().then(Op::put(format!("large/{n}"), mebibyte.clone())))
                 .await
                 .expect("put");
         }
@@ -848,7 +851,7 @@ mod tests {
         // 9 MiB more, kept at once: past the bound, everything is forgotten.
         for n in 8..17 {
             cached
-                .commit(Txn::new().then(Op::put(&format!("large/{n}"), mebibyte.clone())))
+                .commit(Txn::new().then(Op::put(format!("large/{n}"), mebibyte.clone())))
                 .await
                 .expect("put");
         }
@@ -897,12 +900,6 @@ mod tests {
             answered.results,
             backing.read_many(&reads).await.expect("truth")
         );
-    }
-
-    #[test]
-    fn validators_leave_room_for_the_transactions_own_conditions() {
-        assert!(MAX_VALIDATORS * 2 <= MAX_TXN_CONDITIONS);
-        assert!(MAX_VALIDATORS >= 32, "room for a node's listings");
     }
 
     #[tokio::test]
