@@ -482,6 +482,19 @@ mod tests {
         assert_eq!(again.results, first.results);
         assert_eq!(first.validators, again.validators, "the same conditions");
         assert_eq!(counting.take().reads, 0, "answered from what was kept");
+        // A handle never read is taken for absent.
+        let mut with_new_handle = batch();
+        with_new_handle.push(Read::Get("h/another-pod".into()));
+        let speculated = cached
+            .read_many_cached(&with_new_handle, true)
+            .await
+            .expect("speculated");
+        assert!(speculated.from_cache);
+        assert_eq!(speculated.results[3], ReadResult::Got(None));
+        assert!(speculated
+            .validators
+            .contains(&Condition::absent("h/another-pod")));
+        assert_eq!(counting.take().reads, 0);
         // Not allowed to use the cache: read from the store.
         let fresh = cached
             .read_many_cached(&batch(), false)
@@ -857,6 +870,41 @@ mod tests {
         }
         let answered = cached.read_many_cached(&batch(), true).await.expect("read");
         assert!(!answered.from_cache, "kept past the bound");
+        // Keys written twice count once: 15 MiB written twice is 15 MiB kept, below the bound;
+        // 2 MiB more is past it.
+        cached.forget();
+        cached.read_many(&batch()).await.expect("warm again");
+        for _ in 0..2 {
+            for n in 0..15 {
+                cached
+                    .commit(Txn::new().then(Op::put(format!("large/{n}"), mebibyte.clone())))
+                    .await
+                    .expect("put");
+            }
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(answered.from_cache, "a rewritten key counted twice");
+        for n in 15..17 {
+            cached
+                .commit(Txn::new().then(Op::put(format!("large/{n}"), mebibyte.clone())))
+                .await
+                .expect("put");
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(!answered.from_cache, "rewritten keys counted short");
+        // Listings count their keys and values: 9 listings of one 1 MiB key each, read twice,
+        // are below the bound; 17 MiB of listings are past it.
+        cached.read_many(&batch()).await.expect("warm again");
+        for _ in 0..2 {
+            for n in [0, 2, 3, 4, 5, 6, 7, 8, 9] {
+                cached
+                    .read_many(&[Read::List(format!("large/{n}"))])
+                    .await
+                    .expect("list");
+            }
+        }
+        let answered = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(answered.from_cache, "listings counted more than they hold");
         // Listings count too: 17 listings of 1 MiB and more, past the bound.
         cached.read_many(&batch()).await.expect("warm again");
         for n in 0..17 {
