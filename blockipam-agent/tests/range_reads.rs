@@ -1,4 +1,4 @@
-//! Range reads across agent protocol versions: this agent answers each hello with the newest version both speak and serves a range in protocol 3 and on a protocol 2 connection; this client, reconnected to an agent of protocol 2, sends it no range and still gets each window.
+//! Range reads across agent protocol versions: this agent answers each hello with the newest version both speak and serves a range in protocol 3 and on a protocol 2 connection; this client, reconnected to an agent of protocol 2, sends it no range and still gets each window. Also: malformed protocol 4 requests from a raw peer.
 
 mod common;
 
@@ -248,4 +248,85 @@ async fn this_client_reads_each_window_through_an_agent_replaced_by_one_of_proto
     );
     drop(client);
     older_agent.await.expect("the protocol 2 agent");
+}
+
+/// Protocol 4 from a raw peer, served through the agent's read cache: malformed cached reads and
+/// prefix conditions get the store's invalid-argument answer and write nothing, a stale prefix
+/// condition is a conflict naming its prefix, and the connection goes on: the next cached read is
+/// answered, from the cache the second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_protocol_4_requests_are_refused_and_the_connection_goes_on() {
+    use backend_agent::protocol::{WireCondition, WireError, WireOp, WireTxn};
+    use ipam_core::caching::CachingStore;
+    let backing = store_around_r_a().await;
+    let cached = CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>);
+    let agent =
+        common::InProcessAgent::serve_on_current_runtime(Arc::new(cached), ServerConfig::default());
+    let (mut stream, protocol) = greeted(&agent, PROTOCOL_V4).await;
+    assert_eq!(protocol, PROTOCOL_V4);
+    let before = backing.list("").await.expect("list");
+    let invalid = |response: &Response| {
+        matches!(
+            response,
+            Response::Failed(WireError::InvalidArgument { .. })
+        )
+    };
+    let cached_read = |reads: Vec<WireRead>| Request::ReadManyCached {
+        reads,
+        may_use_cache: true,
+    };
+    let refused = exchange(
+        &mut stream,
+        1,
+        protocol,
+        cached_read(vec![WireRead::Get(String::new())]),
+    )
+    .await;
+    assert!(invalid(&refused), "an empty key: {refused:?}");
+    let zero = WireRead::Range {
+        prefix: "r/a/".into(),
+        from: String::new(),
+        limit: 0,
+    };
+    let refused = exchange(&mut stream, 2, protocol, cached_read(vec![zero])).await;
+    assert!(invalid(&refused), "a range of 0 keys: {refused:?}");
+    let commit_on = |prefix: &str, revision: u64| Request::Commit {
+        txn: WireTxn {
+            conditions: vec![WireCondition::NoPutAfter(prefix.into(), revision)],
+            ops: vec![WireOp::Put("x".into(), b"x".to_vec())],
+        },
+    };
+    let refused = exchange(&mut stream, 3, protocol, commit_on("r/\0", u64::MAX)).await;
+    assert!(invalid(&refused), "a prefix holding NUL: {refused:?}");
+    let stale = exchange(&mut stream, 4, protocol, commit_on("r/a/", 1)).await;
+    assert_eq!(
+        stale,
+        Response::Failed(WireError::Conflict { key: "r/a/".into() }),
+        "a put under the prefix after revision 1"
+    );
+    assert_eq!(
+        backing.list("").await.expect("list"),
+        before,
+        "something was written"
+    );
+    let reads = vec![WireRead::List("r/a/".into()), WireRead::Get("r/b".into())];
+    for (id, from_cache) in [(5, false), (6, true)] {
+        match exchange(&mut stream, id, protocol, cached_read(reads.clone())).await {
+            Response::ReadManyCached {
+                results,
+                validators,
+                from_cache: answered_from_cache,
+            } => {
+                assert_eq!(answered_from_cache, from_cache, "request {id}");
+                assert_eq!(results.len(), 2);
+                assert_eq!(
+                    validators.len(),
+                    6,
+                    "the listing's prefix and 4 keys, the key"
+                );
+            }
+            other => panic!("request {id}: expected a cached read's answer, got {other:?}"),
+        }
+    }
+    agent.stop().await;
 }
