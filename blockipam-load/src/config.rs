@@ -290,7 +290,20 @@ mod tests {
                 raw_etcd_ceiling: Some(Duration::ZERO),
                 ..LoadConfig::default()
             },
+            // The agent cache is api mode's: in plugin mode a real agent serves the plugin.
+            LoadConfig {
+                mode: Mode::Plugin,
+                plugin: Some(PathBuf::from("/usr/bin/blockipam")),
+                agent_cache: true,
+                ..LoadConfig::default()
+            },
         ];
+        LoadConfig {
+            agent_cache: true,
+            ..LoadConfig::default()
+        }
+        .validate()
+        .expect("api mode through agent caches is valid");
         for case in cases {
             assert!(
                 matches!(case.validate(), Err(LoadError::Usage(_))),
