@@ -21,7 +21,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use ipam_core::caching::CachingStore;
+use ipam_core::caching::{CacheStats, CachingStore};
 use ipam_core::KvStore;
 
 pub use cli::AgentArgs;
@@ -96,11 +96,14 @@ pub async fn run_on(
     // Bound before the store is opened: a bad --metrics-listen stops the agent at once.
     // Shared by the leak collection (writes) and the metrics endpoint (reads).
     let leak_counters = Arc::new(counters::LeakCounters::default());
+    // Shared by the read cache plugin calls are served through (counts) and the metrics endpoint.
+    let cache_stats = Arc::new(CacheStats::default());
     let leak_settings = leak_collection::LeakSettings::from_args(args)?;
     let metrics_endpoint = metrics::MetricsEndpoint::from_args(
         args,
         Arc::clone(&reclaim_counters),
         Arc::clone(&leak_counters),
+        Arc::clone(&cache_stats),
     )?;
     // Served from here on, so that probes see the agent start: /healthz answers, /readyz says
     // what the agent is waiting for until its socket accepts.
@@ -188,7 +191,8 @@ pub async fn run_on(
     // store.
     let cached: Arc<dyn KvStore> = Arc::new(
         CachingStore::new(Arc::clone(&store))
-            .speculating_absent_under(ipam_core::model::keys::handles_dir()),
+            .speculating_absent_under(ipam_core::model::keys::handles_dir())
+            .counting_into(cache_stats),
     );
     serve(listener, cached, config, shutdown).await;
     if let Some(leaks) = leaks {

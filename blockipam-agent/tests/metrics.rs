@@ -405,6 +405,17 @@ fn scrape_reports_pools_allocations_blocks_and_agent_counters_and_passes_promtoo
             "no {kind} round trip to the store counted"
         );
     }
+    // The plugin's reads: each node's first ADD read the store; the later ADDs of node-a (two)
+    // and node-b (one) were answered from the agent's read cache.
+    let plugin_reads = |answered: &str| {
+        value(
+            &samples,
+            "blockipam_agent_plugin_reads_total",
+            &[("answered", answered)],
+        )
+    };
+    assert!(plugin_reads("store") >= 2.0, "{samples:#?}");
+    assert!(plugin_reads("cache") >= 3.0, "{samples:#?}");
     // Each plugin call and each test client is one accepted connection.
     assert!(
         value(
@@ -476,6 +487,18 @@ fn ipam_gauges_are_reused_within_the_cache_period_while_counters_move() {
     assert!(
         commits(&second) > commits(&first),
         "the request counters must stay live while the gauges are cached"
+    );
+    let from_cache = |samples: &Samples| {
+        value(
+            samples,
+            "blockipam_agent_plugin_reads_total",
+            &[("answered", "cache")],
+        )
+    };
+    assert_eq!(
+        from_cache(&second),
+        from_cache(&first) + 1.0,
+        "the node's second ADD is answered from the agent's read cache"
     );
 }
 

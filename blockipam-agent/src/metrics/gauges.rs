@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use ipam_core::caching::CacheStats;
 use ipam_core::{Ipam, IpamError, KvStore};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
@@ -422,6 +423,32 @@ impl Collector for LeakCollector {
         ] {
             let gauge = ConstGauge::new(saturating_i64(value));
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Encodes where the plugin's batched reads were answered: the agent's read cache or the store.
+#[derive(Debug)]
+pub(super) struct CacheCollector {
+    pub(super) stats: Arc<CacheStats>,
+}
+
+impl Collector for CacheCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut family = encoder.encode_descriptor(
+            "blockipam_agent_plugin_reads",
+            "Batched reads deciding an allocation or a release (the plugin's ADD and DEL) by \
+             where they were answered: from the agent's read cache (checked by the decision's \
+             transaction) or from the store",
+            None,
+            MetricType::Counter,
+        )?;
+        for (answered, count) in [
+            ("cache", self.stats.answered_from_cache()),
+            ("store", self.stats.read_from_store()),
+        ] {
+            ConstCounter::new(count).encode(family.encode_family(&[("answered", answered)])?)?;
         }
         Ok(())
     }

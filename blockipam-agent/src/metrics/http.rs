@@ -19,6 +19,7 @@ use tokio::task::JoinSet;
 
 use crate::counters::{LeakCounters, ReclaimCounters};
 use crate::AgentError;
+use ipam_core::caching::CacheStats;
 
 use super::health::Health;
 use super::{AgentMetrics, ConnectionLimits, OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE};
@@ -45,13 +46,16 @@ impl MetricsEndpoint {
         args: &crate::AgentArgs,
         reclaim: Arc<ReclaimCounters>,
         leaks: Arc<LeakCounters>,
+        cache: Arc<CacheStats>,
     ) -> Result<Option<Self>, AgentError> {
         let cache_for = args.metrics_cache()?;
         let Some(address) = args.metrics_listen else {
             tracing::info!("metrics endpoint off (no --metrics-listen)");
             return Ok(None);
         };
-        let metrics = AgentMetrics::new(reclaim, cache_for).with_leak_counters(leaks);
+        let metrics = AgentMetrics::new(reclaim, cache_for)
+            .with_leak_counters(leaks)
+            .with_cache_stats(cache);
         let endpoint = Self::bind(address, Arc::new(metrics))?;
         tracing::info!(
             "metrics endpoint listening on http://{}/metrics",

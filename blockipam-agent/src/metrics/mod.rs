@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
+use ipam_core::caching::CacheStats;
 use ipam_core::{KvError, KvStore};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -23,7 +24,10 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-use gauges::{IpamCollector, IpamState, LeakCollector, Published, ReclaimCollector, RefreshState};
+use gauges::{
+    CacheCollector, IpamCollector, IpamState, LeakCollector, Published, ReclaimCollector,
+    RefreshState,
+};
 use store::InstrumentedStore;
 
 pub use gauges::IpamSnapshot;
@@ -183,6 +187,14 @@ impl AgentMetrics {
     pub fn with_leak_counters(mut self, leaks: Arc<LeakCounters>) -> Self {
         self.registry
             .register_collector(Box::new(LeakCollector { counters: leaks }));
+        self
+    }
+
+    /// These metrics with where the plugin's reads were answered (the agent's read cache or the
+    /// store), read from `cache`.
+    pub fn with_cache_stats(mut self, cache: Arc<CacheStats>) -> Self {
+        self.registry
+            .register_collector(Box::new(CacheCollector { stats: cache }));
         self
     }
 

@@ -173,13 +173,34 @@ impl Kept {
     }
 }
 
+/// Where a [`CachingStore`]'s cached reads were answered: shared (behind an `Arc`) with whoever
+/// reports it, such as the agent's metrics.
+#[derive(Debug, Default)]
+pub struct CacheStats {
+    answered_from_cache: AtomicU64,
+    read_from_store: AtomicU64,
+}
+
+impl CacheStats {
+    /// Batches [`KvStore::read_many_cached`] answered from what was kept.
+    pub fn answered_from_cache(&self) -> u64 {
+        self.answered_from_cache.load(Ordering::Relaxed)
+    }
+
+    /// Batches [`KvStore::read_many_cached`] read from the wrapped store: not all known, or
+    /// asked of the store by the caller.
+    pub fn read_from_store(&self) -> u64 {
+        self.read_from_store.load(Ordering::Relaxed)
+    }
+}
+
 /// A [`KvStore`] over another that keeps what it read and wrote: see the module's documentation.
 #[derive(Debug)]
 pub struct CachingStore {
     inner: Arc<dyn KvStore>,
     kept: Mutex<Kept>,
     speculating: Vec<String>,
-    answered_from_kept: AtomicU64,
+    stats: Arc<CacheStats>,
 }
 
 impl CachingStore {
@@ -189,8 +210,14 @@ impl CachingStore {
             inner,
             kept: Mutex::new(Kept::default()),
             speculating: Vec::new(),
-            answered_from_kept: AtomicU64::new(0),
+            stats: Arc::default(),
         }
+    }
+
+    /// Counts where its cached reads are answered into `stats` (see [`CacheStats`]).
+    pub fn counting_into(mut self, stats: Arc<CacheStats>) -> Self {
+        self.stats = stats;
+        self
     }
 
     /// Answers a key under `prefix` that it does not know as absent (validated by an "absent"
@@ -207,7 +234,7 @@ impl CachingStore {
 
     /// How many batches [`KvStore::read_many_cached`] answered from what was kept.
     pub fn answered_from_cache(&self) -> u64 {
-        self.answered_from_kept.load(Ordering::Relaxed)
+        self.stats.answered_from_cache()
     }
 
     /// Forgets everything kept.
@@ -403,7 +430,9 @@ impl KvStore for CachingStore {
         if may_use_cache {
             if let Some(results) = self.answer_from_kept(reads) {
                 if let Some(validators) = validators_of(reads, &results) {
-                    self.answered_from_kept.fetch_add(1, Ordering::Relaxed);
+                    self.stats
+                        .answered_from_cache
+                        .fetch_add(1, Ordering::Relaxed);
                     return Ok(CachedRead {
                         results,
                         validators,
@@ -413,6 +442,7 @@ impl KvStore for CachingStore {
             }
         }
         let results = self.read_many(reads).await?;
+        self.stats.read_from_store.fetch_add(1, Ordering::Relaxed);
         Ok(CachedRead {
             validators: validators_of(reads, &results).unwrap_or_default(),
             results,
@@ -462,6 +492,41 @@ mod tests {
             }
         }
         txn
+    }
+
+    #[tokio::test]
+    async fn shared_stats_count_where_each_cached_read_was_answered() {
+        let backing = store_with_blocks().await;
+        let stats = Arc::new(CacheStats::default());
+        let cached = CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>)
+            .counting_into(Arc::clone(&stats));
+        cached.read_many_cached(&batch(), true).await.expect("read");
+        assert_eq!(
+            (stats.answered_from_cache(), stats.read_from_store()),
+            (0, 1)
+        );
+        cached.read_many_cached(&batch(), true).await.expect("read");
+        cached.read_many_cached(&batch(), true).await.expect("read");
+        assert_eq!(
+            (stats.answered_from_cache(), stats.read_from_store()),
+            (2, 1)
+        );
+        // A caller that asks the store is counted there, though the cache knows the batch.
+        cached
+            .read_many_cached(&batch(), false)
+            .await
+            .expect("read");
+        assert_eq!(
+            (stats.answered_from_cache(), stats.read_from_store()),
+            (2, 2)
+        );
+        // A plain read is not a cached read.
+        cached.read_many(&batch()).await.expect("read");
+        assert_eq!(
+            (stats.answered_from_cache(), stats.read_from_store()),
+            (2, 2)
+        );
+        assert_eq!(cached.answered_from_cache(), 2);
     }
 
     #[tokio::test]
