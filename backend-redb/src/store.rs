@@ -246,13 +246,7 @@ impl Inner {
 
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
         let path = &self.path;
-        let mut write = self.db.begin_write().engine(path)?;
-        write.set_durability(Durability::Immediate).map_err(|e| {
-            KvError::other(format!(
-                "redb refused immediate durability on {}: {e}",
-                path.display()
-            ))
-        })?;
+        let write = begin_durable_write(&self.db, path)?;
         match self.apply(&write, txn) {
             Ok(revision) => {
                 write.commit().map_err(|e| KvError::Indeterminate {
@@ -413,8 +407,8 @@ fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
 
 /// Opens (with `create`, creating with mode 0600 when missing) the redb file at `path`, retrying
 /// while redb's own lock is still held (a previous handle may still be closing) until `wait` has
-/// passed since `started`. A file that is not a redb database is refused by redb before anything
-/// is written.
+/// passed since `started`. A file that is not a redb database, or whose committed pages do not
+/// match their checksums, is refused by redb before anything is written.
 fn open_engine(
     path: &Path,
     create: bool,
@@ -447,7 +441,13 @@ fn open_engine(
                 _ => KvError::other(format!("cannot open {}: {err}", path.display())),
             })?;
         let backend = FileBackend::new(file).engine(path)?;
-        match Database::builder().create_with_backend(backend) {
+        // Every page of the committed trees verified against its checksum before anything is
+        // read: a file damaged since it was written (a flipped bit in a key can hide a range of
+        // keys from lookups that trust the tree's order) is refused as corrupt, not trusted.
+        match Database::builder()
+            .set_check_integrity_on_open(true)
+            .create_with_backend(backend)
+        {
             Ok(db) => return Ok(db),
             Err(DatabaseError::DatabaseAlreadyOpen) => {
                 let waited = started.elapsed();
@@ -511,7 +511,11 @@ fn check_format(db: &Database, path: &Path) -> Result<(), KvError> {
     Ok(())
 }
 
-fn write_format(db: &Database, path: &Path) -> Result<(), KvError> {
+/// A write transaction whose commit is durable when it returns, and committed in two phases: the
+/// pages first, then the header naming them. So a newest commit that does not verify on open can
+/// only be damage, which is refused, never a torn commit that redb would roll back (dropping a
+/// write this store reported as done).
+fn begin_durable_write(db: &Database, path: &Path) -> Result<WriteTransaction, KvError> {
     let mut write = db.begin_write().engine(path)?;
     write.set_durability(Durability::Immediate).map_err(|e| {
         KvError::other(format!(
@@ -519,6 +523,12 @@ fn write_format(db: &Database, path: &Path) -> Result<(), KvError> {
             path.display()
         ))
     })?;
+    write.set_two_phase_commit(true);
+    Ok(write)
+}
+
+fn write_format(db: &Database, path: &Path) -> Result<(), KvError> {
+    let write = begin_durable_write(db, path)?;
     {
         let mut meta = write.open_table(META_TABLE).engine(path)?;
         meta.insert(FORMAT_KEY, FORMAT.as_bytes()).engine(path)?;
