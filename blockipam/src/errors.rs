@@ -45,7 +45,9 @@ pub fn from_ipam(error: &IpamError) -> CniError {
         | IpamError::PoolUseNotAllowed { .. } => codes::POOL_UNUSABLE,
         IpamError::NoPoolSelectsNode { .. } => codes::NO_POOL_FOR_NODE,
         IpamError::PoolExists(_) | IpamError::PoolOverlap { .. } => codes::POOL_CONFLICT,
-        IpamError::Corrupt { .. } => codes::STORE_CORRUPT,
+        // A newer release finalized the store's upgrade: what it writes cannot be read here, as
+        // a value of a newer format cannot (the previous releases answer the same).
+        IpamError::Corrupt { .. } | IpamError::FormatTooNew { .. } => codes::STORE_CORRUPT,
         IpamError::InvalidArgument(_) => codes::INVALID_NETWORK_CONFIG,
         IpamError::RetriesExhausted { .. } | IpamError::KeptConflicting { .. } => {
             codes::TRY_AGAIN_LATER
@@ -120,5 +122,12 @@ mod tests {
             103
         );
         assert_eq!(from_ipam(&IpamError::PoolNotFound("x".into())).code, 105);
+        let finalized_by_a_newer_release = IpamError::FormatTooNew {
+            writes: 9,
+            newest: 5,
+        };
+        let error = from_ipam(&finalized_by_a_newer_release);
+        assert_eq!(error.code, 108);
+        assert!(error.msg.contains("install the release"), "{}", error.msg);
     }
 }
