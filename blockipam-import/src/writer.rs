@@ -308,8 +308,10 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
     for block in &blocks {
         max_sequence = max_sequence.max(block.sequence);
         for (ordinal, allocation) in &block.allocations {
-            let Some(attribute) = block.attribute_of(*ordinal) else {
-                return fail(format!("{} has no attribute", block.ip_of(*ordinal)));
+            let attribute = match block.attribute_of(*ordinal) {
+                Ok(Some(attribute)) => attribute,
+                Ok(None) => return fail(format!("{} has no attribute", block.ip_of(*ordinal))),
+                Err(e) => return fail(format!("{}: {e}", block.ip_of(*ordinal))),
             };
             stored.insert(
                 block.ip_of(*ordinal),

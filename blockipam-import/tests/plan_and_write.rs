@@ -109,7 +109,10 @@ fn calico_blocks_keep_free_list_order_sequences_affinity_and_attributes() {
         sequences,
         BTreeMap::from([(0, 1000), (1, 1001), (2, 1002), (4, 1003)])
     );
-    let borrowed = a.attribute_of(4).expect("ordinal 4 allocated");
+    let borrowed = a
+        .attribute_of(4)
+        .expect("inline")
+        .expect("ordinal 4 allocated");
     assert_eq!(borrowed.handle, format!("{SAMPLE_NETWORK}.b9"));
     assert_eq!(
         borrowed.metadata.get("node").map(String::as_str),
@@ -188,6 +191,7 @@ fn what_blockipam_lacks_is_reported_with_its_value_never_guessed() {
     let b = block_of(&plan, "10.244.0.64/26");
     assert_eq!(
         b.attribute_of(0)
+            .expect("inline")
             .and_then(|a| a.metadata.get("owner.example.com/team"))
             .map(String::as_str),
         Some("blue")
@@ -209,7 +213,10 @@ fn unconfirmed_affinity_imports_the_block_without_a_host() {
     let plan = plan_import(&snapshot(&fixture)).expect("maps");
     let mapped = block_of(&plan, "10.9.0.0/26");
     assert_eq!(mapped.affinity, None);
-    assert!(mapped.attribute_of(7).is_some(), "its allocation is kept");
+    assert!(
+        mapped.attribute_of(7).expect("inline").is_some(),
+        "its allocation is kept"
+    );
 }
 
 #[test]
@@ -661,7 +668,10 @@ fn windows_reserved_addresses_are_released_with_their_blocks_host() {
             .handle("net.pod-2", &[("10.9.0.128/26", 1)]);
         let plan = plan_import(&snapshot(&fixture)).expect("maps");
         let win_1 = block_of(&plan, "10.9.0.0/26");
-        let reserved = win_1.attribute_of(0).expect("ordinal 0 is held");
+        let reserved = win_1
+            .attribute_of(0)
+            .expect("inline")
+            .expect("ordinal 0 is held");
         assert_eq!(reserved.handle, "windows-reserved-ipam-handle.win-1");
         assert_eq!(
             reserved.metadata.get("node").map(String::as_str),
@@ -673,7 +683,10 @@ fn windows_reserved_addresses_are_released_with_their_blocks_host() {
         );
         let unaffine = block_of(&plan, "10.9.0.128/26");
         assert_eq!(
-            unaffine.attribute_of(63).map(|a| a.handle.as_str()),
+            unaffine
+                .attribute_of(63)
+                .expect("inline")
+                .map(|a| a.handle.as_str()),
             Some("windows-reserved-ipam-handle")
         );
 

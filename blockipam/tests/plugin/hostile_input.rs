@@ -1318,7 +1318,9 @@ fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
     affine.allocate_next(&attribute("testnet.c1", "eth0"));
     affine.allocate_next(&attribute("testnet.c2", "eth0"));
     affine.allocate_next(&attribute("testnet.c2", "net1"));
-    affine.release_ordinal(1, ipam_core::Lifetime::default());
+    affine
+        .release_ordinal(1, ipam_core::Lifetime::default())
+        .expect("inline");
     let mut unaffine = Block::new(net("fd00:10:244::/122"), None, 0);
     unaffine.allocate_next(&attribute("testnet.c1", "eth0"));
     let mut handle = Handle::default();

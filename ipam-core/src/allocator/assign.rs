@@ -775,7 +775,7 @@ impl Ipam {
         }
         let mut addresses = Vec::new();
         for block in blocks.values() {
-            for ordinal in block.ordinals_of_handle(handle_id) {
+            for ordinal in block.ordinals_of_handle(handle_id)? {
                 addresses.push(AssignedAddress {
                     ip: block.ip_of(ordinal),
                     block: block.cidr,
@@ -904,7 +904,7 @@ impl Ipam {
                 .block
                 .ordinal_of(*ip)
                 .ok_or_else(|| IpamError::Internal(format!("{ip} is not inside {cidr}")))?;
-            if let Some(holder) = entry.block.attribute_of(ordinal) {
+            if let Some(holder) = entry.block.attribute_of(ordinal)? {
                 if holder.handle == request.handle {
                     assigned.push(AssignedAddress {
                         ip: *ip,

@@ -292,10 +292,10 @@ impl Snapshot {
     fn addresses_of_handles(
         &self,
         handles: &BTreeSet<&str>,
-    ) -> BTreeMap<String, Vec<ProblemAddress>> {
+    ) -> Result<BTreeMap<String, Vec<ProblemAddress>>, IpamError> {
         let mut found: BTreeMap<String, Vec<ProblemAddress>> = BTreeMap::new();
         if handles.is_empty() {
-            return found;
+            return Ok(found);
         }
         let mut blocks: Vec<&Block> = self.blocks.iter().map(|b| &b.value).collect();
         blocks.sort_by_key(|b| {
@@ -307,7 +307,7 @@ impl Snapshot {
         });
         for block in blocks {
             for (ordinal, allocation) in &block.allocations {
-                let Some(attribute) = block.attribute_of(*ordinal) else {
+                let Some(attribute) = block.attribute_of(*ordinal)? else {
                     continue;
                 };
                 if !handles.contains(attribute.handle.as_str()) {
@@ -325,7 +325,7 @@ impl Snapshot {
                     });
             }
         }
-        found
+        Ok(found)
     }
 }
 
@@ -566,7 +566,7 @@ impl Ipam {
                 );
             }
             for ordinal in block.allocations.keys() {
-                if let Some(attribute) = block.attribute_of(*ordinal) {
+                if let Some(attribute) = block.attribute_of(*ordinal)? {
                     *expected_handles
                         .entry(attribute.handle.clone())
                         .or_default()
@@ -625,7 +625,7 @@ impl Ipam {
                     .map(String::as_str),
             )
             .collect();
-        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems);
+        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems)?;
         for (id, stored) in &snapshot.handles {
             report.handles_checked += 1;
             let expected = expected_handles.get(id).cloned().unwrap_or_default();

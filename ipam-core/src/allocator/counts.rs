@@ -90,7 +90,7 @@ impl Ipam {
                     let mut by_node: BTreeMap<Option<String>, u64> = BTreeMap::new();
                     for ordinal in block.allocations.keys() {
                         let node = block
-                            .attribute_of(*ordinal)
+                            .attribute_of(*ordinal)?
                             .and_then(|a| a.metadata.get(ATTR_NODE))
                             .cloned();
                         *by_node.entry(node).or_default() += 1;

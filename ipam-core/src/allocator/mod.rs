@@ -676,13 +676,13 @@ impl Plan {
                     if keys::affinity_of_block_key(read_key) != Some(block.affinity.as_deref()) {
                         // A new owner (or none): the addresses it holds for other nodes are
                         // borrowed from now on.
-                        for node in block
-                            .allocations
-                            .keys()
-                            .filter_map(|ordinal| block.attribute_of(*ordinal))
-                            .filter_map(|attribute| attribute.metadata.get(ATTR_NODE))
-                            .collect::<BTreeSet<_>>()
-                        {
+                        let mut nodes = BTreeSet::new();
+                        for ordinal in block.allocations.keys() {
+                            if let Some(attribute) = block.attribute_of(*ordinal)? {
+                                nodes.extend(attribute.metadata.get(ATTR_NODE));
+                            }
+                        }
+                        for node in nodes {
                             self.index_borrowed(node, block);
                         }
                     }
@@ -1335,18 +1335,53 @@ fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<Stri
     metadata
 }
 
-fn allocation_info(block: &Block, ip: IpAddr) -> Option<AllocationInfo> {
-    let ordinal = block.ordinal_of(ip)?;
-    let allocation = block.allocations.get(&ordinal)?;
-    let attribute = block.attribute_of(ordinal)?;
-    Some(AllocationInfo {
+/// Who holds `ip` in `block`: `None` when it is not allocated (or its attribute entry is missing).
+///
+/// # Errors
+/// [`IpamError::AttributeNotLoaded`] for an attribute kept apart and not loaded.
+fn allocation_info(block: &Block, ip: IpAddr) -> Result<Option<AllocationInfo>, IpamError> {
+    let Some(ordinal) = block.ordinal_of(ip) else {
+        return Ok(None);
+    };
+    let Some(allocation) = block.allocations.get(&ordinal) else {
+        return Ok(None);
+    };
+    let Some(attribute) = block.attribute_of(ordinal)? else {
+        return Ok(None);
+    };
+    Ok(Some(AllocationInfo {
         ip,
         block: block.cidr,
         block_host: block.affinity.clone(),
         handle: attribute.handle.clone(),
         attributes: attribute.metadata.clone(),
         sequence: allocation.sequence,
-    })
+    }))
+}
+
+/// Every allocation of `block` whose attribute it records, in ordinal order.
+///
+/// # Errors
+/// [`IpamError::AttributeNotLoaded`] for an attribute kept apart and not loaded.
+fn allocations_of(block: &Block) -> Result<Vec<AllocationInfo>, IpamError> {
+    let mut found = Vec::with_capacity(block.allocations.len());
+    for ordinal in block.allocations.keys() {
+        found.extend(allocation_info(block, block.ip_of(*ordinal))?);
+    }
+    Ok(found)
+}
+
+/// The allocations of `block` that `handle_id` holds, in ordinal order.
+///
+/// # Errors
+/// [`IpamError::AttributeNotLoaded`] when an attribute kept apart that could be the handle's was
+/// not loaded.
+fn allocations_of_handle(block: &Block, handle_id: &str) -> Result<Vec<AllocationInfo>, IpamError> {
+    let mut found = Vec::new();
+    for ordinal in block.ordinals_of_handle(handle_id)? {
+        found.extend(allocation_info(block, block.ip_of(ordinal))?);
+    }
+    Ok(found)
 }
 #[cfg(test)]
 mod tests {

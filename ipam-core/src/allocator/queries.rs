@@ -1,8 +1,8 @@
 //! Queries: who holds what (by handle, by address, everything) and utilization.
 
 use super::{
-    allocation_info, decode_stored, next_got, next_listed, AllocationInfo, AssignedAddress,
-    BlockUsage, Ipam, PoolUsage, Utilization,
+    allocation_info, allocations_of, allocations_of_handle, decode_stored, next_got, next_listed,
+    AllocationInfo, AssignedAddress, BlockUsage, Ipam, PoolUsage, Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
@@ -46,11 +46,7 @@ impl Ipam {
         let cidrs: BTreeSet<IpNet> = handle.blocks.keys().copied().collect();
         let mut found = Vec::new();
         for stored in self.load_blocks(&cidrs).await?.values() {
-            for ordinal in stored.value.ordinals_of_handle(handle_id) {
-                if let Some(info) = allocation_info(&stored.value, stored.value.ip_of(ordinal)) {
-                    found.push(info);
-                }
-            }
+            found.extend(allocations_of_handle(&stored.value, handle_id)?);
         }
         found.sort_by_key(|a| a.ip);
         Ok(found)
@@ -74,7 +70,7 @@ impl Ipam {
         else {
             return Ok(None);
         };
-        Ok(allocation_info(&stored.value, ip))
+        allocation_info(&stored.value, ip)
     }
 
     /// Every allocated address in the store.
@@ -84,11 +80,7 @@ impl Ipam {
     pub async fn list_allocations(&self) -> Result<Vec<AllocationInfo>, IpamError> {
         let mut all = Vec::new();
         for stored in self.all_blocks().await? {
-            for ordinal in stored.value.allocations.keys() {
-                if let Some(info) = allocation_info(&stored.value, stored.value.ip_of(*ordinal)) {
-                    all.push(info);
-                }
-            }
+            all.extend(allocations_of(&stored.value)?);
         }
         all.sort_by_key(|a| a.ip);
         Ok(all)
@@ -136,11 +128,7 @@ impl Ipam {
         let mut allocations = Vec::new();
         if with_allocations {
             for block in &blocks {
-                for ordinal in block.allocations.keys() {
-                    if let Some(info) = allocation_info(block, block.ip_of(*ordinal)) {
-                        allocations.push(info);
-                    }
-                }
+                allocations.extend(allocations_of(block)?);
             }
             allocations.sort_by_key(|a| a.ip);
         }

@@ -1,8 +1,9 @@
 //! Release: addresses, handles, an attachment's chosen addresses, and a removed host.
 
 use super::{
-    allocation_info, decode_stored, next_got, next_listed, AllocationInfo, Attempt, ChosenRelease,
-    Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock, RELEASES_PER_TXN,
+    allocations_of_handle, decode_stored, next_got, next_listed, AllocationInfo, Attempt,
+    ChosenRelease, Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock,
+    RELEASES_PER_TXN,
 };
 use crate::allocator::upgrade::format_read;
 use crate::kv::{Read, Revision};
@@ -103,7 +104,7 @@ impl Ipam {
                 outcome.sequence_mismatch.push(request.ip);
                 continue;
             }
-            if let Some(attribute) = entry.block.release_ordinal(ordinal, lifetime) {
+            if let Some(attribute) = entry.block.release_ordinal(ordinal, lifetime)? {
                 *handle_counts
                     .entry(cidr)
                     .or_default()
@@ -216,9 +217,9 @@ impl Ipam {
         let mut plan = self.plan();
         for (_, block) in self.load_blocks(&cidrs).await? {
             let mut working = WorkingBlock::from_stored(block);
-            for ordinal in working.block.ordinals_of_handle(handle_id) {
+            for ordinal in working.block.ordinals_of_handle(handle_id)? {
                 released.push(working.block.ip_of(ordinal));
-                working.block.release_ordinal(ordinal, lifetime);
+                working.block.release_ordinal(ordinal, lifetime)?;
                 working.dirty = true;
             }
             plan.write_block(&working)?;
@@ -314,11 +315,7 @@ impl Ipam {
         }
         let mut held = Vec::new();
         for entry in working.values() {
-            for ordinal in entry.block.ordinals_of_handle(handle_id) {
-                if let Some(info) = allocation_info(&entry.block, entry.block.ip_of(ordinal)) {
-                    held.push(info);
-                }
-            }
+            held.extend(allocations_of_handle(&entry.block, handle_id)?);
         }
         held.sort_by_key(|a| a.ip);
         let chosen: BTreeSet<IpAddr> = choose(&held).into_iter().collect();
@@ -331,7 +328,7 @@ impl Ipam {
             let Some(ordinal) = entry.block.ordinal_of(info.ip) else {
                 continue;
             };
-            entry.block.release_ordinal(ordinal, lifetime);
+            entry.block.release_ordinal(ordinal, lifetime)?;
             entry.dirty = true;
             handle.remove(info.block, 1);
             released.push(info.ip);

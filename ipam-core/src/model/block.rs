@@ -1,13 +1,23 @@
 //! Blocks and their allocations: address arithmetic, the allocations' attributes, cooling
 //! addresses and the block's own bookkeeping.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use crate::model::error::IpamError;
 use crate::model::Family;
+
+/// The attribute index of an allocation whose attribute is kept apart from the block value (in
+/// its owner key, [`crate::model::keys::owner_key`]), so that a block's stored size does not grow
+/// with its allocations' attributes. Only a store whose writers use [`OWNERS_APART_FORMAT`] or
+/// later holds such allocations.
+pub const APART: u32 = u32::MAX;
+
+/// The first stored format that keeps allocations' attributes apart from block values ([`APART`]).
+pub const OWNERS_APART_FORMAT: u8 = 6;
 
 /// Total address bits of a family.
 pub fn host_bits(family: Family) -> u8 {
@@ -51,7 +61,8 @@ pub struct Attribute {
 /// One allocated ordinal of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocation {
-    /// Index into the block's attribute table.
+    /// Index into the block's attribute table, or [`APART`] for an attribute kept in the
+    /// allocation's owner key.
     pub attribute: u32,
     /// The block's sequence number when this allocation was made.
     pub sequence: u64,
@@ -63,7 +74,10 @@ pub struct Allocation {
 /// queued in `released` were never handed out and come first, in ascending order; after them come
 /// the `released` ordinals in release order. So a /20 block costs nothing per free address, and a
 /// released address is the last to be reused.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Equality compares what the block records (its stored fields), not what was learned about its
+/// apart attributes since it was read.
+#[derive(Debug, Clone, Eq, Serialize, Deserialize)]
 pub struct Block {
     /// The block's network.
     pub cidr: IpNet,
@@ -90,6 +104,41 @@ pub struct Block {
     /// in use until their cooldown has passed, when the next write of the block queues them on
     /// `released` (format 4).
     pub cooling: VecDeque<CoolingAddress>,
+    /// What was learned, since the block was read, about the attributes it keeps apart; never
+    /// stored in the block value.
+    #[serde(skip)]
+    apart: ApartAttributes,
+}
+
+/// The attributes of a block's [`APART`] allocations known in memory, and the changes to them a
+/// write of the block must carry to their owner keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct ApartAttributes {
+    /// Attributes of apart allocations, from their owner keys or their handles.
+    loaded: BTreeMap<u32, Attribute>,
+    /// Handles whose every apart allocation in this block is in `loaded` (learned from the
+    /// handle, which names them all).
+    complete_for: BTreeSet<String>,
+    /// Ordinals allocated since the block was read: their attributes are in the attribute table
+    /// until [`Block::move_taken_apart`].
+    taken: BTreeSet<u32>,
+    /// Apart ordinals released since the block was read: their owner keys go with the write.
+    freed: BTreeSet<u32>,
+}
+
+impl PartialEq for Block {
+    fn eq(&self, other: &Self) -> bool {
+        self.cidr == other.cidr
+            && self.affinity == other.affinity
+            && self.sequence == other.sequence
+            && self.next_fresh == other.next_fresh
+            && self.released == other.released
+            && self.allocations == other.allocations
+            && self.attributes == other.attributes
+            && self.claimed_at == other.claimed_at
+            && self.emptied_at == other.emptied_at
+            && self.cooling == other.cooling
+    }
 }
 
 /// An address of a block in IP cooldown (see [`IpamConfig::ip_cooldown_seconds`]).
@@ -133,6 +182,7 @@ impl Block {
             claimed_at: None,
             emptied_at: None,
             cooling: VecDeque::new(),
+            apart: ApartAttributes::default(),
         }
     }
 
@@ -328,13 +378,35 @@ impl Block {
                 sequence: self.sequence,
             },
         );
+        self.apart.taken.insert(ordinal);
     }
 
     /// Frees an ordinal at `lifetime.now`: to the tail of the free list, or, with a cooldown set,
-    /// into cooling. Returns the freed allocation's attribute, or `None` when it was not allocated.
-    pub fn release_ordinal(&mut self, ordinal: u32, lifetime: Lifetime) -> Option<Attribute> {
-        let allocation = self.allocations.remove(&ordinal)?;
-        let attribute = self.attributes.get(allocation.attribute as usize).cloned();
+    /// into cooling. Returns the freed allocation's attribute, or `None` when it was not allocated
+    /// (or its attribute entry is missing, which [`Block::self_check`] reports).
+    ///
+    /// # Errors
+    /// [`IpamError::AttributeNotLoaded`] for an allocation whose attribute is kept apart and was
+    /// not loaded (nothing is changed).
+    pub fn release_ordinal(
+        &mut self,
+        ordinal: u32,
+        lifetime: Lifetime,
+    ) -> Result<Option<Attribute>, IpamError> {
+        if !self.allocations.contains_key(&ordinal) {
+            return Ok(None);
+        }
+        // Read before anything changes: an apart attribute not loaded refuses the release.
+        let attribute = self.attribute_of(ordinal)?.cloned();
+        if self
+            .allocations
+            .remove(&ordinal)
+            .is_some_and(|a| a.attribute == APART)
+        {
+            self.apart.loaded.remove(&ordinal);
+            self.apart.freed.insert(ordinal);
+        }
+        self.apart.taken.remove(&ordinal);
         if lifetime.cooldown_seconds == 0 {
             // To the tail, whether or not the fresh cursor has passed it: the cursor skips queued ordinals.
             self.released.push_back(ordinal);
@@ -348,32 +420,147 @@ impl Block {
             self.emptied_at = Some(lifetime.now);
         }
         self.compact_attributes();
-        attribute
+        Ok(attribute)
     }
 
-    /// The attribute of an allocated ordinal.
-    pub fn attribute_of(&self, ordinal: u32) -> Option<&Attribute> {
-        let allocation = self.allocations.get(&ordinal)?;
-        self.attributes.get(allocation.attribute as usize)
+    /// The attribute of an allocated ordinal; `None` when it is not allocated.
+    ///
+    /// # Errors
+    /// [`IpamError::AttributeNotLoaded`] when its attribute is kept apart and was not loaded.
+    pub fn attribute_of(&self, ordinal: u32) -> Result<Option<&Attribute>, IpamError> {
+        let Some(allocation) = self.allocations.get(&ordinal) else {
+            return Ok(None);
+        };
+        if allocation.attribute == APART {
+            return self
+                .apart
+                .loaded
+                .get(&ordinal)
+                .map(Some)
+                .ok_or_else(|| self.not_loaded(ordinal));
+        }
+        Ok(self.attributes.get(allocation.attribute as usize))
+    }
+
+    fn not_loaded(&self, ordinal: u32) -> IpamError {
+        IpamError::AttributeNotLoaded {
+            block: self.cidr,
+            ordinal,
+        }
     }
 
     /// Ordinals held by `handle`.
-    pub fn ordinals_of_handle(&self, handle: &str) -> Vec<u32> {
+    ///
+    /// # Errors
+    /// [`IpamError::AttributeNotLoaded`] when an allocation kept apart was not loaded and the
+    /// handle's own record was not learned ([`Block::learn_apart_of_handle`]): it could be the
+    /// handle's.
+    pub fn ordinals_of_handle(&self, handle: &str) -> Result<Vec<u32>, IpamError> {
+        let complete = self.apart.complete_for.contains(handle);
+        let mut ordinals = Vec::new();
+        for (ordinal, allocation) in &self.allocations {
+            let attribute = if allocation.attribute == APART {
+                match self.apart.loaded.get(ordinal) {
+                    Some(attribute) => Some(attribute),
+                    None if complete => None,
+                    None => return Err(self.not_loaded(*ordinal)),
+                }
+            } else {
+                self.attributes.get(allocation.attribute as usize)
+            };
+            if attribute.is_some_and(|attr| attr.handle == handle) {
+                ordinals.push(*ordinal);
+            }
+        }
+        Ok(ordinals)
+    }
+
+    /// The allocated ordinals whose attributes are kept apart and not loaded.
+    pub fn unloaded_apart(&self) -> Vec<u32> {
         self.allocations
             .iter()
-            .filter(|(_, a)| {
-                self.attributes
-                    .get(a.attribute as usize)
-                    .is_some_and(|attr| attr.handle == handle)
-            })
-            .map(|(o, _)| *o)
+            .filter(|(ordinal, a)| a.attribute == APART && !self.apart.loaded.contains_key(ordinal))
+            .map(|(ordinal, _)| *ordinal)
             .collect()
+    }
+
+    /// Records the attribute of an apart allocation, read from its owner key. False (nothing
+    /// recorded) when the ordinal holds no apart allocation: the key is left over.
+    pub fn load_apart(&mut self, ordinal: u32, attribute: Attribute) -> bool {
+        if self
+            .allocations
+            .get(&ordinal)
+            .is_some_and(|a| a.attribute == APART)
+        {
+            self.apart.loaded.insert(ordinal, attribute);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Records what `handle`'s own record says it holds apart in this block (the metadata of
+    /// each of its ordinals), so that [`Block::ordinals_of_handle`] answers for it. Ordinals that
+    /// hold no apart allocation are skipped: the record and the block disagree, and the block is
+    /// the authority on what is allocated. Returns the ordinals skipped.
+    pub fn learn_apart_of_handle(
+        &mut self,
+        handle: &str,
+        held: &BTreeMap<u32, BTreeMap<String, String>>,
+    ) -> Vec<u32> {
+        let mut skipped = Vec::new();
+        for (ordinal, metadata) in held {
+            let attribute = Attribute {
+                handle: handle.to_owned(),
+                metadata: metadata.clone(),
+            };
+            if !self.load_apart(*ordinal, attribute) {
+                skipped.push(*ordinal);
+            }
+        }
+        self.apart.complete_for.insert(handle.to_owned());
+        skipped
+    }
+
+    /// Moves the attributes of the ordinals allocated since the block was read out of its
+    /// attribute table, marking their allocations [`APART`]; returns them, for their owner keys.
+    /// What a write in [`OWNERS_APART_FORMAT`] or later does before the block is encoded.
+    pub fn move_taken_apart(&mut self) -> Vec<(u32, Attribute)> {
+        let mut moved = Vec::new();
+        for ordinal in std::mem::take(&mut self.apart.taken) {
+            let Some(allocation) = self.allocations.get_mut(&ordinal) else {
+                continue;
+            };
+            if allocation.attribute == APART {
+                continue;
+            }
+            let Some(attribute) = self.attributes.get(allocation.attribute as usize).cloned()
+            else {
+                continue;
+            };
+            allocation.attribute = APART;
+            self.apart.loaded.insert(ordinal, attribute.clone());
+            moved.push((ordinal, attribute));
+        }
+        self.compact_attributes();
+        moved
+    }
+
+    /// The apart ordinals released since the block was read, whose owner keys the write deletes.
+    pub fn freed_apart(&self) -> impl Iterator<Item = u32> + '_ {
+        self.apart.freed.iter().copied()
+    }
+
+    /// True when some allocation's attribute is kept apart.
+    pub fn has_apart(&self) -> bool {
+        self.allocations.values().any(|a| a.attribute == APART)
     }
 
     /// Drops attributes no allocation refers to, renumbering the rest.
     fn compact_attributes(&mut self) {
         let mut used = vec![false; self.attributes.len()];
         for allocation in self.allocations.values() {
+            // An apart allocation (index APART) is past every table entry: no flag.
             if let Some(flag) = used.get_mut(allocation.attribute as usize) {
                 *flag = true;
             }
@@ -423,7 +610,9 @@ impl Block {
             if *ordinal >= capacity {
                 problems.push(format!("allocated ordinal {ordinal} is outside the block"));
             }
-            if allocation.attribute as usize >= self.attributes.len() {
+            if allocation.attribute != APART
+                && allocation.attribute as usize >= self.attributes.len()
+            {
                 problems.push(format!(
                     "ordinal {ordinal} refers to missing attribute {}",
                     allocation.attribute

@@ -188,6 +188,15 @@ pub enum IpamError {
         /// The format the store's writers use.
         writes: u8,
     },
+    /// An allocation's attribute is kept apart from its block (in its owner key) and the
+    /// operation did not read it: a bug in the operation, never a property of the store.
+    #[error("internal error: the attribute of ordinal {ordinal} of block {block} is kept apart and was not read")]
+    AttributeNotLoaded {
+        /// The block.
+        block: ipnet::IpNet,
+        /// The allocation's ordinal in it.
+        ordinal: u32,
+    },
     /// The store's writers use a newer format than this build can write: a newer release
     /// finalized its upgrade.
     #[error("this store's writers use stored format {writes}, and this build writes formats up to {newest}: install the release that finalized the store's upgrade (docs/upgrading.md)")]

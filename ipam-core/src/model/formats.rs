@@ -95,20 +95,17 @@ fn pool(key: &str, version: u8, body: &[u8]) -> Result<Pool, IpamError> {
 
 fn block(key: &str, body: &[u8]) -> Result<Block, IpamError> {
     let old: BlockFormat3 = decode_body(key, body)?;
-    Ok(Block {
-        cidr: old.cidr,
-        affinity: old.affinity,
-        sequence: old.sequence,
-        next_fresh: old.next_fresh,
-        released: old.released,
-        allocations: old.allocations,
-        attributes: old.attributes,
-        // Unknown: an old empty block counts as empty for as long as reclaim needs (see
-        // docs/data-model.md, "Format versions").
-        claimed_at: None,
-        emptied_at: None,
-        cooling: VecDeque::new(),
-    })
+    let mut block = Block::new(old.cidr, old.affinity, old.sequence);
+    // As stored, host bits and all (`Block::self_check` reports them).
+    block.cidr = old.cidr;
+    block.next_fresh = old.next_fresh;
+    block.released = old.released;
+    block.allocations = old.allocations;
+    block.attributes = old.attributes;
+    // Unknown: an old empty block counts as empty for as long as reclaim needs (see
+    // docs/data-model.md, "Format versions"); `Block::new` leaves the claim and empty timestamps
+    // unset and no address cooling.
+    Ok(block)
 }
 
 fn config(key: &str, body: &[u8]) -> Result<IpamConfig, IpamError> {

@@ -179,6 +179,35 @@ pub fn handles_dir() -> String {
     format!("{ROOT}handles/")
 }
 
+/// Prefix of every owner key (format 6).
+pub fn owners_dir() -> String {
+    format!("{ROOT}owners/")
+}
+
+/// Prefix of the owner keys of the block `cidr`.
+pub fn block_owners_dir(cidr: &IpNet) -> String {
+    format!("{ROOT}owners/{}/", cidr_segment(cidr))
+}
+
+/// The owner key of ordinal `ordinal` of block `cidr`: its allocation's attribute (handle and
+/// metadata), when the block keeps it apart ([`crate::model::APART`], format 6). Written and
+/// deleted by the transactions that take and free the ordinal, so a block's own value does not
+/// grow with its allocations' attributes.
+pub fn owner_key(cidr: &IpNet, ordinal: u32) -> String {
+    format!("{ROOT}owners/{}/{ordinal}", cidr_segment(cidr))
+}
+
+/// The block and ordinal of a key written by [`owner_key`]; `None` for any other key, including
+/// an ordinal written with a sign, leading zeros or outside `u32`.
+pub fn parse_owner_key(key: &str) -> Option<(IpNet, u32)> {
+    let rest = key.strip_prefix(ROOT)?.strip_prefix("owners/")?;
+    let (segment, ordinal) = rest.split_once('/')?;
+    let cidr = parse_cidr_segment(segment)?;
+    let parsed: u32 = ordinal.parse().ok()?;
+    // One spelling per key: the one `owner_key` writes.
+    (owner_key(&cidr, parsed) == key).then_some((cidr, parsed))
+}
+
 /// A CIDR as one key segment: `10.0.0.0/26` → `10.0.0.0-26`.
 pub fn cidr_segment(cidr: &IpNet) -> String {
     format!("{}-{}", cidr.network(), cidr.prefix_len())

@@ -24,7 +24,9 @@ fn fresh_ordinals_come_first_and_released_ones_are_reused_last() {
     let a = attr("a");
     assert_eq!(block.allocate_next(&a), Some(0));
     assert_eq!(block.allocate_next(&a), Some(1));
-    block.release_ordinal(0, Lifetime::default());
+    block
+        .release_ordinal(0, Lifetime::default())
+        .expect("inline");
     assert_eq!(block.allocate_next(&a), Some(2));
     assert_eq!(block.allocate_next(&a), Some(3));
     assert_eq!(block.allocate_next(&a), Some(0));
@@ -38,7 +40,9 @@ fn specific_ordinal_is_skipped_by_the_fresh_cursor_and_queued_when_released() {
     let a = attr("a");
     assert!(block.allocate_ordinal(3, &a));
     assert!(!block.allocate_ordinal(3, &a));
-    block.release_ordinal(3, Lifetime::default());
+    block
+        .release_ordinal(3, Lifetime::default())
+        .expect("inline");
     let order: Vec<u32> = std::iter::from_fn(|| block.allocate_next(&a)).collect();
     assert_eq!(order, vec![0, 1, 2, 4, 5, 6, 7, 3]);
     assert!(block.self_check().is_empty());
@@ -70,10 +74,20 @@ fn unused_attributes_are_dropped_and_indices_stay_valid() {
     block.allocate_next(&attr("b"));
     block.allocate_next(&attr("a"));
     assert_eq!(block.attributes.len(), 2);
-    block.release_ordinal(0, Lifetime::default());
-    block.release_ordinal(2, Lifetime::default());
+    block
+        .release_ordinal(0, Lifetime::default())
+        .expect("inline");
+    block
+        .release_ordinal(2, Lifetime::default())
+        .expect("inline");
     assert_eq!(block.attributes.len(), 1);
-    assert_eq!(block.attribute_of(1).map(|a| a.handle.as_str()), Some("b"));
+    assert_eq!(
+        block
+            .attribute_of(1)
+            .expect("inline")
+            .map(|a| a.handle.as_str()),
+        Some("b")
+    );
     assert!(block.self_check().is_empty());
 }
 
@@ -181,7 +195,10 @@ fn downgraded_to_format_3_a_block_keeps_every_address_and_reads_back() {
     for handle in ["a", "b", "c"] {
         block.allocate_next(&attr(handle)).expect("room");
     }
-    block.release_ordinal(1, cooling).expect("held");
+    block
+        .release_ordinal(1, cooling)
+        .expect("inline")
+        .expect("held");
     block.claimed_at = Some(900);
     assert_eq!(block.cooling.len(), 1, "ordinal 1 cools");
     let key = keys::block_key_in(&block, crate::model::FORMAT_VERSION);
@@ -313,14 +330,21 @@ fn a_block_has_only_its_edges_free_when_both_are_free_and_nothing_else() {
     assert_eq!(block.allocate_next(&a), Some(7));
     assert!(!block.only_its_edges_free(), "a full block");
     // A host address released (even while cooling) is room again.
-    block.release_ordinal(0, Lifetime::default());
-    block.release_ordinal(7, Lifetime::default());
+    block
+        .release_ordinal(0, Lifetime::default())
+        .expect("inline");
+    block
+        .release_ordinal(7, Lifetime::default())
+        .expect("inline");
     assert!(block.only_its_edges_free());
     let cooling = Lifetime {
         now: 1_000,
         cooldown_seconds: 30,
     };
-    block.release_ordinal(3, cooling).expect("held");
+    block
+        .release_ordinal(3, cooling)
+        .expect("inline")
+        .expect("held");
     assert!(!block.only_its_edges_free(), "a cooling host address");
     // Blocks without edges (/31, /32) never are such blocks.
     let mut small = Block::new(net("10.0.0.0/31"), Some("node-a".into()), 0);
@@ -356,4 +380,210 @@ fn a_block_with_only_its_edges_free_is_stored_as_full_from_format_5_on() {
     let mut unowned = Block::new(cidr, None, 0);
     while unowned.allocate_next_host_address(&a).is_some() {}
     assert_eq!(keys::block_key_in(&unowned, 5), keys::block(None, &cidr));
+}
+
+/// What the plugin records with an address: a 64-hex container id, pod, namespace, interface,
+/// timestamp and node (about 300 bytes encoded).
+fn plugin_attribute(n: u32) -> Attribute {
+    let container = format!("{n:064x}");
+    let metadata = [
+        ("container_id", container.clone()),
+        ("interface", "eth0".to_owned()),
+        ("namespace", "team-042".to_owned()),
+        ("node", "worker-0017.cluster.example".to_owned()),
+        ("pod", format!("frontend-7d9f8b6c5-{n:06}")),
+        ("timestamp", "2026-11-25T14:00:00Z".to_owned()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    Attribute {
+        handle: format!("k8s-pod-network.{container}"),
+        metadata,
+    }
+}
+
+/// The block as a reader gets it from its stored value: nothing learned about apart attributes.
+fn as_read(block: &Block) -> Block {
+    decode("ipam/v1/blocks/unaffine/x", &encode(block).expect("encode")).expect("decode")
+}
+
+#[test]
+fn moved_apart_a_near_full_23_block_is_stored_in_a_size_bounded_by_its_addresses() {
+    let mut block = Block::new(net("10.0.0.0/23"), Some("worker".into()), 0);
+    for n in 0..510 {
+        block.allocate_next(&plugin_attribute(n)).expect("room");
+    }
+    let inline = encode(&block).expect("encode").len();
+    let moved = block.move_taken_apart();
+    assert_eq!(moved.len(), 510);
+    assert_eq!(moved[7], (7, plugin_attribute(7)));
+    assert!(block.attributes.is_empty(), "the table keeps nothing apart");
+    let apart = encode(&block).expect("encode").len();
+    // Every allocation keeps its ordinal and sequence number only: about 7 bytes each.
+    assert!(
+        apart < 510 * 8 + 100,
+        "{apart} bytes apart, {inline} inline"
+    );
+    assert!(inline > 20 * apart, "{apart} bytes apart, {inline} inline");
+    // Its attributes are still known in memory, and read back as apart.
+    assert_eq!(
+        block.attribute_of(9).expect("known"),
+        Some(&plugin_attribute(9))
+    );
+    let read = as_read(&block);
+    assert_eq!(read, block);
+    assert!(read
+        .allocations
+        .values()
+        .all(|a| a.attribute == crate::model::APART));
+    assert_eq!(read.unloaded_apart().len(), 510);
+    assert!(read.self_check().is_empty(), "{:?}", read.self_check());
+}
+
+#[test]
+fn an_apart_attribute_not_read_refuses_lookups_and_release_and_leaves_the_block_unchanged() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a")).expect("room");
+    block.allocate_next(&attr("b")).expect("room");
+    block.move_taken_apart();
+    let mut read = as_read(&block);
+    let before = read.clone();
+    let not_loaded = |ordinal| IpamError::AttributeNotLoaded {
+        block: net("10.0.0.0/29"),
+        ordinal,
+    };
+    assert_eq!(read.attribute_of(1), Err(not_loaded(1)));
+    assert_eq!(read.ordinals_of_handle("a"), Err(not_loaded(0)));
+    assert_eq!(
+        read.release_ordinal(1, Lifetime::default()),
+        Err(not_loaded(1))
+    );
+    assert_eq!(read, before);
+    assert_eq!(read.freed_apart().count(), 0);
+    // Nothing allocated is still a plain answer.
+    assert_eq!(read.attribute_of(5), Ok(None));
+    assert_eq!(read.release_ordinal(5, Lifetime::default()), Ok(None));
+}
+
+#[test]
+fn apart_attributes_loaded_from_owner_keys_or_learned_from_a_handle_answer_as_inline_ones() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    for handle in ["a", "b", "c"] {
+        block.allocate_next(&attr(handle)).expect("room");
+    }
+    block.move_taken_apart();
+    // One inline allocation beside them (written before the store kept attributes apart).
+    block.allocate_next(&attr("b")).expect("room");
+    let mut read = as_read(&block);
+
+    assert!(read.load_apart(0, attr("a")));
+    assert_eq!(read.attribute_of(0), Ok(Some(&attr("a"))));
+    // Ordinal 1 (b's) and 2 (c's) are unknown: whose they are cannot be answered for b.
+    assert!(read.ordinals_of_handle("b").is_err());
+
+    let held: BTreeMap<u32, BTreeMap<String, String>> = [(1, BTreeMap::new())].into();
+    assert_eq!(read.learn_apart_of_handle("b", &held), Vec::<u32>::new());
+    // b's own record names all of its apart ordinals; ordinal 3 is inline.
+    assert_eq!(read.ordinals_of_handle("b"), Ok(vec![1, 3]));
+    assert_eq!(read.attribute_of(1), Ok(Some(&attr("b"))));
+    // c is still unknown, so is anything asked about it.
+    assert!(read.ordinals_of_handle("c").is_err());
+    assert!(read.ordinals_of_handle("d").is_err());
+
+    // A key or a record naming an ordinal the block does not hold apart is not believed.
+    assert!(!read.load_apart(3, attr("x")), "ordinal 3 is inline");
+    assert!(!read.load_apart(6, attr("x")), "ordinal 6 is free");
+    let stale: BTreeMap<u32, BTreeMap<String, String>> = [(6, BTreeMap::new())].into();
+    assert_eq!(read.learn_apart_of_handle("d", &stale), vec![6]);
+    assert_eq!(read.attribute_of(6), Ok(None));
+    assert_eq!(read.attribute_of(3), Ok(Some(&attr("b"))));
+    assert_eq!(read.unloaded_apart(), vec![2]);
+}
+
+#[test]
+fn a_released_apart_allocation_frees_its_owner_key_and_a_retaken_ordinal_moves_apart_again() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a")).expect("room");
+    block.allocate_next(&attr("b")).expect("room");
+    block.move_taken_apart();
+    let mut read = as_read(&block);
+    read.load_apart(1, attr("b"));
+    assert_eq!(
+        read.release_ordinal(1, Lifetime::default()),
+        Ok(Some(attr("b")))
+    );
+    assert_eq!(read.freed_apart().collect::<Vec<_>>(), vec![1]);
+    assert!(!read.allocations.contains_key(&1));
+    // Nothing was taken since the read: nothing to move.
+    assert!(read.move_taken_apart().is_empty());
+
+    assert!(read.allocate_ordinal(1, &attr("c")));
+    assert_eq!(read.attribute_of(1), Ok(Some(&attr("c"))));
+    assert_eq!(read.attributes, vec![attr("c")], "inline until written");
+    assert_eq!(read.move_taken_apart(), vec![(1, attr("c"))]);
+    assert!(read.attributes.is_empty());
+    // A release of what this attempt took is not an owner key to delete (it was never written).
+    let mut fresh = Block::new(net("10.0.0.0/29"), None, 0);
+    fresh.allocate_next(&attr("a")).expect("room");
+    fresh
+        .release_ordinal(0, Lifetime::default())
+        .expect("inline");
+    assert_eq!(fresh.freed_apart().count(), 0);
+    assert!(fresh.move_taken_apart().is_empty());
+}
+
+#[test]
+fn a_block_equals_its_stored_self_whatever_was_learned_about_its_apart_attributes() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a")).expect("room");
+    block.move_taken_apart();
+    let mut read = as_read(&block);
+    let bare = read.clone();
+    read.load_apart(0, attr("a"));
+    assert_eq!(read, bare);
+    read.next_fresh += 1;
+    assert_ne!(read, bare);
+}
+
+#[test]
+fn a_dangling_inline_attribute_index_is_still_a_self_check_problem_and_apart_ones_are_not() {
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a")).expect("room");
+    block.allocate_next(&attr("b")).expect("room");
+    block.move_taken_apart();
+    assert!(block.self_check().is_empty());
+    block.allocations.get_mut(&1).expect("held").attribute = 3;
+    assert_eq!(
+        block.self_check(),
+        vec!["ordinal 1 refers to missing attribute 3".to_owned()]
+    );
+}
+
+#[test]
+fn owner_keys_have_one_spelling_and_name_their_block_and_ordinal() {
+    let cidr = net("10.0.2.0/23");
+    let key = keys::owner_key(&cidr, 300);
+    assert_eq!(key, "ipam/v1/owners/10.0.2.0-23/300");
+    assert!(key.starts_with(&keys::block_owners_dir(&cidr)));
+    assert!(key.starts_with(&keys::owners_dir()));
+    assert_eq!(keys::parse_owner_key(&key), Some((cidr, 300)));
+    let v6 = net("fd00::/122");
+    assert_eq!(
+        keys::parse_owner_key(&keys::owner_key(&v6, 0)),
+        Some((v6, 0))
+    );
+    for other in [
+        "ipam/v1/owners/10.0.2.0-23/0300",
+        "ipam/v1/owners/10.0.2.0-23/+300",
+        "ipam/v1/owners/10.0.2.0-23/4294967296",
+        "ipam/v1/owners/10.0.2.0-23/",
+        "ipam/v1/owners/10.0.2.0-23/300/1",
+        "ipam/v1/owners/10.0.2.1-23/300",
+        "ipam/v1/owners/10.0.2.0/300",
+        "ipam/v1/handles/10.0.2.0-23/300",
+        "ipam/v2/owners/10.0.2.0-23/300",
+    ] {
+        assert_eq!(keys::parse_owner_key(other), None, "{other}");
+    }
 }

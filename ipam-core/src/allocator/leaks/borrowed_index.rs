@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 
 use super::super::{
-    allocation_info, cidr_of_key, decode_stored, next_listed, AllocationInfo, Ipam, Stored,
+    allocations_of, cidr_of_key, decode_stored, next_listed, AllocationInfo, Ipam, Stored,
     BORROWED_INDEX_VALUE,
 };
 use crate::kv::{Condition, KvError, Op, Read, Txn, MAX_TXN_OPS};
@@ -73,19 +73,20 @@ impl Ipam {
                 .or_else(|| borrowed.get(cidr));
             let condition = match stored {
                 None => Condition::absent(keys::block_claim(cidr)),
-                Some(stored)
+                Some(stored) => {
                     if stored.value.affinity.as_deref() != Some(host)
-                        && holds_for(&stored.value, host) =>
-                {
-                    continue;
+                        && holds_for(&stored.value, host)?
+                    {
+                        continue;
+                    }
+                    Condition::at_revision(&stored.key, stored.revision)
                 }
-                Some(stored) => Condition::at_revision(&stored.key, stored.revision),
             };
             read.unneeded.push((key.clone(), condition));
         }
         for stored in own.iter().chain(borrowed.values()) {
             read.blocks.push(stored.value.cidr);
-            read.allocations.extend(allocations_of(&stored.value));
+            read.allocations.extend(allocations_of(&stored.value)?);
         }
         Ok(read)
     }
@@ -154,14 +155,8 @@ impl Ipam {
 }
 
 /// Whether `block` holds an address recorded for `host`.
-fn holds_for(block: &Block, host: &str) -> bool {
-    allocations_of(block).any(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host))
-}
-
-/// Every allocation of `block`.
-fn allocations_of(block: &Block) -> impl Iterator<Item = AllocationInfo> + '_ {
-    block
-        .allocations
-        .keys()
-        .filter_map(|ordinal| allocation_info(block, block.ip_of(*ordinal)))
+fn holds_for(block: &Block, host: &str) -> Result<bool, IpamError> {
+    Ok(allocations_of(block)?
+        .iter()
+        .any(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(host)))
 }
