@@ -1,12 +1,13 @@
-//! Repair and release cases: `check --repair` beside objects it cannot decode, a host release
-//! that keeps conflicting, and a release by address racing a pool split, on every backend.
+//! Repair and release cases: `check --repair` beside objects it cannot decode, owner keys left
+//! over or missing, a host release that keeps conflicting, and a release by address racing a
+//! pool split, on every backend.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ipam_core::check::kinds;
 use ipam_core::kv::{KvError, KvStore, Read};
-use ipam_core::model::{decode, keys, Block, FORMAT_VERSION};
+use ipam_core::model::{decode, encode, keys, Attribute, Block, FORMAT_VERSION};
 use ipam_core::{Ipam, IpamError, PoolChange, ReleaseRequest, RetryPolicy};
 
 use crate::hooked::HookedStore;
@@ -19,6 +20,7 @@ macro_rules! repair_conformance_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
+            repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
             release_by_address_racing_a_pool_split_still_releases,
         );
@@ -156,6 +158,173 @@ pub async fn repair_leaves_handles_alone_while_a_block_cannot_be_decoded<F: Stor
         );
         assert_clean(&ipam).await;
     }
+}
+
+/// The owner key of `ip` (its block and ordinal, as the allocator stores it).
+async fn owner_key_of(ipam: &Ipam, ip: std::net::IpAddr) -> String {
+    let held = ipam
+        .get_assignment(ip)
+        .await
+        .expect("show the address")
+        .expect("the address is held");
+    let ordinal = match (ip, held.block.network()) {
+        (std::net::IpAddr::V4(a), std::net::IpAddr::V4(n)) => u32::from(a) - u32::from(n),
+        _ => panic!("an IPv4 address in an IPv4 block"),
+    };
+    keys::owner_key(&held.block, ordinal)
+}
+
+/// Format 6 keeps each new allocation's attribute in an owner key. `check --repair` deletes owner
+/// keys that name no address their block holds apart (one in a block with room, one of a CIDR
+/// with no block); an address whose owner key is missing is reported, not repairable: the
+/// address stays held (showing or releasing it is refused as corrupt, naming the key, and changes
+/// nothing), and its holder's handle is held back from repair. Once the key is restored, check is
+/// clean and the handle's release frees both its addresses.
+pub async fn repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.22.0.0/24", 28).await;
+    let mut pod_one: Vec<_> = ipam
+        .auto_assign(&v4("pod-1", "node-a", 2))
+        .await
+        .expect("assign pod-1")
+        .v4
+        .iter()
+        .map(|a| a.ip)
+        .collect();
+    pod_one.sort();
+    let pod_two = assign_one(&ipam, "pod-2", "node-a").await;
+    let pod_three = assign_one(&ipam, "pod-3", "node-b").await;
+    let owners = contents(t.store.as_ref(), &keys::owners_dir()).await;
+    assert_eq!(owners.len(), 4, "one owner key per address: {owners:?}");
+    assert_clean(&ipam).await;
+
+    // Left over: an owner key naming a free address of node-b's block, and one of a CIDR no
+    // block covers.
+    let stray = Attribute {
+        handle: "ghost".into(),
+        metadata: Default::default(),
+    };
+    let node_b_key = owner_key_of(&ipam, pod_three).await;
+    let free_in_node_b = format!(
+        "{}9",
+        node_b_key.trim_end_matches(|c: char| c.is_ascii_digit())
+    );
+    let no_block = keys::owner_key(&"10.22.0.240/28".parse().expect("cidr"), 1);
+    for key in [&free_in_node_b, &no_block] {
+        t.store
+            .put(key, encode(&stray).expect("encode"))
+            .await
+            .expect("plant an orphaned owner key");
+    }
+    // Missing: the owner key of pod-1's first address.
+    let missing = owner_key_of(&ipam, pod_one[0]).await;
+    let missing_value = t
+        .store
+        .get(&missing)
+        .await
+        .expect("get")
+        .expect("pod-1's owner key")
+        .value;
+    t.store
+        .delete(&missing)
+        .await
+        .expect("delete the owner key");
+    let before_release = contents(t.store.as_ref(), "").await;
+    for outcome in [
+        ipam.get_assignment(pod_one[0]).await.map(|_| ()),
+        ipam.release_ips(&[ReleaseRequest {
+            ip: pod_one[0],
+            sequence: None,
+        }])
+        .await
+        .map(|_| ()),
+    ] {
+        assert!(
+            matches!(&outcome, Err(IpamError::Corrupt { key, .. }) if *key == missing),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before_release,
+        "the refused release changed the store"
+    );
+
+    let report = ipam.check(true).await.expect("check --repair");
+    for key in [&free_in_node_b, &no_block] {
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.kind == kinds::ORPHANED_OWNER_KEY
+                    && p.repairable
+                    && p.detail.contains(key.as_str())),
+            "{key} is not reported as repairable: {report:#?}"
+        );
+        assert!(
+            report.repaired.iter().any(|r| r.contains(key.as_str())),
+            "{key} was not repaired: {report:#?}"
+        );
+        assert!(
+            t.store.get(key).await.expect("get").is_none(),
+            "{key} is still there"
+        );
+    }
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::MISSING_OWNER_KEY
+                && !p.repairable
+                && p.detail.contains(&pod_one[0].to_string())),
+        "the missing owner key is not reported: {report:#?}"
+    );
+    assert!(
+        report.problems.iter().any(|p| p.kind == kinds::HANDLE_COUNT
+            && !p.repairable
+            && p.detail.contains("\"pod-1\"")),
+        "pod-1's handle is not held back: {report:#?}"
+    );
+    assert!(
+        report
+            .repaired
+            .iter()
+            .any(|r| r.starts_with("held back") && r.contains("\"pod-1\"")),
+        "the repair does not say it held pod-1 back: {report:#?}"
+    );
+    // The held-back handle and the block are as they were; the key is still missing.
+    let mut expected = before_release.clone();
+    expected.retain(|(key, _)| key != &free_in_node_b && key != &no_block);
+    assert_eq!(contents(t.store.as_ref(), "").await, expected);
+
+    // Restored from a backup: clean, and every pod's release frees its addresses.
+    t.store
+        .put(&missing, missing_value)
+        .await
+        .expect("restore the owner key");
+    assert_clean(&ipam).await;
+    assert_eq!(
+        ipam.release_handle("pod-1").await.expect("release pod-1"),
+        pod_one
+    );
+    assert_eq!(
+        ipam.release_handle("pod-2").await.expect("release pod-2"),
+        vec![pod_two]
+    );
+    assert_eq!(
+        ipam.release_handle("pod-3").await.expect("release pod-3"),
+        vec![pod_three]
+    );
+    assert!(
+        contents(t.store.as_ref(), &keys::owners_dir())
+            .await
+            .is_empty(),
+        "owner keys left after every release"
+    );
+    assert_clean(&ipam).await;
 }
 
 /// Releasing a host whose blocks change under every attempt gives up after the retry policy's

@@ -509,7 +509,8 @@ pub async fn check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecor
 }
 
 /// Explicit assignment (three reads: request batch, claim entries, blocks) and release by address
-/// (four: pools, claim entries, blocks, handles) and one commit each, in a pool whose block size
+/// (five: pools, claim entries, blocks, the owner keys of the block, handles) and one commit each,
+/// in a pool whose block size
 /// never changed, as before mixed sizes existed (the pool's record is read in the batch that reads
 /// the claim entry); one read more (the claim index) once it changed.
 pub async fn address_lookups_keep_their_round_trips_until_a_size_change<F: StoreFactory>(
@@ -550,7 +551,7 @@ pub async fn address_lookups_keep_their_round_trips_until_a_size_change<F: Store
     }
     assert_eq!(
         measured,
-        [((3, 1), (4, 1)), ((4, 1), (5, 1))],
+        [((3, 1), (5, 1)), ((4, 1), (6, 1))],
         "(reads, commits) of an explicit assign and a release by address, before and after a \
          block size change"
     );

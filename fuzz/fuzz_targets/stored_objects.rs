@@ -1,14 +1,14 @@
 //! Fuzzes the stored-object decoder (`ipam_core::model::decode`) for every type the store holds.
 //!
 //! The first byte picks the type (block, handle, pool, IPAM config, block claim entry, pool
-//! generation counter); the rest is the stored value. Decoding never panics; whatever decodes
+//! generation counter, an owner key's attribute); the rest is the stored value. Decoding never panics; whatever decodes
 //! encodes back to bytes that decode to the same object; a decoded block's own consistency check
 //! (what `check` runs on every stored block) never panics either.
 #![no_main]
 
 use std::fmt::Debug;
 
-use ipam_core::model::{decode, encode, Block, Handle, IpamConfig, Pool};
+use ipam_core::model::{decode, encode, Attribute, Block, Handle, IpamConfig, Pool};
 use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&kind, bytes)) = data.split_first() else {
         return;
     };
-    match kind % 6 {
+    match kind % 7 {
         0 => {
             if let Some(block) = round_trip::<Block>(bytes) {
                 let _ = block.self_check();
@@ -46,9 +46,13 @@ fuzz_target!(|data: &[u8]| {
             // A block claim entry: the affine host, or none.
             round_trip::<Option<String>>(bytes);
         }
-        _ => {
+        5 => {
             // The pool generation counter.
             round_trip::<u64>(bytes);
+        }
+        _ => {
+            // An owner key: the attribute of an address its block keeps apart.
+            round_trip::<Attribute>(bytes);
         }
     }
 });

@@ -18,6 +18,14 @@ pub const FORMAT4_COMMIT: &str = "a17012b";
 /// (what `scripts/build-previous 4` prints); `scripts/test` sets it.
 pub const FORMAT4_BIN_ENV: &str = "BLOCKIPAM_FORMAT4_BIN";
 
+/// The commit of the release before format 6: the last one whose binaries write (and read up
+/// to) stored-format version 5. `scripts/build-previous 5` pins the same commit.
+pub const FORMAT5_COMMIT: &str = "49656b3";
+
+/// Environment variable naming the directory that holds the format-5 release's executables
+/// (what `scripts/build-previous 5` prints); `scripts/test` sets it.
+pub const FORMAT5_BIN_ENV: &str = "BLOCKIPAM_FORMAT5_BIN";
+
 /// The script that builds the previous release, relative to the workspace.
 pub const BUILD_SCRIPT: &str = "scripts/build-previous";
 
@@ -42,6 +50,13 @@ const FORMAT4: Pinned = Pinned {
     commit: FORMAT4_COMMIT,
     build: "scripts/build-previous 4",
     env: FORMAT4_BIN_ENV,
+};
+
+/// The release before format 6 (writes format 5).
+const FORMAT5: Pinned = Pinned {
+    commit: FORMAT5_COMMIT,
+    build: "scripts/build-previous 5",
+    env: FORMAT5_BIN_ENV,
 };
 
 /// An earlier release's executables, all three present.
@@ -89,6 +104,17 @@ impl PreviousRelease {
     /// release fails, never skips.
     pub fn locate_format4() -> PreviousRelease {
         Self::pinned_in(FORMAT4, &FORMAT4.bin_dir_to_use())
+            .unwrap_or_else(|message| panic!("{message}"))
+    }
+
+    /// The release that writes format 5 (the one before format 6), in the directory
+    /// [`FORMAT5_BIN_ENV`] names, else where `scripts/build-previous 5` places it.
+    ///
+    /// # Panics
+    /// When a binary is missing, naming the command that builds them: a test that needs the
+    /// release fails, never skips.
+    pub fn locate_format5() -> PreviousRelease {
+        Self::pinned_in(FORMAT5, &FORMAT5.bin_dir_to_use())
             .unwrap_or_else(|message| panic!("{message}"))
     }
 
@@ -178,6 +204,7 @@ mod tests {
         for (variable, commit) in [
             ("format3_commit=", PREVIOUS_COMMIT),
             ("format4_commit=", FORMAT4_COMMIT),
+            ("format5_commit=", FORMAT5_COMMIT),
         ] {
             let pinned: Vec<&str> = script
                 .lines()

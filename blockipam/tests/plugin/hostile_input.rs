@@ -1297,8 +1297,8 @@ where
 const WRITE_SEEDS_ENV: &str = "BLOCKIPAM_WRITE_FUZZ_SEEDS";
 
 /// Typical stored objects, each as the `stored_objects` fuzz target reads it: one byte naming the
-/// type (0 block, 1 handle, 2 pool, 3 IPAM config, 4 block claim entry, 5 pool generation), then
-/// the value as the store holds it.
+/// type (0 block, 1 handle, 2 pool, 3 IPAM config, 4 block claim entry, 5 pool generation, 6 an
+/// owner key's attribute), then the value as the store holds it.
 fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
     use ipam_core::model::{encode, Attribute, Block, Handle, IpamConfig, Pool};
     let net = |text: &str| text.parse::<ipnet::IpNet>().expect("a CIDR");
@@ -1326,6 +1326,18 @@ fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let mut handle = Handle::default();
     handle.add(net("10.244.7.0/26"), 2);
     handle.add(net("fd00:10:244::/122"), 1);
+    // Format 6: a block keeping its new allocations' attributes apart, one written before inline,
+    // and the handle recording the metadata of what it holds apart.
+    let mut apart: Block =
+        ipam_core::model::decode("seed", &encode(&affine).expect("encode a seed block"))
+            .expect("decode a seed block");
+    apart.allocate_next(&attribute("testnet.c3", "eth0"));
+    apart.allocate_next(&attribute("testnet.c4", "eth0"));
+    let moved = apart.move_taken_apart();
+    let mut handle_apart = Handle::default();
+    for (ordinal, held) in &moved {
+        handle_apart.hold(apart.cidr, *ordinal, Some(&held.metadata));
+    }
     let pool = |name: &str, cidr: &str, block_size: u8, disabled: bool| Pool {
         name: name.to_owned(),
         cidr: net(cidr),
@@ -1346,6 +1358,9 @@ fn stored_object_seeds() -> Vec<(&'static str, Vec<u8>)> {
             seed(0, encode(&Block::new(net("10.0.0.0/31"), None, 0))),
         ),
         ("handle", seed(1, encode(&handle))),
+        ("block-apart", seed(0, encode(&apart))),
+        ("handle-apart", seed(1, encode(&handle_apart))),
+        ("owner-key", seed(6, encode(&moved[0].1))),
         (
             "pool-v4",
             seed(2, encode(&pool("test-v4", "10.244.7.0/24", 26, false))),
@@ -1410,7 +1425,7 @@ fn fuzz_seeds_and_corpus_replay_without_panic() {
         let Some((&kind, body)) = bytes.split_first() else {
             continue;
         };
-        let ok = match kind % 6 {
+        let ok = match kind % 7 {
             0 => {
                 if let Ok(block) = ipam_core::model::decode::<Block>("fuzz", body) {
                     let _ = block.self_check();
@@ -1421,7 +1436,8 @@ fn fuzz_seeds_and_corpus_replay_without_panic() {
             2 => decodes_consistently::<Pool>(body),
             3 => decodes_consistently::<IpamConfig>(body),
             4 => decodes_consistently::<Option<String>>(body),
-            _ => decodes_consistently::<u64>(body),
+            5 => decodes_consistently::<u64>(body),
+            _ => decodes_consistently::<ipam_core::model::Attribute>(body),
         };
         decoded += usize::from(ok);
     }

@@ -45,6 +45,7 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
     lab.with_store(|store| async move {
         let wrong = Handle {
             blocks: BTreeMap::from([(block, 5)]),
+            ..Handle::default()
         };
         store
             .put(&keys::handle("net.h1"), encode(&wrong).expect("encode"))

@@ -1,4 +1,4 @@
-//! Format upgrade: stores written by formats 1 to 4 (`fixtures/format-v1` to `format-v4`,
+//! Format upgrade: stores written by formats 1 to 5 (`fixtures/format-v1` to `format-v5`,
 //! each made by that release's own binaries) open, check clean and keep working through the real
 //! binaries on sled, redb and etcd (etcd receives the redb fixture through `migrate`, a raw copy);
 //! until `upgrade finalize` the objects that later calls write are rewritten in format 3 (what the
@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ipam_core::model::{decode_claim, keys};
+use ipam_core::model::{decode, decode_claim, keys, Handle};
 use ipnet::IpNet;
 use serde_json::Value;
 
@@ -258,6 +258,152 @@ fn a_format_4_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     an_old_store_opens_checks_clean_and_keeps_working(backend, 4);
 }
 
+fn a_format_5_store_opens_checks_clean_and_keeps_working(backend: Backend) {
+    an_old_store_opens_checks_clean_and_keeps_working(backend, 5);
+}
+
+/// Every owner key in the store (format 6 keeps allocations' attributes there).
+fn owner_keys(lab: &Lab) -> Vec<String> {
+    lab.with_store(|store| async move {
+        store
+            .list(&keys::owners_dir())
+            .await
+            .expect("list the owner keys")
+            .into_iter()
+            .map(|kv| kv.key)
+            .collect()
+    })
+}
+
+/// The handle the plugin records for `container` of the fixture's network.
+fn handle_key(container: &str) -> String {
+    keys::handle(&format!("fixture.{container}"))
+}
+
+/// Who `show --ip` says holds `ip` (its handle), through `cli`.
+fn holder_of(lab: &Lab, cli: &Path, ip: IpNet) -> Value {
+    let shown = lab.ctl_of(cli, &["-o", "json", "show", "--ip", &ip.addr().to_string()]);
+    assert_eq!(
+        shown.code, 0,
+        "show --ip {ip}: {} {}",
+        shown.stdout, shown.stderr
+    );
+    serde_json::from_str::<Value>(&shown.stdout).expect("show's JSON")["handle"].clone()
+}
+
+/// A format-5 store in use beside the release that writes format 5 (its own plugin and CLI, built
+/// by `scripts/build-previous 5`). Until finalize, today's plugin keeps every attribute in its
+/// block and writes handles with their counts only, in format 5: the format-5 release's `check`
+/// finds the store clean after today's writes, its `show` names the holders of today's
+/// addresses, and its plugin keeps allocating and releasing. Once finalized, today's ADD keeps
+/// the new pod's attribute apart, in an owner key, and its DEL deletes the key; the format-5
+/// plugin refuses new containers naming format 6 (CNI error 108) and writes nothing.
+fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) {
+    let previous = test_kit::previous::PreviousRelease::locate_format5();
+    let today_cli = PathBuf::from(crate::common::BIN);
+    let lab = Lab::new(backend);
+    load_fixture(&lab, 5);
+    let before = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-before"));
+    assert!(owner_keys(&lab).is_empty(), "{:?}", owner_keys(&lab));
+    assert_eq!(format_of(&lab, &handle_key("ctr-before")), 5);
+    lab.ctl(&["check"]).ok();
+    let old_check = lab.ctl_of(&previous.cli(), &["check"]);
+    assert_eq!(
+        old_check.code, 0,
+        "the format-5 release's check after today's writes: {} {}",
+        old_check.stdout, old_check.stderr
+    );
+    assert_eq!(
+        holder_of(&lab, &previous.cli(), before),
+        "fixture.ctr-before",
+        "the format-5 release's show"
+    );
+    let pools = serde_json::json!({
+        "assign_ipv4": "true",
+        "assign_ipv6": "true",
+        "ipv4_pools": ["v4"],
+        "ipv6_pools": ["v6"],
+    });
+    for command in ["ADD", "DEL"] {
+        let (status, out) = lab.plugin_of(
+            &previous.plugin(),
+            command,
+            "node-b",
+            "ctr-old-b",
+            pools.clone(),
+        );
+        assert_eq!(
+            status, 0,
+            "the format-5 release's {command} on node-b: {out}"
+        );
+    }
+    // Today's DEL of a pod whose attributes its block holds.
+    plugin(&lab, "DEL", "node-a", "ctr-before");
+    assert!(holder_of(&lab, &today_cli, before).is_null());
+
+    // node-b last ran the format-5 plugin: finalize waits for it, unless forced.
+    lab.ctl(&["upgrade", "finalize"]).expect_code(1);
+    lab.ctl(&["upgrade", "finalize", "--force"]).ok();
+    let after = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-after"));
+    // Its handle records the metadata of both its addresses (IPv4 and IPv6) kept apart, each in
+    // its owner key.
+    let handle: Handle = lab.with_store(|store| async move {
+        let kv = store
+            .get(&handle_key("ctr-after"))
+            .await
+            .expect("get")
+            .expect("the handle exists");
+        decode(&kv.key, &kv.value).expect("the handle decodes")
+    });
+    let held: Vec<(IpNet, u32)> = handle
+        .apart
+        .iter()
+        .flat_map(|(cidr, held)| held.keys().map(move |ordinal| (*cidr, *ordinal)))
+        .collect();
+    assert_eq!(held.len(), 2, "{handle:?}");
+    assert!(
+        held.iter().any(|(cidr, _)| cidr.contains(&after.addr())),
+        "{handle:?}"
+    );
+    let owners = owner_keys(&lab);
+    for (cidr, ordinal) in &held {
+        assert!(
+            owners.contains(&keys::owner_key(cidr, *ordinal)),
+            "{owners:?} lacks the owner key of {cidr} #{ordinal}"
+        );
+    }
+    assert_eq!(format_of(&lab, &handle_key("ctr-after")), 6);
+    assert_eq!(holder_of(&lab, &today_cli, after), "fixture.ctr-after");
+    lab.ctl(&["check"]).ok();
+    // The format-5 release's plugin now refuses new containers, naming the format, and writes
+    // nothing; its CLI refuses what it cannot read rather than misreporting it.
+    let snapshot = lab.snapshot();
+    let (status, refused) =
+        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
+    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
+    assert!(
+        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
+        "the format-5 release's ADD after finalize: exit {status}, {refused}"
+    );
+    assert!(
+        snapshot == lab.snapshot(),
+        "the refused ADD wrote to the store"
+    );
+    // Today's DEL frees the address and its owner key; a DEL of a pod added before finalize
+    // (its attribute in its block) still frees its address.
+    plugin(&lab, "DEL", "node-a", "ctr-after");
+    assert!(holder_of(&lab, &today_cli, after).is_null());
+    let left = owner_keys(&lab);
+    assert!(
+        held.iter()
+            .all(|(cidr, ordinal)| !left.contains(&keys::owner_key(cidr, *ordinal))),
+        "the DEL left owner keys: {left:?}"
+    );
+    plugin(&lab, "DEL", "node-a", "ctr-a1");
+    assert!(holder_of(&lab, &today_cli, "10.80.0.49/32".parse().expect("ip")).is_null());
+    lab.ctl(&["check"]).ok();
+}
+
 /// node-a's second block in the format-4 fixture: four pods (of its 14 host addresses) in it.
 const NODE_A_SECOND: &str = "10.80.0.64/28";
 
@@ -481,6 +627,8 @@ on_every_backend!(
     a_format_2_store_opens_checks_clean_and_keeps_working,
     a_format_3_store_opens_checks_clean_and_keeps_working,
     a_format_4_store_opens_checks_clean_and_keeps_working,
+    a_format_5_store_opens_checks_clean_and_keeps_working,
     a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize,
+    a_format_5_store_keeps_attributes_in_blocks_until_finalize,
     a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks,
 );

@@ -183,6 +183,7 @@ fn migrate_refuses_an_inconsistent_source_and_leaves_the_target_empty() {
     source.with_store(|store| async move {
         let handle = Handle {
             blocks: BTreeMap::from([("10.60.0.0/28".parse().expect("cidr"), 9)]),
+            ..Handle::default()
         };
         store
             .put(&keys::handle("net.a1"), encode(&handle).expect("encode"))

@@ -4,6 +4,7 @@ use super::{
     decode_stored, Attempt, HostRelease, Ipam, ReleaseRequest, Stored, WorkingBlock, ATTR_NODE,
     BLOCKS_PER_TXN,
 };
+use crate::kv::KvError;
 use crate::model::error::IpamError;
 use crate::model::{keys, validate_host, Block, Pool};
 use ipnet::IpNet;
@@ -78,7 +79,16 @@ impl Ipam {
             }
             super::resize::guard_mixed_record(&mut plan, &record);
         }
-        let existing = self.load_blocks_for_write(&wanted).await?;
+        let mut existing = self.load_blocks_for_write(&wanted).await?;
+        // A block without affinity that this host claims: the addresses it holds for other
+        // nodes become borrowed, which their attributes tell.
+        self.load_owner_keys(
+            existing
+                .found
+                .values_mut()
+                .filter(|stored| stored.value.affinity.is_none()),
+        )
+        .await?;
         plan.expect(&pool.key, Some(pool.revision));
         for block_cidr in &wanted {
             let working = match existing.found.get(block_cidr) {
@@ -117,7 +127,9 @@ impl Ipam {
     pub async fn release_affinity(&self, host: &str, block: IpNet) -> Result<(), IpamError> {
         validate_host(host)?;
         self.retrying(|| async {
-            let found = self.load_blocks(&BTreeSet::from([block])).await?;
+            let mut found = self.load_blocks(&BTreeSet::from([block])).await?;
+            // The addresses it holds for other nodes become borrowed: their attributes tell.
+            self.load_owner_keys(found.values_mut()).await?;
             let Some(stored) = found.into_values().next() else {
                 return Ok(Attempt::Done(()));
             };
@@ -181,7 +193,7 @@ impl Ipam {
         let mut conflicts = 0u32;
         let mut backoff = self.retry.base_backoff;
         loop {
-            let host_blocks: Vec<Stored<Block>> = self
+            let mut host_blocks: Vec<Stored<Block>> = self
                 .store
                 .list(&keys::host_blocks_dir(host))
                 .await?
@@ -193,7 +205,23 @@ impl Ipam {
             }
             // As many blocks as fit one transaction (by count and by bytes), at least one.
             let mut take = host_blocks.len().min(BLOCKS_PER_TXN);
+            // The addresses they hold for other nodes become borrowed: their attributes tell.
+            let loaded = match self
+                .load_owner_keys(host_blocks.iter_mut().take(take))
+                .await
+            {
+                Err(IpamError::Store(KvError::Conflict { .. })) => false,
+                other => {
+                    other?;
+                    true
+                }
+            };
             let (plan, deleted, unassigned) = loop {
+                if !loaded {
+                    // Named as the blocks this round would have released.
+                    let named = host_blocks.iter().take(take).map(|b| b.value.cidr);
+                    break (self.plan(), named.collect(), Vec::new());
+                }
                 let mut plan = self.plan();
                 let mut deleted = Vec::new();
                 let mut unassigned = Vec::new();
@@ -214,7 +242,12 @@ impl Ipam {
                 take /= 2;
             };
             // A conflict here means a block changed: list again and carry on, within bounds.
-            if let Attempt::Done(()) = self.commit_plan(plan, ()).await? {
+            let outcome = if loaded {
+                self.commit_plan(plan, ()).await?
+            } else {
+                Attempt::Conflict
+            };
+            if let Attempt::Done(()) = outcome {
                 report.deleted_blocks.extend(deleted);
                 report.unassigned_blocks.extend(unassigned);
                 conflicts = 0;

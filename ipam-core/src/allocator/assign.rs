@@ -1,10 +1,11 @@
 //! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
 
 use super::{
-    block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash, next_got,
-    next_listed, refuse_during_import, validate_attribute_size, with_node, AssignIpsRequest,
-    AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam,
-    NewBlockProbe, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
+    block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash,
+    learn_apart_from_handle, next_got, next_listed, refuse_during_import, validate_attribute_size,
+    with_node, AssignIpsRequest, AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult,
+    ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST,
+    NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
@@ -567,16 +568,27 @@ impl Ipam {
                 });
             }
             for address in &got {
-                if let Some(working) = working.get(&address.block) {
-                    plan.index_borrowed(&request.host, &working.block);
-                }
+                let Some(entry) = working.get(&address.block) else {
+                    return Err(IpamError::Internal(format!(
+                        "{} was assigned from block {}, which this attempt did not read",
+                        address.ip, address.block
+                    )));
+                };
+                plan.index_borrowed(&request.host, &entry.block);
+                let ordinal = entry.block.ordinal_of(address.ip).ok_or_else(|| {
+                    IpamError::Internal(format!("{} is not inside {}", address.ip, address.block))
+                })?;
                 if let Some(pool) = candidates
                     .iter()
                     .find(|p| p.value.cidr.contains(&address.ip))
                 {
                     used_pools.insert(pool.value.name.clone());
                 }
-                handle.add(address.block, 1);
+                handle.hold(
+                    address.block,
+                    ordinal,
+                    plan.apart_metadata(&attribute.metadata),
+                );
             }
             match family {
                 Family::V4 => result.v4 = got,
@@ -774,7 +786,8 @@ impl Ipam {
             blocks.insert(cidr, stored.value);
         }
         let mut addresses = Vec::new();
-        for block in blocks.values() {
+        for block in blocks.values_mut() {
+            learn_apart_from_handle(block, handle_id, handle);
             for ordinal in block.ordinals_of_handle(handle_id)? {
                 addresses.push(AssignedAddress {
                     ip: block.ip_of(ordinal),
@@ -871,8 +884,23 @@ impl Ipam {
                 .get(&target.0)
                 .ok_or(IpamError::NotInPool(target.0))?;
         }
-        let loaded = std::mem::take(&mut located.loaded);
+        let mut loaded = std::mem::take(&mut located.loaded);
         let sequence_floor = loaded.sequence_floor;
+        // Who holds each target: this handle's own record names what it holds apart; an address
+        // held apart by another handle is named by its owner key.
+        for stored in loaded.found.values_mut() {
+            learn_apart_from_handle(&mut stored.value, &request.handle, &handle);
+        }
+        let held_by_others = loaded.found.values_mut().filter(|stored| {
+            targets.iter().any(|(ip, cidr, _)| {
+                *cidr == stored.value.cidr
+                    && stored
+                        .value
+                        .ordinal_of(*ip)
+                        .is_some_and(|o| stored.value.attribute_of(o).is_err())
+            })
+        });
+        self.load_owner_keys(held_by_others).await?;
         let mut working: BTreeMap<IpNet, WorkingBlock> = loaded
             .found
             .into_iter()
@@ -940,7 +968,7 @@ impl Ipam {
             entry.block.allocate_ordinal(ordinal, &attribute);
             entry.dirty = true;
             plan.index_borrowed(&request.host, &entry.block);
-            handle.add(*cidr, 1);
+            handle.hold(*cidr, ordinal, plan.apart_metadata(&attribute.metadata));
             plan.expect(&pool.key, Some(pool.revision));
             assigned.push(AssignedAddress {
                 ip: *ip,

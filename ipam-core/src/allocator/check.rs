@@ -49,6 +49,11 @@ pub mod kinds {
     pub const DUPLICATE_ADDRESS: &str = "duplicate-address";
     /// A node's agent found a live pod using an address the store holds as free.
     pub const UNRECORDED_LIVE_ADDRESS: &str = "unrecorded-live-address";
+    /// An owner key names an address its block does not hold apart (format 6).
+    pub const ORPHANED_OWNER_KEY: &str = "orphaned-owner-key";
+    /// A block holds an address whose attribute it keeps apart, and its owner key is missing
+    /// (format 6): who holds the address is unknown.
+    pub const MISSING_OWNER_KEY: &str = "missing-owner-key";
 
     /// Every kind, for tables and tests.
     pub const ALL: &[&str] = &[
@@ -67,6 +72,8 @@ pub mod kinds {
         IMPORT_IN_PROGRESS,
         DUPLICATE_ADDRESS,
         UNRECORDED_LIVE_ADDRESS,
+        ORPHANED_OWNER_KEY,
+        MISSING_OWNER_KEY,
     ];
 
     /// What a person should do about a problem of `kind` (empty for a kind this build does not know).
@@ -131,6 +138,13 @@ pub mod kinds {
                  of its own), or, when the holder is gone, release the holder's address \
                  (`blockipamctl release --ip`) and delete the live pod. The node's agent clears \
                  the record at its next look once they agree."
+            }
+            ORPHANED_OWNER_KEY => "Run `blockipamctl check --repair`: it deletes the key.",
+            MISSING_OWNER_KEY => {
+                "The address stays held, so it is never handed out twice, but its holder is \
+                 unknown: restore the key from a backup or store snapshot. When the address's \
+                 pod is gone, release the address (`blockipamctl release --ip`). Until then, \
+                 repairs of the block's handles, claim index entry and emptiness are held back."
             }
             UNRECORDED_LIVE_ADDRESS => {
                 "A live pod uses an address the store holds as free, so it may be handed to \
@@ -292,10 +306,10 @@ impl Snapshot {
     fn addresses_of_handles(
         &self,
         handles: &BTreeSet<&str>,
-    ) -> Result<BTreeMap<String, Vec<ProblemAddress>>, IpamError> {
+    ) -> BTreeMap<String, Vec<ProblemAddress>> {
         let mut found: BTreeMap<String, Vec<ProblemAddress>> = BTreeMap::new();
         if handles.is_empty() {
-            return Ok(found);
+            return found;
         }
         let mut blocks: Vec<&Block> = self.blocks.iter().map(|b| &b.value).collect();
         blocks.sort_by_key(|b| {
@@ -307,7 +321,8 @@ impl Snapshot {
         });
         for block in blocks {
             for (ordinal, allocation) in &block.allocations {
-                let Some(attribute) = block.attribute_of(*ordinal)? else {
+                // An address whose owner key is missing has no known holder.
+                let Ok(Some(attribute)) = block.attribute_of(*ordinal) else {
                     continue;
                 };
                 if !handles.contains(attribute.handle.as_str()) {
@@ -325,7 +340,7 @@ impl Snapshot {
                     });
             }
         }
-        Ok(found)
+        found
     }
 }
 
@@ -364,8 +379,20 @@ struct Snapshot {
     blocks: Vec<Stored<Block>>,
     claims: BTreeMap<IpNet, Stored<ClaimEntry>>,
     handles: BTreeMap<String, Stored<Handle>>,
-    /// Blocks and claim index entries that failed to decode: what they hold is unknown.
+    /// Blocks and claim index entries that failed to decode, and blocks whose apart attributes
+    /// could not all be read: what they hold is unknown.
     unreadable: Vec<Unreadable>,
+    /// Owner keys that name no address their block holds apart.
+    orphaned_owner_keys: Vec<OrphanedOwnerKey>,
+}
+
+/// An owner key naming an address its block does not hold apart: the key, and the block as read
+/// (its key and revision), or `None` when no block of that CIDR exists.
+struct OrphanedOwnerKey {
+    key: String,
+    revision: crate::kv::Revision,
+    cidr: IpNet,
+    block: Option<(String, crate::kv::Revision)>,
 }
 
 impl Snapshot {
@@ -386,16 +413,12 @@ impl Snapshot {
     }
 
     /// The CIDRs a repair of handle `id` touches: those it records and those the blocks hold for it.
-    fn handle_cidrs<'a>(
-        &'a self,
-        id: &str,
-        expected: Option<&'a BTreeMap<IpNet, u32>>,
-    ) -> BTreeSet<&'a IpNet> {
+    fn handle_cidrs<'a>(&'a self, id: &str, expected: Option<&'a Handle>) -> BTreeSet<&'a IpNet> {
         self.handles
             .get(id)
             .into_iter()
             .flat_map(|h| h.value.blocks.keys())
-            .chain(expected.into_iter().flat_map(|e| e.keys()))
+            .chain(expected.into_iter().flat_map(|e| e.blocks.keys()))
             .collect()
     }
 }
@@ -422,7 +445,9 @@ impl Ipam {
     pub async fn check(&self, repair: bool) -> Result<CheckReport, IpamError> {
         let mut report = CheckReport::default();
         let snapshot = self.read_snapshot(&mut report).await?;
-        let mut expected_handles: BTreeMap<String, BTreeMap<IpNet, u32>> = BTreeMap::new();
+        // What each handle should record: its count in each block and the metadata of its
+        // addresses kept apart (the blocks and owner keys are the authority).
+        let mut expected_handles: BTreeMap<String, Handle> = BTreeMap::new();
         let mut seen_cidrs: BTreeMap<IpNet, String> = BTreeMap::new();
         let mixed_pools = self.pools_with_mixed_sizes(&snapshot.pools).await?;
         overlapping_blocks(&snapshot.blocks, &mut report);
@@ -565,14 +590,18 @@ impl Ipam {
                         .with_block(block),
                 );
             }
-            for ordinal in block.allocations.keys() {
-                if let Some(attribute) = block.attribute_of(*ordinal)? {
-                    *expected_handles
-                        .entry(attribute.handle.clone())
-                        .or_default()
-                        .entry(block.cidr)
-                        .or_insert(0) += 1;
-                }
+            for (ordinal, allocation) in &block.allocations {
+                // An attribute whose owner key is missing counts for nobody: its block is held
+                // back from every repair (missing-owner-key).
+                let Ok(Some(attribute)) = block.attribute_of(*ordinal) else {
+                    continue;
+                };
+                let apart =
+                    (allocation.attribute == crate::model::APART).then_some(&attribute.metadata);
+                expected_handles
+                    .entry(attribute.handle.clone())
+                    .or_default()
+                    .hold(block.cidr, *ordinal, apart);
             }
         }
         let mut sorted: Vec<&Stored<Block>> = snapshot.blocks.iter().collect();
@@ -613,9 +642,7 @@ impl Ipam {
             .filter(|(id, stored)| {
                 expected_handles
                     .get(*id)
-                    .map_or(!stored.value.blocks.is_empty(), |e| {
-                        *e != stored.value.blocks
-                    })
+                    .map_or(!stored.value.blocks.is_empty(), |e| *e != stored.value)
             })
             .map(|(id, _)| id.as_str())
             .chain(
@@ -625,11 +652,11 @@ impl Ipam {
                     .map(String::as_str),
             )
             .collect();
-        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems)?;
+        let mut addresses = snapshot.addresses_of_handles(&handles_with_problems);
         for (id, stored) in &snapshot.handles {
             report.handles_checked += 1;
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
-            if stored.value.blocks != expected {
+            if stored.value != expected {
                 let held_back =
                     snapshot.holding_back(snapshot.handle_cidrs(id, expected_handles.get(id)));
                 report.problems.push(
@@ -637,9 +664,9 @@ impl Ipam {
                         kinds::HANDLE_COUNT,
                         held_back.is_none(),
                         format!(
-                            "handle {id:?} records {:?} but the blocks hold {:?}{}",
-                            counts_text(&stored.value.blocks),
-                            counts_text(&expected),
+                            "handle {id:?} records {} but the blocks hold {}{}",
+                            handle_text(&stored.value),
+                            handle_text(&expected),
                             held_back.map(held_back_note).unwrap_or_default()
                         ),
                     )
@@ -648,16 +675,16 @@ impl Ipam {
                 );
             }
         }
-        for (id, counts) in &expected_handles {
+        for (id, expected) in &expected_handles {
             if !snapshot.handles.contains_key(id) {
-                let held_back = snapshot.holding_back(counts.keys());
+                let held_back = snapshot.holding_back(expected.blocks.keys());
                 report.problems.push(
                     Problem::new(
                         kinds::MISSING_HANDLE,
                         held_back.is_none(),
                         format!(
                             "blocks hold {:?} for handle {id:?}, which does not exist{}",
-                            counts_text(counts),
+                            counts_text(&expected.blocks),
                             held_back.map(held_back_note).unwrap_or_default()
                         ),
                     )
@@ -684,6 +711,7 @@ impl Ipam {
                 Read::Get(keys::config()),
                 Read::List(keys::reservations_dir()),
                 Read::List(keys::live_disagreements_dir()),
+                Read::List(keys::owners_dir()),
             ])
             .await?;
         let mut lists = Vec::new();
@@ -694,9 +722,10 @@ impl Ipam {
                 crate::kv::ReadResult::Got(kv) => config = kv,
             }
         }
-        let [pools, blocks, claims, handles, reservations, live_disagreements]: [Vec<
+        let [pools, blocks, claims, handles, reservations, live_disagreements, owners]: [Vec<
             crate::kv::KeyValue,
-        >; 6] = lists.try_into().map_err(|_| {
+        >;
+            7] = lists.try_into().map_err(|_| {
             IpamError::Store(KvError::other(
                 "read_many returned the wrong number of results",
             ))
@@ -707,6 +736,7 @@ impl Ipam {
             claims: BTreeMap::new(),
             handles: BTreeMap::new(),
             unreadable: Vec::new(),
+            orphaned_owner_keys: Vec::new(),
         };
         let corrupt = |report: &mut CheckReport, key: &str, e: IpamError| {
             report.problem(kinds::CORRUPT_OBJECT, false, format!("{key}: {e}"));
@@ -799,6 +829,7 @@ impl Ipam {
                 Err(e) => unreadable_entry(report, &mut unreadable, &key, Some(cidr), e),
             }
         }
+        self.read_owner_keys(owners, &mut snapshot, &mut unreadable, report);
         snapshot.unreadable = unreadable;
         for kv in handles {
             let key = kv.key.clone();
@@ -816,10 +847,125 @@ impl Ipam {
         Ok(snapshot)
     }
 
+    /// Loads the attributes of the blocks' apart addresses from their owner keys (read in the
+    /// snapshot's batch); records the keys that name no such address, and, as unreadable, the
+    /// owner keys that cannot be decoded and the blocks whose apart attributes are not all there.
+    fn read_owner_keys(
+        &self,
+        owners: Vec<crate::kv::KeyValue>,
+        snapshot: &mut Snapshot,
+        unreadable: &mut Vec<Unreadable>,
+        report: &mut CheckReport,
+    ) {
+        for kv in owners {
+            let Some((cidr, ordinal)) = keys::parse_owner_key(&kv.key) else {
+                report.problem(
+                    kinds::CORRUPT_OBJECT,
+                    false,
+                    format!(
+                        "{}: the key names no block and ordinal; repairs of the handles, claim \
+                         index entries and empty blocks of every CIDR are held back until it is \
+                         removed",
+                        kv.key
+                    ),
+                );
+                unreadable.push(Unreadable {
+                    key: kv.key,
+                    cidr: None,
+                });
+                continue;
+            };
+            let attribute = match decode::<crate::model::Attribute>(&kv.key, &kv.value) {
+                Ok(attribute) => attribute,
+                Err(e) => {
+                    report.problem(
+                        kinds::CORRUPT_OBJECT,
+                        false,
+                        format!(
+                            "{}: {e}; repairs of the handles, claim index entries and empty \
+                             blocks of {cidr} are held back until it can be decoded",
+                            kv.key
+                        ),
+                    );
+                    unreadable.push(Unreadable {
+                        key: kv.key,
+                        cidr: Some(cidr),
+                    });
+                    continue;
+                }
+            };
+            let block = snapshot.blocks.iter_mut().find(|b| b.value.cidr == cidr);
+            let loaded = match block {
+                Some(stored) => {
+                    if stored.value.load_apart(ordinal, attribute) {
+                        None
+                    } else {
+                        Some(Some((stored.key.clone(), stored.revision)))
+                    }
+                }
+                None => Some(None),
+            };
+            if let Some(block) = loaded {
+                snapshot.orphaned_owner_keys.push(OrphanedOwnerKey {
+                    key: kv.key,
+                    revision: kv.revision,
+                    cidr,
+                    block,
+                });
+            }
+        }
+        for stored in &snapshot.blocks {
+            let missing = stored.value.unloaded_apart();
+            let Some(first) = missing.first() else {
+                continue;
+            };
+            let addresses: Vec<String> = missing
+                .iter()
+                .map(|o| stored.value.ip_of(*o).to_string())
+                .collect();
+            report.problems.push(
+                Problem::new(
+                    kinds::MISSING_OWNER_KEY,
+                    false,
+                    format!(
+                        "block {} holds {} apart whose owner keys are missing: their holders are \
+                         unknown; repairs of the block's handles, claim index entry and emptiness \
+                         are held back",
+                        stored.value.cidr,
+                        addresses.join(", ")
+                    ),
+                )
+                .with_block(&stored.value),
+            );
+            unreadable.push(Unreadable {
+                key: keys::owner_key(&stored.value.cidr, *first),
+                cidr: Some(stored.value.cidr),
+            });
+        }
+        for orphan in &snapshot.orphaned_owner_keys {
+            let held_back = unreadable.iter().find(|u| {
+                u.cidr.is_none_or(|bad| {
+                    bad.contains(&orphan.cidr.network()) || orphan.cidr.contains(&bad.network())
+                })
+            });
+            report.problem(
+                kinds::ORPHANED_OWNER_KEY,
+                held_back.is_none(),
+                format!(
+                    "owner key {} names an address its block does not hold apart{}",
+                    orphan.key,
+                    held_back
+                        .map(|u| held_back_note(&u.key))
+                        .unwrap_or_default()
+                ),
+            );
+        }
+    }
+
     async fn repair(
         &self,
         snapshot: &Snapshot,
-        expected_handles: &BTreeMap<String, BTreeMap<IpNet, u32>>,
+        expected_handles: &BTreeMap<String, Handle>,
         report: &mut CheckReport,
     ) -> Result<(), IpamError> {
         let mut outcomes: Vec<(String, Result<(), IpamError>)> = Vec::new();
@@ -834,7 +980,7 @@ impl Ipam {
         for id in ids {
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
             let stored = snapshot.handles.get(id);
-            if stored.map(|s| &s.value.blocks) == Some(&expected) {
+            if stored.map(|s| &s.value) == Some(&expected) {
                 continue;
             }
             if let Some(bad) =
@@ -850,21 +996,16 @@ impl Ipam {
             for block in snapshot
                 .blocks
                 .iter()
-                .filter(|b| expected.contains_key(&b.value.cidr))
+                .filter(|b| expected.blocks.contains_key(&b.value.cidr))
             {
                 plan.expect(&block.key, Some(block.revision));
             }
-            let action = if expected.is_empty() {
+            let action = if expected.blocks.is_empty() {
                 plan.delete(&key);
                 format!("deleted handle {id:?}, which holds no address")
             } else {
-                plan.put(
-                    &key,
-                    encode(&Handle {
-                        blocks: expected.clone(),
-                    })?,
-                );
-                format!("rewrote handle {id:?} as {:?}", counts_text(&expected))
+                plan.put(&key, encode(&expected)?);
+                format!("rewrote handle {id:?} as {}", handle_text(&expected))
             };
             outcomes.push((action, self.commit_repair(plan).await));
         }
@@ -929,6 +1070,27 @@ impl Ipam {
                 self.commit_repair(plan).await,
             ));
         }
+        // Owner keys naming no address their block holds apart, while the block is as read.
+        for orphan in &snapshot.orphaned_owner_keys {
+            if let Some(bad) = snapshot.holding_back([&orphan.cidr]) {
+                held_back.push(format!(
+                    "owner key {} (while {bad} cannot be decoded)",
+                    orphan.key
+                ));
+                continue;
+            }
+            let mut plan = self.plan();
+            plan.expect(&orphan.key, Some(orphan.revision));
+            match &orphan.block {
+                Some((key, revision)) => plan.expect(key, Some(*revision)),
+                None => plan.expect(&keys::block_claim(&orphan.cidr), None),
+            }
+            plan.delete(&orphan.key);
+            outcomes.push((
+                format!("deleted orphaned owner key {}", orphan.key),
+                self.commit_repair(plan).await,
+            ));
+        }
         // Empty blocks without affinity.
         for stored in snapshot
             .blocks
@@ -988,6 +1150,20 @@ impl Ipam {
 
 fn counts_text(counts: &BTreeMap<IpNet, u32>) -> BTreeMap<String, u32> {
     counts.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+/// A handle's counts and, when it has any, its addresses kept apart.
+fn handle_text(handle: &Handle) -> String {
+    let counts = format!("{:?}", counts_text(&handle.blocks));
+    if handle.apart.is_empty() {
+        return counts;
+    }
+    let apart: Vec<String> = handle
+        .apart
+        .iter()
+        .flat_map(|(cidr, held)| held.keys().map(move |ordinal| format!("{cidr}#{ordinal}")))
+        .collect();
+    format!("{counts} (kept apart: {})", apart.join(", "))
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 
-use super::{cidr_of_key, next_listed, IndexedClaim, Ipam, ATTR_NODE};
+use super::{cidr_of_key, next_listed, Attempt, IndexedClaim, Ipam, ATTR_NODE};
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::{keys, Pool};
@@ -46,6 +46,12 @@ impl Ipam {
     /// # Errors
     /// Store failures; corrupt objects.
     pub async fn allocation_counts(&self) -> Result<AllocationCounts, IpamError> {
+        // A block rewritten between its read and its owner keys' is read again.
+        self.retrying(|| async { Ok(Attempt::Done(self.try_allocation_counts().await?)) })
+            .await
+    }
+
+    async fn try_allocation_counts(&self) -> Result<AllocationCounts, IpamError> {
         let mut results = self
             .store
             .read_many(&[
@@ -82,6 +88,8 @@ impl Ipam {
                 .await?
                 .found
         };
+        // Whose each address is (its node), for the blocks kept apart.
+        self.load_owner_keys(read.values_mut()).await?;
         let mut blocks = Vec::with_capacity(claims.len());
         for entry in claims {
             let count = match read.remove(&entry.cidr) {

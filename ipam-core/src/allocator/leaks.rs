@@ -18,7 +18,9 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use super::{AllocationInfo, AssignIpsRequest, Ipam, ReleaseRequest, ATTR_NETWORK, ATTR_NODE};
+use super::{
+    AllocationInfo, AssignIpsRequest, Attempt, Ipam, ReleaseRequest, ATTR_NETWORK, ATTR_NODE,
+};
 use crate::model::error::IpamError;
 use crate::model::keys;
 use crate::model::timestamp;
@@ -503,21 +505,25 @@ impl Ipam {
         watch: &mut LeakWatch,
         policy: LeakPolicy,
     ) -> Result<LeakDecisions, IpamError> {
-        let pools = self.list_pools().await?;
-        let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
         let mut surveyed = watch.survey_due();
-        let allocations = if surveyed {
-            self.list_allocations().await?
+        let (pools, allocations) = if surveyed {
+            (self.list_pools().await?, self.list_allocations().await?)
         } else {
-            let node = self.node_allocations(host).await?;
+            // A block rewritten between its read and its owner keys' is read again.
+            let node = self
+                .retrying(|| async { Ok(Attempt::Done(self.node_allocations(host).await?)) })
+                .await?;
+            let in_pools =
+                |address: IpAddr| node.pools.iter().any(|pool| pool.cidr.contains(&address));
             if live_addresses_inside(&node.blocks, view, &in_pools) {
                 self.forget_borrowed(host, &node.unneeded).await?;
-                node.allocations
+                (node.pools, node.allocations)
             } else {
                 surveyed = true;
-                self.list_allocations().await?
+                (node.pools, self.list_allocations().await?)
             }
         };
+        let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
         if surveyed {
             self.complete_borrowed_index(host, &allocations).await?;
         }

@@ -25,7 +25,7 @@ use crate::model::error::IpamError;
 use crate::model::{
     decode, decode_claim, decode_pool, encode, encode_claim, keys, AllowedUse, AllowedUses,
     AssignmentMode, Attribute, Block, ClaimEntry, Family, Handle, IpamConfig, Lifetime, Pool,
-    MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES,
+    MAX_ATTRIBUTE_BYTES, MAX_BLOCK_ADDRESSES, OWNERS_APART_FORMAT,
 };
 mod affinity;
 mod assign;
@@ -523,6 +523,21 @@ impl Plan {
         self.layout_format >= keys::EDGE_BLOCKS_FULL_FORMAT
     }
 
+    /// True when this plan keeps the attributes of the addresses it takes apart from their
+    /// blocks, in owner keys, and in their handles the metadata of each ([`Handle::hold`]).
+    pub fn keeps_attributes_apart(&self) -> bool {
+        self.layout_format >= OWNERS_APART_FORMAT
+    }
+
+    /// `metadata` when this plan keeps attributes apart: what a handle records beside its count
+    /// for an address this plan takes ([`Handle::hold`]).
+    pub fn apart_metadata<'a>(
+        &self,
+        metadata: &'a BTreeMap<String, String>,
+    ) -> Option<&'a BTreeMap<String, String>> {
+        self.keeps_attributes_apart().then_some(metadata)
+    }
+
     pub fn expect(&mut self, key: &str, revision: Option<Revision>) {
         self.conditions
             .entry(key.to_owned())
@@ -689,12 +704,23 @@ impl Plan {
                 }
             }
         }
+        // The owner keys of the apart addresses this attempt freed go with the block (whatever
+        // this plan's layout: only a store that keeps attributes apart holds them).
+        for ordinal in block.freed_apart() {
+            self.delete(&keys::owner_key(&block.cidr, ordinal));
+        }
         if block.is_empty() && block.affinity.is_none() {
             // Calico's rule: an empty block with no affinity is deleted.
             self.delete_block(&key, block);
         } else {
             let mut block = block.clone();
             block.sequence += 1;
+            if self.keeps_attributes_apart() {
+                for (ordinal, attribute) in block.move_taken_apart() {
+                    // After the deletes above: an ordinal freed and taken again keeps its key.
+                    self.put(&keys::owner_key(&block.cidr, ordinal), encode(&attribute)?);
+                }
+            }
             let value = encode(&block)?;
             if value.len() > MAX_VALUE_BYTES {
                 return Err(IpamError::Internal(format!(
@@ -1022,6 +1048,45 @@ impl Ipam {
         }
     }
 
+    /// Reads the owner keys of the apart addresses of `blocks` whose attributes are not known yet
+    /// (format 6), in one round trip that reads each such block again: a block that changed
+    /// since the caller read it fails the call with a conflict (an attempt retries), so what is
+    /// loaded is always what the caller's block holds. Blocks with nothing to load cost nothing.
+    ///
+    /// # Errors
+    /// [`KvError::Conflict`] naming a block that changed; [`IpamError::Corrupt`] naming the owner
+    /// key of an address the block holds apart when that key is missing or cannot be decoded;
+    /// store failures.
+    pub(crate) async fn load_owner_keys<'a>(
+        &self,
+        blocks: impl IntoIterator<Item = &'a mut Stored<Block>>,
+    ) -> Result<(), IpamError> {
+        let mut pending: Vec<&mut Stored<Block>> = blocks
+            .into_iter()
+            .filter(|stored| !stored.value.unloaded_apart().is_empty())
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let mut reads = Vec::with_capacity(pending.len() * 2);
+        for stored in &pending {
+            reads.push(Read::Get(stored.key.clone()));
+            reads.push(Read::List(keys::block_owners_dir(&stored.value.cidr)));
+        }
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        for stored in &mut pending {
+            let current = next_got(&mut results)?;
+            let owners = next_listed(&mut results)?;
+            if current.map(|kv| kv.revision) != Some(stored.revision) {
+                return Err(IpamError::Store(KvError::Conflict {
+                    key: stored.key.clone(),
+                }));
+            }
+            load_owners_into(&mut stored.value, owners)?;
+        }
+        Ok(())
+    }
+
     /// Reads the blocks with these CIDRs (wherever their affinity puts them): two round trips.
     ///
     /// # Errors
@@ -1233,6 +1298,30 @@ impl Ipam {
         })
     }
 
+    /// Every block in the store, the attributes it keeps apart loaded from the owner keys read in
+    /// the same snapshot.
+    ///
+    /// # Errors
+    /// As [`load_owners_into`]; store failures.
+    pub(crate) async fn all_blocks_with_attributes(&self) -> Result<Vec<Stored<Block>>, IpamError> {
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::List(keys::blocks_dir()),
+                Read::List(keys::owners_dir()),
+            ])
+            .await?
+            .into_iter();
+        let blocks = next_listed(&mut results)?;
+        let owners = next_listed(&mut results)?;
+        let mut blocks: Vec<Stored<Block>> = blocks
+            .into_iter()
+            .map(decode_stored)
+            .collect::<Result<_, _>>()?;
+        load_all_owners_into(blocks.iter_mut().map(|stored| &mut stored.value), owners)?;
+        Ok(blocks)
+    }
+
     /// Every block in the store.
     pub(crate) async fn all_blocks(&self) -> Result<Vec<Stored<Block>>, IpamError> {
         self.store
@@ -1333,6 +1422,65 @@ fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<Stri
         .entry(ATTR_NODE.to_owned())
         .or_insert_with(|| host.to_owned());
     metadata
+}
+
+/// Records in `block` the attributes of its listed owner keys (its `keys::block_owners_dir`,
+/// read in the block's snapshot); keys of other blocks and keys naming no apart address are left
+/// to `check`.
+///
+/// # Errors
+/// [`IpamError::Corrupt`] naming an owner key that cannot be decoded, or the key of an address
+/// the block holds apart that is not among them.
+pub(crate) fn load_owners_into(block: &mut Block, owners: Vec<KeyValue>) -> Result<(), IpamError> {
+    for kv in owners {
+        if let Some((cidr, ordinal)) = keys::parse_owner_key(&kv.key) {
+            if cidr == block.cidr {
+                let attribute: Attribute = decode(&kv.key, &kv.value)?;
+                block.load_apart(ordinal, attribute);
+            }
+        }
+    }
+    match block.unloaded_apart().first() {
+        None => Ok(()),
+        Some(ordinal) => Err(IpamError::Corrupt {
+            key: keys::owner_key(&block.cidr, *ordinal),
+            message: format!(
+                "missing: block {} holds {} apart from its value and this key, which names its \
+                 holder, is gone (`blockipamctl check` reports it)",
+                block.cidr,
+                block.ip_of(*ordinal)
+            ),
+        }),
+    }
+}
+
+/// [`load_owners_into`] for each of `blocks`, from a listing of owner keys of any blocks (read in
+/// the blocks' snapshot).
+///
+/// # Errors
+/// As [`load_owners_into`].
+pub(crate) fn load_all_owners_into<'a>(
+    blocks: impl IntoIterator<Item = &'a mut Block>,
+    owners: Vec<KeyValue>,
+) -> Result<(), IpamError> {
+    let mut by_block: BTreeMap<IpNet, Vec<KeyValue>> = BTreeMap::new();
+    for kv in owners {
+        if let Some((cidr, _)) = keys::parse_owner_key(&kv.key) {
+            by_block.entry(cidr).or_default().push(kv);
+        }
+    }
+    for block in blocks {
+        let owners = by_block.remove(&block.cidr).unwrap_or_default();
+        load_owners_into(block, owners)?;
+    }
+    Ok(())
+}
+
+/// Records in `block` what `handle`'s record says `handle_id` holds apart in it, so that
+/// [`Block::ordinals_of_handle`] answers for the handle without its owner keys.
+pub(crate) fn learn_apart_from_handle(block: &mut Block, handle_id: &str, handle: &Handle) {
+    let none = BTreeMap::new();
+    block.learn_apart_of_handle(handle_id, handle.apart.get(&block.cidr).unwrap_or(&none));
 }
 
 /// Who holds `ip` in `block`: `None` when it is not allocated (or its attribute entry is missing).

@@ -1,8 +1,9 @@
 //! Queries: who holds what (by handle, by address, everything) and utilization.
 
 use super::{
-    allocation_info, allocations_of, allocations_of_handle, decode_stored, next_got, next_listed,
-    AllocationInfo, AssignedAddress, BlockUsage, Ipam, PoolUsage, Utilization,
+    allocation_info, allocations_of, allocations_of_handle, decode_stored, learn_apart_from_handle,
+    load_all_owners_into, next_got, next_listed, AllocationInfo, AssignedAddress, Attempt,
+    BlockUsage, Ipam, PoolUsage, Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
@@ -45,7 +46,8 @@ impl Ipam {
         let (handle, _) = Self::decode_handle(self.store.get(&keys::handle(handle_id)).await?)?;
         let cidrs: BTreeSet<IpNet> = handle.blocks.keys().copied().collect();
         let mut found = Vec::new();
-        for stored in self.load_blocks(&cidrs).await?.values() {
+        for stored in self.load_blocks(&cidrs).await?.values_mut() {
+            learn_apart_from_handle(&mut stored.value, handle_id, &handle);
             found.extend(allocations_of_handle(&stored.value, handle_id)?);
         }
         found.sort_by_key(|a| a.ip);
@@ -62,15 +64,19 @@ impl Ipam {
             return Ok(None);
         };
         // The block holding it, whatever its size (a pool's blocks may have mixed sizes).
-        let located = self.locate_blocks(&[(ip, pool)]).await?;
-        let Some(stored) = located
-            .block_of
-            .get(&ip)
-            .and_then(|cidr| located.loaded.found.get(cidr))
-        else {
-            return Ok(None);
-        };
-        allocation_info(&stored.value, ip)
+        self.retrying(|| async {
+            let mut located = self.locate_blocks(&[(ip, pool)]).await?;
+            let Some(stored) = located
+                .block_of
+                .get(&ip)
+                .and_then(|cidr| located.loaded.found.get_mut(cidr))
+            else {
+                return Ok(Attempt::Done(None));
+            };
+            self.load_owner_keys([&mut *stored]).await?;
+            Ok(Attempt::Done(allocation_info(&stored.value, ip)?))
+        })
+        .await
     }
 
     /// Every allocated address in the store.
@@ -79,7 +85,7 @@ impl Ipam {
     /// Store failures; corrupt objects.
     pub async fn list_allocations(&self) -> Result<Vec<AllocationInfo>, IpamError> {
         let mut all = Vec::new();
-        for stored in self.all_blocks().await? {
+        for stored in self.all_blocks_with_attributes().await? {
             all.extend(allocations_of(&stored.value)?);
         }
         all.sort_by_key(|a| a.ip);
@@ -110,31 +116,35 @@ impl Ipam {
         &self,
         with_allocations: bool,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
-        let results = self
-            .store
-            .read_many(&[
-                Read::List(keys::pools_dir()),
-                Read::List(keys::blocks_dir()),
-                Read::List(keys::reservations_dir()),
-                Read::Get(keys::config()),
-            ])
-            .await?;
+        let mut reads = vec![
+            Read::List(keys::pools_dir()),
+            Read::List(keys::blocks_dir()),
+            Read::List(keys::reservations_dir()),
+            Read::Get(keys::config()),
+        ];
+        if with_allocations {
+            // The attributes kept apart, in the blocks' snapshot.
+            reads.push(Read::List(keys::owners_dir()));
+        }
+        let results = self.store.read_many(&reads).await?;
         let mut results = results.into_iter();
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let mut blocks: Vec<Block> = next_listed(&mut results)?
             .into_iter()
             .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
             .collect::<Result<_, _>>()?;
+        let reservations = next_listed(&mut results)?;
+        let config = next_got(&mut results)?;
         let mut allocations = Vec::new();
         if with_allocations {
+            load_all_owners_into(blocks.iter_mut(), next_listed(&mut results)?)?;
             for block in &blocks {
                 allocations.extend(allocations_of(block)?);
             }
             allocations.sort_by_key(|a| a.ip);
         }
-        let reserved =
-            crate::model::reservations::ReservedRanges::from_listed(&next_listed(&mut results)?)?;
-        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let reserved = crate::model::reservations::ReservedRanges::from_listed(&reservations)?;
+        let (config, _) = Self::decode_config(config)?;
         let lifetime = self.lifetime(&config);
         blocks.sort_by_key(|b| (Family::of_net(&b.cidr), b.cidr.network()));
         let mut usage = Utilization::default();

@@ -1,9 +1,9 @@
 //! Release: addresses, handles, an attachment's chosen addresses, and a removed host.
 
 use super::{
-    allocations_of_handle, decode_stored, next_got, next_listed, AllocationInfo, Attempt,
-    ChosenRelease, Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored, WorkingBlock,
-    RELEASES_PER_TXN,
+    allocations_of_handle, decode_stored, learn_apart_from_handle, next_got, next_listed,
+    AllocationInfo, Attempt, ChosenRelease, Ipam, Plan, ReleaseOutcome, ReleaseRequest, Stored,
+    WorkingBlock, RELEASES_PER_TXN,
 };
 use crate::allocator::upgrade::format_read;
 use crate::kv::{Read, Revision};
@@ -74,13 +74,17 @@ impl Ipam {
         let lifetime = self.lifetime(&config);
         let mut outcome = ReleaseOutcome::default();
         // The block each address lies in, whatever its size (resize.rs).
-        let (targets, outside_pools, found) = self.locate_release_targets(&pools, requests).await?;
+        let (targets, outside_pools, mut found) =
+            self.locate_release_targets(&pools, requests).await?;
         outcome.not_allocated.extend(outside_pools);
+        // Who holds each address, for its handle: the owner keys of what the blocks keep apart.
+        self.load_owner_keys(found.values_mut()).await?;
         let mut working: BTreeMap<IpNet, WorkingBlock> = found
             .into_iter()
             .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
             .collect();
-        let mut handle_counts: BTreeMap<IpNet, BTreeMap<String, u32>> = BTreeMap::new();
+        // Per handle, the addresses (block and ordinal) released from it.
+        let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
         // Pools in which an address's block was not found: if one changed since it was read (a
         // split, a block size change), the block was looked for in the wrong place.
         let mut pools_of_absent_blocks: BTreeMap<&str, Revision> = BTreeMap::new();
@@ -105,11 +109,10 @@ impl Ipam {
                 continue;
             }
             if let Some(attribute) = entry.block.release_ordinal(ordinal, lifetime)? {
-                *handle_counts
-                    .entry(cidr)
-                    .or_default()
+                per_handle
                     .entry(attribute.handle)
-                    .or_insert(0) += 1;
+                    .or_default()
+                    .push((cidr, ordinal));
             }
             entry.dirty = true;
             outcome.released.push(request.ip);
@@ -118,14 +121,7 @@ impl Ipam {
             return Ok(Attempt::Conflict);
         }
         let mut plan = self.plan();
-        let mut per_handle: BTreeMap<String, Vec<(IpNet, u32)>> = BTreeMap::new();
-        for (cidr, counts) in handle_counts {
-            for (handle, count) in counts {
-                per_handle.entry(handle).or_default().push((cidr, count));
-            }
-        }
-        self.release_counts_from_handles(&mut plan, &per_handle)
-            .await?;
+        self.release_from_handles(&mut plan, &per_handle).await?;
         for working in working.values() {
             plan.write_block(working)?;
         }
@@ -150,9 +146,9 @@ impl Ipam {
         Ok(false)
     }
 
-    /// Adds to `plan` the handle updates for releasing, per handle, `count` addresses of each
-    /// listed block.
-    async fn release_counts_from_handles(
+    /// Adds to `plan` the handle updates for releasing, per handle, the listed addresses (block
+    /// and ordinal).
+    async fn release_from_handles(
         &self,
         plan: &mut Plan,
         per_handle: &BTreeMap<String, Vec<(IpNet, u32)>>,
@@ -170,8 +166,8 @@ impl Ipam {
             let (mut handle, revision) = Self::decode_handle(result.into_got()?)?;
             let key = keys::handle(handle_id);
             plan.expect(&key, revision);
-            for (cidr, count) in releases {
-                handle.remove(*cidr, *count);
+            for (cidr, ordinal) in releases {
+                handle.let_go(*cidr, *ordinal);
             }
             if handle.blocks.is_empty() {
                 if revision.is_some() {
@@ -217,6 +213,7 @@ impl Ipam {
         let mut plan = self.plan();
         for (_, block) in self.load_blocks(&cidrs).await? {
             let mut working = WorkingBlock::from_stored(block);
+            learn_apart_from_handle(&mut working.block, handle_id, &stored.value);
             for ordinal in working.block.ordinals_of_handle(handle_id)? {
                 released.push(working.block.ip_of(ordinal));
                 working.block.release_ordinal(ordinal, lifetime)?;
@@ -314,7 +311,8 @@ impl Ipam {
             working.insert(cidr, WorkingBlock::from_stored(block));
         }
         let mut held = Vec::new();
-        for entry in working.values() {
+        for entry in working.values_mut() {
+            learn_apart_from_handle(&mut entry.block, handle_id, &stored.value);
             held.extend(allocations_of_handle(&entry.block, handle_id)?);
         }
         held.sort_by_key(|a| a.ip);
@@ -330,7 +328,7 @@ impl Ipam {
             };
             entry.block.release_ordinal(ordinal, lifetime)?;
             entry.dirty = true;
-            handle.remove(info.block, 1);
+            handle.let_go(info.block, ordinal);
             released.push(info.ip);
         }
         if released.is_empty() {

@@ -131,7 +131,7 @@ pub fn encode_claim(block: &Block) -> Result<Vec<u8>, IpamError> {
 /// and later ([`Claim`]).
 pub fn decode_claim(key: &str, bytes: &[u8]) -> Result<ClaimEntry, IpamError> {
     let (version, body) = versioned(key, bytes)?;
-    if version < NEWEST_OBJECT_LAYOUT {
+    if version < crate::model::formats::FORMAT_OF_COOLDOWN {
         return crate::model::formats::decode_older_claim(key, version, body);
     }
     let claim: Claim = decode_body(key, body)?;

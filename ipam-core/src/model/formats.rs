@@ -1,6 +1,6 @@
 //! The stored layouts older formats wrote: readers that bring each old object into today's shape
-//! (with the defaults its missing fields had), and the writer of format 3 that a store whose
-//! upgrade is not finalized still gets ([`downgrade`]).
+//! (with the defaults its missing fields had), and the writers of formats 3 to 5 that a store
+//! whose upgrade is not finalized still gets ([`downgrade`]).
 
 use std::any::Any;
 use std::collections::{BTreeMap, VecDeque};
@@ -14,11 +14,22 @@ use crate::model::selector::Selector;
 use crate::model::store_format::OLDEST_WRITABLE_FORMAT;
 use crate::model::{
     decode_body, encode, Allocation, AllowedUses, AssignmentMode, Attribute, Block, ClaimEntry,
-    IpamConfig, Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION, NEWEST_OBJECT_LAYOUT,
+    Handle, IpamConfig, Pool, DEFAULT_EMPTY_BLOCK_RECLAIM_SECONDS, FORMAT_VERSION,
+    OWNERS_APART_FORMAT,
 };
 
-/// The format that added the IP cooldown and the empty-block reclaim age to the IPAM config.
-const FORMAT_OF_COOLDOWN: u8 = 4;
+/// The format that added node selectors, assignment modes and allowed uses to pools.
+const FORMAT_OF_POOL_SELECTORS: u8 = 3;
+
+/// The format that added the IP cooldown and the empty-block reclaim age to the IPAM config, and
+/// claim and empty timestamps and cooling addresses to blocks and their claim entries.
+pub(crate) const FORMAT_OF_COOLDOWN: u8 = 4;
+
+/// A handle as formats 1 to 5 stored it (before the metadata of addresses kept apart).
+#[derive(Serialize, Deserialize)]
+struct HandleFormat5 {
+    blocks: BTreeMap<IpNet, u32>,
+}
 
 /// A pool as formats 1 and 2 stored it (before node selectors, assignment modes and allowed uses).
 #[derive(Deserialize)]
@@ -56,7 +67,7 @@ struct ClaimFormat3 {
     free: u32,
 }
 
-/// Reads `body`, written by format `version` (older than [`NEWEST_OBJECT_LAYOUT`]), when `T`'s layout changed since:
+/// Reads `body`, written by format `version` (older than [`crate::model::NEWEST_OBJECT_LAYOUT`]), when `T`'s layout changed since:
 /// `Some` with the object in today's shape, `None` when `T` is laid out as it was then.
 pub(crate) fn decode_older<T: 'static>(
     key: &str,
@@ -64,22 +75,26 @@ pub(crate) fn decode_older<T: 'static>(
     body: &[u8],
 ) -> Result<Option<T>, IpamError> {
     let wanted = std::any::TypeId::of::<T>();
-    let upgraded: Box<dyn Any> = if wanted == std::any::TypeId::of::<Pool>() {
-        Box::new(pool(key, version, body)?)
-    } else if wanted == std::any::TypeId::of::<Block>() {
-        Box::new(block(key, body)?)
-    } else if wanted == std::any::TypeId::of::<IpamConfig>() {
-        Box::new(config(key, body)?)
-    } else {
-        return Ok(None);
-    };
+    let upgraded: Box<dyn Any> =
+        if wanted == std::any::TypeId::of::<Pool>() && version < FORMAT_OF_POOL_SELECTORS {
+            Box::new(pool(key, body)?)
+        } else if wanted == std::any::TypeId::of::<Block>() && version < FORMAT_OF_COOLDOWN {
+            Box::new(block(key, body)?)
+        } else if wanted == std::any::TypeId::of::<IpamConfig>() && version < FORMAT_OF_COOLDOWN {
+            Box::new(config(key, body)?)
+        } else if wanted == std::any::TypeId::of::<Handle>() && version < OWNERS_APART_FORMAT {
+            let old: HandleFormat5 = decode_body(key, body)?;
+            Box::new(Handle {
+                blocks: old.blocks,
+                apart: BTreeMap::new(),
+            })
+        } else {
+            return Ok(None);
+        };
     Ok(upgraded.downcast::<T>().ok().map(|boxed| *boxed))
 }
 
-fn pool(key: &str, version: u8, body: &[u8]) -> Result<Pool, IpamError> {
-    if version >= 3 {
-        return decode_body(key, body);
-    }
+fn pool(key: &str, body: &[u8]) -> Result<Pool, IpamError> {
     let old: PoolFormat2 = decode_body(key, body)?;
     Ok(Pool {
         name: old.name,
@@ -147,14 +162,17 @@ pub(crate) fn decode_older_claim(
 /// `to`, the one the store's writers use. Values that are not versioned objects (the JSON records
 /// of agents, plugins and the format record) are returned as they are.
 ///
-/// Formats from [`NEWEST_OBJECT_LAYOUT`] on lay every object out alike: only the version byte is
+/// Formats before 6 have no place for what format 6 added: a handle is written with its counts
+/// alone, and an owner key or a handle holding the metadata of an address kept apart cannot be
+/// written at all ([`IpamError::FormatNotFinalized`]; writers keep attributes in their blocks until
+/// then). Formats 4 and 5 lay every other object out as today: only the version byte is
 /// rewritten. Format 3 has no place for what format 4 added: a block's claim and empty timestamps are left
 /// out (a reader then counts them as unknown, as for any block format 3 wrote); its cooling
 /// addresses become free ones, so none is lost; the IP cooldown and a changed empty-block reclaim
 /// age cannot be written at all ([`IpamError::FormatNotFinalized`]).
 ///
 /// # Errors
-/// [`IpamError::FormatNotFinalized`] for a setting format `to` cannot hold;
+/// [`IpamError::FormatNotFinalized`] for a setting or an object format `to` cannot hold;
 /// [`IpamError::Internal`] for a format this build cannot write.
 pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError> {
     if to >= FORMAT_VERSION || value.first() != Some(&FORMAT_VERSION) {
@@ -167,7 +185,26 @@ pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError
     }
     let body = &value[1..];
     let mut out = vec![to];
-    if to >= NEWEST_OBJECT_LAYOUT {
+    let kept_apart = || IpamError::FormatNotFinalized {
+        what: "an allocation's attribute kept apart from its block".into(),
+        needs: OWNERS_APART_FORMAT,
+        writes: to,
+    };
+    if key.starts_with(&keys::owners_dir()) {
+        return Err(kept_apart());
+    }
+    if key.starts_with(&keys::handles_dir()) {
+        let handle: Handle = decode_body(key, body)?;
+        if !handle.apart.is_empty() {
+            return Err(kept_apart());
+        }
+        let encoded = encode(&HandleFormat5 {
+            blocks: handle.blocks,
+        })?;
+        out.extend_from_slice(&encoded[1..]);
+        return Ok(out);
+    }
+    if to >= FORMAT_OF_COOLDOWN {
         // Laid out as today: only the version byte differs.
         out.extend_from_slice(body);
         return Ok(out);

@@ -39,11 +39,14 @@ pub const ROOT: &str = "ipam/v1/";
 /// empty-block reclaim settings ([`IpamConfig`]); every other object is laid out as in version 1.
 /// Version 5 changed no object's layout, only where blocks live: an affine block whose only free
 /// addresses are its edges is kept under its host's `full/` ([`keys::block_key_in`]).
+/// Version 6 keeps the attributes of allocations made from then on apart from their blocks, in
+/// owner keys ([`keys::owner_key`], [`APART`]), and each handle the metadata of its addresses so
+/// kept ([`Handle::apart`]).
 /// Older layouts are read by [`crate::model::formats`].
-pub const FORMAT_VERSION: u8 = 5;
+pub const FORMAT_VERSION: u8 = 6;
 /// The newest format that changed how an object is laid out: a value of this format or a later
 /// one decodes as today's objects.
-pub const NEWEST_OBJECT_LAYOUT: u8 = 4;
+pub const NEWEST_OBJECT_LAYOUT: u8 = 6;
 /// Oldest format version this build reads. Objects of an older version are rewritten in the
 /// format the store's writers use ([`store_format`]) the next time they are written
 /// (`docs/data-model.md`, "Format versions").

@@ -24,6 +24,8 @@ use super::ATTR_NODE;
 /// What [`Ipam::node_allocations`] read.
 #[derive(Debug, Default)]
 pub(crate) struct NodeAllocations {
+    /// The pools, read with the node's blocks.
+    pub pools: Vec<crate::model::Pool>,
     /// Every allocation of the blocks read (the node's and, in its own blocks, other nodes').
     pub allocations: Vec<AllocationInfo>,
     /// The blocks read: the node's own and those its index names that still exist.
@@ -34,8 +36,9 @@ pub(crate) struct NodeAllocations {
 }
 
 impl Ipam {
-    /// Reads `host`'s own blocks and its borrowed-block index in one batch, then the blocks the
-    /// index names (by key). Writes nothing.
+    /// Reads the pools, `host`'s own blocks and its borrowed-block index in one batch, then the
+    /// blocks the index names (by key), then the owner keys of the attributes they keep apart, if
+    /// any. Writes nothing.
     ///
     /// # Errors
     /// Store failures; corrupt objects, and an index key that names no block.
@@ -44,12 +47,17 @@ impl Ipam {
         let mut results = self
             .store
             .read_many(&[
+                Read::List(keys::pools_dir()),
                 Read::List(keys::host_blocks_dir(host)),
                 Read::List(borrowed_dir.clone()),
             ])
             .await?
             .into_iter();
-        let own: Vec<Stored<Block>> = next_listed(&mut results)?
+        let pools = Self::decode_pools(next_listed(&mut results)?)?
+            .into_iter()
+            .map(|p| p.value)
+            .collect();
+        let mut own: Vec<Stored<Block>> = next_listed(&mut results)?
             .into_iter()
             .map(decode_stored)
             .collect::<Result<_, _>>()?;
@@ -63,9 +71,15 @@ impl Ipam {
             .filter(|c| !own_cidrs.contains(c))
             .copied()
             .collect();
-        let borrowed = self.load_blocks_for_write(&elsewhere).await?.found;
+        let mut borrowed = self.load_blocks_for_write(&elsewhere).await?.found;
+        // Whose each address is, for the blocks that keep attributes apart.
+        self.load_owner_keys(own.iter_mut().chain(borrowed.values_mut()))
+            .await?;
 
-        let mut read = NodeAllocations::default();
+        let mut read = NodeAllocations {
+            pools,
+            ..NodeAllocations::default()
+        };
         for (cidr, key) in &indexed {
             let stored = own
                 .iter()
