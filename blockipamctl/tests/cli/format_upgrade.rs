@@ -60,13 +60,7 @@ fn load_fixture(lab: &Lab, version: u8) {
 /// Runs the real plugin once with the netconf the fixture's pods were added with; returns its
 /// stdout, failing the test on any error.
 fn plugin(lab: &Lab, command: &str, node: &str, container: &str) -> Value {
-    let ipam = serde_json::json!({
-        "assign_ipv4": "true",
-        "assign_ipv6": "true",
-        "ipv4_pools": ["v4"],
-        "ipv6_pools": ["v6"],
-    });
-    let (status, stdout) = lab.plugin(command, node, container, ipam);
+    let (status, stdout) = lab.plugin(command, node, container, fixture_pools());
     assert_eq!(status, 0, "{command} {container} failed: {stdout}");
     stdout
 }
@@ -262,6 +256,39 @@ fn a_format_5_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     an_old_store_opens_checks_clean_and_keeps_working(backend, 5);
 }
 
+/// The netconf pools the fixture's pods were added with.
+fn fixture_pools() -> Value {
+    serde_json::json!({
+        "assign_ipv4": "true",
+        "assign_ipv6": "true",
+        "ipv4_pools": ["v4"],
+        "ipv6_pools": ["v6"],
+    })
+}
+
+/// The earlier release's own plugin adds a pod on node-b and deletes it, both succeeding.
+fn previous_plugin_adds_and_deletes(
+    lab: &Lab,
+    previous: &test_kit::previous::PreviousRelease,
+    pools: &Value,
+) {
+    for command in ["ADD", "DEL"] {
+        let (status, out) = lab.plugin_of(
+            &previous.plugin(),
+            command,
+            "node-b",
+            "ctr-old-b",
+            pools.clone(),
+        );
+        assert_eq!(
+            status,
+            0,
+            "the release of {} ({command} on node-b): {out}",
+            previous.commit()
+        );
+    }
+}
+
 /// Every owner key in the store (format 6 keeps allocations' attributes there).
 fn owner_keys(lab: &Lab) -> Vec<String> {
     lab.with_store(|store| async move {
@@ -318,25 +345,8 @@ fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) 
         "fixture.ctr-before",
         "the format-5 release's show"
     );
-    let pools = serde_json::json!({
-        "assign_ipv4": "true",
-        "assign_ipv6": "true",
-        "ipv4_pools": ["v4"],
-        "ipv6_pools": ["v6"],
-    });
-    for command in ["ADD", "DEL"] {
-        let (status, out) = lab.plugin_of(
-            &previous.plugin(),
-            command,
-            "node-b",
-            "ctr-old-b",
-            pools.clone(),
-        );
-        assert_eq!(
-            status, 0,
-            "the format-5 release's {command} on node-b: {out}"
-        );
-    }
+    let pools = fixture_pools();
+    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
     // Today's DEL of a pod whose attributes its block holds.
     plugin(&lab, "DEL", "node-a", "ctr-before");
     assert!(holder_of(&lab, &today_cli, before).is_null());
@@ -462,25 +472,8 @@ fn a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize(b
         "the format-4 release's check after today's writes: {} {}",
         old_check.stdout, old_check.stderr
     );
-    let pools = serde_json::json!({
-        "assign_ipv4": "true",
-        "assign_ipv6": "true",
-        "ipv4_pools": ["v4"],
-        "ipv6_pools": ["v6"],
-    });
-    for command in ["ADD", "DEL"] {
-        let (status, out) = lab.plugin_of(
-            &previous.plugin(),
-            command,
-            "node-b",
-            "ctr-old-b",
-            pools.clone(),
-        );
-        assert_eq!(
-            status, 0,
-            "the format-4 release's {command} on node-b: {out}"
-        );
-    }
+    let pools = fixture_pools();
+    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
 
     // node-b last ran the format-4 plugin: finalize waits for it, unless forced.
     lab.ctl(&["upgrade", "finalize"]).expect_code(1);
