@@ -26,6 +26,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 /// The region's alignment: a page, so that its first block is aligned for any layout up to it.
 const REGION_ALIGN: usize = 4096;
 
+/// Every block starts on this boundary, whatever its layout asks, as the system allocator's do
+/// (`malloc` returns 16-byte aligned memory on 64-bit targets): code outside Rust's layout rules
+/// relies on it. The static build's unwinder (LLVM's libunwind) writes a panic's exception object,
+/// which Rust allocates with 8-byte alignment, with 16-byte aligned stores: on a block 8 bytes off
+/// that boundary, unwinding a panic (redb's, on a damaged store) crashed the plugin with SIGSEGV.
+const MIN_BLOCK_ALIGN: usize = 16;
+
 /// The plugin's arena: 8 MiB, the global allocator of the `blockipam` executable (through
 /// [`CallAllocator`]); tests that run the plugin in-process leave it unused.
 pub static CALL_ARENA: BumpArena<{ 8 << 20 }> = BumpArena::new();
@@ -132,7 +139,8 @@ impl<const BYTES: usize> BumpArena<BYTES> {
         let mut current = self.next.load(Ordering::Relaxed);
         loop {
             // Offsets are below BYTES, and BYTES plus an alignment fits a usize: no overflow.
-            let start = (current + layout.align() - 1) & !(layout.align() - 1);
+            let align = layout.align().max(MIN_BLOCK_ALIGN);
+            let start = (current + align - 1) & !(align - 1);
             let end = start.checked_add(layout.size())?;
             if end > BYTES {
                 return None;
@@ -277,6 +285,20 @@ mod tests {
     }
 
     #[test]
+    fn every_block_starts_on_a_16_byte_boundary_as_the_system_allocators_do() {
+        static ARENA: BumpArena<4096> = BumpArena::new();
+        for (size, align) in [(1, 1), (8, 8), (3, 2), (24, 8), (5, 4), (40, 8), (1, 1)] {
+            let ptr = unsafe { ARENA.alloc(layout(size, align)) };
+            assert!(ARENA.owns(ptr));
+            assert_eq!(
+                ptr as usize % MIN_BLOCK_ALIGN,
+                0,
+                "{size} bytes aligned to {align}"
+            );
+        }
+    }
+
+    #[test]
     fn once_stopped_every_block_comes_from_the_system_and_older_ones_stay_valid() {
         static ARENA: BumpArena<4096> = BumpArena::new();
         let before = unsafe { ARENA.alloc(layout(16, 8)) };
@@ -356,11 +378,11 @@ mod tests {
         // The newest block written, then shrunk in place: its tail is handed out again.
         let written = unsafe { ARENA.alloc(layout(256, 8)) };
         unsafe { std::ptr::write_bytes(written, 0xFF, 256) };
-        let shrunk = unsafe { ARENA.realloc(written, layout(256, 8), 8) };
+        let shrunk = unsafe { ARENA.realloc(written, layout(256, 8), 16) };
         assert_eq!(shrunk, written);
-        assert_eq!(ARENA.used(), 8);
+        assert_eq!(ARENA.used(), 16);
         let reused = unsafe { ARENA.alloc_zeroed(layout(200, 8)) };
-        assert_eq!(reused as usize, written as usize + 8, "the tail is reused");
+        assert_eq!(reused as usize, written as usize + 16, "the tail is reused");
         assert!(unsafe { std::slice::from_raw_parts(reused, 200) }
             .iter()
             .all(|b| *b == 0));
