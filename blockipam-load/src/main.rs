@@ -2,6 +2,9 @@
 
 use std::io::IsTerminal;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let stderr_is_terminal = std::io::stderr().is_terminal();
     let code = blockipam_load::run_cli(

@@ -418,7 +418,7 @@ async fn build_drivers(
                                 config.network.clone(),
                                 store?,
                                 config.agent_cache,
-                            );
+                            )?;
                             opened.push((offset, NodeDriver::Api(driver)));
                         }
                         opened.sort_by_key(|(offset, _)| *offset);
@@ -429,14 +429,15 @@ async fn build_drivers(
                 None => names
                     .into_iter()
                     .map(|name| {
-                        NodeDriver::Api(ApiNode::new(
+                        ApiNode::new(
                             name,
                             config.network.clone(),
                             store.clone(),
                             config.agent_cache,
-                        ))
+                        )
+                        .map(NodeDriver::Api)
                     })
-                    .collect(),
+                    .collect::<Result<_, _>>()?,
             };
             let mut clients = match etcd {
                 Some(_) => "api mode: each node has its own Ipam and its own etcd client (own connections)".to_owned(),

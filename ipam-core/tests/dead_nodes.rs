@@ -961,3 +961,189 @@ async fn a_released_flag_without_a_mark_starts_a_fresh_countdown() {
     assert_eq!(blocks_of(store.as_ref(), "node-a").await, 0);
     assert_eq!(addresses_of(&ipam, "node-a").await, 1);
 }
+
+/// `host`'s plugin of `version`: an allocator recording its activity over `store`.
+fn plugin_of(store: Arc<dyn KvStore>, host: &str, version: &str) -> Ipam {
+    Ipam::new(store)
+        .recording_activity(host, version)
+        .expect("a valid host")
+}
+
+/// One ADD of `handle` on `host` by `plugin`.
+async fn plugin_add(plugin: &Ipam, host: &str, handle: &str) {
+    plugin
+        .auto_assign(&AutoAssignRequest {
+            handle: handle.to_owned(),
+            host: host.to_owned(),
+            num_v4: 1,
+            ..AutoAssignRequest::default()
+        })
+        .await
+        .expect("the plugin's ADD");
+}
+
+/// One DEL of `handle` on `host` by `plugin` (every address of the handle).
+async fn plugin_del(plugin: &Ipam, host: &str, handle: &str) {
+    let outcome = plugin
+        .release_chosen(handle, host, |held| held.iter().map(|a| a.ip).collect())
+        .await
+        .expect("the plugin's DEL");
+    assert_eq!(outcome.released.len(), 1, "{outcome:?}");
+}
+
+/// The revision of `host`'s activity record (it must exist).
+async fn activity_revision(store: &dyn KvStore, host: &str) -> Revision {
+    store
+        .get(&activity_key(host))
+        .await
+        .expect("read the activity record")
+        .expect("an activity record")
+        .revision
+}
+
+#[tokio::test]
+async fn a_steady_plugin_commit_leaves_the_activity_record_as_it_is_until_a_reclaimer_marks_the_node(
+) {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    // Through a cache, as the plugin's calls through its agent are answered, and directly.
+    let through_cache: Arc<dyn KvStore> =
+        Arc::new(ipam_core::caching::CachingStore::new(Arc::clone(&store)));
+    for (round, plugin_store) in [Arc::clone(&store), through_cache].into_iter().enumerate() {
+        let host = format!("node-{round}");
+        let plugin = plugin_of(plugin_store, &host, "test");
+        // Never registered: the first commit writes the record, the next ones leave it.
+        plugin_add(&plugin, &host, &format!("net.{host}-a")).await;
+        let first = activity_revision(store.as_ref(), &host).await;
+        plugin_add(&plugin, &host, &format!("net.{host}-b")).await;
+        plugin_del(&plugin, &host, &format!("net.{host}-a")).await;
+        assert_eq!(activity_revision(store.as_ref(), &host).await, first);
+        // Registered without a mark: the first commit after it fails its "no registration"
+        // condition and is decided again; the record stays as it is.
+        register(store.as_ref(), &host, "test", T0)
+            .await
+            .expect("register");
+        plugin_add(&plugin, &host, &format!("net.{host}-c")).await;
+        assert_eq!(activity_revision(store.as_ref(), &host).await, first);
+        // Its agent is down: a reclaimer marks it. The plugin's next commit moves the record,
+        // through the cache too (its first answer, from before the mark, fails to commit).
+        assert_eq!(
+            action_of(&pass(&store).await, &host),
+            &NodeAction::MarkedMissing
+        );
+        plugin_del(&plugin, &host, &format!("net.{host}-b")).await;
+        let moved = activity_revision(store.as_ref(), &host).await;
+        assert!(moved > first, "round {round}: {moved:?} after {first:?}");
+        let nodes = survey(store.as_ref()).await.expect("survey");
+        let node = nodes.iter().find(|n| n.host == host).expect("surveyed");
+        assert_eq!(node.state, NodeState::Active, "round {round}");
+        // The mark is cleared: commits leave the record as it is again.
+        assert_eq!(
+            action_of(&pass(&store).await, &host),
+            &NodeAction::ClearedMark
+        );
+        plugin_add(&plugin, &host, &format!("net.{host}-d")).await;
+        assert_eq!(activity_revision(store.as_ref(), &host).await, moved);
+        // A plugin of another version rewrites it once.
+        let upgraded = plugin_of(Arc::clone(&store), &host, "test-2");
+        plugin_add(&upgraded, &host, &format!("net.{host}-e")).await;
+        let rewritten = activity_revision(store.as_ref(), &host).await;
+        assert!(rewritten > moved, "round {round}");
+        let record: serde_json::Value = serde_json::from_slice(
+            &store
+                .get(&activity_key(&host))
+                .await
+                .expect("get")
+                .expect("record")
+                .value,
+        )
+        .expect("JSON");
+        assert_eq!(record["plugin_version"], "test-2");
+        plugin_add(&upgraded, &host, &format!("net.{host}-f")).await;
+        assert_eq!(activity_revision(store.as_ref(), &host).await, rewritten);
+    }
+    assert_check_clean(&Ipam::new(store)).await;
+}
+
+#[tokio::test]
+async fn a_registration_this_build_cannot_read_whole_makes_every_commit_rewrite_the_activity_record(
+) {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    let plugin = plugin_of(Arc::clone(&store), "node-a", "test");
+    plugin_add(&plugin, "node-a", "net.a").await;
+    // A later release's registration, with a field this build does not know (it may be a mark).
+    store
+        .put(
+            &agent_key("node-a"),
+            br#"{"node":"node-a","registered_at":1,"agent_version":"9.0.0","held_for":"reclaim"}"#
+                .to_vec(),
+        )
+        .await
+        .expect("a later release's registration");
+    let before = activity_revision(store.as_ref(), "node-a").await;
+    plugin_add(&plugin, "node-a", "net.b").await;
+    let after = activity_revision(store.as_ref(), "node-a").await;
+    assert!(after > before);
+    plugin_add(&plugin, "node-a", "net.c").await;
+    assert!(activity_revision(store.as_ref(), "node-a").await > after);
+}
+
+/// A store whose first commit runs a reclaim pass first: the node is marked between the plugin's
+/// read and its commit.
+#[derive(Debug)]
+struct MarksBeforeCommit {
+    inner: Arc<dyn KvStore>,
+    marked: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl KvStore for MarksBeforeCommit {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.inner.read_many(reads).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        if !self.marked.swap(true, Ordering::SeqCst) {
+            let outcomes = pass(&self.inner).await;
+            assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+        }
+        self.inner.commit(txn).await
+    }
+}
+
+#[tokio::test]
+async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_move_the_record() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    plugin_add(
+        &plugin_of(Arc::clone(&store), "node-a", "test"),
+        "node-a",
+        "net.a",
+    )
+    .await;
+    let before = activity_revision(store.as_ref(), "node-a").await;
+    let racing: Arc<dyn KvStore> = Arc::new(MarksBeforeCommit {
+        inner: Arc::clone(&store),
+        marked: false.into(),
+    });
+    plugin_add(&plugin_of(racing, "node-a", "test"), "node-a", "net.b").await;
+    assert!(activity_revision(store.as_ref(), "node-a").await > before);
+    let nodes = survey(store.as_ref()).await.expect("survey");
+    assert_eq!(nodes[0].state, NodeState::Active);
+    // The grace passing changes nothing: the node is not dead.
+    grace_passes(store.as_ref(), "node-a").await;
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::ClearedMark
+    );
+    assert_eq!(addresses_of(&Ipam::new(store), "node-a").await, 2);
+}

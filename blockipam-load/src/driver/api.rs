@@ -10,6 +10,7 @@ use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
 
 use ipam_core::allocator::leaks::ATTR_INTERFACE;
 
+use crate::error::LoadError;
 use crate::observe::ConflictCounter;
 use crate::pods;
 
@@ -35,8 +36,17 @@ pub struct StoreWork {
 impl ApiNode {
     /// A node named `host` over `store` (its own client, or a handle it shares); with
     /// `agent_cache`, its allocator reads through a cache of its own, as its node agent serves
-    /// the plugin (the counters then count what reaches the store).
-    pub fn new(host: String, network: String, store: Arc<dyn KvStore>, agent_cache: bool) -> Self {
+    /// the plugin (the counters then count what reaches the store). Its allocator records the
+    /// node's activity as the plugin's does (`Ipam::recording_activity`).
+    ///
+    /// # Errors
+    /// [`LoadError`] for a host name the store refuses.
+    pub fn new(
+        host: String,
+        network: String,
+        store: Arc<dyn KvStore>,
+        agent_cache: bool,
+    ) -> Result<Self, LoadError> {
         let conflicts = Arc::new(ConflictCounter::new(store));
         let counting = Arc::new(CountingStore::new(conflicts.clone()));
         let allocator_store: Arc<dyn KvStore> = if agent_cache {
@@ -47,13 +57,16 @@ impl ApiNode {
         } else {
             counting.clone()
         };
-        ApiNode {
+        let ipam = Ipam::new(allocator_store)
+            .recording_activity(&host, env!("CARGO_PKG_VERSION"))
+            .map_err(|e| LoadError::failed(format!("node {host}: {e}")))?;
+        Ok(ApiNode {
             host,
             network,
-            ipam: Ipam::new(allocator_store),
+            ipam,
             counting,
             conflicts,
-        }
+        })
     }
 
     fn take_work(&self) -> StoreWork {

@@ -148,6 +148,7 @@ impl Ipam {
                 &setup.reservation_handle,
             )));
         }
+        reads.extend(self.activity_reads());
         // With the conditions under which the answer is still the store's (none from a store
         // that keeps nothing): carried by the commit, they keep a cache in front of the store
         // exact past it, and make an answer from the cache safe to decide from.
@@ -210,6 +211,7 @@ impl Ipam {
                 &setup.gateways,
             );
         }
+        let activity_unchanged = self.activity_unchanged(&mut results)?;
 
         if request.reuse_existing && handle.total() > 0 {
             let held = self
@@ -235,6 +237,7 @@ impl Ipam {
         // Mixed-sizes records of candidate pools a new block may be claimed in (resize.rs).
         let mut mixed_seen: Vec<(IpNet, KeyValue)> = Vec::new();
         let mut plan = self.plan();
+        plan.activity_unchanged = activity_unchanged;
         if plan.keeps_edge_blocks_full() {
             // Blocks a writer of an older format left under `open/` with only their edges free
             // move to `full/` with this write, a few per call, so that the node's steady-state

@@ -208,6 +208,18 @@ pub async fn register(
     Ok(store.put(&agent_key(host), registration.encode()?).await?)
 }
 
+/// True when `bytes` is a registration with no reclaimer's mark, stored exactly as this build
+/// writes one (a registration with fields this build does not know counts as marked: a later
+/// release may mark it in a way this build cannot see).
+pub(crate) fn is_unmarked_registration(bytes: &[u8]) -> bool {
+    serde_json::from_slice::<Registration>(bytes).is_ok_and(|registration| {
+        registration.missing_since.is_none()
+            && registration.missing_mark.is_none()
+            && !registration.blocks_released
+            && registration.encode().is_ok_and(|again| again == bytes)
+    })
+}
+
 /// Index entries deleted per transaction when a node is forgotten.
 const FORGET_INDEX_BATCH: usize = 100;
 

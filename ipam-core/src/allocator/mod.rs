@@ -515,6 +515,20 @@ pub(crate) struct Plan {
     /// the store's write format as the allocator last learned it (0, the oldest layout, when it
     /// has not). [`Ipam::commit_plan`] refuses a plan laid out for a newer format than the store's.
     layout_format: u8,
+    /// Set by an attempt that proved its commit may leave the plugin's activity record as it is:
+    /// the conditions that keep that proof true ([`Ipam::activity_unchanged`]).
+    pub activity_unchanged: Option<Vec<Condition>>,
+}
+
+/// The plugin's node activity record and where its node's registration is kept.
+#[derive(Debug)]
+struct ActivityRecording {
+    /// `ipam/v1/activity/<host>`.
+    key: String,
+    /// The record this plugin writes.
+    value: Vec<u8>,
+    /// `ipam/v1/agents/<host>`: the registration a reclaimer marks.
+    registration_key: String,
 }
 
 impl Plan {
@@ -792,9 +806,9 @@ pub struct Ipam {
     retry: RetryPolicy,
     /// Conditions added to every transaction this allocator commits (see [`Ipam::guarded_by`]).
     guard: Arc<[Condition]>,
-    /// A record (key, value) every commit of this allocator also writes: the plugin's node
-    /// activity record (see [`Ipam::recording_activity`]).
-    activity: Option<Arc<(String, Vec<u8>)>>,
+    /// The plugin's node activity record, which every commit of this allocator writes unless it
+    /// proves the record needs no rewrite (see [`Ipam::recording_activity`]).
+    activity: Option<Arc<ActivityRecording>>,
     /// The caller's clock: stamps releases (IP cooldown) and block claims and emptying.
     clock: Clock,
     /// The store's write format as last learned ([`upgrade`]).
@@ -859,11 +873,62 @@ impl Ipam {
             plugin_version: plugin_version.to_owned(),
             reads_format: Some(crate::model::FORMAT_VERSION),
         };
-        self.activity = Some(Arc::new((
-            crate::allocator::dead_nodes::activity_key(host),
-            record.encode()?,
-        )));
+        self.activity = Some(Arc::new(ActivityRecording {
+            key: crate::allocator::dead_nodes::activity_key(host),
+            value: record.encode()?,
+            registration_key: crate::allocator::dead_nodes::agent_key(host),
+        }));
         Ok(self)
+    }
+
+    /// The reads a call's attempt adds to its batch so that its commit may leave the activity
+    /// record as it is (none when this allocator records no activity): the node's registration,
+    /// then its activity record. Their answers go to [`Ipam::activity_unchanged`].
+    pub(crate) fn activity_reads(&self) -> Vec<Read> {
+        self.activity
+            .iter()
+            .flat_map(|activity| {
+                [
+                    Read::Get(activity.registration_key.clone()),
+                    Read::Get(activity.key.clone()),
+                ]
+            })
+            .collect()
+    }
+
+    /// From the answers to [`Ipam::activity_reads`] (taken from `results`): the conditions under
+    /// which a commit may leave the activity record as it is, or `None` when it must rewrite it.
+    ///
+    /// The record is evidence only against a reclaimer's mark: a node is dead only when its
+    /// record has not moved since a reclaimer marked its registration (`dead_nodes`). So a
+    /// commit may skip the rewrite while the registration is absent or carries no mark (exactly
+    /// as this build writes an unmarked one) and the record already holds this plugin's value,
+    /// provided both are still so when it commits: it carries "registration unchanged" and
+    /// "record unchanged" instead. A mark (or a new registration) made before it commits fails
+    /// it, and its retry rewrites the record, as every commit did before.
+    pub(crate) fn activity_unchanged(
+        &self,
+        results: &mut impl Iterator<Item = crate::kv::ReadResult>,
+    ) -> Result<Option<Vec<Condition>>, IpamError> {
+        let Some(activity) = &self.activity else {
+            return Ok(None);
+        };
+        let registration = next_got(results)?;
+        let record = next_got(results)?;
+        let Some(record) = record.filter(|kv| kv.value == activity.value) else {
+            return Ok(None);
+        };
+        let registration_condition = match &registration {
+            None => Condition::absent(&activity.registration_key),
+            Some(kv) if crate::allocator::dead_nodes::is_unmarked_registration(&kv.value) => {
+                Condition::at_revision(&activity.registration_key, kv.revision)
+            }
+            Some(_) => return Ok(None),
+        };
+        Ok(Some(vec![
+            registration_condition,
+            Condition::at_revision(&activity.key, record.revision),
+        ]))
     }
 
     /// Replaces the retry policy.
@@ -973,7 +1038,14 @@ impl Ipam {
                 .insert(condition.key().to_owned(), condition.clone());
         }
         if let Some(activity) = &self.activity {
-            plan.put(&activity.0, activity.1.clone());
+            match plan.activity_unchanged.take() {
+                Some(conditions) => {
+                    for condition in conditions {
+                        plan.carry(condition);
+                    }
+                }
+                None => plan.put(&activity.key, activity.value.clone()),
+            }
         }
         if !plan.fits_one_transaction() {
             return Err(IpamError::TooLarge(plan.describe_size()));

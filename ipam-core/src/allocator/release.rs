@@ -275,12 +275,13 @@ impl Ipam {
         F: Fn(&[AllocationInfo]) -> Vec<IpAddr>,
     {
         let key = keys::handle(handle_id);
-        let reads = [
+        let mut reads = vec![
             Read::Get(key.clone()),
             Read::List(keys::host_open_blocks_dir(host)),
             Read::Get(keys::config()),
             format_read(),
         ];
+        reads.extend(self.activity_reads());
         let answered = self.store.read_many_cached(&reads, use_cache).await?;
         from_cache.store(answered.from_cache, Ordering::Relaxed);
         let validators = answered.validators;
@@ -289,6 +290,7 @@ impl Ipam {
         let open_blocks = next_listed(&mut results)?;
         let (config, _) = Self::decode_config(next_got(&mut results)?)?;
         self.learn_format(next_got(&mut results)?).await?;
+        let activity_unchanged = self.activity_unchanged(&mut results)?;
         let lifetime = self.lifetime(&config);
         let Some(handle_kv) = handle_kv else {
             return Ok(Attempt::Done(ChosenRelease::default()));
@@ -335,6 +337,7 @@ impl Ipam {
             return Ok(Attempt::Done(ChosenRelease { held, released }));
         }
         let mut plan = self.plan();
+        plan.activity_unchanged = activity_unchanged;
         for entry in working.values().filter(|w| w.dirty) {
             plan.write_block(entry)?;
         }
