@@ -13,7 +13,7 @@ use blockipam_store::{
 };
 use clap::{ArgGroup, Parser, ValueEnum};
 
-use crate::config::{LoadConfig, Mode, StopRule};
+use crate::config::{LoadConfig, Mode, RawShape, StopRule};
 use crate::error::LoadError;
 use crate::run::{run, StoreTarget};
 use crate::scenario::node_release::default_blockipamctl;
@@ -190,6 +190,12 @@ pub struct Cli {
     /// etcd: after the run, this many seconds of a raw etcd-client loop of one-key conditional Txn writes (--concurrency workers, own connections); reports raw_ceiling and allocation_to_raw_ratio
     #[arg(long, value_name = "SECONDS")]
     pub raw_etcd_ceiling_seconds: Option<f64>,
+    /// etcd: each raw Txn also puts this many more new keys of the same size (to measure what a put costs)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub raw_etcd_extra_puts: u32,
+    /// etcd: each raw Txn also tests this many more keys (each worker's own, present: version > 0)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub raw_etcd_extra_conditions: u32,
     /// Api mode: each node reads through a cache of its own, as its node agent serves the plugin (a steady ADD or DEL is then one transaction)
     #[arg(long)]
     pub agent_cache: bool,
@@ -322,6 +328,10 @@ impl Cli {
                 .raw_etcd_ceiling_seconds
                 .map(|s| seconds(&s.to_string(), "--raw-etcd-ceiling-seconds", false))
                 .transpose()?,
+            raw_etcd_shape: RawShape {
+                extra_puts: self.raw_etcd_extra_puts,
+                extra_conditions: self.raw_etcd_extra_conditions,
+            },
             agent_cache: self.agent_cache,
         };
         config.validate()?;
@@ -586,6 +596,43 @@ mod tests {
         assert_eq!(config.raw_etcd_ceiling, Some(Duration::from_millis(2500)));
         let cli = parse(&["--raw-etcd-ceiling-seconds", "0"]);
         assert!(matches!(cli.load_config(), Err(LoadError::Usage(_))));
+        let shaped = parse(&[
+            "--raw-etcd-ceiling-seconds",
+            "1",
+            "--raw-etcd-extra-puts",
+            "3",
+            "--raw-etcd-extra-conditions",
+            "9",
+        ])
+        .load_config()
+        .expect("a shaped raw loop");
+        assert_eq!(
+            shaped.raw_etcd_shape,
+            RawShape {
+                extra_puts: 3,
+                extra_conditions: 9
+            }
+        );
+        for refused in [
+            &["--raw-etcd-extra-puts", "1"][..],
+            &[
+                "--raw-etcd-ceiling-seconds",
+                "1",
+                "--raw-etcd-extra-puts",
+                "101",
+            ],
+            &[
+                "--raw-etcd-ceiling-seconds",
+                "1",
+                "--raw-etcd-extra-conditions",
+                "101",
+            ],
+        ] {
+            assert!(
+                matches!(parse(refused).load_config(), Err(LoadError::Usage(_))),
+                "{refused:?}"
+            );
+        }
     }
 
     #[test]

@@ -49,6 +49,18 @@ fn seconds<S: serde::Serializer>(duration: &Duration, serializer: S) -> Result<S
 }
 
 /// One run's parameters (everything but the store, see [`crate::StoreTarget`]).
+/// Most keys a raw `Txn` may put or test beyond its own (etcd's default `--max-txn-ops` is 128).
+pub const RAW_EXTRA_LIMIT: u32 = 100;
+
+/// What each raw `Txn` holds beyond its one conditional put of a new key.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RawShape {
+    /// More new keys put, each of the same size.
+    pub extra_puts: u32,
+    /// More keys tested (each worker's own, present).
+    pub extra_conditions: u32,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadConfig {
     /// How operations reach the store.
@@ -100,6 +112,9 @@ pub struct LoadConfig {
     /// `Txn` writes, `concurrency` workers each with its own connection (`--raw-etcd-ceiling-seconds`).
     #[serde(serialize_with = "optional_seconds")]
     pub raw_etcd_ceiling: Option<Duration>,
+    /// What each raw `Txn` holds beyond its one conditional put (`--raw-etcd-extra-puts`,
+    /// `--raw-etcd-extra-conditions`).
+    pub raw_etcd_shape: RawShape,
     /// Api mode: each node's allocator reads through a cache of its own, as its node agent
     /// serves the plugin (`ipam_core::caching::CachingStore`; `--agent-cache`).
     pub agent_cache: bool,
@@ -140,6 +155,7 @@ impl Default for LoadConfig {
             prefill: 0,
             prefill_node: None,
             raw_etcd_ceiling: None,
+            raw_etcd_shape: RawShape::default(),
             agent_cache: false,
         }
     }
@@ -172,6 +188,24 @@ impl LoadConfig {
                 return Err(LoadError::usage(
                     "--raw-etcd-ceiling-seconds must be above 0",
                 ));
+            }
+        }
+        if self.raw_etcd_shape != RawShape::default() && self.raw_etcd_ceiling.is_none() {
+            return Err(LoadError::usage(
+                "--raw-etcd-extra-puts and --raw-etcd-extra-conditions shape the raw loop: they need --raw-etcd-ceiling-seconds",
+            ));
+        }
+        for (flag, value) in [
+            ("--raw-etcd-extra-puts", self.raw_etcd_shape.extra_puts),
+            (
+                "--raw-etcd-extra-conditions",
+                self.raw_etcd_shape.extra_conditions,
+            ),
+        ] {
+            if value > RAW_EXTRA_LIMIT {
+                return Err(LoadError::usage(format!(
+                    "{flag} must be at most {RAW_EXTRA_LIMIT} (etcd refuses larger transactions by default), not {value}"
+                )));
             }
         }
         if let Some(rate) = self.churn_rate {

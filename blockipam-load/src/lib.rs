@@ -32,7 +32,7 @@ pub mod stats;
 pub mod verify;
 
 pub use cli::{run_cli, EXIT_FAILED, EXIT_PASSED, EXIT_USAGE};
-pub use config::{LoadConfig, Mode, StopRule};
+pub use config::{LoadConfig, Mode, RawShape, StopRule};
 pub use error::LoadError;
 pub use report::Report;
 pub use run::{run, Progress, StoreTarget};

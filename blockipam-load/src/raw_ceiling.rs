@@ -1,7 +1,8 @@
 //! The raw etcd ceiling: workers, each on its own etcd-client connection, each a loop of one-key
 //! conditional `Txn` writes (create-if-absent, as the allocator claims a block), run on the same
 //! cluster after the allocation run; every allocation is at least one such write, so its rate is
-//! the physical limit the allocation rate is compared with. Its keys are deleted afterwards.
+//! the physical limit the allocation rate is compared with. Its keys are deleted afterwards. A
+//! shape with more puts or conditions per `Txn` ([`RawShape`]) measures what each costs etcd.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,6 +12,7 @@ use serde::Serialize;
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
 
+use crate::config::RawShape;
 use crate::error::LoadError;
 use crate::etcd_status::StatusClient;
 
@@ -30,6 +32,8 @@ pub struct RawCeiling {
     pub workers: u32,
     /// Bytes of each value.
     pub value_bytes: usize,
+    /// What each `Txn` holds beyond its one conditional put.
+    pub shape: RawShape,
     /// Conditional writes committed.
     pub writes: u64,
     /// From the moment every worker was connected to the last one finishing.
@@ -40,29 +44,53 @@ pub struct RawCeiling {
     pub errors: u64,
     /// The first error messages.
     pub error_samples: Vec<String>,
-    /// Keys deleted afterwards (should equal `writes`).
+    /// Keys deleted afterwards (should equal `writes` × (1 + extra puts), plus each worker's
+    /// extra-condition keys).
     pub keys_deleted: i64,
 }
 
-/// One worker's loop: `raw-ceiling/<worker>/<n>` under `prefix`, each created only if absent.
+/// One worker's loop: `raw-ceiling/<worker>/<n>` under `prefix`, each created only if absent,
+/// with `shape`'s extra puts (`raw-ceiling/<worker>/<n>/<i>`) and conditions (its keys
+/// `raw-ceiling/<worker>/tested/<i>`, put before the start, each tested present).
 async fn worker(
     mut client: etcd_client::Client,
     prefix: String,
     worker: u32,
+    shape: RawShape,
     start: Arc<Barrier>,
     duration: Duration,
 ) -> (u64, Vec<String>, u64) {
     let value = vec![b'x'; VALUE_BYTES];
     let (mut writes, mut errors, mut samples) = (0_u64, 0_u64, Vec::new());
+    let tested: Vec<String> = (0..shape.extra_conditions)
+        .map(|i| format!("{prefix}raw-ceiling/{worker}/tested/{i}"))
+        .collect();
+    for key in &tested {
+        if let Err(e) = client.put(key.clone(), value.clone(), None).await {
+            errors += 1;
+            samples.push(format!("{key}: {e}"));
+        }
+    }
     start.wait().await;
     let deadline = Instant::now() + duration;
     let mut n = 0_u64;
     while Instant::now() < deadline {
         let key = format!("{prefix}raw-ceiling/{worker}/{n}");
         n += 1;
-        let txn = Txn::new()
-            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), value.clone(), None)]);
+        let conditions = std::iter::once(Compare::version(key.clone(), CompareOp::Equal, 0))
+            .chain(
+                tested
+                    .iter()
+                    .map(|tested| Compare::version(tested.clone(), CompareOp::Greater, 0)),
+            )
+            .collect::<Vec<_>>();
+        let puts = std::iter::once(TxnOp::put(key.clone(), value.clone(), None))
+            .chain(
+                (0..shape.extra_puts)
+                    .map(|i| TxnOp::put(format!("{key}/{i}"), value.clone(), None)),
+            )
+            .collect::<Vec<_>>();
+        let txn = Txn::new().when(conditions).and_then(puts);
         let problem = match client.txn(txn).await {
             Ok(response) if response.succeeded() => {
                 writes += 1;
@@ -81,8 +109,8 @@ async fn worker(
     (writes, samples, errors)
 }
 
-/// Runs `workers` loops for `duration` against the cluster `client` names, under `prefix` (the
-/// run's etcd prefix), then deletes every key written.
+/// Runs `workers` loops of `shape` for `duration` against the cluster `client` names, under
+/// `prefix` (the run's etcd prefix), then deletes every key written.
 ///
 /// # Errors
 /// [`LoadError::Failed`] when a connection cannot be made or the keys cannot be deleted.
@@ -90,6 +118,7 @@ pub async fn measure(
     client: &Arc<StatusClient>,
     prefix: &str,
     workers: u32,
+    shape: RawShape,
     duration: Duration,
 ) -> Result<RawCeiling, LoadError> {
     let mut clients = Vec::with_capacity(workers as usize);
@@ -114,6 +143,7 @@ pub async fn measure(
             connection,
             prefix.to_owned(),
             index,
+            shape,
             start.clone(),
             duration,
         ));
@@ -124,6 +154,7 @@ pub async fn measure(
         when: "after the allocation run and its verification, on the same cluster",
         workers,
         value_bytes: VALUE_BYTES,
+        shape,
         ..RawCeiling::default()
     };
     while let Some(joined) = running.join_next().await {

@@ -299,11 +299,13 @@ impl Report {
         if let Some(raw) = &self.raw_ceiling {
             let _ = writeln!(
                 out,
-                "raw etcd ceiling ({}): {} workers, {} conditional one-key writes of {} bytes in {:.2} s: {:.1} writes/s; {} errors; {} keys deleted",
+                "raw etcd ceiling ({}): {} workers, {} conditional one-key writes of {} bytes (each with {} more puts and {} more conditions) in {:.2} s: {:.1} writes/s; {} errors; {} keys deleted",
                 raw.when,
                 raw.workers,
                 raw.writes,
                 raw.value_bytes,
+                raw.shape.extra_puts,
+                raw.shape.extra_conditions,
                 raw.seconds,
                 raw.writes_per_second,
                 raw.errors,

@@ -202,7 +202,14 @@ pub async fn run(
                     .and_then(|s| s.etcd().and_then(|etcd| etcd.prefix.clone()))
                     .unwrap_or_default();
                 raw_ceiling = Some(
-                    raw_ceiling::measure(client, &prefix, config.concurrency, duration).await?,
+                    raw_ceiling::measure(
+                        client,
+                        &prefix,
+                        config.concurrency,
+                        config.raw_etcd_shape,
+                        duration,
+                    )
+                    .await?,
                 );
             }
             if config.compact_at_end {

@@ -6,7 +6,9 @@
 
 use std::path::Path;
 
-use blockipam_load::{run, LoadConfig, LoadError, Mode, OpKind, Report, StopRule, StoreTarget};
+use blockipam_load::{
+    run, LoadConfig, LoadError, Mode, OpKind, RawShape, Report, StopRule, StoreTarget,
+};
 use blockipam_store::{Backend, DatastoreSettings, EtcdSettings};
 use ipam_core::allocator::leaks::{
     ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NAMESPACE, ATTR_POD, ATTR_TIMESTAMP,
@@ -100,6 +102,49 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
         .etcdctl(None, &["get", "--prefix", "--keys-only", prefix])
         .expect("etcdctl get");
     assert!(!kept.trim().is_empty(), "the run's own keys are gone");
+}
+
+#[test]
+fn a_shaped_raw_loop_puts_and_tests_the_keys_it_is_told_and_deletes_them_all() {
+    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
+    let prefix = "/measure/shaped/";
+    let settings = DatastoreSettings {
+        backend: Backend::Etcd(EtcdSettings {
+            endpoints: vec![etcd.endpoint()],
+            prefix: Some(prefix.into()),
+            ..EtcdSettings::default()
+        }),
+        ..DatastoreSettings::default()
+    };
+    let shape = RawShape {
+        extra_puts: 2,
+        extra_conditions: 3,
+    };
+    let config = LoadConfig {
+        raw_etcd_ceiling: Some(Duration::from_millis(500)),
+        raw_etcd_shape: shape,
+        ..small()
+    };
+    let report = run_load(&config, StoreTarget::from(settings)).expect("the run was made");
+    let text = report.to_text();
+    assert!(report.passed, "{text}");
+    let raw = report
+        .raw_ceiling
+        .as_ref()
+        .expect("raw_ceiling is reported");
+    assert_eq!(raw.shape, shape, "{text}");
+    assert!(
+        raw.writes > 0,
+        "no raw write committed:
+{text}"
+    );
+    assert_eq!(raw.errors, 0, "{text}");
+    // Each write put three keys; each of the 4 workers put 3 keys to test first.
+    assert_eq!(raw.keys_deleted, raw.writes as i64 * 3 + 4 * 3, "{text}");
+    assert!(
+        text.contains("each with 2 more puts and 3 more conditions"),
+        "{text}"
+    );
 }
 
 #[test]
