@@ -21,6 +21,7 @@ macro_rules! repair_conformance_tests {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
+            an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
             release_by_address_racing_a_pool_split_still_releases,
         );
@@ -110,6 +111,14 @@ pub async fn repair_leaves_handles_alone_while_a_block_cannot_be_decoded<F: Stor
                 .iter()
                 .any(|p| p.kind == kinds::CORRUPT_OBJECT && p.detail.contains(&block.key)),
             "{damage:?}: the damaged block is not reported: {report:#?}"
+        );
+        // The owner keys of its addresses are not taken for orphaned: what it holds is unknown.
+        assert!(
+            !report
+                .problems
+                .iter()
+                .any(|p| p.kind == kinds::ORPHANED_OWNER_KEY),
+            "{damage:?}: an owner key of the damaged block is reported as orphaned: {report:#?}"
         );
         // Each handle with addresses in the block is reported, not repairable, naming the key.
         for pod in ["pod-1", "pod-2"] {
@@ -323,6 +332,81 @@ pub async fn repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_own
             .await
             .is_empty(),
         "owner keys left after every release"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// An owner key that cannot be decoded: `check` reports it as a corrupt object naming the key,
+/// not repairable, and `--repair` changes nothing; the reads that need it (the address's
+/// assignment, a release by address) fail with `Corrupt` naming the key and write nothing; the
+/// pod's DEL (by its handle, which records the pod's metadata) still frees the address and
+/// removes the key, and the store is clean after it.
+pub async fn an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.23.0.0/24", 28).await;
+    let damaged_ip = assign_one(&ipam, "pod-1", "node-a").await;
+    let other_ip = assign_one(&ipam, "pod-2", "node-a").await;
+    let key = owner_key_of(&ipam, damaged_ip).await;
+    t.store
+        .put(&key, b"\xff\x00 not an attribute".to_vec())
+        .await
+        .expect("damage the owner key");
+    let before = contents(t.store.as_ref(), "").await;
+    for outcome in [
+        ipam.get_assignment(damaged_ip).await.map(|_| ()),
+        ipam.release_ips(&[ReleaseRequest {
+            ip: damaged_ip,
+            sequence: None,
+        }])
+        .await
+        .map(|_| ()),
+    ] {
+        assert!(
+            matches!(&outcome, Err(IpamError::Corrupt { key: named, .. }) if *named == key),
+            "{outcome:?}"
+        );
+    }
+    assert_eq!(contents(t.store.as_ref(), "").await, before);
+
+    let report = ipam.check(true).await.expect("check --repair");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT
+                && !p.repairable
+                && p.detail.contains(key.as_str())),
+        "the damaged owner key is not reported: {report:#?}"
+    );
+    assert!(
+        !report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::ORPHANED_OWNER_KEY || p.kind == kinds::MISSING_OWNER_KEY),
+        "a damaged owner key is neither orphaned nor missing: {report:#?}"
+    );
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "--repair changed the store"
+    );
+    // The other pod's address reads as before.
+    assert!(ipam
+        .get_assignment(other_ip)
+        .await
+        .expect("the other address reads")
+        .is_some());
+
+    assert_eq!(
+        ipam.release_handle("pod-1").await.expect("the pod's DEL"),
+        vec![damaged_ip]
+    );
+    assert!(
+        t.store.get(&key).await.expect("get").is_none(),
+        "the damaged key outlived the DEL"
     );
     assert_clean(&ipam).await;
 }

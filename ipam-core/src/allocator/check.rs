@@ -850,6 +850,9 @@ impl Ipam {
     /// Loads the attributes of the blocks' apart addresses from their owner keys (read in the
     /// snapshot's batch); records the keys that name no such address, and, as unreadable, the
     /// owner keys that cannot be decoded and the blocks whose apart attributes are not all there.
+    /// An owner key of a CIDR whose block (or another object of that CIDR) cannot be decoded is
+    /// neither: what its block holds is unknown, and that object's problem already holds back
+    /// every repair of the CIDR.
     fn read_owner_keys(
         &self,
         owners: Vec<crate::kv::KeyValue>,
@@ -857,6 +860,9 @@ impl Ipam {
         unreadable: &mut Vec<Unreadable>,
         report: &mut CheckReport,
     ) {
+        let undecodable: Vec<IpNet> = unreadable.iter().filter_map(|u| u.cidr).collect();
+        // Owner keys that cannot be decoded: their addresses are not missing an owner key.
+        let mut damaged: BTreeSet<(IpNet, u32)> = BTreeSet::new();
         for kv in owners {
             let Some((cidr, ordinal)) = keys::parse_owner_key(&kv.key) else {
                 report.problem(
@@ -891,6 +897,7 @@ impl Ipam {
                         key: kv.key,
                         cidr: Some(cidr),
                     });
+                    damaged.insert((cidr, ordinal));
                     continue;
                 }
             };
@@ -902,6 +909,12 @@ impl Ipam {
                     } else {
                         Some(Some((stored.key.clone(), stored.revision)))
                     }
+                }
+                None if undecodable
+                    .iter()
+                    .any(|bad| bad.contains(&cidr.network()) || cidr.contains(&bad.network())) =>
+                {
+                    None
                 }
                 None => Some(None),
             };
@@ -915,7 +928,12 @@ impl Ipam {
             }
         }
         for stored in &snapshot.blocks {
-            let missing = stored.value.unloaded_apart();
+            let missing: Vec<u32> = stored
+                .value
+                .unloaded_apart()
+                .into_iter()
+                .filter(|ordinal| !damaged.contains(&(stored.value.cidr, *ordinal)))
+                .collect();
             let Some(first) = missing.first() else {
                 continue;
             };

@@ -1159,6 +1159,61 @@ impl Ipam {
         Ok(())
     }
 
+    /// Loads, for each block, the owner keys of the ordinals given beside it that it holds apart
+    /// and has not loaded: one round trip reading those keys alone (a call about a few addresses
+    /// reads their keys, not every key of their blocks), each block read again in the same batch.
+    ///
+    /// # Errors
+    /// [`KvError::Conflict`] (as [`IpamError::Store`]) when a block changed since it was read;
+    /// [`IpamError::Corrupt`] naming an owner key that cannot be decoded, or one that is missing
+    /// while its block is unchanged.
+    pub(crate) async fn load_owner_keys_of<'a>(
+        &self,
+        wanted: impl IntoIterator<Item = (&'a mut Stored<Block>, BTreeSet<u32>)>,
+    ) -> Result<(), IpamError> {
+        let mut pending: Vec<(&mut Stored<Block>, Vec<u32>)> = wanted
+            .into_iter()
+            .filter_map(|(stored, ordinals)| {
+                let unloaded: Vec<u32> = stored
+                    .value
+                    .unloaded_apart()
+                    .into_iter()
+                    .filter(|ordinal| ordinals.contains(ordinal))
+                    .collect();
+                (!unloaded.is_empty()).then_some((stored, unloaded))
+            })
+            .collect();
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let mut reads = Vec::new();
+        for (stored, ordinals) in &pending {
+            reads.push(Read::Get(stored.key.clone()));
+            for ordinal in ordinals {
+                reads.push(Read::Get(keys::owner_key(&stored.value.cidr, *ordinal)));
+            }
+        }
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        for (stored, ordinals) in &mut pending {
+            let current = next_got(&mut results)?;
+            let mut owners = Vec::with_capacity(ordinals.len());
+            for _ in ordinals.iter() {
+                owners.extend(next_got(&mut results)?);
+            }
+            if current.map(|kv| kv.revision) != Some(stored.revision) {
+                return Err(IpamError::Store(KvError::Conflict {
+                    key: stored.key.clone(),
+                }));
+            }
+            load_owner_values(&mut stored.value, owners)?;
+            let unloaded = stored.value.unloaded_apart();
+            if let Some(ordinal) = ordinals.iter().find(|o| unloaded.contains(o)) {
+                return Err(missing_owner_key(&stored.value, *ordinal));
+            }
+        }
+        Ok(())
+    }
+
     /// Reads the blocks with these CIDRs (wherever their affinity puts them): two round trips.
     ///
     /// # Errors
@@ -1504,6 +1559,18 @@ fn with_node(attributes: &BTreeMap<String, String>, host: &str) -> BTreeMap<Stri
 /// [`IpamError::Corrupt`] naming an owner key that cannot be decoded, or the key of an address
 /// the block holds apart that is not among them.
 pub(crate) fn load_owners_into(block: &mut Block, owners: Vec<KeyValue>) -> Result<(), IpamError> {
+    load_owner_values(block, owners)?;
+    match block.unloaded_apart().first() {
+        None => Ok(()),
+        Some(ordinal) => Err(missing_owner_key(block, *ordinal)),
+    }
+}
+
+/// Loads into `block` the attributes of the owner keys among `owners` that are its own.
+///
+/// # Errors
+/// [`IpamError::Corrupt`] naming an owner key that cannot be decoded.
+fn load_owner_values(block: &mut Block, owners: Vec<KeyValue>) -> Result<(), IpamError> {
     for kv in owners {
         if let Some((cidr, ordinal)) = keys::parse_owner_key(&kv.key) {
             if cidr == block.cidr {
@@ -1512,17 +1579,19 @@ pub(crate) fn load_owners_into(block: &mut Block, owners: Vec<KeyValue>) -> Resu
             }
         }
     }
-    match block.unloaded_apart().first() {
-        None => Ok(()),
-        Some(ordinal) => Err(IpamError::Corrupt {
-            key: keys::owner_key(&block.cidr, *ordinal),
-            message: format!(
-                "missing: block {} holds {} apart from its value and this key, which names its \
-                 holder, is gone (`blockipamctl check` reports it)",
-                block.cidr,
-                block.ip_of(*ordinal)
-            ),
-        }),
+    Ok(())
+}
+
+/// The error for the owner key of `ordinal`, which `block` holds apart, gone from the store.
+fn missing_owner_key(block: &Block, ordinal: u32) -> IpamError {
+    IpamError::Corrupt {
+        key: keys::owner_key(&block.cidr, ordinal),
+        message: format!(
+            "missing: block {} holds {} apart from its value and this key, which names its \
+             holder, is gone (`blockipamctl check` reports it)",
+            block.cidr,
+            block.ip_of(ordinal)
+        ),
     }
 }
 

@@ -73,7 +73,9 @@ impl Ipam {
             else {
                 return Ok(Attempt::Done(None));
             };
-            self.load_owner_keys([&mut *stored]).await?;
+            // The address's own owner key, not every key of its block.
+            let ordinals = stored.value.ordinal_of(ip).into_iter().collect();
+            self.load_owner_keys_of([(&mut *stored, ordinals)]).await?;
             Ok(Attempt::Done(allocation_info(&stored.value, ip)?))
         })
         .await

@@ -77,8 +77,20 @@ impl Ipam {
         let (targets, outside_pools, mut found) =
             self.locate_release_targets(&pools, requests).await?;
         outcome.not_allocated.extend(outside_pools);
-        // Who holds each address, for its handle: the owner keys of what the blocks keep apart.
-        self.load_owner_keys(found.values_mut()).await?;
+        // Who holds each address, for its handle: the owner keys of the addresses released that
+        // the blocks keep apart (those keys only).
+        let mut wanted: BTreeMap<IpNet, BTreeSet<u32>> = BTreeMap::new();
+        for (request, cidr) in &targets {
+            if let Some(ordinal) = found.get(cidr).and_then(|s| s.value.ordinal_of(request.ip)) {
+                wanted.entry(*cidr).or_default().insert(ordinal);
+            }
+        }
+        self.load_owner_keys_of(
+            found.iter_mut().filter_map(|(cidr, stored)| {
+                wanted.remove(cidr).map(|ordinals| (stored, ordinals))
+            }),
+        )
+        .await?;
         let mut working: BTreeMap<IpNet, WorkingBlock> = found
             .into_iter()
             .map(|(cidr, stored)| (cidr, WorkingBlock::from_stored(stored)))
