@@ -22,6 +22,7 @@ macro_rules! repair_conformance_tests {
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
+            an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
             release_by_address_racing_a_pool_split_still_releases,
         );
@@ -409,6 +410,72 @@ pub async fn an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the
         "the damaged key outlived the DEL"
     );
     assert_clean(&ipam).await;
+}
+
+/// A pod's DEL lands between a lookup's read of the address's block and its read of the address's
+/// owner key: the key is gone, but so is the block as read, so the lookup (and a release by
+/// address) decides again instead of reporting the key missing: the address is free.
+pub async fn an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    for release_by_address in [false, true] {
+        let (t, ipam) = ipam_with_pool(factory, "10.24.0.0/24", 28).await;
+        let ip = assign_one(&ipam, "pod-1", "node-a").await;
+        let kept = assign_one(&ipam, "pod-2", "node-a").await;
+        let hooked = HookedStore::new(Arc::clone(&t.store));
+        let direct = Ipam::new(Arc::clone(&t.store));
+        // The read that locates the address's block (block keys, no owner key): the pod's DEL
+        // runs right after it is answered.
+        hooked.after_read(
+            |reads| {
+                let key_of = |read: &Read| match read {
+                    Read::Get(key) | Read::List(key) => key.clone(),
+                    _ => String::new(),
+                };
+                reads
+                    .iter()
+                    .any(|r| key_of(r).starts_with(&keys::blocks_dir()))
+                    && !reads
+                        .iter()
+                        .any(|r| key_of(r).starts_with(&keys::owners_dir()))
+            },
+            move || async move {
+                assert_eq!(
+                    direct.release_handle("pod-1").await.expect("the pod's DEL"),
+                    vec![ip]
+                );
+            },
+        );
+        let racing = Ipam::new(hooked.clone());
+        if release_by_address {
+            let outcome = racing
+                .release_ips(&[ReleaseRequest { ip, sequence: None }])
+                .await
+                .expect("the release by address decides again");
+            assert!(outcome.released.is_empty(), "{outcome:?}");
+            assert_eq!(outcome.not_allocated, vec![ip], "{outcome:?}");
+        } else {
+            assert_eq!(
+                racing
+                    .get_assignment(ip)
+                    .await
+                    .expect("the lookup decides again"),
+                None
+            );
+        }
+        assert!(
+            hooked.read_hook_fired(),
+            "the DEL never ran between the reads"
+        );
+        assert!(ipam
+            .get_assignment(kept)
+            .await
+            .expect("pod-2 reads")
+            .is_some());
+        assert_clean(&ipam).await;
+    }
 }
 
 /// Releasing a host whose blocks change under every attempt gives up after the retry policy's
