@@ -46,18 +46,23 @@ fn run_load(config: &LoadConfig, target: StoreTarget) -> Result<Report, LoadErro
     runtime().block_on(run(config, target, &mut |_| {}))
 }
 
-#[test]
-fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
-    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
-    let prefix = "/measure/raw/";
-    let settings = DatastoreSettings {
+/// The settings of a run on `etcd` under `prefix`.
+fn etcd_settings(etcd: &EtcdServer, prefix: &str) -> DatastoreSettings {
+    DatastoreSettings {
         backend: Backend::Etcd(EtcdSettings {
             endpoints: vec![etcd.endpoint()],
             prefix: Some(prefix.into()),
             ..EtcdSettings::default()
         }),
         ..DatastoreSettings::default()
-    };
+    }
+}
+
+#[test]
+fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
+    let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
+    let prefix = "/measure/raw/";
+    let settings = etcd_settings(&etcd, prefix);
     let config = LoadConfig {
         raw_etcd_ceiling: Some(Duration::from_millis(500)),
         ..small()
@@ -108,14 +113,7 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
 fn a_shaped_raw_loop_puts_and_tests_the_keys_it_is_told_and_deletes_them_all() {
     let etcd = EtcdServer::start().unwrap_or_else(|e| panic!("cannot start etcd: {e}"));
     let prefix = "/measure/shaped/";
-    let settings = DatastoreSettings {
-        backend: Backend::Etcd(EtcdSettings {
-            endpoints: vec![etcd.endpoint()],
-            prefix: Some(prefix.into()),
-            ..EtcdSettings::default()
-        }),
-        ..DatastoreSettings::default()
-    };
+    let settings = etcd_settings(&etcd, prefix);
     let shape = RawShape {
         extra_puts: 2,
         extra_conditions: 3,
