@@ -29,7 +29,12 @@
 //! always runs: it is the baseline), and the breakdown only with the row `sled agent 0`. The load
 //! average is printed with the table: figures from a busy machine are provisional.
 //!
-//! After the table, a breakdown of a call through the agent (sled): a bare process, the plugin's
+//! After the table, the target rows again as a side-by-side pair: through the agent, a store with
+//! 10,000 addresses on this node (with and without a gateway) and an empty store, both set up
+//! first and then called in turn, call by call, so that the machine's drift during the run falls
+//! on both (selected as `<store> agent interleaved <10k this node|10k this node no gateway>`).
+//!
+//! After that, a breakdown of a call through the agent (sled): a bare process, the plugin's
 //! own start and exit, connect + hello, read and commit round trips measured from this process,
 //! sled's own durable commit, and a whole plugin call that writes nothing. With
 //! `BLOCKIPAM_BENCH_COMPARE=<path of another blockipam binary>` (a copy kept from before a change)
@@ -452,6 +457,28 @@ fn load_average() -> String {
 
 /// Measures blockipam on `kind` reached as `access`, after `prefill`.
 fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> Row {
+    let prepared = prepare_blockipam(kind, access, prefill);
+    measure(
+        format!("blockipam ({})", kind.as_str()),
+        access.label(),
+        prefill.label(),
+        shipped_plugin(),
+        &prepared.netconf,
+    )
+}
+
+/// A blockipam store ready for calls: its etcd (etcd rows), its directory, its agent (agent
+/// rows) and the netconf that reaches it. Dropped in field order: the agent stops (and closes
+/// the store) before the directory and the etcd go.
+struct PreparedStore {
+    _agent: Option<InProcessAgent>,
+    _dir: tempfile::TempDir,
+    _etcd: Option<EtcdServer>,
+    netconf: Value,
+}
+
+/// Sets up blockipam on `kind` reached as `access` and allocates `prefill` in it.
+fn prepare_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> PreparedStore {
     // etcd rows get an etcd of their own, stopped after the row: a busy etcd (compacting,
     // collecting garbage after 10,000 allocations) must not slow the rows after it.
     let etcd = (kind == DatastoreType::Etcdv3)
@@ -493,8 +520,7 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
             (netconf, settings, flags)
         }
     };
-    // Declared after `dir`: stopped (and its store closed) before the directory goes.
-    let _agent = match access {
+    let agent = match access {
         Access::Direct => {
             settings.agent_socket = None;
             if let Value::Object(extra) = &mut netconf_settings {
@@ -528,13 +554,112 @@ fn measure_blockipam(kind: DatastoreType, access: Access, prefill: Prefill) -> R
         let store = settings.open().await.expect("open the store");
         prefill_blockipam(store, prefill).await;
     });
-    measure(
-        format!("blockipam ({})", kind.as_str()),
-        access.label(),
-        prefill.label(),
-        shipped_plugin(),
-        &netconf,
-    )
+    PreparedStore {
+        _agent: agent,
+        _dir: dir,
+        _etcd: etcd,
+        netconf,
+    }
+}
+
+/// ADD and DEL through the agent on an empty store and on one holding `prefill`, both set up
+/// first and then called in turn, call by call (the store called first alternates each round), so
+/// that the machine's drift over the minutes of a run falls on both alike.
+struct Interleaved {
+    store: &'static str,
+    prefill: &'static str,
+    empty: Row,
+    filled: Row,
+}
+
+fn measure_interleaved(kind: DatastoreType, prefill: Prefill) -> Interleaved {
+    let empty = prepare_blockipam(kind, Access::Agent, Prefill::Empty);
+    let filled = prepare_blockipam(kind, Access::Agent, prefill);
+    let plugin = shipped_plugin();
+    let bytes = [&empty, &filled].map(|p| p.netconf.to_string().into_bytes());
+    for netconf in &bytes {
+        call(plugin, "ADD", "warmup", netconf, false);
+        call(plugin, "DEL", "warmup", netconf, false);
+    }
+    let n = calls();
+    let mut add = [Vec::with_capacity(n), Vec::with_capacity(n)];
+    let mut del = [Vec::with_capacity(n), Vec::with_capacity(n)];
+    for (command, samples) in [("ADD", &mut add), ("DEL", &mut del)] {
+        for i in 0..n {
+            let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+            for which in order {
+                let container = format!("bench-{i}");
+                samples[which].push(call(plugin, command, &container, &bytes[which], false).0);
+            }
+        }
+    }
+    let [empty_add, filled_add] = add;
+    let [empty_del, filled_del] = del;
+    let row = |prefill: Prefill, add, del| Row {
+        plugin: format!("blockipam ({})", kind.as_str()),
+        access: "agent, interleaved",
+        prefill: prefill.label(),
+        add,
+        del,
+        rss_kib: None,
+    };
+    Interleaved {
+        store: kind.as_str(),
+        prefill: prefill.label(),
+        empty: row(Prefill::Empty, empty_add, empty_del),
+        filled: row(prefill, filled_add, filled_del),
+    }
+}
+
+/// The median over rounds of `filled[i] / empty[i]`: each call against the empty store's call
+/// of the same round.
+fn median_round_ratio(filled: &[Duration], empty: &[Duration]) -> f64 {
+    let mut ratios: Vec<f64> = filled
+        .iter()
+        .zip(empty)
+        .map(|(f, e)| f.as_secs_f64() / e.as_secs_f64())
+        .collect();
+    ratios.sort_by(|a, b| a.total_cmp(b));
+    match ratios.len() {
+        0 => f64::NAN,
+        len => ratios[(len - 1) / 2],
+    }
+}
+
+fn print_interleaved(runs: &[Interleaved]) {
+    if runs.is_empty() {
+        return;
+    }
+    println!(
+        "\nThrough the agent, a store holding addresses against an empty one, called in turn call by call:\n"
+    );
+    println!(
+        "| store | allocated before | ADD median ms (empty / filled) | ADD filled vs empty (medians) | ADD median of per-round ratios | DEL median ms (empty / filled) | DEL filled vs empty (medians) | DEL median of per-round ratios |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for run in runs {
+        let (empty_add, filled_add) = (
+            quantile(&run.empty.add, 0.5),
+            quantile(&run.filled.add, 0.5),
+        );
+        let (empty_del, filled_del) = (
+            quantile(&run.empty.del, 0.5),
+            quantile(&run.filled.del, 0.5),
+        );
+        println!(
+            "| {} | {} | {:.2} / {:.2} | {:.2}× | {:.2}× | {:.2} / {:.2} | {:.2}× | {:.2}× |",
+            run.store,
+            run.prefill,
+            empty_add,
+            filled_add,
+            filled_add / empty_add,
+            median_round_ratio(&run.filled.add, &run.empty.add),
+            empty_del,
+            filled_del,
+            filled_del / empty_del,
+            median_round_ratio(&run.filled.del, &run.empty.del),
+        );
+    }
 }
 
 fn main() {
@@ -590,6 +715,22 @@ fn main() {
         }
     }
     print_table(&rows);
+    let mut interleaved = Vec::new();
+    for prefill in [Prefill::ThisNode, Prefill::ThisNodeNoGateway] {
+        for kind in [
+            DatastoreType::Sled,
+            DatastoreType::Redb,
+            DatastoreType::Etcdv3,
+        ] {
+            let label = format!("{} agent interleaved {}", kind.as_str(), prefill.label());
+            if !selected(&label) {
+                continue;
+            }
+            eprintln!("blockipam {label} ...");
+            interleaved.push(measure_interleaved(kind, prefill));
+        }
+    }
+    print_interleaved(&interleaved);
     let bare_after = bare_process_median();
     if selected("sled agent 0") {
         print_breakdown();
