@@ -1068,25 +1068,42 @@ async fn a_steady_plugin_commit_leaves_the_activity_record_as_it_is_until_a_recl
 #[tokio::test]
 async fn a_registration_this_build_cannot_read_whole_makes_every_commit_rewrite_the_activity_record(
 ) {
-    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-    ipam_with_pool(Arc::clone(&store)).await;
-    let plugin = plugin_of(Arc::clone(&store), "node-a", "test");
-    plugin_add(&plugin, "node-a", "net.a").await;
-    // A later release's registration, with a field this build does not know (it may be a mark).
-    store
-        .put(
-            &agent_key("node-a"),
-            br#"{"node":"node-a","registered_at":1,"agent_version":"9.0.0","held_for":"reclaim"}"#
-                .to_vec(),
-        )
-        .await
-        .expect("a later release's registration");
-    let before = activity_revision(store.as_ref(), "node-a").await;
-    plugin_add(&plugin, "node-a", "net.b").await;
-    let after = activity_revision(store.as_ref(), "node-a").await;
-    assert!(after > before);
-    plugin_add(&plugin, "node-a", "net.c").await;
-    assert!(activity_revision(store.as_ref(), "node-a").await > after);
+    let unreadable: [(&str, &[u8]); 2] = [
+        // A later release's registration, with a field this build does not know (it may be a mark).
+        (
+            "a field this build does not know",
+            br#"{"node":"node-a","registered_at":1,"agent_version":"9.0.0","held_for":"reclaim"}"#,
+        ),
+        // Bytes that are not a registration at all (damaged, or another writer's).
+        ("bytes that are not JSON", b"\x00\xffnot a registration"),
+    ];
+    for (what, bytes) in unreadable {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        ipam_with_pool(Arc::clone(&store)).await;
+        let plugin = plugin_of(Arc::clone(&store), "node-a", "test");
+        plugin_add(&plugin, "node-a", "net.a").await;
+        store
+            .put(&agent_key("node-a"), bytes.to_vec())
+            .await
+            .expect("the registration");
+        let before = activity_revision(store.as_ref(), "node-a").await;
+        plugin_add(&plugin, "node-a", "net.b").await;
+        let after = activity_revision(store.as_ref(), "node-a").await;
+        assert!(after > before, "{what}: the ADD left the record as it was");
+        plugin_del(&plugin, "node-a", "net.b").await;
+        let after_del = activity_revision(store.as_ref(), "node-a").await;
+        assert!(
+            after_del > after,
+            "{what}: the DEL left the record as it was"
+        );
+        // The registration itself is left as it was: the plugin never rewrites it.
+        let kept = store
+            .get(&agent_key("node-a"))
+            .await
+            .expect("read the registration")
+            .expect("the registration is still there");
+        assert_eq!(kept.value, bytes, "{what}");
+    }
 }
 
 /// A store whose first commit runs a reclaim pass first: the node is marked between the plugin's
