@@ -74,6 +74,12 @@ const POOL: &str = "10.128.0.0/16";
 const GATEWAY: &str = "10.128.0.1";
 const NODE: &str = "bench-node";
 const PREFILL: usize = 10_000;
+/// The stores blockipam is measured on, in the order of the table.
+const STORES: [DatastoreType; 3] = [
+    DatastoreType::Sled,
+    DatastoreType::Redb,
+    DatastoreType::Etcdv3,
+];
 /// Concurrent writers filling this node's blocks.
 const PREFILL_WRITERS: usize = 16;
 /// The netconf's network name (the plugin's handles and attributes carry it).
@@ -699,11 +705,7 @@ fn main() {
                 &host_local_netconf(&data),
             ));
         }
-        for kind in [
-            DatastoreType::Sled,
-            DatastoreType::Redb,
-            DatastoreType::Etcdv3,
-        ] {
+        for kind in STORES {
             for access in [Access::Agent, Access::Direct] {
                 let label = format!("{} {} {}", kind.as_str(), access.label(), prefill.label());
                 if !selected(&label) {
@@ -717,11 +719,7 @@ fn main() {
     print_table(&rows);
     let mut interleaved = Vec::new();
     for prefill in [Prefill::ThisNode, Prefill::ThisNodeNoGateway] {
-        for kind in [
-            DatastoreType::Sled,
-            DatastoreType::Redb,
-            DatastoreType::Etcdv3,
-        ] {
+        for kind in STORES {
             let label = format!("{} agent interleaved {}", kind.as_str(), prefill.label());
             if !selected(&label) {
                 continue;
