@@ -617,19 +617,16 @@ fn measure_interleaved(kind: DatastoreType, prefill: Prefill) -> Interleaved {
     }
 }
 
-/// The median over rounds of `filled[i] / empty[i]`: each call against the empty store's call
-/// of the same round.
-fn median_round_ratio(filled: &[Duration], empty: &[Duration]) -> f64 {
-    let mut ratios: Vec<f64> = filled
+/// The median over rounds of `ours[i] / theirs[i]`: each call against the baseline's call of the
+/// same round (the upper median for an even count, as [`quantile`] takes it).
+fn median_round_ratio(ours: &[Duration], theirs: &[Duration]) -> f64 {
+    let mut ratios: Vec<f64> = ours
         .iter()
-        .zip(empty)
-        .map(|(f, e)| f.as_secs_f64() / e.as_secs_f64())
+        .zip(theirs)
+        .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
         .collect();
     ratios.sort_by(|a, b| a.total_cmp(b));
-    match ratios.len() {
-        0 => f64::NAN,
-        len => ratios[(len - 1) / 2],
-    }
+    ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn print_interleaved(runs: &[Interleaved]) {
@@ -879,17 +876,8 @@ fn print_breakdown() {
         other_del.push(call(&other, "DEL", &format!("o-{i}"), &netconf, false).0);
     }
     // Each round's ratio, then their median: a drift of the machine between rounds cancels out.
-    let round_ratio = |ours: &[Duration], theirs: &[Duration]| {
-        let mut ratios: Vec<f64> = ours
-            .iter()
-            .zip(theirs)
-            .map(|(a, b)| a.as_secs_f64() / b.as_secs_f64())
-            .collect();
-        ratios.sort_by(|a, b| a.total_cmp(b));
-        ratios.get(ratios.len() / 2).copied().unwrap_or(f64::NAN)
-    };
-    let add_round_ratio = round_ratio(&add, &host_local_add);
-    let del_round_ratio = round_ratio(&del, &host_local_del);
+    let add_round_ratio = median_round_ratio(&add, &host_local_add);
+    let del_round_ratio = median_round_ratio(&del, &host_local_del);
     let [bare, version, add, del_nothing, del, host_local_add, host_local_del] = [
         bare,
         version,
