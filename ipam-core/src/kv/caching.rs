@@ -1032,5 +1032,140 @@ mod tests {
         assert!(!answered.from_cache);
         assert!(answered.validators.is_empty(), "too many to carry");
         assert_eq!(counting.take().reads, 1);
+        assert!(
+            !cached.lock().listings.contains_key("blocks/"),
+            "a listing that can never be validated takes room"
+        );
+        // One key fewer: its validators fit, it is kept and answered.
+        backing
+            .delete(&format!("blocks/{:03}", MAX_VALIDATORS - 1))
+            .await
+            .expect("delete");
+        cached.read_many(&reads).await.expect("warm");
+        assert!(cached.lock().listings.contains_key("blocks/"));
+        assert!(
+            cached
+                .read_many_cached(&reads, true)
+                .await
+                .expect("read")
+                .from_cache
+        );
+    }
+
+    /// The bytes `kept` holds, counted from what it holds.
+    fn recounted(kept: &Kept) -> usize {
+        kept.keys
+            .iter()
+            .map(|(key, entry)| key_bytes(key, entry))
+            .chain(
+                kept.listings
+                    .iter()
+                    .map(|(prefix, listing)| prefix.len() + listing.bytes()),
+            )
+            .sum()
+    }
+
+    #[tokio::test]
+    async fn the_byte_count_follows_every_key_and_listing_kept_and_forgotten() {
+        let backing = store_with_blocks().await;
+        let (cached, _counting) = cached_over(&backing);
+        let assert_counted = |step: &str| {
+            let kept = cached.lock();
+            assert_eq!(kept.bytes, recounted(&kept), "after {step}");
+        };
+        cached.read_many(&batch()).await.expect("warm");
+        cached
+            .read_many(&[Read::List("other/".into())])
+            .await
+            .expect("list");
+        assert_counted("reading keys and listings");
+        assert!(cached.lock().bytes > 0);
+        // A listing written under without its validator is forgotten.
+        cached
+            .commit(Txn::new().then(Op::put("blocks/c", b"c0".to_vec())))
+            .await
+            .expect("put");
+        assert!(!cached.lock().listings.contains_key("blocks/"));
+        assert_counted("a listing forgotten by a commit");
+        // A failed condition on a listing's prefix forgets it, and its key.
+        cached.read_many(&batch()).await.expect("warm");
+        backing
+            .put("blocks/d", b"d0".to_vec())
+            .await
+            .expect("another writer");
+        let refused = cached
+            .commit(
+                Txn::new()
+                    .when(Condition::no_put_after("blocks/", Revision::NONE))
+                    .when(Condition::at_revision("config", Revision(1)))
+                    .then(Op::put("out", b"o".to_vec())),
+            )
+            .await;
+        assert!(matches!(refused, Err(KvError::Conflict { .. })));
+        assert!(!cached.lock().listings.contains_key("blocks/"));
+        assert!(!cached.lock().keys.contains_key("config"));
+        assert_counted("a listing and a key forgotten by a failed condition");
+        // A key deleted by a commit.
+        cached
+            .commit(Txn::new().then(Op::delete("blocks/c")))
+            .await
+            .expect("delete");
+        assert_counted("a key deleted");
+        cached.forget();
+        assert_eq!(cached.lock().bytes, 0);
+    }
+
+    #[test]
+    fn exactly_the_bound_is_kept_and_one_byte_more_is_not() {
+        let mut kept = Kept::default();
+        let value = vec![0u8; MAX_KEPT_BYTES - "k".len() - 1];
+        kept.keep_key("k", Some((value, Revision(1))));
+        kept.keep_key("j", None);
+        assert_eq!(kept.bytes, MAX_KEPT_BYTES);
+        kept.forget_everything_past_the_limit();
+        assert_eq!(kept.keys.len(), 2, "forgotten at the bound");
+        kept.keep_key("i", None);
+        kept.forget_everything_past_the_limit();
+        assert!(kept.keys.is_empty(), "kept past the bound");
+        assert_eq!(kept.bytes, 0);
+    }
+
+    #[tokio::test]
+    async fn a_listing_its_own_commits_grow_past_what_can_be_validated_is_forgotten() {
+        let backing = Arc::new(MemoryStore::new());
+        for n in 0..MAX_VALIDATORS - 2 {
+            backing
+                .put(&format!("blocks/{n:03}"), Vec::new())
+                .await
+                .expect("put");
+        }
+        let (cached, _counting) = cached_over(&backing);
+        let reads = [Read::List("blocks/".into())];
+        cached.read_many(&reads).await.expect("warm");
+        let put_under_the_listing = |key: &str| {
+            let newest = cached.lock().listings["blocks/"].newest;
+            Txn::new()
+                .when(Condition::no_put_after("blocks/", newest))
+                .then(Op::put(key, Vec::new()))
+        };
+        // Grown to one key fewer than the validators' room: still kept, and answered.
+        let grown = put_under_the_listing("blocks/new-1");
+        cached.commit(grown).await.expect("put");
+        assert_eq!(
+            cached.lock().listings["blocks/"].entries.len(),
+            MAX_VALIDATORS - 1
+        );
+        let answered = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(answered.from_cache);
+        assert_eq!(
+            answered.results,
+            backing.read_many(&reads).await.expect("truth")
+        );
+        // One more: its validators would not fit, it is forgotten.
+        let grown = put_under_the_listing("blocks/new-2");
+        cached.commit(grown).await.expect("put");
+        assert!(!cached.lock().listings.contains_key("blocks/"));
+        let kept = cached.lock();
+        assert_eq!(kept.bytes, recounted(&kept));
     }
 }
