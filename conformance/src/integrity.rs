@@ -41,6 +41,7 @@ macro_rules! ipam_integrity_tests {
             guarded_writes_stop_once_the_guard_no_longer_holds,
             empty_block_release_reads_the_claim_index_and_only_the_blocks_it_may_release,
             allocation_counts_read_the_claim_index_and_only_blocks_holding_other_nodes_addresses,
+            usage_and_allocations_read_together_are_what_each_query_answers,
         );
     };
 }
@@ -1337,5 +1338,45 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
         h0.by_node,
         BTreeMap::from([(Some("h0".to_owned()), 4)]),
         "three of h0's addresses and the borrower's"
+    );
+}
+
+/// `Ipam::utilization_and_allocations` (one read of the blocks, for `blockipamctl show`) answers
+/// exactly what `Ipam::utilization` and `Ipam::list_allocations` answer apart: addresses in two
+/// nodes' blocks, with their attributes.
+pub async fn usage_and_allocations_read_together_are_what_each_query_answers<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.70.0.0/24", 30).await;
+    let mut assigned = Vec::new();
+    for n in 0..3 {
+        assigned.push(assign_one(&ipam, &format!("a-{n}"), "node-a").await);
+    }
+    for n in 0..2 {
+        let mut request = v4(&format!("b-{n}"), "node-b", 1);
+        request.attributes = BTreeMap::from([("pod".to_owned(), format!("pod-b-{n}"))]);
+        let got = ipam.auto_assign(&request).await.expect("assign on node-b");
+        assigned.extend(got.v4.iter().map(|a| a.ip));
+    }
+    let (usage, mut allocations) = ipam
+        .utilization_and_allocations()
+        .await
+        .expect("usage and allocations");
+    let mut listed = ipam.list_allocations().await.expect("list");
+    allocations.sort_by_key(|a| a.ip);
+    listed.sort_by_key(|a| a.ip);
+    assert_eq!(allocations, listed);
+    assert_eq!(usage, ipam.utilization().await.expect("usage"));
+    assigned.sort();
+    assert_eq!(
+        allocations.iter().map(|a| a.ip).collect::<Vec<_>>(),
+        assigned
+    );
+    assert_eq!(usage.pools[0].in_use, 5);
+    assert!(
+        allocations
+            .iter()
+            .any(|a| a.attributes.get("pod").map(String::as_str) == Some("pod-b-1")),
+        "{allocations:?}"
     );
 }
