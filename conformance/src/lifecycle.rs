@@ -120,8 +120,30 @@ pub async fn cooling_address_is_not_handed_out_until_its_cooldown_passes<F: Stor
             "{host} got an address 59 s into a 60 s cooldown"
         );
     }
+    // Usage counts it as cooling, in its block and its pool, and not as free.
+    let usage = ipam.utilization().await.expect("utilization");
+    let pool = &usage.pools[0];
+    assert_eq!(
+        (pool.in_use, pool.cooling, pool.free),
+        (3, 1, 0),
+        "{pool:?}"
+    );
+    assert_eq!(
+        (
+            pool.blocks[0].in_use,
+            pool.blocks[0].cooling,
+            pool.blocks[0].free
+        ),
+        (3, 1, 0)
+    );
     // At 60 s it is free again.
     clock.set(1_060);
+    let pool = ipam.utilization().await.expect("utilization").pools[0].clone();
+    assert_eq!(
+        (pool.in_use, pool.cooling, pool.free),
+        (3, 0, 1),
+        "{pool:?}"
+    );
     let (ip, _) = assign(&ipam, "h4", "node-a").await;
     assert_eq!(ip, first, "the cooled address is reused");
     assert_clean(&ipam).await;
