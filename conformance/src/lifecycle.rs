@@ -25,6 +25,7 @@ macro_rules! lifecycle_conformance_tests {
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
             takeover_waits_for_cooling_addresses,
+            takeover_passes_over_an_empty_block_that_is_wholly_reserved,
             release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
             release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
         );
@@ -313,6 +314,54 @@ pub async fn takeover_waits_for_cooling_addresses<F: StoreFactory>(factory: &F) 
     clock.set(30_310);
     let (_, taken) = assign(&ipam, "c0", "node-c").await;
     assert_eq!(taken, block);
+    assert_clean(&ipam).await;
+}
+
+/// An empty block of another host that a reservation covers whole is never taken over, however
+/// long it has been empty: the takeover takes the next one, and with none left the pool is
+/// exhausted.
+pub async fn takeover_passes_over_an_empty_block_that_is_wholly_reserved<F: StoreFactory>(
+    factory: &F,
+) {
+    let clock = HandClock::new(50_000);
+    let (_t, ipam) = lab(factory, "10.47.0.0/29", 30, &clock, |c| {
+        c.strict_affinity = true;
+        c.empty_block_reclaim_seconds = 60;
+    })
+    .await;
+    let (_, block_a) = assign(&ipam, "a0", "node-a").await;
+    let (_, block_b) = assign(&ipam, "b0", "node-b").await;
+    assert_ne!(block_a, block_b);
+    // node-a's block empty first (the oldest, taken first), then node-b's.
+    ipam.release_handle("a0").await.expect("release");
+    clock.set(50_010);
+    ipam.release_handle("b0").await.expect("release");
+    ipam.add_reservation(&ipam_core::reservations::Reservation {
+        name: "all-of-a".to_owned(),
+        cidrs: vec![block_a],
+    })
+    .await
+    .expect("reserve node-a's block");
+    clock.set(50_100);
+    let (ip, taken) = assign(&ipam, "c0", "node-c").await;
+    assert_eq!(taken, block_b, "took over the wholly reserved block");
+    assert!(block_b.contains(&ip));
+    assert_eq!(
+        block_owner(&ipam, block_a).await,
+        Some(Some("node-a".into())),
+        "the reserved block changed hands"
+    );
+    assert!(
+        matches!(
+            ipam.auto_assign(&v4("d0", "node-d", 1)).await,
+            Err(IpamError::Exhausted { .. })
+        ),
+        "only the reserved block was left"
+    );
+    assert_eq!(
+        block_owner(&ipam, block_a).await,
+        Some(Some("node-a".into()))
+    );
     assert_clean(&ipam).await;
 }
 
