@@ -26,6 +26,7 @@ macro_rules! lifecycle_conformance_tests {
             empty_block_of_another_host_is_taken_over_once_old_enough,
             takeover_waits_for_cooling_addresses,
             takeover_passes_over_an_empty_block_that_is_wholly_reserved,
+            takeover_passes_over_a_block_used_again_after_the_claim_index_was_read,
             release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
             release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
         );
@@ -362,6 +363,62 @@ pub async fn takeover_passes_over_an_empty_block_that_is_wholly_reserved<F: Stor
         block_owner(&ipam, block_a).await,
         Some(Some("node-a".into()))
     );
+    assert_clean(&ipam).await;
+}
+
+/// The takeover decides from the claim index, then reads the blocks it picked: a block whose host
+/// allocates in it again between the two reads is not empty any more, and is never taken over
+/// with the new allocation in it.
+pub async fn takeover_passes_over_a_block_used_again_after_the_claim_index_was_read<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(60_000);
+    let (t, ipam) = lab(factory, "10.48.0.0/29", 30, &clock, |c| {
+        c.strict_affinity = true;
+        c.empty_block_reclaim_seconds = 60;
+    })
+    .await;
+    let (_, block_a) = assign(&ipam, "a0", "node-a").await;
+    let (_, block_b) = assign(&ipam, "b0", "node-b").await;
+    assert_ne!(block_a, block_b);
+    ipam.release_handle("a0").await.expect("release");
+    clock.set(60_100);
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+    let node_c = Ipam::new(hooked.clone() as Arc<dyn ipam_core::KvStore>).with_clock(clock.clock());
+    // Right after node-c reads the claim index (node-a's block empty for 100 s), node-a
+    // allocates in its block again.
+    let node_a = ipam.clone();
+    let claims = ipam_core::model::keys::claims_dir();
+    hooked.after_read(
+        move |reads| {
+            reads
+                .iter()
+                .any(|r| matches!(r, ipam_core::Read::List(p) if *p == claims))
+        },
+        move || async move {
+            let (_, block) = assign(&node_a, "a1", "node-a").await;
+            assert_eq!(block, block_a);
+        },
+    );
+    let outcome = node_c.auto_assign(&v4("c0", "node-c", 1)).await;
+    assert!(
+        hooked.read_hook_fired(),
+        "node-c never read the claim index"
+    );
+    assert!(
+        matches!(outcome, Err(IpamError::Exhausted { .. })),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        block_owner(&ipam, block_a).await,
+        Some(Some("node-a".into())),
+        "a block in use again was taken over"
+    );
+    let held = ipam.ips_by_handle("a1").await.expect("read");
+    assert_eq!(held.len(), 1);
+    assert!(block_a.contains(&held[0].ip));
     assert_clean(&ipam).await;
 }
 
