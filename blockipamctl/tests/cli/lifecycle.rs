@@ -192,6 +192,14 @@ fn release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad
     assert_eq!(preview["applied"], false, "{preview}");
     // Every empty block but the newest one goes.
     assert_eq!(listed.len(), blocks.len() - 1, "{preview}");
+    for block in preview["blocks"].as_array().expect("blocks") {
+        assert_eq!(block["reason"], "beyond-newest", "{preview}");
+    }
+    // The table names the reason as the JSON does.
+    lab.ctl(&["blocks", "release-empty", "--older-than", "0"])
+        .ok()
+        .stdout_has("beyond-newest")
+        .stdout_has("would release");
     assert_eq!(lab.snapshot(), before, "the preview wrote");
     // Not old enough yet: nothing to release.
     let young = lab

@@ -201,7 +201,6 @@ impl Ipam {
             .blocks_that_may_be_empty(claims, lifetime, cutoff)
             .await?;
         let no_labels = BTreeMap::new();
-        let cutoff = lifetime.now.saturating_sub(filter.older_than_seconds);
         // Each host's newest block per family (latest claim, then highest address).
         let mut newest: BTreeMap<(&str, Family), (u64, IpNet)> = BTreeMap::new();
         for stored in &blocks {
