@@ -27,6 +27,7 @@ macro_rules! lifecycle_conformance_tests {
             takeover_waits_for_cooling_addresses,
             takeover_passes_over_an_empty_block_that_is_wholly_reserved,
             takeover_passes_over_a_block_used_again_after_the_claim_index_was_read,
+            release_empty_passes_over_a_block_used_again_after_the_claim_index_was_read,
             release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
             release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
         );
@@ -419,6 +420,106 @@ pub async fn takeover_passes_over_a_block_used_again_after_the_claim_index_was_r
     let held = ipam.ips_by_handle("a1").await.expect("read");
     assert_eq!(held.len(), 1);
     assert!(block_a.contains(&held[0].ip));
+    assert_clean(&ipam).await;
+}
+
+/// The empty-block pass decides from the claim index, then reads the blocks it may release: a
+/// block used and emptied again between the two reads has been empty for less than the age asked
+/// for, and stays.
+pub async fn release_empty_passes_over_a_block_used_again_after_the_claim_index_was_read<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(70_000);
+    let (t, ipam) = lab(factory, "10.49.0.0/28", 30, &clock, |c| {
+        c.max_blocks_per_host = 0;
+    })
+    .await;
+    let mut blocks = Vec::new();
+    for n in 0..5 {
+        clock.set(70_000 + n);
+        let (_, block) = assign(&ipam, &format!("h{n}"), "node-a").await;
+        if !blocks.contains(&block) {
+            blocks.push(block);
+        }
+    }
+    assert_eq!(blocks.len(), 2, "two /30 blocks: {blocks:?}");
+    for n in 0..5 {
+        ipam.release_handle(&format!("h{n}"))
+            .await
+            .expect("release");
+    }
+    clock.set(71_000);
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+    let pass = Ipam::new(hooked.clone() as Arc<dyn ipam_core::KvStore>).with_clock(clock.clock());
+    // Right after the pass reads the claim index (the older block empty for 1,000 s), node-a
+    // takes an address in it and gives it back.
+    let node_a = ipam.clone();
+    let older_block = blocks[0];
+    let claims = ipam_core::model::keys::claims_dir();
+    hooked.after_read(
+        move |reads| {
+            reads
+                .iter()
+                .any(|r| matches!(r, ipam_core::Read::List(p) if *p == claims))
+        },
+        move || async move {
+            let ip = older_block.hosts().next().expect("a host address");
+            node_a
+                .assign_ips(&ipam_core::AssignIpsRequest {
+                    ips: vec![ip],
+                    handle: "again".to_owned(),
+                    host: "node-a".to_owned(),
+                    ..Default::default()
+                })
+                .await
+                .expect("assign in the older block");
+            node_a.release_handle("again").await.expect("release");
+        },
+    );
+    let found = pass
+        .release_empty_blocks(
+            EmptyBlockFilter {
+                older_than_seconds: 60,
+                only_unselected: false,
+            },
+            true,
+        )
+        .await
+        .expect("pass");
+    assert!(
+        hooked.read_hook_fired(),
+        "the pass never read the claim index"
+    );
+    assert!(
+        found.iter().all(|b| b.cidr != older_block || !b.released),
+        "released a block empty for 0 s: {found:?}"
+    );
+    assert_eq!(
+        block_owner(&ipam, older_block).await,
+        Some(Some("node-a".into())),
+        "a block emptied again was released"
+    );
+    // Once it has been empty long enough, the next pass releases it.
+    clock.set(71_060);
+    let found = ipam
+        .release_empty_blocks(
+            EmptyBlockFilter {
+                older_than_seconds: 60,
+                only_unselected: false,
+            },
+            true,
+        )
+        .await
+        .expect("pass");
+    assert_eq!(
+        found
+            .iter()
+            .map(|b| (b.cidr, b.released))
+            .collect::<Vec<_>>(),
+        vec![(older_block, true)]
+    );
     assert_clean(&ipam).await;
 }
 
