@@ -218,7 +218,7 @@ impl Ipam {
             let block = &stored.value;
             let Some(empty_since) = block
                 .empty_from(lifetime.cooldown_seconds)
-                .filter(|from| *from <= cutoff && *from <= lifetime.now)
+                .filter(|from| *from <= cutoff)
             else {
                 continue;
             };
@@ -318,9 +318,9 @@ impl Ipam {
     }
 
     /// The blocks [`release_empty_blocks`](Self::release_empty_blocks) must look at, with their
-    /// values: every block whose claim entry says it is empty since `cutoff` or earlier (or does
-    /// not say: entries of format 1), and every block of the hosts those belong to (a host's
-    /// newest block decides which of its empty blocks it no longer needs).
+    /// values: every block whose claim entry says it is empty since `cutoff` (never later than
+    /// now) or earlier (or does not say: entries of format 1), and every block of the hosts those
+    /// belong to (a host's newest block decides which of its empty blocks it no longer needs).
     async fn blocks_that_may_be_empty(
         &self,
         claims: Vec<KeyValue>,
@@ -338,7 +338,7 @@ impl Ipam {
             let may_be_empty = claim.free.is_none()
                 || claim
                     .empty_from(&cidr, lifetime.cooldown_seconds)
-                    .is_some_and(|from| from <= cutoff && from <= lifetime.now);
+                    .is_some_and(|from| from <= cutoff);
             if !may_be_empty {
                 continue;
             }
