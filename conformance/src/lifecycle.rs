@@ -367,6 +367,32 @@ pub async fn takeover_passes_over_an_empty_block_that_is_wholly_reserved<F: Stor
     assert_clean(&ipam).await;
 }
 
+/// An allocator over `store` that runs `hook` once, right after its first listing of the claim
+/// index has been answered (another writer's calls land between that read and the block reads
+/// that follow it), and the wrapper, to check that the hook ran.
+fn after_claim_index_read<H, Fut>(
+    store: &Arc<dyn ipam_core::KvStore>,
+    clock: &HandClock,
+    hook: H,
+) -> (Arc<crate::hooked::HookedStore>, Ipam)
+where
+    H: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(store));
+    let ipam = Ipam::new(hooked.clone() as Arc<dyn ipam_core::KvStore>).with_clock(clock.clock());
+    let claims = ipam_core::model::keys::claims_dir();
+    hooked.after_read(
+        move |reads| {
+            reads
+                .iter()
+                .any(|r| matches!(r, ipam_core::Read::List(p) if *p == claims))
+        },
+        hook,
+    );
+    (hooked, ipam)
+}
+
 /// The takeover decides from the claim index, then reads the blocks it picked: a block whose host
 /// allocates in it again between the two reads is not empty any more, and is never taken over
 /// with the new allocation in it.
@@ -386,23 +412,13 @@ pub async fn takeover_passes_over_a_block_used_again_after_the_claim_index_was_r
     assert_ne!(block_a, block_b);
     ipam.release_handle("a0").await.expect("release");
     clock.set(60_100);
-    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
-    let node_c = Ipam::new(hooked.clone() as Arc<dyn ipam_core::KvStore>).with_clock(clock.clock());
     // Right after node-c reads the claim index (node-a's block empty for 100 s), node-a
     // allocates in its block again.
     let node_a = ipam.clone();
-    let claims = ipam_core::model::keys::claims_dir();
-    hooked.after_read(
-        move |reads| {
-            reads
-                .iter()
-                .any(|r| matches!(r, ipam_core::Read::List(p) if *p == claims))
-        },
-        move || async move {
-            let (_, block) = assign(&node_a, "a1", "node-a").await;
-            assert_eq!(block, block_a);
-        },
-    );
+    let (hooked, node_c) = after_claim_index_read(&t.store, &clock, move || async move {
+        let (_, block) = assign(&node_a, "a1", "node-a").await;
+        assert_eq!(block, block_a);
+    });
     let outcome = node_c.auto_assign(&v4("c0", "node-c", 1)).await;
     assert!(
         hooked.read_hook_fired(),
@@ -451,33 +467,23 @@ pub async fn release_empty_passes_over_a_block_used_again_after_the_claim_index_
             .expect("release");
     }
     clock.set(71_000);
-    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
-    let pass = Ipam::new(hooked.clone() as Arc<dyn ipam_core::KvStore>).with_clock(clock.clock());
     // Right after the pass reads the claim index (the older block empty for 1,000 s), node-a
     // takes an address in it and gives it back.
     let node_a = ipam.clone();
     let older_block = blocks[0];
-    let claims = ipam_core::model::keys::claims_dir();
-    hooked.after_read(
-        move |reads| {
-            reads
-                .iter()
-                .any(|r| matches!(r, ipam_core::Read::List(p) if *p == claims))
-        },
-        move || async move {
-            let ip = older_block.hosts().next().expect("a host address");
-            node_a
-                .assign_ips(&ipam_core::AssignIpsRequest {
-                    ips: vec![ip],
-                    handle: "again".to_owned(),
-                    host: "node-a".to_owned(),
-                    ..Default::default()
-                })
-                .await
-                .expect("assign in the older block");
-            node_a.release_handle("again").await.expect("release");
-        },
-    );
+    let (hooked, pass) = after_claim_index_read(&t.store, &clock, move || async move {
+        let ip = older_block.hosts().next().expect("a host address");
+        node_a
+            .assign_ips(&ipam_core::AssignIpsRequest {
+                ips: vec![ip],
+                handle: "again".to_owned(),
+                host: "node-a".to_owned(),
+                ..Default::default()
+            })
+            .await
+            .expect("assign in the older block");
+        node_a.release_handle("again").await.expect("release");
+    });
     let found = pass
         .release_empty_blocks(
             EmptyBlockFilter {
