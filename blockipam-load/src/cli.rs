@@ -196,6 +196,9 @@ pub struct Cli {
     /// etcd: each raw Txn also tests this many more keys (each worker's own, present: version > 0)
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub raw_etcd_extra_conditions: u32,
+    /// etcd: bytes of each value the raw loop puts (to tell what a value's size costs from what a key costs)
+    #[arg(long, value_name = "BYTES", default_value_t = crate::config::RAW_VALUE_BYTES)]
+    pub raw_etcd_value_bytes: usize,
     /// Api mode: each node reads through a cache of its own, as its node agent serves the plugin (a steady ADD or DEL is then one transaction)
     #[arg(long)]
     pub agent_cache: bool,
@@ -331,6 +334,7 @@ impl Cli {
             raw_etcd_shape: RawShape {
                 extra_puts: self.raw_etcd_extra_puts,
                 extra_conditions: self.raw_etcd_extra_conditions,
+                value_bytes: self.raw_etcd_value_bytes,
             },
             agent_cache: self.agent_cache,
         };
@@ -603,6 +607,8 @@ mod tests {
             "3",
             "--raw-etcd-extra-conditions",
             "9",
+            "--raw-etcd-value-bytes",
+            "800",
         ])
         .load_config()
         .expect("a shaped raw loop");
@@ -610,8 +616,25 @@ mod tests {
             shaped.raw_etcd_shape,
             RawShape {
                 extra_puts: 3,
-                extra_conditions: 9
+                extra_conditions: 9,
+                value_bytes: 800,
             }
+        );
+        let plain = parse(&["--raw-etcd-ceiling-seconds", "1"])
+            .load_config()
+            .expect("the plain raw loop");
+        assert_eq!(plain.raw_etcd_shape.value_bytes, 200);
+        let largest = parse(&[
+            "--raw-etcd-ceiling-seconds",
+            "1",
+            "--raw-etcd-extra-puts",
+            "3",
+            "--raw-etcd-value-bytes",
+            "250000",
+        ]);
+        assert!(
+            largest.load_config().is_ok(),
+            "4 × 250,000 bytes is the limit"
         );
         for refused in [
             &["--raw-etcd-extra-puts", "1"][..],
@@ -626,6 +649,21 @@ mod tests {
                 "1",
                 "--raw-etcd-extra-conditions",
                 "101",
+            ],
+            &["--raw-etcd-value-bytes", "800"],
+            &[
+                "--raw-etcd-ceiling-seconds",
+                "1",
+                "--raw-etcd-value-bytes",
+                "0",
+            ],
+            &[
+                "--raw-etcd-ceiling-seconds",
+                "1",
+                "--raw-etcd-extra-puts",
+                "3",
+                "--raw-etcd-value-bytes",
+                "250001",
             ],
         ] {
             assert!(

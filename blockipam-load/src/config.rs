@@ -52,13 +52,31 @@ fn seconds<S: serde::Serializer>(duration: &Duration, serializer: S) -> Result<S
 /// Most keys a raw `Txn` may put or test beyond its own (etcd's default `--max-txn-ops` is 128).
 pub const RAW_EXTRA_LIMIT: u32 = 100;
 
+/// Bytes of each value the raw loop writes unless told otherwise (about a small stored object).
+pub const RAW_VALUE_BYTES: usize = 200;
+/// Most bytes one raw `Txn` may put in all (etcd refuses requests above 1.5 MiB by default).
+pub const RAW_TXN_BYTES_LIMIT: usize = 1_000_000;
+
 /// What each raw `Txn` holds beyond its one conditional put of a new key.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RawShape {
     /// More new keys put, each of the same size.
     pub extra_puts: u32,
     /// More keys tested (each worker's own, present).
     pub extra_conditions: u32,
+    /// Bytes of each value put (the loop's own key and each extra one).
+    pub value_bytes: usize,
+}
+
+impl Default for RawShape {
+    /// The plain loop: one conditional put of [`RAW_VALUE_BYTES`].
+    fn default() -> Self {
+        RawShape {
+            extra_puts: 0,
+            extra_conditions: 0,
+            value_bytes: RAW_VALUE_BYTES,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -192,7 +210,7 @@ impl LoadConfig {
         }
         if self.raw_etcd_shape != RawShape::default() && self.raw_etcd_ceiling.is_none() {
             return Err(LoadError::usage(
-                "--raw-etcd-extra-puts and --raw-etcd-extra-conditions shape the raw loop: they need --raw-etcd-ceiling-seconds",
+                "--raw-etcd-extra-puts, --raw-etcd-extra-conditions and --raw-etcd-value-bytes shape the raw loop: they need --raw-etcd-ceiling-seconds",
             ));
         }
         for (flag, value) in [
@@ -207,6 +225,15 @@ impl LoadConfig {
                     "{flag} must be at most {RAW_EXTRA_LIMIT} (etcd refuses larger transactions by default), not {value}"
                 )));
             }
+        }
+        let shape = self.raw_etcd_shape;
+        let txn_bytes = (shape.extra_puts as usize + 1).saturating_mul(shape.value_bytes);
+        if shape.value_bytes == 0 || txn_bytes > RAW_TXN_BYTES_LIMIT {
+            return Err(LoadError::usage(format!(
+                "--raw-etcd-value-bytes must be at least 1, and all the values of one raw Txn (1 + --raw-etcd-extra-puts of them) at most {RAW_TXN_BYTES_LIMIT} bytes (etcd refuses larger requests by default), not {} × {}",
+                shape.extra_puts as usize + 1,
+                shape.value_bytes
+            )));
         }
         if let Some(rate) = self.churn_rate {
             if !(rate.is_finite() && rate > 0.0) {

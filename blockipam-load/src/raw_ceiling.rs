@@ -16,8 +16,6 @@ use crate::config::RawShape;
 use crate::error::LoadError;
 use crate::etcd_status::StatusClient;
 
-/// Bytes of each value written (about a small stored object).
-pub const VALUE_BYTES: usize = 200;
 /// Connections opened at once.
 const CONNECTS_AT_ONCE: usize = 32;
 /// How many error messages are kept.
@@ -60,7 +58,7 @@ async fn worker(
     start: Arc<Barrier>,
     duration: Duration,
 ) -> (u64, Vec<String>, u64) {
-    let value = vec![b'x'; VALUE_BYTES];
+    let value = vec![b'x'; shape.value_bytes];
     let (mut writes, mut errors, mut samples) = (0_u64, 0_u64, Vec::new());
     let tested: Vec<String> = (0..shape.extra_conditions)
         .map(|i| format!("{prefix}raw-ceiling/{worker}/tested/{i}"))
@@ -153,7 +151,7 @@ pub async fn measure(
     let mut result = RawCeiling {
         when: "after the allocation run and its verification, on the same cluster",
         workers,
-        value_bytes: VALUE_BYTES,
+        value_bytes: shape.value_bytes,
         shape,
         ..RawCeiling::default()
     };

@@ -117,6 +117,7 @@ fn a_shaped_raw_loop_puts_and_tests_the_keys_it_is_told_and_deletes_them_all() {
     let shape = RawShape {
         extra_puts: 2,
         extra_conditions: 3,
+        value_bytes: 64,
     };
     let config = LoadConfig {
         raw_etcd_ceiling: Some(Duration::from_millis(500)),
@@ -140,8 +141,39 @@ fn a_shaped_raw_loop_puts_and_tests_the_keys_it_is_told_and_deletes_them_all() {
     // Each write put three keys; each of the 4 workers put 3 keys to test first.
     assert_eq!(raw.keys_deleted, raw.writes as i64 * 3 + 4 * 3, "{text}");
     assert!(
-        text.contains("each with 2 more puts and 3 more conditions"),
+        text.contains("writes of 64 bytes (each with 2 more puts and 3 more conditions)"),
         "{text}"
+    );
+    // The keys as they stood right before the loop's one deletion (the last write): each value
+    // has the size asked for.
+    let status = etcd
+        .etcdctl(None, &["get", "any-key", "-w", "json"])
+        .expect("etcdctl get");
+    let status: serde_json::Value = serde_json::from_str(&status).expect("etcdctl's JSON");
+    let revision = status["header"]["revision"].as_i64().expect("a revision");
+    let before_deletion = format!("--rev={}", revision - 1);
+    let raw_prefix = format!("{prefix}raw-ceiling/");
+    let values = etcd
+        .etcdctl(
+            None,
+            &[
+                "get",
+                "--prefix",
+                &raw_prefix,
+                &before_deletion,
+                "--print-value-only",
+            ],
+        )
+        .expect("etcdctl get at the revision before the deletion");
+    let values: Vec<&str> = values.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(values.len() as i64, raw.keys_deleted, "{text}");
+    assert!(
+        values.iter().all(|v| *v == "x".repeat(64)),
+        "values of other sizes: {:?}",
+        values
+            .iter()
+            .map(|v| v.len())
+            .collect::<std::collections::BTreeSet<_>>()
     );
 }
 
