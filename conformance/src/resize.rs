@@ -480,6 +480,14 @@ pub async fn check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecor
         .expect("the old /26 block");
     let inside = IpNet::new(old.network(), 28).expect("cidr");
     write_raw_block(&t.store, &Block::new(inside, Some("node-y".into()), 0)).await;
+    // And a second one further in, not next to the /26 in address order.
+    let further_in = old
+        .subnets(28)
+        .expect("the /26's /28s")
+        .nth(2)
+        .expect("its third /28");
+    assert!(old.contains(&further_in.network()) && !inside.contains(&further_in.network()));
+    write_raw_block(&t.store, &Block::new(further_in, Some("node-z".into()), 0)).await;
 
     let report = ipam.check(false).await.expect("check");
     let kinds_found: BTreeSet<&str> = report.problems.iter().map(|p| p.kind.as_str()).collect();
@@ -488,13 +496,19 @@ pub async fn check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecor
         "{:#?}",
         report.problems
     );
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|p| p.kind == kinds::OVERLAPPING_BLOCKS
-                && p.detail.contains(&old.to_string())
-                && p.detail.contains(&inside.to_string())),
+    // Each overlap once: the /26 with each /28 inside it.
+    let overlaps: Vec<&str> = report
+        .problems
+        .iter()
+        .filter(|p| p.kind == kinds::OVERLAPPING_BLOCKS)
+        .map(|p| p.detail.as_str())
+        .collect();
+    assert_eq!(
+        overlaps,
+        [
+            format!("blocks {old} and {inside} overlap"),
+            format!("blocks {old} and {further_in} overlap"),
+        ],
         "{:#?}",
         report.problems
     );

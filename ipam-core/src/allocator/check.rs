@@ -604,24 +604,6 @@ impl Ipam {
                     .hold(block.cidr, *ordinal, apart);
             }
         }
-        let mut sorted: Vec<&Stored<Block>> = snapshot.blocks.iter().collect();
-        sorted.sort_by_key(|b| {
-            (
-                Family::of_net(&b.value.cidr),
-                b.value.cidr.network(),
-                b.value.cidr.prefix_len(),
-            )
-        });
-        for pair in sorted.windows(2) {
-            let (a, b) = (&pair[0].value.cidr, &pair[1].value.cidr);
-            if a != b && (a.contains(&b.network()) || b.contains(&a.network())) {
-                report.problem(
-                    kinds::OVERLAPPING_BLOCKS,
-                    false,
-                    format!("blocks {a} and {b} overlap"),
-                );
-            }
-        }
         for cidr in snapshot.claims.keys() {
             if !seen_cidrs.contains_key(cidr) {
                 let held_back = snapshot.holding_back([cidr]);
