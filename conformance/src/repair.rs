@@ -20,6 +20,7 @@ macro_rules! repair_conformance_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
+            repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -48,6 +49,56 @@ async fn contents(store: &dyn KvStore, prefix: &str) -> Vec<(String, Vec<u8>)> {
         .into_iter()
         .map(|kv| (kv.key, kv.value))
         .collect()
+}
+
+/// A claim index entry that cannot be decoded, for a CIDR inside a block a handle holds
+/// addresses in but not at its start (blocks of mixed sizes after a resize): what it holds is
+/// unknown, so the handle's repair is held back, and nothing is written.
+pub async fn repair_is_held_back_by_a_damaged_entry_inside_a_handles_block<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.21.0.0/24", 26).await;
+    let held = ipam
+        .auto_assign(&v4("pod-1", "node-a", 1))
+        .await
+        .expect("assign pod-1")
+        .v4[0]
+        .clone();
+    // The handle is lost (a missing handle: the repair would recreate it), and a /28 entry
+    // inside its /26, starting 16 addresses in, cannot be decoded.
+    t.store
+        .delete(&keys::handle("pod-1"))
+        .await
+        .expect("lose the handle");
+    let inside = held
+        .block
+        .subnets(28)
+        .expect("the /26's /28s")
+        .nth(1)
+        .expect("its second /28");
+    let damaged = keys::block_claim(&inside);
+    t.store
+        .put(&damaged, vec![0xff, 0x00, 0x13, 0x37])
+        .await
+        .expect("plant the damaged entry");
+    let before = contents(t.store.as_ref(), "").await;
+
+    let report = ipam.check(true).await.expect("check --repair");
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "the repair changed the store: {report:#?}"
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::MISSING_HANDLE
+                && !p.repairable
+                && p.detail.contains("\"pod-1\"")
+                && p.detail.contains(&damaged)),
+        "pod-1's handle is not reported as held back by {damaged}: {report:#?}"
+    );
 }
 
 /// A block that cannot be decoded (damaged, or written by a newer format) beside handles with
