@@ -31,6 +31,7 @@ macro_rules! resize_conformance_tests {
             larger_block_size_never_overlaps_old_smaller_blocks,
             claim_affinity_refuses_a_block_overlapping_a_former_size,
             check_accepts_recorded_mixed_sizes_and_reports_overlaps_and_unrecorded_sizes,
+            check_reports_a_pool_inside_another_and_a_block_larger_than_its_pool,
             address_lookups_keep_their_round_trips_until_a_size_change,
             a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlapping,
             a_namespace_setting_racing_a_split_never_names_the_split_pool,
@@ -437,6 +438,64 @@ pub async fn claim_affinity_refuses_a_block_overlapping_a_former_size<F: StoreFa
 }
 
 /// Writes `block` as it is (block and claim index entry), bypassing the allocator.
+/// `check` reports what the allocator never writes but another writer might: a pool stored inside
+/// another (not at its start), and a block larger than the pool it lies in.
+pub async fn check_reports_a_pool_inside_another_and_a_block_larger_than_its_pool<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.2.0.0/27", "small", 28))
+        .await
+        .expect("a /27 pool of /28 blocks");
+    assign_on(&ipam, "h-a", "node-a", 1).await;
+    assert_clean(&ipam).await;
+    let inner = ipam_core::model::Pool {
+        name: "inner".to_owned(),
+        cidr: net("10.0.0.128/25"),
+        block_size: 26,
+        disabled: false,
+        node_selector: Selector::all(),
+        assignment_mode: AssignmentMode::default(),
+        allowed_uses: AllowedUses::default(),
+    };
+    t.store
+        .put(
+            &ipam_core::model::keys::pool("inner"),
+            ipam_core::model::encode(&inner).expect("encode the pool"),
+        )
+        .await
+        .expect("write a pool inside the first");
+    let large = net("10.2.0.0/26");
+    write_raw_block(&t.store, &Block::new(large, Some("node-x".into()), 0)).await;
+
+    let report = Ipam::new(Arc::clone(&t.store))
+        .check(false)
+        .await
+        .expect("check");
+    let details = |kind: &str| -> Vec<&str> {
+        report
+            .problems
+            .iter()
+            .filter(|p| p.kind == kind)
+            .map(|p| p.detail.as_str())
+            .collect()
+    };
+    assert_eq!(
+        details(kinds::OVERLAPPING_POOLS),
+        ["pools inner (10.0.0.128/25) and pool (10.0.0.0/24) overlap"],
+        "{:#?}",
+        report.problems
+    );
+    assert!(
+        details(kinds::BLOCK_SIZE_MISMATCH)
+            .contains(&"block 10.2.0.0/26 is larger than its pool small (10.2.0.0/27)"),
+        "{:#?}",
+        report.problems
+    );
+}
+
 async fn write_raw_block(store: &Arc<dyn KvStore>, block: &Block) {
     let ops = block_entries(block)
         .expect("encode block")
