@@ -448,6 +448,10 @@ pub async fn a_block_filled_to_its_edges_moves_to_full_only_once_finalized<F: St
     );
 
     ipam.finalize_upgrade(true).await.expect("finalize");
+    // Finalized, before the node writes again: the block is where format 4 left it, a place
+    // `check` accepts in a finalized store.
+    assert_eq!(placement(&t.store, "node-a", &block).await, ["open"]);
+    assert_clean(&ipam).await;
     let third = ipam
         .auto_assign(&skipping_edges("c", "node-a"))
         .await
