@@ -21,6 +21,7 @@ macro_rules! repair_conformance_tests {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
             repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
+            a_claim_entry_naming_another_host_is_reported_and_rewritten_from_the_block,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -49,6 +50,61 @@ async fn contents(store: &dyn KvStore, prefix: &str) -> Vec<(String, Vec<u8>)> {
         .into_iter()
         .map(|kv| (kv.key, kv.value))
         .collect()
+}
+
+/// A claim index entry naming another host than its block (its free count right) is reported,
+/// and the repair rewrites it from the block.
+pub async fn a_claim_entry_naming_another_host_is_reported_and_rewritten_from_the_block<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.22.0.0/24", 26).await;
+    let held = ipam
+        .auto_assign(&v4("pod-1", "node-a", 1))
+        .await
+        .expect("assign pod-1")
+        .v4[0]
+        .clone();
+    let key = keys::block_claim(&held.block);
+    let stored = t
+        .store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("the claim entry");
+    let mut claim: ipam_core::model::Claim = decode(&key, &stored.value).expect("decode");
+    assert_eq!(claim.affinity.as_deref(), Some("node-a"));
+    claim.affinity = Some("node-b".to_owned());
+    t.store
+        .put(&key, encode(&claim).expect("encode"))
+        .await
+        .expect("write the entry naming node-b");
+
+    let report = ipam.check(false).await.expect("check");
+    let mismatches: Vec<_> = report
+        .problems
+        .iter()
+        .filter(|p| p.kind == kinds::CLAIM_MISMATCH)
+        .collect();
+    assert_eq!(mismatches.len(), 1, "{report:#?}");
+    assert!(
+        mismatches[0].repairable
+            && mismatches[0].detail.contains("node-b")
+            && mismatches[0].detail.contains("node-a"),
+        "{report:#?}"
+    );
+    let repaired = ipam.check(true).await.expect("check --repair");
+    assert!(!repaired.repaired.is_empty(), "{repaired:#?}");
+    assert_clean(&ipam).await;
+    let stored = t
+        .store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("the claim entry");
+    let claim: ipam_core::model::Claim = decode(&key, &stored.value).expect("decode");
+    assert_eq!(claim.affinity.as_deref(), Some("node-a"));
 }
 
 /// A claim index entry that cannot be decoded, for a CIDR inside a block a handle holds
