@@ -21,7 +21,7 @@ macro_rules! repair_conformance_tests {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
             repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
-            a_claim_entry_naming_another_host_is_reported_and_rewritten_from_the_block,
+            claim_entries_naming_another_host_or_free_count_are_reported_and_rewritten_from_the_blocks,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -52,9 +52,10 @@ async fn contents(store: &dyn KvStore, prefix: &str) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// A claim index entry naming another host than its block (its free count right) is reported,
-/// and the repair rewrites it from the block.
-pub async fn a_claim_entry_naming_another_host_is_reported_and_rewritten_from_the_block<
+/// A claim index entry naming another host than its block (its free count right), and one
+/// counting another number of free addresses (its host right), are each reported, and the repair
+/// rewrites them from their blocks.
+pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_rewritten_from_the_blocks<
     F: StoreFactory,
 >(
     factory: &F,
@@ -80,31 +81,55 @@ pub async fn a_claim_entry_naming_another_host_is_reported_and_rewritten_from_th
         .put(&key, encode(&claim).expect("encode"))
         .await
         .expect("write the entry naming node-b");
+    let other = ipam
+        .auto_assign(&v4("pod-2", "node-c", 1))
+        .await
+        .expect("assign pod-2")
+        .v4[0]
+        .block;
+    let other_key = keys::block_claim(&other);
+    let stored = t.store.get(&other_key).await.expect("get").expect("entry");
+    let mut claim: ipam_core::model::Claim = decode(&other_key, &stored.value).expect("decode");
+    assert_eq!(claim.free, 63);
+    claim.free = 60;
+    t.store
+        .put(&other_key, encode(&claim).expect("encode"))
+        .await
+        .expect("write the entry counting 60 free");
 
     let report = ipam.check(false).await.expect("check");
-    let mismatches: Vec<_> = report
+    let mut mismatches: Vec<&str> = report
         .problems
         .iter()
-        .filter(|p| p.kind == kinds::CLAIM_MISMATCH)
+        .filter(|p| p.kind == kinds::CLAIM_MISMATCH && p.repairable)
+        .map(|p| p.detail.as_str())
         .collect();
-    assert_eq!(mismatches.len(), 1, "{report:#?}");
-    assert!(
-        mismatches[0].repairable
-            && mismatches[0].detail.contains("node-b")
-            && mismatches[0].detail.contains("node-a"),
-        "{report:#?}"
-    );
+    mismatches.sort();
+    let mut expected = vec![
+        format!(
+            "claim index says block {} belongs to Some(\"node-b\"), the block says Some(\"node-a\")",
+            held.block
+        ),
+        format!("claim index says block {other} has 60 free addresses, the block has 63"),
+    ];
+    expected.sort();
+    assert_eq!(mismatches, expected, "{report:#?}");
     let repaired = ipam.check(true).await.expect("check --repair");
     assert!(!repaired.repaired.is_empty(), "{repaired:#?}");
     assert_clean(&ipam).await;
-    let stored = t
-        .store
-        .get(&key)
-        .await
-        .expect("get")
-        .expect("the claim entry");
-    let claim: ipam_core::model::Claim = decode(&key, &stored.value).expect("decode");
-    assert_eq!(claim.affinity.as_deref(), Some("node-a"));
+    for (key, affinity) in [(&key, "node-a"), (&other_key, "node-c")] {
+        let stored = t
+            .store
+            .get(key)
+            .await
+            .expect("get")
+            .expect("the claim entry");
+        let claim: ipam_core::model::Claim = decode(key, &stored.value).expect("decode");
+        assert_eq!(
+            (claim.affinity.as_deref(), claim.free),
+            (Some(affinity), 63)
+        );
+    }
 }
 
 /// A claim index entry that cannot be decoded, for a CIDR inside a block a handle holds
