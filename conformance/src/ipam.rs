@@ -1218,7 +1218,8 @@ pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(fac
         )
         .await
         .expect("put");
-    ipam.auto_assign(&v4("lost", "node-a", 1))
+    let lost = ipam
+        .auto_assign(&v4("lost", "node-a", 1))
         .await
         .expect("assign");
     t.store.delete(&keys::handle("lost")).await.expect("delete");
@@ -1232,6 +1233,23 @@ pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(fac
     ] {
         assert!(found.contains(kind), "check missed {kind}: {report:#?}");
     }
+    // Each handle problem lists the addresses the blocks hold for the handle.
+    let listed = |kind: &str, handle: &str| -> Vec<IpAddr> {
+        report
+            .problems
+            .iter()
+            .find(|p| p.kind == kind && p.handle.as_deref() == Some(handle))
+            .unwrap_or_else(|| panic!("no {kind} problem for {handle}: {report:#?}"))
+            .addresses
+            .iter()
+            .map(|a| a.ip)
+            .collect()
+    };
+    let mut held: Vec<IpAddr> = got.v4.iter().map(|a| a.ip).collect();
+    held.sort();
+    assert_eq!(listed(kinds::HANDLE_COUNT, "h"), held);
+    assert_eq!(listed(kinds::HANDLE_COUNT, "ghost"), Vec::<IpAddr>::new());
+    assert_eq!(listed(kinds::MISSING_HANDLE, "lost"), [lost.v4[0].ip]);
     assert!(report.repaired.is_empty(), "a plain check must not repair");
     let repaired = ipam.check(true).await.expect("repair");
     assert!(!repaired.repaired.is_empty());
