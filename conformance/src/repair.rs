@@ -22,6 +22,7 @@ macro_rules! repair_conformance_tests {
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
             repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
             claim_entries_naming_another_host_or_free_count_are_reported_and_rewritten_from_the_blocks,
+            repair_keeps_an_empty_block_its_host_still_holds,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -130,6 +131,49 @@ pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_re
             (Some(affinity), 63)
         );
     }
+}
+
+/// The repair deletes empty blocks without affinity only: an empty block its host still holds
+/// (every pod on it gone, the block kept for the next) stays, with its claim entry, while the
+/// repair fixes something else.
+pub async fn repair_keeps_an_empty_block_its_host_still_holds<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.23.0.0/24", 26).await;
+    let block = ipam
+        .auto_assign(&v4("pod-1", "node-a", 1))
+        .await
+        .expect("assign pod-1")
+        .v4[0]
+        .block;
+    ipam.release_handle("pod-1").await.expect("release pod-1");
+    let kept = contents(t.store.as_ref(), "ipam/v1/blocks/").await;
+    assert_eq!(kept.len(), 1, "node-a keeps its empty block");
+    let claim = keys::block_claim(&block);
+    let claim_before = t
+        .store
+        .get(&claim)
+        .await
+        .expect("get")
+        .expect("claim entry");
+    // Something the repair fixes: a handle that holds nothing.
+    let mut ghost = ipam_core::model::Handle::default();
+    ghost.add(block, 1);
+    t.store
+        .put(&keys::handle("ghost"), encode(&ghost).expect("encode"))
+        .await
+        .expect("write the ghost handle");
+
+    let repaired = ipam.check(true).await.expect("check --repair");
+    assert!(!repaired.repaired.is_empty(), "{repaired:#?}");
+    assert_clean(&ipam).await;
+    assert_eq!(
+        contents(t.store.as_ref(), "ipam/v1/blocks/").await,
+        kept,
+        "the repair changed node-a's empty block: {repaired:#?}"
+    );
+    assert_eq!(
+        t.store.get(&claim).await.expect("get").map(|kv| kv.value),
+        Some(claim_before.value)
+    );
 }
 
 /// A claim index entry that cannot be decoded, for a CIDR inside a block a handle holds
