@@ -14,7 +14,8 @@ use ipam_core::{AssignIpsRequest, CountingStore, Ipam, KvStore, RoundTrips};
 use ipnet::IpNet;
 
 use crate::ipam::{
-    assert_allocations_are, assert_clean, assign_concurrently, ipam_with_pool, net, spec, v4,
+    assert_allocations_are, assert_clean, assign_concurrently, assign_one, ipam_with_pool, net,
+    spec, v4,
 };
 use crate::StoreFactory;
 
@@ -180,12 +181,7 @@ pub async fn a_node_reading_through_its_cache_never_decides_from_what_another_wr
 
     // A handle another writer gave an address: not in A's cache, so taken for absent there;
     // releasing it finds it once decided again from the store.
-    let by_other = other
-        .auto_assign(&v4("hx", "node-a", 1))
-        .await
-        .expect("another writer assigns for hx")
-        .v4[0]
-        .ip;
+    let by_other = assign_one(&other, "hx", "node-a").await;
     let released = node_a
         .release_chosen("hx", "node-a", |held| held.iter().map(|a| a.ip).collect())
         .await

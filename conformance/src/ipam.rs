@@ -8,8 +8,8 @@ use std::sync::Arc;
 use ipam_core::check::kinds;
 use ipam_core::model::keys;
 use ipam_core::{
-    AssignIpsRequest, AutoAssignRequest, CountingStore, Ipam, IpamConfig, IpamError, PoolSpec,
-    ReleaseRequest,
+    AssignIpsRequest, AssignedAddress, AutoAssignRequest, CountingStore, Ipam, IpamConfig,
+    IpamError, PoolSpec, ReleaseRequest,
 };
 use ipnet::IpNet;
 
@@ -44,12 +44,22 @@ pub(crate) fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
 }
 
 pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
+    assign_one_allocation(ipam, handle, host).await.ip
+}
+
+/// Auto-assigns one IPv4 address to `handle` on `host` and returns the allocation: the address and
+/// the block it came from.
+pub(crate) async fn assign_one_allocation(
+    ipam: &Ipam,
+    handle: &str,
+    host: &str,
+) -> AssignedAddress {
     let got = ipam
         .auto_assign(&v4(handle, host, 1))
         .await
         .unwrap_or_else(|e| panic!("assign {handle} on {host}: {e}"));
-    assert_eq!(got.v4.len(), 1);
-    got.v4[0].ip
+    assert_eq!(got.v4.len(), 1, "one address for {handle} on {host}");
+    got.v4.into_iter().next().expect("one address")
 }
 
 pub(crate) async fn assert_clean(ipam: &Ipam) {
@@ -649,12 +659,7 @@ pub async fn releasing_host_affinities_deletes_empty_blocks_and_unassigns_others
     factory: &F,
 ) {
     let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
-    let used = ipam
-        .auto_assign(&v4("h", "node-a", 1))
-        .await
-        .expect("assign")
-        .v4[0]
-        .block;
+    let used = assign_one_allocation(&ipam, "h", "node-a").await.block;
     // Claim the half of the pool the used block is not in (where it lands depends on the host hash).
     let other_half = if net("10.0.0.0/25").contains(&used.network()) {
         "10.0.0.128/25"
@@ -666,12 +671,7 @@ pub async fn releasing_host_affinities_deletes_empty_blocks_and_unassigns_others
         .await
         .expect("claim two more");
     assert_eq!(claimed.len(), 2);
-    let other = ipam
-        .auto_assign(&v4("hb", "node-b", 1))
-        .await
-        .expect("b")
-        .v4[0]
-        .block;
+    let other = assign_one_allocation(&ipam, "hb", "node-b").await.block;
     let report = ipam
         .release_host("node-a", false)
         .await

@@ -11,7 +11,7 @@ use ipam_core::model::{decode, encode, keys, Attribute, Block, FORMAT_VERSION};
 use ipam_core::{Ipam, IpamError, PoolChange, ReleaseRequest, RetryPolicy};
 
 use crate::hooked::HookedStore;
-use crate::ipam::{assert_clean, assign_one, ipam_with_pool, spec, v4};
+use crate::ipam::{assert_clean, assign_one, assign_one_allocation, ipam_with_pool, spec, v4};
 use crate::StoreFactory;
 
 /// Expands every repair case into one `#[tokio::test]` inside a module `repair`.
@@ -62,12 +62,7 @@ pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_re
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.22.0.0/24", 26).await;
-    let held = ipam
-        .auto_assign(&v4("pod-1", "node-a", 1))
-        .await
-        .expect("assign pod-1")
-        .v4[0]
-        .clone();
+    let held = assign_one_allocation(&ipam, "pod-1", "node-a").await;
     let key = keys::block_claim(&held.block);
     let stored = t
         .store
@@ -82,12 +77,7 @@ pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_re
         .put(&key, encode(&claim).expect("encode"))
         .await
         .expect("write the entry naming node-b");
-    let other = ipam
-        .auto_assign(&v4("pod-2", "node-c", 1))
-        .await
-        .expect("assign pod-2")
-        .v4[0]
-        .block;
+    let other = assign_one_allocation(&ipam, "pod-2", "node-c").await.block;
     let other_key = keys::block_claim(&other);
     let stored = t.store.get(&other_key).await.expect("get").expect("entry");
     let mut claim: ipam_core::model::Claim = decode(&other_key, &stored.value).expect("decode");
@@ -138,12 +128,7 @@ pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_re
 /// repair fixes something else.
 pub async fn repair_keeps_an_empty_block_its_host_still_holds<F: StoreFactory>(factory: &F) {
     let (t, ipam) = ipam_with_pool(factory, "10.23.0.0/24", 26).await;
-    let block = ipam
-        .auto_assign(&v4("pod-1", "node-a", 1))
-        .await
-        .expect("assign pod-1")
-        .v4[0]
-        .block;
+    let block = assign_one_allocation(&ipam, "pod-1", "node-a").await.block;
     ipam.release_handle("pod-1").await.expect("release pod-1");
     let kept = contents(t.store.as_ref(), "ipam/v1/blocks/").await;
     assert_eq!(kept.len(), 1, "node-a keeps its empty block");
@@ -183,12 +168,7 @@ pub async fn repair_is_held_back_by_a_damaged_entry_inside_a_handles_block<F: St
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.21.0.0/24", 26).await;
-    let held = ipam
-        .auto_assign(&v4("pod-1", "node-a", 1))
-        .await
-        .expect("assign pod-1")
-        .v4[0]
-        .clone();
+    let held = assign_one_allocation(&ipam, "pod-1", "node-a").await;
     // The handle is lost (a missing handle: the repair would recreate it), and a /28 entry
     // inside its /26, starting 16 addresses in, cannot be decoded.
     t.store
@@ -242,12 +222,7 @@ pub async fn repair_leaves_handles_alone_while_a_block_cannot_be_decoded<F: Stor
         let mut pod_one: Vec<_> = pod_one.v4.iter().map(|a| a.ip).collect();
         pod_one.sort();
         assign_one(&ipam, "pod-2", "node-a").await;
-        let elsewhere = ipam
-            .auto_assign(&v4("pod-3", "node-b", 1))
-            .await
-            .expect("assign pod-3")
-            .v4[0]
-            .clone();
+        let elsewhere = assign_one_allocation(&ipam, "pod-3", "node-b").await;
         let block = t
             .store
             .list(&keys::host_blocks_dir("node-a"))
@@ -662,12 +637,7 @@ pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_the
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.21.0.0/24", 28).await;
-    let block = ipam
-        .auto_assign(&v4("pod", "node-a", 1))
-        .await
-        .expect("assign")
-        .v4[0]
-        .block;
+    let block = assign_one_allocation(&ipam, "pod", "node-a").await.block;
     let before = contents(t.store.as_ref(), "").await;
     // Every commit that rewrites a block fails its condition, as if another writer changed the
     // block each time.
