@@ -23,6 +23,8 @@ macro_rules! repair_conformance_tests {
             repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
             claim_entries_naming_another_host_or_free_count_are_reported_and_rewritten_from_the_blocks,
             repair_keeps_an_empty_block_its_host_still_holds,
+            owner_keys_beside_a_damaged_object_of_another_size_are_held_back,
+            a_block_stored_twice_is_reported_and_its_claim_entry_left_alone,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -158,6 +160,131 @@ pub async fn repair_keeps_an_empty_block_its_host_still_holds<F: StoreFactory>(f
     assert_eq!(
         t.store.get(&claim).await.expect("get").map(|kv| kv.value),
         Some(claim_before.value)
+    );
+}
+
+/// Owner keys beside an object that cannot be decoded, of another block size (blocks of mixed
+/// sizes after a resize): an owner key whose block holds no such address is reported but held
+/// back while a damaged claim entry lies inside its block, and an owner key of a /28 inside a
+/// damaged /26 is not taken for orphaned at all (what the /26 holds is unknown). The repair
+/// writes nothing in either store.
+pub async fn owner_keys_beside_a_damaged_object_of_another_size_are_held_back<F: StoreFactory>(
+    factory: &F,
+) {
+    let stray = Attribute {
+        handle: "ghost".into(),
+        metadata: Default::default(),
+    };
+
+    // An owner key naming a free address of pod-1's /26, and a damaged /28 entry inside it.
+    let (t, ipam) = ipam_with_pool(factory, "10.24.0.0/24", 26).await;
+    let block = assign_one_allocation(&ipam, "pod-1", "node-a").await.block;
+    let orphan = keys::owner_key(&block, 40);
+    t.store
+        .put(&orphan, encode(&stray).expect("encode"))
+        .await
+        .expect("plant the orphaned owner key");
+    let inside = block.subnets(28).expect("/28s").nth(1).expect("second /28");
+    let damaged = keys::block_claim(&inside);
+    t.store
+        .put(&damaged, vec![0xff, 0x00, 0x13, 0x37])
+        .await
+        .expect("plant the damaged entry");
+    let before = contents(t.store.as_ref(), "").await;
+    let report = ipam.check(true).await.expect("check --repair");
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "the repair changed the store: {report:#?}"
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::ORPHANED_OWNER_KEY
+                && !p.repairable
+                && p.detail.contains(&orphan)
+                && p.detail.contains(&damaged)),
+        "{orphan} is not reported as held back by {damaged}: {report:#?}"
+    );
+
+    // pod-1's /26 cannot be decoded, and an owner key names an address of a /28 inside it.
+    let (t, ipam) = ipam_with_pool(factory, "10.24.0.0/24", 26).await;
+    let block = assign_one_allocation(&ipam, "pod-1", "node-a").await.block;
+    let block_key = keys::block(Some("node-a"), &block);
+    t.store
+        .get(&block_key)
+        .await
+        .expect("get")
+        .expect("pod-1's block is where its host keeps it");
+    t.store
+        .put(&block_key, vec![0xff, 0x00, 0x13, 0x37])
+        .await
+        .expect("damage the block");
+    let inside = block.subnets(28).expect("/28s").nth(1).expect("second /28");
+    let nested = keys::owner_key(&inside, 0);
+    t.store
+        .put(&nested, encode(&stray).expect("encode"))
+        .await
+        .expect("plant the owner key of the /28");
+    let before = contents(t.store.as_ref(), "").await;
+    let report = ipam.check(true).await.expect("check --repair");
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "the repair changed the store: {report:#?}"
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT && p.detail.contains(&block_key)),
+        "the damaged block is not reported: {report:#?}"
+    );
+    assert!(
+        !report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::ORPHANED_OWNER_KEY),
+        "an owner key inside a block that cannot be decoded is taken for orphaned: {report:#?}"
+    );
+}
+
+/// One block stored at two keys (its host's and another's) needs a person: `check` reports it,
+/// and the repair leaves the claim index entry as it is rather than rewriting it from either copy.
+pub async fn a_block_stored_twice_is_reported_and_its_claim_entry_left_alone<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.25.0.0/24", 26).await;
+    let block = assign_one_allocation(&ipam, "pod-1", "node-a").await.block;
+    let first = keys::block(Some("node-a"), &block);
+    let second = keys::block(Some("node-b"), &block);
+    t.store
+        .put(
+            &second,
+            encode(&Block::new(block, Some("node-b".into()), 0)).expect("encode"),
+        )
+        .await
+        .expect("store the block again, empty, under node-b");
+    let claim_key = keys::block_claim(&block);
+    let before = contents(t.store.as_ref(), "").await;
+
+    let report = ipam.check(true).await.expect("check --repair");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::OVERLAPPING_BLOCKS
+                && !p.repairable
+                && p.detail.contains("stored twice")
+                && p.detail.contains(&first)
+                && p.detail.contains(&second)),
+        "the block stored twice is not reported: {report:#?}"
+    );
+    assert_eq!(
+        contents(t.store.as_ref(), "").await,
+        before,
+        "the repair changed the store (its claim entry {claim_key}?): {report:#?}"
     );
 }
 
