@@ -1251,7 +1251,58 @@ pub async fn check_detects_broken_state_and_repair_fixes_it<F: StoreFactory>(fac
     assert_eq!(listed(kinds::HANDLE_COUNT, "ghost"), Vec::<IpAddr>::new());
     assert_eq!(listed(kinds::MISSING_HANDLE, "lost"), [lost.v4[0].ip]);
     assert!(report.repaired.is_empty(), "a plain check must not repair");
+    // Each handle problem says what the handle records and what the blocks hold: per block, and
+    // which addresses are kept apart.
+    let detail = |kind: &str, handle: &str| -> &str {
+        &report
+            .problems
+            .iter()
+            .find(|p| p.kind == kind && p.handle.as_deref() == Some(handle))
+            .unwrap_or_else(|| panic!("no {kind} problem for {handle}: {report:#?}"))
+            .detail
+    };
+    let apart = |block: IpNet, addresses: &[IpAddr]| -> String {
+        addresses
+            .iter()
+            .map(|a| match (a, block.network()) {
+                (IpAddr::V4(a), IpAddr::V4(n)) => {
+                    format!("{block}#{}", u32::from(*a) - u32::from(n))
+                }
+                _ => panic!("an IPv4 address in an IPv4 block"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let (block, lost_block) = (got.v4[0].block, lost.v4[0].block);
+    let h_now = format!("{{\"{block}\": 2}} (kept apart: {})", apart(block, &held));
+    let lost_now = format!(
+        "{{\"{lost_block}\": 1}} (kept apart: {})",
+        apart(lost_block, &[lost.v4[0].ip])
+    );
+    assert_eq!(
+        detail(kinds::HANDLE_COUNT, "h"),
+        format!("handle \"h\" records {{\"{block}\": 5}} but the blocks hold {h_now}")
+    );
+    assert_eq!(
+        detail(kinds::HANDLE_COUNT, "ghost"),
+        "handle \"ghost\" records {\"10.0.0.64/26\": 1} but the blocks hold {}"
+    );
+    assert_eq!(
+        detail(kinds::MISSING_HANDLE, "lost"),
+        format!("blocks hold {{\"{lost_block}\": 1}} for handle \"lost\", which does not exist")
+    );
     let repaired = ipam.check(true).await.expect("repair");
+    for done in [
+        format!("rewrote handle \"h\" as {h_now}"),
+        format!("rewrote handle \"lost\" as {lost_now}"),
+        "deleted handle \"ghost\", which holds no address".to_owned(),
+    ] {
+        assert!(
+            repaired.repaired.contains(&done),
+            "not repaired: {done}: {:#?}",
+            repaired.repaired
+        );
+    }
     assert!(!repaired.repaired.is_empty());
     assert_clean(&ipam).await;
     assert_eq!(ipam.ips_by_handle("h").await.expect("h").len(), 2);
