@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ipam_core::check::kinds;
 use ipam_core::model::keys;
+use ipam_core::Family;
 use ipam_core::{
     AssignIpsRequest, AssignedAddress, AutoAssignRequest, CountingStore, Ipam, IpamConfig,
     IpamError, PoolSpec, ReleaseRequest,
@@ -90,6 +91,7 @@ macro_rules! ipam_conformance_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(ipam, $crate::ipam, $factory;
             first_assign_claims_a_block_for_the_host,
+            a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
             filling_a_block_spills_into_a_second_block,
             two_hosts_get_different_blocks,
             host_uses_its_affine_blocks_before_claiming_new_ones,
@@ -1851,4 +1853,163 @@ pub async fn concurrent_config_updates_lose_nothing<F: StoreFactory>(factory: &F
             ..IpamConfig::default()
         }
     );
+}
+
+/// Auto-assign with a network set-up (as the CNI plugin asks): the set-up's pools are created,
+/// its gateways reserved with their pool's network (and IPv4 broadcast) address, and a block's
+/// network and last addresses are skipped exactly when a pool of a family the call asks for holds
+/// no gateway (the caller then reports the block's prefix). Each call's family alone decides:
+/// a gateway-less pool of the other family changes nothing. Every address the pool can give is
+/// handed out, by the call that sets the network up (all at once), and one per call (the later
+/// calls finding the network in place).
+pub async fn a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::network_setup::NetworkSetup;
+
+    let v4_pool = "10.30.0.0/28";
+    let v6_pool = "fd00:30::/124";
+    // (family asked for, gateways, what the pool hands out): /30 and /126 blocks of 4 addresses.
+    let cases: [(Family, &[&str], Vec<&str>); 4] = [
+        // No IPv4 gateway: no block's first or last address. The IPv6 pool's gateway does not
+        // make the IPv4 blocks' edges usable.
+        (
+            Family::V4,
+            &["fd00:30::1"],
+            vec![
+                "10.30.0.1",
+                "10.30.0.2",
+                "10.30.0.5",
+                "10.30.0.6",
+                "10.30.0.9",
+                "10.30.0.10",
+                "10.30.0.13",
+                "10.30.0.14",
+            ],
+        ),
+        // An IPv4 gateway: every address but it and the pool's network and broadcast addresses,
+        // block edges included, though the IPv6 pool has no gateway.
+        (
+            Family::V4,
+            &["10.30.0.1"],
+            vec![
+                "10.30.0.2",
+                "10.30.0.3",
+                "10.30.0.4",
+                "10.30.0.5",
+                "10.30.0.6",
+                "10.30.0.7",
+                "10.30.0.8",
+                "10.30.0.9",
+                "10.30.0.10",
+                "10.30.0.11",
+                "10.30.0.12",
+                "10.30.0.13",
+                "10.30.0.14",
+            ],
+        ),
+        (
+            Family::V6,
+            &["10.30.0.1"],
+            vec![
+                "fd00:30::1",
+                "fd00:30::2",
+                "fd00:30::5",
+                "fd00:30::6",
+                "fd00:30::9",
+                "fd00:30::a",
+                "fd00:30::d",
+                "fd00:30::e",
+            ],
+        ),
+        // An IPv6 gateway: every address but it and the pool's network address.
+        (
+            Family::V6,
+            &["fd00:30::1"],
+            vec![
+                "fd00:30::2",
+                "fd00:30::3",
+                "fd00:30::4",
+                "fd00:30::5",
+                "fd00:30::6",
+                "fd00:30::7",
+                "fd00:30::8",
+                "fd00:30::9",
+                "fd00:30::a",
+                "fd00:30::b",
+                "fd00:30::c",
+                "fd00:30::d",
+                "fd00:30::e",
+                "fd00:30::f",
+            ],
+        ),
+    ];
+    for (family, gateways, expected) in cases {
+        let expected: BTreeSet<IpAddr> = expected.into_iter().map(ip).collect();
+        let setup = NetworkSetup {
+            network: "net".into(),
+            pools: vec![spec(v4_pool, "v4", 30), spec(v6_pool, "v6", 126)],
+            gateways: gateways.iter().map(|g| ip(g)).collect(),
+            reservation_handle: "net:gateway".into(),
+        };
+        let request = |handle: String, n: u32| AutoAssignRequest {
+            handle,
+            host: "node-a".into(),
+            num_v4: if family == Family::V4 { n } else { 0 },
+            num_v6: if family == Family::V6 { n } else { 0 },
+            setup: Some(setup.clone()),
+            ..Default::default()
+        };
+        let exhausted = |outcome: Result<ipam_core::AutoAssignResult, IpamError>| {
+            assert!(
+                matches!(outcome, Err(IpamError::Exhausted { .. })),
+                "{family:?} {gateways:?}: not exhausted: {outcome:?}"
+            );
+        };
+        // The call that sets the network up takes every address at once; then none is left.
+        let t = factory.fresh().await;
+        let ipam = Ipam::new(Arc::clone(&t.store));
+        let all = u32::try_from(expected.len()).expect("a few addresses");
+        let got = ipam
+            .auto_assign(&request("pod-all".into(), all))
+            .await
+            .unwrap_or_else(|e| panic!("{family:?} {gateways:?}: {all} at once: {e}"));
+        let handed_out: BTreeSet<IpAddr> = got.v4.iter().chain(&got.v6).map(|a| a.ip).collect();
+        assert_eq!(handed_out, expected, "{family:?} {gateways:?}: at once");
+        exhausted(ipam.auto_assign(&request("pod-more".into(), 1)).await);
+        assert_clean(&ipam).await;
+
+        // One address per call: the first sets the network up, the later ones find it in place.
+        let t = factory.fresh().await;
+        let ipam = Ipam::new(Arc::clone(&t.store));
+        let mut handed_out = BTreeSet::new();
+        for call in 0..expected.len() {
+            let got = ipam
+                .auto_assign(&request(format!("pod-{call}"), 1))
+                .await
+                .unwrap_or_else(|e| panic!("{family:?} {gateways:?}: call {call}: {e}"));
+            for a in got.v4.iter().chain(&got.v6) {
+                assert!(handed_out.insert(a.ip), "{} handed out twice", a.ip);
+            }
+        }
+        assert_eq!(
+            handed_out, expected,
+            "{family:?} {gateways:?}: one per call"
+        );
+        exhausted(ipam.auto_assign(&request("pod-more".into(), 1)).await);
+        let pools: BTreeSet<String> = ipam
+            .list_pools()
+            .await
+            .expect("pools")
+            .iter()
+            .map(|p| p.cidr.to_string())
+            .collect();
+        assert_eq!(
+            pools,
+            BTreeSet::from([v4_pool.to_owned(), v6_pool.to_owned()])
+        );
+        assert_clean(&ipam).await;
+    }
 }
