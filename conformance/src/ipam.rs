@@ -92,6 +92,7 @@ macro_rules! ipam_conformance_tests {
         $crate::__expand_cases!(ipam, $crate::ipam, $factory;
             first_assign_claims_a_block_for_the_host,
             a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
+            a_namespaces_pools_replace_the_requests_family_by_family,
             filling_a_block_spills_into_a_second_block,
             two_hosts_get_different_blocks,
             host_uses_its_affine_blocks_before_claiming_new_ones,
@@ -2012,4 +2013,84 @@ pub async fn a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no
         );
         assert_clean(&ipam).await;
     }
+}
+
+/// A namespace's pools setting replaces the pools a request names, family by family: only for a
+/// family the caller lets it decide (no pod annotation chose that family's pools), and only when
+/// the setting lists pools of that family. A namespace without a setting changes nothing.
+pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFactory>(
+    factory: &F,
+) {
+    use ipam_core::allocator::NamespaceLookup;
+    use ipam_core::namespaces::NamespacePools;
+
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    for (cidr, name, size) in [
+        ("10.40.0.0/26", "a", 28),
+        ("10.40.1.0/26", "b", 28),
+        ("fd00:40::/120", "c", 124),
+        ("fd00:40:1::/120", "d", 124),
+    ] {
+        ipam.create_pool(&spec(cidr, name, size))
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e}"));
+    }
+    for (namespace, v4, v6) in [("web", vec!["b"], vec!["d"]), ("api", vec![], vec!["d"])] {
+        ipam.set_namespace_pools(
+            namespace,
+            &NamespacePools {
+                ipv4_pools: v4.into_iter().map(String::from).collect(),
+                ipv6_pools: v6.into_iter().map(String::from).collect(),
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("set {namespace}'s pools: {e}"));
+    }
+    // (namespace, its setting may decide IPv4, IPv6, the pools the addresses come from)
+    for (n, (namespace, v4, v6, expected)) in [
+        ("web", true, true, ["10.40.1.0/26", "fd00:40:1::/120"]),
+        ("web", false, false, ["10.40.0.0/26", "fd00:40::/120"]),
+        ("web", true, false, ["10.40.1.0/26", "fd00:40::/120"]),
+        ("web", false, true, ["10.40.0.0/26", "fd00:40:1::/120"]),
+        ("api", true, true, ["10.40.0.0/26", "fd00:40:1::/120"]),
+        ("unset", true, true, ["10.40.0.0/26", "fd00:40::/120"]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let got = ipam
+            .auto_assign(&AutoAssignRequest {
+                handle: format!("pod-{n}"),
+                host: "node-a".into(),
+                num_v4: 1,
+                num_v6: 1,
+                v4_pools: vec!["a".into()],
+                v6_pools: vec!["c".into()],
+                namespace: Some(NamespaceLookup {
+                    namespace: namespace.into(),
+                    v4,
+                    v6,
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{namespace} v4 {v4} v6 {v6}: {e}"));
+        let pools: Vec<String> = got
+            .v4
+            .iter()
+            .chain(&got.v6)
+            .map(|a| {
+                expected
+                    .iter()
+                    .find(|p| net(p).contains(&a.ip))
+                    .map_or_else(|| format!("{} in another pool", a.ip), |p| (*p).to_owned())
+            })
+            .collect();
+        assert_eq!(
+            pools, expected,
+            "{namespace}, setting decides v4 {v4}, v6 {v6}"
+        );
+    }
+    assert_clean(&ipam).await;
 }
