@@ -30,6 +30,7 @@ macro_rules! read_cost_conformance_tests {
             steady_state_add_and_del_read_as_much_with_1024_blocks_on_the_node_as_with_16,
             steady_state_with_block_edges_skipped_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
             del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
+            a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges,
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
         );
     };
@@ -69,6 +70,8 @@ pub struct ReadCost {
 pub struct ReadMeter {
     inner: Arc<dyn KvStore>,
     tally: Mutex<ReadCost>,
+    /// The keys reads returned, in order, when made with [`ReadMeter::recording_keys`].
+    keys_read: Mutex<Option<Vec<String>>>,
 }
 
 impl ReadMeter {
@@ -77,7 +80,28 @@ impl ReadMeter {
         Arc::new(ReadMeter {
             inner,
             tally: Mutex::new(ReadCost::default()),
+            keys_read: Mutex::new(None),
         })
+    }
+
+    /// A meter that also records every key its reads return ([`ReadMeter::take_keys`]).
+    pub fn recording_keys(inner: Arc<dyn KvStore>) -> Arc<Self> {
+        Arc::new(ReadMeter {
+            inner,
+            tally: Mutex::new(ReadCost::default()),
+            keys_read: Mutex::new(Some(Vec::new())),
+        })
+    }
+
+    /// The keys reads returned since the last call (none unless made with
+    /// [`ReadMeter::recording_keys`]).
+    pub fn take_keys(&self) -> Vec<String> {
+        self.keys_read
+            .lock()
+            .expect("keys read")
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// The tally so far, starting again from zero.
@@ -87,10 +111,14 @@ impl ReadMeter {
 
     fn count<'a>(&self, returned: impl Iterator<Item = &'a KeyValue>) {
         let mut tally = self.tally.lock().expect("tally");
+        let mut keys_read = self.keys_read.lock().expect("keys read");
         tally.round_trips += 1;
         for kv in returned {
             tally.keys += 1;
             tally.bytes += (kv.key.len() + kv.value.len()) as u64;
+            if let Some(keys) = keys_read.as_mut() {
+                keys.push(kv.key.clone());
+            }
         }
     }
 }
@@ -507,6 +535,90 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
         "an agent's first look reads every block: {:?} then {:?}",
         surveys[0],
         surveys[1]
+    );
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// A node whose blocks are all full but for their edges (stored under `full/`): an ADD that
+/// may take edges (a gateway in the netconf) takes one of theirs instead of a new block, reading
+/// them; an ADD that skips edges (the plugin's default) then claims a new block without reading
+/// any of them, since their edges are no use to it.
+pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (node, blocks) = ("node-edges", 4);
+    let (memory, maker) = memory_maker().await;
+    for n in 0..blocks * Edges::Skipped.usable_per_block() {
+        maker
+            .auto_assign(&pod_add_skipping_edges(node, n))
+            .await
+            .unwrap_or_else(|e| panic!("ADD of pod {n} on {node}: {e}"));
+    }
+    let t = factory.fresh().await;
+    copy_store(&memory, &t.store).await;
+    let full_dir = keys::host_full_blocks_dir(node);
+    let full: Vec<String> = t
+        .store
+        .list(&full_dir)
+        .await
+        .expect("list full blocks")
+        .into_iter()
+        .map(|kv| kv.key)
+        .collect();
+    assert_eq!(
+        full.len(),
+        blocks as usize,
+        "{node}'s blocks, full but for their edges"
+    );
+    let held_blocks = |ipam: &Ipam| {
+        let ipam = ipam.clone();
+        async move {
+            ipam.utilization()
+                .await
+                .expect("usage")
+                .pools
+                .iter()
+                .flat_map(|p| p.blocks.iter().map(|b| b.cidr))
+                .collect::<std::collections::BTreeSet<_>>()
+        }
+    };
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let before = held_blocks(&ipam).await;
+
+    meter.take_keys();
+    let taking = ipam
+        .auto_assign(&pod_add(node, blocks * 2))
+        .await
+        .expect("ADD taking edges");
+    let read = meter.take_keys();
+    let address = &taking.v4[0];
+    assert!(
+        before.contains(&address.block)
+            && (address.ip == address.block.network() || address.ip == address.block.broadcast()),
+        "{address:?} is not an edge of one of {before:?}"
+    );
+    assert!(
+        read.iter().any(|key| key.starts_with(&full_dir)),
+        "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
+    );
+
+    meter.take_keys();
+    let skipping = ipam
+        .auto_assign(&pod_add_skipping_edges(node, blocks * 2 + 1))
+        .await
+        .expect("ADD skipping edges");
+    let read = meter.take_keys();
+    assert!(
+        !read.iter().any(|key| key.starts_with(&full_dir)),
+        "the ADD skipping edges read blocks full but for their edges: {read:#?}"
+    );
+    let new_block = skipping.v4[0].block;
+    assert!(
+        !before.contains(&new_block),
+        "{skipping:?} is in one of {before:?}"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
