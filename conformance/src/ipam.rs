@@ -1979,6 +1979,12 @@ pub async fn a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no
             .unwrap_or_else(|e| panic!("{family:?} {gateways:?}: {all} at once: {e}"));
         let handed_out: BTreeSet<IpAddr> = got.v4.iter().chain(&got.v6).map(|a| a.ip).collect();
         assert_eq!(handed_out, expected, "{family:?} {gateways:?}: at once");
+        let seen: BTreeSet<String> = got.pools.iter().map(|p| p.cidr.to_string()).collect();
+        assert_eq!(
+            seen,
+            BTreeSet::from([v4_pool.to_owned(), v6_pool.to_owned()]),
+            "the pools the call saw, with the ones it created"
+        );
         exhausted(ipam.auto_assign(&request("pod-more".into(), 1)).await);
         assert_clean(&ipam).await;
 

@@ -542,7 +542,8 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
 /// A node whose blocks are all full but for their edges (stored under `full/`): an ADD that
 /// may take edges (a gateway in the netconf) takes one of theirs instead of a new block, reading
 /// them; an ADD that skips edges (the plugin's default) then claims a new block without reading
-/// any of them, since their edges are no use to it.
+/// any of them, since their edges are no use to it. Where new blocks are not allowed, the ADD
+/// that may take edges still takes one of theirs.
 pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges<
     F: StoreFactory,
 >(
@@ -619,6 +620,33 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
     assert!(
         !before.contains(&new_block),
         "{skipping:?} is in one of {before:?}"
+    );
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+
+    // Where new blocks are not allowed, the ADD that may take edges still finds them in the
+    // node's own blocks (read by their own listing).
+    let t = factory.fresh().await;
+    copy_store(&memory, &t.store).await;
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    ipam.update_config(|c| c.auto_allocate_blocks = false)
+        .await
+        .expect("no new blocks");
+    meter.take_keys();
+    let taking = ipam
+        .auto_assign(&pod_add(node, blocks * 2))
+        .await
+        .expect("ADD taking edges, no new blocks allowed");
+    let read = meter.take_keys();
+    let address = &taking.v4[0];
+    assert!(
+        before.contains(&address.block)
+            && (address.ip == address.block.network() || address.ip == address.block.broadcast()),
+        "{address:?} is not an edge of one of {before:?}"
+    );
+    assert!(
+        read.iter().any(|key| key.starts_with(&full_dir)),
+        "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
