@@ -543,7 +543,8 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
 /// may take edges (a gateway in the netconf) takes one of theirs instead of a new block, reading
 /// them; an ADD that skips edges (the plugin's default) then claims a new block without reading
 /// any of them, since their edges are no use to it. Where new blocks are not allowed, the ADD
-/// that may take edges still takes one of theirs.
+/// that may take edges still takes one of theirs, and reads none of them once one of the node's
+/// blocks has room again.
 pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges<
     F: StoreFactory,
 >(
@@ -647,6 +648,18 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
     assert!(
         read.iter().any(|key| key.starts_with(&full_dir)),
         "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
+    );
+    // And once one of its blocks has room again, the ADD is served from it alone.
+    pod_del(&ipam, node, 0).await;
+    meter.take_keys();
+    let again = ipam
+        .auto_assign(&pod_add(node, blocks * 2 + 1))
+        .await
+        .expect("ADD taking edges, a block with room");
+    let read = meter.take_keys();
+    assert!(
+        !read.iter().any(|key| key.starts_with(&full_dir)),
+        "{again:?}: the ADD read blocks full but for their edges though its own had room: {read:#?}"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
