@@ -25,6 +25,7 @@ macro_rules! full_pools_conformance_tests {
             a_window_without_room_falls_back_to_the_whole_claim_index,
             a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_window,
             a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_the_empty_block_pass,
+            a_pool_of_mixed_block_sizes_is_never_marked_full,
         );
     };
 }
@@ -545,6 +546,49 @@ pub async fn a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_
     assert!(
         unclaimed.contains(&got.v4[0].ip),
         "claimed the block the reservation left: {got:?}"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A new node's ADD that finds no unclaimed block in two pools, one of them holding blocks of two
+/// sizes (its block size changed), borrows and marks only the other pool full: in a pool of mixed
+/// sizes an unclaimed CIDR of the current size may overlap an older block, so "no unclaimed block
+/// found" proves nothing there.
+pub async fn a_pool_of_mixed_block_sizes_is_never_marked_full<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    for (cidr, name) in [("10.50.0.0/28", "plain"), ("10.51.0.0/28", "mixed")] {
+        ipam.create_pool(&spec(cidr, name, 30))
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e}"));
+    }
+    // node-a claims all eight /30 blocks and fills them but for one address.
+    for n in 0..31 {
+        ipam.auto_assign(&v4(&format!("pod-{n}"), "node-a", 1))
+            .await
+            .unwrap_or_else(|e| panic!("ADD of pod {n} on node-a: {e}"));
+    }
+    let change = ipam_core::PoolChange {
+        block_size: Some(29),
+        ..ipam_core::PoolChange::default()
+    };
+    ipam.set_pool("mixed", &change)
+        .await
+        .expect("a larger block size for the mixed pool");
+    assert!(!marked(&t.store, "plain").await && !marked(&t.store, "mixed").await);
+
+    let got = ipam
+        .auto_assign(&v4("pod-b", "node-b", 1))
+        .await
+        .expect("node-b borrows the last address");
+    assert_eq!(got.v4.len(), 1);
+    assert!(
+        marked(&t.store, "plain").await,
+        "the pool without mixed sizes, every block claimed, is not marked full"
+    );
+    assert!(
+        !marked(&t.store, "mixed").await,
+        "the pool of mixed block sizes is marked full"
     );
     assert_clean(&ipam).await;
 }
