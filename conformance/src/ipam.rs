@@ -318,6 +318,21 @@ pub async fn block_limit_gives_a_block_limit_error<F: StoreFactory>(factory: &F)
         }) => {}
         other => panic!("expected the block limit, got {other:?}"),
     }
+    // One request needing three new blocks on a host that holds none is refused whole: the
+    // blocks it claims on the way count too.
+    match ipam.auto_assign(&v4("many", "node-c", 9)).await {
+        Err(IpamError::BlockLimit {
+            owned: 2, limit: 2, ..
+        }) => {}
+        other => panic!("expected the block limit for nine addresses, got {other:?}"),
+    }
+    assert!(
+        ipam.ips_by_handle("many").await.expect("many").is_empty(),
+        "a refused request holds nothing"
+    );
+    ipam.auto_assign(&v4("eight", "node-c", 8))
+        .await
+        .expect("eight addresses fit in two new /30 blocks");
     assert_clean(&ipam).await;
 }
 
