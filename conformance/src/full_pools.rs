@@ -26,6 +26,7 @@ macro_rules! full_pools_conformance_tests {
             a_new_node_in_a_nearly_full_pool_claims_an_unclaimed_block_of_its_window,
             a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_the_empty_block_pass,
             a_pool_of_mixed_block_sizes_is_never_marked_full,
+            a_borrowing_add_reads_only_as_many_lenders_as_it_needs,
         );
     };
 }
@@ -590,5 +591,58 @@ pub async fn a_pool_of_mixed_block_sizes_is_never_marked_full<F: StoreFactory>(f
         !marked(&t.store, "mixed").await,
         "the pool of mixed block sizes is marked full"
     );
+    assert_clean(&ipam).await;
+}
+
+/// A borrowing ADD reads only as many lenders' blocks as the addresses it still misses need
+/// (the claim index says how many each has free): here, after one address from its own block,
+/// two lenders with one free address each of the seven in the pool.
+pub async fn a_borrowing_add_reads_only_as_many_lenders_as_it_needs<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    let maker = Ipam::new(Arc::clone(&t.store));
+    // Eight /30 blocks, one per node, each with three of its four addresses in use.
+    maker
+        .create_pool(&spec("10.60.0.0/27", "pool", 30))
+        .await
+        .expect("create pool");
+    let nodes: Vec<String> = (0..8).map(|n| format!("node-{n}")).collect();
+    for node in &nodes {
+        let got = maker
+            .auto_assign(&v4(&format!("{node}-pods"), node, 3))
+            .await
+            .unwrap_or_else(|e| panic!("three addresses on {node}: {e}"));
+        assert_eq!(got.v4.len(), 3);
+    }
+    let borrower = &nodes[0];
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    meter.take_keys();
+    let got = ipam
+        .auto_assign(&v4("more", borrower, 3))
+        .await
+        .expect("one own address and two borrowed");
+    let read = meter.take_keys();
+    let lenders: std::collections::BTreeSet<&String> = read
+        .iter()
+        .filter(|key| {
+            key.starts_with(&keys::affine_blocks_dir())
+                && !key.starts_with(&keys::host_blocks_dir(borrower))
+        })
+        .collect();
+    assert_eq!(
+        lenders.len(),
+        2,
+        "{got:?}: the borrowing ADD read these blocks of other nodes: {lenders:#?}"
+    );
+    let borrowed = got
+        .v4
+        .iter()
+        .filter(|a| {
+            lenders
+                .iter()
+                .any(|key| key.ends_with(&keys::cidr_segment(&a.block)))
+        })
+        .count();
+    assert_eq!(borrowed, 2, "{got:?} from {lenders:#?}");
     assert_clean(&ipam).await;
 }
