@@ -27,6 +27,7 @@ macro_rules! full_pools_conformance_tests {
             a_pool_whose_only_unclaimed_block_is_reserved_stays_marked_through_the_empty_block_pass,
             a_pool_of_mixed_block_sizes_is_never_marked_full,
             a_borrowing_add_reads_only_as_many_lenders_as_it_needs,
+            a_hosts_first_block_is_the_one_at_its_hashed_start,
         );
     };
 }
@@ -645,4 +646,45 @@ pub async fn a_borrowing_add_reads_only_as_many_lenders_as_it_needs<F: StoreFact
         .count();
     assert_eq!(borrowed, 2, "{got:?} from {lenders:#?}");
     assert_clean(&ipam).await;
+}
+
+/// A host's first block, in an empty pool, is the one at its hashed start (Calico's way: hosts
+/// spread over the pool and the same host name lands in the same place in every store).
+pub async fn a_hosts_first_block_is_the_one_at_its_hashed_start<F: StoreFactory>(factory: &F) {
+    let pool: IpNet = "10.70.0.0/22".parse().expect("pool");
+    let blocks = 64u64; // /28 blocks in a /22
+    let mut starts = std::collections::BTreeSet::new();
+    for host in [
+        "node-a",
+        "node-b",
+        "worker-17",
+        "n",
+        "ip-10-0-3-4.ec2.internal",
+    ] {
+        let t = factory.fresh().await;
+        let ipam = Ipam::new(Arc::clone(&t.store));
+        ipam.create_pool(&spec(&pool.to_string(), "pool", 28))
+            .await
+            .expect("create pool");
+        let got = ipam
+            .auto_assign(&v4("pod", host, 1))
+            .await
+            .unwrap_or_else(|e| panic!("ADD on {host}: {e}"));
+        let start = search_start(host, blocks);
+        let IpAddr::V4(network) = pool.network() else {
+            panic!("an IPv4 pool");
+        };
+        let expected: IpNet = format!(
+            "{}/28",
+            std::net::Ipv4Addr::from(u32::from(network) + 16 * start as u32)
+        )
+        .parse()
+        .expect("block");
+        assert_eq!(got.v4[0].block, expected, "{host}'s first block");
+        starts.insert(start);
+    }
+    assert!(
+        starts.len() > 1,
+        "the hosts should not all start at one block: {starts:?}"
+    );
 }
