@@ -93,6 +93,7 @@ macro_rules! ipam_conformance_tests {
             first_assign_claims_a_block_for_the_host,
             a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
             a_namespaces_pools_replace_the_requests_family_by_family,
+            specific_ips_are_assigned_one_to_32_at_a_time,
             filling_a_block_spills_into_a_second_block,
             two_hosts_get_different_blocks,
             host_uses_its_affine_blocks_before_claiming_new_ones,
@@ -400,6 +401,34 @@ pub async fn released_address_is_reused_last<F: StoreFactory>(factory: &F) {
         later[12], first,
         "the released address is the last one handed out"
     );
+}
+
+/// Assigning specific addresses takes 1 to 32 at once: none, or 33, is refused and writes
+/// nothing; 32 are assigned.
+pub async fn specific_ips_are_assigned_one_to_32_at_a_time<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let request = |count: u32| AssignIpsRequest {
+        ips: (0..count)
+            .map(|n| ip(&format!("10.0.0.{}", n + 1)))
+            .collect(),
+        handle: "h".into(),
+        host: "node-a".into(),
+        ..Default::default()
+    };
+    let before = t.store.list("").await.expect("list");
+    for refused in [0, 33] {
+        assert!(
+            matches!(
+                ipam.assign_ips(&request(refused)).await,
+                Err(IpamError::InvalidArgument(_))
+            ),
+            "{refused} addresses at once"
+        );
+        assert_eq!(t.store.list("").await.expect("list"), before);
+    }
+    let got = ipam.assign_ips(&request(32)).await.expect("32 at once");
+    assert_eq!(got.len(), 32);
+    assert_clean(&ipam).await;
 }
 
 /// A specific address is assigned, and its missing block is claimed for the host.
@@ -989,6 +1018,19 @@ pub async fn reuse_existing_returns_the_addresses_already_held<F: StoreFactory>(
         before,
         "a repeated request wrote something"
     );
+
+    // Addresses in a block the host keeps as full (outside its steady-state read) are returned too.
+    let (t, ipam) = ipam_with_pool(factory, "10.1.0.0/24", 30).await;
+    let mut request = v4("net.six", "node-a", 6);
+    request.reuse_existing = true;
+    let first = ipam.auto_assign(&request).await.expect("first");
+    let blocks: BTreeSet<IpNet> = first.v4.iter().map(|a| a.block).collect();
+    assert_eq!(blocks.len(), 2, "one /30 full, one half full: {first:?}");
+    let before = t.store.list("").await.expect("list");
+    let second = ipam.auto_assign(&request).await.expect("second");
+    assert!(second.reused);
+    assert_eq!(second.v4, first.v4);
+    assert_eq!(t.store.list("").await.expect("list"), before);
 }
 
 /// A failing auto-assign (exhausted) leaves the store exactly as it was.
