@@ -590,22 +590,7 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
     let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
     let before = held_blocks(&ipam).await;
 
-    meter.take_keys();
-    let taking = ipam
-        .auto_assign(&pod_add(node, blocks * 2))
-        .await
-        .expect("ADD taking edges");
-    let read = meter.take_keys();
-    let address = &taking.v4[0];
-    assert!(
-        before.contains(&address.block)
-            && (address.ip == address.block.network() || address.ip == address.block.broadcast()),
-        "{address:?} is not an edge of one of {before:?}"
-    );
-    assert!(
-        read.iter().any(|key| key.starts_with(&full_dir)),
-        "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
-    );
+    takes_an_edge_of(&ipam, &meter, pod_add(node, blocks * 2), &before, &full_dir).await;
 
     meter.take_keys();
     let skipping = ipam
@@ -633,22 +618,7 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
     ipam.update_config(|c| c.auto_allocate_blocks = false)
         .await
         .expect("no new blocks");
-    meter.take_keys();
-    let taking = ipam
-        .auto_assign(&pod_add(node, blocks * 2))
-        .await
-        .expect("ADD taking edges, no new blocks allowed");
-    let read = meter.take_keys();
-    let address = &taking.v4[0];
-    assert!(
-        before.contains(&address.block)
-            && (address.ip == address.block.network() || address.ip == address.block.broadcast()),
-        "{address:?} is not an edge of one of {before:?}"
-    );
-    assert!(
-        read.iter().any(|key| key.starts_with(&full_dir)),
-        "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
-    );
+    takes_an_edge_of(&ipam, &meter, pod_add(node, blocks * 2), &before, &full_dir).await;
     // And once one of its blocks has room again, the ADD is served from it alone.
     pod_del(&ipam, node, 0).await;
     meter.take_keys();
@@ -662,4 +632,28 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
         "{again:?}: the ADD read blocks full but for their edges though its own had room: {read:#?}"
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// Runs `add` through `ipam` (over `meter`, recording keys): it must take an edge of one of
+/// `blocks`, and read blocks under `full_dir` (where those are kept) to find it.
+async fn takes_an_edge_of(
+    ipam: &Ipam,
+    meter: &ReadMeter,
+    add: AutoAssignRequest,
+    blocks: &std::collections::BTreeSet<ipnet::IpNet>,
+    full_dir: &str,
+) {
+    meter.take_keys();
+    let taking = ipam.auto_assign(&add).await.expect("ADD taking edges");
+    let read = meter.take_keys();
+    let address = &taking.v4[0];
+    assert!(
+        blocks.contains(&address.block)
+            && (address.ip == address.block.network() || address.ip == address.block.broadcast()),
+        "{address:?} is not an edge of one of {blocks:?}"
+    );
+    assert!(
+        read.iter().any(|key| key.starts_with(full_dir)),
+        "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
+    );
 }
