@@ -574,21 +574,9 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
         blocks as usize,
         "{node}'s blocks, full but for their edges"
     );
-    let held_blocks = |ipam: &Ipam| {
-        let ipam = ipam.clone();
-        async move {
-            ipam.utilization()
-                .await
-                .expect("usage")
-                .pools
-                .iter()
-                .flat_map(|p| p.blocks.iter().map(|b| b.cidr))
-                .collect::<std::collections::BTreeSet<_>>()
-        }
-    };
     let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
     let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
-    let before = held_blocks(&ipam).await;
+    let before = crate::reservations::blocks(&ipam).await;
 
     takes_an_edge_of(&ipam, &meter, pod_add(node, blocks * 2), &before, &full_dir).await;
 

@@ -44,7 +44,8 @@ async fn reserve(ipam: &Ipam, name: &str, cidrs: &[&str]) {
         .unwrap_or_else(|e| panic!("reserve {name} {cidrs:?}: {e}"));
 }
 
-async fn blocks(ipam: &Ipam) -> BTreeSet<IpNet> {
+/// Every block of every pool.
+pub(crate) async fn blocks(ipam: &Ipam) -> BTreeSet<IpNet> {
     ipam.utilization()
         .await
         .expect("usage")
