@@ -94,6 +94,7 @@ macro_rules! ipam_conformance_tests {
             a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
             a_namespaces_pools_replace_the_requests_family_by_family,
             specific_ips_are_assigned_one_to_32_at_a_time,
+            auto_assign_chooses_automatic_pools_allowing_the_use_and_selecting_the_node,
             filling_a_block_spills_into_a_second_block,
             two_hosts_get_different_blocks,
             host_uses_its_affine_blocks_before_claiming_new_ones,
@@ -2155,5 +2156,91 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
             "{namespace}, setting decides v4 {v4}, v6 {v6}"
         );
     }
+    assert_clean(&ipam).await;
+}
+
+/// Without named pools, auto-assign uses only the pools that are automatic, allow the use asked
+/// for and select the node (Calico's rule); named pools are used whatever their mode and
+/// selector, each of them, in order.
+pub async fn auto_assign_chooses_automatic_pools_allowing_the_use_and_selecting_the_node<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::selector::Selector;
+    use ipam_core::{AllowedUses, AssignmentMode, PoolPolicy};
+
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    for (cidr, name, mode, uses, selector) in [
+        (
+            "10.80.0.0/30",
+            "manual",
+            AssignmentMode::Manual,
+            "workload",
+            "all()",
+        ),
+        (
+            "10.80.0.4/30",
+            "tunnel",
+            AssignmentMode::Automatic,
+            "tunnel",
+            "all()",
+        ),
+        (
+            "10.80.0.8/30",
+            "east",
+            AssignmentMode::Automatic,
+            "workload",
+            "zone == 'east'",
+        ),
+        (
+            "10.80.0.12/30",
+            "auto",
+            AssignmentMode::Automatic,
+            "workload",
+            "all()",
+        ),
+    ] {
+        let policy = PoolPolicy {
+            node_selector: Selector::parse(selector).expect("selector"),
+            assignment_mode: mode,
+            allowed_uses: AllowedUses::parse(uses).expect("uses"),
+        };
+        ipam.create_pool_with_policy(&spec(cidr, name, 30), &policy)
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e}"));
+    }
+    // Only "auto" is a candidate: its four addresses, and not one more.
+    let before = t.store.list("").await.expect("list");
+    assert!(
+        matches!(
+            ipam.auto_assign(&v4("five", "node-a", 5)).await,
+            Err(IpamError::Exhausted { .. })
+        ),
+        "five addresses from a pool of four"
+    );
+    assert_eq!(t.store.list("").await.expect("list"), before);
+    let got = ipam
+        .auto_assign(&v4("four", "node-a", 4))
+        .await
+        .expect("four addresses of auto");
+    assert!(
+        got.v4.iter().all(|a| net("10.80.0.12/30").contains(&a.ip)),
+        "{got:?}"
+    );
+    // Named pools, a manual one and one selecting other nodes: both used, the first first.
+    let mut named = v4("named", "node-a", 8);
+    named.v4_pools = vec!["manual".into(), "east".into()];
+    let got = ipam
+        .auto_assign(&named)
+        .await
+        .expect("eight from two named pools");
+    let in_pool = |cidr: &str| got.v4.iter().filter(|a| net(cidr).contains(&a.ip)).count();
+    assert_eq!(
+        (in_pool("10.80.0.0/30"), in_pool("10.80.0.8/30")),
+        (4, 4),
+        "{got:?}"
+    );
     assert_clean(&ipam).await;
 }
