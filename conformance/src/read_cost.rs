@@ -12,7 +12,7 @@ use ipam_core::allocator::leaks::{
     handle_id, Attachment, LeakPolicy, LeakWatch, LiveSandbox, RuntimeView, ATTR_CONTAINER_ID,
     ATTR_INTERFACE,
 };
-use ipam_core::allocator::{AutoAssignRequest, NamespaceLookup};
+use ipam_core::allocator::{AutoAssignRequest, AutoAssignResult, NamespaceLookup};
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
 use ipam_core::model::keys;
 use ipam_core::{
@@ -580,16 +580,13 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
 
     takes_an_edge_of(&ipam, &meter, pod_add(node, blocks * 2), &before, &full_dir).await;
 
-    meter.take_keys();
-    let skipping = ipam
-        .auto_assign(&pod_add_skipping_edges(node, blocks * 2 + 1))
-        .await
-        .expect("ADD skipping edges");
-    let read = meter.take_keys();
-    assert!(
-        !read.iter().any(|key| key.starts_with(&full_dir)),
-        "the ADD skipping edges read blocks full but for their edges: {read:#?}"
-    );
+    let skipping = assigns_without_reading_under(
+        &ipam,
+        &meter,
+        pod_add_skipping_edges(node, blocks * 2 + 1),
+        &full_dir,
+    )
+    .await;
     let new_block = skipping.v4[0].block;
     assert!(
         !before.contains(&new_block),
@@ -609,16 +606,7 @@ pub async fn a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full
     takes_an_edge_of(&ipam, &meter, pod_add(node, blocks * 2), &before, &full_dir).await;
     // And once one of its blocks has room again, the ADD is served from it alone.
     pod_del(&ipam, node, 0).await;
-    meter.take_keys();
-    let again = ipam
-        .auto_assign(&pod_add(node, blocks * 2 + 1))
-        .await
-        .expect("ADD taking edges, a block with room");
-    let read = meter.take_keys();
-    assert!(
-        !read.iter().any(|key| key.starts_with(&full_dir)),
-        "{again:?}: the ADD read blocks full but for their edges though its own had room: {read:#?}"
-    );
+    assigns_without_reading_under(&ipam, &meter, pod_add(node, blocks * 2 + 1), &full_dir).await;
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
 
@@ -644,4 +632,25 @@ async fn takes_an_edge_of(
         read.iter().any(|key| key.starts_with(full_dir)),
         "the ADD taking edges found one without reading the blocks holding them: {read:#?}"
     );
+}
+
+/// Runs `add` through `ipam` (over `meter`, recording keys): it must succeed without reading any
+/// key under `full_dir` (blocks full but for their edges, of no use to it); returns what it got.
+async fn assigns_without_reading_under(
+    ipam: &Ipam,
+    meter: &ReadMeter,
+    add: AutoAssignRequest,
+    full_dir: &str,
+) -> AutoAssignResult {
+    meter.take_keys();
+    let assigned = ipam
+        .auto_assign(&add)
+        .await
+        .unwrap_or_else(|e| panic!("ADD of {}: {e}", add.handle));
+    let read = meter.take_keys();
+    assert!(
+        !read.iter().any(|key| key.starts_with(full_dir)),
+        "{assigned:?}: the ADD read blocks full but for their edges, of no use to it: {read:#?}"
+    );
+    assigned
 }
