@@ -28,6 +28,7 @@ macro_rules! full_pools_conformance_tests {
             a_pool_of_mixed_block_sizes_is_never_marked_full,
             a_borrowing_add_reads_only_as_many_lenders_as_it_needs,
             a_hosts_first_block_is_the_one_at_its_hashed_start,
+            a_search_past_the_window_takes_the_first_unclaimed_block_from_the_hosts_start,
         );
     };
 }
@@ -687,4 +688,60 @@ pub async fn a_hosts_first_block_is_the_one_at_its_hashed_start<F: StoreFactory>
         starts.len() > 1,
         "the hosts should not all start at one block: {starts:?}"
     );
+}
+
+/// A new node whose probes and window (the 48 claim entries from its hashed start) find every
+/// block claimed lists the claim index and takes the first unclaimed block counting on from the
+/// same start, wrapping around, as its first probes would have: a host's blocks stay where its
+/// later probes look, whichever way the rest of the pool is taken.
+pub async fn a_search_past_the_window_takes_the_first_unclaimed_block_from_the_hosts_start<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let node = "node-a";
+    let blocks = 128; // /30 blocks in a /23
+    let start = search_start(node, u64::from(blocks)) as u32;
+    let after_start = |block: u32| (block + blocks - start) % blocks;
+    // Every block of the window, and beyond it one in three: unclaimed blocks scattered.
+    let claimed = |block: u32| after_start(block) < 48 || after_start(block) % 3 == 0;
+    let t = partly_claimed_pool(factory, "10.66.0.0/23", blocks, claimed).await;
+    let first = u32::from(std::net::Ipv4Addr::new(10, 66, 0, 0));
+    let cidr_of = |block: u32| -> IpNet {
+        format!("{}/30", std::net::Ipv4Addr::from(first + block * 4))
+            .parse()
+            .expect("block")
+    };
+    let expected = (0..blocks)
+        .map(|step| (start + step) % blocks)
+        .find(|block| !claimed(*block))
+        .map(cidr_of)
+        .expect("an unclaimed block");
+    // A claimed block beyond the window: only a listing of the claim index returns its entry.
+    let beyond_window = (0..blocks)
+        .find(|block| after_start(*block) >= 48 && claimed(*block))
+        .map(cidr_of)
+        .expect("a claimed block beyond the window");
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    meter.take_keys();
+    let got = ipam
+        .auto_assign(&v4("new-a", node, 1))
+        .await
+        .expect("the new node's ADD");
+    let read = meter.take_keys();
+    assert!(
+        read.contains(&keys::block_claim(&beyond_window)),
+        "the ADD found an unclaimed block without listing the claim index: {read:#?}"
+    );
+    assert_eq!(
+        got.v4[0].block, expected,
+        "{node}'s new block: the first unclaimed one from its start, block {start}"
+    );
+    assert_eq!(
+        block_host(&ipam, got.v4[0].ip).await.as_deref(),
+        Some(node),
+        "claimed a block of its own: {got:?}"
+    );
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
