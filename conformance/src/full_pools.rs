@@ -29,6 +29,7 @@ macro_rules! full_pools_conformance_tests {
             a_borrowing_add_reads_only_as_many_lenders_as_it_needs,
             a_hosts_first_block_is_the_one_at_its_hashed_start,
             a_search_past_the_window_takes_the_first_unclaimed_block_from_the_hosts_start,
+            a_search_past_reserved_blocks_takes_the_first_unclaimed_block_from_the_hosts_start,
         );
     };
 }
@@ -699,27 +700,77 @@ pub async fn a_search_past_the_window_takes_the_first_unclaimed_block_from_the_h
 >(
     factory: &F,
 ) {
+    // Every block of the window, and beyond it one in three: unclaimed blocks scattered.
+    takes_the_first_block_with_room_after_its_window(
+        factory,
+        |after_start| after_start < 48 || after_start % 3 == 0,
+        |_| false,
+    )
+    .await;
+}
+
+/// As above, when the blocks after the window are wholly reserved and then claimed but for two:
+/// more blocks than the pool has claimed ones are of no use from the start, so the search goes on
+/// past them to the end of the pool, counting on from the start and wrapping around.
+pub async fn a_search_past_reserved_blocks_takes_the_first_unclaimed_block_from_the_hosts_start<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    takes_the_first_block_with_room_after_its_window(
+        factory,
+        |after_start| {
+            after_start < 48 || (after_start >= 100 && ![101, 126].contains(&after_start))
+        },
+        |after_start| (48..100).contains(&after_start),
+    )
+    .await;
+}
+
+/// The window cases: a pool of 128 /30 blocks, those `claimed` and `reserved` say (by their
+/// distance from where node-a's search starts) claimed by filler nodes or wholly reserved;
+/// node-a's first ADD lists the claim index and claims the first block neither claimed nor
+/// reserved, counting on from its start.
+async fn takes_the_first_block_with_room_after_its_window<F: StoreFactory>(
+    factory: &F,
+    claimed: impl Fn(u32) -> bool,
+    reserved: impl Fn(u32) -> bool,
+) {
     let node = "node-a";
     let blocks = 128; // /30 blocks in a /23
     let start = search_start(node, u64::from(blocks)) as u32;
     let after_start = |block: u32| (block + blocks - start) % blocks;
-    // Every block of the window, and beyond it one in three: unclaimed blocks scattered.
-    let claimed = |block: u32| after_start(block) < 48 || after_start(block) % 3 == 0;
-    let t = partly_claimed_pool(factory, "10.66.0.0/23", blocks, claimed).await;
+    let t = partly_claimed_pool(factory, "10.66.0.0/23", blocks, |block| {
+        claimed(after_start(block))
+    })
+    .await;
     let first = u32::from(std::net::Ipv4Addr::new(10, 66, 0, 0));
     let cidr_of = |block: u32| -> IpNet {
         format!("{}/30", std::net::Ipv4Addr::from(first + block * 4))
             .parse()
             .expect("block")
     };
+    let reserved_blocks: Vec<IpNet> = (0..blocks)
+        .filter(|block| reserved(after_start(*block)))
+        .map(cidr_of)
+        .collect();
+    if !reserved_blocks.is_empty() {
+        Ipam::new(Arc::clone(&t.store))
+            .add_reservation(&Reservation {
+                name: "whole-blocks".into(),
+                cidrs: reserved_blocks,
+            })
+            .await
+            .expect("reserve blocks");
+    }
     let expected = (0..blocks)
         .map(|step| (start + step) % blocks)
-        .find(|block| !claimed(*block))
+        .find(|block| !claimed(after_start(*block)) && !reserved(after_start(*block)))
         .map(cidr_of)
         .expect("an unclaimed block");
     // A claimed block beyond the window: only a listing of the claim index returns its entry.
     let beyond_window = (0..blocks)
-        .find(|block| after_start(*block) >= 48 && claimed(*block))
+        .find(|block| after_start(*block) >= 48 && claimed(after_start(*block)))
         .map(cidr_of)
         .expect("a claimed block beyond the window");
     let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
