@@ -303,3 +303,119 @@ impl Ipam {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(name: &str, cidr: &str, disabled: bool) -> Pool {
+        Pool {
+            name: name.into(),
+            cidr: cidr.parse().expect("cidr"),
+            block_size: 26,
+            disabled,
+            ..Pool::default()
+        }
+    }
+
+    /// A family, whether it is wanted, and the pools named for it (none: any).
+    type WantedFamily<'a> = (Family, bool, &'a [String]);
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|ip| ip.parse().expect("address")).collect()
+    }
+
+    /// An IPv4 pool, an IPv6 pool, a disabled pool and a /31.
+    fn pools() -> Vec<Pool> {
+        vec![
+            pool("v4", "10.1.0.0/24", false),
+            pool("v6", "fd00::/120", false),
+            pool("off", "10.2.0.0/24", true),
+            pool("pair", "10.3.0.0/31", false),
+        ]
+    }
+
+    #[test]
+    fn each_gateway_in_an_enabled_pool_reserves_itself_its_network_and_ipv4_broadcast_once() {
+        let gateways = ips(&[
+            "10.1.0.1",
+            "fd00::1",
+            "10.2.0.1",
+            "192.168.0.1",
+            "10.1.0.254",
+            "10.3.0.0",
+        ]);
+        assert_eq!(
+            reserved_addresses(&pools(), &gateways),
+            ips(&[
+                "10.1.0.1",
+                "10.1.0.0",
+                "10.1.0.255",
+                "fd00::1",
+                "fd00::",
+                "10.1.0.254",
+                // A /31 has no broadcast address: its other address stays usable.
+                "10.3.0.0",
+            ])
+        );
+        assert_eq!(reserved_addresses(&pools(), &[]), Vec::<IpAddr>::new());
+    }
+
+    #[test]
+    fn gateways_outside_pools_are_those_in_no_enabled_pool() {
+        let gateways = ips(&["10.1.0.1", "10.2.0.1", "192.168.0.1", "fd00::1"]);
+        assert_eq!(
+            gateways_outside_pools(&pools(), &gateways),
+            ips(&["10.2.0.1", "192.168.0.1"])
+        );
+    }
+
+    #[test]
+    fn the_block_prefix_is_reportable_when_a_candidate_pool_of_a_wanted_family_holds_no_gateway() {
+        let pools = vec![
+            pool("gw", "10.1.0.0/24", false),
+            pool("plain", "10.4.0.0/24", false),
+            pool("off", "10.5.0.0/24", true),
+            pool("v6", "fd00::/120", false),
+        ];
+        let gateways = ips(&["10.1.0.1"]);
+        let names = |list: &[&str]| list.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let (none, gw, plain_by_cidr, gw_and_off, gw_by_cidr) = (
+            names(&[]),
+            names(&["gw"]),
+            names(&["10.4.0.0/24"]),
+            names(&["gw", "off"]),
+            names(&["10.1.0.0/24"]),
+        );
+        let cases: Vec<(Vec<WantedFamily>, bool)> = vec![
+            // Any IPv4 pool may serve, and one holds no gateway.
+            (vec![(Family::V4, true, &none)], true),
+            // Only the pool holding the gateway, by name or by CIDR.
+            (vec![(Family::V4, true, &gw)], false),
+            (vec![(Family::V4, true, &gw_by_cidr)], false),
+            // The pool without a gateway, named by its CIDR.
+            (vec![(Family::V4, true, &plain_by_cidr)], true),
+            // A disabled pool without a gateway is no candidate.
+            (vec![(Family::V4, true, &gw_and_off)], false),
+            // A family not wanted counts for nothing; a wanted one without gateways decides.
+            (vec![(Family::V4, false, &none)], false),
+            (
+                vec![(Family::V4, true, &gw), (Family::V6, false, &none)],
+                false,
+            ),
+            (
+                vec![(Family::V4, true, &gw), (Family::V6, true, &none)],
+                true,
+            ),
+            // IPv6 asked for, the gateway-free IPv4 pool does not count.
+            (vec![(Family::V6, true, &gw)], false),
+        ];
+        for (wanted, reportable) in cases {
+            assert_eq!(
+                block_prefix_reportable(&pools, &wanted, &gateways),
+                reportable,
+                "{wanted:?}"
+            );
+        }
+    }
+}
