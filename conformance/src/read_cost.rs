@@ -32,6 +32,7 @@ macro_rules! read_cost_conformance_tests {
             del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
             a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges,
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
+            a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
         );
     };
 }
@@ -653,4 +654,67 @@ async fn assigns_without_reading_under(
         "{assigned:?}: the ADD read blocks full but for their edges, of no use to it: {read:#?}"
     );
     assigned
+}
+
+/// An ADD carrying its network's set-up (the plugin's: its pool and a gateway, reserved) sets
+/// the network up on the first call: the pool is created beside another pool of the same block
+/// size, the gateway reserved. Every later ADD finds it all in place in its one read: one read
+/// and one transaction, as without a set-up.
+pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F: StoreFactory>(
+    factory: &F,
+) {
+    use ipam_core::network_setup::NetworkSetup;
+
+    let t = factory.fresh().await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    ipam.create_pool(&spec("10.31.0.0/24", "other", 26))
+        .await
+        .expect("another pool of the same block size");
+    let pool = "10.32.0.0/24";
+    let gateway: std::net::IpAddr = "10.32.0.1".parse().expect("gateway");
+    let setup = NetworkSetup {
+        network: NETWORK.into(),
+        pools: vec![spec(pool, "net-pool", 26)],
+        gateways: vec![gateway],
+        reservation_handle: format!("{NETWORK}:gateway"),
+    };
+    let add = |n: u32| AutoAssignRequest {
+        handle: format!("{NETWORK}.{}", container_id("node-a", n)),
+        host: "node-a".into(),
+        num_v4: 1,
+        v4_pools: vec![pool.into()],
+        setup: Some(setup.clone()),
+        ..Default::default()
+    };
+    let first = ipam
+        .auto_assign(&add(0))
+        .await
+        .expect("the ADD setting the network up");
+    let net: ipnet::IpNet = pool.parse().expect("pool");
+    assert!(net.contains(&first.v4[0].ip), "{first:?}");
+    assert_eq!(
+        ipam.get_assignment(gateway)
+            .await
+            .expect("who holds the gateway")
+            .map(|a| a.handle),
+        Some(setup.reservation_handle.clone()),
+        "the gateway is reserved"
+    );
+    for n in 1..4 {
+        meter.take();
+        let got = ipam
+            .auto_assign(&add(n))
+            .await
+            .unwrap_or_else(|e| panic!("ADD {n}: {e}"));
+        let cost = meter.take();
+        assert!(net.contains(&got.v4[0].ip), "{got:?}");
+        assert_ne!(got.v4[0].ip, gateway, "the gateway handed out");
+        assert_eq!(
+            (cost.round_trips, cost.commits),
+            (1, 1),
+            "ADD {n} on the network set up: {cost:?}"
+        );
+    }
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
