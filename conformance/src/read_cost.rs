@@ -679,7 +679,7 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
         gateways: vec![gateway],
         reservation_handle: format!("{NETWORK}:gateway"),
     };
-    let add = |n: u32| AutoAssignRequest {
+    let add = |n: u32, setup: &NetworkSetup| AutoAssignRequest {
         handle: format!("{NETWORK}.{}", container_id("node-a", n)),
         host: "node-a".into(),
         num_v4: 1,
@@ -688,7 +688,7 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
         ..Default::default()
     };
     let first = ipam
-        .auto_assign(&add(0))
+        .auto_assign(&add(0, &setup))
         .await
         .expect("the ADD setting the network up");
     let net: ipnet::IpNet = pool.parse().expect("pool");
@@ -701,20 +701,48 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
         Some(setup.reservation_handle.clone()),
         "the gateway is reserved"
     );
-    for n in 1..4 {
-        meter.take();
-        let got = ipam
-            .auto_assign(&add(n))
+    let steady = |setup: NetworkSetup, calls: std::ops::Range<u32>| {
+        let (ipam, meter) = (&ipam, &meter);
+        async move {
+            for n in calls {
+                meter.take();
+                let got = ipam
+                    .auto_assign(&add(n, &setup))
+                    .await
+                    .unwrap_or_else(|e| panic!("ADD {n}: {e}"));
+                let cost = meter.take();
+                assert!(net.contains(&got.v4[0].ip), "{got:?}");
+                assert!(
+                    !setup.gateways.contains(&got.v4[0].ip),
+                    "a gateway handed out: {got:?}"
+                );
+                assert_eq!(
+                    (cost.round_trips, cost.commits),
+                    (1, 1),
+                    "ADD {n} on the network set up: {cost:?}"
+                );
+            }
+        }
+    };
+    steady(setup.clone(), 1..4).await;
+    // The network gains a gateway: the next ADD reserves it (the reservations' record is stale
+    // now, and written again), and the ADDs after it are back to one read and one transaction.
+    let second: std::net::IpAddr = "10.32.0.2".parse().expect("gateway");
+    let setup = NetworkSetup {
+        gateways: vec![gateway, second],
+        ..setup
+    };
+    ipam.auto_assign(&add(4, &setup))
+        .await
+        .expect("the ADD reserving the second gateway");
+    assert_eq!(
+        ipam.get_assignment(second)
             .await
-            .unwrap_or_else(|e| panic!("ADD {n}: {e}"));
-        let cost = meter.take();
-        assert!(net.contains(&got.v4[0].ip), "{got:?}");
-        assert_ne!(got.v4[0].ip, gateway, "the gateway handed out");
-        assert_eq!(
-            (cost.round_trips, cost.commits),
-            (1, 1),
-            "ADD {n} on the network set up: {cost:?}"
-        );
-    }
+            .expect("who holds the second gateway")
+            .map(|a| a.handle),
+        Some(setup.reservation_handle.clone()),
+        "the second gateway is reserved"
+    );
+    steady(setup, 5..8).await;
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
