@@ -14,7 +14,7 @@ use ipam_core::{
 };
 
 use crate::hooked::HookedStore;
-use crate::ipam::{assert_clean, assign_one, ip, ipam_with_pool, net, spec, v4};
+use crate::ipam::{assert_clean, assign_one, holder, ip, ipam_with_pool, net, spec, v4};
 use crate::StoreFactory;
 
 /// Expands every integrity case into one `#[tokio::test]` inside a module `ipam_integrity`.
@@ -68,13 +68,6 @@ fn is_exactly(key: String) -> impl Fn(&[Read]) -> bool + Send + Sync {
                 .iter()
                 .any(|r| matches!(r, Read::Get(k) if *k == keys::sequence_floor()))
     }
-}
-
-async fn holder(ipam: &Ipam, address: IpAddr) -> Option<String> {
-    ipam.get_assignment(address)
-        .await
-        .expect("who holds the address")
-        .map(|info| info.handle)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -44,6 +44,14 @@ pub(crate) fn v4(handle: &str, host: &str, n: u32) -> AutoAssignRequest {
     }
 }
 
+/// The handle holding `address`, if any.
+pub(crate) async fn holder(ipam: &Ipam, address: IpAddr) -> Option<String> {
+    ipam.get_assignment(address)
+        .await
+        .expect("who holds the address")
+        .map(|info| info.handle)
+}
+
 pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
     assign_one_allocation(ipam, handle, host).await.ip
 }

@@ -19,7 +19,7 @@ use ipam_core::{
     AllowedUse, Ipam, KeyValue, KvError, KvStore, MemoryStore, Op, Read, ReadResult, Revision, Txn,
 };
 
-use crate::ipam::{assert_clean, spec};
+use crate::ipam::{assert_clean, holder, spec};
 use crate::StoreFactory;
 
 /// Expands every read-cost case into one `#[test]` inside a module `read_cost`.
@@ -694,10 +694,7 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
     let net: ipnet::IpNet = pool.parse().expect("pool");
     assert!(net.contains(&first.v4[0].ip), "{first:?}");
     assert_eq!(
-        ipam.get_assignment(gateway)
-            .await
-            .expect("who holds the gateway")
-            .map(|a| a.handle),
+        holder(&ipam, gateway).await,
         Some(setup.reservation_handle.clone()),
         "the gateway is reserved"
     );
@@ -736,10 +733,7 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
         .await
         .expect("the ADD reserving the second gateway");
     assert_eq!(
-        ipam.get_assignment(second)
-            .await
-            .expect("who holds the second gateway")
-            .map(|a| a.handle),
+        holder(&ipam, second).await,
         Some(setup.reservation_handle.clone()),
         "the second gateway is reserved"
     );

@@ -9,7 +9,7 @@ use ipam_core::reservations::{reservation_key, reservations_dir, Reservation};
 use ipam_core::{AssignIpsRequest, Ipam, IpamConfig, IpamError};
 use ipnet::IpNet;
 
-use crate::ipam::{assert_clean, assign_one, ip, ipam_with_pool, net, v4};
+use crate::ipam::{assert_clean, assign_one, holder, ip, ipam_with_pool, net, v4};
 use crate::StoreFactory;
 
 /// Expands every reservation case into one `#[tokio::test]` inside a module `reservations`.
@@ -303,10 +303,7 @@ pub async fn allocations_on_reserved_addresses_are_left_alone_and_counted<F: Sto
         .expect("block row");
     assert_eq!((row.reserved, row.in_use, row.free), (5, 2, 64 - 2 - 4));
     assert_eq!(
-        ipam.get_assignment(first)
-            .await
-            .expect("who")
-            .map(|a| a.handle),
+        holder(&ipam, first).await,
         Some("h1".to_owned()),
         "a reservation never takes an allocated address away"
     );
