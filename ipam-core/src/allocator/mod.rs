@@ -1682,4 +1682,57 @@ mod tests {
         assert_eq!(host_hash("a"), 0xaf63_dc4c_8601_ec8c);
         assert_ne!(host_hash("node-1"), host_hash("node-2"));
     }
+
+    /// A plan of `writes` puts and `conditions` conditions, on keys of their own.
+    fn plan_of(writes: usize, conditions: usize) -> Plan {
+        let mut plan = Plan::default();
+        for n in 0..writes {
+            plan.put(&format!("w/{n:04}"), Vec::new());
+        }
+        for n in 0..conditions {
+            plan.expect(&format!("c/{n:04}"), None);
+        }
+        plan
+    }
+
+    /// The seal adds a condition on the store's format record, and on a store without one the
+    /// record's write: a plan fits only with one write, one condition and the record's bytes
+    /// left under each limit.
+    #[test]
+    fn a_plan_fits_one_transaction_with_room_left_for_the_format_record() {
+        assert!(plan_of(MAX_TXN_OPS - 1, MAX_TXN_CONDITIONS - 1).fits_one_transaction());
+        assert!(!plan_of(MAX_TXN_OPS, 0).fits_one_transaction());
+        assert!(!plan_of(0, MAX_TXN_CONDITIONS).fits_one_transaction());
+        let mut plan = Plan::default();
+        plan.put("k", vec![0; MAX_TXN_BYTES - FORMAT_RECORD_ROOM - 1]);
+        assert!(plan.fits_one_transaction(), "{}", plan.describe_size());
+        plan.put("k", vec![0; MAX_TXN_BYTES - FORMAT_RECORD_ROOM]);
+        assert!(!plan.fits_one_transaction(), "{}", plan.describe_size());
+    }
+
+    /// The validators of a read from the store are carried only where they leave room for the
+    /// format record's condition; those of a read from the cache always are (the commit must
+    /// check them).
+    #[test]
+    fn validators_of_a_store_read_are_carried_only_with_room_for_the_format_record() {
+        let validators = |n: usize| -> Vec<Condition> {
+            (0..n)
+                .map(|i| Condition::absent(format!("v/{i:04}")))
+                .collect()
+        };
+        let own = MAX_TXN_CONDITIONS - 28;
+        let mut plan = plan_of(1, own);
+        plan.carry_validators(validators(27), false);
+        assert_eq!(plan.conditions.len(), MAX_TXN_CONDITIONS - 1, "carried");
+        let mut plan = plan_of(1, own);
+        plan.carry_validators(validators(28), false);
+        assert_eq!(plan.conditions.len(), own, "not carried: no room left");
+        let mut plan = plan_of(1, own);
+        plan.carry_validators(validators(28), true);
+        assert_eq!(
+            plan.conditions.len(),
+            MAX_TXN_CONDITIONS,
+            "from the cache: carried"
+        );
+    }
 }
