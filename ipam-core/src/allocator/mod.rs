@@ -1735,4 +1735,57 @@ mod tests {
             "from the cache: carried"
         );
     }
+
+    /// Conflicts are retried after a backoff that starts at the base and doubles after each
+    /// conflict up to the largest, each jittered to between half and one and a half of it; a
+    /// conflict on the last attempt gives up. Timed on tokio's paused clock (virtual time).
+    #[tokio::test(start_paused = true)]
+    async fn conflicts_are_retried_after_a_doubling_jittered_backoff() {
+        let ms = Duration::from_millis;
+        let ipam = Ipam::new(Arc::new(crate::MemoryStore::new())).with_retry_policy(RetryPolicy {
+            max_attempts: 7,
+            base_backoff: ms(8),
+            max_backoff: ms(40),
+        });
+        let starts = std::sync::Mutex::new(Vec::new());
+        let outcome: Result<(), IpamError> = ipam
+            .retrying(|| {
+                starts
+                    .lock()
+                    .expect("starts")
+                    .push(tokio::time::Instant::now());
+                async { Ok(Attempt::Conflict) }
+            })
+            .await;
+        assert!(
+            matches!(outcome, Err(IpamError::RetriesExhausted { attempts: 7 })),
+            "{outcome:?}"
+        );
+        let starts = starts.into_inner().expect("starts");
+        assert_eq!(starts.len(), 7, "one start per attempt");
+        let gaps: Vec<Duration> = starts.windows(2).map(|w| w[1] - w[0]).collect();
+        // The timer rounds a sleep up to the next millisecond.
+        for (gap, backoff) in gaps.iter().zip([8, 16, 32, 40, 40, 40].map(ms)) {
+            assert!(
+                *gap >= backoff / 2 && *gap <= backoff * 3 / 2 + ms(1),
+                "{gap:?} after a backoff of {backoff:?}: {gaps:?}"
+            );
+        }
+        // Done after a conflict: the value, at once.
+        let attempts = std::sync::atomic::AtomicU32::new(0);
+        let value = ipam
+            .retrying(|| {
+                let number = attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async move {
+                    Ok(if number == 0 {
+                        Attempt::Conflict
+                    } else {
+                        Attempt::Done(number)
+                    })
+                }
+            })
+            .await
+            .expect("done on the second attempt");
+        assert_eq!(value, 1);
+    }
 }
