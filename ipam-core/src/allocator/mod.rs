@@ -1788,4 +1788,47 @@ mod tests {
             .expect("done on the second attempt");
         assert_eq!(value, 1);
     }
+
+    /// A block kept with its allocations' attributes (the oldest layout) whose value would pass
+    /// the largest value a store takes is refused with a clear error and nothing planned; one of
+    /// exactly that size is written.
+    #[test]
+    fn a_block_value_over_the_stores_limit_is_refused_and_one_at_it_written() {
+        let sized = |padding: usize| {
+            let mut working =
+                WorkingBlock::created("10.0.0.0/26".parse().expect("cidr"), Some("n".into()), 0, 0);
+            let attribute = Attribute {
+                handle: "h".into(),
+                metadata: BTreeMap::from([("pad".to_owned(), "a".repeat(padding))]),
+            };
+            working.block.allocate_next(&attribute).expect("an address");
+            let mut written = working.block.clone();
+            written.sequence += 1;
+            (working, encode(&written).expect("encode").len())
+        };
+        // The encoding's size grows with the padding, not always one byte for one: search.
+        let (_, small) = sized(1000);
+        let near = 1000 + MAX_VALUE_BYTES - small;
+        let at_limit = (near - 64..near + 64)
+            .find(|padding| sized(*padding).1 == MAX_VALUE_BYTES)
+            .expect("a padding giving a value of exactly the limit");
+        let (working, bytes) = sized(at_limit);
+        assert_eq!(bytes, MAX_VALUE_BYTES);
+        let mut plan = Plan::default();
+        assert!(!plan.keeps_attributes_apart(), "the oldest layout");
+        plan.write_block(&working)
+            .expect("a block value at the limit");
+        assert!(!plan.is_empty());
+        let (working, bytes) = sized(at_limit + 1);
+        assert_eq!(bytes, MAX_VALUE_BYTES + 1);
+        let mut plan = Plan::default();
+        let refused = plan
+            .write_block(&working)
+            .expect_err("a block value past the limit");
+        assert!(
+            matches!(&refused, IpamError::Internal(message) if message.contains("more than one stored value may")),
+            "{refused}"
+        );
+        assert!(plan.is_empty(), "nothing planned");
+    }
 }
