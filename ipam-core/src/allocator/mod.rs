@@ -1831,4 +1831,37 @@ mod tests {
         );
         assert!(plan.is_empty(), "nothing planned");
     }
+
+    /// A block of a size this build no longer allows (more than 512 addresses) has room for one
+    /// more allocation only while its value leaves a largest attribute and some slack under the
+    /// legacy budget; a block of an allowed size always has room.
+    #[test]
+    fn a_legacy_sized_block_has_room_only_under_its_budget() {
+        let block_with = |cidr: &str, padding: usize| {
+            let mut block = Block::claimed(cidr.parse().expect("cidr"), Some("n".into()), 0, 0);
+            let attribute = Attribute {
+                handle: "h".into(),
+                metadata: BTreeMap::from([("pad".to_owned(), "a".repeat(padding))]),
+            };
+            block.allocate_next(&attribute).expect("an address");
+            let bytes = encode(&block).expect("encode").len();
+            (block, bytes)
+        };
+        let room = LEGACY_BLOCK_BUDGET - MAX_ATTRIBUTE_BYTES - 64;
+        let (_, small) = block_with("10.0.0.0/22", 1000);
+        let near = 1000 + room - small;
+        let at_room = (near - 64..near + 64)
+            .find(|padding| block_with("10.0.0.0/22", *padding).1 == room)
+            .expect("a padding giving a value of exactly the room");
+        let (block, bytes) = block_with("10.0.0.0/22", at_room);
+        assert!(block.capacity() > MAX_BLOCK_ADDRESSES);
+        assert_eq!(bytes, room);
+        assert!(block_value_has_room(&block), "{bytes} bytes: room left");
+        let (block, bytes) = block_with("10.0.0.0/22", at_room + 1);
+        assert_eq!(bytes, room + 1);
+        assert!(!block_value_has_room(&block), "{bytes} bytes: no room left");
+        // Allowed sizes are bounded by construction: not measured.
+        let (block, _) = block_with("10.0.0.0/23", at_room + 1);
+        assert!(block_value_has_room(&block), "a /23 always has room");
+    }
 }
