@@ -709,9 +709,9 @@ pub async fn a_search_past_the_window_takes_the_first_unclaimed_block_from_the_h
     .await;
 }
 
-/// As above, when the blocks after the window are wholly reserved and then claimed but for two:
-/// more blocks than the pool has claimed ones are of no use from the start, so the search goes on
-/// past them to the end of the pool, counting on from the start and wrapping around.
+/// As above, when the 52 blocks after the window are wholly reserved and the rest claimed but for
+/// two: the search's first steps (one more than the claimed blocks) find no block it may use, so
+/// it scans on to the end of the pool, counting on from the start and wrapping around.
 pub async fn a_search_past_reserved_blocks_takes_the_first_unclaimed_block_from_the_hosts_start<
     F: StoreFactory,
 >(
