@@ -1742,11 +1742,13 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn conflicts_are_retried_after_a_doubling_jittered_backoff() {
         let ms = Duration::from_millis;
-        let ipam = Ipam::new(Arc::new(crate::MemoryStore::new())).with_retry_policy(RetryPolicy {
-            max_attempts: 7,
-            base_backoff: ms(8),
-            max_backoff: ms(40),
-        });
+        let ipam = Ipam::new(Arc::new(crate::kv::memory::MemoryStore::new())).with_retry_policy(
+            RetryPolicy {
+                max_attempts: 7,
+                base_backoff: ms(8),
+                max_backoff: ms(40),
+            },
+        );
         let starts = std::sync::Mutex::new(Vec::new());
         let outcome: Result<(), IpamError> = ipam
             .retrying(|| {
