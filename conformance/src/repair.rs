@@ -27,6 +27,7 @@ macro_rules! repair_conformance_tests {
             repair_keeps_an_empty_block_its_host_still_holds,
             owner_keys_beside_a_damaged_object_of_another_size_are_held_back,
             a_block_stored_twice_is_reported_and_its_claim_entry_left_alone,
+            a_release_acts_on_the_block_its_claim_names_not_on_a_copy_under_another_host,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
@@ -291,6 +292,67 @@ pub async fn a_block_stored_twice_is_reported_and_its_claim_entry_left_alone<F: 
                 && p.detail.contains(&first)
                 && p.detail.contains(&second)),
         "the block stored twice is not reported: {report:#?}"
+    );
+}
+
+/// One block stored twice, its copy (holding the same address) left under another host's full
+/// blocks: a release of the pod's handle by that host acts on the block the claim index names,
+/// never on the copy, so the address is freed where it is held and the claim still names its
+/// host.
+pub async fn a_release_acts_on_the_block_its_claim_names_not_on_a_copy_under_another_host<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.26.0.0/24", 26).await;
+    let held = assign_one_allocation(&ipam, "pod-1", "node-a").await;
+    let block_key = keys::block(Some("node-a"), &held.block);
+    let stored_block = |store: Arc<dyn KvStore>, key: String| async move {
+        let kv = store
+            .get(&key)
+            .await
+            .expect("get")
+            .unwrap_or_else(|| panic!("no block at {key}"));
+        decode::<Block>(&kv.key, &kv.value).expect("decode the block")
+    };
+    let mut copy = stored_block(Arc::clone(&t.store), block_key.clone()).await;
+    assert!(
+        !copy.allocations.is_empty(),
+        "pod-1's address is in its block"
+    );
+    copy.affinity = Some("node-b".into());
+    t.store
+        .put(
+            &keys::full_block("node-b", &held.block),
+            encode(&copy).expect("encode"),
+        )
+        .await
+        .expect("store a copy under node-b's full blocks");
+
+    let outcome = ipam
+        .release_chosen("pod-1", "node-b", |all| all.iter().map(|a| a.ip).collect())
+        .await
+        .expect("release pod-1 from node-b");
+    assert_eq!(outcome.released, vec![held.ip]);
+    let block = stored_block(Arc::clone(&t.store), block_key.clone()).await;
+    assert!(
+        block.allocations.is_empty(),
+        "pod-1's address is still held in {block_key}: {block:?}"
+    );
+    let claim_key = keys::block_claim(&held.block);
+    let claim = t
+        .store
+        .get(&claim_key)
+        .await
+        .expect("get")
+        .expect("the block's claim entry");
+    assert_eq!(
+        ipam_core::model::decode_claim(&claim.key, &claim.value)
+            .expect("decode the claim entry")
+            .affinity
+            .as_deref(),
+        Some("node-a"),
+        "the claim entry moved to the copy's host"
     );
 }
 
