@@ -1710,6 +1710,53 @@ mod tests {
         assert!(!plan.fits_one_transaction(), "{}", plan.describe_size());
     }
 
+    /// A plan deleting blocks raises the sequence floor past them, conditioned on the floor it
+    /// read (its revision, or its absence); a floor already there is neither written nor tested,
+    /// so the deletion cannot conflict with another writer's raise of it.
+    #[test]
+    fn the_sequence_floor_is_raised_only_when_deleted_blocks_pass_it() {
+        let key = keys::sequence_floor();
+        let floor_at = |floor: u64| KeyValue {
+            key: key.clone(),
+            value: encode(&floor).expect("encode"),
+            revision: Revision(7),
+        };
+        let mut plan = Plan {
+            retired_sequence: 9,
+            ..Plan::default()
+        };
+        assert!(plan.deletes_blocks());
+        plan.raise_sequence_floor(Some(floor_at(9))).expect("raise");
+        assert!(plan.writes.is_empty(), "written: {:?}", plan.writes);
+        assert!(plan.conditions.is_empty(), "tested: {:?}", plan.conditions);
+        assert!(!plan.deletes_blocks());
+
+        let mut plan = Plan {
+            retired_sequence: 10,
+            ..Plan::default()
+        };
+        plan.raise_sequence_floor(Some(floor_at(9))).expect("raise");
+        assert_eq!(
+            plan.writes.get(&key),
+            Some(&Some(encode(&10u64).expect("encode")))
+        );
+        assert_eq!(
+            plan.conditions.get(&key),
+            Some(&Condition::at_revision(&key, Revision(7)))
+        );
+
+        let mut plan = Plan {
+            retired_sequence: 1,
+            ..Plan::default()
+        };
+        plan.raise_sequence_floor(None).expect("raise");
+        assert_eq!(
+            plan.writes.get(&key),
+            Some(&Some(encode(&1u64).expect("encode")))
+        );
+        assert_eq!(plan.conditions.get(&key), Some(&Condition::absent(&key)));
+    }
+
     /// The validators of a read from the store are carried only where they leave room for the
     /// format record's condition; those of a read from the cache always are (the commit must
     /// check them).
@@ -1789,6 +1836,116 @@ mod tests {
             .await
             .expect("done on the second attempt");
         assert_eq!(value, 1);
+    }
+
+    /// An allocation whose attribute (handle, metadata and node) encodes to exactly the largest
+    /// size allowed is taken; one byte more is refused, the error naming both sizes.
+    #[test]
+    fn an_attribute_of_the_largest_size_is_taken_and_one_byte_more_refused() {
+        let padded = |padding: usize| {
+            let metadata = BTreeMap::from([("pad".to_owned(), "a".repeat(padding))]);
+            let attribute = Attribute {
+                handle: "h".into(),
+                metadata: with_node(&metadata, "n"),
+            };
+            (metadata, encode(&attribute).expect("encode").len())
+        };
+        let at_limit = (0..MAX_ATTRIBUTE_BYTES)
+            .find(|padding| padded(*padding).1 == MAX_ATTRIBUTE_BYTES)
+            .expect("a padding giving an attribute of exactly the limit");
+        let (metadata, _) = padded(at_limit);
+        validate_attribute_size("h", &metadata, "n").expect("an attribute at the limit");
+        let (metadata, size) = padded(at_limit + 1);
+        assert_eq!(size, MAX_ATTRIBUTE_BYTES + 1);
+        let refused = validate_attribute_size("h", &metadata, "n")
+            .expect_err("an attribute one byte over the limit");
+        let message = refused.to_string();
+        assert!(
+            message.contains(&format!("take {size} bytes"))
+                && message.contains(&format!("at most {MAX_ATTRIBUTE_BYTES}")),
+            "{message}"
+        );
+    }
+
+    /// A store whose claim index entry of one block names another host before every batched
+    /// read: the block moving between hosts under each read.
+    #[derive(Debug)]
+    struct ClaimMovesOnEveryRead {
+        inner: crate::kv::memory::MemoryStore,
+        cidr: IpNet,
+        reads: std::sync::atomic::AtomicU32,
+    }
+
+    #[async_trait::async_trait]
+    impl KvStore for ClaimMovesOnEveryRead {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, crate::kv::KvError> {
+            self.inner.get(key).await
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, crate::kv::KvError> {
+            self.inner.list(prefix).await
+        }
+
+        async fn commit(&self, txn: Txn) -> Result<Revision, crate::kv::KvError> {
+            self.inner.commit(txn).await
+        }
+
+        async fn read_many(
+            &self,
+            reads: &[Read],
+        ) -> Result<Vec<crate::kv::ReadResult>, crate::kv::KvError> {
+            let number = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let host = if number.is_multiple_of(2) {
+                "node-a"
+            } else {
+                "node-b"
+            };
+            let block = WorkingBlock::created(self.cidr, Some(host.into()), 0, 0).block;
+            self.inner
+                .put(
+                    &keys::block_claim(&self.cidr),
+                    encode_claim(&block).expect("encode the claim"),
+                )
+                .await?;
+            self.inner.read_many(reads).await
+        }
+    }
+
+    /// A read of blocks whose claims keep moving is redone after pauses growing by the base
+    /// backoff each time (1, 2, ... 9 times it between its ten reads), then given up. Timed on
+    /// tokio's paused clock (virtual time).
+    #[tokio::test(start_paused = true)]
+    async fn a_block_read_whose_claims_keep_moving_is_redone_after_growing_pauses_then_given_up() {
+        let base = Duration::from_millis(8);
+        let cidr: IpNet = "10.0.0.0/26".parse().expect("cidr");
+        let store = Arc::new(ClaimMovesOnEveryRead {
+            inner: crate::kv::memory::MemoryStore::new(),
+            cidr,
+            reads: std::sync::atomic::AtomicU32::new(0),
+        });
+        let ipam =
+            Ipam::new(Arc::clone(&store) as Arc<dyn KvStore>).with_retry_policy(RetryPolicy {
+                max_attempts: 3,
+                base_backoff: base,
+                max_backoff: Duration::from_millis(40),
+            });
+        let started = tokio::time::Instant::now();
+        let outcome = ipam.load_blocks_for_write(&BTreeSet::from([cidr])).await;
+        let waited = started.elapsed();
+        assert!(
+            matches!(outcome, Err(IpamError::RetriesExhausted { attempts: 10 })),
+            "{outcome:?}"
+        );
+        assert_eq!(
+            store.reads.load(std::sync::atomic::Ordering::SeqCst),
+            11,
+            "the claims, then ten reads of claims and blocks"
+        );
+        // The timer rounds each sleep up to the next millisecond.
+        assert!(
+            waited >= base * 45 && waited <= base * 45 + Duration::from_millis(9),
+            "waited {waited:?}"
+        );
     }
 
     /// A block kept with its allocations' attributes (the oldest layout) whose value would pass
