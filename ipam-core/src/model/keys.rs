@@ -338,3 +338,110 @@ pub fn countdown_key(host: &str) -> String {
 pub fn reclaimer_leader_key() -> String {
     format!("{ROOT}reclaimer-leader")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The operators' table of keys (`docs/data-model.md`, "Keys"): the layout every release
+    /// reads, so a key this build writes elsewhere is one an older node never finds.
+    const DATA_MODEL: &str = include_str!("../../../docs/data-model.md");
+
+    /// The keys named in the first column of the data model's key table.
+    fn documented_keys() -> Vec<&'static str> {
+        DATA_MODEL
+            .lines()
+            .filter_map(|line| line.strip_prefix("| `"))
+            .filter_map(|rest| rest.split_once("` |").map(|(key, _)| key))
+            .filter(|key| key.starts_with(ROOT))
+            .collect()
+    }
+
+    /// Every key this build writes, spelled with the table's placeholders (`<node>`, `<cidr>`,
+    /// ...), is a row of the operators' table, and every row is one of them.
+    #[test]
+    fn every_key_is_where_the_operators_table_says() {
+        let cidr: IpNet = "10.0.0.0/26".parse().expect("cidr");
+        let placeholders = |key: String| key.replace(&cidr_segment(&cidr), "<cidr>");
+        let written = [
+            store_format(),
+            config(),
+            pool_generation(),
+            pool("<name>"),
+            block(Some("<host>"), &cidr),
+            full_block("<host>", &cidr),
+            block(None, &cidr),
+            block_claim(&cidr),
+            sequence_floor(),
+            block_releases(),
+            full_pool_mark("<pool>"),
+            handle("<handle id>"),
+            owner_key(&cidr, 0).replace("/0", "/<ordinal>"),
+            reservation_key("<name>"),
+            namespace_key("<namespace>"),
+            reservations_held("<handle id>"),
+            mixed_sizes_key("<pool name>"),
+            node_key("<node>"),
+            agent_key("<node>"),
+            liveness_key("<node>"),
+            activity_key("<node>"),
+            countdown_key("<node>"),
+            live_disagreements_key("<node>"),
+            borrowed_key("<node>", &cidr),
+            reclaimer_leader_key(),
+            import_in_progress(),
+        ]
+        .map(placeholders);
+        let mut documented = documented_keys();
+        documented.sort_unstable();
+        let mut expected: Vec<&str> = written.iter().map(String::as_str).collect();
+        expected.sort_unstable();
+        assert_eq!(expected, documented);
+    }
+
+    /// Each directory listed is the prefix of exactly the keys it stands for, ends with `/`, and
+    /// holds none of another directory's keys.
+    #[test]
+    fn each_directory_is_the_prefix_of_its_keys() {
+        let cidr: IpNet = "10.0.0.0/26".parse().expect("cidr");
+        let within = [
+            (pools_dir(), pool("p")),
+            (blocks_dir(), block(None, &cidr)),
+            (blocks_dir(), affine_blocks_dir()),
+            (affine_blocks_dir(), host_blocks_dir("n")),
+            (host_blocks_dir("n"), host_open_blocks_dir("n")),
+            (host_blocks_dir("n"), host_full_blocks_dir("n")),
+            (host_open_blocks_dir("n"), block(Some("n"), &cidr)),
+            (host_full_blocks_dir("n"), full_block("n", &cidr)),
+            (claims_dir(), block_claim(&cidr)),
+            (full_pool_marks_dir(), full_pool_mark("p")),
+            (handles_dir(), handle("h")),
+            (owners_dir(), block_owners_dir(&cidr)),
+            (block_owners_dir(&cidr), owner_key(&cidr, 3)),
+            (nodes_dir(), node_key("n")),
+            (namespaces_dir(), namespace_key("ns")),
+            (reservations_dir(), reservation_key("r")),
+            (mixed_sizes_dir(), mixed_sizes_key("p")),
+            (agents_dir(), agent_key("n")),
+            (liveness_dir(), liveness_key("n")),
+            (activity_dir(), activity_key("n")),
+            (live_disagreements_dir(), live_disagreements_key("n")),
+            (borrowed_dir(), host_borrowed_dir("n")),
+            (host_borrowed_dir("n"), borrowed_key("n", &cidr)),
+            (countdown_dir(), countdown_key("n")),
+        ];
+        for (dir, key) in &within {
+            assert!(dir.ends_with('/') && dir.len() > ROOT.len(), "{dir}");
+            assert!(key.starts_with(dir.as_str()), "{key} is not under {dir}");
+            assert_ne!(key, dir);
+        }
+        // Another host's blocks, and the unaffine ones, are not under this host's directories.
+        assert!(!block(Some("n2"), &cidr).starts_with(&host_blocks_dir("n")));
+        assert!(!block(None, &cidr).starts_with(&affine_blocks_dir()));
+        assert!(!block(Some("n"), &cidr).starts_with(&host_full_blocks_dir("n")));
+        assert!(!full_block("n", &cidr).starts_with(&host_open_blocks_dir("n")));
+        assert!(!owner_key(&"10.0.0.64/26".parse().expect("cidr"), 3)
+            .starts_with(&block_owners_dir(&cidr)));
+        assert!(!borrowed_key("n2", &cidr).starts_with(&host_borrowed_dir("n")));
+    }
+}
