@@ -149,13 +149,6 @@ pub struct AssignedAddress {
     pub block: IpNet,
 }
 
-impl AssignedAddress {
-    /// The address with its block's prefix length (`10.0.0.5/26`).
-    pub fn with_block_prefix(&self) -> IpNet {
-        IpNet::new(self.ip, self.block.prefix_len()).unwrap_or_else(|_| IpNet::from(self.ip))
-    }
-}
-
 /// What an auto-assign handed out.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AutoAssignResult {
