@@ -1701,6 +1701,17 @@ mod tests {
         assert!(plan.fits_one_transaction(), "{}", plan.describe_size());
         plan.put("k", vec![0; MAX_TXN_BYTES - FORMAT_RECORD_ROOM]);
         assert!(!plan.fits_one_transaction(), "{}", plan.describe_size());
+        // What the refusal (`IpamError::TooLarge`) says: each size beside its limit.
+        let mut plan = plan_of(MAX_TXN_OPS, 3);
+        plan.put("k", vec![0; 10]);
+        assert_eq!(
+            plan.describe_size(),
+            format!(
+                "{} writes (limit {MAX_TXN_OPS}), 3 conditions (limit {MAX_TXN_CONDITIONS}), {} bytes (limit {MAX_TXN_BYTES})",
+                MAX_TXN_OPS + 1,
+                MAX_TXN_OPS * 6 + 1 + 10 + 3 * 6
+            )
+        );
     }
 
     /// A plan deleting blocks raises the sequence floor past them, conditioned on the floor it
