@@ -6,6 +6,13 @@
 //! The test keeps its own ground truth: which containers run on which node and the address each
 //! ADD answered. At the end no address of a running container was released or handed to another
 //! container, nothing is left allocated that no container holds, and `check` is clean.
+//!
+//! A node whose agent is down and whose runtime stalls (a plugin call retried while an etcd member
+//! is down, a busy machine) may rightly be reclaimed: its blocks lose their host, its addresses are
+//! kept. What must never happen is a reclaim against evidence: the test records when each of its
+//! runtimes' committing calls was tried and answered, and fails on any reclaim (by an agent's
+//! reclaimer or by `gc --dead-nodes --apply`) whose node committed after the reclaim's mark and
+//! before its last write.
 //! `BLOCKIPAM_CHURN_SECONDS` sets how long the chaos lasts (default 40; the long run in
 //! docs/reliability.md uses more).
 
@@ -14,7 +21,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::etcd_agents::{connect, ctl, netconf_with_pool, wait_until, Agent};
 use common::run_plugin;
@@ -24,7 +31,11 @@ use test_kit::etcd::{unique_prefix, EtcdCluster};
 
 const NODES: [&str; 3] = ["churn-0", "churn-1", "churn-2"];
 /// Agent settings: a 2 s liveness TTL (`Agent`), a short grace, the reclaimer every second.
-const GRACE_SECONDS: &str = "4";
+const GRACE: Duration = Duration::from_secs(4);
+/// An agent logs a reclaim right after its last write: within this, the test assumes.
+const LOG_DELAY: Duration = Duration::from_secs(1);
+/// A reclaimer grants the countdown's lease, then marks: within this, the test assumes.
+const MARK_DELAY: Duration = Duration::from_secs(1);
 /// Pods each node keeps for the whole test (never deleted).
 const STAYERS: usize = 2;
 /// Most pods a node runs at once.
@@ -55,6 +66,98 @@ impl Dice {
 
 /// What the runtimes believe: (node, container) → the address its ADD answered.
 type Truth = Arc<Mutex<BTreeMap<(String, String), String>>>;
+
+/// A node's plugin call that committed (an ADD, or the DEL of an address the node held): its
+/// commit lies between when the runtime first tried it and when the successful answer came.
+#[derive(Clone, Debug)]
+struct Commit {
+    node: &'static str,
+    call: String,
+    tried: SystemTime,
+    answered: SystemTime,
+}
+
+type Commits = Arc<Mutex<Vec<Commit>>>;
+
+/// A completed reclaim of a node's blocks: its last write came no earlier than
+/// `last_write_after`, and every write no later than `written_by`.
+#[derive(Debug)]
+struct Reclaim {
+    node: String,
+    by: String,
+    last_write_after: SystemTime,
+    written_by: SystemTime,
+}
+
+/// The commit of the reclaimed node's runtime that proves `reclaim` wrong, if any.
+///
+/// A reclaimer reads the node's activity record, grants the countdown's lease (the grace) and
+/// marks the registration with that read; it reclaims once the lease is gone, and each write of
+/// the reclaim is guarded by "activity record unmoved since the mark". So the mark came no later
+/// than `written_by - GRACE` (plus the mark's own delay after the grant), and a commit tried after
+/// that and answered before the last write moved the record in between: the reclaim had to stop.
+fn contradicting_commit<'a>(reclaim: &Reclaim, commits: &'a [Commit]) -> Option<&'a Commit> {
+    let after_mark = reclaim.written_by - GRACE + MARK_DELAY;
+    commits.iter().find(|commit| {
+        commit.node == reclaim.node
+            && commit.tried >= after_mark
+            && commit.answered <= reclaim.last_write_after
+    })
+}
+
+/// How long before `later` `earlier` came (zero if it did not).
+fn before(later: SystemTime, earlier: SystemTime) -> Duration {
+    later.duration_since(earlier).unwrap_or_default()
+}
+
+/// The time of a log line's RFC 3339 UTC timestamp (`2026-11-26T14:31:47.123456Z`, as the agent's
+/// log writes it).
+fn parse_utc(text: &str) -> Option<SystemTime> {
+    let (date, time) = text.strip_suffix('Z')?.split_once('T')?;
+    let mut date = date.split('-').map(str::parse::<i64>);
+    let (year, month, day) = (date.next()?.ok()?, date.next()?.ok()?, date.next()?.ok()?);
+    let (clock, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    let mut clock = clock.split(':').map(str::parse::<u64>);
+    let (hour, minute, second) = (
+        clock.next()?.ok()?,
+        clock.next()?.ok()?,
+        clock.next()?.ok()?,
+    );
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let year_of_era = year - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = u64::try_from(era * 146_097 + day_of_era - 719_468).ok()?;
+    let nanos: u32 = format!("{fraction:0<9}").get(..9)?.parse().ok()?;
+    Some(UNIX_EPOCH + Duration::new(days * 86_400 + hour * 3_600 + minute * 60 + second, nanos))
+}
+
+/// The reclaims an agent's log reports (`dead node reclaimed`, logged after the last write).
+fn logged_reclaims(agent: &str, log: &str) -> Vec<Reclaim> {
+    log.lines()
+        .filter(|line| line.contains("dead node reclaimed"))
+        .map(|line| {
+            let logged = line
+                .split_whitespace()
+                .next()
+                .and_then(parse_utc)
+                .unwrap_or_else(|| panic!("no UTC timestamp opens agent {agent}'s line: {line}"));
+            let node = line
+                .split("node=\"")
+                .nth(1)
+                .and_then(|rest| rest.split('"').next())
+                .unwrap_or_else(|| panic!("no node in agent {agent}'s line: {line}"));
+            Reclaim {
+                node: node.to_owned(),
+                by: format!("agent {agent}: {line}"),
+                last_write_after: logged - LOG_DELAY,
+                written_by: logged,
+            }
+        })
+        .collect()
+}
 
 /// Calls the plugin as a runtime does: retried while it answers "try again later" (11), any
 /// other failure fails the test. Returns the ADD's address (`None` for other commands).
@@ -91,7 +194,14 @@ fn runtime_call(command: &str, container: &str, conf: &Value) -> Option<String> 
 
 /// One node's runtime: ADDs, DELs of pods that are not stayers, and now and then a CNI GC with
 /// exactly the pods it runs, until `stop`.
-fn node_runtime(node: &'static str, conf: Value, truth: Truth, stop: Arc<AtomicBool>, seed: u64) {
+fn node_runtime(
+    node: &'static str,
+    conf: Value,
+    truth: Truth,
+    commits: Commits,
+    stop: Arc<AtomicBool>,
+    seed: u64,
+) {
     let mut dice = Dice(seed);
     let mut running: Vec<String> = Vec::new();
     let mut next = 0usize;
@@ -99,11 +209,21 @@ fn node_runtime(node: &'static str, conf: Value, truth: Truth, stop: Arc<AtomicB
     while !stop.load(Ordering::SeqCst) {
         round += 1;
         let add = running.len() < STAYERS || (running.len() < MAX_PODS && dice.roll(2) == 0);
+        let committed = |call: String, tried: SystemTime| {
+            commits.lock().expect("commits").push(Commit {
+                node,
+                call,
+                tried,
+                answered: SystemTime::now(),
+            });
+        };
         if add {
             let container = format!("{node}-pod{next}");
             next += 1;
+            let tried = SystemTime::now();
             let address =
                 runtime_call("ADD", &container, &conf).expect("an ADD answers an address");
+            committed(format!("ADD {container}"), tried);
             truth
                 .lock()
                 .expect("truth")
@@ -112,7 +232,9 @@ fn node_runtime(node: &'static str, conf: Value, truth: Truth, stop: Arc<AtomicB
         } else if running.len() > STAYERS {
             let index = STAYERS + dice.roll((running.len() - STAYERS) as u64) as usize;
             let container = running.remove(index);
+            let tried = SystemTime::now();
             runtime_call("DEL", &container, &conf);
+            committed(format!("DEL {container}"), tried);
             truth
                 .lock()
                 .expect("truth")
@@ -151,9 +273,20 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
             "10.91.0.0/26",
         )
     };
+    let grace_seconds = GRACE.as_secs().to_string();
     let start_agent = |node: &'static str| {
-        Agent::start_with_grace(node, &socket(node), &endpoints, &prefix, GRACE_SECONDS, &[])
+        Agent::start_with_grace(
+            node,
+            &socket(node),
+            &endpoints,
+            &prefix,
+            &grace_seconds,
+            &[],
+        )
     };
+    // The logs of agents stopped during the chaos: one of them may have led the reclaimer.
+    let mut stopped_logs: Vec<(&'static str, Arc<Mutex<String>>)> = Vec::new();
+    let mut reclaims: Vec<Reclaim> = Vec::new();
     let mut agents: Vec<Option<Agent>> = NODES.iter().map(|n| Some(start_agent(n))).collect();
     let confs: Vec<Value> = NODES
         .iter()
@@ -168,15 +301,17 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
     runtime_call("DEL", "setup-probe", &confs[0]);
 
     let truth: Truth = Arc::new(Mutex::new(BTreeMap::new()));
+    let commits: Commits = Arc::new(Mutex::new(Vec::new()));
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = NODES
         .iter()
         .zip(confs.iter().cloned())
         .enumerate()
         .map(|(i, (node, conf))| {
-            let (truth, stop) = (Arc::clone(&truth), Arc::clone(&stop));
+            let (truth, commits, stop) =
+                (Arc::clone(&truth), Arc::clone(&commits), Arc::clone(&stop));
             std::thread::spawn(move || {
-                node_runtime(node, conf, truth, stop, 0x9e37_79b9 + i as u64)
+                node_runtime(node, conf, truth, commits, stop, 0x9e37_79b9 + i as u64)
             })
         })
         .collect();
@@ -215,6 +350,7 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
                     let agent = agents[i].take().expect("an agent that is up");
                     let signal = if dice.roll(2) == 0 { "TERM" } else { "KILL" };
                     agent.signal(signal);
+                    stopped_logs.push((agent.node, agent.log_source()));
                     drop(agent);
                     down_until[i] = Some(Instant::now() + Duration::from_secs(dice.roll(10)));
                     *events
@@ -240,6 +376,7 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
                 *events.entry("check --repair").or_default() += 1;
             }
             _ => {
+                let started = SystemTime::now();
                 let (status, output) = ctl(
                     &endpoints,
                     &prefix,
@@ -248,27 +385,46 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
                         "--dead-nodes",
                         "--apply",
                         "--grace-seconds",
-                        GRACE_SECONDS,
+                        &grace_seconds,
+                        "-o",
+                        "json",
                     ],
                 );
+                let finished = SystemTime::now();
                 // An etcd member down may fail one node's write: status 1 names it; never more.
                 assert!(
                     status == 0 || status == 1,
                     "gc --dead-nodes --apply during the churn:\n{output}"
                 );
-                assert!(
-                    !output.contains("reclaimed"),
-                    "a reclaim by hand released a node whose runtime is at work:\n{output}"
-                );
-                *events.entry("gc --dead-nodes --apply").or_default() += 1;
+                let report = serde_json::Deserializer::from_str(&output)
+                    .into_iter::<Value>()
+                    .next()
+                    .and_then(Result::ok);
+                match report {
+                    Some(report) => {
+                        let nodes = report["nodes"].as_array().cloned().unwrap_or_default();
+                        for node in nodes.iter().filter(|n| n["action"] == "reclaimed") {
+                            reclaims.push(Reclaim {
+                                node: node["node"].as_str().unwrap_or_default().to_owned(),
+                                by: format!("gc --dead-nodes --apply: {node}"),
+                                last_write_after: started,
+                                written_by: finished,
+                            });
+                        }
+                        *events.entry("gc --dead-nodes --apply").or_default() += 1;
+                    }
+                    // Failed before its report (the store unreachable): it wrote nothing.
+                    None => {
+                        assert_eq!(status, 1, "gc -o json printed no report:\n{output}");
+                        *events.entry("gc --dead-nodes --apply failed").or_default() += 1;
+                    }
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(1500 + dice.roll(1500)));
     }
-    stop.store(true, Ordering::SeqCst);
-    for worker in workers {
-        worker.join().expect("a node's runtime");
-    }
+    // Everything comes back while the runtimes still work, so that no node falls idle with its
+    // agent down; then the runtimes stop.
     if let Some((member, _)) = member_down {
         cluster
             .member_mut(member)
@@ -279,6 +435,19 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
         if agent.is_none() {
             *agent = Some(start_agent(NODES[i]));
         }
+    }
+    wait_until(&runtime, "every agent is live again", || async {
+        let mut live = 0;
+        for node in NODES {
+            if common::etcd_agents::is_live(&store, node).await {
+                live += 1;
+            }
+        }
+        live == NODES.len()
+    });
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.join().expect("a node's runtime");
     }
 
     // The runtimes' truth against the store.
@@ -308,17 +477,12 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
             )
         })
         .collect();
-    let reclaims: Vec<String> = agents
-        .iter()
-        .flatten()
-        .flat_map(|a| {
-            a.log()
-                .lines()
-                .filter(|l| l.contains("dead node reclaimed"))
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    for (node, log) in &stopped_logs {
+        reclaims.extend(logged_reclaims(node, &log.lock().expect("log")));
+    }
+    for agent in agents.iter().flatten() {
+        reclaims.extend(logged_reclaims(agent.node, &agent.log()));
+    }
     for ((node, container), address) in &truth {
         let expected = (format!("deadnet.{container}"), node.clone());
         assert_eq!(
@@ -330,7 +494,26 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
     let held: BTreeSet<&String> = truth.values().collect();
     let leaked: Vec<&String> = by_address.keys().filter(|a| !held.contains(a)).collect();
     assert!(leaked.is_empty(), "allocated with no container: {leaked:?}");
-    assert!(reclaims.is_empty(), "a node was reclaimed: {reclaims:?}");
+    let commits = commits.lock().expect("commits").clone();
+    for reclaim in &reclaims {
+        if let Some(commit) = contradicting_commit(reclaim, &commits) {
+            panic!(
+                "{} was reclaimed although its runtime committed after the mark and before the \
+                 last write: {} was tried {:?} and answered {:?} before the reclaim's writes \
+                 were over (grace {GRACE:?}), by {}",
+                reclaim.node,
+                commit.call,
+                before(reclaim.written_by, commit.tried),
+                before(reclaim.written_by, commit.answered),
+                reclaim.by
+            );
+        }
+        eprintln!(
+            "churn: {} reclaimed while idle (no commit of its runtime between the mark and the \
+             reclaim), by {}",
+            reclaim.node, reclaim.by
+        );
+    }
     let (status, output) = ctl(&endpoints, &prefix, &["check"]);
     assert_eq!(status, 0, "check after the churn:\n{output}");
     for (what, minimum) in [
@@ -344,21 +527,66 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
             "the chaos never did {what:?}: {events:?} (run longer: BLOCKIPAM_CHURN_SECONDS)"
         );
     }
-    wait_until(&runtime, "every agent is live again", || async {
-        let mut live = 0;
-        for node in NODES {
-            if common::etcd_agents::is_live(&store, node).await {
-                live += 1;
-            }
-        }
-        live == NODES.len()
-    });
     eprintln!(
-        "churn figures: {} s of chaos, {events:?}, {} containers running at the end, 0 addresses \
-         of running containers released, 0 held twice, 0 leaked, check clean",
+        "churn figures: {} s of chaos, {events:?}, {} containers running at the end, {} \
+         committing calls, {} reclaims of an idle node (none against a commit), 0 addresses of \
+         running containers released, 0 held twice, 0 leaked, check clean",
         churn_seconds(),
-        truth.len()
+        truth.len(),
+        commits.len(),
+        reclaims.len()
     );
     drop(agents);
     drop(cluster);
+}
+
+#[test]
+fn log_timestamps_are_read_as_utc() {
+    assert_eq!(parse_utc("1970-01-01T00:00:00Z"), Some(UNIX_EPOCH));
+    assert_eq!(
+        parse_utc("1970-01-02T00:00:01.5Z"),
+        Some(UNIX_EPOCH + Duration::from_millis(86_401_500))
+    );
+    // A leap day, and the day after a leap century's February.
+    assert_eq!(
+        parse_utc("2024-02-29T12:00:00.000001Z"),
+        Some(UNIX_EPOCH + Duration::new(1_709_208_000, 1_000))
+    );
+    assert_eq!(
+        parse_utc("2000-03-01T00:00:00Z"),
+        Some(UNIX_EPOCH + Duration::from_secs(951_868_800))
+    );
+    assert_eq!(parse_utc("2026-11-26 14:31:47Z"), None);
+    assert_eq!(parse_utc("2026-11-26T14:31:47"), None);
+}
+
+#[test]
+fn a_reclaim_is_contradicted_only_by_a_commit_between_its_mark_and_last_write() {
+    let at =
+        |seconds: u64| UNIX_EPOCH + Duration::from_secs(1_000) + Duration::from_millis(seconds);
+    let reclaim = Reclaim {
+        node: "churn-1".into(),
+        by: "test".into(),
+        last_write_after: at(10_000),
+        written_by: at(10_500),
+    };
+    let commit = |node: &'static str, tried: u64, answered: u64| Commit {
+        node,
+        call: "ADD".into(),
+        tried: at(tried),
+        answered: at(answered),
+    };
+    // Mark no later than 10.5 - 4 + 1 = 7.5 s.
+    let inside = [commit("churn-1", 7_500, 9_000)];
+    assert!(contradicting_commit(&reclaim, &inside).is_some());
+    for alibi in [
+        commit("churn-0", 8_000, 8_100),
+        commit("churn-1", 7_499, 8_000),
+        commit("churn-1", 8_000, 10_001),
+    ] {
+        assert!(
+            contradicting_commit(&reclaim, std::slice::from_ref(&alibi)).is_none(),
+            "{alibi:?}"
+        );
+    }
 }

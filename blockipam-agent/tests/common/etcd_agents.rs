@@ -109,6 +109,12 @@ impl Agent {
     pub fn log(&self) -> String {
         self.log.lock().expect("log").clone()
     }
+
+    /// The log as it keeps growing, still readable once this agent is dropped (its last lines
+    /// arrive after the process is gone).
+    pub fn log_source(&self) -> Arc<Mutex<String>> {
+        Arc::clone(&self.log)
+    }
 }
 
 impl Drop for Agent {
