@@ -111,27 +111,15 @@ fn before(later: SystemTime, earlier: SystemTime) -> Duration {
 }
 
 /// The time of a log line's RFC 3339 UTC timestamp (`2026-11-26T14:31:47.123456Z`, as the agent's
-/// log writes it).
+/// log writes it): the whole seconds as the store's timestamps are read, and the fraction.
 fn parse_utc(text: &str) -> Option<SystemTime> {
-    let (date, time) = text.strip_suffix('Z')?.split_once('T')?;
-    let mut date = date.split('-').map(str::parse::<i64>);
-    let (year, month, day) = (date.next()?.ok()?, date.next()?.ok()?, date.next()?.ok()?);
-    let (clock, fraction) = time.split_once('.').unwrap_or((time, "0"));
-    let mut clock = clock.split(':').map(str::parse::<u64>);
-    let (hour, minute, second) = (
-        clock.next()?.ok()?,
-        clock.next()?.ok()?,
-        clock.next()?.ok()?,
-    );
-    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let year_of_era = year - era * 400;
-    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    let days = u64::try_from(era * 146_097 + day_of_era - 719_468).ok()?;
+    let seconds = ipam_core::model::timestamp::parse_rfc3339_utc(text)?;
+    let fraction = text
+        .strip_suffix('Z')?
+        .split_once('.')
+        .map_or("0", |(_, f)| f);
     let nanos: u32 = format!("{fraction:0<9}").get(..9)?.parse().ok()?;
-    Some(UNIX_EPOCH + Duration::new(days * 86_400 + hour * 3_600 + minute * 60 + second, nanos))
+    Some(UNIX_EPOCH + Duration::new(seconds, nanos))
 }
 
 /// The reclaims an agent's log reports (`dead node reclaimed`, logged after the last write).
