@@ -172,6 +172,30 @@ impl LeaseSession {
             .unwrap_or(0))
     }
 
+    /// Stores `key` = `value` attached to `lease`, then renews the lease once, so that the key
+    /// lives the lease's whole TTL counted from after the put, however long the caller took
+    /// between the grant and the put (a process paused there, a slow answer): a countdown that
+    /// must run no shorter than its TTL after every event its put made visible. Returns the
+    /// put's revision, as [`put`](Self::put) does.
+    ///
+    /// # Errors
+    /// As [`put`](Self::put); [`KvError::Other`] when the lease ran out before it was renewed
+    /// (its key is gone with it).
+    pub async fn put_renewed(
+        &self,
+        lease: LeaseId,
+        key: &str,
+        value: &[u8],
+    ) -> Result<u64, KvError> {
+        let revision = self.put(lease, key, value).await?;
+        match self.open_keep_alive(lease).await? {
+            Some(_renewed) => Ok(revision),
+            None => Err(KvError::other(format!(
+                "the lease of {key} ran out before it could be renewed"
+            ))),
+        }
+    }
+
     /// Creates `key` = `value` on `lease` if no key is there (one etcd transaction), and says who
     /// holds it afterwards: the lease key of a leader election.
     ///

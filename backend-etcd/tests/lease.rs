@@ -127,3 +127,69 @@ async fn a_lost_lease_is_granted_again_and_the_key_put_back() {
     kept.stop(true).await;
     assert!(store.get("liveness/n1").await.expect("get").is_none());
 }
+
+/// The TTL etcd says `lease` has left, in whole seconds (-1 once it is gone).
+async fn seconds_left(endpoints: &[String], lease: i64) -> i64 {
+    let mut client = etcd_client::Client::connect(endpoints, None)
+        .await
+        .expect("connect a client");
+    client
+        .lease_time_to_live(lease, None)
+        .await
+        .expect("the lease's time to live")
+        .ttl()
+}
+
+#[tokio::test]
+async fn a_key_put_renewed_lives_the_whole_ttl_from_its_put_not_from_the_grant() {
+    let server = EtcdServer::shared();
+    let prefix = unique_prefix();
+    let _guard = PrefixGuard::new(server.config(&prefix));
+    let store = EtcdStore::connect(server.config(&prefix))
+        .await
+        .expect("connect the store");
+    let session = LeaseSession::connect(&server.config(&prefix), Duration::from_secs(60))
+        .await
+        .expect("a lease session");
+    let endpoints = [server.endpoint()];
+
+    // Granted, then put 3 s later (a caller paused between the two): the plain put leaves the
+    // lease counting from the grant, the renewed put restarts it at the full TTL.
+    let plain = session
+        .grant_for(Duration::from_secs(60))
+        .await
+        .expect("grant");
+    let renewed = session
+        .grant_for(Duration::from_secs(60))
+        .await
+        .expect("grant");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    session
+        .put(plain, "countdown/plain", b"plain")
+        .await
+        .expect("put");
+    let revision = session
+        .put_renewed(renewed, "countdown/renewed", b"renewed")
+        .await
+        .expect("put renewed");
+    let plain_left = seconds_left(&endpoints, plain).await;
+    let renewed_left = seconds_left(&endpoints, renewed).await;
+    assert!(plain_left <= 57, "plain put: {plain_left} s left");
+    assert!(renewed_left >= 59, "renewed put: {renewed_left} s left");
+    let stored = store
+        .get("countdown/renewed")
+        .await
+        .expect("get")
+        .expect("the key");
+    assert_eq!(stored.value, b"renewed");
+    assert_eq!(stored.revision.get(), revision, "the put's revision");
+
+    // A lease gone before the put: refused, nothing stored.
+    session.revoke(plain).await.expect("revoke");
+    assert!(session
+        .put_renewed(plain, "countdown/late", b"late")
+        .await
+        .is_err());
+    assert!(store.get("countdown/late").await.expect("get").is_none());
+    session.revoke(renewed).await.expect("revoke");
+}

@@ -1,4 +1,4 @@
-//! Grace countdowns for dead-node reclaim, timed by etcd: a key on a lease nobody renews.
+//! Grace countdowns for dead-node reclaim, timed by etcd: a key on a lease renewed once after its put.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +9,12 @@ use ipam_core::{IpamError, KvError, Revision};
 
 use crate::DatastoreSettings;
 
-/// Countdowns as keys on etcd leases of the countdown's duration, never kept alive: etcd deletes
-/// the key once the lease's TTL has passed by its own clock (a leader change restarts the TTL,
-/// which only lengthens a grace period).
+/// Countdowns as keys on etcd leases of the countdown's duration, renewed once right after the
+/// key is put and never again: etcd deletes the key once the lease's TTL has passed by its own
+/// clock (a leader change restarts the TTL, which only lengthens a grace period). The renewal
+/// times the countdown from after its put: a plugin commit that lands after the put moves the
+/// node's activity record (it sees the countdown), one before it may not, so the grace must not
+/// start at the grant, earlier than the put by however long this process took in between.
 #[derive(Debug, Clone)]
 pub struct LeaseCountdowns {
     session: Arc<LeaseSession>,
@@ -33,7 +36,9 @@ impl Countdowns for LeaseCountdowns {
         duration: Duration,
     ) -> Result<Revision, IpamError> {
         let lease = self.session.grant_for(duration).await?;
-        Ok(Revision(self.session.put(lease, key, &value).await?))
+        Ok(Revision(
+            self.session.put_renewed(lease, key, &value).await?,
+        ))
     }
 }
 

@@ -1164,3 +1164,161 @@ async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_mo
     );
     assert_eq!(addresses_of(&Ipam::new(store), "node-a").await, 2);
 }
+
+/// Countdowns as plain keys that, once the countdown is put and before the reclaimer marks the
+/// registration, let the node's plugin (`plugin`) commit one ADD: the commit that lands between
+/// the countdown's start and the mark.
+struct PluginCommitsAfterTheCountdown {
+    store: Arc<dyn KvStore>,
+    plugin: Ipam,
+    handle: String,
+}
+
+#[async_trait]
+impl Countdowns for PluginCommitsAfterTheCountdown {
+    async fn start(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        _duration: Duration,
+    ) -> Result<Revision, IpamError> {
+        let revision = self.store.put(key, value).await?;
+        plugin_add(&self.plugin, "node-a", &self.handle).await;
+        Ok(revision)
+    }
+}
+
+#[tokio::test]
+async fn a_plugin_commit_after_the_countdown_started_and_before_the_mark_keeps_the_node_from_being_reclaimed(
+) {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    // Through a cache (the agent answers the plugin's reads from one: it kept "no countdown"
+    // from an earlier call) and directly.
+    let through_cache: Arc<dyn KvStore> =
+        Arc::new(ipam_core::caching::CachingStore::new(Arc::clone(&store)));
+    for (round, plugin_store) in [Arc::clone(&store), through_cache].into_iter().enumerate() {
+        let plugin = plugin_of(plugin_store, "node-a", "test");
+        plugin_add(&plugin, "node-a", &format!("net.steady-{round}")).await;
+        let before = activity_revision(store.as_ref(), "node-a").await;
+        let racing = PluginCommitsAfterTheCountdown {
+            store: Arc::clone(&store),
+            plugin,
+            handle: format!("net.racing-{round}"),
+        };
+        let outcomes = reclaim_pass(Arc::clone(&store), &racing, &options())
+            .await
+            .expect("reclaim pass");
+        // The commit moved the record, so the mark (guarded by "record unmoved") was refused:
+        // the grace is timed again from a countdown started after that commit.
+        assert_eq!(
+            action_of(&outcomes, "node-a"),
+            &NodeAction::Changed,
+            "round {round}"
+        );
+        assert!(
+            activity_revision(store.as_ref(), "node-a").await > before,
+            "round {round}"
+        );
+        let registration = registration(store.as_ref(), "node-a")
+            .await
+            .expect("registered");
+        assert_eq!(registration.missing_mark, None, "round {round}");
+        // The countdown started before the commit runs out: the node is not dead.
+        grace_passes(store.as_ref(), "node-a").await;
+        assert_eq!(
+            action_of(&pass(&store).await, "node-a"),
+            &NodeAction::MarkedMissing,
+            "round {round}"
+        );
+        assert_eq!(
+            blocks_of(store.as_ref(), "node-a").await,
+            1,
+            "round {round}"
+        );
+        // The next round starts unmarked, as after the node's agent registered again.
+        grace_passes(store.as_ref(), "node-a").await;
+        register(store.as_ref(), "node-a", "test", T0)
+            .await
+            .expect("register again");
+    }
+    assert_eq!(
+        addresses_of(&Ipam::new(Arc::clone(&store)), "node-a").await,
+        4
+    );
+    assert_check_clean(&Ipam::new(store)).await;
+}
+
+/// A store whose first commit is preceded by a reclaimer's countdown for `node-a` (a plain key,
+/// as [`TestCountdowns`] puts): the countdown starts between the plugin's read and its commit.
+#[derive(Debug)]
+struct CountdownBeforeCommit {
+    inner: Arc<dyn KvStore>,
+    started: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl KvStore for CountdownBeforeCommit {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.inner.read_many(reads).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        if !self.started.swap(true, Ordering::SeqCst) {
+            let record = CountdownRecord {
+                node: "node-a".into(),
+                grace_seconds: GRACE.as_secs(),
+                addresses_kept: false,
+            };
+            TestCountdowns(Arc::clone(&self.inner))
+                .start(
+                    &countdown_key("node-a"),
+                    serde_json::to_vec(&record).expect("encode the countdown"),
+                    GRACE,
+                )
+                .await
+                .expect("start the countdown");
+        }
+        self.inner.commit(txn).await
+    }
+}
+
+#[tokio::test]
+async fn a_countdown_started_between_the_plugins_read_and_its_commit_makes_the_commit_move_the_record(
+) {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    plugin_add(
+        &plugin_of(Arc::clone(&store), "node-a", "test"),
+        "node-a",
+        "net.a",
+    )
+    .await;
+    let before = activity_revision(store.as_ref(), "node-a").await;
+    let racing: Arc<dyn KvStore> = Arc::new(CountdownBeforeCommit {
+        inner: Arc::clone(&store),
+        started: false.into(),
+    });
+    plugin_add(&plugin_of(racing, "node-a", "test"), "node-a", "net.b").await;
+    assert!(activity_revision(store.as_ref(), "node-a").await > before);
+    // While a countdown runs, every commit moves the record, marked or not.
+    let moved = activity_revision(store.as_ref(), "node-a").await;
+    plugin_del(
+        &plugin_of(Arc::clone(&store), "node-a", "test"),
+        "node-a",
+        "net.b",
+    )
+    .await;
+    assert!(activity_revision(store.as_ref(), "node-a").await > moved);
+}

@@ -76,13 +76,15 @@ impl Activity {
 }
 
 /// Starts grace countdowns that the store times itself: a key the store deletes on its own once
-/// the duration has passed (on etcd, a key on a lease of that TTL that is never renewed). The
-/// machines' clocks play no part, so a skewed or stepped clock can neither shorten nor stretch a
-/// grace period.
+/// the duration has passed (on etcd, a key on a lease of that TTL, renewed once right after the
+/// put and never again). The machines' clocks play no part, so a skewed or stepped clock can
+/// neither shorten nor stretch a grace period.
 #[async_trait]
 pub trait Countdowns: Send + Sync {
     /// Puts `key` = `value` (replacing any earlier countdown there), to be deleted by the store
-    /// once `duration` has passed; returns the revision of the put.
+    /// once `duration` has passed counted from the put (not from any earlier step: a plugin
+    /// commit after the put rewrites the node's activity record, one before it may not);
+    /// returns the revision of the put.
     ///
     /// # Errors
     /// Store failures; [`IpamError::InvalidArgument`] when the store cannot time keys.

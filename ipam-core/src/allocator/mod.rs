@@ -522,6 +522,8 @@ struct ActivityRecording {
     value: Vec<u8>,
     /// `ipam/v1/agents/<host>`: the registration a reclaimer marks.
     registration_key: String,
+    /// `ipam/v1/missing/<host>`: the grace countdown a reclaimer starts before it marks.
+    countdown_key: String,
 }
 
 impl Plan {
@@ -870,13 +872,15 @@ impl Ipam {
             key: crate::allocator::dead_nodes::activity_key(host),
             value: record.encode()?,
             registration_key: crate::allocator::dead_nodes::agent_key(host),
+            countdown_key: crate::allocator::dead_nodes::countdown_key(host),
         }));
         Ok(self)
     }
 
     /// The reads a call's attempt adds to its batch so that its commit may leave the activity
     /// record as it is (none when this allocator records no activity): the node's registration,
-    /// then its activity record. Their answers go to [`Ipam::activity_unchanged`].
+    /// its activity record, then its grace countdown. Their answers go to
+    /// [`Ipam::activity_unchanged`].
     pub(crate) fn activity_reads(&self) -> Vec<Read> {
         self.activity
             .iter()
@@ -884,6 +888,7 @@ impl Ipam {
                 [
                     Read::Get(activity.registration_key.clone()),
                     Read::Get(activity.key.clone()),
+                    Read::Get(activity.countdown_key.clone()),
                 ]
             })
             .collect()
@@ -895,10 +900,14 @@ impl Ipam {
     /// The record is evidence only against a reclaimer's mark: a node is dead only when its
     /// record has not moved since a reclaimer marked its registration (`dead_nodes`). So a
     /// commit may skip the rewrite while the registration is absent or carries no mark (exactly
-    /// as this build writes an unmarked one) and the record already holds this plugin's value,
-    /// provided both are still so when it commits: it carries "registration unchanged" and
-    /// "record unchanged" instead. A mark (or a new registration) made before it commits fails
-    /// it, and its retry rewrites the record, as every commit did before.
+    /// as this build writes an unmarked one), no grace countdown runs for the node, and the
+    /// record already holds this plugin's value, provided all three are still so when it
+    /// commits: it carries "registration unchanged", "no countdown" and "record unchanged"
+    /// instead. A mark, a new registration or a countdown made before it commits fails it, and
+    /// its retry rewrites the record, as every commit did before. The countdown matters because
+    /// a reclaimer starts it before it marks: the grace is timed from the countdown, so a commit
+    /// after the countdown started that left the record as it was would let the node be
+    /// reclaimed less than the grace after that commit.
     pub(crate) fn activity_unchanged(
         &self,
         results: &mut impl Iterator<Item = crate::kv::ReadResult>,
@@ -908,6 +917,10 @@ impl Ipam {
         };
         let registration = next_got(results)?;
         let record = next_got(results)?;
+        let countdown = next_got(results)?;
+        if countdown.is_some() {
+            return Ok(None);
+        }
         let Some(record) = record.filter(|kv| kv.value == activity.value) else {
             return Ok(None);
         };
@@ -920,6 +933,7 @@ impl Ipam {
         };
         Ok(Some(vec![
             registration_condition,
+            Condition::absent(&activity.countdown_key),
             Condition::at_revision(&activity.key, record.revision),
         ]))
     }

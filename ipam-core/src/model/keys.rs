@@ -329,7 +329,9 @@ pub fn countdown_dir() -> String {
 }
 
 /// `host`'s grace countdown: put by a reclaimer when it finds the node's liveness key gone, on a
-/// lease of the grace period that nobody renews; the store deletes it once the grace has passed.
+/// lease of the grace period renewed once right after the put and never again; the store deletes
+/// it once the grace has passed. While it exists, every plugin commit rewrites the node's activity
+/// record.
 pub fn countdown_key(host: &str) -> String {
     format!("{ROOT}missing/{host}")
 }
