@@ -34,8 +34,6 @@ const NODES: [&str; 3] = ["churn-0", "churn-1", "churn-2"];
 const GRACE: Duration = Duration::from_secs(4);
 /// An agent logs a reclaim right after its last write: within this, the test assumes.
 const LOG_DELAY: Duration = Duration::from_secs(1);
-/// A reclaimer grants the countdown's lease, then marks: within this, the test assumes.
-const MARK_DELAY: Duration = Duration::from_secs(1);
 /// Pods each node keeps for the whole test (never deleted).
 const STAYERS: usize = 2;
 /// Most pods a node runs at once.
@@ -91,16 +89,18 @@ struct Reclaim {
 
 /// The commit of the reclaimed node's runtime that proves `reclaim` wrong, if any.
 ///
-/// A reclaimer reads the node's activity record, grants the countdown's lease (the grace) and
-/// marks the registration with that read; it reclaims once the lease is gone, and each write of
-/// the reclaim is guarded by "activity record unmoved since the mark". So the mark came no later
-/// than `written_by - GRACE` (plus the mark's own delay after the grant), and a commit tried after
-/// that and answered before the last write moved the record in between: the reclaim had to stop.
+/// A reclaimer reads the node's activity record, puts the countdown (on a lease of the grace,
+/// renewed right after the put) and marks the registration with that read; it reclaims once the
+/// countdown is gone, and each write of the reclaim is guarded by "activity record unmoved since
+/// the mark". A plugin commit after the countdown's put moves the record (before the mark, it
+/// fails the mark). So the countdown was put no later than `written_by - GRACE`, and a commit
+/// tried after that and answered before the last write moved the record in between: the reclaim
+/// had to stop.
 fn contradicting_commit<'a>(reclaim: &Reclaim, commits: &'a [Commit]) -> Option<&'a Commit> {
-    let after_mark = reclaim.written_by - GRACE + MARK_DELAY;
+    let after_countdown = reclaim.written_by - GRACE;
     commits.iter().find(|commit| {
         commit.node == reclaim.node
-            && commit.tried >= after_mark
+            && commit.tried >= after_countdown
             && commit.answered <= reclaim.last_write_after
     })
 }
@@ -486,8 +486,8 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
     for reclaim in &reclaims {
         if let Some(commit) = contradicting_commit(reclaim, &commits) {
             panic!(
-                "{} was reclaimed although its runtime committed after the mark and before the \
-                 last write: {} was tried {:?} and answered {:?} before the reclaim's writes \
+                "{} was reclaimed although its runtime committed after the countdown started and \
+                 before the last write: {} was tried {:?} and answered {:?} before the reclaim's writes \
                  were over (grace {GRACE:?}), by {}",
                 reclaim.node,
                 commit.call,
@@ -497,7 +497,7 @@ fn churn_with_agents_and_etcd_members_failing_never_releases_or_duplicates_a_run
             );
         }
         eprintln!(
-            "churn: {} reclaimed while idle (no commit of its runtime between the mark and the \
+            "churn: {} reclaimed while idle (no commit of its runtime between the countdown and the \
              reclaim), by {}",
             reclaim.node, reclaim.by
         );
@@ -549,7 +549,7 @@ fn log_timestamps_are_read_as_utc() {
 }
 
 #[test]
-fn a_reclaim_is_contradicted_only_by_a_commit_between_its_mark_and_last_write() {
+fn a_reclaim_is_contradicted_only_by_a_commit_between_its_countdown_and_last_write() {
     let at =
         |seconds: u64| UNIX_EPOCH + Duration::from_secs(1_000) + Duration::from_millis(seconds);
     let reclaim = Reclaim {
@@ -564,12 +564,12 @@ fn a_reclaim_is_contradicted_only_by_a_commit_between_its_mark_and_last_write() 
         tried: at(tried),
         answered: at(answered),
     };
-    // Mark no later than 10.5 - 4 + 1 = 7.5 s.
-    let inside = [commit("churn-1", 7_500, 9_000)];
+    // Countdown put no later than 10.5 - 4 = 6.5 s.
+    let inside = [commit("churn-1", 6_500, 9_000)];
     assert!(contradicting_commit(&reclaim, &inside).is_some());
     for alibi in [
         commit("churn-0", 8_000, 8_100),
-        commit("churn-1", 7_499, 8_000),
+        commit("churn-1", 6_499, 8_000),
         commit("churn-1", 8_000, 10_001),
     ] {
         assert!(
