@@ -23,17 +23,24 @@ where
     }
 }
 
-#[tokio::test]
-async fn leader_key_has_one_holder_and_revoking_deletes_it() {
+/// The shared etcd, a fresh prefix (deleted when the guard drops), a store over it and a lease
+/// session of `ttl` under the same prefix.
+async fn under_fresh_prefix(ttl: Duration) -> (PrefixGuard, EtcdStore, LeaseSession) {
     let server = EtcdServer::shared();
     let prefix = unique_prefix();
-    let _guard = PrefixGuard::new(server.config(&prefix));
+    let guard = PrefixGuard::new(server.config(&prefix));
     let store = EtcdStore::connect(server.config(&prefix))
         .await
         .expect("connect the store");
-    let session = LeaseSession::connect(&server.config(&prefix), Duration::from_secs(60))
+    let session = LeaseSession::connect(&server.config(&prefix), ttl)
         .await
         .expect("a lease session");
+    (guard, store, session)
+}
+
+#[tokio::test]
+async fn leader_key_has_one_holder_and_revoking_deletes_it() {
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(60)).await;
     let (first, second) = (
         session.grant().await.expect("grant"),
         session.grant().await.expect("grant"),
@@ -84,17 +91,8 @@ async fn leader_key_has_one_holder_and_revoking_deletes_it() {
 
 #[tokio::test]
 async fn a_lost_lease_is_granted_again_and_the_key_put_back() {
-    let server = EtcdServer::shared();
-    let prefix = unique_prefix();
-    let _guard = PrefixGuard::new(server.config(&prefix));
-    let store = EtcdStore::connect(server.config(&prefix))
-        .await
-        .expect("connect the store");
-    let session = Arc::new(
-        LeaseSession::connect(&server.config(&prefix), Duration::from_secs(2))
-            .await
-            .expect("a lease session"),
-    );
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(2)).await;
+    let session = Arc::new(session);
     let kept = LeasedKey::start(Arc::clone(&session), "liveness/n1", b"n1".to_vec())
         .await
         .expect("start the leased key");
@@ -142,16 +140,8 @@ async fn seconds_left(endpoints: &[String], lease: i64) -> i64 {
 
 #[tokio::test]
 async fn a_key_put_renewed_lives_the_whole_ttl_from_its_put_not_from_the_grant() {
-    let server = EtcdServer::shared();
-    let prefix = unique_prefix();
-    let _guard = PrefixGuard::new(server.config(&prefix));
-    let store = EtcdStore::connect(server.config(&prefix))
-        .await
-        .expect("connect the store");
-    let session = LeaseSession::connect(&server.config(&prefix), Duration::from_secs(60))
-        .await
-        .expect("a lease session");
-    let endpoints = [server.endpoint()];
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(60)).await;
+    let endpoints = [EtcdServer::shared().endpoint()];
 
     // Granted, then put 3 s later (a caller paused between the two): the plain put leaves the
     // lease counting from the grant, the renewed put restarts it at the full TTL.

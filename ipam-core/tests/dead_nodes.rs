@@ -1106,16 +1106,36 @@ async fn a_registration_this_build_cannot_read_whole_makes_every_commit_rewrite_
     }
 }
 
-/// A store whose first commit runs a reclaim pass first: the node is marked between the plugin's
-/// read and its commit.
+/// What a reclaimer does to `node-a` between the plugin's read and its commit.
+#[derive(Debug, Clone, Copy)]
+enum Interjection {
+    /// A whole reclaim pass, which marks the node.
+    Mark,
+    /// Only the countdown's start (a plain key, as [`TestCountdowns`] puts), before any mark.
+    Countdown,
+}
+
+/// A store whose first commit is preceded by `interjection`: a reclaimer acts between the
+/// plugin's read and its commit.
 #[derive(Debug)]
-struct MarksBeforeCommit {
+struct InterjectsBeforeFirstCommit {
     inner: Arc<dyn KvStore>,
-    marked: std::sync::atomic::AtomicBool,
+    interjection: Interjection,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl InterjectsBeforeFirstCommit {
+    fn over(inner: &Arc<dyn KvStore>, interjection: Interjection) -> Arc<dyn KvStore> {
+        Arc::new(InterjectsBeforeFirstCommit {
+            inner: Arc::clone(inner),
+            interjection,
+            done: false.into(),
+        })
+    }
 }
 
 #[async_trait]
-impl KvStore for MarksBeforeCommit {
+impl KvStore for InterjectsBeforeFirstCommit {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
         self.inner.get(key).await
     }
@@ -1126,16 +1146,36 @@ impl KvStore for MarksBeforeCommit {
         self.inner.read_many(reads).await
     }
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        if !self.marked.swap(true, Ordering::SeqCst) {
-            let outcomes = pass(&self.inner).await;
-            assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+        if !self.done.swap(true, Ordering::SeqCst) {
+            match self.interjection {
+                Interjection::Mark => {
+                    let outcomes = pass(&self.inner).await;
+                    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+                }
+                Interjection::Countdown => {
+                    let record = CountdownRecord {
+                        node: "node-a".into(),
+                        grace_seconds: GRACE.as_secs(),
+                        addresses_kept: false,
+                    };
+                    TestCountdowns(Arc::clone(&self.inner))
+                        .start(
+                            &countdown_key("node-a"),
+                            serde_json::to_vec(&record).expect("encode the countdown"),
+                            GRACE,
+                        )
+                        .await
+                        .expect("start the countdown");
+                }
+            }
         }
         self.inner.commit(txn).await
     }
 }
 
-#[tokio::test]
-async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_move_the_record() {
+/// A registered `node-a` with one allocation, then an ADD by its plugin with `interjection`
+/// between the ADD's read and its commit; asserts the ADD moved the activity record.
+async fn add_with_a_reclaimer_interjecting(interjection: Interjection) -> Arc<dyn KvStore> {
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     ipam_with_pool(Arc::clone(&store)).await;
     register(store.as_ref(), "node-a", "test", T0)
@@ -1148,12 +1188,15 @@ async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_mo
     )
     .await;
     let before = activity_revision(store.as_ref(), "node-a").await;
-    let racing: Arc<dyn KvStore> = Arc::new(MarksBeforeCommit {
-        inner: Arc::clone(&store),
-        marked: false.into(),
-    });
+    let racing = InterjectsBeforeFirstCommit::over(&store, interjection);
     plugin_add(&plugin_of(racing, "node-a", "test"), "node-a", "net.b").await;
     assert!(activity_revision(store.as_ref(), "node-a").await > before);
+    store
+}
+
+#[tokio::test]
+async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_move_the_record() {
+    let store = add_with_a_reclaimer_interjecting(Interjection::Mark).await;
     let nodes = survey(store.as_ref()).await.expect("survey");
     assert_eq!(nodes[0].state, NodeState::Active);
     // The grace passing changes nothing: the node is not dead.
@@ -1252,66 +1295,10 @@ async fn a_plugin_commit_after_the_countdown_started_and_before_the_mark_keeps_t
     assert_check_clean(&Ipam::new(store)).await;
 }
 
-/// A store whose first commit is preceded by a reclaimer's countdown for `node-a` (a plain key,
-/// as [`TestCountdowns`] puts): the countdown starts between the plugin's read and its commit.
-#[derive(Debug)]
-struct CountdownBeforeCommit {
-    inner: Arc<dyn KvStore>,
-    started: std::sync::atomic::AtomicBool,
-}
-
-#[async_trait]
-impl KvStore for CountdownBeforeCommit {
-    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
-        self.inner.get(key).await
-    }
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        self.inner.list(prefix).await
-    }
-    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
-        self.inner.read_many(reads).await
-    }
-    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
-        if !self.started.swap(true, Ordering::SeqCst) {
-            let record = CountdownRecord {
-                node: "node-a".into(),
-                grace_seconds: GRACE.as_secs(),
-                addresses_kept: false,
-            };
-            TestCountdowns(Arc::clone(&self.inner))
-                .start(
-                    &countdown_key("node-a"),
-                    serde_json::to_vec(&record).expect("encode the countdown"),
-                    GRACE,
-                )
-                .await
-                .expect("start the countdown");
-        }
-        self.inner.commit(txn).await
-    }
-}
-
 #[tokio::test]
 async fn a_countdown_started_between_the_plugins_read_and_its_commit_makes_the_commit_move_the_record(
 ) {
-    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-    ipam_with_pool(Arc::clone(&store)).await;
-    register(store.as_ref(), "node-a", "test", T0)
-        .await
-        .expect("register");
-    plugin_add(
-        &plugin_of(Arc::clone(&store), "node-a", "test"),
-        "node-a",
-        "net.a",
-    )
-    .await;
-    let before = activity_revision(store.as_ref(), "node-a").await;
-    let racing: Arc<dyn KvStore> = Arc::new(CountdownBeforeCommit {
-        inner: Arc::clone(&store),
-        started: false.into(),
-    });
-    plugin_add(&plugin_of(racing, "node-a", "test"), "node-a", "net.b").await;
-    assert!(activity_revision(store.as_ref(), "node-a").await > before);
+    let store = add_with_a_reclaimer_interjecting(Interjection::Countdown).await;
     // While a countdown runs, every commit moves the record, marked or not.
     let moved = activity_revision(store.as_ref(), "node-a").await;
     plugin_del(
