@@ -79,9 +79,15 @@ pub async fn run_async(
     let mut ctx = Ctx::new(format, stdout, stderr, stderr_is_terminal);
     match commands::dispatch(&mut ctx, &cli, env).await {
         Ok(outcome) => {
-            if output::print(&mut ctx, &outcome).is_err() {
-                // stdout is gone (a closed pipe): nothing more can be said there.
-                return EXIT_FAILURE;
+            match output::print(&mut ctx, &outcome) {
+                // The reader stopped reading (`| head`, `| grep -q`): it took what it wanted, and
+                // the command's own outcome stands.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                Err(e) => {
+                    let _ = writeln!(ctx.stderr, "error: cannot write the output: {e}");
+                    return EXIT_FAILURE;
+                }
+                Ok(()) => {}
             }
             if outcome.problems_found {
                 EXIT_FAILURE

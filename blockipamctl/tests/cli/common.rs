@@ -207,6 +207,18 @@ impl Lab {
         run_guarded(command, &full)
     }
 
+    /// As [`ctl`](Self::ctl), with stdout going to `stdout` instead of a pipe the test reads.
+    pub fn ctl_into(&self, args: &[&str], stdout: Stdio) -> Run {
+        let mut full = self.store_args();
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        let mut command = Command::new(BIN);
+        command.args(&full);
+        for name in CTL_ENV {
+            command.env_remove(name);
+        }
+        run_guarded_into(command, &full, stdout)
+    }
+
     /// As [`ctl`](Self::ctl), with extra environment variables.
     pub fn ctl_env(&self, args: &[&str], env: &[(&str, &str)]) -> Run {
         let mut full = self.store_args();
@@ -492,17 +504,24 @@ pub fn ctl(args: &[String], env: &[(&str, &str)]) -> Run {
 }
 
 /// Runs a command with piped output, killing it if it outlives [`HANG_GUARD`].
-pub fn run_guarded(mut command: Command, args: &[String]) -> Run {
+pub fn run_guarded(command: Command, args: &[String]) -> Run {
+    run_guarded_into(command, args, Stdio::piped())
+}
+
+/// As [`run_guarded`], with stdout going to `stdout` (read into the [`Run`] only when piped).
+pub fn run_guarded_into(mut command: Command, args: &[String], stdout: Stdio) -> Run {
     command
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
+        .stdout(stdout)
         .stderr(Stdio::piped());
     let mut child = command.spawn().expect("start blockipamctl");
-    let mut stdout = child.stdout.take().expect("stdout pipe");
+    let stdout = child.stdout.take();
     let mut stderr = child.stderr.take().expect("stderr pipe");
     let out = std::thread::spawn(move || {
         let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
+        if let Some(mut stdout) = stdout {
+            let _ = stdout.read_to_string(&mut text);
+        }
         text
     });
     let err = std::thread::spawn(move || {

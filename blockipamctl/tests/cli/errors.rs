@@ -2,6 +2,7 @@
 //! under `-o json`), and never changes the store; unreachable etcd, a locked store, a missing
 //! store and bad store selections fail cleanly; environment variables select the store.
 
+use std::process::Stdio;
 use std::time::Duration;
 
 use crate::common::{closed_port, ctl, Backend, Lab};
@@ -148,6 +149,35 @@ fn usage_errors_are_exactly_one_line_on_stderr() {
         assert_eq!(run.stderr.lines().count(), 1, "{run:?}");
         assert!(run.stderr.starts_with("error: "), "{run:?}");
     }
+}
+
+#[test]
+fn a_reader_that_stops_early_leaves_the_status_alone_and_a_failed_write_is_an_error() {
+    let lab = Lab::new(Backend::Sled);
+    lab.ctl(&["pool", "add", "10.70.0.0/16", "--name", "main"])
+        .ok();
+    let listing = ["-o", "json", "pool", "list"];
+
+    // `blockipamctl ... | grep -q ...`: the reader is gone before the output is written (its end
+    // of the pipe closed), so every write gets a broken pipe.
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let run = lab.ctl_into(&listing, Stdio::from(writer));
+    run.ok();
+    assert!(run.stderr.is_empty(), "{run:?}");
+
+    // Any other failed write (here a full disk) is an error, said on stderr.
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("open /dev/full");
+    let run = lab.ctl_into(&listing, Stdio::from(full));
+    run.expect_code(1);
+    assert_eq!(
+        run.error_line(),
+        "error: cannot write the output: No space left on device (os error 28)",
+        "{run:?}"
+    );
 }
 
 #[test]
