@@ -371,6 +371,137 @@ fn plugin_opens_the_store_directly_when_there_is_no_socket_file() {
     assert!(store.exists(), "no store created directly");
 }
 
+/// Whether a process other than this one has `path` open: a plugin waiting for the store's lock
+/// holds the lock file open while it retries.
+fn opened_by_another_process(path: &Path) -> bool {
+    let own = std::process::id();
+    let Ok(processes) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    processes
+        .flatten()
+        .filter(|process| {
+            // Processes only (not `self` or `thread-self`), and not this one.
+            let pid = process
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok());
+            pid.is_some_and(|pid| pid != own)
+        })
+        .filter_map(|process| std::fs::read_dir(process.path().join("fd")).ok())
+        .flat_map(|fds| fds.flatten())
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target == path))
+}
+
+/// The sled store at `store` opened in this process, holding its lock, as a starting agent holds
+/// it before it binds its socket; and the identity a plugin wants an agent of that store to serve.
+async fn hold_the_store(store: &Path) -> (Arc<dyn KvStore>, backend_agent::StoreIdentity) {
+    let opened = backend_sled::SledStore::open(backend_sled::SledConfig {
+        create_if_missing: true,
+        ..backend_sled::SledConfig::new(store)
+    })
+    .await
+    .expect("open the store");
+    let settings = blockipam_store::DatastoreSettings {
+        backend: blockipam_store::Backend::Sled {
+            path: Some(store.to_owned()),
+        },
+        ..blockipam_store::DatastoreSettings::default()
+    };
+    (Arc::new(opened), settings.identity())
+}
+
+/// A plugin call that found no socket and waits for the store's lock goes through the agent once
+/// the agent holding the lock binds its socket: the window of an agent's start (store opened,
+/// socket not bound yet), in which a call used to wait out the whole lock wait and fail. The
+/// lock wait here is longer than the call's deadline: only a call that stops waiting for the lock
+/// when the agent appears can succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_for_the_lock_goes_through_the_agent_that_starts_meanwhile() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("run/agent.sock");
+    let store = dir.path().join("store.sled");
+    let (held, served) = hold_the_store(&store).await;
+    let mut conf = netconf(&store, &socket, &dir.path().join("lock"), "node-a");
+    conf["ipam"]["ipam_lock_timeout_seconds"] = json!(600);
+    conf["ipam"]["timeout_seconds"] = json!(30);
+    let call = tokio::task::spawn_blocking(move || cni("ADD", "late-agent-1", &conf));
+    let lock_file = std::fs::canonicalize(dir.path().join("store.sled.lock")).expect("lock file");
+    let deadline = Instant::now() + HANG_GUARD;
+    while !opened_by_another_process(&lock_file) {
+        assert!(
+            !call.is_finished(),
+            "the call ended before it waited for the lock: {:#?}",
+            call.await
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the plugin never waited for the store's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Several rounds of the wait pass with no agent before one appears.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let agent = common::InProcessAgent::serve_at_on_current_runtime(
+        &socket,
+        Arc::clone(&held),
+        ServerConfig {
+            served,
+            ..ServerConfig::default()
+        },
+    );
+    let outcome = call.await.expect("the plugin call");
+    assert_eq!(outcome.status, 0, "{outcome:#?}");
+    assert!(
+        outcome
+            .stderr
+            .contains("an agent began serving the store while this call waited for its lock"),
+        "{outcome:#?}"
+    );
+    let address = outcome.address();
+    let allocations = ipam_core::Ipam::new(Arc::clone(&held))
+        .list_allocations()
+        .await
+        .expect("list the allocations");
+    assert!(
+        allocations
+            .iter()
+            .any(|a| a.handle == "agentnet.late-agent-1"
+                && address.starts_with(&format!("{}/", a.ip))),
+        "{address} is not in the store: {allocations:#?}"
+    );
+    agent.stop().await;
+}
+
+/// The same wait with no agent ever appearing ends after the lock wait with "try again later"
+/// (code 11), naming the socket it watched, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waiting_for_the_lock_fails_after_the_wait_when_no_agent_appears() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("run/agent.sock");
+    let store = dir.path().join("store.sled");
+    let (held, _) = hold_the_store(&store).await;
+    let before = held.list("").await.expect("list");
+    let mut conf = netconf(&store, &socket, &dir.path().join("lock"), "node-a");
+    conf["ipam"]["ipam_lock_timeout_seconds"] = json!(1);
+    let outcome = tokio::task::spawn_blocking(move || cni("ADD", "no-agent-1", &conf))
+        .await
+        .expect("the plugin call");
+    assert_eq!(outcome.error_code(), Some(11), "{outcome:#?}");
+    assert!(
+        outcome.stdout.contains(&format!(
+            "no agent began serving it at {}",
+            socket.display()
+        )),
+        "{outcome:#?}"
+    );
+    assert_eq!(
+        held.list("").await.expect("list"),
+        before,
+        "the store changed"
+    );
+}
+
 /// One operation a simulated node asked for, and how it ended.
 #[derive(Debug, Clone)]
 enum Op {

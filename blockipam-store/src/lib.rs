@@ -10,7 +10,7 @@ pub mod seconds;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backend_agent::{AgentConfig, AgentStore};
 use backend_etcd::{EtcdConfig, EtcdStore};
@@ -30,6 +30,10 @@ pub use seconds::{parse_seconds, seconds_from_f64, SecondsError, MAX_SECONDS};
 
 /// Directory the embedded stores live in by default.
 pub const DEFAULT_DATA_DIR: &str = "/var/lib/blockipam";
+
+/// How often a call that found no agent, and waits for an embedded store's lock, looks again for
+/// one: a starting agent takes the store's lock before it binds its socket, and keeps it.
+pub const AGENT_RECHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Which store to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -606,8 +610,76 @@ impl DatastoreSettings {
             },
             None => DirectReason::NoAgentConfigured,
         };
+        if let DirectReason::DeadAgent(socket) = &reason {
+            // Nothing listens: the agent is dead (killed, crashed, OOM), not busy. Nothing of it
+            // can be in flight, so the store is opened directly; the node keeps working (and
+            // keeps showing activity) while the agent is restarted.
+            tracing::warn!(
+                socket = %socket.display(),
+                "the agent socket is left by a dead agent (nothing accepts on it): opening the \
+                 store directly"
+            );
+        }
         before_direct();
-        Ok((self.open_directly().await?, StoreRoute::Direct(reason)))
+        match (&reason, &self.agent_socket, &self.backend) {
+            (
+                DirectReason::NoSocketFile(_) | DirectReason::DeadAgent(_),
+                Some(socket),
+                Backend::Sled { .. } | Backend::Redb { .. },
+            ) => {
+                self.open_directly_watching_for_an_agent(socket, reason)
+                    .await
+            }
+            _ => Ok((self.open_directly().await?, StoreRoute::Direct(reason))),
+        }
+    }
+
+    /// Opens the embedded store directly, as [`open_directly`](Self::open_directly), but while
+    /// another process holds its lock, looks again for an agent at `socket` every
+    /// [`AGENT_RECHECK_INTERVAL`] of the lock wait, and goes through the agent once one serves
+    /// this store. An agent that starts while this call waits takes the store's lock first and
+    /// binds its socket after: waiting for the lock alone would fail (after the whole wait) a call
+    /// the agent was about to answer.
+    ///
+    /// # Errors
+    /// As [`open_directly`](Self::open_directly); [`KvError::Unavailable`] when the store was
+    /// held for the whole lock wait and no agent began serving it.
+    async fn open_directly_watching_for_an_agent(
+        &self,
+        socket: &Path,
+        reason: DirectReason,
+    ) -> Result<(Arc<dyn KvStore>, StoreRoute), KvError> {
+        let started = Instant::now();
+        let mut attempt = self.clone();
+        loop {
+            let left = self.lock_wait.saturating_sub(started.elapsed());
+            attempt.lock_wait = left.min(AGENT_RECHECK_INTERVAL);
+            let held = match attempt.open_directly().await {
+                Ok(store) => return Ok((store, StoreRoute::Direct(reason))),
+                Err(KvError::Unavailable { message }) => message,
+                Err(e) => return Err(e),
+            };
+            if let Ok(store) = self.open_through_agent(socket).await? {
+                tracing::info!(
+                    socket = %socket.display(),
+                    "an agent began serving the store while this call waited for its lock"
+                );
+                let route = StoreRoute::Agent {
+                    socket: socket.to_owned(),
+                    served: store.served().clone(),
+                };
+                return Ok((Arc::new(store), route));
+            }
+            let waited = started.elapsed();
+            if waited >= self.lock_wait {
+                return Err(KvError::unavailable(format!(
+                    "{} is held by another process for the whole wait ({waited:?}), and no agent \
+                     began serving it at {} meanwhile (the last try: {held})",
+                    self.describe(),
+                    socket.display()
+                )));
+            }
+        }
     }
 
     /// The agent at `socket` when it serves the store these settings name; otherwise why the
@@ -648,15 +720,7 @@ impl DatastoreSettings {
         }
         let store = match AgentStore::connect(AgentConfig::new(socket)).await {
             Ok(store) => store,
-            Err(e) if is_stale_socket(socket) => {
-                // Nothing listens: the agent is dead (killed, crashed, OOM), not busy. Nothing
-                // of it can be in flight, so the store is opened directly; the node keeps
-                // working (and keeps showing activity) while the agent is restarted.
-                tracing::warn!(
-                    socket = %socket.display(),
-                    "the agent socket is left by a dead agent (nothing accepts on it): opening \
-                     the store directly ({e})"
-                );
+            Err(_) if is_stale_socket(socket) => {
                 return Ok(Err(DirectReason::DeadAgent(socket.to_owned())));
             }
             Err(e) => return Err(e),

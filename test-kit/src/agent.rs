@@ -160,6 +160,22 @@ impl InProcessAgent {
     pub fn serve_on_current_runtime(store: Arc<dyn KvStore>, config: ServerConfig) -> Self {
         let dir = tempfile::tempdir().expect("a temp dir for the socket");
         let socket = dir.path().join("agent.sock");
+        let mut agent = Self::serve_at_on_current_runtime(&socket, store, config);
+        agent._socket_dir = Some(dir);
+        agent
+    }
+
+    /// As [`serve_on_current_runtime`](Self::serve_on_current_runtime), on `socket` (its
+    /// directory created when missing, as the agent creates it).
+    ///
+    /// # Panics
+    /// When the socket cannot be bound, or outside a Tokio runtime.
+    pub fn serve_at_on_current_runtime(
+        socket: &Path,
+        store: Arc<dyn KvStore>,
+        config: ServerConfig,
+    ) -> Self {
+        let socket = socket.to_owned();
         let (listener, guard) =
             blockipam_agent::socket::bind(&socket, !config.allowed_uids.is_empty())
                 .expect("bind the agent socket");
@@ -175,7 +191,7 @@ impl InProcessAgent {
             socket,
             stop: Some(stop),
             running: Running::Task(Some(task)),
-            _socket_dir: Some(dir),
+            _socket_dir: None,
         }
     }
 

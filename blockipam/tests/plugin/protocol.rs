@@ -121,6 +121,25 @@ fn agent_mode_reaches_the_store_only_through_the_agent() {
     );
     let msg = cni("ADD", "c2", "eth0", &without_agent, &[]).assert_error(11, "no agent");
     assert!(msg.contains("lock"), "{msg}");
+    // A lock wait longer than the call's deadline ends with the deadline (the call cannot return
+    // before a store open in progress does): code 11, not a call outliving `timeout_seconds`
+    // until the hang guard kills it.
+    let wait_beyond_the_deadline = sandbox.netconf(
+        "1.0.0",
+        json!({
+            "agent_socket": "none",
+            "ipam_lock_timeout_seconds": 3600,
+            "timeout_seconds": 0.5
+        }),
+    );
+    let msg = run_plugin_bounded(
+        "ADD",
+        "c3",
+        &wait_beyond_the_deadline,
+        Duration::from_secs(60),
+    )
+    .assert_error(11, "a lock wait beyond the deadline");
+    assert!(msg.contains("lock") || msg.contains("deadline"), "{msg}");
     // What the ADD through the agent wrote is in the store the agent serves.
     let allocations = sandbox.container_allocations();
     assert_eq!(
