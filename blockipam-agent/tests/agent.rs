@@ -418,6 +418,8 @@ async fn hold_the_store(store: &Path) -> (Arc<dyn KvStore>, backend_agent::Store
 /// when the agent appears can succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_waiting_for_the_lock_goes_through_the_agent_that_starts_meanwhile() {
+    // Built before the wait below starts (a cold build takes minutes).
+    common::plugin();
     let dir = tempfile::tempdir().expect("temp dir");
     let socket = dir.path().join("run/agent.sock");
     let store = dir.path().join("store.sled");
