@@ -465,6 +465,15 @@ fn dropping_a_server_kills_etcd_and_removes_its_data() {
     );
 }
 
+#[test]
+fn dropping_a_test_pki_removes_its_files() {
+    let pki = TestPki::generate().expect("openssl");
+    let dir = pki.ca_cert().parent().expect("a directory").to_owned();
+    assert!(pki.client_key().exists());
+    drop(pki);
+    assert!(!dir.exists(), "{} still exists", dir.display());
+}
+
 fn client_port(server: &EtcdServer) -> u16 {
     server
         .endpoint()
@@ -476,25 +485,28 @@ fn client_port(server: &EtcdServer) -> u16 {
 
 const CHILD_ENV: &str = "BLOCKIPAM_ETCD_TEST_CHILD";
 
-/// Child process of `etcd_does_not_outlive_a_killed_test_process`: holds a server, reports it,
-/// and waits to be killed.
+/// Child process of `etcd_and_its_test_files_do_not_outlive_a_killed_test_process`: holds a server and a test
+/// PKI, reports them, and waits to be killed.
 #[test]
-#[ignore = "child process of etcd_does_not_outlive_a_killed_test_process, which starts it"]
+#[ignore = "child process of etcd_and_its_test_files_do_not_outlive_a_killed_test_process, which starts it"]
 fn child_holds_a_server_until_killed() {
     if std::env::var_os(CHILD_ENV).is_none() {
         return;
     }
     let server = start_server();
+    let pki = TestPki::generate().expect("openssl");
+    let pki_dir = pki.ca_cert().parent().expect("a directory").to_owned();
     println!(
-        "SERVER port={} dir={}",
+        "SERVER port={} dir={} pki={}",
         client_port(&server),
-        server.data_dir().display()
+        server.data_dir().display(),
+        pki_dir.display()
     );
     std::thread::sleep(Duration::from_secs(120));
 }
 
 #[test]
-fn etcd_does_not_outlive_a_killed_test_process() {
+fn etcd_and_its_test_files_do_not_outlive_a_killed_test_process() {
     use std::io::{BufRead, BufReader};
     use std::process::{Command, Stdio};
 
@@ -530,13 +542,20 @@ fn etcd_does_not_outlive_a_killed_test_process() {
         .expect("the child reports its server");
     let mut port = 0u16;
     let mut dir = String::new();
+    let mut pki_dir = String::new();
     for field in line.split_whitespace() {
         if let Some(p) = field.strip_prefix("port=") {
             port = p.parse().expect("port");
         } else if let Some(d) = field.strip_prefix("dir=") {
             dir = d.to_owned();
+        } else if let Some(d) = field.strip_prefix("pki=") {
+            pki_dir = d.to_owned();
         }
     }
+    assert!(
+        std::path::Path::new(&pki_dir).join("ca.pem").exists(),
+        "the child's PKI is at {pki_dir:?}"
+    );
     assert!(
         TcpStream::connect(("127.0.0.1", port)).is_ok(),
         "child's etcd is up"
@@ -549,12 +568,14 @@ fn etcd_does_not_outlive_a_killed_test_process() {
     loop {
         let listening = TcpStream::connect(("127.0.0.1", port)).is_ok();
         let data_left = std::path::Path::new(&dir).exists();
-        if !listening && !data_left {
+        let pki_left = std::path::Path::new(&pki_dir).exists();
+        if !listening && !data_left && !pki_left {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "etcd outlived its test process (listening: {listening}, data left: {data_left})"
+            "etcd or its files outlived the test process (listening: {listening}, data left: \
+             {data_left}, PKI left: {pki_left})"
         );
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -7,6 +7,7 @@ pub mod etcd_agents;
 pub mod partition;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -127,10 +128,30 @@ impl EmbeddedFactory for AgentFactory {
             .backend
             .open(path, lock_wait, create_if_missing)
             .await?;
-        let agent = InProcessAgent::serve_on_current_runtime(store, ServerConfig::default());
+        let agent = InProcessAgent::serve_at_on_current_runtime(
+            &socket_beside(path),
+            store,
+            ServerConfig::default(),
+        );
         let client = agent.client().await;
         Ok(Arc::new(ServedStore { client, agent }))
     }
+}
+
+/// A socket path of its own beside the store at `path`, in the directory the suite made for the
+/// store (and removes): a child process the suite kills leaves its socket there, not in a
+/// directory nobody removes.
+fn socket_beside(path: &Path) -> PathBuf {
+    static SERVED: AtomicUsize = AtomicUsize::new(0);
+    let name = path.file_name().map_or_else(
+        || "store".to_owned(),
+        |name| name.to_string_lossy().into_owned(),
+    );
+    path.with_file_name(format!(
+        "{name}.agent-{}-{}.sock",
+        std::process::id(),
+        SERVED.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// Waits until `path` exists (a socket being bound), failing the test after `limit`.

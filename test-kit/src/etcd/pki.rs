@@ -1,17 +1,28 @@
 //! A throwaway test PKI (a CA, a server and a client certificate) made with the `openssl` command.
 
 use std::fs;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 
 use super::supervisor::ServerTls;
 
 /// A throwaway CA with one server certificate (for `127.0.0.1` and `localhost`) and one client
-/// certificate, made with the `openssl` command; removed on drop.
+/// certificate, made with the `openssl` command; removed on drop, and also when the test process
+/// ends without dropping it (a `static` server's PKI, a killed process): see [`CLEANUP_WATCHDOG`].
 #[derive(Debug)]
 pub struct TestPki {
     dir: tempfile::TempDir,
+    cleanup: Child,
 }
+
+/// Removes the directory named by `$1` once its standard input (a pipe from the test process)
+/// closes: when the `TestPki` is dropped, or when the process that made it ends for any reason.
+/// It ignores INT/TERM/HUP, so that a signal sent to the whole process group (Ctrl-C, `timeout`)
+/// ends the test process but not the clean-up.
+const CLEANUP_WATCHDOG: &str = r#"trap '' INT TERM HUP
+IFS= read -r _ignored
+rm -rf "$1"
+"#;
 
 const PKI_CONFIG: &str = "\
 [req]
@@ -48,7 +59,8 @@ impl TestPki {
             .prefix("blockipam-pki-")
             .tempdir()
             .map_err(|e| format!("cannot create a temporary directory: {e}"))?;
-        let pki = TestPki { dir };
+        let cleanup = start_cleanup_watchdog(dir.path())?;
+        let pki = TestPki { dir, cleanup };
         let path = |name: &str| pki.dir.path().join(name).display().to_string();
         fs::write(path("openssl.cnf"), PKI_CONFIG)
             .map_err(|e| format!("cannot write the openssl configuration: {e}"))?;
@@ -144,6 +156,26 @@ impl TestPki {
             client_ca_file: require_client_cert.then(|| self.ca_cert()),
         }
     }
+}
+
+impl Drop for TestPki {
+    fn drop(&mut self) {
+        // Closing the pipe tells the watchdog to remove the directory; the `TempDir` then finds
+        // it gone, which it ignores.
+        drop(self.cleanup.stdin.take());
+        let _ = self.cleanup.wait();
+    }
+}
+
+fn start_cleanup_watchdog(dir: &Path) -> Result<Child, String> {
+    Command::new("sh")
+        .args(["-c", CLEANUP_WATCHDOG, "blockipam-pki-cleanup"])
+        .arg(dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start the clean-up watchdog (sh): {e}"))
 }
 
 fn openssl(args: &[&str]) -> Result<(), String> {
