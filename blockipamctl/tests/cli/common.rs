@@ -197,33 +197,26 @@ impl Lab {
 
     /// Runs another release's blockipamctl, `binary`, with this store's flags followed by `args`.
     pub fn ctl_of(&self, binary: &std::path::Path, args: &[&str]) -> Run {
-        let mut command = Command::new(binary);
-        let mut full = self.store_args();
-        full.extend(args.iter().map(|a| (*a).to_owned()));
-        command.args(&full);
-        for name in CTL_ENV {
-            command.env_remove(name);
-        }
-        run_guarded(command, &full)
+        let full = self.with_store_args(args);
+        run_guarded(ctl_command(binary, &full), &full)
     }
 
     /// As [`ctl`](Self::ctl), with stdout going to `stdout` instead of a pipe the test reads.
     pub fn ctl_into(&self, args: &[&str], stdout: Stdio) -> Run {
-        let mut full = self.store_args();
-        full.extend(args.iter().map(|a| (*a).to_owned()));
-        let mut command = Command::new(BIN);
-        command.args(&full);
-        for name in CTL_ENV {
-            command.env_remove(name);
-        }
-        run_guarded_into(command, &full, stdout)
+        let full = self.with_store_args(args);
+        run_guarded_into(ctl_command(BIN.as_ref(), &full), &full, stdout)
     }
 
     /// As [`ctl`](Self::ctl), with extra environment variables.
     pub fn ctl_env(&self, args: &[&str], env: &[(&str, &str)]) -> Run {
+        ctl(&self.with_store_args(args), env)
+    }
+
+    /// This store's flags followed by `args`.
+    fn with_store_args(&self, args: &[&str]) -> Vec<String> {
         let mut full = self.store_args();
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        ctl(&full, env)
+        full
     }
 
     /// Opens the store, runs `work` on an allocator over it, and closes the store again.
@@ -492,15 +485,21 @@ impl Run {
 /// Runs blockipamctl with exactly these arguments and extra environment variables (its own
 /// variables are removed from the inherited environment first).
 pub fn ctl(args: &[String], env: &[(&str, &str)]) -> Run {
-    let mut command = Command::new(BIN);
-    command.args(args);
-    for name in CTL_ENV {
-        command.env_remove(name);
-    }
+    let mut command = ctl_command(BIN.as_ref(), args);
     for (name, value) in env {
         command.env(name, value);
     }
     run_guarded(command, args)
+}
+
+/// `binary` with `args`, and none of blockipamctl's environment variables from this process.
+fn ctl_command(binary: &std::path::Path, args: &[String]) -> Command {
+    let mut command = Command::new(binary);
+    command.args(args);
+    for name in CTL_ENV {
+        command.env_remove(name);
+    }
+    command
 }
 
 /// Runs a command with piped output, killing it if it outlives [`HANG_GUARD`].
