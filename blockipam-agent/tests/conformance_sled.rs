@@ -36,3 +36,43 @@ mod embedded_child {
         .await;
     }
 }
+
+mod factory {
+    use std::os::unix::fs::FileTypeExt;
+    use std::time::Duration;
+
+    use conformance::embedded::EmbeddedFactory;
+
+    use super::*;
+
+    /// The agent the factory starts for an opened store binds its socket in the store's own
+    /// directory, which the suite made and removes: a writer the suite kills leaves no directory
+    /// of its own behind in the system's temporary directory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_opened_store_has_its_agent_socket_beside_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("store");
+        let store = AgentFactory {
+            backend: Backend::Sled,
+        }
+        .open_at(&path, Duration::from_secs(10), true)
+        .await
+        .expect("open through an agent");
+        let sockets: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("read the store's directory")
+            .map(|entry| entry.expect("a directory entry"))
+            .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_socket()))
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            sockets.len(),
+            1,
+            "the store's directory should hold its agent's socket, and only it: {sockets:?}"
+        );
+        assert!(
+            sockets[0].starts_with("store.agent-"),
+            "the socket is named after the store: {sockets:?}"
+        );
+        drop(store);
+    }
+}
