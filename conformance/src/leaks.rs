@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 use ipam_core::allocator::leaks::{
     handle_id, AddressHolder, Disagreement, LeakPolicy, LeakWatch, LiveSandbox, Reassertion,
-    RuntimeView, ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD,
+    RuntimeView, ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD, SURVEY_EVERY_LOOKS,
 };
 use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
 use ipam_core::check::kinds;
@@ -661,9 +661,15 @@ pub async fn a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_su
     assert!(unseen[0].waiting.is_empty(), "{:#?}", unseen[0]);
 
     let mut at = T0 + 120;
+    let mut looks = 0;
     while !watch.survey_due() {
+        assert!(
+            looks < SURVEY_EVERY_LOOKS,
+            "no survey came due in {looks} looks after the last one"
+        );
         bounded_looks(&ipam, &mut watch, &runtime, &[at]).await;
         at += 60;
+        looks += 1;
     }
     let survey = ipam
         .look_for_leaks("node-a", &runtime(at), &mut watch, POLICY)
