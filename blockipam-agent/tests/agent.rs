@@ -283,6 +283,45 @@ fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
     });
 }
 
+#[test]
+fn a_node_name_that_is_no_nodes_is_refused_before_anything_is_made() {
+    for (node, said) in [
+        ("-", "\"-\" is the network reservations' pseudo-node"),
+        ("a/b", "may not contain '/'"),
+    ] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut agent = Command::new(AGENT)
+            .env_clear()
+            .arg("--socket")
+            .arg(dir.path().join("run/agent.sock"))
+            .arg("--datastore-path")
+            .arg(dir.path().join("store.sled"))
+            .args(["--create-if-missing", "--node", node])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the agent");
+        // An agent that took the name would serve until stopped: give it 30 s to refuse.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while agent.try_wait().expect("poll the agent").is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = agent.kill();
+        let refused = agent.wait_with_output().expect("the agent's exit");
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert_eq!(refused.status.code(), Some(1), "--node {node}: {stderr}");
+        assert!(
+            stderr.contains("invalid --node") && stderr.contains(said),
+            "--node {node}: {stderr}"
+        );
+        let made: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("list the directory")
+            .map(|entry| entry.expect("entry").file_name())
+            .collect();
+        assert!(made.is_empty(), "--node {node} made {made:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
     use std::os::unix::fs::PermissionsExt;

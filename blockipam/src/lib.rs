@@ -314,6 +314,9 @@ fn serve(command: Command, env: &CniEnv, conf: &NetConf) -> Result<Option<Value>
         _ => CniArgs::default(),
     };
     let node = resolve_nodename(conf)?;
+    if command == Command::Add {
+        refuse_reservations_node(&node)?;
+    }
     // Another call of this node holding the host lock beyond the wait is code 11 for every
     // command, STATUS included: it clears up by itself, the plugin is not unavailable.
     let lock = LockFile::acquire(&conf.lock_file, conf.lock_wait).map_err(|e| from_lock(&e))?;
@@ -333,6 +336,21 @@ fn serve(command: Command, env: &CniEnv, conf: &NetConf) -> Result<Option<Value>
         });
     }
     outcome
+}
+
+/// Refuses to allocate for the network reservations' pseudo-node: gateway addresses are reserved
+/// under that name, and a pod's address there would be taken for a reservation (never reclaimed
+/// with a dead node, never listed as a node's). Only ADD is refused, before the store is opened:
+/// DEL and CHECK still reach an address an earlier release allocated under that name.
+fn refuse_reservations_node(node: &str) -> Result<(), CniError> {
+    if node == commands::GATEWAY_NODE {
+        return Err(CniError::config(format!(
+            "the node name {node:?} is the network reservations' pseudo-node (gateway addresses \
+             are reserved under it), not a node: set nodename (or nodename_file) to this node's \
+             own name"
+        )));
+    }
+    Ok(())
 }
 
 fn locked(

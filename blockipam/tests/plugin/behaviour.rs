@@ -297,6 +297,52 @@ fn nodename_comes_from_netconf_then_node_name_file_then_host_name() {
 }
 
 #[test]
+fn add_for_the_reservations_pseudo_node_is_refused_and_del_still_releases_what_was_allocated_there()
+{
+    let sandbox = Sandbox::new();
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
+    // What an earlier release, which took "-" for a node, allocated under it.
+    sandbox.with_ipam(async |ipam| {
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec!["10.244.7.100".parse().expect("ip")],
+            handle: format!("{NETWORK}.old"),
+            host: "-".into(),
+            attributes: BTreeMap::from([
+                ("network".to_owned(), NETWORK.to_owned()),
+                ("container_id".to_owned(), "old".to_owned()),
+                ("interface".to_owned(), "eth0".to_owned()),
+                ("node".to_owned(), "-".to_owned()),
+            ]),
+            ignore_strict_affinity: true,
+            purpose: None,
+        })
+        .await
+        .expect("an allocation under \"-\"");
+    });
+    let file = sandbox.dir.path().join("nodename");
+    std::fs::write(&file, "-\n").expect("write the node-name file");
+    let named = sandbox.netconf("1.0.0", json!({"nodename": "-"}));
+    let from_file = sandbox.netconf("1.0.0", json!({"nodename": null, "nodename_file": file}));
+    let before = sandbox.snapshot();
+    for (what, conf) in [("nodename", &named), ("nodename_file", &from_file)] {
+        let msg = cni("ADD", "c1", "eth0", conf, &[]).assert_error(7, what);
+        assert!(msg.contains("pseudo-node"), "{what}: {msg}");
+        assert_eq!(
+            sandbox.snapshot(),
+            before,
+            "a refused ADD ({what}) changed the store"
+        );
+    }
+    assert_eq!(held_by(&sandbox, "testnet.old"), vec!["10.244.7.100"]);
+    cni("DEL", "old", "eth0", &named, &[]).assert_silent_success("DEL under \"-\"");
+    assert!(
+        held_by(&sandbox, "testnet.old").is_empty(),
+        "DEL under \"-\" must release what was allocated there"
+    );
+}
+
+#[test]
 fn del_releases_calicos_legacy_namespace_pod_handle_when_the_main_one_is_unknown() {
     let sandbox = Sandbox::new();
     let netconf = sandbox.netconf("1.0.0", json!({}));

@@ -780,6 +780,11 @@ fn rows(target: &Target, fixture: &Fixture) -> Vec<Row> {
         &ipam(json!({"nodename": "n".repeat(MIB)})),
     ));
     rows.push(Row::add(
+        "nodename \"-\" (the network reservations' pseudo-node)",
+        7,
+        &ipam(json!({"nodename": "-"})),
+    ));
+    rows.push(Row::add(
         "an ipam_lock_file with a NUL",
         5,
         &ipam(json!({"ipam_lock_file": "/tmp/blockipam\u{0}lock"})),
