@@ -470,3 +470,46 @@ pub async fn start_for(
     });
     Ok(Some(LivenessTask { stop, task }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn settings(args: &[&str]) -> LivenessSettings {
+        let args = AgentArgs::try_parse_from(
+            ["blockipam-agent", "--node", "node-a"]
+                .into_iter()
+                .chain(args.iter().copied()),
+        )
+        .expect("flags parse");
+        LivenessSettings::from_args(&args).expect("settings")
+    }
+
+    /// The defaults: reclaim on, empty blocks released after 900 s; `--no-reclaim` turns the
+    /// reclaim off, and an empty-block age of 0 is never (not at once).
+    #[test]
+    fn the_flags_give_the_reclaim_and_the_empty_block_release() {
+        let defaults = settings(&[]);
+        assert_eq!(
+            defaults,
+            LivenessSettings {
+                node: "node-a".into(),
+                ttl: Duration::from_secs(30),
+                grace: Duration::from_secs(900),
+                interval: Duration::from_secs(60),
+                reclaim: true,
+                empty_block_release: Some(Duration::from_secs(900)),
+            }
+        );
+        assert!(!settings(&["--no-reclaim"]).reclaim);
+        assert_eq!(
+            settings(&["--empty-block-release-seconds", "0"]).empty_block_release,
+            None
+        );
+        assert_eq!(
+            settings(&["--empty-block-release-seconds", "1"]).empty_block_release,
+            Some(Duration::from_secs(1))
+        );
+    }
+}
