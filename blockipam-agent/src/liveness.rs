@@ -4,6 +4,7 @@
 //! activity for a whole grace countdown timed by etcd (`ipam_core::dead_nodes`). See
 //! docs/agent.md, "Liveness and dead-node reclaim".
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -45,7 +46,7 @@ pub struct LivenessSettings {
 }
 
 /// Calico's node-name file, read when `--node` is not given (what the plugin reads too).
-pub const NODENAME_FILE: &str = "/var/lib/calico/nodename";
+pub const NODENAME_FILE: &str = blockipam_store::node_name::DEFAULT_NODENAME_FILE;
 
 impl LivenessSettings {
     /// The settings the flags give; the node is `--node` (`NODENAME`), else the contents of
@@ -87,24 +88,12 @@ pub fn node_name(args: &AgentArgs) -> Result<String, AgentError> {
 }
 
 fn default_node_name() -> Result<String, AgentError> {
-    if let Ok(text) = std::fs::read_to_string(NODENAME_FILE) {
-        let name = text.trim();
-        if !name.is_empty() {
-            return Ok(name.to_owned());
-        }
-    }
-    for file in ["/proc/sys/kernel/hostname", "/etc/hostname"] {
-        if let Ok(text) = std::fs::read_to_string(file) {
-            let name = text.trim().to_ascii_lowercase();
-            if !name.is_empty() {
-                return Ok(name);
-            }
-        }
-    }
-    Err(AgentError::new(format!(
-        "cannot determine the node name: no --node (NODENAME), nothing in {NODENAME_FILE}, and no \
-         host name"
-    )))
+    blockipam_store::node_name::from_file_or_host(Path::new(NODENAME_FILE)).ok_or_else(|| {
+        AgentError::new(format!(
+            "cannot determine the node name: no --node (NODENAME), nothing in {NODENAME_FILE}, \
+             and no host name"
+        ))
+    })
 }
 
 /// The running liveness key and reclaimer; [`stop`](Self::stop) it at shutdown.
@@ -511,5 +500,17 @@ mod tests {
             settings(&["--empty-block-release-seconds", "1"]).empty_block_release,
             Some(Duration::from_secs(1))
         );
+    }
+
+    /// Without `--node` the agent takes the name a plugin whose netconf names no node takes:
+    /// Calico's node-name file, else the host name.
+    #[test]
+    fn without_a_node_flag_the_node_is_the_one_the_plugin_finds() {
+        let mut args = AgentArgs::try_parse_from(["blockipam-agent"]).expect("flags parse");
+        // NODENAME in this process's environment fills the flag: the default is what is tested.
+        args.node = None;
+        let plugins = blockipam_store::node_name::from_file_or_host(Path::new(NODENAME_FILE))
+            .expect("this machine has a host name");
+        assert_eq!(node_name(&args).expect("a node name"), plugins);
     }
 }

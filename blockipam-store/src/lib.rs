@@ -4,6 +4,7 @@ use std::fmt;
 pub mod countdowns;
 #[cfg(feature = "clap")]
 pub mod flags;
+pub mod node_name;
 pub mod plugin_call;
 pub mod seconds;
 

@@ -26,7 +26,7 @@ pub const DEFAULT_LOCK_WAIT: Duration = Duration::from_secs(10);
 /// The whole call's deadline by default, counted once the host lock is held.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(90);
 /// The node-name file Calico writes (read when `nodename` is not set).
-pub const DEFAULT_NODENAME_FILE: &str = "/var/lib/calico/nodename";
+pub use blockipam_store::node_name::DEFAULT_NODENAME_FILE;
 
 /// How much the plugin logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
@@ -778,27 +778,15 @@ pub fn resolve_nodename(conf: &NetConf) -> Result<String, CniError> {
     if let Some(name) = &conf.nodename {
         return Ok(name.clone());
     }
-    if let Ok(text) = std::fs::read_to_string(&conf.nodename_file) {
-        let name = text.trim();
-        if !name.is_empty() {
-            return Ok(name.to_owned());
-        }
-    }
-    for file in ["/proc/sys/kernel/hostname", "/etc/hostname"] {
-        if let Ok(text) = std::fs::read_to_string(file) {
-            let name = text.trim().to_ascii_lowercase();
-            if !name.is_empty() {
-                return Ok(name);
-            }
-        }
-    }
-    Err(CniError::new(
-        codes::IO_FAILURE,
-        format!(
-            "cannot determine the node name: no nodename in the netconf, nothing in {}, and no host name",
-            conf.nodename_file.display()
-        ),
-    ))
+    blockipam_store::node_name::from_file_or_host(&conf.nodename_file).ok_or_else(|| {
+        CniError::new(
+            codes::IO_FAILURE,
+            format!(
+                "cannot determine the node name: no nodename in the netconf, nothing in {}, and no host name",
+                conf.nodename_file.display()
+            ),
+        )
+    })
 }
 
 #[cfg(test)]
