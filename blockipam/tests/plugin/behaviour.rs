@@ -303,23 +303,18 @@ fn add_for_the_reservations_pseudo_node_is_refused_and_del_still_releases_what_w
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
     // What an earlier release, which took "-" for a node, allocated under it.
-    sandbox.with_ipam(async |ipam| {
-        ipam.assign_ips(&AssignIpsRequest {
-            ips: vec!["10.244.7.100".parse().expect("ip")],
-            handle: format!("{NETWORK}.old"),
-            host: "-".into(),
-            attributes: BTreeMap::from([
-                ("network".to_owned(), NETWORK.to_owned()),
-                ("container_id".to_owned(), "old".to_owned()),
-                ("interface".to_owned(), "eth0".to_owned()),
-                ("node".to_owned(), "-".to_owned()),
-            ]),
-            ignore_strict_affinity: true,
-            purpose: None,
-        })
-        .await
-        .expect("an allocation under \"-\"");
-    });
+    seed(
+        &sandbox,
+        "10.244.7.100",
+        &format!("{NETWORK}.old"),
+        "-",
+        &[
+            ("network", NETWORK),
+            ("container_id", "old"),
+            ("interface", "eth0"),
+            ("node", "-"),
+        ],
+    );
     let file = sandbox.dir.path().join("nodename");
     std::fs::write(&file, "-\n").expect("write the node-name file");
     let named = sandbox.netconf("1.0.0", json!({"nodename": "-"}));
@@ -347,17 +342,7 @@ fn del_releases_calicos_legacy_namespace_pod_handle_when_the_main_one_is_unknown
     let sandbox = Sandbox::new();
     let netconf = sandbox.netconf("1.0.0", json!({}));
     cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
-    sandbox.with_ipam(async |ipam| {
-        ipam.assign_ips(&AssignIpsRequest {
-            ips: vec!["10.244.7.100".parse().expect("ip")],
-            handle: "web.frontend-0".into(),
-            host: NODE.into(),
-            attributes: BTreeMap::new(),
-            ..Default::default()
-        })
-        .await
-        .expect("legacy allocation");
-    });
+    seed(&sandbox, "10.244.7.100", "web.frontend-0", NODE, &[]);
     let args = [("CNI_ARGS", "K8S_POD_NAMESPACE=web;K8S_POD_NAME=frontend-0")];
     cni("DEL", "old", "eth0", &netconf, &args).assert_silent_success("DEL legacy");
     let left: Vec<String> = sandbox
@@ -455,24 +440,36 @@ fn redb_store_serves_add_check_del_like_sled() {
     assert!(sandbox.container_allocations().is_empty());
 }
 
-/// Records `ip` for `container` on [`NETWORK`] without an `interface` attribute, as allocations
-/// made through the allocator's API or by other tools are.
-fn seed_unlabelled(sandbox: &Sandbox, container: &str, ip: &str) {
+/// Records `ip` for `handle` on `host` with `attributes` through the allocator's API, as other
+/// tools and earlier releases made allocations.
+fn seed(sandbox: &Sandbox, ip: &str, handle: &str, host: &str, attributes: &[(&str, &str)]) {
     sandbox.with_ipam(async |ipam| {
         ipam.assign_ips(&AssignIpsRequest {
             ips: vec![ip.parse().expect("ip")],
-            handle: format!("{NETWORK}.{container}"),
-            host: NODE.into(),
-            attributes: BTreeMap::from([
-                ("network".to_owned(), NETWORK.to_owned()),
-                ("container_id".to_owned(), container.to_owned()),
-            ]),
-            ignore_strict_affinity: false,
-            purpose: None,
+            handle: handle.to_owned(),
+            host: host.to_owned(),
+            attributes: attributes
+                .iter()
+                .map(|(key, value)| ((*key).to_owned(), (*value).to_owned()))
+                .collect(),
+            ..Default::default()
         })
         .await
-        .expect("unlabelled allocation");
+        .unwrap_or_else(|e| panic!("seeding {ip} for {handle} on {host}: {e}"));
     });
+}
+
+/// Records `ip` for `container` on [`NETWORK`] without an `interface` attribute, as allocations
+/// made through the allocator's API or by other tools are.
+fn seed_unlabelled(sandbox: &Sandbox, container: &str, ip: &str) {
+    let handle = format!("{NETWORK}.{container}");
+    seed(
+        sandbox,
+        ip,
+        &handle,
+        NODE,
+        &[("network", NETWORK), ("container_id", container)],
+    );
 }
 
 /// The addresses `handle` holds, sorted.
