@@ -453,6 +453,61 @@ fn two_agents_of_one_node_name_one_stopping_never_gets_the_node_reclaimed() {
     drop(second);
 }
 
+/// A stopped agent (SIGTERM) revokes its lease on the way out: its node's liveness key is gone
+/// when the process has exited, not a TTL later (here ten minutes), so the reclaimers start the
+/// grace countdown at once; its registration, with the time it was made, stays.
+#[test]
+fn a_stopped_agent_takes_its_liveness_key_away_at_once_and_leaves_its_registration() {
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let since_epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("the clock is past 1970")
+            .as_secs()
+    };
+    let before = since_epoch();
+    let mut agent = Agent::start_with(
+        "node-s",
+        &dir.path().join("node-s.sock"),
+        &endpoints,
+        &prefix,
+        &["--liveness-ttl-seconds", "600"],
+    );
+    wait_until(&runtime, "node-s is registered and live", || async {
+        registration(&store, "node-s").await.is_some() && is_live(&store, "node-s").await
+    });
+    let after = since_epoch();
+    let registered = runtime
+        .block_on(registration(&store, "node-s"))
+        .expect("node-s's registration");
+    assert!(
+        (before..=after).contains(&registered.registered_at),
+        "registered at {}, not between {before} and {after}",
+        registered.registered_at
+    );
+    agent.signal("TERM");
+    let status = agent.child.wait().expect("the agent's exit");
+    assert!(
+        status.success(),
+        "exit after SIGTERM: {status}\n{}",
+        agent.log()
+    );
+    assert!(
+        !runtime.block_on(is_live(&store, "node-s")),
+        "the liveness key outlived the stopped agent (its lease was not revoked):\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        runtime.block_on(registration(&store, "node-s")),
+        Some(registered),
+        "a stop leaves the registration as it was"
+    );
+}
+
 /// etcd unreachable when the agent starts (a node booting before its etcd): the agent serves its
 /// socket anyway and registers its node once etcd answers.
 #[test]

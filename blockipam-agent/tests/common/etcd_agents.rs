@@ -49,15 +49,19 @@ impl Agent {
         grace_seconds: &str,
         extra: &[&str],
     ) -> Agent {
-        let mut child = Command::new(AGENT)
+        let mut command = Command::new(AGENT);
+        command
             .env_clear()
             .env("BLOCKIPAM_AGENT_LOG", "info")
             .arg("--socket")
             .arg(socket)
             // No --datastore-type: endpoints alone select etcd, as in a Calico deployment.
             .args(["--etcd-endpoints", endpoints])
-            .args(["--etcd-prefix", prefix, "--node", node])
-            .args(["--liveness-ttl-seconds", TTL_SECONDS])
+            .args(["--etcd-prefix", prefix, "--node", node]);
+        if !extra.contains(&"--liveness-ttl-seconds") {
+            command.args(["--liveness-ttl-seconds", TTL_SECONDS]);
+        }
+        let mut child = command
             .args(["--dead-node-grace-seconds", grace_seconds])
             .args(["--reclaim-interval-seconds", "1"])
             .args(extra)
