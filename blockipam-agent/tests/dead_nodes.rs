@@ -455,7 +455,8 @@ fn two_agents_of_one_node_name_one_stopping_never_gets_the_node_reclaimed() {
 
 /// A stopped agent (SIGTERM) revokes its lease on the way out: its node's liveness key is gone
 /// when the process has exited, not a TTL later (here ten minutes), so the reclaimers start the
-/// grace countdown at once; its registration, with the time it was made, stays.
+/// grace countdown at once; its registration, with the time it was made, stays. While the agent
+/// runs on one lease, its registration is not written again.
 #[test]
 fn a_stopped_agent_takes_its_liveness_key_away_at_once_and_leaves_its_registration() {
     let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
@@ -488,6 +489,22 @@ fn a_stopped_agent_takes_its_liveness_key_away_at_once_and_leaves_its_registrati
         (before..=after).contains(&registered.registered_at),
         "registered at {}, not between {before} and {after}",
         registered.registered_at
+    );
+    // The agent writes its registration when it takes a lease, not at every look (one a second
+    // here): over three looks on one lease, the key stays at its revision.
+    let revision = || {
+        runtime
+            .block_on(store.get(&agent_key("node-s")))
+            .expect("read the registration")
+            .map(|kv| kv.revision)
+    };
+    let first_revision = revision();
+    std::thread::sleep(Duration::from_millis(3_500));
+    assert_eq!(
+        revision(),
+        first_revision,
+        "the registration was written again on the same lease:\n{}",
+        agent.log()
     );
     agent.signal("TERM");
     let status = agent.child.wait().expect("the agent's exit");
@@ -647,16 +664,21 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     );
     assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
 
-    // The link heals: node-b's agent takes a new lease and registers again; the marks go.
+    // The link heals: node-b's agent takes a new lease and registers again (a registration made
+    // after the heal, not only marks a reclaimer cleared); the marks go.
     proxy.heal();
+    let healed_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is past 1970")
+        .as_secs();
     wait_until(
         &runtime,
-        "node-b is live again, the reclaim's marks cleared",
+        "node-b is live and registered again, the reclaim's marks cleared",
         || async {
             is_live(&store, "node-b").await
-                && registration(&store, "node-b")
-                    .await
-                    .is_some_and(|r| !r.blocks_released && r.missing_mark.is_none())
+                && registration(&store, "node-b").await.is_some_and(|r| {
+                    r.registered_at >= healed_at && !r.blocks_released && r.missing_mark.is_none()
+                })
         },
     );
     // node-b's runtime tears its pods down: each DEL releases its address.
