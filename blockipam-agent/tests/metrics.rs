@@ -606,7 +606,8 @@ fn wait_for_status(address: SocketAddr, path: &str, status: u16, limit: Duration
 
 /// `/healthz` answers while the agent runs; `/readyz` is `503` with its one-line reason while the
 /// agent's etcd cannot be reached (the agent serves its socket and waits), and `200` once etcd
-/// answers; both beside `/metrics` on the `--metrics-listen` listener.
+/// answers; both beside `/metrics` on the `--metrics-listen` listener. The node-registered gauge
+/// follows: 0 while etcd is away, 1 once the agent has registered, 0 again when its lease is lost.
 #[test]
 fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
     let mut etcd = test_kit::etcd::EtcdServer::start().expect("an etcd server");
@@ -622,7 +623,12 @@ fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
         .arg(&socket)
         .args(["--etcd-endpoints", &endpoint, "--node", "probed-node"])
         .args(["--etcd-prefix", &test_kit::etcd::unique_prefix()])
-        .args(["--metrics-listen", "127.0.0.1:0"])
+        .args([
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--liveness-ttl-seconds",
+            "2",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -659,11 +665,21 @@ fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
     );
     let live = http_get(address, "/healthz", None);
     assert_eq!(live.status, 200, "{live:?}");
+    let registered = |value: &str| {
+        let line = format!("\nblockipam_agent_node_registered {value}\n");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let metrics = http_get(address, "/metrics", None).body;
+            if metrics.contains(&line) || Instant::now() >= deadline {
+                return metrics;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let waiting = registered("0");
     assert!(
-        http_get(address, "/metrics", None)
-            .body
-            .contains("blockipam_agent"),
-        "the metrics beside the probes"
+        waiting.contains("\nblockipam_agent_node_registered 0\n"),
+        "the metrics beside the probes, the node not registered while etcd is away:\n{waiting}"
     );
 
     etcd.restart().expect("start etcd again");
@@ -675,6 +691,20 @@ fn readyz_waits_for_an_unreachable_etcd_while_healthz_answers() {
         agent.log()
     );
     assert_eq!(http_get(address, "/nowhere", None).status, 404);
+    let after_ready = registered("1");
+    assert!(
+        after_ready.contains("\nblockipam_agent_node_registered 1\n"),
+        "registered once etcd answers:\n{after_ready}\n{}",
+        agent.log()
+    );
+    // etcd goes away again: once the 2 s lease has run out, the node is not registered.
+    etcd.stop();
+    let lost = registered("0");
+    assert!(
+        lost.contains("\nblockipam_agent_node_registered 0\n"),
+        "still registered with its lease lost:\n{lost}\n{}",
+        agent.log()
+    );
     drop(agent);
 }
 
