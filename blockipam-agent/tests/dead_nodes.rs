@@ -588,8 +588,14 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     };
     let conf_a = conf("node-a", &endpoints);
     let conf_b = conf("node-b", &proxy.endpoint());
-    let agent_a =
-        Agent::start_with_grace("node-a", &socket("node-a"), &endpoints, &prefix, GRACE, &[]);
+    let agent_a = Agent::start_with_grace(
+        "node-a",
+        &socket("node-a"),
+        &endpoints,
+        &prefix,
+        GRACE,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
     let agent_b = Agent::start_with_grace(
         "node-b",
         &socket("node-b"),
@@ -633,6 +639,33 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         agent_a.log()
     );
     assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
+    // node-a's agent, the only one that could reclaim, counts what it did (its counters move
+    // once the pass that wrote the mark has returned): one node, its one block, no address.
+    let deadline = std::time::Instant::now() + WAIT_LIMIT;
+    let metrics = loop {
+        let metrics = common::scrape(&agent_a.log());
+        if common::sample(&metrics, "blockipam_agent_dead_nodes_reclaimed_total") > 0.0
+            || std::time::Instant::now() >= deadline
+        {
+            break metrics;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    for (counter, expected) in [
+        ("blockipam_agent_dead_nodes_reclaimed_total", 1.0),
+        ("blockipam_agent_dead_node_blocks_released_total", 1.0),
+        ("ipam_allocations_gc_reclamations_total", 0.0),
+    ] {
+        assert!(
+            metrics.lines().any(|line| line.starts_with(&format!("{counter} "))),
+            "no {counter} in:\n{metrics}"
+        );
+        assert_eq!(
+            common::sample(&metrics, counter),
+            expected,
+            "{counter} in:\n{metrics}"
+        );
+    }
 
     // node-a takes everything the pool has left.
     let mut handed_to_a = Vec::new();

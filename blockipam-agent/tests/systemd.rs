@@ -241,9 +241,9 @@ fn a_socket_activated_agent_serves_the_plugin_and_leaves_the_socket_at_stop() {
     del.assert_silent_success("DEL through the socket-activated agent");
     assert!(del.stderr.contains(&through), "DEL: {del:#?}");
     // The agent's counters: two clients served (ADD, DEL), each of which committed.
-    let metrics = scrape(&activator.log());
+    let metrics = common::scrape(&activator.log());
     assert_eq!(
-        sample(
+        common::sample(
             &metrics,
             "blockipam_agent_connections_total{outcome=\"accepted\"}"
         ),
@@ -251,7 +251,7 @@ fn a_socket_activated_agent_serves_the_plugin_and_leaves_the_socket_at_stop() {
         "{metrics}"
     );
     assert!(
-        sample(
+        common::sample(
             &metrics,
             "blockipam_agent_request_duration_seconds_count{kind=\"commit\"}"
         ) >= 2.0,
@@ -272,40 +272,6 @@ fn a_socket_activated_agent_serves_the_plugin_and_leaves_the_socket_at_stop() {
         std::os::unix::fs::FileTypeExt::is_socket(&metadata.file_type()),
         "{metadata:?}"
     );
-}
-
-/// The agent's metrics, from the endpoint its log names (`metrics endpoint listening on ...`).
-fn scrape(log: &str) -> String {
-    use std::io::{Read as _, Write as _};
-    let (_, rest) = log
-        .split_once("metrics endpoint listening on http://")
-        .unwrap_or_else(|| panic!("the agent did not log its metrics address:\n{log}"));
-    let (address, _) = rest
-        .split_once("/metrics")
-        .expect("a URL ending in /metrics");
-    let address: std::net::SocketAddr = address.parse().expect("a socket address");
-    let mut stream =
-        std::net::TcpStream::connect_timeout(&address, HANG_GUARD).expect("connect to metrics");
-    stream
-        .set_read_timeout(Some(HANG_GUARD))
-        .expect("read timeout");
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send the request");
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer).expect("read the answer");
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    answer
-}
-
-/// The value of the sample `name{labels}` in a scrape (0 when absent).
-fn sample(metrics: &str, name_and_labels: &str) -> f64 {
-    metrics
-        .lines()
-        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// What an agent started by hand with systemd's variables but a descriptor 3 that is not a

@@ -301,3 +301,40 @@ pub fn run_child_as(uid: u32, socket: &Path) -> String {
             )
         })
 }
+
+/// Longest a scrape of an agent's metrics may take.
+const METRICS_WAIT: Duration = Duration::from_secs(30);
+
+/// The agent's metrics, from the endpoint its log names (`metrics endpoint listening on ...`).
+pub fn scrape(log: &str) -> String {
+    use std::io::{Read as _, Write as _};
+    let (_, rest) = log
+        .split_once("metrics endpoint listening on http://")
+        .unwrap_or_else(|| panic!("the agent did not log its metrics address:\n{log}"));
+    let (address, _) = rest
+        .split_once("/metrics")
+        .expect("a URL ending in /metrics");
+    let address: std::net::SocketAddr = address.parse().expect("a socket address");
+    let mut stream =
+        std::net::TcpStream::connect_timeout(&address, METRICS_WAIT).expect("connect to metrics");
+    stream
+        .set_read_timeout(Some(METRICS_WAIT))
+        .expect("read timeout");
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send the request");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("read the answer");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    answer
+}
+
+/// The value of the sample `name{labels}` in a scrape (0 when absent).
+pub fn sample(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
