@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_etcd::EtcdStore;
+use blockipam_agent::counters::NODE_STATES;
 use common::etcd_agents::{
     added_address, addresses_of, blocks_of, cni_add, connect, ctl, held_by, is_live, netconf,
     netconf_with_pool, registration, wait_until, Agent, WAIT_LIMIT,
@@ -662,6 +663,22 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
             "{counter} in:\n{metrics}"
         );
     }
+    // Its last pass found the two registered nodes: node-a alive, node-b in whatever state the
+    // reclaim had it (missing, dead or reclaimed).
+    let by_state: Vec<f64> = NODE_STATES
+        .iter()
+        .map(|state| {
+            common::sample(
+                &metrics,
+                &format!("blockipam_agent_nodes{{state=\"{state}\"}}"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        (by_state[0], by_state.iter().sum::<f64>()),
+        (1.0, 2.0),
+        "node states {NODE_STATES:?} = {by_state:?} in:\n{metrics}"
+    );
 
     // node-a takes everything the pool has left.
     let mut handed_to_a = Vec::new();
