@@ -11,16 +11,16 @@ const HOST_NAME_FILES: [&str; 2] = ["/proc/sys/kernel/hostname", "/etc/hostname"
 /// The text of `nodename_file`, trimmed, when it exists and is not blank (as Calico reads it),
 /// else the OS host name lower-cased; `None` when neither gives a name.
 pub fn from_file_or_host(nodename_file: &Path) -> Option<String> {
-    first_name_in(nodename_file).or_else(|| {
+    trimmed_text_of(nodename_file).or_else(|| {
         HOST_NAME_FILES
             .iter()
-            .find_map(|file| first_name_in(Path::new(file)))
+            .find_map(|file| trimmed_text_of(Path::new(file)))
             .map(|name| name.to_ascii_lowercase())
     })
 }
 
 /// The trimmed text of `file` when it can be read and is not blank.
-fn first_name_in(file: &Path) -> Option<String> {
+fn trimmed_text_of(file: &Path) -> Option<String> {
     let text = std::fs::read_to_string(file).ok()?;
     let name = text.trim();
     (!name.is_empty()).then(|| name.to_owned())
