@@ -17,7 +17,7 @@ use ipam_core::dead_nodes::{
     ReclaimOptions, RESERVATION_NODE,
 };
 use ipam_core::model::validate_host;
-use ipam_core::{Condition, EmptyBlockFilter, Ipam, KvStore, Revision};
+use ipam_core::{Condition, EmptyBlockFilter, HostRelease, Ipam, KvStore, Revision};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -344,17 +344,16 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
             )
         }
         NodeAction::Reclaimed(release) => {
-            let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
             tracing::warn!(
                 node,
-                blocks,
+                blocks = blocks_released(release),
                 deleted_blocks = ?release.deleted_blocks,
                 unassigned_blocks = ?release.unassigned_blocks,
                 "dead node reclaimed: its blocks were released; its addresses are kept (it may \
                  be cut off with its pods running): once you know its pods are gone, run \
                  `blockipamctl node release <node> --addresses`"
             );
-            counters.record_node(release.released_addresses.len() as u64, blocks as u64);
+            record_release(release, counters);
         }
         NodeAction::Stopped { key, released } => {
             tracing::warn!(
@@ -364,8 +363,7 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
                  more written"
             );
             if let Some(release) = released {
-                let blocks = release.deleted_blocks.len() + release.unassigned_blocks.len();
-                counters.record_node(release.released_addresses.len() as u64, blocks as u64);
+                record_release(release, counters);
             }
         }
         NodeAction::AddressesKept => tracing::debug!(
@@ -381,6 +379,19 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
         }
         NodeAction::Failed(message) => tracing::warn!(node, "reclaim failed: {message}"),
     }
+}
+
+/// The blocks a node's release let go of: the empty ones deleted and the others unassigned.
+fn blocks_released(release: &HostRelease) -> usize {
+    release.deleted_blocks.len() + release.unassigned_blocks.len()
+}
+
+/// Counts one reclaimed node with the addresses and blocks its release let go of.
+fn record_release(release: &HostRelease, counters: &ReclaimCounters) {
+    counters.record_node(
+        release.released_addresses.len() as u64,
+        blocks_released(release) as u64,
+    );
 }
 
 /// Liveness and the reclaimer, started in the background: the agent serves its socket at once,
@@ -500,6 +511,67 @@ mod tests {
             settings(&["--empty-block-release-seconds", "1"]).empty_block_release,
             Some(Duration::from_secs(1))
         );
+    }
+
+    fn outcome(action: NodeAction) -> NodeOutcome {
+        NodeOutcome {
+            host: "node-b".into(),
+            state: NodeState::Alive,
+            action,
+        }
+    }
+
+    fn release(deleted: usize, unassigned: usize, addresses: usize) -> HostRelease {
+        let block = |i: usize| format!("10.9.{i}.0/26").parse().expect("a block");
+        let address = |i: usize| format!("10.9.0.{i}").parse().expect("an address");
+        HostRelease {
+            deleted_blocks: (0..deleted).map(block).collect(),
+            unassigned_blocks: (deleted..deleted + unassigned).map(block).collect(),
+            released_addresses: (0..addresses).map(address).collect(),
+        }
+    }
+
+    fn counted(counters: &ReclaimCounters) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            counters.dead_nodes_reclaimed.load(Relaxed),
+            counters.addresses_reclaimed.load(Relaxed),
+            counters.blocks_released.load(Relaxed),
+        )
+    }
+
+    /// A reclaimed node is counted with its deleted and unassigned blocks; so is one whose
+    /// reclaim a guard stopped after its release had finished; one stopped before (nothing
+    /// finished to count) and every other outcome count nothing.
+    #[test]
+    fn a_release_is_counted_whether_the_reclaim_finished_or_was_stopped_after_it() {
+        let counters = ReclaimCounters::default();
+        for quiet in [
+            NodeAction::Alive,
+            NodeAction::ClearedMark,
+            NodeAction::MarkedMissing,
+            NodeAction::StillMissing { grace_seconds: 900 },
+            NodeAction::AddressesKept,
+            NodeAction::Changed,
+            NodeAction::Failed("the store failed".into()),
+            NodeAction::Stopped {
+                key: "guard".into(),
+                released: None,
+            },
+        ] {
+            report(&outcome(quiet), &counters);
+        }
+        assert_eq!(counted(&counters), (0, 0, 0));
+
+        report(&outcome(NodeAction::Reclaimed(release(2, 3, 0))), &counters);
+        assert_eq!(counted(&counters), (1, 0, 5));
+
+        let stopped = NodeAction::Stopped {
+            key: "guard".into(),
+            released: Some(release(3, 4, 1)),
+        };
+        report(&outcome(stopped), &counters);
+        assert_eq!(counted(&counters), (2, 1, 12));
     }
 
     /// Without `--node` the agent takes the name a plugin whose netconf names no node takes:
