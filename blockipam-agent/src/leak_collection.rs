@@ -468,3 +468,108 @@ fn unix_now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipam_core::allocator::leaks::MissingAllocation;
+    use ipam_core::AllocationInfo;
+
+    fn allocation(last_octet: u8) -> AllocationInfo {
+        AllocationInfo {
+            ip: IpAddr::from([10, 9, 0, last_octet]),
+            block: "10.9.0.0/26".parse().expect("a block"),
+            block_host: Some("node-a".into()),
+            handle: format!("net.container-{last_octet}"),
+            attributes: Default::default(),
+            sequence: 1,
+        }
+    }
+
+    fn missing(last_octets: std::ops::Range<u8>) -> Vec<MissingAllocation> {
+        last_octets
+            .map(|octet| MissingAllocation {
+                allocation: allocation(octet),
+                missing_since: 100,
+            })
+            .collect()
+    }
+
+    fn disagreement(last_octet: u8, holder: AddressHolder) -> Disagreement {
+        Disagreement {
+            address: IpAddr::from([10, 9, 0, last_octet]),
+            sandbox_id: format!("sandbox-{last_octet}"),
+            pod: "default/web".into(),
+            holder,
+        }
+    }
+
+    fn gauges(counters: &LeakCounters) -> (u64, u64, u64) {
+        (
+            counters.missing_allocations.load(Ordering::Relaxed),
+            counters.duplicate_addresses.load(Ordering::Relaxed),
+            counters.unrecorded_addresses.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The gauges are what the last look found: missing allocations (waiting and leaked), live
+    /// addresses held by another holder (duplicates) and live addresses held free (unrecorded);
+    /// the disagreements remembered are the last look's; the warning that the runtime is
+    /// unproven is given once while it lasts, and again after a look that clears it.
+    #[test]
+    fn each_look_sets_the_gauges_and_remembers_only_what_it_found() {
+        let counters = LeakCounters::default();
+        let mut reported = BTreeSet::new();
+        let mut unproven_logged = false;
+        let look = LeakDecisions {
+            waiting: missing(1..3),
+            leaked: missing(3..6),
+            disagreements: vec![
+                disagreement(10, AddressHolder::Free),
+                disagreement(11, AddressHolder::Other(allocation(11))),
+                disagreement(12, AddressHolder::Free),
+                disagreement(13, AddressHolder::Free),
+            ],
+            ..LeakDecisions::default()
+        };
+        report(&look, &counters, &mut reported, &mut unproven_logged);
+        assert_eq!(gauges(&counters), (5, 1, 3));
+        assert_eq!(reported.len(), 4);
+        assert!(reported.contains(&(IpAddr::from([10, 9, 0, 11]), "sandbox-11".to_owned())));
+        assert!(!unproven_logged, "the runtime proved itself at this look");
+
+        let unproven = LeakDecisions {
+            waiting: missing(1..3),
+            runtime_unproven: true,
+            ..LeakDecisions::default()
+        };
+        report(&unproven, &counters, &mut reported, &mut unproven_logged);
+        assert_eq!(gauges(&counters), (2, 0, 0));
+        assert!(reported.is_empty(), "no disagreement at the last look");
+        assert!(
+            unproven_logged,
+            "an unproven runtime with allocations missing is warned of"
+        );
+        report(&unproven, &counters, &mut reported, &mut unproven_logged);
+        assert!(
+            unproven_logged,
+            "still unproven: the warning is not given again"
+        );
+
+        let nothing_missing = LeakDecisions {
+            runtime_unproven: true,
+            ..LeakDecisions::default()
+        };
+        report(
+            &nothing_missing,
+            &counters,
+            &mut reported,
+            &mut unproven_logged,
+        );
+        assert_eq!(gauges(&counters), (0, 0, 0));
+        assert!(
+            !unproven_logged,
+            "nothing missing: nothing to warn of, and the next unproven look warns again"
+        );
+    }
+}
