@@ -512,6 +512,54 @@ mod tests {
         )
     }
 
+    fn settings(args: &[&str]) -> Option<LeakSettings> {
+        use clap::Parser;
+        let args = AgentArgs::try_parse_from(
+            [
+                "blockipam-agent",
+                "--node",
+                "node-a",
+                "--socket",
+                "/run/x/agent.sock",
+            ]
+            .into_iter()
+            .chain(args.iter().copied()),
+        )
+        .expect("flags parse");
+        LeakSettings::from_args(&args).expect("settings")
+    }
+
+    /// The defaults release after 900 s, look every 60 s (looks 180 s apart restart the
+    /// countdowns) and give a CRI call 10 s; `report` only reports; a short interval gives its
+    /// calls half of it; `off` asks nothing; the report lies beside the socket.
+    #[test]
+    fn the_flags_give_the_leak_collection() {
+        let defaults = settings(&[]).expect("on by default");
+        assert_eq!(defaults.node, "node-a");
+        assert!(defaults.release);
+        assert_eq!(defaults.policy.grace_seconds, 900);
+        assert_eq!(defaults.policy.max_gap_seconds, 180);
+        assert_eq!(defaults.interval, Duration::from_secs(60));
+        assert_eq!(defaults.call_deadline, Duration::from_secs(10));
+        assert_eq!(
+            defaults.report_path,
+            PathBuf::from("/run/x").join(LEAK_REPORT_FILE)
+        );
+        assert_eq!(
+            defaults.socket,
+            PathBuf::from(cri_client::CONTAINERD_SOCKET)
+        );
+
+        let quick = settings(&["--leak-collection", "report", "--leak-scan-seconds", "4"])
+            .expect("reporting is on");
+        assert!(!quick.release, "report only reports");
+        assert_eq!(quick.interval, Duration::from_secs(4));
+        assert_eq!(quick.policy.max_gap_seconds, 12);
+        assert_eq!(quick.call_deadline, Duration::from_secs(2));
+
+        assert!(settings(&["--leak-collection", "off"]).is_none());
+    }
+
     /// The gauges are what the last look found: missing allocations (waiting and leaked), live
     /// addresses held by another holder (duplicates) and live addresses held free (unrecorded);
     /// the disagreements remembered are the last look's; the warning that the runtime is
