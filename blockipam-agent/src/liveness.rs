@@ -412,6 +412,13 @@ impl LivenessTask {
 
 /// The longest wait between two attempts to reach etcd for liveness.
 const MAX_START_BACKOFF: Duration = Duration::from_secs(30);
+/// The wait before the second attempt to reach etcd for liveness.
+const FIRST_START_BACKOFF: Duration = Duration::from_secs(1);
+
+/// The wait after `backoff` before the next attempt: doubled, at most [`MAX_START_BACKOFF`].
+fn next_start_backoff(backoff: Duration) -> Duration {
+    (backoff * 2).min(MAX_START_BACKOFF)
+}
 
 /// Starts liveness and the reclaimer when the store is etcd, in the background, retrying (1 s,
 /// doubling up to 30 s) until etcd answers; on sled and redb logs that they apply to etcd only
@@ -440,7 +447,7 @@ pub async fn start_for(
     let store = Arc::clone(store);
     let counters = Arc::clone(counters);
     let task = tokio::spawn(async move {
-        let mut backoff = Duration::from_secs(1);
+        let mut backoff = FIRST_START_BACKOFF;
         let running = loop {
             let attempt = Liveness::start(
                 liveness.clone(),
@@ -463,7 +470,7 @@ pub async fn start_for(
                 _ = &mut stopped => return,
                 _ = tokio::time::sleep(backoff) => {}
             }
-            backoff = (backoff * 2).min(MAX_START_BACKOFF);
+            backoff = next_start_backoff(backoff);
         };
         let _ = stopped.await;
         running.stop().await;
@@ -511,6 +518,19 @@ mod tests {
             settings(&["--empty-block-release-seconds", "1"]).empty_block_release,
             Some(Duration::from_secs(1))
         );
+    }
+
+    /// While etcd cannot be reached at start, attempts are 1 s apart, then 2, 4, 8 and 16 s,
+    /// then every 30 s (docs/agent.md).
+    #[test]
+    fn start_attempts_wait_one_second_doubling_to_thirty() {
+        let waits: Vec<u64> = std::iter::successors(Some(FIRST_START_BACKOFF), |&backoff| {
+            Some(next_start_backoff(backoff))
+        })
+        .take(8)
+        .map(|wait| wait.as_secs())
+        .collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
     }
 
     fn outcome(action: NodeAction) -> NodeOutcome {
