@@ -233,10 +233,17 @@ struct LeakNode {
     port: u16,
     /// The CNI network's name (handles are `<network>.<sandbox id>`).
     network: String,
+    /// The agent's `--leak-collection`.
+    action: &'static str,
 }
 
 impl LeakNode {
     fn start() -> LeakNode {
+        LeakNode::start_with("release")
+    }
+
+    /// A node whose agent runs with `--leak-collection <action>`.
+    fn start_with(action: &'static str) -> LeakNode {
         require_environment();
         let sandbox = Sandbox::new();
         let agent_socket = sandbox.dir.path().join("leak-agent.sock");
@@ -254,6 +261,7 @@ impl LeakNode {
             sandbox,
             port,
             network: traces.network,
+            action,
         };
         node.start_agent();
         node
@@ -271,7 +279,7 @@ impl LeakNode {
             "--node",
             NODE,
             "--leak-collection",
-            "release",
+            self.action,
             "--cri-socket",
             &self.cri.traces().socket.display().to_string(),
             "--leak-grace-seconds",
@@ -755,6 +763,57 @@ fn a_pod_whose_del_failed_is_kept_while_its_sandbox_exists_and_collected_with_th
         &["check"],
     );
     assert_eq!(report["problems"], json!([]), "{report}");
+}
+
+/// With `--leak-collection report` the agent lists an address whose container is gone past the
+/// grace as due and leaves it allocated, look after look; `blockipamctl gc --leaks --apply`
+/// releases it, and never the live pod's.
+#[test]
+fn with_report_only_the_agent_lists_a_leak_and_releases_nothing_until_gc_applies_it() {
+    let node = LeakNode::start_with("report");
+    let (live_id, live) = node.run_pod("web-1");
+    let orphan_id = sandbox_id(7);
+    let orphan = add_without_a_sandbox(
+        &node.sandbox,
+        &node.network,
+        &node.agent_socket,
+        &orphan_id,
+        "gone-7",
+    );
+    let leaked = |report: &Value| -> Vec<IpAddr> {
+        report["report"]["decisions"]["leaked"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter_map(|m| m["allocation"]["ip"].as_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    wait_until("a look that lists the orphan's address as due", || {
+        leaked(&node.gc_leaks()) == [orphan]
+    });
+    // Due, and left alone by the agent for two more looks.
+    let from = node.answered_looks();
+    wait_until("two more looks", || node.answered_looks() >= from + 2);
+    let report = node.gc_leaks();
+    assert_eq!(leaked(&report), [orphan], "{report}");
+    assert_eq!(report["report"]["decisions"]["live"], 1, "{report}");
+    assert_eq!(node.holder(orphan), Some(node.handle_of(&orphan_id)));
+    assert_eq!(
+        node.metric("blockipam_agent_leaks_released_total"),
+        Some(0.0)
+    );
+
+    let report_path = node.report_path.display().to_string();
+    let (status, stdout, stderr) = ctl_run(
+        &node.sandbox.store_path(),
+        Some(&node.agent_socket),
+        &["gc", "--leaks", "--report", &report_path, "--apply"],
+    );
+    assert_eq!(status, 0, "gc --leaks --apply: {stdout}{stderr}");
+    assert_eq!(node.holder(orphan), None, "gc --leaks --apply: {stdout}");
+    assert_eq!(node.holder(live), Some(node.handle_of(&live_id)));
 }
 
 /// Pods in the scan-cost run: `BLOCKIPAM_LEAK_SCAN_PODS` (110, Kubernetes' default pod limit per
