@@ -148,7 +148,17 @@ fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 
 /// The addresses a `gc --leaks` answer shows counting down.
 fn waiting(answer: &Value) -> Vec<IpAddr> {
-    answer["report"]["decisions"]["waiting"]
+    decided(answer, "waiting")
+}
+
+/// The addresses a `gc --leaks` answer shows due for release.
+fn leaked(answer: &Value) -> Vec<IpAddr> {
+    decided(answer, "leaked")
+}
+
+/// The addresses of a `gc --leaks` answer's list of missing allocations `list`.
+fn decided(answer: &Value, list: &str) -> Vec<IpAddr> {
+    answer["report"]["decisions"][list]
         .as_array()
         .map(|all| {
             all.iter()
@@ -780,16 +790,6 @@ fn with_report_only_the_agent_lists_a_leak_and_releases_nothing_until_gc_applies
         &orphan_id,
         "gone-7",
     );
-    let leaked = |report: &Value| -> Vec<IpAddr> {
-        report["report"]["decisions"]["leaked"]
-            .as_array()
-            .map(|all| {
-                all.iter()
-                    .filter_map(|m| m["allocation"]["ip"].as_str()?.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     wait_until("a look that lists the orphan's address as due", || {
         leaked(&node.gc_leaks()) == [orphan]
     });
