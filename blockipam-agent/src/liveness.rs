@@ -13,10 +13,9 @@ use backend_etcd::EtcdConfig;
 use blockipam_store::countdowns::LeaseCountdowns;
 use blockipam_store::DatastoreSettings;
 use ipam_core::dead_nodes::{
-    liveness_key, reclaim_pass, reclaimer_leader_key, register, NodeAction, NodeOutcome, NodeState,
-    ReclaimOptions, RESERVATION_NODE,
+    liveness_key, reclaim_pass, reclaimer_leader_key, register, validate_node, NodeAction,
+    NodeOutcome, NodeState, ReclaimOptions,
 };
-use ipam_core::model::validate_host;
 use ipam_core::{Condition, EmptyBlockFilter, HostRelease, Ipam, KvStore, Revision};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -78,12 +77,7 @@ pub fn node_name(args: &AgentArgs) -> Result<String, AgentError> {
         Some(node) => node.clone(),
         None => default_node_name()?,
     };
-    validate_host(&node).map_err(|e| AgentError::new(format!("invalid --node: {e}")))?;
-    if node == RESERVATION_NODE {
-        return Err(AgentError::new(format!(
-            "invalid --node: {RESERVATION_NODE:?} is the network reservations' pseudo-node"
-        )));
-    }
+    validate_node(&node).map_err(|e| AgentError::new(format!("invalid --node: {e}")))?;
     Ok(node)
 }
 

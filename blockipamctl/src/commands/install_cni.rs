@@ -8,10 +8,12 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use blockipam_store::Backend;
+use ipam_core::dead_nodes::validate_node;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
 use crate::cli::{self, GlobalArgs, InstallCniArgs};
+use crate::commands::pool::invalid_text;
 use crate::commands::to_json;
 use crate::error::CtlError;
 use crate::output::Outcome;
@@ -245,6 +247,11 @@ fn conflist(global: &GlobalArgs, args: &InstallCniArgs, env: &Env) -> Result<Val
                     "invalid value {node:?} for {source}: expected a node name"
                 )));
             }
+            // The name the plugin will allocate under: refused here, as the plugin would refuse
+            // every ADD with it.
+            validate_node(&node).map_err(|e| {
+                CtlError::usage(format!("invalid value for {source}: {}", invalid_text(&e)))
+            })?;
             Some(node)
         }
         None => None,

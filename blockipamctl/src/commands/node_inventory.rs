@@ -8,10 +8,10 @@ use std::sync::Arc;
 use blockipam_store::DatastoreSettings;
 use ipam_core::allocator::ATTR_NODE;
 use ipam_core::dead_nodes::{
-    activity_key, forget_node, liveness_dir, liveness_key, preview_release, survey, NodeState,
-    NodeStatus, ReleasePreview, RESERVATION_NODE,
+    activity_key, forget_node, liveness_dir, liveness_key, preview_release, survey, validate_node,
+    NodeState, NodeStatus, ReleasePreview,
 };
-use ipam_core::model::{keys, validate_host};
+use ipam_core::model::keys;
 use ipam_core::KvStore;
 use serde::Serialize;
 
@@ -134,7 +134,7 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
         .chain(labelled.keys().cloned())
         .chain(block_owners)
         .chain(address_nodes)
-        .filter(|host| host != RESERVATION_NODE && validate_host(host).is_ok())
+        .filter(|host| validate_node(host).is_ok())
         .collect();
     let host_refs: Vec<&str> = hosts.iter().map(String::as_str).collect();
     let held = preview_release(Arc::clone(&store), &host_refs).await?;
@@ -222,12 +222,7 @@ pub async fn retire(
     args: &NodeRetireArgs,
 ) -> Result<Outcome, CtlError> {
     let host = args.host.as_str();
-    validate_host(host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
-    if host == RESERVATION_NODE {
-        return Err(CtlError::usage(format!(
-            "{RESERVATION_NODE:?} is the network reservations' pseudo-node, not a node"
-        )));
-    }
+    validate_node(host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let store: Arc<dyn KvStore> = Arc::clone(ipam.store());
     ctx.progress(&format!("reading node {host} ..."));

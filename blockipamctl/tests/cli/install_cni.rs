@@ -450,6 +450,16 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             "ETCD_ENDPOINTS",
         ),
         (vec!["--node", " "], vec![], "--node"),
+        (vec!["--node", "-"], vec![], "pseudo-node"),
+        (vec![], vec![("NODENAME", "a/b")], "may not contain '/'"),
+        (
+            vec![],
+            vec![
+                ("CNI_NETWORK_CONFIG", &placeholder_without_node),
+                ("KUBERNETES_NODE_NAME", "-"),
+            ],
+            "pseudo-node",
+        ),
     ];
     for (args, env, needle) in cases {
         let run = host.install(&args, &env);

@@ -269,8 +269,12 @@ pub async fn forget_node(store: &dyn KvStore, host: &str) -> Result<bool, IpamEr
     Ok(commit_guarded(store, txn, &guard, &[]).await?.is_none())
 }
 
-/// Refuses names no registered node may have: invalid host names and the reservation pseudo-node.
-fn validate_node(host: &str) -> Result<(), IpamError> {
+/// Refuses names no node may have: invalid host names and the reservation pseudo-node. What the
+/// agent, `blockipamctl` and `install-cni` check a node name given to them with.
+///
+/// # Errors
+/// [`IpamError::InvalidArgument`] naming what is wrong.
+pub fn validate_node(host: &str) -> Result<(), IpamError> {
     validate_host(host)?;
     if host == RESERVATION_NODE {
         return Err(IpamError::InvalidArgument(format!(
