@@ -279,6 +279,23 @@ impl AgentArgs {
 }
 
 #[cfg(test)]
+impl AgentArgs {
+    /// The flags of an agent of node `node-a` serving `/run/x/agent.sock`, then `args`: what the
+    /// unit tests of the agent's settings start from.
+    pub(crate) fn parsed_for_test(args: &[&str]) -> AgentArgs {
+        let fixed = [
+            "blockipam-agent",
+            "--node",
+            "node-a",
+            "--socket",
+            "/run/x/agent.sock",
+        ];
+        AgentArgs::try_parse_from(fixed.into_iter().chain(args.iter().copied()))
+            .expect("flags parse")
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

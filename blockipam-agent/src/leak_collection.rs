@@ -513,20 +513,7 @@ mod tests {
     }
 
     fn settings(args: &[&str]) -> Option<LeakSettings> {
-        use clap::Parser;
-        let args = AgentArgs::try_parse_from(
-            [
-                "blockipam-agent",
-                "--node",
-                "node-a",
-                "--socket",
-                "/run/x/agent.sock",
-            ]
-            .into_iter()
-            .chain(args.iter().copied()),
-        )
-        .expect("flags parse");
-        LeakSettings::from_args(&args).expect("settings")
+        LeakSettings::from_args(&AgentArgs::parsed_for_test(args)).expect("settings")
     }
 
     /// The defaults release after 900 s, look every 60 s (looks 180 s apart restart the

@@ -478,13 +478,7 @@ mod tests {
     use clap::Parser;
 
     fn settings(args: &[&str]) -> LivenessSettings {
-        let args = AgentArgs::try_parse_from(
-            ["blockipam-agent", "--node", "node-a"]
-                .into_iter()
-                .chain(args.iter().copied()),
-        )
-        .expect("flags parse");
-        LivenessSettings::from_args(&args).expect("settings")
+        LivenessSettings::from_args(&AgentArgs::parsed_for_test(args)).expect("settings")
     }
 
     /// The defaults: reclaim on, empty blocks released after 900 s; `--no-reclaim` turns the
