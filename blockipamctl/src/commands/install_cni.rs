@@ -242,12 +242,13 @@ fn conflist(global: &GlobalArgs, args: &InstallCniArgs, env: &Env) -> Result<Val
     let node = match pick(args.node.as_deref(), "--node", env, &cli::ENV_NODE_NAMES) {
         Some((node, source)) => {
             let node = node.trim().to_owned();
-            if node.is_empty() || node.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            if node.chars().any(char::is_whitespace) {
                 return Err(CtlError::usage(format!(
-                    "invalid value {node:?} for {source}: expected a node name"
+                    "invalid value {node:?} for {source}: a node name has no whitespace"
                 )));
             }
-            // The name the plugin will allocate under: refused here, as the plugin would refuse
+            // The name the plugin will allocate under (empty, too long, a '/' or a control
+            // character, the reservations' pseudo-node): refused here, as the plugin would refuse
             // every ADD with it.
             validate_node(&node).map_err(|e| {
                 CtlError::usage(format!("invalid value for {source}: {}", invalid_text(&e)))
@@ -279,7 +280,7 @@ fn conflist(global: &GlobalArgs, args: &InstallCniArgs, env: &Env) -> Result<Val
         .get_mut("plugins")
         .and_then(Value::as_array_mut)
         .ok_or_else(|| CtlError::usage(format!("{source} has no \"plugins\" list")))?;
-    let mut filled = 0;
+    let mut any_blockipam = false;
     for plugin in plugins.iter_mut() {
         let Some(ipam) = plugin.get_mut("ipam").and_then(Value::as_object_mut) else {
             continue;
@@ -288,9 +289,9 @@ fn conflist(global: &GlobalArgs, args: &InstallCniArgs, env: &Env) -> Result<Val
             continue;
         }
         ipam_keys.apply(ipam);
-        filled += 1;
+        any_blockipam = true;
     }
-    if filled == 0 {
+    if !any_blockipam {
         return Err(CtlError::usage(format!(
             "{source} has no plugin whose \"ipam\" has \"type\": \"blockipam\": nothing would use \
              the plugin"

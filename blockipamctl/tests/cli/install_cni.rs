@@ -450,6 +450,8 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             "ETCD_ENDPOINTS",
         ),
         (vec!["--node", " "], vec![], "--node"),
+        (vec!["--node", "worker 1"], vec![], "whitespace"),
+        (vec![], vec![("NODENAME", "worker\u{1}")], "control"),
         (vec!["--node", "-"], vec![], "pseudo-node"),
         (vec![], vec![("NODENAME", "a/b")], "may not contain '/'"),
         (
