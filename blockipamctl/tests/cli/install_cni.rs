@@ -383,6 +383,25 @@ fn install_cni_a_template_gets_the_store_and_node_settings() {
     assert_eq!(section.get("datastore_type"), None, "{section}");
 }
 
+/// The lock wait goes into the conflist only when given, by the flag or the variable alone: whole
+/// seconds as an integer, a fraction as a number with its fraction.
+#[test]
+fn install_cni_writes_the_lock_wait_only_when_given() {
+    let host = Host::new();
+    let lock_wait = |args: &[&str], env: &[(&str, &str)]| {
+        host.install(args, env).ok();
+        host.read_conflist()["plugins"][0]["ipam"]
+            .get("ipam_lock_timeout_seconds")
+            .cloned()
+    };
+    assert_eq!(lock_wait(&[], &[]), None);
+    let whole = lock_wait(&["--lock-wait-seconds", "30"], &[]).expect("written");
+    assert_eq!(whole.as_u64(), Some(30), "{whole}");
+    let fraction = lock_wait(&[], &[("BLOCKIPAM_LOCK_WAIT_SECONDS", "2.5")]).expect("written");
+    assert!(fraction.is_f64(), "{fraction}");
+    assert_eq!(fraction.as_f64(), Some(2.5));
+}
+
 /// Arguments, environment, and a word the error line must hold.
 type BadInput<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
 
