@@ -514,7 +514,7 @@ fn map_pool(
         block_size: Some(block_size),
         disabled: calico.spec.disabled,
     };
-    match Ipam::pool_from_spec(&spec) {
+    match Ipam::new_pool_from_spec(&spec) {
         Ok(mut pool) => {
             pool.node_selector = policy.node_selector;
             pool.assignment_mode = policy.assignment_mode;
@@ -1127,6 +1127,22 @@ mod tests {
         assert_eq!(pool.allowed_uses.to_string(), "workload");
         let fields: Vec<&str> = not_mapped.iter().map(|n| n.field.as_str()).collect();
         assert_eq!(fields, ["spec.ipipMode"], "only routing stays unmapped");
+    }
+
+    #[test]
+    fn a_pool_overlapping_link_local_addresses_refuses_the_import() {
+        for cidr in ["169.254.0.0/16", "fe80::/64"] {
+            let (mut refusals, mut not_mapped) = (Vec::new(), Vec::new());
+            let pool = map_pool(
+                "p",
+                &calico_pool(json!({"cidr": cidr})),
+                &mut refusals,
+                &mut not_mapped,
+            );
+            assert!(pool.is_none(), "{cidr}");
+            assert_eq!(refusals.len(), 1, "{cidr}: {refusals:?}");
+            assert!(refusals[0].contains("link-local range"), "{}", refusals[0]);
+        }
     }
 
     #[test]

@@ -288,7 +288,8 @@ pub struct PoolSetArgs {
 /// `pool add`.
 #[derive(Debug, Args)]
 pub struct PoolAddArgs {
-    /// The pool's network, e.g. 10.0.0.0/16 or fd00:1::/64 (no host bits).
+    /// The pool's network, e.g. 10.0.0.0/16 or fd00:1::/64 (no host bits; not overlapping
+    /// 169.254.0.0/16 or fe80::/10).
     #[arg(value_name = "CIDR")]
     pub cidr: ipnet::IpNet,
     /// Pool name [default: the CIDR with '/' replaced by '-', e.g. 10.0.0.0-16]

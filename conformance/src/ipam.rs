@@ -10,7 +10,7 @@ use ipam_core::model::keys;
 use ipam_core::Family;
 use ipam_core::{
     AssignIpsRequest, AssignedAddress, AutoAssignRequest, CountingStore, Ipam, IpamConfig,
-    IpamError, PoolSpec, ReleaseRequest,
+    IpamError, Op, PoolSpec, ReleaseRequest, Txn,
 };
 use ipnet::IpNet;
 
@@ -129,6 +129,7 @@ macro_rules! ipam_conformance_tests {
             requested_pool_restricts_allocation,
             disabled_pool_is_never_allocated_from,
             pool_validation_rejects_bad_specs,
+            new_pools_overlapping_link_local_ranges_are_refused_and_a_stored_one_keeps_working,
             overlapping_pool_is_refused,
             pool_delete_is_refused_while_in_use_unless_forced,
             concurrent_ensure_pool_creates_one_pool,
@@ -922,6 +923,78 @@ pub async fn pool_validation_rejects_bad_specs<F: StoreFactory>(factory: &F) {
         .expect("defaults");
     assert_eq!(defaulted.block_size, 122);
     assert_eq!(defaulted.name, "fd00::-64");
+}
+
+/// A new pool overlapping its family's link-local range (169.254.0.0/16, fe80::/10) is refused,
+/// by `create_pool` and `ensure_pool` alike, writing nothing; ranges next to them are not. A
+/// link-local pool an earlier release stored keeps working: `ensure_pool` accepts it, and
+/// addresses are handed out from it.
+pub async fn new_pools_overlapping_link_local_ranges_are_refused_and_a_stored_one_keeps_working<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    for s in [
+        spec("169.254.0.0/16", "all-of-it", 26),
+        spec("169.254.255.0/24", "last-part", 26),
+        spec("169.0.0.0/8", "around-it", 26),
+        spec("0.0.0.0/0", "everything-v4", 26),
+        spec("fe80::/64", "v6-part", 122),
+        spec("febf:ffff::/32", "v6-last-part", 122),
+        spec("fe00::/7", "v6-around-it", 122),
+        spec("::/0", "everything-v6", 122),
+    ] {
+        for ensure in [false, true] {
+            let outcome = if ensure {
+                ipam.ensure_pool(&s).await
+            } else {
+                ipam.create_pool(&s).await
+            };
+            match outcome {
+                Err(IpamError::InvalidArgument(message)) => assert!(
+                    message.contains("link-local range") && message.contains(&s.cidr.to_string()),
+                    "{s:?}: {message}"
+                ),
+                other => panic!("{s:?} (ensure: {ensure}) must be refused, got {other:?}"),
+            }
+        }
+    }
+    assert!(
+        t.store.list("").await.expect("list").is_empty(),
+        "a refused pool wrote something"
+    );
+    for s in [
+        spec("169.253.255.0/24", "just-below", 26),
+        spec("169.255.0.0/24", "just-above", 26),
+        spec("fe7f:ffff::/32", "v6-just-below", 122),
+        spec("fec0::/10", "v6-just-above", 122),
+    ] {
+        ipam.create_pool(&s)
+            .await
+            .unwrap_or_else(|e| panic!("{s:?} is outside link-local: {e}"));
+    }
+    // As an earlier release stored it, before new pools were checked.
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    let stored = Ipam::pool_from_spec(&spec("169.254.64.0/24", "stored-earlier", 26))
+        .expect("a valid spec apart from its range");
+    t.store
+        .commit(Txn::new().then(Op::put(
+            keys::pool(&stored.name),
+            ipam_core::model::encode(&stored).expect("encode"),
+        )))
+        .await
+        .expect("store the pool");
+    let ensured = ipam
+        .ensure_pool(&spec("169.254.64.0/24", "other-name", 26))
+        .await
+        .expect("the stored pool is accepted as identical");
+    assert_eq!(ensured, stored);
+    assert!(stored
+        .cidr
+        .contains(&assign_one(&ipam, "c1", "node-a").await));
 }
 
 /// A pool overlapping an existing one, or reusing its name, is refused.

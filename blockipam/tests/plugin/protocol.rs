@@ -76,6 +76,7 @@ in_both_modes! {
     address_in_another_nodes_block_under_strict_affinity_is_code_104,
     requested_pool_that_is_missing_or_of_the_wrong_family_is_code_105,
     netconf_pool_overlapping_a_different_existing_pool_is_code_106,
+    new_netconf_pool_in_a_link_local_range_is_code_7_and_changes_nothing,
     host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing,
     store_path_holding_something_else_is_code_108_and_is_left_alone,
     failed_first_add_on_a_fresh_store_leaves_only_the_networks_pools_and_reservations,
@@ -727,6 +728,20 @@ fn netconf_pool_overlapping_a_different_existing_pool_is_code_106(mode: Mode) {
     );
     let msg = failed_add_leaves_store_unchanged(&sandbox, &overlapping, &[], 106);
     assert!(msg.contains("overlaps"), "{msg}");
+}
+
+fn new_netconf_pool_in_a_link_local_range_is_code_7_and_changes_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    cni("ADD", "holder", "eth0", &netconf, &[]).success_json("prime");
+    for pool in [
+        json!({"cidr": "169.254.0.0/16"}),
+        json!({"cidr": "fe80::/64", "block_size": 122}),
+    ] {
+        let link_local = sandbox.netconf("1.0.0", json!({"pools": [pool], "gateway": null}));
+        let msg = failed_add_leaves_store_unchanged(&sandbox, &link_local, &[], 7);
+        assert!(msg.contains("link-local range"), "{msg}");
+    }
 }
 
 fn host_lock_held_beyond_the_wait_is_code_11_and_changes_nothing(mode: Mode) {

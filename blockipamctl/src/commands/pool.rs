@@ -11,7 +11,8 @@ use crate::error::{one_line, CtlError};
 use crate::output::{counted, group_digits, human_count, Outcome, Table};
 use crate::settings::OpenMode;
 
-/// `pool add`: validates before touching the store (bad sizes and host bits are usage errors),
+/// `pool add`: validates before touching the store (bad sizes, host bits and link-local ranges
+/// are usage errors),
 /// then creates the pool (overlaps and name clashes are failures).
 ///
 /// # Errors
@@ -24,7 +25,7 @@ pub async fn add(settings: &DatastoreSettings, args: &PoolAddArgs) -> Result<Out
         block_size: args.block_size,
         disabled: args.disabled,
     };
-    Ipam::pool_from_spec(&spec).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    Ipam::new_pool_from_spec(&spec).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let change = parse_change(
         args.node_selector.as_deref(),
         args.assignment_mode.as_deref(),

@@ -40,6 +40,13 @@ fn bad_input_fails_with_the_right_status_and_never_changes_the_store(backend: Ba
             2,
             "--block-size",
         ),
+        (&["pool", "add", "169.254.0.0/16"], 2, "link-local range"),
+        (&["pool", "add", "0.0.0.0/0"], 2, "link-local range"),
+        (
+            &["pool", "add", "fe80::/64", "--block-size", "122"],
+            2,
+            "IPv6 link-local range fe80::/10",
+        ),
         (
             &["pool", "add", "10.71.0.0/16", "--name", "bad name!"],
             2,

@@ -8,9 +8,9 @@ use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::selector::Selector;
 use crate::model::{
-    default_pool_name, encode, keys, validate_pool_name, AllowedUses, AssignmentMode, Block,
-    Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES,
-    V6_BLOCK_SIZES,
+    default_pool_name, encode, keys, validate_new_pool_range, validate_pool_name, AllowedUses,
+    AssignmentMode, Block, Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE,
+    V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 use ipnet::IpNet;
 use std::collections::BTreeSet;
@@ -88,6 +88,20 @@ impl Ipam {
         })
     }
 
+    /// Validates a spec into the pool it would create when no such pool is stored yet: as
+    /// [`pool_from_spec`](Ipam::pool_from_spec), and the range may not overlap its family's
+    /// link-local range ([`validate_new_pool_range`]). What `pool add` and the import check
+    /// before writing.
+    ///
+    /// # Errors
+    /// As [`pool_from_spec`](Ipam::pool_from_spec); [`IpamError::InvalidArgument`] for a range
+    /// overlapping link-local addresses.
+    pub fn new_pool_from_spec(spec: &PoolSpec) -> Result<Pool, IpamError> {
+        let pool = Self::pool_from_spec(spec)?;
+        validate_new_pool_range(&pool.cidr)?;
+        Ok(pool)
+    }
+
     /// Creates a pool with a node selector, assignment mode and allowed uses (what `spec` alone
     /// leaves at Calico's defaults: `all()`, automatic, workload and tunnel).
     ///
@@ -158,15 +172,16 @@ impl Ipam {
     /// Creates a pool.
     ///
     /// # Errors
-    /// Validation errors as [`pool_from_spec`](Ipam::pool_from_spec); [`IpamError::PoolExists`];
-    /// [`IpamError::PoolOverlap`]; store failures.
+    /// Validation errors as [`new_pool_from_spec`](Ipam::new_pool_from_spec);
+    /// [`IpamError::PoolExists`]; [`IpamError::PoolOverlap`]; store failures.
     pub async fn create_pool(&self, spec: &PoolSpec) -> Result<Pool, IpamError> {
         let pool = Self::pool_from_spec(spec)?;
         self.retrying(|| self.try_create_pool(&pool, false)).await
     }
 
     /// Creates a pool unless an identical one (same CIDR and block size) exists under any name;
-    /// safe when many processes race to do it.
+    /// safe when many processes race to do it. An identical pool is accepted whatever its range
+    /// (one overlapping link-local addresses, stored by an earlier release, keeps working).
     ///
     /// # Errors
     /// As [`create_pool`](Ipam::create_pool) when a different pool is in the way.
@@ -200,6 +215,8 @@ impl Ipam {
                 });
             }
         }
+        // A pool that is not stored yet: one an earlier release created is found above.
+        validate_new_pool_range(&pool.cidr)?;
         let mut plan = self.plan();
         self.bump_pool_generation(&mut plan, generation)?;
         let key = keys::pool(&pool.name);
