@@ -13,7 +13,7 @@ use blockipam_store::{
     agent_socket_from_text, seconds_from_f64, DatastoreSettings, DatastoreType,
     RawDatastoreSettings, Secret, SettingsError, MAX_SECONDS,
 };
-use ipam_core::{Ipam, IpamError, PoolSpec};
+use ipam_core::{Ipam, IpamError, Pool, PoolSpec};
 use ipnet::IpNet;
 use serde_json::{Map, Value};
 
@@ -487,8 +487,13 @@ pub fn parse_netconf(
         let list = value.as_array().ok_or_else(|| {
             type_error(&path, "a list of {cidr, block_size, name} objects", value)
         })?;
+        let mut parsed: Vec<Pool> = Vec::new();
         for (i, item) in list.iter().enumerate() {
-            pools.push(parse_pool(&format!("{path}[{i}]"), item)?);
+            let item_path = format!("{path}[{i}]");
+            let (spec, pool) = parse_pool(&item_path, item)?;
+            check_pool_fits_the_others(&path, &item_path, &pool, &parsed)?;
+            parsed.push(pool);
+            pools.push(spec);
         }
     }
 
@@ -666,7 +671,7 @@ impl PodAnnotations {
     }
 }
 
-fn parse_pool(path: &str, item: &Value) -> Result<PoolSpec, CniError> {
+fn parse_pool(path: &str, item: &Value) -> Result<(PoolSpec, Pool), CniError> {
     let fields = object(path, item)?;
     let cidr_text = match fields.get("cidr") {
         Some(Value::String(s)) => s,
@@ -700,11 +705,44 @@ fn parse_pool(path: &str, item: &Value) -> Result<PoolSpec, CniError> {
         block_size,
         disabled: false,
     };
-    Ipam::pool_from_spec(&spec).map_err(|e| match e {
+    let pool = Ipam::pool_from_spec(&spec).map_err(|e| match e {
         IpamError::InvalidArgument(why) => CniError::config(format!("netconf key {path}: {why}")),
         other => CniError::config(format!("netconf key {path}: {other}")),
     })?;
-    Ok(spec)
+    Ok((spec, pool))
+}
+
+/// Refuses a netconf pool that no store could hold beside the netconf's earlier ones (`earlier`,
+/// listed under `list_path`): one overlapping an earlier pool without being the same pool (same
+/// CIDR and block size), or taking an earlier, different pool's name. Such a netconf would fail
+/// every ADD after creating its first pools.
+fn check_pool_fits_the_others(
+    list_path: &str,
+    path: &str,
+    pool: &Pool,
+    earlier: &[Pool],
+) -> Result<(), CniError> {
+    for (i, other) in earlier.iter().enumerate() {
+        if other.cidr == pool.cidr && other.block_size == pool.block_size {
+            continue;
+        }
+        if other.cidr.contains(&pool.cidr.network()) || pool.cidr.contains(&other.cidr.network()) {
+            return Err(CniError::config(format!(
+                "netconf key {path}: pool {} (/{} blocks) overlaps {list_path}[{i}], pool {} (/{} \
+                 blocks); pools of one network overlap only when they are the same pool (same \
+                 CIDR and block size)",
+                pool.cidr, pool.block_size, other.cidr, other.block_size
+            )));
+        }
+        if other.name == pool.name {
+            return Err(CniError::config(format!(
+                "netconf key {path}: pool name {:?} is also the name of {list_path}[{i}], a \
+                 different pool ({})",
+                pool.name, other.cidr
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn parse_route(path: &str, item: &Value) -> Result<RouteConf, CniError> {
@@ -895,6 +933,48 @@ mod tests {
             let err = parse(json!({"ipam": {"pools": [pool.clone()]}})).expect_err("bad pool");
             assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{pool}");
         }
+    }
+
+    #[test]
+    fn pools_that_could_not_all_exist_together_are_invalid_config() {
+        for (pools, shown) in [
+            (
+                json!([{"cidr": "10.0.0.0/24"}, {"cidr": "10.0.0.128/25"}]),
+                "overlaps ipam.pools[0]",
+            ),
+            (
+                json!([{"cidr": "10.0.0.0/24"}, {"cidr": "10.0.0.0/23"}]),
+                "overlaps ipam.pools[0]",
+            ),
+            (
+                json!([{"cidr": "10.0.0.0/24"}, {"cidr": "10.0.0.0/24", "block_size": 28}]),
+                "(/28 blocks) overlaps ipam.pools[0], pool 10.0.0.0/24 (/26 blocks)",
+            ),
+            (
+                json!([{"cidr": "10.0.0.0/24", "name": "a"}, {"cidr": "10.0.1.0/24", "name": "a"}]),
+                "name \"a\" is also the name of ipam.pools[0]",
+            ),
+            (
+                json!([{"cidr": "10.0.1.0/24"}, {"cidr": "10.0.0.0/24", "name": "10.0.1.0-24"}]),
+                "is also the name of ipam.pools[0]",
+            ),
+            (
+                json!([{"cidr": "fd00::/64"}, {"cidr": "10.0.0.0/24"}, {"cidr": "fd00::/48"}]),
+                "ipam.pools[2]: pool fd00::/48 (/122 blocks) overlaps ipam.pools[0]",
+            ),
+        ] {
+            let err = parse(json!({"ipam": {"pools": pools.clone()}})).expect_err("refused");
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{pools}");
+            assert!(err.msg.contains(shown), "{pools}: {}", err.msg);
+        }
+        // The same pool twice (same CIDR and block size), under two names: it is one pool.
+        let conf = parse(json!({"ipam": {"pools": [
+            {"cidr": "10.0.0.0/24", "name": "a"},
+            {"cidr": "10.0.0.0/24", "block_size": 26, "name": "b"},
+            {"cidr": "10.0.1.0/24", "name": "c"}
+        ]}}))
+        .expect("pools that can exist together");
+        assert_eq!(conf.pools.len(), 3);
     }
 
     #[test]

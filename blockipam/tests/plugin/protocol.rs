@@ -68,6 +68,7 @@ in_both_modes! {
     unknown_netconf_keys_are_ignored,
     unsupported_values_are_code_2_naming_key_and_value,
     bad_cidrs_and_block_sizes_in_pools_are_code_7,
+    netconf_pools_that_could_not_all_exist_are_code_7_and_create_nothing,
     asking_for_no_address_at_all_is_code_7,
     address_outside_every_pool_is_code_103_and_changes_nothing,
     address_held_by_another_container_is_code_102_and_changes_nothing,
@@ -579,6 +580,22 @@ fn bad_cidrs_and_block_sizes_in_pools_are_code_7(mode: Mode) {
         assert!(msg.contains("ipam.pools[0]"), "{pool}: {msg}");
     }
     assert!(sandbox.snapshot().is_empty());
+}
+
+fn netconf_pools_that_could_not_all_exist_are_code_7_and_create_nothing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    for pools in [
+        json!([{"cidr": "10.244.8.0/24"}, {"cidr": "10.244.8.0/25"}]),
+        json!([{"cidr": "10.244.8.0/24", "name": "a"}, {"cidr": "10.244.9.0/24", "name": "a"}]),
+    ] {
+        let netconf = sandbox.netconf("1.0.0", json!({"pools": pools.clone(), "gateway": null}));
+        let msg = cni("ADD", "c1", "eth0", &netconf, &[]).assert_error(7, &pools.to_string());
+        assert!(msg.contains("ipam.pools[1]"), "{pools}: {msg}");
+    }
+    assert!(
+        sandbox.snapshot().is_empty(),
+        "the network's first pool was created"
+    );
 }
 
 fn asking_for_no_address_at_all_is_code_7(mode: Mode) {
