@@ -452,6 +452,21 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             "give one",
         ),
         (vec!["--conf-name", "../x.conflist"], vec![], "--conf-name"),
+        (
+            vec!["--conf-name", "10-blockipam.conf"],
+            vec![],
+            "--conf-name",
+        ),
+        (
+            vec!["--conf-name", "sub/10-blockipam.conflist"],
+            vec![],
+            "--conf-name",
+        ),
+        (
+            vec![],
+            vec![("CNI_CONF_NAME", ".10-blockipam.conflist")],
+            "CNI_CONF_NAME",
+        ),
         (vec!["--network-name", "a b"], vec![], "--network-name"),
         (vec!["--cni-version", "0.2.0"], vec![], "cniVersion"),
         (vec!["--ipam-config", "[1]"], vec![], "--ipam-config"),
