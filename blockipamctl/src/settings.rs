@@ -359,11 +359,10 @@ fn open_error(settings: &DatastoreSettings, error: &KvError) -> CtlError {
     }
 }
 
-/// True when both settings name the same store (same embedded file, or same etcd and prefix).
+/// True when both settings name the same store: the same etcd and prefix, or the same embedded
+/// path, whatever embedded type each names (one path holds one store: a redb "at" a sled
+/// store's path is that store, still open as the source).
 pub fn same_store(a: &DatastoreSettings, b: &DatastoreSettings) -> bool {
-    if a.datastore_type() != b.datastore_type() {
-        return false;
-    }
     match (a.etcd(), b.etcd()) {
         (Some(a), Some(b)) => {
             a.endpoints.iter().any(|e| {
@@ -372,13 +371,14 @@ pub fn same_store(a: &DatastoreSettings, b: &DatastoreSettings) -> bool {
                     .any(|f| bare_endpoint(e) == bare_endpoint(f))
             }) && a.prefix_or_default() == b.prefix_or_default()
         }
-        _ => {
+        (None, None) => {
             let canonical = |s: &DatastoreSettings| {
                 s.resolved_path()
                     .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
             };
             canonical(a) == canonical(b)
         }
+        _ => false,
     }
 }
 
@@ -681,6 +681,13 @@ mod tests {
             path: Some("/y/store".into()),
         };
         assert!(!same_store(&a, &b));
+        b.backend = Backend::Redb {
+            path: Some("/x/store".into()),
+        };
+        assert!(
+            same_store(&a, &b),
+            "one path holds one store, whatever its type"
+        );
         let etcd = |endpoint: &str, prefix: Option<&str>| DatastoreSettings {
             backend: Backend::Etcd(EtcdSettings {
                 endpoints: vec![endpoint.into()],
@@ -697,5 +704,6 @@ mod tests {
         );
         let e2 = etcd("http://127.0.0.1:1", Some("/other/"));
         assert!(!same_store(&e1, &e2));
+        assert!(!same_store(&a, &e1) && !same_store(&e1, &a));
     }
 }

@@ -50,8 +50,16 @@ pub async fn run(
 ) -> Result<Outcome, CtlError> {
     let target_settings = settings::resolve_target(args, source_settings, etcd_request_timeout)?;
     if settings::same_store(source_settings, &target_settings) {
+        let how = if source_settings.datastore_type() == target_settings.datastore_type() {
+            String::new()
+        } else {
+            format!(
+                " ({}): one path holds one store",
+                source_settings.describe()
+            )
+        };
         return Err(CtlError::usage(format!(
-            "the target ({}) is the source store itself",
+            "the target ({}) is the source store itself{how}",
             target_settings.describe()
         )));
     }

@@ -174,6 +174,28 @@ fn migrate_into_the_source_itself_is_a_usage_error() {
     run.expect_code(2);
     assert!(run.error_line().contains("is the source store itself"));
     assert_eq!(lab.snapshot(), before);
+    // The source's path named as a store of another type: still the source, refused at once
+    // (it was waited on for the whole lock wait, then reported as held by another process).
+    let mut args = lab.store_args();
+    args.extend(
+        [
+            "migrate",
+            "--to-datastore-type",
+            "redb",
+            "--to-datastore-path",
+        ]
+        .map(String::from),
+    );
+    args.push(lab.path().display().to_string());
+    let run = ctl(&args, &[]);
+    run.expect_code(2);
+    assert!(
+        run.error_line().contains("is the source store itself")
+            && run.error_line().contains("one path holds one store"),
+        "{}",
+        run.error_line()
+    );
+    assert_eq!(lab.snapshot(), before);
 }
 
 #[test]
