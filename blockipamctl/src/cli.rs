@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use blockipam_store::Secret;
 use clap::builder::BoolishValueParser;
 use clap::{ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use ipam_core::model::MAX_IP_COOLDOWN_SECONDS;
 
 /// Environment variable: which store (`sled`, `redb`, `etcdv3`).
 pub const ENV_DATASTORE_TYPE: &str = "DATASTORE_TYPE";
@@ -360,7 +361,11 @@ pub struct ConfigSetArgs {
     pub max_blocks_per_host: Option<u32>,
     /// Seconds a released address waits before it is handed out again (0 to 1200; Calico's
     /// ipCooldownSeconds).
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        value_parser = clap::value_parser!(u32).range(0..=i64::from(MAX_IP_COOLDOWN_SECONDS))
+    )]
     pub ip_cooldown_seconds: Option<u32>,
     /// Seconds a block must have been empty before another host may take it over when its pools
     /// have no unclaimed block left (default 60).

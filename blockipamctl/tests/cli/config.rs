@@ -65,9 +65,14 @@ fn config_show_prints_defaults_and_set_changes_only_the_given_settings(backend: 
     let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
     assert_eq!(shown["ip_cooldown_seconds"], 300, "{shown}");
     assert_eq!(shown["empty_block_reclaim_seconds"], 90, "{shown}");
+    // A value out of range is a usage error (status 2), whatever the store holds.
     let refused = lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1201"]);
-    assert_ne!(refused.code, 0);
-    assert!(refused.error_line().contains("1200"), "{refused:?}");
+    assert_eq!(refused.code, 2, "{refused:?}");
+    assert!(
+        refused.error_line().contains("--ip-cooldown-seconds")
+            && refused.error_line().contains("1200"),
+        "{refused:?}"
+    );
     let shown = lab.ctl(&["-o", "json", "config", "show"]).ok().json();
     assert_eq!(
         shown["ip_cooldown_seconds"], 300,
