@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
+use ipam_core::dead_nodes::validate_node;
 use ipam_core::dead_nodes::{forget_node, RESERVATION_NODE};
-use ipam_core::model::validate_host;
 use ipam_core::nodes::validate_label_update;
 use serde::Serialize;
 
@@ -41,13 +41,14 @@ fn joined<T: ToString>(items: &[T]) -> String {
 /// registration its agent left is deleted unless that agent is live (`dead_nodes::forget_node`).
 ///
 /// # Errors
-/// [`CtlError::Usage`] for an invalid host name; store trouble.
+/// [`CtlError::Usage`] for an invalid host name or the reservations' pseudo-node `-`; store
+/// trouble.
 pub async fn release(
     ctx: &mut Ctx<'_>,
     settings: &DatastoreSettings,
     args: &NodeReleaseArgs,
 ) -> Result<Outcome, CtlError> {
-    validate_host(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    validate_node(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     ctx.progress(&format!(
         "releasing node {}{} ...",
@@ -184,13 +185,13 @@ fn parse_label(argument: &str) -> Result<(String, String), CtlError> {
 /// usage error), then applied in one compare-and-swap update.
 ///
 /// # Errors
-/// [`CtlError::Usage`] for an invalid host name, a malformed label or a key named twice;
+/// [`CtlError::Usage`] for an invalid host name or `-`, a malformed label or a key named twice;
 /// too many labels; store trouble.
 pub async fn label(
     settings: &DatastoreSettings,
     args: &NodeLabelArgs,
 ) -> Result<Outcome, CtlError> {
-    validate_host(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    validate_node(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let set = args
         .labels
         .iter()
@@ -211,9 +212,10 @@ pub async fn label(
 /// `node show`.
 ///
 /// # Errors
-/// [`CtlError::Usage`] for an invalid host name; store trouble.
+/// [`CtlError::Usage`] for an invalid host name or the reservations' pseudo-node `-`; store
+/// trouble.
 pub async fn show(settings: &DatastoreSettings, args: &NodeShowArgs) -> Result<Outcome, CtlError> {
-    validate_host(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    validate_node(&args.host).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let labels = ipam.node_labels(&args.host).await?;
     let json = NodeLabelsJson {

@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::allocator::ATTR_NODE;
-use ipam_core::model::validate_host;
+use ipam_core::dead_nodes::validate_node;
 use ipam_core::{AllowedUse, AutoAssignRequest};
 use serde::Serialize;
 
@@ -76,7 +76,7 @@ struct TunnelJson {
 
 /// The kind and handle these arguments name, validated before the store is touched.
 fn resolve(args: &TunnelAddressArgs) -> Result<(&'static TunnelKind, String), CtlError> {
-    validate_host(&args.node).map_err(|e| CtlError::usage(invalid_text(&e)))?;
+    validate_node(&args.node).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let kind = KINDS
         .iter()
         .find(|k| k.name == args.tunnel_type.trim().to_ascii_lowercase())

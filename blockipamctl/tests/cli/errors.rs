@@ -96,6 +96,16 @@ fn bad_input_fails_with_the_right_status_and_never_changes_the_store(backend: Ba
         ),
         (&["node", "release"], 2, "required"),
         (&["node", "release", "bad/host"], 2, "host name"),
+        // The network reservations' pseudo-node: `node release - --addresses` released every
+        // network's gateway, network and broadcast reservations.
+        (&["node", "release", "-", "--addresses"], 2, "pseudo-node"),
+        (&["node", "label", "-", "a=b"], 2, "pseudo-node"),
+        (&["node", "show", "-"], 2, "pseudo-node"),
+        (
+            &["tunnel-address", "assign", "--type", "ipip", "-"],
+            2,
+            "pseudo-node",
+        ),
         (
             &["migrate", "--to-datastore-type", "mysql"],
             2,
