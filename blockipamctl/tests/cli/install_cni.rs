@@ -268,6 +268,32 @@ fn install_cni_a_changed_input_rewrites_only_the_conflist() {
     assert_eq!(host.entries(), ["10-blockipam.conflist", "blockipam"]);
 }
 
+/// The generated conflist's main plugin and network name are the ones given (flag or variable),
+/// with every character either allows; bad ones are in the bad-input test.
+#[test]
+fn install_cni_generates_the_main_plugin_and_network_name_given() {
+    let host = Host::new();
+    host.install(
+        &["--node", "n1", "--main-plugin", "my_bridge-2.0"],
+        &[("BLOCKIPAM_NETWORK_NAME", "k8s-pod_net.1")],
+    )
+    .ok();
+    let conflist = host.read_conflist();
+    assert_eq!(
+        conflist["plugins"][0]["type"], "my_bridge-2.0",
+        "{conflist}"
+    );
+    assert_eq!(conflist["name"], "k8s-pod_net.1", "{conflist}");
+    host.install(
+        &["--node", "n1", "--network-name", "pods2"],
+        &[("BLOCKIPAM_MAIN_PLUGIN", "bridge")],
+    )
+    .ok();
+    let conflist = host.read_conflist();
+    assert_eq!(conflist["plugins"][0]["type"], "bridge", "{conflist}");
+    assert_eq!(conflist["name"], "pods2", "{conflist}");
+}
+
 /// While installs alternate between two different plugins (each run replaces the file), a
 /// reader that keeps opening the target sees nothing or one whole plugin, never a part.
 #[test]
@@ -468,6 +494,12 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             "CNI_CONF_NAME",
         ),
         (vec!["--network-name", "a b"], vec![], "--network-name"),
+        (vec!["--main-plugin", ""], vec![], "--main-plugin"),
+        (
+            vec![],
+            vec![("BLOCKIPAM_MAIN_PLUGIN", "a/b")],
+            "BLOCKIPAM_MAIN_PLUGIN",
+        ),
         (vec!["--cni-version", "0.2.0"], vec![], "cniVersion"),
         (vec!["--ipam-config", "[1]"], vec![], "--ipam-config"),
         (
