@@ -302,6 +302,9 @@ pub enum SettingsError {
     EndpointsForEmbeddedStore(DatastoreType),
     /// No type given, and both etcd endpoints and an embedded store's path.
     EndpointsAndPath,
+    /// An etcd endpoint list that is not empty but names no endpoint (`","`): taken as no
+    /// endpoints, it would select the local sled store.
+    EndpointListOfNothing,
 }
 
 impl fmt::Display for SettingsError {
@@ -312,6 +315,11 @@ impl fmt::Display for SettingsError {
                 "datastore type {embedded} is an embedded store, but etcd endpoints are given too \
                  (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS); remove the endpoints, or \
                  set the datastore type to etcdv3 (or leave it out: endpoints alone mean etcd)"
+            ),
+            SettingsError::EndpointListOfNothing => f.write_str(
+                "the etcd endpoints (etcd_endpoints / --etcd-endpoints / ETCD_ENDPOINTS) are \
+                 commas alone, naming no endpoint: give host:port or http(s)://host:port entries \
+                 separated by commas, or nothing at all for an embedded store",
             ),
             SettingsError::EndpointsAndPath => f.write_str(
                 "both etcd endpoints and a datastore path are given, and no datastore type: set \
@@ -448,12 +456,19 @@ impl DatastoreSettings {
     /// with `etcd_endpoints` and no `datastore_type`; sled otherwise.
     ///
     /// # Errors
-    /// [`SettingsError::EndpointsForEmbeddedStore`] for an embedded type given with etcd
-    /// endpoints, [`SettingsError::EndpointsAndPath`] for no type with both endpoints and a path
-    /// (which store is meant?), and for etcd what [`EtcdSettings::check`] refuses. etcd given
-    /// with a path is not refused: the path is ignored, as it always was.
+    /// [`SettingsError::EndpointListOfNothing`] for an endpoint list of commas alone (`","`),
+    /// which no one means as "no etcd"; [`SettingsError::EndpointsForEmbeddedStore`] for an
+    /// embedded type given with etcd endpoints, [`SettingsError::EndpointsAndPath`] for no type
+    /// with both endpoints and a path (which store is meant?), and for etcd what
+    /// [`EtcdSettings::check`] refuses. etcd given with a path is not refused: the path is
+    /// ignored, as it always was.
     pub fn from_raw(raw: RawDatastoreSettings) -> Result<DatastoreSettings, SettingsError> {
         let owned = |value: Option<String>| given(value.as_deref()).map(str::to_owned);
+        if raw.etcd_endpoints.iter().any(|list| {
+            given(Some(list.as_str())).is_some() && Self::parse_endpoints(list).is_empty()
+        }) {
+            return Err(SettingsError::EndpointListOfNothing);
+        }
         let endpoints_given = raw
             .etcd_endpoints
             .iter()
@@ -1098,7 +1113,7 @@ mod tests {
         assert_eq!(settings.datastore_type(), DatastoreType::Etcdv3);
         assert_eq!(settings.etcd().expect("etcd").endpoints, ["http://h:2379"]);
         let blank = DatastoreSettings::from_raw(RawDatastoreSettings {
-            etcd_endpoints: vec![" , ".into()],
+            etcd_endpoints: vec![" ".into()],
             ..RawDatastoreSettings::default()
         })
         .expect("blank endpoints are not given");
@@ -1148,6 +1163,36 @@ mod tests {
             Ok(Some(DatastoreType::Redb))
         );
         assert!(given_datastore_type(Some("kubernetes")).is_err());
+    }
+
+    #[test]
+    fn an_endpoint_list_of_commas_alone_is_refused_rather_than_taken_as_no_etcd() {
+        for (datastore_type, lists) in [
+            (None, vec![","]),
+            (None, vec![" , ,"]),
+            (Some(DatastoreType::Etcdv3), vec![",,"]),
+            (None, vec!["", ","]),
+        ] {
+            let refused = DatastoreSettings::from_raw(RawDatastoreSettings {
+                datastore_type,
+                etcd_endpoints: lists.iter().map(|l| (*l).to_owned()).collect(),
+                ..RawDatastoreSettings::default()
+            });
+            assert_eq!(
+                refused,
+                Err(SettingsError::EndpointListOfNothing),
+                "{lists:?}"
+            );
+        }
+        // Empty or blank values are not given: no endpoints, the default store.
+        for blank in ["", "  "] {
+            let settings = DatastoreSettings::from_raw(RawDatastoreSettings {
+                etcd_endpoints: vec![blank.to_owned()],
+                ..RawDatastoreSettings::default()
+            })
+            .expect("a blank list is no list");
+            assert_eq!(settings.datastore_type(), DatastoreType::Sled);
+        }
     }
 
     #[test]

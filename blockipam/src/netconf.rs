@@ -1049,6 +1049,16 @@ mod tests {
     }
 
     #[test]
+    fn etcd_endpoints_of_commas_alone_are_invalid_config_not_the_local_store() {
+        for endpoints in [json!(","), json!(" , ,"), json!([","])] {
+            let err = parse(json!({"etcd_endpoints": endpoints.clone()}))
+                .expect_err("commas alone name no endpoint");
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{endpoints}");
+            assert!(err.msg.contains("commas alone"), "{endpoints}: {}", err.msg);
+        }
+    }
+
+    #[test]
     fn header_rules_follow_libcni() {
         assert_eq!(
             parse_header(b"{").expect_err("syntax").code,

@@ -67,3 +67,29 @@ fn etcd_endpoints_without_a_type_select_etcd_and_flags_naming_a_local_store_win(
     });
     assert_eq!(pools.len(), 1, "{pools:?}");
 }
+
+/// `ETCD_ENDPOINTS` of commas alone (a template that filled in no endpoint) is a usage error
+/// naming the variable: it was taken as no endpoints, and `pool add` created a local sled store.
+#[test]
+fn an_endpoint_list_of_commas_alone_is_refused_and_creates_no_local_store() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let local = dir.path().join("local.sled");
+    let local_text = local.display().to_string();
+    for endpoints in [",", " , ,"] {
+        let run = ctl(
+            &["pool".into(), "add".into(), "10.63.0.0/24".into()],
+            &[
+                ("ETCD_ENDPOINTS", endpoints),
+                ("DATASTORE_PATH", local_text.as_str()),
+                ("BLOCKIPAM_AGENT_SOCKET", ""),
+            ],
+        );
+        run.expect_code(2);
+        let message = run.error_line();
+        assert!(
+            message.contains("commas alone") && message.contains("ETCD_ENDPOINTS"),
+            "{endpoints:?}: {message}"
+        );
+        assert!(!local.exists(), "{endpoints:?}: a local store was created");
+    }
+}
