@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
-use ipam_core::dead_nodes::validate_node;
-use ipam_core::dead_nodes::{forget_node, RESERVATION_NODE};
+use ipam_core::dead_nodes::{forget_node, validate_node};
 use ipam_core::nodes::validate_label_update;
 use serde::Serialize;
 
@@ -60,9 +59,8 @@ pub async fn release(
         }
     ));
     let outcome = ipam.release_host(&args.host, args.addresses).await?;
-    let registration_deleted = args.addresses
-        && args.host != RESERVATION_NODE
-        && forget_node(ipam.store().as_ref(), &args.host).await?;
+    let registration_deleted =
+        args.addresses && forget_node(ipam.store().as_ref(), &args.host).await?;
     ctx.progress_done();
     let mut text = String::new();
     if outcome.deleted_blocks.is_empty()
