@@ -876,6 +876,32 @@ mod tests {
     }
 
     #[test]
+    fn lock_wait_and_agent_socket_reach_the_store_settings() {
+        let conf = parse(json!({
+            "ipam_lock_timeout_seconds": 0.2,
+            "ipam": {"type": "blockipam", "agent_socket": "/run/other/agent.sock"}
+        }))
+        .expect("parse");
+        // The host lock and the store open both wait what the netconf says.
+        assert_eq!(conf.lock_wait, Duration::from_millis(200));
+        assert_eq!(conf.datastore.lock_wait, Duration::from_millis(200));
+        assert_eq!(
+            conf.datastore.agent_socket.as_deref(),
+            Some(std::path::Path::new("/run/other/agent.sock"))
+        );
+        // Nothing given: the defaults; "none": never an agent.
+        let conf = parse(json!({"ipam": {"type": "blockipam"}})).expect("parse");
+        assert_eq!(conf.datastore.lock_wait, DEFAULT_LOCK_WAIT);
+        assert_eq!(
+            conf.datastore.agent_socket,
+            DatastoreSettings::default().agent_socket
+        );
+        let conf =
+            parse(json!({"ipam": {"type": "blockipam", "agent_socket": "none"}})).expect("parse");
+        assert_eq!(conf.datastore.agent_socket, None);
+    }
+
+    #[test]
     fn wrong_types_for_known_keys_are_invalid_config_naming_the_key() {
         for (value, key) in [
             (json!({"ipam": {"nodename": 5}}), "ipam.nodename"),
