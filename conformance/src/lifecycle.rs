@@ -22,6 +22,7 @@ macro_rules! lifecycle_conformance_tests {
             cooling_address_is_not_handed_out_until_its_cooldown_passes,
             cooling_addresses_keep_a_block_from_being_empty,
             explicitly_requested_cooling_address_is_refused_until_it_cools,
+            address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
             takeover_waits_for_cooling_addresses,
@@ -90,6 +91,99 @@ async fn block_owner(ipam: &Ipam, cidr: IpNet) -> Option<Option<String>> {
         .chain(usage.orphan_blocks.iter())
         .find(|b| b.cidr == cidr)
         .map(|b| b.host.clone())
+}
+
+/// `address_status` (what `blockipamctl show --ip` prints): the holder of an allocated address;
+/// for a released one its block and the end of its cooldown, until that has passed; the
+/// reservations covering an address, whether held, free or in no block; nothing but
+/// reservations for an address in no pool.
+pub async fn address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(1_000);
+    let (_t, ipam) = lab(factory, "10.41.0.0/24", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 60;
+    })
+    .await;
+    let (released, block) = assign(&ipam, "h0", "node-a").await;
+    let (held, _) = assign(&ipam, "h1", "node-a").await;
+    clock.set(1_010);
+    ipam.release_handle("h0").await.expect("release");
+    let unblocked: IpAddr = "10.41.0.200".parse().expect("ip");
+    let outside: IpAddr = "10.42.0.1".parse().expect("ip");
+    for (name, cidrs) in [
+        (
+            "both",
+            vec![
+                IpNet::new(released, 32).expect("/32"),
+                IpNet::new(outside, 32).expect("/32"),
+            ],
+        ),
+        ("wide", vec!["10.41.0.0/25".parse().expect("cidr")]),
+    ] {
+        ipam.add_reservation(&ipam_core::reservations::Reservation {
+            name: name.into(),
+            cidrs,
+        })
+        .await
+        .expect("reserve");
+    }
+
+    let status = ipam.address_status(released).await.expect("status");
+    assert_eq!(status.allocation, None, "{status:?}");
+    assert_eq!(
+        status.block,
+        Some((block, Some("node-a".into()))),
+        "{status:?}"
+    );
+    assert_eq!(
+        status.cooling_until,
+        Some(1_070),
+        "released at 1,010 for 60 s"
+    );
+    assert_eq!(
+        status.reserved_by,
+        vec!["both".to_owned(), "wide".to_owned()]
+    );
+    assert_eq!(status.pool.map(|p| p.name), Some("pool".into()));
+
+    let status = ipam.address_status(held).await.expect("status");
+    assert_eq!(
+        status.allocation.map(|a| a.handle),
+        Some("h1".into()),
+        "the holder"
+    );
+    assert_eq!(
+        (status.cooling_until, status.reserved_by),
+        (None, vec!["wide".to_owned()])
+    );
+
+    let status = ipam.address_status(unblocked).await.expect("status");
+    assert_eq!(
+        (status.allocation, status.block, status.cooling_until),
+        (None, None, None),
+        "no block holds {unblocked}"
+    );
+    assert!(
+        status.reserved_by.is_empty() && status.pool.is_some(),
+        "{unblocked}"
+    );
+
+    let status = ipam.address_status(outside).await.expect("status");
+    assert_eq!(
+        (status.pool, status.block, status.reserved_by),
+        (None, None, vec!["both".to_owned()]),
+        "{outside} is in no pool"
+    );
+
+    // Once the cooldown has passed, nothing is cooling.
+    clock.set(1_070);
+    let status = ipam.address_status(released).await.expect("status");
+    assert_eq!((status.allocation, status.cooling_until), (None, None));
+    assert_eq!(status.block.map(|(cidr, _)| cidr), Some(block));
+    assert_clean(&ipam).await;
 }
 
 /// A released address is not handed out again while it cools, even when that leaves nothing to

@@ -15,10 +15,10 @@ pub use kv::{blocking, caching, counting, lockfile, memory};
 pub use model::{error, formats, namespaces, nodes, reservations, selector, store_format};
 
 pub use allocator::{
-    AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest, AutoAssignResult,
-    BlockUsage, ChosenRelease, Clock, EmptyBlock, EmptyBlockFilter, EmptyBlockReason, HostRelease,
-    Ipam, NamespaceLookup, PoolChange, PoolDeletion, PoolPolicy, PoolSpec, PoolUsage,
-    ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
+    AddressStatus, AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest,
+    AutoAssignResult, BlockUsage, ChosenRelease, Clock, EmptyBlock, EmptyBlockFilter,
+    EmptyBlockReason, HostRelease, Ipam, NamespaceLookup, PoolChange, PoolDeletion, PoolPolicy,
+    PoolSpec, PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

@@ -104,6 +104,10 @@ struct IpJson {
     pool: Option<String>,
     attributes: Option<BTreeMap<String, String>>,
     sequence: Option<u64>,
+    /// While free and in IP cooldown: when it ends (seconds since the Unix epoch).
+    cooling_until: Option<u64>,
+    /// The reservations that cover it, by name.
+    reserved_by: Vec<String>,
 }
 
 /// Pool usage rows for JSON.
@@ -280,21 +284,20 @@ pub async fn run(
 }
 
 async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError> {
-    let info = ipam.get_assignment(ip).await?;
-    let pools = ipam.list_pools().await?;
-    let pool = pools
-        .iter()
-        .find(|p| p.cidr.contains(&ip))
-        .map(|p| p.name.clone());
-    let (block, block_host) = match &info {
-        Some(a) => (Some(a.block), a.block_host.clone()),
-        None => {
+    let status = ipam.address_status(ip).await?;
+    let info = status.allocation;
+    let pool = status.pool.map(|p| p.name);
+    let (block, block_host) = match status.block {
+        Some((cidr, host)) => (Some(cidr), host),
+        // In no pool: a block left from a deleted pool may still contain it.
+        None if pool.is_none() => {
             let usage = ipam.utilization().await?;
             let found = all_blocks(&usage)
                 .find(|b| b.cidr.contains(&ip))
                 .map(|b| (Some(b.cidr), b.host.clone()));
             found.unwrap_or((None, None))
         }
+        None => (None, None),
     };
     let json = IpJson {
         ip,
@@ -305,6 +308,8 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
         pool: pool.clone(),
         attributes: info.as_ref().map(|a| a.attributes.clone()),
         sequence: info.as_ref().map(|a| a.sequence),
+        cooling_until: status.cooling_until,
+        reserved_by: status.reserved_by.clone(),
     };
     let mut table = Table::new(&["FIELD", "VALUE"]);
     table.row(vec!["ip".into(), ip.to_string()]);
@@ -325,6 +330,24 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
         "pool".into(),
         pool.unwrap_or_else(|| "- (in no pool)".into()),
     ]);
+    if let Some(until) = status.cooling_until {
+        table.row(vec![
+            "cooling until".into(),
+            format!(
+                "{} (IP cooldown: neither auto-assign nor a request naming it gets it before then)",
+                ipam_core::model::timestamp::format_unix(until)
+            ),
+        ]);
+    }
+    if !status.reserved_by.is_empty() {
+        table.row(vec![
+            "reserved by".into(),
+            format!(
+                "{} (auto-assign never hands it out; a request naming it still gets it)",
+                status.reserved_by.join(", ")
+            ),
+        ]);
+    }
     if let Some(a) = &info {
         for (key, value) in &a.attributes {
             table.row(vec![format!("attribute {key}"), value.clone()]);

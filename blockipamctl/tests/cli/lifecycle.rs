@@ -48,6 +48,14 @@ fn add_pool_of_30s(lab: &Lab, cidr: &str, name: &str) {
         .ok();
 }
 
+/// Seconds since the Unix epoch, by this machine's clock (the one the plugin stamps releases with).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs()
+}
+
 fn block_of(ip: IpAddr) -> String {
     IpNet::new(ip, 30).expect("a /30").trunc().to_string()
 }
@@ -65,7 +73,24 @@ fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backe
         .ok();
 
     let first = add(&lab, "node-a", "ctr-0").expect("first ADD");
+    let before_release = unix_now();
     del(&lab, "node-a", "ctr-0");
+    let after_release = unix_now();
+    // `show --ip` says until when it cools (the release time, by the releaser's clock, plus the
+    // cooldown).
+    let shown = lab
+        .ctl(&["-o", "json", "show", "--ip", &first.to_string()])
+        .ok()
+        .json();
+    assert_eq!(shown["allocated"], false, "{shown}");
+    let until = shown["cooling_until"].as_u64().expect("cooling_until");
+    assert!(
+        (before_release + 1200..=after_release + 1200).contains(&until),
+        "{shown}: released between {before_release} and {after_release}"
+    );
+    lab.ctl(&["show", "--ip", &first.to_string()])
+        .ok()
+        .stdout_has("cooling until  ");
     let row = block_row(&lab, &block_of(first)).expect("the block stays");
     assert_eq!(
         (
@@ -81,10 +106,12 @@ fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backe
     // The other addresses the plugin hands out go (it skips the block's network and broadcast
     // addresses); the cooling one never does, to this node or another.
     let mut handed_out = 0;
+    let mut fresh = Vec::new();
     let refusal = loop {
         match add(&lab, "node-a", &format!("ctr-{}", handed_out + 1)) {
             Ok(ip) => {
                 assert_ne!(ip, first, "a cooling address was handed out");
+                fresh.push(ip);
                 handed_out += 1;
                 assert!(handed_out < 4, "more addresses than the block holds");
             }
@@ -92,6 +119,15 @@ fn released_addresses_cool_before_the_plugin_hands_them_out_again(backend: Backe
         }
     };
     assert!(handed_out >= 1, "no fresh address was handed out");
+    // An address handed out does not cool; neither does one never released.
+    let never_released = IpNet::new(first, 30).expect("a /30").network();
+    for address in [fresh[0], never_released] {
+        let shown = lab
+            .ctl(&["-o", "json", "show", "--ip", &address.to_string()])
+            .ok()
+            .json();
+        assert_eq!(shown["cooling_until"], Value::Null, "{address}: {shown}");
+    }
     assert!(refusal.1.to_string().contains("no free"), "{refusal:?}");
     let (status, output) = add(&lab, "node-b", "ctr-b").expect_err("only a cooling address left");
     assert_ne!(status, 0);

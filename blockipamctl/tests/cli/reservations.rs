@@ -99,6 +99,25 @@ fn reservations_keep_addresses_from_the_plugin(backend: Backend) {
     let annotated = json!({"runtimeConfig": {"io.kubernetes.cri.pod-annotations":
         {"cni.projectcalico.org/ipAddrs": "[\"10.80.0.5\"]"}}});
     assert_eq!(added(&lab, "n1", "c3", annotated), ip("10.80.0.5"));
+    // `show --ip` names the reservations covering an address, held or free.
+    for (address, allocated, reserved_by) in [
+        ("10.80.0.5", true, json!(["most"])),
+        ("10.80.0.241", false, json!(["one"])),
+        ("10.80.0.250", false, json!([])),
+    ] {
+        let shown = lab
+            .ctl(&["-o", "json", "show", "--ip", address])
+            .ok()
+            .json();
+        assert_eq!(
+            (&shown["allocated"], &shown["reserved_by"]),
+            (&json!(allocated), &reserved_by),
+            "{address}: {shown}"
+        );
+    }
+    lab.ctl(&["show", "--ip", "10.80.0.241"])
+        .ok()
+        .stdout_has("reserved by  one (auto-assign never hands it out");
 
     // The tables.
     let table = lab.ctl(&["show", "--blocks"]).ok().stdout.clone();
@@ -178,6 +197,7 @@ fn reservations_keep_addresses_from_the_plugin(backend: Backend) {
         .ok()
         .json();
     assert_eq!(held["allocated"], true);
+    assert_eq!(held["reserved_by"], json!([]), "{held}");
     lab.ctl(&["check"]).ok();
 }
 

@@ -201,6 +201,22 @@ pub struct ReleaseOutcome {
     pub sequence_mismatch: Vec<IpAddr>,
 }
 
+/// What one address is to the allocator ([`Ipam::address_status`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressStatus {
+    /// The pool that contains it, if any.
+    pub pool: Option<Pool>,
+    /// Who holds it, if anyone.
+    pub allocation: Option<AllocationInfo>,
+    /// The existing block of its pool that contains it, with that block's host.
+    pub block: Option<(IpNet, Option<String>)>,
+    /// While nobody holds it and it is in IP cooldown: when the cooldown ends, in seconds since
+    /// the Unix epoch.
+    pub cooling_until: Option<u64>,
+    /// The names of the reservations whose CIDRs contain it.
+    pub reserved_by: Vec<String>,
+}
+
 /// Everything known about one allocated address.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocationInfo {

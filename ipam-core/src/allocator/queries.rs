@@ -2,12 +2,12 @@
 
 use super::{
     allocation_info, allocations_of, allocations_of_handle, decode_stored, learn_apart_from_handle,
-    load_all_owners_into, next_got, next_listed, AllocationInfo, AssignedAddress, Attempt,
-    BlockUsage, Ipam, PoolUsage, Utilization,
+    load_all_owners_into, next_got, next_listed, AddressStatus, AllocationInfo, AssignedAddress,
+    Attempt, BlockUsage, Ipam, PoolUsage, Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
-use crate::model::{keys, validate_handle, Block, Family};
+use crate::model::{keys, validate_handle, Block, Family, Pool};
 use ipnet::IpNet;
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -63,20 +63,78 @@ impl Ipam {
         let Some(pool) = pools.iter().find(|p| p.cidr.contains(&ip)) else {
             return Ok(None);
         };
-        // The block holding it, whatever its size (a pool's blocks may have mixed sizes).
+        Ok(self
+            .block_holding(ip, pool)
+            .await?
+            .and_then(|(_, allocation)| allocation))
+    }
+
+    /// Everything the allocator knows of one address: who holds it; when nobody does, the existing
+    /// block of its pool that contains it and, while it is in IP cooldown, when that ends (the
+    /// reason an `IP=` request for it is refused); and the reservations that cover it. Reads the
+    /// pools, the reservations, the config and that one block, whatever the store holds.
+    ///
+    /// # Errors
+    /// Store failures; corrupt objects.
+    pub async fn address_status(&self, ip: IpAddr) -> Result<AddressStatus, IpamError> {
+        let pools = self.list_pools().await?;
+        let reserved_by = self
+            .list_reservations()
+            .await?
+            .into_iter()
+            .filter(|r| r.cidrs.iter().any(|cidr| cidr.contains(&ip)))
+            .map(|r| r.name)
+            .collect();
+        let lifetime = self.lifetime(&self.get_config().await?);
+        let mut status = AddressStatus {
+            pool: pools.iter().find(|p| p.cidr.contains(&ip)).cloned(),
+            allocation: None,
+            block: None,
+            cooling_until: None,
+            reserved_by,
+        };
+        let Some(pool) = &status.pool else {
+            return Ok(status);
+        };
+        if let Some((block, allocation)) = self.block_holding(ip, pool).await? {
+            if allocation.is_none() {
+                let ordinal = block.ordinal_of(ip);
+                status.cooling_until = block
+                    .cooling
+                    .iter()
+                    .find(|c| Some(c.ordinal) == ordinal && !lifetime.cooled(c.released_at))
+                    .map(|c| {
+                        c.released_at
+                            .saturating_add(u64::from(lifetime.cooldown_seconds))
+                    });
+            }
+            status.block = Some((block.cidr, block.affinity));
+            status.allocation = allocation;
+        }
+        Ok(status)
+    }
+
+    /// The existing block of `pool` that contains `ip` (whatever its size: a pool's blocks may
+    /// have mixed sizes), with the address's owner key loaded, and who holds the address.
+    async fn block_holding(
+        &self,
+        ip: IpAddr,
+        pool: &Pool,
+    ) -> Result<Option<(Block, Option<AllocationInfo>)>, IpamError> {
         self.retrying(|| async {
             let mut located = self.locate_blocks(&[(ip, pool)]).await?;
-            let Some(stored) = located
+            let Some(mut stored) = located
                 .block_of
                 .get(&ip)
-                .and_then(|cidr| located.loaded.found.get_mut(cidr))
+                .and_then(|cidr| located.loaded.found.remove(cidr))
             else {
                 return Ok(Attempt::Done(None));
             };
             // The address's own owner key, not every key of its block.
             let ordinals = stored.value.ordinal_of(ip).into_iter().collect();
-            self.load_owner_keys_of([(&mut *stored, ordinals)]).await?;
-            Ok(Attempt::Done(allocation_info(&stored.value, ip)?))
+            self.load_owner_keys_of([(&mut stored, ordinals)]).await?;
+            let allocation = allocation_info(&stored.value, ip)?;
+            Ok(Attempt::Done(Some((stored.value, allocation))))
         })
         .await
     }
