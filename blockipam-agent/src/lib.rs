@@ -78,6 +78,8 @@ pub async fn run_on(
     // reads the journal.
     tracing::info!(configuration = ?args, "blockipam-agent starting");
     let mut settings = args.datastore_settings()?;
+    // Checked before anything is opened, bound or written.
+    let drain_timeout = args.shutdown_grace()?;
     // etcd unreachable at boot: serve the socket anyway (calls answer "try again later" until
     // etcd answers) and register the node once it does, rather than exit and be restarted.
     if let Some(etcd) = settings.etcd_mut() {
@@ -177,7 +179,7 @@ pub async fn run_on(
     let config = ServerConfig {
         served,
         allowed_uids: args.allowed_uid.clone(),
-        drain_timeout: args.shutdown_grace()?,
+        drain_timeout,
         metrics: metrics_server.as_ref().map(|s| Arc::clone(s.metrics())),
         ..ServerConfig::default()
     };

@@ -284,10 +284,20 @@ fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
 }
 
 #[test]
-fn a_node_name_that_is_no_nodes_is_refused_before_anything_is_made() {
-    for (node, said) in [
-        ("-", "\"-\" is the network reservations' pseudo-node"),
-        ("a/b", "may not contain '/'"),
+fn bad_settings_are_refused_before_anything_is_made() {
+    for (node, extra, said) in [
+        ("-", None, "\"-\" is the network reservations' pseudo-node"),
+        ("a/b", None, "host name \"a/b\" may not contain '/'"),
+        (
+            "node-1",
+            Some("nan"),
+            "invalid value NaN for --shutdown-grace-seconds",
+        ),
+        (
+            "node-1",
+            Some("86401"),
+            "invalid value 86401 for --shutdown-grace-seconds",
+        ),
     ] {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut agent = Command::new(AGENT)
@@ -297,6 +307,11 @@ fn a_node_name_that_is_no_nodes_is_refused_before_anything_is_made() {
             .arg("--datastore-path")
             .arg(dir.path().join("store.sled"))
             .args(["--create-if-missing", "--node", node])
+            .args(
+                extra
+                    .map(|grace| vec!["--shutdown-grace-seconds", grace])
+                    .unwrap_or_default(),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -309,16 +324,25 @@ fn a_node_name_that_is_no_nodes_is_refused_before_anything_is_made() {
         let _ = agent.kill();
         let refused = agent.wait_with_output().expect("the agent's exit");
         let stderr = String::from_utf8_lossy(&refused.stderr);
-        assert_eq!(refused.status.code(), Some(1), "--node {node}: {stderr}");
+        assert_eq!(
+            refused.status.code(),
+            Some(1),
+            "--node {node} {extra:?}: {stderr}"
+        );
+        let flag = if extra.is_some() {
+            "--shutdown-grace-seconds"
+        } else {
+            "invalid --node"
+        };
         assert!(
-            stderr.contains("invalid --node") && stderr.contains(said),
-            "--node {node}: {stderr}"
+            stderr.contains(flag) && stderr.contains(said),
+            "--node {node} {extra:?}: {stderr}"
         );
         let made: Vec<_> = std::fs::read_dir(dir.path())
             .expect("list the directory")
             .map(|entry| entry.expect("entry").file_name())
             .collect();
-        assert!(made.is_empty(), "--node {node} made {made:?}");
+        assert!(made.is_empty(), "--node {node} {extra:?} made {made:?}");
     }
 }
 
