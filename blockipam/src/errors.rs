@@ -40,6 +40,7 @@ pub fn from_ipam(error: &IpamError) -> CniError {
             codes::AFFINITY_CONFLICT
         }
         IpamError::PoolNotFound(_)
+        | IpamError::NamespacePoolUnusable { .. }
         | IpamError::PoolDisabled(_)
         | IpamError::PoolWrongFamily { .. }
         | IpamError::PoolUseNotAllowed { .. } => codes::POOL_UNUSABLE,

@@ -2237,6 +2237,53 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
             "{namespace}, setting decides v4 {v4}, v6 {v6}"
         );
     }
+    // A pool the setting names that cannot be used: the error names the namespace, the family
+    // and why, and nothing is allocated; where the setting does not decide, the request's own
+    // pool's error is its own.
+    ipam.set_pool_disabled("d", true).await.expect("disable d");
+    ipam.set_pool_disabled("c", true).await.expect("disable c");
+    let before = ipam.list_allocations().await.expect("allocations");
+    let assign = |handle: &str, namespace: &str, v6: bool| {
+        let request = AutoAssignRequest {
+            handle: handle.into(),
+            host: "node-a".into(),
+            num_v4: 1,
+            num_v6: 1,
+            v4_pools: vec!["a".into()],
+            v6_pools: vec!["c".into()],
+            namespace: Some(NamespaceLookup {
+                namespace: namespace.into(),
+                v4: true,
+                v6,
+            }),
+            ..Default::default()
+        };
+        let ipam = &ipam;
+        async move { ipam.auto_assign(&request).await }
+    };
+    let refused = assign("pod-refused-1", "web", true).await;
+    assert_eq!(
+        refused,
+        Err(IpamError::NamespacePoolUnusable {
+            namespace: "web".into(),
+            family: Family::V6,
+            reason: Box::new(IpamError::PoolDisabled("d".into())),
+        })
+    );
+    let message = refused.expect_err("refused").to_string();
+    assert!(
+        message.contains("namespace \"web\"") && message.contains("\"d\" is disabled"),
+        "{message}"
+    );
+    assert_eq!(
+        assign("pod-refused-2", "web", false).await,
+        Err(IpamError::PoolDisabled("c".into()))
+    );
+    assert_eq!(
+        ipam.list_allocations().await.expect("allocations"),
+        before,
+        "a refused assignment allocated something"
+    );
     assert_clean(&ipam).await;
 }
 

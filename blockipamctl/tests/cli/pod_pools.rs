@@ -112,6 +112,22 @@ fn pods_get_pools_in_calicos_order(backend: Backend) {
     }
     assert_eq!(lab.snapshot(), before, "a refused ADD wrote something");
 
+    // A namespace's pool that cannot be used (disabled since): code 105 naming the namespace and
+    // where its setting is, and nothing written.
+    lab.ctl(&["pool", "disable", "from-namespace"]).ok();
+    let before = lab.snapshot();
+    let error = add(&lab, "team-a", "p-disabled", Value::Null).expect_err("disabled pool");
+    assert_eq!(error["code"], 105, "{error}");
+    let msg = error["msg"].as_str().expect("msg");
+    assert!(
+        msg.contains("namespace \"team-a\"")
+            && msg.contains("blockipamctl namespace pools team-a")
+            && msg.contains("\"from-namespace\" is disabled"),
+        "{msg}"
+    );
+    assert_eq!(lab.snapshot(), before, "a refused ADD wrote something");
+    lab.ctl(&["pool", "enable", "from-namespace"]).ok();
+
     // Namespace settings are validated, and removable.
     lab.ctl(&["namespace", "pools", "team-a", "--ipv4", "no-such-pool"])
         .expect_code(1);

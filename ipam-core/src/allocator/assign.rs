@@ -175,6 +175,9 @@ impl Ipam {
         // replaces them.
         let mut v4_pools = request.v4_pools.clone();
         let mut v6_pools = request.v6_pools.clone();
+        // The namespace whose setting named a family's pools, for the error if one is unusable.
+        let mut v4_from_namespace = None;
+        let mut v6_from_namespace = None;
         if let Some(lookup) = &request.namespace {
             let key = keys::namespace_key(&lookup.namespace);
             if let Some(set) = crate::model::namespaces::decode_namespace_pools(
@@ -183,9 +186,11 @@ impl Ipam {
             )? {
                 if lookup.v4 && !set.ipv4_pools.is_empty() {
                     v4_pools = set.ipv4_pools;
+                    v4_from_namespace = Some(lookup.namespace.as_str());
                 }
                 if lookup.v6 && !set.ipv6_pools.is_empty() {
                     v6_pools = set.ipv6_pools;
+                    v6_from_namespace = Some(lookup.namespace.as_str());
                 }
             }
         }
@@ -262,9 +267,9 @@ impl Ipam {
         let mut used_pools: BTreeSet<String> = BTreeSet::new();
         let mut config_used = false;
 
-        for (family, wanted, requested_pools) in [
-            (Family::V4, request.num_v4, &v4_pools),
-            (Family::V6, request.num_v6, &v6_pools),
+        for (family, wanted, requested_pools, from_namespace) in [
+            (Family::V4, request.num_v4, &v4_pools, v4_from_namespace),
+            (Family::V6, request.num_v6, &v6_pools, v6_from_namespace),
         ] {
             if wanted == 0 {
                 continue;
@@ -276,7 +281,15 @@ impl Ipam {
                 &request.host,
                 &node_labels,
                 request.purpose,
-            )?;
+            )
+            .map_err(|reason| match from_namespace {
+                Some(namespace) => IpamError::NamespacePoolUnusable {
+                    namespace: namespace.to_owned(),
+                    family,
+                    reason: Box::new(reason),
+                },
+                None => reason,
+            })?;
             let in_candidates = |cidr: &IpNet| {
                 candidates
                     .iter()

@@ -116,6 +116,17 @@ pub enum IpamError {
         /// What the pool allows.
         allowed: crate::model::AllowedUses,
     },
+    /// A pool the pod's namespace names for its pods (`blockipamctl namespace pools`) cannot be
+    /// used: `reason` says why (no such pool, disabled, of the other family, use not allowed).
+    #[error("namespace {namespace:?} names {family} pools for its pods that cannot be used (see `blockipamctl namespace pools {namespace}`): {reason}")]
+    NamespacePoolUnusable {
+        /// The pod's namespace.
+        namespace: String,
+        /// The family whose pools it names.
+        family: Family,
+        /// Why the pool cannot be used.
+        reason: Box<IpamError>,
+    },
     /// Enabled pools of the family exist, but none that auto-assign may use on this node: none
     /// selects it (`node_selector`), or they are manual, or they do not allow the use asked for.
     #[error("no IP pool selects node {host:?} for automatic {family} assignment (enabled pools: {pools:?}; check their node selectors, assignment modes and allowed uses, or the node's labels)")]
