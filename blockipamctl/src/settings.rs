@@ -651,6 +651,35 @@ mod tests {
         );
     }
 
+    /// A `migrate` target waits for its lock as long as the source does and is reached through
+    /// the same agent socket (used only when that agent serves the target).
+    #[test]
+    fn a_migrate_target_takes_the_sources_lock_wait_and_agent_socket() {
+        let global = GlobalArgs {
+            lock_wait_seconds: Some("0.5".into()),
+            agent_socket: Some("/run/other/agent.sock".into()),
+            ..GlobalArgs::default()
+        };
+        let source = resolve(&global, &no_env()).expect("a sled source");
+        let migrate = MigrateArgs {
+            to_datastore_type: "redb".into(),
+            to_datastore_path: Some("/target/store.redb".into()),
+            ..migrate_to_etcd(None)
+        };
+        let migrate = MigrateArgs {
+            to_etcd_endpoints: None,
+            ..migrate
+        };
+        let target = resolve_target(&migrate, &source, None).expect("target");
+        assert_eq!(target.datastore_type(), DatastoreType::Redb);
+        assert_eq!(target.lock_wait, Duration::from_millis(500));
+        assert_eq!(
+            target.agent_socket.as_deref(),
+            Some(Path::new("/run/other/agent.sock"))
+        );
+        assert!(!target.create_if_missing);
+    }
+
     /// A timeout below one nanosecond is zero: refused like 0, not taken as a zero timeout.
     #[test]
     fn an_etcd_timeout_below_one_nanosecond_is_a_usage_error() {
