@@ -95,7 +95,7 @@ pub enum IpamError {
         owner: String,
     },
     /// Not enough free addresses in the candidate pools.
-    #[error("no free {family} address: wanted {requested}, found {found} in pools {pools:?}")]
+    #[error("no free {family} address: {}", exhausted_detail(*.family, *.requested, *.found, .pools))]
     Exhausted {
         /// The family asked for.
         family: Family,
@@ -222,6 +222,18 @@ pub enum IpamError {
     Internal(String),
 }
 
+/// What [`IpamError::Exhausted`] found: the pools searched, or that there was none to search.
+fn exhausted_detail(family: Family, requested: u32, found: u32, pools: &[String]) -> String {
+    if pools.is_empty() {
+        format!(
+            "wanted {requested}, but no enabled {family} pool exists (create one with \
+             `blockipamctl pool add` or a netconf's `ipam.pools`, or `blockipamctl pool enable` one)"
+        )
+    } else {
+        format!("wanted {requested}, found {found} in pools {pools:?}")
+    }
+}
+
 impl IpamError {
     /// True when retrying later may succeed (store unavailable, retries exhausted).
     pub fn is_retryable(&self) -> bool {
@@ -234,5 +246,35 @@ impl IpamError {
 
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         IpamError::InvalidArgument(message.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhaustion_names_the_pools_searched_or_says_there_was_none() {
+        let searched = IpamError::Exhausted {
+            family: Family::V4,
+            requested: 2,
+            found: 1,
+            pools: vec!["default".into()],
+        };
+        assert_eq!(
+            searched.to_string(),
+            "no free IPv4 address: wanted 2, found 1 in pools [\"default\"]"
+        );
+        let none = IpamError::Exhausted {
+            family: Family::V6,
+            requested: 1,
+            found: 0,
+            pools: Vec::new(),
+        };
+        assert_eq!(
+            none.to_string(),
+            "no free IPv6 address: wanted 1, but no enabled IPv6 pool exists (create one with \
+             `blockipamctl pool add` or a netconf's `ipam.pools`, or `blockipamctl pool enable` one)"
+        );
     }
 }
