@@ -147,4 +147,23 @@ fn show_reports_pools_blocks_borrowed_addresses_and_single_ips(backend: Backend)
     lab.ctl(&["show", "--ip", "192.168.1.1"])
         .ok()
         .stdout_has("in no pool");
+
+    // An address in no pool inside a block that outlived its pool (the pool object removed under
+    // it): the block is still found, and named.
+    lab.with_store(|store| async move {
+        store
+            .delete(&ipam_core::model::keys::pool("p"))
+            .await
+            .expect("delete the pool object");
+    });
+    let orphaned = lab.ctl(&["-o", "json", "show", "--ip", &free]).ok().json();
+    assert_eq!(
+        (
+            &orphaned["pool"],
+            &orphaned["block"],
+            &orphaned["allocated"]
+        ),
+        (&Value::Null, &a["cidr"], &Value::Bool(false)),
+        "{orphaned}"
+    );
 }
