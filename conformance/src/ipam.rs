@@ -2192,6 +2192,22 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
         .await
         .unwrap_or_else(|e| panic!("set {namespace}'s pools: {e}"));
     }
+    // One address of each family for `handle`, from pools a and c unless the namespace's setting
+    // decides (for IPv4 when `v4`, IPv6 when `v6`).
+    let request = |handle: &str, namespace: &str, v4: bool, v6: bool| AutoAssignRequest {
+        handle: handle.into(),
+        host: "node-a".into(),
+        num_v4: 1,
+        num_v6: 1,
+        v4_pools: vec!["a".into()],
+        v6_pools: vec!["c".into()],
+        namespace: Some(NamespaceLookup {
+            namespace: namespace.into(),
+            v4,
+            v6,
+        }),
+        ..Default::default()
+    };
     // (namespace, its setting may decide IPv4, IPv6, the pools the addresses come from)
     for (n, (namespace, v4, v6, expected)) in [
         ("web", true, true, ["10.40.1.0/26", "fd00:40:1::/120"]),
@@ -2205,20 +2221,7 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
     .enumerate()
     {
         let got = ipam
-            .auto_assign(&AutoAssignRequest {
-                handle: format!("pod-{n}"),
-                host: "node-a".into(),
-                num_v4: 1,
-                num_v6: 1,
-                v4_pools: vec!["a".into()],
-                v6_pools: vec!["c".into()],
-                namespace: Some(NamespaceLookup {
-                    namespace: namespace.into(),
-                    v4,
-                    v6,
-                }),
-                ..Default::default()
-            })
+            .auto_assign(&request(&format!("pod-{n}"), namespace, v4, v6))
             .await
             .unwrap_or_else(|e| panic!("{namespace} v4 {v4} v6 {v6}: {e}"));
         let pools: Vec<String> = got
@@ -2244,20 +2247,7 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
     ipam.set_pool_disabled("c", true).await.expect("disable c");
     let before = ipam.list_allocations().await.expect("allocations");
     let assign = |handle: &str, namespace: &str, v6: bool| {
-        let request = AutoAssignRequest {
-            handle: handle.into(),
-            host: "node-a".into(),
-            num_v4: 1,
-            num_v6: 1,
-            v4_pools: vec!["a".into()],
-            v6_pools: vec!["c".into()],
-            namespace: Some(NamespaceLookup {
-                namespace: namespace.into(),
-                v4: true,
-                v6,
-            }),
-            ..Default::default()
-        };
+        let request = request(handle, namespace, true, v6);
         let ipam = &ipam;
         async move { ipam.auto_assign(&request).await }
     };
