@@ -101,6 +101,7 @@ macro_rules! ipam_conformance_tests {
             first_assign_claims_a_block_for_the_host,
             a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
             a_namespaces_pools_replace_the_requests_family_by_family,
+            a_namespaces_pools_status_names_the_pools_its_pods_cannot_use,
             specific_ips_are_assigned_one_to_32_at_a_time,
             auto_assign_chooses_automatic_pools_allowing_the_use_and_selecting_the_node,
             filling_a_block_spills_into_a_second_block,
@@ -2273,6 +2274,134 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
         ipam.list_allocations().await.expect("allocations"),
         before,
         "a refused assignment allocated something"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A namespace's pools setting read back with each named pool its pods' ADDs could not use and
+/// the error they would get (gone, disabled, of the other family), and the namespaces whose setting
+/// names a pool, by name or CIDR, even once it is deleted.
+pub async fn a_namespaces_pools_status_names_the_pools_its_pods_cannot_use<F: StoreFactory>(
+    factory: &F,
+) {
+    use ipam_core::allocator::UnusableNamespacePool;
+    use ipam_core::namespaces::NamespacePools;
+
+    let t = factory.fresh().await;
+    let ipam = Ipam::new(Arc::clone(&t.store));
+    for (cidr, name, size) in [
+        ("10.41.0.0/26", "a", 28),
+        ("10.41.1.0/26", "b", 28),
+        ("fd00:41::/120", "c", 124),
+    ] {
+        ipam.create_pool(&spec(cidr, name, size))
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {e}"));
+    }
+    let strings = |list: &[&str]| list.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let web = NamespacePools {
+        ipv4_pools: strings(&["a", "10.41.1.0/26"]),
+        ipv6_pools: strings(&["c"]),
+    };
+    for (namespace, setting) in [
+        ("web", web.clone()),
+        (
+            "api",
+            NamespacePools {
+                ipv4_pools: strings(&["a"]),
+                ipv6_pools: Vec::new(),
+            },
+        ),
+        (
+            "other",
+            NamespacePools {
+                ipv4_pools: Vec::new(),
+                ipv6_pools: strings(&["fd00:41::/120"]),
+            },
+        ),
+    ] {
+        ipam.set_namespace_pools(namespace, &setting)
+            .await
+            .unwrap_or_else(|e| panic!("set {namespace}'s pools: {e}"));
+    }
+    let status = |namespace: &'static str| {
+        let ipam = &ipam;
+        async move {
+            ipam.namespace_pools_status(namespace)
+                .await
+                .unwrap_or_else(|e| panic!("{namespace}'s status: {e}"))
+        }
+    };
+    let naming = |name: &'static str| {
+        let ipam = &ipam;
+        async move {
+            let pool = ipam.get_pool(name).await.expect("pool");
+            ipam.namespaces_naming_pool(&pool)
+                .await
+                .expect("namespaces naming the pool")
+        }
+    };
+    assert_eq!(status("web").await, Some((web.clone(), Vec::new())));
+    assert_eq!(status("unset").await, None);
+    assert_eq!(naming("a").await, strings(&["api", "web"]));
+    assert_eq!(naming("b").await, strings(&["web"]), "named by its CIDR");
+    assert_eq!(naming("c").await, strings(&["other", "web"]));
+
+    let unusable = |family, pool: &str, reason| UnusableNamespacePool {
+        family,
+        pool: pool.to_owned(),
+        reason,
+    };
+    ipam.set_pool_disabled("b", true).await.expect("disable b");
+    assert_eq!(
+        status("web").await,
+        Some((
+            web.clone(),
+            vec![unusable(
+                Family::V4,
+                "10.41.1.0/26",
+                IpamError::PoolDisabled("b".into())
+            )]
+        ))
+    );
+    let a = ipam.get_pool("a").await.expect("pool a");
+    ipam.delete_pool("a", false).await.expect("delete a");
+    assert_eq!(
+        ipam.namespaces_naming_pool(&a).await.expect("naming a"),
+        strings(&["api", "web"]),
+        "a deleted pool is still named"
+    );
+    // Another pool under the deleted one's name, of the other family.
+    ipam.create_pool(&spec("fd00:42::/120", "a", 124))
+        .await
+        .expect("create the new a");
+    let expected_web = vec![
+        unusable(
+            Family::V4,
+            "a",
+            IpamError::PoolWrongFamily {
+                pool: "a".into(),
+                family: Family::V4,
+            },
+        ),
+        unusable(
+            Family::V4,
+            "10.41.1.0/26",
+            IpamError::PoolDisabled("b".into()),
+        ),
+    ];
+    assert_eq!(status("web").await, Some((web.clone(), expected_web)));
+    ipam.delete_pool("a", false)
+        .await
+        .expect("delete the new a");
+    let (_, api) = status("api").await.expect("api's setting");
+    assert_eq!(
+        api,
+        vec![unusable(
+            Family::V4,
+            "a",
+            IpamError::PoolNotFound("a".into())
+        )]
     );
     assert_clean(&ipam).await;
 }

@@ -6,7 +6,7 @@ use ipam_core::namespaces::{validate_namespace, NamespacePools};
 use serde::Serialize;
 
 use super::pool::invalid_text;
-use super::{open_ipam, to_json};
+use super::{family_name, open_ipam, to_json};
 use crate::cli::NamespacePoolsArgs;
 use crate::error::CtlError;
 use crate::output::Outcome;
@@ -18,6 +18,16 @@ struct NamespaceJson {
     namespace: String,
     ipv4_pools: Vec<String>,
     ipv6_pools: Vec<String>,
+    /// The named pools the namespace's pods cannot get addresses from.
+    unusable_pools: Vec<UnusableJson>,
+}
+
+/// A named pool the namespace's pods cannot use, and why.
+#[derive(Debug, Serialize)]
+struct UnusableJson {
+    family: &'static str,
+    pool: String,
+    reason: String,
 }
 
 fn listed(pools: &[String]) -> String {
@@ -47,20 +57,39 @@ pub async fn pools(
         };
         ipam.set_namespace_pools(&args.namespace, &wanted).await?;
     }
-    let now = ipam
-        .namespace_pools(&args.namespace)
+    let (now, unusable) = ipam
+        .namespace_pools_status(&args.namespace)
         .await?
         .unwrap_or_default();
-    let table = format!(
+    let mut table = format!(
         "Namespace {}: IPv4 pools {}; IPv6 pools {}.\n",
         args.namespace,
         listed(&now.ipv4_pools),
         listed(&now.ipv6_pools)
     );
+    if !unusable.is_empty() {
+        table.push_str("Its pods' ADDs fail (error 105) while it names pools they cannot use:\n");
+        for entry in &unusable {
+            table.push_str(&format!(
+                "  {} {}: {}\n",
+                entry.family,
+                entry.pool,
+                invalid_text(&entry.reason)
+            ));
+        }
+    }
     let json = NamespaceJson {
         namespace: args.namespace.clone(),
         ipv4_pools: now.ipv4_pools,
         ipv6_pools: now.ipv6_pools,
+        unusable_pools: unusable
+            .iter()
+            .map(|entry| UnusableJson {
+                family: family_name(entry.family),
+                pool: entry.pool.clone(),
+                reason: invalid_text(&entry.reason),
+            })
+            .collect(),
     };
     Ok(Outcome::ok(to_json(&json)?, table))
 }

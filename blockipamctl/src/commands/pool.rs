@@ -178,13 +178,43 @@ pub async fn set_disabled(
 ) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let pool = ipam.set_pool_disabled(name_or_cidr, disabled).await?;
-    let table = format!(
+    let naming = ipam.namespaces_naming_pool(&pool).await?;
+    let mut table = format!(
         "IP pool {} ({}) is {}.\n",
         pool.name,
         pool.cidr,
         state(&pool)
     );
-    Ok(Outcome::ok(to_json(&PoolJson::from(&pool))?, table))
+    if disabled {
+        table.push_str(&stranded_namespaces(&naming));
+    }
+    let json = DisabledJson {
+        pool: PoolJson::from(&pool),
+        named_by_namespaces: naming,
+    };
+    Ok(Outcome::ok(to_json(&json)?, table))
+}
+
+/// What `pool enable` and `pool disable` print as JSON: the pool, and the namespaces whose pools
+/// setting names it.
+#[derive(Debug, Serialize)]
+struct DisabledJson {
+    #[serde(flatten)]
+    pool: PoolJson,
+    named_by_namespaces: Vec<String>,
+}
+
+/// What to tell about the namespaces whose pools setting names a pool that was disabled or
+/// deleted: their pods' ADDs fail until the setting changes. Empty when there are none.
+fn stranded_namespaces(naming: &[String]) -> String {
+    if naming.is_empty() {
+        return String::new();
+    }
+    format!(
+        "Namespaces whose pools setting names it: {}. Their pods' ADDs fail (error 105) until \
+         `blockipamctl namespace pools <namespace>` names other pools (or --clear).\n",
+        naming.join(", ")
+    )
 }
 
 /// What `pool delete` prints as JSON.
@@ -193,6 +223,8 @@ struct DeletionJson {
     pool: PoolJson,
     released_addresses: u64,
     deleted_blocks: u64,
+    /// Namespaces whose pools setting still names the deleted pool.
+    named_by_namespaces: Vec<String>,
 }
 
 /// `pool delete`.
@@ -214,17 +246,20 @@ pub async fn delete(
             )),
             other => other.into(),
         })?;
+    let naming = ipam.namespaces_naming_pool(&deletion.pool).await?;
     let table = format!(
-        "Deleted IP pool {} ({}): released {}, deleted {}.\n",
+        "Deleted IP pool {} ({}): released {}, deleted {}.\n{}",
         deletion.pool.name,
         deletion.pool.cidr,
         counted(deletion.released_addresses, "address", "addresses"),
-        counted(deletion.deleted_blocks, "block", "blocks")
+        counted(deletion.deleted_blocks, "block", "blocks"),
+        stranded_namespaces(&naming)
     );
     let json = DeletionJson {
         pool: PoolJson::from(&deletion.pool),
         released_addresses: deletion.released_addresses,
         deleted_blocks: deletion.deleted_blocks,
+        named_by_namespaces: naming,
     };
     Ok(Outcome::ok(to_json(&json)?, table))
 }

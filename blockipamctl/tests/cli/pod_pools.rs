@@ -114,7 +114,26 @@ fn pods_get_pools_in_calicos_order(backend: Backend) {
 
     // A namespace's pool that cannot be used (disabled since): code 105 naming the namespace and
     // where its setting is, and nothing written.
-    lab.ctl(&["pool", "disable", "from-namespace"]).ok();
+    let disabled = lab
+        .ctl(&["-o", "json", "pool", "disable", "from-namespace"])
+        .ok()
+        .json();
+    assert_eq!(
+        disabled["named_by_namespaces"],
+        json!(["team-a"]),
+        "{disabled}"
+    );
+    assert_eq!(disabled["disabled"], json!(true), "{disabled}");
+    let shown = lab
+        .ctl(&["-o", "json", "namespace", "pools", "team-a"])
+        .ok()
+        .json();
+    assert_eq!(
+        shown["unusable_pools"],
+        json!([{"family": "ipv4", "pool": "from-namespace",
+                "reason": "IP pool \"from-namespace\" is disabled"}]),
+        "{shown}"
+    );
     let before = lab.snapshot();
     let error = add(&lab, "team-a", "p-disabled", Value::Null).expect_err("disabled pool");
     assert_eq!(error["code"], 105, "{error}");
@@ -127,6 +146,37 @@ fn pods_get_pools_in_calicos_order(backend: Backend) {
     );
     assert_eq!(lab.snapshot(), before, "a refused ADD wrote something");
     lab.ctl(&["pool", "enable", "from-namespace"]).ok();
+    let shown = lab
+        .ctl(&["-o", "json", "namespace", "pools", "team-a"])
+        .ok()
+        .json();
+    assert_eq!(shown["unusable_pools"], json!([]), "{shown}");
+
+    // Deleting a pool a namespace names (here by its CIDR) says which namespaces are left naming
+    // it, and the namespace's setting says that pool is gone.
+    lab.ctl(&["pool", "add", "10.43.0.0/24", "--name", "doomed"])
+        .ok();
+    lab.ctl(&["namespace", "pools", "team-c", "--ipv4", "10.43.0.0/24"])
+        .ok();
+    let deleted = lab.ctl(&["pool", "delete", "doomed"]);
+    deleted.ok();
+    assert!(
+        deleted
+            .stdout
+            .contains("Namespaces whose pools setting names it: team-c."),
+        "{}",
+        deleted.stdout
+    );
+    let shown = lab.ctl(&["namespace", "pools", "team-c"]);
+    shown.ok();
+    assert!(
+        shown
+            .stdout
+            .contains("IPv4 10.43.0.0/24: no IP pool named or with CIDR \"10.43.0.0/24\""),
+        "{}",
+        shown.stdout
+    );
+    lab.ctl(&["namespace", "pools", "team-c", "--clear"]).ok();
 
     // Namespace settings are validated, and removable.
     lab.ctl(&["namespace", "pools", "team-a", "--ipv4", "no-such-pool"])

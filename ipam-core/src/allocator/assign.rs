@@ -1067,23 +1067,7 @@ fn candidate_pools<'a>(
     // they must still allow the use.
     let mut chosen = Vec::new();
     for wanted in requested {
-        let pool = find_pool(pools, wanted)?;
-        if pool.value.family() != family {
-            return Err(IpamError::PoolWrongFamily {
-                pool: wanted.clone(),
-                family,
-            });
-        }
-        if pool.value.disabled {
-            return Err(IpamError::PoolDisabled(pool.value.name.clone()));
-        }
-        if !pool.value.allowed_uses.allows(purpose) {
-            return Err(IpamError::PoolUseNotAllowed {
-                pool: pool.value.name.clone(),
-                use_: purpose,
-                allowed: pool.value.allowed_uses.clone(),
-            });
-        }
+        let pool = named_pool(pools, wanted, family, purpose)?;
         if !chosen
             .iter()
             .any(|c: &&Stored<Pool>| c.value.name == pool.value.name)
@@ -1092,6 +1076,38 @@ fn candidate_pools<'a>(
         }
     }
     Ok(chosen)
+}
+
+/// The pool `wanted` (a name or CIDR) names, when a request of `family` for `purpose` may use it:
+/// it exists, is of the family, is enabled and allows the use.
+///
+/// # Errors
+/// [`IpamError::PoolNotFound`], [`IpamError::PoolWrongFamily`], [`IpamError::PoolDisabled`],
+/// [`IpamError::PoolUseNotAllowed`].
+pub(crate) fn named_pool<'a>(
+    pools: &'a [Stored<Pool>],
+    wanted: &str,
+    family: Family,
+    purpose: AllowedUse,
+) -> Result<&'a Stored<Pool>, IpamError> {
+    let pool = find_pool(pools, wanted)?;
+    if pool.value.family() != family {
+        return Err(IpamError::PoolWrongFamily {
+            pool: wanted.to_owned(),
+            family,
+        });
+    }
+    if pool.value.disabled {
+        return Err(IpamError::PoolDisabled(pool.value.name.clone()));
+    }
+    if !pool.value.allowed_uses.allows(purpose) {
+        return Err(IpamError::PoolUseNotAllowed {
+            pool: pool.value.name.clone(),
+            use_: purpose,
+            allowed: pool.value.allowed_uses.clone(),
+        });
+    }
+    Ok(pool)
 }
 
 /// Allocates from `order` until `got` holds `wanted` addresses (host addresses of each block's

@@ -49,6 +49,7 @@ pub use resize::{MixedBlockSizes, PoolSplit, MAX_SPLIT_PARTS};
 
 pub use counts::{AllocationCounts, BlockCount};
 pub use lifecycle::{EmptyBlock, EmptyBlockFilter, EmptyBlockReason};
+pub use namespaces::UnusableNamespacePool;
 pub(crate) use pools::find_pool;
 
 use self::network_setup::NetworkSetup;

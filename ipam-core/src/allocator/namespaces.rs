@@ -1,14 +1,27 @@
 //! The allocator's operations on per-namespace pools: reading and setting a namespace's pools
 //! (the objects and their validation: `model::namespaces`).
 
+use crate::allocator::assign::named_pool;
 use crate::allocator::Ipam;
 use crate::allocator::{find_pool, next_got, next_listed, Attempt};
 use crate::kv::Read;
 use crate::model::error::IpamError;
 use crate::model::namespaces::{
-    decode_namespace_pools, namespace_key, validate_namespace, NamespacePools,
+    decode_namespace_pools, namespace_key, namespaces_dir, validate_namespace, NamespacePools,
 };
-use crate::model::{encode, keys, Family};
+use crate::model::{decode, encode, keys, AllowedUse, Family, Pool};
+
+/// A pool a namespace's setting names that its pods' ADDs cannot use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnusableNamespacePool {
+    /// The family of the list that names it.
+    pub family: Family,
+    /// The entry, as the setting has it (a pool's name or CIDR).
+    pub pool: String,
+    /// What an ADD in the namespace fails with: the pool is gone, of the other family, disabled,
+    /// or does not allow workload use.
+    pub reason: IpamError,
+}
 
 impl Ipam {
     /// A namespace's pools (`None` when none are set).
@@ -79,5 +92,59 @@ impl Ipam {
             self.commit_plan(plan, ()).await
         })
         .await
+    }
+
+    /// A namespace's pools (`None` when none are set), with each named pool an ADD in the
+    /// namespace could not use and why: the checks auto-assign makes, on one snapshot.
+    ///
+    /// # Errors
+    /// Invalid namespace; store failures; a corrupt object.
+    pub async fn namespace_pools_status(
+        &self,
+        namespace: &str,
+    ) -> Result<Option<(NamespacePools, Vec<UnusableNamespacePool>)>, IpamError> {
+        validate_namespace(namespace)?;
+        let key = namespace_key(namespace);
+        let mut results = self
+            .store()
+            .read_many(&[Read::List(keys::pools_dir()), Read::Get(key.clone())])
+            .await?
+            .into_iter();
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
+        let Some(setting) = decode_namespace_pools(&key, next_got(&mut results)?.as_ref())? else {
+            return Ok(None);
+        };
+        let mut unusable = Vec::new();
+        for family in [Family::V4, Family::V6] {
+            for entry in setting.for_family(family) {
+                if let Err(reason) = named_pool(&pools, entry, family, AllowedUse::Workload) {
+                    unusable.push(UnusableNamespacePool {
+                        family,
+                        pool: entry.clone(),
+                        reason,
+                    });
+                }
+            }
+        }
+        Ok(Some((setting, unusable)))
+    }
+
+    /// The namespaces whose pools setting names `pool` (by name or CIDR), in name order.
+    ///
+    /// # Errors
+    /// Store failures; a corrupt setting.
+    pub async fn namespaces_naming_pool(&self, pool: &Pool) -> Result<Vec<String>, IpamError> {
+        let prefix = namespace_key("");
+        let mut naming = Vec::new();
+        for kv in self.store().list(&namespaces_dir()).await? {
+            let Some(namespace) = kv.key.strip_prefix(&prefix) else {
+                continue;
+            };
+            let setting: NamespacePools = decode(&kv.key, &kv.value)?;
+            if setting.names_pool(pool) {
+                naming.push(namespace.to_owned());
+            }
+        }
+        Ok(naming)
     }
 }

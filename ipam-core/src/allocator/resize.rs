@@ -18,7 +18,7 @@ use super::{
 };
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
-use crate::model::namespaces::{namespace_key, NamespacePools};
+use crate::model::namespaces::{entry_names_pool, namespace_key, NamespacePools};
 use crate::model::{
     decode, encode, ip_to_u128, keys, validate_pool_name, Block, Family, Pool, V4_BLOCK_SIZES,
     V6_BLOCK_SIZES,
@@ -519,13 +519,10 @@ impl Ipam {
                 continue;
             };
             let setting: NamespacePools = decode(&kv.key, &kv.value)?;
-            let names_old = |entry: &String| {
-                *entry == old.name || entry.parse::<IpNet>().is_ok_and(|c| c == old.cidr)
-            };
             let replace = |list: &[String]| -> Vec<String> {
                 let mut out: Vec<String> = Vec::new();
                 for entry in list {
-                    let with: Vec<String> = if names_old(entry) {
+                    let with: Vec<String> = if entry_names_pool(entry, &old) {
                         names.clone()
                     } else {
                         vec![entry.clone()]

@@ -5,7 +5,8 @@
 
 use crate::kv::KeyValue;
 use crate::model::error::IpamError;
-use crate::model::{decode, Family};
+use crate::model::{decode, Family, Pool};
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 pub use crate::model::keys::{namespace_key, namespaces_dir};
@@ -30,6 +31,19 @@ impl NamespacePools {
             Family::V6 => &self.ipv6_pools,
         }
     }
+
+    /// Whether either list names `pool`.
+    pub fn names_pool(&self, pool: &Pool) -> bool {
+        self.ipv4_pools
+            .iter()
+            .chain(&self.ipv6_pools)
+            .any(|entry| entry_names_pool(entry, pool))
+    }
+}
+
+/// Whether `entry` of a pools setting names `pool`: its name, or its CIDR.
+pub fn entry_names_pool(entry: &str, pool: &Pool) -> bool {
+    entry == pool.name || entry.parse::<IpNet>().is_ok_and(|cidr| cidr == pool.cidr)
 }
 
 /// Refuses what is not a Kubernetes namespace name (1 to 63 of `[a-z0-9-]`, starting and ending
