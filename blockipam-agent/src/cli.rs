@@ -145,7 +145,7 @@ pub struct AgentArgs {
     pub liveness_ttl_seconds: u64,
     /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
     /// liveness key and no plugin commit before its blocks and addresses are released
-    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_DEAD_NODE_GRACE_SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Liveness and dead-node reclaim (etcd only)")]
+    #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_DEAD_NODE_GRACE_SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..=ipam_core::dead_nodes::MAX_GRACE_SECONDS), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub dead_node_grace_seconds: u64,
     /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)
     #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_RECLAIM_INTERVAL_SECONDS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400), help_heading = "Liveness and dead-node reclaim (etcd only)")]

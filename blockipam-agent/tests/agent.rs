@@ -283,6 +283,71 @@ fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
     });
 }
 
+/// Starts the agent for node `node` on a sled store to be created in a fresh directory, with
+/// `flags` and `env` added, and gives it 30 s to refuse (an agent that accepted its settings
+/// would serve until stopped: it is killed then). Its exit code, its stderr, and what it left in
+/// the directory.
+fn start_to_be_refused(
+    node: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (Option<i32>, String, Vec<std::ffi::OsString>) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut agent = Command::new(AGENT)
+        .env_clear()
+        .envs(env.iter().copied())
+        .arg("--socket")
+        .arg(dir.path().join("run/agent.sock"))
+        .arg("--datastore-path")
+        .arg(dir.path().join("store.sled"))
+        .args(["--create-if-missing", "--node", node])
+        .args(flags)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the agent");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while agent.try_wait().expect("poll the agent").is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = agent.kill();
+    let refused = agent.wait_with_output().expect("the agent's exit");
+    let made = std::fs::read_dir(dir.path())
+        .expect("list the directory")
+        .map(|entry| entry.expect("entry").file_name())
+        .collect();
+    (
+        refused.status.code(),
+        String::from_utf8_lossy(&refused.stderr).into_owned(),
+        made,
+    )
+}
+
+/// A dead-node grace etcd cannot time (its longest lease is 9,000,000,000 s) or a zero one is
+/// refused as the flags are read, from the flag or its environment variable: status 2, nothing
+/// made.
+#[test]
+fn a_dead_node_grace_etcd_cannot_time_is_refused_before_anything_is_made() {
+    for (grace, from_env) in [("0", false), ("9000000001", false), ("9000000001", true)] {
+        let (flags, env) = if from_env {
+            (
+                vec![],
+                vec![("BLOCKIPAM_AGENT_DEAD_NODE_GRACE_SECONDS", grace)],
+            )
+        } else {
+            (vec!["--dead-node-grace-seconds", grace], vec![])
+        };
+        let (code, stderr, made) = start_to_be_refused("node-1", &flags, &env);
+        assert_eq!(code, Some(2), "{grace} {from_env}: {stderr}");
+        assert!(
+            stderr.contains("--dead-node-grace-seconds") && stderr.contains("1..=9000000000"),
+            "{grace} {from_env}: {stderr}"
+        );
+        assert!(made.is_empty(), "{grace} {from_env} made {made:?}");
+    }
+}
+
 #[test]
 fn bad_settings_are_refused_before_anything_is_made() {
     for (node, extra, said) in [
@@ -299,36 +364,11 @@ fn bad_settings_are_refused_before_anything_is_made() {
             "invalid value 86401 for --shutdown-grace-seconds",
         ),
     ] {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let mut agent = Command::new(AGENT)
-            .env_clear()
-            .arg("--socket")
-            .arg(dir.path().join("run/agent.sock"))
-            .arg("--datastore-path")
-            .arg(dir.path().join("store.sled"))
-            .args(["--create-if-missing", "--node", node])
-            .args(
-                extra
-                    .map(|grace| vec!["--shutdown-grace-seconds", grace])
-                    .unwrap_or_default(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the agent");
-        // An agent that took the name would serve until stopped: give it 30 s to refuse.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while agent.try_wait().expect("poll the agent").is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = agent.kill();
-        let refused = agent.wait_with_output().expect("the agent's exit");
-        let stderr = String::from_utf8_lossy(&refused.stderr);
-        assert_eq!(
-            refused.status.code(),
-            Some(1),
-            "--node {node} {extra:?}: {stderr}"
-        );
+        let flags = extra
+            .map(|grace| vec!["--shutdown-grace-seconds", grace])
+            .unwrap_or_default();
+        let (code, stderr, made) = start_to_be_refused(node, &flags, &[]);
+        assert_eq!(code, Some(1), "--node {node} {extra:?}: {stderr}");
         let flag = if extra.is_some() {
             "--shutdown-grace-seconds"
         } else {
@@ -338,10 +378,6 @@ fn bad_settings_are_refused_before_anything_is_made() {
             stderr.contains(flag) && stderr.contains(said),
             "--node {node} {extra:?}: {stderr}"
         );
-        let made: Vec<_> = std::fs::read_dir(dir.path())
-            .expect("list the directory")
-            .map(|entry| entry.expect("entry").file_name())
-            .collect();
         assert!(made.is_empty(), "--node {node} {extra:?} made {made:?}");
     }
 }

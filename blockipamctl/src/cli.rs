@@ -580,8 +580,9 @@ pub struct GcArgs {
     #[arg(long, value_name = "PATH", requires = "leaks")]
     pub report: Option<std::path::PathBuf>,
     /// Length of the grace countdowns --apply starts (an etcd lease): a node is dead once its
-    /// countdown ran out with no liveness key and no plugin commit meanwhile
-    #[arg(long, value_name = "SECONDS", default_value_t = 900)]
+    /// countdown ran out with no liveness key and no plugin commit meanwhile (1 to 9000000000,
+    /// etcd's longest lease)
+    #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..=ipam_core::dead_nodes::MAX_GRACE_SECONDS))]
     pub grace_seconds: u64,
     /// --dead-nodes: start the countdowns of newly missing nodes and release dead ones (like
     /// `node release --addresses`); --leaks: release the leaks past their grace (each guarded by

@@ -150,7 +150,7 @@ fn node_json(status: &NodeStatus) -> NodeJson {
 /// `gc --dead-nodes`: without `--apply` writes nothing; with it, one reclaim pass.
 ///
 /// # Errors
-/// [`CtlError::Usage`] for a zero grace period; store trouble.
+/// [`CtlError::Usage`] without what to collect; store trouble.
 pub async fn run(
     ctx: &mut Ctx<'_>,
     settings: &DatastoreSettings,
@@ -163,9 +163,6 @@ pub async fn run(
         return Err(CtlError::usage(
             "gc needs what to collect: --dead-nodes or --leaks",
         ));
-    }
-    if args.grace_seconds == 0 {
-        return Err(CtlError::usage("--grace-seconds must be at least 1"));
     }
     let grace = Duration::from_secs(args.grace_seconds);
     let ipam = open_ipam(settings, OpenMode::Existing).await?;

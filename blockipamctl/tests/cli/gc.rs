@@ -233,6 +233,28 @@ fn gc_dead_nodes_on_an_embedded_store_says_registrations_are_etcd_only() {
     lab.ctl(&["gc"]).expect_code(2);
 }
 
+/// A grace etcd cannot time (a countdown is an etcd lease, at most 9,000,000,000 s) or a zero one
+/// is refused as the command line is read: status 2, nothing read or written.
+#[test]
+fn gc_dead_nodes_refuses_a_grace_etcd_cannot_time() {
+    let lab = Lab::new(Backend::Sled);
+    lab.ctl(&["pool", "add", "10.63.0.0/16"]).ok();
+    let before = lab.snapshot();
+    for grace in ["0", "9000000001"] {
+        let refused = lab.ctl(&["gc", "--dead-nodes", "--apply", "--grace-seconds", grace]);
+        refused.expect_code(2);
+        let line = refused.error_line();
+        assert!(
+            line.contains("--grace-seconds") && line.contains("1..=9000000000"),
+            "{grace}: {line}"
+        );
+    }
+    assert_eq!(lab.snapshot(), before, "a refused gc changed the store");
+    lab.ctl(&["gc", "--dead-nodes", "--grace-seconds", "9000000000"])
+        .ok()
+        .stdout_has("No node is registered");
+}
+
 #[test]
 fn gc_dead_nodes_reports_an_unreadable_registration_and_still_judges_the_others() {
     let lab = Lab::new(Backend::Etcd);

@@ -47,6 +47,10 @@ pub use crate::model::keys::{
 /// Calico's default: a node whose liveness has been gone this long is dead.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(15 * 60);
 
+/// The longest grace a countdown can be timed for: etcd's longest lease (its `MaxLeaseTTL`, some
+/// 285 years); etcd refuses a longer one ("too large lease TTL").
+pub const MAX_GRACE_SECONDS: u64 = 9_000_000_000;
+
 /// The pseudo-node the plugin makes network (gateway) reservations for: never a real node,
 /// never reclaimed, whatever is stored under its name.
 pub const RESERVATION_NODE: &str = "-";
