@@ -80,6 +80,12 @@ pub async fn run_on(
     let mut settings = args.datastore_settings()?;
     // Checked before anything is opened, bound or written.
     let drain_timeout = args.shutdown_grace()?;
+    // A node name given too, even where nothing uses it (a sled or redb store without leak
+    // collection); liveness and the leak collection resolve it again, from the default sources
+    // when none is given.
+    if args.node.is_some() {
+        liveness::node_name(args)?;
+    }
     // etcd unreachable at boot: serve the socket anyway (calls answer "try again later" until
     // etcd answers) and register the node once it does, rather than exit and be restarted.
     if let Some(etcd) = settings.etcd_mut() {

@@ -350,35 +350,49 @@ fn a_dead_node_grace_etcd_cannot_time_is_refused_before_anything_is_made() {
 
 #[test]
 fn bad_settings_are_refused_before_anything_is_made() {
-    for (node, extra, said) in [
-        ("-", None, "\"-\" is the network reservations' pseudo-node"),
-        ("a/b", None, "host name \"a/b\" may not contain '/'"),
+    let node_refused = "invalid --node";
+    let grace_refused = "--shutdown-grace-seconds";
+    for (node, flags, flag, said) in [
+        (
+            "-",
+            vec![],
+            node_refused,
+            "\"-\" is the network reservations' pseudo-node",
+        ),
+        (
+            "a/b",
+            vec![],
+            node_refused,
+            "host name \"a/b\" may not contain '/'",
+        ),
+        // A sled store with no leak collection uses no node name; a bad one given is refused all
+        // the same.
+        (
+            "a/b",
+            vec!["--leak-collection", "off"],
+            node_refused,
+            "host name \"a/b\" may not contain '/'",
+        ),
         (
             "node-1",
-            Some("nan"),
+            vec!["--shutdown-grace-seconds", "nan"],
+            grace_refused,
             "invalid value NaN for --shutdown-grace-seconds",
         ),
         (
             "node-1",
-            Some("86401"),
+            vec!["--shutdown-grace-seconds", "86401"],
+            grace_refused,
             "invalid value 86401 for --shutdown-grace-seconds",
         ),
     ] {
-        let flags = extra
-            .map(|grace| vec!["--shutdown-grace-seconds", grace])
-            .unwrap_or_default();
         let (code, stderr, made) = start_to_be_refused(node, &flags, &[]);
-        assert_eq!(code, Some(1), "--node {node} {extra:?}: {stderr}");
-        let flag = if extra.is_some() {
-            "--shutdown-grace-seconds"
-        } else {
-            "invalid --node"
-        };
+        assert_eq!(code, Some(1), "--node {node} {flags:?}: {stderr}");
         assert!(
             stderr.contains(flag) && stderr.contains(said),
-            "--node {node} {extra:?}: {stderr}"
+            "--node {node} {flags:?}: {stderr}"
         );
-        assert!(made.is_empty(), "--node {node} {extra:?} made {made:?}");
+        assert!(made.is_empty(), "--node {node} {flags:?} made {made:?}");
     }
 }
 
