@@ -142,6 +142,7 @@ macro_rules! ipam_conformance_tests {
             config_round_trips_with_calico_defaults,
             steady_state_assign_is_one_read_and_one_transaction,
             corrupt_block_is_an_error_not_a_panic,
+            corrupt_namespace_and_node_objects_are_reported_and_stop_only_their_adds,
             check_detects_broken_state_and_repair_fixes_it,
             check_reports_blocks_outside_pools_free_list_damage_and_misplaced_blocks,
             conflicts_on_every_attempt_end_in_retries_exhausted,
@@ -1304,6 +1305,74 @@ pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F)
         ipam.release_handle("h").await,
         Err(IpamError::Corrupt { .. })
     ));
+}
+
+/// A namespace's pools setting or a node's labels whose stored bytes are damaged: `check` reports
+/// each (naming its key, not repairable), only the ADDs that read it fail (in that namespace, on
+/// that node), and a new setting given for the namespace replaces the damaged one.
+pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their_adds<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::allocator::NamespaceLookup;
+    use ipam_core::namespaces::{namespace_key, NamespacePools};
+    use ipam_core::nodes::node_key;
+
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let damaged = vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff];
+    let namespace = namespace_key("web");
+    let node = node_key("node-b");
+    for key in [&namespace, &node] {
+        t.store.put(key, damaged.clone()).await.expect("damage it");
+    }
+    let report = ipam.check(false).await.expect("check runs");
+    for key in [&namespace, &node] {
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.kind == kinds::CORRUPT_OBJECT
+                    && !p.repairable
+                    && p.detail.contains(key.as_str())),
+            "check must report {key}: {report:#?}"
+        );
+    }
+    let in_namespace = |handle: &str, host: &str, namespace: &str| AutoAssignRequest {
+        namespace: Some(NamespaceLookup {
+            namespace: namespace.into(),
+            v4: true,
+            v6: true,
+        }),
+        ..v4(handle, host, 1)
+    };
+    ipam.auto_assign(&in_namespace("h1", "node-a", "api"))
+        .await
+        .expect("another namespace on another node is not affected");
+    match ipam.auto_assign(&in_namespace("h2", "node-a", "web")).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, namespace),
+        other => panic!("expected the namespace setting's corruption, got {other:?}"),
+    }
+    match ipam.auto_assign(&v4("h3", "node-b", 1)).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, node),
+        other => panic!("expected the node object's corruption, got {other:?}"),
+    }
+    // The operator's way out for the namespace: say what its setting is to be.
+    ipam.set_namespace_pools("web", &NamespacePools::default())
+        .await
+        .expect("clear the damaged setting");
+    assert_eq!(ipam.namespace_pools("web").await.expect("read"), None);
+    ipam.auto_assign(&in_namespace("h2", "node-a", "web"))
+        .await
+        .expect("the namespace's ADDs work again");
+    let report = ipam.check(false).await.expect("check runs");
+    assert!(
+        !report
+            .problems
+            .iter()
+            .any(|p| p.detail.contains(namespace.as_str())),
+        "{report:#?}"
+    );
 }
 
 /// The check finds deliberately broken objects, and repair fixes what it safely can.

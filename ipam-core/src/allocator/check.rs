@@ -694,6 +694,8 @@ impl Ipam {
                 Read::List(keys::reservations_dir()),
                 Read::List(keys::live_disagreements_dir()),
                 Read::List(keys::owners_dir()),
+                Read::List(keys::namespaces_dir()),
+                Read::List(keys::nodes_dir()),
             ])
             .await?;
         let mut lists = Vec::new();
@@ -704,10 +706,10 @@ impl Ipam {
                 crate::kv::ReadResult::Got(kv) => config = kv,
             }
         }
-        let [pools, blocks, claims, handles, reservations, live_disagreements, owners]: [Vec<
+        let [pools, blocks, claims, handles, reservations, live_disagreements, owners, namespaces, nodes]: [Vec<
             crate::kv::KeyValue,
         >;
-            7] = lists.try_into().map_err(|_| {
+            9] = lists.try_into().map_err(|_| {
             IpamError::Store(KvError::other(
                 "read_many returned the wrong number of results",
             ))
@@ -757,6 +759,18 @@ impl Ipam {
             if let Err(e) =
                 crate::model::reservations::decode_reservations(std::slice::from_ref(kv))
             {
+                corrupt(report, &kv.key, e);
+            }
+        }
+        // Read by every ADD in the namespace, and by every ADD on the node (its pools' node
+        // selectors): one that does not decode stops those ADDs.
+        for kv in &namespaces {
+            if let Err(e) = crate::model::namespaces::decode_namespace_pools(&kv.key, Some(kv)) {
+                corrupt(report, &kv.key, e);
+            }
+        }
+        for kv in &nodes {
+            if let Err(e) = crate::model::nodes::decode_node_labels(&kv.key, Some(kv)) {
                 corrupt(report, &kv.key, e);
             }
         }

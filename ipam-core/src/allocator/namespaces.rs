@@ -77,8 +77,13 @@ impl Ipam {
                     }
                 }
             }
-            let before = decode_namespace_pools(&key, read.as_ref())?.unwrap_or_default();
-            if &before == pools {
+            let unchanged = match decode_namespace_pools(&key, read.as_ref()) {
+                Ok(before) => before.unwrap_or_default() == *pools,
+                // A setting that does not decode is replaced (or removed) all the same: the
+                // caller says what it is to be, and `check` reported it.
+                Err(_) => false,
+            };
+            if unchanged {
                 return Ok(Attempt::Done(()));
             }
             let mut plan = self.plan();
