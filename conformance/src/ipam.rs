@@ -2410,6 +2410,14 @@ pub async fn a_namespaces_pools_status_names_the_pools_its_pods_cannot_use<F: St
                 .expect("namespaces naming the pool")
         }
     };
+    // A setting that does not decode names no pool here (`check` reports it).
+    t.store
+        .put(
+            &ipam_core::namespaces::namespace_key("broken"),
+            vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+        )
+        .await
+        .expect("damage a setting");
     assert_eq!(status("web").await, Some((web.clone(), Vec::new())));
     assert_eq!(status("unset").await, None);
     assert_eq!(naming("a").await, strings(&["api", "web"]));
@@ -2472,6 +2480,9 @@ pub async fn a_namespaces_pools_status_names_the_pools_its_pods_cannot_use<F: St
             IpamError::PoolNotFound("a".into())
         )]
     );
+    ipam.set_namespace_pools("broken", &NamespacePools::default())
+        .await
+        .expect("clear the damaged setting");
     assert_clean(&ipam).await;
 }
 

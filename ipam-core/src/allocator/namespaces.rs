@@ -134,10 +134,12 @@ impl Ipam {
         Ok(Some((setting, unusable)))
     }
 
-    /// The namespaces whose pools setting names `pool` (by name or CIDR), in name order.
+    /// The namespaces whose pools setting names `pool` (by name or CIDR), in name order. A
+    /// setting that does not decode names nothing here (`check` reports it): this answers after a
+    /// pool was deleted or disabled, which must not be reported as failed because of it.
     ///
     /// # Errors
-    /// Store failures; a corrupt setting.
+    /// Store failures.
     pub async fn namespaces_naming_pool(&self, pool: &Pool) -> Result<Vec<String>, IpamError> {
         let prefix = namespace_key("");
         let mut naming = Vec::new();
@@ -145,7 +147,9 @@ impl Ipam {
             let Some(namespace) = kv.key.strip_prefix(&prefix) else {
                 continue;
             };
-            let setting: NamespacePools = decode(&kv.key, &kv.value)?;
+            let Ok(setting) = decode::<NamespacePools>(&kv.key, &kv.value) else {
+                continue;
+            };
             if setting.names_pool(pool) {
                 naming.push(namespace.to_owned());
             }
