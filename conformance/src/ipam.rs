@@ -1308,8 +1308,8 @@ pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F)
 }
 
 /// A namespace's pools setting or a node's labels whose stored bytes are damaged: `check` reports
-/// each (naming its key, not repairable), only the ADDs that read it fail (in that namespace, on
-/// that node), and a new setting given for the namespace replaces the damaged one.
+/// each (naming its key and the way out, not repairable), only the ADDs that read it fail (in that
+/// namespace, on that node), and a new setting given for the namespace replaces the damaged one.
 pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their_adds<
     F: StoreFactory,
 >(
@@ -1327,15 +1327,22 @@ pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their
         t.store.put(key, damaged.clone()).await.expect("damage it");
     }
     let report = ipam.check(false).await.expect("check runs");
-    for key in [&namespace, &node] {
+    for (key, way_out) in [
+        (
+            &namespace,
+            "`blockipamctl namespace pools web` with --ipv4/--ipv6 or --clear",
+        ),
+        (&node, "restored from a backup, or the key deleted"),
+    ] {
         assert!(
             report
                 .problems
                 .iter()
                 .any(|p| p.kind == kinds::CORRUPT_OBJECT
                     && !p.repairable
-                    && p.detail.contains(key.as_str())),
-            "check must report {key}: {report:#?}"
+                    && p.detail.contains(key.as_str())
+                    && p.detail.contains(way_out)),
+            "check must report {key} and the way out: {report:#?}"
         );
     }
     let in_namespace = |handle: &str, host: &str, namespace: &str| AutoAssignRequest {
@@ -1365,14 +1372,16 @@ pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their
     ipam.auto_assign(&in_namespace("h2", "node-a", "web"))
         .await
         .expect("the namespace's ADDs work again");
-    let report = ipam.check(false).await.expect("check runs");
-    assert!(
-        !report
-            .problems
-            .iter()
-            .any(|p| p.detail.contains(namespace.as_str())),
-        "{report:#?}"
-    );
+    // The node's labels are never written over (the conformance case of node labels): restored
+    // from a backup, or the key deleted.
+    t.store
+        .delete(&node)
+        .await
+        .expect("delete the damaged object");
+    ipam.auto_assign(&v4("h3", "node-b", 1))
+        .await
+        .expect("the node's ADDs work again");
+    assert_clean(&ipam).await;
 }
 
 /// The check finds deliberately broken objects, and repair fixes what it safely can.

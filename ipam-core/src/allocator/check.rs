@@ -764,14 +764,35 @@ impl Ipam {
         }
         // Read by every ADD in the namespace, and by every ADD on the node (its pools' node
         // selectors): one that does not decode stops those ADDs.
+        let namespaces_prefix = keys::namespaces_dir();
         for kv in &namespaces {
             if let Err(e) = crate::model::namespaces::decode_namespace_pools(&kv.key, Some(kv)) {
-                corrupt(report, &kv.key, e);
+                let namespace = kv.key.strip_prefix(&namespaces_prefix).unwrap_or(&kv.key);
+                let way_out = format!(
+                    "the ADDs in namespace {namespace} fail until `blockipamctl namespace pools \
+                     {namespace}` with --ipv4/--ipv6 or --clear replaces it"
+                );
+                report.problem(
+                    kinds::CORRUPT_OBJECT,
+                    false,
+                    format!("{}: {e}; {way_out}", kv.key),
+                );
             }
         }
+        let nodes_prefix = keys::nodes_dir();
         for kv in &nodes {
             if let Err(e) = crate::model::nodes::decode_node_labels(&kv.key, Some(kv)) {
-                corrupt(report, &kv.key, e);
+                let host = kv.key.strip_prefix(&nodes_prefix).unwrap_or(&kv.key);
+                let way_out = format!(
+                    "the ADDs on node {host} fail until it is restored from a backup, or the key \
+                     deleted (the node then has no labels: `blockipamctl node label {host}` sets \
+                     them again)"
+                );
+                report.problem(
+                    kinds::CORRUPT_OBJECT,
+                    false,
+                    format!("{}: {e}; {way_out}", kv.key),
+                );
             }
         }
         for kv in pools {
