@@ -38,7 +38,8 @@ impl Ipam {
     }
 
     /// Sets a namespace's pools (both lists empty: removes the setting). Every pool must exist and
-    /// be of its list's family; one compare-and-swap.
+    /// be of its list's family; one compare-and-swap. A stored setting that does not decode is
+    /// replaced (or removed): the caller gives the whole setting, so nothing readable is lost.
     ///
     /// # Errors
     /// Invalid namespace; [`IpamError::PoolNotFound`]; [`IpamError::PoolWrongFamily`]; store
