@@ -116,7 +116,9 @@ pub struct RuntimeView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeakPolicy {
     /// Seconds an allocation's container must have been missing at every look (and, by its
-    /// timestamp, the allocation's least age) before it is released.
+    /// timestamp, the allocation's least age) before it is released. Looks and timestamps count
+    /// whole seconds, so it is released at a look more than this many seconds after the first
+    /// look that found it missing (and its stamp): never less than the grace of real time.
     pub grace_seconds: u64,
     /// Two looks further apart than this do not prove the absence in between: every countdown
     /// starts again (set it to a few scan intervals).
@@ -353,9 +355,9 @@ impl LeakWatch {
                 allocation: allocation.clone(),
                 missing_since: since,
             };
-            let old_enough =
-                allocation_age(allocation, now).is_none_or(|age| age >= policy.grace_seconds);
-            if now.saturating_sub(since) >= policy.grace_seconds && old_enough {
+            let old_enough = allocation_age(allocation, now)
+                .is_none_or(|age| lasted_the_grace(age, policy.grace_seconds));
+            if lasted_the_grace(now.saturating_sub(since), policy.grace_seconds) && old_enough {
                 decisions.leaked.push(missing);
             } else {
                 decisions.waiting.push(missing);
@@ -394,6 +396,13 @@ impl LeakWatch {
         }
         decisions
     }
+}
+
+/// Whether two whole-second stamps `apart` seconds apart prove that at least `grace` seconds
+/// passed: each stamp drops its fraction, so only more than `grace` does (exactly `grace` apart
+/// can be as little as `grace - 1` seconds and a fraction).
+fn lasted_the_grace(apart: u64, grace: u64) -> bool {
+    apart > grace
 }
 
 /// The allocation's age by its own timestamp, when it records a readable one (a timestamp in the

@@ -71,13 +71,15 @@ fn waiting_addresses(decisions: &LeakDecisions) -> Vec<IpAddr> {
 
 #[test]
 fn a_missing_container_is_released_only_after_the_whole_grace() {
+    // Looks stamp whole seconds: exactly GRACE apart may be less than GRACE, so the first look
+    // that releases is more than GRACE after the first that found the container missing.
     let allocations = [
         allocation("10.0.0.1", 1, "node-a", Some("live")),
         allocation("10.0.0.2", 2, "node-a", Some("gone")),
     ];
     let mut watch = LeakWatch::new();
     let mut at = T0;
-    while at < T0 + GRACE {
+    while at <= T0 + GRACE {
         let decisions = watch.observe(
             "node-a",
             &allocations,
@@ -94,7 +96,7 @@ fn a_missing_container_is_released_only_after_the_whole_grace() {
     let decisions = watch.observe(
         "node-a",
         &allocations,
-        &view(T0 + GRACE, &[("live", &["10.0.0.1"])]),
+        &view(T0 + GRACE + 1, &[("live", &["10.0.0.1"])]),
         &in_pool,
         POLICY,
     );
@@ -149,15 +151,15 @@ fn an_allocation_younger_than_the_grace_by_its_timestamp_waits() {
     let allocations = [young, allocation("10.0.0.1", 1, "node-a", Some("live"))];
     let mut watch = LeakWatch::new();
     let mut seen = Vec::new();
-    for at in (T0..=T0 + GRACE + 600).step_by(60) {
+    for at in T0..=T0 + GRACE + 600 {
         let decisions = watch.observe("node-a", &allocations, &view(at, LIVE), &in_pool, POLICY);
         if !decisions.leaked.is_empty() {
             seen.push(at);
         }
     }
     // Missing since T0 (a clock the plugin's stamp disagrees with): released only once the
-    // allocation is GRACE old by its own stamp.
-    assert_eq!(seen.first(), Some(&(T0 + 300 + GRACE)));
+    // allocation is more than GRACE old by its own (whole-second) stamp.
+    assert_eq!(seen.first(), Some(&(T0 + 300 + GRACE + 1)));
 }
 
 #[test]
@@ -171,18 +173,13 @@ fn an_unanswered_look_or_a_long_gap_restarts_every_countdown() {
     assert_eq!(watch.counting(), 1);
     watch.runtime_unanswered();
     assert_eq!(watch.counting(), 0);
-    let decisions = watch.observe(
-        "node-a",
-        &allocations,
-        &view(T0 + GRACE, LIVE),
-        &in_pool,
-        POLICY,
-    );
+    let back = T0 + GRACE + 1;
+    let decisions = watch.observe("node-a", &allocations, &view(back, LIVE), &in_pool, POLICY);
     assert!(decisions.leaked.is_empty(), "the countdown started again");
-    assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE);
+    assert_eq!(decisions.waiting[0].missing_since, back);
 
     // Two answered looks too far apart: the absence in between is not proven.
-    let later = T0 + GRACE + POLICY.max_gap_seconds + 1;
+    let later = back + POLICY.max_gap_seconds + 1;
     let decisions = watch.observe("node-a", &allocations, &view(later, LIVE), &in_pool, POLICY);
     assert!(decisions.countdowns_restarted);
     assert!(decisions.leaked.is_empty());
@@ -213,9 +210,15 @@ fn a_reallocated_address_or_a_container_back_starts_a_fresh_countdown() {
         allocation("10.0.0.8", 7, "node-a", Some("also-gone")),
         allocation("10.0.0.1", 1, "node-a", Some("live")),
     ];
-    let decisions = watch.observe("node-a", &second, &view(T0 + GRACE, LIVE), &in_pool, POLICY);
+    let decisions = watch.observe(
+        "node-a",
+        &second,
+        &view(T0 + GRACE + 1, LIVE),
+        &in_pool,
+        POLICY,
+    );
     assert!(decisions.leaked.is_empty());
-    assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE);
+    assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE + 1);
     assert_eq!(watch.counting(), 1, "the first countdown is forgotten");
 
     // The container comes back for one look: its countdown is dropped.
@@ -228,9 +231,15 @@ fn a_reallocated_address_or_a_container_back_starts_a_fresh_countdown() {
         &in_pool,
         POLICY,
     );
-    let decisions = watch.observe("node-a", &first, &view(T0 + GRACE, LIVE), &in_pool, POLICY);
+    let decisions = watch.observe(
+        "node-a",
+        &first,
+        &view(T0 + GRACE + 1, LIVE),
+        &in_pool,
+        POLICY,
+    );
     assert!(decisions.leaked.is_empty());
-    assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE);
+    assert_eq!(decisions.waiting[0].missing_since, T0 + GRACE + 1);
 }
 
 #[test]
