@@ -31,6 +31,7 @@ macro_rules! lifecycle_conformance_tests {
             release_empty_passes_over_a_block_used_again_after_the_claim_index_was_read,
             release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
             release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
+            release_empty_takes_a_node_whose_labels_do_not_decode_as_still_selected,
         );
     };
 }
@@ -743,4 +744,107 @@ pub async fn release_empty_releases_blocks_of_pools_that_no_longer_select_the_ho
         "a block in use stays"
     );
     assert_clean(&ipam).await;
+}
+
+/// A node whose labels object cannot be decoded: the release of empty blocks still runs for every
+/// node (another node's block in a pool that no longer selects it goes), and for that node only
+/// what its labels cannot change goes (empty blocks beyond its newest); its newest block stays, as
+/// if its pools still selected it.
+pub async fn release_empty_takes_a_node_whose_labels_do_not_decode_as_still_selected<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::nodes::node_key;
+
+    let clock = HandClock::new(60_000);
+    let (t, ipam) = lab(factory, "10.49.0.0/27", 30, &clock, |c| {
+        c.max_blocks_per_host = 0;
+    })
+    .await;
+    let rack = |value: &str| vec![("rack".to_owned(), value.to_owned())];
+    for host in ["node-x", "node-y"] {
+        ipam.set_node_labels(host, &rack("r1"), &[])
+            .await
+            .expect("label");
+    }
+    ipam.set_pool(
+        "pool",
+        &PoolChange {
+            node_selector: Some(Selector::parse("rack == 'r1'").expect("selector")),
+            ..PoolChange::default()
+        },
+    )
+    .await
+    .expect("select rack r1");
+    let mut x_blocks = Vec::new();
+    for n in 0..6 {
+        clock.set(60_000 + n);
+        let (_, block) = assign(&ipam, &format!("x{n}"), "node-x").await;
+        if !x_blocks.contains(&block) {
+            x_blocks.push(block);
+        }
+    }
+    assert_eq!(x_blocks.len(), 2, "two /30 blocks: {x_blocks:?}");
+    let (_, y_block) = assign(&ipam, "y0", "node-y").await;
+    for handle in ["x0", "x1", "x2", "x3", "x4", "x5", "y0"] {
+        ipam.release_handle(handle).await.expect("release");
+    }
+    ipam.set_node_labels("node-y", &rack("r2"), &[])
+        .await
+        .expect("node-y moves to rack r2");
+    t.store
+        .put(
+            &node_key("node-x"),
+            vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+        )
+        .await
+        .expect("damage node-x's labels");
+    clock.set(61_000);
+
+    let unselected = ipam
+        .release_empty_blocks(
+            EmptyBlockFilter {
+                older_than_seconds: 60,
+                only_unselected: true,
+            },
+            false,
+        )
+        .await
+        .expect("a damaged node's labels stop no pass");
+    assert_eq!(
+        unselected
+            .iter()
+            .map(|b| (b.cidr, b.reason))
+            .collect::<Vec<_>>(),
+        vec![(y_block, EmptyBlockReason::PoolNoLongerSelects)],
+        "only node-y is known to be no longer selected"
+    );
+    let mut found: Vec<(IpNet, EmptyBlockReason, bool)> = ipam
+        .release_empty_blocks(
+            EmptyBlockFilter {
+                older_than_seconds: 60,
+                only_unselected: false,
+            },
+            true,
+        )
+        .await
+        .expect("a damaged node's labels stop no pass")
+        .into_iter()
+        .map(|b| (b.cidr, b.reason, b.released))
+        .collect();
+    found.sort_by_key(|(cidr, _, _)| *cidr);
+    let mut expected = vec![
+        (x_blocks[0], EmptyBlockReason::BeyondNewest, true),
+        (y_block, EmptyBlockReason::PoolNoLongerSelects, true),
+    ];
+    expected.sort_by_key(|(cidr, _, _)| *cidr);
+    assert_eq!(found, expected);
+    assert_eq!(block_owner(&ipam, x_blocks[0]).await, None);
+    assert_eq!(block_owner(&ipam, y_block).await, None);
+    assert_eq!(
+        block_owner(&ipam, x_blocks[1]).await,
+        Some(Some("node-x".into())),
+        "node-x's newest block stays: its labels are unknown"
+    );
 }

@@ -148,7 +148,8 @@ impl Ipam {
     /// every empty block except the host's newest block; empty blocks in pools that no longer
     /// select their host (or in no enabled pool); and unowned blocks whose cooling addresses have
     /// cooled. A block counts only when it has been empty for `filter.older_than_seconds` and none
-    /// of its addresses is cooling. Each release is its own transaction, guarded by the block's
+    /// of its addresses is cooling. A host whose labels object cannot be decoded is taken as still
+    /// selected by its pools' selectors (its newest block stays); the other hosts are unaffected. Each release is its own transaction, guarded by the block's
     /// revision: a block that changed since it was read is left alone (reported unreleased).
     ///
     /// # Errors
@@ -187,12 +188,14 @@ impl Ipam {
             self.forget_wrong_full_pool_marks(&pools, &claims, &marks, counter.as_ref(), &reserved)
                 .await?;
         }
-        let mut labels: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+        // A node whose labels object does not decode (`check` reports it) stops nobody else's
+        // release: its labels are unknown, so no pool is taken to have stopped selecting it.
+        let mut labels: BTreeMap<String, Option<BTreeMap<String, String>>> = BTreeMap::new();
         for kv in nodes {
             if let Some(host) = kv.key.strip_prefix(&crate::model::nodes::nodes_dir()) {
                 labels.insert(
                     host.to_owned(),
-                    crate::model::nodes::decode_node_labels(&kv.key, Some(&kv))?,
+                    crate::model::nodes::decode_node_labels(&kv.key, Some(&kv)).ok(),
                 );
             }
         }
@@ -228,9 +231,15 @@ impl Ipam {
             let reason = match block.affinity.as_deref() {
                 None => EmptyBlockReason::Unowned,
                 Some(host) => {
-                    let host_labels = labels.get(host).unwrap_or(&no_labels);
                     let selected = pool.is_some_and(|p| {
-                        !p.value.disabled && p.value.node_selector.matches(host_labels)
+                        !p.value.disabled
+                            && match labels.get(host) {
+                                None => p.value.node_selector.matches(&no_labels),
+                                Some(Some(host_labels)) => {
+                                    p.value.node_selector.matches(host_labels)
+                                }
+                                Some(None) => true,
+                            }
                     });
                     if !selected {
                         EmptyBlockReason::PoolNoLongerSelects
