@@ -1,5 +1,6 @@
-//! Node label cases (`Ipam::node_labels`, `set_node_labels`, `list_nodes_with_labels`): what
-//! pools' node selectors read, stored and updated by compare-and-swap, on every backend.
+//! Node label cases (`Ipam::node_labels`, `set_node_labels`, `list_nodes_with_labels`,
+//! `list_nodes_labels_each`, `remove_node_labels`): what pools' node selectors read, stored and
+//! updated by compare-and-swap, on every backend.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -399,6 +400,26 @@ pub async fn corrupt_node_object_is_reported_naming_its_key<F: StoreFactory>(fac
     assert_eq!(
         stored.value,
         vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff, 0xff]
+    );
+
+    // Listed one by one, the damaged object hides no other node; removed whole, it is gone.
+    ipam.set_node_labels("node-2", &pairs(&[("rack", "r2")]), &[])
+        .await
+        .expect("label another node");
+    let each = ipam.list_nodes_labels_each().await.expect("list each");
+    assert_eq!(each.len(), 2, "{each:?}");
+    assert_eq!(each[0].0, "node-1");
+    corrupt(each[0].1.clone());
+    assert_eq!(each[1], ("node-2".to_owned(), Ok(map(&[("rack", "r2")]))));
+    assert!(ipam.remove_node_labels("node-1").await.expect("remove"));
+    assert_eq!(t.store.get(&key).await.expect("read"), None);
+    assert!(!ipam.remove_node_labels("node-1").await.expect("none left"));
+    assert_eq!(
+        ipam.list_nodes_with_labels().await.expect("list"),
+        vec![NodeLabels {
+            host: "node-2".into(),
+            labels: map(&[("rack", "r2")])
+        }]
     );
 }
 

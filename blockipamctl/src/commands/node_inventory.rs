@@ -58,6 +58,9 @@ impl Liveness {
     }
 }
 
+/// The LABELS cell (and `node retire`'s words) for a labels object that cannot be decoded.
+const UNDECODABLE_LABELS: &str = "cannot be decoded (see `blockipamctl check`)";
+
 /// The host a block key under `ipam/v1/blocks/host/<host>/...` names.
 fn block_host(key: &str) -> Option<&str> {
     key.strip_prefix(&keys::affine_blocks_dir())?
@@ -87,6 +90,9 @@ struct NodeJson {
     /// Whether its liveness key exists.
     liveness_key: bool,
     labels: BTreeMap<String, String>,
+    /// Why its labels object cannot be read (then `labels` is empty): `check` reports it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    labels_error: Option<String>,
     /// Blocks affine to it.
     blocks: u64,
     /// Addresses `node retire` (or `node release --addresses`) would release: every address of
@@ -109,11 +115,12 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
         .map(|status| (status.host.clone(), status))
         .collect();
     let live_keys = hosts_under(&liveness_dir(), &store.list(&liveness_dir()).await?);
-    let labelled: BTreeMap<String, BTreeMap<String, String>> = ipam
-        .list_nodes_with_labels()
+    // A labels object that does not decode is shown as such: it hides no other node.
+    let labelled: BTreeMap<String, Result<BTreeMap<String, String>, String>> = ipam
+        .list_nodes_labels_each()
         .await?
         .into_iter()
-        .map(|node| (node.host, node.labels))
+        .map(|(host, labels)| (host, labels.map_err(|e| e.to_string())))
         .collect();
     let block_owners: BTreeSet<String> = store
         .list(&keys::affine_blocks_dir())
@@ -144,14 +151,20 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
     let mut nodes = Vec::new();
     for host in &hosts {
         let liveness = Liveness::of(registered.get(host), live_keys.contains(host));
-        let labels = labelled.get(host).cloned().unwrap_or_default();
+        let (labels, labels_error) = match labelled.get(host) {
+            None => (BTreeMap::new(), None),
+            Some(Ok(labels)) => (labels.clone(), None),
+            Some(Err(e)) => (BTreeMap::new(), Some(e.clone())),
+        };
         let ReleasePreview { blocks, addresses } = held.get(host).copied().unwrap_or_default();
         table.row(vec![
             host.clone(),
             liveness.text.clone(),
             blocks.to_string(),
             addresses.to_string(),
-            if labels.is_empty() {
+            if labels_error.is_some() {
+                UNDECODABLE_LABELS.into()
+            } else if labels.is_empty() {
                 "-".into()
             } else {
                 labels
@@ -167,6 +180,7 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
             registered: registered.contains_key(host),
             liveness_key: live_keys.contains(host),
             labels,
+            labels_error,
             blocks,
             addresses,
         });
@@ -190,6 +204,9 @@ struct RetireJson {
     applied: bool,
     /// What it holds (before `--apply`).
     labels: BTreeMap<String, String>,
+    /// Why its labels object cannot be read (then `labels` is empty; `--apply` deletes it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    labels_error: Option<String>,
     registered: bool,
     blocks: u64,
     addresses: u64,
@@ -241,7 +258,12 @@ pub async fn retire(
             liveness.text
         )));
     }
-    let labels = ipam.node_labels(host).await?;
+    // A labels object that does not decode is the node's too: retiring deletes it.
+    let (labels, labels_error) = match ipam.node_labels(host).await {
+        Ok(labels) => (labels, None),
+        Err(e @ ipam_core::IpamError::Corrupt { .. }) => (BTreeMap::new(), Some(e.to_string())),
+        Err(e) => return Err(e.into()),
+    };
     let held = preview_release(Arc::clone(&store), &[host])
         .await?
         .get(host)
@@ -252,6 +274,7 @@ pub async fn retire(
         state: liveness.state,
         applied: args.apply,
         labels: labels.clone(),
+        labels_error: labels_error.clone(),
         registered: status.is_some(),
         blocks: held.blocks,
         addresses: held.addresses,
@@ -262,7 +285,11 @@ pub async fn retire(
         liveness.text,
         counted(held.addresses, "address", "addresses"),
         counted(held.blocks, "block", "blocks"),
-        counted(labels.len() as u64, "label", "labels"),
+        if labels_error.is_some() {
+            format!("a labels object that {UNDECODABLE_LABELS}")
+        } else {
+            counted(labels.len() as u64, "label", "labels")
+        },
         if status.is_some() {
             "an agent registration"
         } else {
@@ -279,13 +306,7 @@ pub async fn retire(
     }
     ctx.progress(&format!("retiring node {host} ..."));
     let released = ipam.release_host(host, true).await?;
-    let labels_removed = if labels.is_empty() {
-        false
-    } else {
-        let keys: Vec<String> = labels.keys().cloned().collect();
-        ipam.set_node_labels(host, &[], &keys).await?;
-        true
-    };
+    let labels_removed = ipam.remove_node_labels(host).await?;
     let registration_deleted = forget_node(store.as_ref(), host).await?;
     let activity_record_deleted = if registration_deleted || status.is_none() {
         match store.get(&activity_key(host)).await? {
@@ -320,7 +341,11 @@ pub async fn retire(
     ));
     text.push_str(&format!(
         "  labels removed:              {}\n",
-        if labels_removed { labels.len() } else { 0 }
+        match (labels_removed, &labels_error) {
+            (false, _) => "0".to_owned(),
+            (true, None) => labels.len().to_string(),
+            (true, Some(_)) => "its labels object, which could not be decoded".to_owned(),
+        }
     ));
     text.push_str(&format!(
         "  agent registration deleted:  {}\n",

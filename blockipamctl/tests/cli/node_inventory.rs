@@ -2,6 +2,7 @@
 //! and liveness keys are written through the storage trait, as an agent writes them.
 
 use ipam_core::dead_nodes::{activity_key, agent_key, liveness_key, register};
+use ipam_core::nodes::node_key;
 use serde_json::{json, Value};
 
 use crate::common::{marked_registration, Backend, Lab};
@@ -10,6 +11,7 @@ crate::on_every_backend!(
     node_list_shows_every_node_the_store_knows,
     node_retire_previews_refuses_a_live_node_and_removes_everything,
     node_retire_refuses_an_active_node_and_retires_a_dead_one,
+    node_list_and_retire_get_past_a_labels_object_that_does_not_decode,
 );
 
 /// host-a: registered with a liveness key (alive), labelled, one address; host-b: registered
@@ -251,6 +253,78 @@ fn node_retire_refuses_an_active_node_and_retires_a_dead_one(backend: Backend) {
         lab.ctl(&["-o", "json", "show", "--ip", &e]).ok().json()["allocated"],
         true,
         "the active node keeps its address"
+    );
+    lab.ctl(&["check"]).ok();
+}
+
+/// host-b's labels object is damaged: `node list` shows every node, host-b's labels as not
+/// decodable; `node retire host-b` previews it and with `--apply` deletes it with the rest.
+fn node_list_and_retire_get_past_a_labels_object_that_does_not_decode(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.60.0.0/24", "--block-size", "28"])
+        .ok();
+    populate(&lab);
+    lab.with_store(|store| async move {
+        store
+            .put(
+                &node_key("host-b"),
+                vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+            )
+            .await
+            .expect("damage host-b's labels")
+    });
+    let before = lab.snapshot();
+
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert_eq!(list["nodes"].as_array().map(Vec::len), Some(4), "{list}");
+    let host_b = node_of(&list, "host-b");
+    assert_eq!(host_b["labels"], json!({}));
+    let error = host_b["labels_error"].as_str().expect("labels_error");
+    assert!(error.contains("ipam/v1/nodes/host-b"), "{error}");
+    assert_eq!(host_b["addresses"], 2);
+    assert_eq!(node_of(&list, "host-a")["labels"], json!({"rack": "r1"}));
+    assert!(node_of(&list, "host-a").get("labels_error").is_none());
+    lab.ctl(&["node", "list"])
+        .ok()
+        .stdout_has("4 nodes:")
+        .stdout_has("cannot be decoded (see `blockipamctl check`)")
+        .stdout_has("rack=r2,zone=z2");
+
+    let preview = lab
+        .ctl(&["-o", "json", "node", "retire", "host-b"])
+        .ok()
+        .json();
+    assert_eq!(preview["labels"], json!({}));
+    assert!(
+        preview["labels_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ipam/v1/nodes/host-b")),
+        "{preview}"
+    );
+    lab.ctl(&["node", "retire", "host-b"])
+        .ok()
+        .stdout_has("a labels object that cannot be decoded");
+    assert_eq!(lab.snapshot(), before, "list and preview write nothing");
+
+    lab.ctl(&["node", "retire", "host-b", "--apply"])
+        .ok()
+        .stdout_has("addresses released:          2")
+        .stdout_has("labels removed:              its labels object, which could not be decoded");
+    let labels =
+        lab.with_store(|store| async move { store.get(&node_key("host-b")).await.expect("get") });
+    assert!(labels.is_none(), "the damaged object is deleted");
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert!(
+        list["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .all(|n| n["node"] != "host-b"),
+        "nothing of host-b is left: {list}"
+    );
+    assert_eq!(
+        node_of(&list, "host-c")["labels"],
+        json!({"rack": "r2", "zone": "z2"})
     );
     lab.ctl(&["check"]).ok();
 }

@@ -786,7 +786,8 @@ impl Ipam {
                 let way_out = format!(
                     "the ADDs on node {host} fail until it is restored from a backup, or the key \
                      deleted (the node then has no labels: `blockipamctl node label {host}` sets \
-                     them again)"
+                     them again); a node gone from the cluster: `blockipamctl node retire {host}` \
+                     removes it with the rest"
                 );
                 report.problem(
                     kinds::CORRUPT_OBJECT,

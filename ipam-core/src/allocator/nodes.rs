@@ -83,14 +83,56 @@ impl Ipam {
     /// # Errors
     /// A corrupt node object; store failures.
     pub async fn list_nodes_with_labels(&self) -> Result<Vec<NodeLabels>, IpamError> {
+        self.list_nodes_labels_each()
+            .await?
+            .into_iter()
+            .map(|(host, labels)| {
+                Ok(NodeLabels {
+                    host,
+                    labels: labels?,
+                })
+            })
+            .collect()
+    }
+
+    /// Every node that has a labels object, sorted by host name, each with its labels or, for an
+    /// object that cannot be decoded, the corrupt-object error naming its key: one damaged object
+    /// hides no other node.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn list_nodes_labels_each(
+        &self,
+    ) -> Result<Vec<(String, Result<BTreeMap<String, String>, IpamError>)>, IpamError> {
         let dir = nodes_dir();
         let listed = self.store().list(&dir).await?;
-        let mut nodes = Vec::with_capacity(listed.len());
-        for kv in &listed {
-            let host = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
-            let labels = decode_node_labels(&kv.key, Some(kv))?;
-            nodes.push(NodeLabels { host, labels });
-        }
-        Ok(nodes)
+        Ok(listed
+            .iter()
+            .map(|kv| {
+                let host = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
+                (host, decode_node_labels(&kv.key, Some(kv)))
+            })
+            .collect())
+    }
+
+    /// Deletes `host`'s labels object whatever it holds, one that cannot be decoded included (what
+    /// retiring a node does), guarded by the revision read. Returns whether there was one.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid host name; [`IpamError::RetriesExhausted`];
+    /// store failures.
+    pub async fn remove_node_labels(&self, host: &str) -> Result<bool, IpamError> {
+        validate_host(host)?;
+        let key = node_key(host);
+        self.retrying(|| async {
+            let Some(read) = self.store().get(&key).await? else {
+                return Ok(Attempt::Done(false));
+            };
+            let mut plan = self.plan();
+            plan.expect(&key, Some(read.revision));
+            plan.delete(&key);
+            self.commit_plan(plan, true).await
+        })
+        .await
     }
 }
