@@ -198,6 +198,23 @@ fn node_retire_previews_refuses_a_live_node_and_removes_everything(backend: Back
     lab.ctl(&["node", "retire", "host-never-seen", "--apply"])
         .ok()
         .stdout_has("addresses released:          0");
+
+    // A node no agent registered keeps no registration, but its plugin's activity record goes.
+    lab.with_store(|store| async move {
+        store
+            .put(&activity_key("host-g"), b"{}".to_vec())
+            .await
+            .expect("an activity record only")
+    });
+    let retired = lab
+        .ctl(&["-o", "json", "node", "retire", "host-g", "--apply"])
+        .ok()
+        .json();
+    assert_eq!(retired["registered"], false);
+    assert_eq!(retired["retired"]["activity_record_deleted"], true);
+    let record = lab
+        .with_store(|store| async move { store.get(&activity_key("host-g")).await.expect("get") });
+    assert!(record.is_none(), "the activity record is deleted");
     lab.ctl(&["check"]).ok();
 }
 
