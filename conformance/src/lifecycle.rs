@@ -83,6 +83,19 @@ async fn assign(ipam: &Ipam, handle: &str, host: &str) -> (IpAddr, IpNet) {
     (got.v4[0].ip, got.v4[0].block)
 }
 
+/// Narrows the lab's pool to the nodes labelled `rack=r1`.
+async fn select_rack_r1(ipam: &Ipam) {
+    ipam.set_pool(
+        "pool",
+        &PoolChange {
+            node_selector: Some(Selector::parse("rack == 'r1'").expect("selector")),
+            ..PoolChange::default()
+        },
+    )
+    .await
+    .expect("narrow the pool's selector to rack r1");
+}
+
 async fn block_owner(ipam: &Ipam, cidr: IpNet) -> Option<Option<String>> {
     let usage = ipam.utilization().await.expect("utilization");
     usage
@@ -720,15 +733,7 @@ pub async fn release_empty_releases_blocks_of_pools_that_no_longer_select_the_ho
             .is_empty(),
         "the pool still selects every node"
     );
-    ipam.set_pool(
-        "pool",
-        &PoolChange {
-            node_selector: Some(Selector::parse("rack == 'r1'").expect("selector")),
-            ..PoolChange::default()
-        },
-    )
-    .await
-    .expect("narrow the selector");
+    select_rack_r1(&ipam).await;
     let found = ipam
         .release_empty_blocks(unselected, true)
         .await
@@ -768,15 +773,7 @@ pub async fn release_empty_takes_a_node_whose_labels_do_not_decode_as_still_sele
             .await
             .expect("label");
     }
-    ipam.set_pool(
-        "pool",
-        &PoolChange {
-            node_selector: Some(Selector::parse("rack == 'r1'").expect("selector")),
-            ..PoolChange::default()
-        },
-    )
-    .await
-    .expect("select rack r1");
+    select_rack_r1(&ipam).await;
     let mut x_blocks = Vec::new();
     for n in 0..6 {
         clock.set(60_000 + n);

@@ -51,6 +51,18 @@ fn node_of<'a>(list: &'a Value, host: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{host} is listed: {list}"))
 }
 
+/// Asserts that `node list`'s JSON `list` shows nothing of `host`.
+fn assert_not_listed(list: &Value, host: &str) {
+    assert!(
+        list["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .all(|n| n["node"] != host),
+        "nothing of {host} is left: {list}"
+    );
+}
+
 fn node_list_shows_every_node_the_store_knows(backend: Backend) {
     let lab = Lab::new(backend);
     lab.ctl(&["pool", "add", "10.60.0.0/24", "--block-size", "28"])
@@ -157,14 +169,7 @@ fn node_retire_previews_refuses_a_live_node_and_removes_everything(backend: Back
         lab.with_store(|store| async move { store.get(&agent_key("host-b")).await.expect("get") });
     assert!(registration.is_none(), "the registration is deleted");
     let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
-    assert!(
-        list["nodes"]
-            .as_array()
-            .expect("nodes")
-            .iter()
-            .all(|n| n["node"] != "host-b"),
-        "nothing of host-b is left: {list}"
-    );
+    assert_not_listed(&list, "host-b");
     for ip in &b {
         assert_eq!(
             lab.ctl(&["-o", "json", "show", "--ip", ip]).ok().json()["allocated"],
@@ -331,14 +336,7 @@ fn node_list_and_retire_get_past_a_labels_object_that_does_not_decode(backend: B
         lab.with_store(|store| async move { store.get(&node_key("host-b")).await.expect("get") });
     assert!(labels.is_none(), "the damaged object is deleted");
     let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
-    assert!(
-        list["nodes"]
-            .as_array()
-            .expect("nodes")
-            .iter()
-            .all(|n| n["node"] != "host-b"),
-        "nothing of host-b is left: {list}"
-    );
+    assert_not_listed(&list, "host-b");
     assert_eq!(
         node_of(&list, "host-c")["labels"],
         json!({"rack": "r2", "zone": "z2"})
