@@ -269,7 +269,11 @@ fn cooldown_settings_and_cooling_only_blocks_map_as_calico_reads_them() {
         Some(JAN_2026 + 100),
         "not before its newest cooling release"
     );
-    assert_eq!(q.empty_from(1200), Some(JAN_2026 + 100 + 1200));
+    assert_eq!(
+        q.empty_from(1200),
+        Some(JAN_2026 + 100 + 1200 + 1),
+        "empty once its newest cooling address has cooled: a whole second after the cooldown"
+    );
     let u = block_of(&plan, "10.4.0.64/26");
     assert_eq!(
         (u.affinity.as_deref(), u.cooling.len()),

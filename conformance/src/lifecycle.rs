@@ -23,6 +23,7 @@ macro_rules! lifecycle_conformance_tests {
             cooling_addresses_keep_a_block_from_being_empty,
             explicitly_requested_cooling_address_is_refused_until_it_cools,
             address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it,
+            the_cooldown_in_force_applies_raised_lowered_or_turned_off,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
             takeover_waits_for_cooling_addresses,
@@ -154,8 +155,8 @@ pub async fn address_status_tells_until_when_an_address_cools_and_which_reservat
     );
     assert_eq!(
         status.cooling_until,
-        Some(1_070),
-        "released at 1,010 for 60 s"
+        Some(1_071),
+        "released at 1,010 (a whole second) for 60 s: cooled from 1,071"
     );
     assert_eq!(
         status.reserved_by,
@@ -192,11 +193,58 @@ pub async fn address_status_tells_until_when_an_address_cools_and_which_reservat
         "{outside} is in no pool"
     );
 
-    // Once the cooldown has passed, nothing is cooling.
+    // Exactly 60 s after the release's stamp may be less than 60 s after the release: still
+    // cooling. Once the cooldown has passed, nothing is cooling.
     clock.set(1_070);
+    let status = ipam.address_status(released).await.expect("status");
+    assert_eq!(status.cooling_until, Some(1_071), "{status:?}");
+    clock.set(1_071);
     let status = ipam.address_status(released).await.expect("status");
     assert_eq!((status.allocation, status.cooling_until), (None, None));
     assert_eq!(status.block.map(|(cidr, _)| cidr), Some(block));
+    assert_clean(&ipam).await;
+}
+
+/// The cooldown in force when an address is looked at applies, not the one it was released
+/// under: raising it holds a cooling address longer, lowering it frees it sooner, and turning it
+/// off frees it at once, in the second of its release.
+pub async fn the_cooldown_in_force_applies_raised_lowered_or_turned_off<F: StoreFactory>(
+    factory: &F,
+) {
+    let clock = HandClock::new(7_000);
+    // One block of four addresses: the cooling one is all that is left to hand out.
+    let (_t, ipam) = lab(factory, "10.43.0.0/30", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 60;
+    })
+    .await;
+    let (released, _) = assign(&ipam, "h0", "node-a").await;
+    for n in 1..=3 {
+        assign(&ipam, &format!("h{n}"), "node-a").await;
+    }
+    ipam.release_handle("h0").await.expect("release");
+    let set_cooldown = |seconds: u32| {
+        let ipam = &ipam;
+        async move {
+            ipam.update_config(|c| c.ip_cooldown_seconds = seconds)
+                .await
+                .expect("set the cooldown");
+        }
+    };
+    let cooling_until = || async {
+        ipam.address_status(released)
+            .await
+            .expect("status")
+            .cooling_until
+    };
+    assert_eq!(cooling_until().await, Some(7_061), "released under 60 s");
+    set_cooldown(120).await;
+    assert_eq!(cooling_until().await, Some(7_121), "raised to 120 s");
+    set_cooldown(10).await;
+    assert_eq!(cooling_until().await, Some(7_011), "lowered to 10 s");
+    set_cooldown(0).await;
+    assert_eq!(cooling_until().await, None, "turned off: cooled at once");
+    let (ip, _) = assign(&ipam, "h4", "node-a").await;
+    assert_eq!(ip, released, "handed out in the second of its release");
     assert_clean(&ipam).await;
 }
 
@@ -219,16 +267,17 @@ pub async fn cooling_address_is_not_handed_out_until_its_cooldown_passes<F: Stor
         assert_eq!(block, first_block);
         assert_ne!(ip, first, "h{n} got the cooling address");
     }
-    // Only the cooling address is left: 59 s into a 60 s cooldown there is nothing to hand out,
-    // on this host or another.
-    clock.set(1_059);
+    // Only the cooling address is left: 60 s after its release's stamp (a whole second, so
+    // possibly less than 60 s after the release itself) there is nothing to hand out, on this
+    // host or another.
+    clock.set(1_060);
     for host in ["node-a", "node-b"] {
         assert!(
             matches!(
                 ipam.auto_assign(&v4("h4", host, 1)).await,
                 Err(IpamError::Exhausted { .. })
             ),
-            "{host} got an address 59 s into a 60 s cooldown"
+            "{host} got an address 60 s after its release's stamp, a 60 s cooldown"
         );
     }
     // Usage counts it as cooling, in its block and its pool, and not as free.
@@ -247,8 +296,8 @@ pub async fn cooling_address_is_not_handed_out_until_its_cooldown_passes<F: Stor
         ),
         (3, 1, 0)
     );
-    // At 60 s it is free again.
-    clock.set(1_060);
+    // A second later it is free again.
+    clock.set(1_061);
     let pool = ipam.utilization().await.expect("utilization").pools[0].clone();
     assert_eq!(
         (pool.in_use, pool.cooling, pool.free),
@@ -282,11 +331,11 @@ pub async fn cooling_addresses_keep_a_block_from_being_empty<F: StoreFactory>(fa
         older_than_seconds: 0,
         only_unselected: false,
     };
-    clock.set(5_119);
+    clock.set(5_120);
     let found = ipam.release_empty_blocks(filter, true).await.expect("pass");
     assert!(found.is_empty(), "still cooling: {found:?}");
     assert_eq!(block_owner(&ipam, block).await, Some(None));
-    clock.set(5_120);
+    clock.set(5_121);
     let found = ipam.release_empty_blocks(filter, true).await.expect("pass");
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].reason, EmptyBlockReason::Unowned);
@@ -314,7 +363,7 @@ pub async fn explicitly_requested_cooling_address_is_refused_until_it_cools<F: S
         ips: vec![ip],
         ..Default::default()
     };
-    clock.set(9_599);
+    clock.set(9_600);
     let before = t.store.list("").await.expect("list");
     match ipam.assign_ips(&request).await {
         Err(IpamError::AddressCooling {
@@ -322,7 +371,7 @@ pub async fn explicitly_requested_cooling_address_is_refused_until_it_cools<F: S
             released_at,
             cools_at,
         }) => {
-            assert_eq!((refused, released_at, cools_at), (ip, 9_000, 9_600));
+            assert_eq!((refused, released_at, cools_at), (ip, 9_000, 9_601));
         }
         other => panic!("a cooling address was not refused: {other:?}"),
     }
@@ -331,7 +380,7 @@ pub async fn explicitly_requested_cooling_address_is_refused_until_it_cools<F: S
         before,
         "a refused assignment wrote"
     );
-    clock.set(9_600);
+    clock.set(9_601);
     let got = ipam.assign_ips(&request).await.expect("cooled: assigned");
     assert_eq!(got[0].ip, ip);
     assert_clean(&ipam).await;
@@ -415,13 +464,19 @@ pub async fn takeover_waits_for_cooling_addresses<F: StoreFactory>(factory: &F) 
     .await;
     let (_, block) = assign(&ipam, "a0", "node-a").await;
     ipam.release_handle("a0").await.expect("release");
-    clock.set(30_299);
-    assert!(matches!(
-        ipam.auto_assign(&v4("c0", "node-c", 1)).await,
-        Err(IpamError::Exhausted { .. })
-    ));
-    // Cooled at 30,300; empty long enough 10 s later.
-    clock.set(30_310);
+    // Cooled at 30,301 (the release's stamp, 300 s, and the second that stamp may hide);
+    // empty long enough 10 s later.
+    for still_waiting in [30_300, 30_310] {
+        clock.set(still_waiting);
+        assert!(
+            matches!(
+                ipam.auto_assign(&v4("c0", "node-c", 1)).await,
+                Err(IpamError::Exhausted { .. })
+            ),
+            "taken over at {still_waiting}"
+        );
+    }
+    clock.set(30_311);
     let (_, taken) = assign(&ipam, "c0", "node-c").await;
     assert_eq!(taken, block);
     assert_clean(&ipam).await;

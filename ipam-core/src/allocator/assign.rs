@@ -972,9 +972,7 @@ impl Ipam {
                 return Err(IpamError::AddressCooling {
                     ip: *ip,
                     released_at: cooling.released_at,
-                    cools_at: cooling
-                        .released_at
-                        .saturating_add(u64::from(lifetime.cooldown_seconds)),
+                    cools_at: lifetime.cooldown_end(cooling.released_at),
                 });
             }
             if reserved.contains(*ip) {

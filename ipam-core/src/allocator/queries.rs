@@ -103,10 +103,7 @@ impl Ipam {
                     .cooling
                     .iter()
                     .find(|c| Some(c.ordinal) == ordinal && !lifetime.cooled(c.released_at))
-                    .map(|c| {
-                        c.released_at
-                            .saturating_add(u64::from(lifetime.cooldown_seconds))
-                    });
+                    .map(|c| lifetime.cooldown_end(c.released_at));
             }
             status.block = Some((block.cidr, block.affinity));
             status.allocation = allocation;

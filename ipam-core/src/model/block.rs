@@ -160,11 +160,31 @@ pub struct Lifetime {
 }
 
 impl Lifetime {
-    /// Whether an address released at `released_at` has finished cooling. A release stamped in the
-    /// future (a releaser whose clock runs ahead) cools for that much longer.
+    /// Whether an address released at `released_at` has finished cooling (see [`cooldown_end`]).
+    /// A release stamped in the future (a releaser whose clock runs ahead) cools for that much
+    /// longer.
     pub fn cooled(&self, released_at: u64) -> bool {
-        released_at.saturating_add(u64::from(self.cooldown_seconds)) <= self.now
+        cooldown_end(released_at, self.cooldown_seconds) <= self.now
     }
+
+    /// The first whole second at which an address released at `released_at` has cooled.
+    pub fn cooldown_end(&self, released_at: u64) -> u64 {
+        cooldown_end(released_at, self.cooldown_seconds)
+    }
+}
+
+/// The first whole second at which an address released at `released_at` has cooled under a
+/// cooldown of `cooldown_seconds`. Times are whole seconds: an address released at 100.9 s is
+/// stamped 100, so with a 30 s cooldown it cools at 131, never before 30 s of real time have
+/// passed (at most 32). With no cooldown, an address still cooling from an earlier, longer one is
+/// cooled from its release.
+pub fn cooldown_end(released_at: u64, cooldown_seconds: u32) -> u64 {
+    if cooldown_seconds == 0 {
+        return released_at;
+    }
+    released_at
+        .saturating_add(u64::from(cooldown_seconds))
+        .saturating_add(1)
 }
 
 impl Block {
@@ -236,7 +256,7 @@ impl Block {
         Some(
             self.cooling
                 .iter()
-                .map(|c| c.released_at.saturating_add(u64::from(cooldown_seconds)))
+                .map(|c| cooldown_end(c.released_at, cooldown_seconds))
                 .fold(emptied, u64::max),
         )
     }

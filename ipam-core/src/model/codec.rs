@@ -7,7 +7,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use crate::model::error::IpamError;
 
 use crate::model::{
-    keys, Block, FORMAT_VERSION, NEWEST_OBJECT_LAYOUT, OLDEST_READABLE_FORMAT_VERSION,
+    cooldown_end, keys, Block, FORMAT_VERSION, NEWEST_OBJECT_LAYOUT, OLDEST_READABLE_FORMAT_VERSION,
 };
 
 fn bincode_config() -> impl bincode::config::Config {
@@ -111,7 +111,7 @@ impl ClaimEntry {
         }
         let emptied = self.emptied_at.unwrap_or(0);
         Some(match self.last_cooling_release {
-            Some(released) => emptied.max(released.saturating_add(u64::from(cooldown_seconds))),
+            Some(released) => emptied.max(cooldown_end(released, cooldown_seconds)),
             None => emptied,
         })
     }
