@@ -313,12 +313,18 @@ pub async fn allocations_on_reserved_addresses_are_left_alone_and_counted<F: Sto
     assert_clean(&ipam).await;
 }
 
-/// A reservation that does not decode is reported by `check` naming its key, and auto-assign
-/// refuses to guess (a corrupt-object error) rather than hand out what it might reserve.
+/// A reservation that does not decode is reported by `check` naming its key and the way out, the
+/// listing of each reservation shows it beside the others, and auto-assign refuses to guess (a
+/// corrupt-object error) rather than hand out what it might reserve.
 pub async fn corrupt_reservation_is_reported_by_check_and_stops_auto_assign<F: StoreFactory>(
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let kept = Reservation {
+        name: "vips".into(),
+        cidrs: vec!["10.0.0.5/32".parse().expect("cidr")],
+    };
+    ipam.add_reservation(&kept).await.expect("reserve");
     let key = reservation_key("broken");
     t.store
         .put(&key, vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff])
@@ -329,15 +335,31 @@ pub async fn corrupt_reservation_is_reported_by_check_and_stops_auto_assign<F: S
         report
             .problems
             .iter()
-            .any(|p| p.kind == kinds::CORRUPT_OBJECT && p.detail.contains(&key)),
-        "check must report {key}: {:#?}",
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT
+                && p.detail.contains(&key)
+                && p.detail
+                    .contains("`blockipamctl reservation delete broken`")),
+        "check must report {key} and the way out: {:#?}",
         report.problems
     );
+    let each = ipam.list_reservations_each().await.expect("list each");
+    assert_eq!(each.len(), 2, "{each:?}");
+    assert_eq!(each[0].0, "broken");
+    assert!(
+        matches!(&each[0].1, Err(IpamError::Corrupt { key: named, .. }) if *named == key),
+        "{each:?}"
+    );
+    assert_eq!(each[1], ("vips".to_owned(), Ok(kept.clone())));
+    match ipam.list_reservations().await {
+        Err(IpamError::Corrupt { key: named, .. }) => assert_eq!(named, key),
+        other => panic!("the whole listing must name the corrupt reservation, got {other:?}"),
+    }
     match ipam.auto_assign(&v4("h1", "node-a", 1)).await {
         Err(IpamError::Corrupt { key: named, .. }) => assert_eq!(named, key),
         other => panic!("auto-assign must stop at the corrupt reservation, got {other:?}"),
     }
     // The operator's way out: delete it.
     ipam.delete_reservation("broken").await.expect("delete");
+    assert_eq!(ipam.list_reservations().await.expect("list"), vec![kept]);
     assign_one(&ipam, "h1", "node-a").await;
 }

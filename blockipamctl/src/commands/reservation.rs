@@ -12,13 +12,17 @@ use crate::error::CtlError;
 use crate::output::{Outcome, Table};
 use crate::settings::OpenMode;
 
-/// One reservation as JSON: `{name, cidrs}` (Calico: `metadata.name`, `spec.reservedCIDRs`).
+/// One reservation as JSON: `{name, cidrs}` (Calico: `metadata.name`, `spec.reservedCIDRs`), and
+/// `error` for one that cannot be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ReservationJson {
     /// Its name.
     pub name: String,
     /// The reserved CIDRs, single addresses as /32 or /128.
     pub cidrs: Vec<String>,
+    /// Why the stored reservation cannot be read (then `cidrs` is empty): `check` reports it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl From<&Reservation> for ReservationJson {
@@ -26,9 +30,14 @@ impl From<&Reservation> for ReservationJson {
         ReservationJson {
             name: reservation.name.clone(),
             cidrs: reservation.cidrs.iter().map(|c| c.to_string()).collect(),
+            error: None,
         }
     }
 }
+
+/// What `reservation list` shows of a reservation that cannot be decoded.
+const UNDECODABLE_RESERVATION: &str =
+    "cannot be decoded: auto-assign fails until it is deleted or restored (see `blockipamctl check`)";
 
 /// `reservation add NAME CIDR|IP...`: validates before touching the store (a malformed address,
 /// a CIDR with host bits or a bad name is a usage error), then creates the reservation.
@@ -62,21 +71,38 @@ pub async fn add(
     Ok(Outcome::ok(to_json(&json)?, table))
 }
 
-/// `reservation list`.
+/// `reservation list`: every reservation, one that cannot be decoded included (named, with what is
+/// wrong).
 ///
 /// # Errors
-/// Store trouble; a reservation that does not decode.
+/// Store trouble.
 pub async fn list(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    let reservations = ipam.list_reservations().await?;
-    let json: Vec<ReservationJson> = reservations.iter().map(ReservationJson::from).collect();
+    let json: Vec<ReservationJson> = ipam
+        .list_reservations_each()
+        .await?
+        .into_iter()
+        .map(|(name, reservation)| match reservation {
+            Ok(reservation) => ReservationJson::from(&reservation),
+            Err(e) => ReservationJson {
+                name,
+                cidrs: Vec::new(),
+                error: Some(e.to_string()),
+            },
+        })
+        .collect();
     let table = if json.is_empty() {
         "No IP reservations. Create one with: blockipamctl reservation add <NAME> <CIDR|IP>...\n"
             .to_owned()
     } else {
         let mut table = Table::new(&["NAME", "CIDRS"]);
         for row in &json {
-            table.row(vec![row.name.clone(), row.cidrs.join(",")]);
+            let cidrs = if row.error.is_some() {
+                UNDECODABLE_RESERVATION.to_owned()
+            } else {
+                row.cidrs.join(",")
+            };
+            table.row(vec![row.name.clone(), cidrs]);
         }
         table.render()
     };

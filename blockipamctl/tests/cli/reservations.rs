@@ -1,10 +1,11 @@
 //! IP reservations through the real binaries on every backend: `reservation add|list|delete`
 //! (table, JSON, errors), the plugin's ADD skipping reserved addresses and wholly reserved blocks,
 //! an explicitly requested (`ipAddrs`) reserved address still assigned, and `show`'s RESERVED and
-//! FREE figures.
+//! FREE figures; a reservation that does not decode, listed, reported and deleted.
 
 use std::net::IpAddr;
 
+use ipam_core::reservations::reservation_key;
 use ipnet::IpNet;
 use serde_json::{json, Value};
 
@@ -202,3 +203,75 @@ fn reservations_keep_addresses_from_the_plugin(backend: Backend) {
 }
 
 on_every_backend!(reservations_keep_addresses_from_the_plugin);
+
+/// A reservation that cannot be decoded stops auto-assign everywhere: `reservation list` still
+/// lists every reservation, naming the damaged one and what is wrong, `check` names the command
+/// that removes it, and `reservation delete` does, after which the plugin's ADD works again.
+fn a_reservation_that_does_not_decode_is_listed_named_and_deleted(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.81.0.0/24", "--block-size", "28"])
+        .ok();
+    lab.ctl(&["reservation", "add", "vips", "10.81.0.5"]).ok();
+    lab.with_store(|store| async move {
+        store
+            .put(
+                &reservation_key("broken"),
+                vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+            )
+            .await
+            .expect("damage the reservation")
+    });
+    let (status, result) = lab.plugin_in(
+        "default",
+        "1.0.0",
+        "ADD",
+        "n1",
+        "c1",
+        json!({}),
+        Value::Null,
+    );
+    assert_ne!(
+        status, 0,
+        "auto-assign past a damaged reservation: {result}"
+    );
+    assert!(
+        result["msg"]
+            .as_str()
+            .is_some_and(|m| m.contains("ipam/v1/ipreservations/broken")),
+        "{result}"
+    );
+    let before = lab.snapshot();
+
+    let listed = lab.ctl(&["-o", "json", "reservation", "list"]).ok().json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed[0]["name"], "broken");
+    assert_eq!(listed[0]["cidrs"], json!([]));
+    assert!(
+        listed[0]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ipam/v1/ipreservations/broken")),
+        "{listed}"
+    );
+    assert_eq!(
+        listed[1],
+        json!({"name": "vips", "cidrs": ["10.81.0.5/32"]}),
+        "a sound reservation has no error field"
+    );
+    lab.ctl(&["reservation", "list"])
+        .ok()
+        .stdout_has("broken  cannot be decoded: auto-assign fails")
+        .stdout_has("vips    10.81.0.5/32");
+    lab.ctl(&["check"])
+        .expect_code(1)
+        .stdout_has("`blockipamctl reservation delete broken`");
+    assert_eq!(lab.snapshot(), before, "list and check write nothing");
+
+    lab.ctl(&["reservation", "delete", "broken"]).ok();
+    let listed = lab.ctl(&["-o", "json", "reservation", "list"]).ok().json();
+    assert_eq!(listed, json!([{"name": "vips", "cidrs": ["10.81.0.5/32"]}]));
+    let address = added(&lab, "n1", "c1", Value::Null);
+    assert_ne!(address, ip("10.81.0.5"), "the kept reservation still holds");
+    lab.ctl(&["check"]).ok();
+}
+
+on_every_backend!(a_reservation_that_does_not_decode_is_listed_named_and_deleted);

@@ -11,6 +11,7 @@ use crate::allocator::leaks::{AddressHolder, LiveDisagreements};
 use crate::allocator::{decode_stored, Ipam, Plan, Stored, ATTR_NODE};
 use crate::kv::{KvError, Read};
 use crate::model::error::IpamError;
+use crate::model::reservations::Reservation;
 use crate::model::{
     decode, decode_claim, encode, encode_claim, keys, Block, ClaimEntry, Family, Handle,
     IpamConfig, Pool,
@@ -755,11 +756,23 @@ impl Ipam {
                 Err(e) => corrupt(report, &kv.key, e),
             }
         }
+        // Read by every auto-assign (what it must pass over): one that does not decode stops
+        // every ADD that does not name its address, everywhere.
+        let reservations_prefix = keys::reservations_dir();
         for kv in &reservations {
-            if let Err(e) =
-                crate::model::reservations::decode_reservations(std::slice::from_ref(kv))
-            {
-                corrupt(report, &kv.key, e);
+            if let Err(e) = decode::<Reservation>(&kv.key, &kv.value) {
+                let name = kv.key.strip_prefix(&reservations_prefix).unwrap_or(&kv.key);
+                let way_out = format!(
+                    "every ADD that does not name its address (`IP=`, `ipAddrs`) fails until \
+                     it is restored from a backup, or deleted with \
+                     `blockipamctl reservation delete {name}` and made again with \
+                     `blockipamctl reservation add {name} <CIDR|IP>...`"
+                );
+                report.problem(
+                    kinds::CORRUPT_OBJECT,
+                    false,
+                    format!("{}: {e}; {way_out}", kv.key),
+                );
             }
         }
         // Read by every ADD in the namespace, and by every ADD on the node (its pools' node

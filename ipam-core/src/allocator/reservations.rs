@@ -4,8 +4,7 @@
 use crate::allocator::Ipam;
 use crate::model::error::IpamError;
 use crate::model::reservations::{
-    decode_reservations, reservation_key, reservations_dir, validate_reservation,
-    validate_reservation_name, Reservation,
+    reservation_key, reservations_dir, validate_reservation, validate_reservation_name, Reservation,
 };
 use crate::model::{decode, encode};
 
@@ -36,9 +35,31 @@ impl Ipam {
     /// # Errors
     /// [`IpamError::Corrupt`] naming a reservation that does not decode; store failures.
     pub async fn list_reservations(&self) -> Result<Vec<Reservation>, IpamError> {
-        let listed = self.store().list(&reservations_dir()).await?;
-        let mut reservations = decode_reservations(&listed)?;
-        reservations.sort_by(|a, b| a.name.cmp(&b.name));
+        self.list_reservations_each()
+            .await?
+            .into_iter()
+            .map(|(_, reservation)| reservation)
+            .collect()
+    }
+
+    /// Every reservation, sorted by name, each with what it reserves or, for one that cannot be
+    /// decoded, the corrupt-object error naming its key: one damaged reservation hides no other.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn list_reservations_each(
+        &self,
+    ) -> Result<Vec<(String, Result<Reservation, IpamError>)>, IpamError> {
+        let dir = reservations_dir();
+        let listed = self.store().list(&dir).await?;
+        let mut reservations: Vec<(String, Result<Reservation, IpamError>)> = listed
+            .iter()
+            .map(|kv| {
+                let name = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
+                (name, decode::<Reservation>(&kv.key, &kv.value))
+            })
+            .collect();
+        reservations.sort_by(|(a, _), (b, _)| a.cmp(b));
         Ok(reservations)
     }
 
