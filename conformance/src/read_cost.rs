@@ -16,7 +16,8 @@ use ipam_core::allocator::{AutoAssignRequest, AutoAssignResult, NamespaceLookup}
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
 use ipam_core::model::keys;
 use ipam_core::{
-    AllowedUse, Ipam, KeyValue, KvError, KvStore, MemoryStore, Op, Read, ReadResult, Revision, Txn,
+    AllowedUse, EmptyBlockFilter, Ipam, KeyValue, KvError, KvStore, MemoryStore, Op, Read,
+    ReadResult, Revision, Txn,
 };
 
 use crate::ipam::{assert_clean, holder, spec};
@@ -33,6 +34,7 @@ macro_rules! read_cost_conformance_tests {
             a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges,
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
+            the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
     };
 }
@@ -738,5 +740,70 @@ pub async fn a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction<F:
         "the second gateway is reserved"
     );
     steady(setup, 5..8).await;
+    assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// The release of empty blocks (`blocks release-empty`, the etcd agents' reclaimer pass) judges
+/// from the claim index: in a store of 1,040 blocks none of which is empty it reads no block's
+/// value; once one node has an empty block it reads that node's blocks (to know its newest) and
+/// no other node's.
+pub async fn the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = two_nodes(factory, Edges::Taken).await;
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let filter = EmptyBlockFilter {
+        older_than_seconds: 0,
+        only_unselected: false,
+    };
+    let blocks_read = |meter: &ReadMeter| -> Vec<String> {
+        meter
+            .take_keys()
+            .into_iter()
+            .filter(|key| key.starts_with(&keys::blocks_dir()))
+            .collect()
+    };
+    let found = ipam
+        .release_empty_blocks(filter, false)
+        .await
+        .expect("a pass with no empty block");
+    assert_eq!(found, Vec::new());
+    let read = blocks_read(&meter);
+    assert!(
+        read.is_empty(),
+        "no block is empty, yet {} blocks were read, the first {:?}",
+        read.len(),
+        read.first()
+    );
+
+    // The small node's open block loses its two pods.
+    let (node, blocks) = SMALL_NODE;
+    let filled = pods_filled(blocks, Edges::Taken);
+    for n in filled - 2..filled {
+        pod_del(&ipam, node, n).await;
+    }
+    meter.take_keys();
+    ipam.release_empty_blocks(filter, false)
+        .await
+        .expect("a pass with one empty block");
+    let read = blocks_read(&meter);
+    let others: Vec<&String> = read
+        .iter()
+        .filter(|key| !key.starts_with(&keys::host_blocks_dir(node)))
+        .collect();
+    assert!(
+        others.is_empty(),
+        "only {node}'s blocks, yet {} others were read, the first {:?}",
+        others.len(),
+        others.first()
+    );
+    assert_eq!(
+        read.len(),
+        blocks as usize,
+        "every block of {node}, whose newest decides"
+    );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
 }
