@@ -142,6 +142,7 @@ macro_rules! ipam_conformance_tests {
             config_round_trips_with_calico_defaults,
             steady_state_assign_is_one_read_and_one_transaction,
             corrupt_block_is_an_error_not_a_panic,
+            a_pool_object_that_does_not_decode_is_listed_reported_and_deleted_alone,
             corrupt_namespace_and_node_objects_are_reported_and_stop_only_their_adds,
             check_detects_broken_state_and_repair_fixes_it,
             check_reports_blocks_outside_pools_free_list_damage_and_misplaced_blocks,
@@ -1305,6 +1306,99 @@ pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F)
         ipam.release_handle("h").await,
         Err(IpamError::Corrupt { .. })
     ));
+}
+
+/// A pool object whose stored bytes are damaged stops every ADD; the listing of each pool shows
+/// it beside the others, `check` reports it with the way out, and deleting the object alone (its
+/// CIDR is unknown) keeps its blocks and their allocations, which a pool added again with its
+/// CIDR owns once more. A pool that decodes is not deleted that way.
+pub async fn a_pool_object_that_does_not_decode_is_listed_reported_and_deleted_alone<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "other", 26))
+        .await
+        .expect("second pool");
+    let held = ipam
+        .auto_assign(&v4("h", "node-a", 1))
+        .await
+        .expect("assign")
+        .v4[0]
+        .ip;
+    assert!(
+        net("10.0.0.0/24").contains(&held),
+        "{held} is in the pool damaged below"
+    );
+    let key = keys::pool("pool");
+    let stored = t.store.get(&key).await.expect("get").expect("the pool");
+    t.store
+        .put(&key, vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff])
+        .await
+        .expect("damage it");
+
+    match ipam.auto_assign(&v4("h2", "node-b", 1)).await {
+        Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
+        other => panic!("an ADD must stop at the damaged pool, got {other:?}"),
+    }
+    let (sound, damaged) = ipam.list_pools_each().await.expect("list each");
+    assert_eq!(
+        sound.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),
+        vec!["other"]
+    );
+    assert_eq!(damaged.len(), 1, "{damaged:?}");
+    assert_eq!(damaged[0].0, "pool");
+    assert!(
+        matches!(&damaged[0].1, IpamError::Corrupt { key: bad, .. } if *bad == key),
+        "{damaged:?}"
+    );
+    let report = ipam.check(false).await.expect("check");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT
+                && p.detail.contains(&key)
+                && p.detail.contains("`blockipamctl pool delete pool --force`")),
+        "{report:#?}"
+    );
+    assert!(
+        matches!(
+            ipam.delete_undecodable_pool("other").await,
+            Err(IpamError::InvalidArgument(_))
+        ),
+        "a sound pool is not deleted alone"
+    );
+    assert!(matches!(
+        ipam.delete_undecodable_pool("nope").await,
+        Err(IpamError::PoolNotFound(_))
+    ));
+
+    let damage = ipam
+        .delete_undecodable_pool("pool")
+        .await
+        .expect("delete the damaged object");
+    assert!(
+        matches!(&damage, IpamError::Corrupt { key: bad, .. } if *bad == key),
+        "{damage:?}"
+    );
+    assert_eq!(t.store.get(&key).await.expect("get"), None);
+    assert_eq!(
+        holder(&ipam, held).await,
+        None,
+        "outside every pool for now"
+    );
+    ipam.auto_assign(&v4("h2", "node-b", 1))
+        .await
+        .expect("ADDs work again, from the other pool");
+    // The pool added again as it was owns its block and allocation once more.
+    t.store
+        .put(&key, stored.value)
+        .await
+        .expect("the pool again");
+    assert_eq!(holder(&ipam, held).await, Some("h".to_owned()));
+    assert_clean(&ipam).await;
 }
 
 /// A namespace's pools setting or a node's labels whose stored bytes are damaged: `check` reports

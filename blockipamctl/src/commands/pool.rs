@@ -56,17 +56,36 @@ pub async fn add(settings: &DatastoreSettings, args: &PoolAddArgs) -> Result<Out
 /// Store trouble.
 pub async fn list(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    let pools = ipam.list_pools().await?;
-    let json: Vec<PoolJson> = pools.iter().map(PoolJson::from).collect();
-    let table = if pools.is_empty() {
+    let (pools, damaged) = ipam.list_pools_each().await?;
+    let json: Vec<PoolListed> = pools
+        .iter()
+        .map(|pool| PoolListed::Sound(PoolJson::from(pool)))
+        .chain(damaged.iter().map(|(name, e)| PoolListed::Damaged {
+            name: name.clone(),
+            error: e.to_string(),
+        }))
+        .collect();
+    let table = if json.is_empty() {
         "No IP pools. Create one with: blockipamctl pool add <CIDR>\n".to_owned()
     } else {
-        pools_table(&pools)
+        pools_table(&pools, &damaged)
     };
     Ok(Outcome::ok(to_json(&json)?, table))
 }
 
-fn pools_table(pools: &[Pool]) -> String {
+/// One entry of `pool list -o json`: a pool, or a pool object that cannot be decoded (its name,
+/// from its key, and what is wrong).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum PoolListed {
+    Sound(PoolJson),
+    Damaged { name: String, error: String },
+}
+
+/// The state `pool list` shows for a pool object that cannot be decoded.
+const UNDECODABLE_POOL: &str = "cannot be decoded";
+
+fn pools_table(pools: &[Pool], damaged: &[(String, IpamError)]) -> String {
     let mut table = Table::new(&[
         "NAME",
         "CIDR",
@@ -90,7 +109,22 @@ fn pools_table(pools: &[Pool]) -> String {
             pool.allowed_uses.to_string(),
         ]);
     }
-    table.render()
+    for (name, _) in damaged {
+        table.row(vec![
+            name.clone(),
+            "?".into(),
+            "?".into(),
+            UNDECODABLE_POOL.into(),
+        ]);
+    }
+    let mut text = table.render();
+    for (name, e) in damaged {
+        text.push_str(&format!(
+            "Pool {name} cannot be decoded ({e}): every ADD fails until it is restored; see \
+             `blockipamctl check`.\n"
+        ));
+    }
+    text
 }
 
 /// The pool settings given on the command line, validated before the store is touched: a
@@ -236,16 +270,21 @@ pub async fn delete(
     args: &PoolDeleteArgs,
 ) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    let deletion = ipam
-        .delete_pool(&args.pool, args.force)
-        .await
-        .map_err(|e| match e {
-            IpamError::PoolInUse { pool, in_use } => CtlError::failed(format!(
-                "IP pool {pool:?} still has {in_use} allocated addresses: release them first, \
+    let deletion = match ipam.delete_pool(&args.pool, args.force).await {
+        Err(IpamError::Corrupt { key, message })
+            if key == ipam_core::model::keys::pool(&args.pool) =>
+        {
+            return delete_undecodable(&ipam, &args.pool, args.force, &message).await;
+        }
+        other => other,
+    };
+    let deletion = deletion.map_err(|e| match e {
+        IpamError::PoolInUse { pool, in_use } => CtlError::failed(format!(
+            "IP pool {pool:?} still has {in_use} allocated addresses: release them first, \
                  or pass --force to release them and delete the pool"
-            )),
-            other => other.into(),
-        })?;
+        )),
+        other => other.into(),
+    })?;
     let naming = ipam.namespaces_naming_pool(&deletion.pool).await?;
     let table = format!(
         "Deleted IP pool {} ({}): released {}, deleted {}.\n{}",
@@ -260,6 +299,49 @@ pub async fn delete(
         released_addresses: deletion.released_addresses,
         deleted_blocks: deletion.deleted_blocks,
         named_by_namespaces: naming,
+    };
+    Ok(Outcome::ok(to_json(&json)?, table))
+}
+
+/// What `pool delete --force` prints as JSON for a pool object that could not be decoded.
+#[derive(Debug, Serialize)]
+struct UndecodableDeletionJson {
+    pool: PoolListed,
+    released_addresses: u64,
+    deleted_blocks: u64,
+}
+
+/// `pool delete NAME` of a pool whose object cannot be decoded: its CIDR is unknown, so none of
+/// its addresses can be counted or released. Without `--force`, nothing is deleted and the error
+/// says what `--force` does; with it, the object alone is deleted (ADDs work again) and its
+/// blocks and their allocations stay, until the pool is added again with its CIDR.
+async fn delete_undecodable(
+    ipam: &Ipam,
+    name: &str,
+    force: bool,
+    reason: &str,
+) -> Result<Outcome, CtlError> {
+    if !force {
+        return Err(CtlError::failed(format!(
+            "IP pool {name:?} cannot be decoded ({reason}), so its addresses cannot be counted: \
+             nothing deleted. Upgrade this tool if a newer blockipam wrote it, restore it from a \
+             backup, or pass --force to delete the pool object alone: its blocks and their allocations stay, outside every pool until it is added \
+             again with its CIDR"
+        )));
+    }
+    let damage = ipam.delete_undecodable_pool(name).await?;
+    let table = format!(
+        "Deleted the object of IP pool {name}, which could not be decoded: no address released, \
+         no block deleted. Its blocks and their allocations stay, outside every pool (`blockipamctl \
+         check` lists them), until the pool is added again with its CIDR and block size.\n"
+    );
+    let json = UndecodableDeletionJson {
+        pool: PoolListed::Damaged {
+            name: name.to_owned(),
+            error: damage.to_string(),
+        },
+        released_addresses: 0,
+        deleted_blocks: 0,
     };
     Ok(Outcome::ok(to_json(&json)?, table))
 }
@@ -302,7 +384,7 @@ pub async fn split(
         split.pools.len(),
         counted(split.blocks, "block stays", "blocks stay")
     );
-    table.push_str(&pools_table(&split.pools));
+    table.push_str(&pools_table(&split.pools, &[]));
     if !split.namespaces.is_empty() {
         table.push_str(&format!(
             "Namespace pools settings now naming the sub-pools: {}.\n",

@@ -1,10 +1,15 @@
-//! `pool add|list|enable|disable|delete` on every backend: JSON keys and values, tables, statuses.
+//! `pool add|list|enable|disable|delete` on every backend: JSON keys and values, tables, statuses;
+//! a pool object that does not decode, listed and deleted alone.
+
+use ipam_core::model::keys;
+use serde_json::{json, Value};
 
 use crate::common::{assert_columns_line_up, Backend, Lab};
 
 crate::on_every_backend!(
     pool_add_list_enable_disable_delete_round_trip,
     pool_delete_refuses_while_addresses_are_allocated_unless_forced,
+    a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced,
 );
 
 fn pool_add_list_enable_disable_delete_round_trip(backend: Backend) {
@@ -121,5 +126,123 @@ fn pool_delete_refuses_while_addresses_are_allocated_unless_forced(backend: Back
         lab.ctl(&["-o", "json", "pool", "list"]).ok().json(),
         serde_json::json!([])
     );
+    lab.ctl(&["check"]).ok();
+}
+
+/// A pool object that cannot be decoded: `pool list` lists it beside the others, `pool delete`
+/// refuses without `--force` (its addresses cannot be counted) and with it deletes the object
+/// alone; the pool added again with its CIDR owns its block and address once more.
+fn a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.82.0.0/24",
+        "--name",
+        "a",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.83.0.0/24",
+        "--name",
+        "b",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    let (status, result) = lab.plugin_in(
+        "default",
+        "1.0.0",
+        "ADD",
+        "n1",
+        "c1",
+        json!({}),
+        Value::Null,
+    );
+    assert_eq!(status, 0, "{result}");
+    let address = result["ips"][0]["address"]
+        .as_str()
+        .expect("an address")
+        .to_owned();
+    assert!(address.starts_with("10.82.0."), "{address}");
+    lab.with_store(|store| async move {
+        store
+            .put(
+                &keys::pool("a"),
+                vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+            )
+            .await
+            .expect("damage pool a")
+    });
+    let before = lab.snapshot();
+
+    let listed = lab.ctl(&["-o", "json", "pool", "list"]).ok().json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    assert_eq!(listed[0]["name"], "b");
+    assert_eq!(listed[0]["cidr"], "10.83.0.0/24");
+    assert_eq!(listed[1]["name"], "a");
+    assert!(
+        listed[1]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("ipam/v1/pools/a")),
+        "{listed}"
+    );
+    lab.ctl(&["pool", "list"])
+        .ok()
+        .stdout_has("cannot be decoded")
+        .stdout_has("Pool a cannot be decoded");
+    let refused = lab.ctl(&["pool", "delete", "a"]);
+    refused.expect_code(1);
+    assert!(
+        refused
+            .error_line()
+            .contains("pass --force to delete the pool object alone"),
+        "{}",
+        refused.error_line()
+    );
+    lab.ctl(&["check"])
+        .expect_code(1)
+        .stdout_has("`blockipamctl pool delete a --force`");
+    assert_eq!(
+        lab.snapshot(),
+        before,
+        "list, the refused delete and check write nothing"
+    );
+
+    let deleted = lab
+        .ctl(&["-o", "json", "pool", "delete", "a", "--force"])
+        .ok()
+        .json();
+    assert_eq!(deleted["pool"]["name"], "a");
+    assert_eq!(
+        (
+            deleted["released_addresses"].clone(),
+            deleted["deleted_blocks"].clone()
+        ),
+        (json!(0), json!(0)),
+        "{deleted}"
+    );
+    let listed = lab.ctl(&["-o", "json", "pool", "list"]).ok().json();
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    lab.ctl(&["check"])
+        .expect_code(1)
+        .stdout_has("block-outside-pools");
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.82.0.0/24",
+        "--name",
+        "a",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    let ip = address.split('/').next().expect("an address");
+    let shown = lab.ctl(&["-o", "json", "show", "--ip", ip]).ok().json();
+    assert_eq!(shown["allocated"], true, "{shown}");
     lab.ctl(&["check"]).ok();
 }

@@ -809,6 +809,9 @@ impl Ipam {
                 );
             }
         }
+        // Read by every ADD and most commands: one that does not decode stops them all. Its
+        // blocks live on without it, so it can be made again.
+        let pools_prefix = keys::pools_dir();
         for kv in pools {
             let key = kv.key.clone();
             match crate::model::decode_pool(&kv.key, &kv.value) {
@@ -817,7 +820,21 @@ impl Ipam {
                     key: kv.key,
                     revision: kv.revision,
                 }),
-                Err(e) => corrupt(report, &key, e),
+                Err(e) => {
+                    let name = key.strip_prefix(&pools_prefix).unwrap_or(&key);
+                    report.problem(
+                        kinds::CORRUPT_OBJECT,
+                        false,
+                        format!(
+                            "{key}: {e}; every ADD fails until it is restored from a backup; \
+                             without one, `blockipamctl pool delete {name} --force` deletes the \
+                             object alone, and the pool is added again with its CIDR and block \
+                             size (`blockipamctl pool add <CIDR> --name {name} --block-size <N>`, \
+                             then its other settings): its blocks, which `check` lists as outside \
+                             every pool meanwhile, and their allocations are its own again"
+                        ),
+                    );
+                }
             }
         }
         let mut unreadable = Vec::new();

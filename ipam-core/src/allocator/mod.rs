@@ -1110,13 +1110,7 @@ impl Ipam {
                 })
             })
             .collect::<Result<_, IpamError>>()?;
-        pools.sort_by_key(|p| {
-            (
-                Family::of_net(&p.value.cidr),
-                p.value.cidr.network(),
-                p.value.cidr.prefix_len(),
-            )
-        });
+        sort_pools(&mut pools);
         Ok(pools)
     }
 
@@ -1696,6 +1690,18 @@ fn allocations_of_handle(block: &Block, handle_id: &str) -> Result<Vec<Allocatio
     }
     Ok(found)
 }
+
+/// Sorts pools by family, then address, then prefix length: the order every listing gives.
+pub(crate) fn sort_pools(pools: &mut [Stored<Pool>]) {
+    pools.sort_by_key(|p| {
+        (
+            Family::of_net(&p.value.cidr),
+            p.value.cidr.network(),
+            p.value.cidr.prefix_len(),
+        )
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

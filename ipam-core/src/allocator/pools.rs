@@ -1,8 +1,8 @@
 //! Pools: creating, changing, deleting and reading IP pools, and the IPAM config.
 
 use super::{
-    decode_stored, next_got, next_listed, Attempt, Ipam, Plan, PoolChange, PoolDeletion,
-    PoolPolicy, PoolSpec, ReleaseRequest, Stored,
+    decode_stored, next_got, next_listed, sort_pools, Attempt, Ipam, Plan, PoolChange,
+    PoolDeletion, PoolPolicy, PoolSpec, ReleaseRequest, Stored,
 };
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
@@ -30,6 +30,60 @@ impl Ipam {
             .into_iter()
             .map(|p| p.value)
             .collect())
+    }
+
+    /// Deletes the object of pool `name` when it cannot be decoded (damaged bytes, or written by
+    /// a newer release), guarded by the revision read: nothing else is touched, so its blocks and
+    /// their allocations stay, outside every pool until a pool holding them is added again.
+    /// Returns the error the object gave.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid name or a pool object that decodes (delete
+    /// it with [`delete_pool`](Self::delete_pool)); [`IpamError::PoolNotFound`];
+    /// [`IpamError::RetriesExhausted`]; store failures.
+    pub async fn delete_undecodable_pool(&self, name: &str) -> Result<IpamError, IpamError> {
+        validate_pool_name(name)?;
+        let key = keys::pool(name);
+        self.retrying(|| async {
+            let Some(read) = self.store.get(&key).await? else {
+                return Err(IpamError::PoolNotFound(name.to_owned()));
+            };
+            let Err(damage) = crate::model::decode_pool(&key, &read.value) else {
+                return Err(IpamError::invalid(format!(
+                    "IP pool {name:?} can be decoded: delete it as any pool"
+                )));
+            };
+            let mut plan = self.plan();
+            plan.expect(&key, Some(read.revision));
+            plan.delete(&key);
+            self.commit_plan(plan, damage).await
+        })
+        .await
+    }
+
+    /// Every pool that decodes, sorted as [`list_pools`](Self::list_pools) sorts them, and, by
+    /// name, the corrupt-object error of each pool object that does not: one damaged pool hides
+    /// no other.
+    ///
+    /// # Errors
+    /// Store failures.
+    pub async fn list_pools_each(
+        &self,
+    ) -> Result<(Vec<Pool>, Vec<(String, IpamError)>), IpamError> {
+        let dir = keys::pools_dir();
+        let mut sound = Vec::new();
+        let mut damaged = Vec::new();
+        for kv in self.store.list(&dir).await? {
+            match Self::decode_pools(vec![kv.clone()]) {
+                Ok(decoded) => sound.extend(decoded),
+                Err(e) => {
+                    let name = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
+                    damaged.push((name, e));
+                }
+            }
+        }
+        sort_pools(&mut sound);
+        Ok((sound.into_iter().map(|p| p.value).collect(), damaged))
     }
 
     /// Finds a pool by name, or by CIDR.
