@@ -514,8 +514,8 @@ pub enum NodeCommand {
 /// `node label`.
 #[derive(Debug, Args)]
 #[command(
-    group(ArgGroup::new("change").required(true).multiple(true).args(["labels", "remove"])),
-    override_usage = "blockipamctl node label <HOST> [KEY=VALUE]... [--remove <KEY>]..."
+    group(ArgGroup::new("change").required(true).multiple(true).args(["labels", "remove", "replace"])),
+    override_usage = "blockipamctl node label <HOST> [KEY=VALUE]... [--remove <KEY>]...\n       blockipamctl node label <HOST> [KEY=VALUE]... --replace"
 )]
 pub struct NodeLabelArgs {
     /// The node (host) name, as the plugin records it.
@@ -527,6 +527,10 @@ pub struct NodeLabelArgs {
     /// A label to remove (repeat the flag for several); a label the node lacks is no error.
     #[arg(long, value_name = "KEY", action = clap::ArgAction::Append)]
     pub remove: Vec<String>,
+    /// Replace the node's labels whole with the KEY=VALUE given (none: remove them all), whatever
+    /// it had, a labels object that cannot be decoded included.
+    #[arg(long, conflicts_with = "remove")]
+    pub replace: bool,
 }
 
 /// `node show`.

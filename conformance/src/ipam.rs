@@ -1426,7 +1426,10 @@ pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their
             &namespace,
             "`blockipamctl namespace pools web` with --ipv4/--ipv6 or --clear",
         ),
-        (&node, "restored from a backup, or the key deleted"),
+        (
+            &node,
+            "`blockipamctl node label node-b <KEY=VALUE>... --replace`",
+        ),
     ] {
         assert!(
             report
@@ -1466,15 +1469,30 @@ pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their
     ipam.auto_assign(&in_namespace("h2", "node-a", "web"))
         .await
         .expect("the namespace's ADDs work again");
-    // The node's labels are never written over (the conformance case of node labels): restored
-    // from a backup, or the key deleted.
-    t.store
-        .delete(&node)
-        .await
-        .expect("delete the damaged object");
+    // A label update never writes over the node's labels (the conformance case of node
+    // labels); replacing them whole does.
+    let rack = [("rack".to_owned(), "r1".to_owned())];
+    assert_eq!(
+        ipam.replace_node_labels("node-b", &rack)
+            .await
+            .expect("replace the damaged labels"),
+        BTreeMap::from(rack.clone())
+    );
+    assert_eq!(
+        ipam.node_labels("node-b").await.expect("read"),
+        BTreeMap::from(rack)
+    );
     ipam.auto_assign(&v4("h3", "node-b", 1))
         .await
         .expect("the node's ADDs work again");
+    ipam.replace_node_labels("node-b", &[])
+        .await
+        .expect("replace them with none");
+    assert_eq!(
+        t.store.get(&node).await.expect("get"),
+        None,
+        "no labels, no object"
+    );
     assert_clean(&ipam).await;
 }
 

@@ -180,7 +180,8 @@ fn parse_label(argument: &str) -> Result<(String, String), CtlError> {
 }
 
 /// `node label`: every change is checked before the store is opened (a malformed label is a
-/// usage error), then applied in one compare-and-swap update.
+/// usage error), then applied in one compare-and-swap update; with `--replace`, the labels given
+/// replace whatever the node had.
 ///
 /// # Errors
 /// [`CtlError::Usage`] for an invalid host name or `-`, a malformed label or a key named twice;
@@ -197,7 +198,11 @@ pub async fn label(
         .collect::<Result<Vec<_>, _>>()?;
     validate_label_update(&set, &args.remove).map_err(|e| CtlError::usage(invalid_text(&e)))?;
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    let labels = ipam.set_node_labels(&args.host, &set, &args.remove).await?;
+    let labels = if args.replace {
+        ipam.replace_node_labels(&args.host, &set).await?
+    } else {
+        ipam.set_node_labels(&args.host, &set, &args.remove).await?
+    };
     let json = NodeLabelsJson {
         host: &args.host,
         labels: &labels,

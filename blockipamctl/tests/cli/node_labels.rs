@@ -1,5 +1,7 @@
-//! `node label HOST KEY=VALUE... [--remove KEY]...` and `node show HOST` on every backend.
+//! `node label HOST KEY=VALUE... [--remove KEY]... | --replace` and `node show HOST` on every
+//! backend.
 
+use ipam_core::nodes::node_key;
 use serde_json::json;
 
 use crate::common::{Backend, Lab};
@@ -7,6 +9,7 @@ use crate::common::{Backend, Lab};
 crate::on_every_backend!(
     node_label_sets_replaces_and_removes_and_node_show_prints_them,
     malformed_label_commands_are_usage_errors_and_change_nothing,
+    replace_writes_over_labels_that_do_not_decode_where_an_update_refuses,
 );
 
 fn node_label_sets_replaces_and_removes_and_node_show_prints_them(backend: Backend) {
@@ -165,4 +168,72 @@ fn malformed_label_commands_are_usage_errors_and_change_nothing(backend: Backend
             .json(),
         json!({"host": "host-a", "labels": {"rack": "r1"}})
     );
+}
+
+/// A node whose labels object cannot be decoded: an update (`KEY=VALUE`, `--remove`) refuses to
+/// guess what to keep and writes nothing, `check` names `--replace` as the way out, and
+/// `--replace` writes the labels given whole; with none given it removes the object.
+fn replace_writes_over_labels_that_do_not_decode_where_an_update_refuses(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.70.0.0/24"]).ok();
+    lab.with_store(|store| async move {
+        store
+            .put(
+                &node_key("host-a"),
+                vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff],
+            )
+            .await
+            .expect("damage host-a's labels")
+    });
+    let before = lab.snapshot();
+    let refused = lab.ctl(&["node", "label", "host-a", "rack=r1"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains("ipam/v1/nodes/host-a"),
+        "{}",
+        refused.error_line()
+    );
+    lab.ctl(&["check"])
+        .expect_code(1)
+        .stdout_has("`blockipamctl node label host-a <KEY=VALUE>... --replace`");
+    lab.ctl(&["node", "label", "host-a", "--replace", "--remove", "rack"])
+        .expect_code(2);
+    assert_eq!(lab.snapshot(), before, "refusals and check write nothing");
+
+    let replaced = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "node",
+            "label",
+            "host-a",
+            "rack=r1",
+            "zone=z1",
+            "--replace",
+        ])
+        .ok()
+        .json();
+    assert_eq!(
+        replaced,
+        json!({"host": "host-a", "labels": {"rack": "r1", "zone": "z1"}})
+    );
+    lab.ctl(&["check"]).ok();
+    lab.ctl(&["node", "label", "host-a", "zone=z2", "--replace"])
+        .ok()
+        .stdout_has("Node host-a now has 1 label:");
+    let shown = lab
+        .ctl(&["-o", "json", "node", "show", "host-a"])
+        .ok()
+        .json();
+    assert_eq!(
+        shown["labels"],
+        json!({"zone": "z2"}),
+        "the rest replaced too"
+    );
+    lab.ctl(&["node", "label", "host-a", "--replace"])
+        .ok()
+        .stdout_has("Node host-a now has no labels.");
+    let removed =
+        lab.with_store(|store| async move { store.get(&node_key("host-a")).await.expect("get") });
+    assert_eq!(removed, None, "no labels, no object");
 }

@@ -797,10 +797,10 @@ impl Ipam {
             if let Err(e) = crate::model::nodes::decode_node_labels(&kv.key, Some(kv)) {
                 let host = kv.key.strip_prefix(&nodes_prefix).unwrap_or(&kv.key);
                 let way_out = format!(
-                    "the ADDs on node {host} fail until it is restored from a backup, or the key \
-                     deleted (the node then has no labels: `blockipamctl node label {host}` sets \
-                     them again); a node gone from the cluster: `blockipamctl node retire {host}` \
-                     removes it with the rest"
+                    "the ADDs on node {host} fail until it is restored from a backup, or \
+                     replaced whole: `blockipamctl node label {host} <KEY=VALUE>... --replace` \
+                     (no labels given: none); a node gone from the cluster: `blockipamctl node \
+                     retire {host}` removes it with the rest"
                 );
                 report.problem(
                     kinds::CORRUPT_OBJECT,

@@ -78,6 +78,53 @@ impl Ipam {
         .await
     }
 
+    /// Replaces the labels of `host` whole with `labels` (none: the node's object is deleted),
+    /// whatever it held before, an object that cannot be decoded included (the way out
+    /// [`set_node_labels`](Self::set_node_labels) refuses to guess for): one write guarded by the
+    /// revision read, so an update made meanwhile is re-read and replaced as well. Returns the
+    /// node's labels afterwards.
+    ///
+    /// # Errors
+    /// [`IpamError::InvalidArgument`] for an invalid host name, label key or value, a key given
+    /// twice, or more than [`MAX_NODE_LABELS`] labels; [`IpamError::RetriesExhausted`]; store
+    /// failures. Nothing is written on error.
+    pub async fn replace_node_labels(
+        &self,
+        host: &str,
+        labels: &[(String, String)],
+    ) -> Result<BTreeMap<String, String>, IpamError> {
+        validate_host(host)?;
+        validate_label_update(labels, &[])?;
+        if labels.len() > MAX_NODE_LABELS {
+            return Err(IpamError::InvalidArgument(format!(
+                "node {host:?} would have {} labels, more than the {MAX_NODE_LABELS} allowed",
+                labels.len()
+            )));
+        }
+        let labels: BTreeMap<String, String> = labels.iter().cloned().collect();
+        let key = node_key(host);
+        self.retrying(|| async {
+            let read = self.store().get(&key).await?;
+            if decode_node_labels(&key, read.as_ref()).is_ok_and(|before| before == labels) {
+                return Ok(Attempt::Done(labels.clone()));
+            }
+            let mut plan = self.plan();
+            plan.expect(&key, read.as_ref().map(|kv| kv.revision));
+            if labels.is_empty() {
+                plan.delete(&key);
+            } else {
+                plan.put(
+                    &key,
+                    encode(&StoredNode {
+                        labels: labels.clone(),
+                    })?,
+                );
+            }
+            self.commit_plan(plan, labels.clone()).await
+        })
+        .await
+    }
+
     /// Every node that has labels, sorted by host name.
     ///
     /// # Errors
