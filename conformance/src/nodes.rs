@@ -226,7 +226,8 @@ pub async fn invalid_hosts_keys_values_and_duplicates_are_refused_and_write_noth
     );
 }
 
-/// An update that would leave more than [`MAX_NODE_LABELS`] labels is refused whole.
+/// An update or a replacement that would leave more than [`MAX_NODE_LABELS`] labels is refused
+/// whole.
 pub async fn more_labels_than_the_limit_are_refused_and_write_nothing<F: StoreFactory>(
     factory: &F,
 ) {
@@ -254,6 +255,22 @@ pub async fn more_labels_than_the_limit_are_refused_and_write_nothing<F: StoreFa
     )
     .await
     .expect("swap one label for another");
+    // Replacing them whole: the limit itself is allowed, one more is refused.
+    let mut over = full.clone();
+    over.push(("one-more".to_owned(), "x".to_owned()));
+    let before = t.store.list("").await.expect("snapshot");
+    assert_invalid(
+        ipam.replace_node_labels("node-1", &over).await,
+        &format!("{} labels", MAX_NODE_LABELS + 1),
+    );
+    assert_eq!(t.store.list("").await.expect("snapshot"), before);
+    assert_eq!(
+        ipam.replace_node_labels("node-1", &full)
+            .await
+            .expect("the limit itself is allowed")
+            .len(),
+        MAX_NODE_LABELS
+    );
 }
 
 /// Writers labelling one node at once each add their own label: the compare-and-swap retry
