@@ -282,6 +282,18 @@ impl Lab {
         self.plugin_at("1.0.0", command, node, container, ipam)
     }
 
+    /// The IPv4 address of a successful ADD by the real plugin for `container` (a pod of the
+    /// same name) on `node`, with the default netconf.
+    pub fn added(&self, node: &str, container: &str) -> IpAddr {
+        let (status, result) = self.plugin("ADD", node, container, serde_json::json!({}));
+        assert_eq!(status, 0, "ADD {container} on {node}: {result}");
+        result["ips"][0]["address"]
+            .as_str()
+            .and_then(|address| address.split('/').next())
+            .and_then(|address| address.parse().ok())
+            .unwrap_or_else(|| panic!("ADD {container} on {node} gave no IP address: {result}"))
+    }
+
     /// [`Lab::plugin`] with the netconf's `cniVersion` (STATUS and GC need 1.1.0).
     pub fn plugin_at(
         &self,

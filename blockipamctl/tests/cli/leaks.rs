@@ -27,18 +27,6 @@ fn unix_now() -> u64 {
         .as_secs()
 }
 
-/// An ADD by the real plugin for `container` (a pod of the same name) on `node`: its address.
-fn add(lab: &Lab, node: &str, container: &str) -> IpAddr {
-    let (status, result) = lab.plugin("ADD", node, container, json!({}));
-    assert_eq!(status, 0, "{result}");
-    let address = result["ips"][0]["address"].as_str().expect("an address");
-    address
-        .split('/')
-        .next()
-        .and_then(|a| a.parse().ok())
-        .expect("an IP address")
-}
-
 /// One look by the agent of node-a at `at`, the runtime running `live` (container ids with the
 /// addresses it reports for them).
 fn look(lab: &Lab, watch: &mut LeakWatch, at: u64, live: &[(&str, Vec<IpAddr>)]) -> LeakReport {
@@ -105,9 +93,9 @@ fn gc_leaks_shows_what_the_look_found_and_releases_only_what_is_due_with_apply(b
     let lab = Lab::new(backend);
     lab.ctl(&["pool", "add", "10.66.0.0/24", "--block-size", "28"])
         .ok();
-    let live = add(&lab, "node-a", "running");
-    let gone = add(&lab, "node-a", "vanished");
-    let elsewhere = add(&lab, "node-b", "vanished-elsewhere");
+    let live = lab.added("node-a", "running");
+    let gone = lab.added("node-a", "vanished");
+    let elsewhere = lab.added("node-b", "vanished-elsewhere");
     let report_path = lab.dir.path().join("leaks.json");
     let report_arg = report_path.display().to_string();
     // The plugin stamped each allocation now: the looks are placed after it, the first that
@@ -211,8 +199,8 @@ fn gc_leaks_refuses_to_apply_a_stale_an_unanswered_or_an_unproven_look(backend: 
     let lab = Lab::new(backend);
     lab.ctl(&["pool", "add", "10.67.0.0/24", "--block-size", "28"])
         .ok();
-    let live = add(&lab, "node-a", "running");
-    let gone = add(&lab, "node-a", "vanished");
+    let live = lab.added("node-a", "running");
+    let gone = lab.added("node-a", "vanished");
     let report_path = lab.dir.path().join("leaks.json");
     let report_arg = report_path.display().to_string();
     let before = lab.snapshot();

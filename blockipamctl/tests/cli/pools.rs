@@ -2,7 +2,7 @@
 //! a pool object that does not decode, listed and deleted alone.
 
 use ipam_core::model::keys;
-use serde_json::{json, Value};
+use serde_json::json;
 
 use crate::common::{assert_columns_line_up, Backend, Lab};
 
@@ -134,16 +134,19 @@ fn pool_delete_refuses_while_addresses_are_allocated_unless_forced(backend: Back
 /// alone; the pool added again with its CIDR owns its block and address once more.
 fn a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced(backend: Backend) {
     let lab = Lab::new(backend);
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.82.0.0/24",
-        "--name",
-        "a",
-        "--block-size",
-        "28",
-    ])
-    .ok();
+    let add_pool_a = || {
+        lab.ctl(&[
+            "pool",
+            "add",
+            "10.82.0.0/24",
+            "--name",
+            "a",
+            "--block-size",
+            "28",
+        ])
+        .ok();
+    };
+    add_pool_a();
     lab.ctl(&[
         "pool",
         "add",
@@ -154,21 +157,8 @@ fn a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced(ba
         "28",
     ])
     .ok();
-    let (status, result) = lab.plugin_in(
-        "default",
-        "1.0.0",
-        "ADD",
-        "n1",
-        "c1",
-        json!({}),
-        Value::Null,
-    );
-    assert_eq!(status, 0, "{result}");
-    let address = result["ips"][0]["address"]
-        .as_str()
-        .expect("an address")
-        .to_owned();
-    assert!(address.starts_with("10.82.0."), "{address}");
+    let address = lab.added("n1", "c1");
+    assert!(address.to_string().starts_with("10.82.0."), "{address}");
     lab.with_store(|store| async move {
         store
             .put(
@@ -231,18 +221,11 @@ fn a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced(ba
     lab.ctl(&["check"])
         .expect_code(1)
         .stdout_has("block-outside-pools");
-    lab.ctl(&[
-        "pool",
-        "add",
-        "10.82.0.0/24",
-        "--name",
-        "a",
-        "--block-size",
-        "28",
-    ])
-    .ok();
-    let ip = address.split('/').next().expect("an address");
-    let shown = lab.ctl(&["-o", "json", "show", "--ip", ip]).ok().json();
+    add_pool_a();
+    let shown = lab
+        .ctl(&["-o", "json", "show", "--ip", &address.to_string()])
+        .ok()
+        .json();
     assert_eq!(shown["allocated"], true, "{shown}");
     lab.ctl(&["check"]).ok();
 }

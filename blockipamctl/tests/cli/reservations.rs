@@ -221,15 +221,7 @@ fn a_reservation_that_does_not_decode_is_listed_named_and_deleted(backend: Backe
             .await
             .expect("damage the reservation")
     });
-    let (status, result) = lab.plugin_in(
-        "default",
-        "1.0.0",
-        "ADD",
-        "n1",
-        "c1",
-        json!({}),
-        Value::Null,
-    );
+    let (status, result) = lab.plugin("ADD", "n1", "c1", json!({}));
     assert_ne!(
         status, 0,
         "auto-assign past a damaged reservation: {result}"
@@ -269,7 +261,7 @@ fn a_reservation_that_does_not_decode_is_listed_named_and_deleted(backend: Backe
     lab.ctl(&["reservation", "delete", "broken"]).ok();
     let listed = lab.ctl(&["-o", "json", "reservation", "list"]).ok().json();
     assert_eq!(listed, json!([{"name": "vips", "cidrs": ["10.81.0.5/32"]}]));
-    let address = added(&lab, "n1", "c1", Value::Null);
+    let address = lab.added("n1", "c1");
     assert_ne!(address, ip("10.81.0.5"), "the kept reservation still holds");
     lab.ctl(&["check"]).ok();
 }

@@ -2,7 +2,7 @@
 //! compare-and-swap (the objects and their validation: `model::nodes`).
 
 use crate::allocator::Attempt;
-use crate::allocator::Ipam;
+use crate::allocator::{Ipam, Plan};
 use crate::model::error::IpamError;
 use crate::model::nodes::{
     decode_node_labels, node_key, nodes_dir, validate_label_update, NodeLabels, StoredNode,
@@ -63,16 +63,7 @@ impl Ipam {
             }
             let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
-            if labels.is_empty() {
-                plan.delete(&key);
-            } else {
-                plan.put(
-                    &key,
-                    encode(&StoredNode {
-                        labels: labels.clone(),
-                    })?,
-                );
-            }
+            write_node_labels(&mut plan, &key, &labels)?;
             self.commit_plan(plan, labels).await
         })
         .await
@@ -110,16 +101,7 @@ impl Ipam {
             }
             let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
-            if labels.is_empty() {
-                plan.delete(&key);
-            } else {
-                plan.put(
-                    &key,
-                    encode(&StoredNode {
-                        labels: labels.clone(),
-                    })?,
-                );
-            }
+            write_node_labels(&mut plan, &key, &labels)?;
             self.commit_plan(plan, labels.clone()).await
         })
         .await
@@ -182,4 +164,23 @@ impl Ipam {
         })
         .await
     }
+}
+
+/// Adds the write of a node's labels to `plan`: its object, or none when it has no labels.
+fn write_node_labels(
+    plan: &mut Plan,
+    key: &str,
+    labels: &BTreeMap<String, String>,
+) -> Result<(), IpamError> {
+    if labels.is_empty() {
+        plan.delete(key);
+    } else {
+        plan.put(
+            key,
+            encode(&StoredNode {
+                labels: labels.clone(),
+            })?,
+        );
+    }
+    Ok(())
 }
