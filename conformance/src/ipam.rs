@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use ipam_core::check::kinds;
+use ipam_core::check::{kinds, CheckReport};
 use ipam_core::model::keys;
 use ipam_core::Family;
 use ipam_core::{
@@ -50,6 +50,20 @@ pub(crate) async fn holder(ipam: &Ipam, address: IpAddr) -> Option<String> {
         .await
         .expect("who holds the address")
         .map(|info| info.handle)
+}
+
+/// Asserts `check` reported `key` as a corrupt object, not repairable, naming `way_out`.
+pub(crate) fn assert_reported_corrupt(report: &CheckReport, key: &str, way_out: &str) {
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::CORRUPT_OBJECT
+                && !p.repairable
+                && p.detail.contains(key)
+                && p.detail.contains(way_out)),
+        "check must report {key} and the way out {way_out:?}: {report:#?}"
+    );
 }
 
 pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
@@ -1353,15 +1367,10 @@ pub async fn a_pool_object_that_does_not_decode_is_listed_reported_and_deleted_a
         matches!(&damaged[0].1, IpamError::Corrupt { key: bad, .. } if *bad == key),
         "{damaged:?}"
     );
-    let report = ipam.check(false).await.expect("check");
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|p| p.kind == kinds::CORRUPT_OBJECT
-                && p.detail.contains(&key)
-                && p.detail.contains("`blockipamctl pool delete pool --force`")),
-        "{report:#?}"
+    assert_reported_corrupt(
+        &ipam.check(false).await.expect("check"),
+        &key,
+        "`blockipamctl pool delete pool --force`",
     );
     assert!(
         matches!(
@@ -1431,16 +1440,7 @@ pub async fn corrupt_namespace_and_node_objects_are_reported_and_stop_only_their
             "`blockipamctl node label node-b <KEY=VALUE>... --replace`",
         ),
     ] {
-        assert!(
-            report
-                .problems
-                .iter()
-                .any(|p| p.kind == kinds::CORRUPT_OBJECT
-                    && !p.repairable
-                    && p.detail.contains(key.as_str())
-                    && p.detail.contains(way_out)),
-            "check must report {key} and the way out: {report:#?}"
-        );
+        assert_reported_corrupt(&report, key, way_out);
     }
     let in_namespace = |handle: &str, host: &str, namespace: &str| AutoAssignRequest {
         namespace: Some(NamespaceLookup {

@@ -4,12 +4,13 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use ipam_core::check::kinds;
 use ipam_core::reservations::{reservation_key, reservations_dir, Reservation};
 use ipam_core::{AssignIpsRequest, Ipam, IpamConfig, IpamError};
 use ipnet::IpNet;
 
-use crate::ipam::{assert_clean, assign_one, holder, ip, ipam_with_pool, net, v4};
+use crate::ipam::{
+    assert_clean, assert_reported_corrupt, assign_one, holder, ip, ipam_with_pool, net, v4,
+};
 use crate::StoreFactory;
 
 /// Expands every reservation case into one `#[tokio::test]` inside a module `reservations`.
@@ -330,17 +331,10 @@ pub async fn corrupt_reservation_is_reported_by_check_and_stops_auto_assign<F: S
         .put(&key, vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff])
         .await
         .expect("put");
-    let report = ipam.check(false).await.expect("check");
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|p| p.kind == kinds::CORRUPT_OBJECT
-                && p.detail.contains(&key)
-                && p.detail
-                    .contains("`blockipamctl reservation delete broken`")),
-        "check must report {key} and the way out: {:#?}",
-        report.problems
+    assert_reported_corrupt(
+        &ipam.check(false).await.expect("check"),
+        &key,
+        "`blockipamctl reservation delete broken`",
     );
     let each = ipam.list_reservations_each().await.expect("list each");
     assert_eq!(each.len(), 2, "{each:?}");
