@@ -1384,10 +1384,23 @@ pub async fn a_pool_object_that_does_not_decode_is_listed_reported_and_deleted_a
         Err(IpamError::PoolNotFound(_))
     ));
 
+    let generation = || async {
+        t.store
+            .get(&keys::pool_generation())
+            .await
+            .expect("get")
+            .map(|kv| kv.revision)
+    };
+    let generation_before = generation().await;
     let damage = ipam
         .delete_undecodable_pool("pool")
         .await
         .expect("delete the damaged object");
+    assert_ne!(
+        generation().await,
+        generation_before,
+        "a pool write moves the pool generation"
+    );
     assert!(
         matches!(&damage, IpamError::Corrupt { key: bad, .. } if *bad == key),
         "{damage:?}"

@@ -45,15 +45,23 @@ impl Ipam {
         validate_pool_name(name)?;
         let key = keys::pool(name);
         self.retrying(|| async {
-            let Some(read) = self.store.get(&key).await? else {
+            let mut results = self
+                .store
+                .read_many(&[Read::Get(key.clone()), Read::Get(keys::pool_generation())])
+                .await?
+                .into_iter();
+            let Some(read) = next_got(&mut results)? else {
                 return Err(IpamError::PoolNotFound(name.to_owned()));
             };
+            let generation = next_got(&mut results)?;
             let Err(damage) = crate::model::decode_pool(&key, &read.value) else {
                 return Err(IpamError::invalid(format!(
                     "IP pool {name:?} can be decoded: delete it as any pool"
                 )));
             };
+            // A pool write like any other: the pool generation moves.
             let mut plan = self.plan();
+            self.bump_pool_generation(&mut plan, generation)?;
             plan.expect(&key, Some(read.revision));
             plan.delete(&key);
             self.commit_plan(plan, damage).await
