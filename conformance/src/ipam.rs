@@ -156,6 +156,7 @@ macro_rules! ipam_conformance_tests {
             config_round_trips_with_calico_defaults,
             steady_state_assign_is_one_read_and_one_transaction,
             corrupt_block_is_an_error_not_a_panic,
+            usage_and_address_status_name_the_objects_they_cannot_decode_and_count_the_rest,
             a_pool_object_that_does_not_decode_is_listed_reported_and_deleted_alone,
             corrupt_namespace_and_node_objects_are_reported_and_stop_only_their_adds,
             check_detects_broken_state_and_repair_fixes_it,
@@ -1320,6 +1321,121 @@ pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F)
         ipam.release_handle("h").await,
         Err(IpamError::Corrupt { .. })
     ));
+}
+
+/// One damaged object hides no other from the usage figures or from what is known of an address:
+/// a block, a pool and a reservation that cannot be decoded are each named, with what is wrong,
+/// and left out; everything else is counted as before, and once they are restored nothing is
+/// named.
+pub async fn usage_and_address_status_name_the_objects_they_cannot_decode_and_count_the_rest<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::reservations::Reservation;
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "other", 26))
+        .await
+        .expect("second pool");
+    let on_a = assign_one_allocation(&ipam, "a", "node-a").await;
+    let on_b = assign_one_allocation(&ipam, "b", "node-b").await;
+    for (name, cidr) in [
+        ("kept", on_b.block.to_string()),
+        ("lost", "10.0.0.250/32".into()),
+    ] {
+        ipam.add_reservation(&Reservation {
+            name: name.into(),
+            cidrs: vec![net(&cidr)],
+        })
+        .await
+        .expect("reserve");
+    }
+    let clean = ipam.utilization().await.expect("usage");
+    assert!(clean.undecodable.is_empty(), "{clean:#?}");
+    let block_key = keys::block(Some("node-a"), &on_a.block);
+    let damaged = [
+        block_key.clone(),
+        keys::pool("other"),
+        keys::reservation_key("lost"),
+    ];
+    let mut kept = Vec::new();
+    for key in &damaged {
+        let stored = t.store.get(key).await.expect("get").expect("exists");
+        kept.push(stored.value);
+        t.store
+            .put(key, b"garbage{".to_vec())
+            .await
+            .expect("damage it");
+    }
+    let mut named = damaged.to_vec();
+    named.sort();
+    for usage in [
+        ipam.utilization()
+            .await
+            .expect("usage past damaged objects"),
+        ipam.utilization_and_allocations()
+            .await
+            .expect("usage and allocations past damaged objects")
+            .0,
+    ] {
+        let keys_named: Vec<&str> = usage.undecodable.iter().map(|o| o.key.as_str()).collect();
+        assert_eq!(keys_named, named, "{usage:#?}");
+        assert!(
+            usage
+                .undecodable
+                .iter()
+                .all(|o| o.message.contains("format version")),
+            "each says what is wrong: {usage:#?}"
+        );
+        assert_eq!(
+            usage
+                .undecodable
+                .iter()
+                .filter_map(|o| o.block())
+                .collect::<Vec<_>>(),
+            vec![(Some("node-a"), on_a.block)],
+            "a damaged block's key still names its host and CIDR"
+        );
+        // The damaged pool is left out; the sound one counts its sound block and reservation.
+        assert_eq!(usage.pools.len(), 1, "{usage:#?}");
+        let pool = &usage.pools[0];
+        assert_eq!(pool.pool.name, "pool");
+        let blocks: Vec<IpNet> = pool.blocks.iter().map(|b| b.cidr).collect();
+        assert_eq!(blocks, vec![on_b.block]);
+        assert_eq!(pool.in_use, 1);
+        assert_eq!(pool.reserved, 64, "the sound reservation still counts");
+        assert_eq!(pool.free, 256 - 64);
+    }
+    let status = ipam.address_status(on_b.ip).await.expect("status");
+    assert_eq!(
+        status.allocation.as_ref().map(|a| a.handle.as_str()),
+        Some("b")
+    );
+    assert_eq!(status.reserved_by, vec!["kept".to_owned()]);
+    let status_named: Vec<&str> = status.undecodable.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(
+        status_named,
+        vec![keys::reservation_key("lost"), keys::pool("other")],
+        "an address's status names the pool and reservation objects it could not read"
+    );
+    // Who holds an address of the damaged block cannot be told past it.
+    match ipam.address_status(on_a.ip).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, block_key),
+        other => panic!("expected the block's corruption error, got {other:?}"),
+    }
+    for (key, value) in damaged.iter().zip(kept) {
+        t.store.put(key, value).await.expect("restore");
+    }
+    let restored = ipam.utilization().await.expect("usage");
+    assert!(restored.undecodable.is_empty(), "{restored:#?}");
+    assert_eq!(restored.pools.len(), 2);
+    assert_eq!(restored.pools[0].in_use, 2);
+    assert!(ipam
+        .address_status(on_b.ip)
+        .await
+        .expect("status")
+        .undecodable
+        .is_empty());
 }
 
 /// A pool object whose stored bytes are damaged stops every ADD; the listing of each pool shows

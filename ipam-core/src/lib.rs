@@ -18,7 +18,8 @@ pub use allocator::{
     AddressStatus, AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest,
     AutoAssignResult, BlockUsage, ChosenRelease, Clock, EmptyBlock, EmptyBlockFilter,
     EmptyBlockReason, HostRelease, Ipam, NamespaceLookup, PoolChange, PoolDeletion, PoolPolicy,
-    PoolSpec, PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, Utilization,
+    PoolSpec, PoolUsage, ReleaseOutcome, ReleaseRequest, RetryPolicy, UndecodableObject,
+    Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use ipam_core::model::keys;
 use ipam_core::{BlockUsage, Family, Ipam, IpamError, Pool, Utilization};
 use ipnet::IpNet;
 
@@ -24,6 +25,22 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     };
     let config = ipam.get_config().await.map_err(unreachable)?;
     let usage = ipam.utilization().await.map_err(unreachable)?;
+    // An object every ADD of this node reads stops them all; one they do not read (another
+    // node's block, a full block of this node) only leaves its block out of the room counted.
+    if let Some(object) = usage
+        .undecodable
+        .iter()
+        .find(|o| read_by_every_add(&o.key, node))
+    {
+        return Err(CniError::new(
+            codes::PLUGIN_NOT_AVAILABLE,
+            format!(
+                "node {node:?} cannot get an address while the IPAM object at {:?} cannot be \
+                 decoded ({}); `blockipamctl check` names the way out",
+                object.key, object.message
+            ),
+        ));
+    }
     let node_key = ipam_core::nodes::node_key(node);
     let labels = ipam_core::nodes::decode_node_labels(
         &node_key,
@@ -43,9 +60,11 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         .flat_map(|p| p.blocks.iter())
         .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
     let allocated: BTreeSet<IpAddr> = if skip_edges && ambiguous {
-        ipam.list_allocations()
+        // The allocations of the blocks that can be decoded (as the usage above).
+        ipam.utilization_and_allocations()
             .await
             .map_err(unreachable)?
+            .1
             .into_iter()
             .map(|a| a.ip)
             .collect()
@@ -77,6 +96,18 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         }
     }
     Ok(())
+}
+
+/// True when every auto-assign ADD of `node` reads the object at `key`: the pools, the
+/// reservations and the node's blocks with room.
+fn read_by_every_add(key: &str, node: &str) -> bool {
+    [
+        keys::pools_dir(),
+        keys::reservations_dir(),
+        keys::host_open_blocks_dir(node),
+    ]
+    .iter()
+    .any(|dir| key.starts_with(dir.as_str()))
 }
 
 /// The node STATUS answers for, and its labels (what pools' node selectors match).
@@ -199,18 +230,30 @@ fn family_available(
         return Ok(());
     }
     if config.auto_allocate_blocks {
+        // A block that cannot be decoded still takes its place in the pool and in the node's
+        // block count.
+        let undecodable: Vec<(Option<&str>, IpNet)> =
+            usage.undecodable.iter().filter_map(|o| o.block()).collect();
         let owned = usage
             .pools
             .iter()
             .filter(|p| p.pool.family() == family)
             .flat_map(|p| p.blocks.iter())
             .filter(|b| b.host.as_deref() == Some(node))
-            .count();
+            .count()
+            + undecodable
+                .iter()
+                .filter(|(host, cidr)| *host == Some(node) && Family::of_net(cidr) == family)
+                .count();
         let under_limit =
             config.max_blocks_per_host == 0 || owned < config.max_blocks_per_host as usize;
-        let room = candidates
-            .iter()
-            .any(|p| (p.blocks.len() as u128) < p.pool.block_count());
+        let room = candidates.iter().any(|p| {
+            let undecodable_here = undecodable
+                .iter()
+                .filter(|(_, cidr)| p.pool.cidr.contains(&cidr.network()))
+                .count();
+            ((p.blocks.len() + undecodable_here) as u128) < p.pool.block_count()
+        });
         if !under_limit {
             // The allocator refuses with a block-limit error before it would borrow.
             return Err(format!(

@@ -85,6 +85,8 @@ in_both_modes! {
     gc_without_valid_attachments_is_code_7,
     status_is_code_50_when_this_node_cannot_get_an_address,
     status_is_code_50_when_the_store_cannot_be_opened,
+    status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all_read,
+    status_counts_a_block_it_cannot_decode_as_taken,
     errors_carry_the_requests_spec_version,
     log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
     gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
@@ -880,6 +882,92 @@ fn status_is_code_50_when_this_node_cannot_get_an_address(mode: Mode) {
     let missing = sandbox.netconf("1.1.0", json!({"ipv4_pools": ["nope"], "pools": null}));
     let msg = cni("STATUS", "", "", &missing, &[]).assert_error(50, "missing pool");
     assert!(msg.contains("\"nope\" does not exist"), "{msg}");
+}
+
+/// One damaged object stops the STATUS of exactly the nodes whose ADDs it stops (a runtime marks
+/// a node's network not ready on a failed STATUS): another node's block does not, the node's own
+/// block with room does, a pool object does on every node; each failure names the key.
+fn status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all_read(mode: Mode) {
+    use ipam_core::model::keys;
+    let sandbox = Sandbox::in_mode(mode);
+    let here = sandbox.netconf("1.1.0", json!({}));
+    let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
+    cni("ADD", "a", "eth0", &here, &[]).success_json("a");
+    cni("ADD", "b", "eth0", &elsewhere, &[]).success_json("b");
+    let stored_under = |dir: String| -> Vec<(String, Vec<u8>)> {
+        let found: Vec<_> = sandbox
+            .snapshot()
+            .into_iter()
+            .filter(|(key, _)| key.starts_with(&dir))
+            .collect();
+        assert!(!found.is_empty(), "nothing stored under {dir}");
+        found
+    };
+    let write_each = |objects: &[(String, Vec<u8>)], damaged: bool| {
+        let objects = objects.to_vec();
+        sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+            for (key, value) in objects {
+                let value = if damaged { b"garbage{".to_vec() } else { value };
+                ipam.store().put(&key, value).await.expect("write");
+            }
+        });
+    };
+    let status_error = |netconf: &Value, what: &str, key: &str| {
+        let msg = cni("STATUS", "", "", netconf, &[]).assert_error(50, what);
+        assert!(
+            msg.contains(key) && msg.contains("blockipamctl check"),
+            "{what}: {msg}"
+        );
+    };
+    let node_b_blocks = stored_under(keys::host_open_blocks_dir("node-b"));
+    write_each(&node_b_blocks, true);
+    cni("STATUS", "", "", &here, &[]).assert_silent_success("past another node's block");
+    cni("ADD", "a2", "eth0", &here, &[]).success_json("node-a's ADD never reads it");
+    status_error(&elsewhere, "node-b's own block", &node_b_blocks[0].0);
+    cni("ADD", "b2", "eth0", &elsewhere, &[]).assert_error(108, "node-b's ADD reads it");
+    write_each(&node_b_blocks, false);
+    cni("STATUS", "", "", &elsewhere, &[]).assert_silent_success("node-b's block restored");
+    let pools = stored_under(keys::pools_dir());
+    write_each(&pools[..1], true);
+    for netconf in [&here, &elsewhere] {
+        status_error(netconf, "a pool object", &pools[0].0);
+    }
+    write_each(&pools[..1], false);
+    for netconf in [&here, &elsewhere] {
+        cni("STATUS", "", "", netconf, &[]).assert_silent_success("pool restored");
+    }
+}
+
+/// A block that cannot be decoded still takes its place in its pool: with every other block
+/// claimed and full, STATUS on a third node reports no free address, as its ADD fails.
+fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    // Two /30 blocks; with no gateway, each block's edges are never handed out.
+    let on = |node: &str| {
+        sandbox.netconf(
+            "1.1.0",
+            json!({"nodename": node, "gateway": null,
+                   "pools": [{"cidr": "10.244.9.0/29", "block_size": 30}]}),
+        )
+    };
+    for container in ["a1", "a2"] {
+        cni("ADD", container, "eth0", &on("node-a"), &[]).success_json(container);
+    }
+    cni("ADD", "b1", "eth0", &on("node-b"), &[]).success_json("b1");
+    cni("STATUS", "", "", &on("node-c"), &[]).assert_silent_success("node-b's block has room");
+    let prefix = ipam_core::model::keys::host_blocks_dir("node-b");
+    sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+        for kv in ipam.store().list(&prefix).await.expect("list") {
+            ipam.store()
+                .put(&kv.key, b"garbage{".to_vec())
+                .await
+                .expect("damage it");
+        }
+    });
+    let msg = cni("STATUS", "", "", &on("node-c"), &[]).assert_error(50, "no block to claim");
+    assert!(msg.contains("no free address"), "{msg}");
+    let add = cni("ADD", "c1", "eth0", &on("node-c"), &[]);
+    assert_ne!(add.status, 0, "node-c's ADD fails too: {add:?}");
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {

@@ -5,7 +5,7 @@ use std::net::IpAddr;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::allocator::ATTR_NODE;
-use ipam_core::{AllocationInfo, BlockUsage, Utilization};
+use ipam_core::{AllocationInfo, BlockUsage, UndecodableObject, Utilization};
 use serde::Serialize;
 
 use super::{open_ipam, state, to_json};
@@ -92,6 +92,9 @@ struct ShowJson {
     blocks: Option<Vec<BlockJson>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     borrowed: Option<Vec<BorrowedJson>>,
+    /// Objects left out of the figures because they cannot be decoded (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<UndecodableObject>,
 }
 
 #[derive(Debug, Serialize)]
@@ -108,6 +111,10 @@ struct IpJson {
     cooling_until: Option<u64>,
     /// The reservations that cover it, by name.
     reserved_by: Vec<String>,
+    /// Pool and reservation objects `pool` and `reserved_by` leave out because they cannot be
+    /// decoded (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<UndecodableObject>,
 }
 
 /// Pool usage rows for JSON.
@@ -146,6 +153,14 @@ fn all_blocks(usage: &Utilization) -> impl Iterator<Item = &BlockUsage> {
 /// The pool usage table.
 pub fn pools_table(usage: &Utilization) -> String {
     if usage.pools.is_empty() {
+        let pools_dir = ipam_core::model::keys::pools_dir();
+        if usage
+            .undecodable
+            .iter()
+            .any(|o| o.key.starts_with(&pools_dir))
+        {
+            return "No IP pool that can be decoded.\n".to_owned();
+        }
         return "No IP pools. Create one with: blockipamctl pool add <CIDR>\n".to_owned();
     }
     let mut table = Table::new(&[
@@ -212,6 +227,23 @@ pub fn blocks_table(usage: &Utilization) -> String {
     }
 }
 
+/// The objects left out of what is shown above because they cannot be decoded, each with what
+/// is wrong (empty when none).
+fn undecodable_text(objects: &[UndecodableObject], left_out_of: &str) -> String {
+    if objects.is_empty() {
+        return String::new();
+    }
+    let mut text = format!(
+        "\n{} object(s) cannot be decoded and are left out of {left_out_of} \
+         (`blockipamctl check` names the way out of each):\n",
+        objects.len()
+    );
+    for object in objects {
+        text.push_str(&format!("  {}: {}\n", object.key, object.message));
+    }
+    text
+}
+
 fn borrowed(allocations: Vec<AllocationInfo>) -> Vec<BorrowedJson> {
     allocations
         .into_iter()
@@ -275,23 +307,38 @@ pub async fn run(
         text.push('\n');
         text.push_str(&borrowed_table(rows));
     }
+    text.push_str(&undecodable_text(&usage.undecodable, "the figures above"));
     let json = ShowJson {
         pools: pools_json(&usage),
         blocks: args.blocks.then(|| blocks_json(&usage)),
         borrowed: borrowed_rows,
+        undecodable: usage.undecodable,
     };
     Ok(Outcome::ok(to_json(&json)?, text))
 }
 
 async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError> {
     let status = ipam.address_status(ip).await?;
-    let info = status.allocation;
+    let mut info = status.allocation;
     let pool = status.pool.map(|p| p.name);
     let (block, block_host) = match status.block {
         Some((cidr, host)) => (Some(cidr), host),
-        // In no pool: a block left from a deleted pool may still contain it.
+        // In no pool: a block left from a deleted pool may still contain it, and hold it.
         None if pool.is_none() => {
-            let usage = ipam.utilization().await?;
+            let (usage, allocations) = ipam.utilization_and_allocations().await?;
+            info = allocations.into_iter().find(|a| a.ip == ip);
+            // As for a block of a pool: who holds the address cannot be told past it.
+            if let Some(object) = usage
+                .undecodable
+                .iter()
+                .find(|o| o.block().is_some_and(|(_, cidr)| cidr.contains(&ip)))
+            {
+                return Err(ipam_core::IpamError::Corrupt {
+                    key: object.key.clone(),
+                    message: object.message.clone(),
+                }
+                .into());
+            }
             let found = all_blocks(&usage)
                 .find(|b| b.cidr.contains(&ip))
                 .map(|b| (Some(b.cidr), b.host.clone()));
@@ -310,6 +357,7 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
         sequence: info.as_ref().map(|a| a.sequence),
         cooling_until: status.cooling_until,
         reserved_by: status.reserved_by.clone(),
+        undecodable: status.undecodable,
     };
     let mut table = Table::new(&["FIELD", "VALUE"]);
     table.row(vec!["ip".into(), ip.to_string()]);
@@ -326,9 +374,19 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
             (None, _) => "- (no block holds this address yet)".into(),
         },
     ]);
+    let pools_dir = ipam_core::model::keys::pools_dir();
+    let in_no_pool = if json
+        .undecodable
+        .iter()
+        .any(|o| o.key.starts_with(&pools_dir))
+    {
+        "- (in no pool that can be decoded)"
+    } else {
+        "- (in no pool)"
+    };
     table.row(vec![
         "pool".into(),
-        pool.unwrap_or_else(|| "- (in no pool)".into()),
+        pool.unwrap_or_else(|| in_no_pool.into()),
     ]);
     if let Some(until) = status.cooling_until {
         table.row(vec![
@@ -354,5 +412,10 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
         }
         table.row(vec!["sequence".into(), a.sequence.to_string()]);
     }
-    Ok(Outcome::ok(to_json(&json)?, table.render()))
+    let mut text = table.render();
+    text.push_str(&undecodable_text(
+        &json.undecodable,
+        "its pool and reservations",
+    ));
+    Ok(Outcome::ok(to_json(&json)?, text))
 }

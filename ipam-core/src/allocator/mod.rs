@@ -216,6 +216,9 @@ pub struct AddressStatus {
     pub cooling_until: Option<u64>,
     /// The names of the reservations whose CIDRs contain it.
     pub reserved_by: Vec<String>,
+    /// Pool and reservation objects that could not be decoded, sorted by key: `pool` and
+    /// `reserved_by` leave them out.
+    pub undecodable: Vec<UndecodableObject>,
 }
 
 /// Everything known about one allocated address.
@@ -384,6 +387,37 @@ pub struct Utilization {
     pub pools: Vec<PoolUsage>,
     /// Blocks that lie in no pool.
     pub orphan_blocks: Vec<BlockUsage>,
+    /// Pool, block and reservation objects that could not be decoded, sorted by key: the figures
+    /// above leave them out (`check` reports each with its way out).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub undecodable: Vec<UndecodableObject>,
+}
+
+/// A stored object a listing could not decode, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UndecodableObject {
+    /// Its key.
+    pub key: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl UndecodableObject {
+    /// The object at `key` that failed to decode with `error`.
+    pub fn new(key: String, error: IpamError) -> Self {
+        let message = match error {
+            IpamError::Corrupt { message, .. } => message,
+            other => other.to_string(),
+        };
+        UndecodableObject { key, message }
+    }
+
+    /// When it is a block: the host its key says it is affine to (`None`: none) and its CIDR.
+    pub fn block(&self) -> Option<(Option<&str>, IpNet)> {
+        let affinity = keys::affinity_of_block_key(&self.key)?;
+        let (_, segment) = self.key.rsplit_once('/')?;
+        Some((affinity, keys::parse_cidr_segment(segment)?))
+    }
 }
 
 /// A decoded object with where and when it was read.

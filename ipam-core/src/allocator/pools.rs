@@ -8,9 +8,9 @@ use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::selector::Selector;
 use crate::model::{
-    default_pool_name, encode, keys, validate_new_pool_range, validate_pool_name, AllowedUses,
-    AssignmentMode, Block, Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE,
-    V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+    decode_pool, default_pool_name, encode, keys, validate_new_pool_range, validate_pool_name,
+    AllowedUses, AssignmentMode, Block, Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
+    DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 use ipnet::IpNet;
 use std::collections::BTreeSet;
@@ -82,8 +82,12 @@ impl Ipam {
         let mut sound = Vec::new();
         let mut damaged = Vec::new();
         for kv in self.store.list(&dir).await? {
-            match Self::decode_pools(vec![kv.clone()]) {
-                Ok(decoded) => sound.extend(decoded),
+            match decode_pool(&kv.key, &kv.value) {
+                Ok(pool) => sound.push(Stored {
+                    value: pool,
+                    key: kv.key,
+                    revision: kv.revision,
+                }),
                 Err(e) => {
                     let name = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
                     damaged.push((name, e));

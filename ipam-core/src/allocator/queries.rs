@@ -1,13 +1,14 @@
 //! Queries: who holds what (by handle, by address, everything) and utilization.
 
 use super::{
-    allocation_info, allocations_of, allocations_of_handle, decode_stored, learn_apart_from_handle,
-    load_all_owners_into, next_got, next_listed, AddressStatus, AllocationInfo, AssignedAddress,
-    Attempt, BlockUsage, Ipam, PoolUsage, Utilization,
+    allocation_info, allocations_of, allocations_of_handle, learn_apart_from_handle,
+    load_all_owners_into, next_got, next_listed, sort_pools, AddressStatus, AllocationInfo,
+    AssignedAddress, Attempt, BlockUsage, Ipam, PoolUsage, Stored, UndecodableObject, Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
-use crate::model::{keys, validate_handle, Block, Family, Pool};
+use crate::model::reservations::Reservation;
+use crate::model::{decode, decode_pool, keys, validate_handle, Block, Family, Pool};
 use ipnet::IpNet;
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -72,19 +73,28 @@ impl Ipam {
     /// Everything the allocator knows of one address: who holds it; when nobody does, the existing
     /// block of its pool that contains it and, while it is in IP cooldown, when that ends (the
     /// reason an `IP=` request for it is refused); and the reservations that cover it. Reads the
-    /// pools, the reservations, the config and that one block, whatever the store holds.
+    /// pools, the reservations, the config and that one block, whatever the store holds. A pool
+    /// or reservation object that cannot be decoded is named in
+    /// [`AddressStatus::undecodable`], and left out.
     ///
     /// # Errors
-    /// Store failures; corrupt objects.
+    /// Store failures; a config object, or the block that contains the address, that cannot be
+    /// decoded.
     pub async fn address_status(&self, ip: IpAddr) -> Result<AddressStatus, IpamError> {
-        let pools = self.list_pools().await?;
-        let reserved_by = self
-            .list_reservations()
-            .await?
+        let (pools, damaged_pools) = self.list_pools_each().await?;
+        let mut undecodable: Vec<UndecodableObject> = damaged_pools
             .into_iter()
-            .filter(|r| r.cidrs.iter().any(|cidr| cidr.contains(&ip)))
-            .map(|r| r.name)
+            .map(|(name, e)| UndecodableObject::new(keys::pool(&name), e))
             .collect();
+        let mut reserved_by = Vec::new();
+        for (name, reservation) in self.list_reservations_each().await? {
+            match reservation {
+                Ok(r) if r.cidrs.iter().any(|cidr| cidr.contains(&ip)) => reserved_by.push(name),
+                Ok(_) => {}
+                Err(e) => undecodable.push(UndecodableObject::new(keys::reservation_key(&name), e)),
+            }
+        }
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let lifetime = self.lifetime(&self.get_config().await?);
         let mut status = AddressStatus {
             pool: pools.iter().find(|p| p.cidr.contains(&ip)).cloned(),
@@ -92,6 +102,7 @@ impl Ipam {
             block: None,
             cooling_until: None,
             reserved_by,
+            undecodable,
         };
         let Some(pool) = &status.pool else {
             return Ok(status);
@@ -150,10 +161,12 @@ impl Ipam {
     }
 
     /// Per-pool and per-block capacity, use, reserved, cooling and free space (free: neither
-    /// allocated, reserved nor cooling), reservations and config read in the same batch.
+    /// allocated, reserved nor cooling), reservations and config read in the same batch. A pool,
+    /// block or reservation object that cannot be decoded is left out of the figures and named in
+    /// [`Utilization::undecodable`]: one damaged object hides no other.
     ///
     /// # Errors
-    /// Store failures; corrupt objects.
+    /// Store failures; a config object that cannot be decoded.
     pub async fn utilization(&self) -> Result<Utilization, IpamError> {
         Ok(self.read_utilization(false).await?.0)
     }
@@ -162,7 +175,8 @@ impl Ipam {
     /// one read of the blocks (callers that need both read every block once, not twice).
     ///
     /// # Errors
-    /// Store failures; corrupt objects.
+    /// Store failures; a config object, or an allocation's attributes kept apart, that cannot be
+    /// decoded.
     pub async fn utilization_and_allocations(
         &self,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
@@ -185,12 +199,35 @@ impl Ipam {
         }
         let results = self.store.read_many(&reads).await?;
         let mut results = results.into_iter();
-        let pools = Self::decode_pools(next_listed(&mut results)?)?;
-        let mut blocks: Vec<Block> = next_listed(&mut results)?
-            .into_iter()
-            .map(|kv| decode_stored::<Block>(kv).map(|s| s.value))
-            .collect::<Result<_, _>>()?;
-        let reservations = next_listed(&mut results)?;
+        // One object that does not decode hides no other: it is named, and left out.
+        let mut undecodable = Vec::new();
+        let mut pools = Vec::new();
+        for kv in next_listed(&mut results)? {
+            match decode_pool(&kv.key, &kv.value) {
+                Ok(value) => pools.push(Stored {
+                    value,
+                    key: kv.key,
+                    revision: kv.revision,
+                }),
+                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
+            }
+        }
+        sort_pools(&mut pools);
+        let mut blocks: Vec<Block> = Vec::new();
+        for kv in next_listed(&mut results)? {
+            match decode::<Block>(&kv.key, &kv.value) {
+                Ok(block) => blocks.push(block),
+                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
+            }
+        }
+        let mut reservations = Vec::new();
+        for kv in next_listed(&mut results)? {
+            match decode::<Reservation>(&kv.key, &kv.value) {
+                Ok(reservation) => reservations.push(reservation),
+                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
+            }
+        }
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let config = next_got(&mut results)?;
         let mut allocations = Vec::new();
         if with_allocations {
@@ -200,11 +237,14 @@ impl Ipam {
             }
             allocations.sort_by_key(|a| a.ip);
         }
-        let reserved = crate::model::reservations::ReservedRanges::from_listed(&reservations)?;
+        let reserved = crate::model::reservations::ReservedRanges::new(&reservations);
         let (config, _) = Self::decode_config(config)?;
         let lifetime = self.lifetime(&config);
         blocks.sort_by_key(|b| (Family::of_net(&b.cidr), b.cidr.network()));
-        let mut usage = Utilization::default();
+        let mut usage = Utilization {
+            undecodable,
+            ..Utilization::default()
+        };
         for pool in &pools {
             let pool_reserved = reserved.count_in(&pool.value.cidr);
             usage.pools.push(PoolUsage {
