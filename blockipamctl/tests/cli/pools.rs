@@ -221,6 +221,20 @@ fn a_pool_object_that_does_not_decode_is_listed_and_deleted_alone_when_forced(ba
     lab.ctl(&["check"])
         .expect_code(1)
         .stdout_has("block-outside-pools");
+    // Its address is still held, in a block that lies in no pool now.
+    let shown = lab
+        .ctl(&["-o", "json", "show", "--ip", &address.to_string()])
+        .ok()
+        .json();
+    assert_eq!(
+        (
+            shown["allocated"].clone(),
+            shown["handle"].clone(),
+            shown["pool"].clone()
+        ),
+        (json!(true), json!("fixture.c1"), json!(null)),
+        "{shown}"
+    );
     add_pool_a();
     let shown = lab
         .ctl(&["-o", "json", "show", "--ip", &address.to_string()])

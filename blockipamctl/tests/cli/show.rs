@@ -8,7 +8,10 @@ use serde_json::Value;
 
 use crate::common::{assert_columns_line_up, Backend, Lab};
 
-crate::on_every_backend!(show_reports_pools_blocks_borrowed_addresses_and_single_ips);
+crate::on_every_backend!(
+    show_reports_pools_blocks_borrowed_addresses_and_single_ips,
+    show_names_each_object_it_cannot_decode_and_shows_the_rest,
+);
 
 /// The address `offset` places after the start of `ip`'s /28 block.
 fn in_same_block(ip: IpAddr, offset: u8) -> IpAddr {
@@ -166,4 +169,99 @@ fn show_reports_pools_blocks_borrowed_addresses_and_single_ips(backend: Backend)
         (&Value::Null, &a["cidr"], &Value::Bool(false)),
         "{orphaned}"
     );
+}
+
+/// A block, a pool and a reservation that cannot be decoded: `show` and `show --ip` name each
+/// (table and JSON), show everything else, and write nothing; an address of the damaged block is
+/// refused naming its key.
+fn show_names_each_object_it_cannot_decode_and_shows_the_rest(backend: Backend) {
+    use ipam_core::model::keys;
+    let lab = Lab::new(backend);
+    for (cidr, name) in [("10.20.0.0/24", "p"), ("10.21.0.0/24", "q")] {
+        lab.ctl(&["pool", "add", cidr, "--name", name, "--block-size", "28"])
+            .ok();
+    }
+    lab.ctl(&["reservation", "add", "kept", "10.20.0.200/30"])
+        .ok();
+    lab.ctl(&["reservation", "add", "lost", "10.20.0.240/30"])
+        .ok();
+    let on_a = lab.added("host-a", "c1");
+    let on_b = lab.added("host-b", "c2");
+    let block_of_a = IpNet::new(on_a, 28).expect("a /28").trunc();
+    let damaged = [
+        keys::block(Some("host-a"), &block_of_a),
+        keys::pool("q"),
+        keys::reservation_key("lost"),
+    ];
+    let to_damage = damaged.to_vec();
+    lab.with_store(|store| async move {
+        for key in to_damage {
+            store
+                .put(&key, b"garbage{".to_vec())
+                .await
+                .expect("damage it");
+        }
+    });
+    let before = lab.snapshot();
+    let mut named = damaged.to_vec();
+    named.sort();
+
+    let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+    let keys_named: Vec<&str> = shown["undecodable"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no undecodable list: {shown}"))
+        .iter()
+        .filter_map(|o| o["key"].as_str())
+        .collect();
+    assert_eq!(keys_named, named, "{shown}");
+    assert_eq!(shown["pools"].as_array().map(Vec::len), Some(1), "{shown}");
+    assert_eq!(shown["pools"][0]["name"], "p");
+    assert_eq!(shown["pools"][0]["in_use"], 1, "host-b's address: {shown}");
+    assert_eq!(
+        shown["pools"][0]["reserved"], 4,
+        "the sound reservation: {shown}"
+    );
+    assert_eq!(
+        shown["blocks"].as_array().map(Vec::len),
+        Some(1),
+        "host-b's block: {shown}"
+    );
+    let table = lab.ctl(&["show"]).ok().stdout.clone();
+    assert!(
+        table.contains("3 object(s) cannot be decoded and are left out of the figures above")
+            && damaged.iter().all(|key| table.contains(key.as_str()))
+            && table.contains("format version"),
+        "{table}"
+    );
+    assert_columns_line_up(&table);
+
+    let status = lab
+        .ctl(&["-o", "json", "show", "--ip", &on_b.to_string()])
+        .ok()
+        .json();
+    assert_eq!(status["allocated"], true, "{status}");
+    assert_eq!(status["handle"], "fixture.c2", "{status}");
+    let status_named: Vec<&str> = status["undecodable"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no undecodable list: {status}"))
+        .iter()
+        .filter_map(|o| o["key"].as_str())
+        .collect();
+    assert_eq!(
+        status_named,
+        vec![keys::reservation_key("lost"), keys::pool("q")],
+        "{status}"
+    );
+    lab.ctl(&["show", "--ip", "10.21.0.5"])
+        .ok()
+        .stdout_has("- (in no pool that can be decoded)")
+        .stdout_has(&keys::pool("q"));
+    let refused = lab.ctl(&["show", "--ip", &on_a.to_string()]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains(&damaged[0]),
+        "{}",
+        refused.error_line()
+    );
+    assert_eq!(lab.snapshot(), before, "show writes nothing");
 }
