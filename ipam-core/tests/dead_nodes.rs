@@ -583,9 +583,10 @@ async fn survey_and_preview_write_nothing_and_count_what_a_reclaim_would_release
     let nodes = survey(store.as_ref()).await.expect("survey");
     assert_eq!(nodes.len(), 1);
     assert_eq!(nodes[0].state, NodeState::Missing { mark: None });
-    let previews = preview_release(Arc::clone(&store), &["node-a"])
+    let (previews, undecodable) = preview_release(Arc::clone(&store), &["node-a"])
         .await
         .expect("preview");
+    assert!(undecodable.is_empty(), "{undecodable:?}");
     assert_eq!(previews["node-a"].blocks, 2);
     assert_eq!(previews["node-a"].addresses, 70);
     assert_eq!(store.list("").await.expect("list"), before);

@@ -15,10 +15,10 @@ use ipam_core::dead_nodes::{
     preview_release, reclaim_pass, survey, MissingMark, NodeAction, NodeState, NodeStatus,
     ReclaimOptions, ReleasePreview,
 };
-use ipam_core::HostRelease;
+use ipam_core::{HostRelease, UndecodableObject};
 use serde::Serialize;
 
-use super::{open_ipam, to_json};
+use super::{open_ipam, to_json, undecodable_text};
 use crate::cli::GcArgs;
 use crate::error::CtlError;
 use crate::output::{counted, Ctx, Outcome, Table};
@@ -30,6 +30,10 @@ struct GcJson {
     grace_seconds: u64,
     applied: bool,
     nodes: Vec<NodeJson>,
+    /// Block objects that cannot be decoded: the `addresses` of `would_release` leave out what
+    /// they hold (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<UndecodableObject>,
 }
 
 #[derive(Debug, Serialize)]
@@ -171,6 +175,7 @@ pub async fn run(
     let nodes = survey(store.as_ref()).await?;
     let mut json_nodes: Vec<NodeJson> = nodes.iter().map(node_json).collect();
     let mut problems_found = false;
+    let mut left_out = Vec::new();
     let mut table =
         Table::new(&["NODE", "STATE", "BLOCKS", "ADDRESSES", "ACTION"]).right_align(&[2, 3]);
     if args.apply {
@@ -234,7 +239,8 @@ pub async fn run(
             .map(|n| n.host.as_str())
             .collect();
         ctx.progress("counting what a reclaim would release ...");
-        let previews = preview_release(Arc::clone(&store), &judged).await?;
+        let (previews, undecodable) = preview_release(Arc::clone(&store), &judged).await?;
+        left_out = undecodable;
         for (status, json) in nodes.iter().zip(json_nodes.iter_mut()) {
             json.would_release = previews.get(&status.host).copied();
             let (blocks, addresses, action) = match (status.state, json.would_release) {
@@ -298,10 +304,12 @@ pub async fn run(
             "\nRun again with --apply to mark missing nodes and release dead ones' blocks.\n",
         );
     }
+    text.push_str(&undecodable_text(&left_out, "the ADDRESSES counts"));
     let json = GcJson {
         grace_seconds: args.grace_seconds,
         applied: args.apply,
         nodes: json_nodes,
+        undecodable: left_out,
     };
     Ok(Outcome {
         json: to_json(&json)?,

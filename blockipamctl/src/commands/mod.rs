@@ -178,6 +178,26 @@ pub(crate) fn block_capacity(pool: &Pool) -> u128 {
     1u128.checked_shl(bits).unwrap_or(u128::MAX)
 }
 
+/// The objects left out of what is shown above because they cannot be decoded, each with what
+/// is wrong (empty when none).
+pub(crate) fn undecodable_text(
+    objects: &[ipam_core::UndecodableObject],
+    left_out_of: &str,
+) -> String {
+    if objects.is_empty() {
+        return String::new();
+    }
+    let mut text = format!(
+        "\n{} object(s) cannot be decoded and are left out of {left_out_of} \
+         (`blockipamctl check` names the way out of each):\n",
+        objects.len()
+    );
+    for object in objects {
+        text.push_str(&format!("  {}: {}\n", object.key, object.message));
+    }
+    text
+}
+
 /// Renders a JSON document for an [`Outcome`].
 pub(crate) fn to_json<T: Serialize>(value: &T) -> Result<String, CtlError> {
     serde_json::to_string_pretty(value)

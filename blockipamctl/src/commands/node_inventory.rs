@@ -12,12 +12,12 @@ use ipam_core::dead_nodes::{
     NodeState, NodeStatus, ReleasePreview,
 };
 use ipam_core::model::keys;
-use ipam_core::KvStore;
+use ipam_core::{KvStore, UndecodableObject};
 use serde::Serialize;
 
 use super::gc::{state_name, state_text};
 use super::pool::invalid_text;
-use super::{open_ipam, to_json};
+use super::{open_ipam, to_json, undecodable_text};
 use crate::cli::NodeRetireArgs;
 use crate::error::CtlError;
 use crate::output::{counted, Ctx, Outcome, Table};
@@ -78,6 +78,10 @@ fn hosts_under(dir: &str, keys: &[ipam_core::KeyValue]) -> BTreeSet<String> {
 #[derive(Debug, Serialize)]
 struct NodeListJson {
     nodes: Vec<NodeJson>,
+    /// Block objects that cannot be decoded: `addresses` leaves out what they hold (absent when
+    /// none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<UndecodableObject>,
 }
 
 #[derive(Debug, Serialize)]
@@ -128,9 +132,11 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
         .iter()
         .filter_map(|kv| block_host(&kv.key).map(str::to_owned))
         .collect();
+    // A block that does not decode hides no other's addresses: it is named below.
     let address_nodes: BTreeSet<String> = ipam
-        .list_allocations()
+        .list_allocations_each()
         .await?
+        .0
         .into_iter()
         .filter_map(|a| a.attributes.get(ATTR_NODE).cloned())
         .collect();
@@ -144,7 +150,7 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
         .filter(|host| validate_node(host).is_ok())
         .collect();
     let host_refs: Vec<&str> = hosts.iter().map(String::as_str).collect();
-    let held = preview_release(Arc::clone(&store), &host_refs).await?;
+    let (held, undecodable) = preview_release(Arc::clone(&store), &host_refs).await?;
     ctx.progress_done();
     let mut table =
         Table::new(&["NODE", "STATE", "BLOCKS", "ADDRESSES", "LABELS"]).right_align(&[2, 3]);
@@ -185,7 +191,7 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
             addresses,
         });
     }
-    let text = if nodes.is_empty() {
+    let mut text = if nodes.is_empty() {
         "The store knows no node (no registration, labels, block or address names one).\n".into()
     } else {
         format!(
@@ -194,7 +200,11 @@ pub async fn list(ctx: &mut Ctx<'_>, settings: &DatastoreSettings) -> Result<Out
             table.render()
         )
     };
-    Ok(Outcome::ok(to_json(&NodeListJson { nodes })?, text))
+    text.push_str(&undecodable_text(&undecodable, "the ADDRESSES counts"));
+    Ok(Outcome::ok(
+        to_json(&NodeListJson { nodes, undecodable })?,
+        text,
+    ))
 }
 
 #[derive(Debug, Serialize)]
@@ -213,6 +223,10 @@ struct RetireJson {
     /// With `--apply`: what was done.
     #[serde(skip_serializing_if = "Option::is_none")]
     retired: Option<RetiredJson>,
+    /// Block objects that cannot be decoded: `addresses` leaves out what they hold, and
+    /// `--apply` is refused while they are there (absent when none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<UndecodableObject>,
 }
 
 #[derive(Debug, Serialize)]
@@ -264,11 +278,8 @@ pub async fn retire(
         Err(e @ ipam_core::IpamError::Corrupt { .. }) => (BTreeMap::new(), Some(e.to_string())),
         Err(e) => return Err(e.into()),
     };
-    let held = preview_release(Arc::clone(&store), &[host])
-        .await?
-        .get(host)
-        .copied()
-        .unwrap_or_default();
+    let (previews, undecodable) = preview_release(Arc::clone(&store), &[host]).await?;
+    let held = previews.get(host).copied().unwrap_or_default();
     let mut json = RetireJson {
         node: host.to_owned(),
         state: liveness.state,
@@ -279,6 +290,7 @@ pub async fn retire(
         blocks: held.blocks,
         addresses: held.addresses,
         retired: None,
+        undecodable: undecodable.clone(),
     };
     let mut text = format!(
         "Node {host}, {}, holds {}, {}, {} and {}.\n",
@@ -299,10 +311,31 @@ pub async fn retire(
     if liveness.live {
         text.push_str("It is seen at work: retiring it anyway (--force).\n");
     }
+    text.push_str(&undecodable_text(&undecodable, "the address count"));
+    if !undecodable.is_empty() {
+        // Its addresses are found by the node attribute in every block: one that cannot be read
+        // may hold some, which a retire now would leave allocated with no way to tell.
+        text.push_str(
+            "--apply is refused until every block can be decoded: one that cannot may hold \
+             addresses of this node's pods.\n",
+        );
+    }
     if !args.apply {
         ctx.progress_done();
-        text.push_str("Nothing was changed: run again with --apply to remove all of it.\n");
+        text.push_str(if undecodable.is_empty() {
+            "Nothing was changed: run again with --apply to remove all of it.\n"
+        } else {
+            "Nothing was changed.\n"
+        });
         return Ok(Outcome::ok(to_json(&json)?, text));
+    }
+    if let Some(first) = undecodable.first() {
+        ctx.progress_done();
+        return Err(CtlError::failed(format!(
+            "node {host} is not retired: the block object at {:?} cannot be decoded ({}) and may \
+             hold addresses of its pods; nothing changed. `blockipamctl check` names the way out",
+            first.key, first.message
+        )));
     }
     ctx.progress(&format!("retiring node {host} ..."));
     let released = ipam.release_host(host, true).await?;

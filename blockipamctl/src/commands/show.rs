@@ -8,7 +8,7 @@ use ipam_core::allocator::ATTR_NODE;
 use ipam_core::{AllocationInfo, BlockUsage, UndecodableObject, Utilization};
 use serde::Serialize;
 
-use super::{open_ipam, state, to_json};
+use super::{open_ipam, state, to_json, undecodable_text};
 use crate::cli::ShowArgs;
 use crate::error::CtlError;
 use crate::output::{human_count, percent, yes_no, Ctx, Outcome, Table};
@@ -225,23 +225,6 @@ pub fn blocks_table(usage: &Utilization) -> String {
     } else {
         table.render()
     }
-}
-
-/// The objects left out of what is shown above because they cannot be decoded, each with what
-/// is wrong (empty when none).
-fn undecodable_text(objects: &[UndecodableObject], left_out_of: &str) -> String {
-    if objects.is_empty() {
-        return String::new();
-    }
-    let mut text = format!(
-        "\n{} object(s) cannot be decoded and are left out of {left_out_of} \
-         (`blockipamctl check` names the way out of each):\n",
-        objects.len()
-    );
-    for object in objects {
-        text.push_str(&format!("  {}: {}\n", object.key, object.message));
-    }
-    text
 }
 
 fn borrowed(allocations: Vec<AllocationInfo>) -> Vec<BorrowedJson> {

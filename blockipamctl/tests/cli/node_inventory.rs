@@ -12,6 +12,7 @@ crate::on_every_backend!(
     node_retire_previews_refuses_a_live_node_and_removes_everything,
     node_retire_refuses_an_active_node_and_retires_a_dead_one,
     node_list_and_retire_get_past_a_labels_object_that_does_not_decode,
+    node_list_gc_and_a_retire_preview_get_past_a_block_that_does_not_decode,
 );
 
 /// host-a: registered with a liveness key (alive), labelled, one address; host-b: registered
@@ -342,4 +343,83 @@ fn node_list_and_retire_get_past_a_labels_object_that_does_not_decode(backend: B
         json!({"rack": "r2", "zone": "z2"})
     );
     lab.ctl(&["check"]).ok();
+}
+
+/// One damaged block hides no node: `node list`, `gc --dead-nodes` and a `node retire` preview
+/// name it and count the rest; `node retire --apply` refuses (the block may hold the node's
+/// addresses) and changes nothing until it is restored.
+fn node_list_gc_and_a_retire_preview_get_past_a_block_that_does_not_decode(backend: Backend) {
+    use ipam_core::model::keys;
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.60.0.0/24", "--block-size", "28"])
+        .ok();
+    let (_, _, d) = populate(&lab);
+    let block_of_d = ipnet::IpNet::new(d.parse().expect("an address"), 28)
+        .expect("a /28")
+        .trunc();
+    let damaged = keys::block(Some("host-d"), &block_of_d);
+    let key = damaged.clone();
+    let kept = lab.with_store(|store| async move {
+        let kept = store.get(&key).await.expect("get").expect("host-d's block");
+        store
+            .put(&key, b"garbage{".to_vec())
+            .await
+            .expect("damage host-d's block");
+        kept.value
+    });
+    let before = lab.snapshot();
+    let named = |json: &Value| -> Vec<String> {
+        json["undecodable"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no undecodable list: {json}"))
+            .iter()
+            .filter_map(|o| o["key"].as_str().map(str::to_owned))
+            .collect()
+    };
+
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert_eq!(named(&list), vec![damaged.clone()]);
+    assert_eq!(list["nodes"].as_array().map(Vec::len), Some(4), "{list}");
+    assert_eq!(node_of(&list, "host-b")["addresses"], 2);
+    assert_eq!(
+        node_of(&list, "host-d")["blocks"],
+        1,
+        "its key still counts"
+    );
+    lab.ctl(&["node", "list"])
+        .ok()
+        .stdout_has("4 nodes:")
+        .stdout_has("left out of the ADDRESSES counts")
+        .stdout_has(&damaged);
+    let gc = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]).ok().json();
+    assert_eq!(named(&gc), vec![damaged.clone()]);
+    let preview = lab
+        .ctl(&["-o", "json", "node", "retire", "host-b"])
+        .ok()
+        .json();
+    assert_eq!(named(&preview), vec![damaged.clone()]);
+    assert_eq!(preview["addresses"], 2);
+    lab.ctl(&["node", "retire", "host-b"])
+        .ok()
+        .stdout_has("--apply is refused until every block can be decoded");
+    let refused = lab.ctl(&["node", "retire", "host-b", "--apply"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains(&damaged)
+            && refused
+                .error_line()
+                .contains("may hold addresses of its pods"),
+        "{}",
+        refused.error_line()
+    );
+    assert_eq!(lab.snapshot(), before, "nothing written");
+
+    let key = damaged.clone();
+    lab.with_store(|store| async move { store.put(&key, kept).await.expect("restore") });
+    lab.ctl(&["node", "retire", "host-b", "--apply"])
+        .ok()
+        .stdout_has("addresses released:          2");
+    let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
+    assert!(list.get("undecodable").is_none(), "{list}");
+    assert_eq!(node_of(&list, "host-d")["addresses"], 1);
 }

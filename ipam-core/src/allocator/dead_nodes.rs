@@ -34,7 +34,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{HostRelease, Ipam, ATTR_NODE};
+use crate::allocator::{HostRelease, Ipam, UndecodableObject, ATTR_NODE};
 use crate::kv::{Condition, KeyValue, KvError, KvStore, Op, Read, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::{keys, validate_host};
@@ -477,19 +477,22 @@ pub struct ReleasePreview {
 }
 
 /// What each of `hosts` holds now (one listing of every allocation, one listing of each host's
-/// blocks). Writes nothing.
+/// blocks), and each block object that cannot be decoded, whose addresses the counts leave out
+/// (its key still counts it among its host's blocks). Writes nothing.
 ///
 /// # Errors
-/// Store failures; corrupt objects.
+/// Store failures; an allocation's attributes kept apart that cannot be decoded.
 pub async fn preview_release(
     store: Arc<dyn KvStore>,
     hosts: &[&str],
-) -> Result<BTreeMap<String, ReleasePreview>, IpamError> {
+) -> Result<(BTreeMap<String, ReleasePreview>, Vec<UndecodableObject>), IpamError> {
     let mut previews = BTreeMap::new();
     if hosts.is_empty() {
-        return Ok(previews);
+        return Ok((previews, Vec::new()));
     }
-    let allocations = Ipam::new(Arc::clone(&store)).list_allocations().await?;
+    let (allocations, undecodable) = Ipam::new(Arc::clone(&store))
+        .list_allocations_each()
+        .await?;
     for host in hosts {
         let handles: BTreeSet<&str> = allocations
             .iter()
@@ -503,7 +506,7 @@ pub async fn preview_release(
         let blocks = store.list(&keys::host_blocks_dir(host)).await?.len() as u64;
         previews.insert((*host).to_owned(), ReleasePreview { blocks, addresses });
     }
-    Ok(previews)
+    Ok((previews, undecodable))
 }
 
 /// How a reclaim pass runs.

@@ -412,6 +412,14 @@ impl UndecodableObject {
         UndecodableObject { key, message }
     }
 
+    /// The corrupt-object error it stands for.
+    pub fn into_error(self) -> IpamError {
+        IpamError::Corrupt {
+            key: self.key,
+            message: self.message,
+        }
+    }
+
     /// When it is a block: the host its key says it is affine to (`None`: none) and its CIDR.
     pub fn block(&self) -> Option<(Option<&str>, IpNet)> {
         let affinity = keys::affinity_of_block_key(&self.key)?;
@@ -1477,12 +1485,15 @@ impl Ipam {
         })
     }
 
-    /// Every block in the store, the attributes it keeps apart loaded from the owner keys read in
-    /// the same snapshot.
+    /// Every block in the store that can be decoded, the attributes it keeps apart loaded from
+    /// the owner keys read in the same snapshot, and each block object that cannot be decoded
+    /// (sorted by key): one damaged block hides no other.
     ///
     /// # Errors
     /// As [`load_owners_into`]; store failures.
-    pub(crate) async fn all_blocks_with_attributes(&self) -> Result<Vec<Stored<Block>>, IpamError> {
+    pub(crate) async fn all_blocks_with_attributes_each(
+        &self,
+    ) -> Result<(Vec<Stored<Block>>, Vec<UndecodableObject>), IpamError> {
         let mut results = self
             .store
             .read_many(&[
@@ -1491,14 +1502,23 @@ impl Ipam {
             ])
             .await?
             .into_iter();
-        let blocks = next_listed(&mut results)?;
+        let listed = next_listed(&mut results)?;
         let owners = next_listed(&mut results)?;
-        let mut blocks: Vec<Stored<Block>> = blocks
-            .into_iter()
-            .map(decode_stored)
-            .collect::<Result<_, _>>()?;
+        let mut blocks: Vec<Stored<Block>> = Vec::with_capacity(listed.len());
+        let mut undecodable = Vec::new();
+        for kv in listed {
+            match decode(&kv.key, &kv.value) {
+                Ok(value) => blocks.push(Stored {
+                    value,
+                    key: kv.key,
+                    revision: kv.revision,
+                }),
+                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
+            }
+        }
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         load_all_owners_into(blocks.iter_mut().map(|stored| &mut stored.value), owners)?;
-        Ok(blocks)
+        Ok((blocks, undecodable))
     }
 
     /// Every block in the store.

@@ -152,12 +152,28 @@ impl Ipam {
     /// # Errors
     /// Store failures; corrupt objects.
     pub async fn list_allocations(&self) -> Result<Vec<AllocationInfo>, IpamError> {
+        let (all, undecodable) = self.list_allocations_each().await?;
+        match undecodable.into_iter().next() {
+            Some(first) => Err(first.into_error()),
+            None => Ok(all),
+        }
+    }
+
+    /// Every allocated address of the blocks that can be decoded, and each block object that
+    /// cannot (sorted by key): one damaged block hides no other's allocations.
+    ///
+    /// # Errors
+    /// Store failures; an allocation's attributes kept apart that cannot be decoded.
+    pub async fn list_allocations_each(
+        &self,
+    ) -> Result<(Vec<AllocationInfo>, Vec<UndecodableObject>), IpamError> {
+        let (blocks, undecodable) = self.all_blocks_with_attributes_each().await?;
         let mut all = Vec::new();
-        for stored in self.all_blocks_with_attributes().await? {
+        for stored in blocks {
             all.extend(allocations_of(&stored.value)?);
         }
         all.sort_by_key(|a| a.ip);
-        Ok(all)
+        Ok((all, undecodable))
     }
 
     /// Per-pool and per-block capacity, use, reserved, cooling and free space (free: neither
