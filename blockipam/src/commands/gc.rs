@@ -8,13 +8,14 @@ use ipam_core::{Ipam, ReleaseRequest};
 use super::{handle_id, ATTR_CONTAINER_ID, ATTR_INTERFACE, ATTR_NETWORK, ATTR_NODE, GC_BATCH};
 use crate::errors::from_ipam;
 use crate::netconf::NetConf;
-use crate::protocol::CniError;
+use crate::protocol::{codes, CniError};
 
 /// GC: releases every allocation of this network made on this node whose (container id,
 /// interface) is not in the valid attachments. Other nodes' allocations are never touched.
 ///
 /// # Errors
-/// Code 7 without `cni.dev/valid-attachments`; store failures.
+/// Code 7 without `cni.dev/valid-attachments`; store failures; code 108 after collecting the rest
+/// when a block object cannot be decoded.
 pub async fn gc(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<Vec<IpAddr>, CniError> {
     let Some(valid) = &conf.valid_attachments else {
         return Err(CniError::config(
@@ -26,7 +27,12 @@ pub async fn gc(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<Vec<IpAddr>, 
         .map(|a| (a.container_id.as_str(), a.ifname.as_str()))
         .collect();
     let valid_containers: BTreeSet<&str> = valid.iter().map(|a| a.container_id.as_str()).collect();
-    let all = ipam.list_allocations().await.map_err(|e| from_ipam(&e))?;
+    // A block that does not decode hides no other's allocations: the rest are collected, then
+    // the error names it (the spec: continue, remove as much as possible, report the errors).
+    let (all, undecodable) = ipam
+        .list_allocations_each()
+        .await
+        .map_err(|e| from_ipam(&e))?;
     let stale: Vec<ReleaseRequest> = all
         .iter()
         .filter(|a| a.attributes.get(ATTR_NODE).map(String::as_str) == Some(node))
@@ -61,5 +67,18 @@ pub async fn gc(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<Vec<IpAddr>, 
         released = released.len(),
         "garbage collection done"
     );
+    if let Some(first) = undecodable.first() {
+        return Err(CniError::new(
+            codes::STORE_CORRUPT,
+            format!(
+                "GC released {} stale address(es) but could not examine {} block object(s) that \
+                 cannot be decoded, first {:?} ({}); `blockipamctl check` names the way out",
+                released.len(),
+                undecodable.len(),
+                first.key,
+                first.message
+            ),
+        ));
+    }
     Ok(released)
 }

@@ -90,6 +90,7 @@ in_both_modes! {
     errors_carry_the_requests_spec_version,
     log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
     gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
+    gc_collects_past_a_block_it_cannot_decode_and_reports_it,
     check_compares_exactly_what_the_attachment_holds_with_prev_result,
     status_is_code_11_while_another_call_holds_the_node_lock,
 }
@@ -1054,6 +1055,61 @@ fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_nod
         6,
         "the reservations survive GC"
     );
+}
+
+/// A block that cannot be decoded (here another node's) hides no other block's stale
+/// allocations: GC releases them, then fails with code 108 naming the block; once it is restored
+/// GC succeeds.
+fn gc_collects_past_a_block_it_cannot_decode_and_reports_it(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    let here = sandbox.netconf("1.1.0", json!({}));
+    let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
+    cni("ADD", "a", "eth0", &here, &[]).success_json("a");
+    cni("ADD", "b", "eth0", &here, &[]).success_json("b");
+    cni("ADD", "r", "eth0", &elsewhere, &[]).success_json("r");
+    let prefix = ipam_core::model::keys::host_blocks_dir("node-b");
+    let kept = sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+        let blocks = ipam.store().list(&prefix).await.expect("list");
+        for kv in &blocks {
+            ipam.store()
+                .put(&kv.key, b"garbage{".to_vec())
+                .await
+                .expect("damage it");
+        }
+        blocks
+    });
+    assert!(!kept.is_empty(), "node-b has a block");
+    let mut gc = here.clone();
+    merge(
+        &mut gc,
+        json!({"cni.dev/valid-attachments": [{"containerID": "a", "ifname": "eth0"}]}),
+    );
+    let msg = cni("GC", "", "", &gc, &[]).assert_error(108, "GC past a damaged block");
+    assert!(
+        msg.contains(&kept[0].key) && msg.contains("GC released 1 stale address"),
+        "{msg}"
+    );
+    let left: Vec<String> = sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        let (readable, _) = ipam.list_allocations_each().await.expect("list");
+        readable
+            .into_iter()
+            .map(|a| a.handle)
+            .filter(|handle| !handle.ends_with(":gateway"))
+            .collect()
+    });
+    assert_eq!(left, vec!["testnet.a"], "b released; r unreadable");
+    sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+        for kv in kept {
+            ipam.store().put(&kv.key, kv.value).await.expect("restore");
+        }
+    });
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC, block restored");
+    let left: Vec<String> = sandbox
+        .container_allocations()
+        .into_iter()
+        .map(|(_, handle, _)| handle)
+        .collect();
+    assert_eq!(left, vec!["testnet.a", "testnet.r"]);
 }
 
 fn check_compares_exactly_what_the_attachment_holds_with_prev_result(mode: Mode) {
