@@ -969,6 +969,22 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     assert!(msg.contains("no free address"), "{msg}");
     let add = cni("ADD", "c1", "eth0", &on("node-c"), &[]);
     assert_ne!(add.status, 0, "node-c's ADD fails too: {add:?}");
+    // node-a's full block (which its ADDs do not read) counts toward its block limit.
+    let prefix = ipam_core::model::keys::host_full_blocks_dir("node-a");
+    sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+        let full = ipam.store().list(&prefix).await.expect("list");
+        assert_eq!(full.len(), 1, "node-a's block is full");
+        ipam.store()
+            .put(&full[0].key, b"garbage{".to_vec())
+            .await
+            .expect("damage it");
+        ipam.update_config(|config| config.max_blocks_per_host = 1)
+            .await
+            .expect("a limit of one block");
+    });
+    let msg = cni("STATUS", "", "", &on("node-a"), &[]).assert_error(50, "at the block limit");
+    assert!(msg.contains("per-node block limit is 1"), "{msg}");
+    cni("ADD", "a3", "eth0", &on("node-a"), &[]).assert_error(101, "node-a's ADD");
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {
