@@ -22,6 +22,7 @@ macro_rules! repair_conformance_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(repair, $crate::repair, $factory;
             repair_leaves_handles_alone_while_a_block_cannot_be_decoded,
+            a_handle_that_does_not_decode_is_rewritten_from_the_blocks_unless_one_is_unreadable,
             repair_is_held_back_by_a_damaged_entry_inside_a_handles_block,
             claim_entries_naming_another_host_or_free_count_are_reported_and_rewritten_from_the_blocks,
             repair_keeps_an_empty_block_its_host_still_holds,
@@ -906,4 +907,120 @@ pub async fn release_by_address_racing_a_pool_split_still_releases<F: StoreFacto
     assert!(outcome.not_allocated.is_empty(), "{outcome:?}");
     assert_eq!(direct.get_assignment(ip).await.expect("who holds it"), None);
     assert_clean(&direct).await;
+}
+
+/// A handle object that cannot be decoded stops its pod's DEL. Its blocks hold every address it
+/// records, so `check` reports it as a corrupt object the repair rewrites from them (never as a
+/// missing handle, which a report would let an operator release), and once nothing else is
+/// unreadable the repair writes over it at the revision read (one the blocks hold nothing for is
+/// deleted) and the DEL frees its addresses. While any block cannot be decoded, the blocks the
+/// handle names are unknown: every such repair is held back and nothing is written.
+pub async fn a_handle_that_does_not_decode_is_rewritten_from_the_blocks_unless_one_is_unreadable<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let held = ipam
+        .auto_assign(&v4("h", "node-a", 2))
+        .await
+        .expect("assign")
+        .v4;
+    let on_b = assign_one_allocation(&ipam, "hb", "node-b").await;
+    let damaged = b"garbage{".to_vec();
+    for id in ["h", "hb", "ghost"] {
+        t.store
+            .put(&keys::handle(id), damaged.clone())
+            .await
+            .expect("damage the handle");
+    }
+    let block_b = keys::block(Some("node-b"), &on_b.block);
+    let block_b_bytes = t
+        .store
+        .get(&block_b)
+        .await
+        .expect("get")
+        .expect("node-b's block")
+        .value;
+    t.store
+        .put(&block_b, damaged.clone())
+        .await
+        .expect("damage node-b's block");
+    match ipam.release_handle("h").await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, keys::handle("h")),
+        other => panic!("the DEL must stop at the damaged handle, got {other:?}"),
+    }
+    let problems_of = |report: &ipam_core::CheckReport, id: &str| {
+        report
+            .problems
+            .iter()
+            .filter(|p| {
+                p.handle.as_deref() == Some(id)
+                    || p.detail.starts_with(&format!("{}:", keys::handle(id)))
+            })
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+
+    // With node-b's block unreadable, "hb" looks empty from the blocks: deleting it would lose
+    // the address that block holds for it. Every damaged handle waits.
+    let before = contents(t.store.as_ref(), &keys::handles_dir()).await;
+    let report = ipam.check(true).await.expect("check --repair");
+    for id in ["h", "hb", "ghost"] {
+        let found = problems_of(&report, id);
+        assert_eq!(found.len(), 1, "{id}: {report:#?}");
+        assert_eq!(found[0].kind, kinds::CORRUPT_OBJECT);
+        assert!(
+            !found[0].repairable && found[0].detail.contains(&block_b),
+            "{id} is held back by the unreadable block: {report:#?}"
+        );
+    }
+    assert!(
+        report
+            .problems
+            .iter()
+            .all(|p| p.kind != kinds::MISSING_HANDLE),
+        "a damaged handle exists: {report:#?}"
+    );
+    assert!(report.repaired.is_empty(), "{report:#?}");
+    assert_eq!(
+        contents(t.store.as_ref(), &keys::handles_dir()).await,
+        before
+    );
+
+    t.store
+        .put(&block_b, block_b_bytes)
+        .await
+        .expect("restore node-b's block");
+    let report = ipam.check(false).await.expect("check");
+    let h = problems_of(&report, "h");
+    assert_eq!(h.len(), 1, "{report:#?}");
+    assert!(
+        h[0].repairable && h[0].detail.contains("rewrites it from them"),
+        "{report:#?}"
+    );
+    assert_eq!(h[0].addresses.len(), 2, "{report:#?}");
+    let ghost = problems_of(&report, "ghost");
+    assert!(
+        ghost.len() == 1 && ghost[0].repairable && ghost[0].detail.contains("deletes it"),
+        "{report:#?}"
+    );
+    let repaired = ipam.check(true).await.expect("repair");
+    assert_eq!(repaired.repaired.len(), 3, "{repaired:#?}");
+    assert_clean(&ipam).await;
+    assert!(t
+        .store
+        .get(&keys::handle("ghost"))
+        .await
+        .expect("get")
+        .is_none());
+    let mut freed = ipam.release_handle("h").await.expect("the DEL works again");
+    freed.sort();
+    let mut wanted: Vec<_> = held.iter().map(|a| a.ip).collect();
+    wanted.sort();
+    assert_eq!(freed, wanted);
+    assert_eq!(
+        ipam.release_handle("hb").await.expect("hb's DEL"),
+        vec![on_b.ip]
+    );
 }

@@ -13,6 +13,7 @@ use crate::common::{Backend, Lab};
 crate::on_every_backend!(
     check_finds_a_broken_store_and_repair_fixes_it,
     check_exits_1_when_what_is_wrong_cannot_be_repaired,
+    a_pods_handle_that_does_not_decode_is_rewritten_by_repair_and_its_del_then_frees_it,
 );
 
 fn kinds_of(report: &Value) -> Vec<String> {
@@ -176,4 +177,50 @@ fn check_exits_1_when_what_is_wrong_cannot_be_repaired(backend: Backend) {
     lab.ctl(&["check", "--repair"])
         .expect_code(1)
         .stdout_has("1 problem remain");
+}
+
+/// A pod whose handle object is damaged cannot be deleted (its DEL fails with 108, and a runtime
+/// retries it for ever). `check` names the key and the way out, `check --repair` rewrites the
+/// handle from the blocks, and the pod's DEL then frees its address.
+fn a_pods_handle_that_does_not_decode_is_rewritten_by_repair_and_its_del_then_frees_it(
+    backend: Backend,
+) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.40.0.0/24", "--block-size", "28"])
+        .ok();
+    let address = lab.added("n1", "c1").to_string();
+    lab.with_store(|store| async move {
+        store
+            .put(&keys::handle("fixture.c1"), b"garbage{".to_vec())
+            .await
+            .expect("damage the handle")
+    });
+    let (status, failed) = lab.plugin("DEL", "n1", "c1", serde_json::json!({}));
+    assert_eq!(
+        (status, failed["code"].clone()),
+        (1, serde_json::json!(108)),
+        "{failed}"
+    );
+
+    let report = lab.ctl(&["-o", "json", "check"]);
+    report.expect_code(1);
+    let report = report.json();
+    assert_eq!(kinds_of(&report), vec![kinds::CORRUPT_OBJECT], "{report}");
+    let problem = &report["problems"][0];
+    assert_eq!(problem["repairable"], true, "{report}");
+    assert_eq!(problem["handle"], "fixture.c1", "{report}");
+    assert!(
+        problem["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("ipam/v1/handles/fixture.c1")
+                && d.contains("`blockipamctl check --repair` rewrites it from them")),
+        "{report}"
+    );
+    lab.ctl(&["check", "--repair"]).ok();
+    lab.ctl(&["check"]).ok();
+    let (status, freed) = lab.plugin("DEL", "n1", "c1", serde_json::json!({}));
+    assert_eq!(status, 0, "{freed}");
+    lab.ctl(&["show", "--ip", &address])
+        .ok()
+        .stdout_has("allocated  no");
 }

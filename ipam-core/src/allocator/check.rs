@@ -380,6 +380,9 @@ struct Snapshot {
     blocks: Vec<Stored<Block>>,
     claims: BTreeMap<IpNet, Stored<ClaimEntry>>,
     handles: BTreeMap<String, Stored<Handle>>,
+    /// Handles that failed to decode, by id: their key, the revision read and why. A handle is
+    /// rebuilt from the blocks, which hold every address it records.
+    undecodable_handles: BTreeMap<String, (String, crate::kv::Revision, String)>,
     /// Blocks and claim index entries that failed to decode, and blocks whose apart attributes
     /// could not all be read: what they hold is unknown.
     unreadable: Vec<Unreadable>,
@@ -411,6 +414,12 @@ impl Snapshot {
                     .any(|c| c.contains(&bad.network()) || bad.contains(&c.network())),
             })
             .map(|u| u.key.as_str())
+    }
+
+    /// The key of the first undecodable block or claim index entry, if any: what holds back the
+    /// repair of a handle whose own record cannot be decoded (the blocks it names are unknown).
+    fn any_unreadable(&self) -> Option<&str> {
+        self.unreadable.first().map(|u| u.key.as_str())
     }
 
     /// The CIDRs a repair of handle `id` touches: those it records and those the blocks hold for it.
@@ -634,6 +643,7 @@ impl Ipam {
                     .filter(|id| !snapshot.handles.contains_key(*id))
                     .map(String::as_str),
             )
+            .chain(snapshot.undecodable_handles.keys().map(String::as_str))
             .collect();
         let mut addresses = snapshot.addresses_of_handles(&handles_with_problems);
         for (id, stored) in &snapshot.handles {
@@ -658,8 +668,38 @@ impl Ipam {
                 );
             }
         }
+        for (id, (key, _, error)) in &snapshot.undecodable_handles {
+            report.handles_checked += 1;
+            let expected = expected_handles.get(id).cloned().unwrap_or_default();
+            // Which blocks it records is unknown: any block that cannot be decoded may hold its
+            // addresses.
+            let held_back = snapshot.any_unreadable();
+            let way_out = if expected.blocks.is_empty() {
+                "the blocks hold no address for it: `blockipamctl check --repair` deletes it"
+                    .to_owned()
+            } else {
+                format!(
+                    "the blocks hold {}: `blockipamctl check --repair` rewrites it from them, so \
+                     the pod's DEL releases its addresses",
+                    handle_text(&expected)
+                )
+            };
+            report.problems.push(
+                Problem::new(
+                    kinds::CORRUPT_OBJECT,
+                    held_back.is_none(),
+                    format!(
+                        "{key}: {error}; {way_out}{}",
+                        held_back.map(held_back_note).unwrap_or_default()
+                    ),
+                )
+                .with_handle(id)
+                .with_addresses(addresses.remove(id).unwrap_or_default()),
+            );
+        }
         for (id, expected) in &expected_handles {
-            if !snapshot.handles.contains_key(id) {
+            if !snapshot.handles.contains_key(id) && !snapshot.undecodable_handles.contains_key(id)
+            {
                 let held_back = snapshot.holding_back(expected.blocks.keys());
                 report.problems.push(
                     Problem::new(
@@ -720,6 +760,7 @@ impl Ipam {
             blocks: Vec::new(),
             claims: BTreeMap::new(),
             handles: BTreeMap::new(),
+            undecodable_handles: BTreeMap::new(),
             unreadable: Vec::new(),
             orphaned_owner_keys: Vec::new(),
         };
@@ -885,11 +926,17 @@ impl Ipam {
                 .strip_prefix(&keys::handles_dir())
                 .unwrap_or(&key)
                 .to_owned();
+            let revision = kv.revision;
             match decode_stored::<Handle>(kv) {
                 Ok(h) => {
                     snapshot.handles.insert(id, h);
                 }
-                Err(e) => corrupt(report, &key, e),
+                // Reported with the blocks' view of it, in `check`.
+                Err(e) => {
+                    snapshot
+                        .undecodable_handles
+                        .insert(id, (key, revision, e.to_string()));
+                }
             }
         }
         Ok(snapshot)
@@ -1042,6 +1089,7 @@ impl Ipam {
             .handles
             .keys()
             .chain(expected_handles.keys())
+            .chain(snapshot.undecodable_handles.keys())
             .collect();
         for id in ids {
             let expected = expected_handles.get(id).cloned().unwrap_or_default();
@@ -1049,15 +1097,25 @@ impl Ipam {
             if stored.map(|s| &s.value) == Some(&expected) {
                 continue;
             }
-            if let Some(bad) =
+            // A handle that does not decode is written over at the revision it was read at.
+            let read_at = stored.map(|s| s.revision).or_else(|| {
+                snapshot
+                    .undecodable_handles
+                    .get(id)
+                    .map(|(_, revision, _)| *revision)
+            });
+            let held_back_by = if snapshot.undecodable_handles.contains_key(id) {
+                snapshot.any_unreadable()
+            } else {
                 snapshot.holding_back(snapshot.handle_cidrs(id, expected_handles.get(id)))
-            {
+            };
+            if let Some(bad) = held_back_by {
                 held_back.push(format!("handle {id:?} (while {bad} cannot be decoded)"));
                 continue;
             }
             let key = keys::handle(id);
             let mut plan = self.plan();
-            plan.expect(&key, stored.map(|s| s.revision));
+            plan.expect(&key, read_at);
             // The blocks this handle is counted in must not change under the repair either.
             for block in snapshot
                 .blocks
