@@ -1342,6 +1342,7 @@ pub async fn usage_and_address_status_name_the_objects_they_cannot_decode_and_co
     for (name, cidr) in [
         ("kept", on_b.block.to_string()),
         ("lost", "10.0.0.250/32".into()),
+        ("apart", "10.0.0.249/32".into()),
     ] {
         ipam.add_reservation(&Reservation {
             name: name.into(),
@@ -1403,8 +1404,25 @@ pub async fn usage_and_address_status_name_the_objects_they_cannot_decode_and_co
         let blocks: Vec<IpNet> = pool.blocks.iter().map(|b| b.cidr).collect();
         assert_eq!(blocks, vec![on_b.block]);
         assert_eq!(pool.in_use, 1);
-        assert_eq!(pool.reserved, 64, "the sound reservation still counts");
-        assert_eq!(pool.free, 256 - 64);
+        assert_eq!(pool.reserved, 65, "the sound reservations still count");
+        assert_eq!(pool.free, 256 - 65);
+    }
+    let (allocations, blocks_named) = ipam.list_allocations_each().await.expect("allocations");
+    assert_eq!(
+        allocations.iter().map(|a| a.ip).collect::<Vec<_>>(),
+        vec![on_b.ip],
+        "the allocations of the blocks that decode"
+    );
+    assert_eq!(
+        blocks_named
+            .iter()
+            .map(|o| o.key.as_str())
+            .collect::<Vec<_>>(),
+        vec![block_key.as_str()]
+    );
+    match ipam.list_allocations().await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, block_key),
+        other => panic!("the whole listing names the damaged block, got {other:?}"),
     }
     let status = ipam.address_status(on_b.ip).await.expect("status");
     assert_eq!(
