@@ -2612,7 +2612,23 @@ pub async fn a_namespaces_pools_replace_the_requests_family_by_family<F: StoreFa
         before,
         "a refused assignment allocated something"
     );
-    assert_clean(&ipam).await;
+    // `check` names the settings whose pods' ADDs now fail, and nothing else.
+    let report = ipam.check(false).await.expect("check");
+    let reported: Vec<(&str, bool)> = report
+        .problems
+        .iter()
+        .map(|p| {
+            (
+                p.kind.as_str(),
+                p.detail.contains("IPv6 pool \"d\"") && p.detail.contains("disabled"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        reported,
+        vec![(kinds::NAMESPACE_POOL_UNUSABLE, true); 2],
+        "api and web: {report:#?}"
+    );
 }
 
 /// A namespace's pools setting read back with each named pool its pods' ADDs could not use and
@@ -2751,6 +2767,54 @@ pub async fn a_namespaces_pools_status_names_the_pools_its_pods_cannot_use<F: St
     ipam.set_namespace_pools("broken", &NamespacePools::default())
         .await
         .expect("clear the damaged setting");
+    // `check` reports each entry its pods cannot use, as their ADDs would fail.
+    let report = ipam.check(false).await.expect("check");
+    let mut reported: Vec<&str> = report
+        .problems
+        .iter()
+        .map(|p| {
+            assert!(
+                p.kind == kinds::NAMESPACE_POOL_UNUSABLE && !p.repairable,
+                "{report:#?}"
+            );
+            p.detail.as_str()
+        })
+        .collect();
+    reported.sort();
+    assert_eq!(reported.len(), 3, "{report:#?}");
+    for (found, (namespace, entry, why)) in reported.iter().zip([
+        ("api", "\"a\"", "no IP pool named or with CIDR \"a\""),
+        ("web", "\"10.41.1.0/26\"", "IP pool \"b\" is disabled"),
+        ("web", "\"a\"", "no IP pool named or with CIDR \"a\""),
+    ]) {
+        assert!(
+            found.starts_with(&format!("namespace {namespace} names IPv4 pool {entry}"))
+                && found.contains(why)
+                && found.contains("error 105"),
+            "{found}"
+        );
+    }
+    for namespace in ["api", "web"] {
+        ipam.set_namespace_pools(namespace, &NamespacePools::default())
+            .await
+            .expect("clear the setting");
+    }
+    assert_clean(&ipam).await;
+    // While a pool cannot be decoded it may be the one a setting names: no setting is judged.
+    let c = t
+        .store
+        .get(&keys::pool("c"))
+        .await
+        .expect("get")
+        .expect("pool c");
+    t.store
+        .put(&c.key, vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff])
+        .await
+        .expect("damage pool c");
+    let report = ipam.check(false).await.expect("check");
+    let found: Vec<&str> = report.problems.iter().map(|p| p.kind.as_str()).collect();
+    assert_eq!(found, vec![kinds::CORRUPT_OBJECT], "{report:#?}");
+    t.store.put(&c.key, c.value).await.expect("restore pool c");
     assert_clean(&ipam).await;
 }
 

@@ -55,6 +55,9 @@ pub mod kinds {
     /// A block holds an address whose attribute it keeps apart, and its owner key is missing
     /// (format 6): who holds the address is unknown.
     pub const MISSING_OWNER_KEY: &str = "missing-owner-key";
+    /// A namespace's pools setting names a pool its pods' ADDs cannot use (gone, disabled, of
+    /// the other family, or not allowing workload addresses).
+    pub const NAMESPACE_POOL_UNUSABLE: &str = "namespace-pool-unusable";
 
     /// Every kind, for tables and tests.
     pub const ALL: &[&str] = &[
@@ -75,6 +78,7 @@ pub mod kinds {
         UNRECORDED_LIVE_ADDRESS,
         ORPHANED_OWNER_KEY,
         MISSING_OWNER_KEY,
+        NAMESPACE_POOL_UNUSABLE,
     ];
 
     /// What a person should do about a problem of `kind` (empty for a kind this build does not know).
@@ -116,6 +120,10 @@ pub mod kinds {
                 "Run `blockipamctl check --repair`: it rewrites the handle from the blocks. A \
                  repair held back by an unreadable block or claim entry waits until that object is \
                  fixed (a rewrite then would lose the addresses it holds)."
+            }
+            NAMESPACE_POOL_UNUSABLE => {
+                "Name pools its pods can use: `blockipamctl namespace pools <namespace>` with \
+                 --ipv4/--ipv6, or --clear for the netconf's; or add (or enable) the pool it names."
             }
             MISSING_HANDLE => {
                 "Run `blockipamctl check --repair`: it recreates the handle, so the pod's DEL \
@@ -853,6 +861,7 @@ impl Ipam {
         // Read by every ADD and most commands: one that does not decode stops them all. Its
         // blocks live on without it, so it can be made again.
         let pools_prefix = keys::pools_dir();
+        let pools_listed = pools.len();
         for kv in pools {
             let key = kv.key.clone();
             match crate::model::decode_pool(&kv.key, &kv.value) {
@@ -875,6 +884,39 @@ impl Ipam {
                              every pool meanwhile, and their allocations are its own again"
                         ),
                     );
+                }
+            }
+        }
+        // A namespace's setting that names a pool its pods cannot use (gone, disabled, of the
+        // other family, not for workloads) fails their ADDs: the checks auto-assign makes. Not
+        // judged while a pool cannot be decoded: it may be the one named.
+        if snapshot.pools.len() == pools_listed {
+            for kv in &namespaces {
+                let Ok(Some(setting)) =
+                    crate::model::namespaces::decode_namespace_pools(&kv.key, Some(kv))
+                else {
+                    continue;
+                };
+                let namespace = kv.key.strip_prefix(&namespaces_prefix).unwrap_or(&kv.key);
+                for family in [Family::V4, Family::V6] {
+                    for entry in setting.for_family(family) {
+                        if let Err(reason) = crate::allocator::assign::named_pool(
+                            &snapshot.pools,
+                            entry,
+                            family,
+                            crate::model::AllowedUse::Workload,
+                        ) {
+                            report.problem(
+                                kinds::NAMESPACE_POOL_UNUSABLE,
+                                false,
+                                format!(
+                                    "namespace {namespace} names {family} pool {entry:?} for its \
+                                     pods, which they cannot use ({reason}): their ADDs fail \
+                                     with error 105"
+                                ),
+                            );
+                        }
+                    }
                 }
             }
         }
