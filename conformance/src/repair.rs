@@ -993,6 +993,10 @@ pub async fn a_handle_that_does_not_decode_is_rewritten_from_the_blocks_unless_o
         .await
         .expect("restore node-b's block");
     let report = ipam.check(false).await.expect("check");
+    assert_eq!(
+        report.handles_checked, 3,
+        "the damaged handles are checked too"
+    );
     let h = problems_of(&report, "h");
     assert_eq!(h.len(), 1, "{report:#?}");
     assert!(
