@@ -446,6 +446,28 @@ pub(crate) fn decode_stored<T: serde::de::DeserializeOwned + 'static>(
     })
 }
 
+/// Decodes each listed object with `decode_value`: the ones that decode, with where and when
+/// they were read, and beside them each one that does not, named by its key; one damaged object
+/// hides no other.
+pub(crate) fn decode_each<T>(
+    listed: Vec<KeyValue>,
+    decode_value: impl Fn(&str, &[u8]) -> Result<T, IpamError>,
+    undecodable: &mut Vec<UndecodableObject>,
+) -> Vec<Stored<T>> {
+    let mut sound = Vec::with_capacity(listed.len());
+    for kv in listed {
+        match decode_value(&kv.key, &kv.value) {
+            Ok(value) => sound.push(Stored {
+                value,
+                key: kv.key,
+                revision: kv.revision,
+            }),
+            Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
+        }
+    }
+    sound
+}
+
 /// A block being changed by one attempt.
 #[derive(Debug, Clone)]
 pub(crate) struct WorkingBlock {
@@ -1504,18 +1526,8 @@ impl Ipam {
             .into_iter();
         let listed = next_listed(&mut results)?;
         let owners = next_listed(&mut results)?;
-        let mut blocks: Vec<Stored<Block>> = Vec::with_capacity(listed.len());
         let mut undecodable = Vec::new();
-        for kv in listed {
-            match decode(&kv.key, &kv.value) {
-                Ok(value) => blocks.push(Stored {
-                    value,
-                    key: kv.key,
-                    revision: kv.revision,
-                }),
-                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
-            }
-        }
+        let mut blocks = decode_each(listed, decode::<Block>, &mut undecodable);
         undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         load_all_owners_into(blocks.iter_mut().map(|stored| &mut stored.value), owners)?;
         Ok((blocks, undecodable))

@@ -1,7 +1,7 @@
 //! Pools: creating, changing, deleting and reading IP pools, and the IPAM config.
 
 use super::{
-    decode_stored, next_got, next_listed, sort_pools, Attempt, Ipam, Plan, PoolChange,
+    decode_each, decode_stored, next_got, next_listed, sort_pools, Attempt, Ipam, Plan, PoolChange,
     PoolDeletion, PoolPolicy, PoolSpec, ReleaseRequest, Stored,
 };
 use crate::kv::{KeyValue, Read};
@@ -79,21 +79,19 @@ impl Ipam {
         &self,
     ) -> Result<(Vec<Pool>, Vec<(String, IpamError)>), IpamError> {
         let dir = keys::pools_dir();
-        let mut sound = Vec::new();
-        let mut damaged = Vec::new();
-        for kv in self.store.list(&dir).await? {
-            match decode_pool(&kv.key, &kv.value) {
-                Ok(pool) => sound.push(Stored {
-                    value: pool,
-                    key: kv.key,
-                    revision: kv.revision,
-                }),
-                Err(e) => {
-                    let name = kv.key.strip_prefix(&dir).unwrap_or(&kv.key).to_owned();
-                    damaged.push((name, e));
-                }
-            }
-        }
+        let mut undecodable = Vec::new();
+        let mut sound = decode_each(self.store.list(&dir).await?, decode_pool, &mut undecodable);
+        let damaged = undecodable
+            .into_iter()
+            .map(|object| {
+                let name = object
+                    .key
+                    .strip_prefix(&dir)
+                    .unwrap_or(&object.key)
+                    .to_owned();
+                (name, object.into_error())
+            })
+            .collect();
         sort_pools(&mut sound);
         Ok((sound.into_iter().map(|p| p.value).collect(), damaged))
     }

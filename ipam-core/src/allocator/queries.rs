@@ -1,9 +1,9 @@
 //! Queries: who holds what (by handle, by address, everything) and utilization.
 
 use super::{
-    allocation_info, allocations_of, allocations_of_handle, learn_apart_from_handle,
+    allocation_info, allocations_of, allocations_of_handle, decode_each, learn_apart_from_handle,
     load_all_owners_into, next_got, next_listed, sort_pools, AddressStatus, AllocationInfo,
-    AssignedAddress, Attempt, BlockUsage, Ipam, PoolUsage, Stored, UndecodableObject, Utilization,
+    AssignedAddress, Attempt, BlockUsage, Ipam, PoolUsage, UndecodableObject, Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
@@ -217,32 +217,24 @@ impl Ipam {
         let mut results = results.into_iter();
         // One object that does not decode hides no other: it is named, and left out.
         let mut undecodable = Vec::new();
-        let mut pools = Vec::new();
-        for kv in next_listed(&mut results)? {
-            match decode_pool(&kv.key, &kv.value) {
-                Ok(value) => pools.push(Stored {
-                    value,
-                    key: kv.key,
-                    revision: kv.revision,
-                }),
-                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
-            }
-        }
+        let mut pools = decode_each(next_listed(&mut results)?, decode_pool, &mut undecodable);
         sort_pools(&mut pools);
-        let mut blocks: Vec<Block> = Vec::new();
-        for kv in next_listed(&mut results)? {
-            match decode::<Block>(&kv.key, &kv.value) {
-                Ok(block) => blocks.push(block),
-                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
-            }
-        }
-        let mut reservations = Vec::new();
-        for kv in next_listed(&mut results)? {
-            match decode::<Reservation>(&kv.key, &kv.value) {
-                Ok(reservation) => reservations.push(reservation),
-                Err(e) => undecodable.push(UndecodableObject::new(kv.key, e)),
-            }
-        }
+        let mut blocks: Vec<Block> = decode_each(
+            next_listed(&mut results)?,
+            decode::<Block>,
+            &mut undecodable,
+        )
+        .into_iter()
+        .map(|stored| stored.value)
+        .collect();
+        let reservations: Vec<Reservation> = decode_each(
+            next_listed(&mut results)?,
+            decode::<Reservation>,
+            &mut undecodable,
+        )
+        .into_iter()
+        .map(|stored| stored.value)
+        .collect();
         undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let config = next_got(&mut results)?;
         let mut allocations = Vec::new();
