@@ -154,6 +154,7 @@ async fn run_loop(
     let mut state = RuntimeState::Unknown;
     let mut reported = BTreeSet::new();
     let mut unproven_logged = false;
+    let mut undecodable_logged = Vec::new();
     loop {
         match ask_runtime(&settings, &mut client).await {
             Err(e) => {
@@ -189,6 +190,7 @@ async fn run_loop(
                 {
                     Ok(decisions) => {
                         report(&decisions, &counters, &mut reported, &mut unproven_logged);
+                        warn_undecodable(&decisions, &mut undecodable_logged);
                         write_report(&settings, view.observed_at, None, Some(&decisions));
                         if settings.release && !decisions.leaked.is_empty() {
                             release(&ipam, &decisions, &counters).await;
@@ -262,6 +264,27 @@ async fn ask_runtime(
 }
 
 /// Logs what one look found (each disagreement once while it lasts) and sets the gauges.
+/// Names the blocks a look could not decode, once for each set of them (every look reads them
+/// until they are repaired).
+fn warn_undecodable(decisions: &LeakDecisions, logged: &mut Vec<String>) {
+    let keys: Vec<String> = decisions
+        .undecodable
+        .iter()
+        .map(|object| object.key.clone())
+        .collect();
+    if keys != *logged {
+        for object in &decisions.undecodable {
+            tracing::warn!(
+                key = %object.key,
+                "leak collection: a block cannot be decoded ({}); nothing it covers is judged \
+                 until it is repaired (blockipamctl check)",
+                object.message
+            );
+        }
+        *logged = keys;
+    }
+}
+
 fn report(
     decisions: &LeakDecisions,
     counters: &LeakCounters,

@@ -27,7 +27,7 @@ macro_rules! leaks_conformance_tests {
             a_live_pods_free_address_is_recorded_again_and_a_held_one_is_left_alone,
             a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none,
             a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten,
-            a_block_that_does_not_decode_stops_the_look_and_nothing_is_written,
+            a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judged,
             a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks,
             a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_survey,
             a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey,
@@ -461,33 +461,86 @@ pub async fn a_live_disagreements_record_that_does_not_decode_is_reported_replac
     assert_eq!(t.store.get(&key).await.expect("read"), None);
 }
 
-/// A block the look reads that does not decode stops the look, naming the block's key, and
-/// nothing is written. A look that reads only the node's blocks is not stopped by another node's
-/// damaged block; a survey of the whole store (the first look of an agent) is.
-pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<F: StoreFactory>(
+/// A block the look reads that does not decode, the node's own or another's, is named and the
+/// addresses it covers are left out of every decision, while the rest of the look decides as
+/// usual: no allocation in it is judged (a countdown does not run across a look that could not see
+/// it), no live sandbox's address in it is reported as free or held by another, and nothing is
+/// written.
+pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judged<
+    F: StoreFactory,
+>(
     factory: &F,
 ) {
-    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
-    let (gone, _) = assign_for(&ipam, "gone", "node-a").await;
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
+    let mut first_block = Vec::new();
+    for container in ["live", "gone", "held", "old"] {
+        first_block.push(assign_for(&ipam, container, "node-a").await.0);
+    }
+    let [live, gone, held, old] = first_block[..] else {
+        unreachable!("four addresses")
+    };
+    let (second_live, _) = assign_for(&ipam, "second-live", "node-a").await;
+    let (second_gone, _) = assign_for(&ipam, "second-gone", "node-a").await;
     let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
-    let runtime = |at| view(at, &[]);
+    let own_block = block_of(&ipam, live).await;
+    for address in [gone, held, old] {
+        assert_eq!(block_of(&ipam, address).await, own_block);
+    }
+    assert_ne!(block_of(&ipam, second_live).await, own_block);
+    assert_eq!(
+        block_of(&ipam, second_gone).await,
+        block_of(&ipam, second_live).await
+    );
+    // A sandbox of node-a that reports node-b's address: a disagreement while it can be read.
+    let runtime = |at| {
+        view(
+            at,
+            &[
+                ("live", vec![live]),
+                ("held", vec![held]),
+                ("second-live", vec![second_live]),
+                ("stray", vec![theirs]),
+            ],
+        )
+    };
+    let leaked_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
+        decisions
+            .leaked
+            .iter()
+            .map(|m| m.allocation.ip)
+            .collect::<Vec<_>>()
+    };
+    let waiting_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
+        let mut waiting: Vec<IpAddr> = decisions.waiting.iter().map(|m| m.allocation.ip).collect();
+        waiting.sort();
+        waiting
+    };
+    let sorted = |mut addresses: Vec<IpAddr>| {
+        addresses.sort();
+        addresses
+    };
+
     let mut watch = LeakWatch::new();
-    let first = ipam
+    let intact = ipam
         .look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
         .await
         .expect("look");
-    assert_eq!(first.waiting.len(), 1, "{first:#?}");
-    assert!(
-        watch.last_look_surveyed(),
-        "an agent's first look reads the whole store"
+    assert!(intact.undecodable.is_empty(), "{intact:#?}");
+    assert_eq!(
+        waiting_addresses(&intact),
+        sorted(vec![gone, old, second_gone])
     );
+    assert_eq!(intact.disagreements.len(), 1, "{intact:#?}");
+    assert_eq!(intact.disagreements[0].address, theirs);
 
-    let damage = |address: IpAddr, node: &'static str| {
+    let damage = |block: ipnet::IpNet, node: &'static str| {
         let store = std::sync::Arc::clone(&t.store);
-        let ipam = &ipam;
         async move {
-            let block = block_of(ipam, address).await;
-            let key = keys::block(Some(node), &block);
+            // A full block lives under its host's `full/`.
+            let mut key = keys::block(Some(node), &block);
+            if store.get(&key).await.expect("get").is_none() {
+                key = keys::full_block(node, &block);
+            }
             let intact = store.get(&key).await.expect("get").expect("block").value;
             let mut damaged = intact.clone();
             damaged.truncate(damaged.len() / 2);
@@ -495,59 +548,94 @@ pub async fn a_block_that_does_not_decode_stops_the_look_and_nothing_is_written<
             (key, intact)
         }
     };
-    let expect_corrupt = |outcome: Result<_, IpamError>, key: &str| match outcome {
-        Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
-        other => panic!("expected a corruption error naming {key}, got {other:?}"),
-    };
 
-    // Another node's block: node-a's own looks do not read it.
-    let (their_key, their_intact) = damage(theirs, "node-b").await;
-    let second = ipam
+    // Another node's block.
+    let (their_key, their_intact) = damage(block_of(&ipam, theirs).await, "node-b").await;
+    let before = t.store.list("").await.expect("list");
+    let past_theirs = ipam
         .look_for_leaks("node-a", &runtime(T0 + 1), &mut watch, POLICY)
         .await
-        .expect("a look at node-a's blocks does not read node-b's");
-    assert!(!watch.last_look_surveyed());
-    assert_eq!(second.waiting.len(), 1, "{second:#?}");
+        .expect("a look gets past another node's damaged block");
+    assert!(
+        watch.last_look_surveyed(),
+        "the stray sandbox's address lies outside node-a's blocks"
+    );
+    let named: Vec<&str> = past_theirs
+        .undecodable
+        .iter()
+        .map(|o| o.key.as_str())
+        .collect();
+    assert_eq!(named, [their_key.as_str()]);
+    assert!(
+        past_theirs.disagreements.is_empty(),
+        "who holds an address in a block that cannot be read is unknown: {past_theirs:#?}"
+    );
+    assert_eq!(
+        waiting_addresses(&past_theirs),
+        sorted(vec![gone, old, second_gone])
+    );
+
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "the look wrote nothing"
+    );
+
+    // The node's own block too.
+    let (own_key, own_intact) = damage(own_block, "node-a").await;
     let before = t.store.list("").await.expect("list");
-    expect_corrupt(
-        ipam.look_for_leaks("node-a", &runtime(T0 + 2), &mut LeakWatch::new(), POLICY)
-            .await,
-        &their_key,
+    let past_both = ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE + 1), &mut watch, POLICY)
+        .await
+        .expect("a look gets past the node's own damaged block");
+    let mut expected = vec![own_key.clone(), their_key.clone()];
+    expected.sort();
+    let named: Vec<String> = past_both
+        .undecodable
+        .iter()
+        .map(|o| o.key.clone())
+        .collect();
+    assert_eq!(named, expected);
+    assert_eq!(
+        leaked_addresses(&past_both),
+        [second_gone],
+        "decided past both damaged blocks: {past_both:#?}"
+    );
+    assert!(
+        past_both.waiting.is_empty(),
+        "nothing in the damaged block is judged: {past_both:#?}"
+    );
+    assert_eq!(past_both.live, 1, "{past_both:#?}");
+    assert!(
+        past_both.disagreements.is_empty(),
+        "live addresses in the node's damaged block are not reported free: {past_both:#?}"
     );
     assert_eq!(
         t.store.list("").await.expect("list"),
         before,
-        "a failed survey writes nothing"
+        "the look wrote nothing"
     );
+
     t.store
         .put(&their_key, their_intact)
         .await
         .expect("restore it");
-
-    // The node's own block: every look reads it.
-    let (own_key, own_intact) = damage(gone, "node-a").await;
-    let before = t.store.list("").await.expect("list");
-    expect_corrupt(
-        ipam.look_for_leaks("node-a", &runtime(T0 + GRACE), &mut watch, POLICY)
-            .await,
-        &own_key,
-    );
-    assert_eq!(
-        t.store.list("").await.expect("list"),
-        before,
-        "a failed look writes nothing"
-    );
     t.store.put(&own_key, own_intact).await.expect("restore it");
-    assert!(ipam.get_assignment(gone).await.expect("read").is_some());
-    let again = ipam
-        .look_for_leaks("node-a", &runtime(T0 + GRACE + 1), &mut watch, POLICY)
+    let restored = ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE + 2), &mut watch, POLICY)
         .await
         .expect("look after the restore");
+    assert!(restored.undecodable.is_empty(), "{restored:#?}");
     assert_eq!(
-        again.leaked.len() + again.waiting.len(),
-        1,
-        "node-a's gone container is judged again: {again:#?}"
+        waiting_addresses(&restored),
+        sorted(vec![gone, old]),
+        "their countdown starts again from the look that saw them: {restored:#?}"
     );
+    assert_eq!(leaked_addresses(&restored), [second_gone]);
+    assert_eq!(restored.disagreements.len(), 1, "{restored:#?}");
+    for address in [gone, old, second_gone] {
+        assert!(ipam.get_assignment(address).await.expect("read").is_some());
+    }
 }
 
 /// A pool of one /30 block that node-b claims first: node-a's address comes from node-b's block.

@@ -173,6 +173,13 @@ pub async fn run(
                 table.render()
             ));
         }
+        if !decisions.undecodable.is_empty() {
+            problems_found = true;
+            text.push_str(&super::undecodable_text(
+                &decisions.undecodable,
+                "the look (no address they cover is judged)",
+            ));
+        }
         if args.apply {
             if age > stale_after {
                 return Err(CtlError::failed(format!(

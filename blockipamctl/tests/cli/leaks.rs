@@ -15,6 +15,7 @@ use crate::common::{Backend, Lab};
 crate::on_every_backend!(
     gc_leaks_shows_what_the_look_found_and_releases_only_what_is_due_with_apply,
     gc_leaks_refuses_to_apply_a_stale_an_unanswered_or_an_unproven_look,
+    gc_leaks_names_the_blocks_the_look_could_not_decode_and_releases_what_is_due,
 );
 
 const GRACE: u64 = 900;
@@ -284,4 +285,71 @@ fn gc_leaks_refuses_to_apply_a_stale_an_unanswered_or_an_unproven_look(backend: 
 
     assert_eq!(lab.snapshot(), before, "nothing refused wrote anything");
     assert_ne!(holder(&lab, gone), Value::Null);
+}
+
+/// A damaged block of another node does not stop the agent's look that reads it: the report names
+/// it (exit 1, as for any problem found), and `--apply` still releases this node's leaks that are
+/// due.
+fn gc_leaks_names_the_blocks_the_look_could_not_decode_and_releases_what_is_due(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.68.0.0/24", "--block-size", "28"])
+        .ok();
+    let live = lab.added("node-a", "running");
+    let gone = lab.added("node-a", "vanished");
+    let elsewhere = lab.added("node-b", "vanished-elsewhere");
+    let damaged_key = lab.with_store(|store| async move {
+        let listed = store
+            .list("ipam/v1/blocks/host/node-b/")
+            .await
+            .expect("list node-b's blocks");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let key = listed[0].key.clone();
+        store
+            .put(&key, b"garbage{".to_vec())
+            .await
+            .expect("damage node-b's block");
+        key
+    });
+    let report_path = lab.dir.path().join("leaks.json");
+    let report_arg = report_path.display().to_string();
+    let (first, last) = looks_a_grace_apart();
+    // A sandbox of node-a that reports node-b's address makes every look read the whole store
+    // (the address lies outside node-a's blocks), the damaged block with it.
+    let running = [("running", vec![live]), ("stray", vec![elsewhere])];
+    let mut watch = LeakWatch::new();
+    look(&lab, &mut watch, first, &running);
+    let report = look(&lab, &mut watch, last, &running);
+    write(&report_path, &report);
+
+    let shown = lab.ctl(&["gc", "--leaks", "--report", &report_arg]);
+    shown
+        .expect_code(1)
+        .stdout_has(&gone.to_string())
+        .stdout_has(&damaged_key)
+        .stdout_has("no address they cover is judged")
+        .stdout_has("blockipamctl check");
+    assert!(
+        !shown.stdout.contains("DUPLICATE") && !shown.stdout.contains(&elsewhere.to_string()),
+        "who holds an address in the damaged block is unknown:\n{}",
+        shown.stdout
+    );
+    let applied = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "gc",
+            "--leaks",
+            "--report",
+            &report_arg,
+            "--apply",
+        ])
+        .expect_code(1)
+        .json();
+    assert_eq!(
+        applied["report"]["decisions"]["undecodable"][0]["key"],
+        damaged_key
+    );
+    assert_eq!(applied["release"]["released"], json!([gone.to_string()]));
+    assert_eq!(holder(&lab, gone), Value::Null);
+    assert_ne!(holder(&lab, live), Value::Null, "a running pod's address");
 }

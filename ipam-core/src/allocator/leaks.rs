@@ -19,7 +19,8 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    AllocationInfo, AssignIpsRequest, Attempt, Ipam, ReleaseRequest, ATTR_NETWORK, ATTR_NODE,
+    AllocationInfo, AssignIpsRequest, Attempt, Ipam, ReleaseRequest, UndecodableObject,
+    ATTR_NETWORK, ATTR_NODE,
 };
 use crate::model::error::IpamError;
 use crate::model::keys;
@@ -179,6 +180,11 @@ pub struct LeakDecisions {
     pub disagreements: Vec<Disagreement>,
     /// Whether this look restarted every countdown (the previous one was too long ago).
     pub countdowns_restarted: bool,
+    /// Block objects this look read that could not be decoded: nothing is decided about the
+    /// addresses they cover (no allocation in them is judged, no live sandbox's address in them is
+    /// reported as a disagreement); the rest of the look decides as usual.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub undecodable: Vec<UndecodableObject>,
 }
 
 /// What releasing decided leaks did.
@@ -505,8 +511,12 @@ impl Ipam {
     /// cleared of blocks that no longer hold anything of the node (each deletion conditioned on
     /// the block as it was read).
     ///
+    /// A block object that cannot be decoded does not stop the look: it is named in
+    /// [`LeakDecisions::undecodable`] and the addresses it covers are left out of every decision.
+    ///
     /// # Errors
-    /// Store failures and corrupt objects (the watch is left as it was: no decision is made).
+    /// Store failures, a pool that cannot be decoded, a block the node's borrowed-block index
+    /// names that cannot be decoded (the watch is left as it was: no decision is made).
     pub async fn look_for_leaks(
         &self,
         host: &str,
@@ -515,8 +525,11 @@ impl Ipam {
         policy: LeakPolicy,
     ) -> Result<LeakDecisions, IpamError> {
         let mut surveyed = watch.survey_due();
-        let (pools, allocations) = if surveyed {
-            (self.list_pools().await?, self.list_allocations().await?)
+        let (pools, (allocations, undecodable)) = if surveyed {
+            (
+                self.list_pools().await?,
+                self.list_allocations_each().await?,
+            )
         } else {
             // A block rewritten between its read and its owner keys' is read again.
             let node = self
@@ -526,18 +539,38 @@ impl Ipam {
                 |address: IpAddr| node.pools.iter().any(|pool| pool.cidr.contains(&address));
             if live_addresses_inside(&node.blocks, view, &in_pools) {
                 self.forget_borrowed(host, &node.unneeded).await?;
-                (node.pools, node.allocations)
+                (node.pools, (node.allocations, node.undecodable))
             } else {
                 surveyed = true;
-                (node.pools, self.list_allocations().await?)
+                (node.pools, self.list_allocations_each().await?)
             }
         };
+        // What a block that cannot be decoded holds is unknown: its addresses are left out.
+        let unreadable: Vec<IpNet> = undecodable
+            .iter()
+            .map(|object| match object.block() {
+                Some((_, cidr)) => Ok(cidr),
+                None => Err(object.clone().into_error()),
+            })
+            .collect::<Result<_, _>>()?;
         let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
         if surveyed {
             self.complete_borrowed_index(host, &allocations).await?;
         }
         watch.looked(surveyed);
-        Ok(watch.observe(host, &allocations, view, &in_pools, policy))
+        let mut decisions = if unreadable.is_empty() {
+            watch.observe(host, &allocations, view, &in_pools, policy)
+        } else {
+            let mut readable = view.clone();
+            for sandbox in readable.sandboxes.values_mut() {
+                sandbox
+                    .addresses
+                    .retain(|address| !unreadable.iter().any(|cidr| cidr.contains(address)));
+            }
+            watch.observe(host, &allocations, &readable, &in_pools, policy)
+        };
+        decisions.undecodable = undecodable;
+        Ok(decisions)
     }
 
     /// Releases decided leaks, each address guarded by the sequence number it was decided on: an

@@ -12,12 +12,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use ipnet::IpNet;
 
 use super::super::{
-    allocations_of, cidr_of_key, decode_stored, next_listed, AllocationInfo, Ipam, Stored,
-    BORROWED_INDEX_VALUE,
+    allocations_of, cidr_of_key, decode_each, next_listed, AllocationInfo, Ipam, Stored,
+    UndecodableObject, BORROWED_INDEX_VALUE,
 };
 use crate::kv::{Condition, KvError, Op, Read, Txn, MAX_TXN_OPS};
 use crate::model::error::IpamError;
-use crate::model::{keys, Block};
+use crate::model::{decode, keys, Block};
 
 use super::ATTR_NODE;
 
@@ -33,6 +33,8 @@ pub(crate) struct NodeAllocations {
     /// Index entries whose block holds nothing of the node, each with the condition under
     /// which deleting it is right (the block unchanged, or still absent).
     pub unneeded: Vec<(String, Condition)>,
+    /// The node's own block objects that could not be decoded (left out of the rest).
+    pub undecodable: Vec<UndecodableObject>,
 }
 
 impl Ipam {
@@ -41,7 +43,9 @@ impl Ipam {
     /// any. Writes nothing.
     ///
     /// # Errors
-    /// Store failures; corrupt objects, and an index key that names no block.
+    /// Store failures; a pool, or a block the index names, that cannot be decoded; an index key
+    /// that names no block. The node's own blocks that cannot be decoded are named in
+    /// [`NodeAllocations::undecodable`] instead.
     pub(crate) async fn node_allocations(&self, host: &str) -> Result<NodeAllocations, IpamError> {
         let borrowed_dir = keys::host_borrowed_dir(host);
         let mut results = self
@@ -57,10 +61,12 @@ impl Ipam {
             .into_iter()
             .map(|p| p.value)
             .collect();
-        let mut own: Vec<Stored<Block>> = next_listed(&mut results)?
-            .into_iter()
-            .map(decode_stored)
-            .collect::<Result<_, _>>()?;
+        let mut undecodable = Vec::new();
+        let mut own: Vec<Stored<Block>> = decode_each(
+            next_listed(&mut results)?,
+            decode::<Block>,
+            &mut undecodable,
+        );
         let mut indexed: BTreeMap<IpNet, String> = BTreeMap::new();
         for kv in next_listed(&mut results)? {
             indexed.insert(cidr_of_key(&kv.key, "a borrowed-block index key")?, kv.key);
@@ -78,6 +84,7 @@ impl Ipam {
 
         let mut read = NodeAllocations {
             pools,
+            undecodable,
             ..NodeAllocations::default()
         };
         for (cidr, key) in &indexed {
