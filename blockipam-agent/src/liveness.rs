@@ -301,13 +301,22 @@ async fn reclaim_if_leader(
             older_than_seconds: age.as_secs(),
             only_unselected: false,
         };
-        match ipam.release_empty_blocks(filter, true).await {
-            Ok(blocks) => {
+        match ipam.release_empty_blocks_each(filter, true).await {
+            Ok((blocks, undecodable)) => {
                 let released = blocks.iter().filter(|b| b.released).count();
                 if released > 0 {
                     tracing::info!(
                         released,
                         "reclaimer: released empty blocks hosts no longer need"
+                    );
+                }
+                for object in &undecodable {
+                    tracing::warn!(
+                        key = %object.key,
+                        "reclaimer: a block cannot be decoded ({}); it is not released, nor is \
+                         any empty block of its host taken to be beyond the host's newest, until \
+                         it is repaired (blockipamctl check)",
+                        object.message
                     );
                 }
             }

@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use ipam_core::model::keys;
 use ipam_core::selector::Selector;
 use ipam_core::{
     Clock, EmptyBlockFilter, EmptyBlockReason, Ipam, IpamConfig, IpamError, PoolChange,
@@ -33,6 +34,7 @@ macro_rules! lifecycle_conformance_tests {
             release_empty_keeps_each_hosts_newest_block_and_dry_run_writes_nothing,
             release_empty_releases_blocks_of_pools_that_no_longer_select_the_host,
             release_empty_takes_a_node_whose_labels_do_not_decode_as_still_selected,
+            release_empty_gets_past_a_block_it_cannot_decode_and_keeps_its_hosts_blocks,
         );
     };
 }
@@ -899,4 +901,136 @@ pub async fn release_empty_takes_a_node_whose_labels_do_not_decode_as_still_sele
         Some(Some("node-x".into())),
         "node-x's newest block stays: its labels are unknown"
     );
+}
+
+/// A block that cannot be decoded does not stop the release of empty blocks (the agent's
+/// reclaimer pass, `blocks release-empty`): it is named and never released (what it holds is
+/// unknown), and none of its host's empty blocks is taken to be beyond the host's newest (it may
+/// be the newest); every other host's blocks, and unowned blocks, are judged as usual. The
+/// plain pass still fails naming it, before writing anything.
+pub async fn release_empty_gets_past_a_block_it_cannot_decode_and_keeps_its_hosts_blocks<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(70_000);
+    let (t, ipam) = lab(factory, "10.52.0.0/26", 30, &clock, |c| {
+        c.max_blocks_per_host = 0;
+        c.ip_cooldown_seconds = 120;
+    })
+    .await;
+    let fill = |host: &'static str, count: u64, start: u64| {
+        let clock = &clock;
+        let ipam = &ipam;
+        async move {
+            let mut blocks = Vec::new();
+            for n in 0..count {
+                clock.set(start + n);
+                let (_, block) = assign(ipam, &format!("{host}-{n}"), host).await;
+                if !blocks.contains(&block) {
+                    blocks.push(block);
+                }
+            }
+            for n in 0..count {
+                ipam.release_handle(&format!("{host}-{n}"))
+                    .await
+                    .expect("release");
+            }
+            blocks
+        }
+    };
+    let a_blocks = fill("node-a", 9, 70_000).await;
+    let b_blocks = fill("node-b", 6, 70_100).await;
+    let c_blocks = fill("node-c", 1, 70_200).await;
+    assert_eq!(a_blocks.len(), 3, "{a_blocks:?}");
+    assert_eq!(b_blocks.len(), 2, "{b_blocks:?}");
+    let unowned = c_blocks[0];
+    ipam.release_host("node-c", false)
+        .await
+        .expect("node-c's block loses its owner while its address cools");
+    assert_eq!(block_owner(&ipam, unowned).await, Some(None));
+    clock.set(80_000);
+
+    let damage = |key: String| {
+        let store = Arc::clone(&t.store);
+        async move {
+            let intact = store.get(&key).await.expect("get").expect("block").value;
+            store
+                .put(&key, vec![ipam_core::model::FORMAT_VERSION, 0xff, 0xff])
+                .await
+                .expect("damage it");
+            (key, intact)
+        }
+    };
+    let newest_of_a = a_blocks[2];
+    let (a_key, a_intact) = damage(keys::block(Some("node-a"), &newest_of_a)).await;
+    let (c_key, c_intact) = damage(keys::block(None, &unowned)).await;
+    let older = EmptyBlockFilter {
+        older_than_seconds: 60,
+        only_unselected: false,
+    };
+    let before = t.store.list("").await.expect("list");
+    match ipam.release_empty_blocks(older, true).await {
+        Err(IpamError::Corrupt { key, .. }) => assert!(key == a_key || key == c_key, "{key}"),
+        other => panic!("expected the plain pass to fail naming a damaged block, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written"
+    );
+
+    let mut named = vec![a_key.clone(), c_key.clone()];
+    named.sort();
+    for apply in [false, true] {
+        let (found, undecodable) = ipam
+            .release_empty_blocks_each(older, apply)
+            .await
+            .expect("the pass gets past the damaged blocks");
+        let keys: Vec<String> = undecodable.iter().map(|o| o.key.clone()).collect();
+        assert_eq!(keys, named);
+        assert_eq!(found.len(), 1, "only node-b's older block: {found:?}");
+        assert_eq!(found[0].cidr, b_blocks[0]);
+        assert_eq!(found[0].reason, EmptyBlockReason::BeyondNewest);
+        assert_eq!(found[0].released, apply);
+    }
+    assert_eq!(block_owner(&ipam, b_blocks[0]).await, None);
+    assert_eq!(
+        block_owner(&ipam, b_blocks[1]).await,
+        Some(Some("node-b".into())),
+        "node-b's newest stays"
+    );
+    for block in &a_blocks[..2] {
+        assert_eq!(
+            block_owner(&ipam, *block).await,
+            Some(Some("node-a".into())),
+            "node-a's newest block cannot be told: its other empty blocks stay"
+        );
+    }
+
+    t.store.put(&a_key, a_intact).await.expect("restore it");
+    t.store.put(&c_key, c_intact).await.expect("restore it");
+    let (found, undecodable) = ipam
+        .release_empty_blocks_each(older, true)
+        .await
+        .expect("pass");
+    assert!(undecodable.is_empty(), "{undecodable:?}");
+    let mut released: Vec<(IpNet, EmptyBlockReason)> = found
+        .iter()
+        .filter(|b| b.released)
+        .map(|b| (b.cidr, b.reason))
+        .collect();
+    released.sort_by_key(|(cidr, _)| *cidr);
+    let mut expected = vec![
+        (a_blocks[0], EmptyBlockReason::BeyondNewest),
+        (a_blocks[1], EmptyBlockReason::BeyondNewest),
+        (unowned, EmptyBlockReason::Unowned),
+    ];
+    expected.sort_by_key(|(cidr, _)| *cidr);
+    assert_eq!(released, expected);
+    assert_eq!(
+        block_owner(&ipam, newest_of_a).await,
+        Some(Some("node-a".into()))
+    );
+    assert_clean(&ipam).await;
 }

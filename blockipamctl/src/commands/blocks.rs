@@ -18,6 +18,9 @@ struct ReleaseEmptyJson {
     older_than_seconds: u64,
     applied: bool,
     blocks: Vec<EmptyBlockJson>,
+    /// Block objects that could not be decoded: none is released.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    undecodable: Vec<ipam_core::UndecodableObject>,
 }
 
 #[derive(Debug, Serialize)]
@@ -77,8 +80,8 @@ pub async fn release_empty(
         None => u64::from(ipam.get_config().await?.empty_block_reclaim_seconds),
     };
     let now = ipam.now();
-    let found = ipam
-        .release_empty_blocks(
+    let (found, undecodable) = ipam
+        .release_empty_blocks_each(
             EmptyBlockFilter {
                 older_than_seconds,
                 only_unselected: false,
@@ -119,10 +122,15 @@ pub async fn release_empty(
     } else if !found.is_empty() {
         text.push_str("Nothing was written; run again with --apply to release them.\n");
     }
+    text.push_str(&super::undecodable_text(
+        &undecodable,
+        "this pass (none is released)",
+    ));
     let json = ReleaseEmptyJson {
         now,
         older_than_seconds,
         applied: args.apply,
+        undecodable,
         blocks: found
             .into_iter()
             .map(|b| EmptyBlockJson {
@@ -145,20 +153,21 @@ pub async fn release_empty(
 /// # Errors
 /// Store trouble.
 pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<String, CtlError> {
-    let released: Vec<String> = ipam
-        .release_empty_blocks(
+    let (found, undecodable) = ipam
+        .release_empty_blocks_each(
             EmptyBlockFilter {
                 older_than_seconds: 0,
                 only_unselected: true,
             },
             true,
         )
-        .await?
+        .await?;
+    let released: Vec<String> = found
         .into_iter()
         .filter(|b| b.released)
         .map(|b| format!("{} ({})", b.cidr, b.host.unwrap_or_else(|| "-".into())))
         .collect();
-    Ok(if released.is_empty() {
+    let mut text = if released.is_empty() {
         String::new()
     } else {
         format!(
@@ -166,7 +175,12 @@ pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<S
             counted(released.len() as u64, "empty block", "empty blocks"),
             released.join(", ")
         )
-    })
+    };
+    text.push_str(&super::undecodable_text(
+        &undecodable,
+        "the release of empty blocks (none is released)",
+    ));
+    Ok(text)
 }
 
 #[cfg(test)]

@@ -266,4 +266,82 @@ on_every_backend!(
     a_long_empty_block_of_another_node_is_taken_over,
     a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected,
     release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad_ages,
+    release_empty_names_a_block_it_cannot_decode_and_releases_the_other_nodes_blocks,
 );
+
+/// A damaged block of node-b does not stop `blocks release-empty`: node-a's empty block beyond
+/// its newest is released, node-b's are named and left (status 0; `check` is the command that
+/// fails on them).
+fn release_empty_names_a_block_it_cannot_decode_and_releases_the_other_nodes_blocks(
+    backend: Backend,
+) {
+    let lab = Lab::new(backend);
+    add_pool_of_30s(&lab, "10.98.0.0/27", "small-blocks");
+    let mut blocks: Vec<String> = Vec::new();
+    for node in ["node-a", "node-b"] {
+        for n in 0..4 {
+            let ip = add(&lab, node, &format!("{node}-{n}")).expect("ADD");
+            if !blocks.contains(&block_of(ip)) {
+                blocks.push(block_of(ip));
+            }
+        }
+        for n in 0..4 {
+            del(&lab, node, &format!("{node}-{n}"));
+        }
+    }
+    // The plugin skips each /30's network and broadcast addresses: two usable per block.
+    assert_eq!(blocks.len(), 4, "two /30 blocks per node: {blocks:?}");
+    let damaged = lab.with_store(|store| async move {
+        let listed = store
+            .list("ipam/v1/blocks/host/node-b/")
+            .await
+            .expect("list node-b's blocks");
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        let key = listed[0].key.clone();
+        store
+            .put(&key, b"garbage{".to_vec())
+            .await
+            .expect("damage one of node-b's blocks");
+        key
+    });
+    let applied = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "blocks",
+            "release-empty",
+            "--older-than",
+            "0",
+            "--apply",
+        ])
+        .ok()
+        .json();
+    let released: Vec<&Value> = applied["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .collect();
+    assert_eq!(released.len(), 1, "{applied}");
+    assert_eq!(released[0]["host"], "node-a", "{applied}");
+    assert_eq!(released[0]["released"], true, "{applied}");
+    assert_eq!(
+        applied["undecodable"][0]["key"],
+        damaged.as_str(),
+        "{applied}"
+    );
+    let intact: Vec<&String> = blocks[2..]
+        .iter()
+        .filter(|block| !damaged.ends_with(&block.replace('/', "-")))
+        .collect();
+    assert_eq!(intact.len(), 1, "{blocks:?} {damaged}");
+    assert_eq!(
+        block_row(&lab, intact[0]).map(|row| row["host"].clone()),
+        Some(Value::from("node-b")),
+        "node-b's other empty block stays while its newest cannot be told"
+    );
+    lab.ctl(&["blocks", "release-empty", "--older-than", "0"])
+        .ok()
+        .stdout_has(&damaged)
+        .stdout_has("none is released");
+    lab.ctl(&["check"]).expect_code(1).stdout_has(&damaged);
+}

@@ -3,13 +3,13 @@
 
 use super::full_pools::{self, FullPoolMark};
 use super::{
-    decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam, Stored,
-    WorkingBlock,
+    decode_each, decode_stored, next_got, next_listed, Attempt, ClaimIndex, IndexedClaim, Ipam,
+    Stored, UndecodableObject, WorkingBlock,
 };
 use crate::kv::{Condition, KeyValue, Op, Read, Txn};
 use crate::model::error::IpamError;
 use crate::model::reservations::ReservedRanges;
-use crate::model::{keys, Block, Family, IpamConfig, Lifetime, Pool};
+use crate::model::{decode, keys, Block, Family, IpamConfig, Lifetime, Pool};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -153,12 +153,38 @@ impl Ipam {
     /// revision: a block that changed since it was read is left alone (reported unreleased).
     ///
     /// # Errors
-    /// Store failures; corrupt objects.
+    /// Store failures; corrupt objects (before anything is released).
     pub async fn release_empty_blocks(
         &self,
         filter: EmptyBlockFilter,
         apply: bool,
     ) -> Result<Vec<EmptyBlock>, IpamError> {
+        Ok(self.find_empty_blocks(filter, apply, false).await?.0)
+    }
+
+    /// [`release_empty_blocks`](Self::release_empty_blocks) past the block objects it cannot
+    /// decode, named beside what it found (sorted by key): what such a block holds is unknown, so
+    /// it is never released, and while a host has one, none of that host's empty blocks of the
+    /// same family is taken to be beyond its newest (the damaged one may be its newest). Every
+    /// other block is judged as usual.
+    ///
+    /// # Errors
+    /// Store failures; a pool, the config, a reservation or a claim index entry that cannot be
+    /// decoded; a block key that names no block.
+    pub async fn release_empty_blocks_each(
+        &self,
+        filter: EmptyBlockFilter,
+        apply: bool,
+    ) -> Result<(Vec<EmptyBlock>, Vec<UndecodableObject>), IpamError> {
+        self.find_empty_blocks(filter, apply, true).await
+    }
+
+    async fn find_empty_blocks(
+        &self,
+        filter: EmptyBlockFilter,
+        apply: bool,
+        past_undecodable: bool,
+    ) -> Result<(Vec<EmptyBlock>, Vec<UndecodableObject>), IpamError> {
         // The claim index (one small entry per block: owner, free count, when it became empty)
         // says which blocks may be empty; only those, and the blocks of their hosts (to know
         // each host's newest), are read with their values. A store with no empty block costs
@@ -200,9 +226,21 @@ impl Ipam {
             }
         }
         let cutoff = lifetime.now.saturating_sub(filter.older_than_seconds);
-        let blocks = self
-            .blocks_that_may_be_empty(claims, lifetime, cutoff)
+        let (blocks, undecodable) = self
+            .blocks_that_may_be_empty(claims, lifetime, cutoff, past_undecodable)
             .await?;
+        // The hosts and families of blocks that cannot be decoded: one of them may be the
+        // host's newest.
+        let mut unknown_newest: BTreeSet<(&str, Family)> = BTreeSet::new();
+        for object in &undecodable {
+            match object.block() {
+                Some((Some(host), cidr)) => {
+                    unknown_newest.insert((host, Family::of_net(&cidr)));
+                }
+                Some((None, _)) => {}
+                None => return Err(object.clone().into_error()),
+            }
+        }
         let no_labels = BTreeMap::new();
         // Each host's newest block per family (latest claim, then highest address).
         let mut newest: BTreeMap<(&str, Family), (u64, IpNet)> = BTreeMap::new();
@@ -241,11 +279,13 @@ impl Ipam {
                                 Some(None) => true,
                             }
                     });
+                    let family = Family::of_net(&block.cidr);
                     if !selected {
                         EmptyBlockReason::PoolNoLongerSelects
-                    } else if newest
-                        .get(&(host, Family::of_net(&block.cidr)))
-                        .is_some_and(|(_, cidr)| *cidr != block.cidr)
+                    } else if !unknown_newest.contains(&(host, family))
+                        && newest
+                            .get(&(host, family))
+                            .is_some_and(|(_, cidr)| *cidr != block.cidr)
                     {
                         EmptyBlockReason::BeyondNewest
                     } else {
@@ -269,7 +309,7 @@ impl Ipam {
                 released,
             });
         }
-        Ok(found)
+        Ok((found, undecodable))
     }
 
     /// Puts the block-release counter, so that no full-pool mark is believed any more, when a
@@ -335,7 +375,8 @@ impl Ipam {
         claims: Vec<KeyValue>,
         lifetime: Lifetime,
         cutoff: u64,
-    ) -> Result<Vec<Stored<Block>>, IpamError> {
+        past_undecodable: bool,
+    ) -> Result<(Vec<Stored<Block>>, Vec<UndecodableObject>), IpamError> {
         let mut unowned: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
         let mut hosts: BTreeSet<String> = BTreeSet::new();
         for kv in claims {
@@ -361,25 +402,36 @@ impl Ipam {
             }
         }
         let mut blocks = Vec::new();
+        let mut undecodable = Vec::new();
         if !hosts.is_empty() {
             let reads: Vec<Read> = hosts
                 .iter()
                 .map(|host| Read::List(keys::host_blocks_dir(host)))
                 .collect();
             for result in self.store.read_many(&reads).await? {
-                for kv in result.into_listed()? {
-                    blocks.push(decode_stored(kv)?);
+                let listed = result.into_listed()?;
+                if past_undecodable {
+                    blocks.extend(decode_each(listed, decode::<Block>, &mut undecodable));
+                } else {
+                    for kv in listed {
+                        blocks.push(decode_stored(kv)?);
+                    }
                 }
             }
         }
         if !unowned.is_empty() {
             let cidrs: BTreeSet<IpNet> = unowned.keys().copied().collect();
-            let loaded = self
-                .load_blocks_given_claims(&cidrs, unowned.into_values().map(Some).collect())
-                .await?;
+            let claims = unowned.into_values().map(Some).collect();
+            let loaded = if past_undecodable {
+                self.load_blocks_given_claims_each(&cidrs, claims).await?
+            } else {
+                self.load_blocks_given_claims(&cidrs, claims).await?
+            };
             blocks.extend(loaded.found.into_values());
+            undecodable.extend(loaded.undecodable);
         }
-        Ok(blocks)
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok((blocks, undecodable))
     }
 
     /// Deletes one empty block if it is still as read; false when it changed meanwhile.

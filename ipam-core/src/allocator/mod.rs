@@ -507,6 +507,9 @@ impl WorkingBlock {
 pub(crate) struct LoadedBlocks {
     pub found: BTreeMap<IpNet, Stored<Block>>,
     pub sequence_floor: u64,
+    /// Blocks that could not be decoded, when the read was asked to get past them (see
+    /// [`Ipam::load_blocks_given_claims_each`]); always empty otherwise (such a block fails the read).
+    pub undecodable: Vec<UndecodableObject>,
 }
 
 /// Decodes the sequence floor (0 when never written).
@@ -1401,7 +1404,28 @@ impl Ipam {
     pub(crate) async fn load_blocks_given_claims(
         &self,
         cidrs: &BTreeSet<IpNet>,
+        claims: Vec<Option<KeyValue>>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        self.read_blocks_given_claims(cidrs, claims, false).await
+    }
+
+    /// [`load_blocks_given_claims`](Self::load_blocks_given_claims) for a reader that writes
+    /// nothing on what it cannot read: a block that does not decode is named in
+    /// [`LoadedBlocks::undecodable`] and left out of `found` instead of failing the read. Never for
+    /// a writer: a block missing from `found` would look absent, free to create again.
+    pub(crate) async fn load_blocks_given_claims_each(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
+        claims: Vec<Option<KeyValue>>,
+    ) -> Result<LoadedBlocks, IpamError> {
+        self.read_blocks_given_claims(cidrs, claims, true).await
+    }
+
+    async fn read_blocks_given_claims(
+        &self,
+        cidrs: &BTreeSet<IpNet>,
         mut claims: Vec<Option<KeyValue>>,
+        past_undecodable: bool,
     ) -> Result<LoadedBlocks, IpamError> {
         /// Re-reads allowed when claims move under the read.
         const CONSISTENT_READ_ATTEMPTS: u32 = 10;
@@ -1431,6 +1455,7 @@ impl Ipam {
             let mut loaded = LoadedBlocks {
                 found: BTreeMap::new(),
                 sequence_floor: decode_sequence_floor(results[0].take())?,
+                undecodable: Vec::new(),
             };
             dangling = None;
             let mut consistent = true;
@@ -1457,13 +1482,20 @@ impl Ipam {
                 if claim.is_some() {
                     let mut found = None;
                     for kv in rest {
-                        let stored: Stored<Block> = decode_stored(kv)?;
-                        found = Some(stored);
+                        if past_undecodable {
+                            let mut decoded =
+                                decode_each(vec![kv], decode::<Block>, &mut loaded.undecodable);
+                            found = Some(decoded.pop());
+                        } else {
+                            let stored: Stored<Block> = decode_stored(kv)?;
+                            found = Some(Some(stored));
+                        }
                     }
                     match found {
-                        Some(stored) => {
+                        Some(Some(stored)) => {
                             loaded.found.insert(*cidr, stored);
                         }
+                        Some(None) => {}
                         None => {
                             dangling = Some(keys::block_claim(cidr));
                             consistent = false;
