@@ -262,6 +262,31 @@ impl Sandbox {
         })
     }
 
+    /// Overwrites every object stored under `prefix` with bytes that do not decode; returns them as
+    /// they were, for [`Sandbox::restore`].
+    pub fn damage_under(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
+        let prefix = prefix.to_owned();
+        self.with_ipam(async move |ipam: &Ipam| {
+            let intact = ipam.store().list(&prefix).await.expect("list");
+            for kv in &intact {
+                ipam.store()
+                    .put(&kv.key, b"garbage{".to_vec())
+                    .await
+                    .expect("damage it");
+            }
+            intact.into_iter().map(|kv| (kv.key, kv.value)).collect()
+        })
+    }
+
+    /// Writes back objects as [`Sandbox::damage_under`] returned them.
+    pub fn restore(&self, objects: Vec<(String, Vec<u8>)>) {
+        self.with_ipam(async move |ipam: &Ipam| {
+            for (key, value) in objects {
+                ipam.store().put(&key, value).await.expect("restore");
+            }
+        });
+    }
+
     /// Every allocation in the store as (address, handle, attributes).
     pub fn allocations(&self) -> Vec<(String, String, BTreeMap<String, String>)> {
         if !self.store_path().exists() {

@@ -895,23 +895,10 @@ fn status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all
     let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
     cni("ADD", "a", "eth0", &here, &[]).success_json("a");
     cni("ADD", "b", "eth0", &elsewhere, &[]).success_json("b");
-    let stored_under = |dir: String| -> Vec<(String, Vec<u8>)> {
-        let found: Vec<_> = sandbox
-            .snapshot()
-            .into_iter()
-            .filter(|(key, _)| key.starts_with(&dir))
-            .collect();
-        assert!(!found.is_empty(), "nothing stored under {dir}");
-        found
-    };
-    let write_each = |objects: &[(String, Vec<u8>)], damaged: bool| {
-        let objects = objects.to_vec();
-        sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
-            for (key, value) in objects {
-                let value = if damaged { b"garbage{".to_vec() } else { value };
-                ipam.store().put(&key, value).await.expect("write");
-            }
-        });
+    let damage_under = |dir: String| {
+        let intact = sandbox.damage_under(&dir);
+        assert!(!intact.is_empty(), "nothing stored under {dir}");
+        intact
     };
     let status_error = |netconf: &Value, what: &str, key: &str| {
         let msg = cni("STATUS", "", "", netconf, &[]).assert_error(50, what);
@@ -920,20 +907,18 @@ fn status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all
             "{what}: {msg}"
         );
     };
-    let node_b_blocks = stored_under(keys::host_open_blocks_dir("node-b"));
-    write_each(&node_b_blocks, true);
+    let node_b_blocks = damage_under(keys::host_open_blocks_dir("node-b"));
     cni("STATUS", "", "", &here, &[]).assert_silent_success("past another node's block");
     cni("ADD", "a2", "eth0", &here, &[]).success_json("node-a's ADD never reads it");
     status_error(&elsewhere, "node-b's own block", &node_b_blocks[0].0);
     cni("ADD", "b2", "eth0", &elsewhere, &[]).assert_error(108, "node-b's ADD reads it");
-    write_each(&node_b_blocks, false);
+    sandbox.restore(node_b_blocks);
     cni("STATUS", "", "", &elsewhere, &[]).assert_silent_success("node-b's block restored");
-    let pools = stored_under(keys::pools_dir());
-    write_each(&pools[..1], true);
+    let pool = damage_under(keys::pool("test-v4"));
     for netconf in [&here, &elsewhere] {
-        status_error(netconf, "a pool object", &pools[0].0);
+        status_error(netconf, "a pool object", &pool[0].0);
     }
-    write_each(&pools[..1], false);
+    sandbox.restore(pool);
     for netconf in [&here, &elsewhere] {
         cni("STATUS", "", "", netconf, &[]).assert_silent_success("pool restored");
     }
@@ -956,28 +941,15 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     }
     cni("ADD", "b1", "eth0", &on("node-b"), &[]).success_json("b1");
     cni("STATUS", "", "", &on("node-c"), &[]).assert_silent_success("node-b's block has room");
-    let prefix = ipam_core::model::keys::host_blocks_dir("node-b");
-    sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
-        for kv in ipam.store().list(&prefix).await.expect("list") {
-            ipam.store()
-                .put(&kv.key, b"garbage{".to_vec())
-                .await
-                .expect("damage it");
-        }
-    });
+    sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"));
     let msg = cni("STATUS", "", "", &on("node-c"), &[]).assert_error(50, "no block to claim");
     assert!(msg.contains("no free address"), "{msg}");
     let add = cni("ADD", "c1", "eth0", &on("node-c"), &[]);
     assert_ne!(add.status, 0, "node-c's ADD fails too: {add:?}");
     // node-a's full block (which its ADDs do not read) counts toward its block limit.
-    let prefix = ipam_core::model::keys::host_full_blocks_dir("node-a");
+    let full = sandbox.damage_under(&ipam_core::model::keys::host_full_blocks_dir("node-a"));
+    assert_eq!(full.len(), 1, "node-a's block is full");
     sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
-        let full = ipam.store().list(&prefix).await.expect("list");
-        assert_eq!(full.len(), 1, "node-a's block is full");
-        ipam.store()
-            .put(&full[0].key, b"garbage{".to_vec())
-            .await
-            .expect("damage it");
         ipam.update_config(|config| config.max_blocks_per_host = 1)
             .await
             .expect("a limit of one block");
@@ -1083,17 +1055,7 @@ fn gc_collects_past_a_block_it_cannot_decode_and_reports_it(mode: Mode) {
     cni("ADD", "a", "eth0", &here, &[]).success_json("a");
     cni("ADD", "b", "eth0", &here, &[]).success_json("b");
     cni("ADD", "r", "eth0", &elsewhere, &[]).success_json("r");
-    let prefix = ipam_core::model::keys::host_blocks_dir("node-b");
-    let kept = sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
-        let blocks = ipam.store().list(&prefix).await.expect("list");
-        for kv in &blocks {
-            ipam.store()
-                .put(&kv.key, b"garbage{".to_vec())
-                .await
-                .expect("damage it");
-        }
-        blocks
-    });
+    let kept = sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"));
     assert!(!kept.is_empty(), "node-b has a block");
     let mut gc = here.clone();
     merge(
@@ -1102,7 +1064,7 @@ fn gc_collects_past_a_block_it_cannot_decode_and_reports_it(mode: Mode) {
     );
     let msg = cni("GC", "", "", &gc, &[]).assert_error(108, "GC past a damaged block");
     assert!(
-        msg.contains(&kept[0].key) && msg.contains("GC released 1 stale address"),
+        msg.contains(&kept[0].0) && msg.contains("GC released 1 stale address"),
         "{msg}"
     );
     let left: Vec<String> = sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
@@ -1114,11 +1076,7 @@ fn gc_collects_past_a_block_it_cannot_decode_and_reports_it(mode: Mode) {
             .collect()
     });
     assert_eq!(left, vec!["testnet.a"], "b released; r unreadable");
-    sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
-        for kv in kept {
-            ipam.store().put(&kv.key, kv.value).await.expect("restore");
-        }
-    });
+    sandbox.restore(kept);
     cni("GC", "", "", &gc, &[]).assert_silent_success("GC, block restored");
     let left: Vec<String> = sandbox
         .container_allocations()
