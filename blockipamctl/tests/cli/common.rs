@@ -245,6 +245,22 @@ impl Lab {
         })
     }
 
+    /// Overwrites the first of `host`'s blocks with bytes that do not decode, asserting the host
+    /// has `blocks` blocks; the damaged block's key.
+    pub fn damage_a_block_of(&self, host: &str, blocks: usize) -> String {
+        let dir = ipam_core::model::keys::host_blocks_dir(host);
+        self.with_store(|store| async move {
+            let listed = store.list(&dir).await.expect("list the host's blocks");
+            assert_eq!(listed.len(), blocks, "{listed:?}");
+            let key = listed[0].key.clone();
+            store
+                .put(&key, b"garbage{".to_vec())
+                .await
+                .expect("damage the block");
+            key
+        })
+    }
+
     /// `blocks release-empty --older-than 0` in JSON (a preview: it writes nothing), and the CIDRs
     /// of the blocks of `host` it lists.
     pub fn release_empty_preview(&self, host: &str) -> (Value, Vec<String>) {

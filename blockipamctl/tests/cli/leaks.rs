@@ -297,19 +297,7 @@ fn gc_leaks_names_the_blocks_the_look_could_not_decode_and_releases_what_is_due(
     let live = lab.added("node-a", "running");
     let gone = lab.added("node-a", "vanished");
     let elsewhere = lab.added("node-b", "vanished-elsewhere");
-    let damaged_key = lab.with_store(|store| async move {
-        let listed = store
-            .list("ipam/v1/blocks/host/node-b/")
-            .await
-            .expect("list node-b's blocks");
-        assert_eq!(listed.len(), 1, "{listed:?}");
-        let key = listed[0].key.clone();
-        store
-            .put(&key, b"garbage{".to_vec())
-            .await
-            .expect("damage node-b's block");
-        key
-    });
+    let damaged_key = lab.damage_a_block_of("node-b", 1);
     let report_path = lab.dir.path().join("leaks.json");
     let report_arg = report_path.display().to_string();
     let (first, last) = looks_a_grace_apart();

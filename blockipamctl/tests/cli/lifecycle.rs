@@ -291,19 +291,7 @@ fn release_empty_names_a_block_it_cannot_decode_and_releases_the_other_nodes_blo
     }
     // The plugin skips each /30's network and broadcast addresses: two usable per block.
     assert_eq!(blocks.len(), 4, "two /30 blocks per node: {blocks:?}");
-    let damaged = lab.with_store(|store| async move {
-        let listed = store
-            .list("ipam/v1/blocks/host/node-b/")
-            .await
-            .expect("list node-b's blocks");
-        assert_eq!(listed.len(), 2, "{listed:?}");
-        let key = listed[0].key.clone();
-        store
-            .put(&key, b"garbage{".to_vec())
-            .await
-            .expect("damage one of node-b's blocks");
-        key
-    });
+    let damaged = lab.damage_a_block_of("node-b", 2);
     let applied = lab
         .ctl(&[
             "-o",
