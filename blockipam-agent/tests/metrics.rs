@@ -1,6 +1,7 @@
 //! The agent's metrics endpoint as a real process: pool, allocation and block gauges after real
 //! plugin calls through the agent, the agent's own counters, Debian's `promtool check metrics` on
-//! the scraped text, content negotiation, the gauges' cache, off by default, bad addresses.
+//! the scraped text, content negotiation, the gauges' cache, a damaged block, off by default, bad
+//! addresses.
 
 mod common;
 
@@ -449,6 +450,135 @@ fn scrape_reports_pools_allocations_blocks_and_agent_counters_and_passes_promtoo
 
     let elsewhere = http_get(address, "/", None);
     assert_eq!(elsewhere.status, 404, "{elsewhere:#?}");
+}
+
+/// One block that cannot be decoded does not take the `ipam_*` gauges away: the scrape counts the
+/// rest, counts the damaged block for its owner with none of its addresses, says how many objects
+/// it left out, and the agent names the key in its log; once repaired, everything counts again.
+#[test]
+fn a_block_that_cannot_be_decoded_is_left_out_of_the_gauges_and_named() {
+    let agent = Agent::start(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--metrics-cache-seconds",
+        "0",
+    ]);
+    let first = agent.add("node-a", "a1");
+    agent.add("node-a", "a2");
+    agent.add("node-a", "a3");
+    agent.add("node-b", "b1");
+    let (damaged_key, saved) = runtime().block_on(async {
+        let ipam = agent.ipam().await;
+        let first: std::net::IpAddr = first
+            .split_once('/')
+            .expect("an address with its prefix")
+            .0
+            .parse()
+            .expect("an address");
+        let block = ipam
+            .get_assignment(first)
+            .await
+            .expect("read")
+            .expect("assigned")
+            .block;
+        // node-c borrows an address of node-a's block: the gauges read that block's value.
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec![block.hosts().nth(20).expect("a 21st address")],
+            handle: "c1".to_owned(),
+            host: "node-c".to_owned(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("borrow");
+        let client = AgentStore::connect(AgentConfig::new(&agent.socket))
+            .await
+            .expect("connect to the agent");
+        let listed = client
+            .list(&ipam_core::model::keys::host_blocks_dir("node-a"))
+            .await
+            .expect("list node-a's blocks");
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let kv = listed.into_iter().next().expect("node-a's block");
+        (kv.key, kv.value)
+    });
+    let address = agent.metrics_address();
+    let scrape = || {
+        let answer = http_get(address, "/metrics", None);
+        assert_eq!(answer.status, 200, "{answer:#?}");
+        promtool_check(&answer.body);
+        parse_samples(&answer.body)
+    };
+    let gauge = |samples: &Samples, name: &str, node: &str| {
+        value(samples, name, &[("ippool", "agent-pool"), ("node", node)])
+    };
+    let intact = scrape();
+    assert_eq!(
+        value(&intact, "blockipam_agent_ipam_undecodable_objects", &[]),
+        0.0
+    );
+    assert_eq!(gauge(&intact, "ipam_allocations_borrowed", "node-c"), 1.0);
+
+    let put = |bytes: Vec<u8>| {
+        runtime().block_on(async {
+            AgentStore::connect(AgentConfig::new(&agent.socket))
+                .await
+                .expect("connect to the agent")
+                .put(&damaged_key, bytes)
+                .await
+                .expect("write the block");
+        });
+    };
+    put(b"garbage{".to_vec());
+    let damaged = scrape();
+    assert_eq!(value(&damaged, "blockipam_agent_store_up", &[]), 1.0);
+    assert_eq!(
+        value(&damaged, "blockipam_agent_ipam_undecodable_objects", &[]),
+        1.0
+    );
+    assert_eq!(gauge(&damaged, "ipam_blocks", "node-a"), 1.0);
+    assert_eq!(gauge(&damaged, "ipam_blocks", "node-b"), 1.0);
+    assert_eq!(gauge(&damaged, "ipam_allocations_in_use", "node-a"), 0.0);
+    assert_eq!(gauge(&damaged, "ipam_allocations_in_use", "node-b"), 1.0);
+    assert!(
+        !damaged
+            .get("ipam_allocations_borrowed")
+            .is_some_and(|series| series
+                .keys()
+                .any(|labels| labels.values().any(|v| v == "node-c"))),
+        "node-c's address lies in the damaged block: {damaged:#?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !agent.log().contains(&damaged_key) {
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not name {damaged_key}:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let again = scrape();
+    assert_eq!(
+        value(&again, "blockipam_agent_ipam_undecodable_objects", &[]),
+        1.0
+    );
+    assert_eq!(
+        agent
+            .log()
+            .matches("metrics: an object cannot be decoded")
+            .count(),
+        1,
+        "each set of damaged objects is logged once:\n{}",
+        agent.log()
+    );
+
+    put(saved);
+    let repaired = scrape();
+    assert_eq!(
+        value(&repaired, "blockipam_agent_ipam_undecodable_objects", &[]),
+        0.0
+    );
+    assert_eq!(gauge(&repaired, "ipam_allocations_in_use", "node-a"), 3.0);
+    assert_eq!(gauge(&repaired, "ipam_allocations_borrowed", "node-c"), 1.0);
 }
 
 #[test]

@@ -41,6 +41,7 @@ macro_rules! ipam_integrity_tests {
             guarded_writes_stop_once_the_guard_no_longer_holds,
             empty_block_release_reads_the_claim_index_and_only_the_blocks_it_may_release,
             allocation_counts_read_the_claim_index_and_only_blocks_holding_other_nodes_addresses,
+            allocation_counts_name_what_they_cannot_decode_and_count_the_rest,
             usage_and_allocations_read_together_are_what_each_query_answers,
         );
     };
@@ -1332,6 +1333,123 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
         BTreeMap::from([(Some("h0".to_owned()), 4)]),
         "three of h0's addresses and the borrower's"
     );
+}
+
+/// One claim entry or block value that cannot be decoded does not stop the counts (the agent's
+/// `ipam_*` gauges would vanish cluster-wide until it is repaired): it is named; a damaged block
+/// counts as a block of the owner its claim entry records, with none of its addresses; a damaged
+/// claim entry's block is left out; every other block is counted exactly. Nothing is written.
+pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/24", 28).await;
+    let mut first = BTreeMap::new();
+    for h in 0..4 {
+        for n in 0..3 {
+            let got = assign_one(&ipam, &format!("h{h}-pod-{n}"), &format!("h{h}")).await;
+            first.entry(h).or_insert(got);
+        }
+    }
+    let block_of = |address: IpAddr| {
+        let ipam = &ipam;
+        async move {
+            ipam.get_assignment(address)
+                .await
+                .expect("read")
+                .expect("assigned")
+                .block
+        }
+    };
+    // h0's block lends an address (so it is read), h1's loses its owner (so it is read too).
+    let lender = block_of(first[&0]).await;
+    let borrowed = lender.hosts().nth(5).expect("a sixth address");
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec![borrowed],
+        handle: "borrower-pod".into(),
+        host: "borrower".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("an address of h0's block for another node");
+    let orphaned = block_of(first[&1]).await;
+    ipam.release_affinity("h1", orphaned)
+        .await
+        .expect("h1's block loses its owner");
+    let plain = block_of(first[&2]).await;
+    let untouched = block_of(first[&3]).await;
+
+    let lender_key = t
+        .store
+        .list(&keys::host_blocks_dir("h0"))
+        .await
+        .expect("list h0's blocks")
+        .into_iter()
+        .map(|kv| kv.key)
+        .next()
+        .expect("h0's block");
+    let claim_key = keys::block_claim(&plain);
+    let mut saved = Vec::new();
+    for key in [&lender_key, &claim_key] {
+        let kv = t.store.get(key).await.expect("get").expect("present");
+        saved.push(kv.clone());
+        t.store
+            .put(key, b"garbage{".to_vec())
+            .await
+            .expect("damage it");
+    }
+    let before = t.store.list("").await.expect("list");
+
+    let counts = ipam
+        .allocation_counts()
+        .await
+        .expect("counts past the damage");
+    let mut named: Vec<String> = counts.undecodable.iter().map(|o| o.key.clone()).collect();
+    named.sort();
+    let mut expected = vec![lender_key.clone(), claim_key.clone()];
+    expected.sort();
+    assert_eq!(named, expected, "{counts:#?}");
+    assert!(
+        counts.undecodable.iter().all(|o| !o.message.is_empty()),
+        "{counts:#?}"
+    );
+    let of = |cidr: ipnet::IpNet| counts.blocks.iter().find(|b| b.cidr == cidr);
+    let damaged = of(lender).expect("the damaged block is still a block of h0");
+    assert_eq!(damaged.host.as_deref(), Some("h0"));
+    assert!(damaged.by_node.is_empty(), "{damaged:#?}");
+    assert!(
+        of(plain).is_none(),
+        "a damaged claim entry's block: {counts:#?}"
+    );
+    assert_eq!(
+        of(orphaned).expect("the ownerless block").by_node,
+        BTreeMap::from([(Some("h1".to_owned()), 3)])
+    );
+    let h3 = of(untouched).expect("h3's block");
+    assert_eq!(h3.host.as_deref(), Some("h3"));
+    assert_eq!(h3.by_node, BTreeMap::from([(Some("h3".to_owned()), 3)]));
+    assert_eq!(counts.blocks.len(), 3, "{counts:#?}");
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written"
+    );
+
+    // Repaired: every block counted again, nothing named.
+    for kv in saved {
+        t.store.put(&kv.key, kv.value).await.expect("restore");
+    }
+    let counts = ipam.allocation_counts().await.expect("counts");
+    assert!(counts.undecodable.is_empty(), "{counts:#?}");
+    let lender_count = counts
+        .blocks
+        .iter()
+        .find(|b| b.cidr == lender)
+        .expect("h0's block");
+    assert_eq!(
+        lender_count.by_node,
+        BTreeMap::from([(Some("borrower".to_owned()), 1), (Some("h0".to_owned()), 3)])
+    );
+    assert_eq!(counts.blocks.len(), 4);
 }
 
 /// `Ipam::utilization_and_allocations` (one read of the blocks, for `blockipamctl show`) answers

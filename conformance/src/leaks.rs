@@ -465,7 +465,7 @@ pub async fn a_live_disagreements_record_that_does_not_decode_is_reported_replac
 /// addresses it covers are left out of every decision, while the rest of the look decides as
 /// usual: no allocation in it is judged (a countdown does not run across a look that could not see
 /// it), no live sandbox's address in it is reported as free or held by another, and nothing is
-/// written.
+/// written; whether the look reads the whole store or only the node's blocks.
 pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judged<
     F: StoreFactory,
 >(
@@ -636,6 +636,34 @@ pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judg
     for address in [gone, old, second_gone] {
         assert!(ipam.get_assignment(address).await.expect("read").is_some());
     }
+
+    // The node's own block damaged again, at a look that reads only the node's blocks (every live
+    // address lies in an intact block of its own): named all the same, nothing it covers judged.
+    let (own_key, _) = damage(own_block, "node-a").await;
+    let quiet = |at| view(at, &[("second-live", vec![second_live])]);
+    let before = t.store.list("").await.expect("list");
+    let own_only = ipam
+        .look_for_leaks("node-a", &quiet(T0 + GRACE + 3), &mut watch, POLICY)
+        .await
+        .expect("a look of the node's blocks gets past its damaged one");
+    assert!(
+        !watch.last_look_surveyed(),
+        "every live address lies in node-a's intact block"
+    );
+    let named: Vec<&str> = own_only
+        .undecodable
+        .iter()
+        .map(|o| o.key.as_str())
+        .collect();
+    assert_eq!(named, [own_key.as_str()]);
+    assert!(own_only.waiting.is_empty(), "{own_only:#?}");
+    assert_eq!(leaked_addresses(&own_only), [second_gone]);
+    assert!(own_only.disagreements.is_empty(), "{own_only:#?}");
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "the look wrote nothing"
+    );
 }
 
 /// A pool of one /30 block that node-b claims first: node-a's address comes from node-b's block.

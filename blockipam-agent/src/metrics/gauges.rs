@@ -35,6 +35,9 @@ pub struct IpamSnapshot {
     pub borrowed: BTreeMap<(String, String), u64>,
     /// Blocks, by (pool, affine node).
     pub blocks: BTreeMap<(String, String), u64>,
+    /// Claim entries and blocks that could not be decoded (key, what is wrong): a damaged block
+    /// counts in `blocks` with none of its addresses, a damaged claim entry's block not at all.
+    pub undecodable: Vec<(String, String)>,
 }
 
 impl IpamSnapshot {
@@ -48,11 +51,22 @@ impl IpamSnapshot {
     /// without an owner and blocks whose claim entry records no free count; every other block's
     /// addresses count for its owner. So a scrape reads small entries, not block values.
     ///
+    /// A claim entry or block that cannot be decoded is listed in `undecodable` and the rest is
+    /// counted: one damaged object does not take every gauge away.
+    ///
     /// # Errors
-    /// Store failures and corrupt objects, as the allocator reports them.
+    /// Store failures, and the corrupt objects the allocator cannot count past (a pool, a
+    /// borrowed-block index key that names no block).
     pub async fn compute(store: Arc<dyn KvStore>) -> Result<Self, IpamError> {
         let counts = Ipam::new(store).allocation_counts().await?;
-        let mut snapshot = IpamSnapshot::default();
+        let mut snapshot = IpamSnapshot {
+            undecodable: counts
+                .undecodable
+                .iter()
+                .map(|object| (object.key.clone(), object.message.clone()))
+                .collect(),
+            ..IpamSnapshot::default()
+        };
         let mut nodes: BTreeSet<String> = BTreeSet::new();
         for pool in &counts.pools {
             // An IPv6 pool may span more than 2^64 addresses: a gauge is a float anyway.
@@ -113,6 +127,8 @@ pub(super) struct Published {
 #[derive(Debug, Default)]
 pub(super) struct RefreshState {
     last_attempt: Option<Instant>,
+    /// The keys of the undecodable objects last logged (each set is logged once).
+    undecodable_logged: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -152,6 +168,7 @@ impl IpamState {
             .unwrap_or_else(PoisonError::into_inner);
         match outcome {
             Ok(snapshot) => {
+                warn_undecodable(&snapshot, &mut refresh.undecodable_logged);
                 published.snapshot = Some(Arc::new(snapshot));
                 published.store_up = true;
                 published.last_success_unix_seconds = SystemTime::now()
@@ -168,6 +185,26 @@ impl IpamState {
                 published.store_up = false;
             }
         }
+    }
+}
+
+/// Names the objects a computation could not decode, once for each set of them (every
+/// computation reads them until they are repaired).
+fn warn_undecodable(snapshot: &IpamSnapshot, logged: &mut Vec<String>) {
+    let keys: Vec<String> = snapshot
+        .undecodable
+        .iter()
+        .map(|(key, _)| key.clone())
+        .collect();
+    if keys != *logged {
+        for (key, message) in &snapshot.undecodable {
+            tracing::warn!(
+                key = %key,
+                "metrics: an object cannot be decoded ({message}); the ipam_* gauges leave out \
+                 what it holds until it is repaired (blockipamctl check)"
+            );
+        }
+        *logged = keys;
     }
 }
 
@@ -237,6 +274,15 @@ impl Collector for IpamCollector {
         let Some(snapshot) = &published.snapshot else {
             return Ok(());
         };
+        let undecodable = ConstGauge::new(saturating_i64(snapshot.undecodable.len() as u64));
+        undecodable.encode(encoder.encode_descriptor(
+            "blockipam_agent_ipam_undecodable_objects",
+            "Claim entries and blocks the last computation of the ipam_* gauges could not decode: \
+             a damaged block counts in ipam_blocks with none of its addresses, a damaged claim \
+             entry's block not at all (blockipamctl check names them)",
+            None,
+            undecodable.metric_type(),
+        )?)?;
         encode_gauge_family(
             &mut encoder,
             "ipam_ippool_size",

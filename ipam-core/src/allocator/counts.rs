@@ -6,12 +6,16 @@
 //! those blocks, blocks without an owner and blocks whose claim entry records no free count
 //! (format 1) are read and counted address by address. Every other block's addresses count for
 //! its owner.
+//!
+//! A claim entry or a block value that cannot be decoded does not stop the count: it is named in
+//! [`AllocationCounts::undecodable`]; such a block is counted as a block of the owner its claim
+//! entry records, with none of its addresses (who holds them is unknown until it is repaired).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use ipnet::IpNet;
 
-use super::{cidr_of_key, next_listed, Attempt, IndexedClaim, Ipam, ATTR_NODE};
+use super::{cidr_of_key, next_listed, Attempt, IndexedClaim, Ipam, UndecodableObject, ATTR_NODE};
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::{keys, Pool};
@@ -23,6 +27,9 @@ pub struct AllocationCounts {
     pub pools: Vec<Pool>,
     /// Every block, in key order of its claim entry.
     pub blocks: Vec<BlockCount>,
+    /// Claim entries and block values that could not be decoded, by key: a claim entry's block is
+    /// left out of `blocks`; a block is in `blocks` with no address counted.
+    pub undecodable: Vec<UndecodableObject>,
 }
 
 /// One block's allocated addresses, by the node recorded with them.
@@ -34,7 +41,8 @@ pub struct BlockCount {
     pub host: Option<String>,
     /// Allocated addresses by the node recorded with them (`None`: none recorded).
     pub by_node: BTreeMap<Option<String>, u64>,
-    /// Whether the block's value was read (else its count is its owner's, from its claim entry).
+    /// Whether the block's value was read and counted (else its count is its owner's, from its
+    /// claim entry; none when the value is named in [`AllocationCounts::undecodable`]).
     pub read: bool,
 }
 
@@ -44,7 +52,8 @@ impl Ipam {
     /// documentation), by key.
     ///
     /// # Errors
-    /// Store failures; corrupt objects.
+    /// Store failures; a pool that cannot be decoded; a borrowed-block index key that names no
+    /// block (which blocks to read is not known then).
     pub async fn allocation_counts(&self) -> Result<AllocationCounts, IpamError> {
         // A block rewritten between its read and its owner keys' is read again.
         self.retrying(|| async { Ok(Attempt::Done(self.try_allocation_counts().await?)) })
@@ -65,10 +74,15 @@ impl Ipam {
             .into_iter()
             .map(|p| p.value)
             .collect();
-        let claims = next_listed(&mut results)?
-            .into_iter()
-            .map(IndexedClaim::decode)
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut undecodable = Vec::new();
+        let mut claims = Vec::new();
+        for kv in next_listed(&mut results)? {
+            let key = kv.key.clone();
+            match IndexedClaim::decode(kv) {
+                Ok(entry) => claims.push(entry),
+                Err(e) => undecodable.push(UndecodableObject::new(key, e)),
+            }
+        }
         let mut borrowed: BTreeSet<IpNet> = BTreeSet::new();
         for kv in next_listed(&mut results)? {
             borrowed.insert(cidr_of_key(&kv.key, "a borrowed-block index key")?);
@@ -81,13 +95,20 @@ impl Ipam {
             .map(|e| (e.cidr, e.stored.clone()))
             .collect();
         let cidrs: BTreeSet<IpNet> = to_read.keys().copied().collect();
-        let mut read = if cidrs.is_empty() {
-            BTreeMap::new()
-        } else {
-            self.load_blocks_given_claims(&cidrs, to_read.into_values().map(Some).collect())
-                .await?
-                .found
-        };
+        let mut read = BTreeMap::new();
+        let mut damaged: BTreeSet<IpNet> = BTreeSet::new();
+        if !cidrs.is_empty() {
+            let loaded = self
+                .load_blocks_given_claims_each(&cidrs, to_read.into_values().map(Some).collect())
+                .await?;
+            read = loaded.found;
+            for object in loaded.undecodable {
+                if let Some((_, cidr)) = object.block() {
+                    damaged.insert(cidr);
+                }
+                undecodable.push(object);
+            }
+        }
         // Whose each address is (its node), for the blocks kept apart.
         self.load_owner_keys(read.values_mut()).await?;
         let mut blocks = Vec::with_capacity(claims.len());
@@ -110,6 +131,12 @@ impl Ipam {
                         read: true,
                     }
                 }
+                None if damaged.contains(&entry.cidr) => BlockCount {
+                    cidr: entry.cidr,
+                    host: entry.claim.affinity,
+                    by_node: BTreeMap::new(),
+                    read: false,
+                },
                 None if cidrs.contains(&entry.cidr) => continue,
                 None => {
                     let capacity = crate::model::block_capacity(&entry.cidr);
@@ -128,6 +155,11 @@ impl Ipam {
             };
             blocks.push(count);
         }
-        Ok(AllocationCounts { pools, blocks })
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(AllocationCounts {
+            pools,
+            blocks,
+            undecodable,
+        })
     }
 }
