@@ -32,6 +32,7 @@ macro_rules! ipam_integrity_tests {
             reservations_ignore_strict_affinity_only_when_asked,
             skipping_block_edges_hands_out_only_host_addresses_until_exhausted,
             borrowing_reads_the_claim_index_and_only_the_lenders_it_needs,
+            borrowing_passes_over_a_lender_it_cannot_decode,
             claim_entries_follow_each_blocks_free_count,
             format_1_claim_entries_are_read_tried_and_upgraded_on_write,
             assignments_are_refused_while_an_import_is_unfinished,
@@ -734,6 +735,93 @@ pub async fn borrowing_reads_the_claim_index_and_only_the_lenders_it_needs<F: St
         shapes[0], shapes[1],
         "borrowing's reads grew with the number of blocks in the pool"
     );
+    assert_clean(&ipam).await;
+}
+
+/// A host that must borrow passes over a lender whose block cannot be decoded (one damaged block
+/// would otherwise fail every borrowing ADD of the cluster) and takes another lender's address,
+/// never writing the damaged block; when only the damaged block could have had room, the request
+/// fails naming it, not as exhausted pools; once restored, its addresses are lent again.
+pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(factory: &F) {
+    // Four /30 blocks, one per host: the pool has no block left to claim.
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/28", 30).await;
+    let mut firsts = Vec::new();
+    for h in 0..4 {
+        firsts.push(assign_one(&ipam, &format!("h{h}-pod"), &format!("h{h}")).await);
+    }
+    let block_of = |address: IpAddr| {
+        let ipam = &ipam;
+        async move {
+            ipam.get_assignment(address)
+                .await
+                .expect("read")
+                .expect("assigned")
+                .block
+        }
+    };
+    let mut blocks = Vec::new();
+    for address in &firsts {
+        blocks.push(block_of(*address).await);
+    }
+    // h0's block, among the lenders (tried in address order), cannot be decoded.
+    let damaged_key = t
+        .store
+        .list(&keys::host_blocks_dir("h0"))
+        .await
+        .expect("list h0's blocks")
+        .into_iter()
+        .map(|kv| kv.key)
+        .next()
+        .expect("h0's block");
+    let intact = t
+        .store
+        .get(&damaged_key)
+        .await
+        .expect("get")
+        .expect("h0's block")
+        .value;
+    t.store
+        .put(&damaged_key, b"garbage{".to_vec())
+        .await
+        .expect("damage it");
+
+    let mut borrowed = Vec::new();
+    for n in 0..9 {
+        let got = assign_one(&ipam, &format!("borrower-pod-{n}"), "borrower").await;
+        assert!(
+            blocks[1..].iter().any(|b| b.contains(&got)),
+            "{got} comes from an intact lender, not {}",
+            blocks[0]
+        );
+        borrowed.push(got);
+    }
+    let before = t.store.list("").await.expect("list");
+    match ipam
+        .auto_assign(&v4("borrower-pod-last", "borrower", 1))
+        .await
+    {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, damaged_key),
+        other => panic!("expected the damaged lender named, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written by the request that fell short"
+    );
+    assert_eq!(
+        t.store
+            .get(&damaged_key)
+            .await
+            .expect("get")
+            .expect("still there")
+            .value,
+        b"garbage{".to_vec(),
+        "the damaged block is never written"
+    );
+
+    t.store.put(&damaged_key, intact).await.expect("restore it");
+    let got = assign_one(&ipam, "borrower-pod-last", "borrower").await;
+    assert!(blocks[0].contains(&got), "{got} from the restored block");
     assert_clean(&ipam).await;
 }
 

@@ -4,8 +4,8 @@ use super::{
     block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash,
     learn_apart_from_handle, next_got, next_listed, refuse_during_import, validate_attribute_size,
     with_node, AssignIpsRequest, AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult,
-    ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, WorkingBlock, MAX_ADDRESSES_PER_REQUEST,
-    NEW_BLOCK_PROBES,
+    ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, UndecodableObject, WorkingBlock,
+    MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
@@ -47,7 +47,9 @@ impl Ipam {
     ///
     /// # Errors
     /// [`IpamError::InvalidArgument`]; pool errors for requested pools; [`IpamError::BlockLimit`];
-    /// [`IpamError::Exhausted`]; [`IpamError::RetriesExhausted`]; store failures.
+    /// [`IpamError::Exhausted`]; [`IpamError::RetriesExhausted`]; store failures;
+    /// [`IpamError::Corrupt`] naming a block that cannot be decoded: one of the host's own, or a
+    /// lender when no other lender had room (a borrowing request passes over such a lender).
     pub async fn auto_assign(
         &self,
         request: &AutoAssignRequest,
@@ -345,6 +347,9 @@ impl Ipam {
             let mut believe_marks = true;
             // Set when the per-host block limit stopped the search short.
             let mut block_limit: Option<u32> = None;
+            // Lenders whose block could not be decoded: passed over (nothing is written to them),
+            // and named if the request then falls short.
+            let mut undecodable_lenders: Vec<UndecodableObject> = Vec::new();
             loop {
                 // Set when this pass looked only at a window of the claim index.
                 let mut window: Option<ClaimIndex> = None;
@@ -533,7 +538,10 @@ impl Ipam {
                         }
                         let cidrs: BTreeSet<IpNet> = batch.keys().copied().collect();
                         let claims = batch.into_values().map(Some).collect();
-                        let loaded = self.load_blocks_given_claims(&cidrs, claims).await?;
+                        // A lender that does not decode is passed over: another lender's
+                        // address serves as well, and the damaged block is never written.
+                        let loaded = self.load_blocks_given_claims_each(&cidrs, claims).await?;
+                        undecodable_lenders.extend(loaded.undecodable);
                         let mut order = Vec::with_capacity(loaded.found.len());
                         for (cidr, stored) in loaded.found {
                             working
@@ -575,6 +583,10 @@ impl Ipam {
                         owned,
                         limit: config.max_blocks_per_host,
                     });
+                }
+                // The pools may not be exhausted: a damaged lender may have room.
+                if let Some(object) = undecodable_lenders.into_iter().next() {
+                    return Err(object.into_error());
                 }
                 return Err(IpamError::Exhausted {
                     family,
