@@ -33,6 +33,7 @@ macro_rules! ipam_integrity_tests {
             skipping_block_edges_hands_out_only_host_addresses_until_exhausted,
             borrowing_reads_the_claim_index_and_only_the_lenders_it_needs,
             borrowing_passes_over_a_lender_it_cannot_decode,
+            a_hosts_block_that_cannot_be_decoded_is_passed_over_and_still_counts_for_its_limit,
             claim_entries_follow_each_blocks_free_count,
             format_1_claim_entries_are_read_tried_and_upgraded_on_write,
             assignments_are_refused_while_an_import_is_unfinished,
@@ -822,6 +823,113 @@ pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(fa
     t.store.put(&damaged_key, intact).await.expect("restore it");
     let got = assign_one(&ipam, "borrower-pod-last", "borrower").await;
     assert!(blocks[0].contains(&got), "{got} from the restored block");
+    assert_clean(&ipam).await;
+}
+
+/// A block of the host that cannot be decoded (which would otherwise fail every ADD of the node)
+/// is passed over: the host's next address comes from a new block, the damaged one is never
+/// written nor claimed again (and the ADD of a pod whose address lies in it is refused naming it,
+/// never given a second address); it still counts for the per-host block limit, and when the request
+/// falls short the error names it (the host may have had room there), writing nothing; once
+/// restored, its addresses are taken again.
+pub async fn a_hosts_block_that_cannot_be_decoded_is_passed_over_and_still_counts_for_its_limit<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/24", 30).await;
+    ipam.set_config(&ipam_core::IpamConfig {
+        max_blocks_per_host: 2,
+        ..ipam_core::IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let first = assign_one(&ipam, "h0-pod-0", "h0").await;
+    let damaged_block = ipam
+        .get_assignment(first)
+        .await
+        .expect("read")
+        .expect("assigned")
+        .block;
+    let damaged_key = keys::block(Some("h0"), &damaged_block);
+    let intact = t
+        .store
+        .get(&damaged_key)
+        .await
+        .expect("get")
+        .expect("h0's open block")
+        .value;
+    t.store
+        .put(&damaged_key, b"garbage{".to_vec())
+        .await
+        .expect("damage it");
+    let claim_before = t
+        .store
+        .get(&keys::block_claim(&damaged_block))
+        .await
+        .expect("get")
+        .expect("its claim entry");
+
+    // The plugin's ADD again for the pod whose address lies in it: named, never a second address.
+    let before = t.store.list("").await.expect("list");
+    match ipam
+        .auto_assign(&AutoAssignRequest {
+            reuse_existing: true,
+            ..v4("h0-pod-0", "h0", 1)
+        })
+        .await
+    {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, damaged_key),
+        other => panic!("expected the damaged block named, got {other:?}"),
+    }
+    assert_eq!(t.store.list("").await.expect("list"), before);
+
+    // Four addresses: the whole of a second /30 block, claimed for h0.
+    let mut second = Vec::new();
+    for n in 1..5 {
+        let got = assign_one(&ipam, &format!("h0-pod-{n}"), "h0").await;
+        assert!(
+            !damaged_block.contains(&got),
+            "{got} from the damaged block"
+        );
+        second.push(got);
+    }
+    let info = ipam
+        .get_assignment(second[0])
+        .await
+        .expect("read")
+        .expect("assigned");
+    assert_eq!(info.block_host.as_deref(), Some("h0"));
+    assert!(second.iter().all(|a| info.block.contains(a)), "{second:?}");
+    assert_eq!(
+        t.store
+            .get(&keys::block_claim(&damaged_block))
+            .await
+            .expect("get")
+            .expect("its claim entry")
+            .value,
+        claim_before.value,
+        "the damaged block's claim is left as it was"
+    );
+
+    // Two blocks owned, the damaged one among them: no third block, and the damaged one named.
+    let before = t.store.list("").await.expect("list");
+    match ipam.auto_assign(&v4("h0-pod-5", "h0", 1)).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, damaged_key),
+        other => panic!("expected the damaged block named, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written by the request that fell short"
+    );
+
+    t.store.put(&damaged_key, intact).await.expect("restore it");
+    let got = assign_one(&ipam, "h0-pod-5", "h0").await;
+    assert!(
+        damaged_block.contains(&got),
+        "{got} from the restored block"
+    );
     assert_clean(&ipam).await;
 }
 

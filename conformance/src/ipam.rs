@@ -1291,8 +1291,9 @@ pub async fn steady_state_assign_is_one_read_and_one_transaction<F: StoreFactory
     );
 }
 
-/// A block whose stored bytes are damaged makes operations fail with a corruption error, and the
-/// check reports it; nothing panics.
+/// A block whose stored bytes are damaged makes the operations that need it fail with a corruption
+/// error (a new pod of its node is served from another block), and the check reports it; nothing
+/// panics.
 pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
     let got = ipam
@@ -1304,10 +1305,23 @@ pub async fn corrupt_block_is_an_error_not_a_panic<F: StoreFactory>(factory: &F)
     let mut damaged = stored.value.clone();
     damaged.truncate(damaged.len() / 2);
     t.store.put(&key, damaged).await.expect("damage it");
-    match ipam.auto_assign(&v4("h2", "node-a", 1)).await {
+    // The pod whose address lies in it: a corruption error, never a second address.
+    match ipam
+        .auto_assign(&AutoAssignRequest {
+            reuse_existing: true,
+            ..v4("h", "node-a", 1)
+        })
+        .await
+    {
         Err(IpamError::Corrupt { key: bad, .. }) => assert_eq!(bad, key),
         other => panic!("expected a corruption error, got {other:?}"),
     }
+    // Another pod of the node: passed over, its address comes from another block.
+    let other = ipam
+        .auto_assign(&v4("h2", "node-a", 1))
+        .await
+        .expect("an address past the damaged block");
+    assert_ne!(other.v4[0].block, got.v4[0].block);
     let report = ipam.check(false).await.expect("check runs");
     assert!(
         report

@@ -25,13 +25,9 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     };
     let config = ipam.get_config().await.map_err(unreachable)?;
     let usage = ipam.utilization().await.map_err(unreachable)?;
-    // An object every ADD of this node reads stops them all; one they do not read (another
-    // node's block, a full block of this node) only leaves its block out of the room counted.
-    if let Some(object) = usage
-        .undecodable
-        .iter()
-        .find(|o| read_by_every_add(&o.key, node))
-    {
+    // An object every ADD of this node reads stops them all; a block (another node's, or one of
+    // this node's, which its ADDs pass over) only leaves its addresses out of the room counted.
+    if let Some(object) = usage.undecodable.iter().find(|o| read_by_every_add(&o.key)) {
         return Err(CniError::new(
             codes::PLUGIN_NOT_AVAILABLE,
             format!(
@@ -89,25 +85,38 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         if let Err(why) =
             family_available(conf, &usage, &config, &scope, family, requested, &usable)
         {
+            // The ADD names such a block then: it may have had room.
+            let damaged = usage
+                .undecodable
+                .iter()
+                .find(|o| {
+                    o.block()
+                        .is_some_and(|(_, cidr)| Family::of_net(&cidr) == family)
+                })
+                .map(|o| {
+                    format!(
+                        "; the block at {:?} cannot be decoded ({}) and its free addresses are \
+                         not counted: `blockipamctl check` names the way out",
+                        o.key, o.message
+                    )
+                })
+                .unwrap_or_default();
             return Err(CniError::new(
                 codes::PLUGIN_NOT_AVAILABLE,
-                format!("node {node:?} cannot get an {family} address: {why}"),
+                format!("node {node:?} cannot get an {family} address: {why}{damaged}"),
             ));
         }
     }
     Ok(())
 }
 
-/// True when every auto-assign ADD of `node` reads the object at `key`: the pools, the
-/// reservations and the node's blocks with room.
-fn read_by_every_add(key: &str, node: &str) -> bool {
-    [
-        keys::pools_dir(),
-        keys::reservations_dir(),
-        keys::host_open_blocks_dir(node),
-    ]
-    .iter()
-    .any(|dir| key.starts_with(dir.as_str()))
+/// True when every auto-assign ADD reads the object at `key` and cannot go on without it: the
+/// pools and the reservations (the node's blocks with room are read too, but one that cannot be
+/// decoded is passed over).
+fn read_by_every_add(key: &str) -> bool {
+    [keys::pools_dir(), keys::reservations_dir()]
+        .iter()
+        .any(|dir| key.starts_with(dir.as_str()))
 }
 
 /// The node STATUS answers for, and its labels (what pools' node selectors match).

@@ -886,8 +886,9 @@ fn status_is_code_50_when_this_node_cannot_get_an_address(mode: Mode) {
 }
 
 /// One damaged object stops the STATUS of exactly the nodes whose ADDs it stops (a runtime marks
-/// a node's network not ready on a failed STATUS): another node's block does not, the node's own
-/// block with room does, a pool object does on every node; each failure names the key.
+/// a node's network not ready on a failed STATUS): another node's block does not, nor the node's
+/// own block with room (its ADDs pass over it to another block), a pool object does on every
+/// node; each failure names the key.
 fn status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all_read(mode: Mode) {
     use ipam_core::model::keys;
     let sandbox = Sandbox::in_mode(mode);
@@ -910,8 +911,17 @@ fn status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all
     let node_b_blocks = damage_under(keys::host_open_blocks_dir("node-b"));
     cni("STATUS", "", "", &here, &[]).assert_silent_success("past another node's block");
     cni("ADD", "a2", "eth0", &here, &[]).success_json("node-a's ADD never reads it");
-    status_error(&elsewhere, "node-b's own block", &node_b_blocks[0].0);
-    cni("ADD", "b2", "eth0", &elsewhere, &[]).assert_error(108, "node-b's ADD reads it");
+    cni("STATUS", "", "", &elsewhere, &[]).assert_silent_success("past node-b's own block");
+    let b = cni("ADD", "b2", "eth0", &elsewhere, &[]).success_json("node-b's ADD passes over it");
+    let (damaged_key, _) = &node_b_blocks[0];
+    let address: std::net::IpAddr = first_address(&b).parse().expect("an address");
+    let damaged_block: ipnet::IpNet =
+        keys::parse_cidr_segment(damaged_key.rsplit_once('/').expect("a block key").1)
+            .expect("a block CIDR");
+    assert!(
+        !damaged_block.contains(&address),
+        "{address} from the damaged block {damaged_block}"
+    );
     sandbox.restore(node_b_blocks);
     cni("STATUS", "", "", &elsewhere, &[]).assert_silent_success("node-b's block restored");
     let pool = damage_under(keys::pool("test-v4"));
@@ -941,11 +951,16 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     }
     cni("ADD", "b1", "eth0", &on("node-b"), &[]).success_json("b1");
     cni("STATUS", "", "", &on("node-c"), &[]).assert_silent_success("node-b's block has room");
-    sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"));
+    let damaged = sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"));
     let msg = cni("STATUS", "", "", &on("node-c"), &[]).assert_error(50, "no block to claim");
     assert!(msg.contains("no free address"), "{msg}");
-    let add = cni("ADD", "c1", "eth0", &on("node-c"), &[]);
-    assert_ne!(add.status, 0, "node-c's ADD fails too: {add:?}");
+    assert!(
+        msg.contains(&damaged[0].0),
+        "STATUS names the block whose room it could not count: {msg}"
+    );
+    // The ADD fails too, naming the block (it may have had room), not as exhausted pools.
+    let msg = cni("ADD", "c1", "eth0", &on("node-c"), &[]).assert_error(108, "node-c's ADD");
+    assert!(msg.contains(&damaged[0].0), "{msg}");
     // node-a's full block (which its ADDs do not read) counts toward its block limit.
     let full = sandbox.damage_under(&ipam_core::model::keys::host_full_blocks_dir("node-a"));
     assert_eq!(full.len(), 1, "node-a's block is full");

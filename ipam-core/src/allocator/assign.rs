@@ -1,7 +1,7 @@
 //! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
 
 use super::{
-    block_value_has_room, decode_sequence_floor, decode_stored, find_pool, host_hash,
+    block_value_has_room, decode_each, decode_sequence_floor, decode_stored, find_pool, host_hash,
     learn_apart_from_handle, next_got, next_listed, refuse_during_import, validate_attribute_size,
     with_node, AssignIpsRequest, AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult,
     ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, UndecodableObject, WorkingBlock,
@@ -14,7 +14,7 @@ use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::reservations::ReservedRanges;
 use crate::model::{
-    encode, ip_to_u128, keys, validate_handle, validate_host, AllowedUse, AssignmentMode,
+    decode, encode, ip_to_u128, keys, validate_handle, validate_host, AllowedUse, AssignmentMode,
     Attribute, Block, Family, Handle, Lifetime, Pool,
 };
 use ipnet::IpNet;
@@ -48,8 +48,9 @@ impl Ipam {
     /// # Errors
     /// [`IpamError::InvalidArgument`]; pool errors for requested pools; [`IpamError::BlockLimit`];
     /// [`IpamError::Exhausted`]; [`IpamError::RetriesExhausted`]; store failures;
-    /// [`IpamError::Corrupt`] naming a block that cannot be decoded: one of the host's own, or a
-    /// lender when no other lender had room (a borrowing request passes over such a lender).
+    /// [`IpamError::Corrupt`] naming a block that cannot be decoded, of the host or a lender, when
+    /// the request falls short (such a block is passed over, never written: the host's other
+    /// blocks, a new block or another lender serve the request when they can).
     pub async fn auto_assign(
         &self,
         request: &AutoAssignRequest,
@@ -163,9 +164,20 @@ impl Ipam {
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
         self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
-        let host_blocks: Vec<Stored<Block>> = next_listed(&mut results)?
+        // A block of the host that cannot be decoded is passed over (never written; its claim
+        // entry keeps its CIDR from being claimed again) and named if the request falls short.
+        let mut damaged_own: Vec<UndecodableObject> = Vec::new();
+        let host_blocks: Vec<Stored<Block>> = decode_each(
+            next_listed(&mut results)?,
+            decode::<Block>,
+            &mut damaged_own,
+        );
+        let damaged_own: Vec<(IpNet, UndecodableObject)> = damaged_own
             .into_iter()
-            .map(decode_stored)
+            .map(|object| match object.block() {
+                Some((_, cidr)) => Ok((cidr, object)),
+                None => Err(object.into_error()),
+            })
             .collect::<Result<_, _>>()?;
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
@@ -298,6 +310,11 @@ impl Ipam {
                     .any(|p| p.value.cidr.contains(&cidr.network()))
             };
             let mut got: Vec<AssignedAddress> = Vec::new();
+            // The host's blocks of this request that cannot be decoded.
+            let damaged_here: Vec<&(IpNet, UndecodableObject)> = damaged_own
+                .iter()
+                .filter(|(cidr, _)| Family::of_net(cidr) == family && in_candidates(cidr))
+                .collect();
 
             // 1. The host's affine blocks, in address order.
             let affine: Vec<IpNet> = working
@@ -396,6 +413,7 @@ impl Ipam {
                                 .filter(|b| host_owns(b))
                                 .map(|b| b.cidr),
                         )
+                        .chain(damaged_here.iter().map(|(cidr, _)| *cidr))
                         .collect();
                     let mut owned = owned_blocks.len() as u32;
                     let mut unclaimed = probe.unclaimed.into_iter();
@@ -576,6 +594,16 @@ impl Ipam {
             }
 
             if (got.len() as u32) < wanted {
+                // The pools may have room, or the limit not be reached: in a damaged block of the
+                // host, or a damaged lender.
+                if let Some(object) = damaged_here
+                    .iter()
+                    .map(|(_, object)| object)
+                    .chain(&undecodable_lenders)
+                    .next()
+                {
+                    return Err(object.clone().into_error());
+                }
                 if let Some(owned) = block_limit {
                     return Err(IpamError::BlockLimit {
                         host: request.host.clone(),
@@ -583,10 +611,6 @@ impl Ipam {
                         owned,
                         limit: config.max_blocks_per_host,
                     });
-                }
-                // The pools may not be exhausted: a damaged lender may have room.
-                if let Some(object) = undecodable_lenders.into_iter().next() {
-                    return Err(object.into_error());
                 }
                 return Err(IpamError::Exhausted {
                     family,
