@@ -179,6 +179,14 @@ impl Ipam {
                 None => Err(object.into_error()),
             })
             .collect::<Result<_, _>>()?;
+        for (_, object) in &damaged_own {
+            tracing::warn!(
+                key = %object.key,
+                "passing over a block of this node that cannot be decoded ({}): nothing it holds \
+                 is handed out until it is repaired (blockipamctl check)",
+                object.message
+            );
+        }
         let (mut handle, handle_revision) = Self::decode_handle(next_got(&mut results)?)?;
         refuse_during_import(next_got(&mut results)?)?;
         let node_key = keys::node_key(&request.host);
