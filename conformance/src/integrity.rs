@@ -1531,10 +1531,11 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
     );
 }
 
-/// One claim entry or block value that cannot be decoded does not stop the counts (the agent's
-/// `ipam_*` gauges would vanish cluster-wide until it is repaired): it is named; a damaged block
-/// counts as a block of the owner its claim entry records, with none of its addresses; a damaged
-/// claim entry's block is left out; every other block is counted exactly. Nothing is written.
+/// One claim entry, block value or owner key that cannot be decoded does not stop the counts (the
+/// agent's `ipam_*` gauges would vanish cluster-wide until it is repaired): it is named; a damaged
+/// block (or the block of a damaged owner key) counts as a block of the owner its claim entry
+/// records, with none of its addresses; a damaged claim entry's block is left out; every other
+/// block is counted exactly. Nothing is written.
 pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F: StoreFactory>(
     factory: &F,
 ) {
@@ -1644,6 +1645,42 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
     assert_eq!(
         lender_count.by_node,
         BTreeMap::from([(Some("borrower".to_owned()), 1), (Some("h0".to_owned()), 3)])
+    );
+    assert_eq!(counts.blocks.len(), 4);
+
+    // An owner key of a block that is read (the ownerless one): whose its addresses are is
+    // unknown, so it counts as a damaged block, named by that key.
+    let owner = t
+        .store
+        .list(&keys::block_owners_dir(&orphaned))
+        .await
+        .expect("list the owner keys")
+        .into_iter()
+        .next()
+        .expect("an owner key (a store of today's format keeps them apart)");
+    t.store
+        .put(&owner.key, b"garbage{".to_vec())
+        .await
+        .expect("damage it");
+    let counts = ipam.allocation_counts().await.expect("counts past it");
+    let named: Vec<&str> = counts.undecodable.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(named, [owner.key.as_str()]);
+    let ownerless = counts
+        .blocks
+        .iter()
+        .find(|b| b.cidr == orphaned)
+        .expect("the ownerless block is still a block");
+    assert!(ownerless.by_node.is_empty(), "{ownerless:#?}");
+    assert_eq!(
+        counts
+            .blocks
+            .iter()
+            .find(|b| b.cidr == lender)
+            .expect("h0's block")
+            .by_node
+            .len(),
+        2,
+        "the lender is counted: {counts:#?}"
     );
     assert_eq!(counts.blocks.len(), 4);
 }

@@ -35,8 +35,9 @@ pub struct IpamSnapshot {
     pub borrowed: BTreeMap<(String, String), u64>,
     /// Blocks, by (pool, affine node).
     pub blocks: BTreeMap<(String, String), u64>,
-    /// Claim entries and blocks that could not be decoded (key, what is wrong): a damaged block
-    /// counts in `blocks` with none of its addresses, a damaged claim entry's block not at all.
+    /// Claim entries, blocks and owner keys that could not be decoded (key, what is wrong): a
+    /// damaged block (or a damaged owner key's block) counts in `blocks` with none of its
+    /// addresses, a damaged claim entry's block not at all.
     pub undecodable: Vec<(String, String)>,
 }
 
@@ -51,8 +52,8 @@ impl IpamSnapshot {
     /// without an owner and blocks whose claim entry records no free count; every other block's
     /// addresses count for its owner. So a scrape reads small entries, not block values.
     ///
-    /// A claim entry or block that cannot be decoded is listed in `undecodable` and the rest is
-    /// counted: one damaged object does not take every gauge away.
+    /// A claim entry, block or owner key that cannot be decoded is listed in `undecodable` and the
+    /// rest is counted: one damaged object does not take every gauge away.
     ///
     /// # Errors
     /// Store failures, and the corrupt objects the allocator cannot count past (a pool, a
@@ -277,9 +278,10 @@ impl Collector for IpamCollector {
         let undecodable = ConstGauge::new(saturating_i64(snapshot.undecodable.len() as u64));
         undecodable.encode(encoder.encode_descriptor(
             "blockipam_agent_ipam_undecodable_objects",
-            "Claim entries and blocks the last computation of the ipam_* gauges could not decode: \
-             a damaged block counts in ipam_blocks with none of its addresses, a damaged claim \
-             entry's block not at all (blockipamctl check names them)",
+            "Claim entries, blocks and owner keys the last computation of the ipam_* gauges could \
+             not decode: a damaged block (or a damaged owner key's block) counts in ipam_blocks \
+             with none of its addresses, a damaged claim entry's block not at all (blockipamctl \
+             check names them)",
             None,
             undecodable.metric_type(),
         )?)?;

@@ -7,9 +7,10 @@
 //! (format 1) are read and counted address by address. Every other block's addresses count for
 //! its owner.
 //!
-//! A claim entry or a block value that cannot be decoded does not stop the count: it is named in
-//! [`AllocationCounts::undecodable`]; such a block is counted as a block of the owner its claim
-//! entry records, with none of its addresses (who holds them is unknown until it is repaired).
+//! A claim entry, a block value or an owner key that cannot be decoded does not stop the count: it
+//! is named in [`AllocationCounts::undecodable`]; such a block is counted as a block of the owner
+//! its claim entry records, with none of its addresses (who holds them is unknown until it is
+//! repaired).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -27,8 +28,9 @@ pub struct AllocationCounts {
     pub pools: Vec<Pool>,
     /// Every block, in key order of its claim entry.
     pub blocks: Vec<BlockCount>,
-    /// Claim entries and block values that could not be decoded, by key: a claim entry's block is
-    /// left out of `blocks`; a block is in `blocks` with no address counted.
+    /// Claim entries, block values and owner keys that could not be decoded (an owner key also
+    /// when missing), by key: a claim entry's block is left out of `blocks`; a block (or the block
+    /// of an owner key) is in `blocks` with no address counted.
     pub undecodable: Vec<UndecodableObject>,
 }
 
@@ -109,8 +111,29 @@ impl Ipam {
                 undecodable.push(object);
             }
         }
-        // Whose each address is (its node), for the blocks kept apart.
-        self.load_owner_keys(read.values_mut()).await?;
+        // Whose each address is (its node), for the blocks kept apart. A block with an owner key
+        // that cannot be decoded (or is missing) is counted as a damaged block: whose its
+        // addresses are is unknown.
+        loop {
+            match self.load_owner_keys(read.values_mut()).await {
+                Ok(()) => break,
+                Err(IpamError::Corrupt { key, message }) => {
+                    let error = IpamError::Corrupt {
+                        key: key.clone(),
+                        message,
+                    };
+                    let Some((cidr, _)) = keys::parse_owner_key(&key) else {
+                        return Err(error);
+                    };
+                    if read.remove(&cidr).is_none() {
+                        return Err(error);
+                    }
+                    damaged.insert(cidr);
+                    undecodable.push(UndecodableObject::new(key, error));
+                }
+                Err(e) => return Err(e),
+            }
+        }
         let mut blocks = Vec::with_capacity(claims.len());
         for entry in claims {
             let count = match read.remove(&entry.cidr) {
