@@ -201,6 +201,7 @@ impl Inner {
             }
             create(path, started, config.lock_wait)?;
         }
+        remove_unfinished_snapshots(path)?;
         let db = open_engine(path, started, config.lock_wait)?;
         let (data, meta) = check_format(&db, path)?;
         let log_file = fs::File::open(path.join(LOG_FILE))
@@ -579,6 +580,39 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
         fs::File::open(parent)
             .and_then(|dir| dir.sync_all())
             .map_err(|e| io_error("cannot sync the directory", parent, &e))?;
+    }
+    Ok(())
+}
+
+/// Removes the snapshot files sled was still writing when its process died (`snap.*.generating`).
+///
+/// sled writes a snapshot as it opens, under that name, then renames it; but it also reads such a
+/// file as a snapshot when its name sorts last, and refuses the whole store when it is cut short
+/// (`Corruption { at: None }`): one process killed while opening would make the store unusable.
+/// Only called with the store's lock file held, so no live process of ours is writing one: each is
+/// left by a process that died before its rename, so before it wrote anything else, and sled
+/// rebuilds the same state from the previous snapshot and the log.
+fn remove_unfinished_snapshots(path: &Path) -> Result<(), KvError> {
+    let entries = match fs::read_dir(path) {
+        Ok(entries) => entries,
+        Err(err) => return Err(io_error("cannot list", path, &err)),
+    };
+    let mut removed = false;
+    for entry in entries {
+        let entry = entry.map_err(|e| io_error("cannot list", path, &e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with("snap.") && name.ends_with(".generating") {
+            let file = entry.path();
+            fs::remove_file(&file)
+                .map_err(|e| io_error("cannot remove an unfinished snapshot", &file, &e))?;
+            removed = true;
+        }
+    }
+    if removed {
+        fs::File::open(path)
+            .and_then(|dir| dir.sync_all())
+            .map_err(|e| io_error("cannot sync the directory", path, &e))?;
     }
     Ok(())
 }
