@@ -14,7 +14,9 @@ use ipam_core::{
 };
 
 use crate::hooked::HookedStore;
-use crate::ipam::{assert_clean, assign_one, holder, ip, ipam_with_pool, net, spec, v4};
+use crate::ipam::{
+    assert_clean, assign_one, block_of, damage, holder, ip, ipam_with_pool, net, spec, v4, GARBAGE,
+};
 use crate::StoreFactory;
 
 /// Expands every integrity case into one `#[tokio::test]` inside a module `ipam_integrity`.
@@ -750,19 +752,9 @@ pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(fa
     for h in 0..4 {
         firsts.push(assign_one(&ipam, &format!("h{h}-pod"), &format!("h{h}")).await);
     }
-    let block_of = |address: IpAddr| {
-        let ipam = &ipam;
-        async move {
-            ipam.get_assignment(address)
-                .await
-                .expect("read")
-                .expect("assigned")
-                .block
-        }
-    };
     let mut blocks = Vec::new();
     for address in &firsts {
-        blocks.push(block_of(*address).await);
+        blocks.push(block_of(&ipam, *address).await);
     }
     // h0's block, among the lenders (tried in address order), cannot be decoded.
     let damaged_key = t
@@ -774,19 +766,8 @@ pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(fa
         .map(|kv| kv.key)
         .next()
         .expect("h0's block");
-    let intact = t
-        .store
-        .get(&damaged_key)
-        .await
-        .expect("get")
-        .expect("h0's block")
-        .value;
-    t.store
-        .put(&damaged_key, b"garbage{".to_vec())
-        .await
-        .expect("damage it");
+    let intact = damage(t.store.as_ref(), &damaged_key).await;
 
-    let mut borrowed = Vec::new();
     for n in 0..9 {
         let got = assign_one(&ipam, &format!("borrower-pod-{n}"), "borrower").await;
         assert!(
@@ -794,7 +775,6 @@ pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(fa
             "{got} comes from an intact lender, not {}",
             blocks[0]
         );
-        borrowed.push(got);
     }
     let before = t.store.list("").await.expect("list");
     match ipam
@@ -816,7 +796,7 @@ pub async fn borrowing_passes_over_a_lender_it_cannot_decode<F: StoreFactory>(fa
             .expect("get")
             .expect("still there")
             .value,
-        b"garbage{".to_vec(),
+        GARBAGE.to_vec(),
         "the damaged block is never written"
     );
 
@@ -852,17 +832,7 @@ pub async fn a_hosts_block_that_cannot_be_decoded_is_passed_over_and_still_count
         .expect("assigned")
         .block;
     let damaged_key = keys::block(Some("h0"), &damaged_block);
-    let intact = t
-        .store
-        .get(&damaged_key)
-        .await
-        .expect("get")
-        .expect("h0's open block")
-        .value;
-    t.store
-        .put(&damaged_key, b"garbage{".to_vec())
-        .await
-        .expect("damage it");
+    let intact = damage(t.store.as_ref(), &damaged_key).await;
     let claim_before = t
         .store
         .get(&keys::block_claim(&damaged_block))
@@ -1364,17 +1334,7 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
             }
         }
     }
-    let block_of = |address: IpAddr| {
-        let ipam = &ipam;
-        async move {
-            ipam.get_assignment(address)
-                .await
-                .expect("read")
-                .expect("assigned")
-                .block
-        }
-    };
-    let lender = block_of(first[0]).await;
+    let lender = block_of(&ipam, first[0]).await;
     let mut borrowed = None;
     for candidate in lender.hosts() {
         if ipam
@@ -1395,7 +1355,7 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
     })
     .await
     .expect("an address of h0's block for another node");
-    let orphaned = block_of(first[1]).await;
+    let orphaned = block_of(&ipam, first[1]).await;
     ipam.release_affinity("h1", orphaned)
         .await
         .expect("h1's block loses its owner");
@@ -1461,7 +1421,7 @@ pub async fn allocation_counts_read_the_claim_index_and_only_blocks_holding_othe
     assert_eq!(counts.blocks.len(), 6);
 
     // A claim entry of format 1 records no free count: its block is read and counted exactly.
-    let plain = block_of(first[2]).await;
+    let plain = block_of(&ipam, first[2]).await;
     let claim_key = keys::block_claim(&plain);
     let owner = ipam_core::model::decode_claim(
         &claim_key,
@@ -1547,18 +1507,8 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
             first.entry(h).or_insert(got);
         }
     }
-    let block_of = |address: IpAddr| {
-        let ipam = &ipam;
-        async move {
-            ipam.get_assignment(address)
-                .await
-                .expect("read")
-                .expect("assigned")
-                .block
-        }
-    };
     // h0's block lends an address (so it is read), h1's loses its owner (so it is read too).
-    let lender = block_of(first[&0]).await;
+    let lender = block_of(&ipam, first[&0]).await;
     let borrowed = lender.hosts().nth(5).expect("a sixth address");
     ipam.assign_ips(&AssignIpsRequest {
         ips: vec![borrowed],
@@ -1568,12 +1518,12 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
     })
     .await
     .expect("an address of h0's block for another node");
-    let orphaned = block_of(first[&1]).await;
+    let orphaned = block_of(&ipam, first[&1]).await;
     ipam.release_affinity("h1", orphaned)
         .await
         .expect("h1's block loses its owner");
-    let plain = block_of(first[&2]).await;
-    let untouched = block_of(first[&3]).await;
+    let plain = block_of(&ipam, first[&2]).await;
+    let untouched = block_of(&ipam, first[&3]).await;
 
     let lender_key = t
         .store
@@ -1587,12 +1537,7 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
     let claim_key = keys::block_claim(&plain);
     let mut saved = Vec::new();
     for key in [&lender_key, &claim_key] {
-        let kv = t.store.get(key).await.expect("get").expect("present");
-        saved.push(kv.clone());
-        t.store
-            .put(key, b"garbage{".to_vec())
-            .await
-            .expect("damage it");
+        saved.push((key.clone(), damage(t.store.as_ref(), key).await));
     }
     let before = t.store.list("").await.expect("list");
 
@@ -1632,8 +1577,8 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
     );
 
     // Repaired: every block counted again, nothing named.
-    for kv in saved {
-        t.store.put(&kv.key, kv.value).await.expect("restore");
+    for (key, intact) in saved {
+        t.store.put(&key, intact).await.expect("restore");
     }
     let counts = ipam.allocation_counts().await.expect("counts");
     assert!(counts.undecodable.is_empty(), "{counts:#?}");
@@ -1658,10 +1603,7 @@ pub async fn allocation_counts_name_what_they_cannot_decode_and_count_the_rest<F
         .into_iter()
         .next()
         .expect("an owner key (a store of today's format keeps them apart)");
-    t.store
-        .put(&owner.key, b"garbage{".to_vec())
-        .await
-        .expect("damage it");
+    damage(t.store.as_ref(), &owner.key).await;
     let counts = ipam.allocation_counts().await.expect("counts past it");
     let named: Vec<&str> = counts.undecodable.iter().map(|o| o.key.as_str()).collect();
     assert_eq!(named, [owner.key.as_str()]);

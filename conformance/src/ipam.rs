@@ -10,7 +10,7 @@ use ipam_core::model::keys;
 use ipam_core::Family;
 use ipam_core::{
     AssignIpsRequest, AssignedAddress, AutoAssignRequest, CountingStore, Ipam, IpamConfig,
-    IpamError, Op, PoolSpec, ReleaseRequest, Txn,
+    IpamError, KvStore, Op, PoolSpec, ReleaseRequest, Txn,
 };
 use ipnet::IpNet;
 
@@ -64,6 +64,31 @@ pub(crate) fn assert_reported_corrupt(report: &CheckReport, key: &str, way_out: 
                 && p.detail.contains(way_out)),
         "check must report {key} and the way out {way_out:?}: {report:#?}"
     );
+}
+
+/// The block holding `address`, which must be assigned.
+pub(crate) async fn block_of(ipam: &Ipam, address: IpAddr) -> IpNet {
+    ipam.get_assignment(address)
+        .await
+        .expect("read")
+        .unwrap_or_else(|| panic!("{address} is assigned"))
+        .block
+}
+
+/// Bytes no stored object decodes from.
+pub(crate) const GARBAGE: &[u8] = b"garbage{";
+
+/// Overwrites the object at `key` (which must exist) with [`GARBAGE`] and returns its intact
+/// bytes, to put back when the case repairs it.
+pub(crate) async fn damage(store: &dyn KvStore, key: &str) -> Vec<u8> {
+    let intact = store
+        .get(key)
+        .await
+        .expect("get")
+        .unwrap_or_else(|| panic!("{key} exists"))
+        .value;
+    store.put(key, GARBAGE.to_vec()).await.expect("damage it");
+    intact
 }
 
 pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
@@ -1375,12 +1400,7 @@ pub async fn usage_and_address_status_name_the_objects_they_cannot_decode_and_co
     ];
     let mut kept = Vec::new();
     for key in &damaged {
-        let stored = t.store.get(key).await.expect("get").expect("exists");
-        kept.push(stored.value);
-        t.store
-            .put(key, b"garbage{".to_vec())
-            .await
-            .expect("damage it");
+        kept.push(damage(t.store.as_ref(), key).await);
     }
     let mut named = damaged.to_vec();
     named.sort();

@@ -13,7 +13,7 @@ use ipam_core::dead_nodes::{forget_node, register};
 use ipam_core::model::keys;
 use ipam_core::{Ipam, IpamError, ReleaseRequest};
 
-use crate::ipam::{assert_clean, ipam_with_pool};
+use crate::ipam::{assert_clean, block_of, ipam_with_pool};
 use crate::StoreFactory;
 
 /// Expands every leak-collection case into one `#[test]` inside a module `leaks`.
@@ -74,15 +74,6 @@ async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
         .expect("read back")
         .expect("assigned");
     (address, info.sequence)
-}
-
-/// The block holding `address` (assigned).
-async fn block_of(ipam: &Ipam, address: IpAddr) -> ipnet::IpNet {
-    ipam.get_assignment(address)
-        .await
-        .expect("read")
-        .unwrap_or_else(|| panic!("{address} is assigned"))
-        .block
 }
 
 fn view(at: u64, live: &[(&str, Vec<IpAddr>)]) -> RuntimeView {
