@@ -13,7 +13,7 @@ use ipam_core::dead_nodes::{forget_node, register};
 use ipam_core::model::keys;
 use ipam_core::{Ipam, IpamError, ReleaseRequest};
 
-use crate::ipam::{assert_clean, block_of, ipam_with_pool};
+use crate::ipam::{assert_clean, block_of, damage, ipam_with_pool};
 use crate::StoreFactory;
 
 /// Expands every leak-collection case into one `#[test]` inside a module `leaks`.
@@ -28,6 +28,7 @@ macro_rules! leaks_conformance_tests {
             a_nodes_live_disagreements_are_problems_for_check_until_its_agent_finds_none,
             a_live_disagreements_record_that_does_not_decode_is_reported_replaced_and_forgotten,
             a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judged,
+            an_owner_key_that_cannot_be_read_is_named_and_nothing_its_block_covers_is_judged,
             a_borrowed_address_is_indexed_and_collected_by_the_nodes_own_looks,
             a_borrowed_address_without_an_index_entry_is_indexed_by_the_next_survey,
             a_live_address_outside_the_nodes_blocks_makes_the_look_a_survey,
@@ -655,6 +656,160 @@ pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judg
         before,
         "the look wrote nothing"
     );
+}
+
+/// An owner key (an address's attributes, kept apart from its block's value) that cannot be
+/// decoded, or is gone, stops neither the look (a survey or a look at the node's blocks) nor the
+/// listing of every allocation: the key is named and nothing its block covers is judged or listed
+/// (whose its addresses are is unknown), while every other block is; the usage figures still
+/// count that block (they come from its value); nothing is written.
+pub async fn an_owner_key_that_cannot_be_read_is_named_and_nothing_its_block_covers_is_judged<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
+    let mut first_block = Vec::new();
+    for container in ["live", "gone", "held", "old"] {
+        first_block.push(assign_for(&ipam, container, "node-a").await.0);
+    }
+    let [live, gone, held, old] = first_block[..] else {
+        unreachable!("four addresses")
+    };
+    let (second_live, _) = assign_for(&ipam, "second-live", "node-a").await;
+    let (second_gone, _) = assign_for(&ipam, "second-gone", "node-a").await;
+    let own_block = block_of(&ipam, live).await;
+    let second_block = block_of(&ipam, second_live).await;
+    assert_ne!(second_block, own_block);
+    let runtime = |at| {
+        view(
+            at,
+            &[("live", vec![live]), ("second-live", vec![second_live])],
+        )
+    };
+    let waiting_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
+        let mut waiting: Vec<IpAddr> = decisions.waiting.iter().map(|m| m.allocation.ip).collect();
+        waiting.sort();
+        waiting
+    };
+    let leaked_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
+        let mut leaked: Vec<IpAddr> = decisions.leaked.iter().map(|m| m.allocation.ip).collect();
+        leaked.sort();
+        leaked
+    };
+    let owner_key = t
+        .store
+        .list(&keys::block_owners_dir(&own_block))
+        .await
+        .expect("list the owner keys")
+        .into_iter()
+        .next()
+        .expect("an owner key (a store of today's format keeps them apart)")
+        .key;
+    let intact = damage(t.store.as_ref(), &owner_key).await;
+
+    // The first look, a survey.
+    let mut watch = LeakWatch::new();
+    let before = t.store.list("").await.expect("list");
+    let surveyed = ipam
+        .look_for_leaks("node-a", &runtime(T0), &mut watch, POLICY)
+        .await
+        .expect("a survey gets past the damaged owner key");
+    assert!(watch.last_look_surveyed());
+    let named: Vec<&str> = surveyed
+        .undecodable
+        .iter()
+        .map(|o| o.key.as_str())
+        .collect();
+    assert_eq!(named, [owner_key.as_str()]);
+    assert_eq!(
+        waiting_addresses(&surveyed),
+        [second_gone],
+        "nothing in the block whose owner key is damaged is judged: {surveyed:#?}"
+    );
+    assert!(
+        surveyed.disagreements.is_empty(),
+        "a live address in that block is not reported free: {surveyed:#?}"
+    );
+
+    // A look at the node's blocks only (every live address lies in its intact block).
+    let quiet = |at| view(at, &[("second-live", vec![second_live])]);
+    let own_only = ipam
+        .look_for_leaks("node-a", &quiet(T0 + GRACE + 1), &mut watch, POLICY)
+        .await
+        .expect("a look of the node's blocks gets past the damaged owner key");
+    assert!(!watch.last_look_surveyed());
+    let named: Vec<&str> = own_only
+        .undecodable
+        .iter()
+        .map(|o| o.key.as_str())
+        .collect();
+    assert_eq!(named, [owner_key.as_str()]);
+    assert_eq!(leaked_addresses(&own_only), [second_gone]);
+    assert!(own_only.waiting.is_empty(), "{own_only:#?}");
+    assert!(own_only.disagreements.is_empty(), "{own_only:#?}");
+
+    // Every allocation, and usage with allocations (what `show --borrowed`, GC and the node
+    // inventory read).
+    let (listed, undecodable) = ipam
+        .list_allocations_each()
+        .await
+        .expect("every allocation past the damaged owner key");
+    let named: Vec<&str> = undecodable.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(named, [owner_key.as_str()]);
+    assert_eq!(
+        listed.iter().map(|a| a.ip).collect::<Vec<_>>(),
+        {
+            let mut rest = vec![second_live, second_gone];
+            rest.sort();
+            rest
+        },
+        "the damaged owner key's block left out, the other listed"
+    );
+    let (usage, allocations) = ipam
+        .utilization_and_allocations()
+        .await
+        .expect("usage and allocations past the damaged owner key");
+    let named: Vec<&str> = usage.undecodable.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(named, [owner_key.as_str()]);
+    assert_eq!(allocations, listed);
+    let counted = usage
+        .pools
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .find(|b| b.cidr == own_block)
+        .expect("the block still counts in the figures");
+    assert_eq!(counted.in_use, 4, "{counted:#?}");
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written"
+    );
+
+    // Gone altogether: named as missing.
+    t.store.delete(&owner_key).await.expect("delete it");
+    let (_, undecodable) = ipam
+        .list_allocations_each()
+        .await
+        .expect("every allocation past a missing owner key");
+    assert_eq!(undecodable.len(), 1, "{undecodable:#?}");
+    assert_eq!(undecodable[0].key, owner_key);
+    assert!(
+        undecodable[0].message.contains("missing"),
+        "{undecodable:#?}"
+    );
+
+    // Restored: the block's allocations are judged again, their countdown from this look.
+    t.store.put(&owner_key, intact).await.expect("restore it");
+    let restored = ipam
+        .look_for_leaks("node-a", &runtime(T0 + GRACE + 2), &mut watch, POLICY)
+        .await
+        .expect("look after the restore");
+    assert!(restored.undecodable.is_empty(), "{restored:#?}");
+    let mut waiting = vec![gone, held, old];
+    waiting.sort();
+    assert_eq!(waiting_addresses(&restored), waiting, "{restored:#?}");
+    assert_eq!(leaked_addresses(&restored), [second_gone]);
 }
 
 /// A pool of one /30 block that node-b claims first: node-a's address comes from node-b's block.

@@ -314,7 +314,7 @@ async fn show_ip(ipam: &ipam_core::Ipam, ip: IpAddr) -> Result<Outcome, CtlError
             if let Some(object) = usage
                 .undecodable
                 .iter()
-                .find(|o| o.block().is_some_and(|(_, cidr)| cidr.contains(&ip)))
+                .find(|o| o.covers().is_some_and(|cidr| cidr.contains(&ip)))
             {
                 return Err(ipam_core::IpamError::Corrupt {
                     key: object.key.clone(),

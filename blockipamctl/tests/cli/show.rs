@@ -11,6 +11,7 @@ use crate::common::{assert_columns_line_up, Backend, Lab};
 crate::on_every_backend!(
     show_reports_pools_blocks_borrowed_addresses_and_single_ips,
     show_names_each_object_it_cannot_decode_and_shows_the_rest,
+    show_names_an_owner_key_it_cannot_decode_and_shows_the_rest,
 );
 
 /// The address `offset` places after the start of `ip`'s /28 block.
@@ -263,5 +264,84 @@ fn show_names_each_object_it_cannot_decode_and_shows_the_rest(backend: Backend) 
         "{}",
         refused.error_line()
     );
+    assert_eq!(lab.snapshot(), before, "show writes nothing");
+}
+
+/// An owner key (the attributes of an address, kept apart from its block's value) that cannot be
+/// decoded: `show --borrowed` names it and shows the rest (its block still counted in the
+/// figures); `show --ip` of an address of its block, once no pool holds the block, is refused
+/// naming it (who holds the address is unknown), while another block's address is shown; nothing
+/// is written.
+fn show_names_an_owner_key_it_cannot_decode_and_shows_the_rest(backend: Backend) {
+    use ipam_core::model::keys;
+    let lab = Lab::new(backend);
+    lab.ctl(&[
+        "pool",
+        "add",
+        "10.20.0.0/24",
+        "--name",
+        "p",
+        "--block-size",
+        "28",
+    ])
+    .ok();
+    let on_a = lab.added("host-a", "c1");
+    let on_b = lab.added("host-b", "c2");
+    let block_of_a = IpNet::new(on_a, 28).expect("a /28").trunc();
+    let owner_key = lab.with_store(|store| async move {
+        let key = store
+            .list(&keys::block_owners_dir(&block_of_a))
+            .await
+            .expect("list the owner keys")
+            .into_iter()
+            .next()
+            .expect("c1's owner key")
+            .key;
+        store
+            .put(&key, b"garbage{".to_vec())
+            .await
+            .expect("damage it");
+        key
+    });
+    let before = lab.snapshot();
+
+    let shown = lab.ctl(&["-o", "json", "show", "--borrowed"]).ok().json();
+    let keys_named: Vec<&str> = shown["undecodable"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no undecodable list: {shown}"))
+        .iter()
+        .filter_map(|o| o["key"].as_str())
+        .collect();
+    assert_eq!(keys_named, [owner_key.as_str()], "{shown}");
+    assert_eq!(
+        shown["pools"][0]["in_use"], 2,
+        "both addresses counted: {shown}"
+    );
+    assert!(shown["borrowed"].is_array(), "{shown}");
+    assert_eq!(lab.snapshot(), before, "show writes nothing");
+
+    // No pool holds the blocks any more (the pool object alone deleted, as `pool delete --force`
+    // does for a pool object that cannot be decoded): `show --ip` reads every block to find the
+    // address.
+    lab.with_store(|store| async move {
+        store
+            .delete(&keys::pool("p"))
+            .await
+            .expect("delete the pool object")
+    });
+    let before = lab.snapshot();
+    let refused = lab.ctl(&["show", "--ip", &on_a.to_string()]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains(&owner_key),
+        "{}",
+        refused.error_line()
+    );
+    let status = lab
+        .ctl(&["-o", "json", "show", "--ip", &on_b.to_string()])
+        .ok()
+        .json();
+    assert_eq!(status["allocated"], true, "{status}");
+    assert_eq!(status["handle"], "fixture.c2", "{status}");
     assert_eq!(lab.snapshot(), before, "show writes nothing");
 }

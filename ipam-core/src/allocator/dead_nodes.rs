@@ -477,11 +477,11 @@ pub struct ReleasePreview {
 }
 
 /// What each of `hosts` holds now (one listing of every allocation, one listing of each host's
-/// blocks), and each block object that cannot be decoded, whose addresses the counts leave out
-/// (its key still counts it among its host's blocks). Writes nothing.
+/// blocks), and each block object (or owner key) that cannot be decoded, whose block's addresses
+/// the counts leave out (its key still counts it among its host's blocks). Writes nothing.
 ///
 /// # Errors
-/// Store failures; an allocation's attributes kept apart that cannot be decoded.
+/// Store failures.
 pub async fn preview_release(
     store: Arc<dyn KvStore>,
     hosts: &[&str],

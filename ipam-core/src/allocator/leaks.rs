@@ -545,13 +545,11 @@ impl Ipam {
                 (node.pools, self.list_allocations_each().await?)
             }
         };
-        // What a block that cannot be decoded holds is unknown: its addresses are left out.
+        // What a block that cannot be decoded holds (or whose owner key cannot be) is unknown:
+        // its addresses are left out.
         let unreadable: Vec<IpNet> = undecodable
             .iter()
-            .map(|object| match object.block() {
-                Some((_, cidr)) => Ok(cidr),
-                None => Err(object.clone().into_error()),
-            })
+            .map(|object| object.covers().ok_or_else(|| object.clone().into_error()))
             .collect::<Result<_, _>>()?;
         let in_pools = |address: IpAddr| pools.iter().any(|pool| pool.cidr.contains(&address));
         if surveyed {

@@ -2,7 +2,7 @@
 
 use super::{
     allocation_info, allocations_of, allocations_of_handle, decode_each, learn_apart_from_handle,
-    load_all_owners_into, next_got, next_listed, sort_pools, AddressStatus, AllocationInfo,
+    load_all_owners_each, next_got, next_listed, sort_pools, AddressStatus, AllocationInfo,
     AssignedAddress, Attempt, BlockUsage, Ipam, PoolUsage, UndecodableObject, Utilization,
 };
 use crate::kv::Read;
@@ -160,10 +160,11 @@ impl Ipam {
     }
 
     /// Every allocated address of the blocks that can be decoded, and each block object that
-    /// cannot (sorted by key): one damaged block hides no other's allocations.
+    /// cannot, or owner key that is missing or cannot be (whose block's allocations are then left
+    /// out), sorted by key: one damaged object hides no other block's allocations.
     ///
     /// # Errors
-    /// Store failures; an allocation's attributes kept apart that cannot be decoded.
+    /// Store failures.
     pub async fn list_allocations_each(
         &self,
     ) -> Result<(Vec<AllocationInfo>, Vec<UndecodableObject>), IpamError> {
@@ -190,9 +191,11 @@ impl Ipam {
     /// [`utilization`](Self::utilization) and [`list_allocations`](Self::list_allocations) from
     /// one read of the blocks (callers that need both read every block once, not twice).
     ///
+    /// An owner key that is missing or cannot be decoded is named in [`Utilization::undecodable`]
+    /// and its block's allocations left out (the block still counts in the figures).
+    ///
     /// # Errors
-    /// Store failures; a config object, or an allocation's attributes kept apart, that cannot be
-    /// decoded.
+    /// Store failures; a config object that cannot be decoded.
     pub async fn utilization_and_allocations(
         &self,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
@@ -235,16 +238,22 @@ impl Ipam {
         .into_iter()
         .map(|stored| stored.value)
         .collect();
-        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let config = next_got(&mut results)?;
         let mut allocations = Vec::new();
         if with_allocations {
-            load_all_owners_into(blocks.iter_mut(), next_listed(&mut results)?)?;
-            for block in &blocks {
+            // A block whose owner key is damaged still counts in the figures (they come from its
+            // value); its allocations are left out, the key named.
+            let unknown = load_all_owners_each(
+                blocks.iter_mut(),
+                next_listed(&mut results)?,
+                &mut undecodable,
+            )?;
+            for block in blocks.iter().filter(|b| !unknown.contains(&b.cidr)) {
                 allocations.extend(allocations_of(block)?);
             }
             allocations.sort_by_key(|a| a.ip);
         }
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let reserved = crate::model::reservations::ReservedRanges::new(&reservations);
         let (config, _) = Self::decode_config(config)?;
         let lifetime = self.lifetime(&config);

@@ -33,7 +33,8 @@ pub(crate) struct NodeAllocations {
     /// Index entries whose block holds nothing of the node, each with the condition under
     /// which deleting it is right (the block unchanged, or still absent).
     pub unneeded: Vec<(String, Condition)>,
-    /// The node's own block objects that could not be decoded (left out of the rest).
+    /// The node's own block objects that could not be decoded, and the owner keys of its own
+    /// blocks that could not (each such block left out of the rest), sorted by key.
     pub undecodable: Vec<UndecodableObject>,
 }
 
@@ -44,8 +45,9 @@ impl Ipam {
     ///
     /// # Errors
     /// Store failures; a pool, or a block the index names, that cannot be decoded; an index key
-    /// that names no block. The node's own blocks that cannot be decoded are named in
-    /// [`NodeAllocations::undecodable`] instead.
+    /// that names no block; an owner key of a block the index names that is missing or cannot be
+    /// decoded. The node's own blocks that cannot be decoded, or whose owner key cannot be, are
+    /// named in [`NodeAllocations::undecodable`] instead.
     pub(crate) async fn node_allocations(&self, host: &str) -> Result<NodeAllocations, IpamError> {
         let borrowed_dir = keys::host_borrowed_dir(host);
         let mut results = self
@@ -78,16 +80,36 @@ impl Ipam {
             .copied()
             .collect();
         let mut borrowed = self.load_blocks_for_write(&elsewhere).await?.found;
-        // Whose each address is, for the blocks that keep attributes apart.
-        self.load_owner_keys(own.iter_mut().chain(borrowed.values_mut()))
-            .await?;
+        // Whose each address is, for the blocks that keep attributes apart. An own block whose
+        // owner key is missing or cannot be decoded is left out and the key named, as an own
+        // block that cannot be decoded is: whose its addresses are is unknown.
+        let mut unknown = BTreeSet::new();
+        loop {
+            match self
+                .load_owner_keys(own.iter_mut().chain(borrowed.values_mut()))
+                .await
+            {
+                Ok(()) => break,
+                Err(IpamError::Corrupt { key, message }) => {
+                    let Some(at) = keys::parse_owner_key(&key)
+                        .and_then(|(cidr, _)| own.iter().position(|s| s.value.cidr == cidr))
+                    else {
+                        return Err(IpamError::Corrupt { key, message });
+                    };
+                    unknown.insert(own.remove(at).value.cidr);
+                    undecodable.push(UndecodableObject { key, message });
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        undecodable.sort_by(|a, b| a.key.cmp(&b.key));
 
         let mut read = NodeAllocations {
             pools,
             undecodable,
             ..NodeAllocations::default()
         };
-        for (cidr, key) in &indexed {
+        for (cidr, key) in indexed.iter().filter(|(cidr, _)| !unknown.contains(*cidr)) {
             let stored = own
                 .iter()
                 .find(|s| s.value.cidr == *cidr)
