@@ -83,7 +83,6 @@ impl Ipam {
         // Whose each address is, for the blocks that keep attributes apart. An own block whose
         // owner key is missing or cannot be decoded is left out and the key named, as an own
         // block that cannot be decoded is: whose its addresses are is unknown.
-        let mut unknown = BTreeSet::new();
         loop {
             match self
                 .load_owner_keys(own.iter_mut().chain(borrowed.values_mut()))
@@ -96,7 +95,7 @@ impl Ipam {
                     else {
                         return Err(IpamError::Corrupt { key, message });
                     };
-                    unknown.insert(own.remove(at).value.cidr);
+                    own.remove(at);
                     undecodable.push(UndecodableObject { key, message });
                 }
                 Err(other) => return Err(other),
@@ -109,7 +108,7 @@ impl Ipam {
             undecodable,
             ..NodeAllocations::default()
         };
-        for (cidr, key) in indexed.iter().filter(|(cidr, _)| !unknown.contains(*cidr)) {
+        for (cidr, key) in &indexed {
             let stored = own
                 .iter()
                 .find(|s| s.value.cidr == *cidr)
