@@ -290,7 +290,14 @@ pub async fn run(
         text.push('\n');
         text.push_str(&borrowed_table(rows));
     }
-    text.push_str(&undecodable_text(&usage.undecodable, "the figures above"));
+    // An owner key (read with the allocations only) leaves its block's addresses out of the
+    // borrowed list; the block itself still counts in the figures.
+    let left_out_of = if args.borrowed {
+        "what is shown above (for an owner key: its block's addresses, from the borrowed list only)"
+    } else {
+        "the figures above"
+    };
+    text.push_str(&undecodable_text(&usage.undecodable, left_out_of));
     let json = ShowJson {
         pools: pools_json(&usage),
         blocks: args.blocks.then(|| blocks_json(&usage)),

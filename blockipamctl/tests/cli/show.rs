@@ -318,6 +318,10 @@ fn show_names_an_owner_key_it_cannot_decode_and_shows_the_rest(backend: Backend)
         "both addresses counted: {shown}"
     );
     assert!(shown["borrowed"].is_array(), "{shown}");
+    lab.ctl(&["show", "--borrowed"])
+        .ok()
+        .stdout_has(&owner_key)
+        .stdout_has("for an owner key: its block's addresses, from the borrowed list only");
     assert_eq!(lab.snapshot(), before, "show writes nothing");
 
     // No pool holds the blocks any more (the pool object alone deleted, as `pool delete --force`
