@@ -91,6 +91,7 @@ in_both_modes! {
     log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
     gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
     gc_collects_past_a_block_it_cannot_decode_and_reports_it,
+    gc_collects_past_an_owner_key_it_cannot_decode_and_reports_it,
     check_compares_exactly_what_the_attachment_holds_with_prev_result,
     status_is_code_11_while_another_call_holds_the_node_lock,
 }
@@ -1064,14 +1065,44 @@ fn gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_nod
 /// allocations: GC releases them, then fails with code 108 naming the block; once it is restored
 /// GC succeeds.
 fn gc_collects_past_a_block_it_cannot_decode_and_reports_it(mode: Mode) {
+    gc_collects_past_damage(mode, |sandbox, _| {
+        sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"))
+    });
+}
+
+/// The same for the owner key of another node's address (its attributes, kept apart from its
+/// block): whose that block's addresses are is unknown, every other block's are collected.
+fn gc_collects_past_an_owner_key_it_cannot_decode_and_reports_it(mode: Mode) {
+    gc_collects_past_damage(mode, |sandbox, theirs| {
+        let block = sandbox.with_ipam(async move |ipam: &ipam_core::Ipam| {
+            ipam.get_assignment(theirs)
+                .await
+                .expect("read")
+                .expect("node-b's address is assigned")
+                .block
+        });
+        sandbox.damage_under(&ipam_core::model::keys::block_owners_dir(&block))
+    });
+}
+
+/// GC on this node with "a" valid and "b" stale, after `damage` (given node-b's address "r")
+/// damaged objects that only node-b's address depends on.
+fn gc_collects_past_damage(
+    mode: Mode,
+    damage: impl FnOnce(&Sandbox, std::net::IpAddr) -> Vec<(String, Vec<u8>)>,
+) {
     let sandbox = Sandbox::in_mode(mode);
     let here = sandbox.netconf("1.1.0", json!({}));
     let elsewhere = sandbox.netconf("1.1.0", json!({"nodename": "node-b"}));
     cni("ADD", "a", "eth0", &here, &[]).success_json("a");
     cni("ADD", "b", "eth0", &here, &[]).success_json("b");
-    cni("ADD", "r", "eth0", &elsewhere, &[]).success_json("r");
-    let kept = sandbox.damage_under(&ipam_core::model::keys::host_blocks_dir("node-b"));
-    assert!(!kept.is_empty(), "node-b has a block");
+    let theirs = cni("ADD", "r", "eth0", &elsewhere, &[]).success_json("r")["ips"][0]["address"]
+        .as_str()
+        .and_then(|a| a.split('/').next())
+        .and_then(|a| a.parse().ok())
+        .expect("r's address");
+    let kept = damage(&sandbox, theirs);
+    assert!(!kept.is_empty(), "something of node-b's was damaged");
     let mut gc = here.clone();
     merge(
         &mut gc,
