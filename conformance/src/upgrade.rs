@@ -9,7 +9,7 @@ use ipam_core::store_format::FormatRecord;
 use ipam_core::{Ipam, IpamConfig, IpamError, KvStore};
 use ipnet::IpNet;
 
-use crate::ipam::{assert_clean, ipam_with_pool, spec, v4};
+use crate::ipam::{assert_clean, block_of, damage, ipam_with_pool, spec, v4, GARBAGE};
 use crate::StoreFactory;
 
 /// Expands every store-format case into one `#[test]` inside a module `upgrade`.
@@ -27,6 +27,7 @@ macro_rules! upgrade_conformance_tests {
             a_damaged_record_fails_every_write_naming_it_and_nothing_is_written,
             a_block_filled_to_its_edges_moves_to_full_only_once_finalized,
             a_request_taking_edges_gets_the_edges_of_blocks_kept_full,
+            a_request_taking_edges_passes_over_a_block_kept_full_it_cannot_decode,
             a_dual_stack_request_at_the_block_limit_gets_the_edges_of_both_families,
         );
     };
@@ -525,6 +526,119 @@ pub async fn a_request_taking_edges_gets_the_edges_of_blocks_kept_full<F: StoreF
     assert!(
         matches!(refused, IpamError::Exhausted { .. }),
         "{refused:?}"
+    );
+    assert_clean(&ipam).await;
+}
+
+/// A block of the node kept under `full/` (only its edges free) that cannot be decoded is passed
+/// over by a request that may take edges, and never written: the request borrows (new blocks off)
+/// or gets a new block instead of failing; when nothing else has room, the error names the block.
+pub async fn a_request_taking_edges_passes_over_a_block_kept_full_it_cannot_decode<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    // Four /30 blocks.
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/28", 30).await;
+    let request = |handle: &str, host: &str, skip_block_edges: bool| AutoAssignRequest {
+        skip_block_edges,
+        ..v4(handle, host, 1)
+    };
+    let theirs = ipam
+        .auto_assign(&request("b-0", "node-b", true))
+        .await
+        .expect("node-b's block")
+        .v4[0]
+        .ip;
+    let lender = block_of(&ipam, theirs).await;
+    let mut kept_full = None;
+    for n in 0..2 {
+        let got = ipam
+            .auto_assign(&request(&format!("a-{n}"), "node-a", true))
+            .await
+            .expect("a host address");
+        kept_full = Some(got.v4[0].block);
+    }
+    let kept_full = kept_full.expect("node-a's block");
+    assert_eq!(placement(&t.store, "node-a", &kept_full).await, ["full"]);
+    let key = keys::full_block("node-a", &kept_full);
+    let intact = damage(t.store.as_ref(), &key).await;
+    let set_config = |config: IpamConfig| {
+        let ipam = &ipam;
+        async move { ipam.set_config(&config).await.expect("config") }
+    };
+
+    // New blocks off, borrowing on: the node's blocks kept full are listed, then it borrows.
+    set_config(IpamConfig {
+        auto_allocate_blocks: false,
+        ..IpamConfig::default()
+    })
+    .await;
+    let borrowed = ipam
+        .auto_assign(&request("c", "node-a", false))
+        .await
+        .expect("an address past the damaged block, borrowed");
+    assert!(lender.contains(&borrowed.v4[0].ip), "{borrowed:?}");
+
+    // Nothing else has room (no new block, no borrowing): the damaged block is named.
+    set_config(IpamConfig {
+        auto_allocate_blocks: false,
+        strict_affinity: true,
+        ..IpamConfig::default()
+    })
+    .await;
+    let before = t.store.list("").await.expect("list");
+    match ipam.auto_assign(&request("d", "node-a", false)).await {
+        Err(IpamError::Corrupt { key: named, .. }) => assert_eq!(named, key),
+        other => panic!("expected the damaged block named, got {other:?}"),
+    }
+    assert_eq!(
+        t.store.list("").await.expect("list"),
+        before,
+        "nothing written"
+    );
+
+    // New blocks on: the probe reads the blocks kept full, and the node gets a new block.
+    set_config(IpamConfig::default()).await;
+    let fresh = ipam
+        .auto_assign(&request("e", "node-a", false))
+        .await
+        .expect("an address past the damaged block, from a new block");
+    let fresh_block = fresh.v4[0].block;
+    assert!(
+        fresh_block != kept_full && fresh_block != lender,
+        "{fresh:?}"
+    );
+    assert_eq!(
+        t.store
+            .get(&key)
+            .await
+            .expect("get")
+            .expect("still there")
+            .value,
+        GARBAGE.to_vec(),
+        "the damaged block is never written"
+    );
+
+    // Restored: its edges are taken again.
+    t.store.put(&key, intact).await.expect("restore it");
+    set_config(IpamConfig {
+        auto_allocate_blocks: false,
+        strict_affinity: true,
+        ..IpamConfig::default()
+    })
+    .await;
+    let mut taken = Vec::new();
+    for handle in ["f", "g", "h", "i"] {
+        let got = ipam
+            .auto_assign(&request(handle, "node-a", false))
+            .await
+            .unwrap_or_else(|e| panic!("assign {handle}: {e}"));
+        taken.push(got.v4[0].ip);
+    }
+    assert!(
+        taken.iter().any(|ip| kept_full.contains(ip)),
+        "an edge of the restored block: {taken:?}"
     );
     assert_clean(&ipam).await;
 }

@@ -1,7 +1,7 @@
 //! Assignment: auto-assign (affine blocks, new blocks, borrowing) and specific addresses.
 
 use super::{
-    block_value_has_room, decode_each, decode_sequence_floor, decode_stored, find_pool, host_hash,
+    block_value_has_room, decode_each, decode_sequence_floor, find_pool, host_hash,
     learn_apart_from_handle, next_got, next_listed, refuse_during_import, validate_attribute_size,
     with_node, AssignIpsRequest, AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult,
     ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, UndecodableObject, WorkingBlock,
@@ -318,6 +318,9 @@ impl Ipam {
                     .any(|p| p.value.cidr.contains(&cidr.network()))
             };
             let mut got: Vec<AssignedAddress> = Vec::new();
+            // The host's blocks kept under `full/` that cannot be decoded, read only by a request
+            // that may take edges: passed over, and named if the request falls short.
+            let mut damaged_full: Vec<UndecodableObject> = Vec::new();
             // The host's blocks of this request that cannot be decoded.
             let damaged_here: Vec<&(IpNet, UndecodableObject)> = damaged_own
                 .iter()
@@ -352,6 +355,7 @@ impl Ipam {
                         &candidates,
                         family,
                         &mut working,
+                        &mut damaged_full,
                     )
                     .await?;
                 take_from_blocks(
@@ -393,6 +397,7 @@ impl Ipam {
                     // Still the host's own blocks, as Calico takes them before a new one: a
                     // request that may take edges takes them from the host's blocks kept under
                     // `full/` for having only them free, read in the probe's batch.
+                    damaged_full.extend(probe.damaged_full);
                     let with_edges =
                         adopt_edge_blocks(probe.edge_blocks, &candidates, family, &mut working);
                     take_from_blocks(
@@ -604,9 +609,15 @@ impl Ipam {
             if (got.len() as u32) < wanted {
                 // The pools may have room, or the limit not be reached: in a damaged block of the
                 // host, or a damaged lender.
+                let damaged_full_here = damaged_full.iter().filter(|object| {
+                    object.block().is_some_and(|(_, cidr)| {
+                        Family::of_net(&cidr) == family && in_candidates(&cidr)
+                    })
+                });
                 if let Some(object) = damaged_here
                     .iter()
                     .map(|(_, object)| object)
+                    .chain(damaged_full_here)
                     .chain(&undecodable_lenders)
                     .next()
                 {
@@ -690,21 +701,20 @@ impl Ipam {
     /// The host's blocks under `full/` of `family` in one of `candidates` that have a free address
     /// (blocks whose only free addresses are their edges), added to `working`: their CIDRs, for a
     /// request that may take edges and found no room in the host's other blocks. One listing of
-    /// the host's full blocks.
+    /// the host's full blocks. One that cannot be decoded is passed over and added to `damaged`.
     async fn blocks_kept_full_for_their_edges(
         &self,
         host: &str,
         candidates: &[&Stored<Pool>],
         family: Family,
         working: &mut BTreeMap<IpNet, WorkingBlock>,
+        damaged: &mut Vec<UndecodableObject>,
     ) -> Result<Vec<IpNet>, IpamError> {
-        let mut listed = Vec::new();
-        for kv in self.store.list(&keys::host_full_blocks_dir(host)).await? {
-            let stored: Stored<Block> = decode_stored(kv)?;
-            if stored.value.free() > 0 {
-                listed.push(stored);
-            }
-        }
+        let listed = self.store.list(&keys::host_full_blocks_dir(host)).await?;
+        let listed = decode_each(listed, decode::<Block>, damaged)
+            .into_iter()
+            .filter(|stored| stored.value.free() > 0)
+            .collect();
         let with_edges = adopt_edge_blocks(listed, candidates, family, working);
         Ok(with_edges)
     }
@@ -757,15 +767,17 @@ impl Ipam {
         let releases = full_pools::releases_revision(next_got(&mut results)?.as_ref());
         let mut host_full = Vec::new();
         let mut with_edges = Vec::new();
+        let mut damaged_full = Vec::new();
         if read_full {
-            for kv in next_listed(&mut results)? {
+            let listed = next_listed(&mut results)?;
+            for kv in &listed {
                 host_full.push(super::cidr_of_key(&kv.key, "a block key")?);
-                if edge_blocks {
-                    let stored: Stored<Block> = decode_stored(kv)?;
-                    if stored.value.free() > 0 {
-                        with_edges.push(stored);
-                    }
-                }
+            }
+            if edge_blocks {
+                with_edges = decode_each(listed, decode::<Block>, &mut damaged_full)
+                    .into_iter()
+                    .filter(|stored| stored.value.free() > 0)
+                    .collect();
             }
         }
         let mut unclaimed = Vec::new();
@@ -802,6 +814,7 @@ impl Ipam {
             mixed,
             host_full,
             edge_blocks: with_edges,
+            damaged_full,
             unclaimed,
             sequence_floor,
             releases,

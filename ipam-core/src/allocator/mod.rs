@@ -576,6 +576,8 @@ struct NewBlockProbe {
     host_full: Vec<IpNet>,
     /// Of those, the ones with a free address (only their edges free), when asked for.
     edge_blocks: Vec<Stored<Block>>,
+    /// Of those, when asked for, the ones that cannot be decoded (passed over, never written).
+    damaged_full: Vec<UndecodableObject>,
     /// Unclaimed blocks among the probed ones, in search order.
     unclaimed: Vec<IpNet>,
     /// The sequence floor, read in the same snapshot.
