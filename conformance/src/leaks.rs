@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use ipam_core::allocator::leaks::{
-    handle_id, AddressHolder, Disagreement, LeakPolicy, LeakWatch, LiveSandbox, Reassertion,
-    RuntimeView, ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD, SURVEY_EVERY_LOOKS,
+    handle_id, AddressHolder, Disagreement, LeakDecisions, LeakPolicy, LeakWatch, LiveSandbox,
+    Reassertion, RuntimeView, ATTR_CONTAINER_ID, ATTR_NAMESPACE, ATTR_POD, SURVEY_EVERY_LOOKS,
 };
 use ipam_core::allocator::{AssignIpsRequest, AutoAssignRequest};
 use ipam_core::check::kinds;
@@ -75,6 +75,33 @@ async fn assign_for(ipam: &Ipam, container: &str, host: &str) -> (IpAddr, u64) {
         .expect("read back")
         .expect("assigned");
     (address, info.sequence)
+}
+
+/// node-a's pods in a pool of /30 blocks: "live", "gone", "held" and "old" fill its first block,
+/// "second-live" and "second-gone" are in its second, then node-b's "theirs" in a block of node-b.
+async fn node_a_in_two_blocks(ipam: &Ipam) -> ([IpAddr; 4], IpAddr, IpAddr, IpAddr) {
+    let mut first_block = [IpAddr::from([0, 0, 0, 0]); 4];
+    for (slot, container) in first_block.iter_mut().zip(["live", "gone", "held", "old"]) {
+        *slot = assign_for(ipam, container, "node-a").await.0;
+    }
+    let (second_live, _) = assign_for(ipam, "second-live", "node-a").await;
+    let (second_gone, _) = assign_for(ipam, "second-gone", "node-a").await;
+    let (theirs, _) = assign_for(ipam, "theirs", "node-b").await;
+    (first_block, second_live, second_gone, theirs)
+}
+
+/// The addresses a look left waiting for their grace, sorted.
+fn waiting_addresses(decisions: &LeakDecisions) -> Vec<IpAddr> {
+    let mut waiting: Vec<IpAddr> = decisions.waiting.iter().map(|m| m.allocation.ip).collect();
+    waiting.sort();
+    waiting
+}
+
+/// The addresses a look decided leaked, sorted.
+fn leaked_addresses(decisions: &LeakDecisions) -> Vec<IpAddr> {
+    let mut leaked: Vec<IpAddr> = decisions.leaked.iter().map(|m| m.allocation.ip).collect();
+    leaked.sort();
+    leaked
 }
 
 fn view(at: u64, live: &[(&str, Vec<IpAddr>)]) -> RuntimeView {
@@ -464,16 +491,8 @@ pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judg
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
-    let mut first_block = Vec::new();
-    for container in ["live", "gone", "held", "old"] {
-        first_block.push(assign_for(&ipam, container, "node-a").await.0);
-    }
-    let [live, gone, held, old] = first_block[..] else {
-        unreachable!("four addresses")
-    };
-    let (second_live, _) = assign_for(&ipam, "second-live", "node-a").await;
-    let (second_gone, _) = assign_for(&ipam, "second-gone", "node-a").await;
-    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let ([live, gone, held, old], second_live, second_gone, theirs) =
+        node_a_in_two_blocks(&ipam).await;
     let own_block = block_of(&ipam, live).await;
     for address in [gone, held, old] {
         assert_eq!(block_of(&ipam, address).await, own_block);
@@ -494,18 +513,6 @@ pub async fn a_block_that_does_not_decode_is_named_and_nothing_it_covers_is_judg
                 ("stray", vec![theirs]),
             ],
         )
-    };
-    let leaked_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
-        decisions
-            .leaked
-            .iter()
-            .map(|m| m.allocation.ip)
-            .collect::<Vec<_>>()
-    };
-    let waiting_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
-        let mut waiting: Vec<IpAddr> = decisions.waiting.iter().map(|m| m.allocation.ip).collect();
-        waiting.sort();
-        waiting
     };
     let sorted = |mut addresses: Vec<IpAddr>| {
         addresses.sort();
@@ -669,16 +676,8 @@ pub async fn an_owner_key_that_cannot_be_read_is_named_and_nothing_its_block_cov
     factory: &F,
 ) {
     let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 30).await;
-    let mut first_block = Vec::new();
-    for container in ["live", "gone", "held", "old"] {
-        first_block.push(assign_for(&ipam, container, "node-a").await.0);
-    }
-    let [live, gone, held, old] = first_block[..] else {
-        unreachable!("four addresses")
-    };
-    let (second_live, _) = assign_for(&ipam, "second-live", "node-a").await;
-    let (second_gone, _) = assign_for(&ipam, "second-gone", "node-a").await;
-    let (theirs, _) = assign_for(&ipam, "theirs", "node-b").await;
+    let ([live, gone, held, old], second_live, second_gone, theirs) =
+        node_a_in_two_blocks(&ipam).await;
     let own_block = block_of(&ipam, live).await;
     let second_block = block_of(&ipam, second_live).await;
     assert_ne!(second_block, own_block);
@@ -692,16 +691,6 @@ pub async fn an_owner_key_that_cannot_be_read_is_named_and_nothing_its_block_cov
                 ("stray", vec![theirs]),
             ],
         )
-    };
-    let waiting_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
-        let mut waiting: Vec<IpAddr> = decisions.waiting.iter().map(|m| m.allocation.ip).collect();
-        waiting.sort();
-        waiting
-    };
-    let leaked_addresses = |decisions: &ipam_core::allocator::leaks::LeakDecisions| {
-        let mut leaked: Vec<IpAddr> = decisions.leaked.iter().map(|m| m.allocation.ip).collect();
-        leaked.sort();
-        leaked
     };
     let owner_key = t
         .store
@@ -861,7 +850,7 @@ async fn bounded_looks(
     watch: &mut LeakWatch,
     runtime: &dyn Fn(u64) -> RuntimeView,
     at: &[u64],
-) -> Vec<ipam_core::allocator::leaks::LeakDecisions> {
+) -> Vec<LeakDecisions> {
     let mut all = Vec::new();
     for at in at {
         let decisions = ipam
