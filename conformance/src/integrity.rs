@@ -26,6 +26,7 @@ macro_rules! ipam_integrity_tests {
         $crate::__expand_cases!(ipam_integrity, $crate::integrity, $factory;
             recreated_block_never_repeats_an_address_sequence_pair,
             pool_delete_racing_an_add_never_releases_a_live_address,
+            pool_delete_refuses_damage_in_its_pool_and_passes_over_damage_elsewhere,
             block_moving_between_reads_is_never_taken_for_absent,
             largest_blocks_fill_to_their_last_address_then_report_exhausted,
             oversized_attributes_and_unfillable_block_sizes_are_refused,
@@ -225,6 +226,162 @@ pub async fn pool_delete_racing_an_add_never_releases_a_live_address<F: StoreFac
         }
         assert_clean(&node).await;
     }
+}
+
+/// `delete_pool` never starts on a pool it cannot finish: a block of the pool, or an owner key of
+/// one, that cannot be decoded is named, forced or not, before anything is written (the pool is
+/// left enabled, no address released). Damage in another pool is passed over.
+pub async fn pool_delete_refuses_damage_in_its_pool_and_passes_over_damage_elsewhere<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.7.0.0/24", 30).await;
+    ipam.create_pool(&spec("10.8.0.0/24", "other", 30))
+        .await
+        .expect("pool");
+    let mut request = v4("kept", "node-a", 1);
+    request.v4_pools = vec!["pool".into()];
+    let in_pool = ipam.auto_assign(&request).await.expect("assign").v4[0].ip;
+    let mut request = v4("elsewhere", "node-a", 1);
+    request.v4_pools = vec!["other".into()];
+    let elsewhere = ipam.auto_assign(&request).await.expect("assign").v4[0].ip;
+    let pool_block = block_of(&ipam, in_pool).await;
+    let owner_key = t
+        .store
+        .list(&keys::block_owners_dir(&pool_block))
+        .await
+        .expect("list the owner keys")
+        .into_iter()
+        .next()
+        .expect("an owner key (a store of today's format keeps them apart)")
+        .key;
+    let block_key = keys::block(Some("node-a"), &pool_block);
+
+    for (what, damaged_key) in [
+        ("an owner key", owner_key),
+        ("its block", block_key.clone()),
+    ] {
+        let intact = damage(t.store.as_ref(), &damaged_key).await;
+        for force in [false, true] {
+            let before = t.store.list("").await.expect("list");
+            match ipam.delete_pool("pool", force).await {
+                Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, damaged_key, "{what}"),
+                // Unforced, a block whose value decodes is refused for the address it holds.
+                Err(IpamError::PoolInUse { in_use: 1, .. }) if !force && what != "its block" => {}
+                other => panic!("{what}, force {force}: expected a refusal, got {other:?}"),
+            }
+            assert_eq!(
+                t.store.list("").await.expect("list"),
+                before,
+                "{what}, force {force}: nothing written (the pool left enabled)"
+            );
+        }
+        t.store.put(&damaged_key, intact).await.expect("restore it");
+    }
+
+    // Damage that appears after the forced delete's first read: the delete fails on it, having
+    // released nothing, and re-enables the pool it disabled.
+    let intact = t
+        .store
+        .get(&block_key)
+        .await
+        .expect("get")
+        .expect("the pool's block")
+        .value;
+    let hooked = HookedStore::new(Arc::clone(&t.store));
+    let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+    let store = Arc::clone(&t.store);
+    let late = block_key.clone();
+    hooked.after_read(lists(keys::owners_dir()), move || async move {
+        store.put(&late, GARBAGE.to_vec()).await.expect("damage it");
+    });
+    match admin.delete_pool("pool", true).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, block_key),
+        other => panic!("expected the block damaged late named, got {other:?}"),
+    }
+    assert!(hooked.read_hook_fired(), "the damage never came");
+    assert!(
+        !ipam.get_pool("pool").await.expect("kept").disabled,
+        "a delete that failed before releasing anything re-enables the pool"
+    );
+    t.store.put(&block_key, intact).await.expect("restore it");
+    assert_eq!(holder(&ipam, in_pool).await.as_deref(), Some("kept"));
+
+    // A block of the other pool that cannot be decoded: this pool's delete goes on without it.
+    let other_key = keys::block(Some("node-a"), &block_of(&ipam, elsewhere).await);
+    let intact = damage(t.store.as_ref(), &other_key).await;
+    match ipam.delete_pool("pool", false).await {
+        Err(IpamError::PoolInUse { in_use: 1, .. }) => {}
+        other => panic!("expected pool-in-use past the other pool's damage, got {other:?}"),
+    }
+    assert!(!ipam.get_pool("pool").await.expect("kept").disabled);
+    let deleted = ipam.delete_pool("pool", true).await.expect("forced delete");
+    assert_eq!((deleted.released_addresses, deleted.deleted_blocks), (1, 1));
+    assert!(matches!(
+        ipam.get_pool("pool").await,
+        Err(IpamError::PoolNotFound(_))
+    ));
+    assert!(ipam.ips_by_handle("kept").await.expect("kept").is_empty());
+    assert_eq!(
+        t.store
+            .get(&other_key)
+            .await
+            .expect("get")
+            .expect("kept")
+            .value,
+        GARBAGE,
+        "the damaged block of the other pool is left as it was"
+    );
+    t.store.put(&other_key, intact).await.expect("restore it");
+    let kept: Vec<IpAddr> = ipam
+        .ips_by_handle("elsewhere")
+        .await
+        .expect("elsewhere")
+        .iter()
+        .map(|a| a.ip)
+        .collect();
+    assert_eq!(kept, [elsewhere]);
+
+    // A block of the pool that cannot be decoded, appearing after a forced delete emptied the
+    // pool's blocks: the pool is not deleted over it (that block would lie in no pool). The
+    // address released stays released; the pool stays disabled until the delete runs again.
+    ipam.create_pool(&spec("10.7.0.0/24", "pool", 30))
+        .await
+        .expect("pool again");
+    let mut request = v4("again", "node-a", 1);
+    request.v4_pools = vec!["pool".into()];
+    let again = ipam.auto_assign(&request).await.expect("assign").v4[0].ip;
+    let emptied = keys::block(Some("node-a"), &block_of(&ipam, again).await);
+    let stray_key = keys::block(Some("node-b"), &net("10.7.0.200/30"));
+    let hooked = HookedStore::new(Arc::clone(&t.store));
+    let admin = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+    let store = Arc::clone(&t.store);
+    let stray = stray_key.clone();
+    hooked.before_commit(
+        move |txn: &Txn| {
+            txn.ops
+                .iter()
+                .any(|op| matches!(op, Op::Delete { key } if *key == emptied))
+        },
+        move || async move {
+            store
+                .put(&stray, GARBAGE.to_vec())
+                .await
+                .expect("damage it");
+        },
+    );
+    match admin.delete_pool("pool", true).await {
+        Err(IpamError::Corrupt { key, .. }) => assert_eq!(key, stray_key),
+        other => panic!("expected the block that appeared named, got {other:?}"),
+    }
+    assert!(hooked.commit_hook_fired(), "the block never appeared");
+    assert!(ipam.get_pool("pool").await.expect("kept").disabled);
+    assert!(ipam.ips_by_handle("again").await.expect("again").is_empty());
+    t.store.delete(&stray_key).await.expect("remove it");
+    let deleted = ipam.delete_pool("pool", true).await.expect("run again");
+    assert_eq!((deleted.released_addresses, deleted.deleted_blocks), (0, 0));
+    assert_clean(&ipam).await;
 }
 
 /// Defect 3: a block that changes hosts between the read of its claim entry and the read of the

@@ -1583,16 +1583,6 @@ impl Ipam {
         undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         Ok((blocks, undecodable))
     }
-
-    /// Every block in the store.
-    pub(crate) async fn all_blocks(&self) -> Result<Vec<Stored<Block>>, IpamError> {
-        self.store
-            .list(&keys::blocks_dir())
-            .await?
-            .into_iter()
-            .map(decode_stored)
-            .collect()
-    }
 }
 
 /// Assignments are refused while an import into the store is unfinished (its marker, read in the

@@ -2,15 +2,15 @@
 
 use super::{
     decode_each, decode_stored, next_got, next_listed, sort_pools, Attempt, Ipam, Plan, PoolChange,
-    PoolDeletion, PoolPolicy, PoolSpec, ReleaseRequest, Stored,
+    PoolDeletion, PoolPolicy, PoolSpec, ReleaseRequest, Stored, UndecodableObject,
 };
 use crate::kv::{KeyValue, Read};
 use crate::model::error::IpamError;
 use crate::model::selector::Selector;
 use crate::model::{
-    decode_pool, default_pool_name, encode, keys, validate_new_pool_range, validate_pool_name,
-    AllowedUses, AssignmentMode, Block, Family, IpamConfig, Pool, DEFAULT_V4_BLOCK_SIZE,
-    DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
+    decode, decode_pool, default_pool_name, encode, keys, validate_new_pool_range,
+    validate_pool_name, AllowedUses, AssignmentMode, Block, Family, IpamConfig, Pool,
+    DEFAULT_V4_BLOCK_SIZE, DEFAULT_V6_BLOCK_SIZE, V4_BLOCK_SIZES, V6_BLOCK_SIZES,
 };
 use ipnet::IpNet;
 use std::collections::BTreeSet;
@@ -363,22 +363,30 @@ impl Ipam {
     /// Deletes a pool and its blocks. Refuses while any address in it is allocated, unless
     /// `force`, which releases those addresses first (updating their handles).
     ///
+    /// Nothing is written when a block of the pool cannot be decoded, nor (with `force`) an owner
+    /// key of one: the error names it. Damage outside the pool is passed over.
+    ///
     /// The pool is disabled first: every assignment commits on the revision of the pool it uses,
     /// so from then on nothing new lands in it, and the count of addresses in use that decides
-    /// a refusal cannot miss an ADD racing the delete. A refused delete re-enables a pool it
-    /// disabled. Each block is deleted by a transaction that checks, on the block's revision, that
-    /// it is empty.
+    /// a refusal cannot miss an ADD racing the delete. A delete that fails before releasing any
+    /// address re-enables a pool it disabled. Each block is deleted by a transaction that checks,
+    /// on the block's revision, that it is empty.
     ///
     /// # Errors
-    /// [`IpamError::PoolNotFound`]; [`IpamError::PoolInUse`]; store failures.
+    /// [`IpamError::PoolNotFound`]; [`IpamError::PoolInUse`]; [`IpamError::Corrupt`] for an
+    /// object of the pool that cannot be decoded; store failures.
     pub async fn delete_pool(
         &self,
         name_or_cidr: &str,
         force: bool,
     ) -> Result<PoolDeletion, IpamError> {
         let pool = self.get_pool(name_or_cidr).await?;
-        if !force {
-            // The common refusal writes nothing.
+        // The common refusals write nothing.
+        if force {
+            // Releasing by address reads each block's owner keys: every one must decode.
+            let (_, undecodable) = self.all_blocks_with_attributes_each().await?;
+            refuse_damage_in_pool(&pool, undecodable)?;
+        } else {
             let in_use = self.pool_blocks(&pool).await?.1;
             if in_use > 0 {
                 return Err(IpamError::PoolInUse {
@@ -387,34 +395,60 @@ impl Ipam {
                 });
             }
         }
-        let mut released_addresses = 0u64;
-        let mut deleted_blocks = 0u64;
+        let mut progress = PoolDeletionProgress::default();
+        match self
+            .empty_and_delete_pool(&pool, force, &mut progress)
+            .await
+        {
+            Ok(()) => Ok(PoolDeletion {
+                pool,
+                released_addresses: progress.released_addresses,
+                deleted_blocks: progress.deleted_blocks,
+            }),
+            Err(e) => {
+                if progress.disabled_here && progress.released_addresses == 0 {
+                    if let Err(enabling) = self.set_exact_pool_disabled(&pool, false).await {
+                        tracing::warn!(pool = %pool.name, error = %enabling, "could not re-enable the pool after a failed delete");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The rounds of [`delete_pool`](Ipam::delete_pool) after its first checks: disable, release
+    /// (with `force`), delete the blocks, then the pool. `progress` says what was done, also when
+    /// it fails.
+    async fn empty_and_delete_pool(
+        &self,
+        pool: &Pool,
+        force: bool,
+        progress: &mut PoolDeletionProgress,
+    ) -> Result<(), IpamError> {
         // Rounds repeat only when another client re-enabled the pool (and maybe allocated in it)
         // while it was being emptied.
         for _ in 0..self.retry.max_attempts {
             // This very pool: another client may have deleted it and created another under its
             // name, which this delete must not touch.
             let pools = Self::decode_pools(self.store.list(&keys::pools_dir()).await?)?;
-            match find_exact_pool(&pools, &pool) {
-                Err(_) => {
-                    return Ok(PoolDeletion {
-                        pool,
-                        released_addresses,
-                        deleted_blocks,
-                    })
-                }
+            match find_exact_pool(&pools, pool) {
+                Err(_) => return Ok(()),
                 Ok(current) if !current.value.disabled => {
-                    match self.set_exact_pool_disabled(&pool, true).await {
+                    match self.set_exact_pool_disabled(pool, true).await {
                         Err(IpamError::PoolNotFound(_)) => continue,
                         other => other?,
                     };
+                    progress.disabled_here = !pool.disabled;
                 }
                 Ok(_) => {}
             }
             // Counted after the disable: an ADD that raced the first count is seen here.
-            let (blocks, in_use) = self.pool_blocks(&pool).await?;
+            let (blocks, in_use) = self.pool_blocks(pool).await?;
             if in_use > 0 && !force {
-                return Err(self.refuse_pool_delete(&pool, in_use).await);
+                return Err(IpamError::PoolInUse {
+                    pool: pool.name.clone(),
+                    in_use,
+                });
             }
             for block in blocks {
                 let held: Vec<ReleaseRequest> = block
@@ -426,27 +460,24 @@ impl Ipam {
                     })
                     .collect();
                 if !held.is_empty() {
-                    released_addresses += self.release_ips(&held).await?.released.len() as u64;
+                    progress.released_addresses +=
+                        self.release_ips(&held).await?.released.len() as u64;
                 }
                 let cidr = block.cidr;
                 match self.retrying(|| self.try_delete_empty_block(cidr)).await {
-                    Ok(deleted) => deleted_blocks += u64::from(deleted),
+                    Ok(deleted) => progress.deleted_blocks += u64::from(deleted),
                     Err(IpamError::PoolInUse { in_use, .. }) if !force => {
-                        return Err(self.refuse_pool_delete(&pool, in_use).await)
+                        return Err(IpamError::PoolInUse {
+                            pool: pool.name.clone(),
+                            in_use,
+                        })
                     }
                     Err(IpamError::PoolInUse { .. }) => {}
                     Err(e) => return Err(e),
                 }
             }
-            if self
-                .retrying(|| self.try_delete_emptied_pool(&pool))
-                .await?
-            {
-                return Ok(PoolDeletion {
-                    pool,
-                    released_addresses,
-                    deleted_blocks,
-                });
+            if self.retrying(|| self.try_delete_emptied_pool(pool)).await? {
+                return Ok(());
             }
         }
         Err(IpamError::RetriesExhausted {
@@ -455,14 +486,18 @@ impl Ipam {
     }
 
     /// The blocks that lie in `pool`, and how many addresses they hold.
+    ///
+    /// # Errors
+    /// [`IpamError::Corrupt`] naming a block of the pool that cannot be decoded; store failures.
     async fn pool_blocks(&self, pool: &Pool) -> Result<(Vec<Block>, u64), IpamError> {
-        let blocks: Vec<Block> = self
-            .all_blocks()
-            .await?
+        let mut undecodable = Vec::new();
+        let listed = self.store.list(&keys::blocks_dir()).await?;
+        let blocks: Vec<Block> = decode_each(listed, decode::<Block>, &mut undecodable)
             .into_iter()
             .map(|b| b.value)
             .filter(|b| pool.cidr.contains(&b.cidr.network()))
             .collect();
+        refuse_damage_in_pool(pool, undecodable)?;
         let in_use = blocks.iter().map(|b| u64::from(b.in_use())).sum();
         Ok((blocks, in_use))
     }
@@ -485,11 +520,16 @@ impl Ipam {
         let Ok(found) = find_exact_pool(&pools, pool) else {
             return Ok(Attempt::Done(true));
         };
-        let mut occupied = false;
-        for kv in next_listed(&mut results)? {
-            let block: Stored<Block> = decode_stored(kv)?;
-            occupied |= pool.cidr.contains(&block.value.cidr.network());
-        }
+        let mut undecodable = Vec::new();
+        let blocks = decode_each(
+            next_listed(&mut results)?,
+            decode::<Block>,
+            &mut undecodable,
+        );
+        refuse_damage_in_pool(pool, undecodable)?;
+        let occupied = blocks
+            .iter()
+            .any(|block| pool.cidr.contains(&block.value.cidr.network()));
         if occupied || !found.value.disabled {
             return Ok(Attempt::Done(false));
         }
@@ -500,19 +540,6 @@ impl Ipam {
         // Its mixed-sizes record goes with it (absent or not: a delete of nothing is harmless).
         plan.delete(&super::resize::mixed_sizes_key(&pool.name));
         self.commit_plan(plan, true).await
-    }
-
-    /// The error of a refused pool delete, after re-enabling the pool when the delete disabled it.
-    async fn refuse_pool_delete(&self, pool: &Pool, in_use: u64) -> IpamError {
-        if !pool.disabled {
-            if let Err(e) = self.set_exact_pool_disabled(pool, false).await {
-                tracing::warn!(pool = %pool.name, error = %e, "could not re-enable the pool after a refused delete");
-            }
-        }
-        IpamError::PoolInUse {
-            pool: pool.name.clone(),
-            in_use,
-        }
     }
 
     /// Deletes one block if it exists and is empty, checked in the deleting transaction.
@@ -597,6 +624,30 @@ pub(crate) fn find_pool<'a>(
     Err(IpamError::PoolNotFound(name_or_cidr.to_owned()))
 }
 
+/// What a pool delete has done so far.
+#[derive(Debug, Default)]
+struct PoolDeletionProgress {
+    /// This delete disabled the pool (it was enabled when the delete began).
+    disabled_here: bool,
+    released_addresses: u64,
+    deleted_blocks: u64,
+}
+
+/// The first object in `undecodable` that may hold addresses of `pool` (a block, or an owner key
+/// of a block, lying in it; one whose key names no CIDR counts), as its corrupt-object error.
+fn refuse_damage_in_pool(
+    pool: &Pool,
+    undecodable: Vec<UndecodableObject>,
+) -> Result<(), IpamError> {
+    match undecodable.into_iter().find(|object| {
+        object.covers().is_none_or(|cidr| {
+            pool.cidr.contains(&cidr.network()) || cidr.contains(&pool.cidr.network())
+        })
+    }) {
+        Some(object) => Err(object.into_error()),
+        None => Ok(()),
+    }
+}
 /// The stored pool that is `pool` itself: same name, CIDR and block size.
 fn find_exact_pool<'a>(
     pools: &'a [Stored<Pool>],
