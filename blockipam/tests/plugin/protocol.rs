@@ -87,6 +87,8 @@ in_both_modes! {
     status_is_code_50_when_the_store_cannot_be_opened,
     status_answers_past_an_object_no_add_of_the_node_reads_and_names_one_they_all_read,
     status_counts_a_block_it_cannot_decode_as_taken,
+    status_speaks_for_the_next_add_in_every_choice_of_pool,
+    status_speaks_for_the_next_add_at_block_edges_and_when_borrowing,
     errors_carry_the_requests_spec_version,
     log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
     gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
@@ -973,6 +975,218 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     let msg = cni("STATUS", "", "", &on("node-a"), &[]).assert_error(50, "at the block limit");
     assert!(msg.contains("per-node block limit is 1"), "{msg}");
     cni("ADD", "a3", "eth0", &on("node-a"), &[]).assert_error(101, "node-a's ADD");
+}
+
+/// STATUS, then the ADD it speaks for (a runtime marks the node's network not ready on a failed
+/// STATUS): both succeed, or STATUS answers code 50 with `refusal` in its message and the ADD
+/// fails too.
+fn status_then_add(netconf: &Value, container: &str, refusal: Option<&str>, args: &[(&str, &str)]) {
+    match refusal {
+        None => {
+            cni("STATUS", "", "", netconf, &[]).assert_silent_success(container);
+            cni("ADD", container, "eth0", netconf, args).success_json(container);
+        }
+        Some(why) => {
+            let msg = cni("STATUS", "", "", netconf, &[]).assert_error(50, container);
+            assert!(msg.contains(why), "{container}: expected {why:?} in {msg}");
+            let add = cni("ADD", container, "eth0", netconf, args);
+            assert_ne!(
+                add.status, 0,
+                "{container}: STATUS refused, the ADD succeeded: {}",
+                add.stdout
+            );
+        }
+    }
+}
+
+/// STATUS agrees with the ADD that follows it whichever way the pool is chosen: pools that do
+/// not select the node (node selector, manual assignment, tunnel use only), no enabled pool, a
+/// requested pool that is disabled, of the other family, enabled, or named in the netconf and not
+/// created yet (by name or by CIDR).
+fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
+    use ipam_core::model::selector::Selector;
+    use ipam_core::{AllowedUse, AllowedUses, AssignmentMode, PoolPolicy, PoolSpec};
+    let sandbox = Sandbox::in_mode(mode);
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        let spec = |cidr: &str, name: &str, block_size: u8| PoolSpec {
+            cidr: cidr.parse().expect("a CIDR"),
+            name: Some(name.into()),
+            block_size: Some(block_size),
+            disabled: false,
+        };
+        let policy = PoolPolicy::default();
+        for (pool, policy) in [
+            (
+                spec("10.244.9.0/28", "zoned", 30),
+                PoolPolicy {
+                    node_selector: Selector::parse("zone == 'b'").expect("a selector"),
+                    ..policy.clone()
+                },
+            ),
+            (
+                spec("10.244.10.0/28", "manual", 30),
+                PoolPolicy {
+                    assignment_mode: AssignmentMode::Manual,
+                    ..policy.clone()
+                },
+            ),
+            (
+                spec("10.244.11.0/28", "tunnels", 30),
+                PoolPolicy {
+                    allowed_uses: AllowedUses::new([AllowedUse::Tunnel]).expect("uses"),
+                    ..policy.clone()
+                },
+            ),
+            (spec("fd00:10:245::/120", "v6", 122), policy.clone()),
+        ] {
+            ipam.create_pool_with_policy(&pool, &policy)
+                .await
+                .expect("a pool");
+        }
+    });
+    let operator_pools = sandbox.netconf("1.1.0", json!({"pools": null, "gateway": null}));
+    status_then_add(
+        &operator_pools,
+        "unselected",
+        Some("no IP pool selects node"),
+        &[],
+    );
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.set_node_labels(NODE, &[("zone".into(), "b".into())], &[])
+            .await
+            .expect("labels");
+    });
+    status_then_add(&operator_pools, "selected", None, &[]);
+    let set_disabled = |pools: &[&str], disabled: bool| {
+        sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+            for pool in pools {
+                ipam.set_pool_disabled(pool, disabled)
+                    .await
+                    .expect("disable or enable");
+            }
+        })
+    };
+    set_disabled(&["zoned", "manual", "tunnels"], true);
+    status_then_add(
+        &operator_pools,
+        "none-enabled",
+        Some("there is no enabled pool"),
+        &[],
+    );
+
+    let requesting = |pools: &[&str], netconf_pools: Value| {
+        sandbox.netconf(
+            "1.1.0",
+            json!({"pools": netconf_pools, "gateway": null, "ipv4_pools": pools}),
+        )
+    };
+    status_then_add(
+        &requesting(&["10.244.10.0/28"], Value::Null),
+        "requested-disabled",
+        Some("\"10.244.10.0/28\" is disabled"),
+        &[],
+    );
+    set_disabled(&["manual"], false);
+    status_then_add(
+        &requesting(&["10.244.10.0/28"], Value::Null),
+        "requested-by-cidr",
+        None,
+        &[],
+    );
+    status_then_add(
+        &requesting(&["manual"], Value::Null),
+        "requested-by-name",
+        None,
+        &[],
+    );
+    status_then_add(
+        &requesting(&["v6"], Value::Null),
+        "requested-v6",
+        Some("\"v6\" is not an IPv4 pool"),
+        &[],
+    );
+    // A netconf pool not created yet is created by the ADD: it does not stand for another one.
+    let pending = |cidr: &str, name: &str| json!([{"cidr": cidr, "block_size": 30, "name": name}]);
+    status_then_add(
+        &requesting(&["zoned"], pending("10.244.12.0/28", "pending-a")),
+        "requested-disabled-beside-a-pending-pool",
+        Some("\"zoned\" is disabled"),
+        &[],
+    );
+    status_then_add(
+        &requesting(&["pending-b"], pending("10.244.13.0/28", "pending-b")),
+        "requested-pending-by-name",
+        None,
+        &[],
+    );
+    status_then_add(
+        &requesting(&["10.244.14.0/28"], pending("10.244.14.0/28", "pending-c")),
+        "requested-pending-by-cidr",
+        None,
+        &[],
+    );
+}
+
+/// STATUS agrees with the ADD that follows it at a block's edges (which an ADD whose pool holds
+/// no gateway never hands out) and when the node must borrow: free addresses that are all edges
+/// are no room, free addresses beside edges taken by explicit requests are, a /31 block has no
+/// edges; another node's block lends unless affinity is strict.
+fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    let one_block = |cidr: &str, block_size: u8, node: &str| {
+        sandbox.netconf(
+            "1.1.0",
+            json!({"nodename": node, "gateway": null,
+                   "pools": [{"cidr": cidr, "block_size": block_size}]}),
+        )
+    };
+    // One /29 block: .1 to .4 by ADDs, both edges by another client (an ADD under a netconf
+    // with a gateway in the pool may have them), then .5 and .6 are left.
+    let block29 = one_block("10.244.9.0/29", 29, NODE);
+    for n in 1..=4 {
+        status_then_add(&block29, &format!("fill-{n}"), None, &[]);
+    }
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.assign_ips(&ipam_core::AssignIpsRequest {
+            ips: vec![
+                "10.244.9.0".parse().expect("ip"),
+                "10.244.9.7".parse().expect("ip"),
+            ],
+            handle: "edges".into(),
+            host: NODE.into(),
+            ..ipam_core::AssignIpsRequest::default()
+        })
+        .await
+        .expect("both edges");
+    });
+    status_then_add(&block29, "beside-taken-edges-1", None, &[]);
+    status_then_add(&block29, "beside-taken-edges-2", None, &[]);
+    status_then_add(&block29, "block-29-full", Some("no free address"), &[]);
+
+    // A /31 block has no edges: both its addresses are handed out.
+    let block31 = one_block("10.244.10.0/31", 31, NODE);
+    status_then_add(&block31, "block-31-first", None, &[]);
+    status_then_add(&block31, "block-31-second", None, &[]);
+    status_then_add(&block31, "block-31-full", Some("no free address"), &[]);
+
+    // One /30 block, claimed by node-b: node-a borrows its other host address, then only its
+    // edges are free.
+    status_then_add(
+        &one_block("10.244.11.0/30", 30, "node-b"),
+        "owner",
+        None,
+        &[],
+    );
+    let borrower = one_block("10.244.11.0/30", 30, NODE);
+    status_then_add(&borrower, "borrowed", None, &[]);
+    status_then_add(&borrower, "only-edges-left", Some("no free address"), &[]);
+    cni("DEL", "borrowed", "eth0", &borrower, &[]).assert_silent_success("DEL");
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.strict_affinity = true)
+            .await
+            .expect("strict affinity");
+    });
+    status_then_add(&borrower, "strict-affinity", Some("no free address"), &[]);
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {
