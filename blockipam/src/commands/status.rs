@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use ipam_core::model::keys;
-use ipam_core::{BlockUsage, Family, Ipam, IpamError, Pool, Utilization};
+use ipam_core::{BlockUsage, Family, Ipam, IpamError, Pool, PoolUsage, Utilization};
 use ipnet::IpNet;
 
 use super::may_report_block_prefix;
@@ -47,7 +47,16 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
             .as_ref(),
     )
     .map_err(unreachable)?;
-    let pools: Vec<Pool> = usage.pools.iter().map(|p| p.pool.clone()).collect();
+    // The netconf's pools that are not stored yet: the next ADD creates them, empty, unless one
+    // is in the way of another pool.
+    let pending = pending_netconf_pools(conf, &usage).map_err(|why| {
+        CniError::new(
+            codes::PLUGIN_NOT_AVAILABLE,
+            format!("node {node:?} cannot get an address: {why}"),
+        )
+    })?;
+    let all_pools: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
+    let pools: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &pools);
     // Which block edges are taken matters only for a block with one or two free addresses.
     let ambiguous = usage
@@ -82,9 +91,9 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
             node,
             labels: &labels,
         };
-        if let Err(why) =
-            family_available(conf, &usage, &config, &scope, family, requested, &usable)
-        {
+        if let Err(why) = family_available(
+            &all_pools, &usage, &config, &scope, family, requested, &usable,
+        ) {
             // The ADD names such a block then: it may have had room.
             let damaged = usage
                 .undecodable
@@ -157,8 +166,52 @@ fn block_edges(block: IpNet) -> Vec<IpAddr> {
     }
 }
 
+/// The netconf's pools not stored yet, as the empty pools the next ADD creates (enabled, every
+/// node, automatic, workload and tunnel use).
+///
+/// # Errors
+/// Why the ADD cannot create one (as the allocator refuses it): a different pool under its name,
+/// or a pool its range overlaps.
+fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<PoolUsage>, String> {
+    let mut pending = Vec::new();
+    for spec in &conf.pools {
+        let pool = Ipam::pool_from_spec(spec).map_err(|e| e.to_string())?;
+        let mut stored = false;
+        for existing in usage.pools.iter().map(|p| &p.pool) {
+            if existing.cidr == pool.cidr && existing.block_size == pool.block_size {
+                stored = true;
+            } else if existing.name == pool.name {
+                return Err(IpamError::PoolExists(pool.name.clone()).to_string());
+            } else if existing.cidr.contains(&pool.cidr.network())
+                || pool.cidr.contains(&existing.cidr.network())
+            {
+                return Err(IpamError::PoolOverlap {
+                    cidr: pool.cidr,
+                    existing: existing.name.clone(),
+                    existing_cidr: existing.cidr,
+                }
+                .to_string());
+            }
+        }
+        if !stored {
+            pending.push(PoolUsage {
+                capacity: pool.capacity(),
+                in_use: 0,
+                free: pool.capacity(),
+                reserved: 0,
+                cooling: 0,
+                blocks: Vec::new(),
+                pool,
+            });
+        }
+    }
+    Ok(pending)
+}
+
+/// Whether an ADD of `family` can get an address on the node, choosing among `pools` (the stored
+/// ones and those the ADD creates) as auto-assign does; else why not.
 fn family_available(
-    conf: &NetConf,
+    pools: &[&PoolUsage],
     usage: &Utilization,
     config: &ipam_core::IpamConfig,
     scope: &NodeScope<'_>,
@@ -167,29 +220,14 @@ fn family_available(
     usable: &Usable<'_>,
 ) -> Result<(), String> {
     let node = scope.node;
-    // Netconf pools not created yet will be on the next ADD: they count as available.
-    let pending: Vec<&ipam_core::PoolSpec> = conf
-        .pools
-        .iter()
-        .filter(|s| Family::of_net(&s.cidr) == family)
-        .filter(|s| !usage.pools.iter().any(|p| p.pool.cidr == s.cidr))
-        .collect();
-    let matches_pending = |wanted: &str| {
-        pending.iter().any(|s| {
-            s.name.as_deref() == Some(wanted) || wanted.parse::<IpNet>().ok() == Some(s.cidr)
-        })
-    };
-    let candidates: Vec<&ipam_core::PoolUsage> = if requested.is_empty() {
-        if !pending.is_empty() {
-            return Ok(());
-        }
-        let enabled: Vec<&ipam_core::PoolUsage> = usage
-            .pools
+    let candidates: Vec<&PoolUsage> = if requested.is_empty() {
+        let enabled: Vec<&PoolUsage> = pools
             .iter()
+            .copied()
             .filter(|p| p.pool.family() == family && !p.pool.disabled)
             .collect();
         // As auto-assign: automatic pools allowing workload addresses that select the node.
-        let selecting: Vec<&ipam_core::PoolUsage> = enabled
+        let selecting: Vec<&PoolUsage> = enabled
             .iter()
             .copied()
             .filter(|p| {
@@ -214,10 +252,7 @@ fn family_available(
     } else {
         let mut chosen = Vec::new();
         for wanted in requested {
-            if matches_pending(wanted) {
-                return Ok(());
-            }
-            let found = usage.pools.iter().find(|p| {
+            let found = pools.iter().copied().find(|p| {
                 p.pool.name == *wanted || wanted.parse::<IpNet>().ok() == Some(p.pool.cidr)
             });
             match found {
@@ -225,6 +260,12 @@ fn family_available(
                 Some(p) if p.pool.disabled => return Err(format!("pool {wanted:?} is disabled")),
                 Some(p) if p.pool.family() != family => {
                     return Err(format!("pool {wanted:?} is not an {family} pool"))
+                }
+                Some(p) if !p.pool.allowed_uses.allows(ipam_core::AllowedUse::Workload) => {
+                    return Err(format!(
+                        "pool {wanted:?} does not allow workload addresses (allowed uses: {})",
+                        p.pool.allowed_uses
+                    ))
                 }
                 Some(p) => chosen.push(p),
             }

@@ -1125,6 +1125,43 @@ fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
         None,
         &[],
     );
+    set_disabled(&["tunnels"], false);
+    status_then_add(
+        &requesting(&["tunnels"], Value::Null),
+        "requested-tunnel-pool",
+        Some("\"tunnels\" does not allow workload addresses"),
+        &[],
+    );
+    // A netconf pool the ADD would create, but cannot: its range overlaps another pool.
+    status_then_add(
+        &requesting(&[], pending("10.244.9.0/27", "overlapping")),
+        "overlapping-netconf-pool",
+        Some("overlaps existing pool \"zoned\""),
+        &[],
+    );
+    // A netconf pool created by the ADD is empty: its first address needs a new block.
+    let config = |change: fn(&mut IpamConfig)| {
+        sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+            ipam.update_config(change).await.expect("config");
+        })
+    };
+    config(|c| c.max_blocks_per_host = 1);
+    status_then_add(
+        &requesting(&["pending-d"], pending("10.244.15.0/28", "pending-d")),
+        "pending-pool-at-the-block-limit",
+        Some("per-node block limit is 1"),
+        &[],
+    );
+    config(|c| {
+        c.max_blocks_per_host = 0;
+        c.auto_allocate_blocks = false;
+    });
+    status_then_add(
+        &requesting(&["pending-e"], pending("10.244.16.0/28", "pending-e")),
+        "pending-pool-without-new-blocks",
+        Some("no free address"),
+        &[],
+    );
 }
 
 /// STATUS agrees with the ADD that follows it at a block's edges (which an ADD whose pool holds
