@@ -33,6 +33,7 @@ macro_rules! read_cost_conformance_tests {
             del_of_an_address_in_a_full_block_reads_as_much_with_1024_blocks_on_the_node_as_with_16,
             a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges,
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
+            a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
             the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
@@ -540,6 +541,71 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
         surveys[1]
     );
     assert_clean(&Ipam::new(Arc::clone(&t.store))).await;
+}
+
+/// The usage of a node's blocks with room (what CNI STATUS reads first, every few seconds on every
+/// node) reads the same keys and bytes with 1,024 blocks of another node in the store as without,
+/// and gives each such block the row the usage of the whole store gives it.
+pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (memory, maker) = memory_maker().await;
+    let (node, blocks) = SMALL_NODE;
+    fill_node(&maker, node, blocks).await;
+    let t = factory.fresh().await;
+    copy_store(&memory, &t.store).await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let mut costs = Vec::new();
+    let mut whole_costs = Vec::new();
+    for round in 0..2 {
+        if round == 1 {
+            let (other, other_blocks) = LARGE_NODE;
+            fill_node(&maker, other, other_blocks).await;
+            copy_store(&memory, &t.store).await;
+        }
+        meter.take();
+        let usage = ipam.host_utilization(node).await.expect("the node's usage");
+        costs.push(meter.take());
+        let whole = ipam.utilization().await.expect("the whole usage");
+        whole_costs.push(meter.take());
+        let rows: Vec<_> = usage.pools.iter().flat_map(|p| p.blocks.iter()).collect();
+        // The last block has two addresses in use; the others are full (kept under `full/`).
+        assert_eq!(rows.len(), 1, "round {round}: {rows:?}");
+        assert_eq!(rows[0].host.as_deref(), Some(node));
+        assert_eq!((rows[0].in_use, rows[0].free), (2, 2));
+        let same = whole
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .find(|b| b.cidr == rows[0].cidr);
+        assert_eq!(same, Some(rows[0]), "round {round}: the whole usage's row");
+        assert_eq!(
+            usage.pools.iter().map(|p| &p.pool).collect::<Vec<_>>(),
+            whole.pools.iter().map(|p| &p.pool).collect::<Vec<_>>(),
+            "every pool"
+        );
+        assert!(usage.undecodable.is_empty(), "{:?}", usage.undecodable);
+    }
+    assert_eq!(
+        (costs[0].round_trips, costs[0].keys, costs[0].bytes),
+        (costs[1].round_trips, costs[1].keys, costs[1].bytes),
+        "the node's usage read more with another node's blocks: {:?} then {:?}",
+        costs[0],
+        costs[1]
+    );
+    assert!(
+        whole_costs[1].keys >= whole_costs[0].keys + u64::from(LARGE_NODE.1),
+        "the whole usage reads every block: {:?} then {:?}",
+        whole_costs[0],
+        whole_costs[1]
+    );
+    assert!(matches!(
+        ipam.host_utilization("bad/name").await,
+        Err(ipam_core::IpamError::InvalidArgument(_))
+    ));
 }
 
 /// A node whose blocks are all full but for their edges (stored under `full/`): an ADD that

@@ -24,19 +24,6 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         )
     };
     let config = ipam.get_config().await.map_err(unreachable)?;
-    let usage = ipam.utilization().await.map_err(unreachable)?;
-    // An object every ADD of this node reads stops them all; a block (another node's, or one of
-    // this node's, which its ADDs pass over) only leaves its addresses out of the room counted.
-    if let Some(object) = usage.undecodable.iter().find(|o| read_by_every_add(&o.key)) {
-        return Err(CniError::new(
-            codes::PLUGIN_NOT_AVAILABLE,
-            format!(
-                "node {node:?} cannot get an address while the IPAM object at {:?} cannot be \
-                 decoded ({}); `blockipamctl check` names the way out",
-                object.key, object.message
-            ),
-        ));
-    }
     let node_key = ipam_core::nodes::node_key(node);
     let labels = ipam_core::nodes::decode_node_labels(
         &node_key,
@@ -47,14 +34,21 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
             .as_ref(),
     )
     .map_err(unreachable)?;
-    // The netconf's pools that are not stored yet: the next ADD creates them, empty, unless one
-    // is in the way of another pool.
-    let pending = pending_netconf_pools(conf, &usage).map_err(|why| {
-        CniError::new(
-            codes::PLUGIN_NOT_AVAILABLE,
-            format!("node {node:?} cannot get an address: {why}"),
-        )
-    })?;
+    let scope = NodeScope {
+        node,
+        labels: &labels,
+    };
+    // The common answer first, from what an ADD of the node reads first (its blocks with a free
+    // address), whatever else the store holds: STATUS runs every few seconds on every node.
+    let own = ipam.host_utilization(node).await.map_err(unreachable)?;
+    let pending = usable_pools(conf, node, &own)?;
+    let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    if own_blocks_serve(conf, &all_pools, &scope) {
+        return Ok(());
+    }
+    // Otherwise every block counts: new blocks, borrowing, what cannot be decoded.
+    let usage = ipam.utilization().await.map_err(unreachable)?;
+    let pending = usable_pools(conf, node, &usage)?;
     let all_pools: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
     let pools: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &pools);
@@ -87,10 +81,6 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         if !wanted {
             continue;
         }
-        let scope = NodeScope {
-            node,
-            labels: &labels,
-        };
         if let Err(why) = family_available(
             &all_pools, &usage, &config, &scope, family, requested, &usable,
         ) {
@@ -117,6 +107,64 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         }
     }
     Ok(())
+}
+
+/// The netconf's pools not stored yet (see [`pending_netconf_pools`]), after checking that no
+/// object every ADD reads is undecodable in `usage`.
+///
+/// # Errors
+/// Code 50 naming such an object, or the netconf pool the ADD cannot create.
+fn usable_pools(
+    conf: &NetConf,
+    node: &str,
+    usage: &Utilization,
+) -> Result<Vec<PoolUsage>, CniError> {
+    // An object every ADD of this node reads stops them all; a block (another node's, or one of
+    // this node's, which its ADDs pass over) only leaves its addresses out of the room counted.
+    if let Some(object) = usage.undecodable.iter().find(|o| read_by_every_add(&o.key)) {
+        return Err(CniError::new(
+            codes::PLUGIN_NOT_AVAILABLE,
+            format!(
+                "node {node:?} cannot get an address while the IPAM object at {:?} cannot be \
+                 decoded ({}); `blockipamctl check` names the way out",
+                object.key, object.message
+            ),
+        ));
+    }
+    // The netconf's pools that are not stored yet: the next ADD creates them, empty, unless one
+    // is in the way of another pool.
+    pending_netconf_pools(conf, usage).map_err(|why| {
+        CniError::new(
+            codes::PLUGIN_NOT_AVAILABLE,
+            format!("node {node:?} cannot get an address: {why}"),
+        )
+    })
+}
+
+/// True when, for every family the netconf asks for, a block of the node in one of the pools an
+/// ADD would choose has an address that ADD can have, counting every edge of the block as free
+/// (which edges are taken is not read here): then the ADD is served by its first read. `pools`
+/// hold only the node's blocks with room.
+fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>) -> bool {
+    let all: Vec<Pool> = pools.iter().map(|p| p.pool.clone()).collect();
+    let usable = Usable {
+        skip_edges: may_report_block_prefix(conf, &all),
+        allocated: &BTreeSet::new(),
+    };
+    [
+        (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
+        (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
+    ]
+    .into_iter()
+    .filter(|(_, wanted, _)| *wanted)
+    .all(|(family, _, requested)| {
+        candidate_pools(pools, scope, family, requested).is_ok_and(|candidates| {
+            candidates
+                .iter()
+                .flat_map(|p| p.blocks.iter())
+                .any(|b| b.host.as_deref() == Some(scope.node) && usable.has_room(b))
+        })
+    })
 }
 
 /// True when every auto-assign ADD reads the object at `key` and cannot go on without it: the
@@ -208,17 +256,15 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
     Ok(pending)
 }
 
-/// Whether an ADD of `family` can get an address on the node, choosing among `pools` (the stored
-/// ones and those the ADD creates) as auto-assign does; else why not.
-fn family_available(
-    pools: &[&PoolUsage],
-    usage: &Utilization,
-    config: &ipam_core::IpamConfig,
+/// The pools an ADD of `family` would choose among `pools`: the requested ones (each must exist,
+/// be enabled, be of the family and allow workload addresses), else those auto-assign uses on
+/// the node; else why there are none.
+fn candidate_pools<'a>(
+    pools: &[&'a PoolUsage],
     scope: &NodeScope<'_>,
     family: Family,
     requested: &[String],
-    usable: &Usable<'_>,
-) -> Result<(), String> {
+) -> Result<Vec<&'a PoolUsage>, String> {
     let node = scope.node;
     let candidates: Vec<&PoolUsage> = if requested.is_empty() {
         let enabled: Vec<&PoolUsage> = pools
@@ -275,6 +321,22 @@ fn family_available(
     if candidates.is_empty() {
         return Err("there is no enabled pool".into());
     }
+    Ok(candidates)
+}
+
+/// Whether an ADD of `family` can get an address on the node, choosing among `pools` (the stored
+/// ones and those the ADD creates) as auto-assign does; else why not.
+fn family_available(
+    pools: &[&PoolUsage],
+    usage: &Utilization,
+    config: &ipam_core::IpamConfig,
+    scope: &NodeScope<'_>,
+    family: Family,
+    requested: &[String],
+    usable: &Usable<'_>,
+) -> Result<(), String> {
+    let node = scope.node;
+    let candidates = candidate_pools(pools, scope, family, requested)?;
     let blocks = || candidates.iter().flat_map(|p| p.blocks.iter());
     if blocks().any(|b| b.host.as_deref() == Some(node) && usable.has_room(b)) {
         return Ok(());

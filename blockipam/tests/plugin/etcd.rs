@@ -257,3 +257,83 @@ fn etcd_that_accepts_but_never_answers_hits_the_deadline_with_code_11() {
         "the call must end at its deadline, not on another failure"
     );
 }
+
+/// Bytes a private etcd has sent its clients so far (its `etcd_network_client_grpc_sent_bytes_total`).
+fn bytes_sent_by(endpoint: &str) -> u64 {
+    use std::io::{Read as _, Write as _};
+    let address = endpoint.trim_start_matches("http://");
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to etcd");
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .expect("ask for the metrics");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("read the metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix("etcd_network_client_grpc_sent_bytes_total "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map(|value| value as u64)
+        .unwrap_or_else(|| panic!("no sent-bytes figure in etcd's metrics"))
+}
+
+/// CNI STATUS runs every few seconds on every node (containerd asks on each runtime status check):
+/// on a node whose blocks have room it reads what the node's ADD reads first, as many bytes with
+/// 400 blocks of other nodes in the store as without; a node that must look further (no block of
+/// its own) reads every block, which the measure sees.
+#[test]
+fn status_of_a_node_with_room_reads_as_much_with_other_nodes_blocks_as_without() {
+    let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
+    let endpoint = server.endpoint();
+    let prefix = unique_prefix();
+    let sandbox = Sandbox::new();
+    let on = |node: &str| {
+        etcd_netconf(
+            &sandbox,
+            "1.1.0",
+            &endpoint,
+            &prefix,
+            json!({"nodename": node, "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}]}),
+        )
+    };
+    cni("ADD", "c1", "eth0", &on("node-a"), &[]).success_json("ADD");
+    let status_cost = |node: &str| {
+        let netconf = on(node);
+        let before = bytes_sent_by(&endpoint);
+        for _ in 0..4 {
+            cni("STATUS", "", "", &netconf, &[]).assert_silent_success(node);
+        }
+        (bytes_sent_by(&endpoint) - before) / 4
+    };
+    let alone = status_cost("node-a");
+    let other_blocks = 400u32;
+    block_on(async {
+        let ipam = Ipam::new(std::sync::Arc::new(
+            EtcdStore::connect(server.config(&prefix))
+                .await
+                .expect("connect"),
+        ));
+        for n in 0..other_blocks {
+            let block: ipnet::IpNet = format!("10.96.{}.{}/26", 4 + n / 4, (n % 4) * 64)
+                .parse()
+                .expect("a block");
+            ipam.claim_affinity(&format!("node-{n:03}"), block)
+                .await
+                .expect("a block of another node");
+        }
+    });
+    let among_others = status_cost("node-a");
+    let looking_further = status_cost("node-b");
+    eprintln!(
+        "bytes etcd sent per STATUS: node-a {alone} alone, {among_others} beside {other_blocks} \
+         blocks of other nodes; node-b (no block) {looking_further}"
+    );
+    assert!(
+        among_others <= alone + 512,
+        "a STATUS of node-a read {alone} bytes alone, {among_others} beside {other_blocks} \
+         blocks of other nodes"
+    );
+    assert!(
+        looking_further >= alone + u64::from(other_blocks) * 40,
+        "a STATUS of node-b, which has no block, read {looking_further} bytes, node-a's {alone}: \
+         the measure does not see the blocks read"
+    );
+}

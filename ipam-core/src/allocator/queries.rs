@@ -8,7 +8,9 @@ use super::{
 use crate::kv::Read;
 use crate::model::error::IpamError;
 use crate::model::reservations::Reservation;
-use crate::model::{decode, decode_pool, keys, validate_handle, Block, Family, Pool};
+use crate::model::{
+    decode, decode_pool, keys, validate_handle, validate_host, Block, Family, Pool,
+};
 use ipnet::IpNet;
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -185,7 +187,22 @@ impl Ipam {
     /// # Errors
     /// Store failures; a config object that cannot be decoded.
     pub async fn utilization(&self) -> Result<Utilization, IpamError> {
-        Ok(self.read_utilization(false).await?.0)
+        Ok(self.read_utilization(keys::blocks_dir(), false).await?.0)
+    }
+
+    /// [`utilization`](Self::utilization) of `host`'s blocks with a free address (those kept
+    /// under `open/`) only: what an ADD of the host reads first, whatever else the store holds.
+    /// Each such block's row is the one `utilization` gives; the pools' figures count only these
+    /// blocks. Pools, reservations and config are read whole, as there.
+    ///
+    /// # Errors
+    /// As [`utilization`](Self::utilization); an invalid host name.
+    pub async fn host_utilization(&self, host: &str) -> Result<Utilization, IpamError> {
+        validate_host(host)?;
+        Ok(self
+            .read_utilization(keys::host_open_blocks_dir(host), false)
+            .await?
+            .0)
     }
 
     /// [`utilization`](Self::utilization) and [`list_allocations`](Self::list_allocations) from
@@ -199,16 +216,19 @@ impl Ipam {
     pub async fn utilization_and_allocations(
         &self,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
-        self.read_utilization(true).await
+        self.read_utilization(keys::blocks_dir(), true).await
     }
 
+    /// Usage of the blocks listed under `blocks` (every block, or a host's), with their
+    /// allocations when asked.
     async fn read_utilization(
         &self,
+        blocks: String,
         with_allocations: bool,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
         let mut reads = vec![
             Read::List(keys::pools_dir()),
-            Read::List(keys::blocks_dir()),
+            Read::List(blocks),
             Read::List(keys::reservations_dir()),
             Read::Get(keys::config()),
         ];
