@@ -15,7 +15,8 @@ use ipam_core::{
 
 use crate::hooked::HookedStore;
 use crate::ipam::{
-    assert_clean, assign_one, block_of, damage, holder, ip, ipam_with_pool, net, spec, v4, GARBAGE,
+    assert_clean, assign_one, block_of, damage, first_owner_key, holder, ip, ipam_with_pool, net,
+    spec, v4, GARBAGE,
 };
 use crate::StoreFactory;
 
@@ -247,15 +248,7 @@ pub async fn pool_delete_refuses_damage_in_its_pool_and_passes_over_damage_elsew
     request.v4_pools = vec!["other".into()];
     let elsewhere = ipam.auto_assign(&request).await.expect("assign").v4[0].ip;
     let pool_block = block_of(&ipam, in_pool).await;
-    let owner_key = t
-        .store
-        .list(&keys::block_owners_dir(&pool_block))
-        .await
-        .expect("list the owner keys")
-        .into_iter()
-        .next()
-        .expect("an owner key (a store of today's format keeps them apart)")
-        .key;
+    let owner_key = first_owner_key(t.store.as_ref(), &pool_block).await;
     let block_key = keys::block(Some("node-a"), &pool_block);
 
     for (what, damaged_key) in [

@@ -91,6 +91,19 @@ pub(crate) async fn damage(store: &dyn KvStore, key: &str) -> Vec<u8> {
     intact
 }
 
+/// The key of the first owner key of `block` (a store of today's format keeps the attributes of
+/// its allocations apart, one key per address).
+pub(crate) async fn first_owner_key(store: &dyn KvStore, block: &IpNet) -> String {
+    store
+        .list(&keys::block_owners_dir(block))
+        .await
+        .expect("list the owner keys")
+        .into_iter()
+        .next()
+        .expect("an owner key (a store of today's format keeps them apart)")
+        .key
+}
+
 pub(crate) async fn assign_one(ipam: &Ipam, handle: &str, host: &str) -> IpAddr {
     assign_one_allocation(ipam, handle, host).await.ip
 }

@@ -13,7 +13,7 @@ use ipam_core::dead_nodes::{forget_node, register};
 use ipam_core::model::keys;
 use ipam_core::{Ipam, IpamError, ReleaseRequest};
 
-use crate::ipam::{assert_clean, block_of, damage, ipam_with_pool};
+use crate::ipam::{assert_clean, block_of, damage, first_owner_key, ipam_with_pool};
 use crate::StoreFactory;
 
 /// Expands every leak-collection case into one `#[test]` inside a module `leaks`.
@@ -692,15 +692,7 @@ pub async fn an_owner_key_that_cannot_be_read_is_named_and_nothing_its_block_cov
             ],
         )
     };
-    let owner_key = t
-        .store
-        .list(&keys::block_owners_dir(&own_block))
-        .await
-        .expect("list the owner keys")
-        .into_iter()
-        .next()
-        .expect("an owner key (a store of today's format keeps them apart)")
-        .key;
+    let owner_key = first_owner_key(t.store.as_ref(), &own_block).await;
     let intact = damage(t.store.as_ref(), &owner_key).await;
 
     // The first look, a survey.

@@ -312,6 +312,42 @@ fn pods_filled(blocks: u32, edges: Edges) -> u32 {
     }
 }
 
+/// The small node's blocks, made on the in-memory store and copied into a fresh store under test,
+/// with an allocator reading it through a meter.
+struct SmallNodeStore {
+    memory: Arc<dyn KvStore>,
+    maker: Ipam,
+    t: crate::TestStore,
+    meter: Arc<ReadMeter>,
+    ipam: Ipam,
+}
+
+impl SmallNodeStore {
+    async fn new<F: StoreFactory>(factory: &F) -> Self {
+        let (memory, maker) = memory_maker().await;
+        let (node, blocks) = SMALL_NODE;
+        fill_node(&maker, node, blocks).await;
+        let t = factory.fresh().await;
+        copy_store(&memory, &t.store).await;
+        let meter = ReadMeter::new(Arc::clone(&t.store));
+        let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+        SmallNodeStore {
+            memory,
+            maker,
+            t,
+            meter,
+            ipam,
+        }
+    }
+
+    /// The large node's 1,024 blocks join the store under test.
+    async fn add_the_large_node(&self) {
+        let (other, other_blocks) = LARGE_NODE;
+        fill_node(&self.maker, other, other_blocks).await;
+        copy_store(&self.memory, &self.t.store).await;
+    }
+}
+
 /// Copies every key of `from` into `to`, in transactions as large as the storage contract allows.
 async fn copy_store(from: &Arc<dyn KvStore>, to: &Arc<dyn KvStore>) {
     let everything = from.list("").await.expect("list the made store");
@@ -459,13 +495,9 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
 >(
     factory: &F,
 ) {
-    let (memory, maker) = memory_maker().await;
+    let small = SmallNodeStore::new(factory).await;
+    let (t, meter, ipam) = (&small.t, &small.meter, &small.ipam);
     let (node, blocks) = SMALL_NODE;
-    fill_node(&maker, node, blocks).await;
-    let t = factory.fresh().await;
-    copy_store(&memory, &t.store).await;
-    let meter = ReadMeter::new(Arc::clone(&t.store));
-    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
     // Pod 1 runs; every other pod of the node is gone.
     let live = ipam
         .list_allocations()
@@ -495,9 +527,7 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
     for round in 0..2u64 {
         if round == 1 {
             // 1,024 blocks of another node join the store.
-            let (other, other_blocks) = LARGE_NODE;
-            fill_node(&maker, other, other_blocks).await;
-            copy_store(&memory, &t.store).await;
+            small.add_the_large_node().await;
         }
         let at = 1_800_000_000 + round * 10_000;
         let mut watch = LeakWatch::new();
@@ -551,20 +581,14 @@ pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_
 >(
     factory: &F,
 ) {
-    let (memory, maker) = memory_maker().await;
-    let (node, blocks) = SMALL_NODE;
-    fill_node(&maker, node, blocks).await;
-    let t = factory.fresh().await;
-    copy_store(&memory, &t.store).await;
-    let meter = ReadMeter::new(Arc::clone(&t.store));
-    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    let small = SmallNodeStore::new(factory).await;
+    let (meter, ipam) = (&small.meter, &small.ipam);
+    let node = SMALL_NODE.0;
     let mut costs = Vec::new();
     let mut whole_costs = Vec::new();
     for round in 0..2 {
         if round == 1 {
-            let (other, other_blocks) = LARGE_NODE;
-            fill_node(&maker, other, other_blocks).await;
-            copy_store(&memory, &t.store).await;
+            small.add_the_large_node().await;
         }
         meter.take();
         let usage = ipam.host_utilization(node).await.expect("the node's usage");
