@@ -1134,7 +1134,7 @@ fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
     );
     // A netconf pool the ADD would create, but cannot: its range overlaps another pool.
     status_then_add(
-        &requesting(&[], pending("10.244.9.0/27", "overlapping")),
+        &requesting(&[], pending("10.244.8.0/23", "overlapping")),
         "overlapping-netconf-pool",
         Some("overlaps existing pool \"zoned\""),
         &[],
@@ -1218,6 +1218,24 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
     status_then_add(&borrower, "borrowed", None, &[]);
     status_then_add(&borrower, "only-edges-left", Some("no free address"), &[]);
     cni("DEL", "borrowed", "eth0", &borrower, &[]).assert_silent_success("DEL");
+
+    // With a gateway in the pool, an ADD may take block edges that are not the pool's: the
+    // network set-up holds the pool's network, broadcast and gateway addresses in its two /30
+    // blocks (affine to no node), and the node borrows the five others, then none.
+    let with_gateway = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-c", "gateway": "10.244.12.1", "ipv4_pools": ["10.244.12.0/29"],
+               "pools": [{"cidr": "10.244.12.0/29", "block_size": 30}]}),
+    );
+    for n in 1..=5 {
+        status_then_add(&with_gateway, &format!("beside-the-gateway-{n}"), None, &[]);
+    }
+    status_then_add(
+        &with_gateway,
+        "gateway-pool-full",
+        Some("no free address"),
+        &[],
+    );
     sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
         ipam.update_config(|config| config.strict_affinity = true)
             .await
