@@ -118,9 +118,14 @@ impl AgentStore {
     /// Sends `request` over the current connection (opened again if it was lost, possibly to an
     /// agent of another version), as that connection's protocol can carry it
     /// ([`Request::spoken_in`]), and returns the answer with the protocol it went in.
+    ///
+    /// A request the agent never saw (its connection was found closed before it was written, or
+    /// writing it failed: an agent restarted between two calls, before this client noticed its
+    /// connection end), and a read whose connection ended before its answer came (an agent
+    /// stopping reads no new request), is sent once more over a connection opened again, within
+    /// the same deadline; a commit is never sent again once it may have reached the agent.
     async fn call_spoken(&self, request: Request) -> Result<(Response, u32), KvError> {
         let kind = request.kind();
-        let is_write = request.is_write();
         let timed_out = Instant::now() + self.config.request_timeout;
         let (deadline, gives_up) = match caller_deadline() {
             Some(caller) if caller < timed_out => {
@@ -131,25 +136,62 @@ impl AgentStore {
                 format!("no answer within {:?}", self.config.request_timeout),
             ),
         };
-        let link = match tokio::time::timeout_at(deadline, self.link()).await {
-            Ok(link) => link?,
-            Err(_) => {
-                return Err(KvError::unavailable(format!(
-                    "{gives_up}: the {kind} was not sent, reconnecting to the blockipam agent at \
-                     {} took too long",
+        let mut failed_before: Option<String> = None;
+        loop {
+            let link = match tokio::time::timeout_at(deadline, self.link()).await {
+                Ok(Ok(link)) => link,
+                Ok(Err(e)) => return Err(after_first_try(e, kind, failed_before.as_deref())),
+                Err(_) => {
+                    let e = KvError::unavailable(format!(
+                        "{gives_up}: the {kind} was not sent, reconnecting to the blockipam \
+                         agent at {} took too long",
+                        self.config.socket.display()
+                    ));
+                    return Err(after_first_try(e, kind, failed_before.as_deref()));
+                }
+            };
+            let protocol = link.protocol;
+            let spoken = request.clone().spoken_in(protocol).map_err(|why| {
+                KvError::invalid(format!(
+                    "{why}; the {kind} was not sent to the blockipam agent at {}",
                     self.config.socket.display()
-                )))
+                ))
+            })?;
+            match self.send_over(&link, spoken, deadline, &gives_up).await {
+                Sent::Answered(answer) => return answer.map(|response| (response, protocol)),
+                Sent::Again(why) => match failed_before {
+                    None => {
+                        tracing::debug!(
+                            socket = %self.config.socket.display(),
+                            "{why}; sending the {kind} again over a new connection"
+                        );
+                        failed_before = Some(why);
+                    }
+                    Some(first) => {
+                        return Err(KvError::unavailable(format!(
+                            "{why}; tried over two connections to the blockipam agent at {} \
+                             (over the first: {first})",
+                            self.config.socket.display()
+                        )))
+                    }
+                },
             }
-        };
-        let protocol = link.protocol;
-        let request = request.spoken_in(protocol).map_err(|why| {
-            KvError::invalid(format!(
-                "{why}; the {kind} was not sent to the blockipam agent at {}",
-                self.config.socket.display()
-            ))
-        })?;
+        }
+    }
+
+    /// Sends `request`, already spoken in `link`'s protocol, over `link` and waits for its
+    /// answer until `deadline`.
+    async fn send_over(
+        &self,
+        link: &Link,
+        request: Request,
+        deadline: Instant,
+        gives_up: &str,
+    ) -> Sent {
+        let kind = request.kind();
+        let is_write = request.is_write();
         let id = link.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let encoded = if protocol >= PROTOCOL_V2 {
+        let encoded = if link.protocol >= PROTOCOL_V2 {
             let deadline = WireDeadline::at(deadline);
             encode_frame(
                 &BoundedRequestFrame {
@@ -162,29 +204,32 @@ impl AgentStore {
         } else {
             encode_frame(&RequestFrame { id, request }, MAX_REQUEST_BYTES)
         };
-        let frame = encoded
-            .map_err(|e| KvError::invalid(format!("cannot send this {kind} to the agent: {e}")))?;
-        let answer = link.shared.register(id).ok_or_else(|| {
-            KvError::unavailable(format!(
-                "the connection to the blockipam agent at {} was lost before the {kind} was sent",
-                self.config.socket.display()
-            ))
-        })?;
+        let frame = match encoded {
+            Ok(frame) => frame,
+            Err(e) => {
+                return Sent::Answered(Err(KvError::invalid(format!(
+                    "cannot send this {kind} to the agent: {e}"
+                ))))
+            }
+        };
+        let lost_before_sent = || format!("the connection was lost before the {kind} was sent");
+        let Some(answer) = link.shared.register(id) else {
+            return Sent::Again(lost_before_sent());
+        };
         if link.outgoing.send((id, frame)).is_err() {
             link.shared.forget(id);
-            return Err(KvError::unavailable(format!(
-                "the connection to the blockipam agent at {} was lost before the {kind} was sent",
-                self.config.socket.display()
-            )));
+            return Sent::Again(lost_before_sent());
         }
         let socket = &self.config.socket;
-        match tokio::time::timeout_at(deadline, answer).await {
+        Sent::Answered(match tokio::time::timeout_at(deadline, answer).await {
             Ok(Ok(Ok(Response::Failed(error)))) => Err(error.into()),
-            Ok(Ok(Ok(response))) => Ok((response, protocol)),
-            Ok(Ok(Err(Failure::NotSent(why)))) => Err(KvError::unavailable(format!(
-                "{why}; the {kind} was not sent to the blockipam agent at {}",
-                socket.display()
-            ))),
+            Ok(Ok(Ok(response))) => Ok(response),
+            Ok(Ok(Err(Failure::NotSent(why)))) => {
+                return Sent::Again(format!("{why}; the {kind} was not sent"))
+            }
+            Ok(Ok(Err(Failure::Lost(why)))) if !is_write => {
+                return Sent::Again(format!("{why} before the {kind} was answered"))
+            }
             Ok(Ok(Err(Failure::Lost(why)))) => Err(answer_missing(socket, kind, is_write, &why)),
             Ok(Err(_)) => Err(answer_missing(
                 socket,
@@ -194,10 +239,30 @@ impl AgentStore {
             )),
             Err(_) => {
                 link.shared.forget(id);
-                Err(answer_missing(socket, kind, is_write, &gives_up))
+                Err(answer_missing(socket, kind, is_write, gives_up))
             }
-        }
+        })
     }
+}
+
+/// `error`, met connecting again to send a `kind` once more, naming why the first try failed
+/// (`first`) when there was one.
+fn after_first_try(error: KvError, kind: &str, first: Option<&str>) -> KvError {
+    match (error, first) {
+        (KvError::Unavailable { message }, Some(first)) => KvError::unavailable(format!(
+            "{message} (connecting again to send the {kind} once more, after: {first})"
+        )),
+        (error, _) => error,
+    }
+}
+
+/// What became of a request sent over one connection.
+enum Sent {
+    /// The agent answered, or the request may have reached it: this is the call's result.
+    Answered(Result<Response, KvError>),
+    /// The agent never saw the request, or it is a read whose connection ended before its
+    /// answer, for this reason: it may go over another connection.
+    Again(String),
 }
 
 /// The answer to `read` from the `result` an agent spoken to in `protocol` gave: before
@@ -383,6 +448,37 @@ impl Shared {
         if let Some(sender) = self.state().pending.remove(&id) {
             // The caller may have given up (timeout): nobody to tell.
             let _ = sender.send(answer);
+        }
+    }
+
+    /// After writing request `failed` failed: marks the connection closed, then fails that
+    /// request and every one still queued behind it as not sent (the agent saw none of them),
+    /// and the calls already written as lost. Closed first, under the lock that registers calls:
+    /// a caller told its request was not sent finds the connection closed and opens another,
+    /// and a request registered after this is refused before it is queued.
+    fn close_unwritten(
+        &self,
+        failed: u64,
+        queue: &mut mpsc::UnboundedReceiver<(u64, Vec<u8>)>,
+        why: &str,
+    ) {
+        let (pending, unwritten) = {
+            let mut state = self.state();
+            state.closed = true;
+            queue.close();
+            let mut unwritten = vec![failed];
+            while let Ok((id, _)) = queue.try_recv() {
+                unwritten.push(id);
+            }
+            (std::mem::take(&mut state.pending), unwritten)
+        };
+        for (id, sender) in pending {
+            let failure = if unwritten.contains(&id) {
+                Failure::NotSent(why.to_owned())
+            } else {
+                Failure::Lost(why.to_owned())
+            };
+            let _ = sender.send(Err(failure));
         }
     }
 
@@ -609,9 +705,7 @@ async fn write_loop(
 ) {
     while let Some((id, frame)) = queue.recv().await {
         if let Err(e) = write_frame(&mut writer, &frame).await {
-            let why = format!("writing to the agent failed: {e}");
-            shared.deliver(id, Err(Failure::NotSent(why.clone())));
-            shared.close(&why);
+            shared.close_unwritten(id, &mut queue, &format!("writing to the agent failed: {e}"));
             return;
         }
     }
@@ -644,12 +738,26 @@ mod tests {
     use std::time::Duration;
     use tokio::net::UnixListener;
 
-    /// How a fake agent serves one connection: the newest protocol it speaks on it, and how many
-    /// requests after the hello it answers before closing it (`None`: until the client goes).
+    /// How a fake agent serves one connection: the newest protocol it speaks on it, how many
+    /// requests after the hello it answers (`None`: until the client goes), and how it then ends
+    /// the connection.
     #[derive(Debug, Clone, Copy)]
     struct FakeConnection {
         newest_protocol: u32,
         answers: Option<usize>,
+        ends: Ending,
+    }
+
+    /// How a fake agent ends a connection once it has answered what it answers.
+    #[derive(Debug, Clone, Copy)]
+    enum Ending {
+        /// It closes it: the client reads its end.
+        Closes,
+        /// It stops reading and keeps its end open until the fake agent ends: the client reads
+        /// nothing end, and its next write is refused (a broken pipe), the request unseen.
+        StopsReading,
+        /// It reads the next request (recorded), then closes without answering it.
+        ReadsTheNextAndCloses,
     }
 
     /// A request as a fake agent received it, with the protocol of its connection.
@@ -674,6 +782,7 @@ mod tests {
         connections: Vec<FakeConnection>,
         received: Received,
     ) {
+        let mut kept_open = Vec::new();
         for connection in connections {
             let (mut stream, _) = listener.accept().await.expect("accept");
             let hello: RequestFrame = read_frame(&mut stream, MAX_REQUEST_BYTES)
@@ -715,10 +824,37 @@ mod tests {
                     Request::Get { key } => {
                         Response::Got(store.get(&key).await.expect("get").map(Into::into))
                     }
+                    Request::Commit { txn } => match store.commit(txn.into()).await {
+                        Ok(revision) => Response::Committed {
+                            revision: revision.get(),
+                        },
+                        Err(e) => Response::Failed((&e).into()),
+                    },
                     other => panic!("the fake agent serves no {}", other.kind()),
                 };
                 answer(&mut stream, frame.id, response).await;
                 answered += 1;
+            }
+            match connection.ends {
+                Ending::Closes => {}
+                Ending::StopsReading => {
+                    let stream = stream.into_std().expect("the connection as a std stream");
+                    stream
+                        .shutdown(std::net::Shutdown::Read)
+                        .expect("stop reading the connection");
+                    kept_open.push(stream);
+                }
+                Ending::ReadsTheNextAndCloses => {
+                    let payload = read_payload(&mut stream, MAX_REQUEST_BYTES)
+                        .await
+                        .expect("read the next request")
+                        .expect("a next request");
+                    let frame = decode_request(&payload, protocol).expect("a request");
+                    received
+                        .lock()
+                        .expect("received")
+                        .push((protocol, frame.request));
+                }
             }
         }
     }
@@ -795,6 +931,7 @@ mod tests {
         let (_dir, client, store, received) = serve_fake(vec![FakeConnection {
             newest_protocol: PROTOCOL_V2,
             answers: UNTIL_THE_CLIENT_GOES,
+            ends: Ending::Closes,
         }])
         .await;
         assert_eq!(client.protocol().await, Some(PROTOCOL_V2));
@@ -833,6 +970,7 @@ mod tests {
         let (_dir, client, store, received) = serve_fake(vec![FakeConnection {
             newest_protocol: PROTOCOL_V3,
             answers: UNTIL_THE_CLIENT_GOES,
+            ends: Ending::Closes,
         }])
         .await;
         assert_eq!(client.protocol().await, Some(PROTOCOL_V3));
@@ -851,6 +989,7 @@ mod tests {
             let (_dir, client, _store, received) = serve_fake(vec![FakeConnection {
                 newest_protocol,
                 answers: UNTIL_THE_CLIENT_GOES,
+                ends: Ending::Closes,
             }])
             .await;
             let refused = client
@@ -878,10 +1017,12 @@ mod tests {
             FakeConnection {
                 newest_protocol: PROTOCOL_V3,
                 answers: Some(1),
+                ends: Ending::Closes,
             },
             FakeConnection {
                 newest_protocol: PROTOCOL_V2,
                 answers: UNTIL_THE_CLIENT_GOES,
+                ends: Ending::Closes,
             },
         ])
         .await;
@@ -889,21 +1030,154 @@ mod tests {
         let expected = store.read_many(&reads).await.expect("the store's own");
         assert_eq!(client.read_many(&reads).await.expect("read_many"), expected);
         assert_eq!(ranges_sent(&received), 4);
-        // Until the client has seen the first connection end, a call may go over it and be lost.
-        let mut attempts = 0;
-        let results = loop {
-            attempts += 1;
-            match client.read_many(&reads).await {
-                Ok(results) => break results,
-                Err(KvError::Unavailable { .. }) if attempts < 100 => {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-                Err(e) => panic!("after {attempts} attempts: {e}"),
-            }
-        };
+        // Sent over the first connection before the client saw it end, or not: answered.
+        let results = client.read_many(&reads).await.expect("read_many");
         assert_eq!(client.protocol().await, Some(PROTOCOL_V2));
         assert_eq!(results, expected);
         assert_eq!(ranges_sent(&received), 4, "a range was sent in protocol 2");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_the_agent_never_saw_is_sent_again_over_a_connection_opened_again() {
+        // The first agent answers one request, then reads no more while its end stays open (so
+        // the client's reader sees no end); the agent that takes its place serves on.
+        let (_dir, client, store, received) = serve_fake(vec![
+            FakeConnection {
+                newest_protocol: PROTOCOL_VERSION,
+                answers: Some(1),
+                ends: Ending::StopsReading,
+            },
+            FakeConnection {
+                newest_protocol: PROTOCOL_VERSION,
+                answers: UNTIL_THE_CLIENT_GOES,
+                ends: Ending::Closes,
+            },
+        ])
+        .await;
+        client.get("r/b").await.expect("the first agent's answer");
+        // Writing it to the first connection is refused: a commit the agent never saw, sent
+        // again over a new connection, and applied once.
+        let before = store.get("r/b").await.expect("get").expect("r/b").revision;
+        let txn = Txn::new().then(ipam_core::Op::put("r/new", b"new".to_vec()));
+        let revision = client.commit(txn).await.expect("the commit, sent again");
+        assert!(revision > before, "{revision:?} after {before:?}");
+        let stored = store.get("r/new").await.expect("get").expect("r/new");
+        assert_eq!(
+            (stored.value.as_slice(), stored.revision),
+            (&b"new"[..], revision)
+        );
+        let commits = received
+            .lock()
+            .expect("received")
+            .iter()
+            .filter(|(_, request)| matches!(request, Request::Commit { .. }))
+            .count();
+        assert_eq!(
+            commits, 1,
+            "the agents were sent the commit {commits} times"
+        );
+        // A read after it goes over the new connection too.
+        assert_eq!(
+            client.get("r/new").await.expect("get").map(|kv| kv.value),
+            Some(b"new".to_vec())
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_whose_connection_ends_unanswered_is_sent_again_and_a_commit_is_not() {
+        // Each of the first two agents answers one request, reads the next and closes without
+        // answering it (an agent stopping); the next two answer none; the fifth serves on.
+        let stopping = FakeConnection {
+            newest_protocol: PROTOCOL_VERSION,
+            answers: Some(1),
+            ends: Ending::ReadsTheNextAndCloses,
+        };
+        let silent = FakeConnection {
+            answers: Some(0),
+            ..stopping
+        };
+        let (_dir, client, store, received) = serve_fake(vec![
+            stopping,
+            stopping,
+            silent,
+            silent,
+            FakeConnection {
+                newest_protocol: PROTOCOL_VERSION,
+                answers: UNTIL_THE_CLIENT_GOES,
+                ends: Ending::Closes,
+            },
+        ])
+        .await;
+        client.get("r/a").await.expect("the first agent's answer");
+        // Read by the first agent, unanswered: asked again of the second, which answers.
+        assert_eq!(
+            client
+                .get("r/b")
+                .await
+                .expect("the get, sent again")
+                .map(|kv| kv.value),
+            Some(b"r/b".to_vec())
+        );
+        // Read by the second agent, unanswered: it may have been applied, so not sent again.
+        let txn = Txn::new().then(ipam_core::Op::put("r/new", b"new".to_vec()));
+        let unanswered = client.commit(txn).await;
+        assert!(
+            matches!(unanswered, Err(KvError::Indeterminate { .. })),
+            "{unanswered:?}"
+        );
+        assert_eq!(store.get("r/new").await.expect("get"), None);
+        let sent: Vec<Request> = received
+            .lock()
+            .expect("received")
+            .iter()
+            .map(|(_, request)| request.clone())
+            .collect();
+        let get = |key: &str| Request::Get { key: key.into() };
+        assert_eq!(sent[..3], [get("r/a"), get("r/b"), get("r/b")]);
+        assert!(matches!(sent[3], Request::Commit { .. }), "{:?}", sent[3]);
+        // Read and unanswered over two connections: not sent a third time.
+        let unanswered = client.get("r/b").await;
+        let Err(KvError::Unavailable { message }) = unanswered else {
+            panic!("{unanswered:?}");
+        };
+        assert!(message.contains("tried over two connections"), "{message}");
+        assert_eq!(sent.len() + 2, received.lock().expect("received").len());
+        // The next call opens the fifth connection.
+        client.get("r/b").await.expect("the fifth agent's answer");
+    }
+
+    #[test]
+    fn a_failed_write_fails_its_request_and_those_queued_as_not_sent_and_the_rest_as_lost() {
+        let shared = Shared::default();
+        let (outgoing, mut queue) = mpsc::unbounded_channel();
+        let written = shared.register(1).expect("registered");
+        let failed = shared.register(2).expect("registered");
+        let queued = shared.register(3).expect("registered");
+        outgoing.send((3, Vec::new())).expect("queued");
+        shared.close_unwritten(2, &mut queue, "writing failed");
+        // Closed before anyone is told: a caller told "not sent" opens another connection.
+        assert!(shared.is_closed());
+        assert!(
+            shared.register(4).is_none(),
+            "registered on a closed connection"
+        );
+        assert!(
+            outgoing.send((4, Vec::new())).is_err(),
+            "queued on a closed connection"
+        );
+        let told = |mut answer: oneshot::Receiver<Answer>| match answer.try_recv() {
+            Ok(Err(Failure::NotSent(why))) => format!("not sent: {why}"),
+            Ok(Err(Failure::Lost(why))) => format!("lost: {why}"),
+            other => format!("{other:?}"),
+        };
+        assert_eq!(
+            [told(written), told(failed), told(queued)],
+            [
+                "lost: writing failed",
+                "not sent: writing failed",
+                "not sent: writing failed"
+            ]
+        );
     }
 
     #[test]
