@@ -34,6 +34,7 @@ macro_rules! read_cost_conformance_tests {
             a_new_block_for_an_add_skipping_edges_reads_none_of_the_blocks_full_but_for_their_edges,
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
+            a_new_nodes_block_prospect_reads_as_much_with_1024_blocks_of_other_nodes_and_names_the_block_its_add_claims,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
             the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
@@ -628,6 +629,151 @@ pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_
     );
     assert!(matches!(
         ipam.host_utilization("bad/name").await,
+        Err(ipam_core::IpamError::InvalidArgument(_))
+    ));
+}
+
+/// What the first read of a new node's new-block search finds (what CNI STATUS reads every few
+/// seconds on a node with no block with room): the same keys, and the same bytes, with 1,024
+/// blocks of another node in the store as without; the block it names is the one the node's ADD
+/// then claims, past a reservation covering the first; none where every probed block is taken,
+/// or in a pool of mixed block sizes; a claim entry it cannot decode refused.
+pub async fn a_new_nodes_block_prospect_reads_as_much_with_1024_blocks_of_other_nodes_and_names_the_block_its_add_claims<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let small = SmallNodeStore::new(factory).await;
+    let (meter, ipam) = (&small.meter, &small.ipam);
+    // A node whose probed blocks lie apart from both other nodes' blocks.
+    let new_node = "node-new";
+    let pools = vec![ipam.get_pool("pool").await.expect("the pool")];
+    let mut costs = Vec::new();
+    let mut prospects = Vec::new();
+    for round in 0..2 {
+        if round == 1 {
+            small.add_the_large_node().await;
+        }
+        meter.take();
+        let prospect = ipam
+            .new_block_prospect(new_node, &pools, false, true)
+            .await
+            .expect("the new node's prospect");
+        costs.push(meter.take());
+        assert!(
+            prospect.full_blocks.is_empty(),
+            "round {round}: {prospect:?}"
+        );
+        assert!(
+            prospect.unclaimed[0].is_some(),
+            "round {round}: {prospect:?}"
+        );
+        prospects.push(prospect);
+    }
+    assert_eq!(
+        prospects[0], prospects[1],
+        "the same block, beside the large node"
+    );
+    assert_eq!(
+        (costs[0].round_trips, costs[0].keys, costs[0].bytes),
+        (costs[1].round_trips, costs[1].keys, costs[1].bytes),
+        "the prospect read more with another node's blocks: {:?} then {:?}",
+        costs[0],
+        costs[1]
+    );
+    // The large node claimed its blocks from its probe's start on: all taken, its full blocks
+    // named.
+    let (large, large_blocks) = LARGE_NODE;
+    let taken = ipam
+        .new_block_prospect(large, &pools, false, true)
+        .await
+        .expect("the large node's prospect");
+    assert_eq!(taken.unclaimed, [None], "{taken:?}");
+    assert_eq!(taken.full_blocks.len(), large_blocks as usize - 1);
+    let uncounted = ipam
+        .new_block_prospect(large, &pools, false, false)
+        .await
+        .expect("without its full blocks");
+    assert!(uncounted.full_blocks.is_empty(), "{uncounted:?}");
+    // A reservation covering the first unclaimed block: the next one, which the ADD claims.
+    let first = prospects[0].unclaimed[0].expect("a block");
+    small
+        .maker
+        .add_reservation(&ipam_core::reservations::Reservation {
+            name: "first-block".into(),
+            cidrs: vec![first],
+        })
+        .await
+        .expect("reserve the block");
+    copy_store(&small.memory, &small.t.store).await;
+    let next = ipam
+        .new_block_prospect(new_node, &pools, false, true)
+        .await
+        .expect("the prospect past the reservation")
+        .unclaimed[0]
+        .expect("a block past the reserved one");
+    assert_ne!(next, first);
+    let added = ipam
+        .auto_assign(&pod_add(new_node, 0))
+        .await
+        .expect("the new node's ADD");
+    assert_eq!(
+        added.v4.iter().map(|a| a.block).collect::<Vec<_>>(),
+        [next],
+        "the ADD claimed another block than the prospect named"
+    );
+    // A claim entry that cannot be decoded among the probed blocks: refused, as the ADD is.
+    let mut another = None;
+    for n in 0..64 {
+        let node = format!("node-another-{n}");
+        let prospect = ipam
+            .new_block_prospect(&node, &pools, false, true)
+            .await
+            .expect("another node's prospect");
+        if let Some(block) = prospect.unclaimed[0] {
+            another = Some((node, block));
+            break;
+        }
+    }
+    let (another_node, another) = another.expect("a node whose probe finds a block");
+    small
+        .t
+        .store
+        .put(&keys::block_claim(&another), b"garbage{".to_vec())
+        .await
+        .expect("damage a claim entry");
+    let refused = ipam
+        .new_block_prospect(&another_node, &pools, false, true)
+        .await;
+    assert!(
+        matches!(refused, Err(ipam_core::IpamError::Corrupt { .. })),
+        "{refused:?}"
+    );
+    small
+        .t
+        .store
+        .delete(&keys::block_claim(&another))
+        .await
+        .expect("repair the claim entry");
+    // Once the pool holds blocks of two sizes, only the claim index tells.
+    ipam.set_pool(
+        "pool",
+        &ipam_core::PoolChange {
+            block_size: Some(BLOCK_SIZE - 1),
+            ..ipam_core::PoolChange::default()
+        },
+    )
+    .await
+    .expect("a larger block size");
+    let pools = vec![ipam.get_pool("pool").await.expect("the pool")];
+    let mixed = ipam
+        .new_block_prospect(&another_node, &pools, false, true)
+        .await
+        .expect("the prospect in a pool of mixed sizes");
+    assert_eq!(mixed.unclaimed, [None], "{mixed:?}");
+    assert!(matches!(
+        ipam.new_block_prospect("bad/name", &pools, false, true)
+            .await,
         Err(ipam_core::IpamError::InvalidArgument(_))
     ));
 }

@@ -46,7 +46,11 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     if own_blocks_serve(conf, &all_pools, &scope) {
         return Ok(());
     }
-    // Otherwise every block counts: new blocks, borrowing, what cannot be decoded.
+    // A node without room claims a new block: what the first read of the ADD's search finds.
+    if config.auto_allocate_blocks && new_blocks_serve(ipam, conf, &config, &own, &scope).await {
+        return Ok(());
+    }
+    // Otherwise every block counts: borrowing, the whole claim index, what cannot be decoded.
     let usage = ipam.utilization().await.map_err(unreachable)?;
     let pending = usable_pools(conf, node, &usage)?;
     let all_pools: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
@@ -163,6 +167,98 @@ fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>)
                 .iter()
                 .flat_map(|p| p.blocks.iter())
                 .any(|b| b.host.as_deref() == Some(scope.node) && usable.has_room(b))
+        })
+    })
+}
+
+/// True when, for every family the netconf asks for, the node's own blocks have room (as
+/// [`own_blocks_serve`]) or the ADD would claim a new block: the node is under the per-node block
+/// limit and the first read of the ADD's new-block search finds a block of a pool it would choose
+/// unclaimed (and not wholly reserved). `own` is the usage of the node's blocks with room. Reads
+/// only by key, whatever the store holds; false when anything it reads cannot be decoded (the
+/// whole usage then tells).
+async fn new_blocks_serve(
+    ipam: &Ipam,
+    conf: &NetConf,
+    config: &ipam_core::IpamConfig,
+    own: &Utilization,
+    scope: &NodeScope<'_>,
+) -> bool {
+    let Ok(pending) = pending_netconf_pools(conf, own) else {
+        return false;
+    };
+    let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    let families: Vec<(Family, Vec<&PoolUsage>)> = [
+        (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
+        (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
+    ]
+    .into_iter()
+    .filter(|(_, wanted, _)| *wanted)
+    .map(|(family, _, requested)| {
+        candidate_pools(&all_pools, scope, family, requested).map(|pools| (family, pools))
+    })
+    .collect::<Result<_, _>>()
+    .unwrap_or_default();
+    if families.is_empty() {
+        return false;
+    }
+    let mut probed: Vec<Pool> = Vec::new();
+    for (_, candidates) in &families {
+        for pool in candidates {
+            if !probed.iter().any(|p| p.name == pool.pool.name) {
+                probed.push(pool.pool.clone());
+            }
+        }
+    }
+    let every: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
+    let skip_edges = may_report_block_prefix(conf, &every);
+    let limited = config.max_blocks_per_host != 0;
+    let Ok(prospect) = ipam
+        .new_block_prospect(scope.node, &probed, skip_edges, limited)
+        .await
+    else {
+        return false;
+    };
+    let usable = Usable {
+        skip_edges,
+        allocated: &BTreeSet::new(),
+    };
+    families.iter().all(|(family, candidates)| {
+        let own_room = candidates
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .any(|b| b.host.as_deref() == Some(scope.node) && usable.has_room(b));
+        if own_room {
+            return true;
+        }
+        // As the ADD counts them: the node's blocks of the family with room, kept full, and
+        // those that cannot be decoded.
+        let node = Some(scope.node);
+        let owned: BTreeSet<IpNet> = own
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .chain(&own.orphan_blocks)
+            .filter(|b| b.host.as_deref() == node)
+            .map(|b| b.cidr)
+            .chain(prospect.full_blocks.iter().copied())
+            .chain(
+                own.undecodable
+                    .iter()
+                    .filter_map(|o| o.block())
+                    .filter(|(host, _)| *host == node)
+                    .map(|(_, cidr)| cidr),
+            )
+            .filter(|cidr| Family::of_net(cidr) == *family)
+            .collect();
+        if limited && owned.len() >= config.max_blocks_per_host as usize {
+            return false;
+        }
+        candidates.iter().any(|candidate| {
+            probed
+                .iter()
+                .zip(&prospect.unclaimed)
+                .any(|(pool, found)| pool.name == candidate.pool.name && found.is_some())
         })
     })
 }

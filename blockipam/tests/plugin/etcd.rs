@@ -276,34 +276,43 @@ fn bytes_sent_by(endpoint: &str) -> u64 {
 }
 
 /// CNI STATUS runs every few seconds on every node (containerd asks on each runtime status check):
-/// on a node whose blocks have room it reads what the node's ADD reads first, as many bytes with
-/// 400 blocks of other nodes in the store as without; a node that must look further (no block of
-/// its own) reads every block, which the measure sees.
+/// on a node whose blocks have room it reads what the node's ADD reads first, and on a node with
+/// no block what the ADD's new-block search reads first, as many bytes with 400 blocks of other
+/// nodes in the store as without; a node that must look further (it asks for a small pool whose
+/// every block another node holds) reads every block, which the measure sees.
 #[test]
-fn status_of_a_node_with_room_reads_as_much_with_other_nodes_blocks_as_without() {
+fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_the_node_must_borrow() {
     let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
     let endpoint = server.endpoint();
     let prefix = unique_prefix();
     let sandbox = Sandbox::new();
-    let on = |node: &str| {
+    let small_pool = "10.97.0.0/28";
+    let on = |node: &str, requested: &[&str]| {
         etcd_netconf(
             &sandbox,
             "1.1.0",
             &endpoint,
             &prefix,
-            json!({"nodename": node, "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}]}),
+            json!({
+                "nodename": node,
+                "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}],
+                "ipv4_pools": requested,
+            }),
         )
     };
-    cni("ADD", "c1", "eth0", &on("node-a"), &[]).success_json("ADD");
-    let status_cost = |node: &str| {
-        let netconf = on(node);
+    cni("ADD", "c1", "eth0", &on("node-a", &[]), &[]).success_json("ADD");
+    let status_cost = |node: &str, requested: &[&str]| {
+        let netconf = on(node, requested);
         let before = bytes_sent_by(&endpoint);
         for _ in 0..4 {
             cni("STATUS", "", "", &netconf, &[]).assert_silent_success(node);
         }
         (bytes_sent_by(&endpoint) - before) / 4
     };
-    let alone = status_cost("node-a");
+    let with_room_alone = status_cost("node-a", &[]);
+    let without_block_alone = status_cost("node-b", &[]);
+    // Every other block of the pool (a new node's search probes 16 blocks in a row, so it finds
+    // unclaimed ones among them), and every block of a small pool.
     let other_blocks = 400u32;
     block_on(async {
         let ipam = Ipam::new(std::sync::Arc::new(
@@ -311,29 +320,63 @@ fn status_of_a_node_with_room_reads_as_much_with_other_nodes_blocks_as_without()
                 .await
                 .expect("connect"),
         ));
-        for n in 0..other_blocks {
-            let block: ipnet::IpNet = format!("10.96.{}.{}/26", 4 + n / 4, (n % 4) * 64)
+        let mut claimed = 0;
+        for index in (1..1024u32).step_by(2) {
+            if claimed == other_blocks {
+                break;
+            }
+            let block: ipnet::IpNet = format!("10.96.{}.{}/26", index / 4, (index % 4) * 64)
                 .parse()
                 .expect("a block");
-            ipam.claim_affinity(&format!("node-{n:03}"), block)
+            // node-a's own block is passed over.
+            if ipam
+                .claim_affinity(&format!("node-{index:04}"), block)
                 .await
-                .expect("a block of another node");
+                .is_ok()
+            {
+                claimed += 1;
+            }
+        }
+        assert_eq!(claimed, other_blocks, "blocks of other nodes");
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: small_pool.parse().expect("a pool"),
+            name: Some("small".into()),
+            block_size: Some(30),
+            disabled: false,
+        })
+        .await
+        .expect("the small pool");
+        for index in 0..4u32 {
+            let block: ipnet::IpNet = format!("10.97.0.{}/30", index * 4)
+                .parse()
+                .expect("a block");
+            ipam.claim_affinity(&format!("small-{index}"), block)
+                .await
+                .expect("a block of the small pool");
         }
     });
-    let among_others = status_cost("node-a");
-    let looking_further = status_cost("node-b");
+    let with_room = status_cost("node-a", &[]);
+    let without_block = status_cost("node-b", &[]);
+    let borrowing = status_cost("node-c", &[small_pool]);
     eprintln!(
-        "bytes etcd sent per STATUS: node-a {alone} alone, {among_others} beside {other_blocks} \
-         blocks of other nodes; node-b (no block) {looking_further}"
+        "bytes etcd sent per STATUS alone, then beside {other_blocks} blocks of other nodes: \
+         node-a (room) {with_room_alone}, {with_room}; node-b (no block) \
+         {without_block_alone}, {without_block}; node-c (must borrow) {borrowing}"
     );
     assert!(
-        among_others <= alone + 512,
-        "a STATUS of node-a read {alone} bytes alone, {among_others} beside {other_blocks} \
-         blocks of other nodes"
+        with_room <= with_room_alone + 512,
+        "a STATUS of node-a read {with_room_alone} bytes alone, {with_room} beside \
+         {other_blocks} blocks of other nodes"
+    );
+    // The search reads the claim entries of the blocks it probes: some of them are now taken.
+    assert!(
+        without_block <= without_block_alone + 2048,
+        "a STATUS of node-b read {without_block_alone} bytes alone, {without_block} beside \
+         {other_blocks} blocks of other nodes"
     );
     assert!(
-        looking_further >= alone + u64::from(other_blocks) * 40,
-        "a STATUS of node-b, which has no block, read {looking_further} bytes, node-a's {alone}: \
+        borrowing >= with_room + u64::from(other_blocks) * 40,
+        "a STATUS of node-c, which must borrow, read {borrowing} bytes, node-a's {with_room}: \
          the measure does not see the blocks read"
     );
 }

@@ -975,6 +975,16 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     let msg = cni("STATUS", "", "", &on("node-a"), &[]).assert_error(50, "at the block limit");
     assert!(msg.contains("per-node block limit is 1"), "{msg}");
     cni("ADD", "a3", "eth0", &on("node-a"), &[]).assert_error(101, "node-a's ADD");
+    // So does a block of the node with room, which its ADDs read and pass over.
+    let node_e = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-e", "gateway": null,
+               "pools": [{"cidr": "10.244.14.0/28", "block_size": 30}]}),
+    );
+    status_then_add(&node_e, "e1", None, &[]);
+    let open = sandbox.damage_under(&ipam_core::model::keys::host_open_blocks_dir("node-e"));
+    assert_eq!(open.len(), 1, "node-e's block has room");
+    status_then_add(&node_e, "e2", Some("per-node block limit is 1"), &[]);
 }
 
 /// STATUS, then the ADD it speaks for (a runtime marks the node's network not ready on a failed
@@ -1242,6 +1252,49 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
             .expect("strict affinity");
     });
     status_then_add(&borrower, "strict-affinity", Some("no free address"), &[]);
+    // Both families asked for by a node with no block: room for new blocks in two IPv6 pools
+    // does not make up for the IPv4 pool, whose one block node-b holds.
+    let dual = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-f", "gateway": null, "assign_ipv6": "true",
+               "ipv4_pools": ["10.244.11.0/30"], "ipv6_pools": ["fd00:11::/120", "fd00:12::/120"],
+               "pools": [{"cidr": "10.244.11.0/30", "block_size": 30},
+                         {"cidr": "fd00:11::/120", "block_size": 126},
+                         {"cidr": "fd00:12::/120", "block_size": 126}]}),
+    );
+    status_then_add(&dual, "dual-stack", Some("no free address"), &[]);
+
+    // At the per-node block limit, a node whose one block has no address an ADD can have (its
+    // other host address reserved) gets no new block: STATUS says so, as the ADD fails.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.max_blocks_per_host = 1)
+            .await
+            .expect("a block limit");
+    });
+    let limited = one_block("10.244.13.0/28", 30, "node-d");
+    cni("STATUS", "", "", &limited, &[]).assert_silent_success("node-d, no block yet");
+    let first = cni("ADD", "node-d-first", "eth0", &limited, &[]).success_json("node-d-first");
+    let address = first["ips"][0]["address"].as_str().expect("an address");
+    let ip: std::net::Ipv4Addr = address
+        .split('/')
+        .next()
+        .and_then(|ip| ip.parse().ok())
+        .expect("an IPv4 address");
+    let other_host = std::net::Ipv4Addr::from(u32::from(ip) + 1);
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.add_reservation(&ipam_core::reservations::Reservation {
+            name: "node-d-other-host".into(),
+            cidrs: vec![format!("{other_host}/32").parse().expect("a CIDR")],
+        })
+        .await
+        .expect("reserve the block's other host address");
+    });
+    status_then_add(
+        &limited,
+        "node-d-at-its-limit",
+        Some("per-node block limit"),
+        &[],
+    );
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {

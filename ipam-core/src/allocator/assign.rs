@@ -2,10 +2,11 @@
 
 use super::{
     block_value_has_room, decode_each, decode_sequence_floor, find_pool, host_hash,
-    learn_apart_from_handle, next_got, next_listed, refuse_during_import, validate_attribute_size,
-    with_node, AssignIpsRequest, AssignedAddress, Attempt, AutoAssignRequest, AutoAssignResult,
-    ClaimIndex, IndexedClaim, Ipam, NewBlockProbe, Stored, UndecodableObject, WorkingBlock,
-    MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
+    learn_apart_from_handle, next_got, next_listed, probed_blocks, refuse_during_import,
+    validate_attribute_size, with_node, AssignIpsRequest, AssignedAddress, Attempt,
+    AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam, NewBlockProbe,
+    NewBlockProspect, Stored, UndecodableObject, WorkingBlock, MAX_ADDRESSES_PER_REQUEST,
+    NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
@@ -743,18 +744,14 @@ impl Ipam {
         }
         let mut probed = Vec::new();
         for (pool_index, pool) in candidates.iter().enumerate() {
-            let count = pool.value.block_count();
-            let start = u128::from(host_hash(host)) % count;
             let probes = if pool_index == 0 {
                 NEW_BLOCK_PROBES + u128::from(full_pools::CLAIM_WINDOW)
             } else {
                 NEW_BLOCK_PROBES
             };
-            for step in 0..count.min(probes) {
-                if let Some(cidr) = pool.value.block_at((start + step) % count) {
-                    probed.push((pool_index, cidr));
-                    reads.push(Read::Get(keys::block_claim(&cidr)));
-                }
+            for cidr in probed_blocks(&pool.value, host, probes) {
+                probed.push((pool_index, cidr));
+                reads.push(Read::Get(keys::block_claim(&cidr)));
             }
         }
         // Each candidate's mixed-sizes record (resize.rs) and full-pool mark, in the same batch.
@@ -820,6 +817,78 @@ impl Ipam {
             releases,
             marked_full,
             window,
+        })
+    }
+
+    /// What the next ADD of `host` that must claim a new block in one of `pools` (its candidate
+    /// pools, in its order) finds in the first read of that search: for each pool, a block its
+    /// probe finds unclaimed and not wholly reserved (skipping block edges as `skip_block_edges`
+    /// says), which that ADD would claim; with `count_full`, the host's blocks kept under
+    /// `full/`. One batch of reads by key (the [`NEW_BLOCK_PROBES`] claim entries from the
+    /// host's hashed start in each pool, each pool's mixed-sizes record), the reservations and
+    /// the host's full blocks: its cost does not grow with the blocks of other hosts.
+    ///
+    /// # Errors
+    /// Store failures; an invalid host name; a claim entry, mixed-sizes record or reservation
+    /// that cannot be decoded, or a full block's key that names no block (the ADD fails on
+    /// them too).
+    pub async fn new_block_prospect(
+        &self,
+        host: &str,
+        pools: &[Pool],
+        skip_block_edges: bool,
+        count_full: bool,
+    ) -> Result<NewBlockProspect, IpamError> {
+        validate_host(host)?;
+        let mut reads = vec![Read::List(keys::reservations_dir())];
+        if count_full {
+            reads.push(Read::List(keys::host_full_blocks_dir(host)));
+        }
+        let mut probed = Vec::new();
+        for (pool_index, pool) in pools.iter().enumerate() {
+            for cidr in probed_blocks(pool, host, NEW_BLOCK_PROBES) {
+                probed.push((pool_index, cidr));
+                reads.push(Read::Get(keys::block_claim(&cidr)));
+            }
+        }
+        for pool in pools {
+            reads.push(Read::Get(super::resize::mixed_sizes_key(&pool.name)));
+        }
+        let mut results = self.store.read_many(&reads).await?.into_iter();
+        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
+        let mut full_blocks = Vec::new();
+        if count_full {
+            for kv in next_listed(&mut results)? {
+                full_blocks.push(super::cidr_of_key(&kv.key, "a block key")?);
+            }
+        }
+        let mut unclaimed: Vec<Option<IpNet>> = vec![None; pools.len()];
+        for (pool_index, cidr) in probed {
+            match next_got(&mut results)? {
+                Some(kv) => {
+                    IndexedClaim::decode(kv)?;
+                }
+                None => {
+                    let first = &mut unclaimed[pool_index];
+                    if first.is_none() && !reserved.leaves_block_nothing(&cidr, skip_block_edges) {
+                        *first = Some(cidr);
+                    }
+                }
+            }
+        }
+        // As the search: from the first pool of mixed block sizes on, the claim index decides.
+        for (pool_index, pool) in pools.iter().enumerate() {
+            let kv = next_got(&mut results)?;
+            if kv.is_some() && super::resize::mixed_record_for(pool, kv.as_ref())?.is_some() {
+                for later in &mut unclaimed[pool_index..] {
+                    *later = None;
+                }
+                break;
+            }
+        }
+        Ok(NewBlockProspect {
+            full_blocks,
+            unclaimed,
         })
     }
 

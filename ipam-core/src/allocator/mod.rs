@@ -567,6 +567,34 @@ impl IndexedClaim {
 /// Blocks a new-block search reads ahead, per candidate pool, from the host's hashed start.
 const NEW_BLOCK_PROBES: u128 = 16;
 
+/// The first `probes` blocks of `pool` a new-block search of `host` looks at, from the host's
+/// hashed start, wrapping at the end of the pool (no block twice).
+fn probed_blocks<'a>(pool: &'a Pool, host: &str, probes: u128) -> impl Iterator<Item = IpNet> + 'a {
+    let count = pool.block_count();
+    let start = if count == 0 {
+        0
+    } else {
+        u128::from(host_hash(host)) % count
+    };
+    (0..count.min(probes)).filter_map(move |step| pool.block_at((start + step) % count))
+}
+
+/// What the next ADD of a host that must claim a new block finds in the first read of its
+/// search ([`Ipam::new_block_prospect`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewBlockProspect {
+    /// The host's blocks kept under `full/` (no free address for an ADD), by the CIDR their keys
+    /// name (one that cannot be decoded counts too), when asked for: the per-host block limit
+    /// counts them.
+    pub full_blocks: Vec<IpNet>,
+    /// For each pool asked about, in the order given: the first of its probed blocks that no
+    /// node has claimed and that reservations leave an address in, which that ADD would claim;
+    /// `None` when the probe found none (the pool may still have one, which only the claim
+    /// index tells), and for a pool of mixed block sizes and every pool after it (there the
+    /// search goes to the claim index).
+    pub unclaimed: Vec<Option<IpNet>>,
+}
+
 /// What the first read of a new-block search found.
 #[derive(Debug)]
 struct NewBlockProbe {
