@@ -52,6 +52,7 @@ macro_rules! in_both_modes {
 }
 
 in_both_modes! {
+    an_add_passing_over_a_full_block_it_cannot_decode_warns_naming_it,
     add_result_has_the_exact_shape_of_every_spec_version,
     del_prints_nothing_at_every_spec_version_and_releases_the_attachment,
     check_passes_silently_from_0_4_0_and_is_refused_with_code_1_below,
@@ -985,6 +986,41 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     let open = sandbox.damage_under(&ipam_core::model::keys::host_open_blocks_dir("node-e"));
     assert_eq!(open.len(), 1, "node-e's block has room");
     status_then_add(&node_e, "e2", Some("per-node block limit is 1"), &[]);
+}
+
+/// An ADD that may take block edges (a gateway in the pool) reads the node's full blocks for
+/// them: one that cannot be decoded is passed over, with a warning naming it, and the ADD claims
+/// a new block.
+fn an_add_passing_over_a_full_block_it_cannot_decode_warns_naming_it(mode: Mode) {
+    let sandbox = Sandbox::in_mode(mode);
+    let netconf = sandbox.netconf(
+        "1.1.0",
+        json!({"gateway": "10.244.15.1", "ipv4_pools": ["10.244.15.0/28"],
+               "pools": [{"cidr": "10.244.15.0/28", "block_size": 30}]}),
+    );
+    // The node's block, edges included: full.
+    for n in 1..=4 {
+        cni("ADD", &format!("fill-{n}"), "eth0", &netconf, &[]).success_json("fill");
+    }
+    let full = sandbox.damage_under(&ipam_core::model::keys::host_full_blocks_dir(NODE));
+    assert_eq!(full.len(), 1, "the node's block is full");
+    let added = cni("ADD", "past-the-damage", "eth0", &netconf, &[]);
+    added.success_json("past-the-damage");
+    assert!(
+        added
+            .stderr
+            .contains("passing over a full block of this node that cannot be decoded")
+            && added.stderr.contains(&full[0].0),
+        "no warning naming {}: {}",
+        full[0].0,
+        added.stderr
+    );
+    assert_eq!(
+        added.stderr.matches("passing over a full block").count(),
+        1,
+        "one warning: {}",
+        added.stderr
+    );
 }
 
 /// STATUS, then the ADD it speaks for (a runtime marks the node's network not ready on a failed

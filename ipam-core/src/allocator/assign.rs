@@ -398,7 +398,7 @@ impl Ipam {
                     // Still the host's own blocks, as Calico takes them before a new one: a
                     // request that may take edges takes them from the host's blocks kept under
                     // `full/` for having only them free, read in the probe's batch.
-                    damaged_full.extend(probe.damaged_full);
+                    pass_over_damaged_full_blocks(&mut damaged_full, probe.damaged_full);
                     let with_edges =
                         adopt_edge_blocks(probe.edge_blocks, &candidates, family, &mut working);
                     take_from_blocks(
@@ -712,7 +712,10 @@ impl Ipam {
         damaged: &mut Vec<UndecodableObject>,
     ) -> Result<Vec<IpNet>, IpamError> {
         let listed = self.store.list(&keys::host_full_blocks_dir(host)).await?;
-        let listed = decode_each(listed, decode::<Block>, damaged)
+        let mut undecodable = Vec::new();
+        let listed = decode_each(listed, decode::<Block>, &mut undecodable);
+        pass_over_damaged_full_blocks(damaged, undecodable);
+        let listed = listed
             .into_iter()
             .filter(|stored| stored.value.free() > 0)
             .collect();
@@ -1369,5 +1372,27 @@ impl TakenCidrs {
     fn count_inside(&self, cidr: &IpNet) -> usize {
         let (first, last) = Self::bounds(cidr);
         self.by_start.range(first..=last).count()
+    }
+}
+
+/// Adds `found`, blocks of the host kept under `full/` that cannot be decoded, to `damaged`
+/// (named if the request then falls short), warning once for each not already there: the
+/// request passes over it, and the addresses at its edges are not handed out until it is
+/// repaired.
+fn pass_over_damaged_full_blocks(
+    damaged: &mut Vec<UndecodableObject>,
+    found: Vec<UndecodableObject>,
+) {
+    for object in found {
+        if damaged.iter().any(|known| known.key == object.key) {
+            continue;
+        }
+        tracing::warn!(
+            key = %object.key,
+            "passing over a full block of this node that cannot be decoded ({}): the addresses \
+             at its edges are not handed out until it is repaired (blockipamctl check)",
+            object.message
+        );
+        damaged.push(object);
     }
 }
