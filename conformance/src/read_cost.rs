@@ -576,7 +576,8 @@ pub async fn a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_st
 
 /// The usage of a node's blocks with room (what CNI STATUS reads first, every few seconds on every
 /// node) reads the same keys and bytes with 1,024 blocks of another node in the store as without,
-/// and gives each such block the row the usage of the whole store gives it.
+/// in one round trip with the config and the node's labels, and gives each such block the row the
+/// usage of the whole store gives it; a node object it cannot decode is refused.
 pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without<
     F: StoreFactory,
 >(
@@ -585,15 +586,28 @@ pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_
     let small = SmallNodeStore::new(factory).await;
     let (meter, ipam) = (&small.meter, &small.ipam);
     let node = SMALL_NODE.0;
+    let labels = ipam
+        .set_node_labels(node, &[("zone".into(), "a".into())], &[])
+        .await
+        .expect("label the node");
+    let config = ipam_core::IpamConfig {
+        max_blocks_per_host: 40,
+        ..ipam.get_config().await.expect("the config")
+    };
     let mut costs = Vec::new();
     let mut whole_costs = Vec::new();
     for round in 0..2 {
         if round == 1 {
             small.add_the_large_node().await;
         }
+        // (The large node's store, copied in, holds a config of its own.)
+        ipam.set_config(&config).await.expect("a config of its own");
         meter.take();
-        let usage = ipam.host_utilization(node).await.expect("the node's usage");
+        let read = ipam.host_utilization(node).await.expect("the node's usage");
         costs.push(meter.take());
+        assert_eq!(costs[round].round_trips, 1, "round {round}: one read");
+        assert_eq!((&read.config, &read.labels), (&config, &labels));
+        let usage = read.usage;
         let whole = ipam.utilization().await.expect("the whole usage");
         whole_costs.push(meter.take());
         let rows: Vec<_> = usage.pools.iter().flat_map(|p| p.blocks.iter()).collect();
@@ -631,6 +645,24 @@ pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_
         ipam.host_utilization("bad/name").await,
         Err(ipam_core::IpamError::InvalidArgument(_))
     ));
+    assert_eq!(
+        ipam.host_utilization("node-never-labelled")
+            .await
+            .expect("a node without an object")
+            .labels,
+        std::collections::BTreeMap::new()
+    );
+    small
+        .t
+        .store
+        .put(&keys::node_key(node), b"garbage{".to_vec())
+        .await
+        .expect("damage the node object");
+    let refused = ipam.host_utilization(node).await;
+    assert!(
+        matches!(refused, Err(ipam_core::IpamError::Corrupt { .. })),
+        "{refused:?}"
+    );
 }
 
 /// What the first read of a new node's new-block search finds (what CNI STATUS reads every few

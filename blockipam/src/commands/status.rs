@@ -23,24 +23,18 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
             format!("the IPAM store is not usable: {e}"),
         )
     };
-    let config = ipam.get_config().await.map_err(unreachable)?;
-    let node_key = ipam_core::nodes::node_key(node);
-    let labels = ipam_core::nodes::decode_node_labels(
-        &node_key,
-        ipam.store()
-            .get(&node_key)
-            .await
-            .map_err(|e| unreachable(e.into()))?
-            .as_ref(),
-    )
-    .map_err(unreachable)?;
+    // The common answer first, from what an ADD of the node reads first (its blocks with a free
+    // address), whatever else the store holds, with the config and the node's labels in the same
+    // read: STATUS runs every few seconds on every node.
+    let ipam_core::HostUtilization {
+        usage: own,
+        config,
+        labels,
+    } = ipam.host_utilization(node).await.map_err(unreachable)?;
     let scope = NodeScope {
         node,
         labels: &labels,
     };
-    // The common answer first, from what an ADD of the node reads first (its blocks with a free
-    // address), whatever else the store holds: STATUS runs every few seconds on every node.
-    let own = ipam.host_utilization(node).await.map_err(unreachable)?;
     let pending = usable_pools(conf, node, &own)?;
     let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
     if own_blocks_serve(conf, &all_pools, &scope) {

@@ -260,6 +260,33 @@ fn etcd_that_accepts_but_never_answers_hits_the_deadline_with_code_11() {
 
 /// Bytes a private etcd has sent its clients so far (its `etcd_network_client_grpc_sent_bytes_total`).
 fn bytes_sent_by(endpoint: &str) -> u64 {
+    etcd_metrics(endpoint)
+        .lines()
+        .find_map(|line| line.strip_prefix("etcd_network_client_grpc_sent_bytes_total "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map(|value| value as u64)
+        .unwrap_or_else(|| panic!("no sent-bytes figure in etcd's metrics"))
+}
+
+/// The KV requests (reads, transactions) etcd at `endpoint` has answered so far: one per round
+/// trip of the store's reads and commits.
+fn kv_requests_answered_by(endpoint: &str) -> u64 {
+    let text = etcd_metrics(endpoint);
+    let counts: Vec<u64> = text
+        .lines()
+        .filter(|line| {
+            line.starts_with("grpc_server_handled_total{")
+                && line.contains("grpc_service=\"etcdserverpb.KV\"")
+        })
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|value| value as u64)
+        .collect();
+    assert!(!counts.is_empty(), "no KV request counts in etcd's metrics");
+    counts.iter().sum()
+}
+
+/// The text of etcd's metrics page.
+fn etcd_metrics(endpoint: &str) -> String {
     use std::io::{Read as _, Write as _};
     let address = endpoint.trim_start_matches("http://");
     let mut stream = std::net::TcpStream::connect(address).expect("connect to etcd");
@@ -268,11 +295,7 @@ fn bytes_sent_by(endpoint: &str) -> u64 {
         .expect("ask for the metrics");
     let mut text = String::new();
     stream.read_to_string(&mut text).expect("read the metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix("etcd_network_client_grpc_sent_bytes_total "))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .map(|value| value as u64)
-        .unwrap_or_else(|| panic!("no sent-bytes figure in etcd's metrics"))
+    text
 }
 
 /// CNI STATUS runs every few seconds on every node (containerd asks on each runtime status check):
@@ -309,6 +332,11 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_the_node_must_
         }
         (bytes_sent_by(&endpoint) - before) / 4
     };
+    let requests_before = kv_requests_answered_by(&endpoint);
+    cni("STATUS", "", "", &on("node-a", &[]), &[]).assert_silent_success("node-a");
+    let status_requests = kv_requests_answered_by(&endpoint) - requests_before;
+    eprintln!("KV requests etcd answered for one STATUS of a node with room: {status_requests}");
+    assert_eq!(status_requests, 1, "one read: the node's blocks with room, the pools, the reservations, the config and the node's labels");
     let with_room_alone = status_cost("node-a", &[]);
     let without_block_alone = status_cost("node-b", &[]);
     // Every other block of the pool (a new node's search probes 16 blocks in a row, so it finds

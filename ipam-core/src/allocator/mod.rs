@@ -395,6 +395,18 @@ pub struct Utilization {
     pub undecodable: Vec<UndecodableObject>,
 }
 
+/// What an ADD of a host reads first, with what CNI STATUS needs beside it, from one read:
+/// [`Ipam::host_utilization`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostUtilization {
+    /// The usage of the host's blocks with a free address; every pool, whatever it holds.
+    pub usage: Utilization,
+    /// The IPAM configuration (defaults when never set).
+    pub config: IpamConfig,
+    /// The host's labels (empty for a node never labelled).
+    pub labels: BTreeMap<String, String>,
+}
+
 /// A stored object a listing could not decode, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UndecodableObject {

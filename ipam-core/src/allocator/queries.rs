@@ -3,16 +3,18 @@
 use super::{
     allocation_info, allocations_of, allocations_of_handle, decode_each, learn_apart_from_handle,
     load_all_owners_each, next_got, next_listed, sort_pools, AddressStatus, AllocationInfo,
-    AssignedAddress, Attempt, BlockUsage, Ipam, PoolUsage, UndecodableObject, Utilization,
+    AssignedAddress, Attempt, BlockUsage, HostUtilization, Ipam, PoolUsage, UndecodableObject,
+    Utilization,
 };
 use crate::kv::Read;
 use crate::model::error::IpamError;
+use crate::model::nodes::decode_node_labels;
 use crate::model::reservations::Reservation;
 use crate::model::{
-    decode, decode_pool, keys, validate_handle, validate_host, Block, Family, Pool,
+    decode, decode_pool, keys, validate_handle, validate_host, Block, Family, IpamConfig, Pool,
 };
 use ipnet::IpNet;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 impl Ipam {
@@ -187,22 +189,31 @@ impl Ipam {
     /// # Errors
     /// Store failures; a config object that cannot be decoded.
     pub async fn utilization(&self) -> Result<Utilization, IpamError> {
-        Ok(self.read_utilization(keys::blocks_dir(), false).await?.0)
+        Ok(self
+            .read_utilization(keys::blocks_dir(), false, None)
+            .await?
+            .usage)
     }
 
     /// [`utilization`](Self::utilization) of `host`'s blocks with a free address (those kept
     /// under `open/`) only: what an ADD of the host reads first, whatever else the store holds.
     /// Each such block's row is the one `utilization` gives; the pools' figures count only these
-    /// blocks. Pools, reservations and config are read whole, as there.
+    /// blocks. Pools, reservations and config are read whole, as there, and the host's labels
+    /// with them: one round trip (what CNI STATUS reads every few seconds on every node).
     ///
     /// # Errors
-    /// As [`utilization`](Self::utilization); an invalid host name.
-    pub async fn host_utilization(&self, host: &str) -> Result<Utilization, IpamError> {
+    /// As [`utilization`](Self::utilization); an invalid host name; a node object that cannot be
+    /// decoded.
+    pub async fn host_utilization(&self, host: &str) -> Result<HostUtilization, IpamError> {
         validate_host(host)?;
-        Ok(self
-            .read_utilization(keys::host_open_blocks_dir(host), false)
-            .await?
-            .0)
+        let read = self
+            .read_utilization(keys::host_open_blocks_dir(host), false, Some(host))
+            .await?;
+        Ok(HostUtilization {
+            usage: read.usage,
+            config: read.config,
+            labels: read.labels,
+        })
     }
 
     /// [`utilization`](Self::utilization) and [`list_allocations`](Self::list_allocations) from
@@ -216,16 +227,20 @@ impl Ipam {
     pub async fn utilization_and_allocations(
         &self,
     ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
-        self.read_utilization(keys::blocks_dir(), true).await
+        let read = self
+            .read_utilization(keys::blocks_dir(), true, None)
+            .await?;
+        Ok((read.usage, read.allocations))
     }
 
     /// Usage of the blocks listed under `blocks` (every block, or a host's), with their
-    /// allocations when asked.
+    /// allocations when asked, and the labels of `labels_of` when given, from one batch.
     async fn read_utilization(
         &self,
         blocks: String,
         with_allocations: bool,
-    ) -> Result<(Utilization, Vec<AllocationInfo>), IpamError> {
+        labels_of: Option<&str>,
+    ) -> Result<UtilizationRead, IpamError> {
         let mut reads = vec![
             Read::List(keys::pools_dir()),
             Read::List(blocks),
@@ -235,6 +250,10 @@ impl Ipam {
         if with_allocations {
             // The attributes kept apart, in the blocks' snapshot.
             reads.push(Read::List(keys::owners_dir()));
+        }
+        let node_key = labels_of.map(keys::node_key);
+        if let Some(key) = &node_key {
+            reads.push(Read::Get(key.clone()));
         }
         let results = self.store.read_many(&reads).await?;
         let mut results = results.into_iter();
@@ -273,6 +292,10 @@ impl Ipam {
             }
             allocations.sort_by_key(|a| a.ip);
         }
+        let labels = match &node_key {
+            Some(key) => decode_node_labels(key, next_got(&mut results)?.as_ref())?,
+            None => BTreeMap::new(),
+        };
         undecodable.sort_by(|a, b| a.key.cmp(&b.key));
         let reserved = crate::model::reservations::ReservedRanges::new(&reservations);
         let (config, _) = Self::decode_config(config)?;
@@ -329,6 +352,19 @@ impl Ipam {
                 None => usage.orphan_blocks.push(row),
             }
         }
-        Ok((usage, allocations))
+        Ok(UtilizationRead {
+            usage,
+            allocations,
+            config,
+            labels,
+        })
     }
+}
+
+/// What [`Ipam::read_utilization`] read.
+struct UtilizationRead {
+    usage: Utilization,
+    allocations: Vec<AllocationInfo>,
+    config: IpamConfig,
+    labels: BTreeMap<String, String>,
 }
