@@ -35,6 +35,7 @@ macro_rules! read_cost_conformance_tests {
             a_leak_look_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_new_nodes_block_prospect_reads_as_much_with_1024_blocks_of_other_nodes_and_names_the_block_its_add_claims,
+            a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borrows_from,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
             the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
@@ -662,6 +663,134 @@ pub async fn a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_
     assert!(
         matches!(refused, Err(ipam_core::IpamError::Corrupt { .. })),
         "{refused:?}"
+    );
+}
+
+/// What the next ADD of a node that must borrow (every block of its pool claimed) finds among the
+/// claim entries its new-block search probes: the blocks of other nodes with a free address, in
+/// the order it borrows from them, and the first whose block it can take an address from now:
+/// past one with only its edges free when edges are skipped, past a reserved address, past a
+/// block it cannot decode; a full block and the node's own are no lenders, nor blocks outside the
+/// pools asked about. One read when the first lender has room, two when it has not.
+pub async fn a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borrows_from<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    ipam.create_pool(&spec("10.70.0.0/28", "lend", 30))
+        .await
+        .expect("a pool of four /30 blocks");
+    let block =
+        |n: u32| -> ipnet::IpNet { format!("10.70.0.{}/30", n * 4).parse().expect("a block") };
+    let ip = |text: &str| -> std::net::IpAddr { text.parse().expect("an address") };
+    // node-a: both host addresses taken, only its edges free; node-b: one host address free;
+    // node-c: empty; node-d: full.
+    for (n, node, taken) in [
+        (0, "node-a", vec!["10.70.0.1", "10.70.0.2"]),
+        (1, "node-b", vec!["10.70.0.5"]),
+        (2, "node-c", vec![]),
+        (
+            3,
+            "node-d",
+            vec!["10.70.0.12", "10.70.0.13", "10.70.0.14", "10.70.0.15"],
+        ),
+    ] {
+        ipam.claim_affinity(node, block(n))
+            .await
+            .expect("claim a block");
+        if !taken.is_empty() {
+            ipam.assign_ips(&ipam_core::AssignIpsRequest {
+                ips: taken.iter().map(|text| ip(text)).collect(),
+                handle: format!("pods-of-{node}"),
+                host: node.into(),
+                ..ipam_core::AssignIpsRequest::default()
+            })
+            .await
+            .expect("take addresses");
+        }
+    }
+    let pools = vec![ipam.get_pool("lend").await.expect("the pool")];
+    let within = [pools[0].cidr];
+    let config = ipam.get_config().await.expect("the config");
+    let prospect = ipam
+        .new_block_prospect("node-x", &pools, true, false)
+        .await
+        .expect("node-x's prospect");
+    assert_eq!(prospect.unclaimed, [None], "every block claimed");
+    assert_eq!(prospect.lenders, [block(0), block(1), block(2)]);
+    meter.take();
+    let first = ipam
+        .first_lender_with_room(&prospect, &within, &config, false)
+        .await
+        .expect("a lender");
+    assert_eq!((first, meter.take().round_trips), (Some(block(0)), 1));
+    let past_edges = ipam
+        .first_lender_with_room(&prospect, &within, &config, true)
+        .await
+        .expect("a lender");
+    assert_eq!((past_edges, meter.take().round_trips), (Some(block(1)), 2));
+    // The ADD borrows from that block.
+    let borrowed = ipam
+        .auto_assign(&AutoAssignRequest {
+            skip_block_edges: true,
+            ..crate::ipam::v4("borrower", "node-x", 1)
+        })
+        .await
+        .expect("node-x borrows");
+    assert_eq!(borrowed.v4[0].block, block(1), "{borrowed:?}");
+    ipam.release_handle("borrower")
+        .await
+        .expect("release the borrowed address");
+    // The node's own block is no lender for it.
+    let own = ipam
+        .new_block_prospect("node-a", &pools, true, false)
+        .await
+        .expect("node-a's prospect");
+    assert_eq!(own.lenders, [block(1), block(2)]);
+    // node-a's block damaged and node-b's free host address reserved: node-c's block lends when
+    // edges are skipped, node-b's edges when they are not.
+    ipam.add_reservation(&ipam_core::reservations::Reservation {
+        name: "node-b-free".into(),
+        cidrs: vec!["10.70.0.6/32".parse().expect("a CIDR")],
+    })
+    .await
+    .expect("reserve node-b's free address");
+    let node_a_blocks = t
+        .store
+        .list(&keys::host_blocks_dir("node-a"))
+        .await
+        .expect("node-a's blocks");
+    assert_eq!(node_a_blocks.len(), 1, "{node_a_blocks:?}");
+    t.store
+        .put(&node_a_blocks[0].key, b"garbage{".to_vec())
+        .await
+        .expect("damage node-a's block");
+    let prospect = ipam
+        .new_block_prospect("node-x", &pools, true, false)
+        .await
+        .expect("node-x's prospect");
+    assert_eq!(
+        ipam.first_lender_with_room(&prospect, &within, &config, true)
+            .await
+            .expect("past the damaged block and the reserved address"),
+        Some(block(2))
+    );
+    assert_eq!(
+        ipam.first_lender_with_room(&prospect, &within, &config, false)
+            .await
+            .expect("node-b's edges"),
+        Some(block(1))
+    );
+    // Lenders are looked for in the pools given only.
+    let elsewhere = ["10.71.0.0/16".parse().expect("a CIDR")];
+    assert_eq!(
+        ipam.first_lender_with_room(&prospect, &elsewhere, &config, false)
+            .await
+            .expect("no lender there"),
+        None
     );
 }
 

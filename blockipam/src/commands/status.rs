@@ -217,13 +217,13 @@ async fn new_blocks_serve(
         skip_edges,
         allocated: &BTreeSet::new(),
     };
-    families.iter().all(|(family, candidates)| {
+    for (family, candidates) in &families {
         let own_room = candidates
             .iter()
             .flat_map(|p| p.blocks.iter())
             .any(|b| b.host.as_deref() == Some(scope.node) && usable.has_room(b));
         if own_room {
-            return true;
+            continue;
         }
         // As the ADD counts them: the node's blocks of the family with room, kept full, and
         // those that cannot be decoded.
@@ -248,13 +248,29 @@ async fn new_blocks_serve(
         if limited && owned.len() >= config.max_blocks_per_host as usize {
             return false;
         }
-        candidates.iter().any(|candidate| {
+        let unclaimed = candidates.iter().any(|candidate| {
             probed
                 .iter()
                 .zip(&prospect.unclaimed)
                 .any(|(pool, found)| pool.name == candidate.pool.name && found.is_some())
-        })
-    })
+        });
+        if unclaimed {
+            continue;
+        }
+        // Every probed block taken: the ADD borrows, unless strict affinity forbids it.
+        if config.strict_affinity {
+            return false;
+        }
+        let within: Vec<IpNet> = candidates.iter().map(|p| p.pool.cidr).collect();
+        match ipam
+            .first_lender_with_room(&prospect, &within, config, skip_edges)
+            .await
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return false,
+        }
+    }
+    true
 }
 
 /// True when every auto-assign ADD reads the object at `key` and cannot go on without it: the

@@ -301,10 +301,12 @@ fn etcd_metrics(endpoint: &str) -> String {
 /// CNI STATUS runs every few seconds on every node (containerd asks on each runtime status check):
 /// on a node whose blocks have room it reads what the node's ADD reads first, and on a node with
 /// no block what the ADD's new-block search reads first, as many bytes with 400 blocks of other
-/// nodes in the store as without; a node that must look further (it asks for a small pool whose
-/// every block another node holds) reads every block, which the measure sees.
+/// nodes in the store as without, and so does a node that must borrow (it asks for a small pool
+/// whose every block another node holds): the probed claim entries and the first lender's block.
+/// With automatic block allocation off, where the ADD reads the whole claim index, it reads every
+/// block, which the measure sees.
 #[test]
-fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_the_node_must_borrow() {
+fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_add_reads_the_claim_index() {
     let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
     let endpoint = server.endpoint();
     let prefix = unique_prefix();
@@ -386,10 +388,24 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_the_node_must_
     let with_room = status_cost("node-a", &[]);
     let without_block = status_cost("node-b", &[]);
     let borrowing = status_cost("node-c", &[small_pool]);
+    // With automatic block allocation off, the ADD borrows from the whole claim index, and
+    // STATUS reads every block.
+    block_on(async {
+        let ipam = Ipam::new(std::sync::Arc::new(
+            EtcdStore::connect(server.config(&prefix))
+                .await
+                .expect("connect"),
+        ));
+        ipam.update_config(|config| config.auto_allocate_blocks = false)
+            .await
+            .expect("automatic block allocation off");
+    });
+    let borrowing_everywhere = status_cost("node-c", &[small_pool]);
     eprintln!(
         "bytes etcd sent per STATUS alone, then beside {other_blocks} blocks of other nodes: \
          node-a (room) {with_room_alone}, {with_room}; node-b (no block) \
-         {without_block_alone}, {without_block}; node-c (must borrow) {borrowing}"
+         {without_block_alone}, {without_block}; node-c (must borrow) {borrowing}, with \
+         automatic block allocation off {borrowing_everywhere}"
     );
     assert!(
         with_room <= with_room_alone + 512,
@@ -402,9 +418,16 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_the_node_must_
         "a STATUS of node-b read {without_block_alone} bytes alone, {without_block} beside \
          {other_blocks} blocks of other nodes"
     );
+    // The probed claim entries of the small pool, all taken, and the first lender's block.
     assert!(
-        borrowing >= with_room + u64::from(other_blocks) * 40,
-        "a STATUS of node-c, which must borrow, read {borrowing} bytes, node-a's {with_room}: \
+        borrowing <= without_block_alone + 2048,
+        "a STATUS of node-c, which must borrow, read {borrowing} bytes, node-b's alone \
+         {without_block_alone}, beside {other_blocks} blocks of other nodes"
+    );
+    assert!(
+        borrowing_everywhere >= with_room + u64::from(other_blocks) * 40,
+        "a STATUS of node-c with automatic block allocation off read {borrowing_everywhere} \
+         bytes, node-a's {with_room}: \
          the measure does not see the blocks read"
     );
 }

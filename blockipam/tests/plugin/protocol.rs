@@ -1263,7 +1263,21 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
     let borrower = one_block("10.244.11.0/30", 30, NODE);
     status_then_add(&borrower, "borrowed", None, &[]);
     status_then_add(&borrower, "only-edges-left", Some("no free address"), &[]);
+    // Released under a cooldown, the borrowed address is no room until it has cooled.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.ip_cooldown_seconds = 1200)
+            .await
+            .expect("a 20-minute cooldown");
+    });
     cni("DEL", "borrowed", "eth0", &borrower, &[]).assert_silent_success("DEL");
+    status_then_add(&borrower, "while-it-cools", Some("no free address"), &[]);
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.ip_cooldown_seconds = 0)
+            .await
+            .expect("no cooldown");
+    });
+    status_then_add(&borrower, "once-it-cooled", None, &[]);
+    cni("DEL", "once-it-cooled", "eth0", &borrower, &[]).assert_silent_success("DEL");
 
     // With a gateway in the pool, an ADD may take block edges that are not the pool's: the
     // network set-up holds the pool's network, broadcast and gateway addresses in its two /30

@@ -16,7 +16,7 @@ use crate::model::error::IpamError;
 use crate::model::reservations::ReservedRanges;
 use crate::model::{
     decode, encode, ip_to_u128, keys, validate_handle, validate_host, AllowedUse, AssignmentMode,
-    Attribute, Block, Family, Handle, Lifetime, Pool,
+    Attribute, Block, Family, Handle, IpamConfig, Lifetime, Pool,
 };
 use ipnet::IpNet;
 use std::collections::{BTreeMap, BTreeSet};
@@ -866,10 +866,18 @@ impl Ipam {
             }
         }
         let mut unclaimed: Vec<Option<IpNet>> = vec![None; pools.len()];
+        let mut lenders = Vec::new();
         for (pool_index, cidr) in probed {
             match next_got(&mut results)? {
                 Some(kv) => {
-                    IndexedClaim::decode(kv)?;
+                    // As the borrowing ADD picks its lenders from the claim index.
+                    let entry = IndexedClaim::decode(kv)?;
+                    if entry.claim.affinity.as_deref() != Some(host)
+                        && entry.claim.free.is_some_and(|free| free > 0)
+                        && !reserved.leaves_block_nothing(&cidr, skip_block_edges)
+                    {
+                        lenders.push(entry);
+                    }
                 }
                 None => {
                     let first = &mut unclaimed[pool_index];
@@ -889,10 +897,83 @@ impl Ipam {
                 break;
             }
         }
+        lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
         Ok(NewBlockProspect {
             full_blocks,
             unclaimed,
+            lenders: lenders.iter().map(|e| e.cidr).collect(),
+            lender_claims: lenders.into_iter().map(|e| e.stored).collect(),
+            reserved,
         })
+    }
+
+    /// The first of `prospect`'s lenders in one of the pools `within` (their CIDRs) that an ADD
+    /// that must borrow could take an address from now (skipping block edges as
+    /// `skip_block_edges` says, past reservations and, under `config`'s cooldown, cooling
+    /// addresses, as that ADD takes them); `None` when none can, or none was probed. Reads the
+    /// first such lender's block, then the others' in one more batch when it has no room: its
+    /// cost does not grow with the blocks of other hosts. A lender whose block cannot be decoded
+    /// is passed over, as the ADD passes over it.
+    ///
+    /// # Errors
+    /// Store failures; a claim entry that changed under the read and cannot be decoded.
+    pub async fn first_lender_with_room(
+        &self,
+        prospect: &NewBlockProspect,
+        within: &[IpNet],
+        config: &IpamConfig,
+        skip_block_edges: bool,
+    ) -> Result<Option<IpNet>, IpamError> {
+        let lifetime = self.lifetime(config);
+        let attribute = Attribute {
+            handle: String::new(),
+            metadata: BTreeMap::new(),
+        };
+        let lenders: Vec<(IpNet, KeyValue)> = prospect
+            .lenders
+            .iter()
+            .copied()
+            .zip(prospect.lender_claims.iter().cloned())
+            .filter(|(cidr, _)| within.iter().any(|pool| pool.contains(&cidr.network())))
+            .collect();
+        for batch in [
+            &lenders[..lenders.len().min(1)],
+            &lenders[lenders.len().min(1)..],
+        ] {
+            if batch.is_empty() {
+                continue;
+            }
+            let cidrs: BTreeSet<IpNet> = batch.iter().map(|(cidr, _)| *cidr).collect();
+            let claims = batch.iter().map(|(_, kv)| Some(kv.clone())).collect();
+            let loaded = self.load_blocks_given_claims_each(&cidrs, claims).await?;
+            let mut found: BTreeMap<IpNet, Block> = loaded
+                .found
+                .into_iter()
+                .map(|(cidr, stored)| (cidr, stored.value))
+                .collect();
+            for (cidr, _) in batch {
+                let Some(block) = found.get_mut(cidr) else {
+                    continue;
+                };
+                // What the ADD does with the block, on a copy that is never written.
+                block.finish_cooling(lifetime);
+                let room = block_value_has_room(block)
+                    && prospect
+                        .reserved
+                        .allocate_next(block, &attribute, |block| {
+                            if skip_block_edges {
+                                block.allocate_next_host_address(&attribute)
+                            } else {
+                                block.allocate_next(&attribute)
+                            }
+                        })
+                        .is_some();
+                if room {
+                    return Ok(Some(*cidr));
+                }
+            }
+        }
+        Ok(None)
     }
 
     async fn ensure_claim_index<'a>(

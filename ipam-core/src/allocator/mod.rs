@@ -605,6 +605,13 @@ pub struct NewBlockProspect {
     /// index tells), and for a pool of mixed block sizes and every pool after it (there the
     /// search goes to the claim index).
     pub unclaimed: Vec<Option<IpNet>>,
+    /// The probed blocks another node or none holds whose claim entries record a free address
+    /// that reservations leave, in the order an ADD that must borrow tries them (blocks nobody
+    /// holds first, then by address): the lenders [`Ipam::first_lender_with_room`] reads.
+    pub lenders: Vec<IpNet>,
+    /// The lenders' claim entries as read, and the reservations: what reading the lenders needs.
+    lender_claims: Vec<KeyValue>,
+    reserved: crate::model::reservations::ReservedRanges,
 }
 
 /// What the first read of a new-block search found.
