@@ -40,8 +40,9 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     if own_blocks_serve(conf, &all_pools, &scope) {
         return Ok(());
     }
-    // A node without room claims a new block: what the first read of the ADD's search finds.
-    if config.auto_allocate_blocks && new_blocks_serve(ipam, conf, &config, &own, &scope).await {
+    // A node without room claims a new block or borrows: what the first reads of the ADD's
+    // searches find.
+    if new_or_borrowed_blocks_serve(ipam, conf, &config, &own, &scope).await {
         return Ok(());
     }
     // Otherwise every block counts: borrowing, the whole claim index, what cannot be decoded.
@@ -166,12 +167,13 @@ fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>)
 }
 
 /// True when, for every family the netconf asks for, the node's own blocks have room (as
-/// [`own_blocks_serve`]) or the ADD would claim a new block: the node is under the per-node block
-/// limit and the first read of the ADD's new-block search finds a block of a pool it would choose
-/// unclaimed (and not wholly reserved). `own` is the usage of the node's blocks with room. Reads
-/// only by key, whatever the store holds; false when anything it reads cannot be decoded (the
-/// whole usage then tells).
-async fn new_blocks_serve(
+/// [`own_blocks_serve`]), or the ADD would claim a new block (`auto_allocate_blocks` on, under the
+/// per-node block limit, and the first read of the ADD's new-block search finds a block of a pool
+/// it would choose unclaimed and not wholly reserved), or borrow (no strict affinity, and among
+/// the blocks that search probes, another node's or nobody's has an address the ADD could take).
+/// `own` is the usage of the node's blocks with room. Reads only by key, whatever the store
+/// holds; false when anything it reads cannot be decoded (the whole usage then tells).
+async fn new_or_borrowed_blocks_serve(
     ipam: &Ipam,
     conf: &NetConf,
     config: &ipam_core::IpamConfig,
@@ -206,7 +208,7 @@ async fn new_blocks_serve(
     }
     let every: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &every);
-    let limited = config.max_blocks_per_host != 0;
+    let limited = config.auto_allocate_blocks && config.max_blocks_per_host != 0;
     let Ok(prospect) = ipam
         .new_block_prospect(scope.node, &probed, skip_edges, limited)
         .await
@@ -225,39 +227,42 @@ async fn new_blocks_serve(
         if own_room {
             continue;
         }
-        // As the ADD counts them: the node's blocks of the family with room, kept full, and
-        // those that cannot be decoded.
-        let node = Some(scope.node);
-        let owned: BTreeSet<IpNet> = own
-            .pools
-            .iter()
-            .flat_map(|p| p.blocks.iter())
-            .chain(&own.orphan_blocks)
-            .filter(|b| b.host.as_deref() == node)
-            .map(|b| b.cidr)
-            .chain(prospect.full_blocks.iter().copied())
-            .chain(
-                own.undecodable
-                    .iter()
-                    .filter_map(|o| o.block())
-                    .filter(|(host, _)| *host == node)
-                    .map(|(_, cidr)| cidr),
-            )
-            .filter(|cidr| Family::of_net(cidr) == *family)
-            .collect();
-        if limited && owned.len() >= config.max_blocks_per_host as usize {
-            return false;
-        }
-        let unclaimed = candidates.iter().any(|candidate| {
-            probed
+        // New blocks: none without automatic block allocation (the ADD then borrows at once).
+        if config.auto_allocate_blocks {
+            // As the ADD counts them: the node's blocks of the family with room, kept full, and
+            // those that cannot be decoded.
+            let node = Some(scope.node);
+            let owned: BTreeSet<IpNet> = own
+                .pools
                 .iter()
-                .zip(&prospect.unclaimed)
-                .any(|(pool, found)| pool.name == candidate.pool.name && found.is_some())
-        });
-        if unclaimed {
-            continue;
+                .flat_map(|p| p.blocks.iter())
+                .chain(&own.orphan_blocks)
+                .filter(|b| b.host.as_deref() == node)
+                .map(|b| b.cidr)
+                .chain(prospect.full_blocks.iter().copied())
+                .chain(
+                    own.undecodable
+                        .iter()
+                        .filter_map(|o| o.block())
+                        .filter(|(host, _)| *host == node)
+                        .map(|(_, cidr)| cidr),
+                )
+                .filter(|cidr| Family::of_net(cidr) == *family)
+                .collect();
+            if limited && owned.len() >= config.max_blocks_per_host as usize {
+                return false;
+            }
+            let unclaimed = candidates.iter().any(|candidate| {
+                probed
+                    .iter()
+                    .zip(&prospect.unclaimed)
+                    .any(|(pool, found)| pool.name == candidate.pool.name && found.is_some())
+            });
+            if unclaimed {
+                continue;
+            }
         }
-        // Every probed block taken: the ADD borrows, unless strict affinity forbids it.
+        // No new block: the ADD borrows, unless strict affinity forbids it.
         if config.strict_affinity {
             return false;
         }

@@ -302,11 +302,11 @@ fn etcd_metrics(endpoint: &str) -> String {
 /// on a node whose blocks have room it reads what the node's ADD reads first, and on a node with
 /// no block what the ADD's new-block search reads first, as many bytes with 400 blocks of other
 /// nodes in the store as without, and so does a node that must borrow (it asks for a small pool
-/// whose every block another node holds): the probed claim entries and the first lender's block.
-/// With automatic block allocation off, where the ADD reads the whole claim index, it reads every
-/// block, which the measure sees.
+/// whose every block another node holds), with automatic block allocation on or off: the probed
+/// claim entries and the first lender's block. A node whose probe finds no lender with room reads
+/// every block, which the measure sees.
 #[test]
-fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_add_reads_the_claim_index() {
+fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_finds_no_room() {
     let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
     let endpoint = server.endpoint();
     let prefix = unique_prefix();
@@ -388,8 +388,63 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_add_reads_
     let with_room = status_cost("node-a", &[]);
     let without_block = status_cost("node-b", &[]);
     let borrowing = status_cost("node-c", &[small_pool]);
-    // With automatic block allocation off, the ADD borrows from the whole claim index, and
-    // STATUS reads every block.
+    // A pool of 32 blocks, every one held by other nodes and full but one, which the probe of
+    // the node asking (16 blocks from its hashed start) does not reach: STATUS looks further,
+    // and reads every block.
+    let tight_pool = "10.98.0.0/25";
+    let looking_node = block_on(async {
+        let ipam = Ipam::new(std::sync::Arc::new(
+            EtcdStore::connect(server.config(&prefix))
+                .await
+                .expect("connect"),
+        ));
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: tight_pool.parse().expect("a pool"),
+            name: Some("tight".into()),
+            block_size: Some(30),
+            disabled: false,
+        })
+        .await
+        .expect("the tight pool");
+        for index in 0..32u32 {
+            let block: ipnet::IpNet = format!("10.98.0.{}/30", index * 4)
+                .parse()
+                .expect("a block");
+            let holder = format!("tight-{index}");
+            ipam.claim_affinity(&holder, block)
+                .await
+                .expect("a block of the tight pool");
+            // The last block keeps a host address free (its second).
+            let taken = if index == 31 { 3 } else { 4 };
+            ipam.assign_ips(&ipam_core::AssignIpsRequest {
+                ips: [block.network(), block.broadcast()]
+                    .into_iter()
+                    .chain(block.hosts())
+                    .take(taken)
+                    .collect(),
+                handle: holder.clone(),
+                host: holder,
+                ..ipam_core::AssignIpsRequest::default()
+            })
+            .await
+            .expect("fill the block");
+        }
+        let tight = vec![ipam.get_pool("tight").await.expect("the tight pool")];
+        for n in 0.. {
+            let node = format!("node-d{n}");
+            let prospect = ipam
+                .new_block_prospect(&node, &tight, true, false)
+                .await
+                .expect("a prospect");
+            if prospect.lenders.is_empty() {
+                return node;
+            }
+        }
+        unreachable!("no node name whose probe misses the one block with room")
+    });
+    let looking_further = status_cost(&looking_node, &[tight_pool]);
+    // With automatic block allocation off, the ADD borrows at once: STATUS reads what its probe
+    // would, and the first lender's block.
     block_on(async {
         let ipam = Ipam::new(std::sync::Arc::new(
             EtcdStore::connect(server.config(&prefix))
@@ -400,12 +455,13 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_add_reads_
             .await
             .expect("automatic block allocation off");
     });
-    let borrowing_everywhere = status_cost("node-c", &[small_pool]);
+    let borrowing_at_once = status_cost("node-c", &[small_pool]);
     eprintln!(
         "bytes etcd sent per STATUS alone, then beside {other_blocks} blocks of other nodes: \
          node-a (room) {with_room_alone}, {with_room}; node-b (no block) \
          {without_block_alone}, {without_block}; node-c (must borrow) {borrowing}, with \
-         automatic block allocation off {borrowing_everywhere}"
+         automatic block allocation off {borrowing_at_once}; {looking_node} (no probed lender \
+         with room) {looking_further}"
     );
     assert!(
         with_room <= with_room_alone + 512,
@@ -419,15 +475,19 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_add_reads_
          {other_blocks} blocks of other nodes"
     );
     // The probed claim entries of the small pool, all taken, and the first lender's block.
+    for (what, borrowed) in [
+        ("", borrowing),
+        (" with automatic block allocation off", borrowing_at_once),
+    ] {
+        assert!(
+            borrowed <= without_block_alone + 2048,
+            "a STATUS of node-c, which must borrow{what}, read {borrowed} bytes, node-b's alone \
+             {without_block_alone}, beside {other_blocks} blocks of other nodes"
+        );
+    }
     assert!(
-        borrowing <= without_block_alone + 2048,
-        "a STATUS of node-c, which must borrow, read {borrowing} bytes, node-b's alone \
-         {without_block_alone}, beside {other_blocks} blocks of other nodes"
-    );
-    assert!(
-        borrowing_everywhere >= with_room + u64::from(other_blocks) * 40,
-        "a STATUS of node-c with automatic block allocation off read {borrowing_everywhere} \
-         bytes, node-a's {with_room}: \
-         the measure does not see the blocks read"
+        looking_further >= with_room + u64::from(other_blocks) * 40,
+        "a STATUS of {looking_node}, whose probe finds no lender with room, read \
+         {looking_further} bytes, node-a's {with_room}: the measure does not see the blocks read"
     );
 }

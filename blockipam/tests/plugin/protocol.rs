@@ -1278,6 +1278,25 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
     });
     status_then_add(&borrower, "once-it-cooled", None, &[]);
     cni("DEL", "once-it-cooled", "eth0", &borrower, &[]).assert_silent_success("DEL");
+    // Without automatic block allocation the ADD borrows at once: the same answers.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.auto_allocate_blocks = false)
+            .await
+            .expect("automatic block allocation off");
+    });
+    status_then_add(&borrower, "borrowed-at-once", None, &[]);
+    status_then_add(
+        &borrower,
+        "at-once-only-edges-left",
+        Some("no free address"),
+        &[],
+    );
+    cni("DEL", "borrowed-at-once", "eth0", &borrower, &[]).assert_silent_success("DEL");
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.auto_allocate_blocks = true)
+            .await
+            .expect("automatic block allocation on");
+    });
 
     // With a gateway in the pool, an ADD may take block edges that are not the pool's: the
     // network set-up holds the pool's network, broadcast and gateway addresses in its two /30
