@@ -792,6 +792,38 @@ pub async fn a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borro
             .expect("no lender there"),
         None
     );
+    // Blocks nobody holds lend first: node-b's and node-c's released (each keeps an address), the
+    // second read holds node-c's former block and node-a's, out of address order.
+    ipam.assign_ips(&ipam_core::AssignIpsRequest {
+        ips: vec![ip("10.70.0.9")],
+        handle: "pods-of-node-c".into(),
+        host: "node-c".into(),
+        ..ipam_core::AssignIpsRequest::default()
+    })
+    .await
+    .expect("an address of node-c's");
+    for (node, n) in [("node-b", 1), ("node-c", 2)] {
+        ipam.release_affinity(node, block(n))
+            .await
+            .expect("release the block");
+    }
+    let prospect = ipam
+        .new_block_prospect("node-x", &pools, true, false)
+        .await
+        .expect("node-x's prospect");
+    assert_eq!(prospect.lenders, [block(1), block(2), block(0)]);
+    meter.take();
+    let nobodys = ipam
+        .first_lender_with_room(&prospect, &within, &config, true)
+        .await
+        .expect("nobody's block");
+    assert_eq!((nobodys, meter.take().round_trips), (Some(block(2)), 2));
+    assert_eq!(
+        ipam.first_lender_with_room(&prospect, &within, &config, false)
+            .await
+            .expect("nobody's block's edges"),
+        Some(block(1))
+    );
 }
 
 /// What the first read of a new node's new-block search finds (what CNI STATUS reads every few

@@ -943,8 +943,10 @@ impl Ipam {
             if batch.is_empty() {
                 continue;
             }
-            let cidrs: BTreeSet<IpNet> = batch.iter().map(|(cidr, _)| *cidr).collect();
-            let claims = batch.iter().map(|(_, kv)| Some(kv.clone())).collect();
+            // The read pairs each CIDR with its claim entry in address order.
+            let by_cidr: BTreeMap<IpNet, KeyValue> = batch.iter().cloned().collect();
+            let cidrs: BTreeSet<IpNet> = by_cidr.keys().copied().collect();
+            let claims = by_cidr.into_values().map(Some).collect();
             let loaded = self.load_blocks_given_claims_each(&cidrs, claims).await?;
             let mut found: BTreeMap<IpNet, Block> = loaded
                 .found
