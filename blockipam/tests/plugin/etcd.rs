@@ -44,12 +44,17 @@ fn etcd_netconf(
     sandbox.netconf(version, ipam)
 }
 
+/// An allocator on the etcd `config` names (inside the caller's runtime).
+async fn ipam_on(config: EtcdConfig) -> Ipam {
+    Ipam::new(std::sync::Arc::new(
+        EtcdStore::connect(config).await.expect("connect"),
+    ))
+}
+
 fn container_allocations_on(endpoint: &str, prefix: &str) -> Vec<(String, String)> {
     block_on(async {
-        let store = EtcdStore::connect(EtcdConfig::new([endpoint.to_owned()]).with_prefix(prefix))
+        ipam_on(EtcdConfig::new([endpoint.to_owned()]).with_prefix(prefix))
             .await
-            .expect("connect");
-        Ipam::new(std::sync::Arc::new(store))
             .list_allocations()
             .await
             .expect("list allocations")
@@ -345,11 +350,7 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
     // unclaimed ones among them), and every block of a small pool.
     let other_blocks = 400u32;
     block_on(async {
-        let ipam = Ipam::new(std::sync::Arc::new(
-            EtcdStore::connect(server.config(&prefix))
-                .await
-                .expect("connect"),
-        ));
+        let ipam = ipam_on(server.config(&prefix)).await;
         let mut claimed = 0;
         for index in (1..1024u32).step_by(2) {
             if claimed == other_blocks {
@@ -393,11 +394,7 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
     // and reads every block.
     let tight_pool = "10.98.0.0/25";
     let looking_node = block_on(async {
-        let ipam = Ipam::new(std::sync::Arc::new(
-            EtcdStore::connect(server.config(&prefix))
-                .await
-                .expect("connect"),
-        ));
+        let ipam = ipam_on(server.config(&prefix)).await;
         ipam.create_pool(&ipam_core::PoolSpec {
             cidr: tight_pool.parse().expect("a pool"),
             name: Some("tight".into()),
@@ -446,11 +443,7 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
     // With automatic block allocation off, the ADD borrows at once: STATUS reads what its probe
     // would, and the first lender's block.
     block_on(async {
-        let ipam = Ipam::new(std::sync::Arc::new(
-            EtcdStore::connect(server.config(&prefix))
-                .await
-                .expect("connect"),
-        ));
+        let ipam = ipam_on(server.config(&prefix)).await;
         ipam.update_config(|config| config.auto_allocate_blocks = false)
             .await
             .expect("automatic block allocation off");
