@@ -36,6 +36,7 @@ macro_rules! read_cost_conformance_tests {
             a_nodes_usage_reads_as_much_with_1024_blocks_of_other_nodes_in_the_store_as_without,
             a_new_nodes_block_prospect_reads_as_much_with_1024_blocks_of_other_nodes_and_names_the_block_its_add_claims,
             a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borrows_from,
+            past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_index_reading_no_other_block,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
             the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
@@ -824,6 +825,170 @@ pub async fn a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borro
             .expect("nobody's block's edges"),
         Some(block(1))
     );
+}
+
+/// Where a node whose probed blocks give it nothing looks next (what CNI STATUS reads for a node
+/// of a nearly full pool): the claim index names the block its ADD then claims (one the probe
+/// missed) or borrows from, in one listing and, to borrow, the lender's block; no other block is
+/// read; none where neither is allowed or left; a damaged lender passed over.
+pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_index_reading_no_other_block<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let meter = ReadMeter::recording_keys(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    ipam.create_pool(&spec("10.72.0.0/25", "tight", 30))
+        .await
+        .expect("a pool of 32 /30 blocks");
+    let block =
+        |n: u32| -> ipnet::IpNet { format!("10.72.0.{}/30", n * 4).parse().expect("a block") };
+    // Every block held by another node: blocks 0 to 29 full, 30 empty, 31 with its second host
+    // address free, then released by its node (it keeps its addresses, held by nobody).
+    for n in 0..32u32 {
+        let holder = format!("holder-{n:02}");
+        ipam.claim_affinity(&holder, block(n))
+            .await
+            .expect("claim a block");
+        let taken = match n {
+            30 => 0,
+            31 => 3,
+            _ => 4,
+        };
+        if taken > 0 {
+            let cidr = block(n);
+            ipam.assign_ips(&ipam_core::AssignIpsRequest {
+                ips: [cidr.network(), cidr.broadcast()]
+                    .into_iter()
+                    .chain(cidr.hosts())
+                    .take(taken)
+                    .collect(),
+                handle: holder.clone(),
+                host: holder,
+                ..ipam_core::AssignIpsRequest::default()
+            })
+            .await
+            .expect("fill the block");
+        }
+    }
+    ipam.release_affinity("holder-31", block(31))
+        .await
+        .expect("release block 31");
+    let pools = vec![ipam.get_pool("tight").await.expect("the pool")];
+    let config = ipam.get_config().await.expect("the config");
+    // A node whose probe (16 blocks from its hashed start) reaches neither block 30 nor 31.
+    let mut node = String::new();
+    for n in 0.. {
+        node = format!("node-{n}");
+        let prospect = ipam
+            .new_block_prospect(&node, &pools, true, false)
+            .await
+            .expect("a prospect");
+        if prospect.lenders.is_empty() {
+            break;
+        }
+        assert!(n < 1000, "no node name whose probe misses blocks 30 and 31");
+    }
+    let prospect = ipam
+        .new_block_prospect(&node, &pools, true, false)
+        .await
+        .expect("the node's prospect");
+    assert_eq!(prospect.unclaimed, [None], "every probed block claimed");
+    let blocks_read = |keys: Vec<String>| -> Vec<String> {
+        keys.into_iter()
+            .filter(|k| !k.starts_with(&keys::claims_dir()) && *k != keys::sequence_floor())
+            .collect()
+    };
+    // No block unclaimed: the first lender, block 31 (nobody's, before the empty block 30 of
+    // another node), whose block alone is read.
+    meter.take();
+    meter.take_keys();
+    let found = ipam
+        .room_in_claim_index(&prospect, &pools, &config, true, true, true)
+        .await
+        .expect("a lender");
+    let (cost, read) = (meter.take(), blocks_read(meter.take_keys()));
+    assert_eq!((found, cost.round_trips), (Some(block(31)), 2), "{read:?}");
+    assert_eq!(read, [keys::block(None, &block(31))]);
+    let borrowed = ipam
+        .auto_assign(&AutoAssignRequest {
+            skip_block_edges: true,
+            ..crate::ipam::v4("borrower", &node, 1)
+        })
+        .await
+        .expect("the node borrows");
+    assert_eq!(borrowed.v4[0].block, block(31), "{borrowed:?}");
+    ipam.release_handle("borrower")
+        .await
+        .expect("release the borrowed address");
+    // Neither claiming nor borrowing: nothing, from the listing alone.
+    meter.take();
+    assert_eq!(
+        ipam.room_in_claim_index(&prospect, &pools, &config, true, true, false)
+            .await
+            .expect("no room"),
+        None
+    );
+    assert_eq!(meter.take().round_trips, 1);
+    // Block 30 released, and so unclaimed (it is empty): the ADD claims it, the listing alone
+    // says so; a node that may only borrow finds block 31.
+    ipam.release_affinity("holder-30", block(30))
+        .await
+        .expect("release the empty block");
+    let prospect = ipam
+        .new_block_prospect(&node, &pools, true, false)
+        .await
+        .expect("the node's prospect");
+    assert_eq!(prospect.unclaimed, [None], "block 30 is not probed");
+    meter.take();
+    meter.take_keys();
+    let found = ipam
+        .room_in_claim_index(&prospect, &pools, &config, true, true, true)
+        .await
+        .expect("an unclaimed block");
+    let (cost, read) = (meter.take(), blocks_read(meter.take_keys()));
+    assert_eq!((found, cost.round_trips), (Some(block(30)), 1), "{read:?}");
+    assert_eq!(read, Vec::<String>::new());
+    assert_eq!(
+        ipam.room_in_claim_index(&prospect, &pools, &config, true, false, true)
+            .await
+            .expect("a lender"),
+        Some(block(31))
+    );
+    let claimed = ipam
+        .auto_assign(&AutoAssignRequest {
+            skip_block_edges: true,
+            ..crate::ipam::v4("claimer", &node, 1)
+        })
+        .await
+        .expect("the node claims");
+    assert_eq!(claimed.v4[0].block, block(30), "{claimed:?}");
+    // Block 30 now the node's own, block 31 is its one lender: damaged, it is passed over, and
+    // nothing lends, in one read of the index and one of the block (the full blocks are not
+    // read); an empty block of another pool is no lender for this one.
+    t.store
+        .put(&keys::block(None, &block(31)), b"garbage{".to_vec())
+        .await
+        .expect("damage block 31");
+    ipam.create_pool(&spec("10.73.0.0/28", "other", 30))
+        .await
+        .expect("another pool");
+    ipam.claim_affinity("holder-other", "10.73.0.0/30".parse().expect("a block"))
+        .await
+        .expect("an empty block of the other pool");
+    let prospect = ipam
+        .new_block_prospect(&node, &pools, true, false)
+        .await
+        .expect("the node's prospect");
+    meter.take();
+    assert_eq!(
+        ipam.room_in_claim_index(&prospect, &pools, &config, true, true, true)
+            .await
+            .expect("past the damaged block"),
+        None
+    );
+    assert_eq!(meter.take().round_trips, 2);
 }
 
 /// What the first read of a new node's new-block search finds (what CNI STATUS reads every few

@@ -41,9 +41,16 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         return Ok(());
     }
     // A node without room claims a new block or borrows: what the first reads of the ADD's
-    // searches find.
-    if new_or_borrowed_blocks_serve(ipam, conf, &config, &own, &scope).await {
-        return Ok(());
+    // searches find, then the claim index it reads after them.
+    match new_or_borrowed_blocks_serve(ipam, conf, &config, &own, &scope).await {
+        Bounded::Serves => return Ok(()),
+        Bounded::Refuses { family, why } => {
+            return Err(CniError::new(
+                codes::PLUGIN_NOT_AVAILABLE,
+                format!("node {node:?} cannot get an {family} address: {why}"),
+            ))
+        }
+        Bounded::Unsettled => {}
     }
     // Otherwise every block counts: borrowing, the whole claim index, what cannot be decoded.
     let usage = ipam.utilization().await.map_err(unreachable)?;
@@ -166,22 +173,35 @@ fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>)
     })
 }
 
-/// True when, for every family the netconf asks for, the node's own blocks have room (as
+/// What STATUS settles without reading every block.
+enum Bounded {
+    /// Every family the netconf asks for can get an address.
+    Serves,
+    /// The ADD of `family` fails, for the reason given.
+    Refuses { family: Family, why: String },
+    /// Only the whole usage tells (or phrases why not).
+    Unsettled,
+}
+
+/// Serves when, for every family the netconf asks for, the node's own blocks have room (as
 /// [`own_blocks_serve`]), or the ADD would claim a new block (`auto_allocate_blocks` on, under the
-/// per-node block limit, and the first read of the ADD's new-block search finds a block of a pool
-/// it would choose unclaimed and not wholly reserved), or borrow (no strict affinity, and among
-/// the blocks that search probes, another node's or nobody's has an address the ADD could take).
-/// `own` is the usage of the node's blocks with room. Reads only by key, whatever the store
-/// holds; false when anything it reads cannot be decoded (the whole usage then tells).
+/// per-node block limit, and a block of a pool it would choose is unclaimed and not wholly
+/// reserved), or borrow (no strict affinity, and another node's or nobody's block has an address
+/// the ADD could take): first among the blocks the ADD's new-block search probes, then in the
+/// claim index the ADD reads after them. Refuses a family whose node is at its block limit with
+/// no room in its blocks (the ADD refuses it before it would borrow). `own` is the usage of the
+/// node's blocks with room. Reads claim entries and the blocks of lenders, never every block;
+/// unsettled when anything it reads cannot be decoded, or a block's room depends on which of
+/// its edges are taken, or nothing serves (the whole usage then tells, and phrases why not).
 async fn new_or_borrowed_blocks_serve(
     ipam: &Ipam,
     conf: &NetConf,
     config: &ipam_core::IpamConfig,
     own: &Utilization,
     scope: &NodeScope<'_>,
-) -> bool {
+) -> Bounded {
     let Ok(pending) = pending_netconf_pools(conf, own) else {
-        return false;
+        return Bounded::Unsettled;
     };
     let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
     let families: Vec<(Family, Vec<&PoolUsage>)> = [
@@ -196,7 +216,7 @@ async fn new_or_borrowed_blocks_serve(
     .collect::<Result<_, _>>()
     .unwrap_or_default();
     if families.is_empty() {
-        return false;
+        return Bounded::Unsettled;
     }
     let mut probed: Vec<Pool> = Vec::new();
     for (_, candidates) in &families {
@@ -213,7 +233,7 @@ async fn new_or_borrowed_blocks_serve(
         .new_block_prospect(scope.node, &probed, skip_edges, limited)
         .await
     else {
-        return false;
+        return Bounded::Unsettled;
     };
     let usable = Usable {
         skip_edges,
@@ -250,7 +270,33 @@ async fn new_or_borrowed_blocks_serve(
                 .filter(|cidr| Family::of_net(cidr) == *family)
                 .collect();
             if limited && owned.len() >= config.max_blocks_per_host as usize {
-                return false;
+                // The ADD refuses at the limit before it would borrow; unless the node's own
+                // blocks may have room after all: one that cannot be decoded (the ADD names
+                // it), one whose free addresses may be host addresses (which edges are taken
+                // is not read here), or, where the ADD may take block edges, a full block whose
+                // edges are free.
+                let damaged = own.undecodable.iter().any(|o| {
+                    o.block().is_some_and(|(host, cidr)| {
+                        host == Some(scope.node) && Family::of_net(&cidr) == *family
+                    })
+                });
+                let edges_decide = skip_edges
+                    && own.pools.iter().flat_map(|p| p.blocks.iter()).any(|b| {
+                        b.host.as_deref() == Some(scope.node)
+                            && Family::of_net(&b.cidr) == *family
+                            && b.free > 0
+                    });
+                if damaged || edges_decide || !skip_edges {
+                    return Bounded::Unsettled;
+                }
+                return Bounded::Refuses {
+                    family: *family,
+                    why: format!(
+                        "its {} blocks are full and the per-node block limit is {}",
+                        owned.len(),
+                        config.max_blocks_per_host
+                    ),
+                };
             }
             let unclaimed = candidates.iter().any(|candidate| {
                 probed
@@ -262,20 +308,38 @@ async fn new_or_borrowed_blocks_serve(
                 continue;
             }
         }
-        // No new block: the ADD borrows, unless strict affinity forbids it.
-        if config.strict_affinity {
-            return false;
+        // No new block among the probed ones: the ADD borrows, unless strict affinity forbids
+        // it.
+        let borrow = !config.strict_affinity;
+        if borrow {
+            let within: Vec<IpNet> = candidates.iter().map(|p| p.pool.cidr).collect();
+            match ipam
+                .first_lender_with_room(&prospect, &within, config, skip_edges)
+                .await
+            {
+                Ok(Some(_)) => continue,
+                Ok(None) => {}
+                Err(_) => return Bounded::Unsettled,
+            }
         }
-        let within: Vec<IpNet> = candidates.iter().map(|p| p.pool.cidr).collect();
+        // Then the ADD reads the claim index: an unclaimed block the probe missed, or a lender.
+        let pools: Vec<Pool> = candidates.iter().map(|p| p.pool.clone()).collect();
         match ipam
-            .first_lender_with_room(&prospect, &within, config, skip_edges)
+            .room_in_claim_index(
+                &prospect,
+                &pools,
+                config,
+                skip_edges,
+                config.auto_allocate_blocks,
+                borrow,
+            )
             .await
         {
             Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => return false,
+            Ok(None) | Err(_) => return Bounded::Unsettled,
         }
     }
-    true
+    Bounded::Serves
 }
 
 /// True when every auto-assign ADD reads the object at `key` and cannot go on without it: the

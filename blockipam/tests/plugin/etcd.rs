@@ -309,9 +309,11 @@ fn etcd_metrics(endpoint: &str) -> String {
 /// nodes in the store as without, and so does a node that must borrow (it asks for a small pool
 /// whose every block another node holds), with automatic block allocation on or off: the probed
 /// claim entries and the first lender's block. A node whose probe finds no lender with room reads
-/// every block, which the measure sees.
+/// the claim index (small entries, which the measure sees), not every block; a node at its block
+/// limit is refused without reading them either. Only a refusal for want of room anywhere reads
+/// every block (to say why).
 #[test]
-fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_finds_no_room() {
+fn status_reads_other_nodes_blocks_only_when_no_block_has_room() {
     let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
     let endpoint = server.endpoint();
     let prefix = unique_prefix();
@@ -338,6 +340,13 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
             cni("STATUS", "", "", &netconf, &[]).assert_silent_success(node);
         }
         (bytes_sent_by(&endpoint) - before) / 4
+    };
+    let refusal_cost = |node: &str, requested: &[&str], why: &str| {
+        let netconf = on(node, requested);
+        let before = bytes_sent_by(&endpoint);
+        let msg = cni("STATUS", "", "", &netconf, &[]).assert_error(50, node);
+        assert!(msg.contains(why), "{msg}");
+        bytes_sent_by(&endpoint) - before
     };
     let requests_before = kv_requests_answered_by(&endpoint);
     cni("STATUS", "", "", &on("node-a", &[]), &[]).assert_silent_success("node-a");
@@ -390,8 +399,8 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
     let without_block = status_cost("node-b", &[]);
     let borrowing = status_cost("node-c", &[small_pool]);
     // A pool of 32 blocks, every one held by other nodes and full but one, which the probe of
-    // the node asking (16 blocks from its hashed start) does not reach: STATUS looks further,
-    // and reads every block.
+    // the node asking (16 blocks from its hashed start) does not reach: STATUS looks further, in
+    // the claim index, as the ADD does.
     let tight_pool = "10.98.0.0/25";
     let looking_node = block_on(async {
         let ipam = ipam_on(server.config(&prefix)).await;
@@ -440,6 +449,42 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
         unreachable!("no node name whose probe misses the one block with room")
     });
     let looking_further = status_cost(&looking_node, &[tight_pool]);
+    // What one listing of the claim index costs on the wire: the measure of what that STATUS may
+    // read beyond its probe and one lender's block.
+    let claim_index_listing = block_on(async {
+        use ipam_core::kv::KvStore;
+        let store = EtcdStore::connect(server.config(&prefix))
+            .await
+            .expect("connect");
+        let before = bytes_sent_by(&endpoint);
+        let entries = store
+            .list(&ipam_core::model::keys::claims_dir())
+            .await
+            .expect("the claim index");
+        assert!(entries.len() > other_blocks as usize, "{}", entries.len());
+        bytes_sent_by(&endpoint) - before
+    });
+    // A node at its block limit whose blocks are full: refused (its ADD fails before it would
+    // borrow) from its own blocks and its probe.
+    let limit = block_on(async {
+        let ipam = ipam_on(server.config(&prefix)).await;
+        let before = ipam
+            .get_config()
+            .await
+            .expect("the config")
+            .max_blocks_per_host;
+        ipam.update_config(|config| config.max_blocks_per_host = 1)
+            .await
+            .expect("a block limit of one");
+        before
+    });
+    let at_its_limit = refusal_cost("tight-0", &[tight_pool], "per-node block limit is 1");
+    block_on(async {
+        let ipam = ipam_on(server.config(&prefix)).await;
+        ipam.update_config(|config| config.max_blocks_per_host = limit)
+            .await
+            .expect("the block limit as it was");
+    });
     // With automatic block allocation off, the ADD borrows at once: STATUS reads what its probe
     // would, and the first lender's block.
     block_on(async {
@@ -449,12 +494,27 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
             .expect("automatic block allocation off");
     });
     let borrowing_at_once = status_cost("node-c", &[small_pool]);
+    // As that STATUS said, the node's ADD borrows the tight pool's last free address, found past
+    // its probe; then there is no room anywhere, STATUS reads every block to say so, and the
+    // next ADD fails.
+    let looking = on(&looking_node, &[tight_pool]);
+    let added = cni("ADD", "looking-1", "eth0", &looking, &[]).success_json("looking-1");
+    assert_eq!(added["ips"][0]["address"], "10.98.0.126/30", "{added}");
+    let no_room_anywhere = refusal_cost(&looking_node, &[tight_pool], "no free address");
+    let refused = cni("ADD", "looking-2", "eth0", &looking, &[]);
+    assert_ne!(
+        refused.status, 0,
+        "STATUS refused, the ADD succeeded: {}",
+        refused.stdout
+    );
     eprintln!(
         "bytes etcd sent per STATUS alone, then beside {other_blocks} blocks of other nodes: \
          node-a (room) {with_room_alone}, {with_room}; node-b (no block) \
          {without_block_alone}, {without_block}; node-c (must borrow) {borrowing}, with \
          automatic block allocation off {borrowing_at_once}; {looking_node} (no probed lender \
-         with room) {looking_further}"
+         with room) {looking_further} (the claim index listed alone {claim_index_listing}); \
+         tight-0 at its block limit {at_its_limit}; {looking_node} refused, no room anywhere \
+         {no_room_anywhere}"
     );
     assert!(
         with_room <= with_room_alone + 512,
@@ -479,8 +539,25 @@ fn status_reads_as_much_with_other_nodes_blocks_as_without_unless_its_probe_find
         );
     }
     assert!(
-        looking_further >= with_room + u64::from(other_blocks) * 40,
+        at_its_limit <= without_block_alone + 2048,
+        "a refused STATUS of tight-0, at its block limit, read {at_its_limit} bytes, node-b's \
+         alone {without_block_alone}, beside {other_blocks} blocks of other nodes"
+    );
+    // The claim index (an entry for every block, which the measure sees) beside what a node
+    // without a block reads, and one block: no other block.
+    assert!(
+        claim_index_listing >= u64::from(other_blocks) * 40,
+        "the claim index listed alone: {claim_index_listing} bytes"
+    );
+    assert!(
+        looking_further <= without_block + claim_index_listing + 2048,
         "a STATUS of {looking_node}, whose probe finds no lender with room, read \
-         {looking_further} bytes, node-a's {with_room}: the measure does not see the blocks read"
+         {looking_further} bytes; the claim index listed alone {claim_index_listing}"
+    );
+    // Refused for want of room anywhere, it reads every block to say why: the measure sees them.
+    assert!(
+        no_room_anywhere >= looking_further + u64::from(other_blocks) * 40,
+        "a refused STATUS of {looking_node} read {no_room_anywhere} bytes, {looking_further} with \
+         room past its probe"
     );
 }

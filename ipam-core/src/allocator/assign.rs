@@ -468,7 +468,7 @@ impl Ipam {
                                     // index (small entries, not blocks) settles it.
                                     let index = self.ensure_claim_index(&mut claim_index).await?;
                                     if let Some(cidr) = find_unclaimed_block(
-                                        &candidates,
+                                        candidates.iter().map(|p| &p.value),
                                         &request.host,
                                         index.entries.iter().map(|e| e.cidr),
                                         &working,
@@ -904,6 +904,7 @@ impl Ipam {
             lenders: lenders.iter().map(|e| e.cidr).collect(),
             lender_claims: lenders.into_iter().map(|e| e.stored).collect(),
             reserved,
+            host: host.to_owned(),
         })
     }
 
@@ -924,11 +925,6 @@ impl Ipam {
         config: &IpamConfig,
         skip_block_edges: bool,
     ) -> Result<Option<IpNet>, IpamError> {
-        let lifetime = self.lifetime(config);
-        let attribute = Attribute {
-            handle: String::new(),
-            metadata: BTreeMap::new(),
-        };
         let lenders: Vec<(IpNet, KeyValue)> = prospect
             .lenders
             .iter()
@@ -936,6 +932,77 @@ impl Ipam {
             .zip(prospect.lender_claims.iter().cloned())
             .filter(|(cidr, _)| within.iter().any(|pool| pool.contains(&cidr.network())))
             .collect();
+        self.first_with_room(&lenders, &prospect.reserved, config, skip_block_edges)
+            .await
+    }
+
+    /// Where the ADD of the prospect's host looks when the blocks its search probed give it
+    /// nothing: the whole claim index (one listing of small entries, not blocks), as that ADD
+    /// reads it. With `claim`, the first block of `pools` (the ADD's candidate pools of one
+    /// family, in its order) that no node has claimed and reservations leave an address in,
+    /// which the ADD would claim; failing that, with `borrow`, the first lender in `pools` an ADD
+    /// that must borrow could take an address from now, read as
+    /// [`Self::first_lender_with_room`] reads its lenders; `None` when neither. Reads no block
+    /// when a block is unclaimed or no entry records a free address.
+    ///
+    /// # Errors
+    /// Store failures; a claim entry that cannot be decoded (the ADD fails on it too).
+    pub async fn room_in_claim_index(
+        &self,
+        prospect: &NewBlockProspect,
+        pools: &[Pool],
+        config: &IpamConfig,
+        skip_block_edges: bool,
+        claim: bool,
+        borrow: bool,
+    ) -> Result<Option<IpNet>, IpamError> {
+        let index = self.claim_index().await?;
+        let reserved = &prospect.reserved;
+        let usable = |cidr: &IpNet| !reserved.leaves_block_nothing(cidr, skip_block_edges);
+        if claim {
+            let claimed = index.entries.iter().map(|e| e.cidr);
+            let none = BTreeMap::new();
+            if let Some(cidr) = find_unclaimed_block(pools, &prospect.host, claimed, &none, usable)
+            {
+                return Ok(Some(cidr));
+            }
+        }
+        if !borrow {
+            return Ok(None);
+        }
+        // As the borrowing ADD orders them: blocks nobody holds first, then by address.
+        let mut lenders: Vec<&IndexedClaim> = index
+            .entries
+            .iter()
+            .filter(|e| pools.iter().any(|p| p.cidr.contains(&e.cidr.network())))
+            .filter(|e| e.claim.affinity.as_deref() != Some(prospect.host.as_str()))
+            .filter(|e| e.claim.free != Some(0) && usable(&e.cidr))
+            .collect();
+        lenders.sort_by_key(|e| (e.claim.affinity.is_some(), e.cidr.network()));
+        let lenders: Vec<(IpNet, KeyValue)> = lenders
+            .into_iter()
+            .map(|e| (e.cidr, e.stored.clone()))
+            .collect();
+        self.first_with_room(&lenders, reserved, config, skip_block_edges)
+            .await
+    }
+
+    /// The first of `lenders` (CIDR and claim entry as read, in the order an ADD tries them)
+    /// whose block an ADD could take an address from now, on copies never written: the first
+    /// lender's block in one read, the others' in one more batch when it has no room; one that
+    /// cannot be decoded is passed over.
+    async fn first_with_room(
+        &self,
+        lenders: &[(IpNet, KeyValue)],
+        reserved: &crate::model::reservations::ReservedRanges,
+        config: &IpamConfig,
+        skip_block_edges: bool,
+    ) -> Result<Option<IpNet>, IpamError> {
+        let lifetime = self.lifetime(config);
+        let attribute = Attribute {
+            handle: String::new(),
+            metadata: BTreeMap::new(),
+        };
         for batch in [
             &lenders[..lenders.len().min(1)],
             &lenders[lenders.len().min(1)..],
@@ -960,8 +1027,7 @@ impl Ipam {
                 // What the ADD does with the block, on a copy that is never written.
                 block.finish_cooling(lifetime);
                 let room = block_value_has_room(block)
-                    && prospect
-                        .reserved
+                    && reserved
                         .allocate_next(block, &attribute, |block| {
                             if skip_block_edges {
                                 block.allocate_next_host_address(&attribute)
@@ -1371,8 +1437,8 @@ fn take_from_blocks(
 
 /// The first block of the candidate pools that does not exist yet, searching each pool from an
 /// index seeded by the host name and wrapping around.
-fn find_unclaimed_block(
-    candidates: &[&Stored<Pool>],
+fn find_unclaimed_block<'p>(
+    candidates: impl IntoIterator<Item = &'p Pool>,
     host: &str,
     claimed: impl Iterator<Item = IpNet>,
     working: &BTreeMap<IpNet, WorkingBlock>,
@@ -1380,14 +1446,14 @@ fn find_unclaimed_block(
 ) -> Option<IpNet> {
     let taken = TakenCidrs::new(claimed.chain(working.keys().copied()));
     for pool in candidates {
-        let count = pool.value.block_count();
-        let in_pool = taken.count_inside(&pool.value.cidr) as u128;
+        let count = pool.block_count();
+        let in_pool = taken.count_inside(&pool.cidr) as u128;
         // A free block is found within (blocks already taken in this pool + 1) steps.
         let steps = count.min(in_pool + 1);
         let start = u128::from(host_hash(host)) % count;
         for step in 0..steps.max(1) {
             let index = (start + step) % count;
-            let Some(candidate) = pool.value.block_at(index) else {
+            let Some(candidate) = pool.block_at(index) else {
                 continue;
             };
             if !taken.overlaps(&candidate) && assignable(&candidate) {
@@ -1398,7 +1464,7 @@ fn find_unclaimed_block(
         if steps < count {
             let mut index = (start + steps) % count;
             for _ in steps..count.min(1 << 20) {
-                if let Some(candidate) = pool.value.block_at(index) {
+                if let Some(candidate) = pool.block_at(index) {
                     if !taken.overlaps(&candidate) && assignable(&candidate) {
                         return Some(candidate);
                     }

@@ -609,9 +609,11 @@ pub struct NewBlockProspect {
     /// that reservations leave, in the order an ADD that must borrow tries them (blocks nobody
     /// holds first, then by address): the lenders [`Ipam::first_lender_with_room`] reads.
     pub lenders: Vec<IpNet>,
-    /// The lenders' claim entries as read, and the reservations: what reading the lenders needs.
+    /// The lenders' claim entries as read, the reservations and the host: what reading the
+    /// lenders, and the claim index after them, needs.
     lender_claims: Vec<KeyValue>,
     reserved: crate::model::reservations::ReservedRanges,
+    host: String,
 }
 
 /// What the first read of a new-block search found.
