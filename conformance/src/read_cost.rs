@@ -907,7 +907,8 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
     let found = ipam
         .room_in_claim_index(&prospect, &pools, &config, true, true, true)
         .await
-        .expect("a lender");
+        .expect("a lender")
+        .block;
     let (cost, read) = (meter.take(), blocks_read(meter.take_keys()));
     assert_eq!((found, cost.round_trips), (Some(block(31)), 2), "{read:?}");
     assert_eq!(read, [keys::block(None, &block(31))]);
@@ -928,9 +929,16 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
         ipam.room_in_claim_index(&prospect, &pools, &config, true, true, false)
             .await
             .expect("no room"),
-        None
+        ipam_core::ClaimIndexRoom::default()
     );
     assert_eq!(meter.take().round_trips, 1);
+    assert_eq!(
+        ipam.room_in_claim_index(&prospect, &pools, &config, true, false, false)
+            .await
+            .expect("nothing to look for"),
+        ipam_core::ClaimIndexRoom::default()
+    );
+    assert_eq!(meter.take().round_trips, 0, "nothing read");
     // Block 30 released, and so unclaimed (it is empty): the ADD claims it, the listing alone
     // says so; a node that may only borrow finds block 31.
     ipam.release_affinity("holder-30", block(30))
@@ -946,14 +954,16 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
     let found = ipam
         .room_in_claim_index(&prospect, &pools, &config, true, true, true)
         .await
-        .expect("an unclaimed block");
+        .expect("an unclaimed block")
+        .block;
     let (cost, read) = (meter.take(), blocks_read(meter.take_keys()));
     assert_eq!((found, cost.round_trips), (Some(block(30)), 1), "{read:?}");
     assert_eq!(read, Vec::<String>::new());
     assert_eq!(
         ipam.room_in_claim_index(&prospect, &pools, &config, true, false, true)
             .await
-            .expect("a lender"),
+            .expect("a lender")
+            .block,
         Some(block(31))
     );
     let claimed = ipam
@@ -964,9 +974,9 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
         .await
         .expect("the node claims");
     assert_eq!(claimed.v4[0].block, block(30), "{claimed:?}");
-    // Block 30 now the node's own, block 31 is its one lender: damaged, it is passed over, and
-    // nothing lends, in one read of the index and one of the block (the full blocks are not
-    // read); an empty block of another pool is no lender for this one.
+    // Block 30 now the node's own, block 31 is its one lender: damaged, it is passed over (and
+    // named), and nothing lends, in one read of the index and one of the block (the full blocks
+    // are not read); an empty block of another pool is no lender for this one.
     t.store
         .put(&keys::block(None, &block(31)), b"garbage{".to_vec())
         .await
@@ -982,13 +992,14 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
         .await
         .expect("the node's prospect");
     meter.take();
-    assert_eq!(
-        ipam.room_in_claim_index(&prospect, &pools, &config, true, true, true)
-            .await
-            .expect("past the damaged block"),
-        None
-    );
+    let room = ipam
+        .room_in_claim_index(&prospect, &pools, &config, true, true, true)
+        .await
+        .expect("past the damaged block");
     assert_eq!(meter.take().round_trips, 2);
+    assert_eq!(room.block, None);
+    let named: Vec<&str> = room.undecodable.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(named, [keys::block(None, &block(31))]);
 }
 
 /// What the first read of a new node's new-block search finds (what CNI STATUS reads every few

@@ -16,10 +16,10 @@ pub use model::{error, formats, namespaces, nodes, reservations, selector, store
 
 pub use allocator::{
     AddressStatus, AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest,
-    AutoAssignResult, BlockUsage, ChosenRelease, Clock, EmptyBlock, EmptyBlockFilter,
-    EmptyBlockReason, HostRelease, HostUtilization, Ipam, NamespaceLookup, NewBlockProspect,
-    PoolChange, PoolDeletion, PoolPolicy, PoolSpec, PoolUsage, ReleaseOutcome, ReleaseRequest,
-    RetryPolicy, UndecodableObject, Utilization,
+    AutoAssignResult, BlockUsage, ChosenRelease, ClaimIndexRoom, Clock, EmptyBlock,
+    EmptyBlockFilter, EmptyBlockReason, HostRelease, HostUtilization, Ipam, NamespaceLookup,
+    NewBlockProspect, PoolChange, PoolDeletion, PoolPolicy, PoolSpec, PoolUsage, ReleaseOutcome,
+    ReleaseRequest, RetryPolicy, UndecodableObject, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

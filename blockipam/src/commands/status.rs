@@ -90,21 +90,15 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         if let Err(why) = family_available(
             &all_pools, &usage, &config, &scope, family, requested, &usable,
         ) {
-            // The ADD names such a block then: it may have had room.
+            // The ADD names such a block then: it may have had room. The node's own first, which
+            // its ADD reads first.
             let damaged = usage
                 .undecodable
                 .iter()
-                .find(|o| {
-                    o.block()
-                        .is_some_and(|(_, cidr)| Family::of_net(&cidr) == family)
-                })
-                .map(|o| {
-                    format!(
-                        "; the block at {:?} cannot be decoded ({}) and its free addresses are \
-                         not counted: `blockipamctl check` names the way out",
-                        o.key, o.message
-                    )
-                })
+                .filter_map(|o| o.block().map(|(host, cidr)| (o, host, cidr)))
+                .filter(|(_, _, cidr)| Family::of_net(cidr) == family)
+                .min_by_key(|(_, host, _)| *host != Some(node))
+                .map(|(o, _, _)| damaged_block_note(&o.key, &o.message))
                 .unwrap_or_default();
             return Err(CniError::new(
                 codes::PLUGIN_NOT_AVAILABLE,
@@ -270,23 +264,9 @@ async fn new_or_borrowed_blocks_serve(
                 .filter(|cidr| Family::of_net(cidr) == *family)
                 .collect();
             if limited && owned.len() >= config.max_blocks_per_host as usize {
-                // The ADD refuses at the limit before it would borrow; unless the node's own
-                // blocks may have room after all: one that cannot be decoded (the ADD names
-                // it), one whose free addresses may be host addresses (which edges are taken
-                // is not read here), or, where the ADD may take block edges, a full block whose
-                // edges are free.
-                let damaged = own.undecodable.iter().any(|o| {
-                    o.block().is_some_and(|(host, cidr)| {
-                        host == Some(scope.node) && Family::of_net(&cidr) == *family
-                    })
-                });
-                let edges_decide = skip_edges
-                    && own.pools.iter().flat_map(|p| p.blocks.iter()).any(|b| {
-                        b.host.as_deref() == Some(scope.node)
-                            && Family::of_net(&b.cidr) == *family
-                            && b.free > 0
-                    });
-                if damaged || edges_decide || !skip_edges {
+                // The ADD refuses at the limit before it would borrow, unless the node's own
+                // blocks may have room after all.
+                if own_room_unread(own, scope.node, *family, skip_edges) {
                     return Bounded::Unsettled;
                 }
                 return Bounded::Refuses {
@@ -324,7 +304,7 @@ async fn new_or_borrowed_blocks_serve(
         }
         // Then the ADD reads the claim index: an unclaimed block the probe missed, or a lender.
         let pools: Vec<Pool> = candidates.iter().map(|p| p.pool.clone()).collect();
-        match ipam
+        let Ok(room) = ipam
             .room_in_claim_index(
                 &prospect,
                 &pools,
@@ -334,12 +314,55 @@ async fn new_or_borrowed_blocks_serve(
                 borrow,
             )
             .await
-        {
-            Ok(Some(_)) => continue,
-            Ok(None) | Err(_) => return Bounded::Unsettled,
+        else {
+            return Bounded::Unsettled;
+        };
+        if room.block.is_some() {
+            continue;
         }
+        // None: the ADD fails, unless the node's own blocks may have room after all (as at the
+        // block limit above).
+        if own_room_unread(own, scope.node, *family, skip_edges) {
+            return Bounded::Unsettled;
+        }
+        let names: Vec<&str> = candidates.iter().map(|p| p.pool.name.as_str()).collect();
+        // The ADD passed over a lender that cannot be decoded: it may have had room.
+        let damaged = room
+            .undecodable
+            .first()
+            .map(|o| damaged_block_note(&o.key, &o.message))
+            .unwrap_or_default();
+        return Bounded::Refuses {
+            family: *family,
+            why: format!("no free address in pools {names:?}{damaged}"),
+        };
     }
     Bounded::Serves
+}
+
+/// True when the node's own blocks of `family` may have an address its ADD can have that the
+/// usage of its blocks with room (`own`) does not show: one that cannot be decoded (the ADD names
+/// it), one whose free addresses may be host addresses (which edges are taken is not read), or,
+/// where the ADD may take block edges (`skip_edges` false), a full block whose edges are free.
+fn own_room_unread(own: &Utilization, node: &str, family: Family, skip_edges: bool) -> bool {
+    let damaged = own.undecodable.iter().any(|o| {
+        o.block()
+            .is_some_and(|(host, cidr)| host == Some(node) && Family::of_net(&cidr) == family)
+    });
+    let edges_decide = skip_edges
+        && own.pools.iter().flat_map(|p| p.blocks.iter()).any(|b| {
+            b.host.as_deref() == Some(node) && Family::of_net(&b.cidr) == family && b.free > 0
+        });
+    damaged || edges_decide || !skip_edges
+}
+
+/// What a refusal adds about a block that cannot be decoded, whose free addresses it did not
+/// count.
+fn damaged_block_note(key: &str, message: &str) -> String {
+    format!(
+        "; the block at {key:?} cannot be decoded ({message}) and its free addresses are not \
+         counted: `blockipamctl check` names the way out"
+    )
 }
 
 /// True when every auto-assign ADD reads the object at `key` and cannot go on without it: the

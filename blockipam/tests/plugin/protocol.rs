@@ -986,6 +986,11 @@ fn status_counts_a_block_it_cannot_decode_as_taken(mode: Mode) {
     let open = sandbox.damage_under(&ipam_core::model::keys::host_open_blocks_dir("node-e"));
     assert_eq!(open.len(), 1, "node-e's block has room");
     status_then_add(&node_e, "e2", Some("per-node block limit is 1"), &[]);
+    let msg = cni("STATUS", "", "", &node_e, &[]).assert_error(50, "node-e at its limit");
+    assert!(
+        msg.contains(&open[0].0),
+        "STATUS names node-e's block whose room it could not count: {msg}"
+    );
 }
 
 /// An ADD that may take block edges (a gateway in the pool) reads the node's full blocks for
@@ -1364,6 +1369,39 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
         Some("per-node block limit"),
         &[],
     );
+    // At the limit too, under a netconf with a gateway in the pool (an ADD may take block
+    // edges): a node whose one block has only its two edges free, kept with the node's full
+    // blocks, can have one: STATUS says so, as the ADD takes it.
+    let gateway_limited = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-g", "gateway": "10.244.17.1", "ipv4_pools": ["10.244.17.0/28"],
+               "pools": [{"cidr": "10.244.17.0/28", "block_size": 30}]}),
+    );
+    let mut edge_holders = Vec::new();
+    for n in 1..=4 {
+        let container = format!("node-g-{n}");
+        cni("STATUS", "", "", &gateway_limited, &[]).assert_silent_success(&container);
+        let added = cni("ADD", &container, "eth0", &gateway_limited, &[]).success_json(&container);
+        let ip: std::net::Ipv4Addr = added["ips"][0]["address"]
+            .as_str()
+            .and_then(|a| a.split('/').next())
+            .and_then(|ip| ip.parse().ok())
+            .expect("an IPv4 address");
+        if matches!(u32::from(ip) % 4, 0 | 3) {
+            edge_holders.push(container);
+        }
+    }
+    status_then_add(
+        &gateway_limited,
+        "node-g-full",
+        Some("per-node block limit"),
+        &[],
+    );
+    assert_eq!(edge_holders.len(), 2, "ADDs were given the block's edges");
+    for container in &edge_holders {
+        cni("DEL", container, "eth0", &gateway_limited, &[]).assert_silent_success(container);
+    }
+    status_then_add(&gateway_limited, "node-g-edge", None, &[]);
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {

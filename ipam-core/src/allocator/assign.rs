@@ -4,9 +4,9 @@ use super::{
     block_value_has_room, decode_each, decode_sequence_floor, find_pool, host_hash,
     learn_apart_from_handle, next_got, next_listed, probed_blocks, refuse_during_import,
     validate_attribute_size, with_node, AssignIpsRequest, AssignedAddress, Attempt,
-    AutoAssignRequest, AutoAssignResult, ClaimIndex, IndexedClaim, Ipam, NewBlockProbe,
-    NewBlockProspect, Stored, UndecodableObject, WorkingBlock, MAX_ADDRESSES_PER_REQUEST,
-    NEW_BLOCK_PROBES,
+    AutoAssignRequest, AutoAssignResult, ClaimIndex, ClaimIndexRoom, IndexedClaim, Ipam,
+    NewBlockProbe, NewBlockProspect, Stored, UndecodableObject, WorkingBlock,
+    MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
 use crate::allocator::network_setup;
@@ -932,8 +932,10 @@ impl Ipam {
             .zip(prospect.lender_claims.iter().cloned())
             .filter(|(cidr, _)| within.iter().any(|pool| pool.contains(&cidr.network())))
             .collect();
-        self.first_with_room(&lenders, &prospect.reserved, config, skip_block_edges)
-            .await
+        Ok(self
+            .first_with_room(&lenders, &prospect.reserved, config, skip_block_edges)
+            .await?
+            .block)
     }
 
     /// Where the ADD of the prospect's host looks when the blocks its search probed give it
@@ -942,8 +944,9 @@ impl Ipam {
     /// family, in its order) that no node has claimed and reservations leave an address in,
     /// which the ADD would claim; failing that, with `borrow`, the first lender in `pools` an ADD
     /// that must borrow could take an address from now, read as
-    /// [`Self::first_lender_with_room`] reads its lenders; `None` when neither. Reads no block
-    /// when a block is unclaimed or no entry records a free address.
+    /// [`Self::first_lender_with_room`] reads its lenders; `None` when neither, with the lenders
+    /// passed over for blocks that cannot be decoded. Reads no block when a block is unclaimed or
+    /// no entry records a free address, and nothing when neither is allowed.
     ///
     /// # Errors
     /// Store failures; a claim entry that cannot be decoded (the ADD fails on it too).
@@ -955,7 +958,10 @@ impl Ipam {
         skip_block_edges: bool,
         claim: bool,
         borrow: bool,
-    ) -> Result<Option<IpNet>, IpamError> {
+    ) -> Result<ClaimIndexRoom, IpamError> {
+        if !claim && !borrow {
+            return Ok(ClaimIndexRoom::default());
+        }
         let index = self.claim_index().await?;
         let reserved = &prospect.reserved;
         let usable = |cidr: &IpNet| !reserved.leaves_block_nothing(cidr, skip_block_edges);
@@ -964,11 +970,14 @@ impl Ipam {
             let none = BTreeMap::new();
             if let Some(cidr) = find_unclaimed_block(pools, &prospect.host, claimed, &none, usable)
             {
-                return Ok(Some(cidr));
+                return Ok(ClaimIndexRoom {
+                    block: Some(cidr),
+                    undecodable: Vec::new(),
+                });
             }
         }
         if !borrow {
-            return Ok(None);
+            return Ok(ClaimIndexRoom::default());
         }
         // As the borrowing ADD orders them: blocks nobody holds first, then by address.
         let mut lenders: Vec<&IndexedClaim> = index
@@ -990,14 +999,15 @@ impl Ipam {
     /// The first of `lenders` (CIDR and claim entry as read, in the order an ADD tries them)
     /// whose block an ADD could take an address from now, on copies never written: the first
     /// lender's block in one read, the others' in one more batch when it has no room; one that
-    /// cannot be decoded is passed over.
+    /// cannot be decoded is passed over, and named when none has room.
     async fn first_with_room(
         &self,
         lenders: &[(IpNet, KeyValue)],
         reserved: &crate::model::reservations::ReservedRanges,
         config: &IpamConfig,
         skip_block_edges: bool,
-    ) -> Result<Option<IpNet>, IpamError> {
+    ) -> Result<ClaimIndexRoom, IpamError> {
+        let mut undecodable = Vec::new();
         let lifetime = self.lifetime(config);
         let attribute = Attribute {
             handle: String::new(),
@@ -1015,6 +1025,7 @@ impl Ipam {
             let cidrs: BTreeSet<IpNet> = by_cidr.keys().copied().collect();
             let claims = by_cidr.into_values().map(Some).collect();
             let loaded = self.load_blocks_given_claims_each(&cidrs, claims).await?;
+            undecodable.extend(loaded.undecodable);
             let mut found: BTreeMap<IpNet, Block> = loaded
                 .found
                 .into_iter()
@@ -1037,11 +1048,17 @@ impl Ipam {
                         })
                         .is_some();
                 if room {
-                    return Ok(Some(*cidr));
+                    return Ok(ClaimIndexRoom {
+                        block: Some(*cidr),
+                        undecodable: Vec::new(),
+                    });
                 }
             }
         }
-        Ok(None)
+        Ok(ClaimIndexRoom {
+            block: None,
+            undecodable,
+        })
     }
 
     async fn ensure_claim_index<'a>(

@@ -616,6 +616,16 @@ pub struct NewBlockProspect {
     host: String,
 }
 
+/// What [`Ipam::room_in_claim_index`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimIndexRoom {
+    /// The block the ADD would claim, or borrow an address from; `None` when there is none.
+    pub block: Option<IpNet>,
+    /// When there is none: the lenders passed over because their blocks cannot be decoded
+    /// (they may have had room).
+    pub undecodable: Vec<UndecodableObject>,
+}
+
 /// What the first read of a new-block search found.
 #[derive(Debug)]
 struct NewBlockProbe {
