@@ -37,6 +37,7 @@ macro_rules! read_cost_conformance_tests {
             a_new_nodes_block_prospect_reads_as_much_with_1024_blocks_of_other_nodes_and_names_the_block_its_add_claims,
             a_borrowing_nodes_first_lender_with_room_is_the_block_its_add_borrows_from,
             past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_index_reading_no_other_block,
+            a_borrowing_add_among_blocks_full_but_for_their_edges_reads_them_in_doubling_batches,
             a_steady_add_on_a_network_set_up_is_one_read_and_one_transaction,
             the_release_of_empty_blocks_reads_only_the_blocks_of_nodes_that_have_an_empty_one,
         );
@@ -1000,6 +1001,97 @@ pub async fn past_its_probe_a_node_finds_the_block_its_add_takes_in_the_claim_in
     assert_eq!(room.block, None);
     let named: Vec<&str> = room.undecodable.iter().map(|o| o.key.as_str()).collect();
     assert_eq!(named, [keys::block(None, &block(31))]);
+}
+
+/// A pool whose blocks the plugin filled (block edges skipped, so each keeps its two edges free,
+/// which its claim entry counts as free): a borrowing ADD that skips edges reads the lenders in
+/// batches of 1, 2, 4, ..., a few reads for 64 blocks where it made one per block; it fails when
+/// none has a host address free, and borrows the one a release left, as STATUS's look at the
+/// claim index finds it; an ADD that may take edges takes the first lender's.
+pub async fn a_borrowing_add_among_blocks_full_but_for_their_edges_reads_them_in_doubling_batches<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let meter = ReadMeter::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(meter.clone() as Arc<dyn KvStore>);
+    ipam.create_pool(&spec("10.74.0.0/24", "edges", 30))
+        .await
+        .expect("a pool of 64 /30 blocks");
+    let add = |handle: &str, node: &str, skip_block_edges: bool| AutoAssignRequest {
+        skip_block_edges,
+        ..crate::ipam::v4(handle, node, 1)
+    };
+    // The handle of each block's second pod.
+    let mut second_pods: BTreeMap<ipnet::IpNet, String> = BTreeMap::new();
+    for n in 0..64u32 {
+        let node = format!("node-{n:02}");
+        for k in 0..2 {
+            let handle = format!("pod-{n:02}-{k}");
+            let got = ipam
+                .auto_assign(&add(&handle, &node, true))
+                .await
+                .expect("an address of the node's block");
+            second_pods.insert(got.v4[0].block, handle);
+        }
+    }
+    assert_eq!(second_pods.len(), 64, "a block for each node");
+    let config = ipam.get_config().await.expect("the config");
+    assert_eq!(
+        config.ip_cooldown_seconds, 0,
+        "released addresses are free at once"
+    );
+    let pools = vec![ipam.get_pool("edges").await.expect("the pool")];
+    let last: ipnet::IpNet = "10.74.0.252/30".parse().expect("the last block");
+    meter.take();
+    let refused = ipam.auto_assign(&add("new-1", "node-new", true)).await;
+    let cost = meter.take();
+    assert!(
+        matches!(refused, Err(ipam_core::IpamError::Exhausted { .. })),
+        "{refused:?}"
+    );
+    assert!(
+        cost.round_trips <= 12,
+        "a refused ADD read 64 lenders in {cost:?}"
+    );
+    // The last block's second host address released: the ADD borrows it, as STATUS finds it.
+    ipam.release_handle(&second_pods[&last])
+        .await
+        .expect("release an address of the last block");
+    let prospect = ipam
+        .new_block_prospect("node-new", &pools, true, true)
+        .await
+        .expect("the new node's prospect");
+    meter.take();
+    let room = ipam
+        .room_in_claim_index(&prospect, &pools, &config, true, true, true)
+        .await
+        .expect("a lender");
+    let status_cost = meter.take();
+    assert_eq!(room.block, Some(last));
+    assert!(status_cost.round_trips <= 8, "{status_cost:?}");
+    let borrowed = ipam
+        .auto_assign(&add("new-2", "node-new", true))
+        .await
+        .expect("the new node borrows");
+    let cost = meter.take();
+    assert_eq!(borrowed.v4[0].block, last, "{borrowed:?}");
+    assert!(
+        cost.round_trips <= 12,
+        "a borrowing ADD found the last of 64 lenders in {cost:?}"
+    );
+    // An ADD that may take edges: the first lender's block, read alone.
+    let edge = ipam
+        .auto_assign(&add("new-3", "node-new", false))
+        .await
+        .expect("an edge");
+    let cost = meter.take();
+    assert_eq!(
+        edge.v4[0].block,
+        "10.74.0.0/30".parse::<ipnet::IpNet>().expect("a block")
+    );
+    assert!(cost.round_trips <= 4, "an ADD taking an edge: {cost:?}");
 }
 
 /// What the first read of a new node's new-block search finds (what CNI STATUS reads every few

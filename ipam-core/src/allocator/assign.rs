@@ -553,18 +553,27 @@ impl Ipam {
                     let mut lenders = lenders.into_iter();
                     // Read only as many lenders as the missing addresses need, one batch at a
                     // time; a lender that filled up since the listing sends the loop to the
-                    // next ones.
+                    // next ones. Lenders whose entries promise nothing this ADD can have (their
+                    // free addresses may all be edges it skips) go in batches that double, so
+                    // that blocks full but for their edges cost a few reads, not one each.
+                    let mut doubtful_allowance = 1usize;
                     while (got.len() as u32) < wanted {
                         let missing = wanted - got.len() as u32;
                         let mut batch: BTreeMap<IpNet, KeyValue> = BTreeMap::new();
                         let mut covered = 0u32;
-                        while covered < missing {
+                        let mut doubtful = 0usize;
+                        while covered < missing && doubtful < doubtful_allowance {
                             let Some(lender) = lenders.next() else {
                                 break;
                             };
-                            covered = covered.saturating_add(lender.claim.free.unwrap_or(1));
+                            let sure = sure_free(lender, skip_block_edges);
+                            if sure == 0 {
+                                doubtful += 1;
+                            }
+                            covered = covered.saturating_add(sure);
                             batch.insert(lender.cidr, lender.stored.clone());
                         }
+                        doubtful_allowance = doubtful_allowance.saturating_mul(2);
                         if batch.is_empty() {
                             break;
                         }
@@ -912,8 +921,9 @@ impl Ipam {
     /// that must borrow could take an address from now (skipping block edges as
     /// `skip_block_edges` says, past reservations and, under `config`'s cooldown, cooling
     /// addresses, as that ADD takes them); `None` when none can, or none was probed. Reads the
-    /// first such lender's block, then the others' in one more batch when it has no room: its
-    /// cost does not grow with the blocks of other hosts. A lender whose block cannot be decoded
+    /// first such lender's block, then the next two, four, ... in one read each while none has
+    /// room (at most the 16 probed per pool): its cost does not grow with the blocks of other
+    /// hosts. A lender whose block cannot be decoded
     /// is passed over, as the ADD passes over it.
     ///
     /// # Errors
@@ -998,8 +1008,8 @@ impl Ipam {
 
     /// The first of `lenders` (CIDR and claim entry as read, in the order an ADD tries them)
     /// whose block an ADD could take an address from now, on copies never written: the first
-    /// lender's block in one read, the others' in one more batch when it has no room; one that
-    /// cannot be decoded is passed over, and named when none has room.
+    /// lender's block in one read, then the next two, four, ... in one read each while none has
+    /// room; one that cannot be decoded is passed over, and named when none has room.
     async fn first_with_room(
         &self,
         lenders: &[(IpNet, KeyValue)],
@@ -1013,13 +1023,12 @@ impl Ipam {
             handle: String::new(),
             metadata: BTreeMap::new(),
         };
-        for batch in [
-            &lenders[..lenders.len().min(1)],
-            &lenders[lenders.len().min(1)..],
-        ] {
-            if batch.is_empty() {
-                continue;
-            }
+        // Batches of 1, 2, 4, ... lenders: few reads, and few blocks read when one has room.
+        let mut start = 0;
+        while start < lenders.len() {
+            let end = lenders.len().min(2 * start + 1);
+            let batch = &lenders[start..end];
+            start = end;
             // The read pairs each CIDR with its claim entry in address order.
             let by_cidr: BTreeMap<IpNet, KeyValue> = batch.iter().cloned().collect();
             let cidrs: BTreeSet<IpNet> = by_cidr.keys().copied().collect();
@@ -1449,6 +1458,21 @@ fn take_from_blocks(
         if (got.len() as u32) >= wanted {
             return;
         }
+    }
+}
+
+/// The free addresses of a lender's block an ADD can surely have, by its claim entry: its free
+/// count, less the block's two edges when the ADD skips them (they may be among the free ones);
+/// one for an entry that records no count (format 1).
+fn sure_free(lender: &IndexedClaim, skip_block_edges: bool) -> u32 {
+    let Some(free) = lender.claim.free else {
+        return 1;
+    };
+    let has_edges = lender.cidr.max_prefix_len() - lender.cidr.prefix_len() >= 2;
+    if skip_block_edges && has_edges {
+        free.saturating_sub(2)
+    } else {
+        free
     }
 }
 
