@@ -266,7 +266,7 @@ async fn new_or_borrowed_blocks_serve(
             if limited && owned.len() >= config.max_blocks_per_host as usize {
                 // The ADD refuses at the limit before it would borrow, unless the node's own
                 // blocks may have room after all.
-                if own_room_unread(own, scope.node, *family, skip_edges) {
+                if own_room_unread(own, *family, skip_edges) {
                     return Bounded::Unsettled;
                 }
                 return Bounded::Refuses {
@@ -322,7 +322,7 @@ async fn new_or_borrowed_blocks_serve(
         }
         // None: the ADD fails, unless the node's own blocks may have room after all (as at the
         // block limit above).
-        if own_room_unread(own, scope.node, *family, skip_edges) {
+        if own_room_unread(own, *family, skip_edges) {
             return Bounded::Unsettled;
         }
         let names: Vec<&str> = candidates.iter().map(|p| p.pool.name.as_str()).collect();
@@ -341,18 +341,21 @@ async fn new_or_borrowed_blocks_serve(
 }
 
 /// True when the node's own blocks of `family` may have an address its ADD can have that the
-/// usage of its blocks with room (`own`) does not show: one that cannot be decoded (the ADD names
-/// it), one whose free addresses may be host addresses (which edges are taken is not read), or,
-/// where the ADD may take block edges (`skip_edges` false), a full block whose edges are free.
-fn own_room_unread(own: &Utilization, node: &str, family: Family, skip_edges: bool) -> bool {
+/// usage of its blocks with room (`own`, which holds only the node's blocks kept under `open/`,
+/// each with a free address) does not show: one that cannot be decoded (the ADD names it), one
+/// whose free addresses may be host addresses (which edges are taken is not read), or, where the
+/// ADD may take block edges (`skip_edges` false), a full block whose edges are free.
+fn own_room_unread(own: &Utilization, family: Family, skip_edges: bool) -> bool {
     let damaged = own.undecodable.iter().any(|o| {
         o.block()
-            .is_some_and(|(host, cidr)| host == Some(node) && Family::of_net(&cidr) == family)
+            .is_some_and(|(_, cidr)| Family::of_net(&cidr) == family)
     });
     let edges_decide = skip_edges
-        && own.pools.iter().flat_map(|p| p.blocks.iter()).any(|b| {
-            b.host.as_deref() == Some(node) && Family::of_net(&b.cidr) == family && b.free > 0
-        });
+        && own
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .any(|b| Family::of_net(&b.cidr) == family);
     damaged || edges_decide || !skip_edges
 }
 
