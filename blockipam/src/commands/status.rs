@@ -1,5 +1,6 @@
 //! STATUS: whether the network can hand out an address on this node now.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
@@ -7,7 +8,7 @@ use ipam_core::model::keys;
 use ipam_core::{BlockUsage, Family, Ipam, IpamError, Pool, PoolUsage, Utilization};
 use ipnet::IpNet;
 
-use super::may_report_block_prefix;
+use super::{may_report_block_prefix, GATEWAY_NODE};
 use crate::netconf::NetConf;
 use crate::protocol::{codes, CniError};
 
@@ -55,23 +56,28 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     // Otherwise every block counts: borrowing, the whole claim index, what cannot be decoded.
     let usage = ipam.utilization().await.map_err(unreachable)?;
     let pending = usable_pools(conf, node, &usage)?;
-    let all_pools: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
-    let pools: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
+    let stored_and_pending: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
+    let pools: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &pools);
+    // As the ADD finds them once its network set-up has reserved the gateway addresses.
+    let reserved = ipam_core::network_setup::reserved_addresses(&pools, &conf.gateways);
+    let after_set_up = with_reservation_blocks(&stored_and_pending, &usage, &reserved);
+    let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     // Which block edges are taken matters only for a block with one or two free addresses.
-    let ambiguous = usage
-        .pools
+    let ambiguous = all_pools
         .iter()
         .flat_map(|p| p.blocks.iter())
         .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
     let allocated: BTreeSet<IpAddr> = if skip_edges && ambiguous {
-        // The allocations of the blocks that can be decoded (as the usage above).
+        // The allocations of the blocks that can be decoded (as the usage above), and the
+        // reservations the set-up makes.
         ipam.utilization_and_allocations()
             .await
             .map_err(unreachable)?
             .1
             .into_iter()
             .map(|a| a.ip)
+            .chain(reserved.iter().copied())
             .collect()
     } else {
         BTreeSet::new()
@@ -186,7 +192,9 @@ enum Bounded {
 /// no room in its blocks (the ADD refuses it before it would borrow). `own` is the usage of the
 /// node's blocks with room. Reads claim entries and the blocks of lenders, never every block;
 /// unsettled when anything it reads cannot be decoded, or a block's room depends on which of
-/// its edges are taken, or nothing serves (the whole usage then tells, and phrases why not).
+/// its edges are taken, or the block it finds holds an address the ADD's network set-up reserves
+/// (which claims it first, or may take its free address), or nothing serves (the whole usage then
+/// tells, and phrases why not).
 async fn new_or_borrowed_blocks_serve(
     ipam: &Ipam,
     conf: &NetConf,
@@ -222,6 +230,10 @@ async fn new_or_borrowed_blocks_serve(
     }
     let every: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &every);
+    // The ADD's network set-up claims a block not claimed yet that holds an address it reserves
+    // before the ADD looks for one: only the whole usage tells whether another is left.
+    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
+    let set_up_claims = |block: &IpNet| reserved.iter().any(|ip| block.contains(ip));
     let limited = config.auto_allocate_blocks && config.max_blocks_per_host != 0;
     let Ok(prospect) = ipam
         .new_block_prospect(scope.node, &probed, skip_edges, limited)
@@ -278,13 +290,20 @@ async fn new_or_borrowed_blocks_serve(
                     ),
                 };
             }
-            let unclaimed = candidates.iter().any(|candidate| {
-                probed
-                    .iter()
-                    .zip(&prospect.unclaimed)
-                    .any(|(pool, found)| pool.name == candidate.pool.name && found.is_some())
-            });
-            if unclaimed {
+            let found: Vec<IpNet> = candidates
+                .iter()
+                .flat_map(|candidate| {
+                    probed
+                        .iter()
+                        .zip(&prospect.unclaimed)
+                        .filter(|(pool, _)| pool.name == candidate.pool.name)
+                        .filter_map(|(_, found)| *found)
+                })
+                .collect();
+            if found.iter().any(set_up_claims) {
+                return Bounded::Unsettled;
+            }
+            if !found.is_empty() {
                 continue;
             }
         }
@@ -317,8 +336,11 @@ async fn new_or_borrowed_blocks_serve(
         else {
             return Bounded::Unsettled;
         };
-        if room.block.is_some() {
-            continue;
+        match room.block {
+            // Claimed by the set-up first, or a lender whose free address it may reserve.
+            Some(block) if set_up_claims(&block) => return Bounded::Unsettled,
+            Some(_) => continue,
+            None => {}
         }
         // None: the ADD fails, unless the node's own blocks may have room after all (as at the
         // block limit above).
@@ -455,6 +477,56 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
         }
     }
     Ok(pending)
+}
+
+/// `pools` as an ADD's network set-up leaves them: each address it reserves (`reserved`) whose
+/// block is not stored yet (not in `pools`, and not among the blocks of `usage` that cannot be
+/// decoded) has that block claimed for the reservations' pseudo-node, which no node can claim then
+/// (a pool not created yet has every such block added). Pools with no such block are borrowed.
+fn with_reservation_blocks<'a>(
+    pools: &[&'a PoolUsage],
+    usage: &Utilization,
+    reserved: &[IpAddr],
+) -> Vec<Cow<'a, PoolUsage>> {
+    let undecodable: BTreeSet<IpNet> = usage
+        .undecodable
+        .iter()
+        .filter_map(|o| o.block().map(|(_, cidr)| cidr))
+        .collect();
+    pools
+        .iter()
+        .map(|usage| {
+            let mut claimed: BTreeMap<IpNet, u64> = BTreeMap::new();
+            for ip in reserved {
+                let Some(block) = usage.pool.block_containing(*ip) else {
+                    continue;
+                };
+                let stored =
+                    undecodable.contains(&block) || usage.blocks.iter().any(|b| b.cidr == block);
+                if !stored {
+                    *claimed.entry(block).or_default() += 1;
+                }
+            }
+            if claimed.is_empty() {
+                return Cow::Borrowed(*usage);
+            }
+            let mut after = (*usage).clone();
+            for (cidr, held) in claimed {
+                let capacity = u64::from(ipam_core::model::block_capacity(&cidr));
+                after.blocks.push(BlockUsage {
+                    cidr,
+                    pool: Some(usage.pool.name.clone()),
+                    host: Some(GATEWAY_NODE.to_owned()),
+                    capacity,
+                    in_use: held,
+                    free: capacity - held,
+                    reserved: 0,
+                    cooling: 0,
+                });
+            }
+            Cow::Owned(after)
+        })
+        .collect()
 }
 
 /// The pools an ADD of `family` would choose among `pools`: the requested ones (each must exist,

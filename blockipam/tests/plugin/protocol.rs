@@ -1326,6 +1326,63 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
             .expect("strict affinity");
     });
     status_then_add(&borrower, "strict-affinity", Some("no free address"), &[]);
+    // A pool not created yet whose every block the network set-up takes for its reservations
+    // (the gateway and the pool's network address in the first /30, its broadcast address in the
+    // second): under strict affinity no block is left for the node to claim. With four blocks,
+    // the two between them are.
+    let reserved_everywhere = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-h", "gateway": "10.244.18.1", "ipv4_pools": ["10.244.18.0/29"],
+               "pools": [{"cidr": "10.244.18.0/29", "block_size": 30}]}),
+    );
+    status_then_add(
+        &reserved_everywhere,
+        "every-block-reserved",
+        Some("no free address"),
+        &[],
+    );
+    let two_blocks_left = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-h", "gateway": "10.244.19.1", "ipv4_pools": ["10.244.19.0/28"],
+               "pools": [{"cidr": "10.244.19.0/28", "block_size": 30}]}),
+    );
+    status_then_add(&two_blocks_left, "between-the-reserved-blocks", None, &[]);
+    // A pool the operator created, the network not set up in it yet: other nodes hold all its
+    // /30 blocks but the first (the pool's network address and the gateway) and the last (its
+    // broadcast address), which the set-up claims. The node's probe (from block 56 of 128) reaches
+    // neither; the claim index names one of them: no room either.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.244.20.0/23".parse().expect("a CIDR"),
+            name: None,
+            block_size: Some(30),
+            disabled: false,
+        })
+        .await
+        .expect("the operator's pool");
+        for n in 1..127u32 {
+            let ip = std::net::Ipv4Addr::from(u32::from_be_bytes([10, 244, 20, 1]) + 4 * n);
+            ipam.assign_ips(&ipam_core::AssignIpsRequest {
+                ips: vec![ip.into()],
+                handle: format!("holder-{n}"),
+                host: format!("holder-{n}"),
+                ..ipam_core::AssignIpsRequest::default()
+            })
+            .await
+            .expect("a holder's block");
+        }
+    });
+    let operator_pool = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-h", "gateway": "10.244.20.1", "ipv4_pools": ["10.244.20.0/23"],
+               "pools": [{"cidr": "10.244.20.0/23", "block_size": 30}]}),
+    );
+    status_then_add(
+        &operator_pool,
+        "set-up-claims-the-last-free-blocks",
+        Some("no free address"),
+        &[],
+    );
     // Both families asked for by a node with no block: room for new blocks in two IPv6 pools
     // does not make up for the IPv4 pool, whose one block node-b holds.
     let dual = sandbox.netconf(
