@@ -1320,6 +1320,19 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
         Some("no free address"),
         &[],
     );
+    // A /31 pool not created yet, its gateway the second address: the set-up reserves both, in
+    // the pool's one block, and leaves nothing to borrow.
+    let gateway_takes_all = sandbox.netconf(
+        "1.1.0",
+        json!({"nodename": "node-c", "gateway": "10.244.22.1", "ipv4_pools": ["10.244.22.0/31"],
+               "pools": [{"cidr": "10.244.22.0/31", "block_size": 31}]}),
+    );
+    status_then_add(
+        &gateway_takes_all,
+        "set-up-reserves-the-whole-pool",
+        Some("no free address"),
+        &[],
+    );
     sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
         ipam.update_config(|config| config.strict_affinity = true)
             .await
