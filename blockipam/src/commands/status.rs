@@ -482,7 +482,8 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
 /// `pools` as an ADD's network set-up leaves them: each address it reserves (`reserved`) whose
 /// block is not stored yet (not in `pools`, and not among the blocks of `usage` that cannot be
 /// decoded) has that block claimed for the reservations' pseudo-node, which no node can claim then
-/// (a pool not created yet has every such block added). Pools with no such block are borrowed.
+/// (a pool not created yet has every such block added). Pools with no such block are returned as
+/// they are, not copied.
 fn with_reservation_blocks<'a>(
     pools: &[&'a PoolUsage],
     usage: &Utilization,
@@ -495,27 +496,27 @@ fn with_reservation_blocks<'a>(
         .collect();
     pools
         .iter()
-        .map(|usage| {
+        .map(|pool_usage| {
             let mut claimed: BTreeMap<IpNet, u64> = BTreeMap::new();
             for ip in reserved {
-                let Some(block) = usage.pool.block_containing(*ip) else {
+                let Some(block) = pool_usage.pool.block_containing(*ip) else {
                     continue;
                 };
-                let stored =
-                    undecodable.contains(&block) || usage.blocks.iter().any(|b| b.cidr == block);
+                let stored = undecodable.contains(&block)
+                    || pool_usage.blocks.iter().any(|b| b.cidr == block);
                 if !stored {
                     *claimed.entry(block).or_default() += 1;
                 }
             }
             if claimed.is_empty() {
-                return Cow::Borrowed(*usage);
+                return Cow::Borrowed(*pool_usage);
             }
-            let mut after = (*usage).clone();
+            let mut after = (*pool_usage).clone();
             for (cidr, held) in claimed {
                 let capacity = u64::from(ipam_core::model::block_capacity(&cidr));
                 after.blocks.push(BlockUsage {
                     cidr,
-                    pool: Some(usage.pool.name.clone()),
+                    pool: Some(pool_usage.pool.name.clone()),
                     host: Some(GATEWAY_NODE.to_owned()),
                     capacity,
                     in_use: held,
