@@ -178,6 +178,7 @@ macro_rules! ipam_conformance_tests {
             releasing_host_affinities_deletes_empty_blocks_and_unassigns_others,
             release_host_with_addresses_frees_that_hosts_allocations,
             claim_and_release_affinity,
+            claim_affinity_takes_at_most_one_transaction_of_blocks,
             requested_pools_must_exist_and_be_enabled,
             requested_pool_restricts_allocation,
             disabled_pool_is_never_allocated_from,
@@ -861,6 +862,38 @@ pub async fn claim_and_release_affinity<F: StoreFactory>(factory: &F) {
     assert!(ipam.utilization().await.expect("usage").pools[0]
         .blocks
         .is_empty());
+    assert_clean(&ipam).await;
+}
+
+/// One claim takes at most 32 blocks, all in one transaction: a CIDR of exactly 32 blocks is
+/// claimed whole (every backend commits that many in one transaction); one of 64 is refused with
+/// the limit named, and nothing is written.
+pub async fn claim_affinity_takes_at_most_one_transaction_of_blocks<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/22", 30).await;
+    let claimed = ipam
+        .claim_affinity("node-a", net("10.0.0.0/25"))
+        .await
+        .expect("a claim of 32 blocks");
+    let wanted: Vec<IpNet> = (0..32u32)
+        .map(|i| net(&format!("10.0.0.{}/30", i * 4)))
+        .collect();
+    assert_eq!(claimed, wanted);
+    let owned: BTreeSet<IpNet> = ipam.utilization().await.expect("usage").pools[0]
+        .blocks
+        .iter()
+        .filter(|b| b.host.as_deref() == Some("node-a"))
+        .map(|b| b.cidr)
+        .collect();
+    assert_eq!(owned, wanted.iter().copied().collect());
+    let before = t.store.list("").await.expect("list");
+    match ipam.claim_affinity("node-a", net("10.0.1.0/24")).await {
+        Err(IpamError::InvalidArgument(message)) => assert!(
+            message.contains("spans 64 blocks; claim at most 32"),
+            "{message}"
+        ),
+        other => panic!("expected a refusal of 64 blocks, got {other:?}"),
+    }
+    assert_eq!(t.store.list("").await.expect("list"), before);
     assert_clean(&ipam).await;
 }
 
