@@ -33,6 +33,7 @@ macro_rules! repair_conformance_tests {
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
+            release_host_splits_blocks_too_many_for_one_transaction,
             release_by_address_racing_a_pool_split_still_releases,
         );
     };
@@ -859,6 +860,65 @@ pub async fn release_host_gives_up_on_blocks_that_keep_conflicting_and_names_the
     // Without the interference it goes through.
     let released = ipam.release_host("node-a", false).await.expect("release");
     assert_eq!(released.unassigned_blocks, vec![block]);
+}
+
+/// Releasing a host whose blocks do not fit one transaction (32 full blocks, each write guarded
+/// by the block and by its addresses' owner keys) takes them in as few smaller transactions as fit:
+/// every block is unassigned, every address stays with its handle.
+pub async fn release_host_splits_blocks_too_many_for_one_transaction<F: StoreFactory>(factory: &F) {
+    let (t, ipam) = ipam_with_pool(factory, "10.22.0.0/24", 30).await;
+    ipam.set_config(&ipam_core::IpamConfig {
+        max_blocks_per_host: 32,
+        ..ipam_core::IpamConfig::default()
+    })
+    .await
+    .expect("config");
+    let mut held = Vec::new();
+    for i in 0..32 {
+        let handle = format!("pod-{i}");
+        let got = ipam
+            .auto_assign(&v4(&handle, "node-a", 4))
+            .await
+            .unwrap_or_else(|e| panic!("assign {handle}: {e}"));
+        assert_eq!(got.v4.len(), 4, "four addresses for {handle}");
+        held.extend(got.v4.into_iter().map(|a| (a.ip, handle.clone())));
+    }
+    // The node's 32 blocks, each full (wherever its search started).
+    let blocks: Vec<IpNet> = held
+        .iter()
+        .map(|(ip, _)| IpNet::new(*ip, 30).expect("a /30").trunc())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(blocks.len(), 32);
+    // Yielding before every call, so that the bound below is checked even on a store whose
+    // calls never wait.
+    let hooked = HookedStore::racing(Arc::clone(&t.store));
+    // Bounded: a release that never gets smaller never ends.
+    let report = tokio::time::timeout(
+        Duration::from_secs(60),
+        Ipam::new(hooked.clone()).release_host("node-a", false),
+    )
+    .await
+    .expect("release_host never finished")
+    .expect("release");
+    let mut unassigned = report.unassigned_blocks.clone();
+    unassigned.sort();
+    assert_eq!(unassigned, blocks);
+    assert!(report.deleted_blocks.is_empty(), "{report:?}");
+    // More than one transaction (the 32 did not fit one), far fewer than one per block.
+    let commits = hooked.commits();
+    assert!((2..=4).contains(&commits), "{commits} transactions");
+    let usage = ipam.utilization().await.expect("usage");
+    assert!(
+        usage.pools[0].blocks.iter().all(|b| b.host.is_none()),
+        "{usage:?}"
+    );
+    for (ip, handle) in held {
+        let info = ipam.get_assignment(ip).await.expect("read").expect("held");
+        assert_eq!(info.handle, handle, "{ip}");
+    }
+    assert_clean(&ipam).await;
 }
 
 /// A release by address of an address in a block of a former size, racing a split of its pool
