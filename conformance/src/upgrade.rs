@@ -9,6 +9,7 @@ use ipam_core::store_format::FormatRecord;
 use ipam_core::{Ipam, IpamConfig, IpamError, KvStore};
 use ipnet::IpNet;
 
+use crate::hooked::HookedStore;
 use crate::ipam::{assert_clean, block_of, damage, ipam_with_pool, spec, v4, GARBAGE};
 use crate::StoreFactory;
 
@@ -18,6 +19,7 @@ macro_rules! upgrade_conformance_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(upgrade, $crate::upgrade, $factory;
             a_new_store_records_the_current_format_with_its_first_write,
+            the_writer_that_recorded_the_format_writes_on_without_a_conflict,
             a_store_in_use_without_a_record_is_written_in_format_3_and_recorded_so,
             settings_the_recorded_format_cannot_hold_are_refused_and_change_nothing,
             finalize_refuses_while_a_node_may_read_an_older_format_unless_forced,
@@ -89,6 +91,53 @@ pub async fn a_new_store_records_the_current_format_with_its_first_write<F: Stor
     for (key, format) in object_formats(&t.store).await {
         assert_eq!(format, ipam_core::model::FORMAT_VERSION, "{key}");
     }
+}
+
+/// On an empty store, the upgrade status says no record yet and writers on this build's format;
+/// the writer whose first write recorded it knows the record's revision: its next writes (pool,
+/// configuration, node labels, none of which reads the record again) commit at once, without
+/// a conflict on the record.
+pub async fn the_writer_that_recorded_the_format_writes_on_without_a_conflict<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let hooked = HookedStore::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(hooked.clone());
+    let status = ipam
+        .upgrade_status()
+        .await
+        .expect("status of an empty store");
+    assert_eq!(status.recorded, None);
+    assert_eq!(
+        status.writes, FORMAT_VERSION,
+        "an empty store is new: {status:?}"
+    );
+    assert!(status.nodes.is_empty(), "{status:?}");
+
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("create pool");
+    assert_eq!(recorded(&t.store).await, Some(FORMAT_VERSION));
+    ipam.update_config(|c| c.max_blocks_per_host = 30)
+        .await
+        .expect("config");
+    ipam.create_pool(&spec("10.9.0.0/24", "other", 26))
+        .await
+        .expect("second pool");
+    ipam.set_node_labels("node-a", &[("zone".to_owned(), "a".to_owned())], &[])
+        .await
+        .expect("label");
+    assert_eq!(
+        (hooked.commits(), hooked.conflicts()),
+        (4, 0),
+        "four writes, each committed once"
+    );
+    let status = ipam.upgrade_status().await.expect("status");
+    assert_eq!(
+        (status.recorded, status.writes),
+        (Some(FORMAT_VERSION), FORMAT_VERSION)
+    );
+    assert_clean(&ipam).await;
 }
 
 /// A store in use without a record predates it: every write is in format 3, which the previous
