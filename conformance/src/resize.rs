@@ -34,6 +34,7 @@ macro_rules! resize_conformance_tests {
             check_reports_a_pool_inside_another_and_a_block_larger_than_its_pool,
             address_lookups_keep_their_round_trips_until_a_size_change,
             a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlapping,
+            explicit_assignments_in_existing_blocks_of_a_mixed_pool_do_not_conflict,
             a_namespace_setting_racing_a_split_never_names_the_split_pool,
         );
     };
@@ -704,6 +705,80 @@ pub async fn a_claim_racing_another_in_a_mixed_pool_retries_instead_of_overlappi
         "the explicit address lands in the block claimed meanwhile"
     );
     assert_disjoint(&block_cidrs(&ipam).await);
+    assert_clean(&ipam).await;
+}
+
+/// Only a block created in a mixed pool rewrites the pool's mixed-sizes record: two explicit
+/// assignments into blocks that exist already (each node's own) commit side by side, neither
+/// conflicting with the other, as in a pool whose size never changed.
+pub async fn explicit_assignments_in_existing_blocks_of_a_mixed_pool_do_not_conflict<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let a_block = assign_on(&ipam, "h-a", "node-a", 1).await[0].1;
+    let b_block = assign_on(&ipam, "h-b", "node-b", 1).await[0].1;
+    assert_ne!(a_block, b_block);
+    set_block_size(&ipam, "pool", 28).await;
+    let blocks_before = block_cidrs(&ipam).await;
+    let nth = |block: IpNet, n: u32| -> IpAddr {
+        match block.network() {
+            IpAddr::V4(v4) => IpAddr::V4((u32::from(v4) + n).into()),
+            other => panic!("an IPv4 block, got {other}"),
+        }
+    };
+    let (a_ip, b_ip) = (nth(a_block, 20), nth(b_block, 20));
+
+    // B's explicit assignment commits right before A's reaches the store.
+    let racer = ipam.clone();
+    let paused = HookedStore::new(Arc::clone(&t.store));
+    paused.before_commit(
+        |_| true,
+        move || async move {
+            let got = racer
+                .assign_ips(&AssignIpsRequest {
+                    ips: vec![b_ip],
+                    handle: "h-b2".into(),
+                    host: "node-b".into(),
+                    ..AssignIpsRequest::default()
+                })
+                .await
+                .expect("B's explicit assign");
+            assert_eq!(got[0].block, b_block);
+        },
+    );
+    let got = Ipam::new(paused.clone() as Arc<dyn KvStore>)
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![a_ip],
+            handle: "h-a2".into(),
+            host: "node-a".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("A's explicit assign");
+    assert!(paused.commit_hook_fired(), "the race never ran");
+    assert_eq!(got[0].block, a_block);
+    assert_eq!(
+        (paused.commits(), paused.conflicts()),
+        (1, 0),
+        "A's assignment committed at once beside B's"
+    );
+    assert_eq!(
+        block_cidrs(&ipam).await,
+        blocks_before,
+        "no block was created"
+    );
+    for (handle, ip) in [("h-a2", a_ip), ("h-b2", b_ip)] {
+        let held: Vec<IpAddr> = ipam
+            .ips_by_handle(handle)
+            .await
+            .expect("by handle")
+            .into_iter()
+            .map(|a| a.ip)
+            .collect();
+        assert_eq!(held, [ip], "{handle}");
+    }
     assert_clean(&ipam).await;
 }
 
