@@ -27,6 +27,7 @@ macro_rules! resize_conformance_tests {
         $crate::__expand_cases!(resize, $crate::resize, $factory;
             split_keeps_allocations_in_the_sub_pool_containing_them_and_rewrites_namespaces,
             split_refuses_bad_part_counts_and_parts_smaller_than_a_block_and_writes_nothing,
+            split_into_parts_of_one_block_and_a_former_block_larger_than_a_part,
             smaller_block_size_claims_new_blocks_beside_old_ones_that_drain,
             larger_block_size_never_overlaps_old_smaller_blocks,
             claim_affinity_refuses_a_block_overlapping_a_former_size,
@@ -240,6 +241,90 @@ pub async fn split_refuses_bad_part_counts_and_parts_smaller_than_a_block_and_wr
         Err(IpamError::PoolNotFound(_)) => {}
         other => panic!("expected pool not found, got {other:?}"),
     }
+    // A pool with room for more: 32 parts is the most, 64 is refused for its count alone.
+    ipam.create_pool(&spec("10.64.0.0/16", "wide", 26))
+        .await
+        .expect("wide pool");
+    match ipam.split_pool("wide", 64).await {
+        Err(IpamError::InvalidArgument(message)) => {
+            assert!(message.contains("2 to 32 (got 64)"), "{message}")
+        }
+        other => panic!("split into 64: expected an invalid argument, got {other:?}"),
+    }
+    let split = ipam.split_pool("wide", 32).await.expect("split into 32");
+    assert_eq!(split.pools.len(), 32);
+    assert!(
+        split.pools.iter().all(|p| p.cidr.prefix_len() == 21),
+        "{split:?}"
+    );
+}
+
+/// A split into parts of exactly one block keeps each block in the part that is that block; a
+/// block of a former, larger size than a part is refused (it would straddle two sub-pools),
+/// naming it, and nothing is written. A block size may grow to the pool's own size, not beyond.
+pub async fn split_into_parts_of_one_block_and_a_former_block_larger_than_a_part<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let held = assign_on(&ipam, "h-a", "node-a", 1).await[0];
+    let split = ipam
+        .split_pool("pool", 4)
+        .await
+        .expect("split into /26 parts");
+    assert_eq!(split.blocks, 1);
+    let part = split
+        .pools
+        .iter()
+        .find(|p| p.cidr == held.1)
+        .expect("a part that is the block");
+    assert_eq!(part.cidr.prefix_len(), 26);
+    assert_eq!(ipam.ips_by_handle("h-a").await.expect("held")[0].ip, held.0);
+
+    ipam.create_pool(&spec("10.1.0.0/24", "whole", 24))
+        .await
+        .expect("pool of one /24 block");
+    let whole_block = ipam
+        .assign_ips(&AssignIpsRequest {
+            ips: vec![ip("10.1.0.5")],
+            handle: "h-b".into(),
+            host: "node-b".into(),
+            ..AssignIpsRequest::default()
+        })
+        .await
+        .expect("an address of the /24 block")[0]
+        .block;
+    assert_eq!(whole_block, net("10.1.0.0/24"));
+    set_block_size(&ipam, "whole", 26).await;
+    let pools_before = ipam.list_pools().await.expect("pools");
+    match ipam.split_pool("whole", 2).await {
+        Err(IpamError::InvalidArgument(message)) => assert!(
+            message.contains("block 10.1.0.0/24") && message.contains("larger than a /25 part"),
+            "{message}"
+        ),
+        other => panic!("split around a /24 block: expected a refusal, got {other:?}"),
+    }
+    assert_eq!(ipam.list_pools().await.expect("pools"), pools_before);
+
+    // A block size may be the pool's own size, never larger.
+    let larger = PoolChange {
+        block_size: Some(23),
+        ..PoolChange::default()
+    };
+    match ipam.set_pool("whole", &larger).await {
+        Err(IpamError::InvalidArgument(message)) => assert!(
+            message.contains("pool 10.1.0.0/24 is smaller than one /23 block"),
+            "{message}"
+        ),
+        other => panic!("a /23 block size for a /24 pool: expected a refusal, got {other:?}"),
+    }
+    assert_eq!(ipam.list_pools().await.expect("pools"), pools_before);
+    ipam.create_pool(&spec("10.2.0.0/26", "single", 28))
+        .await
+        .expect("a /26 pool");
+    set_block_size(&ipam, "single", 26).await;
+    assert_clean(&ipam).await;
 }
 
 /// /26 → /28 (smaller blocks): the host keeps filling its old /26 block, new claims are /28
