@@ -687,6 +687,13 @@ fn without_a_gateway_every_address_is_a_host_address_of_its_prefix_until_the_poo
     assert_eq!(given.len(), 12, "{given:?}");
 }
 
+/// `netconf` asking for exactly `ips` (`runtimeConfig.ips`).
+fn asking_for_ips(netconf: &serde_json::Value, ips: &[&str]) -> serde_json::Value {
+    let mut asking = netconf.clone();
+    merge(&mut asking, json!({"runtimeConfig": {"ips": ips}}));
+    asking
+}
+
 #[test]
 fn a_requested_address_that_is_no_host_address_of_its_prefix_is_refused() {
     let sandbox = Sandbox::new();
@@ -694,13 +701,11 @@ fn a_requested_address_that_is_no_host_address_of_its_prefix_is_refused() {
         "1.0.0",
         json!({"pools": [{"cidr": "10.47.0.0/28", "block_size": 29}], "gateway": null}),
     );
-    let mut prime = netconf.clone();
-    merge(&mut prime, json!({"runtimeConfig": {"ips": ["10.47.0.2"]}}));
+    let prime = asking_for_ips(&netconf, &["10.47.0.2"]);
     cni("ADD", "prime", "eth0", &prime, &[]).success_json("prime");
     let before = sandbox.snapshot();
     for (address, what) in [("10.47.0.8", "network"), ("10.47.0.15", "broadcast")] {
-        let mut asking = netconf.clone();
-        merge(&mut asking, json!({"runtimeConfig": {"ips": [address]}}));
+        let asking = asking_for_ips(&netconf, &[address]);
         let msg = cni("ADD", "c1", "eth0", &asking, &[]).assert_error(7, address);
         assert!(
             msg.contains(address) && msg.contains(what) && msg.contains("10.47.0.8/29"),
@@ -712,11 +717,7 @@ fn a_requested_address_that_is_no_host_address_of_its_prefix_is_refused() {
         before,
         "a refused ADD changed the store"
     );
-    let mut asking = netconf.clone();
-    merge(
-        &mut asking,
-        json!({"runtimeConfig": {"ips": ["10.47.0.9"]}}),
-    );
+    let asking = asking_for_ips(&netconf, &["10.47.0.9"]);
     let result = cni("ADD", "c1", "eth0", &asking, &[]).success_json("a host address");
     assert_eq!(result["ips"][0]["address"], json!("10.47.0.9/29"));
 }
@@ -731,20 +732,12 @@ fn a_requested_address_is_checked_against_the_block_of_its_own_pool_in_a_dual_st
             {"cidr": "fd00:47::/120", "block_size": 122}
         ], "gateway": null}),
     );
-    let mut prime = netconf.clone();
-    merge(
-        &mut prime,
-        json!({"runtimeConfig": {"ips": ["10.47.0.2", "fd00:47::2"]}}),
-    );
+    let prime = asking_for_ips(&netconf, &["10.47.0.2", "fd00:47::2"]);
     cni("ADD", "prime", "eth0", &prime, &[]).success_json("prime");
     let before = sandbox.snapshot();
     // The IPv6 address is the network address of its /122 block (the IPv4 pool, listed first,
     // does not hold it); the IPv4 one is a host address.
-    let mut asking = netconf.clone();
-    merge(
-        &mut asking,
-        json!({"runtimeConfig": {"ips": ["10.47.0.9", "fd00:47::40"]}}),
-    );
+    let asking = asking_for_ips(&netconf, &["10.47.0.9", "fd00:47::40"]);
     let msg = cni("ADD", "c1", "eth0", &asking, &[]).assert_error(7, "fd00:47::40");
     assert!(
         msg.contains("subnet-router anycast") && msg.contains("fd00:47::40/122"),
@@ -755,11 +748,7 @@ fn a_requested_address_is_checked_against_the_block_of_its_own_pool_in_a_dual_st
         before,
         "a refused ADD changed the store"
     );
-    let mut asking = netconf.clone();
-    merge(
-        &mut asking,
-        json!({"runtimeConfig": {"ips": ["10.47.0.9", "fd00:47::41"]}}),
-    );
+    let asking = asking_for_ips(&netconf, &["10.47.0.9", "fd00:47::41"]);
     let result = cni("ADD", "c1", "eth0", &asking, &[]).success_json("host addresses");
     assert_eq!(result["ips"][0]["address"], json!("10.47.0.9/29"));
     assert_eq!(result["ips"][1]["address"], json!("fd00:47::41/122"));
