@@ -10,7 +10,7 @@ use ipam_core::model::keys;
 use ipam_core::Family;
 use ipam_core::{
     AssignIpsRequest, AssignedAddress, AutoAssignRequest, CountingStore, Ipam, IpamConfig,
-    IpamError, KvStore, Op, PoolSpec, ReleaseRequest, Txn,
+    IpamError, KvStore, Op, PoolChange, PoolSpec, ReleaseRequest, Txn,
 };
 use ipnet::IpNet;
 
@@ -186,6 +186,7 @@ macro_rules! ipam_conformance_tests {
             new_pools_overlapping_link_local_ranges_are_refused_and_a_stored_one_keeps_working,
             overlapping_pool_is_refused,
             pool_delete_is_refused_while_in_use_unless_forced,
+            pool_changes_write_only_what_changes_and_a_disable_always_writes,
             concurrent_ensure_pool_creates_one_pool,
             reuse_existing_returns_the_addresses_already_held,
             failed_assign_changes_nothing,
@@ -1148,6 +1149,63 @@ pub async fn pool_delete_is_refused_while_in_use_unless_forced<F: StoreFactory>(
         .await
         .expect("list")
         .is_empty());
+}
+
+/// A pool change that changes nothing writes nothing (the pool and the pool generation keep their
+/// revisions, so no allocator re-reads the pools for it); a disable writes even a pool disabled
+/// already (what a delete relies on to stop assignments racing it); a delete of a disabled, empty
+/// pool writes once, to delete it.
+pub async fn pool_changes_write_only_what_changes_and_a_disable_always_writes<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+    ipam.create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("pool");
+    let revisions = || async {
+        let pool = t.store.get(&keys::pool("pool")).await.expect("get pool");
+        let generation = t
+            .store
+            .get(&keys::pool_generation())
+            .await
+            .expect("get generation");
+        (pool.map(|kv| kv.revision), generation.map(|kv| kv.revision))
+    };
+    let before = revisions().await;
+    let commits = hooked.commits();
+    let unchanged = PoolChange {
+        disabled: Some(false),
+        ..PoolChange::default()
+    };
+    let pool = ipam.set_pool("pool", &unchanged).await.expect("no change");
+    assert!(!pool.disabled);
+    assert_eq!(hooked.commits(), commits, "a change to nothing wrote");
+    assert_eq!(revisions().await, before);
+
+    ipam.set_pool_disabled("pool", true).await.expect("disable");
+    assert_eq!(hooked.commits(), commits + 1);
+    let disabled = revisions().await;
+    assert!(
+        disabled.0 > before.0 && disabled.1 > before.1,
+        "{disabled:?}"
+    );
+    ipam.set_pool_disabled("pool", true)
+        .await
+        .expect("disable again");
+    assert_eq!(hooked.commits(), commits + 2, "a disable always writes");
+    assert!(revisions().await.0 > disabled.0);
+    assert!(ipam.get_pool("pool").await.expect("pool").disabled);
+
+    let deleted = ipam.delete_pool("pool", false).await.expect("delete");
+    assert_eq!((deleted.released_addresses, deleted.deleted_blocks), (0, 0));
+    assert_eq!(
+        hooked.commits(),
+        commits + 3,
+        "deleting a disabled, empty pool writes once"
+    );
+    assert_eq!(revisions().await.0, None);
 }
 
 /// Many concurrent `ensure_pool` calls with the same spec create exactly one pool and all succeed.
