@@ -187,6 +187,7 @@ macro_rules! ipam_conformance_tests {
             overlapping_pool_is_refused,
             pool_delete_is_refused_while_in_use_unless_forced,
             pool_changes_write_only_what_changes_and_a_disable_always_writes,
+            pool_delete_meeting_an_address_that_landed_meanwhile_releases_it_or_refuses,
             concurrent_ensure_pool_creates_one_pool,
             reuse_existing_returns_the_addresses_already_held,
             failed_assign_changes_nothing,
@@ -1206,6 +1207,101 @@ pub async fn pool_changes_write_only_what_changes_and_a_disable_always_writes<F:
         "deleting a disabled, empty pool writes once"
     );
     assert_eq!(revisions().await.0, None);
+}
+
+/// A pool delete that meets a block holding an address that landed after it counted (another
+/// client enabled the pool, an ADD took an address in the node's empty block, and the pool was
+/// disabled again, all right before the delete's commit of that block): with force it goes round
+/// again, releases the address and deletes the block and the pool (never the pool alone, leaving
+/// the block outside every pool); without force it is refused naming the pool, and the address,
+/// block and pool stay.
+pub async fn pool_delete_meeting_an_address_that_landed_meanwhile_releases_it_or_refuses<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    ipam.create_pool(&spec("10.1.0.0/24", "other", 26))
+        .await
+        .expect("second pool");
+    for pool in ["pool", "other"] {
+        // An empty block affine to node-a: what a delete counts as holding nothing.
+        let mut request = v4(&format!("h-{pool}"), "node-a", 1);
+        request.v4_pools = vec![pool.into()];
+        let held = ipam.auto_assign(&request).await.expect("assign").v4[0].ip;
+        ipam.release_ips(&[ReleaseRequest {
+            ip: held,
+            sequence: None,
+        }])
+        .await
+        .expect("release");
+    }
+    let deletes_a_block = |txn: &Txn| {
+        txn.ops
+            .iter()
+            .any(|op| matches!(op, Op::Delete { key } if key.starts_with("ipam/v1/blocks/")))
+    };
+    let arm = |pool: &'static str| {
+        let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+        let racer = ipam.clone();
+        hooked.before_commit(deletes_a_block, move || async move {
+            racer
+                .set_pool_disabled(pool, false)
+                .await
+                .expect("enable again");
+            let mut request = v4(&format!("late-{pool}"), "node-a", 1);
+            request.v4_pools = vec![pool.into()];
+            racer.auto_assign(&request).await.expect("a late ADD");
+            racer
+                .set_pool_disabled(pool, true)
+                .await
+                .expect("disable again");
+        });
+        hooked
+    };
+
+    let hooked = arm("pool");
+    let deleted = Ipam::new(hooked.clone() as Arc<dyn KvStore>)
+        .delete_pool("pool", true)
+        .await
+        .expect("forced delete");
+    assert!(hooked.commit_hook_fired(), "the race never ran");
+    assert_eq!(
+        (deleted.released_addresses, deleted.deleted_blocks),
+        (1, 1),
+        "the late address released, its block deleted"
+    );
+    assert!(ipam
+        .ips_by_handle("late-pool")
+        .await
+        .expect("late")
+        .is_empty());
+    assert!(matches!(
+        ipam.get_pool("pool").await,
+        Err(IpamError::PoolNotFound(_))
+    ));
+
+    let hooked = arm("other");
+    match Ipam::new(hooked.clone() as Arc<dyn KvStore>)
+        .delete_pool("other", false)
+        .await
+    {
+        Err(IpamError::PoolInUse { pool, in_use: 1 }) => assert_eq!(pool, "other"),
+        other => panic!("expected the pool in use, got {other:?}"),
+    }
+    assert!(hooked.commit_hook_fired(), "the race never ran");
+    assert_eq!(
+        ipam.ips_by_handle("late-other").await.expect("late").len(),
+        1
+    );
+    ipam.get_pool("other").await.expect("the pool stays");
+    let blocks = t.store.list("ipam/v1/blocks/").await.expect("list");
+    assert_eq!(
+        blocks.len(),
+        1,
+        "only the block of the pool kept: {blocks:?}"
+    );
+    assert_clean(&ipam).await;
 }
 
 /// Many concurrent `ensure_pool` calls with the same spec create exactly one pool and all succeed.
