@@ -382,7 +382,9 @@ fn refuse_if_missing(path: &Path) -> Result<(), KvError> {
             return Err(KvError::corrupt(
                 None,
                 format!(
-                    "the redb store {} is an empty file: it was truncated or is not a blockipam                      store; it was left untouched (restore it, or remove it and create the store                      again with `blockipamctl pool add`)",
+                    "the redb store {} is an empty file: it was truncated or is not a blockipam \
+                     store; it was left untouched (restore it, or remove it and create the store \
+                     again with `blockipamctl pool add`)",
                     path.display()
                 ),
             ))

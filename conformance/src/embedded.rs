@@ -415,10 +415,15 @@ pub async fn empty_placeholder_at_store_path_is_an_error_without_create_if_missi
     }
     match factory.open_at(&loc.path, WAIT, false).await {
         Ok(store) => panic!("opened an empty placeholder as a store: {store:?}"),
-        Err(err) => assert!(
-            err.to_string().contains(&loc.path.display().to_string()),
-            "{err} does not name the path"
-        ),
+        Err(err) => {
+            let message = err.to_string();
+            assert!(
+                message.contains(&loc.path.display().to_string()),
+                "{err} does not name the path"
+            );
+            // A message wrapped in the source keeps no run of its indentation.
+            assert!(!message.contains("  "), "{message:?} has a run of spaces");
+        }
     }
     if is_directory {
         assert_eq!(
