@@ -35,6 +35,7 @@ macro_rules! repair_conformance_tests {
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
             release_host_splits_blocks_too_many_for_one_transaction,
             release_by_address_racing_a_pool_split_still_releases,
+            check_counts_the_blocks_handles_and_addresses_it_examined,
         );
     };
 }
@@ -156,6 +157,35 @@ pub async fn claim_entries_naming_another_host_or_free_count_are_reported_and_re
             (Some(affinity), 63)
         );
     }
+}
+
+/// A clean check says how much it examined: every block (an empty one kept by its host
+/// included), every handle, and every address the blocks hold.
+pub async fn check_counts_the_blocks_handles_and_addresses_it_examined<F: StoreFactory>(
+    factory: &F,
+) {
+    let (_t, ipam) = ipam_with_pool(factory, "10.24.0.0/24", 26).await;
+    ipam.auto_assign(&v4("two", "node-a", 2))
+        .await
+        .expect("two addresses on node-a");
+    ipam.auto_assign(&v4("one", "node-b", 1))
+        .await
+        .expect("one address on node-b");
+    ipam.auto_assign(&v4("gone", "node-c", 1))
+        .await
+        .expect("one address on node-c");
+    ipam.release_handle("gone").await.expect("release gone");
+    let report = ipam.check(false).await.expect("check");
+    assert!(report.problems.is_empty(), "{report:#?}");
+    assert_eq!(
+        (
+            report.blocks_checked,
+            report.handles_checked,
+            report.allocations_checked
+        ),
+        (3, 2, 3),
+        "three blocks (node-c's empty one kept), two handles, three addresses: {report:#?}"
+    );
 }
 
 /// The repair deletes empty blocks without affinity only: an empty block its host still holds
