@@ -104,6 +104,30 @@ async fn database_file_truncated_to_half_is_an_error_on_open() {
     expect_corrupt(open(&loc.path).await, None);
 }
 
+/// A store truncated to nothing (or an empty placeholder) is damage, not a missing store: even a
+/// caller allowed to create a store (the plugin with netconf pools, `pool add`) is refused, and the
+/// file is left empty, so no new, empty store hands out addresses the lost one still holds.
+#[tokio::test]
+async fn database_file_truncated_to_nothing_is_refused_even_when_creating_and_left_empty() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&loc.path)
+        .and_then(|file| file.set_len(0))
+        .expect("truncate to nothing");
+    let message = expect_corrupt(open(&loc.path).await, None);
+    assert!(
+        message.contains("is an empty file") && message.contains(&loc.path.display().to_string()),
+        "message: {message}"
+    );
+    assert_eq!(
+        std::fs::metadata(&loc.path).expect("stat").len(),
+        0,
+        "the empty file was replaced by a new store"
+    );
+}
+
 #[tokio::test]
 async fn database_file_truncated_inside_its_header_is_an_error_on_open() {
     let loc = new_location();
