@@ -37,7 +37,18 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         labels: &labels,
     };
     let pending = usable_pools(conf, node, &own)?;
-    let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    let stored_and_pending: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    // The addresses the network's set-up reserves, in blocks of the node, counted as taken:
+    // whether it holds them already is not read here.
+    let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
+    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
+    let after_set_up = with_set_up_reservations_taken(
+        &stored_and_pending,
+        &reserved,
+        &ipam_core::reservations::ReservedRanges::default(),
+        &BTreeSet::new(),
+    );
+    let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     if own_blocks_serve(conf, &all_pools, &scope) {
         return Ok(());
     }
@@ -59,28 +70,47 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     let stored_and_pending: Vec<&PoolUsage> = usage.pools.iter().chain(&pending).collect();
     let pools: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &pools);
-    // As the ADD finds them once its network set-up has reserved the gateway addresses.
+    // As the ADD finds them once its network set-up has reserved the gateway addresses: in a
+    // stored block, those still free are taken by the set-up first (which of them are free is
+    // read only then).
     let reserved = ipam_core::network_setup::reserved_addresses(&pools, &conf.gateways);
-    let after_set_up = with_reservation_blocks(&stored_and_pending, &usage, &reserved);
+    let set_up_in_stored_blocks = stored_and_pending
+        .iter()
+        .flat_map(|p| p.blocks.iter())
+        .any(|b| b.free > 0 && reserved.iter().any(|ip| b.cidr.contains(ip)));
+    let mut allocations: Option<BTreeSet<IpAddr>> = None;
+    let mut reservation_ranges = ipam_core::reservations::ReservedRanges::default();
+    if set_up_in_stored_blocks {
+        allocations = Some(allocated_addresses(ipam).await.map_err(unreachable)?);
+        reservation_ranges = ipam_core::reservations::ReservedRanges::new(
+            &ipam.list_reservations().await.map_err(unreachable)?,
+        );
+    }
+    let set_up_taken = with_set_up_reservations_taken(
+        &stored_and_pending,
+        &reserved,
+        &reservation_ranges,
+        allocations.as_ref().unwrap_or(&BTreeSet::new()),
+    );
+    let stored_after_set_up: Vec<&PoolUsage> = set_up_taken.iter().map(AsRef::as_ref).collect();
+    let after_set_up = with_reservation_blocks(&stored_after_set_up, &usage, &reserved);
     let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     // Which block edges are taken matters only for a block with one or two free addresses.
     let ambiguous = all_pools
         .iter()
         .flat_map(|p| p.blocks.iter())
         .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
-    let allocated: BTreeSet<IpAddr> = if skip_edges && ambiguous {
-        // The allocations of the blocks that can be decoded (as the usage above), and the
-        // reservations the set-up makes.
-        ipam.utilization_and_allocations()
-            .await
-            .map_err(unreachable)?
-            .1
+    if skip_edges && ambiguous && allocations.is_none() {
+        allocations = Some(allocated_addresses(ipam).await.map_err(unreachable)?);
+    }
+    // The allocations of the blocks that can be decoded (as the usage above), and the
+    // reservations the set-up makes.
+    let allocated: BTreeSet<IpAddr> = match allocations {
+        Some(allocations) => allocations
             .into_iter()
-            .map(|a| a.ip)
             .chain(reserved.iter().copied())
-            .collect()
-    } else {
-        BTreeSet::new()
+            .collect(),
+        None => BTreeSet::new(),
     };
     let usable = Usable {
         skip_edges,
@@ -205,7 +235,21 @@ async fn new_or_borrowed_blocks_serve(
     let Ok(pending) = pending_netconf_pools(conf, own) else {
         return Bounded::Unsettled;
     };
-    let all_pools: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    let stored_and_pending: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
+    let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
+    // The ADD's network set-up claims a block not claimed yet that holds an address it reserves
+    // before the ADD looks for one: only the whole usage tells whether another is left. In a
+    // block already claimed, it takes the reserved addresses still free there: counted as taken
+    // in the node's blocks (whether it holds them already is not read here).
+    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
+    let set_up_claims = |block: &IpNet| reserved.iter().any(|ip| block.contains(ip));
+    let after_set_up = with_set_up_reservations_taken(
+        &stored_and_pending,
+        &reserved,
+        &ipam_core::reservations::ReservedRanges::default(),
+        &BTreeSet::new(),
+    );
+    let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     let families: Vec<(Family, Vec<&PoolUsage>)> = [
         (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
         (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
@@ -228,12 +272,7 @@ async fn new_or_borrowed_blocks_serve(
             }
         }
     }
-    let every: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &every);
-    // The ADD's network set-up claims a block not claimed yet that holds an address it reserves
-    // before the ADD looks for one: only the whole usage tells whether another is left.
-    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
-    let set_up_claims = |block: &IpNet| reserved.iter().any(|ip| block.contains(ip));
     let limited = config.auto_allocate_blocks && config.max_blocks_per_host != 0;
     let Ok(prospect) = ipam
         .new_block_prospect(scope.node, &probed, skip_edges, limited)
@@ -316,6 +355,8 @@ async fn new_or_borrowed_blocks_serve(
                 .first_lender_with_room(&prospect, &within, config, skip_edges)
                 .await
             {
+                // A lender whose free address the set-up may reserve: the whole usage tells.
+                Ok(Some(lender)) if set_up_claims(&lender) => return Bounded::Unsettled,
                 Ok(Some(_)) => continue,
                 Ok(None) => {}
                 Err(_) => return Bounded::Unsettled,
@@ -366,7 +407,9 @@ async fn new_or_borrowed_blocks_serve(
 /// usage of its blocks with room (`own`, which holds only the node's blocks kept under `open/`,
 /// each with a free address) does not show: one that cannot be decoded (the ADD names it), one
 /// whose free addresses may be host addresses (which edges are taken is not read), or, where the
-/// ADD may take block edges (`skip_edges` false), a full block whose edges are free.
+/// ADD may take block edges (`skip_edges` false), a full block whose edges are free. (So a block
+/// of the node holding an address the network's set-up reserves, counted as taken though it may
+/// be held already, always leaves the answer to the whole usage.)
 fn own_room_unread(own: &Utilization, family: Family, skip_edges: bool) -> bool {
     let damaged = own.undecodable.iter().any(|o| {
         o.block()
@@ -477,6 +520,52 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
         }
     }
     Ok(pending)
+}
+
+/// Every address allocated in the blocks that can be decoded.
+async fn allocated_addresses(ipam: &Ipam) -> Result<BTreeSet<IpAddr>, IpamError> {
+    Ok(ipam
+        .utilization_and_allocations()
+        .await?
+        .1
+        .into_iter()
+        .map(|a| a.ip)
+        .collect())
+}
+
+/// The stored blocks of `pools` as an ADD's network set-up leaves them: each address it reserves
+/// (`reserved`) that lies in one and is free there (not among `allocated`, nor covered by one of
+/// the operator's `reservation_ranges`) is taken, one free address fewer. With nothing read of
+/// which addresses are taken (both empty), every reserved address in a block counts as taken.
+/// Pools with no such address are returned as they are, not copied.
+fn with_set_up_reservations_taken<'a>(
+    pools: &[&'a PoolUsage],
+    reserved: &[IpAddr],
+    reservation_ranges: &ipam_core::reservations::ReservedRanges,
+    allocated: &BTreeSet<IpAddr>,
+) -> Vec<Cow<'a, PoolUsage>> {
+    let taken_in = |block: &BlockUsage| -> u64 {
+        reserved
+            .iter()
+            .filter(|ip| block.cidr.contains(*ip))
+            .filter(|ip| !allocated.contains(ip) && !reservation_ranges.contains(**ip))
+            .count() as u64
+    };
+    pools
+        .iter()
+        .map(|pool_usage| {
+            if !pool_usage.blocks.iter().any(|b| taken_in(b) > 0) {
+                return Cow::Borrowed(*pool_usage);
+            }
+            let mut after = (*pool_usage).clone();
+            for block in &mut after.blocks {
+                let taken = taken_in(block).min(block.free);
+                block.free -= taken;
+                block.in_use += taken;
+            }
+            Cow::Owned(after)
+        })
+        .collect()
 }
 
 /// `pools` as an ADD's network set-up leaves them: each address it reserves (`reserved`) whose

@@ -90,6 +90,7 @@ in_both_modes! {
     status_counts_a_block_it_cannot_decode_as_taken,
     status_speaks_for_the_next_add_in_every_choice_of_pool,
     status_speaks_for_the_next_add_at_block_edges_and_when_borrowing,
+    status_counts_the_free_addresses_the_network_set_up_reserves_in_claimed_blocks_as_taken,
     errors_carry_the_requests_spec_version,
     log_file_is_created_owner_only_and_an_existing_files_mode_is_kept,
     gc_with_null_valid_attachments_releases_everything_of_the_network_on_this_node,
@@ -1472,6 +1473,113 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
         cni("DEL", container, "eth0", &gateway_limited, &[]).assert_silent_success(container);
     }
     status_then_add(&gateway_limited, "node-g-edge", None, &[]);
+}
+
+/// STATUS agrees with the ADD when the network is not set up yet in a pool the operator created
+/// and the addresses its set-up reserves (the gateway, the pool's network and broadcast
+/// addresses) lie in blocks already claimed and are still free there: the set-up takes them
+/// before the ADD looks, so they are no room, in the node's own block and in a lender's; a block
+/// with a free address besides them still serves, and one the operator's reservation covers was
+/// never free.
+fn status_counts_the_free_addresses_the_network_set_up_reserves_in_claimed_blocks_as_taken(
+    mode: Mode,
+) {
+    let sandbox = Sandbox::in_mode(mode);
+    // Each pool one block, claimed by an explicit request of `holder` for the addresses at
+    // `held` (offsets from the pool's network address); the gateway is the first host address.
+    let claimed_pool_holding = |cidr: &str, block_size: u8, holder: &str, held: &[u32]| {
+        let net: ipnet::Ipv4Net = cidr.parse().expect("a CIDR");
+        sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+            ipam.create_pool(&ipam_core::PoolSpec {
+                cidr: net.into(),
+                name: None,
+                block_size: Some(block_size),
+                disabled: false,
+            })
+            .await
+            .expect("the operator's pool");
+            let at = |offset: &u32| std::net::Ipv4Addr::from(u32::from(net.network()) + offset);
+            ipam.assign_ips(&ipam_core::AssignIpsRequest {
+                ips: held.iter().map(|offset| at(offset).into()).collect(),
+                handle: format!("held-in-{}", net.network()),
+                host: holder.into(),
+                ..ipam_core::AssignIpsRequest::default()
+            })
+            .await
+            .expect("the block claimed");
+        });
+        sandbox.netconf(
+            "1.1.0",
+            json!({"gateway": std::net::Ipv4Addr::from(u32::from(net.network()) + 1).to_string(),
+                   "ipv4_pools": [cidr], "pools": [{"cidr": cidr, "block_size": block_size}]}),
+        )
+    };
+    // Its second host address held: the gateway and the pool's edges stay free.
+    let claimed_pool = |cidr: &str, block_size: u8, holder: &str| {
+        claimed_pool_holding(cidr, block_size, holder, &[2])
+    };
+    // The node's own /30 block: free are the pool's network address, the gateway and the
+    // broadcast address, all three reserved by the set-up.
+    status_then_add(
+        &claimed_pool("10.244.40.0/30", 30, NODE),
+        "own-block-all-reserved",
+        Some("no free address"),
+        &[],
+    );
+    // Another node's /30 block, the pool's only one: nothing to borrow once the set-up is done.
+    status_then_add(
+        &claimed_pool("10.244.41.0/30", 30, "node-b"),
+        "lender-all-reserved",
+        Some("no free address"),
+        &[],
+    );
+    // A /29 block: four addresses beside the three reserved.
+    status_then_add(
+        &claimed_pool("10.244.42.0/29", 29, NODE),
+        "own-block-room-beside-the-reserved",
+        None,
+        &[],
+    );
+    let lender_with_room = claimed_pool("10.244.43.0/29", 29, "node-b");
+    status_then_add(
+        &lender_with_room,
+        "lender-room-beside-the-reserved",
+        None,
+        &[],
+    );
+    // The set-up done, its addresses held: the block's three other free addresses serve.
+    for n in 1..=3 {
+        status_then_add(
+            &lender_with_room,
+            &format!("after-the-set-up-{n}"),
+            None,
+            &[],
+        );
+    }
+    status_then_add(
+        &lender_with_room,
+        "after-the-set-up-full",
+        Some("no free address"),
+        &[],
+    );
+    // The gateway inside the operator's reservation (not free, the set-up takes it all the
+    // same): of the three free addresses, the set-up takes the pool's two edges and leaves one.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.add_reservation(&ipam_core::reservations::Reservation {
+            name: "gateway-44".into(),
+            cidrs: vec!["10.244.44.1/32".parse().expect("a CIDR")],
+        })
+        .await
+        .expect("the operator's reservation");
+    });
+    let reserved_gateway = claimed_pool_holding("10.244.44.0/29", 29, "node-b", &[2, 3, 4, 5]);
+    status_then_add(&reserved_gateway, "beside-a-reserved-gateway", None, &[]);
+    status_then_add(
+        &reserved_gateway,
+        "reserved-gateway-full",
+        Some("no free address"),
+        &[],
+    );
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {
