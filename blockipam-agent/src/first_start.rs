@@ -76,10 +76,7 @@ impl PendingMarker {
                 self.marker.display()
             ))
         };
-        let seconds = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or_default();
+        let seconds = ipam_core::model::timestamp::unix_now();
         let how = if self.created { "created" } else { "found" };
         let mut file = std::fs::OpenOptions::new()
             .write(true)

@@ -10,7 +10,9 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use ipam_core::model::timestamp::unix_now;
 
 use cri_client::{CriClient, CriError};
 use ipam_core::allocator::leaks::{
@@ -483,13 +485,6 @@ fn write_report(
             "leak collection: cannot write the report for blockipamctl gc --leaks: {e}"
         );
     }
-}
-
-/// Seconds since the Unix epoch on this machine's clock (0 if the clock is before 1970).
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -6,7 +6,9 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use ipam_core::model::timestamp::unix_now;
 
 use backend_etcd::lease::{Holder, LeaseSession, LeaseState, LeasedKey};
 use backend_etcd::EtcdConfig;
@@ -96,14 +98,6 @@ pub struct Liveness {
     liveness: LeasedKey,
     stop: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<()>>,
-}
-
-/// Seconds since the Unix epoch on this machine's clock (0 if the clock is before 1970).
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 impl Liveness {

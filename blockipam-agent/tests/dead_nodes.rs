@@ -465,7 +465,7 @@ fn a_stopped_agent_takes_its_liveness_key_away_at_once_and_leaves_its_registrati
     let prefix = unique_prefix();
     let dir = tempfile::tempdir().expect("temp dir");
     let (runtime, store) = connect(&cluster, &prefix);
-    let before = unix_seconds();
+    let before = test_kit::unix_now();
     let mut agent = Agent::start_with(
         "node-s",
         &dir.path().join("node-s.sock"),
@@ -476,7 +476,7 @@ fn a_stopped_agent_takes_its_liveness_key_away_at_once_and_leaves_its_registrati
     wait_until(&runtime, "node-s is registered and live", || async {
         registration(&store, "node-s").await.is_some() && is_live(&store, "node-s").await
     });
-    let after = unix_seconds();
+    let after = test_kit::unix_now();
     let registered = runtime
         .block_on(registration(&store, "node-s"))
         .expect("node-s's registration");
@@ -713,7 +713,7 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     // The link heals: node-b's agent takes a new lease and registers again (a registration made
     // after the heal, not only marks a reclaimer cleared); the marks go.
     proxy.heal();
-    let healed_at = unix_seconds();
+    let healed_at = test_kit::unix_now();
     wait_until(
         &runtime,
         "node-b is live and registered again, the reclaim's marks cleared",
@@ -736,12 +736,4 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     drop(agent_a);
     drop(proxy);
     drop(cluster);
-}
-
-/// Seconds since the Unix epoch on this machine's clock, the one the agents register with.
-fn unix_seconds() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("the clock is past 1970")
-        .as_secs()
 }

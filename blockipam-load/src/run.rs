@@ -332,10 +332,7 @@ pub(crate) async fn open_target(
 }
 
 fn unique_etcd_prefix(config: &LoadConfig) -> String {
-    let seconds = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default();
+    let seconds = ipam_core::model::timestamp::unix_now();
     format!(
         "/blockipam-load/{}-{}-{seconds}-{}/",
         config.network,

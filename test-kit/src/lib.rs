@@ -21,3 +21,7 @@ pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
         .expect("a tokio runtime")
         .block_on(future)
 }
+
+/// Seconds since the Unix epoch by this machine's clock (the one the plugin, the CLI and the agent
+/// stamp releases, marks and looks with).
+pub use ipam_core::model::timestamp::unix_now;

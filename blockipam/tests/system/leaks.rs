@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use std::sync::Arc;
 use test_kit::agent::InProcessAgent;
 use test_kit::cni::{full_cni_env, run_cni, HANG_GUARD};
+use test_kit::unix_now;
 
 use crate::common::{plugin_binary, Sandbox};
 use crate::containerd::{ctl_on, ctl_run, require_environment, Cri};
@@ -937,11 +938,4 @@ fn one_leak_look_costs_one_cri_list_one_status_per_pod_and_two_store_reads() {
 fn median(mut times: Vec<Duration>) -> Duration {
     times.sort();
     times[times.len() / 2]
-}
-
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("a clock after 1970")
-        .as_secs()
 }

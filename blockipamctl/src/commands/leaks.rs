@@ -1,7 +1,7 @@
 //! `gc --leaks [--report PATH] [--apply]`: this node's leaks as its agent's last look at the container runtime found them (what, why, since when), and with `--apply` the release of those past their grace, each guarded by its sequence number.
 
+use ipam_core::model::timestamp::unix_now;
 use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::allocator::leaks::{
@@ -223,10 +223,4 @@ pub async fn run(
         table: text,
         problems_found,
     })
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }

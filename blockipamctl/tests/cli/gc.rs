@@ -1,7 +1,9 @@
 //! `gc --dead-nodes [--grace-seconds N] [--apply]` on etcd (where agents register their nodes and
 //! keep liveness keys on leases), and what it says on an embedded store.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use test_kit::unix_now;
 
 use backend_etcd::lease::LeaseSession;
 use backend_etcd::EtcdConfig;
@@ -9,13 +11,6 @@ use ipam_core::dead_nodes::{agent_key, countdown_key, liveness_key, register, Re
 use serde_json::Value;
 
 use crate::common::{assert_columns_line_up, marked_registration, Backend, Lab};
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .expect("a clock after 1970")
-}
 
 fn node<'a>(report: &'a Value, name: &str) -> &'a Value {
     report["nodes"]

@@ -2,7 +2,7 @@
 
 use std::net::IpAddr;
 use std::path::Path;
-use std::time::{SystemTime, UNIX_EPOCH};
+use test_kit::unix_now;
 
 use ipam_core::allocator::leaks::{
     LeakPolicy, LeakReport, LeakWatch, LiveSandbox, RuntimeView, LEAK_REPORT_VERSION,
@@ -20,13 +20,6 @@ crate::on_every_backend!(
 
 const GRACE: u64 = 900;
 const SCAN: u64 = 60;
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("a clock after 1970")
-        .as_secs()
-}
 
 /// One look by the agent of node-a at `at`, the runtime running `live` (container ids with the
 /// addresses it reports for them).

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use serde_json::{json, Value};
+use test_kit::unix_now;
 
 use crate::common::{Backend, Lab};
 use crate::on_every_backend;
@@ -46,14 +47,6 @@ fn block_row(lab: &Lab, cidr: &str) -> Option<Value> {
 fn add_pool_of_30s(lab: &Lab, cidr: &str, name: &str) {
     lab.ctl(&["pool", "add", cidr, "--name", name, "--block-size", "30"])
         .ok();
-}
-
-/// Seconds since the Unix epoch, by this machine's clock (the one the plugin stamps releases with).
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("after the epoch")
-        .as_secs()
 }
 
 fn block_of(ip: IpAddr) -> String {

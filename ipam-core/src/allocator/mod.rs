@@ -926,11 +926,7 @@ pub struct Clock(Arc<dyn Fn() -> u64 + Send + Sync>);
 impl Clock {
     /// The system's wall clock.
     pub fn system() -> Self {
-        Clock(Arc::new(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs())
-        }))
+        Clock(Arc::new(crate::model::timestamp::unix_now))
     }
 
     /// A clock that reads `now` (for tests that move time by hand).

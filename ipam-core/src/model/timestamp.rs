@@ -2,13 +2,16 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+/// Seconds since the Unix epoch on this machine's clock (0 if the clock reads before 1970).
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// Now, as RFC 3339 UTC with whole seconds.
 pub fn now_rfc3339() -> String {
-    let seconds = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    format_unix(seconds)
+    format_unix(unix_now())
 }
 
 /// Formats seconds since the Unix epoch as RFC 3339 UTC.
