@@ -38,8 +38,8 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     };
     let pending = usable_pools(conf, node, &own)?;
     let stored_and_pending: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
-    // The addresses the network's set-up reserves, in blocks of the node, counted as taken:
-    // whether it holds them already is not read here.
+    // The addresses the network's set-up reserves, in blocks already claimed, counted as taken
+    // where they lie in the node's blocks (whether it holds them already is not read here).
     let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
     let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
     let after_set_up = with_set_up_reservations_taken(
@@ -54,7 +54,12 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     }
     // A node without room claims a new block or borrows: what the first reads of the ADD's
     // searches find, then the claim index it reads after them.
-    match new_or_borrowed_blocks_serve(ipam, conf, &config, &own, &scope).await {
+    let own_pools = OwnPools {
+        usage: &own,
+        after_set_up: &all_pools,
+        reserved: &reserved,
+    };
+    match new_or_borrowed_blocks_serve(ipam, conf, &config, &own_pools, &scope).await {
         Bounded::Serves => return Ok(()),
         Bounded::Refuses { family, why } => {
             return Err(CniError::new(
@@ -203,6 +208,18 @@ fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>)
     })
 }
 
+/// What STATUS read of the node's own blocks first, for [`new_or_borrowed_blocks_serve`].
+#[derive(Clone, Copy)]
+struct OwnPools<'a> {
+    /// The usage of the node's blocks with room (and of every pool).
+    usage: &'a Utilization,
+    /// Every pool, stored and not created yet, with the node's blocks with room, the addresses
+    /// the network's set-up reserves in them counted as taken.
+    after_set_up: &'a [&'a PoolUsage],
+    /// The addresses the network's set-up reserves.
+    reserved: &'a [IpAddr],
+}
+
 /// What STATUS settles without reading every block.
 enum Bounded {
     /// Every family the netconf asks for can get an address.
@@ -219,37 +236,27 @@ enum Bounded {
 /// reserved), or borrow (no strict affinity, and another node's or nobody's block has an address
 /// the ADD could take): first among the blocks the ADD's new-block search probes, then in the
 /// claim index the ADD reads after them. Refuses a family whose node is at its block limit with
-/// no room in its blocks (the ADD refuses it before it would borrow). `own` is the usage of the
-/// node's blocks with room. Reads claim entries and the blocks of lenders, never every block;
-/// unsettled when anything it reads cannot be decoded, or a block's room depends on which of
-/// its edges are taken, or the block it finds holds an address the ADD's network set-up reserves
-/// (which claims it first, or may take its free address), or nothing serves (the whole usage then
-/// tells, and phrases why not).
+/// no room in its blocks (the ADD refuses it before it would borrow). Reads claim entries and
+/// the blocks of lenders, never every block; unsettled when anything it reads cannot be decoded,
+/// or a block's room depends on which of its edges are taken, or the block it finds holds an
+/// address the ADD's network set-up reserves (which claims it first, or may take its free
+/// address), or nothing serves (the whole usage then tells, and phrases why not).
 async fn new_or_borrowed_blocks_serve(
     ipam: &Ipam,
     conf: &NetConf,
     config: &ipam_core::IpamConfig,
-    own: &Utilization,
+    own_pools: &OwnPools<'_>,
     scope: &NodeScope<'_>,
 ) -> Bounded {
-    let Ok(pending) = pending_netconf_pools(conf, own) else {
-        return Bounded::Unsettled;
-    };
-    let stored_and_pending: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
-    let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
+    let OwnPools {
+        usage: own,
+        after_set_up: all_pools,
+        reserved,
+    } = *own_pools;
     // The ADD's network set-up claims a block not claimed yet that holds an address it reserves
-    // before the ADD looks for one: only the whole usage tells whether another is left. In a
-    // block already claimed, it takes the reserved addresses still free there: counted as taken
-    // in the node's blocks (whether it holds them already is not read here).
-    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
+    // before the ADD looks for one: only the whole usage tells whether another is left; in a
+    // lender, it may take the lender's free address.
     let set_up_claims = |block: &IpNet| reserved.iter().any(|ip| block.contains(ip));
-    let after_set_up = with_set_up_reservations_taken(
-        &stored_and_pending,
-        &reserved,
-        &ipam_core::reservations::ReservedRanges::default(),
-        &BTreeSet::new(),
-    );
-    let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     let families: Vec<(Family, Vec<&PoolUsage>)> = [
         (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
         (Family::V6, conf.assign_ipv6, &conf.ipv6_pools),
@@ -257,7 +264,7 @@ async fn new_or_borrowed_blocks_serve(
     .into_iter()
     .filter(|(_, wanted, _)| *wanted)
     .map(|(family, _, requested)| {
-        candidate_pools(&all_pools, scope, family, requested).map(|pools| (family, pools))
+        candidate_pools(all_pools, scope, family, requested).map(|pools| (family, pools))
     })
     .collect::<Result<_, _>>()
     .unwrap_or_default();
@@ -272,6 +279,7 @@ async fn new_or_borrowed_blocks_serve(
             }
         }
     }
+    let every: Vec<Pool> = all_pools.iter().map(|p| p.pool.clone()).collect();
     let skip_edges = may_report_block_prefix(conf, &every);
     let limited = config.auto_allocate_blocks && config.max_blocks_per_host != 0;
     let Ok(prospect) = ipam
