@@ -207,6 +207,23 @@ impl Lab {
         run_guarded_into(ctl_command(BIN.as_ref(), &full), &full, stdout)
     }
 
+    /// Runs blockipamctl in the lab's directory, naming the embedded store there by its file name
+    /// alone (a path with no directory part), followed by `args`.
+    pub fn ctl_by_bare_file_name(&self, args: &[&str]) -> Run {
+        let path = self.path();
+        let name = path.file_name().expect("the store's file name");
+        let mut full = vec![
+            "--datastore-type".to_owned(),
+            self.type_name().to_owned(),
+            "--datastore-path".to_owned(),
+            name.to_string_lossy().into_owned(),
+        ];
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        let mut command = ctl_command(BIN.as_ref(), &full);
+        command.current_dir(self.dir.path());
+        run_guarded(command, &full)
+    }
+
     /// As [`ctl`](Self::ctl), with extra environment variables.
     pub fn ctl_env(&self, args: &[&str], env: &[(&str, &str)]) -> Run {
         ctl(&self.with_store_args(args), env)

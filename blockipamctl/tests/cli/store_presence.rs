@@ -67,6 +67,24 @@ fn show_on_an_empty_directory_where_the_sled_store_was_fails_and_leaves_it_empty
 }
 
 #[test]
+fn a_store_named_by_its_file_name_alone_is_created_in_the_working_directory() {
+    for backend in [Backend::Sled, Backend::Redb] {
+        let lab = Lab::new(backend);
+        lab.ctl_by_bare_file_name(&["pool", "add", "10.91.0.0/16", "--name", "here"])
+            .ok();
+        assert!(
+            lab.path().exists(),
+            "{backend:?}: no store in the working directory"
+        );
+        let shown = lab.ctl(&["-o", "json", "pool", "list"]).ok().json();
+        assert!(
+            shown.to_string().contains("10.91.0.0/16"),
+            "{backend:?}: {shown}"
+        );
+    }
+}
+
+#[test]
 fn pool_add_creates_a_missing_store_that_later_commands_use() {
     for backend in [Backend::Sled, Backend::Redb] {
         let lab = Lab::new(backend);
