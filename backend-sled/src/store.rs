@@ -576,11 +576,14 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
         Err(err) => return Err(io_error("cannot sync the files in", &staging, &err)),
     }
     fs::rename(&staging, path).map_err(|e| io_error("cannot move the new store to", path, &e))?;
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        fs::File::open(parent)
-            .and_then(|dir| dir.sync_all())
-            .map_err(|e| io_error("cannot sync the directory", parent, &e))?;
-    }
+    // The directory that now holds the new name (the working directory for a bare file name).
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    fs::File::open(parent)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|e| io_error("cannot sync the directory", parent, &e))?;
     Ok(())
 }
 
