@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use ipam_core::kv::durable;
 use ipam_core::kv::records::{decode_counter, decode_record};
 use ipam_core::kv::{
     validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
@@ -322,18 +323,12 @@ impl Inner {
 
 /// Syncs the directory holding `path`, so that a file just created there keeps its name.
 fn sync_parent(path: &Path) -> Result<(), KvError> {
-    let parent = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    fs::File::open(parent)
-        .and_then(|dir| dir.sync_all())
-        .map_err(|err| {
-            KvError::other(format!(
-                "cannot sync the directory {} of the new store: {err}",
-                parent.display()
-            ))
-        })
+    durable::sync_directory_of(path).map_err(|err| {
+        KvError::other(format!(
+            "cannot sync the directory {} of the new store: {err}",
+            durable::directory_of(path).display()
+        ))
+    })
 }
 
 /// Creates a new store: a database with the format marker built in `<path>.creating`, synced,

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use ipam_core::kv::durable;
 use ipam_core::kv::records::{decode_counter, decode_record, encode_record};
 use ipam_core::kv::{
     validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
@@ -576,15 +577,8 @@ fn create(path: &Path, started: Instant, wait: Duration) -> Result<(), KvError> 
         Err(err) => return Err(io_error("cannot sync the files in", &staging, &err)),
     }
     fs::rename(&staging, path).map_err(|e| io_error("cannot move the new store to", path, &e))?;
-    // The directory that now holds the new name (the working directory for a bare file name).
-    let parent = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    fs::File::open(parent)
-        .and_then(|dir| dir.sync_all())
-        .map_err(|e| io_error("cannot sync the directory", parent, &e))?;
-    Ok(())
+    durable::sync_directory_of(path)
+        .map_err(|e| io_error("cannot sync the directory", durable::directory_of(path), &e))
 }
 
 /// Removes the snapshot files sled was still writing when its process died (`snap.*.generating`).

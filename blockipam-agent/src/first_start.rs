@@ -91,11 +91,7 @@ impl PendingMarker {
         )
         .map_err(failed)?;
         file.sync_all().map_err(failed)?;
-        if let Some(directory) = self.marker.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::File::open(directory)
-                .and_then(|d| d.sync_all())
-                .map_err(failed)?;
-        }
+        ipam_core::kv::durable::sync_directory_of(&self.marker).map_err(failed)?;
         tracing::info!(marker = %self.marker.display(), "wrote the store's marker");
         Ok(())
     }

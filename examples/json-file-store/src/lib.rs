@@ -10,11 +10,12 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use ipam_core::blocking::{run_blocking, Stage};
+use ipam_core::kv::durable;
 use ipam_core::kv::{
     range_of_listing, validate_key, KeyValue, KvError, KvStore, Op, Read, ReadResult, Revision, Txn,
 };
@@ -80,10 +81,7 @@ impl Inner {
             .and_then(|()| file.sync_all())
             .map_err(|e| io("cannot write beside", e))?;
         fs::rename(&staged, &self.path).map_err(|e| io("cannot replace", e))?;
-        let dir = self.path.parent().unwrap_or(Path::new("."));
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| io("cannot sync the directory of", e))
+        durable::sync_directory_of(&self.path).map_err(|e| io("cannot sync the directory of", e))
     }
 
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {

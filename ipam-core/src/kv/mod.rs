@@ -10,6 +10,7 @@ use async_trait::async_trait;
 pub mod blocking;
 pub mod caching;
 pub mod counting;
+pub mod durable;
 pub mod lockfile;
 pub mod memory;
 pub mod records;
