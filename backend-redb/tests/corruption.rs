@@ -291,6 +291,26 @@ async fn directory_at_store_path_is_refused() {
 }
 
 #[tokio::test]
+async fn store_path_under_a_regular_file_is_an_error_saying_so_not_a_missing_store() {
+    let loc = new_location();
+    std::fs::write(&loc.path, b"a file where a directory should be").expect("write");
+    let beneath = loc.path.join("store.redb");
+    let refused = RedbStore::open(RedbConfig::new(&beneath).with_lock_wait(Duration::from_secs(5)))
+        .await
+        .expect_err("no store can be beneath a file");
+    let message = refused.to_string();
+    assert!(
+        message.contains("cannot inspect the store path") && message.contains("Not a directory"),
+        "{message}"
+    );
+    assert!(!message.contains("no redb store at"), "{message}");
+    assert_eq!(
+        std::fs::read(&loc.path).expect("the file"),
+        b"a file where a directory should be"
+    );
+}
+
+#[tokio::test]
 async fn existing_store_file_readable_by_others_is_made_private_on_open() {
     use std::os::unix::fs::PermissionsExt;
     let loc = new_location();

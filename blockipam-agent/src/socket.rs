@@ -72,10 +72,7 @@ impl Drop for SocketGuard {
 /// not this user's (or root's) alone, or the directory or socket cannot be made.
 pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGuard), AgentError> {
     refuse_if_live(path)?;
-    let directory = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let directory = ipam_core::kv::durable::directory_of(path);
     if !directory.exists() {
         std::fs::DirBuilder::new()
             .recursive(true)

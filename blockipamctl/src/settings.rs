@@ -326,7 +326,10 @@ pub async fn open(
 ) -> Result<Arc<dyn KvStore>, CtlError> {
     if mode == OpenMode::Existing && settings.etcd().is_none() {
         if let Some(path) = settings.resolved_path() {
-            if !path.exists() {
+            // Only a path that is not there at all: one that cannot be inspected (a file where
+            // a directory of the path should be) is left to the store's own refusal, which
+            // says why.
+            if matches!(path.try_exists(), Ok(false)) {
                 return Err(CtlError::failed(format!(
                     "no {} store at {}: check --datastore-path / {}; a store is created only by \
                      `blockipamctl pool add` (or `migrate` or `import calico` into it, or `demo`) or by a plugin call \

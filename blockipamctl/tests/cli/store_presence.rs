@@ -67,6 +67,35 @@ fn show_on_an_empty_directory_where_the_sled_store_was_fails_and_leaves_it_empty
 }
 
 #[test]
+fn a_store_path_beneath_a_regular_file_is_an_error_saying_so_not_a_missing_store() {
+    for backend in [Backend::Sled, Backend::Redb] {
+        let lab = Lab::new(backend);
+        let file = lab.dir.path().join("not-a-directory");
+        std::fs::write(&file, b"a file").expect("write");
+        let beneath = file.join("store").display().to_string();
+        let args: Vec<String> = [
+            "--datastore-type",
+            lab.type_name(),
+            "--datastore-path",
+            &beneath,
+        ]
+        .into_iter()
+        .chain(["show"])
+        .map(str::to_owned)
+        .collect();
+        let run = crate::common::ctl(&args, &[]);
+        run.expect_code(1);
+        let line = run.error_line();
+        assert!(
+            line.contains("cannot inspect the store path") && line.contains("Not a directory"),
+            "{backend:?}: {line}"
+        );
+        assert!(!line.contains("store at"), "{backend:?}: {line}");
+        assert_eq!(std::fs::read(&file).expect("the file"), b"a file");
+    }
+}
+
+#[test]
 fn a_store_named_by_its_file_name_alone_is_created_in_the_working_directory() {
     for backend in [Backend::Sled, Backend::Redb] {
         let lab = Lab::new(backend);
