@@ -482,7 +482,7 @@ fn check_format(db: &Database, path: &Path) -> Result<(), KvError> {
         )
     };
     let has = |name: &str| tables.iter().any(|t| t == name);
-    if !has(META_TABLE.name()) || !has(DATA_TABLE.name()) {
+    if !has(META_TABLE.name()) {
         return Err(not_ours());
     }
     let meta = snapshot.open_table(META_TABLE).engine(path)?;
@@ -499,6 +499,16 @@ fn check_format(db: &Database, path: &Path) -> Result<(), KvError> {
             ))
         }
         None => return Err(not_ours()),
+    }
+    if !has(DATA_TABLE.name()) {
+        return Err(KvError::corrupt(
+            None,
+            format!(
+                "{} is a blockipam store without its data table: it is damaged (restore it \
+                 from a backup)",
+                path.display()
+            ),
+        ));
     }
     let stored = meta
         .get(REVISION_KEY)

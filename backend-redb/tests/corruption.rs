@@ -266,6 +266,28 @@ async fn redb_database_without_the_format_marker_is_refused_and_keeps_its_tables
 }
 
 #[tokio::test]
+async fn store_whose_data_table_was_deleted_is_refused_as_damaged_not_recreated() {
+    let loc = new_location();
+    store_with_keys(&loc.path).await;
+    {
+        let db = redb::Database::create(&loc.path).expect("open with redb");
+        let write = db.begin_write().expect("write");
+        assert!(
+            write.delete_table(DATA_TABLE).expect("delete"),
+            "a data table"
+        );
+        write.commit().expect("commit");
+    }
+    let message = expect_corrupt(open(&loc.path).await, None);
+    assert!(
+        message.contains("without its data table") && message.contains("restore it"),
+        "message: {message}"
+    );
+    // Refused again: the open wrote no new, empty data table.
+    expect_corrupt(open(&loc.path).await, None);
+}
+
+#[tokio::test]
 async fn store_with_another_format_marker_is_refused_naming_it() {
     let loc = new_location();
     store_with_keys(&loc.path).await;
