@@ -39,9 +39,14 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
     let pending = usable_pools(conf, node, &own)?;
     let stored_and_pending: Vec<&PoolUsage> = own.pools.iter().chain(&pending).collect();
     // The addresses the network's set-up reserves, in blocks already claimed, counted as taken
-    // where they lie in the node's blocks (whether it holds them already is not read here).
-    let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
-    let reserved = ipam_core::network_setup::reserved_addresses(&every, &conf.gateways);
+    // where they lie in the node's blocks (whether it holds them already is not read here). A
+    // netconf without a gateway reserves none (and its pools are not copied to find out).
+    let reserved = if conf.gateways.is_empty() {
+        Vec::new()
+    } else {
+        let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
+        ipam_core::network_setup::reserved_addresses(&every, &conf.gateways)
+    };
     let after_set_up = with_set_up_reservations_taken(
         &stored_and_pending,
         &reserved,
