@@ -653,7 +653,7 @@ fn check_format(db: &sled::Db, path: &Path) -> Result<(sled::Tree, sled::Tree), 
             ),
         )
     };
-    if !has(META_TREE) || !has(DATA_TREE) {
+    if !has(META_TREE) {
         return Err(not_ours());
     }
     let fail = |err| engine_error(err, path);
@@ -671,6 +671,16 @@ fn check_format(db: &sled::Db, path: &Path) -> Result<(sled::Tree, sled::Tree), 
             ))
         }
         None => return Err(not_ours()),
+    }
+    if !has(DATA_TREE) {
+        return Err(KvError::corrupt(
+            None,
+            format!(
+                "{} is a blockipam store without its data tree: it is damaged (restore it from a \
+                 backup)",
+                path.display()
+            ),
+        ));
     }
     decode_counter(
         REVISION_KEY,

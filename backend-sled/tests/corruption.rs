@@ -192,6 +192,31 @@ async fn sled_database_without_the_format_marker_is_refused() {
 }
 
 #[tokio::test]
+async fn store_whose_data_tree_was_dropped_is_refused_as_damaged_not_recreated() {
+    let loc = new_location();
+    store_with_one_key(&loc.path).await;
+    {
+        let db = open_raw(&loc.path);
+        assert!(db.drop_tree(DATA_TREE).expect("drop"), "a data tree");
+        db.flush().expect("flush");
+    }
+    let message = expect_corrupt(open(&loc.path).await, None);
+    assert!(
+        message.contains("without its data tree") && message.contains("restore it"),
+        "message: {message}"
+    );
+    // Refused again: the open made no new, empty data tree.
+    expect_corrupt(open(&loc.path).await, None);
+    let db = open_raw(&loc.path);
+    assert!(
+        !db.tree_names()
+            .iter()
+            .any(|n| n.as_ref() == DATA_TREE.as_bytes()),
+        "a data tree was made"
+    );
+}
+
+#[tokio::test]
 async fn store_with_another_format_marker_is_refused_naming_it() {
     let loc = new_location();
     store_with_one_key(&loc.path).await;
