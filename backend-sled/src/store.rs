@@ -36,8 +36,6 @@ pub const FORMAT_KEY: &str = "format";
 /// The key of the store-wide revision counter (8 bytes, big-endian) in [`META_TREE`].
 pub const REVISION_KEY: &str = "revision";
 
-/// How often a list (or batch of reads) is repeated while writes keep landing, before giving up.
-const CONSISTENT_READ_ATTEMPTS: usize = 64;
 /// sled's log file inside the store directory.
 const LOG_FILE: &str = "db";
 /// The directory in which sled writes large items as files of their own, while it runs.
@@ -149,7 +147,7 @@ impl KvStore for SledStore {
         run_blocking(Stage::Write, &self.inner.path, move || inner.commit(&txn)).await
     }
 
-    /// Answers every read at one revision (repeated while writes land in between).
+    /// Answers every read at one revision (no commit runs meanwhile).
     async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
         for read in reads {
             if let Read::Get(key) = read {
@@ -237,7 +235,10 @@ impl Inner {
         })
     }
 
-    /// Runs `read` once no commit is between applying its writes and making them durable.
+    /// Runs `read` once no commit is between applying its writes and making them durable, and
+    /// with none starting until it ends: sled's iterators are not snapshots, so this is also what
+    /// makes a listing, or a batch of reads, answer the store at one revision (the store's lock
+    /// file keeps every other process out).
     fn once_durable<T>(&self, read: impl FnOnce() -> T) -> T {
         let _no_commit_in_flight = self
             .durable_writes
@@ -263,53 +264,28 @@ impl Inner {
         }))
     }
 
-    /// Runs `reads` until the revision counter is the same before and after them, so the answer
-    /// is the state at one revision (sled's iterators are not snapshots, but a sled transaction
-    /// bumps the counter and writes its records atomically with respect to single reads).
-    fn at_one_revision<T>(
-        &self,
-        what: &str,
-        reads: impl Fn() -> Result<T, KvError>,
-    ) -> Result<T, KvError> {
-        for _ in 0..CONSISTENT_READ_ATTEMPTS {
-            let before = self.current_revision()?;
-            let answer = reads()?;
-            if self.current_revision()? == before {
-                return Ok(answer);
-            }
-        }
-        Err(KvError::unavailable(format!(
-            "writes to {} kept landing during {CONSISTENT_READ_ATTEMPTS} attempts to {what}",
-            self.path.display()
-        )))
-    }
-
     fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
-        self.at_one_revision(&format!("list prefix {prefix:?}"), || self.scan(prefix))
+        self.scan(prefix)
     }
 
     fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
         for read in reads {
             read.validate()?;
         }
-        self.at_one_revision("answer a batch of reads", || {
-            reads
-                .iter()
-                .map(|read| match read {
-                    Read::Get(key) => self.get(key.clone()).map(ReadResult::Got),
-                    Read::List(prefix) => self.scan(prefix).map(ReadResult::Listed),
-                    Read::Range {
-                        prefix,
-                        from,
-                        limit,
-                    } => {
-                        read.validate()?;
-                        self.scan_window(prefix, from, *limit)
-                            .map(ReadResult::Listed)
-                    }
-                })
-                .collect()
-        })
+        reads
+            .iter()
+            .map(|read| match read {
+                Read::Get(key) => self.get(key.clone()).map(ReadResult::Got),
+                Read::List(prefix) => self.scan(prefix).map(ReadResult::Listed),
+                Read::Range {
+                    prefix,
+                    from,
+                    limit,
+                } => self
+                    .scan_window(prefix, from, *limit)
+                    .map(ReadResult::Listed),
+            })
+            .collect()
     }
 
     fn scan(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {

@@ -272,6 +272,89 @@ pub async fn transaction_mixing_puts_and_deletes_is_atomic<F: StoreFactory>(fact
     assert_eq!(new, (0..10).map(|i| vec![i]).collect::<Vec<_>>());
 }
 
+/// A listing answers the store at one moment: while transactions keep rewriting every key of a
+/// directory at once, no listing (alone, or as a read of a batch) shows some keys as one of them
+/// left them and others as another did.
+pub async fn a_list_never_sees_half_a_transaction<F: StoreFactory>(factory: &F) {
+    // Enough keys and bytes to span many of an embedded engine's pages or tree nodes.
+    const KEYS: usize = 64;
+    const VALUE_BYTES: usize = 1024;
+    const COMMITS: u64 = 100;
+    const READERS: usize = 2;
+    let t = factory.fresh().await;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("whole/{i:02}")).collect();
+    let value_of_round = |round: u64| {
+        let mut value = round.to_be_bytes().to_vec();
+        value.resize(VALUE_BYTES, b'.');
+        value
+    };
+    let rewrite_all = |round: u64| {
+        keys.iter().fold(Txn::new(), |txn, key| {
+            txn.then(Op::put(key.clone(), value_of_round(round)))
+        })
+    };
+    t.store.commit(rewrite_all(0)).await.expect("first commit");
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let barrier = Arc::new(tokio::sync::Barrier::new(READERS + 1));
+    let mut readers = Vec::new();
+    for reader in 0..READERS {
+        let store = Arc::clone(&t.store);
+        let done = Arc::clone(&done);
+        let barrier = Arc::clone(&barrier);
+        readers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let mut listings = 0u64;
+            loop {
+                let finished = done.load(std::sync::atomic::Ordering::SeqCst);
+                let listed = if (listings + reader as u64) % 2 == 0 {
+                    store.list("whole/").await.expect("list")
+                } else {
+                    match store
+                        .read_many(&[ipam_core::kv::Read::List("whole/".to_owned())])
+                        .await
+                        .expect("read_many")
+                        .pop()
+                    {
+                        Some(ipam_core::kv::ReadResult::Listed(listed)) => listed,
+                        other => panic!("a list read answered {other:?}"),
+                    }
+                };
+                listings += 1;
+                assert_eq!(listed.len(), KEYS, "listing {listings}");
+                let mut keys_by_write = std::collections::BTreeMap::<_, usize>::new();
+                for kv in &listed {
+                    *keys_by_write
+                        .entry((kv.revision, kv.value.get(..8).map(<[u8]>::to_vec)))
+                        .or_default() += 1;
+                }
+                assert_eq!(
+                    keys_by_write.len(),
+                    1,
+                    "listing {listings} shows the keys of more than one transaction (keys per \
+                     revision and round written): {keys_by_write:?}"
+                );
+                if finished {
+                    return listings;
+                }
+            }
+        }));
+    }
+    barrier.wait().await;
+    for round in 1..=COMMITS {
+        t.store.commit(rewrite_all(round)).await.expect("commit");
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    for reader in readers {
+        let listings = reader.await.expect("reader panicked");
+        assert!(listings >= 1, "a reader listed nothing");
+    }
+    let last = t.store.list("whole/").await.expect("list");
+    assert!(
+        last.len() == KEYS && last.iter().all(|kv| kv.value == value_of_round(COMMITS)),
+        "the last listing is not the last commit's"
+    );
+}
+
 /// Each write returns a revision greater than every one before it, whichever key it touches.
 pub async fn revisions_only_grow_across_keys<F: StoreFactory>(factory: &F) {
     let t = factory.fresh().await;

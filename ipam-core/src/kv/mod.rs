@@ -600,7 +600,9 @@ pub trait KvStore: Send + Sync + fmt::Debug {
     /// - the prefix is a string prefix: `list("a/b")` returns `a/b`, `a/b/c` **and** `a/bc`;
     ///   use [`list_dir`](KvStore::list_dir) (or a prefix ending in `/`) for a directory's children;
     /// - results are sorted by key, byte-wise ascending, each with its revision;
-    /// - an empty prefix lists the whole store.
+    /// - an empty prefix lists the whole store;
+    /// - the answer is the store at one moment: never some keys as one transaction left them and
+    ///   others as a later one did.
     ///
     /// # Errors
     /// - [`KvError::Unavailable`] when the store cannot be reached;
