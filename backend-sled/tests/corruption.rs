@@ -248,6 +248,55 @@ async fn foreign_directory_at_store_path_is_refused_and_left_untouched() {
     );
 }
 
+/// A directory holding only one of the two files every sled database has (its log `db` and its
+/// `conf`): not opened as a store (sled would add the other), refused and left as it was.
+#[tokio::test]
+async fn directory_with_only_one_of_sleds_files_is_refused_and_left_untouched() {
+    for (present, contents) in [
+        ("conf", &b"segment_size: 524288"[..]),
+        ("db", &[0u8; 64][..]),
+    ] {
+        let loc = new_location();
+        std::fs::create_dir(&loc.path).expect("mkdir");
+        std::fs::write(loc.path.join(present), contents).expect("write");
+        let message = expect_corrupt(open(&loc.path).await, None);
+        assert!(
+            message.contains("holds no sled database"),
+            "{present} alone: {message}"
+        );
+        let entries: Vec<_> = std::fs::read_dir(&loc.path)
+            .expect("read dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(entries, [present], "{present} alone");
+        assert_eq!(
+            std::fs::read(loc.path.join(present)).expect("read"),
+            contents,
+            "{present} alone"
+        );
+    }
+}
+
+#[tokio::test]
+async fn store_path_under_a_regular_file_is_an_error_saying_so_not_a_missing_store() {
+    let loc = new_location();
+    std::fs::write(&loc.path, b"a file where a directory should be").expect("write");
+    let beneath = loc.path.join("store.sled");
+    let refused = SledStore::open(SledConfig::new(&beneath).with_lock_wait(Duration::from_secs(5)))
+        .await
+        .expect_err("no store can be beneath a file");
+    let message = refused.to_string();
+    assert!(
+        message.contains("cannot inspect the store path") && message.contains("Not a directory"),
+        "{message}"
+    );
+    assert!(!message.contains("no sled store at"), "{message}");
+    assert_eq!(
+        std::fs::read(&loc.path).expect("the file"),
+        b"a file where a directory should be"
+    );
+}
+
 #[tokio::test]
 async fn empty_directory_at_store_path_becomes_a_private_store() {
     use std::os::unix::fs::PermissionsExt;
