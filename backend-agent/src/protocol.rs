@@ -915,6 +915,55 @@ mod tests {
         ));
     }
 
+    /// A get request (id 0) whose key claims `claimed` bytes, padded with `filler` bytes of the
+    /// key: a payload of `11 + filler` bytes that can never hold the claim.
+    fn get_claiming(claimed: u64, filler: usize) -> Vec<u8> {
+        let mut payload = vec![0x00, 0x01, 0xfd];
+        payload.extend_from_slice(&claimed.to_le_bytes());
+        payload.resize(payload.len() + filler, b'k');
+        payload
+    }
+
+    fn refused_as_claiming_more(payload: &[u8]) -> bool {
+        match decode_payload::<RequestFrame>(payload) {
+            Err(FrameError::Decode(message)) => message.contains("claims more"),
+            other => panic!("a {}-byte payload decoded: {other:?}", payload.len()),
+        }
+    }
+
+    #[test]
+    fn a_claimed_length_is_refused_unread_above_the_bound_of_its_frames_size() {
+        // Each payload size with the bound its claims are held to: the smallest of 512 KiB,
+        // 8 MiB, 128 MiB, 512 MiB and 2 GiB that is at least 8 times the payload. Above the
+        // bound, the claim is refused before anything is allocated for it; at or below it, the
+        // decoder reads on and fails when the bytes run out.
+        const KIB: u64 = 1024;
+        const MIB: u64 = 1024 * KIB;
+        for (filler, bound) in [
+            (0, 512 * KIB),
+            (64 * KIB as usize - 11, 512 * KIB),
+            (64 * KIB as usize - 10, 8 * MIB),
+            (MIB as usize - 11, 8 * MIB),
+            (MIB as usize - 10, 128 * MIB),
+            (16 * MIB as usize - 10, 512 * MIB),
+            (64 * MIB as usize - 11, 512 * MIB),
+            (64 * MIB as usize - 10, 2048 * MIB),
+        ] {
+            let size = 11 + filler;
+            assert!(
+                refused_as_claiming_more(&get_claiming(bound + 1, filler)),
+                "{size}-byte payload claiming {} bytes",
+                bound + 1
+            );
+            // Up to the bound less what the frame's other fields count.
+            let within = bound - 64;
+            assert!(
+                !refused_as_claiming_more(&get_claiming(within, filler)),
+                "{size}-byte payload claiming {within} bytes"
+            );
+        }
+    }
+
     /// The wire samples committed as the protocol fuzzer's seeds (`fuzz/seeds/agent_frames`):
     /// each a byte naming the framing (0: protocol 1 request, 1: protocol 2 or 3 request, one
     /// framing, 2: answer), then one payload exactly as an earlier build and this one put it on
