@@ -888,6 +888,44 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_of_exactly_the_limit_is_read_on_both_sides() {
+        let value = vec![7u8; 1000];
+        let frame = encode_frame(&value, 10_000).expect("encode");
+        let limit = frame.len() - 4;
+        assert_eq!(
+            encode_frame(&value, limit).expect("encode at the limit"),
+            frame
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let read = runtime.block_on(read_frame::<_, Vec<u8>>(&mut &frame[..], limit));
+        assert_eq!(read.expect("read at the limit"), Some(value));
+    }
+
+    #[test]
+    fn a_stream_ending_between_frames_is_a_clean_end_and_inside_a_length_an_error() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let ended = runtime.block_on(read_payload(&mut &[][..], 100));
+        assert!(matches!(ended, Ok(None)), "{ended:?}");
+        for cut in 1..4 {
+            let header = [0u8, 0, 0, 5];
+            let cut_short = runtime.block_on(read_payload(&mut &header[..cut], 100));
+            assert!(
+                matches!(&cut_short, Err(FrameError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof),
+                "{cut} bytes of the length: {cut_short:?}"
+            );
+        }
+        let cut_payload = runtime.block_on(read_payload(&mut &[0u8, 0, 0, 5, 1, 2][..], 100));
+        assert!(
+            matches!(&cut_payload, Err(FrameError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof),
+            "{cut_payload:?}"
+        );
+    }
+
+    #[test]
     fn a_claimed_length_beyond_the_frame_is_a_decode_error_not_an_allocation() {
         // A request frame whose key claims 2^62 bytes (a get, id 0), as sent to a live agent.
         let hostile = [
