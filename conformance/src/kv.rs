@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use ipam_core::kv::{
-    Condition, KvError, KvStore, Op, Revision, Txn, MAX_TXN_BYTES, MAX_TXN_OPS, MAX_VALUE_BYTES,
+    Condition, KvError, KvStore, Op, Revision, Txn, MAX_TXN_BYTES, MAX_TXN_CONDITIONS, MAX_TXN_OPS,
+    MAX_VALUE_BYTES,
 };
 
 use crate::StoreFactory;
@@ -1017,6 +1018,60 @@ pub async fn read_many_answers_ranges_beside_gets_and_lists_in_order<F: StoreFac
     );
     assert_eq!(results[3], ReadResult::Listed(from_r_a_5));
     assert_eq!(results[4], ReadResult::Got(None));
+}
+
+/// What the limits allow, a store accepts: a value of exactly `MAX_VALUE_BYTES`, and one
+/// transaction of `MAX_TXN_CONDITIONS` conditions and `MAX_TXN_OPS` puts whose keys and values
+/// come to exactly `MAX_TXN_BYTES`, each read back whole.
+pub async fn the_largest_value_and_the_largest_transaction_are_written_whole<F: StoreFactory>(
+    factory: &F,
+) {
+    let t = factory.fresh().await;
+    let largest: Vec<u8> = (0..MAX_VALUE_BYTES).map(|i| (i % 251) as u8).collect();
+    t.store
+        .put("largest", largest.clone())
+        .await
+        .expect("a value of MAX_VALUE_BYTES");
+    assert!(
+        value_of(&*t.store, "largest").await == Some(largest),
+        "the largest value read back differs"
+    );
+    let keys: Vec<String> = (0..MAX_TXN_OPS).map(|i| format!("t/{i:03}")).collect();
+    // Each key tested (absent) and written: counted twice.
+    let key_bytes: usize = 2 * keys.iter().map(String::len).sum::<usize>();
+    let value_bytes = MAX_TXN_BYTES - key_bytes;
+    let each = value_bytes / MAX_TXN_OPS;
+    let values: Vec<Vec<u8>> = (0..MAX_TXN_OPS)
+        .map(|i| {
+            let len = if i == MAX_TXN_OPS - 1 {
+                value_bytes - each * (MAX_TXN_OPS - 1)
+            } else {
+                each
+            };
+            vec![i as u8; len]
+        })
+        .collect();
+    assert_eq!(MAX_TXN_CONDITIONS, MAX_TXN_OPS, "one condition per put");
+    let txn = keys
+        .iter()
+        .zip(&values)
+        .fold(Txn::new(), |txn, (key, value)| {
+            txn.when(Condition::absent(key.clone()))
+                .then(Op::put(key.clone(), value.clone()))
+        });
+    t.store.commit(txn).await.expect(
+        "a transaction of MAX_TXN_CONDITIONS conditions, MAX_TXN_OPS puts and MAX_TXN_BYTES",
+    );
+    let listed = t.store.list("t/").await.expect("list");
+    assert_eq!(listed.len(), MAX_TXN_OPS);
+    for ((kv, key), value) in listed.iter().zip(&keys).zip(&values) {
+        assert!(
+            &kv.key == key && &kv.value == value,
+            "{key} read back as {} ({} bytes)",
+            kv.key,
+            kv.value.len()
+        );
+    }
 }
 
 /// A transaction whose keys and values exceed `MAX_TXN_BYTES` in all is invalid and writes nothing,

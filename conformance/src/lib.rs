@@ -147,6 +147,7 @@ macro_rules! kv_conformance_tests {
             range_with_a_limit_beyond_the_rest_answers_the_rest,
             range_of_limit_0_is_invalid_argument,
             read_many_answers_ranges_beside_gets_and_lists_in_order,
+            the_largest_value_and_the_largest_transaction_are_written_whole,
             transaction_over_the_total_size_limit_is_invalid_and_writes_nothing,
             commit_that_changes_nothing_never_goes_backwards,
             no_put_after_holds_until_a_key_under_the_prefix_is_put,
