@@ -307,7 +307,7 @@ pub async fn a_list_never_sees_half_a_transaction<F: StoreFactory>(factory: &F) 
             let mut listings = 0u64;
             loop {
                 let finished = done.load(std::sync::atomic::Ordering::SeqCst);
-                let listed = if (listings + reader as u64) % 2 == 0 {
+                let listed = if (listings + reader as u64).is_multiple_of(2) {
                     store.list("whole/").await.expect("list")
                 } else {
                     match store
