@@ -321,14 +321,6 @@ impl Inner {
         Ok(listed)
     }
 
-    fn current_revision(&self) -> Result<u64, KvError> {
-        let stored = self
-            .meta
-            .get(REVISION_KEY)
-            .map_err(|e| engine_error(e, &self.path))?;
-        decode_counter(REVISION_KEY, stored.as_deref())
-    }
-
     fn commit(&self, txn: &Txn) -> Result<Revision, KvError> {
         let path = &self.path;
         // Until this commit's write is durable (or has failed), no read runs.
