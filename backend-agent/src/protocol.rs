@@ -1154,6 +1154,39 @@ mod tests {
     }
 
     #[test]
+    fn before_protocol_4_a_cached_read_is_spoken_as_its_reads() {
+        let Request::ReadMany { reads } = bounded_batch_with_a_range().request else {
+            panic!("the sample batch is a read_many");
+        };
+        let cached = Request::ReadManyCached {
+            reads: reads.clone(),
+            may_use_cache: true,
+        };
+        assert_eq!(cached.clone().spoken_in(PROTOCOL_V4), Ok(cached.clone()));
+        assert_eq!(
+            cached.clone().spoken_in(PROTOCOL_V3),
+            Ok(Request::ReadMany {
+                reads: reads.clone()
+            })
+        );
+        // Below protocol 3, also each range as the list of its prefix.
+        for older in [PROTOCOL_V1, PROTOCOL_V2] {
+            assert_eq!(
+                cached.clone().spoken_in(older),
+                Request::ReadMany {
+                    reads: reads.clone()
+                }
+                .spoken_in(older),
+                "protocol {older}"
+            );
+            assert!(
+                matches!(cached.clone().spoken_in(older), Ok(Request::ReadMany { reads }) if reads.iter().all(|r| !matches!(r, WireRead::Range { .. }))),
+                "protocol {older}"
+            );
+        }
+    }
+
+    #[test]
     fn before_protocol_4_a_transaction_conditioned_on_a_prefix_is_not_sent() {
         let txn = WireTxn::from(
             Txn::new()
