@@ -1347,6 +1347,12 @@ mod tests {
         assert!(!etcd(&["h:1"], "/p/").matches(&etcd(&["h:2"], "/p/")));
         assert!(!etcd(&["h:1"], "/p/").matches(&etcd(&["h:1"], "/q/")));
         assert!(!etcd(&["h:1"], "/p/").matches(&sled("/a")));
+        // As operators read them (`blockipamctl`'s route, the agent's logs).
+        assert_eq!(sled("/a").to_string(), "sled at /a");
+        assert_eq!(
+            etcd(&["h:1", "h:2"], "/p/").to_string(),
+            "etcdv3 at h:1,h:2 (prefix /p/)"
+        );
     }
 
     fn tokio_test_read<T: DeserializeOwned>(frame: &[u8]) -> T {
