@@ -836,16 +836,24 @@ mod tests {
         parse_netconf(&value, "net".into(), "1.0.0".into())
     }
 
+    /// `base`, an object, with the keys of `extra` added (or replaced).
+    fn with_keys(base: &Value, extra: Value) -> Value {
+        let mut out = base.clone();
+        if let (Some(out), Value::Object(extra)) = (out.as_object_mut(), extra) {
+            out.extend(extra);
+        }
+        out
+    }
+
     /// An empty `etcd_prefix` is the default prefix, the same store the agent's `--etcd-prefix ""`
     /// and blockipamctl's name (`DatastoreSettings::from_raw`).
     #[test]
     fn an_empty_etcd_prefix_is_the_default_prefix() {
         let etcd = |extra: Value| {
-            let mut ipam = json!({"datastore_type": "etcdv3", "etcd_endpoints": "127.0.0.1:2379"});
-            if let (Some(ipam), Value::Object(extra)) = (ipam.as_object_mut(), extra) {
-                ipam.extend(extra);
-            }
-            parse(json!({ "ipam": ipam })).expect("parse").datastore
+            let ipam = json!({"datastore_type": "etcdv3", "etcd_endpoints": "127.0.0.1:2379"});
+            parse(json!({ "ipam": with_keys(&ipam, extra) }))
+                .expect("parse")
+                .datastore
         };
         let default = etcd(json!({}));
         for empty in ["", " "] {
@@ -1102,5 +1110,202 @@ mod tests {
         );
         let (_, _, version) = parse_header(br#"{"name": "n"}"#).expect("ok");
         assert_eq!(version, "0.1.0");
+    }
+
+    /// Every level name Calico's logrus accepts, in any case.
+    #[test]
+    fn log_levels_are_calicos_names_in_any_case() {
+        for (names, level) in [
+            (&["off", "none", "NONE"][..], LogLevel::Off),
+            (&["panic", "fatal", "error", "Error"][..], LogLevel::Error),
+            (&["warn", "warning", "WARNING"][..], LogLevel::Warn),
+            (&["info", "Info"][..], LogLevel::Info),
+            (&["debug", "DEBUG"][..], LogLevel::Debug),
+            (&["trace", "Trace"][..], LogLevel::Trace),
+        ] {
+            for name in names {
+                assert_eq!(LogLevel::parse(name), Ok(level), "{name}");
+                let conf = parse(json!({ "log_level": name })).expect(name);
+                assert_eq!(conf.log_level, level, "{name}");
+            }
+        }
+        assert!(LogLevel::parse("verbose").is_err());
+    }
+
+    /// An empty password is no password: alone it is accepted, beside a user name it is the user
+    /// name without its pair.
+    #[test]
+    fn an_empty_etcd_password_counts_as_absent() {
+        let etcd = json!({"datastore_type": "etcdv3", "etcd_endpoints": "http://127.0.0.1:1"});
+        let conf = parse(json!({"ipam": with_keys(&etcd, json!({"etcd_password": ""}))}))
+            .expect("an empty password alone");
+        assert!(conf.datastore.etcd().expect("etcd").password.is_none());
+        let err = parse(
+            json!({"ipam": with_keys(&etcd, json!({"etcd_username": "u", "etcd_password": ""}))}),
+        )
+        .expect_err("a user name whose password is empty");
+        assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG);
+        assert!(err.msg.contains("together"), "{}", err.msg);
+    }
+
+    #[test]
+    fn cni_names_follow_libcni() {
+        for good in ["n", "net1", "k8s-pod-network", "a.b_c-d", "9"] {
+            assert!(is_valid_cni_name(good), "{good}");
+        }
+        for bad in ["", "-net", ".net", "_net", "net/1", "net 1", "nét"] {
+            assert!(!is_valid_cni_name(bad), "{bad}");
+        }
+    }
+
+    /// The addresses a runtime asks for, through `args.cni.ips`, `runtimeConfig.ips` and the pod
+    /// annotations: read when given, and `null` at any level is the key absent.
+    #[test]
+    fn requested_addresses_are_read_and_null_is_absent() {
+        let conf = parse(json!({
+            "args": {"cni": {"ips": ["10.0.0.5"]}},
+            "runtimeConfig": {
+                "ips": ["10.0.0.6/24"],
+                POD_ANNOTATIONS_CAPABILITY: {ANNOTATION_IPV4_POOLS: "[\"pool-a\"]"}
+            }
+        }))
+        .expect("parse");
+        assert_eq!(conf.args_ips, Some(vec!["10.0.0.5".parse().expect("ip")]));
+        assert_eq!(
+            conf.runtime_ips,
+            vec!["10.0.0.6".parse::<IpAddr>().expect("ip")]
+        );
+        assert_eq!(
+            conf.pod_annotations.ipv4_pools,
+            Some(vec!["pool-a".to_owned()])
+        );
+        for absent in [
+            json!({"args": null, "runtimeConfig": null}),
+            json!({"args": {"cni": null}, "runtimeConfig": {"ips": null, POD_ANNOTATIONS_CAPABILITY: null}}),
+            json!({"args": {"cni": {"ips": null}}}),
+        ] {
+            let conf = parse(absent.clone()).expect("null is absent");
+            assert_eq!(conf.args_ips, None, "{absent}");
+            assert!(conf.runtime_ips.is_empty(), "{absent}");
+            assert_eq!(conf.pod_annotations, PodAnnotations::default(), "{absent}");
+        }
+    }
+
+    /// As in Calico: `ipAddrs` alone or pools alone, never both.
+    #[test]
+    fn pod_annotations_choose_addresses_or_pools_never_both() {
+        let annotations =
+            |pairs: Value| json!({"runtimeConfig": {POD_ANNOTATIONS_CAPABILITY: pairs}});
+        let conf = parse(annotations(
+            json!({ANNOTATION_IP_ADDRS: "[\"10.0.0.7\", \" fd00::7 \"]"}),
+        ))
+        .expect("addresses alone");
+        assert_eq!(
+            conf.pod_annotations.ip_addrs,
+            Some(vec![
+                "10.0.0.7".parse().expect("ip"),
+                "fd00::7".parse().expect("ip")
+            ])
+        );
+        let conf = parse(annotations(json!({
+            ANNOTATION_IPV4_POOLS: "[\"a\"]",
+            ANNOTATION_IPV6_POOLS: "[\" b \"]",
+            "unrelated/annotation": 5
+        })))
+        .expect("pools of both families");
+        assert_eq!(conf.pod_annotations.ipv4_pools, Some(vec!["a".to_owned()]));
+        assert_eq!(conf.pod_annotations.ipv6_pools, Some(vec!["b".to_owned()]));
+        for (pairs, shown) in [
+            (
+                json!({ANNOTATION_IP_ADDRS: "[\"10.0.0.7\"]", ANNOTATION_IPV4_POOLS: "[\"a\"]"}),
+                "cannot be used together",
+            ),
+            (
+                json!({ANNOTATION_IP_ADDRS: "[\"10.0.0.7\"]", ANNOTATION_IPV6_POOLS: "[\"b\"]"}),
+                "cannot be used together",
+            ),
+            (
+                json!({ANNOTATION_IP_ADDRS: "[\"ten\"]"}),
+                "\"ten\" is not an IP address",
+            ),
+            (
+                json!({ANNOTATION_IPV4_POOLS: "a"}),
+                "is not a JSON list of strings",
+            ),
+            (json!({ANNOTATION_IPV4_POOLS: ["a"]}), "must be a string"),
+        ] {
+            let err = parse(annotations(pairs.clone())).expect_err("refused");
+            assert_eq!(err.code, codes::INVALID_NETWORK_CONFIG, "{pairs}");
+            assert!(err.msg.contains(shown), "{pairs}: {}", err.msg);
+        }
+    }
+
+    #[test]
+    fn routes_keep_their_gateway_of_the_same_family_and_an_empty_one_is_none() {
+        let conf = parse(json!({"ipam": {"routes": [
+            {"dst": "0.0.0.0/0"},
+            {"dst": "192.168.0.0/16", "gw": " 10.0.0.254 "},
+            {"dst": "fd01::/64", "gw": "fd00::1"},
+            {"dst": "10.1.0.0/16", "gw": ""}
+        ]}}))
+        .expect("parse");
+        let gw = |text: &str| Some(text.parse::<IpAddr>().expect("ip"));
+        let routes: Vec<_> = conf
+            .routes
+            .expect("routes")
+            .into_iter()
+            .map(|route| (route.dst.to_string(), route.gw))
+            .collect();
+        assert_eq!(
+            routes,
+            [
+                ("0.0.0.0/0".to_owned(), None),
+                ("192.168.0.0/16".to_owned(), gw("10.0.0.254")),
+                ("fd01::/64".to_owned(), gw("fd00::1")),
+                ("10.1.0.0/16".to_owned(), None),
+            ]
+        );
+        let err = parse(json!({"ipam": {"routes": [{"dst": "fd01::/64", "gw": "10.0.0.1"}]}}))
+            .expect_err("a gateway of the other family");
+        assert!(err.msg.contains("not of the same family"), "{}", err.msg);
+    }
+
+    /// GC's list of attachments to keep: read in order under either key; `null` is an empty
+    /// list, a missing key no list at all.
+    #[test]
+    fn gc_attachments_are_read_under_either_key() {
+        let attachment = |id: &str, ifname: &str| Attachment {
+            container_id: id.to_owned(),
+            ifname: ifname.to_owned(),
+        };
+        for key in ["cni.dev/valid-attachments", "cni.dev/attachments"] {
+            let conf = parse(json!({ key: [
+                {"containerID": "c1", "ifname": "eth0"},
+                {"containerID": "c2", "ifname": "net1"}
+            ]}))
+            .expect(key);
+            assert_eq!(
+                conf.valid_attachments,
+                Some(vec![attachment("c1", "eth0"), attachment("c2", "net1")]),
+                "{key}"
+            );
+            let conf = parse(json!({ key: null })).expect(key);
+            assert_eq!(conf.valid_attachments, Some(Vec::new()), "{key}");
+            let err = parse(json!({ key: [{"containerID": "c1"}] })).expect_err(key);
+            assert!(err.msg.contains(&format!("{key}[0].ifname")), "{}", err.msg);
+        }
+        assert_eq!(parse(json!({})).expect("parse").valid_attachments, None);
+    }
+
+    /// The netconf's `nodename`, else the node-name file's text trimmed.
+    #[test]
+    fn the_node_name_comes_from_the_netconf_then_the_node_name_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("nodename");
+        std::fs::write(&file, "  Node-From-File\n").expect("write");
+        let conf = parse(json!({"nodename": "node-a", "nodename_file": file})).expect("parse");
+        assert_eq!(resolve_nodename(&conf).expect("name"), "node-a");
+        let conf = parse(json!({"nodename_file": file})).expect("parse");
+        assert_eq!(resolve_nodename(&conf).expect("name"), "Node-From-File");
     }
 }
