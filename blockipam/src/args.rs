@@ -143,4 +143,47 @@ mod tests {
             assert!(err.msg.starts_with("CNI_ARGS"), "{bad}: {}", err.msg);
         }
     }
+
+    #[test]
+    fn every_kubernetes_key_is_known_and_read() {
+        let args = parse_cni_args(
+            "K8S_POD_NAMESPACE=ns;K8S_POD_NAME=pod;K8S_POD_INFRA_CONTAINER_ID=c0ffee;K8S_POD_UID=u-1",
+        )
+        .expect("every key is known");
+        assert_eq!(
+            args,
+            CniArgs {
+                ignore_unknown: false,
+                ips: Vec::new(),
+                pod_namespace: Some("ns".into()),
+                pod_name: Some("pod".into()),
+                infra_container_id: Some("c0ffee".into()),
+                pod_uid: Some("u-1".into()),
+            }
+        );
+    }
+
+    #[test]
+    fn ignore_unknown_may_be_said_off() {
+        for off in ["0", "false", "FALSE"] {
+            let args = parse_cni_args(&format!("IgnoreUnknown={off};K8S_POD_NAME=p")).expect(off);
+            assert!(!args.ignore_unknown, "{off}");
+        }
+    }
+
+    /// Calico's `<namespace>.<pod>` handle needs both, neither empty.
+    #[test]
+    fn the_legacy_handle_needs_a_namespace_and_a_pod_name() {
+        for (text, handle) in [
+            ("K8S_POD_NAMESPACE=ns;K8S_POD_NAME=pod", Some("ns.pod")),
+            ("K8S_POD_NAMESPACE=;K8S_POD_NAME=pod", None),
+            ("K8S_POD_NAMESPACE=ns;K8S_POD_NAME=", None),
+            ("K8S_POD_NAMESPACE=;K8S_POD_NAME=", None),
+            ("K8S_POD_NAME=pod", None),
+            ("K8S_POD_NAMESPACE=ns", None),
+        ] {
+            let args = parse_cni_args(text).expect(text);
+            assert_eq!(args.legacy_handle().as_deref(), handle, "{text}");
+        }
+    }
 }

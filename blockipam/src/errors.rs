@@ -131,4 +131,149 @@ mod tests {
         assert_eq!(error.code, 108);
         assert!(error.msg.contains("install the release"), "{}", error.msg);
     }
+
+    /// A store's failures by kind, and an invalid argument while opening (a setting the store
+    /// refused) apart from one later (a bug).
+    #[test]
+    fn store_failures_get_their_documented_plugin_codes() {
+        let corrupt = KvError::Corrupt {
+            key: Some("ipam/v1/blocks/x".into()),
+            message: "cannot decode".into(),
+        };
+        let invalid = KvError::InvalidArgument {
+            message: "no such directory".into(),
+        };
+        let other = KvError::Other {
+            message: "disk full".into(),
+        };
+        for opening in [true, false] {
+            assert_eq!(from_kv(&corrupt, opening).code, codes::STORE_CORRUPT);
+            assert_eq!(from_kv(&other, opening).code, codes::IO_FAILURE);
+        }
+        assert_eq!(from_kv(&invalid, true).code, codes::INVALID_NETWORK_CONFIG);
+        assert_eq!(from_kv(&invalid, false).code, codes::INTERNAL);
+        let opened = from_kv(&other, true);
+        assert!(
+            opened.msg.starts_with("cannot open the IPAM store"),
+            "{}",
+            opened.msg
+        );
+        assert_eq!(
+            from_ipam(&IpamError::Store(corrupt)).code,
+            codes::STORE_CORRUPT
+        );
+    }
+
+    /// Every allocator outcome an ADD, DEL or CHECK may meet, with the code `docs/cni.md` gives it.
+    #[test]
+    fn every_allocator_refusal_gets_the_code_of_the_documented_table() {
+        let ip: std::net::IpAddr = "10.0.0.5".parse().expect("ip");
+        let block: ipnet::IpNet = "10.0.0.0/26".parse().expect("cidr");
+        let unusable = || IpamError::PoolDisabled("p".into());
+        for (error, code) in [
+            (
+                IpamError::BlockLimit {
+                    host: "n1".into(),
+                    family: Family::V4,
+                    owned: 2,
+                    limit: 2,
+                },
+                codes::BLOCK_LIMIT_REACHED,
+            ),
+            (
+                IpamError::AlreadyAssigned {
+                    ip,
+                    handle: "h".into(),
+                },
+                codes::ADDRESS_IN_USE,
+            ),
+            (
+                IpamError::AffinityConflict {
+                    ip,
+                    block,
+                    owner: "n2".into(),
+                },
+                codes::AFFINITY_CONFLICT,
+            ),
+            (
+                IpamError::BlockOwnedByOtherHost {
+                    block,
+                    owner: "n2".into(),
+                },
+                codes::AFFINITY_CONFLICT,
+            ),
+            (
+                IpamError::NamespacePoolUnusable {
+                    namespace: "ns".into(),
+                    family: Family::V4,
+                    reason: Box::new(unusable()),
+                },
+                codes::POOL_UNUSABLE,
+            ),
+            (unusable(), codes::POOL_UNUSABLE),
+            (
+                IpamError::PoolWrongFamily {
+                    pool: "p".into(),
+                    family: Family::V6,
+                },
+                codes::POOL_UNUSABLE,
+            ),
+            (
+                IpamError::PoolUseNotAllowed {
+                    pool: "p".into(),
+                    use_: ipam_core::AllowedUse::Workload,
+                    allowed: ipam_core::AllowedUses::default(),
+                },
+                codes::POOL_UNUSABLE,
+            ),
+            (
+                IpamError::NoPoolSelectsNode {
+                    host: "n3".into(),
+                    family: Family::V4,
+                    pools: vec!["p".into()],
+                },
+                codes::NO_POOL_FOR_NODE,
+            ),
+            (IpamError::PoolExists("p".into()), codes::POOL_CONFLICT),
+            (
+                IpamError::PoolOverlap {
+                    cidr: block,
+                    existing: "q".into(),
+                    existing_cidr: "10.0.0.0/24".parse().expect("cidr"),
+                },
+                codes::POOL_CONFLICT,
+            ),
+            (
+                IpamError::Corrupt {
+                    key: "ipam/v1/pools/p".into(),
+                    message: "cannot decode".into(),
+                },
+                codes::STORE_CORRUPT,
+            ),
+            (
+                IpamError::InvalidArgument("no address to assign".into()),
+                codes::INVALID_NETWORK_CONFIG,
+            ),
+            (IpamError::Internal("a bug".into()), codes::INTERNAL),
+        ] {
+            let cni = from_ipam(&error);
+            assert_eq!(cni.code, code, "{error:?}");
+            assert_eq!(cni.msg, error.to_string(), "{error:?}");
+        }
+    }
+
+    #[test]
+    fn a_host_lock_held_too_long_is_try_again_later_and_any_other_lock_failure_io() {
+        let timed_out = LockError::TimedOut {
+            path: "/var/run/blockipam.lock".into(),
+            waited: std::time::Duration::from_secs(1),
+        };
+        let io = LockError::Io {
+            path: "/var/run/blockipam.lock".into(),
+            source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        };
+        assert_eq!(from_lock(&timed_out).code, codes::TRY_AGAIN_LATER);
+        assert_eq!(from_lock(&io).code, codes::IO_FAILURE);
+        assert!(from_lock(&io).msg.starts_with("host IPAM lock: "));
+    }
 }

@@ -424,4 +424,33 @@ mod tests {
             codes::DECODING_FAILURE
         );
     }
+
+    /// libcni compares versions as text: only the exact names are supported.
+    #[test]
+    fn supported_versions_are_exact_names_and_version_answers_with_them() {
+        for version in SUPPORTED_VERSIONS {
+            assert!(is_supported(version), "{version}");
+        }
+        for other in ["", "1.0", "1.2.0", " 1.0.0", "v1.0.0", "0.5.0"] {
+            assert!(!is_supported(other), "{other:?}");
+        }
+        assert_eq!(
+            version_info(),
+            serde_json::json!({"cniVersion": "1.1.0", "supportedVersions": SUPPORTED_VERSIONS})
+        );
+    }
+
+    #[test]
+    fn an_error_is_the_specs_four_keys() {
+        let error = CniError::with_details(codes::TRY_AGAIN_LATER, "etcd is down", "after 3 tries");
+        assert_eq!(
+            error.to_json("1.0.0"),
+            serde_json::json!({
+                "cniVersion": "1.0.0",
+                "code": 11,
+                "msg": "etcd is down",
+                "details": "after 3 tries"
+            })
+        );
+    }
 }
