@@ -587,3 +587,45 @@ fn owner_keys_have_one_spelling_and_name_their_block_and_ordinal() {
         assert_eq!(keys::parse_owner_key(other), None, "{other}");
     }
 }
+
+/// The damage `blockipamctl check` reports in a block's own bookkeeping: an allocation newer than
+/// its block, and cooling addresses outside the block, listed twice, or also free.
+#[test]
+fn a_blocks_self_check_names_bad_sequences_and_bad_cooling_addresses() {
+    use crate::model::block::CoolingAddress;
+    let mut block = Block::new(net("10.0.0.0/29"), None, 0);
+    block.allocate_next(&attr("a")).expect("room");
+    block.allocate_next(&attr("b")).expect("room");
+    assert!(block.self_check().is_empty());
+    let sequence = block.sequence;
+    block.allocations.get_mut(&0).expect("held").sequence = sequence;
+    assert!(block.self_check().is_empty(), "{:?}", block.self_check());
+    block.allocations.get_mut(&0).expect("held").sequence = sequence + 1;
+    assert_eq!(
+        block.self_check(),
+        vec![format!(
+            "ordinal 0 was allocated at sequence {} after the block's {sequence}",
+            sequence + 1
+        )]
+    );
+    block.allocations.get_mut(&0).expect("held").sequence = sequence;
+
+    let cooling = |ordinal| CoolingAddress {
+        ordinal,
+        released_at: 100,
+    };
+    block.cooling.push_back(cooling(5));
+    assert!(block.self_check().is_empty(), "{:?}", block.self_check());
+    block.cooling.push_back(cooling(8));
+    block.cooling.push_back(cooling(5));
+    block.released.push_back(6);
+    block.cooling.push_back(cooling(6));
+    assert_eq!(
+        block.self_check(),
+        vec![
+            "cooling ordinal 8 is outside the block".to_owned(),
+            "ordinal 5 is cooling twice, or both cooling and free".to_owned(),
+            "ordinal 6 is cooling twice, or both cooling and free".to_owned(),
+        ]
+    );
+}
