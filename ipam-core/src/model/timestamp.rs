@@ -41,6 +41,16 @@ fn civil_from_days(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
+/// Days in `month` (1 to 12) of `year`, by the Gregorian calendar's leap years.
+fn days_in_month(year: u64, month: u64) -> u64 {
+    match month {
+        2 if year % 4 == 0 && (year % 100 != 0 || year % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
 /// Unix seconds of an RFC 3339 UTC time `YYYY-MM-DDTHH:MM:SS[.fraction]Z` (what the plugin writes);
 /// `None` for anything else.
 pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
@@ -57,6 +67,7 @@ pub fn parse_rfc3339_utc(text: &str) -> Option<u64> {
         || hour > 23
         || minute > 59
         || second > 60
+        || day > days_in_month(year, month)
     {
         return None;
     }
@@ -112,6 +123,13 @@ mod tests {
             "2024-13-01T00:00:00Z",
             "2024-00-01T00:00:00Z",
             "2024-01-32T00:00:00Z",
+            "2023-02-29T00:00:00Z",
+            "2100-02-29T00:00:00Z",
+            "2024-02-30T00:00:00Z",
+            "2024-04-31T00:00:00Z",
+            "2024-06-31T00:00:00Z",
+            "2024-09-31T00:00:00Z",
+            "2024-11-31T00:00:00Z",
             "2024-01-01T24:00:00Z",
             "2024-01-01T00:60:00Z",
             "1969-12-31T23:59:59Z",

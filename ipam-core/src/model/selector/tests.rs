@@ -475,6 +475,14 @@ fn serde_stores_the_canonical_text_and_reads_it_back_by_parsing() {
 }
 
 #[test]
+fn from_str_is_parse() {
+    let text = r#"rack == "r1" || has(edge)"#;
+    assert_eq!(text.parse::<Selector>(), Ok(parse(text)));
+    assert_ne!(text.parse::<Selector>(), Ok(Selector::all()));
+    assert_eq!("a ==".parse::<Selector>(), Err(error("a ==")));
+}
+
+#[test]
 fn selector_errors_convert_to_invalid_argument() {
     let e: IpamError = error("a ==").into();
     assert!(
