@@ -390,6 +390,12 @@ fn errors_name_the_character_offset_what_was_expected_and_what_was_found() {
     let e = error(r#"rack = "r1""#);
     assert_eq!((e.offset, e.expected.as_str()), (5, r#""==""#));
 
+    // A lone `&` or `|` is a misspelt operator, not the start of a label.
+    let e = error(r#"a == "b" & c == "d""#);
+    assert_eq!((e.offset, e.expected.as_str()), (9, r#""&&""#));
+    let e = error(r#"a == "b" | c == "d""#);
+    assert_eq!((e.offset, e.expected.as_str()), (9, r#""||""#));
+
     let e = error(r#"rack is "r1""#);
     assert_eq!(e.offset, 5);
     assert!(e.expected.starts_with("an operator"), "{e}");
