@@ -413,6 +413,17 @@ fn errors_name_the_character_offset_what_was_expected_and_what_was_found() {
 
     let e = error(r#"zone in {"a" "b"}"#);
     assert_eq!((e.offset, e.expected.as_str()), (13, r#""," or "}""#));
+    // A comma only follows a string, as in Calico's parser.
+    let e = error(r#"zone in {,}"#);
+    assert_eq!(
+        (e.offset, e.expected.as_str()),
+        (9, r#"a quoted string or "}""#)
+    );
+    let e = error(r#"zone in {"a",,"b"}"#);
+    assert_eq!(
+        (e.offset, e.expected.as_str()),
+        (13, r#"a quoted string or "}""#)
+    );
 
     let e = error(r#"zone in "a""#);
     assert_eq!(e.offset, 8);
