@@ -192,6 +192,11 @@ mod tests {
             ("/rack", "prefix"),
             ("Example.com/rack", "prefix"),
             ("a..b/rack", "prefix"),
+            ("-a.com/rack", "prefix"),
+            ("a-.com/rack", "prefix"),
+            ("a.-b/rack", "prefix"),
+            ("a.b-/rack", "prefix"),
+            ("a_b.com/rack", "prefix"),
             ("a/b/c", "the name after '/'"),
             (&*format!("{}/n", "p".repeat(254)), "prefix"),
         ] {
