@@ -115,6 +115,20 @@ mod tests {
     }
 
     #[test]
+    fn now_is_this_machines_clock_both_ways() {
+        let before = unix_now();
+        let text = now_rfc3339();
+        let after = unix_now();
+        // 2024-01-01T00:00:00Z: no machine running this test reads earlier.
+        assert!(before >= 1_704_067_200, "{before}");
+        let parsed = parse_rfc3339_utc(&text).unwrap_or_else(|| panic!("{text:?}"));
+        assert!(
+            (before..=after).contains(&parsed),
+            "{before} {text} {after}"
+        );
+    }
+
+    #[test]
     fn anything_else_is_not_a_time() {
         for text in [
             "",
