@@ -290,3 +290,104 @@ impl Pool {
             .unwrap_or(u128::MAX)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(cidr: &str, block_size: u8) -> Pool {
+        Pool {
+            name: "p".into(),
+            cidr: cidr.parse().expect("cidr"),
+            block_size,
+            ..Pool::default()
+        }
+    }
+
+    #[test]
+    fn the_ip_cooldown_is_at_most_calicos_limit() {
+        let mut config = IpamConfig {
+            ip_cooldown_seconds: MAX_IP_COOLDOWN_SECONDS,
+            ..IpamConfig::default()
+        };
+        assert!(config.validate().is_ok());
+        config.ip_cooldown_seconds = 0;
+        assert!(config.validate().is_ok());
+        config.ip_cooldown_seconds = MAX_IP_COOLDOWN_SECONDS + 1;
+        let refused = config.validate();
+        assert!(
+            matches!(&refused, Err(IpamError::InvalidArgument(m)) if m.contains("1201 s")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn assignment_modes_parse_in_any_case_and_print_as_calico_names_them() {
+        for (text, mode) in [
+            ("automatic", AssignmentMode::Automatic),
+            (" Manual ", AssignmentMode::Manual),
+            ("MANUAL", AssignmentMode::Manual),
+        ] {
+            assert_eq!(text.parse::<AssignmentMode>().ok(), Some(mode), "{text:?}");
+        }
+        assert_eq!(AssignmentMode::Automatic.to_string(), "automatic");
+        assert_eq!(AssignmentMode::Manual.to_string(), "manual");
+        let refused = "auto".parse::<AssignmentMode>();
+        assert!(
+            matches!(&refused, Err(IpamError::InvalidArgument(m)) if m.contains("\"auto\"")),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn allowed_uses_parse_check_print_and_store_as_a_list() {
+        let both = AllowedUses::parse(" Tunnel, workload,,").expect("parse");
+        assert_eq!(both, AllowedUses::default());
+        assert_eq!(both.to_string(), "workload,tunnel");
+        assert!(both.allows(AllowedUse::Workload) && both.allows(AllowedUse::Tunnel));
+        assert!(!both.allows(AllowedUse::Loadbalancer));
+        assert_eq!(
+            both.iter().collect::<Vec<_>>(),
+            [AllowedUse::Workload, AllowedUse::Tunnel]
+        );
+        let balancer = AllowedUses::parse("loadbalancer").expect("parse");
+        assert_eq!(balancer.to_string(), "loadbalancer");
+        assert!(!balancer.allows(AllowedUse::Workload));
+
+        for (text, says) in [
+            ("", "may not be empty"),
+            (" , ", "may not be empty"),
+            ("workload,loadbalancer", "may not be combined"),
+            ("workloads", "\"workloads\""),
+        ] {
+            let refused = AllowedUses::parse(text);
+            assert!(
+                matches!(&refused, Err(IpamError::InvalidArgument(m)) if m.contains(says)),
+                "{text:?}: {refused:?}"
+            );
+        }
+
+        let stored = serde_json::to_string(&both).expect("encode");
+        assert_eq!(stored, r#"["workload","tunnel"]"#);
+        let back: AllowedUses = serde_json::from_str(&stored).expect("decode");
+        assert_eq!(back, both);
+        assert!(serde_json::from_str::<AllowedUses>("[]").is_err());
+        assert!(serde_json::from_str::<AllowedUses>(r#"["tunnel","loadbalancer"]"#).is_err());
+    }
+
+    #[test]
+    fn a_pools_capacity_and_blocks_follow_its_prefix() {
+        let v4 = pool("10.0.0.0/16", 26);
+        assert_eq!(v4.capacity(), 65_536);
+        assert_eq!(v4.block_count(), 1_024);
+        let last: IpNet = "10.0.255.192/26".parse().expect("cidr");
+        assert_eq!(v4.block_at(1_023), Some(last));
+        assert_eq!(v4.block_index_of(&last), Some(1_023));
+        for outside in ["10.1.0.0/26", "10.0.0.0/24", "10.0.0.32/26", "fd00::/122"] {
+            let block: IpNet = outside.parse().expect("cidr");
+            assert_eq!(v4.block_index_of(&block), None, "{outside}");
+        }
+        assert_eq!(pool("fd00::/48", 122).capacity(), 1 << 80);
+        assert_eq!(pool("::/0", 122).capacity(), u128::MAX);
+    }
+}
