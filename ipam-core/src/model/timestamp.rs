@@ -113,6 +113,11 @@ mod tests {
             Some(1_709_210_096),
             "a fraction is dropped"
         );
+        assert_eq!(
+            parse_rfc3339_utc("2016-12-31T23:59:60Z"),
+            Some(1_483_228_800),
+            "a leap second (RFC 3339 allows it) is the next minute's first"
+        );
     }
 
     #[test]
@@ -147,6 +152,7 @@ mod tests {
             "2024-11-31T00:00:00Z",
             "2024-01-01T24:00:00Z",
             "2024-01-01T00:60:00Z",
+            "2024-01-01T00:00:61Z",
             "1969-12-31T23:59:59Z",
             "2024-01-01T00:00:00+01:00",
             "yesterday",
