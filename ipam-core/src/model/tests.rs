@@ -287,6 +287,16 @@ fn downgraded_to_format_3_a_config_with_a_cooldown_is_refused() {
         downgrade(&keys::config(), encode(&plain).expect("encode"), 2),
         Err(IpamError::Internal(_))
     ));
+    // Format 4 holds both settings: written there, they read back.
+    let cooling = IpamConfig {
+        ip_cooldown_seconds: 30,
+        empty_block_reclaim_seconds: 600,
+        ..IpamConfig::default()
+    };
+    let in_4 = downgrade(&keys::config(), encode(&cooling).expect("encode"), 4).expect("format 4");
+    assert_eq!(in_4[0], 4);
+    let read: IpamConfig = decode(&keys::config(), &in_4).expect("format 4 reads back");
+    assert_eq!(read, cooling);
 }
 
 #[test]
