@@ -295,6 +295,46 @@ mod tests {
     }
 
     #[test]
+    fn a_reservation_lists_1_to_the_limit_of_distinct_networks_without_host_bits() {
+        let of = |cidrs: Vec<IpNet>| Reservation {
+            name: "r".into(),
+            cidrs,
+        };
+        let at_limit: Vec<IpNet> = (0..MAX_RESERVED_CIDRS)
+            .map(|i| {
+                IpNet::from(IpAddr::from(std::net::Ipv4Addr::from(
+                    0x0a00_0000 + i as u32,
+                )))
+            })
+            .collect();
+        assert!(validate_reservation(&of(at_limit.clone())).is_ok());
+        let mut over = at_limit;
+        over.push(net("10.1.0.0/32"));
+        for (reservation, says) in [
+            (of(over), "1 to 1024 CIDRs or addresses, 1025 given"),
+            (of(vec![]), "0 given"),
+            (
+                of(vec![net("10.0.0.0/28"), net("10.0.0.0/28")]),
+                "listed twice",
+            ),
+            (of(vec![net("10.0.0.1/28")]), "host bits"),
+            (
+                Reservation {
+                    name: "a b".into(),
+                    cidrs: vec![net("10.0.0.0/28")],
+                },
+                "reservation",
+            ),
+        ] {
+            let refused = validate_reservation(&reservation);
+            assert!(
+                matches!(&refused, Err(IpamError::InvalidArgument(m)) if m.contains(says)),
+                "{says}: {refused:?}"
+            );
+        }
+    }
+
+    #[test]
     fn touching_and_nested_ranges_merge_into_one() {
         let r = ranges(&["10.0.0.0/26", "10.0.0.64/26", "10.0.0.5/32", "fd00::/127"]);
         assert_eq!(r.v4.len(), 1);
