@@ -355,6 +355,17 @@ mod tests {
         let r = ranges(&["10.0.0.1/32", "10.0.0.2/31", "10.0.0.4/31", "10.0.0.6/32"]);
         assert!(r.leaves_block_nothing(&block, true));
         assert!(!r.leaves_block_nothing(&block, false));
+        // Blocks of one or two addresses have no edges to skip.
+        let r = ranges(&["10.0.0.8/32", "10.0.0.11/32"]);
+        assert!(r.leaves_block_nothing(&net("10.0.0.8/32"), true));
+        assert!(
+            !r.leaves_block_nothing(&net("10.0.0.8/31"), true),
+            ".9 is free"
+        );
+        assert!(
+            !r.leaves_block_nothing(&net("10.0.0.10/31"), true),
+            ".10 is free"
+        );
     }
 
     #[test]
