@@ -117,15 +117,7 @@ pub(crate) fn mark_key(pool: &Pool) -> String {
 mod tests {
     use super::*;
     use crate::kv::Revision;
-
-    fn pool(cidr: &str, block_size: u8) -> Pool {
-        Pool {
-            name: "p".into(),
-            cidr: cidr.parse().expect("cidr"),
-            block_size,
-            ..Pool::default()
-        }
-    }
+    use crate::model::test_pool as pool;
 
     fn stored(value: &[u8]) -> KeyValue {
         KeyValue {

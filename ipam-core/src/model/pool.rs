@@ -291,18 +291,21 @@ impl Pool {
     }
 }
 
+/// A pool named `p` of `cidr` with blocks of `block_size`, the defaults otherwise (for tests).
+#[cfg(test)]
+pub(crate) fn test_pool(cidr: &str, block_size: u8) -> Pool {
+    Pool {
+        name: "p".into(),
+        cidr: cidr.parse().expect("cidr"),
+        block_size,
+        ..Pool::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_pool as pool;
     use super::*;
-
-    fn pool(cidr: &str, block_size: u8) -> Pool {
-        Pool {
-            name: "p".into(),
-            cidr: cidr.parse().expect("cidr"),
-            block_size,
-            ..Pool::default()
-        }
-    }
 
     #[test]
     fn the_ip_cooldown_is_at_most_calicos_limit() {
