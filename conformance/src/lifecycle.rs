@@ -23,6 +23,7 @@ macro_rules! lifecycle_conformance_tests {
             cooling_address_is_not_handed_out_until_its_cooldown_passes,
             cooling_addresses_keep_a_block_from_being_empty,
             explicitly_requested_cooling_address_is_refused_until_it_cools,
+            a_cooling_gateway_is_reserved_once_cooled_and_the_networks_other_addresses_at_once,
             address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it,
             the_cooldown_in_force_applies_raised_lowered_or_turned_off,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
@@ -385,6 +386,95 @@ pub async fn explicitly_requested_cooling_address_is_refused_until_it_cools<F: S
     clock.set(9_601);
     let got = ipam.assign_ips(&request).await.expect("cooled: assigned");
     assert_eq!(got[0].ip, ip);
+    assert_clean(&ipam).await;
+}
+
+/// A network whose gateway address a container released lately (in IP cooldown) is set up as far
+/// as it can be: the pool's network and broadcast addresses are reserved at once, so no container
+/// gets them; the gateway is handed to no one while it cools, and reserved by the first call
+/// after its cooldown ends.
+pub async fn a_cooling_gateway_is_reserved_once_cooled_and_the_networks_other_addresses_at_once<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::network_setup::NetworkSetup;
+    use ipam_core::AutoAssignRequest;
+
+    let clock = HandClock::new(20_000);
+    let cidr = "10.44.0.0/28";
+    let (_t, ipam) = lab(factory, cidr, 28, &clock, |c| {
+        c.ip_cooldown_seconds = 600;
+    })
+    .await;
+    let address = |text: &str| -> IpAddr { text.parse().expect("address") };
+    let gateway = address("10.44.0.1");
+    let old = ipam_core::AssignIpsRequest {
+        handle: "old-pod".into(),
+        host: "node-a".into(),
+        ips: vec![gateway],
+        ..Default::default()
+    };
+    ipam.assign_ips(&old).await.expect("a container holds it");
+    ipam.release_handle("old-pod").await.expect("released");
+
+    let setup = NetworkSetup {
+        network: "net".into(),
+        pools: vec![spec(cidr, "pool", 28)],
+        gateways: vec![gateway],
+        reservation_handle: "net:gateway".into(),
+    };
+    let request = |handle: &str, n: u32| AutoAssignRequest {
+        handle: handle.into(),
+        host: "node-a".into(),
+        num_v4: n,
+        setup: Some(setup.clone()),
+        ..Default::default()
+    };
+    let reserved = || async {
+        let mut held: Vec<IpAddr> = ipam
+            .ips_by_handle("net:gateway")
+            .await
+            .expect("the reservations")
+            .into_iter()
+            .map(|a| a.ip)
+            .collect();
+        held.sort();
+        held
+    };
+    // Every address but the gateway and the pool's edges: 13 of 16.
+    clock.set(20_300);
+    let got = ipam
+        .auto_assign(&request("pod-all", 13))
+        .await
+        .expect("the network set up around its cooling gateway");
+    let handed_out: Vec<IpAddr> = got.v4.iter().map(|a| a.ip).collect();
+    let expected: Vec<IpAddr> = (2..=14).map(|i| address(&format!("10.44.0.{i}"))).collect();
+    assert_eq!(handed_out, expected, "neither the gateway nor an edge");
+    assert_eq!(
+        reserved().await,
+        vec![address("10.44.0.0"), address("10.44.0.15")],
+        "the network and broadcast addresses reserved while the gateway cools"
+    );
+    let outcome = ipam.auto_assign(&request("pod-more", 1)).await;
+    assert!(
+        matches!(outcome, Err(IpamError::Exhausted { .. })),
+        "the cooling gateway was offered: {outcome:?}"
+    );
+    assert_eq!(reserved().await.len(), 2, "still cooling");
+
+    // Cooled: the next call reserves it (and finds nothing left for itself).
+    clock.set(20_601);
+    let outcome = ipam.auto_assign(&request("pod-later", 1)).await;
+    assert!(
+        matches!(outcome, Err(IpamError::Exhausted { .. })),
+        "the cooled gateway was handed to a container: {outcome:?}"
+    );
+    assert_eq!(
+        reserved().await,
+        vec![address("10.44.0.0"), gateway, address("10.44.0.15")],
+        "the gateway reserved once cooled"
+    );
     assert_clean(&ipam).await;
 }
 

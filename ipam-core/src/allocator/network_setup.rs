@@ -160,7 +160,8 @@ impl Ipam {
     /// `setup.reservation_handle`, and confirms them, so that the next calls find it all in place
     /// in auto-assign's one read. Returns the store's pools. A reservation that cannot be made or
     /// confirmed is logged and tried again at the next call (it never fails the call); an
-    /// address a container holds is left to it, with a warning.
+    /// address a container holds is left to it, and one in IP cooldown is left to cool, each with
+    /// a warning, the network's other addresses reserved all the same.
     ///
     /// # Errors
     /// A pool that clashes with a different existing one; store failures.
@@ -235,6 +236,12 @@ impl Ipam {
                 Ok(_) => tracing::info!(%ip, %handle, "reserved"),
                 Err(IpamError::AlreadyAssigned { ip, handle }) => {
                     tracing::warn!(%ip, %handle, "an address the network reserves is held by a container; it is reserved once that container releases it");
+                }
+                // Released lately: no one may take it before its cooldown ends, the network's
+                // reservation neither. The addresses after it are reserved all the same; this
+                // one is reserved by the first call after `cools_at`.
+                Err(IpamError::AddressCooling { ip, cools_at, .. }) => {
+                    tracing::warn!(%ip, cools_at, "an address the network reserves is in IP cooldown; it is reserved once it has cooled");
                 }
                 Err(e) => return Err(e),
             }
