@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use backend_etcd::lease::{Holder, LeaseSession, LeasedKey};
 use backend_etcd::EtcdStore;
+use ipam_core::kv::KvError;
 use ipam_core::KvStore;
 use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
@@ -182,4 +183,33 @@ async fn a_key_put_renewed_lives_the_whole_ttl_from_its_put_not_from_the_grant()
         .is_err());
     assert!(store.get("countdown/late").await.expect("get").is_none());
     session.revoke(renewed).await.expect("revoke");
+}
+
+#[tokio::test]
+async fn a_lease_ttl_is_a_whole_number_of_seconds_at_least_one() {
+    let server = EtcdServer::shared();
+    let config = server.config(&unique_prefix());
+    for refused in [
+        Duration::ZERO,
+        Duration::from_millis(500),
+        Duration::from_millis(1_500),
+        Duration::from_nanos(60_000_000_001),
+    ] {
+        match LeaseSession::connect(&config, refused).await {
+            Err(KvError::InvalidArgument { message }) => assert!(
+                message.contains("a lease TTL is a whole number of seconds, at least 1"),
+                "{refused:?}: {message}"
+            ),
+            other => panic!("a TTL of {refused:?} was not refused: {other:?}"),
+        }
+    }
+    let session = LeaseSession::connect(&config, Duration::from_secs(1))
+        .await
+        .expect("one second is a TTL");
+    assert_eq!(session.ttl(), Duration::from_secs(1));
+    // What a log line shows of a session: where it connects and under which prefix, with its TTL.
+    let shown = format!("{session:?}");
+    for part in ["LeaseSession", &server.endpoint(), &config.prefix, "1s"] {
+        assert!(shown.contains(part), "{part:?} missing from {shown}");
+    }
 }
