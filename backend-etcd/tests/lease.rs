@@ -213,3 +213,20 @@ async fn a_lease_ttl_is_a_whole_number_of_seconds_at_least_one() {
         assert!(shown.contains(part), "{part:?} missing from {shown}");
     }
 }
+
+#[tokio::test]
+async fn a_leased_key_dropped_without_a_stop_is_no_longer_kept_alive_and_expires() {
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(2)).await;
+    let kept = LeasedKey::start(Arc::new(session), "liveness/dropped", b"n2".to_vec())
+        .await
+        .expect("start the leased key");
+    assert!(store.get("liveness/dropped").await.expect("get").is_some());
+    // Dropped (a process's state torn down without a clean stop): nothing revokes the lease, and
+    // nothing renews it either, so etcd deletes the key once the TTL has run out.
+    drop(kept);
+    wait_until("the dropped key expires", || {
+        let store = &store;
+        async move { store.get("liveness/dropped").await.ok().flatten().is_none() }
+    })
+    .await;
+}
