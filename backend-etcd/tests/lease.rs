@@ -230,3 +230,80 @@ async fn a_leased_key_dropped_without_a_stop_is_no_longer_kept_alive_and_expires
     })
     .await;
 }
+
+/// Sends `signal` (`STOP`, `CONT`) to the private etcd `server`.
+fn signal(server: &EtcdServer, signal: &str) {
+    let pid = server.pid().expect("etcd runs");
+    let status = std::process::Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+#[tokio::test]
+async fn keep_alives_failing_for_less_than_the_ttl_keep_the_lease_and_its_key() {
+    // A private etcd, paused (SIGSTOP: its connections accept, nothing answers) for longer than a
+    // keep-alive period (5 s) and shorter than the TTL (15 s).
+    let server = EtcdServer::start().expect("a private etcd");
+    let config = backend_etcd::EtcdConfig {
+        request_timeout: Duration::from_secs(1),
+        connect_timeout: Duration::from_millis(500),
+        ..server.config(&unique_prefix())
+    };
+    let ttl = Duration::from_secs(15);
+    let session = Arc::new(
+        LeaseSession::connect(&config, ttl)
+            .await
+            .expect("a session"),
+    );
+    let kept = LeasedKey::start(Arc::clone(&session), "liveness/n3", b"n3".to_vec())
+        .await
+        .expect("start the leased key");
+    let first = kept.lease().expect("a lease");
+    let state = kept.watch();
+
+    signal(&server, "STOP");
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    signal(&server, "CONT");
+    // The keep-alive at 5 s failed; the lease is not given up for that (not a whole TTL without
+    // renewal), nor at the next keep-alive, after the pause.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !state.has_changed().expect("the keep-alive task runs"),
+        "the lease state changed: {:?}",
+        *state.borrow()
+    );
+    assert_eq!(kept.lease(), Some(first), "the same lease kept");
+    let store = EtcdStore::connect(config).await.expect("connect the store");
+    assert_eq!(
+        store
+            .get("liveness/n3")
+            .await
+            .expect("get")
+            .map(|kv| kv.value),
+        Some(b"n3".to_vec())
+    );
+    kept.stop(true).await;
+}
+
+#[tokio::test]
+async fn a_leased_key_outlives_its_ttl_many_times_while_kept_alive() {
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(3)).await;
+    let kept = LeasedKey::start(Arc::new(session), "liveness/kept", b"n4".to_vec())
+        .await
+        .expect("start the leased key");
+    let first = kept.lease().expect("a lease");
+    let state = kept.watch();
+    // Two and a half TTLs: the key is there at every look, on its first lease.
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(
+            store.get("liveness/kept").await.expect("get").is_some(),
+            "the key expired while kept alive"
+        );
+    }
+    assert!(!state.has_changed().expect("the keep-alive task runs"));
+    assert_eq!(kept.lease(), Some(first));
+    kept.stop(true).await;
+}
