@@ -122,6 +122,19 @@ async fn a_lost_lease_is_granted_again_and_the_key_put_back() {
     let second = kept.lease().expect("a new lease");
     assert_ne!(second, first);
 
+    // Revoked once the key has been kept alive on its new lease for a while (its keep-alive stream
+    // open): the stream's answer says the lease is gone, and the key comes back on a third lease.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(kept.lease(), Some(second), "kept alive on its second lease");
+    session.revoke(second).await.expect("revoke");
+    wait_until("the key is put again on a third lease", || {
+        let generation = state.borrow_and_update().generation;
+        let store = &store;
+        async move { generation >= 3 && store.get("liveness/n1").await.ok().flatten().is_some() }
+    })
+    .await;
+    assert_ne!(kept.lease(), Some(second));
+
     // A clean stop with revocation deletes it at once.
     kept.stop(true).await;
     assert!(store.get("liveness/n1").await.expect("get").is_none());
