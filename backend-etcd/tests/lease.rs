@@ -320,3 +320,48 @@ async fn a_leased_key_outlives_its_ttl_many_times_while_kept_alive() {
     assert_eq!(kept.lease(), Some(first));
     kept.stop(true).await;
 }
+
+#[tokio::test]
+async fn keep_alives_failing_for_longer_than_the_ttl_give_the_lease_up_then_a_new_one_is_granted() {
+    // A private etcd, paused (SIGSTOP) until the key's holder has given its lease up: no
+    // keep-alive answered for a whole TTL (3 s) means etcd has let the lease expire by now.
+    let server = EtcdServer::start().expect("a private etcd");
+    let config = backend_etcd::EtcdConfig {
+        request_timeout: Duration::from_millis(500),
+        connect_timeout: Duration::from_millis(500),
+        ..server.config(&unique_prefix())
+    };
+    let session = Arc::new(
+        LeaseSession::connect(&config, Duration::from_secs(3))
+            .await
+            .expect("a session"),
+    );
+    let kept = LeasedKey::start(Arc::clone(&session), "liveness/n5", b"n5".to_vec())
+        .await
+        .expect("start the leased key");
+    let mut state = kept.watch();
+
+    signal(&server, "STOP");
+    wait_until("the lease is given up while etcd does not answer", || {
+        let lease = state.borrow_and_update().lease;
+        async move { lease.is_none() }
+    })
+    .await;
+    signal(&server, "CONT");
+    wait_until("the key is put again on a new lease", || {
+        let now = *state.borrow_and_update();
+        async move { now.lease.is_some() && now.generation == 2 }
+    })
+    .await;
+    let store = EtcdStore::connect(config).await.expect("connect the store");
+    assert_eq!(
+        store
+            .get("liveness/n5")
+            .await
+            .expect("get")
+            .map(|kv| kv.value),
+        Some(b"n5".to_vec())
+    );
+    kept.stop(true).await;
+    assert!(store.get("liveness/n5").await.expect("get").is_none());
+}
