@@ -404,6 +404,25 @@ mod tests {
     }
 
     #[test]
+    fn each_malformed_part_of_an_endpoint_is_named() {
+        for (bad, why) in [
+            ("http://h:1?x=1", "it has a path, query or user part"),
+            ("user@h:1", "it has a path, query or user part"),
+            ("h:1/a", "it has a path, query or user part"),
+            (":2379", "the host is empty or has spaces"),
+            ("my host:2379", "the host is empty or has spaces"),
+            ("fd00::1:2379", "IPv6 addresses must be in brackets"),
+            ("h:port", "the port is not a number from 1 to 65535"),
+        ] {
+            let message = invalid_message(EtcdConfig::new([bad]).validate());
+            assert!(
+                message.contains(&format!("etcd endpoint {bad:?} is not host:port ({why})")),
+                "{bad:?}: {message}"
+            );
+        }
+    }
+
+    #[test]
     fn duplicate_endpoint_is_invalid() {
         let message = invalid_message(EtcdConfig::new(["h:1", "http://h:1"]).validate());
         assert!(message.contains("twice"), "{message}");
@@ -511,6 +530,23 @@ mod tests {
             EtcdConfig::new(["h:1"]).with_timeouts(Duration::from_secs(5), Duration::from_secs(1));
         let message = invalid_message(config.validate());
         assert!(message.contains("connect_timeout"), "{message}");
+    }
+
+    #[test]
+    fn a_zero_timeout_is_invalid_and_equal_timeouts_are_valid() {
+        let second = Duration::from_secs(1);
+        for (connect, request) in [(Duration::ZERO, second), (second, Duration::ZERO)] {
+            let config = EtcdConfig::new(["h:1"]).with_timeouts(connect, request);
+            let message = invalid_message(config.validate());
+            assert!(
+                message.contains("connect_timeout and request_timeout must be greater than zero"),
+                "{connect:?}, {request:?}: {message}"
+            );
+        }
+        EtcdConfig::new(["h:1"])
+            .with_timeouts(second, second)
+            .validate()
+            .expect("a connection may take the whole request's time");
     }
 
     #[test]
