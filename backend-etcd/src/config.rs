@@ -412,6 +412,8 @@ mod tests {
             (":2379", "the host is empty or has spaces"),
             ("my host:2379", "the host is empty or has spaces"),
             ("fd00::1:2379", "IPv6 addresses must be in brackets"),
+            ("[fd00::1:2379", "IPv6 addresses must be in brackets"),
+            ("fd00::1]:2379", "IPv6 addresses must be in brackets"),
             ("h:port", "the port is not a number from 1 to 65535"),
         ] {
             let message = invalid_message(EtcdConfig::new([bad]).validate());
