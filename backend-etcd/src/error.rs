@@ -216,6 +216,63 @@ mod tests {
         }
     }
 
+    /// An error with a message and an optional cause.
+    #[derive(Debug)]
+    struct Caused(&'static str, Option<Box<Caused>>);
+
+    impl std::fmt::Display for Caused {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Caused {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1
+                .as_deref()
+                .map(|c| c as &(dyn std::error::Error + 'static))
+        }
+    }
+
+    #[test]
+    fn a_local_failure_is_described_with_each_of_its_causes_once() {
+        // A cause whose text its parent repeats already is not said twice; a deeper one is added.
+        let chain = || {
+            Caused(
+                "client error: tcp connect error",
+                Some(Box::new(Caused(
+                    "tcp connect error",
+                    Some(Box::new(Caused("Connection refused (os error 111)", None))),
+                ))),
+            )
+        };
+        assert_eq!(
+            error_chain(&chain()),
+            "client error: tcp connect error: Connection refused (os error 111)"
+        );
+        let text = map_error(local(chain()), Kind::Read, EP).to_string();
+        assert!(
+            text.contains("(client error: tcp connect error: Connection refused (os error 111))"),
+            "the causes of a local failure named: {text}"
+        );
+    }
+
+    #[test]
+    fn a_servers_unknown_or_internal_error_on_a_read_is_not_retried() {
+        // No local cause: the server answered with an error retrying will not change.
+        for code in [Code::Unknown, Code::Internal] {
+            let err = map_error(status(code, "etcdserver: unexpected"), Kind::Read, EP);
+            assert!(matches!(err, KvError::Other { .. }), "{code:?}: {err:?}");
+        }
+        // Exhausted for another reason than the message's size: a read may be tried again.
+        let err = map_error(
+            status(Code::ResourceExhausted, "grpc: server overloaded"),
+            Kind::Read,
+            EP,
+        );
+        assert!(err.is_retryable(), "{err:?}");
+    }
+
     #[test]
     fn transport_failure_after_sending_is_indeterminate_for_writes_only() {
         let reset = || {
@@ -270,6 +327,12 @@ mod tests {
                 "etcdserver: permission denied",
                 "permission",
             ),
+            (
+                Code::PermissionDenied,
+                "etcdserver: role grants no access to the key",
+                "permission",
+            ),
+            (Code::Unknown, "etcdserver: permission denied", "permission"),
             (
                 Code::Unauthenticated,
                 "etcdserver: invalid auth token",
