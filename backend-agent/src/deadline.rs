@@ -128,7 +128,44 @@ mod tests {
             monotonic_nanos: u64::MAX,
             remaining_nanos: u64::MAX,
         };
-        assert_eq!(forever.instant(received), received + LONGEST_DEADLINE);
+        assert_eq!(
+            forever.instant(received),
+            received + Duration::from_secs(24 * 60 * 60),
+            "cut to a day"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_read_after_its_callers_deadline_is_known_to_be_late() {
+        // The caller had 5 s left when it sent the request, which waited 8 s to be read: its
+        // deadline passed 3 s ago, not 5 s from now.
+        let received = Instant::now();
+        let wire = WireDeadline {
+            monotonic_nanos: monotonic_nanos() - 3_000_000_000,
+            remaining_nanos: 5_000_000_000,
+        };
+        let back = wire.instant(received);
+        assert!(back < received, "{back:?} is not before {received:?}");
+        let early = received - back;
+        assert!(
+            early > Duration::from_millis(2_500) && early < Duration::from_millis(3_500),
+            "{early:?} before it was read"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_wire_clock_is_the_monotonic_clock_in_nanoseconds() {
+        // Read inside the span the process clock measures: never more than it.
+        let at = Instant::now();
+        let before = monotonic_nanos();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let after = monotonic_nanos();
+        let elapsed = at.elapsed();
+        let counted = Duration::from_nanos(after - before);
+        assert!(
+            counted >= Duration::from_millis(200) && counted <= elapsed,
+            "{counted:?} counted over {elapsed:?}"
+        );
     }
 
     #[tokio::test]
