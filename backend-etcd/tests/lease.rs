@@ -254,25 +254,44 @@ fn signal(server: &EtcdServer, signal: &str) {
     assert!(status.success(), "kill -{signal} {pid}");
 }
 
+/// A private etcd (to pause), its configuration with `request_timeout`, and `key` kept alive there
+/// on leases of `ttl`.
+async fn kept_on_a_private_etcd(
+    ttl: Duration,
+    request_timeout: Duration,
+    key: &str,
+) -> (EtcdServer, backend_etcd::EtcdConfig, LeasedKey) {
+    let server = EtcdServer::start().expect("a private etcd");
+    let config = backend_etcd::EtcdConfig {
+        request_timeout,
+        connect_timeout: Duration::from_millis(500),
+        ..server.config(&unique_prefix())
+    };
+    let session = LeaseSession::connect(&config, ttl)
+        .await
+        .expect("a session");
+    let kept = LeasedKey::start(Arc::new(session), key, key.as_bytes().to_vec())
+        .await
+        .expect("start the leased key");
+    (server, config, kept)
+}
+
+/// The value stored at `key`, through a new store on `config`.
+async fn stored(config: backend_etcd::EtcdConfig, key: &str) -> Option<Vec<u8>> {
+    let store = EtcdStore::connect(config).await.expect("connect the store");
+    store.get(key).await.expect("get").map(|kv| kv.value)
+}
+
 #[tokio::test]
 async fn keep_alives_failing_for_less_than_the_ttl_keep_the_lease_and_its_key() {
     // A private etcd, paused (SIGSTOP: its connections accept, nothing answers) for longer than a
     // keep-alive period (5 s) and shorter than the TTL (15 s).
-    let server = EtcdServer::start().expect("a private etcd");
-    let config = backend_etcd::EtcdConfig {
-        request_timeout: Duration::from_secs(1),
-        connect_timeout: Duration::from_millis(500),
-        ..server.config(&unique_prefix())
-    };
-    let ttl = Duration::from_secs(15);
-    let session = Arc::new(
-        LeaseSession::connect(&config, ttl)
-            .await
-            .expect("a session"),
-    );
-    let kept = LeasedKey::start(Arc::clone(&session), "liveness/n3", b"n3".to_vec())
-        .await
-        .expect("start the leased key");
+    let (server, config, kept) = kept_on_a_private_etcd(
+        Duration::from_secs(15),
+        Duration::from_secs(1),
+        "liveness/n3",
+    )
+    .await;
     let first = kept.lease().expect("a lease");
     let state = kept.watch();
 
@@ -288,14 +307,9 @@ async fn keep_alives_failing_for_less_than_the_ttl_keep_the_lease_and_its_key() 
         *state.borrow()
     );
     assert_eq!(kept.lease(), Some(first), "the same lease kept");
-    let store = EtcdStore::connect(config).await.expect("connect the store");
     assert_eq!(
-        store
-            .get("liveness/n3")
-            .await
-            .expect("get")
-            .map(|kv| kv.value),
-        Some(b"n3".to_vec())
+        stored(config, "liveness/n3").await,
+        Some(b"liveness/n3".to_vec())
     );
     kept.stop(true).await;
 }
@@ -325,20 +339,12 @@ async fn a_leased_key_outlives_its_ttl_many_times_while_kept_alive() {
 async fn keep_alives_failing_for_longer_than_the_ttl_give_the_lease_up_then_a_new_one_is_granted() {
     // A private etcd, paused (SIGSTOP) until the key's holder has given its lease up: no
     // keep-alive answered for a whole TTL (3 s) means etcd has let the lease expire by now.
-    let server = EtcdServer::start().expect("a private etcd");
-    let config = backend_etcd::EtcdConfig {
-        request_timeout: Duration::from_millis(500),
-        connect_timeout: Duration::from_millis(500),
-        ..server.config(&unique_prefix())
-    };
-    let session = Arc::new(
-        LeaseSession::connect(&config, Duration::from_secs(3))
-            .await
-            .expect("a session"),
-    );
-    let kept = LeasedKey::start(Arc::clone(&session), "liveness/n5", b"n5".to_vec())
-        .await
-        .expect("start the leased key");
+    let (server, config, kept) = kept_on_a_private_etcd(
+        Duration::from_secs(3),
+        Duration::from_millis(500),
+        "liveness/n5",
+    )
+    .await;
     let mut state = kept.watch();
 
     signal(&server, "STOP");
@@ -353,15 +359,10 @@ async fn keep_alives_failing_for_longer_than_the_ttl_give_the_lease_up_then_a_ne
         async move { now.lease.is_some() && now.generation == 2 }
     })
     .await;
-    let store = EtcdStore::connect(config).await.expect("connect the store");
     assert_eq!(
-        store
-            .get("liveness/n5")
-            .await
-            .expect("get")
-            .map(|kv| kv.value),
-        Some(b"n5".to_vec())
+        stored(config.clone(), "liveness/n5").await,
+        Some(b"liveness/n5".to_vec())
     );
     kept.stop(true).await;
-    assert!(store.get("liveness/n5").await.expect("get").is_none());
+    assert_eq!(stored(config, "liveness/n5").await, None, "revoked at stop");
 }
