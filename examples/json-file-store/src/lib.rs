@@ -1,7 +1,8 @@
 //! An example store adapter written outside blockipam's own backends: the whole store in one JSON
 //! file, rewritten by every commit (written beside, synced, renamed over, directory synced), so a
 //! commit is durable before it is answered and a crash leaves the old file or the new one, never
-//! half of either. Reads are answered from a copy kept in memory. `tests/conformance.rs` runs the
+//! half of either. Reads are answered from a copy kept in memory. Values are stored as hex strings
+//! (a JSON array of numbers, serde's default for bytes, is about twice as long and slower to write). `tests/conformance.rs` runs the
 //! whole conformance suite on it: that suite is the contract a store adapter must meet.
 //!
 //! It is an example, not a store to deploy: every commit rewrites the whole file, and one process
@@ -30,8 +31,42 @@ struct Contents {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Entry {
+    #[serde(with = "hex_bytes")]
     value: Vec<u8>,
     revision: u64,
+}
+
+/// A value as a string of lowercase hex digits, two per byte.
+mod hex_bytes {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Error> {
+        let text: String = bytes
+            .iter()
+            .flat_map(|b| [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]])
+            .map(char::from)
+            .collect();
+        serializer.serialize_str(&text)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<u8>, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        let digit = |c: u8| {
+            char::from(c)
+                .to_digit(16)
+                .map(|d| d as u8)
+                .ok_or_else(|| D::Error::custom(format!("{:?} is not a hex digit", char::from(c))))
+        };
+        if text.len() % 2 != 0 {
+            return Err(D::Error::custom("a value has an odd number of hex digits"));
+        }
+        text.as_bytes()
+            .chunks(2)
+            .map(|pair| Ok(digit(pair[0])? << 4 | digit(pair[1])?))
+            .collect()
+    }
 }
 
 impl Contents {
@@ -101,25 +136,37 @@ impl Inner {
                 key: failed.key().to_owned(),
             });
         }
-        let mut next = contents.clone();
-        next.revision += 1;
+        // Applied in place, each replaced entry kept, so a failed save puts them back: readers
+        // wait on the same lock, so they see the old contents or the saved new ones.
+        let previous_revision = contents.revision;
+        contents.revision += 1;
+        let revision = contents.revision;
+        let mut replaced = Vec::with_capacity(txn.ops.len());
         for op in &txn.ops {
             match op {
                 Op::Put { key, value } => {
                     let entry = Entry {
                         value: value.clone(),
-                        revision: next.revision,
+                        revision,
                     };
-                    next.entries.insert(key.clone(), entry);
+                    replaced.push((key.clone(), contents.entries.insert(key.clone(), entry)));
                 }
                 Op::Delete { key } => {
-                    next.entries.remove(key);
+                    replaced.push((key.clone(), contents.entries.remove(key)));
                 }
             }
         }
-        // Durable first; only then visible to readers, and answered.
-        self.save(&next)?;
-        *contents = next;
+        // Durable first; only then answered.
+        if let Err(e) = self.save(&contents) {
+            for (key, entry) in replaced.into_iter().rev() {
+                match entry {
+                    Some(entry) => contents.entries.insert(key, entry),
+                    None => contents.entries.remove(&key),
+                };
+            }
+            contents.revision = previous_revision;
+            return Err(e);
+        }
         Ok(Revision(contents.revision))
     }
 }
