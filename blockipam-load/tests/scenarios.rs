@@ -4,7 +4,6 @@
 //! Never asserts on time.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use blockipam_load::scenario::{run_scenario, Scenario, ScenarioConfig, ScenarioReport};
 use blockipam_load::{LoadConfig, StoreTarget};
@@ -101,9 +100,8 @@ fn build_blockipamctl() -> PathBuf {
         "this test builds blockipamctl with the debug profile into {}",
         exe_dir.display()
     );
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-    let output = Command::new(cargo)
+    let output = test_kit::plugin::cargo_command()
         .args([
             "build",
             "-p",

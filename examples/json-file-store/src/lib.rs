@@ -2,8 +2,9 @@
 //! file, rewritten by every commit (written beside, synced, renamed over, directory synced), so a
 //! commit is durable before it is answered and a crash leaves the old file or the new one, never
 //! half of either. Reads are answered from a copy kept in memory. Values are stored as hex strings
-//! (a JSON array of numbers, serde's default for bytes, is about twice as long and slower to write). `tests/conformance.rs` runs the
-//! whole conformance suite on it: that suite is the contract a store adapter must meet.
+//! (a JSON array of numbers, serde's default for bytes, is about twice as long and slower to
+//! write). `tests/conformance.rs` runs the whole conformance suite on it: that suite is the
+//! contract a store adapter must meet.
 //!
 //! It is an example, not a store to deploy: every commit rewrites the whole file, and one process
 //! at a time may open it (nothing here locks the file against another process).
