@@ -253,6 +253,34 @@ mod tests {
     }
 
     #[test]
+    fn the_region_serves_up_to_its_last_byte_and_a_page_alignment_and_owns_nothing_past_its_end() {
+        static ARENA: BumpArena<8192> = BumpArena::new();
+        // Aligned to a page (the region's own alignment): from the region, at its start.
+        let first = unsafe { ARENA.alloc(layout(4096, 4096)) };
+        assert_eq!(
+            first as usize,
+            ARENA.base(),
+            "a page-aligned block from the region"
+        );
+        // The rest of the region, to its last byte: from the region too.
+        let last = unsafe { ARENA.alloc(layout(4096, 16)) };
+        assert_eq!(
+            last as usize,
+            ARENA.base() + 4096,
+            "the block ending at the region's end"
+        );
+        assert_eq!(ARENA.used(), 8192);
+        // The region's last byte is its own, the address just past it is not.
+        assert!(ARENA.owns((ARENA.base() + 8191) as *mut u8));
+        assert!(!ARENA.owns((ARENA.base() + 8192) as *mut u8));
+        assert!(!ARENA.owns((ARENA.base() - 1) as *mut u8));
+        unsafe {
+            ARENA.dealloc(last, layout(4096, 16));
+            ARENA.dealloc(first, layout(4096, 4096));
+        }
+    }
+
+    #[test]
     fn blocks_are_aligned_disjoint_and_from_the_region_until_it_is_full() {
         static ARENA: BumpArena<4096> = BumpArena::new();
         let mut blocks = Vec::new();
