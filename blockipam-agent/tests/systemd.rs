@@ -236,6 +236,22 @@ fn a_socket_activated_agent_serves_the_plugin_and_leaves_the_socket_at_stop() {
         !log.contains("not at --socket"),
         "the inherited socket's path was not recognised:\n{log}"
     );
+    // systemd passes the socket without close-on-exec; the agent sets it (as sd_listen_fds does), so
+    // no program it may start inherits the listening socket. systemd-socket-activate, without
+    // --accept, runs the agent in its own process: the child's descriptor 3 is the agent's.
+    let fdinfo_path = format!("/proc/{}/fdinfo/3", activator.child.id());
+    let fdinfo = std::fs::read_to_string(&fdinfo_path)
+        .unwrap_or_else(|e| panic!("cannot read {fdinfo_path}: {e}"));
+    let flags = fdinfo
+        .lines()
+        .find_map(|line| line.strip_prefix("flags:"))
+        .map(|octal| u32::from_str_radix(octal.trim(), 8).expect("octal flags"))
+        .unwrap_or_else(|| panic!("no flags in {fdinfo_path}:\n{fdinfo}"));
+    assert_ne!(
+        flags & libc::O_CLOEXEC as u32,
+        0,
+        "the inherited socket is not close-on-exec: {fdinfo}"
+    );
 
     let del = common::run_plugin("DEL", "ctr-activated", &conf, HANG_GUARD);
     del.assert_silent_success("DEL through the socket-activated agent");
