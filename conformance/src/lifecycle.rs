@@ -25,6 +25,7 @@ macro_rules! lifecycle_conformance_tests {
             explicitly_requested_cooling_address_is_refused_until_it_cools,
             a_cooling_gateway_is_reserved_once_cooled_and_the_networks_other_addresses_at_once,
             address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it,
+            addresses_not_free_are_the_allocated_and_the_cooling_ones_until_they_cool,
             the_cooldown_in_force_applies_raised_lowered_or_turned_off,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
@@ -205,6 +206,49 @@ pub async fn address_status_tells_until_when_an_address_cools_and_which_reservat
     let status = ipam.address_status(released).await.expect("status");
     assert_eq!((status.allocation, status.cooling_until), (None, None));
     assert_eq!(status.block.map(|(cidr, _)| cidr), Some(block));
+    assert_clean(&ipam).await;
+}
+
+/// `addresses_not_free` (what CNI STATUS reads when which addresses are free decides its
+/// answer): the allocated addresses of every node's blocks and the released ones still cooling,
+/// until their cooldown has passed; not the operator's reservations.
+pub async fn addresses_not_free_are_the_allocated_and_the_cooling_ones_until_they_cool<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let clock = HandClock::new(1_000);
+    let (_t, ipam) = lab(factory, "10.43.0.0/24", 30, &clock, |c| {
+        c.ip_cooldown_seconds = 60;
+    })
+    .await;
+    let (released, _) = assign(&ipam, "h0", "node-a").await;
+    let (held, _) = assign(&ipam, "h1", "node-a").await;
+    let (elsewhere, _) = assign(&ipam, "h2", "node-b").await;
+    ipam.add_reservation(&ipam_core::reservations::Reservation {
+        name: "reserved".into(),
+        cidrs: vec!["10.43.0.200/32".parse().expect("cidr")],
+    })
+    .await
+    .expect("reserve");
+    assert_eq!(
+        ipam.addresses_not_free().await.expect("read"),
+        [released, held, elsewhere].into(),
+        "every allocated address, of every node"
+    );
+    clock.set(1_010);
+    ipam.release_handle("h0").await.expect("release");
+    assert_eq!(
+        ipam.addresses_not_free().await.expect("read"),
+        [released, held, elsewhere].into(),
+        "the released address cools"
+    );
+    clock.set(1_071);
+    assert_eq!(
+        ipam.addresses_not_free().await.expect("read"),
+        [held, elsewhere].into(),
+        "its cooldown passed, it is free"
+    );
     assert_clean(&ipam).await;
 }
 

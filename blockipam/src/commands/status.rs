@@ -47,12 +47,7 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         let every: Vec<Pool> = stored_and_pending.iter().map(|p| p.pool.clone()).collect();
         ipam_core::network_setup::reserved_addresses(&every, &conf.gateways)
     };
-    let after_set_up = with_set_up_reservations_taken(
-        &stored_and_pending,
-        &reserved,
-        &ipam_core::reservations::ReservedRanges::default(),
-        &BTreeSet::new(),
-    );
+    let after_set_up = with_set_up_reservations_taken(&stored_and_pending, &reserved, None);
     let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
     if own_blocks_serve(conf, &all_pools, &scope) {
         return Ok(());
@@ -88,20 +83,12 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         .iter()
         .flat_map(|p| p.blocks.iter())
         .any(|b| b.free > 0 && reserved.iter().any(|ip| b.cidr.contains(ip)));
-    let mut allocations: Option<BTreeSet<IpAddr>> = None;
-    let mut reservation_ranges = ipam_core::reservations::ReservedRanges::default();
+    let mut taken: Option<Taken> = None;
     if set_up_in_stored_blocks {
-        allocations = Some(allocated_addresses(ipam).await.map_err(unreachable)?);
-        reservation_ranges = ipam_core::reservations::ReservedRanges::new(
-            &ipam.list_reservations().await.map_err(unreachable)?,
-        );
+        taken = Some(Taken::read(ipam).await.map_err(unreachable)?);
     }
-    let set_up_taken = with_set_up_reservations_taken(
-        &stored_and_pending,
-        &reserved,
-        &reservation_ranges,
-        allocations.as_ref().unwrap_or(&BTreeSet::new()),
-    );
+    let set_up_taken =
+        with_set_up_reservations_taken(&stored_and_pending, &reserved, taken.as_ref());
     let stored_after_set_up: Vec<&PoolUsage> = set_up_taken.iter().map(AsRef::as_ref).collect();
     let after_set_up = with_reservation_blocks(&stored_after_set_up, &usage, &reserved);
     let all_pools: Vec<&PoolUsage> = after_set_up.iter().map(AsRef::as_ref).collect();
@@ -110,21 +97,18 @@ pub async fn status(ipam: &Ipam, conf: &NetConf, node: &str) -> Result<(), CniEr
         .iter()
         .flat_map(|p| p.blocks.iter())
         .any(|b| (1..=2).contains(&b.free) && !block_edges(b.cidr).is_empty());
-    if skip_edges && ambiguous && allocations.is_none() {
-        allocations = Some(allocated_addresses(ipam).await.map_err(unreachable)?);
+    if skip_edges && ambiguous && taken.is_none() {
+        taken = Some(Taken::read(ipam).await.map_err(unreachable)?);
     }
-    // The allocations of the blocks that can be decoded (as the usage above), and the
-    // reservations the set-up makes.
-    let allocated: BTreeSet<IpAddr> = match allocations {
-        Some(allocations) => allocations
-            .into_iter()
-            .chain(reserved.iter().copied())
-            .collect(),
-        None => BTreeSet::new(),
-    };
+    // What the blocks that can be decoded hold (as the usage above), with the reservations the
+    // set-up makes.
+    let taken = taken.map(|mut taken| {
+        taken.not_free.extend(reserved.iter().copied());
+        taken
+    });
     let usable = Usable {
         skip_edges,
-        allocated: &allocated,
+        taken: taken.as_ref(),
     };
     for (family, wanted, requested) in [
         (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
@@ -195,7 +179,7 @@ fn own_blocks_serve(conf: &NetConf, pools: &[&PoolUsage], scope: &NodeScope<'_>)
     let all: Vec<Pool> = pools.iter().map(|p| p.pool.clone()).collect();
     let usable = Usable {
         skip_edges: may_report_block_prefix(conf, &all),
-        allocated: &BTreeSet::new(),
+        taken: None,
     };
     [
         (Family::V4, conf.assign_ipv4, &conf.ipv4_pools),
@@ -295,7 +279,7 @@ async fn new_or_borrowed_blocks_serve(
     };
     let usable = Usable {
         skip_edges,
-        allocated: &BTreeSet::new(),
+        taken: None,
     };
     for (family, candidates) in &families {
         let own_room = candidates
@@ -465,8 +449,9 @@ struct NodeScope<'a> {
 struct Usable<'a> {
     /// ADD skips block edges ([`may_report_block_prefix`]).
     skip_edges: bool,
-    /// Every allocated address (read only when it matters).
-    allocated: &'a BTreeSet<IpAddr>,
+    /// Which addresses are taken (read only when it matters): unknown, every edge counts as
+    /// free.
+    taken: Option<&'a Taken>,
 }
 
 impl Usable<'_> {
@@ -476,10 +461,38 @@ impl Usable<'_> {
             return block.free > 0;
         }
         let free_edges = block_edges(block.cidr)
-            .iter()
-            .filter(|ip| !self.allocated.contains(ip))
+            .into_iter()
+            .filter(|ip| self.taken.is_none_or(|taken| taken.is_free(*ip)))
             .count() as u64;
         block.free > free_edges
+    }
+}
+
+/// The addresses of the stored blocks that are not free, and the operator's reservations: read
+/// only when the answer depends on which addresses are free.
+struct Taken {
+    /// Allocated or in IP cooldown, in the blocks that can be decoded
+    /// ([`Ipam::addresses_not_free`]); with the set-up's reservations once they count.
+    not_free: BTreeSet<IpAddr>,
+    /// The operator's reservations (no request is given an address in one).
+    reservation_ranges: ipam_core::reservations::ReservedRanges,
+}
+
+impl Taken {
+    /// Reads both.
+    async fn read(ipam: &Ipam) -> Result<Taken, IpamError> {
+        Ok(Taken {
+            not_free: ipam.addresses_not_free().await?,
+            reservation_ranges: ipam_core::reservations::ReservedRanges::new(
+                &ipam.list_reservations().await?,
+            ),
+        })
+    }
+
+    /// True when `ip`, an address of a block that can be decoded, is free there: neither
+    /// allocated, cooling nor reserved.
+    fn is_free(&self, ip: IpAddr) -> bool {
+        !self.not_free.contains(&ip) && !self.reservation_ranges.contains(ip)
     }
 }
 
@@ -535,33 +548,21 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
     Ok(pending)
 }
 
-/// Every address allocated in the blocks that can be decoded.
-async fn allocated_addresses(ipam: &Ipam) -> Result<BTreeSet<IpAddr>, IpamError> {
-    Ok(ipam
-        .utilization_and_allocations()
-        .await?
-        .1
-        .into_iter()
-        .map(|a| a.ip)
-        .collect())
-}
-
 /// The stored blocks of `pools` as an ADD's network set-up leaves them: each address it reserves
-/// (`reserved`) that lies in one and is free there (not among `allocated`, nor covered by one of
-/// the operator's `reservation_ranges`) is taken, one free address fewer. With nothing read of
-/// which addresses are taken (both empty), every reserved address in a block counts as taken.
-/// Pools with no such address are returned as they are, not copied.
+/// (`reserved`) that lies in one and is free there (see [`Taken::is_free`]) is taken, one free
+/// address fewer. With nothing read of which addresses are taken (`taken` none), every reserved
+/// address in a block counts as taken. Pools with no such address are returned as they are, not
+/// copied.
 fn with_set_up_reservations_taken<'a>(
     pools: &[&'a PoolUsage],
     reserved: &[IpAddr],
-    reservation_ranges: &ipam_core::reservations::ReservedRanges,
-    allocated: &BTreeSet<IpAddr>,
+    taken: Option<&Taken>,
 ) -> Vec<Cow<'a, PoolUsage>> {
     let taken_in = |block: &BlockUsage| -> u64 {
         reserved
             .iter()
             .filter(|ip| block.cidr.contains(*ip))
-            .filter(|ip| !allocated.contains(ip) && !reservation_ranges.contains(**ip))
+            .filter(|ip| taken.is_none_or(|taken| taken.is_free(**ip)))
             .count() as u64
     };
     pools

@@ -1258,6 +1258,43 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
     status_then_add(&block31, "block-31-second", None, &[]);
     status_then_add(&block31, "block-31-full", Some("no free address"), &[]);
 
+    // A /29 block whose broadcast address the operator reserved, .1 to .5 held: of its two
+    // addresses not taken, the network address is an edge and .6 serves.
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.add_reservation(&ipam_core::reservations::Reservation {
+            name: "broadcast-30".into(),
+            cidrs: vec!["10.244.30.7/32".parse().expect("a CIDR")],
+        })
+        .await
+        .expect("the operator's reservation");
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.244.30.0/29".parse().expect("a CIDR"),
+            name: None,
+            block_size: Some(29),
+            disabled: false,
+        })
+        .await
+        .expect("the pool");
+        ipam.assign_ips(&ipam_core::AssignIpsRequest {
+            ips: (1..=5)
+                .map(|n| format!("10.244.30.{n}").parse().expect("ip"))
+                .collect(),
+            handle: "held-in-30".into(),
+            host: NODE.into(),
+            ..ipam_core::AssignIpsRequest::default()
+        })
+        .await
+        .expect("five addresses");
+    });
+    let reserved_edge = one_block("10.244.30.0/29", 29, NODE);
+    status_then_add(&reserved_edge, "beside-a-reserved-edge", None, &[]);
+    status_then_add(
+        &reserved_edge,
+        "reserved-edge-full",
+        Some("no free address"),
+        &[],
+    );
+
     // One /30 block, claimed by node-b: node-a borrows its other host address, then only its
     // edges are free.
     status_then_add(
@@ -1577,6 +1614,29 @@ fn status_counts_the_free_addresses_the_network_set_up_reserves_in_claimed_block
     status_then_add(
         &reserved_gateway,
         "reserved-gateway-full",
+        Some("no free address"),
+        &[],
+    );
+    // The gateway released under a cooldown (not free, and the set-up passes over it): of the
+    // three free addresses, the set-up takes the pool's two edges and leaves one.
+    let cooling_gateway = claimed_pool_holding("10.244.45.0/29", 29, "node-b", &[1, 2, 3, 4, 5]);
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        ipam.update_config(|config| config.ip_cooldown_seconds = 1200)
+            .await
+            .expect("a 20-minute cooldown");
+        let outcome = ipam
+            .release_ips(&[ipam_core::ReleaseRequest {
+                ip: "10.244.45.1".parse().expect("ip"),
+                sequence: None,
+            }])
+            .await
+            .expect("the gateway released");
+        assert_eq!(outcome.released.len(), 1, "{outcome:?}");
+    });
+    status_then_add(&cooling_gateway, "beside-a-cooling-gateway", None, &[]);
+    status_then_add(
+        &cooling_gateway,
+        "cooling-gateway-full",
         Some("no free address"),
         &[],
     );

@@ -233,6 +233,35 @@ impl Ipam {
         Ok((read.usage, read.allocations))
     }
 
+    /// Every address of the blocks that can be decoded that no request can be given now: the
+    /// allocated ones and those still in IP cooldown. From the blocks' values and the config in
+    /// one read: owner keys are not read, so a block whose owner key cannot be decoded counts
+    /// whole. The operator's reservations are not among them (see
+    /// [`list_reservations`](Self::list_reservations)).
+    ///
+    /// # Errors
+    /// Store failures; a config object that cannot be decoded.
+    pub async fn addresses_not_free(&self) -> Result<BTreeSet<IpAddr>, IpamError> {
+        let results = self
+            .store
+            .read_many(&[Read::List(keys::blocks_dir()), Read::Get(keys::config())])
+            .await?;
+        let mut results = results.into_iter();
+        let blocks = decode_each(next_listed(&mut results)?, decode::<Block>, &mut Vec::new());
+        let (config, _) = Self::decode_config(next_got(&mut results)?)?;
+        let lifetime = self.lifetime(&config);
+        let mut not_free = BTreeSet::new();
+        for block in blocks.iter().map(|stored| &stored.value) {
+            let ordinals = block
+                .allocations
+                .keys()
+                .copied()
+                .chain(block.cooling_ordinals_at(lifetime));
+            not_free.extend(ordinals.map(|ordinal| block.ip_of(ordinal)));
+        }
+        Ok(not_free)
+    }
+
     /// Usage of the blocks listed under `blocks` (every block, or a host's), with their
     /// allocations when asked, and the labels of `labels_of` when given, from one batch.
     async fn read_utilization(

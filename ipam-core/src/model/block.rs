@@ -233,10 +233,15 @@ impl Block {
 
     /// Addresses still cooling under `lifetime`.
     pub fn cooling_at(&self, lifetime: Lifetime) -> u32 {
+        self.cooling_ordinals_at(lifetime).count() as u32
+    }
+
+    /// The ordinals of the addresses still cooling under `lifetime`, oldest release first.
+    pub fn cooling_ordinals_at(&self, lifetime: Lifetime) -> impl Iterator<Item = u32> + '_ {
         self.cooling
             .iter()
-            .filter(|c| !lifetime.cooled(c.released_at))
-            .count() as u32
+            .filter(move |c| !lifetime.cooled(c.released_at))
+            .map(|c| c.ordinal)
     }
 
     /// True when nothing is allocated and no address is in cooldown.
