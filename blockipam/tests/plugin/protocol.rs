@@ -1516,8 +1516,8 @@ fn status_speaks_for_the_next_add_at_block_edges_and_when_borrowing(mode: Mode) 
 /// and the addresses its set-up reserves (the gateway, the pool's network and broadcast
 /// addresses) lie in blocks already claimed and are still free there: the set-up takes them
 /// before the ADD looks, so they are no room, in the node's own block and in a lender's; a block
-/// with a free address besides them still serves, and one the operator's reservation covers was
-/// never free.
+/// with a free address besides them still serves, and one the operator's reservation covers, one
+/// in IP cooldown and one allocated in a block whose owner key cannot be decoded were never free.
 fn status_counts_the_free_addresses_the_network_set_up_reserves_in_claimed_blocks_as_taken(
     mode: Mode,
 ) {
@@ -1640,6 +1640,14 @@ fn status_counts_the_free_addresses_the_network_set_up_reserves_in_claimed_block
         Some("no free address"),
         &[],
     );
+    // The gateway held in a block whose owner key cannot be decoded (the block's value still
+    // says it is allocated).
+    let damaged_owners = claimed_pool_holding("10.244.46.0/29", 29, "node-b", &[1, 2, 3, 4, 5]);
+    let kept = sandbox.damage_under(&ipam_core::model::keys::block_owners_dir(
+        &"10.244.46.0/29".parse().expect("a CIDR"),
+    ));
+    assert!(!kept.is_empty(), "an owner key damaged");
+    status_then_add(&damaged_owners, "beside-a-damaged-owner-key", None, &[]);
 }
 
 fn status_is_code_50_when_the_store_cannot_be_opened(mode: Mode) {
