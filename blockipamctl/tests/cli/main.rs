@@ -6,6 +6,7 @@ mod common;
 mod check;
 mod config;
 mod demo_checks;
+mod durability;
 mod errors;
 mod format_upgrade;
 mod gc;
