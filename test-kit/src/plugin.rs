@@ -1,5 +1,4 @@
-//! The `blockipam` plugin binary for tests: building it beside a test's own binary, and pinning a
-//! private link to it for the length of a test.
+//! The `blockipam` plugin binary for tests: building it beside a test's own binary (with a cargo command free of the variables cargo set for the test), and pinning a private link to it for the length of a test.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
