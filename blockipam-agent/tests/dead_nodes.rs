@@ -215,6 +215,22 @@ fn the_reclaimer_leader_releases_empty_blocks_beyond_each_hosts_newest() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(runtime.block_on(blocks_of(&store, "node-q")), 1);
     assert_eq!(runtime.block_on(blocks_of(&store, "node-r")), 1);
+    // The summary is logged by the passes that released something, with their count: two in all.
+    let log = agent.log();
+    let counts: Vec<u64> = log
+        .lines()
+        .filter(|line| line.contains("released empty blocks"))
+        .map(|line| {
+            line.split_once("released=")
+                .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+                .and_then(|digits| digits.parse().ok())
+                .unwrap_or_else(|| panic!("no count in {line:?}"))
+        })
+        .collect();
+    assert!(
+        counts.iter().all(|released| *released > 0) && counts.iter().sum::<u64>() == 2,
+        "expected the two releases, each pass's line with its count: {counts:?}\n{log}"
+    );
     assert_eq!(runtime.block_on(addresses_of(&store, "node-r")), 1);
     let report = runtime.block_on(ipam.check(false)).expect("check");
     assert!(report.problems.is_empty(), "{:#?}", report.problems);
