@@ -225,6 +225,11 @@ impl KvStore for SlowStore {
     }
 }
 
+/// At shutdown a commit in flight is answered when it ends within the grace (an hour here, so that
+/// only a connection left open could hold the server) and abandoned, indeterminate, beyond it
+/// (300 ms); the commit ends only once the server has stopped accepting. An idle client's
+/// connection is closed at once: it reads no new request, and does not hold the server for the
+/// grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace() {
     for finishes_in_time in [true, false] {
@@ -238,7 +243,11 @@ async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace(
         let (listener, guard) = blockipam_agent::socket::bind(&socket, false).expect("bind");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let config = ServerConfig {
-            drain_timeout: Duration::from_millis(300),
+            drain_timeout: if finishes_in_time {
+                Duration::from_secs(3600)
+            } else {
+                Duration::from_millis(300)
+            },
             ..ServerConfig::default()
         };
         let served: Arc<dyn KvStore> = Arc::clone(&store) as Arc<dyn KvStore>;
@@ -249,6 +258,12 @@ async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace(
             .await;
             drop(guard);
         });
+        let idle = AgentStore::connect(quick(&socket)).await.expect("connect");
+        assert_eq!(
+            idle.get("k").await,
+            Ok(None),
+            "the idle client's first read"
+        );
         let client = AgentStore::connect(quick(&socket)).await.expect("connect");
         let commit = tokio::spawn(async move {
             client
@@ -257,11 +272,30 @@ async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace(
         });
         store.started.notified().await;
         let _ = stop.send(());
+        // The listener is dropped just before the connections are told to stop: once a new
+        // connection is refused, give them a moment to see it, so that the commit ends during the
+        // shutdown and not before it.
+        let refused_by = std::time::Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+            assert!(
+                std::time::Instant::now() < refused_by,
+                "the server kept accepting"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
         if finishes_in_time {
             store.release.add_permits(1);
         }
-        server.await.expect("server stops");
+        tokio::time::timeout(Duration::from_secs(60), server)
+            .await
+            .expect("the server did not stop: a connection was left open into the grace")
+            .expect("server stops");
         let outcome = commit.await.expect("commit task");
+        assert!(
+            idle.get("k").await.is_err(),
+            "a stopped agent answered the idle client"
+        );
         if finishes_in_time {
             assert!(
                 outcome.is_ok(),
@@ -276,6 +310,85 @@ async fn shutdown_answers_requests_in_flight_and_abandons_them_beyond_the_grace(
         }
         assert!(!socket.exists(), "the socket outlived its server");
     }
+}
+
+/// A store whose reads wait until released, counting how many run at once.
+#[derive(Debug)]
+struct GatedReads {
+    inner: ipam_core::MemoryStore,
+    running: std::sync::atomic::AtomicUsize,
+    most_at_once: std::sync::atomic::AtomicUsize,
+    release: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl KvStore for GatedReads {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        use std::sync::atomic::Ordering;
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_at_once.fetch_max(now, Ordering::SeqCst);
+        let permit = self.release.acquire().await.expect("semaphore");
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        drop(permit);
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.inner.commit(txn).await
+    }
+}
+
+/// One connection never has more requests running than the server's limit: the others wait
+/// unread, and are answered once earlier ones end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_runs_at_most_its_limit_of_requests_at_once_and_the_rest_in_turn() {
+    use std::sync::atomic::Ordering;
+    const LIMIT: usize = 3;
+    const CALLS: usize = 8;
+    let store = Arc::new(GatedReads {
+        inner: ipam_core::MemoryStore::new(),
+        running: Default::default(),
+        most_at_once: Default::default(),
+        release: tokio::sync::Semaphore::new(0),
+    });
+    let agent = common::InProcessAgent::serve_on_current_runtime(
+        Arc::clone(&store) as Arc<dyn KvStore>,
+        ServerConfig {
+            max_in_flight_per_connection: LIMIT,
+            ..ServerConfig::default()
+        },
+    );
+    let client = Arc::new(agent.client().await);
+    let calls: Vec<_> = (0..CALLS)
+        .map(|i| {
+            let client = Arc::clone(&client);
+            tokio::spawn(async move { client.get(&format!("key/{i}")).await })
+        })
+        .collect();
+    let running_by = std::time::Instant::now() + Duration::from_secs(30);
+    while store.running.load(Ordering::SeqCst) < LIMIT {
+        assert!(
+            std::time::Instant::now() < running_by,
+            "only {} of the calls started",
+            store.running.load(Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Time for any request read beyond the limit to reach the store.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        store.most_at_once.load(Ordering::SeqCst),
+        LIMIT,
+        "requests of one connection running at once"
+    );
+    store.release.add_permits(CALLS);
+    for call in calls {
+        assert_eq!(call.await.expect("call task"), Ok(None));
+    }
+    assert_eq!(store.most_at_once.load(Ordering::SeqCst), LIMIT);
+    agent.stop().await;
 }
 
 /// A listener run by another user (uid 65534) at a socket path: what a local user could put where
