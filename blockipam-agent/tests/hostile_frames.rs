@@ -1,5 +1,6 @@
 //! Hostile frames on both sides of the agent's socket: a claimed length no frame can hold is a
-//! clean error on the connection that sent it, never an abort of the agent or of its client.
+//! clean error on the connection that sent it, never an abort of the agent or of its client; a
+//! connection that does not open with a hello the agent can answer is refused and closed.
 
 mod common;
 
@@ -77,6 +78,81 @@ async fn a_request_claiming_more_than_its_frame_closes_that_connection_and_the_a
         client.get("k").await.expect("get after").map(|kv| kv.value),
         Some(b"v".to_vec())
     );
+    agent.stop().await;
+}
+
+/// A first request that is no hello, or a hello offering a version below the first (0), is
+/// answered with a refusal naming why, and the connection closed: nothing reaches the store, and
+/// the agent serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_does_not_open_with_a_hello_it_can_answer_is_refused_and_closed() {
+    use backend_agent::protocol::Request;
+    let store = Arc::new(ipam_core::MemoryStore::new());
+    let agent = common::InProcessAgent::serve_on_current_runtime(
+        Arc::clone(&store) as Arc<dyn KvStore>,
+        ServerConfig::default(),
+    );
+    let commit = || Request::Commit {
+        txn: backend_agent::protocol::WireTxn {
+            conditions: vec![],
+            ops: vec![backend_agent::protocol::WireOp::Put(
+                "k".into(),
+                b"v".to_vec(),
+            )],
+        },
+    };
+    let openings = [
+        (
+            Request::Hello { protocol: 0 },
+            "protocol version 0 is not spoken",
+        ),
+        (commit(), "the first request must be a hello, not a commit"),
+    ];
+    for (opening, reason) in openings {
+        let mut stream = UnixStream::connect(&agent.socket).await.expect("connect");
+        let frame = encode_frame(
+            &RequestFrame {
+                id: 7,
+                request: opening,
+            },
+            MAX_REQUEST_BYTES,
+        )
+        .expect("encode");
+        write_frame(&mut stream, &frame).await.expect("send");
+        // Whatever follows is never read: the connection is closed after the refusal.
+        let followed = encode_frame(
+            &RequestFrame {
+                id: 8,
+                request: commit(),
+            },
+            MAX_REQUEST_BYTES,
+        )
+        .expect("encode");
+        let _ = write_frame(&mut stream, &followed).await;
+        let answer: Option<ResponseFrame> = read_frame(&mut stream, MAX_RESPONSE_BYTES)
+            .await
+            .expect("the refusal");
+        match answer {
+            Some(ResponseFrame {
+                id: 7,
+                response: Response::Refused { reason: said },
+            }) => assert!(said.contains(reason), "{said}"),
+            other => panic!("expected a refusal containing {reason:?}, got {other:?}"),
+        }
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest))
+            .await
+            .expect("the agent kept a refused connection open");
+        assert!(closed.is_ok(), "{closed:?}");
+        assert!(rest.is_empty(), "answered after the refusal: {rest:?}");
+    }
+    assert_eq!(
+        store.get("k").await.expect("get"),
+        None,
+        "a refused peer wrote"
+    );
+    let client = agent.client().await;
+    client.put("k", b"v".to_vec()).await.expect("put after");
     agent.stop().await;
 }
 
