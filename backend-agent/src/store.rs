@@ -733,8 +733,9 @@ async fn read_loop(reader: OwnedReadHalf, shared: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{decode_request, read_payload, WireRead};
+    use crate::protocol::{decode_request, read_payload, ReceivedRequest, WireRead};
     use ipam_core::MemoryStore;
+    use std::path::PathBuf;
     use std::time::Duration;
     use tokio::net::UnixListener;
 
@@ -1178,6 +1179,149 @@ mod tests {
                 "not sent: writing failed"
             ]
         );
+    }
+
+    /// A fake agent on a new socket: accepts connections one after the other, answers each
+    /// hello with `on_hello` (given the version offered), then answers every request with
+    /// `on_request` (given the request as received) until the client goes. Returns the versions
+    /// offered, one per connection, once `connections` have ended.
+    async fn scripted_agent(
+        connections: usize,
+        on_hello: fn(u32) -> Response,
+        on_request: fn(&ReceivedRequest) -> Option<Response>,
+    ) -> (
+        tempfile::TempDir,
+        PathBuf,
+        tokio::task::JoinHandle<Vec<u32>>,
+    ) {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        let agent = tokio::spawn(async move {
+            let mut offered = Vec::new();
+            for _ in 0..connections {
+                let (mut stream, _) = listener.accept().await.expect("accept");
+                let hello: RequestFrame = read_frame(&mut stream, MAX_REQUEST_BYTES)
+                    .await
+                    .expect("read the hello")
+                    .expect("a hello frame");
+                let Request::Hello { protocol } = hello.request else {
+                    panic!("the first request was not a hello: {hello:?}");
+                };
+                offered.push(protocol);
+                let greeting = on_hello(protocol);
+                let spoken = match greeting {
+                    Response::Hello { protocol, .. } => Some(protocol),
+                    _ => None,
+                };
+                answer(&mut stream, hello.id, greeting).await;
+                let Some(spoken) = spoken else { continue };
+                while let Ok(Some(payload)) = read_payload(&mut stream, MAX_REQUEST_BYTES).await {
+                    let frame = decode_request(&payload, spoken).expect("a request");
+                    if let Some(response) = on_request(&frame) {
+                        answer(&mut stream, frame.id, response).await;
+                    }
+                }
+            }
+            offered
+        });
+        (dir, socket, agent)
+    }
+
+    fn accept_offered(protocol: u32) -> Response {
+        Response::Hello {
+            protocol,
+            served: fake_identity(),
+        }
+    }
+
+    /// A refusal that is not about the protocol version (here the agent's peer check) ends the
+    /// connection attempt with the agent's reason: no second hello in an older version.
+    #[tokio::test]
+    async fn a_refusal_other_than_of_the_version_is_the_error_and_no_older_hello_follows() {
+        fn refuse_the_user(_: u32) -> Response {
+            Response::Refused {
+                reason: "uid 4242 is not allowed (only root and the agent's --allowed-uid users)"
+                    .into(),
+            }
+        }
+        let (_dir, socket, agent) = scripted_agent(1, refuse_the_user, |_| None).await;
+        let config =
+            AgentConfig::new(&socket).with_timeouts(Duration::from_secs(5), Duration::from_secs(5));
+        match AgentStore::connect(config).await {
+            Err(KvError::Other { message }) => assert!(
+                message.contains("refused this connection: uid 4242 is not allowed"),
+                "{message}"
+            ),
+            other => panic!("expected the agent's refusal, got {other:?}"),
+        }
+        assert_eq!(agent.await.expect("the fake agent"), vec![PROTOCOL_VERSION]);
+    }
+
+    /// An answer of another kind than the request's (a batched read answered from a cache
+    /// that was not asked for) is an error naming both, not a result.
+    #[tokio::test]
+    async fn a_batched_read_answered_as_a_cached_one_is_an_error() {
+        fn answer_from_a_cache(_: &ReceivedRequest) -> Option<Response> {
+            Some(Response::ReadManyCached {
+                results: vec![crate::protocol::WireReadResult::Got(None)],
+                validators: vec![],
+                from_cache: true,
+            })
+        }
+        let (_dir, socket, _agent) = scripted_agent(1, accept_offered, answer_from_a_cache).await;
+        let config =
+            AgentConfig::new(&socket).with_timeouts(Duration::from_secs(5), Duration::from_secs(5));
+        let client = AgentStore::connect(config).await.expect("connect");
+        match client.read_many(&[Read::Get("k".into())]).await {
+            Err(KvError::Other { message }) => assert!(
+                message.contains(
+                    "answered a read_many with a batched read result from the agent's cache"
+                ),
+                "{message}"
+            ),
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+
+    /// A caller's deadline further away than the client's own request timeout is cut to it: the
+    /// request carries the request timeout's instant, and the call gives up then, saying so.
+    #[tokio::test]
+    async fn a_callers_deadline_beyond_the_request_timeout_is_cut_to_it() {
+        const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
+        static CARRIED: Mutex<Option<WireDeadline>> = Mutex::new(None);
+        fn note_the_deadline_and_never_answer(frame: &ReceivedRequest) -> Option<Response> {
+            *CARRIED.lock().expect("carried") = frame.deadline;
+            None
+        }
+        let (_dir, socket, _agent) =
+            scripted_agent(1, accept_offered, note_the_deadline_and_never_answer).await;
+        let config =
+            AgentConfig::new(&socket).with_timeouts(Duration::from_secs(5), REQUEST_TIMEOUT);
+        let client = AgentStore::connect(config).await.expect("connect");
+        let far = Instant::now() + Duration::from_secs(3600);
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(60),
+            crate::deadline::within(far, client.get("k")),
+        )
+        .await
+        .expect("the call waited for its caller's deadline, beyond the request timeout");
+        let carried = CARRIED
+            .lock()
+            .expect("carried")
+            .expect("a deadline with the request");
+        let remaining = Duration::from_nanos(carried.remaining_nanos);
+        assert!(
+            remaining > Duration::ZERO && remaining <= REQUEST_TIMEOUT,
+            "the request carried {remaining:?} left, beyond the request timeout"
+        );
+        match outcome {
+            Err(KvError::Unavailable { message }) => assert!(
+                message.contains(&format!("no answer within {REQUEST_TIMEOUT:?}")),
+                "{message}"
+            ),
+            other => panic!("expected the request timeout, got {other:?}"),
+        }
     }
 
     #[test]
