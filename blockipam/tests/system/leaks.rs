@@ -766,6 +766,13 @@ fn a_pod_whose_del_failed_is_kept_while_its_sandbox_exists_and_collected_with_th
     });
     assert_eq!(looks, 1, "recorded again at the agent's first look");
     assert_eq!(node.holder(recreated), Some(node.handle_of(&recreated_id)));
+    // What that look settled itself is not left for `blockipamctl check`: stopping the agent lets
+    // the look in progress finish (its record of disagreements written), and nothing else looks
+    // after it.
+    node.stop_agent();
+    let report = ctl_on(&node.sandbox.store_path(), None, &["check"]);
+    assert_eq!(report["problems"], json!([]), "{report}");
+    node.start_agent();
 
     node.cri.stop_pod(&recreated_id);
     node.cri.remove_pod(&recreated_id);
