@@ -356,6 +356,115 @@ pub async fn a_list_never_sees_half_a_transaction<F: StoreFactory>(factory: &F) 
     );
 }
 
+/// A listing longer than a backend's page (etcd's: 512 keys) and a batch of more reads than one
+/// transaction holds each answer the store at one moment: while transactions keep rewriting the
+/// first and the last key together, no listing or batch shows them as two different
+/// transactions left them.
+pub async fn a_long_list_or_batch_never_sees_half_a_transaction<F: StoreFactory>(factory: &F) {
+    use ipam_core::kv::{Read, ReadResult};
+    const KEYS: usize = 1_200;
+    const READS_EACH: usize = 20;
+    const READERS: usize = 2;
+    let t = factory.fresh().await;
+    let keys: Vec<String> = (0..KEYS).map(|i| format!("long/{i:04}")).collect();
+    let round_value = |round: u64| round.to_be_bytes().to_vec();
+    for chunk in keys.chunks(MAX_TXN_OPS) {
+        let fill = chunk.iter().fold(Txn::new(), |txn, key| {
+            txn.then(Op::put(key.clone(), round_value(0)))
+        });
+        t.store.commit(fill).await.expect("fill");
+    }
+    let (first, last) = (keys[0].clone(), keys[KEYS - 1].clone());
+    // The first key, one transaction's worth of others, then the last key: a second batch.
+    let batch: Vec<Read> = keys[..=MAX_TXN_OPS]
+        .iter()
+        .chain(std::iter::once(&last))
+        .map(|key| Read::Get(key.clone()))
+        .collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let committed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let writer = {
+        let (store, stop) = (Arc::clone(&t.store), Arc::clone(&stop));
+        let committed = Arc::clone(&committed);
+        let (first, last) = (first.clone(), last.clone());
+        tokio::spawn(async move {
+            let mut round = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                round += 1;
+                let txn = Txn::new()
+                    .then(Op::put(first.clone(), round_value(round)))
+                    .then(Op::put(last.clone(), round_value(round)));
+                store.commit(txn).await.expect("commit");
+                committed.store(round, std::sync::atomic::Ordering::SeqCst);
+                tokio::task::yield_now().await;
+            }
+            round
+        })
+    };
+    let mut readers = Vec::new();
+    for reader in 0..READERS {
+        let store = Arc::clone(&t.store);
+        let batch = batch.clone();
+        let committed = Arc::clone(&committed);
+        readers.push(tokio::spawn(async move {
+            let mut rounds_seen = std::collections::BTreeSet::new();
+            let mut after = 0;
+            for read in 0..READS_EACH {
+                // Each read starts after a commit later than what the reader's last read saw.
+                let guard = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while committed.load(std::sync::atomic::Ordering::SeqCst) <= after {
+                    assert!(
+                        std::time::Instant::now() < guard,
+                        "the writer stopped committing"
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                let (how, ends) = if (read + reader).is_multiple_of(2) {
+                    let listed = store.list("long/").await.expect("list");
+                    assert_eq!(listed.len(), KEYS, "listing {read}");
+                    let ends = (listed[0].value.clone(), listed[KEYS - 1].value.clone());
+                    ("listing", ends)
+                } else {
+                    let mut got = store.read_many(&batch).await.expect("read_many");
+                    assert_eq!(got.len(), batch.len(), "batch {read}");
+                    let mut value = |index: usize| match std::mem::replace(
+                        &mut got[index],
+                        ReadResult::Listed(Vec::new()),
+                    ) {
+                        ReadResult::Got(Some(kv)) => kv.value,
+                        other => panic!("batch {read}, read {index} answered {other:?}"),
+                    };
+                    let ends = (value(0), value(MAX_TXN_OPS + 1));
+                    ("batch", ends)
+                };
+                assert_eq!(
+                    ends.0, ends.1,
+                    "{how} {read} shows the first and the last key as two transactions left them"
+                );
+                after = ends
+                    .0
+                    .as_slice()
+                    .try_into()
+                    .map(u64::from_be_bytes)
+                    .expect("a round's value");
+                rounds_seen.insert(after);
+            }
+            rounds_seen.len()
+        }));
+    }
+    let mut rounds_seen = 0;
+    for reader in readers {
+        rounds_seen += reader.await.expect("reader panicked");
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let rounds = writer.await.expect("writer panicked");
+    assert!(
+        rounds_seen == READERS * READS_EACH,
+        "each read of a reader must see a later commit than its last ({rounds} commits; rounds \
+         seen {rounds_seen})"
+    );
+}
+
 /// Each write returns a revision greater than every one before it, whichever key it touches.
 pub async fn revisions_only_grow_across_keys<F: StoreFactory>(factory: &F) {
     let t = factory.fresh().await;

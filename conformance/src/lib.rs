@@ -121,6 +121,7 @@ macro_rules! kv_conformance_tests {
             conflict_names_first_failed_key,
             transaction_mixing_puts_and_deletes_is_atomic,
             a_list_never_sees_half_a_transaction,
+            a_long_list_or_batch_never_sees_half_a_transaction,
             revisions_only_grow_across_keys,
             every_key_put_carries_the_commit_revision,
             failed_transaction_does_not_advance_visible_revisions,
