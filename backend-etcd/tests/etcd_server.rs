@@ -169,6 +169,101 @@ async fn unreachable_endpoint_is_unavailable_not_a_hang() {
     assert_unavailable("put", lazy.put("k", b"v".to_vec()).await);
 }
 
+/// An endpoint that closes every connection, listed before a live one, costs the first read one
+/// attempt: the read moves on and succeeds, and every later call, read or write, starts at the
+/// live endpoint (the closing one is never connected to again). An endpoint nobody listens on,
+/// listed first, costs even a first write only the attempt: nothing was sent there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next() {
+    let server = start_server();
+    // Accepts each connection and closes it at once, counting them.
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let closing_port = closing.local_addr().expect("address").port();
+    let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = Arc::clone(&connections);
+    let closer = tokio::spawn(async move {
+        while let Ok((stream, _)) = closing.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    let store = EtcdStore::connect_lazy(
+        EtcdConfig::new([format!("127.0.0.1:{closing_port}"), server.endpoint()])
+            .with_prefix(unique_prefix())
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
+    )
+    .expect("valid configuration");
+    assert_eq!(
+        store
+            .get("first")
+            .await
+            .expect("the first read moves on to the live endpoint"),
+        None
+    );
+    let tried = connections.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        tried >= 1,
+        "the first read never tried the closing endpoint"
+    );
+    for i in 0..10u8 {
+        store.put("later", vec![i]).await.expect("a later write");
+        assert_eq!(
+            store
+                .get("later")
+                .await
+                .expect("a later read")
+                .map(|kv| kv.value),
+            Some(vec![i])
+        );
+    }
+    assert_eq!(
+        connections.load(std::sync::atomic::Ordering::SeqCst),
+        tried,
+        "later calls went back to the closing endpoint"
+    );
+    // Alone, the closing endpoint fails a listing and a batch with its own error, named.
+    let alone = EtcdStore::connect_lazy(
+        EtcdConfig::new([format!("127.0.0.1:{closing_port}")])
+            .with_prefix(unique_prefix())
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
+    )
+    .expect("valid configuration");
+    for (what, outcome) in [
+        ("list", alone.list("").await.map(|_| ())),
+        (
+            "read_many",
+            alone
+                .read_many(&[Read::List(String::new())])
+                .await
+                .map(|_| ()),
+        ),
+    ] {
+        match outcome {
+            Err(KvError::Unavailable { message })
+                if message.contains(&closing_port.to_string()) => {}
+            other => panic!("{what}: expected the endpoint's own error, got {other:?}"),
+        }
+    }
+    closer.abort();
+
+    let refused = EtcdStore::connect_lazy(
+        EtcdConfig::new([format!("127.0.0.1:{}", unused_port()), server.endpoint()])
+            .with_prefix(unique_prefix())
+            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
+    )
+    .expect("valid configuration");
+    refused
+        .put("first", b"1".to_vec())
+        .await
+        .expect("a first write moves on past an endpoint that refuses connections");
+    assert_eq!(
+        refused.get("first").await.expect("read").map(|kv| kv.value),
+        Some(b"1".to_vec())
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_endpoint_times_out_reads_unavailable_and_writes_indeterminate() {
     // Accepts TCP connections (the kernel does, from the backlog) but never speaks.
