@@ -169,6 +169,14 @@ async fn unreachable_endpoint_is_unavailable_not_a_hang() {
     assert_unavailable("put", lazy.put("k", b"v".to_vec()).await);
 }
 
+/// A store on `endpoints` under a fresh prefix, connecting on first use, with short timeouts.
+fn lazy_store<const N: usize>(endpoints: [String; N]) -> EtcdStore {
+    EtcdStore::connect_lazy(quick(
+        EtcdConfig::new(endpoints).with_prefix(unique_prefix()),
+    ))
+    .expect("valid configuration")
+}
+
 /// An endpoint that closes every connection, listed before a live one, costs the first read one
 /// attempt: the read moves on and succeeds, and every later call, read or write, starts at the
 /// live endpoint (the closing one is never connected to again). An endpoint nobody listens on,
@@ -189,12 +197,7 @@ async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next(
             drop(stream);
         }
     });
-    let store = EtcdStore::connect_lazy(
-        EtcdConfig::new([format!("127.0.0.1:{closing_port}"), server.endpoint()])
-            .with_prefix(unique_prefix())
-            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
-    )
-    .expect("valid configuration");
+    let store = lazy_store([format!("127.0.0.1:{closing_port}"), server.endpoint()]);
     assert_eq!(
         store
             .get("first")
@@ -224,12 +227,7 @@ async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next(
         "later calls went back to the closing endpoint"
     );
     // Alone, the closing endpoint fails a listing and a batch with its own error, named.
-    let alone = EtcdStore::connect_lazy(
-        EtcdConfig::new([format!("127.0.0.1:{closing_port}")])
-            .with_prefix(unique_prefix())
-            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
-    )
-    .expect("valid configuration");
+    let alone = lazy_store([format!("127.0.0.1:{closing_port}")]);
     for (what, outcome) in [
         ("list", alone.list("").await.map(|_| ())),
         (
@@ -248,12 +246,7 @@ async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next(
     }
     closer.abort();
 
-    let refused = EtcdStore::connect_lazy(
-        EtcdConfig::new([format!("127.0.0.1:{}", unused_port()), server.endpoint()])
-            .with_prefix(unique_prefix())
-            .with_timeouts(Duration::from_secs(1), Duration::from_secs(3)),
-    )
-    .expect("valid configuration");
+    let refused = lazy_store([format!("127.0.0.1:{}", unused_port()), server.endpoint()]);
     refused
         .put("first", b"1".to_vec())
         .await
