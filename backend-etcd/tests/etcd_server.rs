@@ -1,5 +1,6 @@
 //! The etcd store against real etcd processes, one server (or cluster) per test: outages and
-//! restarts, prefixes, unreachable and silent endpoints, leader loss, TLS, authentication, and the
+//! restarts, prefixes, unreachable and silent endpoints, leader loss, compaction under a long read,
+//! TLS, authentication, and the
 //! test helpers' own clean-up.
 
 use std::net::{TcpListener, TcpStream};
@@ -667,4 +668,261 @@ fn etcd_and_its_test_files_do_not_outlive_a_killed_test_process() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A loopback TCP proxy in front of an etcd member that can hold back what etcd answers: while
+/// held, etcd's bytes are kept (and counted) and sent on, in order, at release.
+struct HoldingProxy {
+    address: std::net::SocketAddr,
+    shared: Arc<HoldShared>,
+}
+
+#[derive(Default)]
+struct HoldShared {
+    held: std::sync::atomic::AtomicBool,
+    held_bytes: std::sync::atomic::AtomicUsize,
+    stopped: std::sync::atomic::AtomicBool,
+    /// Each forwarded connection's client side and what was held back for it.
+    downstreams: std::sync::Mutex<Vec<Arc<std::sync::Mutex<Downstream>>>>,
+    /// Every socket of every forwarded connection, to close them when the proxy is dropped.
+    sockets: std::sync::Mutex<Vec<TcpStream>>,
+}
+
+struct Downstream {
+    client: TcpStream,
+    pending: Vec<u8>,
+}
+
+impl Downstream {
+    fn flush_pending(&mut self) -> std::io::Result<()> {
+        use std::io::Write;
+        let pending = std::mem::take(&mut self.pending);
+        self.client.write_all(&pending)
+    }
+}
+
+impl HoldingProxy {
+    fn start(endpoint: &str) -> HoldingProxy {
+        let upstream: std::net::SocketAddr = endpoint
+            .trim_start_matches("http://")
+            .parse()
+            .expect("an http://IP:PORT etcd endpoint");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let address = listener.local_addr().expect("the proxy's address");
+        let shared = Arc::new(HoldShared::default());
+        let accepting = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if accepting.stopped.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(client) = client else { continue };
+                let _ = Self::forward(client, upstream, &accepting);
+            }
+        });
+        HoldingProxy { address, shared }
+    }
+
+    fn forward(
+        client: TcpStream,
+        upstream: std::net::SocketAddr,
+        shared: &Arc<HoldShared>,
+    ) -> std::io::Result<()> {
+        use std::io::Read as _;
+        use std::sync::atomic::Ordering;
+        let server = TcpStream::connect(upstream)?;
+        shared
+            .sockets
+            .lock()
+            .expect("proxy lock")
+            .extend([client.try_clone()?, server.try_clone()?]);
+        let (mut from_client, mut to_server) = (client.try_clone()?, server.try_clone()?);
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut from_client, &mut to_server);
+            let _ = to_server.shutdown(std::net::Shutdown::Both);
+        });
+        let downstream = Arc::new(std::sync::Mutex::new(Downstream {
+            client,
+            pending: Vec::new(),
+        }));
+        shared
+            .downstreams
+            .lock()
+            .expect("proxy lock")
+            .push(Arc::clone(&downstream));
+        let (shared, mut from_server) = (Arc::clone(shared), server);
+        std::thread::spawn(move || {
+            let mut buffer = vec![0u8; 64 * 1024];
+            loop {
+                let read = match from_server.read(&mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(read) => read,
+                };
+                let mut downstream = downstream.lock().expect("proxy lock");
+                if shared.held.load(Ordering::SeqCst) {
+                    downstream.pending.extend_from_slice(&buffer[..read]);
+                    shared.held_bytes.fetch_add(read, Ordering::SeqCst);
+                    continue;
+                }
+                let sent = downstream.flush_pending().and_then(|()| {
+                    use std::io::Write;
+                    downstream.client.write_all(&buffer[..read])
+                });
+                if sent.is_err() {
+                    break;
+                }
+            }
+            let _ = downstream
+                .lock()
+                .expect("proxy lock")
+                .client
+                .shutdown(std::net::Shutdown::Both);
+        });
+        Ok(())
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.address)
+    }
+
+    /// From now on, etcd's answers are held back.
+    fn hold(&self) {
+        self.shared
+            .held_bytes
+            .store(0, std::sync::atomic::Ordering::SeqCst);
+        self.shared
+            .held
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Waits until at least `bytes` of etcd's answers are held back (within 20 seconds).
+    async fn wait_until_holding(&self, bytes: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while self
+            .shared
+            .held_bytes
+            .load(std::sync::atomic::Ordering::SeqCst)
+            < bytes
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "etcd's answer never reached the proxy"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Sends on what was held back and stops holding.
+    fn release(&self) {
+        self.shared
+            .held
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        for downstream in self.shared.downstreams.lock().expect("proxy lock").iter() {
+            let _ = downstream.lock().expect("proxy lock").flush_pending();
+        }
+    }
+}
+
+impl Drop for HoldingProxy {
+    fn drop(&mut self) {
+        self.shared
+            .stopped
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wake the accepting thread so that it sees the stop.
+        let _ = TcpStream::connect(self.address);
+        for socket in self.shared.sockets.lock().expect("proxy lock").drain(..) {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Writes `value` at `key` (under the store's `prefix`) straight to etcd and compacts its history
+/// up to that write, so that every earlier revision can no longer be read.
+async fn write_and_compact(
+    client: &mut etcd_client::Client,
+    prefix: &str,
+    key: &str,
+    value: &[u8],
+) {
+    let written = client
+        .put(format!("{prefix}{key}"), value, None)
+        .await
+        .expect("put straight to etcd");
+    let revision = written.header().expect("a header").revision();
+    client
+        .compact(revision, None)
+        .await
+        .expect("compact etcd's history");
+}
+
+/// A listing longer than one page, and a batch of more reads than one transaction, pin their
+/// first answer's revision for the rest; when compaction discards that revision between two
+/// requests, each starts again at the newest revision and answers in full, from that moment. The
+/// proxy holds etcd's first answer back until the test has written and compacted past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_or_batch_whose_revision_is_compacted_between_its_requests_starts_again() {
+    let server = start_server();
+    let prefix = unique_prefix();
+    let proxy = HoldingProxy::start(&server.endpoint());
+    let store = Arc::new(connect(EtcdConfig::new([proxy.endpoint()]).with_prefix(&prefix)).await);
+    let mut direct = etcd_client::Client::connect([server.endpoint()], None)
+        .await
+        .expect("connect straight to etcd");
+    // 1,200 keys of 400 bytes: three listing pages; 130 reads: two transactions.
+    let key = |i: usize| format!("k/{i:04}");
+    for chunk in (0..1_200).collect::<Vec<_>>().chunks(100) {
+        let mut txn = ipam_core::Txn::new();
+        for &i in chunk {
+            txn = txn.then(ipam_core::Op::put(key(i), vec![b'0'; 400]));
+        }
+        store.commit(txn).await.expect("write the keys");
+    }
+    // More than any control frame: etcd has answered the first request.
+    let answered = 16 * 1024;
+
+    proxy.hold();
+    let listing = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move { store.list("k/").await }
+    });
+    proxy.wait_until_holding(answered).await;
+    write_and_compact(&mut direct, &prefix, &key(0), b"after the first page").await;
+    proxy.release();
+    let listed = listing
+        .await
+        .expect("the listing task")
+        .expect("a listing whose revision was compacted between pages starts again");
+    assert_eq!(listed.len(), 1_200);
+    assert!(listed.iter().enumerate().all(|(i, kv)| kv.key == key(i)));
+    assert_eq!(
+        listed[0].value,
+        b"after the first page".to_vec(),
+        "not the newest revision"
+    );
+
+    let reads: Vec<Read> = (0..130).map(|i| Read::Get(key(i))).collect();
+    proxy.hold();
+    let batch = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move { store.read_many(&reads).await }
+    });
+    proxy.wait_until_holding(answered).await;
+    write_and_compact(&mut direct, &prefix, &key(129), b"after the first batch").await;
+    proxy.release();
+    let results = batch
+        .await
+        .expect("the batch task")
+        .expect("a batch whose revision was compacted between transactions starts again");
+    assert_eq!(results.len(), 130);
+    let value = |result: &ReadResult| match result {
+        ReadResult::Got(Some(kv)) => kv.value.clone(),
+        other => panic!("expected a key, got {other:?}"),
+    };
+    assert_eq!(value(&results[0]), b"after the first page".to_vec());
+    assert_eq!(
+        value(&results[129]),
+        b"after the first batch".to_vec(),
+        "not the newest revision"
+    );
+    assert!(results[1..129].iter().all(|r| value(r) == vec![b'0'; 400]));
 }
