@@ -1,7 +1,6 @@
 //! The etcd store against real etcd processes, one server (or cluster) per test: outages and
 //! restarts, prefixes, unreachable and silent endpoints, leader loss, compaction under a long read,
-//! TLS, authentication, and the
-//! test helpers' own clean-up.
+//! TLS, authentication, and the test helpers' own clean-up.
 
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
