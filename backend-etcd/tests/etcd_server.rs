@@ -244,6 +244,18 @@ async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next(
             other => panic!("{what}: expected the endpoint's own error, got {other:?}"),
         }
     }
+    // A listing of a prefix no key can start with (NUL) answers empty without asking etcd.
+    assert_eq!(
+        alone.list("k/\0").await.expect("list, not asked"),
+        Vec::new()
+    );
+    assert_eq!(
+        alone
+            .read_many(&[Read::List("k/\0".into())])
+            .await
+            .expect("read_many, not asked"),
+        vec![ReadResult::Listed(Vec::new())]
+    );
     closer.abort();
 
     let refused = lazy_store([format!("127.0.0.1:{}", unused_port()), server.endpoint()]);
