@@ -748,5 +748,19 @@ mod tests {
             .expect("valid");
         assert_eq!(kv.key, "a/b");
         assert_eq!(kv.revision, Revision(7));
+        // etcd never reports a stored key at revision 0 or below: such an answer is corrupt.
+        for revision in [0, -1] {
+            assert!(matches!(
+                store.decode_parts(b"/p/a".to_vec(), Vec::new(), revision),
+                Err(KvError::Corrupt { .. })
+            ));
+        }
+        assert_eq!(
+            store
+                .decode_parts(b"/p/a".to_vec(), Vec::new(), 1)
+                .expect("revision 1")
+                .revision,
+            Revision(1)
+        );
     }
 }

@@ -251,10 +251,13 @@ async fn a_failing_endpoint_costs_one_attempt_and_later_calls_start_at_the_next(
     );
     assert_eq!(
         alone
-            .read_many(&[Read::List("k/\0".into())])
+            .read_many(&[Read::List("k/\0".into()), Read::range("k/\0", "", 5)])
             .await
             .expect("read_many, not asked"),
-        vec![ReadResult::Listed(Vec::new())]
+        vec![
+            ReadResult::Listed(Vec::new()),
+            ReadResult::Listed(Vec::new())
+        ]
     );
     closer.abort();
 
