@@ -226,6 +226,36 @@ pub async fn transaction_with_one_failed_condition_writes_nothing<F: StoreFactor
     );
 }
 
+/// No stored key is at revision 0 or at the largest revision, so a condition naming either never
+/// holds, whether the key exists or not, and its transaction writes nothing.
+pub async fn a_condition_at_revision_zero_or_the_largest_never_holds<F: StoreFactory>(factory: &F) {
+    let t = factory.fresh().await;
+    t.store
+        .create("present", b"p".to_vec())
+        .await
+        .expect("create");
+    for key in ["missing", "present"] {
+        for revision in [Revision(0), Revision(u64::MAX)] {
+            let before = t.store.list("").await.expect("list");
+            assert_conflict_on(
+                t.store
+                    .commit(
+                        Txn::new()
+                            .when(Condition::at_revision(key, revision))
+                            .then(Op::put("written", b"w".to_vec())),
+                    )
+                    .await,
+                key,
+            );
+            assert_eq!(
+                t.store.list("").await.expect("list"),
+                before,
+                "a condition on {key} at {revision:?} held"
+            );
+        }
+    }
+}
+
 /// The conflict error names the first condition, in order, that failed.
 pub async fn conflict_names_first_failed_key<F: StoreFactory>(factory: &F) {
     let t = factory.fresh().await;

@@ -118,6 +118,7 @@ macro_rules! kv_conformance_tests {
             deleted_key_can_be_created_again,
             transaction_applies_every_op_when_conditions_hold,
             transaction_with_one_failed_condition_writes_nothing,
+            a_condition_at_revision_zero_or_the_largest_never_holds,
             conflict_names_first_failed_key,
             transaction_mixing_puts_and_deletes_is_atomic,
             a_list_never_sees_half_a_transaction,
