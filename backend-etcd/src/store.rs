@@ -445,6 +445,17 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
+/// The revision etcd's answer to a successful transaction gives (the header's; 0 when missing):
+/// every transaction leaves the store at a revision of at least 1, so anything else is an error.
+fn acknowledged_revision(revision: i64) -> Result<Revision, KvError> {
+    match u64::try_from(revision) {
+        Ok(r) if r > 0 => Ok(Revision(r)),
+        _ => Err(KvError::other(format!(
+            "etcd acknowledged the transaction with revision {revision}"
+        ))),
+    }
+}
+
 /// The etcd comparison for one condition: `key` is the tested key with the store's prefix, or
 /// for [`Condition::NoPutAfter`] the start of its range, and `range_end` the end of that range.
 fn compare_for(condition: &Condition, key: Vec<u8>, range_end: Vec<u8>) -> Compare {
@@ -670,13 +681,7 @@ impl KvStore for EtcdStore {
             .await?;
 
         if response.succeeded() {
-            let revision = response.header().map(|h| h.revision()).unwrap_or(0);
-            return match u64::try_from(revision) {
-                Ok(r) if r > 0 => Ok(Revision(r)),
-                _ => Err(KvError::other(format!(
-                    "etcd acknowledged the transaction with revision {revision}"
-                ))),
-            };
+            return acknowledged_revision(response.header().map(|h| h.revision()).unwrap_or(0));
         }
 
         let mut current: HashMap<String, Revision> = HashMap::new();
@@ -729,6 +734,23 @@ mod tests {
         let bare = EtcdStore::connect_lazy(EtcdConfig::new(["127.0.0.1:1"]).with_prefix(""))
             .expect("valid");
         assert_eq!(bare.range_for(""), (vec![0], vec![0]));
+    }
+
+    #[test]
+    fn a_transaction_acknowledged_at_revision_0_or_below_is_an_error() {
+        assert_eq!(acknowledged_revision(1).expect("revision 1"), Revision(1));
+        assert_eq!(
+            acknowledged_revision(i64::MAX).expect("the largest").0,
+            i64::MAX as u64
+        );
+        for revision in [0, -1, i64::MIN] {
+            match acknowledged_revision(revision) {
+                Err(KvError::Other { message }) => {
+                    assert!(message.contains(&revision.to_string()), "{message}")
+                }
+                other => panic!("revision {revision}: expected an error, got {other:?}"),
+            }
+        }
     }
 
     #[test]
