@@ -45,14 +45,33 @@ pub fn refuse_if_live(path: &Path) -> Result<(), AgentError> {
 #[derive(Debug)]
 pub struct SocketGuard {
     path: PathBuf,
+    bound: FileIdentity,
+}
+
+/// What tells a file from another put at the same path since: its device and inode number, which
+/// a file system hands out again once a file is removed (the next socket bound in the directory
+/// often gets the number of the one just removed), and its change time, which then differs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileIdentity {
     device: u64,
     inode: u64,
+    changed: (i64, i64),
+}
+
+impl FileIdentity {
+    fn of(metadata: &std::fs::Metadata) -> FileIdentity {
+        FileIdentity {
+            device: metadata.dev(),
+            inode: metadata.ino(),
+            changed: (metadata.ctime(), metadata.ctime_nsec()),
+        }
+    }
 }
 
 impl Drop for SocketGuard {
     fn drop(&mut self) {
         if let Ok(metadata) = std::fs::symlink_metadata(&self.path) {
-            if metadata.dev() == self.device && metadata.ino() == self.inode {
+            if FileIdentity::of(&metadata) == self.bound {
                 if let Err(e) = std::fs::remove_file(&self.path) {
                     tracing::warn!("cannot remove the socket {}: {e}", self.path.display());
                 }
@@ -143,8 +162,7 @@ pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGu
         listener,
         SocketGuard {
             path: path.to_owned(),
-            device: metadata.dev(),
-            inode: metadata.ino(),
+            bound: FileIdentity::of(&metadata),
         },
     ))
 }
@@ -292,6 +310,51 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    /// A missing path and a socket nobody accepts on (left by a killed agent) pass; a socket an
+    /// agent accepts on, a file of another kind and a path that cannot be inspected are refused,
+    /// each with its own error.
+    #[tokio::test]
+    async fn only_a_missing_path_or_a_stale_socket_passes_before_binding() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let refused = |path: &Path, expected: &str| match refuse_if_live(path) {
+            Err(e) => assert!(e.to_string().contains(expected), "{path:?}: {e}"),
+            Ok(()) => panic!("{path:?} passed; expected {expected:?}"),
+        };
+        let path = dir.path().join("agent.sock");
+        refuse_if_live(&path).expect("a missing path passes");
+
+        let live = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        refused(&path, "another blockipam agent is serving");
+        // Closed without removing its file, as a killed agent leaves it.
+        drop(live);
+        assert!(path.exists());
+        refuse_if_live(&path).expect("a stale socket passes");
+
+        let file = dir.path().join("regular");
+        std::fs::write(&file, b"x").expect("write");
+        refused(&file, "exists and is not a socket");
+        refused(&file.join("agent.sock"), "cannot inspect the socket path");
+    }
+
+    /// The guard removes the socket it bound, never one bound at the same path since.
+    #[tokio::test]
+    async fn the_guard_leaves_a_socket_another_agent_bound_at_its_path() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.sock");
+        let (first_listener, first_guard) = bind(&path, false).expect("bind the first");
+        drop(first_listener);
+        std::fs::remove_file(&path).expect("remove the first socket");
+        let (second_listener, second_guard) = bind(&path, false).expect("bind the second");
+        drop(first_guard);
+        assert!(
+            path.exists(),
+            "the first agent's guard removed the second's socket"
+        );
+        drop(second_listener);
+        drop(second_guard);
+        assert!(!path.exists(), "the second agent's guard left its socket");
     }
 
     /// A directory group or others may write to (sticky or not) is refused before anything is
