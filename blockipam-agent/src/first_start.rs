@@ -107,3 +107,29 @@ fn exists(path: &Path) -> Result<bool, AgentError> {
         ))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A path that is there (a marker, a store) and one that is not are told apart; a path that
+    /// cannot be looked at is an error, never taken for a missing store or marker.
+    #[test]
+    fn a_path_that_cannot_be_inspected_is_an_error_not_a_missing_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("store.sled");
+        assert!(!exists(&file).expect("a missing path"));
+        std::fs::write(&file, b"x").expect("write");
+        assert!(exists(&file).expect("a present path"));
+        assert_eq!(
+            marker_path(&file),
+            dir.path().join("store.sled.created"),
+            "the marker sits beside the store"
+        );
+        let under_a_file = file.join("store");
+        match exists(&under_a_file) {
+            Err(e) => assert!(e.to_string().contains("cannot inspect"), "{e}"),
+            Ok(found) => panic!("a path under a regular file was taken as found={found}"),
+        }
+    }
+}
