@@ -428,8 +428,12 @@ mod tests {
 
     /// Something that swaps a symbolic link in for the just-bound socket at its hidden name (here a
     /// thread doing so as fast as it can, while the agent binds again and again) never gets the
-    /// mode change applied to the link's target: the mode is set through a descriptor of the
-    /// socket itself. Set through the name, the target's mode changed within a few hundred rounds.
+    /// mode change applied to the link's target, whether the target is a file or another socket of
+    /// the agent's user (which passes every check of what was opened): the mode is set through a
+    /// descriptor of the socket itself, opened without following a link. Set through the name, a
+    /// target's mode changed in each of 12 runs (within 17,000 rounds); opened following a link,
+    /// the other socket's mode changed in each of 12 runs (within 700 rounds). A link swapped in
+    /// just before the rename is moved into place and refused there; the test takes it away.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_socket_mode_is_never_set_through_a_symbolic_link() {
         use std::sync::atomic::{AtomicBool, Ordering};
@@ -437,20 +441,28 @@ mod tests {
 
         let dir = tempfile::tempdir().expect("temp dir");
         let elsewhere = tempfile::tempdir().expect("temp dir");
-        let victim = elsewhere.path().join("victim");
-        std::fs::write(&victim, "kept").expect("write");
-        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let file = elsewhere.path().join("file");
+        std::fs::write(&file, "kept").expect("write");
+        let socket = elsewhere.path().join("socket");
+        let _socket_listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        for victim in [&file, &socket] {
+            std::fs::set_permissions(victim, std::fs::Permissions::from_mode(0o640))
+                .expect("chmod");
+        }
+        let untouched = || mode_of(&file) == 0o640 && mode_of(&socket) == 0o640;
         let path = dir.path().join("agent.sock");
         let binding = binding_path(&path).expect("binding path");
         let stop = Arc::new(AtomicBool::new(false));
         let swapper = {
-            let (stop, victim, binding) = (Arc::clone(&stop), victim.clone(), binding.clone());
+            let (stop, binding) = (Arc::clone(&stop), binding.clone());
+            let victims = [file.clone(), socket.clone()];
             let staged = dir.path().join("staged-link");
             std::thread::spawn(move || {
-                let mut swaps = 0u64;
+                let mut swaps = 0usize;
                 while !stop.load(Ordering::Relaxed) {
                     let _ = std::fs::remove_file(&staged);
-                    if std::os::unix::fs::symlink(&victim, &staged).is_ok()
+                    // Each victim in turn.
+                    if std::os::unix::fs::symlink(&victims[swaps % 2], &staged).is_ok()
                         && std::fs::rename(&staged, &binding).is_ok()
                     {
                         swaps += 1;
@@ -460,7 +472,7 @@ mod tests {
             })
         };
         let (mut bound, mut refused) = (0, 0);
-        for _ in 0..5000 {
+        for _ in 0..40_000 {
             match bind(&path, true) {
                 Ok((listener, guard)) => {
                     bound += 1;
@@ -469,19 +481,49 @@ mod tests {
                 }
                 Err(_) => refused += 1,
             }
-            if mode_of(&victim) != 0o640 {
+            // A link swapped in just before the rename is moved into place (and refused there):
+            // taken away, as an operator would, so that the next round binds again.
+            if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+                std::fs::remove_file(&path).expect("remove the link moved into place");
+            }
+            if !untouched() {
                 break;
             }
         }
         stop.store(true, Ordering::Relaxed);
         let swaps = swapper.join().expect("the swapping thread");
-        assert!(swaps > 0, "the link was never swapped in");
-        assert_eq!(
-            mode_of(&victim),
-            0o640,
-            "the socket's mode was set on the link's target ({bound} binds, {refused} refused)"
+        assert!(swaps > 1, "the links were never swapped in");
+        assert!(
+            untouched(),
+            "the socket's mode was set on a link's target ({bound} binds, {refused} refused): the \
+             file's mode is {:o}, the other socket's {:o}",
+            mode_of(&file),
+            mode_of(&socket)
         );
-        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "kept");
+        assert_eq!(std::fs::read_to_string(&file).expect("read"), "kept");
+    }
+
+    /// The mode is set only on a socket of the agent's user: a file of another kind, or a socket
+    /// another user owns, at the binding's name is refused and left as it was.
+    #[test]
+    fn the_mode_is_set_only_on_a_socket_of_the_agents_user() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let owner = blockipam_store::effective_uid().expect("this process's uid");
+        let file = dir.path().join("file");
+        std::fs::write(&file, "kept").expect("write");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let socket = dir.path().join("socket");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o640)).expect("chmod");
+        let refused = |path: &Path, owner: u32| match set_socket_mode(path, owner, 0o666) {
+            Err(message) => assert!(message.contains("refusing to change its mode"), "{message}"),
+            Ok(_) => panic!("{path:?}: the mode was set"),
+        };
+        refused(&file, owner);
+        refused(&socket, owner + 1);
+        assert_eq!((mode_of(&file), mode_of(&socket)), (0o640, 0o640));
+        set_socket_mode(&socket, owner, 0o600).expect("the user's own socket");
+        assert_eq!(mode_of(&socket), 0o600);
     }
 
     /// The socket path appears only once it accepts connections: a client that finds it, at any
