@@ -338,6 +338,39 @@ mod tests {
         refused(&file.join("agent.sock"), "cannot inspect the socket path");
     }
 
+    /// What an agent of the same process id left at the hidden binding name (killed between bind
+    /// and rename) is removed before binding; something there that cannot be removed is an error
+    /// naming it. A path that cannot be opened is an error of its own kind.
+    #[tokio::test]
+    async fn a_leftover_at_the_binding_name_is_removed_first() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("agent.sock");
+        let binding = binding_path(&path).expect("binding path");
+        let leftover = std::os::unix::net::UnixListener::bind(&binding).expect("bind");
+        drop(leftover);
+        let (listener, guard) = bind(&path, false).expect("bind over the leftover");
+        assert_eq!(
+            listing(dir.path()),
+            vec![std::ffi::OsString::from("agent.sock")]
+        );
+        drop((listener, guard));
+
+        std::fs::create_dir(&binding).expect("mkdir");
+        let err = bind(&path, false)
+            .map(drop)
+            .expect_err("a directory at the binding name");
+        assert!(
+            err.message.contains("cannot remove the leftover socket"),
+            "{err}"
+        );
+
+        let missing = open_path_nofollow(&dir.path().join("missing")).map(drop);
+        assert_eq!(
+            missing.expect_err("a missing path").kind(),
+            io::ErrorKind::NotFound
+        );
+    }
+
     /// The guard removes the socket it bound, never one bound at the same path since.
     #[tokio::test]
     async fn the_guard_leaves_a_socket_another_agent_bound_at_its_path() {
