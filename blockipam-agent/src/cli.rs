@@ -382,9 +382,9 @@ mod tests {
 
     /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches
     /// the same field) is the default prefix, as an empty `etcd_prefix` in the plugin's netconf:
-    /// the agent announces the store the plugin asks for.
+    /// the agent announces the store the plugin asks for. A prefix given is the one served.
     #[test]
-    fn an_empty_etcd_prefix_is_the_default_prefix() {
+    fn an_empty_etcd_prefix_is_the_default_prefix_and_a_given_one_is_served() {
         let etcd = [
             "--datastore-type",
             "etcdv3",
@@ -399,5 +399,8 @@ mod tests {
             default.identity().etcd_prefix.as_deref(),
             Some(blockipam_store::DEFAULT_ETCD_PREFIX)
         );
+        // A prefix given is the one the agent serves.
+        let given = settings(&[&etcd[..], &["--etcd-prefix", "/mine/"]].concat());
+        assert_eq!(given.identity().etcd_prefix.as_deref(), Some("/mine/"));
     }
 }
