@@ -380,6 +380,32 @@ mod tests {
         assert!(parsed(&["--create-on-first-start"]).create_on_first_start);
     }
 
+    /// The store settings carry the lock wait and the etcd request timeout given by flags.
+    #[test]
+    fn the_lock_wait_and_the_etcd_timeout_given_reach_the_store_settings() {
+        let embedded = settings(&["--lock-wait-seconds", "3"]);
+        assert_eq!(embedded.lock_wait, Duration::from_secs(3));
+        let etcd = settings(&[
+            "--datastore-type",
+            "etcdv3",
+            "--etcd-endpoints",
+            "127.0.0.1:2379",
+            "--etcd-timeout-seconds",
+            "7",
+        ]);
+        assert_eq!(
+            etcd.etcd().expect("etcd").timeouts,
+            Some(blockipam_store::EtcdSettings::timeouts_for_request(
+                Duration::from_secs(7)
+            ))
+        );
+        assert_ne!(
+            settings(&[]).lock_wait,
+            Duration::from_secs(3),
+            "the default is not what the test gives"
+        );
+    }
+
     /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches
     /// the same field) is the default prefix, as an empty `etcd_prefix` in the plugin's netconf:
     /// the agent announces the store the plugin asks for. A prefix given is the one served.
