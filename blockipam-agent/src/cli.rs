@@ -380,9 +380,10 @@ mod tests {
         assert!(parsed(&["--create-on-first-start"]).create_on_first_start);
     }
 
-    /// The store settings carry the lock wait and the etcd request timeout given by flags.
+    /// The store settings carry the lock wait and the etcd request timeout given by flags, and no
+    /// agent socket.
     #[test]
-    fn the_lock_wait_and_the_etcd_timeout_given_reach_the_store_settings() {
+    fn the_store_settings_carry_the_flags_given_and_no_agent_socket() {
         let embedded = settings(&["--lock-wait-seconds", "3"]);
         assert_eq!(embedded.lock_wait, Duration::from_secs(3));
         let etcd = settings(&[
@@ -404,6 +405,11 @@ mod tests {
             Duration::from_secs(3),
             "the default is not what the test gives"
         );
+        // The agent opens its store itself, never through an agent's socket (the plugin's
+        // default, which could be this agent's own or another's).
+        for settings in [&embedded, &etcd] {
+            assert_eq!(settings.agent_socket, None);
+        }
     }
 
     /// `--etcd-prefix ""` (or an empty `ETCD_PREFIX=` line of the environment file, which reaches
