@@ -226,6 +226,10 @@ fn a_socket_activated_agent_serves_the_plugin_and_leaves_the_socket_at_stop() {
     assert_eq!(addresses.len(), 1, "{add:#?}");
     let through = format!("store reached through the agent at {}", socket.display());
     assert!(add.stderr.contains(&through), "ADD: {add:#?}");
+    assert!(
+        !add.stderr.contains("etcd credentials"),
+        "an agent serving sled has no etcd credentials to speak of: {add:#?}"
+    );
     activator.wait_for_log("connection accepted");
     let log = activator.log();
     assert!(

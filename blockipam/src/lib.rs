@@ -503,3 +503,49 @@ async fn with_store(
     }
     outcome
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_for(command: &str, ifname: &str) -> BTreeMap<String, String> {
+        [
+            ("CNI_COMMAND", command),
+            ("CNI_CONTAINERID", "c1"),
+            ("CNI_NETNS", "/var/run/netns/test"),
+            ("CNI_IFNAME", ifname),
+            ("CNI_PATH", "/opt/cni/bin"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+
+    #[test]
+    fn an_interface_name_of_fifteen_characters_is_the_longest_accepted() {
+        let longest = "a".repeat(MAX_IFNAME_LEN);
+        assert_eq!(MAX_IFNAME_LEN, 15, "Linux IFNAMSIZ - 1");
+        let env = check_env(&env_for("ADD", &longest), Command::Add).expect("15 characters");
+        assert_eq!(env.ifname, longest);
+        let refused =
+            check_env(&env_for("ADD", &"a".repeat(16)), Command::Add).expect_err("16 characters");
+        assert_eq!(refused.code, codes::INVALID_ENVIRONMENT);
+        assert_eq!(refused.msg, "CNI_IFNAME is too long");
+    }
+
+    #[test]
+    fn etcd_timeouts_that_cannot_fire_before_the_deadline_are_moved_past_it() {
+        let s = Duration::from_secs;
+        // A long deadline keeps both: a dead endpoint is given up in time to try another.
+        assert_eq!(etcd_timeouts(s(30)), (s(5), s(10)));
+        assert_eq!(etcd_timeouts(s(11)), (s(5), s(10)));
+        // A timeout equal to the deadline could fire with it: it is moved a second past it.
+        assert_eq!(etcd_timeouts(s(10)), (s(5), s(11)));
+        assert_eq!(etcd_timeouts(s(5)), (s(6), s(6)));
+        assert_eq!(etcd_timeouts(s(1)), (s(2), s(2)));
+        assert_eq!(
+            etcd_timeouts(Duration::from_millis(5_500)),
+            (s(5), Duration::from_millis(6_500))
+        );
+    }
+}

@@ -633,6 +633,26 @@ fn rows(target: &Target, fixture: &Fixture) -> Vec<Row> {
         7,
         &ipam(json!({"etcd_cert_file": "/nonexistent/cert.pem", "etcd_key_file": null})),
     ));
+    // A TLS file that cannot be read is found only when the store is opened: still the netconf's
+    // fault (code 7), for STATUS too, which answers every failure of the store itself with 50.
+    let unreadable_ca = json!({
+        "datastore_type": "etcdv3",
+        "datastore_path": null,
+        "etcd_endpoints": "http://127.0.0.1:1",
+        "etcd_ca_cert_file": "/nonexistent/ca.pem",
+    });
+    rows.push(Row::add(
+        "an etcd CA file that cannot be read",
+        7,
+        &ipam(unreadable_ca.clone()),
+    ));
+    rows.push(Row::call(
+        "STATUS with an etcd CA file that cannot be read",
+        7,
+        "STATUS",
+        "",
+        &with_top(&ipam(unreadable_ca), json!({"cniVersion": "1.1.0"})),
+    ));
 
     // Addresses outside every pool, or held: nothing may be allocated.
     rows.push(
