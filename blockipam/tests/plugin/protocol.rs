@@ -358,7 +358,13 @@ fn a_symlink_at_log_file_path_is_never_followed_and_the_call_logs_to_stderr(mode
         "the plugin wrote through the link"
     );
     assert!(
-        outcome.stderr.contains("symbolic link") && outcome.stderr.contains("ADD done"),
+        outcome
+            .stderr
+            .contains(&format!("cannot open log_file_path {}", log.display()))
+            && outcome
+                .stderr
+                .contains("it is a symbolic link, which is never followed")
+            && outcome.stderr.contains("ADD done"),
         "the refusal and the logs go to stderr: {outcome:#?}"
     );
     assert!(
@@ -373,7 +379,14 @@ fn a_symlink_at_log_file_path_is_never_followed_and_the_call_logs_to_stderr(mode
     let dangling = sandbox.dir.path().join("logs/dangling.log");
     std::os::unix::fs::symlink(&missing, &dangling).expect("plant the dangling link");
     let netconf = sandbox.netconf("1.0.0", json!({"log_file_path": dangling}));
-    cni("ADD", "c2", "eth0", &netconf, &[]).success_json("ADD");
+    let outcome = cni("ADD", "c2", "eth0", &netconf, &[]);
+    outcome.success_json("ADD");
+    assert!(
+        outcome
+            .stderr
+            .contains("it is a symbolic link, which is never followed"),
+        "{outcome:#?}"
+    );
     assert!(
         !missing.exists(),
         "the plugin created a file through the link"
