@@ -576,11 +576,6 @@ impl Block {
         self.apart.freed.iter().copied()
     }
 
-    /// True when some allocation's attribute is kept apart.
-    pub fn has_apart(&self) -> bool {
-        self.allocations.values().any(|a| a.attribute == APART)
-    }
-
     /// Drops attributes no allocation refers to, renumbering the rest.
     fn compact_attributes(&mut self) {
         let mut used = vec![false; self.attributes.len()];
