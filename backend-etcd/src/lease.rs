@@ -287,9 +287,10 @@ pub struct LeaseState {
     pub generation: u64,
 }
 
-/// A key kept alive on a lease by a background task: keep-alive every TTL/3; when etcd says the
-/// lease is gone (the process was paused, or etcd unreachable, for longer than the TTL), a new
-/// lease is granted and the key put on it again, retried every TTL/3 until it succeeds.
+/// A key kept alive on a lease by a background task: keep-alive every TTL/4 to TTL/3 (see
+/// [`renewal_period`]); when etcd says the lease is gone (the process was paused, or etcd
+/// unreachable, for longer than the TTL), a new lease is granted and the key put on it again,
+/// retried at the same period until it succeeds.
 #[derive(Debug)]
 pub struct LeasedKey {
     state: watch::Receiver<LeaseState>,
@@ -368,7 +369,6 @@ async fn keep_alive_loop(
     publish: watch::Sender<LeaseState>,
     mut stopped: oneshot::Receiver<bool>,
 ) {
-    let period = (session.ttl() / 3).max(Duration::from_millis(100));
     let mut lease = Some(first_lease);
     let mut generation = 1;
     let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
@@ -384,7 +384,7 @@ async fn keep_alive_loop(
                 }
                 return;
             }
-            () = tokio::time::sleep(period) => {}
+            () = tokio::time::sleep(renewal_period(session.ttl(), rand::random::<f64>())) => {}
         }
         match lease {
             Some(id) => match keep_alive_once(&session, id, &mut stream).await {
@@ -437,6 +437,18 @@ async fn keep_alive_loop(
     }
 }
 
+/// How long to wait before the next renewal of a lease of `ttl`: from a third of the TTL down to
+/// a quarter, `fraction` (0 to 1, drawn at random for each wait) of the way, and at least 100 ms.
+/// Three or more renewals fit in every TTL, and agents started together (a fleet rolled out at
+/// once) drift apart instead of renewing together every period.
+fn renewal_period(ttl: Duration, fraction: f64) -> Duration {
+    let third = ttl / 3;
+    let spread = third.saturating_sub(ttl / 4);
+    third
+        .saturating_sub(spread.mul_f64(fraction.clamp(0.0, 1.0)))
+        .max(Duration::from_millis(100))
+}
+
 /// One keep-alive round trip on the (re)opened stream: true while the lease lives, false when
 /// etcd reports it gone (TTL 0).
 async fn keep_alive_once(
@@ -457,5 +469,35 @@ async fn keep_alive_once(
     match session.bounded(Kind::Read, responses.message()).await? {
         Some(response) => Ok(response.ttl() > 0),
         None => Err(KvError::unavailable("etcd closed the keep-alive stream")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renewals_come_between_a_quarter_and_a_third_of_the_ttl_spread_by_the_draw() {
+        let ttl = Duration::from_secs(30);
+        assert_eq!(renewal_period(ttl, 0.0), Duration::from_secs(10));
+        assert_eq!(renewal_period(ttl, 1.0), Duration::from_millis(7_500));
+        assert_eq!(renewal_period(ttl, 0.5), Duration::from_millis(8_750));
+        // A draw outside 0 to 1 cannot leave the range.
+        assert_eq!(renewal_period(ttl, -3.0), Duration::from_secs(10));
+        assert_eq!(renewal_period(ttl, 7.0), Duration::from_millis(7_500));
+        // The shortest TTL: still three renewals or more in it.
+        let one = Duration::from_secs(1);
+        for fraction in [0.0, 0.3, 0.99, 1.0] {
+            let period = renewal_period(one, fraction);
+            assert!(
+                (Duration::from_millis(250)..=Duration::from_millis(334)).contains(&period),
+                "{fraction}: {period:?}"
+            );
+        }
+        // Agents drawing differently wait differently: periods do not line up.
+        let periods: std::collections::BTreeSet<Duration> = (0..=10)
+            .map(|i| renewal_period(ttl, f64::from(i) / 10.0))
+            .collect();
+        assert_eq!(periods.len(), 11, "{periods:?}");
     }
 }

@@ -140,7 +140,7 @@ pub struct AgentArgs {
         help_heading = "Liveness and dead-node reclaim (etcd only)"
     )]
     pub node: Option<String>,
-    /// TTL of the etcd lease that keeps this node's liveness key; kept alive every TTL/3
+    /// TTL of the etcd lease that keeps this node's liveness key; renewed every TTL/4 to TTL/3
     #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LIVENESS_TTL_SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub liveness_ttl_seconds: u64,
     /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
