@@ -625,4 +625,42 @@ mod tests {
             "nothing missing: nothing to warn of, and the next unproven look warns again"
         );
     }
+
+    /// `stop` returns only once the loop has ended: nothing it started is still running (a
+    /// release would be finished), and it no longer holds the store the agent is about to close.
+    #[tokio::test]
+    async fn stop_returns_once_the_loop_has_ended_and_let_go_of_the_store() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let store: Arc<dyn KvStore> = Arc::new(ipam_core::kv::memory::MemoryStore::new());
+        let counters = Arc::new(LeakCounters::default());
+        let settings = LeakSettings {
+            node: "node-a".into(),
+            // Nothing listens here: every look finds the runtime unanswered at once.
+            socket: dir.path().join("no-runtime.sock"),
+            policy: LeakPolicy {
+                grace_seconds: 60,
+                max_gap_seconds: 180,
+            },
+            interval: Duration::from_secs(3600),
+            release: true,
+            call_deadline: Duration::from_secs(1),
+            report_path: dir.path().join(LEAK_REPORT_FILE),
+            cni_cache_dir: dir.path().join("cni-cache"),
+        };
+        let collection = LeakCollection::start(settings, store.clone(), counters.clone());
+        let looked = tokio::time::timeout(Duration::from_secs(30), async {
+            while counters.unanswered_looks.load(Ordering::Relaxed) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(looked.is_ok(), "the first look never happened");
+        assert_eq!(Arc::strong_count(&store), 2, "the loop holds the store");
+        collection.stop().await;
+        assert_eq!(
+            Arc::strong_count(&store),
+            1,
+            "stop returned while the loop still ran, holding the store"
+        );
+    }
 }
