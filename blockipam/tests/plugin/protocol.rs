@@ -863,7 +863,11 @@ fn check_of_an_address_not_held_by_the_attachment_is_code_107(mode: Mode) {
     let mut check = netconf.clone();
     merge(&mut check, json!({"prevResult": c1}));
     cni("CHECK", "c1", "eth0", &check, &[]).assert_silent_success("own result");
-    cni("CHECK", "c1", "eth1", &check, &[]).assert_error(107, "other interface");
+    let msg = cni("CHECK", "c1", "eth1", &check, &[]).assert_error(107, "other interface");
+    assert!(
+        msg.contains("of attachment c1 / eth1 is held by this container for interface \"eth0\""),
+        "{msg}"
+    );
     // After DEL nothing is held.
     cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL");
     let msg = cni("CHECK", "c1", "eth0", &check, &[]).assert_error(107, "after DEL");
