@@ -426,6 +426,36 @@ fn gc_accepts_the_older_attachments_key_and_an_empty_list_clears_this_node() {
     assert_eq!(handles(&sandbox), vec!["testnet.r"]);
 }
 
+/// Allocations that record no network (made by an older release, or imported from Calico) are
+/// told apart by their handle: GC collects the one on this network's handle and leaves another
+/// network's, whose attachments this GC knows nothing of.
+#[test]
+fn gc_tells_allocations_recording_no_network_apart_by_their_handle() {
+    let sandbox = Sandbox::new();
+    let here = sandbox.netconf("1.1.0", json!({}));
+    cni("ADD", "prime", "eth0", &here, &[]).success_json("prime");
+    let no_network = [("node", NODE), ("container_id", "old")];
+    let this_network = format!("{NETWORK}.old");
+    seed(&sandbox, "10.244.7.100", &this_network, NODE, &no_network);
+    seed(&sandbox, "10.244.7.101", "othernet.old", NODE, &no_network);
+    let mut gc = here.clone();
+    merge(
+        &mut gc,
+        json!({"cni.dev/valid-attachments": [{"containerID": "prime", "ifname": "eth0"}]}),
+    );
+    cni("GC", "", "", &gc, &[]).assert_silent_success("GC");
+    assert!(
+        held_by(&sandbox, &this_network).is_empty(),
+        "this network's stale allocation was left"
+    );
+    assert_eq!(
+        held_by(&sandbox, "othernet.old"),
+        vec!["10.244.7.101"],
+        "another network's allocation was collected"
+    );
+    assert_eq!(held_by(&sandbox, &format!("{NETWORK}.prime")).len(), 1);
+}
+
 #[test]
 fn redb_store_serves_add_check_del_like_sled() {
     let sandbox = Sandbox::with_store(DatastoreType::Redb);
