@@ -344,7 +344,16 @@ fn del_releases_calicos_legacy_namespace_pod_handle_when_the_main_one_is_unknown
     cni("ADD", "prime", "eth0", &netconf, &[]).success_json("prime");
     seed(&sandbox, "10.244.7.100", "web.frontend-0", NODE, &[]);
     let args = [("CNI_ARGS", "K8S_POD_NAMESPACE=web;K8S_POD_NAME=frontend-0")];
-    cni("DEL", "old", "eth0", &netconf, &args).assert_silent_success("DEL legacy");
+    let del = cni("DEL", "old", "eth0", &netconf, &args);
+    del.assert_silent_success("DEL legacy");
+    assert!(
+        del.stderr
+            .lines()
+            .any(|line| line.contains("released the legacy handle")
+                && line.contains("handle=web.frontend-0")
+                && line.contains("10.244.7.100")),
+        "{del:#?}"
+    );
     let left: Vec<String> = sandbox
         .container_allocations()
         .into_iter()
@@ -548,7 +557,16 @@ fn unlabelled_allocation_beside_labelled_ones_is_no_single_interfaces_to_release
     let netconf = sandbox.netconf("1.0.0", json!({}));
     let eth0 = first_address(&cni("ADD", "c1", "eth0", &netconf, &[]).success_json("eth0"));
     seed_unlabelled(&sandbox, "c1", "10.244.7.100");
-    cni("DEL", "c1", "eth0", &netconf, &[]).assert_silent_success("DEL eth0");
+    let del = cni("DEL", "c1", "eth0", &netconf, &[]);
+    del.assert_silent_success("DEL eth0");
+    // The operator is told what was left, and why.
+    assert!(
+        del.stderr.lines().any(
+            |line| line.contains("left allocations that record no interface")
+                && line.contains("unproven=[10.244.7.100]")
+        ),
+        "{del:#?}"
+    );
     assert_eq!(
         held_by(&sandbox, "testnet.c1"),
         vec!["10.244.7.100"],
