@@ -26,6 +26,7 @@ macro_rules! ipam_integrity_tests {
     ($factory:expr) => {
         $crate::__expand_cases!(ipam_integrity, $crate::integrity, $factory;
             recreated_block_never_repeats_an_address_sequence_pair,
+            block_recreated_while_its_creator_waits_never_repeats_an_address_sequence_pair,
             pool_delete_racing_an_add_never_releases_a_live_address,
             pool_delete_refuses_damage_in_its_pool_and_passes_over_damage_elsewhere,
             block_moving_between_reads_is_never_taken_for_absent,
@@ -163,6 +164,132 @@ pub async fn recreated_block_never_repeats_an_address_sequence_pair<F: StoreFact
     }
     assert_eq!(holder(&ipam, first).await.as_deref(), Some("third-owner"));
     assert_clean(&ipam).await;
+}
+
+/// How a racing creator makes its block (see the next case).
+#[derive(Debug, Clone, Copy)]
+enum Creation {
+    AutoAssign,
+    SpecificAddress,
+    AffinityClaim,
+}
+
+impl Creation {
+    /// Creates the block `cidr` this way and takes its first address, `first`, for `handle` on
+    /// `host`.
+    async fn take_first(
+        self,
+        ipam: &Ipam,
+        cidr: ipnet::IpNet,
+        first: IpAddr,
+        handle: &str,
+        host: &str,
+    ) {
+        match self {
+            Creation::AutoAssign => {
+                assert_eq!(assign_one(ipam, handle, host).await, first);
+            }
+            Creation::SpecificAddress => {
+                ipam.assign_ips(&AssignIpsRequest {
+                    ips: vec![first],
+                    handle: handle.into(),
+                    host: host.into(),
+                    ..Default::default()
+                })
+                .await
+                .expect("specific address");
+            }
+            Creation::AffinityClaim => {
+                ipam.claim_affinity(host, cidr)
+                    .await
+                    .expect("claim the block");
+                assert_eq!(assign_one(ipam, handle, host).await, first);
+            }
+        }
+    }
+}
+
+/// A block created while, between the creator's read and its commit, another client creates the
+/// same block the same way, allocates in it, releases it and deletes it: the store then holds neither the block
+/// nor its claim again (what the creator's commit tests), but the deletion raised the sequence
+/// floor. The creator must not number its block from the floor it read before: the other
+/// client's (address, sequence) pair, released, must never free the creator's live address. By
+/// auto-assign, by a specific-address request and by an affinity claim.
+pub async fn block_recreated_while_its_creator_waits_never_repeats_an_address_sequence_pair<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    for creation in [
+        Creation::AutoAssign,
+        Creation::SpecificAddress,
+        Creation::AffinityClaim,
+    ] {
+        // One block in the pool: every incarnation has the same CIDR.
+        let (t, _) = ipam_with_pool(factory, "10.9.0.0/30", 30).await;
+        let cidr = net("10.9.0.0/30");
+        let first = ip("10.9.0.0");
+        let hooked = HookedStore::new(Arc::clone(&t.store));
+        let creator = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+        let other = Ipam::new(Arc::clone(&t.store));
+        let stale = Arc::new(Mutex::new(None));
+        let seen = Arc::clone(&stale);
+        hooked.before_commit(crate::hooked::writes_key(keys::block_claim(&cidr), true), {
+            move || async move {
+                creation
+                    .take_first(&other, cidr, first, "other", "node-a")
+                    .await;
+                let info = other
+                    .get_assignment(first)
+                    .await
+                    .expect("read")
+                    .expect("allocated");
+                other
+                    .release_host("node-a", false)
+                    .await
+                    .expect("release host");
+                other.release_handle("other").await.expect("release");
+                assert!(
+                    other.utilization().await.expect("usage").pools[0]
+                        .blocks
+                        .is_empty(),
+                    "the other client's empty unaffine block is deleted"
+                );
+                *seen.lock().expect("stale sequence") = Some(info.sequence);
+            }
+        });
+        creation
+            .take_first(&creator, cidr, first, "creator", "node-b")
+            .await;
+        assert!(
+            hooked.commit_hook_fired(),
+            "{creation:?}: the other client never ran"
+        );
+        let sequence = stale
+            .lock()
+            .expect("stale sequence")
+            .take()
+            .expect("the other client's sequence");
+        let late = creator
+            .release_ips(&[ReleaseRequest {
+                ip: first,
+                sequence: Some(sequence),
+            }])
+            .await
+            .expect("guarded release");
+        assert!(
+            late.released.is_empty(),
+            "{creation:?}: a release guarded with the deleted block's (address, sequence) pair \
+             ({first}, {sequence}) freed the creator's live address: {late:?}"
+        );
+        assert_eq!(late.sequence_mismatch, vec![first], "{creation:?}");
+        assert_eq!(
+            holder(&creator, first).await.as_deref(),
+            Some("creator"),
+            "{creation:?}: the creator keeps its address"
+        );
+        assert_clean(&creator).await;
+    }
 }
 
 /// Defect 2: `delete_pool` without force never releases an address an ADD was given, whether

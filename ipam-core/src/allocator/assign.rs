@@ -5,7 +5,7 @@ use super::{
     learn_apart_from_handle, next_got, next_listed, probed_blocks, refuse_during_import,
     validate_attribute_size, with_node, AssignIpsRequest, AssignedAddress, Attempt,
     AutoAssignRequest, AutoAssignResult, ClaimIndex, ClaimIndexRoom, IndexedClaim, Ipam,
-    NewBlockProbe, NewBlockProspect, Stored, UndecodableObject, WorkingBlock,
+    NewBlockProbe, NewBlockProspect, SequenceFloor, Stored, UndecodableObject, WorkingBlock,
     MAX_ADDRESSES_PER_REQUEST, NEW_BLOCK_PROBES,
 };
 use crate::allocator::full_pools::{self, FullPoolMark};
@@ -442,7 +442,7 @@ impl Ipam {
                             limit_hit = Some(owned);
                             break;
                         }
-                        let create = |cidr: IpNet, sequence_floor: u64| {
+                        let create = |cidr: IpNet, sequence_floor: SequenceFloor| {
                             WorkingBlock::created(
                                 cidr,
                                 Some(request.host.clone()),

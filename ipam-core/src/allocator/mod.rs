@@ -498,6 +498,10 @@ pub(crate) struct WorkingBlock {
     pub read: Option<(String, Revision)>,
     pub block: Block,
     pub dirty: bool,
+    /// For a block this attempt creates: the revision of the sequence floor its numbering starts
+    /// at (`None`: the floor was never written). Its creation is conditioned on it (see
+    /// [`Plan::write_block`]).
+    pub numbered_from: Option<Revision>,
 }
 
 impl WorkingBlock {
@@ -506,6 +510,7 @@ impl WorkingBlock {
             read: Some((stored.key, stored.revision)),
             block: stored.value,
             dirty: false,
+            numbered_from: None,
         }
     }
 
@@ -514,13 +519,14 @@ impl WorkingBlock {
     pub(crate) fn created(
         cidr: IpNet,
         affinity: Option<String>,
-        sequence_floor: u64,
+        sequence_floor: SequenceFloor,
         now: u64,
     ) -> Self {
         WorkingBlock {
             read: None,
-            block: Block::claimed(cidr, affinity, sequence_floor, now),
+            block: Block::claimed(cidr, affinity, sequence_floor.value, now),
             dirty: true,
+            numbered_from: sequence_floor.revision,
         }
     }
 }
@@ -529,15 +535,33 @@ impl WorkingBlock {
 #[derive(Debug, Default)]
 pub(crate) struct LoadedBlocks {
     pub found: BTreeMap<IpNet, Stored<Block>>,
-    pub sequence_floor: u64,
+    pub sequence_floor: SequenceFloor,
     /// Blocks that could not be decoded, when the read was asked to get past them (see
     /// [`Ipam::load_blocks_given_claims_each`]); always empty otherwise (such a block fails the read).
     pub undecodable: Vec<UndecodableObject>,
 }
 
-/// Decodes the sequence floor (0 when never written).
-fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<u64, IpamError> {
-    kv.map_or(Ok(0), |kv| decode(&kv.key, &kv.value))
+/// The sequence floor as one read found it ([`keys::sequence_floor`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SequenceFloor {
+    /// The first sequence number a new block may start at (0 when never written).
+    pub value: u64,
+    /// The revision it was read at (`None` when never written). A block numbered from this floor
+    /// is created only while the floor is still at it: a deletion of the same block by another
+    /// client since (which raised the floor past the numbers the deleted block gave) makes the
+    /// creation conflict and be decided again, instead of repeating those numbers.
+    pub revision: Option<Revision>,
+}
+
+/// Decodes the sequence floor (0 when never written), with the revision it was read at.
+fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<SequenceFloor, IpamError> {
+    match kv {
+        None => Ok(SequenceFloor::default()),
+        Some(kv) => Ok(SequenceFloor {
+            value: decode(&kv.key, &kv.value)?,
+            revision: Some(kv.revision),
+        }),
+    }
 }
 
 /// The whole claim index (one small entry per block: CIDR, owner, free count) and the sequence
@@ -546,7 +570,7 @@ fn decode_sequence_floor(kv: Option<KeyValue>) -> Result<u64, IpamError> {
 #[derive(Debug)]
 pub(crate) struct ClaimIndex {
     pub entries: Vec<IndexedClaim>,
-    pub sequence_floor: u64,
+    pub sequence_floor: SequenceFloor,
 }
 
 /// One claim index entry, decoded, with the stored entry it came from.
@@ -640,7 +664,7 @@ struct NewBlockProbe {
     /// Unclaimed blocks among the probed ones, in search order.
     unclaimed: Vec<IpNet>,
     /// The sequence floor, read in the same snapshot.
-    sequence_floor: u64,
+    sequence_floor: SequenceFloor,
     /// The block-release counter's revision (full_pools.rs).
     releases: u64,
     /// Every candidate pool has a believed full-pool mark (and none has mixed block sizes).
@@ -815,20 +839,15 @@ impl Plan {
     }
 
     /// Adds, when this plan deletes blocks, the write that raises the sequence floor (currently
-    /// `floor`, read at `revision`) past them, conditioned on that revision so that concurrent
-    /// raises never lower it.
+    /// `floor`, read at its revision) past them, conditioned on that revision so that concurrent
+    /// raises never lower it. A condition the plan already has on the floor stands (a block it
+    /// creates is numbered from the floor as read then): if the floor moved since, the commit
+    /// conflicts.
     pub fn raise_sequence_floor(&mut self, floor: Option<KeyValue>) -> Result<(), IpamError> {
-        let revision = floor.as_ref().map(|kv| kv.revision);
         let current = decode_sequence_floor(floor)?;
-        if self.retired_sequence > current {
+        if self.retired_sequence > current.value {
             let key = keys::sequence_floor();
-            self.conditions.insert(
-                key.clone(),
-                match revision {
-                    Some(r) => Condition::at_revision(&key, r),
-                    None => Condition::absent(&key),
-                },
-            );
+            self.expect(&key, current.revision);
             self.put(&key, encode(&self.retired_sequence)?);
         }
         self.retired_sequence = 0;
@@ -846,6 +865,10 @@ impl Plan {
             None => {
                 self.expect(&key, None);
                 self.expect(&keys::block_claim(&block.cidr), None);
+                // Absence alone is not enough: another client may have created, used and deleted
+                // this block since the read (both keys absent again), raising the floor past the
+                // numbers it gave; numbered from the floor as read, this block would repeat them.
+                self.expect(&keys::sequence_floor(), working.numbered_from);
             }
             Some((read_key, revision)) => {
                 self.expect(read_key, Some(*revision));
@@ -1972,6 +1995,48 @@ mod tests {
         assert_eq!(plan.conditions.get(&key), Some(&Condition::absent(&key)));
     }
 
+    /// A block a plan creates is conditioned on the sequence floor it is numbered from (its
+    /// revision, or its absence), beside the absence of its keys; a raise of the floor in the same
+    /// plan, from a later read, keeps that condition, so that a floor moved since the block was
+    /// numbered makes the commit conflict.
+    #[test]
+    fn a_created_block_is_conditioned_on_the_floor_it_is_numbered_from() {
+        let key = keys::sequence_floor();
+        let cidr: IpNet = "10.0.0.0/26".parse().expect("cidr");
+        for (revision, expected) in [
+            (None, Condition::absent(&key)),
+            (Some(Revision(7)), Condition::at_revision(&key, Revision(7))),
+        ] {
+            let floor = SequenceFloor { value: 5, revision };
+            let working = WorkingBlock::created(cidr, Some("n".into()), floor, 0);
+            assert_eq!(working.block.sequence, 5, "numbered from the floor");
+            let mut plan = Plan::default();
+            plan.write_block(&working).expect("write");
+            assert_eq!(plan.conditions.get(&key), Some(&expected));
+            assert_eq!(
+                plan.conditions.get(&keys::block_claim(&cidr)),
+                Some(&Condition::absent(keys::block_claim(&cidr)))
+            );
+
+            plan.retired_sequence = 20;
+            plan.raise_sequence_floor(Some(KeyValue {
+                key: key.clone(),
+                value: encode(&10u64).expect("encode"),
+                revision: Revision(9),
+            }))
+            .expect("raise");
+            assert_eq!(
+                plan.conditions.get(&key),
+                Some(&expected),
+                "the raise replaced the condition the created block is numbered under"
+            );
+            assert_eq!(
+                plan.writes.get(&key),
+                Some(&Some(encode(&20u64).expect("encode")))
+            );
+        }
+    }
+
     /// The validators of a read from the store are carried only where they leave room for the
     /// format record's condition; those of a read from the cache always are (the commit must
     /// check them).
@@ -2115,7 +2180,9 @@ mod tests {
             } else {
                 "node-b"
             };
-            let block = WorkingBlock::created(self.cidr, Some(host.into()), 0, 0).block;
+            let block =
+                WorkingBlock::created(self.cidr, Some(host.into()), SequenceFloor::default(), 0)
+                    .block;
             self.inner
                 .put(
                     &keys::block_claim(&self.cidr),
@@ -2169,8 +2236,12 @@ mod tests {
     #[test]
     fn a_block_value_over_the_stores_limit_is_refused_and_one_at_it_written() {
         let sized = |padding: usize| {
-            let mut working =
-                WorkingBlock::created("10.0.0.0/26".parse().expect("cidr"), Some("n".into()), 0, 0);
+            let mut working = WorkingBlock::created(
+                "10.0.0.0/26".parse().expect("cidr"),
+                Some("n".into()),
+                SequenceFloor::default(),
+                0,
+            );
             let attribute = Attribute {
                 handle: "h".into(),
                 metadata: BTreeMap::from([("pad".to_owned(), "a".repeat(padding))]),
