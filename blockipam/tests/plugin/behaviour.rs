@@ -148,6 +148,62 @@ fn specific_addresses_come_from_cni_args_args_and_runtime_config() {
     let again = cni("ADD", "c3", "eth0", &with_runtime, &[]).success_json("again");
     assert_eq!(addresses(&again), vec!["10.244.7.22".to_owned()]);
     assert_eq!(sandbox.container_allocations().len(), 4);
+    // A specific address records its attachment as an auto-assigned one does: the per-interface
+    // DEL, GC and the leak collection tell attachments apart by it.
+    for (ip, handle, attrs) in sandbox.container_allocations() {
+        let container = handle
+            .strip_prefix("testnet.")
+            .expect("the network's handle");
+        for (key, value) in [
+            ("container_id", container),
+            ("interface", "eth0"),
+            ("network", NETWORK),
+            ("node", NODE),
+        ] {
+            assert_eq!(
+                attrs.get(key).map(String::as_str),
+                Some(value),
+                "{ip}: {key} not recorded: {attrs:?}"
+            );
+        }
+    }
+}
+
+/// A specific address in a pool that allows tunnel addresses only is refused (code 105, naming
+/// the pool), as an auto-assigned one would be, and nothing is allocated.
+#[test]
+fn a_specific_address_in_a_pool_for_tunnels_only_is_refused() {
+    use ipam_core::{AllowedUse, AllowedUses, PoolPolicy, PoolSpec};
+    let sandbox = Sandbox::new();
+    sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
+        let tunnels = PoolSpec {
+            cidr: "10.244.11.0/28".parse().expect("a CIDR"),
+            name: Some("tunnels".into()),
+            block_size: Some(30),
+            disabled: false,
+        };
+        let policy = PoolPolicy {
+            allowed_uses: AllowedUses::new([AllowedUse::Tunnel]).expect("uses"),
+            ..PoolPolicy::default()
+        };
+        ipam.create_pool_with_policy(&tunnels, &policy)
+            .await
+            .expect("a pool");
+    });
+    let netconf = sandbox.netconf("1.0.0", json!({}));
+    let message = cni(
+        "ADD",
+        "c1",
+        "eth0",
+        &netconf,
+        &[("CNI_ARGS", "IP=10.244.11.5")],
+    )
+    .assert_error(105, "a tunnel pool's address");
+    assert!(
+        message.contains("\"tunnels\" does not allow workload addresses"),
+        "{message}"
+    );
+    assert!(sandbox.container_allocations().is_empty());
 }
 
 #[test]
