@@ -203,3 +203,30 @@ async fn refuse_other_attachments_addresses(
         "one address belongs to one attachment (container, interface)",
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::edge_kind;
+
+    /// The edges of a prefix are refused as host addresses only where they are edges: never in
+    /// an IPv4 /31 (both addresses are hosts, RFC 3021) or /32, nor in an IPv6 /127 or /128.
+    #[test]
+    fn only_the_edges_of_prefixes_that_have_them_are_refused() {
+        for (net, kind) in [
+            ("10.0.0.0/30", Some("network")),
+            ("10.0.0.3/30", Some("broadcast")),
+            ("10.0.0.1/30", None),
+            ("10.0.0.2/30", None),
+            ("10.0.0.0/31", None),
+            ("10.0.0.1/31", None),
+            ("10.0.0.7/32", None),
+            ("fd00::/126", Some("network (subnet-router anycast)")),
+            ("fd00::3/126", None),
+            ("fd00::/127", None),
+            ("fd00::1/127", None),
+            ("fd00::/128", None),
+        ] {
+            assert_eq!(edge_kind(net.parse().expect("a prefix")), kind, "{net}");
+        }
+    }
+}
