@@ -210,11 +210,11 @@ impl Creation {
 }
 
 /// A block created while, between the creator's read and its commit, another client creates the
-/// same block the same way, allocates in it, releases it and deletes it: the store then holds neither the block
-/// nor its claim again (what the creator's commit tests), but the deletion raised the sequence
-/// floor. The creator must not number its block from the floor it read before: the other
-/// client's (address, sequence) pair, released, must never free the creator's live address. By
-/// auto-assign, by a specific-address request and by an affinity claim.
+/// same block the same way, allocates in it, releases it and deletes it: the store then holds
+/// neither the block nor its claim again (what the creator's commit tests), but the deletion
+/// raised the sequence floor. The creator must not number its block from the floor it read
+/// before: the other client's (address, sequence) pair, released, must never free the creator's
+/// live address. By auto-assign, by a specific-address request and by an affinity claim.
 pub async fn block_recreated_while_its_creator_waits_never_repeats_an_address_sequence_pair<
     F: StoreFactory,
 >(

@@ -311,7 +311,8 @@ fn etcd_metrics(endpoint: &str) -> String {
 /// claim entries and the first lender's block. A node whose probe finds no lender with room reads
 /// the claim index (small entries, which the measure sees) and one lender's block, not every
 /// block, and so does a node refused for want of room anywhere; a node at its block limit is
-/// refused from its own blocks and its probe.
+/// refused from its own blocks and its probe; a dual-stack node with room in its IPv4 block only
+/// probes for IPv6 alone.
 #[test]
 fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves_or_refuses() {
     let server = EtcdServer::start().expect("a private etcd, whose traffic is this test's alone");
@@ -485,6 +486,73 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
             .await
             .expect("the block limit as it was");
     });
+    // A dual-stack node whose own IPv4 block has room and which has no IPv6 block yet, its IPv4
+    // pool otherwise full: STATUS answers IPv4 from that block and probes only for IPv6, never
+    // the IPv4 pool's lenders, the claim index or every block.
+    let dual_stack = block_on(async {
+        let ipam = ipam_on(server.config(&prefix)).await;
+        for (cidr, name, block_size) in [
+            ("10.99.0.0/29", "snug", 30),
+            ("fd00:99::/116", "snug-v6", 122),
+        ] {
+            ipam.create_pool(&ipam_core::PoolSpec {
+                cidr: cidr.parse().expect("a pool"),
+                name: Some(name.into()),
+                block_size: Some(block_size),
+                disabled: false,
+            })
+            .await
+            .expect("a pool of the dual-stack node");
+        }
+        let [own, other]: [ipnet::IpNet; 2] =
+            ["10.99.0.0/30", "10.99.0.4/30"].map(|b| b.parse().expect("a block"));
+        ipam.claim_affinity("snug-a", own).await.expect("its block");
+        ipam.claim_affinity("snug-b", other)
+            .await
+            .expect("the other block");
+        ipam.assign_ips(&ipam_core::AssignIpsRequest {
+            ips: [other.network(), other.broadcast()]
+                .into_iter()
+                .chain(other.hosts())
+                .collect(),
+            handle: "snug-b".into(),
+            host: "snug-b".into(),
+            ..ipam_core::AssignIpsRequest::default()
+        })
+        .await
+        .expect("fill the other block");
+        etcd_netconf(
+            &sandbox,
+            "1.1.0",
+            &endpoint,
+            &prefix,
+            json!({
+                "nodename": "snug-a",
+                "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}],
+                "ipv4_pools": ["snug"],
+                "assign_ipv6": true,
+                "ipv6_pools": ["snug-v6"],
+            }),
+        )
+    });
+    let before = bytes_sent_by(&endpoint);
+    for _ in 0..4 {
+        cni("STATUS", "", "", &dual_stack, &[]).assert_silent_success("snug-a");
+    }
+    let dual_stack_cost = (bytes_sent_by(&endpoint) - before) / 4;
+    let added = cni("ADD", "snug-1", "eth0", &dual_stack, &[]).success_json("snug-1");
+    let addresses: Vec<&str> = added["ips"]
+        .as_array()
+        .expect("ips")
+        .iter()
+        .filter_map(|ip| ip["address"].as_str())
+        .collect();
+    assert!(
+        addresses.len() == 2
+            && addresses[0].starts_with("10.99.0.")
+            && addresses[1].starts_with("fd00:99::"),
+        "as STATUS said, the ADD gets an address of each pool: {added}"
+    );
     // With automatic block allocation off, the ADD borrows at once: STATUS reads what its probe
     // would, and the first lender's block.
     block_on(async {
@@ -514,7 +582,8 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
          automatic block allocation off {borrowing_at_once}; {looking_node} (no probed lender \
          with room) {looking_further} (the claim index listed alone {claim_index_listing}); \
          tight-0 at its block limit {at_its_limit}; {looking_node} refused, no room anywhere \
-         {no_room_anywhere}"
+         {no_room_anywhere}; snug-a (dual-stack, room in its IPv4 block only) \
+         {dual_stack_cost}"
     );
     assert!(
         with_room <= with_room_alone + 512,
@@ -538,6 +607,12 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
              {without_block_alone}, beside {other_blocks} blocks of other nodes"
         );
     }
+    assert!(
+        dual_stack_cost <= without_block_alone + 2048,
+        "a STATUS of snug-a, dual-stack with room in its IPv4 block only, read \
+         {dual_stack_cost} bytes, node-b's alone {without_block_alone}, beside {other_blocks} \
+         blocks of other nodes"
+    );
     assert!(
         at_its_limit <= without_block_alone + 2048,
         "a refused STATUS of tight-0, at its block limit, read {at_its_limit} bytes, node-b's \

@@ -1071,7 +1071,7 @@ fn status_then_add(netconf: &Value, container: &str, refusal: Option<&str>, args
 /// STATUS agrees with the ADD that follows it whichever way the pool is chosen: pools that do
 /// not select the node (node selector, manual assignment, tunnel use only), no enabled pool, a
 /// requested pool that is disabled, of the other family, enabled, or named in the netconf and not
-/// created yet (by name or by CIDR).
+/// created yet (by name or by CIDR); a new node without a per-node block limit.
 fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
     use ipam_core::model::selector::Selector;
     use ipam_core::{AllowedUse, AllowedUses, AssignmentMode, PoolPolicy, PoolSpec};
@@ -1229,6 +1229,20 @@ fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
         &requesting(&["pending-e"], pending("10.244.16.0/28", "pending-e")),
         "pending-pool-without-new-blocks",
         Some("no free address"),
+        &[],
+    );
+    // No per-node block limit (0): a node without a block claims its first.
+    config(|c| {
+        c.max_blocks_per_host = 0;
+        c.auto_allocate_blocks = true;
+    });
+    status_then_add(
+        &sandbox.netconf(
+            "1.1.0",
+            json!({"nodename": "unlimited", "pools": null, "gateway": null}),
+        ),
+        "new-node-without-a-block-limit",
+        None,
         &[],
     );
 }
