@@ -2,7 +2,8 @@
 //! own count (its debug log line "store round trips") on sled and redb, and by etcd's own gRPC
 //! counters (`grpc_server_handled_total`) around each call on a real etcd. Steady-state ADD and
 //! DEL make two each: one batched read and one transaction. Also: the checks folded into that read
-//! still notice a missing reservation or a changed gateway.
+//! still notice a missing reservation or a changed gateway; STATUS reads which addresses are taken
+//! only when its answer depends on them.
 
 use crate::common;
 
@@ -226,6 +227,124 @@ fn a_damaged_confirmation_record_costs_one_set_up_path_never_an_error() {
     );
     let (_, counted) = call_counted("ADD", "c2", &netconf, &log);
     assert_eq!(counted, one_and_one("ADD"), "steady again");
+}
+
+/// The reads of one STATUS of the netconf's node, which must fail with `refusal` in its message.
+fn refused_status_reads(netconf: &Value, log: &Path, refusal: &str) -> u64 {
+    let before = counted_calls(log).len();
+    let msg = cni("STATUS", "", "", netconf, &[]).assert_error(50, refusal);
+    assert!(msg.contains(refusal), "expected {refusal:?} in {msg}");
+    let calls = counted_calls(log);
+    assert_eq!(calls.len(), before + 1, "STATUS logged no round-trip line");
+    assert_eq!(
+        (calls[before].command.as_str(), calls[before].commits),
+        ("STATUS", 0),
+        "STATUS never writes: {:?}",
+        calls[before]
+    );
+    calls[before].reads
+}
+
+/// When STATUS must count every block (here: a node at its block limit whose own block it cannot
+/// decode, or a node whose pool's one block, holding the network's gateway, is full, where an
+/// ADD may take block edges), it reads which addresses are taken
+/// (every allocation, and the reservations: two more reads) only when the answer depends on it:
+/// a block of one or two free addresses that may be its edges, or a free gateway address of the
+/// network's set-up in a block with room. Neither a block with many free addresses nor a full
+/// block holding the gateway is such a block.
+#[test]
+fn status_reads_which_addresses_are_taken_only_when_its_answer_depends_on_them() {
+    let sandbox = Sandbox::new();
+    let log = sandbox.store_path().with_extension("log");
+    let on = |node: &str, gateway: Value, pool: &str| {
+        sandbox.netconf(
+            "1.1.0",
+            json!({"nodename": node, "gateway": gateway, "log_level": "debug",
+                   "log_file_path": log, "agent_socket": "", "ipv4_pools": [pool],
+                   "pools": [{"cidr": pool, "block_size": 29}]}),
+        )
+    };
+    // Two /29 blocks, no gateway: limit-a's block, and limit-b's with seven free addresses.
+    let limit_a = on("limit-a", Value::Null, "10.244.20.0/28");
+    let limit_b = on("limit-b", Value::Null, "10.244.20.0/28");
+    cni("ADD", "a1", "eth0", &limit_a, &[]).success_json("a1");
+    let b1 = cni("ADD", "b1", "eth0", &limit_b, &[]).success_json("b1");
+    let b1: ipnet::IpNet = b1["ips"][0]["address"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .expect("b1's address");
+    // A pool whose one /29 block holds the network's gateway, filled up: with a gateway in the
+    // pool, an ADD may take the block's edges.
+    let gw_a = on("gw-a", json!("10.244.21.1"), "10.244.21.0/29");
+    cni("ADD", "g1", "eth0", &gw_a, &[]).success_json("g1");
+    let gateway_block: ipnet::IpNet = "10.244.21.0/29".parse().expect("the block");
+    sandbox.with_ipam(async |ipam: &Ipam| {
+        for ip in gateway_block.hosts().chain([gateway_block.broadcast()]) {
+            // The gateway and g1's address are held already.
+            let _ = ipam
+                .assign_ips(&ipam_core::AssignIpsRequest {
+                    ips: vec![ip],
+                    handle: "gw-filler".into(),
+                    host: "gw-a".into(),
+                    ..ipam_core::AssignIpsRequest::default()
+                })
+                .await;
+        }
+        let usage = ipam.utilization().await.expect("usage");
+        let block = usage
+            .pools
+            .iter()
+            .flat_map(|p| p.blocks.iter())
+            .find(|b| b.cidr == gateway_block)
+            .expect("the gateway's block");
+        assert_eq!(block.free, 0, "the gateway's block is full: {block:?}");
+    });
+    sandbox.with_ipam(async |ipam: &Ipam| {
+        ipam.update_config(|config| config.max_blocks_per_host = 1)
+            .await
+            .expect("a limit of one block");
+    });
+    let damaged = sandbox.damage_under(&ipam_core::model::keys::host_open_blocks_dir("limit-a"));
+    assert_eq!(damaged.len(), 1, "limit-a's block has room");
+    let at_limit_damaged = refused_status_reads(&limit_a, &log, "per-node block limit is 1");
+    let gateway_block_full = refused_status_reads(&gw_a, &log, "no free address");
+    // limit-b's block with its every host address taken: two free addresses, which may be its
+    // edges; which addresses are taken now decides, and STATUS reads it.
+    let block = ipnet::IpNet::new(b1.addr(), 29).expect("a /29").trunc();
+    let others: Vec<IpAddr> = block.hosts().filter(|ip| *ip != b1.addr()).collect();
+    assert_eq!(others.len(), 5, "{block}");
+    sandbox.with_ipam(async |ipam: &Ipam| {
+        ipam.assign_ips(&ipam_core::AssignIpsRequest {
+            ips: others.clone(),
+            handle: "filler".into(),
+            host: "limit-b".into(),
+            ..ipam_core::AssignIpsRequest::default()
+        })
+        .await
+        .expect("take limit-b's block's other host addresses");
+    });
+    let edges_decide = refused_status_reads(&limit_a, &log, "per-node block limit is 1");
+    eprintln!(
+        "STATUS reads: limit-a at its limit, its block damaged, {at_limit_damaged}; gw-a, the \
+         gateway's block full, {gateway_block_full}; limit-a beside a block whose edges decide, \
+         {edges_decide}"
+    );
+    assert_eq!(
+        at_limit_damaged, 3,
+        "limit-a: its blocks, the new-block probe, then every block; nothing read of which \
+         addresses are taken"
+    );
+    assert_eq!(
+        gateway_block_full, 4,
+        "gw-a: its blocks, the new-block probe, the claim index (no lender there), then every \
+         block; nothing read of which addresses are taken"
+    );
+    assert_eq!(
+        edges_decide,
+        at_limit_damaged + 2,
+        "which addresses are taken (the allocations and the reservations), read when a block's \
+         room depends on its edges"
+    );
 }
 
 /// etcd's own count of gRPC requests, by method, before and after `call`.
