@@ -575,7 +575,6 @@ fn with_set_up_reservations_taken<'a>(
             for block in &mut after.blocks {
                 let taken = taken_in(block).min(block.free);
                 block.free -= taken;
-                block.in_use += taken;
             }
             Cow::Owned(after)
         })

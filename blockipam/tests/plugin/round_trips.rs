@@ -307,6 +307,8 @@ fn status_reads_which_addresses_are_taken_only_when_its_answer_depends_on_them()
     let damaged = sandbox.damage_under(&ipam_core::model::keys::host_open_blocks_dir("limit-a"));
     assert_eq!(damaged.len(), 1, "limit-a's block has room");
     let at_limit_damaged = refused_status_reads(&limit_a, &log, "per-node block limit is 1");
+    // Refused for want of room, not at the block limit: limit-a's block, which cannot be decoded,
+    // counts toward limit-a's limit, not gw-a's.
     let gateway_block_full = refused_status_reads(&gw_a, &log, "no free address");
     // limit-b's block with its every host address taken: two free addresses, which may be its
     // edges; which addresses are taken now decides, and STATUS reads it.
