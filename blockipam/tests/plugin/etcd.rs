@@ -320,28 +320,26 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
     let prefix = unique_prefix();
     let sandbox = Sandbox::new();
     let small_pool = "10.97.0.0/28";
-    let on = |node: &str, requested: &[&str]| {
-        etcd_netconf(
-            &sandbox,
-            "1.1.0",
-            &endpoint,
-            &prefix,
-            json!({
-                "nodename": node,
-                "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}],
-                "ipv4_pools": requested,
-            }),
-        )
+    // A node's netconf, with the pools it asks for (`choice`) merged in.
+    let netconf_of = |node: &str, choice: Value| {
+        let mut keys = json!({
+            "nodename": node,
+            "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}],
+        });
+        merge(&mut keys, choice);
+        etcd_netconf(&sandbox, "1.1.0", &endpoint, &prefix, keys)
     };
+    let on = |node: &str, requested: &[&str]| netconf_of(node, json!({ "ipv4_pools": requested }));
     cni("ADD", "c1", "eth0", &on("node-a", &[]), &[]).success_json("ADD");
-    let status_cost = |node: &str, requested: &[&str]| {
-        let netconf = on(node, requested);
+    // The bytes etcd sends for one STATUS of `node`, the mean of four.
+    let cost_of = |node: &str, netconf: &Value| {
         let before = bytes_sent_by(&endpoint);
         for _ in 0..4 {
-            cni("STATUS", "", "", &netconf, &[]).assert_silent_success(node);
+            cni("STATUS", "", "", netconf, &[]).assert_silent_success(node);
         }
         (bytes_sent_by(&endpoint) - before) / 4
     };
+    let status_cost = |node: &str, requested: &[&str]| cost_of(node, &on(node, requested));
     let refusal_cost = |node: &str, requested: &[&str], why: &str| {
         let netconf = on(node, requested);
         let before = bytes_sent_by(&endpoint);
@@ -489,7 +487,7 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
     // A dual-stack node whose own IPv4 block has room and which has no IPv6 block yet, its IPv4
     // pool otherwise full: STATUS answers IPv4 from that block and probes only for IPv6, never
     // the IPv4 pool's lenders, the claim index or every block.
-    let dual_stack = block_on(async {
+    block_on(async {
         let ipam = ipam_on(server.config(&prefix)).await;
         for (cidr, name, block_size) in [
             ("10.99.0.0/29", "snug", 30),
@@ -521,25 +519,12 @@ fn status_reads_the_claim_index_at_most_not_other_nodes_blocks_whether_it_serves
         })
         .await
         .expect("fill the other block");
-        etcd_netconf(
-            &sandbox,
-            "1.1.0",
-            &endpoint,
-            &prefix,
-            json!({
-                "nodename": "snug-a",
-                "pools": [{"cidr": "10.96.0.0/16", "block_size": 26}],
-                "ipv4_pools": ["snug"],
-                "assign_ipv6": true,
-                "ipv6_pools": ["snug-v6"],
-            }),
-        )
     });
-    let before = bytes_sent_by(&endpoint);
-    for _ in 0..4 {
-        cni("STATUS", "", "", &dual_stack, &[]).assert_silent_success("snug-a");
-    }
-    let dual_stack_cost = (bytes_sent_by(&endpoint) - before) / 4;
+    let dual_stack = netconf_of(
+        "snug-a",
+        json!({"ipv4_pools": ["snug"], "assign_ipv6": true, "ipv6_pools": ["snug-v6"]}),
+    );
+    let dual_stack_cost = cost_of("snug-a", &dual_stack);
     let added = cni("ADD", "snug-1", "eth0", &dual_stack, &[]).success_json("snug-1");
     let addresses: Vec<&str> = added["ips"]
         .as_array()
