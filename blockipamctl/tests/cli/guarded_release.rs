@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use ipam_core::check::kinds;
-use ipam_core::model::keys;
+use ipam_core::model::{encode, keys, Handle};
 use ipam_core::AssignIpsRequest;
 use serde_json::Value;
 
@@ -16,6 +16,7 @@ crate::on_every_backend!(
     release_with_a_sequence_frees_only_the_allocation_that_carries_it,
     a_leak_reported_by_check_is_released_from_the_report,
     an_address_allocated_again_after_the_report_is_not_released,
+    a_leak_whose_handle_exists_again_is_left_to_its_del,
     a_malformed_or_foreign_report_is_refused_and_changes_nothing,
 );
 
@@ -181,6 +182,11 @@ fn a_leak_reported_by_check_is_released_from_the_report(backend: Backend) {
         .ok()
         .stdout_has("Released 1 leaked address")
         .stdout_has(&leaked);
+    assert!(
+        !applied.stdout.contains("Nothing was changed"),
+        "an applied release changed something: {}",
+        applied.stdout
+    );
     assert_eq!(
         lab.ctl(&["-o", "json", "show", "--ip", &leaked])
             .ok()
@@ -312,4 +318,84 @@ fn a_malformed_or_foreign_report_is_refused_and_changes_nothing(backend: Backend
     lab.ctl(&["release", "--from-report", &path, "--apply"])
         .ok()
         .stdout_has("Released 1 leaked address");
+}
+
+/// A leak whose handle exists again after the report (`check --repair` recreated it, or its pod
+/// wrote it) is skipped: its DEL frees it. The report's problems of other kinds are counted, by
+/// kind, as not released.
+fn a_leak_whose_handle_exists_again_is_left_to_its_del(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.54.0.0/24"]).ok();
+    let leaked_ip = lab.assign("net.leaked", "host-a");
+    let leaked = leaked_ip.to_string();
+    let block = ipnet::IpNet::new(leaked_ip, 26).expect("net").trunc();
+    lab.assign("net.c1", "host-a");
+    lab.assign("net.c2", "host-a");
+    // Two handles that over-count their addresses: handle-count-mismatch, not a leak.
+    lab.with_store(|store| async move {
+        let wrong = Handle {
+            blocks: BTreeMap::from([(block, 5)]),
+            ..Handle::default()
+        };
+        for handle in ["net.c1", "net.c2"] {
+            store
+                .put(&keys::handle(handle), encode(&wrong).expect("encode"))
+                .await
+                .expect("put");
+        }
+    });
+    lose_handle(&lab, "net.leaked");
+    let (path, _) = write_report(&lab, "report.json");
+    let path = path.display().to_string();
+
+    let not_released = serde_json::json!([{
+        "kind": kinds::HANDLE_COUNT,
+        "problems": 2,
+        "reason": "its handle exists, so the pod's DEL releases its addresses; `check --repair` \
+                   fixes the counts",
+    }]);
+    let preview = lab
+        .ctl(&["-o", "json", "release", "--from-report", &path])
+        .ok()
+        .json();
+    assert_eq!(preview["released"][0]["ip"], leaked.as_str(), "{preview}");
+    assert_eq!(preview["kinds_not_released"], not_released, "{preview}");
+    lab.ctl(&["release", "--from-report", &path])
+        .ok()
+        .stdout_has("Would release 1 leaked address")
+        .stdout_has("Not released: 2 problems of kind handle-count-mismatch");
+
+    // The repair recreates the lost handle: the address is no longer leaked.
+    lab.ctl(&["check", "--repair"]).ok();
+    let before = lab.snapshot();
+    let preview = lab.ctl(&["release", "--from-report", &path]);
+    preview
+        .ok()
+        .stdout_has("Would release nothing")
+        .stdout_has("exists again");
+    assert!(
+        !preview.stdout.contains("Nothing was changed"),
+        "a preview that would release nothing offers nothing to apply: {}",
+        preview.stdout
+    );
+    let applied = lab
+        .ctl(&["-o", "json", "release", "--from-report", &path, "--apply"])
+        .ok()
+        .json();
+    assert_eq!(applied["released"], serde_json::json!([]), "{applied}");
+    assert_eq!(applied["skipped"][0]["ip"], leaked.as_str(), "{applied}");
+    assert!(
+        applied["skipped"][0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("\"net.leaked\" exists again")),
+        "{applied}"
+    );
+    assert_eq!(applied["kinds_not_released"], not_released, "{applied}");
+    assert_eq!(lab.snapshot(), before, "nothing was released");
+    let shown = lab
+        .ctl(&["-o", "json", "show", "--ip", &leaked])
+        .ok()
+        .json();
+    assert_eq!(shown["handle"], "net.leaked", "its DEL will free it");
+    lab.ctl(&["check"]).ok().stdout_has("no problems");
 }
