@@ -149,6 +149,7 @@ pub async fn run(
     if let Err(message) = outcome {
         let undo = match undo(&target, &snapshot).await {
             Ok(0) => "the target was left empty".to_owned(),
+            Ok(1) => "the one key copied so far was removed from the target again".to_owned(),
             Ok(n) => format!("the {n} keys copied so far were removed from the target again"),
             Err(e) => format!(
                 "removing the keys copied so far failed too ({e}): empty the target before trying again"

@@ -277,3 +277,100 @@ fn migrate_leaves_agent_liveness_and_the_reclaimer_leader_behind() {
         "a mark naming the source's revisions was carried over"
     );
 }
+
+/// A copy that fails part way (here the target's etcd user may write only the first keys, so the
+/// second transaction is refused) is undone: the keys already copied are deleted again, the
+/// error says which keys failed and how many were removed, and the target is left empty.
+#[test]
+fn a_copy_refused_part_way_is_undone_and_leaves_the_target_empty() {
+    const USER: &str = "migrator";
+    const PASSWORD: &str = "Migrator-pw-8d21";
+    let source = Lab::new(Backend::Sled);
+    populate(&source);
+    // More keys than one transaction carries (128): 140 more addresses, each with its handle.
+    source.with_ipam(|ipam| async move {
+        for n in 0..140 {
+            ipam.auto_assign(&ipam_core::AutoAssignRequest {
+                handle: format!("net.m{n:03}"),
+                host: format!("host-m{}", n % 10),
+                num_v4: 1,
+                ..ipam_core::AutoAssignRequest::default()
+            })
+            .await
+            .expect("auto-assign");
+        }
+    });
+    let before = source.snapshot();
+    let keys: Vec<&str> = before.iter().map(|(key, _, _)| key.as_str()).collect();
+    assert!(keys.len() > 128, "{} keys", keys.len());
+
+    let server = test_kit::etcd::EtcdServer::start().expect("a private etcd");
+    let prefix = test_kit::etcd::unique_prefix();
+    // The user reads the whole prefix and writes only below the 129th key: the first
+    // transaction's keys.
+    let first_refused = format!("{prefix}{}", keys[128]);
+    server
+        .enable_auth(None, "root-pw", USER, PASSWORD, "/unused/")
+        .expect("authentication on");
+    let as_root = |args: &[&str]| {
+        let mut with_user = vec!["--user", "root:root-pw"];
+        with_user.extend_from_slice(args);
+        server.etcdctl(None, &with_user).expect("etcdctl as root");
+    };
+    let role = format!("{USER}-role");
+    as_root(&[
+        "role",
+        "grant-permission",
+        &role,
+        "--prefix=true",
+        "read",
+        &prefix,
+    ]);
+    as_root(&[
+        "role",
+        "grant-permission",
+        &role,
+        "readwrite",
+        &prefix,
+        &first_refused,
+    ]);
+
+    let mut args = source.store_args();
+    args.extend(
+        [
+            "migrate",
+            "--to-datastore-type",
+            "etcdv3",
+            "--to-etcd-endpoints",
+            &server.endpoint(),
+            "--to-etcd-prefix",
+            &prefix,
+            "--to-etcd-username",
+            USER,
+            "--to-etcd-password",
+            PASSWORD,
+        ]
+        .map(String::from),
+    );
+    let run = ctl(&args, &[]);
+    run.expect_code(1);
+    let line = run.error_line();
+    assert!(
+        line.contains("writing keys 128..")
+            && line.contains("permission denied")
+            && line.contains("the 128 keys copied so far were removed from the target again"),
+        "{line}"
+    );
+    let left = test_kit::block_on(async {
+        use ipam_core::KvStore;
+        let mut config = server.config(&prefix);
+        config.username = Some("root".into());
+        config.password = Some("root-pw".into());
+        let store = backend_etcd::EtcdStore::connect(config)
+            .await
+            .expect("connect as root");
+        store.list("").await.expect("list the target")
+    });
+    assert_eq!(left, Vec::new(), "the target is left empty");
+    assert_eq!(source.snapshot(), before, "the source is left as it was");
+}
