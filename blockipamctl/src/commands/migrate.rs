@@ -243,14 +243,7 @@ async fn copy(
             n + 1,
             chunks.len()
         ));
-        let txn = Txn {
-            conditions: chunk.iter().map(|kv| Condition::absent(&kv.key)).collect(),
-            ops: chunk
-                .iter()
-                .map(|kv| Op::put(&kv.key, kv.value.clone()))
-                .collect(),
-        };
-        target.commit(txn).await.map_err(|e| {
+        target.commit(copy_txn(chunk)).await.map_err(|e| {
             if e.is_conflict() {
                 format!(
                     "another writer created key {:?} in the target during the copy",
@@ -267,6 +260,17 @@ async fn copy(
         done += chunk.len();
     }
     Ok(chunks.len())
+}
+
+/// The transaction that copies `chunk`: each key put only where it is absent.
+fn copy_txn(chunk: &[KeyValue]) -> Txn {
+    Txn {
+        conditions: chunk.iter().map(|kv| Condition::absent(&kv.key)).collect(),
+        ops: chunk
+            .iter()
+            .map(|kv| Op::put(&kv.key, kv.value.clone()))
+            .collect(),
+    }
 }
 
 fn conflict_key(error: &ipam_core::KvError) -> String {
@@ -412,5 +416,169 @@ mod tests {
             assert!(chunk.len() == 1 || total <= MAX_TXN_BYTES);
         }
         assert!(chunks(&[]).is_empty());
+        assert_eq!(
+            chunks(&[kv("big", MAX_TXN_BYTES + 10)])
+                .iter()
+                .map(|c| c.len())
+                .collect::<Vec<_>>(),
+            vec![1],
+            "a value over the budget alone is one chunk, not an empty one before it"
+        );
+    }
+
+    /// Two keys of 100 bytes whose puts and conditions fill the byte budget exactly: one
+    /// transaction, which `Txn::validate` accepts; one byte more: two.
+    #[test]
+    fn chunks_count_each_key_twice_as_the_transaction_limit_does() {
+        let key = |c: char| format!("ipam/v1/handles/{}", c.to_string().repeat(84));
+        let (first, second) = (key('a'), key('b'));
+        assert_eq!(first.len(), 100);
+        let half = MAX_TXN_BYTES / 2 - 200;
+        for (extra, expected) in [(0, vec![2]), (1, vec![1, 1])] {
+            let snapshot = vec![kv(&first, half), kv(&second, half + extra)];
+            let sizes: Vec<usize> = chunks(&snapshot).iter().map(|c| c.len()).collect();
+            assert_eq!(sizes, expected, "{extra} byte(s) over an exact fit");
+            for chunk in chunks(&snapshot) {
+                copy_txn(chunk)
+                    .validate()
+                    .expect("each chunk is one valid transaction");
+            }
+            let whole = copy_txn(&snapshot).validate();
+            assert_eq!(whole.is_ok(), extra == 0, "{whole:?}");
+        }
+    }
+
+    #[test]
+    fn the_summary_says_whether_the_config_was_ever_set() {
+        let pool = kv(&keys::pool("main"), 10);
+        assert!(!summarize(std::slice::from_ref(&pool)).config);
+        let with_config = summarize(&[kv(&keys::config(), 10), pool]);
+        assert!(with_config.config);
+        assert_eq!(with_config.pools, 1);
+    }
+
+    #[test]
+    fn a_conflict_names_the_key_another_writer_created() {
+        let run = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        let target: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
+        let snapshot = vec![kv(&keys::pool("a"), 1), kv(&keys::pool("b"), 1)];
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        let mut ctx = Ctx::new(
+            crate::cli::OutputFormat::Table,
+            &mut stdout,
+            &mut stderr,
+            false,
+        );
+        let message = run.block_on(async {
+            target
+                .put(&keys::pool("b"), b"theirs".to_vec())
+                .await
+                .expect("another writer's key");
+            copy(&mut ctx, &target, &snapshot)
+                .await
+                .expect_err("the copy meets the other writer's key")
+        });
+        assert_eq!(
+            message,
+            format!(
+                "another writer created key {:?} in the target during the copy",
+                keys::pool("b")
+            )
+        );
+    }
+
+    /// A memory store holding `snapshot`'s keys and values.
+    async fn copy_of(snapshot: &[KeyValue]) -> Arc<dyn KvStore> {
+        let target: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
+        for kv in snapshot {
+            target.put(&kv.key, kv.value.clone()).await.expect("put");
+        }
+        target
+    }
+
+    /// `verify` against stores that differ from the snapshot in each way it looks for.
+    #[test]
+    fn verify_finds_each_kind_of_difference() {
+        let run = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime");
+        run.block_on(async {
+            let source_store: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
+            let source = Ipam::new(source_store.clone());
+            source
+                .create_pool(&ipam_core::PoolSpec {
+                    cidr: "10.70.0.0/24".parse().expect("a pool"),
+                    name: Some("main".into()),
+                    block_size: Some(28),
+                    disabled: false,
+                })
+                .await
+                .expect("a pool");
+            let assign = |handle: &str| ipam_core::AutoAssignRequest {
+                handle: handle.into(),
+                host: "host-a".into(),
+                num_v4: 1,
+                ..ipam_core::AutoAssignRequest::default()
+            };
+            source.auto_assign(&assign("net.a")).await.expect("assign");
+            let snapshot = source_store.list(ROOT).await.expect("the snapshot");
+            let exact = copy_of(&snapshot).await;
+            verify(&source, &exact, &snapshot)
+                .await
+                .expect("an exact copy verifies");
+
+            let handle = keys::handle("net.a");
+            let missing = copy_of(&snapshot).await;
+            missing.delete(&handle).await.expect("delete");
+            let changed = copy_of(&snapshot).await;
+            changed.put(&handle, b"{}".to_vec()).await.expect("put");
+            let extra = copy_of(&snapshot).await;
+            let stranger = keys::handle("net.stranger");
+            extra.put(&stranger, b"{}".to_vec()).await.expect("put");
+            for (target, key) in [(missing, &handle), (changed, &handle), (extra, &stranger)] {
+                let error = verify(&source, &target, &snapshot)
+                    .await
+                    .expect_err("a copy that differs");
+                assert_eq!(
+                    error,
+                    format!(
+                        "the target does not hold exactly the source's keys (first difference: \
+                         {key:?})"
+                    )
+                );
+            }
+
+            // A snapshot (and its copy) that is not consistent: the target's check says so.
+            let mut inconsistent = snapshot.clone();
+            let overcounting = inconsistent
+                .iter_mut()
+                .find(|kv| kv.key == handle)
+                .expect("the handle");
+            let mut decoded: ipam_core::model::Handle =
+                ipam_core::model::decode(&handle, &overcounting.value).expect("a handle");
+            for count in decoded.blocks.values_mut() {
+                *count += 5;
+            }
+            overcounting.value = ipam_core::model::encode(&decoded).expect("encode");
+            let target = copy_of(&inconsistent).await;
+            let error = verify(&source, &target, &inconsistent)
+                .await
+                .expect_err("an inconsistent copy");
+            assert!(
+                error.starts_with(
+                    "the target's check found 1 problems (first: handle-count-mismatch"
+                ),
+                "{error}"
+            );
+
+            // The source written to after the snapshot: its usage no longer matches the copy's.
+            source.auto_assign(&assign("net.b")).await.expect("assign");
+            let error = verify(&source, &exact, &snapshot)
+                .await
+                .expect_err("a source that moved on");
+            assert!(error.contains("differs from the source's"), "{error}");
+        });
     }
 }
