@@ -17,7 +17,7 @@ use blockipam_import::{
 use ipam_core::model::CoolingAddress;
 use ipam_core::model::{decode, keys, Block, ROOT};
 use ipam_core::{
-    AutoAssignRequest, Clock, Ipam, KeyValue, KvError, KvStore, MemoryStore, Revision, Txn,
+    AutoAssignRequest, Clock, Ipam, KeyValue, KvError, KvStore, MemoryStore, Op, Revision, Txn,
 };
 use serde_json::{json, Value};
 use test_kit::block_on;
@@ -730,4 +730,253 @@ fn windows_reserved_addresses_are_released_with_their_blocks_host() {
         }
         assert!(ipam.check(false).await.expect("check").problems.is_empty());
     });
+}
+
+/// The verification the import runs before removing its marker names each way the written store
+/// can differ from Calico's data: an allocation missing, held by another handle, or one too many;
+/// a block missing, with other cooling addresses or claim times; a handle missing or counting
+/// wrong; the pools, reservations, node labels or config; a sequence floor not above every
+/// imported sequence; and what `check` finds.
+#[test]
+fn verification_names_each_difference_between_the_written_store_and_calicos_data() {
+    block_on(async {
+        let plan = plan_import(&snapshot(&sample_cluster())).expect("maps");
+        assert!(!plan.reservations.is_empty() && !plan.expected.is_empty());
+        let written = written_to_memory(&plan).await;
+        writer::verify(&written, &plan)
+            .await
+            .expect("the written store verifies");
+        let refused = |error: Result<(), ImportError>, wanted: &str| match error {
+            Err(ImportError::Verify(message)) => {
+                assert!(message.contains(wanted), "{wanted:?} not in {message:?}")
+            }
+            other => panic!("{wanted:?}: {other:?}"),
+        };
+
+        // The plan says otherwise.
+        let first = plan.expected[0].clone();
+        let mut changed: Vec<(ImportPlan, String)> = Vec::new();
+        let mut other = plan.clone();
+        other.expected[0].handle = "net.someone-else".into();
+        changed.push((other, format!("{} is held by {}", first.ip, first.handle)));
+        let mut other = plan.clone();
+        other.expected[0]
+            .metadata
+            .insert("pod".into(), "another".into());
+        changed.push((other, format!("{} is held by", first.ip)));
+        let mut other = plan.clone();
+        other.expected[0].sequence += 1;
+        changed.push((
+            other,
+            format!(
+                "Calico had {} (sequence {})",
+                first.handle,
+                first.sequence + 1
+            ),
+        ));
+        let mut other = plan.clone();
+        let mut absent = first.clone();
+        absent.ip = "10.255.255.1".parse().expect("an address");
+        other.expected.push(absent);
+        changed.push((other, "Calico's allocation 10.255.255.1 is missing".into()));
+        let mut other = plan.clone();
+        other.expected.pop();
+        changed.push((
+            other,
+            format!(
+                "holds {} allocations, Calico held {}",
+                plan.expected.len(),
+                plan.expected.len() - 1
+            ),
+        ));
+        let mut other = plan.clone();
+        let mut absent = other.blocks[0].clone();
+        absent.cidr = "10.255.0.0/26".parse().expect("a block");
+        other.blocks.push(absent);
+        changed.push((other, "block 10.255.0.0/26 is missing".into()));
+        let mut other = plan.clone();
+        other.blocks[0].cooling.push_back(CoolingAddress {
+            ordinal: 60,
+            released_at: JAN_2025,
+        });
+        changed.push((
+            other,
+            format!("block {} has cooling addresses", plan.blocks[0].cidr),
+        ));
+        let mut other = plan.clone();
+        other.blocks[0].claimed_at = Some(JAN_2025 + 1);
+        changed.push((
+            other,
+            format!("block {} was claimed at", plan.blocks[0].cidr),
+        ));
+        let mut other = plan.clone();
+        other.blocks[0].emptied_at = Some(JAN_2025 + 2);
+        changed.push((
+            other,
+            format!("block {} was claimed at", plan.blocks[0].cidr),
+        ));
+        let mut other = plan.clone();
+        other.pools[0].disabled = !other.pools[0].disabled;
+        changed.push((other, "the stored pools differ".into()));
+        let mut other = plan.clone();
+        other.reservations.pop();
+        changed.push((other, "the stored IP reservations differ".into()));
+        let mut other = plan.clone();
+        other.node_labels.insert("node-zz".into(), BTreeMap::new());
+        changed.push((other, "the stored node labels differ".into()));
+        let mut other = plan.clone();
+        other.config.ip_cooldown_seconds += 1;
+        changed.push((other, "the stored config".into()));
+        for (other, wanted) in changed {
+            refused(writer::verify(&written, &other).await, &wanted);
+        }
+
+        // The store says otherwise.
+        let handle = &first.handle;
+        let handle_key = keys::handle(handle);
+        let stored_handle = written
+            .get(&handle_key)
+            .await
+            .expect("get")
+            .expect("the handle");
+        let tampered: Vec<(Op, String)> = vec![
+            (
+                Op::delete(&handle_key),
+                format!("handles, Calico's allocations have {}", plan.handles.len()),
+            ),
+            (
+                Op::put(&handle_key, {
+                    let mut wrong: ipam_core::model::Handle =
+                        decode(&handle_key, &stored_handle.value).expect("a handle");
+                    for count in wrong.blocks.values_mut() {
+                        *count += 3;
+                    }
+                    ipam_core::model::encode(&wrong).expect("encode")
+                }),
+                format!("handle {handle} counts"),
+            ),
+            (
+                Op::delete(keys::sequence_floor()),
+                "the sequence floor 0 is not above the largest imported sequence".into(),
+            ),
+            (
+                Op::put(
+                    keys::block_claim(&"10.255.0.0/26".parse().expect("a block")),
+                    ipam_core::model::encode(&ipam_core::model::Claim {
+                        affinity: Some("node-zz".into()),
+                        free: 64,
+                        emptied_at: None,
+                        last_cooling_release: None,
+                    })
+                    .expect("encode"),
+                ),
+                "check found 1 problems (first: orphaned-claim".into(),
+            ),
+        ];
+        for (op, wanted) in tampered {
+            let store = written_to_memory(&plan).await;
+            store.commit(Txn::new().then(op)).await.expect("tamper");
+            refused(writer::verify(&store, &plan).await, &wanted);
+        }
+    });
+}
+
+/// Units are grouped into transactions up to the store's limits, counted as `Txn::validate`
+/// counts them (each key twice, under its "absent" condition, plus its value): an exact fit is
+/// one transaction, one operation or one byte more is two; a unit too large alone is refused,
+/// named.
+#[test]
+fn units_are_grouped_into_transactions_the_store_accepts() {
+    use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_OPS};
+    let key = |n: usize| format!("ipam/v1/handles/{n:084}");
+    assert_eq!(key(0).len(), 100);
+    let unit = |first: usize, keys: usize, value: usize| -> writer::Unit {
+        (first..first + keys)
+            .map(|n| (key(n), vec![0; value]))
+            .collect()
+    };
+    let as_txn = |batch: &[&writer::Unit]| Txn {
+        conditions: batch
+            .iter()
+            .flat_map(|u| u.iter())
+            .map(|(k, _)| ipam_core::Condition::absent(k))
+            .collect(),
+        ops: batch
+            .iter()
+            .flat_map(|u| u.iter())
+            .map(|(k, v)| Op::put(k, v.clone()))
+            .collect(),
+    };
+    let sizes = |units: &[writer::Unit]| -> Vec<usize> {
+        let batches = writer::transactions(units).expect("groups");
+        for batch in &batches {
+            as_txn(batch)
+                .validate()
+                .expect("a transaction the store accepts");
+        }
+        batches.iter().map(Vec::len).collect()
+    };
+    // By operations: 100 + 28 keys fit, 100 + 29 do not.
+    assert_eq!(sizes(&[unit(0, 100, 1), unit(100, 28, 1)]), vec![2]);
+    assert_eq!(sizes(&[unit(0, 100, 1), unit(100, 29, 1)]), vec![1, 1]);
+    // By bytes: two keys filling the budget exactly fit, one byte more does not.
+    let half = MAX_TXN_BYTES / 2 - 200;
+    assert_eq!(sizes(&[unit(0, 1, half), unit(1, 1, half)]), vec![2]);
+    assert_eq!(sizes(&[unit(0, 1, half), unit(1, 1, half + 1)]), vec![1, 1]);
+    // One unit at the limits is one transaction; one over them is refused.
+    assert_eq!(sizes(&[unit(0, MAX_TXN_OPS, 1)]), vec![1]);
+    assert_eq!(sizes(&[unit(0, 2, half)]), vec![1]);
+    for (too_large, what) in [
+        (unit(0, MAX_TXN_OPS + 1, 1), "operations"),
+        (unit(0, 2, half + 1), "bytes"),
+    ] {
+        match writer::transactions(&[unit(500, 1, 1), too_large]) {
+            Err(ImportError::Target(message)) => assert!(
+                message.starts_with(&key(0)) && message.contains("too large for one transaction"),
+                "{what}: {message}"
+            ),
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
+
+/// The sequence floor is written only when Calico's blocks carried sequence numbers, and the
+/// pool generation counter only when there are pools (then it counts them).
+#[test]
+fn the_floor_and_the_pool_generation_are_written_only_when_there_is_something_to_record() {
+    let keys_of = |plan: &ImportPlan| -> BTreeMap<String, Vec<u8>> {
+        planned_units(plan)
+            .expect("units")
+            .into_iter()
+            .flatten()
+            .collect()
+    };
+    let empty = plan_import(&snapshot(&CalicoFixture::new())).expect("maps");
+    assert_eq!((empty.sequence_floor, empty.pools.len()), (0, 0));
+    let written = keys_of(&empty);
+    assert!(
+        !written.contains_key(&keys::sequence_floor()),
+        "{written:?}"
+    );
+    assert!(
+        !written.contains_key(&keys::pool_generation()),
+        "{written:?}"
+    );
+    let plan = plan_import(&snapshot(&sample_cluster())).expect("maps");
+    assert!(plan.sequence_floor > 0 && !plan.pools.is_empty());
+    let written = keys_of(&plan);
+    let generation: u64 = decode(
+        &keys::pool_generation(),
+        written
+            .get(&keys::pool_generation())
+            .expect("the pool generation"),
+    )
+    .expect("a count");
+    assert_eq!(generation, plan.pools.len() as u64);
+    let floor: u64 = decode(
+        &keys::sequence_floor(),
+        written.get(&keys::sequence_floor()).expect("the floor"),
+    )
+    .expect("a number");
+    assert_eq!(floor, plan.sequence_floor);
 }
