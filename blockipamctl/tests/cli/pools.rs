@@ -104,6 +104,43 @@ fn pool_delete_refuses_while_addresses_are_allocated_unless_forced(backend: Back
     lab.ctl(&["pool", "add", "10.11.0.0/24", "--name", "busy"])
         .ok();
     lab.assign("net.c1", "host-a");
+    // A sound pool one of whose blocks cannot be decoded: even --force refuses (the block's
+    // addresses cannot be counted or released), naming the block, and changes nothing; it is
+    // not taken for a pool object that cannot be decoded, deleted alone.
+    lab.ctl(&["pool", "add", "10.12.0.0/24", "--name", "damaged"])
+        .ok();
+    lab.ctl(&["pool", "disable", "busy"]).ok();
+    lab.assign("net.d1", "host-d");
+    lab.ctl(&["pool", "enable", "busy"]).ok();
+    let sound = lab.with_store(|store| async move {
+        let dir = keys::host_blocks_dir("host-d");
+        store.list(&dir).await.expect("list").remove(0)
+    });
+    let damaged_block = lab.damage_a_block_of("host-d", 1);
+    assert_eq!(damaged_block, sound.key);
+    let before = lab.snapshot();
+    let refused = lab.ctl(&["pool", "delete", "damaged", "--force"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains(&damaged_block)
+            && !refused
+                .error_line()
+                .contains("delete the pool object alone"),
+        "{}",
+        refused.error_line()
+    );
+    assert_eq!(
+        lab.snapshot(),
+        before,
+        "a refused forced delete changes nothing"
+    );
+    lab.with_store(|store| async move {
+        store
+            .put(&sound.key, sound.value)
+            .await
+            .expect("the block as it was")
+    });
+    lab.ctl(&["pool", "delete", "damaged", "--force"]).ok();
     let before = lab.snapshot();
 
     let refused = lab.ctl(&["-o", "json", "pool", "delete", "busy"]);

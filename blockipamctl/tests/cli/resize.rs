@@ -133,7 +133,10 @@ fn pool_split_keeps_allocations_and_plugin_calls_work_after_it(backend: Backend)
         .json();
     assert_eq!(shown["ipv4_pools"], json!(names));
     let table = lab.ctl(&["pool", "split", "split-big-0", "2"]);
-    table.ok().stdout_has("Split IP pool split-big-0");
+    table
+        .ok()
+        .stdout_has("Split IP pool split-big-0")
+        .stdout_has("Namespace pools settings now naming the sub-pools: team.");
     assert_check_clean(&lab);
 
     let held = lab
