@@ -163,6 +163,16 @@ pub fn transactions(units: &[Unit]) -> Result<Vec<Vec<&Unit>>, ImportError> {
     Ok(out)
 }
 
+/// The transaction that writes one batch of [`transactions`]: each key put only where it is
+/// absent.
+pub fn batch_txn(batch: &[&Unit]) -> Txn {
+    let entries = || batch.iter().flat_map(|unit| unit.iter());
+    Txn {
+        conditions: entries().map(|(k, _)| Condition::absent(k)).collect(),
+        ops: entries().map(|(k, v)| Op::put(k, v.clone())).collect(),
+    }
+}
+
 /// Writes the plan into the target, which [`inspect_target`] found in `state`; verifies the
 /// result, then removes the marker. Every key is written under an "absent" condition, so nothing
 /// in the target is ever overwritten.
@@ -253,11 +263,8 @@ pub async fn write(
     }
 
     for batch in transactions(&pending)? {
-        let entries: Vec<&(String, Vec<u8>)> = batch.iter().flat_map(|u| u.iter()).collect();
-        let txn = Txn {
-            conditions: entries.iter().map(|(k, _)| Condition::absent(k)).collect(),
-            ops: entries.iter().map(|(k, v)| Op::put(k, v.clone())).collect(),
-        };
+        let txn = batch_txn(&batch);
+        let written = txn.ops.len();
         target.commit(txn).await.map_err(|e| {
             if e.is_conflict() {
                 ImportError::Target(format!(
@@ -271,7 +278,7 @@ pub async fn write(
                 ))
             }
         })?;
-        outcome.keys_written += entries.len();
+        outcome.keys_written += written;
         outcome.transactions += 1;
     }
 

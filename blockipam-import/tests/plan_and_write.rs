@@ -895,22 +895,10 @@ fn units_are_grouped_into_transactions_the_store_accepts() {
             .map(|n| (key(n), vec![0; value]))
             .collect()
     };
-    let as_txn = |batch: &[&writer::Unit]| Txn {
-        conditions: batch
-            .iter()
-            .flat_map(|u| u.iter())
-            .map(|(k, _)| ipam_core::Condition::absent(k))
-            .collect(),
-        ops: batch
-            .iter()
-            .flat_map(|u| u.iter())
-            .map(|(k, v)| Op::put(k, v.clone()))
-            .collect(),
-    };
     let sizes = |units: &[writer::Unit]| -> Vec<usize> {
         let batches = writer::transactions(units).expect("groups");
         for batch in &batches {
-            as_txn(batch)
+            writer::batch_txn(batch)
                 .validate()
                 .expect("a transaction the store accepts");
         }
