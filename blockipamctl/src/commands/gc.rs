@@ -133,6 +133,41 @@ fn action_name(action: &NodeAction) -> &'static str {
     }
 }
 
+/// What an applied pass released from a node, when it released anything.
+fn released_by(action: &NodeAction) -> Option<&HostRelease> {
+    match action {
+        NodeAction::Reclaimed(release)
+        | NodeAction::Stopped {
+            released: Some(release),
+            ..
+        } => Some(release),
+        _ => None,
+    }
+}
+
+/// The BLOCKS and ADDRESSES cells of a node an applied pass released from.
+fn released_counts(release: &HostRelease) -> (String, String) {
+    (
+        (release.deleted_blocks.len() + release.unassigned_blocks.len()).to_string(),
+        release.released_addresses.len().to_string(),
+    )
+}
+
+/// What follows the action's name for `host` after an applied pass: why a release stopped, what
+/// the operator does next for a reclaimed node, or what failed.
+fn applied_detail(host: &str, action: &NodeAction) -> Option<String> {
+    match action {
+        NodeAction::Stopped { key, .. } => Some(format!(
+            "stopped: {key} changed (the node came back); nothing more written"
+        )),
+        NodeAction::Reclaimed(_) | NodeAction::AddressesKept => Some(format!(
+            "addresses kept: once its pods are gone, `node release {host} --addresses`"
+        )),
+        NodeAction::Failed(message) => Some(message.clone()),
+        _ => None,
+    }
+}
+
 fn node_json(status: &NodeStatus) -> NodeJson {
     NodeJson {
         node: status.host.clone(),
@@ -191,35 +226,15 @@ pub async fn run(
                 continue;
             };
             json.action = Some(action_name(&outcome.action));
-            let (blocks, addresses) = match &outcome.action {
-                NodeAction::Reclaimed(release)
-                | NodeAction::Stopped {
-                    released: Some(release),
-                    ..
-                } => {
+            let (blocks, addresses) = match released_by(&outcome.action) {
+                Some(release) => {
                     json.released = Some(ReleasedJson::from(release));
-                    (
-                        (release.deleted_blocks.len() + release.unassigned_blocks.len())
-                            .to_string(),
-                        release.released_addresses.len().to_string(),
-                    )
+                    released_counts(release)
                 }
-                _ => ("-".to_owned(), "-".to_owned()),
+                None => ("-".to_owned(), "-".to_owned()),
             };
-            json.detail = match &outcome.action {
-                NodeAction::Stopped { key, .. } => Some(format!(
-                    "stopped: {key} changed (the node came back); nothing more written"
-                )),
-                NodeAction::Reclaimed(_) | NodeAction::AddressesKept => Some(format!(
-                    "addresses kept: once its pods are gone, `node release {} --addresses`",
-                    status.host
-                )),
-                NodeAction::Failed(message) => {
-                    problems_found = true;
-                    Some(message.clone())
-                }
-                _ => None,
-            };
+            problems_found |= matches!(outcome.action, NodeAction::Failed(_));
+            json.detail = applied_detail(&status.host, &outcome.action);
             let mut action = action_name(&outcome.action).to_owned();
             if let Some(detail) = &json.detail {
                 action = format!("{action}: {detail}");
@@ -316,4 +331,78 @@ pub async fn run(
         table: text,
         problems_found,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn release() -> HostRelease {
+        HostRelease {
+            deleted_blocks: vec!["10.0.0.0/26".parse().expect("a block")],
+            unassigned_blocks: vec![
+                "10.0.0.64/26".parse().expect("a block"),
+                "10.0.0.128/26".parse().expect("a block"),
+            ],
+            released_addresses: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_release_stopped_by_the_node_coming_back_names_the_key_and_counts_what_it_did() {
+        let finished = NodeAction::Stopped {
+            key: "ipam/v1/agents/node-a".into(),
+            released: Some(release()),
+        };
+        assert_eq!(
+            applied_detail("node-a", &finished).as_deref(),
+            Some(
+                "stopped: ipam/v1/agents/node-a changed (the node came back); nothing more written"
+            )
+        );
+        assert_eq!(released_by(&finished), Some(&release()));
+        assert_eq!(
+            released_counts(&release()),
+            ("3".to_owned(), "0".to_owned())
+        );
+        let cut_short = NodeAction::Stopped {
+            key: "k".into(),
+            released: None,
+        };
+        assert_eq!(released_by(&cut_short), None);
+        assert!(applied_detail("node-a", &cut_short)
+            .is_some_and(|detail| detail.starts_with("stopped: k changed")));
+    }
+
+    #[test]
+    fn a_reclaimed_node_is_told_how_its_addresses_go_and_other_actions_say_nothing_more() {
+        let next_step =
+            Some("addresses kept: once its pods are gone, `node release node-a --addresses`");
+        assert_eq!(
+            applied_detail("node-a", &NodeAction::Reclaimed(release())).as_deref(),
+            next_step
+        );
+        assert_eq!(
+            applied_detail("node-a", &NodeAction::AddressesKept).as_deref(),
+            next_step
+        );
+        assert_eq!(
+            applied_detail("node-a", &NodeAction::Failed("no route".into())).as_deref(),
+            Some("no route")
+        );
+        for quiet in [
+            NodeAction::Alive,
+            NodeAction::ClearedMark,
+            NodeAction::MarkedMissing,
+            NodeAction::StillMissing { grace_seconds: 900 },
+            NodeAction::Changed,
+        ] {
+            assert_eq!(applied_detail("node-a", &quiet), None, "{quiet:?}");
+            assert_eq!(released_by(&quiet), None, "{quiet:?}");
+        }
+        assert_eq!(
+            released_by(&NodeAction::Reclaimed(release())),
+            Some(&release())
+        );
+    }
 }

@@ -215,6 +215,124 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     lab.ctl(&["check"]).ok();
 }
 
+/// The cells of the table row of `host`: the columns are separated by two spaces or more.
+fn row_of(table: &str, host: &str) -> Vec<String> {
+    let line = table
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(host))
+        .unwrap_or_else(|| panic!("no row for {host} in\n{table}"));
+    line.split("  ")
+        .map(str::trim)
+        .filter(|cell| !cell.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The table an operator reads: with `--apply`, what each node got (a reclaimed node's released
+/// block count and the command that releases its addresses later) and no advice to run with
+/// `--apply`; without it, which node would be marked, which waits for its countdown, and the advice.
+#[test]
+fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
+    let lab = Lab::new(Backend::Etcd);
+    lab.ctl(&["pool", "add", "10.64.0.0/16"]).ok();
+    for i in 0..2 {
+        lab.assign(&format!("net.dead{i}"), "dead-node");
+    }
+    let now = unix_now();
+    lab.with_store(|store| async move {
+        for host in ["dead-node", "new-node"] {
+            register(store.as_ref(), host, "test", now)
+                .await
+                .expect("register");
+        }
+        let dead = marked_registration("dead-node", now - 5000);
+        store
+            .put(
+                &agent_key("dead-node"),
+                serde_json::to_vec(&dead).expect("JSON"),
+            )
+            .await
+            .expect("mark dead-node, its countdown gone");
+    });
+
+    let applied = lab.ctl(&["gc", "--dead-nodes", "--apply"]);
+    applied
+        .ok()
+        .stdout_has("2 nodes registered (grace period 900s):\n");
+    assert_eq!(
+        row_of(&applied.stdout, "dead-node"),
+        [
+            "dead-node",
+            "dead (countdown of 900s ran out)",
+            "1",
+            "0",
+            "reclaimed: addresses kept: once its pods are gone, `node release dead-node --addresses`",
+        ],
+        "{}",
+        applied.stdout
+    );
+    assert_eq!(
+        row_of(&applied.stdout, "new-node"),
+        [
+            "new-node",
+            "missing (no countdown yet)",
+            "-",
+            "-",
+            "marked-missing"
+        ]
+    );
+    assert!(
+        !applied.stdout.contains("Run again"),
+        "an applied run advises running with --apply:\n{}",
+        applied.stdout
+    );
+    assert_eq!(addresses_of(&lab, "dead-node"), 2);
+
+    // A node registered since: it would be marked; new-node's countdown runs; dead-node keeps
+    // its addresses until the operator releases them.
+    lab.with_store(|store| async move {
+        register(store.as_ref(), "late-node", "test", now)
+            .await
+            .expect("register");
+    });
+    let dry = lab.ctl(&["gc", "--dead-nodes"]);
+    dry.ok()
+        .stdout_has("3 nodes registered (grace period 900s), nothing changed:\n")
+        .stdout_has(
+            "\nRun again with --apply to mark missing nodes and release dead ones' blocks.\n",
+        );
+    assert_eq!(
+        row_of(&dry.stdout, "late-node"),
+        [
+            "late-node",
+            "missing (no countdown yet)",
+            "0",
+            "0",
+            "would mark missing (--apply)"
+        ]
+    );
+    assert_eq!(
+        row_of(&dry.stdout, "new-node"),
+        [
+            "new-node",
+            "missing (countdown of 900s runs)",
+            "0",
+            "0",
+            "wait"
+        ]
+    );
+    assert_eq!(
+        row_of(&dry.stdout, "dead-node"),
+        [
+            "dead-node",
+            "reclaimed (blocks released, addresses kept)",
+            "0",
+            "2",
+            "addresses kept: once its pods are gone, `node release <node> --addresses`"
+        ]
+    );
+}
+
 #[test]
 fn gc_dead_nodes_on_an_embedded_store_says_registrations_are_etcd_only() {
     let lab = Lab::new(Backend::Sled);
