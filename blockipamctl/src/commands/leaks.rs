@@ -21,6 +21,14 @@ use crate::settings::OpenMode;
 const STALE_INTERVALS: u64 = 3;
 const STALE_MARGIN_SECONDS: u64 = 10;
 
+/// Whether a look `age` seconds old, by an agent that looks every `scan_seconds`, is too old to
+/// act on: older than [`STALE_INTERVALS`] intervals and [`STALE_MARGIN_SECONDS`].
+fn too_old_to_act_on(age: u64, scan_seconds: u64) -> bool {
+    age > scan_seconds
+        .saturating_mul(STALE_INTERVALS)
+        .saturating_add(STALE_MARGIN_SECONDS)
+}
+
 #[derive(Debug, Serialize)]
 struct LeaksJson<'a> {
     report_path: String,
@@ -73,10 +81,6 @@ pub async fn run(
     }
     let now = unix_now();
     let age = now.saturating_sub(report.observed_at);
-    let stale_after = report
-        .scan_seconds
-        .saturating_mul(STALE_INTERVALS)
-        .saturating_add(STALE_MARGIN_SECONDS);
 
     let mut text = format!(
         "Node {}: the agent's look at {} {}s ago (grace {}s, a look every {}s).\n",
@@ -181,7 +185,7 @@ pub async fn run(
             ));
         }
         if args.apply {
-            if age > stale_after {
+            if too_old_to_act_on(age, report.scan_seconds) {
                 return Err(CtlError::failed(format!(
                     "the agent's last look is {age}s old (it looks every {}s): is it running? \
                      nothing released",
@@ -223,4 +227,19 @@ pub async fn run(
         table: text,
         problems_found,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_look_is_acted_on_up_to_three_intervals_and_ten_seconds_old() {
+        assert!(!too_old_to_act_on(0, 60));
+        assert!(!too_old_to_act_on(190, 60));
+        assert!(too_old_to_act_on(191, 60));
+        assert!(!too_old_to_act_on(10, 0));
+        assert!(too_old_to_act_on(11, 0));
+        assert!(!too_old_to_act_on(u64::MAX, u64::MAX));
+    }
 }

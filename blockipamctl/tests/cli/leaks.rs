@@ -106,8 +106,13 @@ fn gc_leaks_shows_what_the_look_found_and_releases_only_what_is_due_with_apply(b
         .ok()
         .stdout_has(&gone.to_string())
         .stdout_has("default/vanished")
-        .stdout_has("due")
-        .stdout_has("--apply");
+        .stdout_has("due: released at the next look, or by --apply")
+        .stdout_has("Run again with --apply to release the ones past their grace.");
+    assert!(
+        !shown.stdout.contains("is it the runtime the kubelet uses"),
+        "a runtime that runs one of the node's pods is not doubted:\n{}",
+        shown.stdout
+    );
     assert!(
         !shown.stdout.contains(&elsewhere.to_string()),
         "another node's allocation is not this node's leak:\n{}",
@@ -218,14 +223,29 @@ fn gc_leaks_refuses_to_apply_a_stale_an_unanswered_or_an_unproven_look(backend: 
         refused.error_line()
     );
 
-    // A runtime that runs none of this node's pods: nothing is due, and --apply is refused.
+    // A runtime that runs none of this node's pods: nothing is due, and --apply is refused. Its
+    // first look finds both allocations missing, within their grace; the next, past it, holds them.
+    let doubt = "is it the runtime the kubelet uses?";
+    let held = "held: the runtime runs none of this node's pods";
     let mut watch = LeakWatch::new();
-    look(&lab, &mut watch, first, &[("not-ours", vec![])]);
+    let early = look(&lab, &mut watch, first, &[("not-ours", vec![])]);
+    write(&report_path, &early);
+    let waiting = lab.ctl(&["gc", "--leaks", "--report", &report_arg]);
+    waiting
+        .ok()
+        .stdout_has("2 allocations whose container the runtime does not run")
+        .stdout_has("waiting for its grace")
+        .stdout_has(doubt);
+    assert!(!waiting.stdout.contains(held), "{}", waiting.stdout);
     let unproven = look(&lab, &mut watch, last, &[("not-ours", vec![])]);
     write(&report_path, &unproven);
-    lab.ctl(&["gc", "--leaks", "--report", &report_arg])
-        .ok()
-        .stdout_has("held");
+    let holding = lab.ctl(&["gc", "--leaks", "--report", &report_arg]);
+    holding.ok().stdout_has(held).stdout_has(doubt);
+    assert!(
+        !holding.stdout.contains("waiting for its grace") && !holding.stdout.contains("Run again"),
+        "nothing is due while the runtime is unproven:\n{}",
+        holding.stdout
+    );
     let refused = lab.ctl(&["gc", "--leaks", "--report", &report_arg, "--apply"]);
     refused.expect_code(1);
     assert!(
