@@ -158,6 +158,45 @@ mod tests {
     }
 
     #[test]
+    fn a_waiter_takes_the_lock_once_its_holder_lets_go_within_the_wait() {
+        let dir = tempfile_dir();
+        let path = dir.join("x.lock");
+        let held = LockFile::acquire(&path, Duration::from_secs(1)).expect("first");
+        let (taking, taken) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn({
+            let path = path.clone();
+            move || {
+                taking.send(()).expect("say it is waiting");
+                LockFile::acquire(&path, Duration::from_secs(30)).map(|lock| lock.path().to_owned())
+            }
+        });
+        taken.recv().expect("the waiter started");
+        std::thread::sleep(Duration::from_millis(100));
+        drop(held);
+        let got = waiter.join().expect("the waiter");
+        assert_eq!(got.expect("the lock, once let go"), path);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_sibling_is_named_after_the_store_in_its_directory() {
+        assert_eq!(
+            sibling(Path::new("/var/lib/blockipam/store.db"), "lock").expect("a sibling"),
+            Path::new("/var/lib/blockipam/store.db.lock")
+        );
+        assert_eq!(
+            sibling(Path::new("store"), "creating").expect("a sibling"),
+            Path::new("store.creating")
+        );
+        match sibling(Path::new("/"), "lock") {
+            Err(super::super::KvError::InvalidArgument { message }) => {
+                assert!(message.contains("does not end in a name"), "{message}")
+            }
+            other => panic!("expected an invalid argument, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn lock_file_and_parent_are_created_private() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile_dir();
