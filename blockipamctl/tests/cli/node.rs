@@ -69,6 +69,25 @@ fn node_release_retires_a_host_and_optionally_its_addresses(backend: Backend) {
         "emptied blocks without a host are deleted"
     );
 
+    // A host whose only block is empty: the block is deleted, and the table says so.
+    let empty_block = lab.with_ipam(|ipam| async move {
+        ipam.claim_affinity("host-c", "10.50.0.128/28".parse().expect("cidr"))
+            .await
+            .expect("claim an empty block")
+    });
+    assert_eq!(empty_block.len(), 1);
+    let table = lab.ctl(&["node", "release", "host-c"]);
+    table
+        .ok()
+        .stdout_has("Node host-c released:")
+        .stdout_has("empty blocks deleted:         1 (10.50.0.128/28)")
+        .stdout_has("blocks left without a host:   0\n");
+    assert!(
+        !table.stdout.contains("nothing changed"),
+        "{}",
+        table.stdout
+    );
+
     lab.ctl(&["node", "release", "host-never-seen"])
         .ok()
         .stdout_has("held no blocks");
