@@ -449,8 +449,13 @@ pub async fn verify(target: &Arc<dyn KvStore>, plan: &ImportPlan) -> Result<(), 
     let report = Ipam::new(target.clone()).check(false).await?;
     if let Some(first) = report.problems.first() {
         return fail(format!(
-            "check found {} problems (first: {}: {})",
+            "check found {} {} (first: {}: {})",
             report.problems.len(),
+            if report.problems.len() == 1 {
+                "problem"
+            } else {
+                "problems"
+            },
             first.kind,
             first.detail
         ));

@@ -870,7 +870,7 @@ fn verification_names_each_difference_between_the_written_store_and_calicos_data
                     })
                     .expect("encode"),
                 ),
-                "check found 1 problems (first: orphaned-claim".into(),
+                "check found 1 problem (first: orphaned-claim".into(),
             ),
         ];
         for (op, wanted) in tampered {

@@ -24,7 +24,7 @@ use crate::commands::show::{
 };
 use crate::commands::{to_json, PoolJson};
 use crate::error::{one_line, CtlError};
-use crate::output::{Ctx, Outcome};
+use crate::output::{counted, Ctx, Outcome};
 use crate::settings::{self, Env, OpenMode};
 
 /// The network name in the demo's netconf (handles are `demo-net.<container id>`).
@@ -417,8 +417,8 @@ pub async fn run(
     }
     if let Some(first) = problems.first() {
         failures.push(format!(
-            "the store's check found {} problems after the demo (first: {}: {})",
-            problems.len(),
+            "the store's check found {} after the demo (first: {}: {})",
+            counted(problems.len() as u64, "problem", "problems"),
             first.kind,
             first.detail
         ));

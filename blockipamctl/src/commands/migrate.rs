@@ -92,9 +92,9 @@ pub async fn run(
     if let Some(first) = report.problems.first() {
         ctx.progress_done();
         return Err(CtlError::failed(format!(
-            "the source store ({source_desc}) has {} problems (first: {}: {}); run \
+            "the source store ({source_desc}) has {} (first: {}: {}); run \
              `blockipamctl check --repair` (and fix the rest by hand) before migrating. Nothing was written",
-            report.problems.len(),
+            counted(report.problems.len() as u64, "problem", "problems"),
             first.kind,
             first.detail
         )));
@@ -320,8 +320,8 @@ async fn verify(
         .map_err(|e| format!("cannot check the target: {}", one_line(&e.to_string())))?;
     if let Some(first) = report.problems.first() {
         return Err(format!(
-            "the target's check found {} problems (first: {}: {})",
-            report.problems.len(),
+            "the target's check found {} (first: {}: {})",
+            counted(report.problems.len() as u64, "problem", "problems"),
             first.kind,
             first.detail
         ));

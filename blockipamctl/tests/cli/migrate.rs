@@ -217,7 +217,7 @@ fn migrate_refuses_an_inconsistent_source_and_leaves_the_target_empty() {
     run.expect_code(1);
     let line = run.error_line();
     assert!(
-        line.contains("problems") && line.contains("check --repair"),
+        line.contains("has 1 problem (first: ") && line.contains("check --repair"),
         "{line}"
     );
     assert!(target.snapshot().is_empty(), "nothing was copied");
