@@ -639,6 +639,20 @@ pub fn assert_columns_line_up(table: &str) {
     }
 }
 
+/// The cells of the row of a table whose first cell is `first`: columns are separated by two
+/// spaces or more, and no cell holds two spaces in a row.
+pub fn table_row(table: &str, first: &str) -> Vec<String> {
+    let line = table
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(first))
+        .unwrap_or_else(|| panic!("no row for {first} in\n{table}"));
+    line.split("  ")
+        .map(str::trim)
+        .filter(|cell| !cell.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
 /// A loopback port nothing listens on.
 pub fn closed_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");

@@ -14,7 +14,7 @@ use ipam_core::model::{decode, decode_claim, keys, Handle};
 use ipnet::IpNet;
 use serde_json::Value;
 
-use crate::common::{Backend, Lab};
+use crate::common::{table_row, Backend, Lab};
 use crate::on_every_backend;
 
 fn fixture(version: u8, name: &str) -> PathBuf {
@@ -219,14 +219,65 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
         line.contains("node-b") && !line.contains("node-a:"),
         "{line}"
     );
-    lab.ctl(&["upgrade", "status"]).expect_code(1);
+    // `upgrade status` says the same to an operator: the format writers keep, the node behind,
+    // and, once it has caught up, that finalize will go ahead; then that it is done.
+    let today = ipam_core::model::FORMAT_VERSION;
+    let oldest = ipam_core::model::OLDEST_READABLE_FORMAT_VERSION;
+    let head = format!(
+        "writers write: format {}\nthis build reads formats {oldest} to {today} and writes {today}\n",
+        3.max(version)
+    );
+    let behind = lab.ctl(&["upgrade", "status"]);
+    behind
+        .expect_code(1)
+        .stdout_has(&head)
+        .stdout_has(
+            "\n1 node(s) may read only an older format: upgrade (or retire) them before `upgrade finalize`\n",
+        );
+    // node-b was last seen (by the fixture's release, from format 4 on) reading the fixture's format.
+    let node_b = table_row(&behind.stdout, "node-b");
+    assert_eq!(
+        [&node_b[0], &node_b[1], &node_b[2], &node_b[4]],
+        ["node-b", &format!("format {}", 3.max(version)), "-", "yes"]
+    );
+    if version < 4 {
+        assert_eq!(node_b[3], "-");
+    } else {
+        assert!(
+            node_b[3].ends_with(&format!(" (format {version})")),
+            "{node_b:?}"
+        );
+    }
+    assert_eq!(
+        table_row(&behind.stdout, "node-a")[1],
+        format!("format {today}")
+    );
     plugin(&lab, "ADD", "node-b", "ctr-b-upgraded");
     let status = lab.ctl(&["-o", "json", "upgrade", "status"]).ok().json();
     assert_eq!(status["ready_to_finalize"], true, "{status}");
     assert_eq!(status["writes_format"], 3.max(version), "{status}");
-    lab.ctl(&["upgrade", "finalize"])
+    let ready = lab.ctl(&["upgrade", "status"]);
+    ready.ok().stdout_has(&head).stdout_has(
+        "\nevery node seen reads this build's format: `upgrade finalize` will go ahead\n",
+    );
+    assert_eq!(
+        table_row(&ready.stdout, "node-b")[1],
+        format!("format {today}")
+    );
+    lab.ctl(&["upgrade", "finalize"]).ok().stdout_has(&format!(
+        "finalized: every writer now writes format {today} (was format {}); binaries that read \
+         only older formats refuse this store\n",
+        3.max(version)
+    ));
+    lab.ctl(&["upgrade", "status"])
         .ok()
-        .stdout_has("finalized");
+        .stdout_has(&format!(
+            "stored format: format {today} (recorded)\nwriters write: format {today}\n"
+        ))
+        .stdout_has("\nfinalized: writers use this build's format\n");
+    lab.ctl(&["upgrade", "finalize"]).ok().stdout_has(&format!(
+        "already finalized at format {today}: nothing written\n"
+    ));
     lab.ctl(&["pool", "set", "v4", "--node-selector", "all()"])
         .ok();
     assert_eq!(

@@ -10,7 +10,7 @@ use backend_etcd::EtcdConfig;
 use ipam_core::dead_nodes::{agent_key, countdown_key, liveness_key, register, Registration};
 use serde_json::Value;
 
-use crate::common::{assert_columns_line_up, marked_registration, Backend, Lab};
+use crate::common::{assert_columns_line_up, marked_registration, table_row, Backend, Lab};
 
 fn node<'a>(report: &'a Value, name: &str) -> &'a Value {
     report["nodes"]
@@ -215,19 +215,6 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     lab.ctl(&["check"]).ok();
 }
 
-/// The cells of the table row of `host`: the columns are separated by two spaces or more.
-fn row_of(table: &str, host: &str) -> Vec<String> {
-    let line = table
-        .lines()
-        .find(|line| line.split_whitespace().next() == Some(host))
-        .unwrap_or_else(|| panic!("no row for {host} in\n{table}"));
-    line.split("  ")
-        .map(str::trim)
-        .filter(|cell| !cell.is_empty())
-        .map(str::to_owned)
-        .collect()
-}
-
 /// The table an operator reads: with `--apply`, what each node got (a reclaimed node's released
 /// block count and the command that releases its addresses later) and no advice to run with
 /// `--apply`; without it, which node would be marked, which waits for its countdown, and the advice.
@@ -260,7 +247,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
         .ok()
         .stdout_has("2 nodes registered (grace period 900s):\n");
     assert_eq!(
-        row_of(&applied.stdout, "dead-node"),
+        table_row(&applied.stdout, "dead-node"),
         [
             "dead-node",
             "dead (countdown of 900s ran out)",
@@ -272,7 +259,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
         applied.stdout
     );
     assert_eq!(
-        row_of(&applied.stdout, "new-node"),
+        table_row(&applied.stdout, "new-node"),
         [
             "new-node",
             "missing (no countdown yet)",
@@ -302,7 +289,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
             "\nRun again with --apply to mark missing nodes and release dead ones' blocks.\n",
         );
     assert_eq!(
-        row_of(&dry.stdout, "late-node"),
+        table_row(&dry.stdout, "late-node"),
         [
             "late-node",
             "missing (no countdown yet)",
@@ -312,7 +299,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
         ]
     );
     assert_eq!(
-        row_of(&dry.stdout, "new-node"),
+        table_row(&dry.stdout, "new-node"),
         [
             "new-node",
             "missing (countdown of 900s runs)",
@@ -322,7 +309,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
         ]
     );
     assert_eq!(
-        row_of(&dry.stdout, "dead-node"),
+        table_row(&dry.stdout, "dead-node"),
         [
             "dead-node",
             "reclaimed (blocks released, addresses kept)",
