@@ -180,4 +180,68 @@ mod tests {
             "{refused:?}"
         );
     }
+
+    #[tokio::test]
+    async fn a_binary_still_open_for_writing_is_started_once_it_is_closed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plugin = script(dir.path(), "cat");
+        let writer = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&plugin)
+            .expect("hold the binary open for writing");
+        let call = PluginCall {
+            plugin: &plugin,
+            command: "ADD",
+            container_id: "c1",
+            extra_env: &[("PATH", "/usr/bin:/bin")],
+        };
+        let closing = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(writer);
+        });
+        let output = run_plugin(&call, b"{}", Some(Duration::from_secs(30)))
+            .await
+            .expect("started once the writer closed it");
+        closing.await.expect("the writer closed");
+        assert_eq!(output.status.code(), Some(0));
+        assert_eq!(output.stdout, b"{}");
+    }
+
+    #[tokio::test]
+    async fn a_binary_held_open_for_writing_is_given_up_on_after_its_retries() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let plugin = script(dir.path(), "cat");
+        let _writer = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&plugin)
+            .expect("hold the binary open for writing");
+        let call = PluginCall {
+            plugin: &plugin,
+            command: "ADD",
+            container_id: "c1",
+            extra_env: &[],
+        };
+        let busy = tokio::time::timeout(Duration::from_secs(20), run_plugin(&call, b"{}", None))
+            .await
+            .expect("the retries end");
+        match busy {
+            Err(PluginCallError::Spawn(e)) => assert_eq!(e.raw_os_error(), Some(TEXT_FILE_BUSY)),
+            other => panic!("expected a busy binary, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_failure_says_what_went_wrong() {
+        let busy = || std::io::Error::from_raw_os_error(TEXT_FILE_BUSY);
+        assert!(PluginCallError::Spawn(busy())
+            .to_string()
+            .starts_with("cannot start it: Text file busy"));
+        assert!(PluginCallError::Wait(busy())
+            .to_string()
+            .starts_with("cannot read its answer: Text file busy"));
+        assert_eq!(
+            PluginCallError::TimedOut(Duration::from_millis(5_500)).to_string(),
+            "it did not finish within 5 s"
+        );
+    }
 }
