@@ -278,6 +278,31 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
     lab.ctl(&["upgrade", "finalize"]).ok().stdout_has(&format!(
         "already finalized at format {today}: nothing written\n"
     ));
+    // A node whose agent registered reading format 3 after the finalize: it refuses the store
+    // (its own trouble), and the finalized store is no problem of `upgrade status`.
+    lab.with_store(|store| async move {
+        let late = ipam_core::dead_nodes::Registration {
+            node: "node-c".into(),
+            registered_at: 1,
+            agent_version: "0.1.0".into(),
+            reads_format: Some(3),
+            missing_since: None,
+            missing_mark: None,
+            blocks_released: false,
+        };
+        store
+            .put(
+                &ipam_core::dead_nodes::agent_key("node-c"),
+                serde_json::to_vec(&late).expect("JSON"),
+            )
+            .await
+            .expect("register node-c");
+    });
+    let finalized = lab.ctl(&["upgrade", "status"]);
+    finalized
+        .ok()
+        .stdout_has("\nfinalized: writers use this build's format\n");
+    assert_eq!(table_row(&finalized.stdout, "node-c")[1], "format 3");
     lab.ctl(&["pool", "set", "v4", "--node-selector", "all()"])
         .ok();
     assert_eq!(
