@@ -168,7 +168,10 @@ fn pods_get_pools_in_calicos_order(backend: Backend) {
         deleted.stdout
     );
     let shown = lab.ctl(&["namespace", "pools", "team-c"]);
-    shown.ok();
+    shown
+        .ok()
+        .stdout_has("Namespace team-c: IPv4 pools 10.43.0.0/24; IPv6 pools the netconf's.\n")
+        .stdout_has("Its pods' ADDs fail (error 105) while it names pools they cannot use:\n");
     assert!(
         shown
             .stdout
