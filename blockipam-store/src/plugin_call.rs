@@ -181,14 +181,21 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn a_binary_still_open_for_writing_is_started_once_it_is_closed() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let plugin = script(dir.path(), "cat");
+    /// A plugin that copies its input to its output, and a handle holding it open for writing
+    /// (which makes starting it fail with `ETXTBSY` while the handle lives).
+    fn busy_binary(dir: &Path) -> (std::path::PathBuf, std::fs::File) {
+        let plugin = script(dir, "cat");
         let writer = std::fs::OpenOptions::new()
             .append(true)
             .open(&plugin)
             .expect("hold the binary open for writing");
+        (plugin, writer)
+    }
+
+    #[tokio::test]
+    async fn a_binary_still_open_for_writing_is_started_once_it_is_closed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (plugin, writer) = busy_binary(dir.path());
         let call = PluginCall {
             plugin: &plugin,
             command: "ADD",
@@ -210,11 +217,7 @@ mod tests {
     #[tokio::test]
     async fn a_binary_held_open_for_writing_is_given_up_on_after_its_retries() {
         let dir = tempfile::tempdir().expect("temp dir");
-        let plugin = script(dir.path(), "cat");
-        let _writer = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&plugin)
-            .expect("hold the binary open for writing");
+        let (plugin, _writer) = busy_binary(dir.path());
         let call = PluginCall {
             plugin: &plugin,
             command: "ADD",

@@ -8,6 +8,7 @@ use test_kit::unix_now;
 use backend_etcd::lease::LeaseSession;
 use backend_etcd::EtcdConfig;
 use ipam_core::dead_nodes::{agent_key, countdown_key, liveness_key, register, Registration};
+use ipam_core::KvStore;
 use serde_json::Value;
 
 use crate::common::{assert_columns_line_up, marked_registration, table_row, Backend, Lab};
@@ -33,6 +34,15 @@ fn addresses_of(lab: &Lab, host: &str) -> usize {
     })
 }
 
+/// Marks `host`'s registration missing long ago (by `now`), its countdown gone: dead.
+async fn mark_dead(store: &dyn KvStore, host: &str, now: u64) {
+    let dead = marked_registration(host, now - 5000);
+    store
+        .put(&agent_key(host), serde_json::to_vec(&dead).expect("JSON"))
+        .await
+        .expect("mark the node, its countdown gone");
+}
+
 #[test]
 fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
     let lab = Lab::new(Backend::Etcd);
@@ -56,14 +66,7 @@ fn gc_dead_nodes_shows_then_releases_only_dead_registered_nodes() {
                 .await
                 .expect("register");
         }
-        let dead = marked_registration("dead-node", now - 5000);
-        store
-            .put(
-                &agent_key("dead-node"),
-                serde_json::to_vec(&dead).expect("JSON"),
-            )
-            .await
-            .expect("mark dead-node, its countdown gone");
+        mark_dead(store.as_ref(), "dead-node", now).await;
         let old = Registration {
             node: "old-mark".into(),
             registered_at: now - 5000,
@@ -232,14 +235,7 @@ fn gc_dead_nodes_table_says_what_each_node_got_and_what_comes_next() {
                 .await
                 .expect("register");
         }
-        let dead = marked_registration("dead-node", now - 5000);
-        store
-            .put(
-                &agent_key("dead-node"),
-                serde_json::to_vec(&dead).expect("JSON"),
-            )
-            .await
-            .expect("mark dead-node, its countdown gone");
+        mark_dead(store.as_ref(), "dead-node", now).await;
     });
 
     let applied = lab.ctl(&["gc", "--dead-nodes", "--apply"]);
