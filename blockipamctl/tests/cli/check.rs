@@ -16,6 +16,10 @@ crate::on_every_backend!(
     a_pods_handle_that_does_not_decode_is_rewritten_by_repair_and_its_del_then_frees_it,
 );
 
+/// What `check` advises when something it found is repairable.
+const REPAIR_ADVICE: &str =
+    "Run `blockipamctl check --repair` to fix the repairable ones; the others need a person.\n";
+
 fn kinds_of(report: &Value) -> Vec<String> {
     report["problems"]
         .as_array()
@@ -106,7 +110,26 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
         .stdout_has(
             "handle-count-mismatch: Run `blockipamctl check --repair`: it rewrites the handle",
         )
-        .stdout_has("check --repair");
+        .stdout_has(REPAIR_ADVICE);
+    assert!(
+        !table.stdout.contains("Nothing was repaired") && !table.stdout.contains("Repaired:"),
+        "a check without --repair reports no repair:\n{}",
+        table.stdout
+    );
+    // What to do is said once for each kind found, two problems of one kind or not.
+    let what_to_do = table
+        .stdout
+        .split_once("What to do:\n")
+        .map(|(_, after)| after)
+        .expect("a What to do section");
+    for kind in [kinds::HANDLE_COUNT, kinds::ORPHANED_CLAIM] {
+        assert_eq!(
+            what_to_do.matches(&format!("{kind}: ")).count(),
+            1,
+            "{kind}:\n{}",
+            table.stdout
+        );
+    }
     assert_eq!(
         lab.snapshot(),
         broken,
@@ -125,6 +148,13 @@ fn check_finds_a_broken_store_and_repair_fixes_it(backend: Backend) {
     assert_eq!(report["remaining"], serde_json::json!([]));
 
     lab.ctl(&["-o", "json", "check"]).ok();
+    let clean = lab.ctl(&["check", "--repair"]);
+    clean.ok().stdout_has("no problems.\n");
+    assert!(
+        !clean.stdout.contains("Nothing was repaired"),
+        "a clean store has nothing to repair:\n{}",
+        clean.stdout
+    );
     let handle = lab.with_store(|store| async move {
         let kv = store
             .get(&keys::handle("net.h1"))
@@ -174,9 +204,19 @@ fn check_exits_1_when_what_is_wrong_cannot_be_repaired(backend: Backend) {
     let remaining = report["remaining"].as_array().expect("remaining");
     assert_eq!(remaining.len(), 1);
     assert_eq!(remaining[0]["repairable"], false);
-    lab.ctl(&["check", "--repair"])
+    let repair = lab.ctl(&["check", "--repair"]);
+    repair.expect_code(1).stdout_has("1 problem remain");
+    let found = lab.ctl(&["check"]);
+    found
         .expect_code(1)
-        .stdout_has("1 problem remain");
+        .stdout_has("1 problem (0 repairable).\n");
+    for run in [&repair, &found] {
+        assert!(
+            !run.stdout.contains(REPAIR_ADVICE),
+            "nothing here is repairable:\n{}",
+            run.stdout
+        );
+    }
 }
 
 /// A pod whose handle object is damaged cannot be deleted (its DEL fails with 108, and a runtime
@@ -216,7 +256,16 @@ fn a_pods_handle_that_does_not_decode_is_rewritten_by_repair_and_its_del_then_fr
                 && d.contains("`blockipamctl check --repair` rewrites it from them")),
         "{report}"
     );
-    lab.ctl(&["check", "--repair"]).ok();
+    let repaired = lab.ctl(&["check", "--repair"]);
+    repaired
+        .ok()
+        .stdout_has("Repaired:\n")
+        .stdout_has("Checked again after the repair: no problems.\n");
+    assert!(
+        !repaired.stdout.contains(REPAIR_ADVICE),
+        "a repair is not told to repair:\n{}",
+        repaired.stdout
+    );
     lab.ctl(&["check"]).ok();
     let (status, freed) = lab.plugin("DEL", "n1", "c1", serde_json::json!({}));
     assert_eq!(status, 0, "{freed}");

@@ -228,8 +228,17 @@ fn release_empty_previews_then_releases_blocks_beyond_the_newest_and_refuses_bad
     lab.ctl(&["blocks", "release-empty", "--older-than", "0"])
         .ok()
         .stdout_has("beyond-newest")
-        .stdout_has("would release");
+        .stdout_has("would release")
+        .stdout_has("Nothing was written; run again with --apply to release them.\n");
     assert_eq!(lab.snapshot(), before, "the preview wrote");
+    let none = lab.ctl(&["blocks", "release-empty", "--older-than", "1d"]);
+    none.ok()
+        .stdout_has("No empty block to release (empty for at least 86400 s).\n");
+    assert!(
+        !none.stdout.contains("run again with --apply"),
+        "nothing to apply:\n{}",
+        none.stdout
+    );
     // Not old enough yet: nothing to release.
     let young = lab
         .ctl(&[
