@@ -568,7 +568,7 @@ mod tests {
                 .expect_err("an inconsistent copy");
             assert!(
                 error.starts_with(
-                    "the target's check found 1 problems (first: handle-count-mismatch"
+                    "the target's check found 1 problem (first: handle-count-mismatch"
                 ),
                 "{error}"
             );
