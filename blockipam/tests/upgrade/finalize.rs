@@ -254,7 +254,8 @@ fn previous_release_refused_cleanly(cluster: &MixedCluster) {
 }
 
 /// `upgrade finalize --force` while old-1 still runs the previous plugin: it goes ahead, lists
-/// old-1 as finalized over, and records today's format.
+/// old-1 as finalized over, and records today's format; `upgrade status` exits 1 while old-1 is
+/// behind.
 pub fn finalize_forced_over_a_node_that_reads_format_3(kind: StoreKind) {
     let cluster = MixedCluster::start(kind);
     previous_release_sets_up(&cluster);
@@ -271,10 +272,14 @@ pub fn finalize_forced_over_a_node_that_reads_format_3(kind: StoreKind) {
             "{step}: should succeed listing old-1 (only) as finalized over; printed {forced}"
         ));
     }
+    // old-1 now refuses the store: `upgrade status` says so with exit 1.
     let (exit, status) = upgrade_status(&cluster);
-    if status["recorded_format"] != json!(TODAY) || reads_format(&status, OLD_1.name) != Some(3) {
+    if exit != 1
+        || status["recorded_format"] != json!(TODAY)
+        || reads_format(&status, OLD_1.name) != Some(3)
+    {
         cluster.fail(format!(
-            "{step}: `upgrade status` should show format {TODAY} recorded and old-1 reading format 3; exited {exit}: {status}"
+            "{step}: `upgrade status` should exit 1 showing format {TODAY} recorded and old-1 reading format 3; exited {exit}: {status}"
         ));
     }
     // The finalize rewrote the configuration in today's format: the previous plugin's next ADD refuses

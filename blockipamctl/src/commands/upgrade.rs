@@ -53,17 +53,25 @@ fn node_json(node: &NodeFormats) -> NodeJson {
     }
 }
 
-/// `upgrade status`: exit status 1 while a node may read only an older format than this build's.
+/// `upgrade status`: exit status 1 while a node may read only an older format than this build's
+/// (before the finalize) or than writers write (after it: such a node refuses the store).
 ///
 /// # Errors
 /// Store trouble; damaged records.
 pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let status = ipam.upgrade_status().await?;
+    let finalized = status.writes >= status.reads_up_to;
     let behind = status
         .nodes
         .iter()
         .filter(|n| n.reads_format() < status.reads_up_to)
+        .count();
+    // After the finalize, a node reading less than writers write refuses the store.
+    let refusing = status
+        .nodes
+        .iter()
+        .filter(|n| n.reads_format() < status.writes)
         .count();
     let mut text = format!(
         "stored format: {}\nwriters write: format {}\nthis build reads formats {} to {} and writes {}\n",
@@ -89,8 +97,13 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     if !table.is_empty() {
         text.push_str(&table.render());
     }
-    if status.writes >= status.reads_up_to {
+    if finalized {
         text.push_str("finalized: writers use this build's format\n");
+        if refusing > 0 {
+            text.push_str(&format!(
+                "{refusing} node(s) read only an older format and refuse this store: upgrade their binaries, or retire a node gone for good with `blockipamctl node release <node> --addresses`\n"
+            ));
+        }
     } else if behind == 0 {
         text.push_str(
             "every node seen reads this build's format: `upgrade finalize` will go ahead\n",
@@ -110,7 +123,7 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     Ok(Outcome {
         json: to_json(&json)?,
         table: text,
-        problems_found: behind > 0 && status.writes < status.reads_up_to,
+        problems_found: if finalized { refusing > 0 } else { behind > 0 },
     })
 }
 

@@ -278,8 +278,8 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
     lab.ctl(&["upgrade", "finalize"]).ok().stdout_has(&format!(
         "already finalized at format {today}: nothing written\n"
     ));
-    // A node whose agent registered reading format 3 after the finalize: it refuses the store
-    // (its own trouble), and the finalized store is no problem of `upgrade status`.
+    // A node whose agent registered reading format 3 after the finalize: it refuses the store,
+    // and `upgrade status` says so (exit 1) until it is upgraded or retired.
     lab.with_store(|store| async move {
         let late = ipam_core::dead_nodes::Registration {
             node: "node-c".into(),
@@ -299,10 +299,21 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
             .expect("register node-c");
     });
     let finalized = lab.ctl(&["upgrade", "status"]);
-    finalized
-        .ok()
-        .stdout_has("\nfinalized: writers use this build's format\n");
+    finalized.expect_code(1).stdout_has(
+        "\nfinalized: writers use this build's format\n1 node(s) read only an older format \
+             and refuse this store: upgrade their binaries, or retire a node gone for good with \
+             `blockipamctl node release <node> --addresses`\n",
+    );
     assert_eq!(table_row(&finalized.stdout, "node-c")[1], "format 3");
+    // Retired, it no longer counts.
+    lab.ctl(&["node", "release", "node-c", "--addresses"]).ok();
+    let retired = lab.ctl(&["upgrade", "status"]);
+    retired.ok();
+    assert!(
+        !retired.stdout.contains("refuse this store"),
+        "{}",
+        retired.stdout
+    );
     lab.ctl(&["pool", "set", "v4", "--node-selector", "all()"])
         .ok();
     assert_eq!(
