@@ -761,3 +761,126 @@ pub trait KvStore: Send + Sync + fmt::Debug {
         self.commit(Txn::new().then(Op::delete(key))).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::memory::MemoryStore;
+    use super::*;
+
+    /// A store with only the methods an adapter must write: every other call takes the trait's
+    /// default, as it would in an adapter that overrides nothing.
+    #[derive(Debug)]
+    struct RequiredOnly(MemoryStore);
+
+    #[async_trait]
+    impl KvStore for RequiredOnly {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+            self.0.get(key).await
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+            self.0.list(prefix).await
+        }
+
+        async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+            self.0.commit(txn).await
+        }
+    }
+
+    fn keys_of(result: &ReadResult) -> Vec<&str> {
+        match result {
+            ReadResult::Got(got) => got.iter().map(|kv| kv.key.as_str()).collect(),
+            ReadResult::Listed(listed) => listed.iter().map(|kv| kv.key.as_str()).collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_default_read_many_answers_each_read_in_order() {
+        let store = RequiredOnly(MemoryStore::new());
+        for key in ["d/a", "d/b", "d/c", "d/d", "e/a"] {
+            store.put(key, b"v".to_vec()).await.expect("put");
+        }
+        let results = store
+            .read_many(&[
+                Read::range("d/", "d/b", 2),
+                Read::Get("e/a".into()),
+                Read::List("d/".into()),
+                Read::Get("d/missing".into()),
+                Read::range("d/", "", 10),
+            ])
+            .await
+            .expect("read_many");
+        let keys: Vec<Vec<&str>> = results.iter().map(keys_of).collect();
+        assert_eq!(
+            keys,
+            vec![
+                vec!["d/b", "d/c"],
+                vec!["e/a"],
+                vec!["d/a", "d/b", "d/c", "d/d"],
+                vec![],
+                vec!["d/a", "d/b", "d/c", "d/d"],
+            ]
+        );
+        assert!(matches!(results[3], ReadResult::Got(None)));
+    }
+
+    #[tokio::test]
+    async fn the_default_read_many_refuses_a_range_of_no_keys_in_a_batch() {
+        let store = RequiredOnly(MemoryStore::new());
+        let refused = store
+            .read_many(&[Read::List("d/".into()), Read::range("d/", "d/a", 0)])
+            .await;
+        assert!(
+            matches!(refused, Err(KvError::InvalidArgument { .. })),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn a_window_of_a_listing_starts_at_its_key_and_stops_at_its_limit() {
+        let listing: Vec<KeyValue> = ["p/a", "p/b", "p/c"]
+            .iter()
+            .map(|key| KeyValue {
+                key: (*key).to_owned(),
+                value: Vec::new(),
+                revision: Revision(1),
+            })
+            .collect();
+        let window = |from: &str, limit: u32| -> Vec<String> {
+            range_of_listing(listing.clone(), from, limit)
+                .into_iter()
+                .map(|kv| kv.key)
+                .collect()
+        };
+        assert_eq!(window("p/b", 5), ["p/b", "p/c"]);
+        assert_eq!(window("p/a", 2), ["p/a", "p/b"]);
+        assert_eq!(window("p/bb", 5), ["p/c"]);
+        assert!(window("p/d", 5).is_empty());
+    }
+
+    #[test]
+    fn only_an_unavailable_store_is_retryable_and_only_a_failed_condition_a_conflict() {
+        let message = || "m".to_owned();
+        let errors = [
+            KvError::Conflict { key: "k".into() },
+            KvError::Unavailable { message: message() },
+            KvError::Indeterminate { message: message() },
+            KvError::Corrupt {
+                key: None,
+                message: message(),
+            },
+            KvError::InvalidArgument { message: message() },
+            KvError::Other { message: message() },
+        ];
+        let retryable: Vec<bool> = errors.iter().map(KvError::is_retryable).collect();
+        let conflict: Vec<bool> = errors.iter().map(KvError::is_conflict).collect();
+        assert_eq!(retryable, [false, true, false, false, false, false]);
+        assert_eq!(conflict, [true, false, false, false, false, false]);
+    }
+
+    #[test]
+    fn a_revision_reads_as_its_number() {
+        assert_eq!(Revision(42).to_string(), "42");
+        assert_eq!(Revision::NONE.to_string(), "0");
+    }
+}
