@@ -794,7 +794,7 @@ impl BlockContext<'_> {
                     }
                     let attribute = Attribute { handle, metadata };
                     let size = encode(&attribute).map(|b| b.len()).unwrap_or(usize::MAX);
-                    if size > MAX_ATTRIBUTE_BYTES + 1 {
+                    if size > MAX_ATTRIBUTE_BYTES {
                         return self.refuse(
                             &cidr,
                             format!(
