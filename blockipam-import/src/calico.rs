@@ -369,7 +369,8 @@ pub fn parse_calico_time(text: &str) -> Result<u64, String> {
                 }
             };
             let (hours, minutes) = (two(*h1, *h2)?, two(*m1, *m2)?);
-            if hours > 23 || minutes > 59 {
+            // Go's range test: "some people do write offsets of 24 hours or 60 minutes".
+            if hours > 24 || minutes > 60 {
                 return Err(bad("offset out of range"));
             }
             let magnitude = hours * 3600 + minutes * 60;
@@ -472,6 +473,19 @@ mod tests {
             "a fraction rounds up"
         );
         assert_eq!(parse_calico_time("1969-12-31T23:59:59Z"), Ok(0));
+        // Leap years as the Gregorian calendar counts them; months of 30 days and February.
+        assert_eq!(parse_calico_time("2000-02-29T00:00:00Z"), Ok(951_782_400));
+        assert_eq!(parse_calico_time("2026-02-28T00:00:00Z"), Ok(1_772_236_800));
+        assert_eq!(parse_calico_time("2026-04-30T00:00:00Z"), Ok(1_777_507_200));
+        // Go takes offsets of up to 24 hours and 60 minutes.
+        assert_eq!(
+            parse_calico_time("2026-01-02T00:00:00+24:00"),
+            Ok(1_767_225_600)
+        );
+        assert_eq!(
+            parse_calico_time("2026-01-01T01:00:00+00:60"),
+            Ok(1_767_225_600)
+        );
         for bad in [
             "",
             "2026-01-01",
@@ -483,6 +497,17 @@ mod tests {
             "2026-01-01T00:00:00.Z",
             "2026-01-01T00:00:00+0200",
             "2026-01-01T00:00:00z",
+            "202X-01-01T00:00:00Z",
+            "1900-02-29T00:00:00Z",
+            "2100-02-29T00:00:00Z",
+            "2026-04-31T00:00:00Z",
+            "2026-01-00T00:00:00Z",
+            "2026-01-32T00:00:00Z",
+            "2026-01-01T00:60:00Z",
+            "2026-01-01T00:00:60Z",
+            "2026-01-01T00:00:00+25:00",
+            "2026-01-01T00:00:00+00:61",
+            "2026-01-01T00:00:00+0a:00",
         ] {
             assert!(parse_calico_time(bad).is_err(), "{bad:?} was accepted");
         }
@@ -509,6 +534,8 @@ mod tests {
                 ),
                 entry("/ipam/v2/assignment/ipv4/block/fd00::-122", "{}"),
                 entry("/ipam/v2/handle/broken", "{not json"),
+                entry("/ipam/v2/handle/", r#"{"block":{},"deleted":false}"#),
+                entry("/ipam/v2/handle/a/b", r#"{"block":{},"deleted":false}"#),
             ],
         );
         assert_eq!(snapshot.revision, 7);
@@ -521,7 +548,11 @@ mod tests {
         assert_eq!(snapshot.handles.len(), 1);
         assert_eq!(
             snapshot.unrecognised,
-            ["/ipam/v2/assignment/ipv4/block/fd00::-122"]
+            [
+                "/ipam/v2/assignment/ipv4/block/fd00::-122",
+                "/ipam/v2/handle/",
+                "/ipam/v2/handle/a/b"
+            ]
         );
         assert_eq!(snapshot.unreadable.len(), 1);
         assert!(snapshot.unreadable[0].starts_with("/ipam/v2/handle/broken"));
