@@ -515,6 +515,21 @@ mod tests {
     }
 
     #[test]
+    fn key_segments_are_calicos() {
+        let v4: IpNet = "10.0.0.64/26".parse().expect("cidr");
+        let v6: IpNet = "fd00::40/122".parse().expect("cidr");
+        assert_eq!(
+            (family_segment(&v4), cidr_segment(&v4)),
+            ("ipv4", "10.0.0.64-26".to_owned())
+        );
+        assert_eq!(
+            (family_segment(&v6), cidr_segment(&v6)),
+            ("ipv6", "fd00::40-122".to_owned())
+        );
+        assert_eq!(block_cidr("ipv6/block/fd00::40-122"), Some(v6));
+    }
+
+    #[test]
     fn keys_sort_into_objects_and_strangers_are_kept_for_the_report() {
         let snapshot = CalicoSnapshot::parse(
             7,
@@ -536,6 +551,7 @@ mod tests {
                 entry("/ipam/v2/assignment/ipv4/block/fd00::-122", "{}"),
                 entry("/ipam/v2/handle/broken", "{not json"),
                 entry("/ipam/v2/handle/", r#"{"block":{},"deleted":false}"#),
+                entry("/ipam/v2/host//ipv4/block/10.0.0.0-26", ""),
                 entry("/ipam/v2/handle/a/b", r#"{"block":{},"deleted":false}"#),
             ],
         );
@@ -544,6 +560,21 @@ mod tests {
         assert_eq!(snapshot.blocks.len(), 1);
         assert_eq!(snapshot.blocks[0].1.sequence_number, 3);
         assert_eq!(snapshot.affinities.len(), 2);
+        assert_eq!(
+            snapshot
+                .affinities
+                .iter()
+                .map(|(host, cidr, affinity)| (
+                    host.as_str(),
+                    cidr.to_string(),
+                    affinity.state_name()
+                ))
+                .collect::<Vec<_>>(),
+            [
+                ("node-1", "fd00::/122".to_owned(), "confirmed"),
+                ("node-2", "10.0.0.0/26".to_owned(), "pending")
+            ]
+        );
         assert!(snapshot.affinities[0].2.is_confirmed());
         assert!(!snapshot.affinities[1].2.is_confirmed());
         assert_eq!(snapshot.handles.len(), 1);
@@ -552,6 +583,7 @@ mod tests {
             [
                 "/ipam/v2/assignment/ipv4/block/fd00::-122",
                 "/ipam/v2/handle/",
+                "/ipam/v2/host//ipv4/block/10.0.0.0-26",
                 "/ipam/v2/handle/a/b"
             ]
         );
