@@ -278,3 +278,148 @@ async fn snapshot_counts_like_calico_by_pool_and_node_with_borrowed_and_unaffine
     assert_eq!(snapshot.in_use.get(&key("six", "node-a")), Some(&0));
     assert_eq!(snapshot.borrowed.get(&key("six", "node-b")), Some(&0));
 }
+
+/// Equality of the metrics is identity (what a configuration holding them compares): the same
+/// metrics are equal, two made alike are not.
+#[test]
+fn metrics_are_equal_only_to_themselves() {
+    let counters = Arc::new(ReclaimCounters::default());
+    let one = Arc::new(AgentMetrics::new(Arc::clone(&counters), Duration::ZERO));
+    let same = Arc::clone(&one);
+    let alike = AgentMetrics::new(counters, Duration::ZERO);
+    assert!(*one == *same);
+    assert!(*one != alike);
+}
+
+/// The leak collection's counters and last-look gauges are each a sample of a scrape, with the
+/// values the collection recorded.
+#[tokio::test]
+async fn the_leak_collections_counters_and_gauges_are_scraped() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let leaks = Arc::new(crate::counters::LeakCounters::default());
+    leaks.runtime_answering.store(true, Relaxed);
+    for (counter, value) in [
+        (&leaks.released, 2),
+        (&leaks.reasserted, 3),
+        (&leaks.looks, 5),
+        (&leaks.unanswered_looks, 7),
+        (&leaks.missing_allocations, 11),
+        (&leaks.duplicate_addresses, 13),
+        (&leaks.unrecorded_addresses, 17),
+    ] {
+        counter.store(value, Relaxed);
+    }
+    let metrics = AgentMetrics::new(Arc::new(ReclaimCounters::default()), Duration::ZERO)
+        .with_leak_counters(leaks);
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let text = metrics.scrape(&Arc::downgrade(&store), false).await;
+    for sample in [
+        "blockipam_agent_leaks_released_total 2\n",
+        "blockipam_agent_addresses_reasserted_total 3\n",
+        "blockipam_agent_runtime_looks_total 5\n",
+        "blockipam_agent_runtime_looks_unanswered_total 7\n",
+        "blockipam_agent_runtime_answering 1\n",
+        "ipam_leaked_allocations 11\n",
+        "ipam_duplicate_addresses 13\n",
+        "ipam_unrecorded_live_addresses 17\n",
+    ] {
+        assert!(text.contains(sample), "{sample:?} in\n{text}");
+    }
+}
+
+/// Readiness follows the agent's phase: what it is doing while it starts, the store's answer
+/// while it serves, "shutting down" once it stops (and the metrics' store is then gone).
+#[tokio::test]
+async fn readiness_follows_the_agents_phase() {
+    use super::health::Health;
+    let health = Health::starting("opening the store");
+    assert_eq!(
+        health.readiness().await,
+        Err("not ready: opening the store".to_owned())
+    );
+    health.set_starting("binding the socket");
+    assert_eq!(
+        health.readiness().await,
+        Err("not ready: binding the socket".to_owned())
+    );
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    health.set_serving(Arc::downgrade(&store), Arc::downgrade(&store));
+    assert_eq!(health.readiness().await, Ok(()));
+    assert!(health.metrics_store().upgrade().is_some());
+    health.set_stopping();
+    assert_eq!(
+        health.readiness().await,
+        Err("not ready: shutting down".to_owned())
+    );
+    assert!(health.metrics_store().upgrade().is_none());
+}
+
+/// Once `stop` returns, the endpoint's port accepts no connection; a server dropped without
+/// `stop` (an error path of the agent) closes its port too.
+#[tokio::test]
+async fn a_stopped_or_dropped_endpoint_accepts_no_connection() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let health = || Arc::new(super::Health::serving(Arc::downgrade(&store)));
+    let endpoint = endpoint_with(ConnectionLimits::default());
+    let address = endpoint.local_addr().expect("address");
+    let server = endpoint.spawn(health());
+    let scraped = scrape_once(address).await;
+    assert!(scraped.starts_with("HTTP/1.1 200"), "{scraped}");
+    server.stop().await;
+    // No await between the stop and the connection: what `stop` left open would still be open.
+    assert!(
+        std::net::TcpStream::connect(address).is_err(),
+        "the stopped endpoint accepted a connection"
+    );
+
+    let endpoint = endpoint_with(ConnectionLimits::default());
+    let address = endpoint.local_addr().expect("address");
+    drop(endpoint.spawn(health()));
+    let closed = async {
+        while std::net::TcpStream::connect(address).is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    assert!(
+        tokio::time::timeout(Duration::from_secs(5), closed)
+            .await
+            .is_ok(),
+        "the dropped endpoint kept its port open for 5 s"
+    );
+}
+
+/// A store that counts the reads it answers.
+#[derive(Debug, Default)]
+struct CountingStore {
+    inner: MemoryStore,
+    gets: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl KvStore for CountingStore {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.get(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.inner.commit(txn).await
+    }
+}
+
+/// Probes in quick succession share one store read (its outcome answers for a second): ten
+/// back-to-back probes cost fewer than ten reads however slowly the machine runs them, unless
+/// each took a second.
+#[tokio::test]
+async fn readiness_probes_in_quick_succession_share_a_store_read() {
+    let counting = Arc::new(CountingStore::default());
+    let store: Arc<dyn KvStore> = counting.clone();
+    let health = super::Health::serving(Arc::downgrade(&store));
+    for _ in 0..10 {
+        assert_eq!(health.readiness().await, Ok(()));
+    }
+    let reads = counting.gets.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((1..10).contains(&reads), "{reads} reads for 10 probes");
+}
