@@ -423,3 +423,40 @@ async fn readiness_probes_in_quick_succession_share_a_store_read() {
     let reads = counting.gets.load(std::sync::atomic::Ordering::SeqCst);
     assert!((1..10).contains(&reads), "{reads} reads for 10 probes");
 }
+
+/// GET and HEAD are served; any other method is answered 405, an unknown path 404.
+#[tokio::test]
+async fn only_get_and_head_are_served_at_the_known_paths() {
+    use tokio::io::AsyncWriteExt;
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let endpoint = endpoint_with(ConnectionLimits::default());
+    let address = endpoint.local_addr().expect("address");
+    let server = endpoint.spawn(Arc::new(super::Health::serving(Arc::downgrade(&store))));
+    for (request, status) in [
+        ("GET /healthz", "200"),
+        ("HEAD /healthz", "200"),
+        ("HEAD /metrics", "200"),
+        ("POST /healthz", "405"),
+        ("DELETE /metrics", "405"),
+        ("GET /nowhere", "404"),
+    ] {
+        let mut stream = tokio::net::TcpStream::connect(address)
+            .await
+            .expect("connect");
+        stream
+            .write_all(
+                format!("{request} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+                    .as_bytes(),
+            )
+            .await
+            .expect("send the request");
+        let answer = read_until_closed(&mut stream, Duration::from_secs(20))
+            .await
+            .expect("answered and closed");
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status} ")),
+            "{request}: {answer}"
+        );
+    }
+    server.stop().await;
+}
