@@ -29,19 +29,26 @@ async fn read_until_closed(stream: &mut tokio::net::TcpStream, within: Duration)
     }
 }
 
-/// One `GET /metrics` on a new connection: the status line and the body.
-async fn scrape_once(address: SocketAddr) -> String {
+/// One request (`GET /metrics`: a method and a path) on a new connection: the whole answer.
+async fn exchange(address: SocketAddr, request: &str) -> String {
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(address)
         .await
         .expect("connect");
     stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
+        .write_all(
+            format!("{request} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .await
         .expect("send the request");
     read_until_closed(&mut stream, Duration::from_secs(20))
         .await
-        .expect("the scrape was answered and closed")
+        .unwrap_or_else(|| panic!("{request} was not answered and closed"))
+}
+
+/// One `GET /metrics` on a new connection: the status line and the body.
+async fn scrape_once(address: SocketAddr) -> String {
+    exchange(address, "GET /metrics").await
 }
 
 /// The liveness gauges: this node registered or not, and the node states of the last
@@ -427,7 +434,6 @@ async fn readiness_probes_in_quick_succession_share_a_store_read() {
 /// GET and HEAD are served; any other method is answered 405, an unknown path 404.
 #[tokio::test]
 async fn only_get_and_head_are_served_at_the_known_paths() {
-    use tokio::io::AsyncWriteExt;
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let endpoint = endpoint_with(ConnectionLimits::default());
     let address = endpoint.local_addr().expect("address");
@@ -440,19 +446,7 @@ async fn only_get_and_head_are_served_at_the_known_paths() {
         ("DELETE /metrics", "405"),
         ("GET /nowhere", "404"),
     ] {
-        let mut stream = tokio::net::TcpStream::connect(address)
-            .await
-            .expect("connect");
-        stream
-            .write_all(
-                format!("{request} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n")
-                    .as_bytes(),
-            )
-            .await
-            .expect("send the request");
-        let answer = read_until_closed(&mut stream, Duration::from_secs(20))
-            .await
-            .expect("answered and closed");
+        let answer = exchange(address, request).await;
         assert!(
             answer.starts_with(&format!("HTTP/1.1 {status} ")),
             "{request}: {answer}"
