@@ -302,11 +302,23 @@ fn a_malformed_or_foreign_report_is_refused_and_changes_nothing(backend: Backend
     other.ctl(&["pool", "add", "10.53.0.0/24"]).ok();
     other.assign("net.leaked", "host-a");
     lose_handle(&other, "net.leaked");
-    let (foreign, _) = write_report(&other, "foreign.json");
+    let (foreign, foreign_report) = write_report(&other, "foreign.json");
     let foreign = foreign.display().to_string();
     let run = lab.ctl(&["release", "--from-report", &foreign, "--apply"]);
     run.expect_code(1);
-    assert!(run.error_line().contains("another store"), "{}", run.stderr);
+    // The refusal names the report's store: its type, and its path or key prefix.
+    let store = &foreign_report["store"];
+    let kind = store["datastore_type"].as_str().expect("a store type");
+    let place = store["path"]
+        .as_str()
+        .or(store["etcd_prefix"].as_str())
+        .expect("a path or a key prefix");
+    let line = run.error_line();
+    assert!(
+        line.contains(&format!("made from another store ({kind} at ")) && line.contains(place),
+        "{}",
+        run.stderr
+    );
 
     assert_eq!(
         lab.snapshot(),

@@ -81,6 +81,39 @@ fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
     assert_eq!(held["attributes"]["type"], "vxlanTunnelAddress", "{held}");
     assert_eq!(held["attributes"]["node"], "n1", "{held}");
 
+    // An IPv6 type takes one IPv6 address (and no IPv4 one) from an IPv6 pool allowing tunnels.
+    lab.ctl(&[
+        "pool",
+        "add",
+        "fd61::/120",
+        "--name",
+        "tunnels-v6",
+        "--allowed-uses",
+        "tunnel",
+    ])
+    .ok();
+    let v6 = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "tunnel-address",
+            "assign",
+            "n1",
+            "--type",
+            "vxlan-v6",
+        ])
+        .ok()
+        .json();
+    assert_eq!(v6["handle"], "vxlan-v6-tunnel-addr-n1", "{v6}");
+    assert_eq!(v6["addresses"].as_array().map(Vec::len), Some(1), "{v6}");
+    let v6_address = first_address(&v6);
+    assert!(v6_address.starts_with("fd61::"), "{v6}");
+    let held = lab
+        .ctl(&["-o", "json", "show", "--ip", &v6_address])
+        .ok()
+        .json();
+    assert_eq!(held["attributes"]["type"], "vxlanV6TunnelAddress", "{held}");
+
     // Pods never get tunnel-pool addresses, and tunnels never get pod-pool ones.
     let (status, pod) = lab.plugin("ADD", "n1", "pod-1", json!({}));
     assert_eq!(status, 0, "{pod}");
