@@ -14,6 +14,21 @@ fn first_address(doc: &Value) -> String {
         .to_owned()
 }
 
+/// `tunnel-address assign NODE --type KIND`, its JSON answer.
+fn assign(lab: &Lab, node: &str, kind: &str) -> Value {
+    lab.ctl(&[
+        "-o",
+        "json",
+        "tunnel-address",
+        "assign",
+        node,
+        "--type",
+        kind,
+    ])
+    .ok()
+    .json()
+}
+
 fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
     let lab = Lab::new(backend);
     lab.ctl(&[
@@ -41,18 +56,7 @@ fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
     ])
     .ok();
 
-    let first = lab
-        .ctl(&[
-            "-o",
-            "json",
-            "tunnel-address",
-            "assign",
-            "n1",
-            "--type",
-            "vxlan",
-        ])
-        .ok()
-        .json();
+    let first = assign(&lab, "n1", "vxlan");
     assert_eq!(first["handle"], "vxlan-tunnel-addr-n1", "{first}");
     let address = first_address(&first);
     assert!(
@@ -60,18 +64,7 @@ fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
         "not from the tunnel pool: {address}"
     );
     // A second assign returns the same address, unchanged.
-    let again = lab
-        .ctl(&[
-            "-o",
-            "json",
-            "tunnel-address",
-            "assign",
-            "n1",
-            "--type",
-            "vxlan",
-        ])
-        .ok()
-        .json();
+    let again = assign(&lab, "n1", "vxlan");
     assert_eq!(first_address(&again), address);
     let held = lab
         .ctl(&["-o", "json", "show", "--ip", &address])
@@ -92,18 +85,7 @@ fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
         "tunnel",
     ])
     .ok();
-    let v6 = lab
-        .ctl(&[
-            "-o",
-            "json",
-            "tunnel-address",
-            "assign",
-            "n1",
-            "--type",
-            "vxlan-v6",
-        ])
-        .ok()
-        .json();
+    let v6 = assign(&lab, "n1", "vxlan-v6");
     assert_eq!(v6["handle"], "vxlan-v6-tunnel-addr-n1", "{v6}");
     assert_eq!(v6["addresses"].as_array().map(Vec::len), Some(1), "{v6}");
     let v6_address = first_address(&v6);
@@ -162,18 +144,7 @@ fn tunnel_addresses_come_from_tunnel_pools_and_stay_put(backend: Backend) {
         .ok()
         .json();
     assert!(gone["handle"].is_null(), "{gone}");
-    let wireguard = lab
-        .ctl(&[
-            "-o",
-            "json",
-            "tunnel-address",
-            "assign",
-            "n1",
-            "--type",
-            "wireguard",
-        ])
-        .ok()
-        .json();
+    let wireguard = assign(&lab, "n1", "wireguard");
     lab.ctl(&["node", "release", "n1", "--addresses"]).ok();
     let gone = lab
         .ctl(&["-o", "json", "show", "--ip", &first_address(&wireguard)])
