@@ -182,7 +182,8 @@ pub fn human_count(value: u128) -> String {
     let mut scaled = value as f64;
     for unit in UNITS {
         scaled /= 1000.0;
-        if scaled < 999.95 {
+        // Shown without decimals from 99.95, so 999.5 would round to a four-digit "1000".
+        if scaled < 999.5 {
             return if scaled < 9.995 {
                 format!("{scaled:.2}{unit}")
             } else if scaled < 99.95 {
@@ -275,7 +276,9 @@ mod tests {
     #[test]
     fn rows_never_end_in_spaces() {
         let mut table = Table::new(&["A", "B"]);
+        assert!(table.is_empty());
         table.row(vec!["x".into(), String::new()]);
+        assert!(!table.is_empty());
         assert!(table.render().lines().all(|l| !l.ends_with(' ')));
     }
 
@@ -288,6 +291,113 @@ mod tests {
         assert_eq!(human_count(16_777_216), "16.8M");
         assert_eq!(human_count(1u128 << 64), "18.4E");
         assert_eq!(human_count(u128::MAX), "3.40e38");
+    }
+
+    #[test]
+    fn counts_change_form_exactly_at_their_bounds() {
+        // Exact below 100,000, an SI figure from there.
+        assert_eq!(human_count(99_999), "99,999");
+        assert_eq!(human_count(100_000), "100k");
+        // A figure that would round to 1000 of a unit is shown in the next one.
+        assert_eq!(human_count(999_499), "999k");
+        assert_eq!(human_count(999_500), "1.00M");
+        assert_eq!(human_count(999_949), "1.00M");
+        // Two decimals below 9.995 of a unit, one below 99.95, none from there.
+        assert_eq!(human_count(9_994_999), "9.99M");
+        assert_eq!(human_count(9_995_000), "10.0M");
+        assert_eq!(human_count(99_949_999), "99.9M");
+        assert_eq!(human_count(99_950_000), "100M");
+    }
+
+    #[test]
+    fn digits_are_grouped_by_three_without_a_leading_comma() {
+        assert_eq!(group_digits(0), "0");
+        assert_eq!(group_digits(123), "123");
+        assert_eq!(group_digits(1_234), "1,234");
+        assert_eq!(group_digits(123_456), "123,456");
+        assert_eq!(group_digits(1_234_567), "1,234,567");
+    }
+
+    #[test]
+    fn a_share_of_exactly_a_twentieth_of_a_percent_is_shown_as_a_number() {
+        // 1 in 2,000 is 0.05%: shown rounded, 0.1%; anything smaller and non-zero is "<0.1%".
+        assert_eq!(percent(1, 2_000), "0.1%");
+        assert_eq!(percent(1, 2_001), "<0.1%");
+    }
+
+    #[test]
+    fn counted_words_agree_with_their_number() {
+        assert_eq!(counted(0, "pool", "pools"), "0 pools");
+        assert_eq!(counted(1, "pool", "pools"), "1 pool");
+        assert_eq!(counted(2, "pool", "pools"), "2 pools");
+        assert_eq!(yes_no(true), "yes");
+        assert_eq!(yes_no(false), "no");
+    }
+
+    /// What `write` puts on stdout and stderr through a context of this format and terminal.
+    fn written(
+        format: OutputFormat,
+        stderr_is_terminal: bool,
+        write: impl FnOnce(&mut Ctx<'_>),
+    ) -> (String, String) {
+        let mut out = Vec::new();
+        let mut err = Vec::new();
+        {
+            let mut ctx = Ctx::new(format, &mut out, &mut err, stderr_is_terminal);
+            write(&mut ctx);
+        }
+        (
+            String::from_utf8(out).expect("stdout is UTF-8"),
+            String::from_utf8(err).expect("stderr is UTF-8"),
+        )
+    }
+
+    #[test]
+    fn say_writes_one_line_in_table_mode_and_nothing_in_json_mode() {
+        let (out, _) = written(OutputFormat::Table, false, |ctx| {
+            ctx.say("no newline");
+            ctx.say("one newline\n");
+        });
+        assert_eq!(out, "no newline\none newline\n");
+        let (out, err) = written(OutputFormat::Json, false, |ctx| ctx.say("step"));
+        assert_eq!((out.as_str(), err.as_str()), ("", ""));
+    }
+
+    #[test]
+    fn say_clears_a_progress_line_first() {
+        let (out, err) = written(OutputFormat::Table, true, |ctx| {
+            ctx.progress("working");
+            ctx.say("done");
+            // Nothing left to clear: no second clearing sequence.
+            ctx.progress_done();
+        });
+        assert_eq!(out, "done\n");
+        assert_eq!(err, "\r\x1b[2Kworking\r\x1b[2K");
+    }
+
+    #[test]
+    fn print_writes_the_chosen_format_ending_in_one_newline() {
+        let outcome = |table: &str| Outcome::ok("{\"a\": 1}\n\n".to_owned(), table.to_owned());
+        let (out, _) = written(OutputFormat::Json, false, |ctx| {
+            print(ctx, &outcome("ignored")).expect("print");
+        });
+        assert_eq!(out, "{\"a\": 1}\n");
+        for (table, expected) in [("", ""), ("A  B", "A  B\n"), ("A  B\n", "A  B\n")] {
+            let (out, _) = written(OutputFormat::Table, false, |ctx| {
+                print(ctx, &outcome(table)).expect("print");
+            });
+            assert_eq!(out, expected, "table {table:?}");
+        }
+    }
+
+    #[test]
+    fn a_context_debugs_as_its_format_and_terminal_flag() {
+        written(OutputFormat::Json, true, |ctx| {
+            let shown = format!("{ctx:?}");
+            assert!(shown.starts_with("Ctx {"), "{shown}");
+            assert!(shown.contains("format: Json"), "{shown}");
+            assert!(shown.contains("stderr_is_terminal: true"), "{shown}");
+        });
     }
 
     #[test]
