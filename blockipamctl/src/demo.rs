@@ -684,4 +684,44 @@ mod tests {
             "no free address: pool demo is full (CNI error code 11)"
         );
     }
+
+    fn failed_run(stdout: &str, stderr: &str) -> PluginRun {
+        PluginRun {
+            success: false,
+            status: "status 2".into(),
+            stdout: stdout.into(),
+            stderr: stderr.into(),
+        }
+    }
+
+    #[test]
+    fn output_that_is_no_cni_error_is_explained_by_stderr_else_stdout_on_one_line() {
+        assert_eq!(failed_run("", "").explanation(), "no output");
+        assert_eq!(
+            failed_run("printed", "went\nwrong").explanation(),
+            "went wrong"
+        );
+        assert_eq!(failed_run("printed", " \n").explanation(), "printed");
+        assert_eq!(
+            failed_run(r#"{"code":1}"#, "").explanation(),
+            r#"{"code":1}"#
+        );
+    }
+
+    #[test]
+    fn an_explanation_is_cut_after_400_characters() {
+        let exactly = "é".repeat(400);
+        assert_eq!(failed_run("", &exactly).explanation(), exactly);
+        let longer = "é".repeat(401);
+        assert_eq!(
+            failed_run("", &longer).explanation(),
+            format!("{exactly}...")
+        );
+    }
+
+    #[test]
+    fn indent_shifts_every_text_line_and_leaves_blank_lines_empty() {
+        assert_eq!(indent("POOL  CIDR\n\nBLOCK"), "   POOL  CIDR\n\n   BLOCK");
+        assert_eq!(indent(""), "");
+    }
 }

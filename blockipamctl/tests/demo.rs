@@ -90,9 +90,17 @@ fn demo_runs_the_real_plugin_through_cni_and_leaves_the_pool_empty() {
         "blockipamctl show --blocks",
         "DEL demo-node-1-1 on node-1 -> released",
         "Demo OK",
+        // The tables, indented under their step.
+        "\n   POOL ",
+        "\n   BLOCK ",
+        "(Empty blocks stay affine to their node",
     ] {
         assert!(out.contains(text), "stdout lacks {text:?}:\n{out}");
     }
+    assert!(
+        !out.contains("Released"),
+        "the first run left nothing to release:\n{out}"
+    );
 
     let store = dir.join("store.sled");
     let output = Command::new(BIN)

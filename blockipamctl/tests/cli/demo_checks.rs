@@ -1,6 +1,8 @@
-//! `demo` against stand-in plugins (shell scripts speaking CNI): it passes the CNI environment and
-//! netconf, cleans up after a failure, and fails when a plugin misbehaves. The run with the real
-//! `blockipam` plugin is in `tests/demo.rs`.
+//! `demo` against stand-in plugins (shell scripts speaking CNI, some handing calls on to the real
+//! plugin): it passes the CNI environment and netconf, releases what an earlier run left, waits
+//! for a held store only as long as asked, cleans up after a failure, and fails when a plugin
+//! misbehaves (a refused DEL, an address left allocated, one in another node's block). The run
+//! with the real `blockipam` plugin alone is in `tests/demo.rs`.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -144,4 +146,218 @@ fn demo_fails_when_the_plugins_answers_do_not_match_the_store() {
     let line = run.error_line();
     assert!(line.contains("no block holds 10.77.0.1"), "{line}");
     run.stdout_has("blockipamctl show --blocks");
+}
+
+/// The real plugin, built beside blockipamctl, for stand-ins that hand some calls on to it.
+fn real_plugin() -> PathBuf {
+    test_kit::plugin::build_plugin_beside(Path::new(crate::common::BIN))
+}
+
+/// The demo store's pool table as `show -o json` reads it.
+fn demo_pools(dir: &Path) -> serde_json::Value {
+    let store = dir.join("demo").join("store.sled").display().to_string();
+    ctl(
+        &[
+            "-o".into(),
+            "json".into(),
+            "--datastore-path".into(),
+            store,
+            "show".into(),
+        ],
+        &[],
+    )
+    .ok()
+    .json()["pools"]
+        .clone()
+}
+
+#[test]
+fn demo_releases_what_an_earlier_run_left_and_says_how_much() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = dir
+        .path()
+        .join("demo")
+        .join("store.sled")
+        .display()
+        .to_string();
+    let on_store = |args: &[&str]| {
+        let mut full = vec!["--datastore-path".to_owned(), store.clone()];
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        ctl(&full, &[]).ok();
+    };
+    on_store(&["pool", "add", "10.77.0.0/16", "--name", "demo"]);
+    on_store(&["tunnel-address", "assign", "node-1", "--type", "ipip"]);
+    on_store(&["tunnel-address", "assign", "node-2", "--type", "ipip"]);
+    assert_eq!(demo_pools(dir.path())[0]["in_use"], 2);
+    // A plugin that refuses every ADD: the demo fails, after its preparation.
+    let plugin = fake_plugin(
+        dir.path(),
+        "if [ \"$CNI_COMMAND\" = ADD ]; then \
+         printf '{\"cniVersion\":\"1.0.0\",\"code\":11,\"msg\":\"refused\"}'; exit 1; fi",
+    );
+    let run = demo(dir.path(), &plugin, &[]);
+    run.expect_code(1);
+    run.stdout_has("Using the store's pools: demo (10.77.0.0/16, /26 blocks).")
+        .stdout_has("Released 2 addresses left by an earlier run that stopped half-way.");
+    assert_eq!(demo_pools(dir.path())[0]["in_use"], 0, "both released");
+
+    let run = demo(dir.path(), &plugin, &[]);
+    run.expect_code(1);
+    assert!(
+        !run.stdout.contains("Released"),
+        "nothing was left this time:\n{}",
+        run.stdout
+    );
+}
+
+#[test]
+fn demo_reports_a_del_the_plugin_refuses_beside_the_first_failure() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plugin = fake_plugin(
+        dir.path(),
+        "if [ \"$CNI_COMMAND\" = ADD ]; then \
+         printf '{\"cniVersion\":\"1.0.0\",\"code\":11,\"msg\":\"add refused\"}'; exit 1; fi; \
+         echo 'del refused' >&2; exit 3",
+    );
+    let run = demo(
+        dir.path(),
+        &plugin,
+        &["--nodes", "1", "--containers-per-node", "1"],
+    );
+    run.expect_code(1);
+    run.stdout_has(
+        "DEL demo-node-1-1 on node-1 failed: the plugin exited with status 3: del refused",
+    );
+    assert!(!run.stdout.contains("-> released"), "{}", run.stdout);
+    let line = run.error_line();
+    assert!(
+        line.contains("add refused") && line.contains("(and 1 more problems, listed above)"),
+        "{line}"
+    );
+}
+
+#[test]
+fn demo_fails_when_a_del_leaves_the_address_allocated() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // ADD by the real plugin; DEL answers success and releases nothing.
+    let plugin = fake_plugin(
+        dir.path(),
+        &format!(
+            "if [ \"$CNI_COMMAND\" = ADD ]; then printf '%s' \"$input\" | '{real}'; exit $?; fi",
+            real = real_plugin().display()
+        ),
+    );
+    let run = demo(
+        dir.path(),
+        &plugin,
+        &["--nodes", "1", "--containers-per-node", "1"],
+    );
+    run.expect_code(1);
+    let line = run.error_line();
+    assert!(
+        line.contains("demo failed: 1 addresses are still allocated after every DEL"),
+        "{line}"
+    );
+    assert_eq!(demo_pools(dir.path())[0]["in_use"], 1);
+}
+
+#[test]
+fn demo_fails_when_an_address_lies_in_a_block_of_another_node() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The real plugin, told it runs on node-2 whatever node the demo names.
+    let plugin = fake_plugin(
+        dir.path(),
+        &format!(
+            "printf '%s' \"$input\" | sed 's/\"nodename\":\"node-1\"/\"nodename\":\"node-2\"/' \
+             | '{real}'",
+            real = real_plugin().display()
+        ),
+    );
+    let run = demo(
+        dir.path(),
+        &plugin,
+        &["--nodes", "2", "--containers-per-node", "1"],
+    );
+    run.expect_code(1);
+    let line = run.error_line();
+    assert!(
+        line.contains("of demo-node-1-1 on node-1 lies in block 10.77.")
+            && line.contains("affine to Some(\"node-2\")"),
+        "{line}"
+    );
+    run.stdout_has("DEL demo-node-2-1 on node-2 -> released");
+    assert_eq!(demo_pools(dir.path())[0]["in_use"], 0);
+}
+
+#[test]
+fn demo_waits_for_a_held_store_as_long_as_lock_wait_seconds_says() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plugin = fake_plugin(dir.path(), "exit 0");
+    let store = dir.path().join("demo").join("store.sled");
+    ctl(
+        &[
+            "--datastore-path".into(),
+            store.display().to_string(),
+            "pool".into(),
+            "add".into(),
+            "10.77.0.0/16".into(),
+        ],
+        &[],
+    )
+    .ok();
+    let settings = blockipam_store::DatastoreSettings {
+        backend: blockipam_store::Backend::Sled {
+            path: Some(store.clone()),
+        },
+        ..blockipam_store::DatastoreSettings::default()
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let held = runtime.block_on(settings.open()).expect("hold the store");
+    let run = ctl(
+        &[
+            "--lock-wait-seconds".into(),
+            "0.5".into(),
+            "demo".into(),
+            "--dir".into(),
+            dir.path().join("demo").display().to_string(),
+            "--plugin".into(),
+            plugin.display().to_string(),
+        ],
+        &[],
+    );
+    drop(held);
+    run.expect_code(1);
+    let line = run.error_line();
+    assert!(
+        line.contains("is held by another process or handle"),
+        "{line}"
+    );
+    // The wait the message reports: the half second asked for, not the default of 10 s.
+    let waited = line
+        .split("for the whole wait (")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no wait in {line}"));
+    let number: String = waited
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    let unit: String = waited[number.len()..]
+        .chars()
+        .take_while(char::is_ascii_alphabetic)
+        .collect();
+    let value: f64 = number.parse().expect("a number of the wait");
+    let seconds = match unit.as_str() {
+        "s" => value,
+        "ms" => value / 1e3,
+        other => panic!("unexpected unit {other:?} in {line}"),
+    };
+    assert!(
+        (0.5..5.0).contains(&seconds),
+        "waited {seconds} s, not the half second asked for: {line}"
+    );
+    let calls = dir.path().join("calls.log");
+    assert!(!calls.exists(), "no plugin call while the store was held");
 }
