@@ -254,3 +254,79 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     }
     vec![0]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(prefix: &str) -> CalicoEtcdSource {
+        CalicoEtcdSource {
+            prefix: prefix.to_owned(),
+            ..CalicoEtcdSource::new(["127.0.0.1:2379", "127.0.0.2:2379"])
+        }
+    }
+
+    #[test]
+    fn a_source_is_described_by_its_endpoints_and_prefix_and_hides_its_password() {
+        let mut source = source("/calico/");
+        assert_eq!(
+            source.describe(),
+            "Calico etcd 127.0.0.1:2379,127.0.0.2:2379 (prefix /calico)"
+        );
+        source.username = Some("reader".into());
+        source.password = Some("s3cret".into());
+        let shown = format!("{source:?}");
+        assert!(shown.starts_with("CalicoEtcdSource {"), "{shown}");
+        assert!(
+            shown.contains("\"reader\"") && shown.contains("<redacted>"),
+            "{shown}"
+        );
+        assert!(!shown.contains("s3cret"), "{shown}");
+    }
+
+    #[test]
+    fn a_prefix_must_start_with_a_slash_and_hold_no_nul() {
+        for wrong in ["calico", "/cal\0ico"] {
+            match source(wrong).validate() {
+                Err(ImportError::InvalidSource(message)) => {
+                    assert!(
+                        message.contains("must start with '/'"),
+                        "{wrong:?}: {message}"
+                    )
+                }
+                other => panic!("{wrong:?}: {other:?}"),
+            }
+        }
+        source("/calico").validate().expect("valid");
+        source("/calico/")
+            .validate()
+            .expect("valid with a trailing slash");
+        assert!(matches!(
+            CalicoEtcdSource::new(Vec::<String>::new()).validate(),
+            Err(ImportError::InvalidSource(_))
+        ));
+    }
+
+    #[test]
+    fn tls_files_that_cannot_be_read_are_named() {
+        let mut source = source("/calico");
+        source.ca_cert_file = Some(PathBuf::from("/nonexistent/ca.pem"));
+        match source.connect_options() {
+            Err(ImportError::InvalidSource(message)) => {
+                assert!(
+                    message.contains("cannot read /nonexistent/ca.pem"),
+                    "{message}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_end_of_a_prefix_range_is_the_next_key_past_every_key_it_starts() {
+        assert_eq!(prefix_end(b"/calico/"), b"/calico0".to_vec());
+        assert_eq!(prefix_end(&[b'a', 0xff]), b"b".to_vec());
+        assert_eq!(prefix_end(&[0xfe]), vec![0xff]);
+        assert_eq!(prefix_end(&[0xff, 0xff]), vec![0]);
+    }
+}
