@@ -410,6 +410,43 @@ mod tests {
     }
 
     #[test]
+    fn the_output_format_comes_from_the_flag_else_the_environment_else_table() {
+        let from_env = |value: &str| {
+            output_format(
+                &GlobalArgs::default(),
+                &Env::new([(cli::ENV_OUTPUT, value)]),
+            )
+        };
+        assert_eq!(
+            output_format(&GlobalArgs::default(), &no_env()),
+            Ok(OutputFormat::Table)
+        );
+        assert_eq!(from_env("table"), Ok(OutputFormat::Table));
+        assert_eq!(from_env("json"), Ok(OutputFormat::Json));
+        assert_eq!(
+            from_env(""),
+            Ok(OutputFormat::Table),
+            "empty counts as unset"
+        );
+        for wrong in ["JSON", "yaml", " json"] {
+            let err = from_env(wrong).expect_err("refused");
+            assert!(
+                err.to_string().contains("expected table or json"),
+                "{wrong:?}: {err}"
+            );
+        }
+        let flag = GlobalArgs {
+            output: Some(OutputFormat::Table),
+            ..GlobalArgs::default()
+        };
+        assert_eq!(
+            output_format(&flag, &Env::new([(cli::ENV_OUTPUT, "json")])),
+            Ok(OutputFormat::Table),
+            "the flag wins"
+        );
+    }
+
+    #[test]
     fn defaults_are_the_plugins_defaults() {
         let settings = resolve(&GlobalArgs::default(), &no_env()).expect("defaults");
         assert_eq!(settings, DatastoreSettings::default());
