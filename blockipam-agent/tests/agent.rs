@@ -1,4 +1,5 @@
-//! The agent as a real process, with the real plugin: SIGTERM, a live socket refused, peer
+//! The agent as a real process, with the real plugin: SIGTERM (and its grace for a request in
+//! flight, on an etcd the test stops), a live socket refused, peer
 //! credentials, a socket that never answers (code 11), no socket (direct), SIGKILL in the middle
 //! of a churn of plugin calls (the systemd units: tests/systemd.rs).
 
@@ -281,6 +282,94 @@ fn sigterm_exits_cleanly_removes_the_socket_and_releases_the_store() {
         let kept = direct.get("kept").await.expect("get");
         assert_eq!(kept.map(|kv| kv.value), Some(b"yes".to_vec()));
     });
+}
+
+/// `--shutdown-grace-seconds` bounds how long SIGTERM waits for a request in flight: with etcd
+/// stopped (SIGSTOP) under a commit the agent is serving, the agent abandons it after the grace it
+/// was given (0.3 s here, against a default of 10 s) and says so.
+#[test]
+fn sigterm_abandons_a_request_in_flight_after_the_configured_shutdown_grace() {
+    let etcd = test_kit::etcd::EtcdServer::start().expect("start etcd");
+    let etcd_pid = etcd.pid().expect("etcd runs").to_string();
+    let signal_etcd = |name: &str| {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(&etcd_pid)
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} etcd");
+    };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
+    let agent = common::etcd_agents::Agent::start_with(
+        "node-grace",
+        &socket,
+        &etcd.endpoint(),
+        "/grace/",
+        &["--shutdown-grace-seconds", "0.3"],
+    );
+    // The client on a thread of its own: a put while etcd answers, then (once etcd is stopped)
+    // the put left in flight.
+    let (ready_tx, ready) = std::sync::mpsc::channel::<()>();
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    let client_socket = socket.clone();
+    let in_flight = std::thread::spawn(move || {
+        runtime().block_on(async {
+            let client = AgentStore::connect(
+                AgentConfig::new(&client_socket)
+                    .with_timeouts(Duration::from_secs(2), Duration::from_secs(60)),
+            )
+            .await
+            .expect("connect");
+            client
+                .put("before", b"1".to_vec())
+                .await
+                .expect("a put while etcd answers");
+            ready_tx.send(()).expect("ready");
+            go_rx.recv().expect("go");
+            client.put("during", b"2".to_vec()).await
+        })
+    });
+    ready.recv().expect("the client's first put");
+    signal_etcd("STOP");
+    go.send(()).expect("go");
+    // Time for the agent to read the request and send it on to the stopped etcd.
+    std::thread::sleep(Duration::from_millis(500));
+    agent.signal("TERM");
+    let mut agent = agent;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let exited =
+        |agent: &mut common::etcd_agents::Agent| agent.child.try_wait().expect("poll the agent");
+    // etcd stays stopped until the agent has given up on the request (or has stopped).
+    while !agent.log().contains("abandoned") && exited(&mut agent).is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the agent neither gave up nor stopped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal_etcd("CONT");
+    let status = loop {
+        if let Some(status) = exited(&mut agent) {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not stop after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = agent.log();
+    assert!(status.success(), "exit after SIGTERM: {status}\n{log}");
+    assert!(
+        log.contains("requests still running after the shutdown grace of 300ms: abandoned"),
+        "{log}"
+    );
+    let answered = in_flight.join().expect("the client thread");
+    assert!(
+        answered.is_err(),
+        "an abandoned request was answered: {answered:?}"
+    );
 }
 
 /// Starts the agent for node `node` on a sled store to be created in a fresh directory, with
