@@ -1,7 +1,7 @@
 //! The agent as a real process, with the real plugin: SIGTERM (and its grace for a request in
-//! flight, on an etcd the test stops), a live socket refused, peer
-//! credentials, a socket that never answers (code 11), no socket (direct), SIGKILL in the middle
-//! of a churn of plugin calls (the systemd units: tests/systemd.rs).
+//! flight, on an etcd the test stops), a live socket refused, peer credentials, a socket that
+//! never answers (code 11), no socket (direct), SIGKILL in the middle of a churn of plugin calls
+//! (the systemd units: tests/systemd.rs).
 
 mod common;
 
