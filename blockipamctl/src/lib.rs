@@ -177,9 +177,24 @@ fn clap_error(
         "a subcommand is required".to_owned()
     } else {
         let mut parts: Vec<String> = Vec::new();
-        for line in rendered.lines().map(str::trim) {
+        let mut lines = rendered.lines().peekable();
+        while let Some(line) = lines.next() {
+            let line = line.trim();
             if let Some(first) = line.strip_prefix("error: ") {
-                parts.push(first.to_owned());
+                // What is missing is listed on the indented lines below the error line.
+                let mut listed: Vec<&str> = Vec::new();
+                while let Some(item) = lines.next_if(|l| {
+                    l.starts_with(char::is_whitespace)
+                        && !l.trim().is_empty()
+                        && !l.trim().starts_with("tip: ")
+                }) {
+                    listed.push(item.trim());
+                }
+                if listed.is_empty() {
+                    parts.push(first.to_owned());
+                } else {
+                    parts.push(format!("{first} {}", listed.join(", ")));
+                }
             } else if let Some(tip) = line.strip_prefix("tip: ") {
                 parts.push(tip.to_owned());
             }

@@ -169,6 +169,43 @@ fn usage_errors_are_exactly_one_line_on_stderr() {
 }
 
 #[test]
+fn usage_errors_name_what_is_missing_the_usage_and_the_help_to_read() {
+    for (args, expected) in [
+        (
+            &["pool", "add"][..],
+            "error: the following required arguments were not provided: <CIDR> (usage: \
+             blockipamctl pool add <CIDR>); try 'blockipamctl pool add --help'",
+        ),
+        (
+            &["tunnel-address", "assign"][..],
+            "error: the following required arguments were not provided: --type <TYPE>, <NODE> \
+             (usage: blockipamctl tunnel-address assign --type <TYPE> <NODE>); try \
+             'blockipamctl tunnel-address assign --help'",
+        ),
+        (
+            &["pool"][..],
+            "error: a subcommand is required (usage: blockipamctl pool [OPTIONS] <COMMAND>); try \
+             'blockipamctl pool --help'",
+        ),
+        (
+            &["shw"][..],
+            "error: unrecognized subcommand 'shw'; a similar subcommand exists: 'show' (usage: \
+             blockipamctl [OPTIONS] <COMMAND>); try 'blockipamctl --help'",
+        ),
+        (
+            &["pool", "add", "10.0.0.0/33"][..],
+            "error: invalid value '10.0.0.0/33' for '<CIDR>': invalid IP address syntax; try \
+             'blockipamctl --help'",
+        ),
+    ] {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let run = ctl(&args, &[]);
+        run.expect_code(2);
+        assert_eq!(run.stderr.trim_end(), expected, "{args:?}");
+    }
+}
+
+#[test]
 fn a_reader_that_stops_early_leaves_the_status_alone_and_a_failed_write_is_an_error() {
     let lab = Lab::new(Backend::Sled);
     lab.ctl(&["pool", "add", "10.70.0.0/16", "--name", "main"])
