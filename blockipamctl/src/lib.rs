@@ -16,7 +16,7 @@ use std::ffi::OsString;
 use std::io::Write;
 
 use clap::error::ErrorKind;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 
 pub use cli::{Cli, OutputFormat};
 pub use error::{CtlError, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
@@ -62,7 +62,7 @@ pub async fn run_async(
     let json_requested = wants_json(&args, env);
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,
-        Err(e) => return clap_error(&e, json_requested, stdout, stderr),
+        Err(e) => return clap_error(&e, &args, json_requested, stdout, stderr),
     };
     let format = match settings::output_format(&cli.global, env) {
         Ok(format) => format,
@@ -152,10 +152,27 @@ fn wants_json(args: &[OsString], env: &Env) -> bool {
     found.unwrap_or_else(|| env.get(cli::ENV_OUTPUT) == Some("json"))
 }
 
+/// The subcommands `args` name, in order, after the program's name (`blockipamctl pool add`).
+fn subcommand_path(args: &[OsString]) -> String {
+    let mut command = Cli::command();
+    let mut path = vec![command.get_name().to_owned()];
+    for arg in args.iter().skip(1).filter_map(|a| a.to_str()) {
+        if arg == "--" {
+            break;
+        }
+        if let Some(subcommand) = command.find_subcommand(arg).cloned() {
+            path.push(subcommand.get_name().to_owned());
+            command = subcommand;
+        }
+    }
+    path.join(" ")
+}
+
 /// Handles clap's outcome when parsing fails: help and version go to stdout with status 0; every
 /// usage error is one line on stderr with status 2.
 fn clap_error(
     error: &clap::Error,
+    args: &[OsString],
     json: bool,
     stdout: &mut dyn Write,
     stderr: &mut dyn Write,
@@ -214,7 +231,8 @@ fn clap_error(
                 .join(" ")
         })
         .filter(|c| !c.is_empty())
-        .unwrap_or_else(|| "blockipamctl".to_owned());
+        // clap prints no usage for a bad value: the subcommands given say whose help to read.
+        .unwrap_or_else(|| subcommand_path(args));
     let full = match usage {
         Some(usage) => format!("{message} (usage: {usage}); try '{command} --help'"),
         None => format!("{message}; try '{command} --help'"),

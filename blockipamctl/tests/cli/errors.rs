@@ -192,10 +192,28 @@ fn usage_errors_name_what_is_missing_the_usage_and_the_help_to_read() {
             "error: unrecognized subcommand 'shw'; a similar subcommand exists: 'show' (usage: \
              blockipamctl [OPTIONS] <COMMAND>); try 'blockipamctl --help'",
         ),
+        // A bad value has no usage line: the subcommands given name the help to read.
         (
             &["pool", "add", "10.0.0.0/33"][..],
             "error: invalid value '10.0.0.0/33' for '<CIDR>': invalid IP address syntax; try \
-             'blockipamctl --help'",
+             'blockipamctl pool add --help'",
+        ),
+        (
+            &[
+                "--lock-wait-seconds",
+                "1",
+                "config",
+                "set",
+                "--max-blocks-per-host",
+                "x",
+            ][..],
+            "error: invalid value 'x' for '--max-blocks-per-host <N>': invalid digit found in \
+             string; try 'blockipamctl config set --help'",
+        ),
+        (
+            &["--lock-wait-seconds"][..],
+            "error: a value is required for '--lock-wait-seconds <SECONDS>' but none was \
+             supplied; try 'blockipamctl --help'",
         ),
     ] {
         let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
