@@ -192,6 +192,13 @@ fn usage_errors_name_what_is_missing_the_usage_and_the_help_to_read() {
             "error: unrecognized subcommand 'shw'; a similar subcommand exists: 'show' (usage: \
              blockipamctl [OPTIONS] <COMMAND>); try 'blockipamctl --help'",
         ),
+        // The usage clap prints names the command, even where a flag's value is a subcommand's
+        // name.
+        (
+            &["--datastore-path", "show", "frobnicate"][..],
+            "error: unrecognized subcommand 'frobnicate' (usage: blockipamctl [OPTIONS] \
+             <COMMAND>); try 'blockipamctl --help'",
+        ),
         // A bad value has no usage line: the subcommands given name the help to read.
         (
             &["pool", "add", "10.0.0.0/33"][..],
