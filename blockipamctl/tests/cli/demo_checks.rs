@@ -101,8 +101,7 @@ fn demo_passes_the_cni_environment_and_netconf_and_catches_a_duplicate_address()
     assert_eq!(first["ipam"]["type"], "blockipam");
     assert_eq!(first["ipam"]["datastore_type"], "sled");
     assert_eq!(first["ipam"]["nodename"], "node-1");
-    let store = dir.path().join("demo").join("store.sled");
-    let store = std::fs::canonicalize(&store).expect("the demo store exists");
+    let store = std::fs::canonicalize(demo_store(dir.path())).expect("the demo store exists");
     assert_eq!(first["ipam"]["datastore_path"], store.display().to_string());
     assert_eq!(first["ipam"]["pools"][0]["cidr"], "10.77.0.0/16");
     assert_eq!(first["ipam"]["pools"][0]["block_size"], 26);
@@ -153,41 +152,43 @@ fn real_plugin() -> PathBuf {
     test_kit::plugin::build_plugin_beside(Path::new(crate::common::BIN))
 }
 
+/// The store `demo --dir <dir>/demo` runs on.
+fn demo_store(dir: &Path) -> PathBuf {
+    dir.join("demo").join("store.sled")
+}
+
+/// Runs blockipamctl on the demo store, asserting success.
+fn on_demo_store(dir: &Path, args: &[&str]) -> crate::common::Run {
+    let mut full = vec![
+        "--datastore-path".to_owned(),
+        demo_store(dir).display().to_string(),
+    ];
+    full.extend(args.iter().map(|a| (*a).to_owned()));
+    let run = ctl(&full, &[]);
+    run.ok();
+    run
+}
+
 /// The demo store's pool table as `show -o json` reads it.
 fn demo_pools(dir: &Path) -> serde_json::Value {
-    let store = dir.join("demo").join("store.sled").display().to_string();
-    ctl(
-        &[
-            "-o".into(),
-            "json".into(),
-            "--datastore-path".into(),
-            store,
-            "show".into(),
-        ],
-        &[],
-    )
-    .ok()
-    .json()["pools"]
-        .clone()
+    on_demo_store(dir, &["-o", "json", "show"]).json()["pools"].clone()
 }
 
 #[test]
 fn demo_releases_what_an_earlier_run_left_and_says_how_much() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store = dir
-        .path()
-        .join("demo")
-        .join("store.sled")
-        .display()
-        .to_string();
-    let on_store = |args: &[&str]| {
-        let mut full = vec!["--datastore-path".to_owned(), store.clone()];
-        full.extend(args.iter().map(|a| (*a).to_owned()));
-        ctl(&full, &[]).ok();
-    };
-    on_store(&["pool", "add", "10.77.0.0/16", "--name", "demo"]);
-    on_store(&["tunnel-address", "assign", "node-1", "--type", "ipip"]);
-    on_store(&["tunnel-address", "assign", "node-2", "--type", "ipip"]);
+    on_demo_store(
+        dir.path(),
+        &["pool", "add", "10.77.0.0/16", "--name", "demo"],
+    );
+    on_demo_store(
+        dir.path(),
+        &["tunnel-address", "assign", "node-1", "--type", "ipip"],
+    );
+    on_demo_store(
+        dir.path(),
+        &["tunnel-address", "assign", "node-2", "--type", "ipip"],
+    );
     assert_eq!(demo_pools(dir.path())[0]["in_use"], 2);
     // A plugin that refuses every ADD: the demo fails, after its preparation.
     let plugin = fake_plugin(
@@ -293,21 +294,10 @@ fn demo_fails_when_an_address_lies_in_a_block_of_another_node() {
 fn demo_waits_for_a_held_store_as_long_as_lock_wait_seconds_says() {
     let dir = tempfile::tempdir().expect("tempdir");
     let plugin = fake_plugin(dir.path(), "exit 0");
-    let store = dir.path().join("demo").join("store.sled");
-    ctl(
-        &[
-            "--datastore-path".into(),
-            store.display().to_string(),
-            "pool".into(),
-            "add".into(),
-            "10.77.0.0/16".into(),
-        ],
-        &[],
-    )
-    .ok();
+    on_demo_store(dir.path(), &["pool", "add", "10.77.0.0/16"]);
     let settings = blockipam_store::DatastoreSettings {
         backend: blockipam_store::Backend::Sled {
-            path: Some(store.clone()),
+            path: Some(demo_store(dir.path())),
         },
         ..blockipam_store::DatastoreSettings::default()
     };
