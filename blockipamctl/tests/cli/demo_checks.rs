@@ -38,12 +38,23 @@ fn demo(dir: &Path, plugin: &Path, extra: &[&str]) -> crate::common::Run {
     ctl(&args, &[])
 }
 
+/// Runs `demo` as [`demo`] does, asserting that it fails (status 1); the run and its one error line.
+fn failed_demo(dir: &Path, plugin: &Path, extra: &[&str]) -> (crate::common::Run, String) {
+    let run = demo(dir, plugin, extra);
+    run.expect_code(1);
+    let line = run.error_line();
+    (run, line)
+}
+
+/// `demo` flags for one container on each of `n` nodes.
+fn one_container_on(nodes: &str) -> [&str; 4] {
+    ["--nodes", nodes, "--containers-per-node", "1"]
+}
+
 #[test]
 fn demo_fails_clearly_when_the_plugin_binary_is_missing() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let run = demo(dir.path(), &dir.path().join("no-such-plugin"), &[]);
-    run.expect_code(1);
-    let line = run.error_line();
+    let (_, line) = failed_demo(dir.path(), &dir.path().join("no-such-plugin"), &[]);
     assert!(
         line.contains("plugin binary was not found") && line.contains("cargo build -p blockipam"),
         "{line}"
@@ -68,13 +79,7 @@ fn demo_passes_the_cni_environment_and_netconf_and_catches_a_duplicate_address()
         "if [ \"$CNI_COMMAND\" = ADD ]; then \
          printf '{\"cniVersion\":\"1.0.0\",\"ips\":[{\"address\":\"10.77.0.5/26\"}]}'; fi",
     );
-    let run = demo(
-        dir.path(),
-        &plugin,
-        &["--nodes", "2", "--containers-per-node", "1"],
-    );
-    run.expect_code(1);
-    let line = run.error_line();
+    let (run, line) = failed_demo(dir.path(), &plugin, &one_container_on("2"));
     assert!(
         line.contains("already handed to container demo-node-1-1"),
         "{line}"
@@ -140,9 +145,7 @@ fn demo_fails_when_the_plugins_answers_do_not_match_the_store() {
             c = counter.display()
         ),
     );
-    let run = demo(dir.path(), &plugin, &[]);
-    run.expect_code(1);
-    let line = run.error_line();
+    let (run, line) = failed_demo(dir.path(), &plugin, &[]);
     assert!(line.contains("no block holds 10.77.0.1"), "{line}");
     run.stdout_has("blockipamctl show --blocks");
 }
@@ -220,17 +223,11 @@ fn demo_reports_a_del_the_plugin_refuses_beside_the_first_failure() {
          printf '{\"cniVersion\":\"1.0.0\",\"code\":11,\"msg\":\"add refused\"}'; exit 1; fi; \
          echo 'del refused' >&2; exit 3",
     );
-    let run = demo(
-        dir.path(),
-        &plugin,
-        &["--nodes", "1", "--containers-per-node", "1"],
-    );
-    run.expect_code(1);
+    let (run, line) = failed_demo(dir.path(), &plugin, &one_container_on("1"));
     run.stdout_has(
         "DEL demo-node-1-1 on node-1 failed: the plugin exited with status 3: del refused",
     );
     assert!(!run.stdout.contains("-> released"), "{}", run.stdout);
-    let line = run.error_line();
     assert!(
         line.contains("add refused") && line.contains("(and 1 more problems, listed above)"),
         "{line}"
@@ -248,13 +245,7 @@ fn demo_fails_when_a_del_leaves_the_address_allocated() {
             real = real_plugin().display()
         ),
     );
-    let run = demo(
-        dir.path(),
-        &plugin,
-        &["--nodes", "1", "--containers-per-node", "1"],
-    );
-    run.expect_code(1);
-    let line = run.error_line();
+    let (_, line) = failed_demo(dir.path(), &plugin, &one_container_on("1"));
     assert!(
         line.contains("demo failed: 1 addresses are still allocated after every DEL"),
         "{line}"
@@ -274,13 +265,7 @@ fn demo_fails_when_an_address_lies_in_a_block_of_another_node() {
             real = real_plugin().display()
         ),
     );
-    let run = demo(
-        dir.path(),
-        &plugin,
-        &["--nodes", "2", "--containers-per-node", "1"],
-    );
-    run.expect_code(1);
-    let line = run.error_line();
+    let (run, line) = failed_demo(dir.path(), &plugin, &one_container_on("2"));
     assert!(
         line.contains("of demo-node-1-1 on node-1 lies in block 10.77.")
             && line.contains("affine to Some(\"node-2\")"),
