@@ -414,7 +414,10 @@ fn respond(
 ) -> Answering {
     let served = config.served.clone();
     let metrics = config.metrics.clone();
+    // Counted from the moment the request was read, not from when its task is first polled.
+    let in_flight = metrics.as_ref().map(|metrics| metrics.request_in_flight());
     Box::pin(async move {
+        let _in_flight = in_flight;
         let kind = frame.request.kind();
         let started = std::time::Instant::now();
         let asked = Asked {

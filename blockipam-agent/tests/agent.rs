@@ -306,7 +306,15 @@ fn sigterm_abandons_a_request_in_flight_after_the_configured_shutdown_grace() {
         &socket,
         &etcd.endpoint(),
         "/grace/",
-        &["--shutdown-grace-seconds", "0.3"],
+        &[
+            "--shutdown-grace-seconds",
+            "0.3",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            // One computation of the store's gauges, before etcd stops: later scrapes reuse it.
+            "--metrics-cache-seconds",
+            "3600",
+        ],
     );
     // The client on a thread of its own: a put while etcd answers, then (once etcd is stopped)
     // the put left in flight.
@@ -331,13 +339,27 @@ fn sigterm_abandons_a_request_in_flight_after_the_configured_shutdown_grace() {
         })
     });
     ready.recv().expect("the client's first put");
+    let in_flight_now = |agent: &common::etcd_agents::Agent| {
+        common::sample(
+            &common::scrape(&agent.log()),
+            "blockipam_agent_requests_in_flight",
+        )
+    };
+    // The first put was answered: nothing is in flight.
+    assert_eq!(in_flight_now(&agent), 0.0);
     signal_etcd("STOP");
     go.send(()).expect("go");
-    // Time for the agent to read the request and send it on to the stopped etcd.
-    std::thread::sleep(Duration::from_millis(500));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The agent has read the second put and sent it on to the stopped etcd.
+    while in_flight_now(&agent) < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never read the second put"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     agent.signal("TERM");
     let mut agent = agent;
-    let deadline = Instant::now() + Duration::from_secs(60);
     let exited =
         |agent: &mut common::etcd_agents::Agent| agent.child.try_wait().expect("poll the agent");
     // etcd stays stopped until the agent has given up on the request (or has stopped).

@@ -383,6 +383,11 @@ fn scrape_reports_pools_allocations_blocks_and_agent_counters_and_passes_promtoo
     // Nodes seen anywhere get an explicit zero in every pool, as Calico's do.
     assert_eq!(gauge("ipam_allocations_in_use", "tiny", "node-a"), 0.0);
     assert_eq!(value(&samples, "blockipam_agent_store_up", &[]), 1.0);
+    // Every plugin call and client request above was answered.
+    assert_eq!(
+        value(&samples, "blockipam_agent_requests_in_flight", &[]),
+        0.0
+    );
     assert_eq!(
         value(&samples, "ipam_allocations_gc_reclamations_total", &[]),
         0.0

@@ -11,6 +11,7 @@ use ipam_core::{KvError, KvStore};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tokio::sync::Mutex;
@@ -127,6 +128,7 @@ pub struct AgentMetrics {
     request_duration: Family<KindLabels, Histogram, fn() -> Histogram>,
     store_requests: Family<StoreRequestLabels, Counter>,
     connections: Family<OutcomeLabels, Counter>,
+    requests_in_flight: Gauge,
     ipam: Arc<IpamState>,
 }
 
@@ -165,6 +167,13 @@ impl AgentMetrics {
              (accepted, refused, credentials_unreadable)",
             connections.clone(),
         );
+        let requests_in_flight = Gauge::default();
+        registry.register(
+            "blockipam_agent_requests_in_flight",
+            "Client requests read from the agent's socket and not yet answered (nor abandoned at \
+             shutdown)",
+            requests_in_flight.clone(),
+        );
         let ipam = Arc::new(IpamState {
             cache_for,
             refresh: Mutex::new(RefreshState::default()),
@@ -179,6 +188,7 @@ impl AgentMetrics {
             request_duration,
             store_requests,
             connections,
+            requests_in_flight,
             ipam,
         }
     }
@@ -203,6 +213,16 @@ impl AgentMetrics {
         self.request_duration
             .get_or_create(&KindLabels { kind })
             .observe(took.as_secs_f64());
+    }
+
+    /// Counts one client request in `blockipam_agent_requests_in_flight` from now until the
+    /// returned guard is dropped: when its answer is ready, or when it is abandoned (its task
+    /// aborted at shutdown, its connection gone).
+    pub fn request_in_flight(&self) -> InFlightRequest {
+        self.requests_in_flight.inc();
+        InFlightRequest {
+            gauge: self.requests_in_flight.clone(),
+        }
     }
 
     /// Counts one connection and how its peer credential check ended.
@@ -253,6 +273,18 @@ impl AgentMetrics {
         } else {
             openmetrics_to_prometheus_text(&text)
         }
+    }
+}
+
+/// One client request counted in flight; dropping it takes it off the count.
+#[derive(Debug)]
+pub struct InFlightRequest {
+    gauge: Gauge,
+}
+
+impl Drop for InFlightRequest {
+    fn drop(&mut self) {
+        self.gauge.dec();
     }
 }
 

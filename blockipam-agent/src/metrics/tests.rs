@@ -83,6 +83,40 @@ async fn registration_and_node_states_are_exported_as_gauges() {
     }
 }
 
+/// A request counts in flight from its guard's creation until the guard is dropped, however many
+/// overlap; the gauge is a gauge in both text formats.
+#[tokio::test]
+async fn requests_count_in_flight_until_their_guard_is_dropped() {
+    let metrics = AgentMetrics::new(Arc::new(ReclaimCounters::default()), Duration::ZERO);
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let in_flight = |text: &str| -> String {
+        text.lines()
+            .find(|line| line.starts_with("blockipam_agent_requests_in_flight "))
+            .unwrap_or_else(|| panic!("no in-flight sample in:\n{text}"))
+            .to_owned()
+    };
+    let idle = metrics.scrape(&Arc::downgrade(&store), false).await;
+    assert!(
+        idle.contains("# TYPE blockipam_agent_requests_in_flight gauge\n"),
+        "{idle}"
+    );
+    assert_eq!(in_flight(&idle), "blockipam_agent_requests_in_flight 0");
+    let first = metrics.request_in_flight();
+    let second = metrics.request_in_flight();
+    let busy = metrics.scrape(&Arc::downgrade(&store), true).await;
+    assert!(
+        busy.contains("# TYPE blockipam_agent_requests_in_flight gauge\n"),
+        "{busy}"
+    );
+    assert_eq!(in_flight(&busy), "blockipam_agent_requests_in_flight 2");
+    drop(first);
+    let one = metrics.scrape(&Arc::downgrade(&store), false).await;
+    assert_eq!(in_flight(&one), "blockipam_agent_requests_in_flight 1");
+    drop(second);
+    let none = metrics.scrape(&Arc::downgrade(&store), false).await;
+    assert_eq!(in_flight(&none), "blockipam_agent_requests_in_flight 0");
+}
+
 fn endpoint_with(limits: ConnectionLimits) -> MetricsEndpoint {
     let metrics = Arc::new(AgentMetrics::new(
         Arc::new(ReclaimCounters::default()),

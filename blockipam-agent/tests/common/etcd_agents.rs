@@ -123,9 +123,11 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
+        // Quietly: the agent may have exited already.
         let _ = Command::new("kill")
             .arg("-CONT")
             .arg(self.child.id().to_string())
+            .stderr(Stdio::null())
             .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
