@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -270,10 +270,11 @@ fn value(samples: &Samples, name: &str, labels: &[(&str, &str)]) -> f64 {
         .unwrap_or_else(|| panic!("no {name}{labels:?} among {samples:#?}"))
 }
 
-/// Runs Debian's `promtool check metrics` on `text`; fails the test on any problem.
-fn promtool_check(text: &str) {
+/// Runs Debian's `promtool` with `args` and `input` on its standard input: its exit status and
+/// what it printed.
+fn promtool<S: AsRef<std::ffi::OsStr>>(args: &[S], input: &str) -> (ExitStatus, String) {
     let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -285,7 +286,7 @@ fn promtool_check(text: &str) {
         .stdin
         .take()
         .expect("promtool stdin")
-        .write_all(text.as_bytes())
+        .write_all(input.as_bytes())
         .expect("feed promtool");
     let output = child.wait_with_output().expect("promtool output");
     let said = format!(
@@ -293,10 +294,15 @@ fn promtool_check(text: &str) {
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr)
     );
+    (output.status, said)
+}
+
+/// Runs `promtool check metrics` on `text`; fails the test on any problem.
+fn promtool_check(text: &str) {
+    let (status, said) = promtool(&["check", "metrics"], text);
     assert!(
-        output.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {}\n{said}\n--- scraped text ---\n{text}",
-        output.status
+        status.success() && said.trim().is_empty(),
+        "promtool check metrics: {status}\n{said}\n--- scraped text ---\n{text}"
     );
 }
 
@@ -857,4 +863,61 @@ fn readyz_and_healthz_answer_ok_once_an_embedded_store_agent_serves() {
             "{path}: {answer:?}"
         );
     }
+}
+
+/// The shipped alerting rules (`deploy/prometheus/blockipam-alerts.yaml`): `promtool check rules`
+/// accepts them, their own unit tests pass under `promtool test rules`, and every metric their
+/// expressions name is one a real agent exposes, with the type the expression assumes.
+#[test]
+fn the_shipped_alert_rules_pass_promtool_and_name_only_metrics_the_agent_exposes() {
+    let rules_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus");
+    let rules = rules_dir.join("blockipam-alerts.yaml");
+    for args in [
+        ["check".into(), "rules".into(), rules.clone()],
+        [
+            "test".into(),
+            "rules".into(),
+            rules_dir.join("blockipam-alerts.test.yaml"),
+        ],
+    ] {
+        let (status, said) = promtool(&args, "");
+        assert!(status.success(), "promtool {args:?}: {status}\n{said}");
+    }
+
+    let agent = Agent::start(&["--metrics-listen", "127.0.0.1:0"]);
+    agent.add("node-a", "a1");
+    let scraped = http_get(agent.metrics_address(), "/metrics", None);
+    assert_eq!(scraped.status, 200, "{scraped:#?}");
+    let types: BTreeMap<&str, &str> = scraped
+        .body
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE ")?.split_once(' '))
+        .collect();
+    let text = std::fs::read_to_string(&rules).expect("read the rules");
+    let expressions: Vec<&str> = text
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("expr:"))
+        .collect();
+    assert_eq!(expressions.len(), 8, "{text}");
+    let mut named = 0;
+    for expression in expressions {
+        let words = expression.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'));
+        for metric in words.filter(|w| w.starts_with("ipam_") || w.starts_with("blockipam_")) {
+            named += 1;
+            // What the function applied to it needs: a counter for increase(), a gauge otherwise.
+            let wanted = if expression.contains(&format!("increase({metric}[")) {
+                "counter"
+            } else {
+                "gauge"
+            };
+            assert_eq!(
+                types.get(metric).copied(),
+                Some(wanted),
+                "the rule {expression:?} names {metric}, which the agent does not expose as a \
+                 {wanted}:\n{}",
+                scraped.body
+            );
+        }
+    }
+    assert_eq!(named, 10, "metrics named by the rules");
 }
