@@ -16,6 +16,9 @@ pub struct ReclaimCounters {
     /// Whether this agent's node is registered and its liveness key on a lease (false while
     /// etcd has not answered since the agent started).
     pub registered: AtomicBool,
+    /// Whether this agent held the reclaimer leader key at its last attempt to take it (false
+    /// before the first, with `--no-reclaim`, without a lease, and when the key could not be read).
+    pub reclaimer_leader: AtomicBool,
     /// Registered nodes by state at this agent's last reclaim pass (as reclaimer leader):
     /// alive, active (agent down, plugin at work), missing (countdown running or not yet
     /// started), dead (its blocks released by that pass or about to be), reclaimed (blocks

@@ -208,12 +208,17 @@ async fn run_loop(
             state.lease.is_some() && state.generation == registered_generation,
             std::sync::atomic::Ordering::Relaxed,
         );
-        if let Some(id) = state.lease {
-            keep_liveness_key(&settings.node, &session, id, store.as_ref()).await;
-            if settings.reclaim {
-                reclaim_if_leader(&settings, &session, id, &store, &counters).await;
+        let leading = match state.lease {
+            Some(id) => {
+                keep_liveness_key(&settings.node, &session, id, store.as_ref()).await;
+                settings.reclaim
+                    && reclaim_if_leader(&settings, &session, id, &store, &counters).await
             }
-        }
+            None => false,
+        };
+        counters
+            .reclaimer_leader
+            .store(leading, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -239,14 +244,16 @@ async fn keep_liveness_key(node: &str, session: &LeaseSession, lease: i64, store
 }
 
 /// Becomes (or stays) the reclaimer leader if nobody else is, and then runs one pass, every
-/// write guarded by "the leader key is still at the revision this agent put it".
+/// write guarded by "the leader key is still at the revision this agent put it". True when this
+/// agent holds the leader key (whatever the pass did), false when another does or the key could
+/// not be read.
 async fn reclaim_if_leader(
     settings: &LivenessSettings,
     session: &Arc<LeaseSession>,
     lease: i64,
     store: &Arc<dyn KvStore>,
     counters: &ReclaimCounters,
-) {
+) -> bool {
     let leader_key = reclaimer_leader_key();
     let revision = match session
         .acquire(lease, &leader_key, settings.node.as_bytes())
@@ -255,11 +262,11 @@ async fn reclaim_if_leader(
         Ok(Holder::Mine { revision }) => revision,
         Ok(Holder::Other { value }) => {
             tracing::debug!(leader = %String::from_utf8_lossy(&value), "another agent reclaims");
-            return;
+            return false;
         }
         Err(e) => {
             tracing::warn!("reclaimer: cannot read or take the leader key: {e}");
-            return;
+            return false;
         }
     };
     let leader_guard = Condition::at_revision(&leader_key, Revision(revision));
@@ -317,6 +324,7 @@ async fn reclaim_if_leader(
             Err(e) => tracing::warn!("reclaimer: releasing empty blocks failed: {e}"),
         }
     }
+    true
 }
 
 /// Logs one node's outcome and counts a release.

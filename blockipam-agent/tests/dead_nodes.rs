@@ -599,6 +599,32 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     };
     let conf_a = conf("node-a", &endpoints);
     let conf_b = conf("node-b", &proxy.endpoint());
+    let leading = |agent: &Agent| {
+        common::sample(
+            &common::scrape(&agent.log()),
+            "blockipam_agent_reclaimer_leader",
+        )
+    };
+    // node-b's agent first: it takes the reclaimer leadership, and says so. (One computation of
+    // its store gauges, while etcd answers: later scrapes, while it is cut off, reuse it.)
+    let agent_b = Agent::start_with_grace(
+        "node-b",
+        &socket("node-b"),
+        &proxy.endpoint(),
+        &prefix,
+        GRACE,
+        &[
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--metrics-cache-seconds",
+            "3600",
+        ],
+    );
+    wait_for_sample(
+        || leading(&agent_b),
+        1.0,
+        "node-b's agent leads the reclaim",
+    );
     let agent_a = Agent::start_with_grace(
         "node-a",
         &socket("node-a"),
@@ -607,14 +633,6 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         GRACE,
         &["--metrics-listen", "127.0.0.1:0"],
     );
-    let agent_b = Agent::start_with_grace(
-        "node-b",
-        &socket("node-b"),
-        &proxy.endpoint(),
-        &prefix,
-        GRACE,
-        &[],
-    );
     for node in ["node-a", "node-b"] {
         wait_until(
             &runtime,
@@ -622,6 +640,24 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
             || async { registration(&store, node).await.is_some() && is_live(&store, node).await },
         );
     }
+    // node-a's agent finds the leader key taken, at each of its passes (one a second).
+    wait_for_sample(
+        || {
+            common::sample(
+                &common::scrape(&agent_a.log()),
+                "blockipam_agent_node_registered",
+            )
+        },
+        1.0,
+        "node-a's agent is registered",
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        leading(&agent_a),
+        0.0,
+        "node-a's agent leads beside node-b's"
+    );
+    assert_eq!(leading(&agent_b), 1.0, "node-b's agent stopped leading");
     let running: Vec<String> = (0..3)
         .map(|pod| added_address(&format!("node-b-pod{pod}"), &conf_b))
         .collect();
@@ -650,6 +686,17 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         agent_a.log()
     );
     assert_eq!(runtime.block_on(held_by(&store, "node-b")), held_before);
+    // The leadership moved: node-a's agent holds it; node-b's, cut off, no longer says it does.
+    assert_eq!(
+        leading(&agent_a),
+        1.0,
+        "node-a's agent reclaimed without leading"
+    );
+    wait_for_sample(
+        || leading(&agent_b),
+        0.0,
+        "node-b's agent, cut off, stops leading",
+    );
     // node-a's agent, the only one that could reclaim, counts what it did (its counters move
     // once the pass that wrote the mark has returned): one node, its one block, no address.
     let deadline = std::time::Instant::now() + WAIT_LIMIT;
@@ -752,4 +799,20 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     drop(agent_a);
     drop(proxy);
     drop(cluster);
+}
+
+/// Waits (bounded) until `sample` reads `wanted`.
+fn wait_for_sample(sample: impl Fn() -> f64, wanted: f64, what: &str) {
+    let deadline = std::time::Instant::now() + WAIT_LIMIT;
+    loop {
+        let value = sample();
+        if value == wanted {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: still {value}, not {wanted}, after {WAIT_LIMIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

@@ -387,6 +387,18 @@ impl Collector for ReclaimCollector {
             None,
             registered.metric_type(),
         )?)?;
+        let leader = ConstGauge::new(i64::from(
+            self.counters
+                .reclaimer_leader
+                .load(std::sync::atomic::Ordering::Relaxed),
+        ));
+        leader.encode(encoder.encode_descriptor(
+            "blockipam_agent_reclaimer_leader",
+            "1 while this agent holds the reclaimer leader key (etcd): its blockipam_agent_nodes \
+             are current",
+            None,
+            leader.metric_type(),
+        )?)?;
         let mut family = encoder.encode_descriptor(
             "blockipam_agent_nodes",
             "Registered nodes by state at this agent's last reclaim pass (reclaimer leader only)",

@@ -59,18 +59,25 @@ async fn registration_and_node_states_are_exported_as_gauges() {
     let metrics = AgentMetrics::new(Arc::clone(&counters), Duration::ZERO);
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let before = metrics.scrape(&Arc::downgrade(&store), false).await;
-    assert!(
-        before.contains("blockipam_agent_node_registered 0\n"),
-        "{before}"
-    );
+    for line in [
+        "blockipam_agent_node_registered 0\n",
+        "# TYPE blockipam_agent_reclaimer_leader gauge\n",
+        "blockipam_agent_reclaimer_leader 0\n",
+    ] {
+        assert!(before.contains(line), "no {line:?} in:\n{before}");
+    }
     counters
         .registered
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    counters
+        .reclaimer_leader
         .store(true, std::sync::atomic::Ordering::Relaxed);
     counters.record_pass([3, 1, 2, 0, 4, 1]);
     let after = metrics.scrape(&Arc::downgrade(&store), false).await;
     for line in [
         "# TYPE blockipam_agent_node_registered gauge\n",
         "blockipam_agent_node_registered 1\n",
+        "blockipam_agent_reclaimer_leader 1\n",
         "# TYPE blockipam_agent_nodes gauge\n",
         "blockipam_agent_nodes{state=\"alive\"} 3\n",
         "blockipam_agent_nodes{state=\"active\"} 1\n",
