@@ -8,6 +8,7 @@ use blockipam_store::flags::EtcdConnectionFlags;
 use blockipam_store::{
     seconds_from_f64, DatastoreSettings, RawDatastoreSettings, Secret, DEFAULT_AGENT_SOCKET,
 };
+use clap::builder::FalseyValueParser;
 use clap::Parser;
 
 use crate::leak_collection::LeakAction;
@@ -65,11 +66,11 @@ pub struct AgentArgs {
     )]
     pub metrics_cache_seconds: f64,
     /// Create the store when it does not exist, always (off: a missing store is an error)
-    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_IF_MISSING")]
+    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_IF_MISSING", value_parser = FalseyValueParser::new())]
     pub create_if_missing: bool,
     /// Create a missing embedded store only if this node never had one: a marker file beside the
     /// store (<store>.created) records its creation, and a missing store with a marker is refused
-    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START")]
+    #[arg(long, env = "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START", value_parser = FalseyValueParser::new())]
     pub create_on_first_start: bool,
     /// Store type: sled, redb or etcdv3 [default: etcdv3 when etcd endpoints are given, else sled]
     #[arg(
@@ -144,7 +145,7 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_LIVENESS_TTL_SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub liveness_ttl_seconds: u64,
     /// Length of the grace countdown (an etcd lease) a node must stay through with no agent
-    /// liveness key and no plugin commit before its blocks and addresses are released
+    /// liveness key and no plugin commit before its blocks are released (its addresses are kept)
     #[arg(long, value_name = "SECONDS", env = "BLOCKIPAM_AGENT_DEAD_NODE_GRACE_SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..=ipam_core::dead_nodes::MAX_GRACE_SECONDS), help_heading = "Liveness and dead-node reclaim (etcd only)")]
     pub dead_node_grace_seconds: u64,
     /// Seconds between two looks of the reclaimer (the leader's, the others' to become leader)
@@ -154,6 +155,7 @@ pub struct AgentArgs {
     #[arg(
         long,
         env = "BLOCKIPAM_AGENT_NO_RECLAIM",
+        value_parser = FalseyValueParser::new(),
         help_heading = "Liveness and dead-node reclaim (etcd only)"
     )]
     pub no_reclaim: bool,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 /// between the reclaimer, which adds to it, and the metrics endpoint, which reads it.
 #[derive(Debug, Default)]
 pub struct ReclaimCounters {
-    /// Dead nodes whose blocks and addresses this agent released.
+    /// Dead nodes whose blocks this agent released (their addresses are kept).
     pub dead_nodes_reclaimed: AtomicU64,
     /// Addresses released on account of dead nodes.
     pub addresses_reclaimed: AtomicU64,

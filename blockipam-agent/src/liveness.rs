@@ -1,7 +1,7 @@
 //! Liveness and dead-node reclaim (etcd only): the agent registers its node, keeps the node's
 //! lease-backed liveness key alive, and, while it holds the reclaimer leader key, releases the
-//! blocks and addresses of registered nodes that stayed without liveness key and without plugin
-//! activity for a whole grace countdown timed by etcd (`ipam_core::dead_nodes`). See
+//! blocks (never the addresses) of registered nodes that stayed without liveness key and without
+//! plugin activity for a whole grace countdown timed by etcd (`ipam_core::dead_nodes`). See
 //! docs/agent.md, "Liveness and dead-node reclaim".
 
 use std::path::Path;

@@ -905,3 +905,82 @@ fn sigkill_during_a_plugin_churn_loses_nothing_and_retries_succeed_after_restart
     let (status, stderr) = restarted.wait();
     assert!(status.success(), "{stderr}");
 }
+
+/// A switch's environment variable is off for `false`, `no`, `off`, `0`, `n`, `f` (any case) and
+/// the empty value, and on for anything else: an empty `BLOCKIPAM_AGENT_...=` line in
+/// `/etc/default/blockipam-agent` does not stop the agent.
+#[test]
+fn switch_variables_are_off_for_falsey_and_empty_values_and_on_otherwise() {
+    // Whether the agent served (it made the store) or refused at once (status 1, nothing made).
+    let serves = |env: &[(&str, &str)], flags: &[&str]| -> bool {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("agent.sock");
+        let store = dir.path().join("store.sled");
+        let mut agent = Command::new(AGENT)
+            .env_clear()
+            .envs(env.iter().copied())
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--datastore-path")
+            .arg(&store)
+            .args(["--node", "node-1"])
+            .args(flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the agent");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let exited = loop {
+            if let Some(status) = agent.try_wait().expect("poll the agent") {
+                break Some(status);
+            }
+            if socket.exists() {
+                break None;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent neither served nor exited"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let _ = agent.kill();
+        let output = agent.wait_with_output().expect("the agent's exit");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        match exited {
+            None => {
+                assert!(store.exists(), "serving without a store: {stderr}");
+                true
+            }
+            Some(status) => {
+                assert_eq!(status.code(), Some(1), "{env:?} {flags:?}: {stderr}");
+                assert!(stderr.contains("no sled store at"), "{env:?}: {stderr}");
+                assert!(!store.exists(), "a refused start made the store");
+                false
+            }
+        }
+    };
+    let variable = "BLOCKIPAM_AGENT_CREATE_IF_MISSING";
+    for value in ["", "false", "no", "off", "0", "n", "f", "FALSE", "Off"] {
+        assert!(
+            !serves(&[(variable, value)], &[]),
+            "{variable}={value:?} created the store"
+        );
+    }
+    for value in ["true", "yes", "on", "1", "y"] {
+        assert!(
+            serves(&[(variable, value)], &[]),
+            "{variable}={value:?} did not create the store"
+        );
+    }
+    // The other two switches accept an empty variable too (it used to stop the agent).
+    for variable in [
+        "BLOCKIPAM_AGENT_CREATE_ON_FIRST_START",
+        "BLOCKIPAM_AGENT_NO_RECLAIM",
+    ] {
+        assert!(
+            serves(&[(variable, "")], &["--create-if-missing"]),
+            "{variable}= stopped the agent"
+        );
+    }
+}

@@ -179,9 +179,9 @@ pub enum Command {
     /// Blocks: release the empty ones hosts no longer need.
     #[command(subcommand)]
     Blocks(BlocksCommand),
-    /// Release the blocks and addresses of dead nodes: registered by an agent, with no liveness
-    /// key and no plugin commit for a whole grace countdown timed by etcd. Shows what it would do
-    /// unless --apply.
+    /// Release the blocks (never the addresses) of dead nodes: registered by an agent, with no
+    /// liveness key and no plugin commit for a whole grace countdown timed by etcd; or release the
+    /// leaks the agents report. Shows what it would do unless --apply.
     Gc(GcArgs),
     /// Copy everything into another, empty store and verify the copy.
     Migrate(MigrateArgs),
@@ -588,8 +588,8 @@ pub struct GcArgs {
     /// etcd's longest lease)
     #[arg(long, value_name = "SECONDS", default_value_t = 900, value_parser = clap::value_parser!(u64).range(1..=ipam_core::dead_nodes::MAX_GRACE_SECONDS))]
     pub grace_seconds: u64,
-    /// --dead-nodes: start the countdowns of newly missing nodes and release dead ones (like
-    /// `node release --addresses`); --leaks: release the leaks past their grace (each guarded by
+    /// --dead-nodes: start the countdowns of newly missing nodes and release dead ones' blocks
+    /// (like `node release` without --addresses); --leaks: release the leaks past their grace (each guarded by
     /// its sequence number); without it nothing is written
     #[arg(long)]
     pub apply: bool,

@@ -359,7 +359,7 @@ impl Collector for ReclaimCollector {
             ),
             (
                 "blockipam_agent_dead_nodes_reclaimed",
-                "Dead nodes whose blocks and addresses this agent released",
+                "Dead nodes whose blocks this agent released (their addresses are kept)",
                 nodes,
             ),
             (

@@ -105,7 +105,8 @@ pub async fn release(
                 String::new()
             } else {
                 format!(
-                    "({}; each is deleted when its last address is released)",
+                    "({}; each is deleted when its last address is released, or by `blocks \
+                     release-empty` once its addresses have cooled)",
                     joined(&outcome.unassigned_blocks)
                 )
             }

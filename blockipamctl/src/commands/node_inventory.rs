@@ -369,7 +369,8 @@ pub async fn retire(
         if released.unassigned_blocks.is_empty() {
             ""
         } else {
-            " (they hold other nodes' addresses; each is deleted when its last address goes)"
+            " (they hold other nodes' addresses, or released addresses still cooling down; each is \
+             deleted when its last address goes, or by `blocks release-empty` once cooled)"
         }
     ));
     text.push_str(&format!(

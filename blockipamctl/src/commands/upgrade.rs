@@ -101,7 +101,7 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
         text.push_str("finalized: writers use this build's format\n");
         if refusing > 0 {
             text.push_str(&format!(
-                "{refusing} node(s) read only an older format and refuse this store: upgrade their binaries, or retire a node gone for good with `blockipamctl node release <node> --addresses`\n"
+                "{refusing} node(s) read only an older format and refuse this store: upgrade their binaries, or retire a node gone for good with `blockipamctl node retire <node> --apply`\n"
             ));
         }
     } else if behind == 0 {

@@ -297,16 +297,30 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
             )
             .await
             .expect("register node-c");
+        // Its plugin, of that release too, committed for it.
+        let activity = ipam_core::dead_nodes::Activity {
+            node: "node-c".into(),
+            plugin_version: "0.1.0".into(),
+            reads_format: Some(3),
+        };
+        store
+            .put(
+                &ipam_core::dead_nodes::activity_key("node-c"),
+                serde_json::to_vec(&activity).expect("JSON"),
+            )
+            .await
+            .expect("record node-c's plugin");
     });
     let finalized = lab.ctl(&["upgrade", "status"]);
     finalized.expect_code(1).stdout_has(
         "\nfinalized: writers use this build's format\n1 node(s) read only an older format \
              and refuse this store: upgrade their binaries, or retire a node gone for good with \
-             `blockipamctl node release <node> --addresses`\n",
+             `blockipamctl node retire <node> --apply`\n",
     );
     assert_eq!(table_row(&finalized.stdout, "node-c")[1], "format 3");
-    // Retired, it no longer counts.
-    lab.ctl(&["node", "release", "node-c", "--addresses"]).ok();
+    // Retired as the line says, it no longer counts (its registration and its plugin's record
+    // both go).
+    lab.ctl(&["node", "retire", "node-c", "--apply"]).ok();
     let retired = lab.ctl(&["upgrade", "status"]);
     retired.ok();
     assert!(

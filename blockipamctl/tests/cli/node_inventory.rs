@@ -13,6 +13,7 @@ crate::on_every_backend!(
     node_retire_refuses_an_active_node_and_retires_a_dead_one,
     node_list_and_retire_get_past_a_labels_object_that_does_not_decode,
     node_list_gc_and_a_retire_preview_get_past_a_block_that_does_not_decode,
+    node_retire_leaves_a_block_of_cooling_addresses_to_blocks_release_empty,
 );
 
 /// host-a: registered with a liveness key (alive), labelled, one address; host-b: registered
@@ -422,4 +423,44 @@ fn node_list_gc_and_a_retire_preview_get_past_a_block_that_does_not_decode(backe
     let list = lab.ctl(&["-o", "json", "node", "list"]).ok().json();
     assert!(list.get("undecodable").is_none(), "{list}");
     assert_eq!(node_of(&list, "host-d")["addresses"], 1);
+}
+
+/// With an IP cooldown, the addresses a retire releases keep their block from being empty: the
+/// block loses its host, the retire says why, and `blocks release-empty` deletes it once they have
+/// cooled.
+fn node_retire_leaves_a_block_of_cooling_addresses_to_blocks_release_empty(backend: Backend) {
+    let lab = Lab::new(backend);
+    lab.ctl(&["pool", "add", "10.53.0.0/24", "--block-size", "28"])
+        .ok();
+    lab.ctl(&["config", "set", "--ip-cooldown-seconds", "1"])
+        .ok();
+    lab.assign("net.d", "host-d");
+    lab.ctl(&["node", "retire", "host-d", "--apply"])
+        .ok()
+        .stdout_has("addresses released:          1\n")
+        .stdout_has("empty blocks deleted:        0\n")
+        .stdout_has(
+            "blocks left without a host:  1 (they hold other nodes' addresses, or released \
+             addresses still cooling down; each is deleted when its last address goes, or by \
+             `blocks release-empty` once cooled)\n",
+        );
+    let blocks = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+    assert_eq!(blocks["blocks"][0]["host"], Value::Null, "{blocks}");
+    assert_eq!(blocks["blocks"][0]["cooling"], 1, "{blocks}");
+    // The cooldown ends within about two seconds (release times are kept in whole seconds).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        lab.ctl(&["blocks", "release-empty", "--older-than", "0", "--apply"])
+            .ok();
+        let blocks = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+        if blocks["blocks"] == json!([]) {
+            break;
+        }
+        assert_eq!(blocks["blocks"][0]["cooling"], 1, "{blocks}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cooled block was never released: {blocks}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
 }

@@ -319,7 +319,7 @@ impl Ipam {
             .collect();
         if !behind.is_empty() && !force {
             return Err(IpamError::invalid(format!(
-                "not finalized: {} node(s) may read only older formats and would refuse the store: {}. Upgrade them (their agent registers, their plugin's next call records its version) or retire them (`blockipamctl node release <node> --addresses`), then run this again; --force finalizes anyway",
+                "not finalized: {} node(s) may read only older formats and would refuse the store: {}. Upgrade them (their agent registers, their plugin's next call records its version) or retire them (`blockipamctl node retire <node> --apply`), then run this again; --force finalizes anyway",
                 behind.len(),
                 behind.join("; ")
             )));
