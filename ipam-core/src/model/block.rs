@@ -54,7 +54,8 @@ pub fn u128_to_ip(family: Family, value: u128) -> IpAddr {
 pub struct Attribute {
     /// The allocation's owner (normally `<network>.<container id>`).
     pub handle: String,
-    /// Free-form metadata: `node`, `namespace`, `pod`, `container_id`, `interface`, `timestamp`.
+    /// Free-form metadata: `node`, `namespace`, `pod`, `container_id`, `interface`, `network`,
+    /// `timestamp`; a tunnel address's `type`; a network gateway's `purpose`.
     pub metadata: BTreeMap<String, String>,
 }
 
