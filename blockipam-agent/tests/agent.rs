@@ -396,22 +396,35 @@ fn sigterm_abandons_a_request_in_flight_after_the_configured_shutdown_grace() {
 
 /// Starts the agent for node `node` on a sled store to be created in a fresh directory, with
 /// `flags` and `env` added, and gives it 30 s to refuse (an agent that accepted its settings
-/// would serve until stopped: it is killed then). Its exit code, its stderr, and what it left in
-/// the directory.
+/// serves: it is killed then, and the exit code is `None`). Its exit code, its stderr, and what it
+/// left in the directory.
 fn start_to_be_refused(
     node: &str,
     flags: &[&str],
     env: &[(&str, &str)],
 ) -> (Option<i32>, String, Vec<std::ffi::OsString>) {
+    let mut all = vec!["--create-if-missing", "--node", node];
+    all.extend_from_slice(flags);
+    start_until_served_or_exited(&all, env)
+}
+
+/// Starts the agent on the sled store `store.sled` of a fresh directory, socket `agent.sock`
+/// beside it, with only `flags` and `env`; waits (30 s at most) until it serves its socket or
+/// exits, and kills it if it serves. Its exit code (`None` when it served), its stderr, and what
+/// it left in the directory.
+fn start_until_served_or_exited(
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (Option<i32>, String, Vec<std::ffi::OsString>) {
     let dir = tempfile::tempdir().expect("temp dir");
+    let socket = dir.path().join("agent.sock");
     let mut agent = Command::new(AGENT)
         .env_clear()
         .envs(env.iter().copied())
         .arg("--socket")
-        .arg(dir.path().join("run/agent.sock"))
+        .arg(&socket)
         .arg("--datastore-path")
         .arg(dir.path().join("store.sled"))
-        .args(["--create-if-missing", "--node", node])
         .args(flags)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -419,18 +432,21 @@ fn start_to_be_refused(
         .spawn()
         .expect("start the agent");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while agent.try_wait().expect("poll the agent").is_none() && Instant::now() < deadline {
+    while agent.try_wait().expect("poll the agent").is_none()
+        && !socket.exists()
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
     let _ = agent.kill();
-    let refused = agent.wait_with_output().expect("the agent's exit");
+    let ended = agent.wait_with_output().expect("the agent's exit");
     let made = std::fs::read_dir(dir.path())
         .expect("list the directory")
         .map(|entry| entry.expect("entry").file_name())
         .collect();
     (
-        refused.status.code(),
-        String::from_utf8_lossy(&refused.stderr).into_owned(),
+        ended.status.code(),
+        String::from_utf8_lossy(&ended.stderr).into_owned(),
         made,
     )
 }
@@ -913,49 +929,19 @@ fn sigkill_during_a_plugin_churn_loses_nothing_and_retries_succeed_after_restart
 fn switch_variables_are_off_for_falsey_and_empty_values_and_on_otherwise() {
     // Whether the agent served (it made the store) or refused at once (status 1, nothing made).
     let serves = |env: &[(&str, &str)], flags: &[&str]| -> bool {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let socket = dir.path().join("agent.sock");
-        let store = dir.path().join("store.sled");
-        let mut agent = Command::new(AGENT)
-            .env_clear()
-            .envs(env.iter().copied())
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--datastore-path")
-            .arg(&store)
-            .args(["--node", "node-1"])
-            .args(flags)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the agent");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let exited = loop {
-            if let Some(status) = agent.try_wait().expect("poll the agent") {
-                break Some(status);
-            }
-            if socket.exists() {
-                break None;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the agent neither served nor exited"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let _ = agent.kill();
-        let output = agent.wait_with_output().expect("the agent's exit");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        match exited {
+        let mut all = vec!["--node", "node-1"];
+        all.extend_from_slice(flags);
+        let (code, stderr, made) = start_until_served_or_exited(&all, env);
+        let store_made = made.iter().any(|name| name == "store.sled");
+        match code {
             None => {
-                assert!(store.exists(), "serving without a store: {stderr}");
+                assert!(store_made, "serving without a store: {stderr}");
                 true
             }
-            Some(status) => {
-                assert_eq!(status.code(), Some(1), "{env:?} {flags:?}: {stderr}");
+            Some(code) => {
+                assert_eq!(code, 1, "{env:?} {flags:?}: {stderr}");
                 assert!(stderr.contains("no sled store at"), "{env:?}: {stderr}");
-                assert!(!store.exists(), "a refused start made the store");
+                assert!(made.is_empty(), "a refused start made {made:?}");
                 false
             }
         }
