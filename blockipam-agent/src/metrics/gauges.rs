@@ -376,29 +376,22 @@ impl Collector for ReclaimCollector {
                 counter.metric_type(),
             )?)?;
         }
-        let registered = ConstGauge::new(i64::from(
-            self.counters
-                .registered
-                .load(std::sync::atomic::Ordering::Relaxed),
-        ));
-        registered.encode(encoder.encode_descriptor(
-            "blockipam_agent_node_registered",
-            "1 while this agent's node is registered and its liveness key on a lease (etcd)",
-            None,
-            registered.metric_type(),
-        )?)?;
-        let leader = ConstGauge::new(i64::from(
-            self.counters
-                .reclaimer_leader
-                .load(std::sync::atomic::Ordering::Relaxed),
-        ));
-        leader.encode(encoder.encode_descriptor(
-            "blockipam_agent_reclaimer_leader",
-            "1 while this agent holds the reclaimer leader key (etcd): its blockipam_agent_nodes \
-             are current",
-            None,
-            leader.metric_type(),
-        )?)?;
+        for (name, help, flag) in [
+            (
+                "blockipam_agent_node_registered",
+                "1 while this agent's node is registered and its liveness key on a lease (etcd)",
+                &self.counters.registered,
+            ),
+            (
+                "blockipam_agent_reclaimer_leader",
+                "1 while this agent holds the reclaimer leader key (etcd): its \
+                 blockipam_agent_nodes are current",
+                &self.counters.reclaimer_leader,
+            ),
+        ] {
+            let gauge = ConstGauge::new(i64::from(flag.load(std::sync::atomic::Ordering::Relaxed)));
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
         let mut family = encoder.encode_descriptor(
             "blockipam_agent_nodes",
             "Registered nodes by state at this agent's last reclaim pass (reclaimer leader only)",
