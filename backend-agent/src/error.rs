@@ -20,8 +20,8 @@ pub(crate) fn connect_failed(socket: &Path, error: &io::Error) -> KvError {
              agent is not running (a socket left by a killed agent); restart blockipam-agent"
         )),
         io::ErrorKind::PermissionDenied => KvError::other(format!(
-            "not allowed to connect to the blockipam agent socket {shown}: {error} (only root and \
-             the agent's --allowed-uid users may)"
+            "not allowed to connect to the blockipam agent socket {shown}: {error} (only root, the \
+             agent's own user and its --allowed-uid users may)"
         )),
         _ => KvError::unavailable(format!(
             "cannot connect to the blockipam agent at {shown}: {error}"

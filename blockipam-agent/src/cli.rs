@@ -248,8 +248,8 @@ impl AgentArgs {
             etcd_request_timeout,
             ..RawDatastoreSettings::default()
         });
-        // The agent probes etcd at start (`lazy_connect` stays off), so that a wrong setting
-        // stops it at once.
+        // `run` turns `lazy_connect` on: an etcd unreachable at boot does not stop the agent
+        // (settings that cannot work, such as a missing key file, are still refused here).
         Ok(DatastoreSettings {
             lock_wait,
             create_if_missing: self.create_if_missing,

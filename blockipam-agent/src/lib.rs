@@ -213,8 +213,9 @@ pub async fn run_on(
         // A scrape in progress may hold the store: it is dropped here.
         metrics_server.stop().await;
     }
-    // `serve` has dropped every clone of the store it handed out: the store is closed here.
-    // An inherited socket has no guard: it stays, systemd's, and starts the agent again.
+    // `serve` has dropped every clone of the store it handed out; the store itself closes when
+    // this function returns, just after the socket is removed. An inherited socket has no guard:
+    // it stays, systemd's, and starts the agent again.
     drop(guard);
     tracing::info!(socket = %socket_shown, "blockipam-agent stopped");
     Ok(())

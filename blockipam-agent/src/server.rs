@@ -90,6 +90,9 @@ pub struct ServerConfig {
     pub served: StoreIdentity,
     /// Users besides root allowed to connect (checked with the socket's peer credentials).
     pub allowed_uids: Vec<u32>,
+    /// The user this agent runs as, allowed to connect too (it can open the store's files itself);
+    /// `None` when it cannot be told.
+    pub own_uid: Option<u32>,
     /// How long requests in flight at shutdown may take to finish before they are abandoned.
     pub drain_timeout: Duration,
     /// Requests one connection may have in flight; further ones wait to be read.
@@ -108,6 +111,7 @@ impl Default for ServerConfig {
                 etcd_prefix: None,
             },
             allowed_uids: Vec::new(),
+            own_uid: blockipam_store::effective_uid(),
             drain_timeout: Duration::from_secs(10),
             max_in_flight_per_connection: 64,
             metrics: None,
@@ -116,9 +120,10 @@ impl Default for ServerConfig {
 }
 
 impl ServerConfig {
-    /// True when a peer running as `uid` may use the store: root, or a configured uid.
+    /// True when a peer running as `uid` may use the store: root, the agent's own user, or a
+    /// configured uid.
     pub fn allows(&self, uid: u32) -> bool {
-        uid == 0 || self.allowed_uids.contains(&uid)
+        uid == 0 || self.own_uid == Some(uid) || self.allowed_uids.contains(&uid)
     }
 }
 
@@ -200,11 +205,14 @@ async fn serve_connection(
         tracing::warn!(
             uid,
             pid = ?pid,
-            "refused a connection: uid {uid} is not root and not an --allowed-uid"
+            "refused a connection: uid {uid} is not root, the agent's own user nor an --allowed-uid"
         );
         refuse(
             stream,
-            format!("uid {uid} is not allowed (only root and the agent's --allowed-uid users)"),
+            format!(
+                "uid {uid} is not allowed (only root, the agent's own user and its --allowed-uid \
+                 users)"
+            ),
         )
         .await;
         return;
@@ -529,5 +537,31 @@ fn encode(id: u64, response: Response) -> Option<Vec<u8>> {
             )
             .ok()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ServerConfig;
+
+    #[test]
+    fn root_the_agents_own_user_and_the_allowed_users_may_connect() {
+        let config = ServerConfig {
+            allowed_uids: vec![1001],
+            own_uid: Some(1000),
+            ..ServerConfig::default()
+        };
+        for (uid, allowed) in [(0, true), (1000, true), (1001, true), (1002, false)] {
+            assert_eq!(config.allows(uid), allowed, "uid {uid}");
+        }
+        let unknown_self = ServerConfig {
+            own_uid: None,
+            ..ServerConfig::default()
+        };
+        assert!(unknown_self.allows(0) && !unknown_self.allows(1000));
+        // By default the agent's own user is the one this process runs as.
+        let default = ServerConfig::default().own_uid;
+        assert!(default.is_some());
+        assert_eq!(default, blockipam_store::effective_uid());
     }
 }

@@ -93,10 +93,16 @@ pub fn bind(path: &Path, open_to_others: bool) -> Result<(UnixListener, SocketGu
     refuse_if_live(path)?;
     let directory = ipam_core::kv::durable::directory_of(path);
     if !directory.exists() {
+        let mode = if open_to_others { 0o711 } else { 0o700 };
+        // The mode is set again once made: the umask narrows what `mkdir` is given (under umask
+        // 077 the allowed users could not reach the socket).
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(if open_to_others { 0o711 } else { 0o700 })
+            .mode(mode)
             .create(directory)
+            .and_then(|()| {
+                std::fs::set_permissions(directory, std::fs::Permissions::from_mode(mode))
+            })
             .map_err(|e| {
                 AgentError::new(format!(
                     "cannot create the socket directory {}: {e}",

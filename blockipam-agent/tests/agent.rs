@@ -536,18 +536,30 @@ async fn peer_credentials_refuse_unallowed_uids_and_accept_allowed_ones() {
         "0",
         "this test switches users: run it as root (CI does)"
     );
-    for (allowed, expect_ok) in [(vec![4242], false), (vec![NOBODY], true)] {
+    // (allowed uids, the agent's own uid, whether nobody is served): an agent running as nobody
+    // serves nobody without naming it.
+    for (allowed, own_uid, expect_ok) in [
+        (vec![4242], Some(0), false),
+        (vec![NOBODY], Some(0), true),
+        (vec![], Some(NOBODY), true),
+        (vec![], None, false),
+    ] {
         let store: Arc<dyn KvStore> = Arc::new(ipam_core::MemoryStore::new());
         let agent = common::InProcessAgent::serve_on_current_runtime(
             Arc::clone(&store),
             ServerConfig {
                 allowed_uids: allowed.clone(),
+                own_uid,
                 ..ServerConfig::default()
             },
         );
         // The temporary directory is the agent's to protect; open it so `nobody` reaches the socket.
         let dir = agent.socket.parent().expect("socket dir");
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        // And the socket, which an agent running as nobody would own: what is left to keep a
+        // peer out is its credentials.
+        std::fs::set_permissions(&agent.socket, std::fs::Permissions::from_mode(0o666))
+            .expect("chmod the socket");
         // Root is always allowed.
         agent
             .client()
@@ -968,5 +980,47 @@ fn switch_variables_are_off_for_falsey_and_empty_values_and_on_otherwise() {
             serves(&[(variable, "")], &["--create-if-missing"]),
             "{variable}= stopped the agent"
         );
+    }
+}
+
+/// The socket directory the agent makes has the mode it means whatever the umask: 0711 with
+/// `--allowed-uid` (so that the allowed users reach the socket), 0700 without.
+#[test]
+fn the_socket_directory_gets_its_mode_whatever_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    for (flags, wanted) in [(&["--allowed-uid", "4242"][..], 0o711), (&[][..], 0o700)] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("run/agent.sock");
+        // Started by a shell that sets the umask first.
+        let mut command = Command::new("sh");
+        command
+            .env_clear()
+            .args(["-c", "umask 077 && exec \"$0\" \"$@\"", AGENT])
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--datastore-path")
+            .arg(dir.path().join("store.sled"))
+            .args(["--create-if-missing", "--node", "node-1"])
+            .args(flags)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut agent = command.spawn().expect("start the agent");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            assert!(
+                agent.try_wait().expect("poll the agent").is_none(),
+                "the agent exited before serving"
+            );
+            assert!(Instant::now() < deadline, "the agent did not serve");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mode = std::fs::metadata(socket.parent().expect("socket directory"))
+            .expect("the socket directory")
+            .permissions()
+            .mode()
+            & 0o7777;
+        let _ = agent.kill();
+        let _ = agent.wait();
+        assert_eq!(mode, wanted, "{flags:?}: mode {mode:o}");
     }
 }
