@@ -31,6 +31,7 @@ macro_rules! repair_conformance_tests {
             a_release_acts_on_the_block_its_claim_names_not_on_a_copy_under_another_host,
             repair_deletes_orphaned_owner_keys_and_holds_back_a_block_whose_owner_key_is_missing,
             an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the_pods_del_still_frees_it,
+            a_missing_owner_keys_address_is_freed_by_its_handles_release,
             an_owner_key_deleted_by_a_del_between_a_lookups_two_reads_is_not_taken_for_missing,
             release_host_gives_up_on_blocks_that_keep_conflicting_and_names_them,
             release_host_splits_blocks_too_many_for_one_transaction,
@@ -771,6 +772,57 @@ pub async fn an_owner_key_that_cannot_be_decoded_is_reported_and_refused_and_the
         "the damaged key outlived the DEL"
     );
     assert_clean(&ipam).await;
+}
+
+/// An owner key missing with no backup to restore it from: `check` names the handle held back
+/// beside it, and a release by that handle (the pod's DEL, `release --handle`) frees the address,
+/// the handle recording the pod's metadata, while a release by address stays refused; the store is
+/// clean after it and the other pod's address untouched.
+pub async fn a_missing_owner_keys_address_is_freed_by_its_handles_release<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, ipam) = ipam_with_pool(factory, "10.24.0.0/24", 28).await;
+    let lost_ip = assign_one(&ipam, "pod-1", "node-a").await;
+    let other_ip = assign_one(&ipam, "pod-2", "node-a").await;
+    let key = owner_key_of(&ipam, lost_ip).await;
+    t.store.delete(&key).await.expect("delete the owner key");
+    let released = ipam
+        .release_ips(&[ReleaseRequest {
+            ip: lost_ip,
+            sequence: None,
+        }])
+        .await;
+    assert!(
+        matches!(&released, Err(IpamError::Corrupt { key: named, .. }) if *named == key),
+        "{released:?}"
+    );
+    let report = ipam.check(false).await.expect("check");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::MISSING_OWNER_KEY && p.detail.contains(&lost_ip.to_string())),
+        "the missing owner key is not reported: {report:#?}"
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.kind == kinds::HANDLE_COUNT && p.detail.contains("\"pod-1\"")),
+        "the handle holding the address is not named: {report:#?}"
+    );
+    assert_eq!(
+        ipam.release_handle("pod-1").await.expect("release pod-1"),
+        vec![lost_ip]
+    );
+    assert_clean(&ipam).await;
+    assert!(
+        ipam.get_assignment(other_ip)
+            .await
+            .expect("the other address reads")
+            .is_some(),
+        "the other pod's address was released"
+    );
 }
 
 /// A pod's DEL lands between a lookup's read of the address's block and its read of the address's

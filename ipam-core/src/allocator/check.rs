@@ -150,10 +150,12 @@ pub mod kinds {
             }
             ORPHANED_OWNER_KEY => "Run `blockipamctl check --repair`: it deletes the key.",
             MISSING_OWNER_KEY => {
-                "The address stays held, so it is never handed out twice, but its holder is \
-                 unknown: restore the key from a backup or store snapshot. When the address's \
-                 pod is gone, release the address (`blockipamctl release --ip`). Until then, \
-                 repairs of the block's handles, claim index entry and emptiness are held back."
+                "The address stays held, so it is never handed out twice, but its owner key is \
+                 lost: restore the key from a backup or store snapshot. When the address's pod is \
+                 gone, release it by its handle, which the `handle-count-mismatch` line beside \
+                 this one names (the pod's DEL, or `blockipamctl release --handle`); a release by \
+                 address is refused. Until then, repairs of the block's handles, claim index \
+                 entry and emptiness are held back."
             }
             UNRECORDED_LIVE_ADDRESS => {
                 "A live pod uses an address the store holds as free, so it may be handed to \
