@@ -326,6 +326,19 @@ pub async fn a_block_stored_twice_is_reported_and_its_claim_entry_left_alone<F: 
                 && p.detail.contains(&second)),
         "the block stored twice is not reported: {report:#?}"
     );
+    // The copy's claim mismatch is reported as what it is: not repairable (the repair leaves it).
+    let claim_mismatches: Vec<_> = report
+        .problems
+        .iter()
+        .filter(|p| p.kind == kinds::CLAIM_MISMATCH)
+        .collect();
+    assert!(
+        !claim_mismatches.is_empty()
+            && claim_mismatches
+                .iter()
+                .all(|p| !p.repairable && p.detail.contains("stored twice")),
+        "a claim mismatch of the block stored twice is offered as repairable: {report:#?}"
+    );
 }
 
 /// One block stored twice, its copy (holding the same address) left under another host's full

@@ -469,6 +469,16 @@ impl Ipam {
         // addresses kept apart (the blocks and owner keys are the authority).
         let mut expected_handles: BTreeMap<String, Handle> = BTreeMap::new();
         let mut seen_cidrs: BTreeMap<IpNet, String> = BTreeMap::new();
+        // A CIDR stored at two keys needs a person: its claim entry is not rewritten from either.
+        let stored_twice: BTreeSet<IpNet> = {
+            let mut once = BTreeSet::new();
+            snapshot
+                .blocks
+                .iter()
+                .filter(|stored| !once.insert(stored.value.cidr))
+                .map(|stored| stored.value.cidr)
+                .collect()
+        };
         let mixed_pools = self.pools_with_mixed_sizes(&snapshot.pools).await?;
         overlapping_blocks(&snapshot.blocks, &mut report);
 
@@ -605,6 +615,14 @@ impl Ipam {
                 Some(_) => None,
             };
             if let Some(detail) = claim_problem {
+                let (repairable, note) = if stored_twice.contains(&block.cidr) {
+                    (
+                        false,
+                        "; not repaired while the block is stored twice".to_owned(),
+                    )
+                } else {
+                    (repairable, note)
+                };
                 report.problems.push(
                     Problem::new(kinds::CLAIM_MISMATCH, repairable, format!("{detail}{note}"))
                         .with_block(block),
