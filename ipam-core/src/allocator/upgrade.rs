@@ -329,10 +329,10 @@ impl Ipam {
             Some(revision) => Condition::at_revision(&key, revision),
             None => Condition::absent(&key),
         };
-        // The configuration is rewritten in the new format in the same write: every ADD of a
-        // binary that reads only older formats reads it, and so refuses the store at once (and
-        // writes nothing) rather than failing later, object by object. Their DELs, which do not
-        // read it, keep releasing what they hold in objects still in the older format.
+        // The configuration is rewritten in the new format in the same write: every call of a
+        // binary that reads only older formats and reads it (ADDs; the format-4 and format-5
+        // releases' DELs, for the cooldown) refuses the store at once, writing nothing, rather
+        // than failing later, object by object. The format-3 release's DELs do not read it.
         let config_kv = self.store().get(&keys::config()).await?;
         let config_condition = match &config_kv {
             Some(kv) => Condition::at_revision(&kv.key, kv.revision),
