@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::{chown, symlink};
 use std::path::Path;
 use std::sync::OnceLock;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backend_etcd::{EtcdConfig, EtcdStore};
 use blockipam_store::DatastoreType;
@@ -309,9 +309,21 @@ fn bad_tls_settings_and_credentials_fail_clearly_by_their_deadline_and_write_not
             case.keys.clone(),
             json!({"timeout_seconds": DEADLINE_SECONDS}),
         );
+        let started = Instant::now();
         let outcome = run_plugin("ADD", "c1", &netconf);
+        let took = started.elapsed();
         let message = outcome.assert_error(case.code, case.what);
-        eprintln!("{}: code {}: {message}", case.what, case.code);
+        eprintln!(
+            "{}: code {} after {took:?}: {message}",
+            case.what, case.code
+        );
+        // By its deadline: the slack covers starting the process, not waiting on etcd (the hang
+        // guard is 90 s).
+        assert!(
+            took < Duration::from_secs(DEADLINE_SECONDS + 10),
+            "{}: answered after {took:?}, past its deadline of {DEADLINE_SECONDS}s",
+            case.what
+        );
         assert!(message.contains(&case.says), "{}: {message}", case.what);
         assert_no_secret(&outcome, case.what);
     }
