@@ -801,6 +801,95 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
     drop(cluster);
 }
 
+/// An agent that keeps crashing and being restarted (killed, left down longer than its lease's TTL
+/// so that its liveness key goes and the reclaimer starts a countdown, then started again) never
+/// gets its node reclaimed, however long it loops past the grace: each start registers the node
+/// again, which clears the mark before the countdown runs out. Its pod keeps its block and address.
+#[test]
+fn a_crash_looping_agents_node_is_never_reclaimed() {
+    const GRACE: &str = "4";
+    const CYCLES: usize = 6;
+    let cluster = EtcdCluster::start(1).expect("an etcd (package etcd-server)");
+    let endpoints = cluster.endpoints().join(",");
+    let prefix = unique_prefix();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (runtime, store) = connect(&cluster, &prefix);
+    let socket = |node: &str| dir.path().join(format!("{node}.sock"));
+    // node-a's agent stays up and leads the reclaim.
+    let agent_a =
+        Agent::start_with_grace("node-a", &socket("node-a"), &endpoints, &prefix, GRACE, &[]);
+    let start_b =
+        || Agent::start_with_grace("node-b", &socket("node-b"), &endpoints, &prefix, GRACE, &[]);
+    let registered_and_live = |node: &'static str| {
+        wait_until(
+            &runtime,
+            &format!("{node} is registered and live, unmarked"),
+            || async {
+                is_live(&store, node).await
+                    && registration(&store, node)
+                        .await
+                        .is_some_and(|r| r.missing_mark.is_none())
+            },
+        );
+    };
+    let mut agent_b = start_b();
+    registered_and_live("node-a");
+    registered_and_live("node-b");
+    let conf_b = netconf(
+        "node-b",
+        &socket("node-b").display().to_string(),
+        &endpoints,
+        &prefix,
+        &dir.path().join("node-b.lock"),
+    );
+    let (status, stdout) = cni_add("node-b-pod", &conf_b);
+    assert_eq!(status, 0, "ADD on node-b: {stdout}");
+
+    let mut marked = 0;
+    for cycle in 0..CYCLES {
+        agent_b.signal("KILL");
+        drop(agent_b);
+        // Down until its liveness key is gone and the reclaimer marked the node (a countdown of
+        // the grace runs), then as long again: well within the grace, never past it.
+        wait_until(
+            &runtime,
+            &format!("cycle {cycle}: node-b is marked missing"),
+            || async {
+                !is_live(&store, "node-b").await
+                    && registration(&store, "node-b")
+                        .await
+                        .is_some_and(|r| r.missing_mark.is_some())
+            },
+        );
+        marked += 1;
+        std::thread::sleep(Duration::from_secs(1));
+        let held = runtime.block_on(registration(&store, "node-b"));
+        assert!(
+            held.as_ref().is_some_and(|r| !r.blocks_released),
+            "cycle {cycle}: node-b was reclaimed while its agent crash-loops: {held:?}"
+        );
+        agent_b = start_b();
+        registered_and_live("node-b");
+    }
+    assert_eq!(marked, CYCLES);
+    // Another grace and more after the last start: still nothing reclaimed.
+    std::thread::sleep(Duration::from_secs(5));
+    let held = runtime.block_on(registration(&store, "node-b"));
+    assert!(
+        held.as_ref().is_some_and(|r| !r.blocks_released),
+        "{held:?}"
+    );
+    assert_eq!(runtime.block_on(blocks_of(&store, "node-b")), 1);
+    assert_eq!(runtime.block_on(addresses_of(&store, "node-b")), 1);
+    assert!(
+        !agent_a.log().contains("dead node reclaimed"),
+        "{}",
+        agent_a.log()
+    );
+    drop(agent_b);
+    drop(agent_a);
+}
+
 /// Waits (bounded) until `sample` reads `wanted`.
 fn wait_for_sample(sample: impl Fn() -> f64, wanted: f64, what: &str) {
     let deadline = std::time::Instant::now() + WAIT_LIMIT;
