@@ -248,8 +248,7 @@ impl AgentArgs {
             etcd_request_timeout,
             ..RawDatastoreSettings::default()
         });
-        // `run` turns `lazy_connect` on: an etcd unreachable at boot does not stop the agent
-        // (settings that cannot work, such as a missing key file, are still refused here).
+        // `run` turns `lazy_connect` on: an etcd unreachable at boot does not stop the agent.
         Ok(DatastoreSettings {
             lock_wait,
             create_if_missing: self.create_if_missing,
