@@ -176,10 +176,15 @@ async fn a_key_put_renewed_lives_the_whole_ttl_from_its_put_not_from_the_grant()
         .put_renewed(renewed, "countdown/renewed", b"renewed")
         .await
         .expect("put renewed");
-    let plain_left = seconds_left(&endpoints, plain).await;
+    // The renewed lease is read first: a stall between the two reads only widens the gap, and
+    // the renewed one restarted some 3 s after the plain one's grant.
     let renewed_left = seconds_left(&endpoints, renewed).await;
+    let plain_left = seconds_left(&endpoints, plain).await;
     assert!(plain_left <= 57, "plain put: {plain_left} s left");
-    assert!(renewed_left >= 59, "renewed put: {renewed_left} s left");
+    assert!(
+        renewed_left >= plain_left + 2,
+        "renewed put: {renewed_left} s left, plain put: {plain_left} s left"
+    );
     let stored = store
         .get("countdown/renewed")
         .await
