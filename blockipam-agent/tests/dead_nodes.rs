@@ -778,8 +778,10 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
 
     // The link heals: node-b's agent takes a new lease and registers again (a registration made
     // after the heal, not only marks a reclaimer cleared); the marks go.
-    proxy.heal();
+    // (The time is taken before the heal: a stall between the two cannot put it after the
+    // registration.)
     let healed_at = test_kit::unix_now();
+    proxy.heal();
     wait_until(
         &runtime,
         "node-b is live and registered again, the reclaim's marks cleared",

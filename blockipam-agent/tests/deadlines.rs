@@ -119,11 +119,19 @@ async fn a_read_after_a_commit_its_caller_gave_up_on_waits_for_the_outcome() {
         common::InProcessAgent::serve_on_current_runtime(engine.clone(), ServerConfig::default());
     let giving_up = agent.client().await;
     let next = Arc::new(agent.client().await);
-    // A call's commit starts in time and then outlives its caller's deadline.
+    // A call's commit starts in time and then outlives its caller's deadline (long enough for
+    // the request to reach the agent on a loaded machine; were it late, the agent would refuse it
+    // unstarted and the wait below would fail, not hang).
     let commit = tokio::spawn(async move {
-        within(Instant::now() + SHORT, giving_up.commit(put(HELD, "1"))).await
+        within(
+            Instant::now() + Duration::from_secs(3),
+            giving_up.commit(put(HELD, "1")),
+        )
+        .await
     });
-    engine.held_started.notified().await;
+    tokio::time::timeout(Duration::from_secs(30), engine.held_started.notified())
+        .await
+        .expect("the commit started within its deadline");
     let gave_up = commit.await.expect("task");
     assert!(
         matches!(gave_up, Err(KvError::Indeterminate { .. })),

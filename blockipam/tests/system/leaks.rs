@@ -281,6 +281,11 @@ impl LeakNode {
     /// Starts the real agent on the store, with leak collection at the test's grace and
     /// interval, against this node's containerd.
     fn start_agent(&mut self) {
+        self.start_agent_looking_every(SCAN_SECONDS);
+    }
+
+    /// [`start_agent`](Self::start_agent), looking every `scan_seconds`.
+    fn start_agent_looking_every(&mut self, scan_seconds: u64) {
         assert!(self.agent.is_none(), "the agent runs already");
         let flags: Vec<std::ffi::OsString> = [
             "--datastore-type",
@@ -296,7 +301,7 @@ impl LeakNode {
             "--leak-grace-seconds",
             &GRACE_SECONDS.to_string(),
             "--leak-scan-seconds",
-            &SCAN_SECONDS.to_string(),
+            &scan_seconds.to_string(),
             "--metrics-listen",
             &format!("127.0.0.1:{}", self.port),
         ]
@@ -757,7 +762,9 @@ fn a_pod_whose_del_failed_is_kept_while_its_sandbox_exists_and_collected_with_th
         None,
         &["release", "--ip", &recreated.to_string()],
     );
-    node.start_agent();
+    // Looking once a minute: the first look is the only one within the wait, however slow the
+    // machine.
+    node.start_agent_looking_every(60);
     let mut looks = 0;
     wait_until("the restored store's lost address recorded again", || {
         let done = node.metric("blockipam_agent_addresses_reasserted_total") == Some(1.0);
