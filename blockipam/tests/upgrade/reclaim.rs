@@ -1,10 +1,10 @@
 //! Today's agents reclaiming (etcd): a node of the previous release dies, today's agent on another node releases its blocks in format 3 and keeps its addresses, both releases' nodes keep working, and the node comes back with the previous agent.
 //!
-//! old-2 runs the previous release's agent (registered, its liveness key on a lease of 1 s) and
+//! old-2 runs the previous release's agent (registered, its liveness key on a lease of 3 s) and
 //! plugin, fills its block of the main pool with six containers and leaves an empty block in the
-//! other pool. Today's agent on new-1 reclaims, with the shortest liveness TTL, grace and interval
-//! its flags allow (1 s each) and the empty-block release off, so that what it does is the
-//! dead-node reclaim alone. old-2's agent is SIGKILLed and its plugin makes no call: old-1 (the
+//! other pool. Today's agent on new-1 reclaims, with a liveness TTL and grace of 3 s (short, yet
+//! three times what a keep-alive stalled on a loaded machine may miss), a pass every second and the
+//! empty-block release off, so that what it does is the dead-node reclaim alone. old-2's agent is SIGKILLed and its plugin makes no call: old-1 (the
 //! previous plugin) and new-1 (today's) ADD and DEL throughout, until the reclaim is seen. Then
 //! old-2 owns no block (the empty one deleted, the full one without a host, rewritten with its
 //! claim in format 3), its six addresses are kept, and `check` of both releases is clean. The
@@ -49,8 +49,11 @@ use crate::{previous_cli_adds_the_other_pool, previous_release_sets_up};
 /// The stored format every writer writes until the upgrade is finalized, and the only one the
 /// previous release reads.
 const PREVIOUS_FORMAT: u8 = 3;
-/// The shortest liveness TTL, grace and reclaim interval the agents' flags allow (seconds).
-const SHORTEST_SECONDS: &str = "1";
+/// The agents' liveness TTL and today's dead-node grace (seconds): short, with room for a
+/// keep-alive or a pass delayed a second or two on a loaded machine.
+const TTL_AND_GRACE_SECONDS: &str = "3";
+/// Today's reclaim interval: the shortest its flags allow (seconds).
+const RECLAIM_INTERVAL_SECONDS: &str = "1";
 /// Longest the test waits for a node to be registered and live, or back.
 const REGISTRATION_BOUND: Duration = Duration::from_secs(30);
 /// Longest the test waits, from old-2's death, for its reclaim: about TTL + grace + two
@@ -172,15 +175,15 @@ fn start_previous_agent(
         "--node",
         node.name,
         "--liveness-ttl-seconds",
-        SHORTEST_SECONDS,
+        TTL_AND_GRACE_SECONDS,
     ]
     .map(OsString::from)
     .into();
     PreviousAgent::start_with_flags(cluster.previous(), &socket, &flags, dir.join(log_name))
 }
 
-/// Today's agent of new-1 on the cluster's etcd, as the reclaimer: the shortest TTL, grace and
-/// interval, and no empty-block release.
+/// Today's agent of new-1 on the cluster's etcd, as the reclaimer: short TTL, grace and interval,
+/// and no empty-block release.
 fn start_todays_reclaimer(cluster: &MixedCluster, dir: &Path) -> InProcessAgent {
     let (endpoint, prefix) = cluster.etcd_location().expect("an etcd store");
     let flags: Vec<OsString> = [
@@ -193,11 +196,11 @@ fn start_todays_reclaimer(cluster: &MixedCluster, dir: &Path) -> InProcessAgent 
         "--node",
         NEW_1.name,
         "--liveness-ttl-seconds",
-        SHORTEST_SECONDS,
+        TTL_AND_GRACE_SECONDS,
         "--dead-node-grace-seconds",
-        SHORTEST_SECONDS,
+        TTL_AND_GRACE_SECONDS,
         "--reclaim-interval-seconds",
-        SHORTEST_SECONDS,
+        RECLAIM_INTERVAL_SECONDS,
         "--empty-block-release-seconds",
         "0",
     ]
