@@ -654,7 +654,22 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         1.0,
         "node-a's agent is registered",
     );
+    // Registered once per lease: two passes later neither registration was written again.
+    let registrations = || {
+        ["node-a", "node-b"].map(|node| {
+            runtime
+                .block_on(store.get(&agent_key(node)))
+                .expect("read a registration")
+                .map(|kv| kv.revision)
+        })
+    };
+    let registered_before = registrations();
     std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        registrations(),
+        registered_before,
+        "an agent registered its node again on the lease it has"
+    );
     assert_eq!(
         leading(&agent_a),
         0.0,
@@ -699,6 +714,16 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         || leading(&agent_b),
         0.0,
         "node-b's agent, cut off, stops leading",
+    );
+    wait_for_sample(
+        || {
+            common::sample(
+                &common::scrape(&agent_b.log()),
+                "blockipam_agent_node_registered",
+            )
+        },
+        0.0,
+        "node-b's agent, its lease lost, no longer says its node is registered",
     );
     // node-a's agent, the only one that could reclaim, counts what it did (its counters move
     // once the pass that wrote the mark has returned): one node, its one block, no address.
@@ -791,6 +816,16 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
                     r.registered_at >= healed_at && !r.blocks_released && r.missing_mark.is_none()
                 })
         },
+    );
+    wait_for_sample(
+        || {
+            common::sample(
+                &common::scrape(&agent_b.log()),
+                "blockipam_agent_node_registered",
+            )
+        },
+        1.0,
+        "node-b's agent, registered again, says so",
     );
     // node-b's runtime tears its pods down: each DEL releases its address.
     for pod in 0..3 {
