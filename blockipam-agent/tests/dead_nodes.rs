@@ -608,6 +608,12 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
             "blockipam_agent_reclaimer_leader",
         )
     };
+    let registered = |agent: &Agent| {
+        common::sample(
+            &common::scrape(&agent.log()),
+            "blockipam_agent_node_registered",
+        )
+    };
     // node-b's agent first: it takes the reclaimer leadership, and says so. (One computation of
     // its store gauges, while etcd answers: later scrapes, while it is cut off, reuse it.)
     let agent_b = Agent::start_with_grace(
@@ -644,16 +650,7 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         );
     }
     // node-a's agent finds the leader key taken, at each of its passes (one a second).
-    wait_for_sample(
-        || {
-            common::sample(
-                &common::scrape(&agent_a.log()),
-                "blockipam_agent_node_registered",
-            )
-        },
-        1.0,
-        "node-a's agent is registered",
-    );
+    wait_for_sample(|| registered(&agent_a), 1.0, "node-a's agent is registered");
     // Registered once per lease: two passes later neither registration was written again.
     let registrations = || {
         ["node-a", "node-b"].map(|node| {
@@ -716,12 +713,7 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         "node-b's agent, cut off, stops leading",
     );
     wait_for_sample(
-        || {
-            common::sample(
-                &common::scrape(&agent_b.log()),
-                "blockipam_agent_node_registered",
-            )
-        },
+        || registered(&agent_b),
         0.0,
         "node-b's agent, its lease lost, no longer says its node is registered",
     );
@@ -818,12 +810,7 @@ fn a_node_cut_off_from_etcd_past_the_grace_keeps_its_running_pods_addresses() {
         },
     );
     wait_for_sample(
-        || {
-            common::sample(
-                &common::scrape(&agent_b.log()),
-                "blockipam_agent_node_registered",
-            )
-        },
+        || registered(&agent_b),
         1.0,
         "node-b's agent, registered again, says so",
     );
