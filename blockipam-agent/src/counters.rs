@@ -1,7 +1,9 @@
 //! Counters and gauges the agent's background work keeps (liveness, dead-node reclaim) and its
 //! metrics endpoint reads.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 /// What this agent's dead-node reclaimer has done since it started. Shared (behind an `Arc`)
 /// between the reclaimer, which adds to it, and the metrics endpoint, which reads it.
@@ -9,8 +11,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 pub struct ReclaimCounters {
     /// Dead nodes whose blocks this agent released (their addresses are kept).
     pub dead_nodes_reclaimed: AtomicU64,
-    /// Addresses released on account of dead nodes.
-    pub addresses_reclaimed: AtomicU64,
     /// Blocks whose affinity was released (deleted when empty) on account of dead nodes.
     pub blocks_released: AtomicU64,
     /// Whether this agent's node is registered and its liveness key on a lease (false while
@@ -38,11 +38,9 @@ pub const NODE_STATES: [&str; 6] = [
 ];
 
 impl ReclaimCounters {
-    /// Adds one reclaimed node with the addresses and blocks released for it.
-    pub fn record_node(&self, addresses: u64, blocks: u64) {
+    /// Adds one reclaimed node with the blocks released for it (its addresses are kept).
+    pub fn record_node(&self, blocks: u64) {
         self.dead_nodes_reclaimed.fetch_add(1, Ordering::Relaxed);
-        self.addresses_reclaimed
-            .fetch_add(addresses, Ordering::Relaxed);
         self.blocks_released.fetch_add(blocks, Ordering::Relaxed);
     }
 
@@ -58,11 +56,10 @@ impl ReclaimCounters {
         [0, 1, 2, 3, 4, 5].map(|i| self.nodes_by_state[i].load(Ordering::Relaxed))
     }
 
-    /// The three counts, in field order.
-    pub fn snapshot(&self) -> (u64, u64, u64) {
+    /// The reclaimed nodes and their released blocks.
+    pub fn snapshot(&self) -> (u64, u64) {
         (
             self.dead_nodes_reclaimed.load(Ordering::Relaxed),
-            self.addresses_reclaimed.load(Ordering::Relaxed),
             self.blocks_released.load(Ordering::Relaxed),
         )
     }
@@ -86,6 +83,34 @@ pub struct LeakCounters {
     pub unrecorded_addresses: AtomicU64,
     /// Addresses released as leaks.
     pub released: AtomicU64,
+    /// The same addresses by (pool name, node), as Calico's garbage collector counts its
+    /// reclamations.
+    pub released_by_pool: Mutex<BTreeMap<(String, String), u64>>,
     /// Live pods' addresses the store recorded as free, recorded for them again.
     pub reasserted: AtomicU64,
+}
+
+impl LeakCounters {
+    /// Counts one address released as a leak of `node` for each name in `pools`: the pool the
+    /// address lay in.
+    pub fn record_released<'a>(&self, node: &str, pools: impl IntoIterator<Item = &'a str>) {
+        let mut by_pool = self
+            .released_by_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for pool in pools {
+            self.released.fetch_add(1, Ordering::Relaxed);
+            *by_pool
+                .entry((pool.to_owned(), node.to_owned()))
+                .or_default() += 1;
+        }
+    }
+
+    /// The released leaks by (pool name, node).
+    pub fn released_by_pool(&self) -> BTreeMap<(String, String), u64> {
+        self.released_by_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
 }

@@ -24,6 +24,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::counters::LeakCounters;
+use crate::metrics::NO_POOL_LABEL;
 use crate::{AgentArgs, AgentError};
 
 /// What `--leak-collection` asks for.
@@ -195,7 +196,7 @@ async fn run_loop(
                         warn_undecodable(&decisions, &mut undecodable_logged);
                         write_report(&settings, view.observed_at, None, Some(&decisions));
                         if settings.release && !decisions.leaked.is_empty() {
-                            release(&ipam, &decisions, &counters).await;
+                            release(&ipam, &settings.node, &decisions, &counters).await;
                         }
                         let recorded_again = if settings.release {
                             reassert(&ipam, &settings, &decisions, &counters).await
@@ -350,13 +351,19 @@ fn report(
     *reported = now_seen;
 }
 
-/// Releases what the look decided, logging each address.
-async fn release(ipam: &Ipam, decisions: &LeakDecisions, counters: &LeakCounters) {
+/// Releases what the look decided, logging each address and counting it by its pool.
+async fn release(ipam: &Ipam, node: &str, decisions: &LeakDecisions, counters: &LeakCounters) {
     match ipam.release_leaked(&decisions.leaked).await {
         Ok(outcome) => {
-            counters
-                .released
-                .fetch_add(outcome.released.len() as u64, Ordering::Relaxed);
+            counters.record_released(
+                node,
+                outcome.released.iter().map(|address| {
+                    decisions
+                        .leaked_pools
+                        .get(address)
+                        .map_or(NO_POOL_LABEL, String::as_str)
+                }),
+            );
             for missing in &decisions.leaked {
                 let attributes = &missing.allocation.attributes;
                 let field = |key: &str| attributes.get(key).map_or("", String::as_str);

@@ -391,12 +391,9 @@ fn blocks_released(release: &HostRelease) -> usize {
     release.deleted_blocks.len() + release.unassigned_blocks.len()
 }
 
-/// Counts one reclaimed node with the addresses and blocks its release let go of.
+/// Counts one reclaimed node with the blocks its release let go of.
 fn record_release(release: &HostRelease, counters: &ReclaimCounters) {
-    counters.record_node(
-        release.released_addresses.len() as u64,
-        blocks_released(release) as u64,
-    );
+    counters.record_node(blocks_released(release) as u64);
 }
 
 /// Liveness and the reclaimer, started in the background: the agent serves its socket at once,
@@ -550,13 +547,8 @@ mod tests {
         }
     }
 
-    fn counted(counters: &ReclaimCounters) -> (u64, u64, u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        (
-            counters.dead_nodes_reclaimed.load(Relaxed),
-            counters.addresses_reclaimed.load(Relaxed),
-            counters.blocks_released.load(Relaxed),
-        )
+    fn counted(counters: &ReclaimCounters) -> (u64, u64) {
+        counters.snapshot()
     }
 
     /// A reclaimed node is counted with its deleted and unassigned blocks; so is one whose
@@ -580,17 +572,17 @@ mod tests {
         ] {
             report(&outcome(quiet), &counters);
         }
-        assert_eq!(counted(&counters), (0, 0, 0));
+        assert_eq!(counted(&counters), (0, 0));
 
         report(&outcome(NodeAction::Reclaimed(release(2, 3, 0))), &counters);
-        assert_eq!(counted(&counters), (1, 0, 5));
+        assert_eq!(counted(&counters), (1, 5));
 
         let stopped = NodeAction::Stopped {
             key: "guard".into(),
             released: Some(release(3, 4, 1)),
         };
         report(&outcome(stopped), &counters);
-        assert_eq!(counted(&counters), (2, 1, 12));
+        assert_eq!(counted(&counters), (2, 12));
     }
 
     /// Without `--node` the agent takes the name a plugin whose netconf names no node takes:

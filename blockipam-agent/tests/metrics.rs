@@ -394,9 +394,11 @@ fn scrape_reports_pools_allocations_blocks_and_agent_counters_and_passes_promtoo
         value(&samples, "blockipam_agent_requests_in_flight", &[]),
         0.0
     );
-    assert_eq!(
-        value(&samples, "ipam_allocations_gc_reclamations_total", &[]),
-        0.0
+    // No leak was released: Calico's reclamation counter (by pool and node) has no sample yet,
+    // as Calico's has none before its first reclamation.
+    assert!(
+        !samples.contains_key("ipam_allocations_gc_reclamations_total"),
+        "{samples:#?}"
     );
     // The agent's own counters saw the plugin calls and the allocator calls above.
     for kind in ["read_many", "commit"] {

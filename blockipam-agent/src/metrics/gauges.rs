@@ -350,13 +350,8 @@ pub(super) struct ReclaimCollector {
 
 impl Collector for ReclaimCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let (nodes, addresses, blocks) = self.counters.snapshot();
+        let (nodes, blocks) = self.counters.snapshot();
         for (name, help, value) in [
-            (
-                "ipam_allocations_gc_reclamations",
-                "Addresses released by this agent's dead-node reclaim",
-                addresses,
-            ),
             (
                 "blockipam_agent_dead_nodes_reclaimed",
                 "Dead nodes whose blocks this agent released (their addresses are kept)",
@@ -416,6 +411,18 @@ impl Collector for LeakCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use std::sync::atomic::Ordering::Relaxed;
         let c = &self.counters;
+        let mut family = encoder.encode_descriptor(
+            "ipam_allocations_gc_reclamations",
+            "Addresses this agent released because their container was gone from the container \
+             runtime at every look for the grace, by pool and node (Calico's garbage collector \
+             reclamations)",
+            None,
+            MetricType::Counter,
+        )?;
+        for ((pool, node), count) in c.released_by_pool() {
+            let labels = [("ippool", pool.as_str()), ("node", node.as_str())];
+            ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+        }
         for (name, help, value) in [
             (
                 "blockipam_agent_leaks_released",

@@ -340,14 +340,16 @@ fn metrics_are_equal_only_to_themselves() {
 }
 
 /// The leak collection's counters and last-look gauges are each a sample of a scrape, with the
-/// values the collection recorded.
+/// values the collection recorded; its releases also by pool and node, as Calico's garbage
+/// collector counts its reclamations.
 #[tokio::test]
 async fn the_leak_collections_counters_and_gauges_are_scraped() {
     use std::sync::atomic::Ordering::Relaxed;
     let leaks = Arc::new(crate::counters::LeakCounters::default());
     leaks.runtime_answering.store(true, Relaxed);
+    leaks.record_released("node-a", ["pool-one", "no_ippool"]);
+    leaks.record_released("node-a", ["pool-one"]);
     for (counter, value) in [
-        (&leaks.released, 2),
         (&leaks.reasserted, 3),
         (&leaks.looks, 5),
         (&leaks.unanswered_looks, 7),
@@ -362,7 +364,10 @@ async fn the_leak_collections_counters_and_gauges_are_scraped() {
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
     let text = metrics.scrape(&Arc::downgrade(&store), false).await;
     for sample in [
-        "blockipam_agent_leaks_released_total 2\n",
+        "blockipam_agent_leaks_released_total 3\n",
+        "# TYPE ipam_allocations_gc_reclamations_total counter\n",
+        "ipam_allocations_gc_reclamations_total{ippool=\"no_ippool\",node=\"node-a\"} 1\n",
+        "ipam_allocations_gc_reclamations_total{ippool=\"pool-one\",node=\"node-a\"} 2\n",
         "blockipam_agent_addresses_reasserted_total 3\n",
         "blockipam_agent_runtime_looks_total 5\n",
         "blockipam_agent_runtime_looks_unanswered_total 7\n",

@@ -431,6 +431,10 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
         metric(port, "blockipam_agent_leaks_released_total"),
         Some(1.0)
     );
+    // Calico's counter of its garbage collector's reclamations counts the same, by pool and node.
+    let reclamations =
+        format!("ipam_allocations_gc_reclamations_total{{ippool=\"leak-pool\",node=\"{NODE}\"}}");
+    assert_eq!(metric(port, &reclamations), Some(1.0));
     for (id, address) in &live {
         assert_eq!(
             holder(sandbox, agent_socket, *address),
@@ -571,6 +575,7 @@ fn the_agent_collects_what_containerd_no_longer_runs_and_never_a_live_pods_addre
         metric(port, "blockipam_agent_leaks_released_total"),
         Some(3.0)
     );
+    assert_eq!(metric(port, &reclamations), Some(3.0));
 
     // The normal path: StopPodSandbox sends DEL; the agent had nothing to do with it.
     for (id, _) in &live {

@@ -185,6 +185,10 @@ pub struct LeakDecisions {
     /// reported as a disagreement); the rest of the look decides as usual.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub undecodable: Vec<UndecodableObject>,
+    /// The name of the pool each address in `leaked` lies in, as this look read the pools (an
+    /// address in no pool, its pool deleted, is not named).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub leaked_pools: BTreeMap<IpAddr, String>,
 }
 
 /// What releasing decided leaks did.
@@ -568,6 +572,15 @@ impl Ipam {
             watch.observe(host, &allocations, &readable, &in_pools, policy)
         };
         decisions.undecodable = undecodable;
+        decisions.leaked_pools = decisions
+            .leaked
+            .iter()
+            .filter_map(|missing| {
+                let address = missing.allocation.ip;
+                let pool = pools.iter().find(|pool| pool.cidr.contains(&address))?;
+                Some((address, pool.name.clone()))
+            })
+            .collect();
         Ok(decisions)
     }
 
