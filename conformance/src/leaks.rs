@@ -160,6 +160,7 @@ pub async fn a_look_releases_only_this_nodes_missing_containers_and_only_after_t
         assert_eq!(decisions.live, 1);
         assert_eq!(decisions.not_a_pod, 1);
         assert!(decisions.disagreements.is_empty(), "{decisions:#?}");
+        assert!(decisions.leaked_pools.is_empty(), "{decisions:#?}");
     }
     let decisions = ipam
         .look_for_leaks("node-a", &runtime(T0 + GRACE + 1), &mut watch, POLICY)
@@ -168,6 +169,11 @@ pub async fn a_look_releases_only_this_nodes_missing_containers_and_only_after_t
     assert_eq!(decisions.leaked.len(), 1, "{decisions:#?}");
     assert_eq!(decisions.leaked[0].allocation.ip, gone);
     assert_eq!(decisions.leaked[0].missing_since, T0);
+    // Each decided leak's pool is named, for the agent's count of reclamations by pool.
+    assert_eq!(
+        decisions.leaked_pools,
+        std::collections::BTreeMap::from([(gone, "pool".to_owned())])
+    );
     let outcome = ipam
         .release_leaked(&decisions.leaked)
         .await
