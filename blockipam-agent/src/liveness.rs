@@ -245,8 +245,9 @@ async fn keep_liveness_key(node: &str, session: &LeaseSession, lease: i64, store
 
 /// Becomes (or stays) the reclaimer leader if nobody else is, and then runs one pass, every
 /// write guarded by "the leader key is still at the revision this agent put it". True when this
-/// agent holds the leader key (whatever the pass did), false when another does or the key could
-/// not be read.
+/// agent holds the leader key at the end of the pass, false when another does, the key could not
+/// be read, or the pass found the key changed (it then stops, and neither its partial count of
+/// the nodes nor the empty-block release follows).
 async fn reclaim_if_leader(
     settings: &LivenessSettings,
     session: &Arc<LeaseSession>,
@@ -278,20 +279,19 @@ async fn reclaim_if_leader(
     let countdowns = LeaseCountdowns::new(session);
     match reclaim_pass(Arc::clone(store), &countdowns, &options).await {
         Ok(outcomes) => {
-            let mut by_state = [0u64; 6];
-            for outcome in outcomes {
-                let index = match outcome.state {
-                    NodeState::Alive => 0,
-                    NodeState::Active => 1,
-                    NodeState::Missing { .. } => 2,
-                    NodeState::Dead { .. } => 3,
-                    NodeState::Reclaimed { .. } => 4,
-                    NodeState::Unreadable => 5,
-                };
-                by_state[index] += 1;
-                report(&outcome, counters);
+            for outcome in &outcomes {
+                report(outcome, counters);
             }
-            counters.record_pass(by_state);
+            match pass_summary(&outcomes, &leader_key) {
+                Some(by_state) => counters.record_pass(by_state),
+                None => {
+                    tracing::info!(
+                        "reclaimer: the leader key changed during the pass (another agent \
+                         leads now): the pass stopped"
+                    );
+                    return false;
+                }
+            }
         }
         Err(e) => tracing::warn!("reclaimer: the pass failed: {e}"),
     }
@@ -325,6 +325,31 @@ async fn reclaim_if_leader(
         }
     }
     true
+}
+
+/// The registered nodes by state (in [`crate::counters::NODE_STATES`] order) a whole pass judged;
+/// `None` when the pass stopped because `leader_key` no longer held (it judged only some nodes,
+/// and this agent no longer leads).
+fn pass_summary(outcomes: &[NodeOutcome], leader_key: &str) -> Option<[u64; 6]> {
+    let lost_leadership = outcomes.last().is_some_and(
+        |outcome| matches!(&outcome.action, NodeAction::Stopped { key, .. } if key == leader_key),
+    );
+    if lost_leadership {
+        return None;
+    }
+    let mut by_state = [0u64; 6];
+    for outcome in outcomes {
+        let index = match outcome.state {
+            NodeState::Alive => 0,
+            NodeState::Active => 1,
+            NodeState::Missing { .. } => 2,
+            NodeState::Dead { .. } => 3,
+            NodeState::Reclaimed { .. } => 4,
+            NodeState::Unreadable => 5,
+        };
+        by_state[index] += 1;
+    }
+    Some(by_state)
 }
 
 /// Logs one node's outcome and counts a release.
@@ -535,6 +560,41 @@ mod tests {
             state: NodeState::Alive,
             action,
         }
+    }
+
+    /// A whole pass counts every node by state; one stopped by another guard (the node came
+    /// back) still counts them all; one stopped because the leader key changed counts nothing
+    /// (it judged only the nodes before) and tells that this agent no longer leads.
+    #[test]
+    fn a_pass_that_lost_the_leadership_counts_no_node_states() {
+        let leader = reclaimer_leader_key();
+        let mark = ipam_core::dead_nodes::MissingMark {
+            countdown_revision: 7,
+            activity_revision: 0,
+            grace_seconds: 900,
+        };
+        let judged = |state: NodeState, action: NodeAction| NodeOutcome {
+            host: "node-b".into(),
+            state,
+            action,
+        };
+        let stopped = |key: &str| NodeAction::Stopped {
+            key: key.to_owned(),
+            released: None,
+        };
+        let mut outcomes = vec![
+            judged(NodeState::Alive, NodeAction::Alive),
+            judged(NodeState::Alive, NodeAction::Alive),
+            judged(NodeState::Active, NodeAction::ClearedMark),
+            judged(NodeState::Missing { mark: None }, NodeAction::MarkedMissing),
+            judged(NodeState::Reclaimed { mark }, NodeAction::AddressesKept),
+            judged(NodeState::Unreadable, NodeAction::Failed("no".into())),
+            judged(NodeState::Dead { mark }, stopped("ipam/v1/liveness/node-b")),
+        ];
+        assert_eq!(pass_summary(&outcomes, &leader), Some([2, 1, 1, 1, 1, 1]));
+        assert_eq!(pass_summary(&[], &leader), Some([0; 6]));
+        outcomes.push(judged(NodeState::Dead { mark }, stopped(&leader)));
+        assert_eq!(pass_summary(&outcomes, &leader), None);
     }
 
     fn release(deleted: usize, unassigned: usize, addresses: usize) -> HostRelease {
