@@ -1,6 +1,6 @@
-//! A store wrapper that counts commits refused by a failed condition: each is a conflict with
-//! another writer that the allocator then retries. (Round trips are counted by
-//! [`ipam_core::CountingStore`] underneath it.)
+//! A store wrapper that counts commits refused by a failed condition (each is a conflict with
+//! another writer that the allocator then retries) and the keys each commit writes and tests.
+//! (Round trips are counted by [`ipam_core::CountingStore`] underneath it.)
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -8,30 +8,51 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ipam_core::{KeyValue, KvError, KvStore, Read, ReadResult, Revision, Txn};
 
-/// Forwards every call to the inner store and counts [`KvError::Conflict`] answers to commits.
-#[derive(Debug)]
-pub struct ConflictCounter {
-    inner: Arc<dyn KvStore>,
-    conflicts: AtomicU64,
+/// What the commits counted by a [`CommitCounter`] sent to the store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitWork {
+    /// Commits refused by a failed condition.
+    pub conflicts: u64,
+    /// Keys put or deleted, summed over every commit sent (refused ones included).
+    pub keys_written: u64,
+    /// Conditions tested, summed over every commit sent (refused ones included).
+    pub conditions: u64,
 }
 
-impl ConflictCounter {
+/// Forwards every call to the inner store, counts [`KvError::Conflict`] answers to commits, and
+/// sums the keys each commit writes and the conditions it tests (the transaction's shape, which
+/// sets what a store such as etcd can commit per second).
+#[derive(Debug)]
+pub struct CommitCounter {
+    inner: Arc<dyn KvStore>,
+    conflicts: AtomicU64,
+    keys_written: AtomicU64,
+    conditions: AtomicU64,
+}
+
+impl CommitCounter {
     /// Wraps `inner`.
     pub fn new(inner: Arc<dyn KvStore>) -> Self {
-        ConflictCounter {
+        CommitCounter {
             inner,
             conflicts: AtomicU64::new(0),
+            keys_written: AtomicU64::new(0),
+            conditions: AtomicU64::new(0),
         }
     }
 
-    /// Returns the conflicts counted so far and starts again from zero.
-    pub fn take(&self) -> u64 {
-        self.conflicts.swap(0, Ordering::SeqCst)
+    /// Returns what was counted so far and starts again from zero.
+    pub fn take(&self) -> CommitWork {
+        CommitWork {
+            conflicts: self.conflicts.swap(0, Ordering::SeqCst),
+            keys_written: self.keys_written.swap(0, Ordering::SeqCst),
+            conditions: self.conditions.swap(0, Ordering::SeqCst),
+        }
     }
 }
 
 #[async_trait]
-impl KvStore for ConflictCounter {
+impl KvStore for CommitCounter {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
         self.inner.get(key).await
     }
@@ -41,6 +62,10 @@ impl KvStore for ConflictCounter {
     }
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        self.keys_written
+            .fetch_add(txn.ops.len() as u64, Ordering::SeqCst);
+        self.conditions
+            .fetch_add(txn.conditions.len() as u64, Ordering::SeqCst);
         let result = self.inner.commit(txn).await;
         if matches!(result, Err(KvError::Conflict { .. })) {
             self.conflicts.fetch_add(1, Ordering::SeqCst);
@@ -59,8 +84,8 @@ mod tests {
     use ipam_core::{Condition, MemoryStore, Op};
 
     #[tokio::test]
-    async fn refused_commits_are_counted_and_successful_ones_are_not() {
-        let counter = ConflictCounter::new(Arc::new(MemoryStore::new()));
+    async fn refused_commits_are_counted_and_every_commits_keys_and_conditions_summed() {
+        let counter = CommitCounter::new(Arc::new(MemoryStore::new()));
         let create = || Txn {
             conditions: vec![Condition::Absent {
                 key: "k".to_owned(),
@@ -76,7 +101,27 @@ mod tests {
             matches!(refused, Err(KvError::Conflict { .. })),
             "{refused:?}"
         );
-        assert_eq!(counter.take(), 1);
-        assert_eq!(counter.take(), 0);
+        let two_puts = Txn {
+            conditions: vec![],
+            ops: vec![
+                Op::Put {
+                    key: "a".to_owned(),
+                    value: b"v".to_vec(),
+                },
+                Op::Delete {
+                    key: "k".to_owned(),
+                },
+            ],
+        };
+        counter.commit(two_puts).await.expect("unconditional");
+        assert_eq!(
+            counter.take(),
+            CommitWork {
+                conflicts: 1,
+                keys_written: 4,
+                conditions: 2,
+            }
+        );
+        assert_eq!(counter.take(), CommitWork::default());
     }
 }

@@ -173,7 +173,7 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+            "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>12}",
             "kind",
             "count",
             "errors",
@@ -183,13 +183,14 @@ impl Report {
             "max ms",
             "trips/op",
             "commits/op",
-            "conflicts"
+            "conflicts",
+            "keys/commit"
         );
         let ms = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
         for (kind, s) in &self.kinds {
             let _ = writeln!(
                 out,
-                "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10}",
+                "{:<10} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>12}",
                 kind.as_str(),
                 s.count,
                 s.errors,
@@ -201,7 +202,11 @@ impl Report {
                 ms(s.commits_per_op),
                 s.conflicts
                     .map(|n| n.to_string())
-                    .unwrap_or_else(|| "-".into())
+                    .unwrap_or_else(|| "-".into()),
+                match (s.keys_written_per_commit, s.conditions_per_commit) {
+                    (Some(written), Some(tested)) => format!("{written:.1}w {tested:.1}c"),
+                    _ => "-".into(),
+                }
             );
         }
         let _ = writeln!(

@@ -7,6 +7,7 @@ use std::time::Duration;
 use ipam_core::RoundTrips;
 use serde::Serialize;
 
+use crate::observe::CommitWork;
 use crate::schedule::OpKind;
 
 /// What one finished operation measured.
@@ -20,8 +21,9 @@ pub struct OpSample {
     pub ok: bool,
     /// Store round trips (api mode only).
     pub round_trips: Option<RoundTrips>,
-    /// Commits refused by a failed condition, each retried (api mode only).
-    pub conflicts: Option<u64>,
+    /// Commits refused by a failed condition (each retried), and the keys the commits wrote and
+    /// tested (api mode only).
+    pub commits: Option<CommitWork>,
 }
 
 #[derive(Debug, Default)]
@@ -32,6 +34,8 @@ struct KindSamples {
     reads: u64,
     commits: u64,
     conflicts: u64,
+    keys_written: u64,
+    conditions: u64,
 }
 
 /// Everything measured so far, by kind.
@@ -67,6 +71,11 @@ pub struct KindSummary {
     pub conflicts: Option<u64>,
     /// `conflicts / count`.
     pub conflicts_per_op: Option<f64>,
+    /// Mean keys put or deleted per transaction sent (retried ones included): with
+    /// `conditions_per_commit`, the transaction's shape, which bounds what etcd commits per second.
+    pub keys_written_per_commit: Option<f64>,
+    /// Mean conditions tested per transaction sent (retried ones included).
+    pub conditions_per_commit: Option<f64>,
 }
 
 impl Stats {
@@ -78,11 +87,13 @@ impl Stats {
         if !sample.ok {
             kind.errors += 1;
         }
-        if let (Some(trips), Some(conflicts)) = (sample.round_trips, sample.conflicts) {
+        if let (Some(trips), Some(commits)) = (sample.round_trips, sample.commits) {
             kind.observed += 1;
             kind.reads += trips.reads;
             kind.commits += trips.commits;
-            kind.conflicts += conflicts;
+            kind.conflicts += commits.conflicts;
+            kind.keys_written += commits.keys_written;
+            kind.conditions += commits.conditions;
         }
     }
 
@@ -118,6 +129,9 @@ fn summarize(samples: &KindSamples) -> KindSummary {
             .then(|| total as f64 / samples.observed as f64)
     };
     let observed = samples.observed > 0 && samples.observed == count;
+    let per_commit = |total: u64| {
+        (observed && samples.commits > 0).then(|| total as f64 / samples.commits as f64)
+    };
     KindSummary {
         count,
         errors: samples.errors,
@@ -131,6 +145,8 @@ fn summarize(samples: &KindSamples) -> KindSummary {
         round_trips_per_op: per_op(samples.reads + samples.commits),
         conflicts: observed.then_some(samples.conflicts),
         conflicts_per_op: per_op(samples.conflicts),
+        keys_written_per_commit: per_commit(samples.keys_written),
+        conditions_per_commit: per_commit(samples.conditions),
     }
 }
 
@@ -170,7 +186,11 @@ mod tests {
                     reads: 1,
                     commits: 1 + conflicts,
                 }),
-                conflicts: Some(conflicts),
+                commits: Some(CommitWork {
+                    conflicts,
+                    keys_written: 4 * (1 + conflicts),
+                    conditions: 12 * (1 + conflicts) + 1,
+                }),
             });
         }
         stats.add(&OpSample {
@@ -178,7 +198,7 @@ mod tests {
             latency: Duration::from_millis(1),
             ok: true,
             round_trips: None,
-            conflicts: None,
+            commits: None,
         });
         assert_eq!(stats.finished(), 4);
         assert_eq!(stats.errors(), 1);
@@ -189,11 +209,76 @@ mod tests {
         assert_eq!(add.max_ms, Some(6.0));
         assert_eq!(add.conflicts, Some(2));
         assert_eq!(add.round_trips_per_op, Some((3.0 + 5.0) / 3.0));
+        // 5 commits (1 + 3 + 1), each writing 4 keys; 60 conditions and one more per sample.
+        assert_eq!(add.keys_written_per_commit, Some(4.0));
+        assert_eq!(add.conditions_per_commit, Some(63.0 / 5.0));
         let del = &summary[&OpKind::Del];
         assert_eq!(
-            (del.count, del.round_trips_per_op, del.conflicts),
-            (1, None, None)
+            (
+                del.count,
+                del.round_trips_per_op,
+                del.conflicts,
+                del.keys_written_per_commit,
+                del.conditions_per_commit
+            ),
+            (1, None, None, None, None)
         );
-        assert_eq!(summary[&OpKind::FirstAdd].count, 0);
+        assert_eq!(add.mean_ms, Some(4.0));
+        let none = &summary[&OpKind::FirstAdd];
+        assert_eq!(
+            (
+                none.count,
+                none.mean_ms,
+                none.reads_per_op,
+                none.conflicts,
+                none.conditions_per_commit
+            ),
+            (0, None, None, None, None)
+        );
+    }
+
+    /// A kind some of whose operations went unobserved gives no per-operation figure (a mean over
+    /// part of them would pass for the whole); one that sent no commit gives no per-commit shape.
+    #[test]
+    fn summaries_give_no_figure_that_not_every_operation_observed() {
+        let mut stats = Stats::default();
+        let observed = |kind, commits: u64| OpSample {
+            kind,
+            latency: Duration::from_millis(1),
+            ok: false,
+            round_trips: Some(RoundTrips { reads: 1, commits }),
+            commits: Some(CommitWork {
+                conflicts: 0,
+                keys_written: 2 * commits,
+                conditions: 3 * commits,
+            }),
+        };
+        stats.add(&observed(OpKind::Add, 1));
+        stats.add(&OpSample {
+            round_trips: None,
+            commits: None,
+            ..observed(OpKind::Add, 1)
+        });
+        stats.add(&observed(OpKind::Del, 0));
+        assert_eq!(stats.errors(), 3);
+        let summary = stats.summarize();
+        let add = &summary[&OpKind::Add];
+        assert_eq!(
+            (
+                add.count,
+                add.reads_per_op,
+                add.commits_per_op,
+                add.round_trips_per_op,
+                add.conflicts,
+                add.keys_written_per_commit,
+                add.conditions_per_commit
+            ),
+            (2, None, None, None, None, None, None)
+        );
+        let del = &summary[&OpKind::Del];
+        assert_eq!(
+            (del.reads_per_op, del.conflicts, del.keys_written_per_commit),
+            (Some(1.0), Some(0), None)
+        );
     }
 }

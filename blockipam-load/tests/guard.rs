@@ -142,6 +142,15 @@ fn fifty_nodes_on_a_real_etcd_reading_through_agent_caches_leave_no_duplicate_an
             "{kind:?} through the cache is one transaction (and a read and a transaction again \
              per conflict): {text}"
         );
+        // The report gives each transaction's shape: a steady ADD or DEL writes the block, its
+        // claim entry, the handle and the owner key (and moves the block between open/ and
+        // full/ now and then), and tests the block, the handle, the format record and what
+        // else its decision read.
+        let written = steady.keys_written_per_commit.expect("keys written");
+        let tested = steady.conditions_per_commit.expect("conditions");
+        eprintln!("{kind:?}: {written} keys written, {tested} conditions per commit");
+        assert!((4.0..=5.0).contains(&written), "{kind:?}: {text}");
+        assert!((3.0..=16.0).contains(&tested), "{kind:?}: {text}");
     }
 }
 

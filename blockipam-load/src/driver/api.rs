@@ -11,7 +11,7 @@ use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
 use ipam_core::allocator::leaks::ATTR_INTERFACE;
 
 use crate::error::LoadError;
-use crate::observe::ConflictCounter;
+use crate::observe::{CommitCounter, CommitWork};
 use crate::pods;
 
 /// One node's allocator and the counters around its store client.
@@ -21,7 +21,7 @@ pub struct ApiNode {
     network: String,
     ipam: Ipam,
     counting: Arc<CountingStore>,
-    conflicts: Arc<ConflictCounter>,
+    commits: Arc<CommitCounter>,
 }
 
 /// What one call did to the store.
@@ -29,8 +29,9 @@ pub struct ApiNode {
 pub struct StoreWork {
     /// Reads and transactions.
     pub round_trips: RoundTrips,
-    /// Transactions refused by a failed condition (each retried by the allocator).
-    pub conflicts: u64,
+    /// Transactions refused by a failed condition (each retried by the allocator), and the keys
+    /// the transactions wrote and tested.
+    pub commits: CommitWork,
 }
 
 impl ApiNode {
@@ -47,8 +48,8 @@ impl ApiNode {
         store: Arc<dyn KvStore>,
         agent_cache: bool,
     ) -> Result<Self, LoadError> {
-        let conflicts = Arc::new(ConflictCounter::new(store));
-        let counting = Arc::new(CountingStore::new(conflicts.clone()));
+        let commits = Arc::new(CommitCounter::new(store));
+        let counting = Arc::new(CountingStore::new(commits.clone()));
         let allocator_store: Arc<dyn KvStore> = if agent_cache {
             Arc::new(
                 CachingStore::new(counting.clone())
@@ -65,14 +66,14 @@ impl ApiNode {
             network,
             ipam,
             counting,
-            conflicts,
+            commits,
         })
     }
 
     fn take_work(&self) -> StoreWork {
         StoreWork {
             round_trips: self.counting.take(),
-            conflicts: self.conflicts.take(),
+            commits: self.commits.take(),
         }
     }
 

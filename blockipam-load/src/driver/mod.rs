@@ -51,7 +51,7 @@ impl NodeDriver {
             latency: started.elapsed(),
             ok: result.is_ok(),
             round_trips: work.map(|w| w.round_trips),
-            conflicts: work.map(|w| w.conflicts),
+            commits: work.map(|w| w.commits),
         };
         (result, sample)
     }
