@@ -212,7 +212,7 @@ fn check_env(env: &BTreeMap<String, String>, command: Command) -> Result<CniEnv,
             return Err(CniError::with_details(
                 codes::INVALID_ENVIRONMENT,
                 "CNI_IFNAME is too long",
-                format!("interface names have at most {MAX_IFNAME_LEN} characters"),
+                format!("interface names have at most {MAX_IFNAME_LEN} bytes"),
             ));
         }
         if ifname == "." || ifname == ".." {
@@ -522,7 +522,7 @@ mod tests {
     }
 
     #[test]
-    fn an_interface_name_of_fifteen_characters_is_the_longest_accepted() {
+    fn an_interface_name_of_fifteen_bytes_is_the_longest_accepted() {
         let longest = "a".repeat(MAX_IFNAME_LEN);
         assert_eq!(MAX_IFNAME_LEN, 15, "Linux IFNAMSIZ - 1");
         let env = check_env(&env_for("ADD", &longest), Command::Add).expect("15 characters");
@@ -531,6 +531,11 @@ mod tests {
             check_env(&env_for("ADD", &"a".repeat(16)), Command::Add).expect_err("16 characters");
         assert_eq!(refused.code, codes::INVALID_ENVIRONMENT);
         assert_eq!(refused.msg, "CNI_IFNAME is too long");
+        // The kernel counts bytes: eight two-byte characters are sixteen.
+        let wide = "é".repeat(8);
+        let refused = check_env(&env_for("ADD", &wide), Command::Add).expect_err("16 bytes");
+        assert_eq!(refused.code, codes::INVALID_ENVIRONMENT);
+        assert!(refused.details.contains("15 bytes"), "{refused:?}");
     }
 
     #[test]
