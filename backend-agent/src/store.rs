@@ -386,6 +386,7 @@ impl AgentStore {
                 .collect(),
             validators: validators.into_iter().map(Into::into).collect(),
             from_cache,
+            current_as_of: Vec::new(),
         })
     }
 }

@@ -15,6 +15,13 @@
 //! Keys under a prefix configured with [`CachingStore::speculating_absent_under`] (the
 //! allocator's handles: a new container's handle has never been written) are answered absent
 //! when not known, validated by an "absent" condition.
+//!
+//! Each answer also says a revision at which it is known to have been exactly the store's
+//! ([`CachedRead::current_as_of`]): a key read from the store, the revision of its last write; a
+//! key or listing a committed transaction wrote, or tested and found unchanged (a listing: its
+//! prefix and every listed key), that commit's revision; a listing read from the store, or a key
+//! read absent, none (a deletion leaves no revision behind). Read again unchanged, an answer keeps
+//! the later of the two.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +50,8 @@ pub const MAX_KEPT_BYTES: usize = 16 * 1024 * 1024;
 struct KeptListing {
     entries: BTreeMap<String, (Vec<u8>, Revision)>,
     newest: Revision,
+    /// A revision at which exactly these entries were under the prefix (NONE: not known).
+    current_as_of: Revision,
 }
 
 impl KeptListing {
@@ -57,7 +66,18 @@ impl KeptListing {
                 .map(|kv| kv.revision)
                 .max()
                 .unwrap_or(Revision::NONE),
+            current_as_of: Revision::NONE,
         }
+    }
+
+    /// True when `listed` holds exactly these entries.
+    fn holds_exactly(&self, listed: &[KeyValue]) -> bool {
+        self.entries.len() == listed.len()
+            && listed.iter().all(|kv| {
+                self.entries
+                    .get(&kv.key)
+                    .is_some_and(|(value, revision)| *revision == kv.revision && *value == kv.value)
+            })
     }
 
     fn bytes(&self) -> usize {
@@ -119,6 +139,9 @@ pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condi
 struct Kept {
     /// Keys read or written, with their value and revision (None: absent when read).
     keys: HashMap<String, Option<(Vec<u8>, Revision)>>,
+    /// For keys kept: a revision at which the kept value (or absence) was the store's; a key
+    /// without one is not known to have been so at any revision.
+    keys_current_as_of: HashMap<String, Revision>,
     /// Listings read, by prefix.
     listings: HashMap<String, KeptListing>,
     /// Bytes of the keys, prefixes and values kept.
@@ -131,10 +154,29 @@ fn key_bytes(key: &str, entry: &Option<(Vec<u8>, Revision)>) -> usize {
 }
 
 impl Kept {
-    fn keep_key(&mut self, key: &str, entry: Option<(Vec<u8>, Revision)>) {
+    /// Keeps `entry` for `key`, known to have been the store's at `current_as_of` (NONE: not
+    /// known), or at the revision the kept entry was known at when `entry` is that same entry.
+    fn keep_key(&mut self, key: &str, entry: Option<(Vec<u8>, Revision)>, current_as_of: Revision) {
+        let unchanged = self.keys.get(key) == Some(&entry);
         self.bytes += key_bytes(key, &entry);
         if let Some(old) = self.keys.insert(key.to_owned(), entry) {
             self.bytes -= key_bytes(key, &old);
+        }
+        let known_before = self
+            .keys_current_as_of
+            .get(key)
+            .copied()
+            .filter(|_| unchanged)
+            .unwrap_or(Revision::NONE);
+        self.set_key_current_as_of(key, known_before.max(current_as_of));
+    }
+
+    fn set_key_current_as_of(&mut self, key: &str, current_as_of: Revision) {
+        if current_as_of == Revision::NONE {
+            self.keys_current_as_of.remove(key);
+        } else {
+            self.keys_current_as_of
+                .insert(key.to_owned(), current_as_of);
         }
     }
 
@@ -142,9 +184,45 @@ impl Kept {
         if let Some(old) = self.keys.remove(key) {
             self.bytes -= key_bytes(key, &old);
         }
+        self.keys_current_as_of.remove(key);
     }
 
-    fn keep_listing(&mut self, prefix: &str, listing: KeptListing) {
+    /// For each of `results` (answers to `reads`), the revision at which it is known to have been
+    /// the store's when it is exactly what is kept; NONE otherwise.
+    fn current_as_of(&self, reads: &[Read], results: &[ReadResult]) -> Vec<Revision> {
+        reads
+            .iter()
+            .zip(results)
+            .map(|(read, result)| match (read, result) {
+                (Read::Get(key), ReadResult::Got(got)) => {
+                    let answered = got.as_ref().map(|kv| (kv.value.clone(), kv.revision));
+                    if self.keys.get(key) == Some(&answered) {
+                        self.keys_current_as_of
+                            .get(key)
+                            .copied()
+                            .unwrap_or(Revision::NONE)
+                    } else {
+                        Revision::NONE
+                    }
+                }
+                (Read::List(prefix), ReadResult::Listed(listed)) => self
+                    .listings
+                    .get(prefix)
+                    .filter(|kept| kept.holds_exactly(listed))
+                    .map_or(Revision::NONE, |kept| kept.current_as_of),
+                _ => Revision::NONE,
+            })
+            .collect()
+    }
+
+    /// Keeps `listing` under `prefix`; read again unchanged, it keeps the revision the kept one
+    /// was known at when that is later than its own.
+    fn keep_listing(&mut self, prefix: &str, mut listing: KeptListing) {
+        if let Some(kept) = self.listings.get(prefix) {
+            if kept.entries == listing.entries {
+                listing.current_as_of = listing.current_as_of.max(kept.current_as_of);
+            }
+        }
         self.bytes += prefix.len() + listing.bytes();
         if let Some(old) = self.listings.insert(prefix.to_owned(), listing) {
             self.bytes -= prefix.len() + old.bytes();
@@ -255,9 +333,12 @@ impl CachingStore {
         let mut kept = self.lock();
         for (read, result) in reads.iter().zip(results) {
             match (read, result) {
+                // A key read present was the store's from its last write on; one read absent,
+                // from a time not known.
                 (Read::Get(key), ReadResult::Got(got)) => kept.keep_key(
                     key,
                     got.as_ref().map(|kv| (kv.value.clone(), kv.revision)),
+                    got.as_ref().map_or(Revision::NONE, |kv| kv.revision),
                 ),
                 (Read::List(prefix), ReadResult::Listed(listed))
                     // Too many keys to validate: never answered from what is kept.
@@ -303,11 +384,54 @@ impl CachingStore {
     /// Brings what is kept up to date with `txn`, committed at `revision`.
     fn learn_commit(&self, txn: &Txn, revision: Revision) {
         let mut kept = self.lock();
+        // What the transaction found as kept, by its conditions, was still the store's at its
+        // revision: the keys it tested at their kept state, and the listings whose prefix it
+        // tested at their newest revision with every listed key tested or written.
+        let written: std::collections::HashSet<&str> = txn.ops.iter().map(|op| op.key()).collect();
+        let tested_keys: Vec<String> = txn
+            .conditions
+            .iter()
+            .filter(|c| match c {
+                Condition::AtRevision { key, revision } => {
+                    matches!(kept.keys.get(key), Some(Some((_, r))) if r == revision)
+                }
+                Condition::Absent { key } => matches!(kept.keys.get(key), Some(None)),
+                Condition::NoPutAfter { .. } => false,
+            })
+            .map(|c| c.key().to_owned())
+            .collect();
+        let proven_listings: std::collections::HashSet<String> = kept
+            .listings
+            .iter()
+            .filter(|(prefix, listing)| {
+                txn.conditions.iter().any(|c| {
+                    matches!(c, Condition::NoPutAfter { prefix: p, revision: r }
+                        if p == *prefix && *r == listing.newest)
+                }) && listing.entries.iter().all(|(key, (_, listed_at))| {
+                    written.contains(key.as_str())
+                        || txn
+                            .conditions
+                            .contains(&Condition::at_revision(key, *listed_at))
+                })
+            })
+            .map(|(prefix, _)| prefix.clone())
+            .collect();
+        for key in &tested_keys {
+            let entry = kept.keys.get(key).cloned().flatten();
+            kept.keep_key(key, entry, revision);
+        }
         // A key put or deleted is exactly what this transaction left, whatever was there.
         for op in &txn.ops {
             match op {
-                Op::Put { key, value } => kept.keep_key(key, Some((value.clone(), revision))),
+                Op::Put { key, value } => {
+                    kept.keep_key(key, Some((value.clone(), revision)), revision);
+                }
                 Op::Delete { key } => kept.forget_key(key),
+            }
+        }
+        for prefix in &proven_listings {
+            if let Some(listing) = kept.listings.get_mut(prefix) {
+                listing.current_as_of = listing.current_as_of.max(revision);
             }
         }
         // A listing the transaction writes under stays exact only if the transaction proved
@@ -337,6 +461,12 @@ impl CachingStore {
                 kept.forget_listing(&prefix);
                 continue;
             }
+            // Written under, it is known as of this revision only if proven above.
+            listing.current_as_of = if proven_listings.contains(&prefix) {
+                revision
+            } else {
+                Revision::NONE
+            };
             for op in writes {
                 match op {
                     Op::Put { key, value } => {
@@ -433,10 +563,12 @@ impl KvStore for CachingStore {
                     self.stats
                         .answered_from_cache
                         .fetch_add(1, Ordering::Relaxed);
+                    let current_as_of = self.lock().current_as_of(reads, &results);
                     return Ok(CachedRead {
                         results,
                         validators,
                         from_cache: true,
+                        current_as_of,
                     });
                 }
             }
@@ -445,6 +577,7 @@ impl KvStore for CachingStore {
         self.stats.read_from_store.fetch_add(1, Ordering::Relaxed);
         Ok(CachedRead {
             validators: validators_of(reads, &results).unwrap_or_default(),
+            current_as_of: self.lock().current_as_of(reads, &results),
             results,
             from_cache: false,
         })
@@ -1119,12 +1252,12 @@ mod tests {
     fn exactly_the_bound_is_kept_and_one_byte_more_is_not() {
         let mut kept = Kept::default();
         let value = vec![0u8; MAX_KEPT_BYTES - "k".len() - 1];
-        kept.keep_key("k", Some((value, Revision(1))));
-        kept.keep_key("j", None);
+        kept.keep_key("k", Some((value, Revision(1))), Revision(1));
+        kept.keep_key("j", None, Revision::NONE);
         assert_eq!(kept.bytes, MAX_KEPT_BYTES);
         kept.forget_everything_past_the_limit();
         assert_eq!(kept.keys.len(), 2, "forgotten at the bound");
-        kept.keep_key("i", None);
+        kept.keep_key("i", None, Revision::NONE);
         kept.forget_everything_past_the_limit();
         assert!(kept.keys.is_empty(), "kept past the bound");
         assert_eq!(kept.bytes, 0);
@@ -1167,5 +1300,131 @@ mod tests {
         assert!(!cached.lock().listings.contains_key("blocks/"));
         let kept = cached.lock();
         assert_eq!(kept.bytes, recounted(&kept));
+    }
+
+    #[tokio::test]
+    async fn each_answer_is_known_current_as_of_its_last_write_or_the_last_commit_that_tested_it() {
+        let backing = store_with_blocks().await;
+        let (cached, _) = cached_over(&backing);
+        let config_at = backing
+            .get("config")
+            .await
+            .expect("get")
+            .expect("config")
+            .revision;
+        let read = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(!read.from_cache);
+        // A listing read from the store and a key read absent: not known at any revision (a
+        // deletion leaves none); a key read present: from its last write on.
+        assert_eq!(
+            read.current_as_of,
+            vec![Revision::NONE, config_at, Revision::NONE]
+        );
+        let committed = cached
+            .commit(decided_from(
+                &read,
+                Txn::new().then(Op::put("h/new-pod", b"h".to_vec())),
+            ))
+            .await
+            .expect("commit");
+        let again = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(again.from_cache);
+        assert_eq!(again.current_as_of, vec![committed; 3]);
+        // Another writer's unrelated write changes nothing of it.
+        backing.put("other", b"o".to_vec()).await.expect("put");
+        let again = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert_eq!(again.current_as_of, vec![committed; 3]);
+        // Read again from the store unchanged, each answer keeps the later revision.
+        let from_store = cached
+            .read_many_cached(&batch(), false)
+            .await
+            .expect("read");
+        assert!(!from_store.from_cache);
+        assert_eq!(from_store.current_as_of, vec![committed; 3]);
+        // Changed by another writer, a key is known from its new write on; a listing, at none.
+        let config_now = backing.put("config", b"c1".to_vec()).await.expect("put");
+        backing.delete("blocks/b").await.expect("delete");
+        let changed = cached
+            .read_many_cached(&batch(), false)
+            .await
+            .expect("read");
+        assert_eq!(
+            changed.current_as_of,
+            vec![Revision::NONE, config_now, committed]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_listing_is_known_current_only_when_a_commit_tested_its_prefix_and_every_listed_key()
+    {
+        let backing = store_with_blocks().await;
+        let (cached, _) = cached_over(&backing);
+        cached.read_many_cached(&batch(), true).await.expect("read");
+        let a_at = backing
+            .get("blocks/a")
+            .await
+            .expect("get")
+            .expect("a")
+            .revision;
+        let newest = backing
+            .get("blocks/b")
+            .await
+            .expect("get")
+            .expect("b")
+            .revision;
+        // Written under with its prefix tested but not blocks/b: kept, known at no revision.
+        cached
+            .commit(
+                Txn::new()
+                    .when(Condition::no_put_after("blocks/", newest))
+                    .when(Condition::at_revision("blocks/a", a_at))
+                    .then(Op::put("blocks/a", b"a1".to_vec())),
+            )
+            .await
+            .expect("commit");
+        let partly = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert!(partly.from_cache, "the listing is kept");
+        assert_eq!(partly.current_as_of[0], Revision::NONE);
+        // Tested whole (its validators carried), it is known as of that commit.
+        let whole = cached
+            .commit(decided_from(
+                &partly,
+                Txn::new().then(Op::put("x", b"x".to_vec())),
+            ))
+            .await
+            .expect("commit");
+        let proven = cached.read_many_cached(&batch(), true).await.expect("read");
+        assert_eq!(proven.current_as_of[0], whole);
+    }
+
+    #[tokio::test]
+    async fn a_commit_testing_another_revision_than_the_kept_one_vouches_for_nothing_kept() {
+        let backing = store_with_blocks().await;
+        let (cached, _) = cached_over(&backing);
+        let read = cached.read_many_cached(&batch(), true).await.expect("read");
+        let kept_at = read.current_as_of[1];
+        // Another writer changes the config; a transaction that tested the new revision (decided
+        // from a read elsewhere) commits through this cache, which still holds the old value.
+        let newer = backing.put("config", b"c1".to_vec()).await.expect("put");
+        cached
+            .commit(
+                Txn::new()
+                    .when(Condition::at_revision("config", newer))
+                    .when(Condition::absent("h/unseen"))
+                    .then(Op::put("x", b"x".to_vec())),
+            )
+            .await
+            .expect("commit");
+        let kept = cached.lock();
+        assert_eq!(
+            kept.keys.get("config"),
+            Some(&Some((b"c0".to_vec(), kept_at)))
+        );
+        assert_eq!(
+            kept.current_as_of(&batch()[1..2], &read.results[1..2]),
+            vec![kept_at],
+            "the stale value is not vouched for by a commit that tested another revision"
+        );
+        assert!(!kept.keys_current_as_of.contains_key("h/unseen"));
     }
 }

@@ -573,6 +573,12 @@ pub struct CachedRead {
     /// stale: a caller that ends without a transaction carrying `validators` must read again,
     /// without the cache, before it reports anything decided from these results.
     pub from_cache: bool,
+    /// For each result, in request order, a revision at which it is known to have been exactly
+    /// the store's ([`Revision::NONE`]: not known); empty from a store that does not say. A
+    /// result known as of revision `a` is still the store's at a later commit when no write that
+    /// could change it came after `a`: what lets a caller test one key that every such write
+    /// raises instead of each result ([`crate::kv::caching`] says how it is known).
+    pub current_as_of: Vec<Revision>,
 }
 
 /// A key-value store with revisions and atomic conditional transactions.
@@ -679,6 +685,7 @@ pub trait KvStore: Send + Sync + fmt::Debug {
             results: self.read_many(reads).await?,
             validators: Vec::new(),
             from_cache: false,
+            current_as_of: Vec::new(),
         })
     }
 
