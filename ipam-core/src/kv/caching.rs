@@ -1427,4 +1427,46 @@ mod tests {
         );
         assert!(!kept.keys_current_as_of.contains_key("h/unseen"));
     }
+
+    #[test]
+    fn an_answer_that_is_not_exactly_what_is_kept_is_known_at_no_revision() {
+        let kv = |key: &str, value: &[u8], revision: u64| KeyValue {
+            key: key.to_owned(),
+            value: value.to_vec(),
+            revision: Revision(revision),
+        };
+        let mut kept = Kept::default();
+        let mut listing = KeptListing::from_listed(&[kv("p/a", b"a", 1), kv("p/b", b"b", 2)]);
+        listing.current_as_of = Revision(9);
+        kept.keep_listing("p/", listing);
+        kept.keep_key("k", Some((b"k".to_vec(), Revision(3))), Revision(9));
+        let as_of = |kept: &Kept, listed: Vec<KeyValue>, got: Option<KeyValue>| {
+            kept.current_as_of(
+                &[Read::List("p/".into()), Read::Get("k".into())],
+                &[ReadResult::Listed(listed), ReadResult::Got(got)],
+            )
+        };
+        assert_eq!(
+            as_of(
+                &kept,
+                vec![kv("p/a", b"a", 1), kv("p/b", b"b", 2)],
+                Some(kv("k", b"k", 3))
+            ),
+            vec![Revision(9), Revision(9)]
+        );
+        // One listed key fewer, one at another revision, one with another value; the key at
+        // another revision, then read absent.
+        for listed in [
+            vec![kv("p/a", b"a", 1)],
+            vec![kv("p/a", b"a", 1), kv("p/b", b"b", 5)],
+            vec![kv("p/a", b"a", 1), kv("p/b", b"B", 2)],
+        ] {
+            assert_eq!(as_of(&kept, listed, None)[0], Revision::NONE);
+        }
+        assert_eq!(
+            as_of(&kept, Vec::new(), Some(kv("k", b"k", 4)))[1],
+            Revision::NONE
+        );
+        assert_eq!(as_of(&kept, Vec::new(), None)[1], Revision::NONE);
+    }
 }
