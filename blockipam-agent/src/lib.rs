@@ -21,7 +21,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use ipam_core::caching::{CacheStats, CachingStore};
+use ipam_core::caching::CacheStats;
 use ipam_core::KvStore;
 
 pub use cli::AgentArgs;
@@ -197,11 +197,8 @@ pub async fn run_on(
     // Plugin calls are served from a cache of what the agent read and wrote, each answer with
     // the conditions its commit must carry (ipam_core::caching); the agent's own work reads the
     // store.
-    let cached: Arc<dyn KvStore> = Arc::new(
-        CachingStore::new(Arc::clone(&store))
-            .speculating_absent_under(ipam_core::model::keys::handles_dir())
-            .counting_into(cache_stats),
-    );
+    let cached: Arc<dyn KvStore> =
+        Arc::new(ipam_core::node_cache(Arc::clone(&store)).counting_into(cache_stats));
     serve(listener, cached, config, shutdown).await;
     if let Some(leaks) = leaks {
         leaks.stop().await;

@@ -9,7 +9,10 @@ use std::sync::Arc;
 use ipam_core::caching::CachingStore;
 use ipam_core::model::keys;
 use ipam_core::reservations::Reservation;
-use ipam_core::{AssignIpsRequest, CountingStore, Ipam, KvStore, RoundTrips};
+use ipam_core::{
+    AssignIpsRequest, Condition, CountingStore, Ipam, KeyValue, KvError, KvStore, Read, ReadResult,
+    Revision, RoundTrips, Txn,
+};
 
 use ipnet::IpNet;
 
@@ -26,6 +29,7 @@ macro_rules! cached_reads_conformance_tests {
         $crate::__expand_cases!(cached_reads, $crate::cached_reads, $factory;
             a_node_reading_through_its_cache_never_decides_from_what_another_writer_changed,
             hosts_assigning_concurrently_through_caches_of_their_own_get_distinct_addresses,
+            a_steady_assign_through_the_cache_tests_the_pool_generation_for_every_pool,
         );
     };
 }
@@ -34,10 +38,9 @@ macro_rules! cached_reads_conformance_tests {
 /// counter of the round trips that reach the store.
 fn cached_node(store: &Arc<dyn KvStore>) -> (Ipam, Arc<CachingStore>, Arc<CountingStore>) {
     let counting = Arc::new(CountingStore::new(Arc::clone(store)));
-    let cache = Arc::new(
-        CachingStore::new(Arc::clone(&counting) as Arc<dyn KvStore>)
-            .speculating_absent_under(keys::handles_dir()),
-    );
+    let cache = Arc::new(ipam_core::node_cache(
+        Arc::clone(&counting) as Arc<dyn KvStore>
+    ));
     let ipam = Ipam::new(Arc::clone(&cache) as Arc<dyn KvStore>);
     (ipam, cache, counting)
 }
@@ -233,6 +236,100 @@ pub async fn hosts_assigning_concurrently_through_caches_of_their_own_get_distin
     assert!(
         hits > 0,
         "no answer came from a cache: the cases proved nothing of it"
+    );
+    assert_clean(&other).await;
+}
+
+/// A store that keeps the conditions of every transaction committed through it.
+#[derive(Debug)]
+struct ConditionsSeen {
+    inner: Arc<dyn KvStore>,
+    committed: std::sync::Mutex<Vec<Vec<Condition>>>,
+}
+
+#[async_trait::async_trait]
+impl KvStore for ConditionsSeen {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, KvError> {
+        self.inner.get(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, KvError> {
+        self.inner.list(prefix).await
+    }
+
+    async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
+        let conditions = txn.conditions.clone();
+        let revision = self.inner.commit(txn).await?;
+        self.committed.lock().expect("seen").push(conditions);
+        Ok(revision)
+    }
+
+    async fn read_many(&self, reads: &[Read]) -> Result<Vec<ReadResult>, KvError> {
+        self.inner.read_many(reads).await
+    }
+}
+
+/// With two pools, a steady assign through the node's cache tests the pool generation (which
+/// every pool write raises) and neither pool nor the pools' prefix; a pool written since
+/// (another writer's) refuses it all the same, and the assign decided again uses the new pool.
+pub async fn a_steady_assign_through_the_cache_tests_the_pool_generation_for_every_pool<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let (t, other) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    other
+        .create_pool(&spec("10.1.0.0/24", "second", 26))
+        .await
+        .expect("second pool");
+    let seen = Arc::new(ConditionsSeen {
+        inner: Arc::clone(&t.store),
+        committed: std::sync::Mutex::new(Vec::new()),
+    });
+    let (node_a, cache, _counting) = cached_node(&(seen.clone() as Arc<dyn KvStore>));
+    for handle in ["h0", "h1", "h2"] {
+        assign(&node_a, handle).await;
+    }
+    let hits = cache.answered_from_cache();
+    let steady = assign(&node_a, "h3").await;
+    assert_eq!(
+        cache.answered_from_cache(),
+        hits + 1,
+        "answered from the cache"
+    );
+    let last = seen.committed.lock().expect("seen").last().cloned();
+    let last = last.expect("a commit");
+    let pools = keys::pools_dir();
+    assert!(
+        last.iter()
+            .any(|c| !c.tests_a_prefix() && c.key() == keys::pool_generation()),
+        "{last:?}"
+    );
+    assert!(
+        !last.iter().any(|c| c.key().starts_with(&pools)),
+        "a pool or their prefix tested: {last:?}"
+    );
+
+    // The pool A allocates from disabled by another writer: A's kept pools are stale, its
+    // commit is refused by the generation, and it allocates from the other pool.
+    let disabled = if net("10.0.0.0/24").contains(&steady) {
+        "pool"
+    } else {
+        "second"
+    };
+    other
+        .set_pool_disabled(disabled, true)
+        .await
+        .expect("disable");
+    let after = assign(&node_a, "h4").await;
+    let still_enabled = if disabled == "pool" {
+        "10.1.0.0/24"
+    } else {
+        "10.0.0.0/24"
+    };
+    assert!(
+        net(still_enabled).contains(&after),
+        "allocated {after} from the disabled pool {disabled}"
     );
     assert_clean(&other).await;
 }

@@ -5,9 +5,7 @@
 use std::sync::Arc;
 
 use conformance::{StoreFactory, TestStore};
-use ipam_core::caching::CachingStore;
 use ipam_core::memory::MemoryStore;
-use ipam_core::model::keys;
 
 /// A fresh memory store behind a fresh cache.
 #[derive(Debug, Default, Clone, Copy)]
@@ -21,10 +19,7 @@ impl StoreFactory for CachedMemoryFactory {
 
     async fn fresh(&self) -> TestStore {
         TestStore {
-            store: Arc::new(
-                CachingStore::new(Arc::new(MemoryStore::new()))
-                    .speculating_absent_under(keys::handles_dir()),
-            ),
+            store: Arc::new(ipam_core::node_cache(Arc::new(MemoryStore::new()))),
             guard: Box::new(()),
         }
     }

@@ -15,11 +15,11 @@ pub use kv::{blocking, caching, counting, lockfile, memory};
 pub use model::{error, formats, namespaces, nodes, reservations, selector, store_format};
 
 pub use allocator::{
-    AddressStatus, AllocationInfo, AssignIpsRequest, AssignedAddress, AutoAssignRequest,
-    AutoAssignResult, BlockUsage, ChosenRelease, ClaimIndexRoom, Clock, EmptyBlock,
-    EmptyBlockFilter, EmptyBlockReason, HostRelease, HostUtilization, Ipam, NamespaceLookup,
-    NewBlockProspect, PoolChange, PoolDeletion, PoolPolicy, PoolSpec, PoolUsage, ReleaseOutcome,
-    ReleaseRequest, RetryPolicy, UndecodableObject, Utilization,
+    node_cache, AddressStatus, AllocationInfo, AssignIpsRequest, AssignedAddress,
+    AutoAssignRequest, AutoAssignResult, BlockUsage, ChosenRelease, ClaimIndexRoom, Clock,
+    EmptyBlock, EmptyBlockFilter, EmptyBlockReason, HostRelease, HostUtilization, Ipam,
+    NamespaceLookup, NewBlockProspect, PoolChange, PoolDeletion, PoolPolicy, PoolSpec, PoolUsage,
+    ReleaseOutcome, ReleaseRequest, RetryPolicy, UndecodableObject, Utilization,
 };
 pub use check::{CheckReport, Problem};
 pub use counting::{CountingStore, RoundTrips};

@@ -5,7 +5,6 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use ipam_core::caching::CachingStore;
 use ipam_core::{AutoAssignRequest, CountingStore, Ipam, KvStore, RoundTrips};
 
 use ipam_core::allocator::leaks::ATTR_INTERFACE;
@@ -51,10 +50,7 @@ impl ApiNode {
         let commits = Arc::new(CommitCounter::new(store));
         let counting = Arc::new(CountingStore::new(commits.clone()));
         let allocator_store: Arc<dyn KvStore> = if agent_cache {
-            Arc::new(
-                CachingStore::new(counting.clone())
-                    .speculating_absent_under(ipam_core::model::keys::handles_dir()),
-            )
+            Arc::new(ipam_core::node_cache(counting.clone()))
         } else {
             counting.clone()
         };

@@ -133,7 +133,10 @@ impl Ipam {
         from_cache: Arc<AtomicBool>,
     ) -> Result<Attempt<Assignment>, IpamError> {
         let handle_key = keys::handle(&request.handle);
+        // The pool generation before the pools: every pool write raises it, so the decision
+        // tests it instead of each pool it used (and a cache validates the pools by it).
         let mut reads = vec![
+            Read::Get(keys::pool_generation()),
             Read::List(keys::pools_dir()),
             Read::Get(keys::config()),
             format_read(),
@@ -161,6 +164,8 @@ impl Ipam {
         let validators = answered.validators;
         let answered_from_cache = answered.from_cache;
         let mut results = answered.results.into_iter();
+        // Only its revision counts: its value is the pool writers'.
+        let pool_generation = next_got(&mut results)?.map(|kv| kv.revision);
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
         self.learn_format(next_got(&mut results)?).await?;
@@ -692,9 +697,18 @@ impl Ipam {
                 }
             }
         }
-        // Pools and config that decided this allocation must not have changed under it.
-        for pool in pools.iter().filter(|p| used_pools.contains(&p.value.name)) {
-            plan.expect(&pool.key, Some(pool.revision));
+        // Pools and config that decided this allocation must not have changed under it: the pools
+        // by their generation, read before them (a store whose pools were written without one,
+        // by each pool used).
+        match pool_generation {
+            Some(revision) if !used_pools.is_empty() => {
+                plan.expect(&keys::pool_generation(), Some(revision));
+            }
+            _ => {
+                for pool in pools.iter().filter(|p| used_pools.contains(&p.value.name)) {
+                    plan.expect(&pool.key, Some(pool.revision));
+                }
+            }
         }
         if config_used {
             plan.expect(&keys::config(), config_revision);

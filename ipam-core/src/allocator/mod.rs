@@ -969,6 +969,17 @@ impl std::fmt::Debug for Clock {
     }
 }
 
+/// The cache a node's agent keeps in front of `inner` for the allocators it serves: a handle it
+/// does not know is taken for absent (a new container's handle was never written), and the
+/// pools are validated by the pool generation alone, which every pool write raises in the same
+/// transaction (so a steady ADD tests one key for every pool instead of each pool and their
+/// prefix).
+pub fn node_cache(inner: Arc<dyn KvStore>) -> crate::kv::caching::CachingStore {
+    crate::kv::caching::CachingStore::new(inner)
+        .speculating_absent_under(keys::handles_dir())
+        .covering(keys::pools_dir(), keys::pool_generation())
+}
+
 /// The allocator: every IPAM operation, over any [`KvStore`].
 #[derive(Debug, Clone)]
 pub struct Ipam {

@@ -22,6 +22,16 @@
 //! prefix and every listed key), that commit's revision; a listing read from the store, or a key
 //! read absent, none (a deletion leaves no revision behind). Read again unchanged, an answer keeps
 //! the later of the two.
+//!
+//! A prefix configured with [`CachingStore::covering`] names a *generation* key that every
+//! transaction writing under the prefix also writes (the allocator's pools and their
+//! generation counter). A batch that reads the generation (present) before the listing learns
+//! the listing as known as of the generation's revision: no write under the prefix came between.
+//! An answer whose listing is known as of the generation's revision or later is validated by
+//! the generation's own validator alone, in place of the listing's prefix and listed keys: while
+//! the generation stays at that revision, nothing under the prefix changed since the listing
+//! was the store's. The promise is the configurer's: a writer that writes under the prefix
+//! without raising the generation is not seen by an answer so validated.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -104,6 +114,16 @@ impl KeptListing {
 /// revision and each listed key at its revision. None when two results disagree on a key (read
 /// at different times) or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
 pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condition>> {
+    validators_except(reads, results, &[])
+}
+
+/// As [`validators_of`], with no validator for the listings at the indexes in `covered` (each
+/// validated instead by a generation read in the same batch: [`CachingStore::covering`]).
+fn validators_except(
+    reads: &[Read],
+    results: &[ReadResult],
+    covered: &[usize],
+) -> Option<Vec<Condition>> {
     let mut validators: BTreeMap<(bool, String), Condition> = BTreeMap::new();
     let mut agreed = true;
     let mut validate = |condition: Condition| {
@@ -112,8 +132,9 @@ pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condi
             agreed &= earlier == condition;
         }
     };
-    for (read, result) in reads.iter().zip(results) {
+    for (index, (read, result)) in reads.iter().zip(results).enumerate() {
         match (read, result) {
+            (Read::List(_), _) if covered.contains(&index) => {}
             (Read::Get(key), ReadResult::Got(Some(kv))) => {
                 validate(Condition::at_revision(key, kv.revision));
             }
@@ -132,6 +153,17 @@ pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condi
         }
     }
     (agreed && validators.len() <= MAX_VALIDATORS).then(|| validators.into_values().collect())
+}
+
+/// The revision of `generation` as the batch read it, when it read it present.
+fn generation_read(reads: &[Read], results: &[ReadResult], generation: &str) -> Option<Revision> {
+    reads
+        .iter()
+        .zip(results)
+        .find_map(|(read, result)| match (read, result) {
+            (Read::Get(key), ReadResult::Got(Some(kv))) if key == generation => Some(kv.revision),
+            _ => None,
+        })
 }
 
 /// What is kept.
@@ -278,6 +310,8 @@ pub struct CachingStore {
     inner: Arc<dyn KvStore>,
     kept: Mutex<Kept>,
     speculating: Vec<String>,
+    /// (prefix, generation key): every write under the prefix also writes the generation.
+    covering: Vec<(String, String)>,
     stats: Arc<CacheStats>,
 }
 
@@ -288,6 +322,7 @@ impl CachingStore {
             inner,
             kept: Mutex::new(Kept::default()),
             speculating: Vec::new(),
+            covering: Vec::new(),
             stats: Arc::default(),
         }
     }
@@ -303,6 +338,51 @@ impl CachingStore {
     pub fn speculating_absent_under(mut self, prefix: impl Into<String>) -> Self {
         self.speculating.push(prefix.into());
         self
+    }
+
+    /// Trusts every transaction that writes under `prefix` to write `generation` too, so that a
+    /// listing of `prefix` known as of the generation's revision or later is validated by the
+    /// generation alone (see the module's documentation). Only for a prefix whose every writer
+    /// keeps that promise.
+    pub fn covering(mut self, prefix: impl Into<String>, generation: impl Into<String>) -> Self {
+        self.covering.push((prefix.into(), generation.into()));
+        self
+    }
+
+    /// The indexes of the listings among `reads` validated by their generation: a listing of a
+    /// covered prefix known as of (`current_as_of`) the revision of its generation, read present
+    /// in the same batch, or later.
+    fn covered(
+        &self,
+        reads: &[Read],
+        results: &[ReadResult],
+        current_as_of: &[Revision],
+    ) -> Vec<usize> {
+        let mut covered = Vec::new();
+        for (prefix, generation) in &self.covering {
+            let Some(generation_revision) = generation_read(reads, results, generation) else {
+                continue;
+            };
+            for (index, read) in reads.iter().enumerate() {
+                let known_as_of = current_as_of.get(index).copied();
+                if matches!(read, Read::List(p) if p == prefix)
+                    && known_as_of.is_some_and(|r| r >= generation_revision)
+                {
+                    covered.push(index);
+                }
+            }
+        }
+        covered
+    }
+
+    /// The validators of `results`, those of listings their generation covers left out.
+    fn validators(
+        &self,
+        reads: &[Read],
+        results: &[ReadResult],
+        current_as_of: &[Revision],
+    ) -> Option<Vec<Condition>> {
+        validators_except(reads, results, &self.covered(reads, results, current_as_of))
     }
 
     /// The wrapped store.
@@ -347,6 +427,33 @@ impl CachingStore {
                     kept.keep_listing(prefix, KeptListing::from_listed(listed));
                 }
                 _ => {}
+            }
+        }
+        // A covered listing read after its generation, in one batch: nothing was written under
+        // its prefix between the generation's revision and the read, or the generation would be
+        // later (and the read found its writes: its generation's validator then fails).
+        for (prefix, generation) in &self.covering {
+            let Some(position) = reads
+                .iter()
+                .position(|r| matches!(r, Read::Get(k) if k == generation))
+            else {
+                continue;
+            };
+            let Some(generation_revision) =
+                generation_read(&reads[..=position], &results[..=position], generation)
+            else {
+                continue;
+            };
+            let listed_after = reads[position + 1..]
+                .iter()
+                .zip(&results[position + 1..])
+                .any(|(read, result)| {
+                    matches!((read, result), (Read::List(p), ReadResult::Listed(_)) if p == prefix)
+                });
+            if listed_after {
+                if let Some(listing) = kept.listings.get_mut(prefix) {
+                    listing.current_as_of = listing.current_as_of.max(generation_revision);
+                }
             }
         }
         kept.forget_everything_past_the_limit();
@@ -559,11 +666,11 @@ impl KvStore for CachingStore {
         }
         if may_use_cache {
             if let Some(results) = self.answer_from_kept(reads) {
-                if let Some(validators) = validators_of(reads, &results) {
+                let current_as_of = self.lock().current_as_of(reads, &results);
+                if let Some(validators) = self.validators(reads, &results, &current_as_of) {
                     self.stats
                         .answered_from_cache
                         .fetch_add(1, Ordering::Relaxed);
-                    let current_as_of = self.lock().current_as_of(reads, &results);
                     return Ok(CachedRead {
                         results,
                         validators,
@@ -575,9 +682,12 @@ impl KvStore for CachingStore {
         }
         let results = self.read_many(reads).await?;
         self.stats.read_from_store.fetch_add(1, Ordering::Relaxed);
+        let current_as_of = self.lock().current_as_of(reads, &results);
         Ok(CachedRead {
-            validators: validators_of(reads, &results).unwrap_or_default(),
-            current_as_of: self.lock().current_as_of(reads, &results),
+            validators: self
+                .validators(reads, &results, &current_as_of)
+                .unwrap_or_default(),
+            current_as_of,
             results,
             from_cache: false,
         })
@@ -1468,5 +1578,178 @@ mod tests {
             Revision::NONE
         );
         assert_eq!(as_of(&kept, Vec::new(), None)[1], Revision::NONE);
+    }
+
+    /// A store with two pools, a configuration and the pools' generation, written after them;
+    /// a cache over it that trusts the generation to cover the pools.
+    async fn store_with_covered_pools() -> (Arc<MemoryStore>, CachingStore) {
+        let backing = Arc::new(MemoryStore::new());
+        backing.put("pools/a", b"a".to_vec()).await.expect("put");
+        backing.put("pools/b", b"b".to_vec()).await.expect("put");
+        backing.put("config", b"c".to_vec()).await.expect("put");
+        backing.put("gen", b"1".to_vec()).await.expect("put");
+        let cached =
+            CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>).covering("pools/", "gen");
+        (backing, cached)
+    }
+
+    /// The pools written with their generation, as every pool writer writes them.
+    fn pool_write(key: &str, generation: Revision) -> Txn {
+        Txn::new()
+            .when(Condition::at_revision("gen", generation))
+            .then(Op::put(key, b"new".to_vec()))
+            .then(Op::put("gen", b"2".to_vec()))
+    }
+
+    async fn revision_of(store: &MemoryStore, key: &str) -> Revision {
+        store
+            .get(key)
+            .await
+            .expect("get")
+            .expect("present")
+            .revision
+    }
+
+    #[tokio::test]
+    async fn a_listing_read_after_its_generation_is_validated_by_the_generation_alone() {
+        let (backing, cached) = store_with_covered_pools().await;
+        let reads = vec![
+            Read::Get("gen".into()),
+            Read::List("pools/".into()),
+            Read::Get("config".into()),
+        ];
+        let generation = revision_of(&backing, "gen").await;
+        let expected = vec![
+            Condition::at_revision("config", revision_of(&backing, "config").await),
+            Condition::at_revision("gen", generation),
+        ];
+        let first = cached.read_many_cached(&reads, true).await.expect("read");
+        assert!(!first.from_cache);
+        assert_eq!(
+            first.validators, expected,
+            "no pool and no prefix tested: the generation read before them stands for them"
+        );
+        assert_eq!(first.current_as_of[1], generation, "the listing as of it");
+        let again = cached.read_many_cached(&reads, true).await.expect("again");
+        assert!(again.from_cache);
+        assert_eq!(again.validators, expected);
+        // A commit decided from it applies while the pools are unchanged.
+        cached
+            .commit(decided_from(
+                &again,
+                Txn::new().then(Op::put("config", b"c2".to_vec())),
+            ))
+            .await
+            .expect("nothing changed: it applies");
+        let steady = cached.read_many_cached(&reads, true).await.expect("steady");
+        assert!(steady.from_cache);
+        assert_eq!(steady.validators.len(), 2, "{:?}", steady.validators);
+
+        // Another writer adds a pool, raising the generation: the answer still kept is stale,
+        // and its generation's validator refuses the commit decided from it.
+        backing
+            .commit(pool_write("pools/c", generation))
+            .await
+            .expect("another writer's pool");
+        let stale = cached.read_many_cached(&reads, true).await.expect("stale");
+        assert!(stale.from_cache);
+        assert_eq!(stale.results[1], again.results[1], "the kept listing");
+        let refused = cached
+            .commit(decided_from(
+                &stale,
+                Txn::new().then(Op::put("config", b"c3".to_vec())),
+            ))
+            .await;
+        assert!(
+            matches!(&refused, Err(KvError::Conflict { key }) if key == "gen"),
+            "{refused:?}"
+        );
+        let fresh = cached.read_many_cached(&reads, true).await.expect("fresh");
+        assert!(
+            !fresh.from_cache,
+            "what the refused commit tested is forgotten"
+        );
+        let ReadResult::Listed(listed) = &fresh.results[1] else {
+            panic!("a listing")
+        };
+        assert_eq!(listed.len(), 3, "the new pool read");
+        assert!(fresh
+            .validators
+            .iter()
+            .all(|c| !c.tests_a_prefix() && !c.key().starts_with("pools/")));
+    }
+
+    #[tokio::test]
+    async fn a_covered_listing_keeps_its_own_validators_unless_known_as_of_its_generation() {
+        let (backing, cached) = store_with_covered_pools().await;
+        let tests_the_pools = |answered: &CachedRead| {
+            answered
+                .validators
+                .iter()
+                .any(|c| c.tests_a_prefix() && c.key() == "pools/")
+                && answered
+                    .validators
+                    .iter()
+                    .filter(|c| c.key().starts_with("pools/"))
+                    .count()
+                    == 3
+        };
+        // Listed before the generation: a pool written between the two reads would be missed.
+        let listed_first = vec![Read::List("pools/".into()), Read::Get("gen".into())];
+        let answered = cached
+            .read_many_cached(&listed_first, false)
+            .await
+            .expect("read");
+        assert!(tests_the_pools(&answered), "{:?}", answered.validators);
+        // Without the generation in the batch.
+        let alone = vec![Read::List("pools/".into())];
+        let answered = cached.read_many_cached(&alone, false).await.expect("read");
+        assert!(tests_the_pools(&answered), "{:?}", answered.validators);
+
+        // Known as of the generation, then the generation learned at a later revision (a pool
+        // written with it): the kept listing is older than the generation it would be covered by.
+        let covered = vec![Read::Get("gen".into()), Read::List("pools/".into())];
+        let answered = cached
+            .read_many_cached(&covered, false)
+            .await
+            .expect("read");
+        assert!(!tests_the_pools(&answered), "{:?}", answered.validators);
+        let generation = revision_of(&backing, "gen").await;
+        backing
+            .commit(pool_write("pools/c", generation))
+            .await
+            .expect("another writer's pool");
+        cached.get("gen").await.expect("the generation read again");
+        let stale = cached
+            .read_many_cached(&covered, true)
+            .await
+            .expect("stale");
+        assert!(stale.from_cache);
+        assert!(tests_the_pools(&stale), "{:?}", stale.validators);
+        let refused = cached
+            .commit(decided_from(
+                &stale,
+                Txn::new().then(Op::put("config", b"c2".to_vec())),
+            ))
+            .await;
+        assert!(
+            matches!(&refused, Err(KvError::Conflict { key }) if key == "pools/"),
+            "the pool written after the kept listing is found: {refused:?}"
+        );
+
+        // A generation never written covers nothing.
+        let backing = Arc::new(MemoryStore::new());
+        backing.put("pools/a", b"a".to_vec()).await.expect("put");
+        let cached =
+            CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>).covering("pools/", "gen");
+        let answered = cached
+            .read_many_cached(&covered, false)
+            .await
+            .expect("read");
+        assert!(answered
+            .validators
+            .iter()
+            .any(|c| c.tests_a_prefix() && c.key() == "pools/"));
+        assert!(answered.validators.contains(&Condition::absent("gen")));
     }
 }
