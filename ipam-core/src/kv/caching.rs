@@ -111,14 +111,10 @@ impl KeptListing {
 
 /// The conditions that hold exactly when each of `results` is still what the store holds: for a
 /// key, absent or at its revision; for a listing, nothing put under its prefix after its newest
-/// revision and each listed key at its revision. None when two results disagree on a key (read
-/// at different times) or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
-pub fn validators_of(reads: &[Read], results: &[ReadResult]) -> Option<Vec<Condition>> {
-    validators_except(reads, results, &[])
-}
-
-/// As [`validators_of`], with no validator for the listings at the indexes in `covered` (each
-/// validated instead by a generation read in the same batch: [`CachingStore::covering`]).
+/// revision and each listed key at its revision; none for the listings at the indexes in
+/// `covered` (each validated instead by a generation read in the same batch:
+/// [`CachingStore::covering`]). None when two results disagree on a key (read at different times)
+/// or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
 fn validators_except(
     reads: &[Read],
     results: &[ReadResult],
@@ -1677,6 +1673,38 @@ mod tests {
             .validators
             .iter()
             .all(|c| !c.tests_a_prefix() && !c.key().starts_with("pools/")));
+    }
+
+    #[tokio::test]
+    async fn a_covered_listing_is_known_as_of_its_generation_not_of_another_key_read_before_it() {
+        let (backing, cached) = store_with_covered_pools().await;
+        // A key written after the generation and read before it in the batch: its later revision
+        // says nothing about the pools.
+        backing.put("later", b"l".to_vec()).await.expect("put");
+        let generation = revision_of(&backing, "gen").await;
+        let later = revision_of(&backing, "later").await;
+        assert!(later > generation);
+        let reads = vec![
+            Read::Get("later".into()),
+            Read::Get("gen".into()),
+            Read::List("pools/".into()),
+        ];
+        let answered = cached.read_many_cached(&reads, false).await.expect("read");
+        assert_eq!(
+            answered.current_as_of[2], generation,
+            "the listing as of its generation's revision"
+        );
+        assert_eq!(
+            answered.validators,
+            vec![
+                Condition::at_revision("gen", generation),
+                Condition::at_revision("later", later),
+            ]
+        );
+        let again = cached.read_many_cached(&reads, true).await.expect("again");
+        assert!(again.from_cache);
+        assert_eq!(again.current_as_of[2], generation);
+        assert_eq!(again.validators, answered.validators);
     }
 
     #[tokio::test]
