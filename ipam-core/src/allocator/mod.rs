@@ -2158,6 +2158,96 @@ mod tests {
         );
     }
 
+    /// A store whose batched reads are the trait's default (one read after another, not one
+    /// snapshot) and where another writer creates a pool right after the first listing of the
+    /// pools has been answered.
+    struct PoolWrittenAfterTheListing {
+        inner: Arc<crate::kv::memory::MemoryStore>,
+        writer: std::sync::Mutex<Option<(Ipam, PoolSpec)>>,
+    }
+
+    impl std::fmt::Debug for PoolWrittenAfterTheListing {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("PoolWrittenAfterTheListing")
+                .finish_non_exhaustive()
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl KvStore for PoolWrittenAfterTheListing {
+        async fn get(&self, key: &str) -> Result<Option<KeyValue>, crate::kv::KvError> {
+            self.inner.get(key).await
+        }
+
+        async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, crate::kv::KvError> {
+            let listed = self.inner.list(prefix).await;
+            if prefix == keys::pools_dir() {
+                let writer = self.writer.lock().expect("writer lock").take();
+                if let Some((ipam, spec)) = writer {
+                    ipam.create_pool(&spec)
+                        .await
+                        .expect("the other writer's pool");
+                }
+            }
+            listed
+        }
+
+        async fn commit(&self, txn: Txn) -> Result<Revision, crate::kv::KvError> {
+            self.inner.commit(txn).await
+        }
+    }
+
+    /// On a store whose batch is not one snapshot, a pool created between the pool write's reads
+    /// is still seen: the write is refused on the generation, read again, and the overlap found.
+    #[tokio::test]
+    async fn a_pool_created_between_a_pool_writes_reads_is_never_overlapped() {
+        let inner = Arc::new(crate::kv::memory::MemoryStore::new());
+        let other = Ipam::new(Arc::clone(&inner) as Arc<dyn KvStore>);
+        other
+            .create_pool(&PoolSpec {
+                cidr: "10.1.0.0/16".parse().expect("cidr"),
+                name: Some("first".into()),
+                block_size: None,
+                disabled: false,
+            })
+            .await
+            .expect("a pool, so that the generation exists");
+        let store = Arc::new(PoolWrittenAfterTheListing {
+            inner: Arc::clone(&inner),
+            writer: std::sync::Mutex::new(Some((
+                other,
+                PoolSpec {
+                    cidr: "10.0.0.0/16".parse().expect("cidr"),
+                    name: Some("theirs".into()),
+                    block_size: None,
+                    disabled: false,
+                },
+            ))),
+        });
+        let ipam = Ipam::new(store as Arc<dyn KvStore>);
+        let created = ipam
+            .create_pool(&PoolSpec {
+                cidr: "10.0.0.0/24".parse().expect("cidr"),
+                name: Some("ours".into()),
+                block_size: None,
+                disabled: false,
+            })
+            .await;
+        assert!(
+            matches!(&created, Err(IpamError::PoolOverlap { .. })),
+            "{created:?}"
+        );
+        let mut names: Vec<String> = Ipam::new(Arc::clone(&inner) as Arc<dyn KvStore>)
+            .list_pools()
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|pool| pool.name)
+            .collect();
+        names.sort();
+        assert_eq!(names, vec!["first".to_owned(), "theirs".to_owned()]);
+    }
+
     /// A store whose claim index entry of one block names another host before every batched
     /// read: the block moving between hosts under each read.
     #[derive(Debug)]

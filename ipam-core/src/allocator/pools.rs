@@ -290,20 +290,23 @@ impl Ipam {
     }
 
     /// Every pool and the pool-generation counter, in one batched read: what a pool write checks
-    /// and conditions on.
+    /// and conditions on. The generation is read first: on a store whose batch is not one
+    /// snapshot, a pool written between the two reads then leaves the generation read older than
+    /// the store's, and the write conditioned on it is refused (read the other way round, the
+    /// pool would be missed and the generation current).
     pub(crate) async fn read_pools_and_generation(
         &self,
     ) -> Result<(Vec<Stored<Pool>>, Option<KeyValue>), IpamError> {
         let results = self
             .store
             .read_many(&[
-                Read::List(keys::pools_dir()),
                 Read::Get(keys::pool_generation()),
+                Read::List(keys::pools_dir()),
             ])
             .await?;
         let mut results = results.into_iter();
-        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let generation = next_got(&mut results)?;
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         Ok((pools, generation))
     }
 
