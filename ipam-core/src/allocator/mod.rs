@@ -2158,12 +2158,18 @@ mod tests {
         );
     }
 
+    /// What another writer does to the pools in [`PoolWrittenAfterTheListing`].
+    enum AnotherPoolWrite {
+        Create(PoolSpec),
+        Delete(&'static str),
+    }
+
     /// A store whose batched reads are the trait's default (one read after another, not one
-    /// snapshot) and where another writer creates a pool right after the first listing of the
-    /// pools has been answered.
+    /// snapshot) and where another writer creates or deletes a pool right after the first
+    /// listing of the pools has been answered.
     struct PoolWrittenAfterTheListing {
         inner: Arc<crate::kv::memory::MemoryStore>,
-        writer: std::sync::Mutex<Option<(Ipam, PoolSpec)>>,
+        writer: std::sync::Mutex<Option<(Ipam, AnotherPoolWrite)>>,
     }
 
     impl std::fmt::Debug for PoolWrittenAfterTheListing {
@@ -2183,10 +2189,18 @@ mod tests {
             let listed = self.inner.list(prefix).await;
             if prefix == keys::pools_dir() {
                 let writer = self.writer.lock().expect("writer lock").take();
-                if let Some((ipam, spec)) = writer {
-                    ipam.create_pool(&spec)
-                        .await
-                        .expect("the other writer's pool");
+                match writer {
+                    Some((ipam, AnotherPoolWrite::Create(spec))) => {
+                        ipam.create_pool(&spec)
+                            .await
+                            .expect("the other writer's pool");
+                    }
+                    Some((ipam, AnotherPoolWrite::Delete(name))) => {
+                        ipam.delete_pool(name, false)
+                            .await
+                            .expect("the other writer's delete");
+                    }
+                    None => {}
                 }
             }
             listed
@@ -2216,12 +2230,12 @@ mod tests {
             inner: Arc::clone(&inner),
             writer: std::sync::Mutex::new(Some((
                 other,
-                PoolSpec {
+                AnotherPoolWrite::Create(PoolSpec {
                     cidr: "10.0.0.0/16".parse().expect("cidr"),
                     name: Some("theirs".into()),
                     block_size: None,
                     disabled: false,
-                },
+                }),
             ))),
         });
         let ipam = Ipam::new(store as Arc<dyn KvStore>);
@@ -2246,6 +2260,49 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, vec!["first".to_owned(), "theirs".to_owned()]);
+    }
+
+    /// On a store whose batch is not one snapshot, a namespace's setting never lands naming a
+    /// pool deleted between its reads: it is refused on the generation, read again, and the
+    /// pool found missing.
+    #[tokio::test]
+    async fn a_namespace_setting_never_names_a_pool_deleted_between_its_reads() {
+        let inner = Arc::new(crate::kv::memory::MemoryStore::new());
+        let other = Ipam::new(Arc::clone(&inner) as Arc<dyn KvStore>);
+        for (cidr, name) in [("10.1.0.0/16", "kept"), ("10.0.0.0/16", "gone")] {
+            other
+                .create_pool(&PoolSpec {
+                    cidr: cidr.parse().expect("cidr"),
+                    name: Some(name.into()),
+                    block_size: None,
+                    disabled: false,
+                })
+                .await
+                .expect("pool");
+        }
+        let store = Arc::new(PoolWrittenAfterTheListing {
+            inner: Arc::clone(&inner),
+            writer: std::sync::Mutex::new(Some((other, AnotherPoolWrite::Delete("gone")))),
+        });
+        let ipam = Ipam::new(store as Arc<dyn KvStore>);
+        let set = ipam
+            .set_namespace_pools(
+                "tenant",
+                &crate::model::namespaces::NamespacePools {
+                    ipv4_pools: vec!["gone".into()],
+                    ipv6_pools: Vec::new(),
+                },
+            )
+            .await;
+        assert!(
+            matches!(&set, Err(IpamError::PoolNotFound { .. })),
+            "{set:?}"
+        );
+        let stored = Ipam::new(Arc::clone(&inner) as Arc<dyn KvStore>)
+            .namespace_pools("tenant")
+            .await
+            .expect("read");
+        assert_eq!(stored, None, "no setting naming the deleted pool");
     }
 
     /// A store whose claim index entry of one block names another host before every batched

@@ -58,14 +58,15 @@ impl Ipam {
             let mut results = self
                 .store()
                 .read_many(&[
-                    Read::List(keys::pools_dir()),
+                    // The generation before the pools, as every pool write reads them.
                     Read::Get(keys::pool_generation()),
+                    Read::List(keys::pools_dir()),
                     Read::Get(key.clone()),
                 ])
                 .await?
                 .into_iter();
-            let listed = Self::decode_pools(next_listed(&mut results)?)?;
             let generation = next_got(&mut results)?;
+            let listed = Self::decode_pools(next_listed(&mut results)?)?;
             let read = next_got(&mut results)?;
             for family in [Family::V4, Family::V6] {
                 for wanted in pools.for_family(family) {

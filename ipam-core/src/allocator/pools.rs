@@ -369,8 +369,9 @@ impl Ipam {
     /// Nothing is written when a block of the pool cannot be decoded, nor (with `force`) an owner
     /// key of one: the error names it. Damage outside the pool is passed over.
     ///
-    /// The pool is disabled first: every assignment commits on the revision of the pool it uses,
-    /// so from then on nothing new lands in it, and the count of addresses in use that decides
+    /// The pool is disabled first: every assignment commits on the pool generation the disabling
+    /// raises (or, a store without one, the revision of the pool it uses), so from then on
+    /// nothing new lands in it, and the count of addresses in use that decides
     /// a refusal cannot miss an ADD racing the delete. A delete that fails before releasing any
     /// address re-enables a pool it disabled. Each block is deleted by a transaction that checks,
     /// on the block's revision, that it is empty.
@@ -506,20 +507,21 @@ impl Ipam {
     }
 
     /// Deletes the pool if, in one snapshot, it is still disabled and no block lies in it; the
-    /// delete is conditioned on the pool's revision, which every assignment in it is conditioned
-    /// on too. False when it was enabled again or holds a block again (go round once more).
+    /// delete is conditioned on the pool's revision and raises the pool generation, on which
+    /// every assignment is conditioned. False when it was enabled again or holds a block again (go round once more).
     async fn try_delete_emptied_pool(&self, pool: &Pool) -> Result<Attempt<bool>, IpamError> {
         let results = self
             .store
             .read_many(&[
-                Read::List(keys::pools_dir()),
+                // The generation before the pools, as every pool write reads them.
                 Read::Get(keys::pool_generation()),
+                Read::List(keys::pools_dir()),
                 Read::List(keys::blocks_dir()),
             ])
             .await?;
         let mut results = results.into_iter();
-        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let generation = next_got(&mut results)?;
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let Ok(found) = find_exact_pool(&pools, pool) else {
             return Ok(Attempt::Done(true));
         };

@@ -361,8 +361,9 @@ impl Ipam {
 
     /// [`set_pool`](Ipam::set_pool) with a new block size: the pool and its mixed-sizes record
     /// (the old size added) change in one compare-and-swap serialised with every other pool
-    /// write. Every assignment commits on the revision of the pool it used, so no block of the old
-    /// size is claimed once this commits; existing blocks keep their size and drain.
+    /// write. Every assignment commits on the pool generation this raises (or, a store without
+    /// one, the revision of the pool it used), so no block of the old size is claimed once this
+    /// commits; existing blocks keep their size and drain.
     pub(crate) async fn change_pool_with_block_size(
         &self,
         name_or_cidr: &str,
@@ -436,15 +437,16 @@ impl Ipam {
         let results = self
             .store
             .read_many(&[
-                Read::List(keys::pools_dir()),
+                // The generation before the pools, as every pool write reads them.
                 Read::Get(keys::pool_generation()),
+                Read::List(keys::pools_dir()),
                 Read::List(keys::claims_dir()),
                 Read::List(crate::model::namespaces::namespaces_dir()),
             ])
             .await?;
         let mut results = results.into_iter();
-        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let generation = next_got(&mut results)?;
+        let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let claims = next_listed(&mut results)?;
         let namespaces = next_listed(&mut results)?;
         let found = find_pool(&pools, name_or_cidr)?;
