@@ -351,7 +351,10 @@ async fn serve_connection(
             Arc::clone(&store),
             Arc::clone(&order),
             frame,
-            deadline,
+            Received {
+                at: received,
+                deadline,
+            },
             protocol,
             &config,
         );
@@ -410,13 +413,21 @@ async fn poll_reading(
     }
 }
 
-/// Answers one request: runs it on the store in its place in `order` and by its `deadline`,
-/// records its latency, encodes the answer.
+/// When a request was read from its connection, and the deadline it is answered by.
+#[derive(Debug, Clone, Copy)]
+struct Received {
+    at: Instant,
+    deadline: Instant,
+}
+
+/// Answers one request: runs it on the store in its place in `order` and by its deadline,
+/// records its latency (from when it was read, so that the time it waits for its task to run
+/// counts), encodes the answer.
 fn respond(
     store: Arc<dyn KvStore>,
     order: Arc<CommitOrder>,
     frame: ReceivedRequest,
-    deadline: Instant,
+    received: Received,
     protocol: u32,
     config: &ServerConfig,
 ) -> Answering {
@@ -427,17 +438,16 @@ fn respond(
     Box::pin(async move {
         let _in_flight = in_flight;
         let kind = frame.request.kind();
-        let started = std::time::Instant::now();
         let asked = Asked {
             store: &*store,
             order: &order,
-            deadline,
+            deadline: received.deadline,
             protocol,
             served,
         };
         let response = asked.answer(frame.request).await;
         if let Some(metrics) = &metrics {
-            metrics.observe_request(kind, started.elapsed());
+            metrics.observe_request(kind, received.at.elapsed());
         }
         encode(frame.id, response)
     })
@@ -542,7 +552,61 @@ fn encode(id: u64, response: Response) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::ServerConfig;
+    use super::{respond, CommitOrder, Received, ServerConfig};
+    use crate::counters::ReclaimCounters;
+    use crate::metrics::AgentMetrics;
+    use backend_agent::protocol::{ReceivedRequest, Request};
+    use ipam_core::{KvStore, MemoryStore};
+    use std::sync::Arc;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    /// A request's recorded latency runs from when it was read, not from when its task was first
+    /// polled: the time it waited for the runtime (behind other requests) counts.
+    #[tokio::test]
+    async fn a_requests_latency_counts_the_time_it_waited_to_be_polled() {
+        let metrics = Arc::new(AgentMetrics::new(
+            Arc::new(ReclaimCounters::default()),
+            Duration::ZERO,
+        ));
+        let config = ServerConfig {
+            metrics: Some(Arc::clone(&metrics)),
+            ..ServerConfig::default()
+        };
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let read_at = Instant::now();
+        let answering = respond(
+            Arc::clone(&store),
+            Arc::new(CommitOrder::default()),
+            ReceivedRequest {
+                id: 1,
+                deadline: None,
+                request: Request::Get { key: "k".into() },
+            },
+            Received {
+                at: read_at,
+                deadline: read_at + Duration::from_secs(60),
+            },
+            3,
+            &config,
+        );
+        let waited = Duration::from_millis(300);
+        tokio::time::sleep(waited).await;
+        assert!(answering.await.is_some(), "an answer");
+        let text = metrics.scrape(&Arc::downgrade(&store), false).await;
+        let sum: f64 = text
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix("blockipam_agent_request_duration_seconds_sum{kind=\"get\"} ")
+            })
+            .unwrap_or_else(|| panic!("no latency of the get in:\n{text}"))
+            .parse()
+            .expect("a number");
+        assert!(
+            sum >= waited.as_secs_f64(),
+            "recorded {sum} s for a request read {waited:?} before it was polled"
+        );
+    }
 
     #[test]
     fn root_the_agents_own_user_and_the_allowed_users_may_connect() {
