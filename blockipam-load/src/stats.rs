@@ -124,11 +124,9 @@ fn summarize(samples: &KindSamples) -> KindSummary {
     let mut sorted = samples.latencies_ms.clone();
     sorted.sort_by(f64::total_cmp);
     let count = sorted.len() as u64;
-    let per_op = |total: u64| {
-        (samples.observed > 0 && samples.observed == count)
-            .then(|| total as f64 / samples.observed as f64)
-    };
+    // Per-operation figures only when every operation of the kind was observed.
     let observed = samples.observed > 0 && samples.observed == count;
+    let per_op = |total: u64| observed.then(|| total as f64 / samples.observed as f64);
     let per_commit = |total: u64| {
         (observed && samples.commits > 0).then(|| total as f64 / samples.commits as f64)
     };
