@@ -13,7 +13,8 @@ pub struct RedbConfig {
     /// How long [`RedbStore::open`](crate::RedbStore::open) waits for another process (or handle)
     /// that holds the store before failing with `KvError::Unavailable`.
     pub lock_wait: Duration,
-    /// Whether `open` creates the store file (mode 0600) when it is missing or empty. Off by
+    /// Whether `open` creates the store file (mode 0600) when it is missing (an empty file is
+    /// damage, reported as corrupt and never created over). Off by
     /// default: a store that vanished (a deleted file, an unmounted volume) is then an error, not
     /// a silently re-created empty store that would hand out addresses still in use.
     pub create_if_missing: bool,

@@ -511,7 +511,7 @@ fn block_edges(block: IpNet) -> Vec<IpAddr> {
 ///
 /// # Errors
 /// Why the ADD cannot create one (as the allocator refuses it): a different pool under its name,
-/// or a pool its range overlaps.
+/// a pool its range overlaps, or a range overlapping its family's link-local addresses.
 fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<PoolUsage>, String> {
     let mut pending = Vec::new();
     for spec in &conf.pools {
@@ -534,6 +534,9 @@ fn pending_netconf_pools(conf: &NetConf, usage: &Utilization) -> Result<Vec<Pool
             }
         }
         if !stored {
+            // The ADD refuses to create a pool on link-local addresses (an earlier release's
+            // such pool is found stored above and used as it is).
+            ipam_core::model::validate_new_pool_range(&pool.cidr).map_err(|e| e.to_string())?;
             pending.push(PoolUsage {
                 capacity: pool.capacity(),
                 in_use: 0,

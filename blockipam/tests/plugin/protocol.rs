@@ -1208,6 +1208,13 @@ fn status_speaks_for_the_next_add_in_every_choice_of_pool(mode: Mode) {
         Some("overlaps existing pool \"zoned\""),
         &[],
     );
+    // Nor one whose range overlaps the link-local addresses, which no pool may be created on.
+    status_then_add(
+        &requesting(&[], pending("169.254.0.0/28", "link-local")),
+        "link-local-netconf-pool",
+        Some("overlaps the IPv4 link-local range"),
+        &[],
+    );
     // A netconf pool created by the ADD is empty: its first address needs a new block.
     let config = |change: fn(&mut IpamConfig)| {
         sandbox.with_ipam(async |ipam: &ipam_core::Ipam| {
