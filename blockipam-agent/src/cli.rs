@@ -55,8 +55,9 @@ pub struct AgentArgs {
         help_heading = "Metrics"
     )]
     pub metrics_listen: Option<std::net::SocketAddr>,
-    /// Seconds a computation of the ipam_* gauges (one read of every pool and block) is reused by
-    /// later scrapes; 0 computes on every scrape
+    /// Seconds a computation of the ipam_* gauges (a read of the pools and the claim and
+    /// borrowed-block indexes, then of the blocks holding another node's addresses) is reused
+    /// by later scrapes; 0 computes on every scrape
     #[arg(
         long,
         value_name = "SECONDS",
