@@ -150,7 +150,7 @@ impl IpamState {
         }
         refresh.last_attempt = Some(Instant::now());
         let outcome = match store.upgrade() {
-            None => Err("the store is closed (the agent is stopping)".to_owned()),
+            None => Err("the store is not open (the agent is starting or stopping)".to_owned()),
             Some(store) => {
                 match tokio::time::timeout(IPAM_COMPUTATION_TIMEOUT, IpamSnapshot::compute(store))
                     .await
