@@ -641,10 +641,14 @@ pub struct MigrateArgs {
     /// Target etcd key prefix [default: /blockipam/].
     #[arg(long, value_name = "PREFIX")]
     pub to_etcd_prefix: Option<String>,
-    /// Target etcd user name (with --to-etcd-password).
+    /// Target etcd user name (with --to-etcd-password-env or --to-etcd-password).
     #[arg(long, value_name = "NAME")]
     pub to_etcd_username: Option<String>,
-    /// Target etcd password.
+    /// Name of the environment variable holding the target user's password (ETCD_PASSWORD, say).
+    #[arg(long, value_name = "VAR", conflicts_with = "to_etcd_password")]
+    pub to_etcd_password_env: Option<String>,
+    /// Target etcd password; prefer --to-etcd-password-env, which other users cannot read in the
+    /// process list.
     #[arg(long, value_name = "PASSWORD")]
     pub to_etcd_password: Option<Secret>,
 }

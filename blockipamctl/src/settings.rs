@@ -249,16 +249,27 @@ pub fn resolve(global: &GlobalArgs, env: &Env) -> Result<DatastoreSettings, CtlE
     Ok(settings)
 }
 
-/// The target store of `migrate`: its own flags, the source's lock wait and agent socket, and the
-/// etcd request timeout of the global flags ([`etcd_request_timeout`]).
+/// The target store of `migrate`: its own flags (the password from the variable
+/// `--to-etcd-password-env` names, looked up in `env`), the source's lock wait and agent socket,
+/// and the etcd request timeout of the global flags ([`etcd_request_timeout`]).
 ///
 /// # Errors
-/// [`CtlError::Usage`] for a bad value or an incomplete etcd selection.
+/// [`CtlError::Usage`] for a bad value, an incomplete etcd selection, or a password variable that
+/// is not set.
 pub fn resolve_target(
     args: &MigrateArgs,
     source: &DatastoreSettings,
+    env: &Env,
     etcd_request_timeout: Option<Duration>,
 ) -> Result<DatastoreSettings, CtlError> {
+    let password = match &args.to_etcd_password_env {
+        Some(var) => Some(Secret::new(env.get(var).ok_or_else(|| {
+            CtlError::usage(format!(
+                "--to-etcd-password-env names {var}, which is not set (or empty)"
+            ))
+        })?)),
+        None => args.to_etcd_password.clone(),
+    };
     let datastore_type = args
         .to_datastore_type
         .parse::<DatastoreType>()
@@ -272,7 +283,7 @@ pub fn resolve_target(
         etcd_key_file: args.to_etcd_key_file.clone(),
         etcd_prefix: args.to_etcd_prefix.clone(),
         etcd_username: args.to_etcd_username.clone(),
-        etcd_password: args.to_etcd_password.clone(),
+        etcd_password: password,
         etcd_request_timeout,
     };
     Ok(DatastoreSettings {
@@ -405,6 +416,7 @@ mod tests {
             to_etcd_key_file: None,
             to_etcd_prefix: prefix,
             to_etcd_username: None,
+            to_etcd_password_env: None,
             to_etcd_password: None,
         }
     }
@@ -494,7 +506,7 @@ mod tests {
             Some(DEFAULT_ETCD_PREFIX)
         );
         let migrate = migrate_to_etcd(Some(String::new()));
-        let target = resolve_target(&migrate, &default, None).expect("target");
+        let target = resolve_target(&migrate, &default, &Env::default(), None).expect("target");
         assert_eq!(target.identity(), default.identity());
     }
 
@@ -684,7 +696,7 @@ mod tests {
         assert_eq!(source.datastore_type(), DatastoreType::Sled);
         let migrate = migrate_to_etcd(None);
         let request = etcd_request_timeout(&global, &no_env()).expect("timeout");
-        let target = resolve_target(&migrate, &source, request).expect("target");
+        let target = resolve_target(&migrate, &source, &Env::default(), request).expect("target");
         assert_eq!(
             target.etcd().expect("etcd").timeouts,
             Some((Duration::from_secs(2), Duration::from_secs(2)))
@@ -710,7 +722,7 @@ mod tests {
             to_etcd_endpoints: None,
             ..migrate
         };
-        let target = resolve_target(&migrate, &source, None).expect("target");
+        let target = resolve_target(&migrate, &source, &Env::default(), None).expect("target");
         assert_eq!(target.datastore_type(), DatastoreType::Redb);
         assert_eq!(target.lock_wait, Duration::from_millis(500));
         assert_eq!(

@@ -19,7 +19,7 @@ use super::to_json;
 use crate::cli::MigrateArgs;
 use crate::error::{one_line, CtlError};
 use crate::output::{counted, Ctx, Outcome};
-use crate::settings::{self, OpenMode};
+use crate::settings::{self, Env, OpenMode};
 
 #[derive(Debug, Default, Serialize)]
 struct MigrateJson {
@@ -46,9 +46,11 @@ pub async fn run(
     ctx: &mut Ctx<'_>,
     source_settings: &DatastoreSettings,
     args: &MigrateArgs,
+    env: &Env,
     etcd_request_timeout: Option<Duration>,
 ) -> Result<Outcome, CtlError> {
-    let target_settings = settings::resolve_target(args, source_settings, etcd_request_timeout)?;
+    let target_settings =
+        settings::resolve_target(args, source_settings, env, etcd_request_timeout)?;
     if settings::same_store(source_settings, &target_settings) {
         let how = if source_settings.datastore_type() == target_settings.datastore_type() {
             String::new()

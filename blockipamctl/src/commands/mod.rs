@@ -93,7 +93,7 @@ pub async fn dispatch(ctx: &mut Ctx<'_>, cli: &Cli, env: &Env) -> Result<Outcome
         }
         Command::Migrate(args) => {
             let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;
-            migrate::run(ctx, &store, args, etcd_request_timeout).await
+            migrate::run(ctx, &store, args, env, etcd_request_timeout).await
         }
         Command::Import(crate::cli::ImportCommand::Calico(args)) => {
             let etcd_request_timeout = settings::etcd_request_timeout(&cli.global, env)?;

@@ -374,3 +374,93 @@ fn a_copy_refused_part_way_is_undone_and_leaves_the_target_empty() {
     assert_eq!(left, Vec::new(), "the target is left empty");
     assert_eq!(source.snapshot(), before, "the source is left as it was");
 }
+
+/// A restore into an etcd with authentication on takes the target user's password from the
+/// variable `--to-etcd-password-env` names (kept out of the process list): the copy succeeds and
+/// verifies. A variable that is not set is a usage error (status 2) naming it, and nothing is
+/// written.
+#[test]
+fn a_copy_into_etcd_with_authentication_takes_the_password_from_the_named_variable() {
+    const USER: &str = "restorer";
+    const PASSWORD: &str = "Restorer-pw-51c7";
+    let source = Lab::new(Backend::Redb);
+    populate(&source);
+    let before = source.snapshot();
+
+    let server = test_kit::etcd::EtcdServer::start().expect("a private etcd");
+    let prefix = test_kit::etcd::unique_prefix();
+    server
+        .enable_auth(None, "root-pw", USER, PASSWORD, &prefix)
+        .expect("authentication on");
+    let migrate_args = |password_var: &str| {
+        let mut args = source.store_args();
+        args.extend(
+            [
+                "--agent-socket",
+                "none",
+                "migrate",
+                "--to-datastore-type",
+                "etcdv3",
+                "--to-etcd-endpoints",
+                &server.endpoint(),
+                "--to-etcd-prefix",
+                &prefix,
+                "--to-etcd-username",
+                USER,
+                "--to-etcd-password-env",
+                password_var,
+            ]
+            .map(String::from),
+        );
+        args
+    };
+    let target_keys = || {
+        test_kit::block_on(async {
+            use ipam_core::KvStore;
+            let mut config = server.config(&prefix);
+            config.username = Some("root".into());
+            config.password = Some("root-pw".into());
+            let store = backend_etcd::EtcdStore::connect(config)
+                .await
+                .expect("connect as root");
+            store.list("").await.expect("list the target").len()
+        })
+    };
+
+    let unset = ctl(&migrate_args("TARGET_ETCD_PASSWORD"), &[]);
+    unset.expect_code(2);
+    assert!(
+        unset
+            .error_line()
+            .contains("--to-etcd-password-env names TARGET_ETCD_PASSWORD, which is not set"),
+        "{}",
+        unset.error_line()
+    );
+    assert_eq!(target_keys(), 0, "a refused copy wrote nothing");
+
+    let wrong = ctl(
+        &migrate_args("TARGET_ETCD_PASSWORD"),
+        &[("TARGET_ETCD_PASSWORD", "not-the-password")],
+    );
+    wrong.expect_code(1);
+    assert!(
+        wrong
+            .error_line()
+            .contains("rejected the configured user name or password"),
+        "{}",
+        wrong.error_line()
+    );
+    assert_eq!(target_keys(), 0, "a refused copy wrote nothing");
+
+    let run = ctl(
+        &migrate_args("TARGET_ETCD_PASSWORD"),
+        &[("TARGET_ETCD_PASSWORD", PASSWORD)],
+    );
+    run.ok();
+    assert_eq!(
+        target_keys(),
+        before.len(),
+        "every key of the source is copied"
+    );
+    assert_eq!(source.snapshot(), before, "the source is left as it was");
+}
