@@ -357,9 +357,13 @@ fn report(outcome: &NodeOutcome, counters: &ReclaimCounters) {
     let node = outcome.host.as_str();
     match &outcome.action {
         NodeAction::Alive => {}
-        NodeAction::ClearedMark => tracing::info!(
+        NodeAction::ClearedMark => {
+            tracing::info!(node, "node is alive: its missing mark was cleared")
+        }
+        NodeAction::MarkedAgain => tracing::info!(
             node,
-            "node is alive or its plugin is at work: its missing mark was cleared"
+            "node's agent is still down but its plugin is at work: grace countdown started again \
+             from the activity seen"
         ),
         NodeAction::MarkedMissing => tracing::warn!(
             node,
@@ -585,7 +589,7 @@ mod tests {
         let mut outcomes = vec![
             judged(NodeState::Alive, NodeAction::Alive),
             judged(NodeState::Alive, NodeAction::Alive),
-            judged(NodeState::Active, NodeAction::ClearedMark),
+            judged(NodeState::Active, NodeAction::MarkedAgain),
             judged(NodeState::Missing { mark: None }, NodeAction::MarkedMissing),
             judged(NodeState::Reclaimed { mark }, NodeAction::AddressesKept),
             judged(NodeState::Unreadable, NodeAction::Failed("no".into())),
@@ -621,6 +625,7 @@ mod tests {
             NodeAction::Alive,
             NodeAction::ClearedMark,
             NodeAction::MarkedMissing,
+            NodeAction::MarkedAgain,
             NodeAction::StillMissing { grace_seconds: 900 },
             NodeAction::AddressesKept,
             NodeAction::Changed,

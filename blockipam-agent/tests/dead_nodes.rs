@@ -352,6 +352,24 @@ fn a_node_whose_agent_is_stopped_or_killed_while_its_runtime_keeps_calling_is_ne
             "node-a was handed {ip}, which a running pod of node-b holds"
         );
     }
+    // node-b was marked missing once per time its agent went away, and then marked again from
+    // its plugin's activity at the passes that found it active: never cleared to be found
+    // missing and marked once more while its agent stayed down.
+    let log = agent_a.log();
+    let lines_about_b = |text: &str| {
+        log.lines()
+            .filter(|l| l.contains(text) && l.contains("node-b"))
+            .count()
+    };
+    assert_eq!(
+        lines_about_b("liveness key is gone: grace countdown started"),
+        2,
+        "{log}"
+    );
+    assert!(
+        lines_about_b("grace countdown started again from the activity seen") > 0,
+        "{log}"
+    );
 
     // Now node-b is really gone: no agent, no calls. One countdown later its blocks are
     // reclaimed; its addresses are kept until someone who knows its pods are gone releases them.

@@ -408,33 +408,54 @@ async fn agent_down_while_the_plugin_keeps_working_is_never_reclaimed_until_all_
         .expect("register");
     // The agent is down (no liveness key) but the runtime keeps calling the plugin, which goes
     // to the store directly: every countdown that runs out finds the activity record moved.
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
     for round in 0..3 {
-        let outcomes = pass(&store).await;
-        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
         plugin_commit(&store, "node-a", &format!("net.pod-{round}")).await;
         grace_passes(store.as_ref(), "node-a").await;
         let nodes = survey(store.as_ref()).await.expect("survey");
         assert_eq!(nodes[0].state, NodeState::Active, "round {round}");
         let outcomes = pass(&store).await;
-        assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::ClearedMark);
         assert_eq!(
-            registration(store.as_ref(), "node-a")
-                .await
-                .expect("still registered")
-                .missing_mark,
-            None
+            action_of(&outcomes, "node-a"),
+            &NodeAction::MarkedAgain,
+            "round {round}"
+        );
+        // Marked again from the activity seen, with a new countdown: the node stays marked, so
+        // the next pass (no commit meanwhile) finds it missing with its countdown running, not
+        // unmarked and to be marked once more.
+        let mark = registration(store.as_ref(), "node-a")
+            .await
+            .expect("still registered")
+            .missing_mark
+            .expect("marked again");
+        assert_eq!(
+            mark.activity_revision,
+            activity_revision(store.as_ref(), "node-a").await.0,
+            "round {round}"
+        );
+        let countdown = store
+            .get(&countdown_key("node-a"))
+            .await
+            .expect("get")
+            .expect("a new countdown");
+        assert_eq!(
+            mark.countdown_revision, countdown.revision.0,
+            "round {round}"
         );
         assert_eq!(
-            store.get(&countdown_key("node-a")).await.expect("get"),
-            None
+            action_of(&pass(&store).await, "node-a"),
+            &NodeAction::StillMissing {
+                grace_seconds: mark.grace_seconds
+            },
+            "round {round}"
         );
         assert_eq!(addresses_of(&ipam, "node-a").await, 3 + round + 1);
     }
-    // Then the node really goes: no agent, no calls. One whole countdown later it is released.
-    assert_eq!(
-        action_of(&pass(&store).await, "node-a"),
-        &NodeAction::MarkedMissing
-    );
+    // Then the node really goes: no agent, no calls. Once the countdown started from its last
+    // activity runs out, it is released.
     grace_passes(store.as_ref(), "node-a").await;
     match action_of(&pass(&store).await, "node-a") {
         NodeAction::Reclaimed(release) => {
@@ -1038,7 +1059,18 @@ async fn a_steady_plugin_commit_leaves_the_activity_record_as_it_is_until_a_recl
         let nodes = survey(store.as_ref()).await.expect("survey");
         let node = nodes.iter().find(|n| n.host == host).expect("surveyed");
         assert_eq!(node.state, NodeState::Active, "round {round}");
-        // The mark is cleared: commits leave the record as it is again.
+        // Its agent still down, the node is marked again from that activity: the mark stays, so
+        // the next commit moves the record as well.
+        assert_eq!(
+            action_of(&pass(&store).await, &host),
+            &NodeAction::MarkedAgain
+        );
+        plugin_add(&plugin, &host, &format!("net.{host}-g")).await;
+        let moved_again = activity_revision(store.as_ref(), &host).await;
+        assert!(moved_again > moved, "round {round}");
+        let moved = moved_again;
+        // Its agent is back: the mark is cleared, and commits leave the record as it is again.
+        set_live(store.as_ref(), &host).await;
         assert_eq!(
             action_of(&pass(&store).await, &host),
             &NodeAction::ClearedMark
@@ -1200,11 +1232,11 @@ async fn a_mark_made_between_the_plugins_read_and_its_commit_makes_the_commit_mo
     let store = add_with_a_reclaimer_interjecting(Interjection::Mark).await;
     let nodes = survey(store.as_ref()).await.expect("survey");
     assert_eq!(nodes[0].state, NodeState::Active);
-    // The grace passing changes nothing: the node is not dead.
+    // The grace passing changes nothing: the node is not dead, it is marked again.
     grace_passes(store.as_ref(), "node-a").await;
     assert_eq!(
         action_of(&pass(&store).await, "node-a"),
-        &NodeAction::ClearedMark
+        &NodeAction::MarkedAgain
     );
     assert_eq!(addresses_of(&Ipam::new(store), "node-a").await, 2);
 }
@@ -1294,6 +1326,60 @@ async fn a_plugin_commit_after_the_countdown_started_and_before_the_mark_keeps_t
         4
     );
     assert_check_clean(&Ipam::new(store)).await;
+}
+
+/// The countdown a pass starts again for an active node (agent down, plugin at work) is guarded
+/// like the first: a plugin commit between its start and the new mark refuses the mark, so the
+/// old mark stays, the node is found active again once that countdown ran out, and it is marked
+/// again rather than reclaimed.
+#[tokio::test]
+async fn a_plugin_commit_while_an_active_node_is_marked_again_keeps_it_from_being_reclaimed() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedMissing
+    );
+    let plugin = plugin_of(Arc::clone(&store), "node-a", "test");
+    plugin_add(&plugin, "node-a", "net.steady").await;
+    let first_mark = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered")
+        .missing_mark
+        .expect("marked");
+    let before = activity_revision(store.as_ref(), "node-a").await;
+    let racing = PluginCommitsAfterTheCountdown {
+        store: Arc::clone(&store),
+        plugin,
+        handle: "net.racing".into(),
+    };
+    let outcomes = reclaim_pass(Arc::clone(&store), &racing, &options())
+        .await
+        .expect("reclaim pass");
+    assert_eq!(outcomes[0].state, NodeState::Active);
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::Changed);
+    assert!(activity_revision(store.as_ref(), "node-a").await > before);
+    assert_eq!(
+        registration(store.as_ref(), "node-a")
+            .await
+            .expect("registered")
+            .missing_mark,
+        Some(first_mark),
+        "the refused mark left the earlier one"
+    );
+    grace_passes(store.as_ref(), "node-a").await;
+    assert_eq!(
+        action_of(&pass(&store).await, "node-a"),
+        &NodeAction::MarkedAgain
+    );
+    assert_eq!(blocks_of(store.as_ref(), "node-a").await, 1);
+    assert_eq!(
+        addresses_of(&Ipam::new(Arc::clone(&store)), "node-a").await,
+        2
+    );
 }
 
 #[tokio::test]

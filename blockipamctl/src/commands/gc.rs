@@ -124,6 +124,7 @@ fn action_name(action: &NodeAction) -> &'static str {
         NodeAction::Alive => "none",
         NodeAction::ClearedMark => "cleared-mark",
         NodeAction::MarkedMissing => "marked-missing",
+        NodeAction::MarkedAgain => "marked-again",
         NodeAction::StillMissing { .. } => "none",
         NodeAction::Reclaimed(_) => "reclaimed",
         NodeAction::AddressesKept => "none",
@@ -394,6 +395,7 @@ mod tests {
             NodeAction::Alive,
             NodeAction::ClearedMark,
             NodeAction::MarkedMissing,
+            NodeAction::MarkedAgain,
             NodeAction::StillMissing { grace_seconds: 900 },
             NodeAction::Changed,
         ] {

@@ -295,7 +295,8 @@ pub enum NodeState {
     /// An agent of it keeps its liveness key.
     Alive,
     /// No liveness key, but its plugin has committed since the node was marked: the node is up
-    /// (its runtime gets work done) while its agent is not; never reclaimed, the mark is cleared.
+    /// (its runtime gets work done) while its agent is not; not reclaimed: it is marked again,
+    /// with a new countdown, from the activity seen.
     Active,
     /// No liveness key and no plugin activity since the mark; `mark` is `None` until a reclaimer
     /// starts the countdown.
@@ -535,9 +536,14 @@ impl Default for ReclaimOptions {
 pub enum NodeAction {
     /// Its liveness key exists: nothing to do.
     Alive,
-    /// Its liveness key exists, or its plugin committed since the mark: the mark (and any
-    /// countdown, and an earlier version's wall-clock mark) was cleared.
+    /// Its liveness key exists: the mark (and any countdown, and an earlier version's wall-clock
+    /// mark) was cleared.
     ClearedMark,
+    /// No liveness key, but its plugin committed since the mark (its agent is down, the node is
+    /// at work): a new countdown was started and the registration marked again with the activity
+    /// record's current revision, so the grace runs from the activity seen, and the node stays
+    /// marked (it is not cleared to be found missing again at the next pass).
+    MarkedAgain,
     /// Its liveness key was found gone (and no mark made yet): its countdown was started and the
     /// registration marked.
     MarkedMissing,
@@ -582,7 +588,8 @@ pub struct NodeOutcome {
 }
 
 /// One reclaim pass: [`survey`], then for every registered node: clear the mark of a node seen
-/// alive or active; start the countdown of a node whose liveness key is gone and mark it; release
+/// alive; start the countdown of a node whose liveness key is gone and mark it, and start it again
+/// and mark it anew for a node whose plugin committed since its mark (active); release
 /// the blocks of a dead one with every write guarded by "no liveness key, registration unchanged,
 /// activity record unmoved, countdown gone" (plus `options.extra_guard`), then mark its
 /// registration `blocks_released` and leave the record that holds its addresses. A write refused
@@ -655,8 +662,8 @@ async fn commit_guarded(
     }
 }
 
-/// Rewrites the registration of a node seen alive or active without any mark, and deletes its
-/// countdown, while the registration is unchanged (and the extra guard holds).
+/// Rewrites the registration of a node seen alive without any mark, and deletes its countdown,
+/// while the registration is unchanged (and the extra guard holds).
 async fn clear_mark(
     store: &dyn KvStore,
     node: &NodeStatus,
@@ -677,9 +684,9 @@ async fn clear_mark(
     commit_guarded(store, txn, &guard, extra_guard).await
 }
 
-/// Starts the countdown of a node found without liveness key, then marks its registration with
-/// the countdown's revision and the activity record's, guarded by the evidence it saw and by the
-/// countdown being the one just put.
+/// Starts the countdown of a node found without liveness key (replacing one that runs or ran for
+/// an earlier mark), then marks its registration with the countdown's revision and the activity
+/// record's, guarded by the evidence it saw and by the countdown being the one just put.
 async fn mark_missing(
     store: &dyn KvStore,
     countdowns: &dyn Countdowns,
@@ -733,11 +740,15 @@ async fn act_on(
         || node.registration.missing_since.is_some()
         || node.countdown.is_some();
     match node.state {
-        NodeState::Alive | NodeState::Active if marked => {
+        NodeState::Alive if marked => {
             let conflict = clear_mark(store.as_ref(), node, &options.extra_guard).await?;
             Ok(changed(conflict, NodeAction::ClearedMark))
         }
-        NodeState::Alive | NodeState::Active => Ok(NodeAction::Alive),
+        NodeState::Alive => Ok(NodeAction::Alive),
+        NodeState::Active => {
+            let conflict = mark_missing(store.as_ref(), countdowns, node, options).await?;
+            Ok(changed(conflict, NodeAction::MarkedAgain))
+        }
         NodeState::Missing { mark: None } => {
             let conflict = mark_missing(store.as_ref(), countdowns, node, options).await?;
             Ok(changed(conflict, NodeAction::MarkedMissing))
