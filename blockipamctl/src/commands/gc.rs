@@ -283,6 +283,11 @@ pub async fn run(
                     p.addresses.to_string(),
                     "would mark missing (--apply)",
                 ),
+                (NodeState::Active, _) => (
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "would mark again from its plugin's activity (--apply)",
+                ),
                 (_, Some(p)) => (p.blocks.to_string(), p.addresses.to_string(), "wait"),
                 _ => ("-".to_owned(), "-".to_owned(), "none"),
             };

@@ -7,7 +7,9 @@ use test_kit::unix_now;
 
 use backend_etcd::lease::LeaseSession;
 use backend_etcd::EtcdConfig;
-use ipam_core::dead_nodes::{agent_key, countdown_key, liveness_key, register, Registration};
+use ipam_core::dead_nodes::{
+    activity_key, agent_key, countdown_key, liveness_key, register, Registration,
+};
 use ipam_core::KvStore;
 use serde_json::Value;
 
@@ -41,6 +43,72 @@ async fn mark_dead(store: &dyn KvStore, host: &str, now: u64) {
         .put(&agent_key(host), serde_json::to_vec(&dead).expect("JSON"))
         .await
         .expect("mark the node, its countdown gone");
+}
+
+/// A node whose agent is down while its plugin commits (marked, its activity record moved since)
+/// is active: the dry run says it would be marked again and writes nothing; `--apply` marks it
+/// again, with a new countdown and the activity record's current revision, and releases nothing.
+/// The next look finds it missing with its countdown running, not unmarked.
+#[test]
+fn gc_dead_nodes_marks_an_active_node_again_from_its_plugins_activity() {
+    let lab = Lab::new(Backend::Etcd);
+    lab.ctl(&["pool", "add", "10.62.0.0/24"]).ok();
+    lab.assign("net.busy0", "busy-node");
+    let now = unix_now();
+    let activity = lab.with_store(|store| async move {
+        store
+            .put(
+                &agent_key("busy-node"),
+                serde_json::to_vec(&marked_registration("busy-node", now - 5000)).expect("JSON"),
+            )
+            .await
+            .expect("mark the node");
+        store
+            .put(&activity_key("busy-node"), b"{}".to_vec())
+            .await
+            .expect("its plugin at work since the mark")
+    });
+    let before = lab.snapshot();
+    let report = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]).ok().json();
+    assert_eq!(node(&report, "busy-node")["state"], "active");
+    lab.ctl(&["gc", "--dead-nodes"])
+        .ok()
+        .stdout_has("would mark again from its plugin's activity (--apply)");
+    assert_eq!(lab.snapshot(), before, "a dry run wrote to the store");
+
+    let report = lab
+        .ctl(&["-o", "json", "gc", "--dead-nodes", "--apply"])
+        .ok()
+        .json();
+    assert_eq!(node(&report, "busy-node")["state"], "active");
+    assert_eq!(node(&report, "busy-node")["action"], "marked-again");
+    let (mark, countdown) = lab.with_store(|store| async move {
+        let registration: Registration = serde_json::from_slice(
+            &store
+                .get(&agent_key("busy-node"))
+                .await
+                .expect("read")
+                .expect("registered")
+                .value,
+        )
+        .expect("a registration");
+        let countdown = store
+            .get(&countdown_key("busy-node"))
+            .await
+            .expect("read the countdown");
+        (registration.missing_mark, countdown)
+    });
+    let mark = mark.expect("marked again");
+    assert_eq!(mark.activity_revision, activity.0);
+    assert_eq!(
+        Some(mark.countdown_revision),
+        countdown.map(|c| c.revision.0),
+        "the mark names the new countdown"
+    );
+    assert_eq!(addresses_of(&lab, "busy-node"), 1);
+    let report = lab.ctl(&["-o", "json", "gc", "--dead-nodes"]).ok().json();
+    assert_eq!(node(&report, "busy-node")["state"], "missing");
+    assert_eq!(node(&report, "busy-node")["countdown_running"], true);
 }
 
 #[test]
