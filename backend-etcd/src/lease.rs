@@ -10,8 +10,8 @@ use std::fmt;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn,
-    TxnOp, TxnOpResponse,
+    Client, Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 use ipam_core::kv::{validate_key, KvError};
 use tokio::sync::{oneshot, watch};
@@ -158,18 +158,40 @@ impl LeaseSession {
     /// # Errors
     /// As [`grant`](Self::grant); an expired lease is an error from etcd.
     pub async fn put(&self, lease: LeaseId, key: &str, value: &[u8]) -> Result<u64, KvError> {
+        self.put_returning_previous_lease(lease, key, value)
+            .await
+            .map(|(revision, _)| revision)
+    }
+
+    /// As [`put`](Self::put), also returning the lease the key was attached to before this put
+    /// (`None` when it did not exist or had no lease).
+    async fn put_returning_previous_lease(
+        &self,
+        lease: LeaseId,
+        key: &str,
+        value: &[u8],
+    ) -> Result<(u64, Option<LeaseId>), KvError> {
         let full = self.full_key(key)?;
         let mut client = self.client.clone();
         let response = self
             .bounded(
                 Kind::Write,
-                client.put(full, value, Some(PutOptions::new().with_lease(lease))),
+                client.put(
+                    full,
+                    value,
+                    Some(PutOptions::new().with_lease(lease).with_prev_key()),
+                ),
             )
             .await?;
-        Ok(response
+        let revision = response
             .header()
             .and_then(|h| u64::try_from(h.revision()).ok())
-            .unwrap_or(0))
+            .unwrap_or(0);
+        let previous = response
+            .prev_key()
+            .map(|kv| kv.lease())
+            .filter(|&previous| previous != 0);
+        Ok((revision, previous))
     }
 
     /// Stores `key` = `value` attached to `lease`, then renews the lease once, so that the key
@@ -187,12 +209,71 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
     ) -> Result<u64, KvError> {
-        let revision = self.put(lease, key, value).await?;
-        match self.open_keep_alive(lease).await? {
-            Some(_renewed) => Ok(revision),
-            None => Err(KvError::other(format!(
+        self.put_renewed_replacing(lease, key, value, false).await
+    }
+
+    /// As [`put_renewed`](Self::put_renewed), for a key whose every value lives on a lease of
+    /// its own (a countdown started again replaces the one before): once the key is on `lease`,
+    /// the lease it was on before is revoked if no key is attached to it any more, so a replaced
+    /// countdown's lease does not run on, holding nothing, until its TTL. Revoking is best
+    /// effort: a lease that cannot be revoked (already gone, etcd busy) expires by its TTL.
+    ///
+    /// # Errors
+    /// As [`put_renewed`](Self::put_renewed); never for the revocation.
+    pub async fn put_renewed_revoking_the_replaced_lease(
+        &self,
+        lease: LeaseId,
+        key: &str,
+        value: &[u8],
+    ) -> Result<u64, KvError> {
+        self.put_renewed_replacing(lease, key, value, true).await
+    }
+
+    async fn put_renewed_replacing(
+        &self,
+        lease: LeaseId,
+        key: &str,
+        value: &[u8],
+        revoke_replaced: bool,
+    ) -> Result<u64, KvError> {
+        let (revision, previous) = self.put_returning_previous_lease(lease, key, value).await?;
+        if self.open_keep_alive(lease).await?.is_none() {
+            return Err(KvError::other(format!(
                 "the lease of {key} ran out before it could be renewed"
-            ))),
+            )));
+        }
+        if let Some(replaced) = previous.filter(|&previous| revoke_replaced && previous != lease) {
+            self.revoke_if_it_holds_no_key(replaced, key).await;
+        }
+        Ok(revision)
+    }
+
+    /// Revokes `lease` when etcd says no key is attached to it (a lease still holding a key is
+    /// someone's: it is left alone). Failures are logged, not returned.
+    async fn revoke_if_it_holds_no_key(&self, lease: LeaseId, key: &str) {
+        let mut client = self.client.clone();
+        let holds_nothing = match self
+            .bounded(
+                Kind::Read,
+                client.lease_time_to_live(lease, Some(LeaseTimeToLiveOptions::new().with_keys())),
+            )
+            .await
+        {
+            // A TTL of -1: the lease is gone already.
+            Ok(answer) => answer.ttl() >= 0 && answer.keys().is_empty(),
+            Err(e) => {
+                tracing::debug!(key, lease, "could not look at a replaced lease: {e}");
+                false
+            }
+        };
+        if holds_nothing {
+            if let Err(e) = self.revoke(lease).await {
+                tracing::debug!(
+                    key,
+                    lease,
+                    "could not revoke a replaced lease (it expires after its TTL): {e}"
+                );
+            }
         }
     }
 

@@ -203,6 +203,88 @@ async fn a_key_put_renewed_lives_the_whole_ttl_from_its_put_not_from_the_grant()
     session.revoke(renewed).await.expect("revoke");
 }
 
+/// A countdown started again on its key revokes the lease of the one it replaced (which then
+/// holds nothing) instead of leaving it to run out; a replaced lease that still holds another key
+/// is left alone, and so is a previous value put without a lease. The plain `put_renewed` revokes
+/// nothing.
+#[tokio::test]
+async fn a_countdown_put_again_revokes_the_lease_it_replaced_when_that_holds_nothing() {
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(60)).await;
+    let endpoints = [EtcdServer::shared().endpoint()];
+    let grant = || session.grant_for(Duration::from_secs(60));
+
+    let first = grant().await.expect("grant");
+    session
+        .put_renewed_revoking_the_replaced_lease(first, "countdown/n1", b"first")
+        .await
+        .expect("the first countdown");
+    let second = grant().await.expect("grant");
+    let revision = session
+        .put_renewed_revoking_the_replaced_lease(second, "countdown/n1", b"second")
+        .await
+        .expect("the countdown started again");
+    assert_eq!(
+        seconds_left(&endpoints, first).await,
+        -1,
+        "the replaced lease runs on"
+    );
+    assert!(seconds_left(&endpoints, second).await > 0);
+    let stored = store
+        .get("countdown/n1")
+        .await
+        .expect("get")
+        .expect("the key");
+    assert_eq!(
+        (stored.value.as_slice(), stored.revision.get()),
+        (b"second".as_slice(), revision)
+    );
+
+    // The replaced lease still holds another key: someone's, left alone.
+    let shared = grant().await.expect("grant");
+    session
+        .put(shared, "other/kept", b"kept")
+        .await
+        .expect("another key on the lease");
+    session
+        .put_renewed_revoking_the_replaced_lease(shared, "countdown/n2", b"first")
+        .await
+        .expect("a countdown on the shared lease");
+    let third = grant().await.expect("grant");
+    session
+        .put_renewed_revoking_the_replaced_lease(third, "countdown/n2", b"second")
+        .await
+        .expect("the countdown started again");
+    assert!(
+        seconds_left(&endpoints, shared).await > 0,
+        "a lease holding a key was revoked"
+    );
+    assert!(store.get("other/kept").await.expect("get").is_some());
+
+    // A value without a lease (a reclaim's kept record) is replaced, nothing revoked; the plain
+    // put_renewed leaves the lease it replaced running.
+    store
+        .put("countdown/n3", b"kept".to_vec())
+        .await
+        .expect("a value without a lease");
+    let fourth = grant().await.expect("grant");
+    session
+        .put_renewed_revoking_the_replaced_lease(fourth, "countdown/n3", b"countdown")
+        .await
+        .expect("a countdown over a value without a lease");
+    let fifth = grant().await.expect("grant");
+    session
+        .put_renewed(fifth, "countdown/n3", b"plain")
+        .await
+        .expect("a plain renewed put");
+    assert!(
+        seconds_left(&endpoints, fourth).await > 0,
+        "put_renewed revoked a lease"
+    );
+    for lease in [second, shared, third, fourth, fifth] {
+        session.revoke(lease).await.expect("revoke");
+    }
+}
+
 #[tokio::test]
 async fn a_lease_ttl_is_a_whole_number_of_seconds_at_least_one() {
     let server = EtcdServer::shared();

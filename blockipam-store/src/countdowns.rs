@@ -36,8 +36,12 @@ impl Countdowns for LeaseCountdowns {
         duration: Duration,
     ) -> Result<Revision, IpamError> {
         let lease = self.session.grant_for(duration).await?;
+        // A countdown started again replaces the one before on the same key: its lease, which
+        // then holds nothing, is revoked rather than left running to its end.
         Ok(Revision(
-            self.session.put_renewed(lease, key, &value).await?,
+            self.session
+                .put_renewed_revoking_the_replaced_lease(lease, key, &value)
+                .await?,
         ))
     }
 }
