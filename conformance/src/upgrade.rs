@@ -353,7 +353,8 @@ pub async fn a_writer_that_learned_the_older_format_before_finalize_retries_in_t
 }
 
 /// A record naming a format newer than this build writes (a newer release finalized the store):
-/// every write is refused with an error that says so, and nothing is written.
+/// every write, `finalize_upgrade` included (forced too), is refused with an error that says so,
+/// and nothing is written.
 pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written<
     F: StoreFactory,
 >(
@@ -387,6 +388,20 @@ pub async fn a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_wr
     assert!(
         matches!(refused, IpamError::FormatTooNew { .. }),
         "{refused:?}"
+    );
+    // Finalize, forced or not, never takes the record back to this build's format: the newer
+    // release's objects would then be rewritten by writers that cannot read them.
+    for force in [false, true] {
+        let refused = ipam.finalize_upgrade(force).await.expect_err("refused");
+        assert!(
+            matches!(refused, IpamError::FormatTooNew { writes: 9, .. }),
+            "force {force}: {refused:?}"
+        );
+    }
+    // Status only reads: it reports the record as it is.
+    assert_eq!(
+        ipam.upgrade_status().await.expect("status").recorded,
+        Some(9)
     );
     assert_eq!(before, t.store.list("ipam/v1/").await.expect("list"));
 }

@@ -54,7 +54,8 @@ fn node_json(node: &NodeFormats) -> NodeJson {
 }
 
 /// `upgrade status`: exit status 1 while a node may read only an older format than this build's
-/// (before the finalize) or than writers write (after it: such a node refuses the store).
+/// (before the finalize) or than writers write (after it: such a node refuses the store), and
+/// when a newer release finalized the store (this build refuses to write to it).
 ///
 /// # Errors
 /// Store trouble; damaged records.
@@ -62,6 +63,8 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
     let status = ipam.upgrade_status().await?;
     let finalized = status.writes >= status.reads_up_to;
+    // A newer release finalized the store: this build refuses every write to it.
+    let newer = status.writes > status.reads_up_to;
     let behind = status
         .nodes
         .iter()
@@ -97,7 +100,14 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     if !table.is_empty() {
         text.push_str(&table.render());
     }
-    if finalized {
+    if newer {
+        text.push_str(&format!(
+            "finalized by a newer release: writers write format {}, newer than this build's {}; \
+             this build refuses to write to this store (and to finalize it): use that release's \
+             blockipamctl\n",
+            status.writes, status.reads_up_to
+        ));
+    } else if finalized {
         text.push_str("finalized: writers use this build's format\n");
         if refusing > 0 {
             text.push_str(&format!(
@@ -123,7 +133,7 @@ pub async fn status(settings: &DatastoreSettings) -> Result<Outcome, CtlError> {
     Ok(Outcome {
         json: to_json(&json)?,
         table: text,
-        problems_found: if finalized { refusing > 0 } else { behind > 0 },
+        problems_found: newer || if finalized { refusing > 0 } else { behind > 0 },
     })
 }
 

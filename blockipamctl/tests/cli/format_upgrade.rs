@@ -335,6 +335,47 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
         ipam_core::model::FORMAT_VERSION
     );
     lab.ctl(&["check"]).ok();
+
+    // A newer release finalizes the store later: `upgrade status` says this build cannot write
+    // to it (exit 1), and `upgrade finalize`, forced or not, refuses rather than take the record
+    // back to this build's format; nothing is written.
+    let newer = today + 1;
+    lab.with_store(|store| async move {
+        store
+            .put(
+                &keys::store_format(),
+                format!(r#"{{"writes":{newer}}}"#).into_bytes(),
+            )
+            .await
+            .expect("a newer release's record")
+    });
+    let before = lab.snapshot();
+    lab.ctl(&["upgrade", "status"])
+        .expect_code(1)
+        .stdout_has(&format!(
+            "stored format: format {newer} (recorded)\nwriters write: format {newer}\n"
+        ))
+        .stdout_has(&format!(
+            "finalized by a newer release: writers write format {newer}, newer than this \
+             build's {today}; this build refuses to write to this store (and to finalize it): \
+             use that release's blockipamctl\n"
+        ));
+    for finalize in [
+        &["upgrade", "finalize"][..],
+        &["upgrade", "finalize", "--force"][..],
+    ] {
+        let refused = lab.ctl(finalize);
+        refused.expect_code(1);
+        assert!(
+            refused.error_line().contains(&format!(
+                "this store's writers use stored format {newer}, and this build writes formats \
+                 up to {today}"
+            )),
+            "{}",
+            refused.stderr
+        );
+    }
+    assert_eq!(lab.snapshot(), before, "a refused finalize wrote");
 }
 
 fn a_format_1_store_opens_checks_clean_and_keeps_working(backend: Backend) {

@@ -292,8 +292,9 @@ impl Ipam {
     /// say, or a node that holds blocks and was never seen with this release), unless `force`.
     ///
     /// # Errors
-    /// [`IpamError::InvalidArgument`] naming the nodes that hold it back; store failures;
-    /// [`IpamError::RetriesExhausted`] when the record kept changing.
+    /// [`IpamError::InvalidArgument`] naming the nodes that hold it back;
+    /// [`IpamError::FormatTooNew`] when a newer release finalized the store (even with `force`);
+    /// store failures; [`IpamError::RetriesExhausted`] when the record kept changing.
     pub async fn finalize_upgrade(&self, force: bool) -> Result<FinalizeOutcome, IpamError> {
         self.retrying(|| self.try_finalize_upgrade(force)).await
     }
@@ -303,6 +304,11 @@ impl Ipam {
         force: bool,
     ) -> Result<Attempt<FinalizeOutcome>, IpamError> {
         let (status, revision) = self.upgrade_status_at().await?;
+        // A newer release finalized the store: writing this build's format into the record
+        // would take it back, and this build's writers would rewrite what they cannot read.
+        if let Some(writes) = status.recorded {
+            FormatRecord { writes }.writable()?;
+        }
         if status.recorded == Some(FORMAT_VERSION) {
             return Ok(Attempt::Done(FinalizeOutcome {
                 previous: status.recorded,
