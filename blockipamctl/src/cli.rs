@@ -413,8 +413,8 @@ pub struct ReleaseArgs {
 /// `check`.
 #[derive(Debug, Args)]
 pub struct CheckArgs {
-    /// Fix what is safe to fix (handle counts, claim index entries, empty blocks without affinity),
-    /// then check again.
+    /// Fix what is safe to fix (handle counts, missing and damaged handles, claim index entries,
+    /// empty blocks without affinity, orphaned owner keys), then check again.
     #[arg(long)]
     pub repair: bool,
 }

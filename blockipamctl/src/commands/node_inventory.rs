@@ -316,8 +316,8 @@ pub async fn retire(
         // Its addresses are found by the node attribute in every block: one that cannot be read
         // may hold some, which a retire now would leave allocated with no way to tell.
         text.push_str(
-            "--apply is refused until every block can be decoded: one that cannot may hold \
-             addresses of this node's pods.\n",
+            "--apply is refused until every block can be decoded (and every owner key read): one \
+             that cannot may hold addresses of this node's pods.\n",
         );
     }
     if !args.apply {
@@ -332,7 +332,7 @@ pub async fn retire(
     if let Some(first) = undecodable.first() {
         ctx.progress_done();
         return Err(CtlError::failed(format!(
-            "node {host} is not retired: the block object at {:?} cannot be decoded ({}) and may \
+            "node {host} is not retired: the object at {:?} cannot be read ({}) and may \
              hold addresses of its pods; nothing changed. `blockipamctl check` names the way out",
             first.key, first.message
         )));

@@ -400,9 +400,9 @@ fn node_list_gc_and_a_retire_preview_get_past_a_block_that_does_not_decode(backe
         .json();
     assert_eq!(named(&preview), vec![damaged.clone()]);
     assert_eq!(preview["addresses"], 2);
-    lab.ctl(&["node", "retire", "host-b"])
-        .ok()
-        .stdout_has("--apply is refused until every block can be decoded");
+    lab.ctl(&["node", "retire", "host-b"]).ok().stdout_has(
+        "--apply is refused until every block can be decoded (and every owner key read)",
+    );
     let refused = lab.ctl(&["node", "retire", "host-b", "--apply"]);
     refused.expect_code(1);
     assert!(

@@ -426,8 +426,9 @@ impl Snapshot {
             .map(|u| u.key.as_str())
     }
 
-    /// The key of the first undecodable block or claim index entry, if any: what holds back the
-    /// repair of a handle whose own record cannot be decoded (the blocks it names are unknown).
+    /// The key of the first undecodable block, claim index entry or owner key (or missing owner
+    /// key), if any: what holds back the repair of a handle whose own record cannot be decoded
+    /// (the blocks it names are unknown).
     fn any_unreadable(&self) -> Option<&str> {
         self.unreadable.first().map(|u| u.key.as_str())
     }
