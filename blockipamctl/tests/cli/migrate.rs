@@ -278,6 +278,24 @@ fn migrate_leaves_agent_liveness_and_the_reclaimer_leader_behind() {
     );
 }
 
+/// Every key under `prefix` of an etcd with authentication on, read as its root user.
+fn keys_as_root(
+    server: &test_kit::etcd::EtcdServer,
+    prefix: &str,
+    root_password: &str,
+) -> Vec<ipam_core::KeyValue> {
+    test_kit::block_on(async {
+        use ipam_core::KvStore;
+        let mut config = server.config(prefix);
+        config.username = Some("root".into());
+        config.password = Some(root_password.into());
+        let store = backend_etcd::EtcdStore::connect(config)
+            .await
+            .expect("connect as root");
+        store.list("").await.expect("list the target")
+    })
+}
+
 /// A copy that fails part way (here the target's etcd user may write only the first keys, so the
 /// second transaction is refused) is undone: the keys already copied are deleted again, the
 /// error says which keys failed and how many were removed, and the target is left empty.
@@ -361,16 +379,7 @@ fn a_copy_refused_part_way_is_undone_and_leaves_the_target_empty() {
             && line.contains("the 128 keys copied so far were removed from the target again"),
         "{line}"
     );
-    let left = test_kit::block_on(async {
-        use ipam_core::KvStore;
-        let mut config = server.config(&prefix);
-        config.username = Some("root".into());
-        config.password = Some("root-pw".into());
-        let store = backend_etcd::EtcdStore::connect(config)
-            .await
-            .expect("connect as root");
-        store.list("").await.expect("list the target")
-    });
+    let left = keys_as_root(&server, &prefix, "root-pw");
     assert_eq!(left, Vec::new(), "the target is left empty");
     assert_eq!(source.snapshot(), before, "the source is left as it was");
 }
@@ -414,18 +423,7 @@ fn a_copy_into_etcd_with_authentication_takes_the_password_from_the_named_variab
         );
         args
     };
-    let target_keys = || {
-        test_kit::block_on(async {
-            use ipam_core::KvStore;
-            let mut config = server.config(&prefix);
-            config.username = Some("root".into());
-            config.password = Some("root-pw".into());
-            let store = backend_etcd::EtcdStore::connect(config)
-                .await
-                .expect("connect as root");
-            store.list("").await.expect("list the target").len()
-        })
-    };
+    let target_keys = || keys_as_root(&server, &prefix, "root-pw").len();
 
     let unset = ctl(&migrate_args("TARGET_ETCD_PASSWORD"), &[]);
     unset.expect_code(2);
