@@ -42,7 +42,8 @@ pub struct AgentArgs {
         long,
         value_name = "SECONDS",
         env = "BLOCKIPAM_AGENT_SHUTDOWN_GRACE_SECONDS",
-        default_value = "10"
+        default_value = "10",
+        value_parser = seconds_up_to_a_day
     )]
     pub shutdown_grace_seconds: f64,
     /// Serve Prometheus metrics over HTTP at this IP:PORT (GET /metrics), for example
@@ -63,7 +64,8 @@ pub struct AgentArgs {
         value_name = "SECONDS",
         env = "BLOCKIPAM_AGENT_METRICS_CACHE_SECONDS",
         default_value = "5",
-        help_heading = "Metrics"
+        help_heading = "Metrics",
+        value_parser = seconds_up_to_a_day
     )]
     pub metrics_cache_seconds: f64,
     /// Create the store when it does not exist, always (off: a missing store is an error)
@@ -123,7 +125,8 @@ pub struct AgentArgs {
         value_name = "SECONDS",
         env = "BLOCKIPAM_LOCK_WAIT_SECONDS",
         default_value = "10",
-        help_heading = "Store"
+        help_heading = "Store",
+        value_parser = seconds_up_to_a_day
     )]
     pub lock_wait_seconds: f64,
     /// Upper bound in seconds on one etcd request, connecting included [default: 10]
@@ -131,7 +134,8 @@ pub struct AgentArgs {
         long,
         value_name = "SECONDS",
         env = "BLOCKIPAM_ETCD_TIMEOUT_SECONDS",
-        help_heading = "Store"
+        help_heading = "Store",
+        value_parser = positive_seconds_up_to_a_day
     )]
     pub etcd_timeout_seconds: Option<f64>,
     /// This node's name, as the plugin records it (liveness, reclaim, leak collection) [default: /var/lib/calico/nodename, else the host name, lower-cased]
@@ -208,6 +212,28 @@ pub struct AgentArgs {
         help_heading = "Leak collection (container runtime)"
     )]
     pub cni_cache_dir: PathBuf,
+}
+
+/// A seconds flag's value, 0 to one day with fractions: checked as the flags are parsed, so a bad
+/// one is a usage error (status 2) before anything starts, as in `blockipamctl`.
+fn seconds_up_to_a_day(text: &str) -> Result<f64, String> {
+    checked_seconds(text, true)
+}
+
+/// As [`seconds_up_to_a_day`], without 0.
+fn positive_seconds_up_to_a_day(text: &str) -> Result<f64, String> {
+    checked_seconds(text, false)
+}
+
+fn checked_seconds(text: &str, allow_zero: bool) -> Result<f64, String> {
+    let lower_bound = if allow_zero {
+        "0 or more"
+    } else {
+        "more than 0"
+    };
+    blockipam_store::parse_seconds(text, allow_zero)
+        .map(|duration| duration.as_secs_f64())
+        .map_err(|_| format!("expected {lower_bound} seconds, up to one day"))
 }
 
 fn seconds(value: f64, flag: &str, allow_zero: bool) -> Result<Duration, AgentError> {

@@ -478,17 +478,20 @@ fn a_dead_node_grace_etcd_cannot_time_is_refused_before_anything_is_made() {
 #[test]
 fn bad_settings_are_refused_before_anything_is_made() {
     let node_refused = "invalid --node";
-    let grace_refused = "--shutdown-grace-seconds";
-    for (node, flags, flag, said) in [
+    // A bad node name is refused as the agent starts (status 1); a bad number of seconds by the
+    // flags' parsing (status 2, a usage error, as in blockipamctl).
+    for (node, flags, code, flag, said) in [
         (
             "-",
             vec![],
+            1,
             node_refused,
             "\"-\" is the network reservations' pseudo-node",
         ),
         (
             "a/b",
             vec![],
+            1,
             node_refused,
             "host name \"a/b\" may not contain '/'",
         ),
@@ -497,30 +500,63 @@ fn bad_settings_are_refused_before_anything_is_made() {
         (
             "a/b",
             vec!["--leak-collection", "off"],
+            1,
             node_refused,
             "host name \"a/b\" may not contain '/'",
         ),
         (
             "node-1",
             vec!["--shutdown-grace-seconds", "nan"],
-            grace_refused,
-            "invalid value NaN for --shutdown-grace-seconds",
+            2,
+            "--shutdown-grace-seconds",
+            "expected 0 or more seconds, up to one day",
         ),
         (
             "node-1",
             vec!["--shutdown-grace-seconds", "86401"],
-            grace_refused,
-            "invalid value 86401 for --shutdown-grace-seconds",
+            2,
+            "--shutdown-grace-seconds",
+            "expected 0 or more seconds, up to one day",
+        ),
+        (
+            "node-1",
+            vec!["--metrics-cache-seconds", "99999999999"],
+            2,
+            "--metrics-cache-seconds",
+            "expected 0 or more seconds, up to one day",
+        ),
+        (
+            "node-1",
+            vec!["--lock-wait-seconds=-1"],
+            2,
+            "--lock-wait-seconds",
+            "expected 0 or more seconds, up to one day",
+        ),
+        (
+            "node-1",
+            vec!["--etcd-timeout-seconds", "0"],
+            2,
+            "--etcd-timeout-seconds",
+            "expected more than 0 seconds, up to one day",
         ),
     ] {
-        let (code, stderr, made) = start_to_be_refused(node, &flags, &[]);
-        assert_eq!(code, Some(1), "--node {node} {flags:?}: {stderr}");
+        let (exit_code, stderr, made) = start_to_be_refused(node, &flags, &[]);
+        assert_eq!(exit_code, Some(code), "--node {node} {flags:?}: {stderr}");
         assert!(
             stderr.contains(flag) && stderr.contains(said),
             "--node {node} {flags:?}: {stderr}"
         );
         assert!(made.is_empty(), "--node {node} {flags:?} made {made:?}");
     }
+    // The same rule for a value from the environment, as a unit's Environment= gives it.
+    let (exit_code, stderr, made) =
+        start_to_be_refused("node-1", &[], &[("BLOCKIPAM_LOCK_WAIT_SECONDS", "ten")]);
+    assert_eq!(exit_code, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--lock-wait-seconds") && stderr.contains("expected 0 or more seconds"),
+        "{stderr}"
+    );
+    assert!(made.is_empty(), "made {made:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
