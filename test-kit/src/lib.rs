@@ -1,7 +1,8 @@
 //! blockipam's test kit, a dev-dependency only: throwaway etcd servers, clusters and a test PKI
 //! ([`etcd`]), the agent run in the test's own process ([`agent`]), the plugin binary and the
 //! CNI calls that run it ([`plugin`], [`cni`]), the previous release's binaries ([`previous`]),
-//! and Calico-format fixtures ([`calico`]).
+//! Calico-format fixtures ([`calico`]), and what a process traced by strace wrote and synced
+//! before it reported ([`strace`]).
 
 pub mod agent;
 pub mod calico;
@@ -9,6 +10,7 @@ pub mod cni;
 pub mod etcd;
 pub mod plugin;
 pub mod previous;
+pub mod strace;
 
 /// Runs `future` to completion on a fresh current-thread runtime.
 ///

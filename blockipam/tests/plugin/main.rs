@@ -11,6 +11,7 @@ mod common;
 mod behaviour;
 mod binary_layout;
 mod concurrency;
+mod durability;
 mod etcd;
 mod hostile_input;
 mod protocol;

@@ -224,26 +224,14 @@ impl Lab {
         run_guarded(command, &full)
     }
 
-    /// As [`ctl`](Self::ctl), run under `strace -f` recording the system calls `syscalls` (a
-    /// comma-separated list) of every thread into the file `trace`. Fails the test when strace
-    /// is missing (`scripts/setup` installs it).
-    pub fn ctl_traced(&self, trace: &Path, syscalls: &str, args: &[&str]) -> Run {
-        let strace = Command::new("strace").arg("-V").output();
-        assert!(
-            strace.is_ok_and(|out| out.status.success()),
-            "strace is needed to see the system calls (scripts/setup installs it)"
-        );
-        let mut full = vec![
-            "-f".to_owned(),
-            "-qq".to_owned(),
-            "-e".to_owned(),
-            format!("trace={syscalls}"),
-            "-o".to_owned(),
-            trace.display().to_string(),
-            BIN.to_owned(),
-        ];
+    /// As [`ctl`](Self::ctl), run under `strace -f` recording the system calls
+    /// [`test_kit::strace`] reads, of every thread, into the file `trace`. Fails the test when
+    /// strace is missing (`scripts/setup` installs it).
+    pub fn ctl_traced(&self, trace: &Path, args: &[&str]) -> Run {
+        let strace = test_kit::strace::strace_path();
+        let mut full = test_kit::strace::traced_args(trace, Path::new(BIN));
         full.extend(self.with_store_args(args));
-        run_guarded(ctl_command(Path::new("strace"), &full), &full)
+        run_guarded(ctl_command(&strace, &full), &full)
     }
 
     /// As [`ctl`](Self::ctl), with extra environment variables.
