@@ -314,5 +314,14 @@ mod tests {
         // Only the second answer followed a sync of the store made since the one before it.
         assert_eq!(reports_after_a_sync(&serving, "/s"), 1);
         assert_eq!(reports_after_a_sync(&serving, "/elsewhere"), 0);
+        // Two files unsynced at one report: both named, in the order of their last write.
+        let two = [wrote("/s/a"), wrote("/s/b"), wrote("/s/a"), FileCall::Answered];
+        assert_eq!(
+            written_and_not_synced_at_a_report(&two, "/s"),
+            vec!["/s/b".to_owned(), "/s/a".to_owned()]
+        );
+        // A sync before a traced child's exit counts for no later answer.
+        let child_exit = [synced("/s/db"), FileCall::Exited, FileCall::Answered];
+        assert_eq!(reports_after_a_sync(&child_exit, "/s"), 0);
     }
 }
