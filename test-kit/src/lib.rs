@@ -27,3 +27,12 @@ pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
 /// Seconds since the Unix epoch by this machine's clock (the one the plugin, the CLI and the agent
 /// stamp releases, marks and looks with).
 pub use ipam_core::model::timestamp::unix_now;
+
+/// The first file named `name` in a directory of `PATH`, as a shell would run it.
+pub fn find_on_path(name: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}

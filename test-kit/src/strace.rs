@@ -197,14 +197,9 @@ pub fn reports_after_a_sync(calls: &[FileCall], store: &str) -> usize {
 /// # Panics
 /// When strace is not installed: the test fails loudly rather than skip.
 pub fn strace_path() -> PathBuf {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join("strace"))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| {
-            panic!("strace is needed to see the system calls (scripts/setup installs it)")
-        })
+    crate::find_on_path("strace").unwrap_or_else(|| {
+        panic!("strace is needed to see the system calls (scripts/setup installs it)")
+    })
 }
 
 /// The arguments that run `program` under `strace -f`, every thread's [`TRACED_CALLS`] written
@@ -315,7 +310,12 @@ mod tests {
         assert_eq!(reports_after_a_sync(&serving, "/s"), 1);
         assert_eq!(reports_after_a_sync(&serving, "/elsewhere"), 0);
         // Two files unsynced at one report: both named, in the order of their last write.
-        let two = [wrote("/s/a"), wrote("/s/b"), wrote("/s/a"), FileCall::Answered];
+        let two = [
+            wrote("/s/a"),
+            wrote("/s/b"),
+            wrote("/s/a"),
+            FileCall::Answered,
+        ];
         assert_eq!(
             written_and_not_synced_at_a_report(&two, "/s"),
             vec!["/s/b".to_owned(), "/s/a".to_owned()]

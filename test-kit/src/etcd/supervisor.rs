@@ -670,17 +670,12 @@ fn find_etcd() -> Result<PathBuf, String> {
             ))
         };
     }
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join("etcd"))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(|| {
-            format!(
-                "the `etcd` binary was not found on PATH: install it with \
+    crate::find_on_path("etcd").ok_or_else(|| {
+        format!(
+            "the `etcd` binary was not found on PATH: install it with \
                  `apt-get install etcd-server` (Debian/Ubuntu), or set {ETCD_BIN_ENV} to its path"
-            )
-        })
+        )
+    })
 }
 
 /// The `etcdctl` binary: the one beside the `etcd` binary in use, else the first on `PATH`.
