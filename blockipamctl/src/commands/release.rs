@@ -47,6 +47,20 @@ fn list(ips: &[IpAddr]) -> String {
 /// # Errors
 /// [`CtlError::Usage`] for an invalid handle id; store trouble.
 pub async fn run(settings: &DatastoreSettings, args: &ReleaseArgs) -> Result<Outcome, CtlError> {
+    // Checked here as well as declared to clap, whose required group of `--ip`, `--handle` and
+    // `--from-report` lets these through: a guard or an --apply dropped in silence would release
+    // what the operator meant to keep, or nothing when they meant to release.
+    if args.sequence.is_some() && args.ip.is_empty() {
+        return Err(CtlError::usage(
+            "--sequence guards one --ip; it cannot be used with --handle or --from-report (the \
+             report's own sequence numbers guard each of its addresses)",
+        ));
+    }
+    if args.apply && args.from_report.is_none() {
+        return Err(CtlError::usage(
+            "--apply goes with --from-report only: --ip and --handle release at once",
+        ));
+    }
     if let Some(path) = &args.from_report {
         return from_report(settings, path, args.apply).await;
     }

@@ -177,6 +177,35 @@ fn a_leak_reported_by_check_is_released_from_the_report(backend: Backend) {
         .stdout_has("Would release 1 leaked address")
         .stdout_has("--apply");
 
+    // A --sequence beside the report is a usage error, not a guard dropped in silence; --apply
+    // without a report is one too. Neither writes anything.
+    for (args, says) in [
+        (
+            vec![
+                "release",
+                "--from-report",
+                &path,
+                "--apply",
+                "--sequence",
+                "999",
+            ],
+            "--sequence guards one --ip",
+        ),
+        (
+            vec!["release", "--handle", "net.kept", "--apply"],
+            "--apply goes with --from-report only",
+        ),
+        (
+            vec!["release", "--ip", &kept, "--apply"],
+            "--apply goes with --from-report only",
+        ),
+    ] {
+        let run = lab.ctl(&args);
+        run.expect_code(2);
+        assert!(run.error_line().contains(says), "{args:?}: {}", run.stderr);
+        assert_eq!(lab.snapshot(), before, "{args:?} wrote something");
+    }
+
     let applied = lab.ctl(&["release", "--from-report", &path, "--apply"]);
     applied
         .ok()
