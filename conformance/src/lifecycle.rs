@@ -26,6 +26,7 @@ macro_rules! lifecycle_conformance_tests {
             a_cooling_gateway_is_reserved_once_cooled_and_the_networks_other_addresses_at_once,
             address_status_tells_until_when_an_address_cools_and_which_reservations_cover_it,
             addresses_not_free_are_the_allocated_and_the_cooling_ones_until_they_cool,
+            usage_counts_an_address_both_reserved_and_cooling_once,
             the_cooldown_in_force_applies_raised_lowered_or_turned_off,
             cooldown_over_the_limit_is_refused_and_changes_nothing,
             empty_block_of_another_host_is_taken_over_once_old_enough,
@@ -250,6 +251,62 @@ pub async fn addresses_not_free_are_the_allocated_and_the_cooling_ones_until_the
         "its cooldown passed, it is free"
     );
     assert_clean(&ipam).await;
+}
+
+/// `show`'s figures: an address both reserved and cooling is left out of the free count once,
+/// in its block's row and in its pool's; after its cooldown it stays out, as reserved; a cooling
+/// address nobody reserved is left out while it cools.
+pub async fn usage_counts_an_address_both_reserved_and_cooling_once<F: StoreFactory>(factory: &F) {
+    let clock = HandClock::new(1_000);
+    let (_t, ipam) = lab(factory, "10.43.0.0/24", 28, &clock, |c| {
+        c.ip_cooldown_seconds = 60;
+    })
+    .await;
+    let (reserved_ip, block) = assign(&ipam, "h0", "node-a").await;
+    assign(&ipam, "h1", "node-a").await;
+    // Reserved while allocated (left to its holder), then released: reserved and cooling.
+    ipam.add_reservation(&ipam_core::reservations::Reservation {
+        name: "vip".into(),
+        cidrs: vec![IpNet::from(reserved_ip)],
+    })
+    .await
+    .expect("reserve");
+    clock.set(1_010);
+    ipam.release_handle("h0").await.expect("release h0");
+    // (in use, reserved, cooling, free) of the block's row and of the pool's.
+    let figures = || async {
+        let usage = ipam.utilization().await.expect("usage");
+        let pool = &usage.pools[0];
+        let row = pool
+            .blocks
+            .iter()
+            .find(|b| b.cidr == block)
+            .expect("the block's row");
+        (
+            (row.in_use, row.reserved, row.cooling, row.free),
+            (pool.in_use, pool.reserved, pool.cooling, pool.free),
+        )
+    };
+    // A /28 of 16 and a /24 of 256: one in use, one out as both reserved and cooling.
+    assert_eq!(figures().await, ((1, 1, 1, 14), (1, 1, 1, 254)), "cooling");
+    clock.set(1_071);
+    assert_eq!(
+        figures().await,
+        ((1, 1, 0, 14), (1, 1, 0, 254)),
+        "cooled: still reserved"
+    );
+    ipam.release_handle("h1").await.expect("release h1");
+    assert_eq!(
+        figures().await,
+        ((0, 1, 1, 14), (0, 1, 1, 254)),
+        "a cooling address nobody reserved is out while it cools"
+    );
+    clock.set(1_132);
+    assert_eq!(
+        figures().await,
+        ((0, 1, 0, 15), (0, 1, 0, 255)),
+        "all cooled"
+    );
 }
 
 /// The cooldown in force when an address is looked at applies, not the one it was released

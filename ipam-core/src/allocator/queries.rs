@@ -353,16 +353,19 @@ impl Ipam {
             let block_reserved = u64::try_from(reserved.count_in(&block.cidr)).unwrap_or(u64::MAX);
             let reserved_allocated = reserved.allocated_in(&block);
             let cooling = u64::from(block.cooling_at(lifetime));
+            // A reserved address that is cooling is left out of free once, as reserved.
+            let cooling_unreserved = cooling - reserved.cooling_in(&block, lifetime);
             let row = BlockUsage {
                 cidr: block.cidr,
                 pool: pool_index.map(|i| pools[i].value.name.clone()),
                 host: block.affinity.clone(),
                 capacity: u64::from(block.capacity()),
                 in_use: u64::from(block.in_use()),
-                // Reserved and allocated addresses count once, as allocated.
+                // Reserved and allocated addresses count once, as allocated; reserved and
+                // cooling ones once, as reserved.
                 free: u64::from(block.free())
                     .saturating_sub(block_reserved.saturating_sub(reserved_allocated))
-                    .saturating_sub(cooling),
+                    .saturating_sub(cooling_unreserved),
                 reserved: block_reserved,
                 cooling,
             };
@@ -374,7 +377,7 @@ impl Ipam {
                     entry.free = entry
                         .free
                         .saturating_sub(u128::from(row.in_use - reserved_allocated))
-                        .saturating_sub(u128::from(cooling));
+                        .saturating_sub(u128::from(cooling_unreserved));
                     entry.cooling += cooling;
                     entry.blocks.push(row);
                 }

@@ -231,6 +231,18 @@ impl ReservedRanges {
         None
     }
 
+    /// How many of `block`'s addresses in IP cooldown under `lifetime` these ranges reserve: each
+    /// is both reserved and cooling, and counts once in what is not free.
+    pub fn cooling_in(&self, block: &Block, lifetime: super::Lifetime) -> u64 {
+        if !self.overlaps(&block.cidr) {
+            return 0;
+        }
+        block
+            .cooling_ordinals_at(lifetime)
+            .filter(|ordinal| self.contains(block.ip_of(*ordinal)))
+            .count() as u64
+    }
+
     /// How many of `block`'s allocated addresses are reserved (allocated before the reservation,
     /// or assigned explicitly).
     pub fn allocated_in(&self, block: &Block) -> u64 {
