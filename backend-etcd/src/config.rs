@@ -138,8 +138,31 @@ impl EtcdConfig {
         self.resolve().map(|_| ())
     }
 
+    /// As [`validate`](Self::validate), without reading the TLS files: for settings written for
+    /// another host, whose files exist there (`blockipamctl install-cni`). A file that is named
+    /// counts as given.
+    ///
+    /// # Errors
+    /// As [`validate`](Self::validate), except for a file that cannot be read.
+    pub fn validate_without_reading_files(&self) -> Result<(), KvError> {
+        self.resolve_reading_files(false).map(|_| ())
+    }
+
     /// Validates and loads everything the store needs.
     pub(crate) fn resolve(&self) -> Result<Resolved, KvError> {
+        self.resolve_reading_files(true)
+    }
+
+    /// Validates, and loads the TLS files when `read_files` (otherwise their material is left
+    /// empty: the result is then only good for knowing the settings hold together).
+    fn resolve_reading_files(&self, read_files: bool) -> Result<Resolved, KvError> {
+        let read = |path: &Path, what: &str, kind: PemKind| {
+            if read_files {
+                read_pem(path, what, kind)
+            } else {
+                Ok(Vec::new())
+            }
+        };
         if self.prefix.contains('\0') {
             return Err(KvError::invalid(format!(
                 "etcd key prefix {:?} contains a NUL character",
@@ -182,8 +205,8 @@ impl EtcdConfig {
         let identity = match (&self.cert_file, &self.key_file) {
             (None, None) => None,
             (Some(cert), Some(key)) => Some((
-                read_pem(cert, "cert_file", PemKind::Certificates)?,
-                read_pem(key, "key_file", PemKind::PrivateKey)?,
+                read(cert, "cert_file", PemKind::Certificates)?,
+                read(key, "key_file", PemKind::PrivateKey)?,
             )),
             (Some(cert), None) => {
                 return Err(KvError::invalid(format!(
@@ -199,7 +222,7 @@ impl EtcdConfig {
             }
         };
         let ca = match &self.ca_cert_file {
-            Some(path) => Some(read_pem(path, "ca_cert_file", PemKind::TrustAnchors)?),
+            Some(path) => Some(read(path, "ca_cert_file", PemKind::TrustAnchors)?),
             None => None,
         };
 

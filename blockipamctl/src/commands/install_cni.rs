@@ -552,6 +552,11 @@ fn ipam_keys(
                 }
             }
             Backend::Etcd(etcd) => {
+                // What opening the store checks, but the TLS files: they are the node's paths,
+                // which this (init) container may not see.
+                etcd.config()
+                    .and_then(|config| config.validate_without_reading_files())
+                    .map_err(|e| CtlError::usage(format!("invalid etcd settings: {e}")))?;
                 store.insert(
                     "etcd_endpoints".to_owned(),
                     Value::from(etcd.endpoints.join(",")),

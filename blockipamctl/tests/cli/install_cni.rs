@@ -515,6 +515,23 @@ fn install_cni_bad_input_is_refused_and_writes_nothing() {
             ],
             "ETCD_ENDPOINTS",
         ),
+        // What opening the store would refuse (the plugin would fail every ADD), but for the
+        // TLS files, which are the node's paths.
+        (
+            vec![],
+            vec![("ETCD_ENDPOINTS", "127.0.0.1:1"), ("ETCD_PREFIX", "x")],
+            "must end with '/'",
+        ),
+        (
+            vec![],
+            vec![("ETCD_ENDPOINTS", "ftp://127.0.0.1:1")],
+            "unsupported scheme",
+        ),
+        (
+            vec![],
+            vec![("ETCD_ENDPOINTS", "https://127.0.0.1:1")],
+            "needs ca_cert_file",
+        ),
         (vec!["--node", " "], vec![], "--node"),
         (vec!["--node", "worker 1"], vec![], "whitespace"),
         (vec![], vec![("NODENAME", "worker\u{1}")], "control"),
