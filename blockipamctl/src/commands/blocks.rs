@@ -146,13 +146,34 @@ pub async fn release_empty(
     Ok(Outcome::ok(to_json(&json)?, text))
 }
 
+/// An empty block released because its pools no longer select its host (`pool set
+/// --node-selector`, `node label`), as their JSON output lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReleasedEmptyBlock {
+    /// The block.
+    pub cidr: String,
+    /// The host it belonged to.
+    pub host: Option<String>,
+}
+
+/// What [`release_unselected_empty_blocks`] released, and its lines for the table output.
+#[derive(Debug)]
+pub struct UnselectedRelease {
+    /// The blocks released.
+    pub released: Vec<ReleasedEmptyBlock>,
+    /// What the table output says of them (empty when nothing was released or left out).
+    pub text: String,
+}
+
 /// Releases, at once, the empty blocks of nodes that their pools no longer select: what `pool set
 /// --node-selector` and `node label` do after their change. Returns a line for the table output
 /// naming them (empty when none).
 ///
 /// # Errors
 /// Store trouble.
-pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<String, CtlError> {
+pub async fn release_unselected_empty_blocks(
+    ipam: &ipam_core::Ipam,
+) -> Result<UnselectedRelease, CtlError> {
     let (found, undecodable) = ipam
         .release_empty_blocks_each(
             EmptyBlockFilter {
@@ -162,10 +183,13 @@ pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<S
             true,
         )
         .await?;
-    let released: Vec<String> = found
+    let released: Vec<ReleasedEmptyBlock> = found
         .into_iter()
         .filter(|b| b.released)
-        .map(|b| format!("{} ({})", b.cidr, b.host.unwrap_or_else(|| "-".into())))
+        .map(|b| ReleasedEmptyBlock {
+            cidr: b.cidr.to_string(),
+            host: b.host,
+        })
         .collect();
     let mut text = if released.is_empty() {
         String::new()
@@ -173,14 +197,18 @@ pub async fn release_unselected_empty_blocks(ipam: &ipam_core::Ipam) -> Result<S
         format!(
             "Released {} of nodes their pools no longer select: {}.\n",
             counted(released.len() as u64, "empty block", "empty blocks"),
-            released.join(", ")
+            released
+                .iter()
+                .map(|b| format!("{} ({})", b.cidr, b.host.as_deref().unwrap_or("-")))
+                .collect::<Vec<_>>()
+                .join(", ")
         )
     };
     text.push_str(&super::undecodable_text(
         &undecodable,
         "the release of empty blocks (none is released)",
     ));
-    Ok(text)
+    Ok(UnselectedRelease { released, text })
 }
 
 #[cfg(test)]

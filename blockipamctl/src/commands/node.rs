@@ -147,6 +147,10 @@ pub async fn release(
 struct NodeLabelsJson<'a> {
     host: &'a str,
     labels: &'a BTreeMap<String, String>,
+    /// `node label` only, when it released any: the empty blocks of any node that its pools no
+    /// longer select.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released_empty_blocks: Option<&'a [super::blocks::ReleasedEmptyBlock]>,
 }
 
 /// The labels as a KEY / VALUE table under a line that counts them (`after_change`: "now has"),
@@ -204,12 +208,15 @@ pub async fn label(
     } else {
         ipam.set_node_labels(&args.host, &set, &args.remove).await?
     };
+    let release = super::blocks::release_unselected_empty_blocks(&ipam).await?;
     let json = NodeLabelsJson {
         host: &args.host,
         labels: &labels,
+        released_empty_blocks: (!release.released.is_empty())
+            .then_some(release.released.as_slice()),
     };
     let mut text = labels_text(&args.host, &labels, true);
-    text.push_str(&super::blocks::release_unselected_empty_blocks(&ipam).await?);
+    text.push_str(&release.text);
     Ok(Outcome::ok(to_json(&json)?, text))
 }
 
@@ -225,6 +232,7 @@ pub async fn show(settings: &DatastoreSettings, args: &NodeShowArgs) -> Result<O
     let json = NodeLabelsJson {
         host: &args.host,
         labels: &labels,
+        released_empty_blocks: None,
     };
     Ok(Outcome::ok(
         to_json(&json)?,

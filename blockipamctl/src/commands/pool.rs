@@ -183,11 +183,12 @@ pub async fn set(settings: &DatastoreSettings, args: &PoolSetArgs) -> Result<Out
             IpamError::InvalidArgument(_) => CtlError::usage(invalid_text(&e)),
             other => other.into(),
         })?;
-    let released = if change.node_selector.is_some() {
-        super::blocks::release_unselected_empty_blocks(&ipam).await?
+    let release = if change.node_selector.is_some() {
+        Some(super::blocks::release_unselected_empty_blocks(&ipam).await?)
     } else {
-        String::new()
+        None
     };
+    let released = release.as_ref().map_or("", |r| r.text.as_str());
     let table = format!(
         "IP pool {} ({}): {}, /{} blocks for new claims, node selector {}, {} assignment, allowed uses {}.\n{released}",
         pool.name,
@@ -198,7 +199,23 @@ pub async fn set(settings: &DatastoreSettings, args: &PoolSetArgs) -> Result<Out
         pool.assignment_mode,
         pool.allowed_uses
     );
-    Ok(Outcome::ok(to_json(&PoolJson::from(&pool))?, table))
+    let json = PoolSetJson {
+        pool: PoolJson::from(&pool),
+        released_empty_blocks: release
+            .map(|r| r.released)
+            .filter(|released| !released.is_empty()),
+    };
+    Ok(Outcome::ok(to_json(&json)?, table))
+}
+
+/// What `pool set` prints as JSON: the pool, and, when `--node-selector` released any, the empty
+/// blocks of any node that its pools no longer select.
+#[derive(Debug, Serialize)]
+struct PoolSetJson {
+    #[serde(flatten)]
+    pool: PoolJson,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released_empty_blocks: Option<Vec<super::blocks::ReleasedEmptyBlock>>,
 }
 
 /// `pool enable` / `pool disable`.

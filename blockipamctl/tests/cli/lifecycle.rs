@@ -180,14 +180,35 @@ fn a_selector_change_releases_the_empty_blocks_of_nodes_no_longer_selected(backe
         "node-b",
         "a selected node's empty block stays"
     );
-    // Unlabelling node-b takes its block too.
+    // Unlabelling node-b takes its block too, and the JSON output says so.
     let unlabelled = lab
-        .ctl(&["node", "label", "node-b", "--remove", "rack"])
+        .ctl(&["-o", "json", "node", "label", "node-b", "--remove", "rack"])
         .ok()
-        .stdout
-        .clone();
-    assert!(unlabelled.contains(&block_of(b)), "{unlabelled}");
+        .json();
+    assert_eq!(
+        unlabelled["released_empty_blocks"],
+        serde_json::json!([{"cidr": block_of(b), "host": "node-b"}]),
+        "{unlabelled}"
+    );
     assert_eq!(block_row(&lab, &block_of(b)), None);
+    // A change that releases nothing leaves the field out.
+    let relabelled = lab
+        .ctl(&[
+            "-o",
+            "json",
+            "pool",
+            "set",
+            "racked",
+            "--node-selector",
+            "all()",
+        ])
+        .ok()
+        .json();
+    assert_eq!(relabelled["name"], "racked", "{relabelled}");
+    assert!(
+        relabelled.get("released_empty_blocks").is_none(),
+        "{relabelled}"
+    );
     lab.ctl(&["check"]).ok();
 }
 
