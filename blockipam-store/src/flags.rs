@@ -9,7 +9,7 @@ use crate::RawDatastoreSettings;
 /// but accepts them before or after its command and reads their environment variables itself.)
 #[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
 pub struct EtcdConnectionFlags {
-    /// etcd endpoints, comma-separated (http://host:port or host:port)
+    /// etcd endpoints, comma-separated (host:port, http://host:port or https://host:port)
     #[arg(
         long,
         value_name = "LIST",

@@ -110,7 +110,7 @@ pub struct GlobalArgs {
     /// Embedded store path [env: DATASTORE_PATH] [default: /var/lib/blockipam/store.sled (sled), /var/lib/blockipam/store.redb (redb)]
     #[arg(long, global = true, value_name = "PATH", help_heading = "Store")]
     pub datastore_path: Option<PathBuf>,
-    /// etcd endpoints, comma-separated (http://host:port or host:port) [env: ETCD_ENDPOINTS]
+    /// etcd endpoints, comma-separated (host:port, http://host:port or https://host:port) [env: ETCD_ENDPOINTS]
     #[arg(long, global = true, value_name = "LIST", help_heading = "Store")]
     pub etcd_endpoints: Option<String>,
     /// etcd CA certificate (PEM) [env: ETCD_CA_CERT_FILE]
@@ -278,7 +278,7 @@ pub struct PoolSetArgs {
     #[arg(long, value_name = "USES")]
     pub allowed_uses: Option<String>,
     /// Disable (true) or enable (false) the pool.
-    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new(), hide_possible_values = true)]
     pub disabled: Option<bool>,
     /// Block prefix length for blocks claimed from now on (IPv4 23..=32, IPv6 119..=128);
     /// existing blocks keep their size until they are released.
@@ -350,11 +350,11 @@ pub enum ConfigCommand {
         .args(["strict_affinity", "auto_allocate_blocks", "max_blocks_per_host", "ip_cooldown_seconds", "empty_block_reclaim_seconds"])
 ))]
 pub struct ConfigSetArgs {
-    /// Never borrow addresses from blocks affine to other hosts (true/false).
-    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    /// Never borrow addresses from blocks affine to other hosts (true/false, yes/no, on/off, 1/0).
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new(), hide_possible_values = true)]
     pub strict_affinity: Option<bool>,
-    /// Let hosts claim new blocks as they need them (true/false).
-    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new())]
+    /// Let hosts claim new blocks as they need them (true/false, yes/no, on/off, 1/0).
+    #[arg(long, value_name = "BOOL", value_parser = BoolishValueParser::new(), hide_possible_values = true)]
     pub auto_allocate_blocks: Option<bool>,
     /// Most blocks of one family a host may own; 0 means unlimited.
     #[arg(long, value_name = "N")]

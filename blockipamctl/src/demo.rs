@@ -134,7 +134,8 @@ pub(crate) fn locate_plugin(
     };
     if !candidate.is_file() {
         return Err(CtlError::failed(format!(
-            "the blockipam plugin binary was not found at {} (from {source}): {hint}",
+            "the blockipam plugin binary was not found at {} (from {source}), or it is not a \
+             regular file: {hint}",
             candidate.display()
         )));
     }

@@ -267,7 +267,7 @@ fn conflist(global: &GlobalArgs, args: &InstallCniArgs, env: &Env) -> Result<Val
             ] {
                 if let Some((_, given)) = pick(value.as_deref(), flag, env, &[var]) {
                     return Err(CtlError::usage(format!(
-                        "{given} and the template from {source} both set the network: give \
+                        "{given} and {source} both set the network: give \
                          either (the template's own name, plugins and cniVersion are used)"
                     )));
                 }

@@ -137,8 +137,10 @@ async fn guarded(
     ips: &[IpAddr],
     sequence: u64,
 ) -> Result<Outcome, CtlError> {
-    let ip = match ips {
-        [ip] => *ip,
+    // A repeated address counts once, as in an unguarded release.
+    let distinct: std::collections::BTreeSet<IpAddr> = ips.iter().copied().collect();
+    let ip = match distinct.into_iter().collect::<Vec<_>>()[..] {
+        [ip] => ip,
         _ => {
             return Err(CtlError::usage(
                 "--sequence guards one address: give exactly one --ip",

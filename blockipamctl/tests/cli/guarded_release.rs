@@ -90,11 +90,13 @@ fn release_with_a_sequence_frees_only_the_allocation_that_carries_it(backend: Ba
     let shown = lab.ctl(&["-o", "json", "show", "--ip", &a]).ok().json();
     assert_eq!(shown["handle"], "net.b", "the new owner keeps the address");
 
+    // A repeated address counts once, guarded or not.
     let released = lab.ctl(&[
         "-o",
         "json",
         "release",
         "--ip",
+        &a,
         &a,
         "--sequence",
         &second.to_string(),

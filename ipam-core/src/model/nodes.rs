@@ -151,10 +151,18 @@ pub fn validate_label_update(set: &[(String, String)], remove: &[String]) -> Res
     }
     for key in remove {
         validate_label_key(key)?;
-        if let Some(earlier) = seen.insert(key.as_str(), "removed") {
-            return Err(IpamError::InvalidArgument(format!(
-                "label {key:?} is {earlier} and removed in one update"
-            )));
+        match seen.insert(key.as_str(), "removed") {
+            Some("removed") => {
+                return Err(IpamError::InvalidArgument(format!(
+                    "label {key:?} is removed twice in one update"
+                )))
+            }
+            Some(earlier) => {
+                return Err(IpamError::InvalidArgument(format!(
+                    "label {key:?} is {earlier} and removed in one update"
+                )))
+            }
+            None => {}
         }
     }
     Ok(())
@@ -239,5 +247,10 @@ mod tests {
             "{refused:?}"
         );
         assert!(validate_label_update(&set, &["b".to_owned()]).is_ok());
+        let twice = validate_label_update(&[], &["b".to_owned(), "b".to_owned()]);
+        assert!(
+            matches!(&twice, Err(IpamError::InvalidArgument(m)) if m.contains("\"b\" is removed twice")),
+            "{twice:?}"
+        );
     }
 }
