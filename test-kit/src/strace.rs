@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 /// The system calls a trace must record for [`file_calls`] to see everything it reads.
 pub const TRACED_CALLS: &str =
-    "openat,close,fsync,fdatasync,rename,write,pwrite64,writev,pwritev,pwritev2,sendmsg,sendto,\
+    "open,openat,close,fsync,fdatasync,rename,write,pwrite64,writev,pwritev,pwritev2,sendmsg,sendto,\
      accept,accept4,exit_group";
 
 /// What the traced process did to files, in order.
@@ -66,7 +66,8 @@ pub fn file_calls(trace: &str) -> Vec<FileCall> {
             continue;
         };
         let call = format!(" {}", call.trim_start());
-        if call.contains(" openat(") {
+        // A static musl build opens with `open`, a glibc one with `openat`.
+        if call.contains(" openat(") || call.contains(" open(") {
             let Some(path) = first_path(&call) else {
                 continue;
             };
@@ -79,7 +80,7 @@ pub fn file_calls(trace: &str) -> Vec<FileCall> {
                 }
                 None => {}
             }
-        } else if call.contains("<... openat resumed>") {
+        } else if call.contains("<... openat resumed>") || call.contains("<... open resumed>") {
             if let (Some(path), Some(fd)) = (opening.remove(thread), returned_descriptor(&call)) {
                 open.insert(fd, path);
             }
@@ -226,6 +227,9 @@ mod tests {
 7 openat(AT_FDCWD, \"/d/a\", O_RDONLY|O_CLOEXEC) = 11
 7 fsync(11)                         = 0
 7 close(11)                         = 0
+7 open(\"/d/m\", O_RDWR|O_CLOEXEC)   = 12
+7 fdatasync(12)                     = 0
+7 close(12)                         = 0
 8 openat(AT_FDCWD, \"/d/b\", O_RDONLY|O_CLOEXEC <unfinished ...>
 7 fdatasync(3)                      = 0
 8 <... openat resumed>)             = 11
@@ -250,6 +254,7 @@ mod tests {
             file_calls(trace),
             vec![
                 FileCall::Synced("/d/a".into()),
+                FileCall::Synced("/d/m".into()),
                 FileCall::Synced("/d/b".into()),
                 FileCall::Renamed {
                     from: "/d/b".into(),
