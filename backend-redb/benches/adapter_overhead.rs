@@ -38,12 +38,14 @@ fn key(i: usize) -> String {
 }
 
 /// One durable raw write transaction putting `puts`; with `counter`, it also does the adapter's
-/// bookkeeping by hand (read and bump a revision counter, prefix each value with it).
+/// whole write by hand: read and bump a revision counter, prefix each value with it, and commit in
+/// two phases (the pages synced before the header naming them), as the adapter commits.
 fn raw_write(db: &Database, puts: &[(&str, &[u8])], counter: bool) {
     let mut write = db.begin_write().expect("begin write");
     write
         .set_durability(Durability::Immediate)
         .expect("durability");
+    write.set_two_phase_commit(counter);
     {
         let mut table = write.open_table(RAW).expect("table");
         if counter {
