@@ -1,7 +1,7 @@
-//! Format upgrade: stores written by formats 1 to 5 (`fixtures/format-v1` to `format-v5`,
+//! Format upgrade: stores written by formats 1 to 6 (`fixtures/format-v1` to `format-v6`,
 //! each made by that release's own binaries) open, check clean and keep working through the real
-//! binaries on sled, redb and etcd (etcd receives the redb fixture through `migrate`, a raw copy);
-//! until `upgrade finalize` the objects that later calls write are rewritten in format 3 (what the
+//! binaries on sled, redb and etcd (etcd receives the redb fixture through `migrate`, a raw copy).
+//! For formats 1 to 5, older than this build's, until `upgrade finalize` the objects that later calls write are rewritten in format 3 (what the
 //! previous release reads), after it in the current format; the others stay as they were. Finalize
 //! is refused while a node that holds blocks was never seen with this release. Their pools read with Calico's defaults (node selector `all()`, automatic, workload and
 //! tunnel) and take the new settings through `pool set`; their config reads with no IP cooldown and
@@ -398,6 +398,81 @@ fn a_format_5_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     an_old_store_opens_checks_clean_and_keeps_working(backend, 5);
 }
 
+/// A store written by format 6, this build's own format (`fixtures/format-v6`, made by
+/// `scripts/make-format-fixture 6` before any later format): it opens, checks clean and shows
+/// what it showed when it was written, its pods' attributes kept apart in owner keys; it is
+/// already finalized, and it keeps working (a new pod's address named by its handle, a pod of the
+/// fixture deleted through the plugin with its owner keys). The next format's upgrade cases start
+/// from it, as the older formats' do from theirs.
+fn a_format_6_store_opens_as_written_and_keeps_working(backend: Backend) {
+    let lab = Lab::new(backend);
+    load_fixture(&lab, 6);
+    let untouched_claim = claim_of(&lab, UNTOUCHED_BLOCK);
+    assert_eq!(untouched_claim.0, 6);
+    assert!(untouched_claim.1.is_some(), "{untouched_claim:?}");
+    assert_eq!(format_of(&lab, &keys::pool("v4")), 6);
+    lab.ctl(&["check"])
+        .ok()
+        .stdout_has("20 handles and 39 allocated addresses: no problems");
+    let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
+    let then: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(6, "show-blocks.redb.json")).expect("read the fixture"),
+    )
+    .expect("fixture JSON");
+    assert_eq!(
+        only_fields_of(&then, &shown),
+        then,
+        "format-6 store shown differently"
+    );
+    // ctr-a1's addresses (one per family) hold their attributes in owner keys, and `show --ip`
+    // reads them from there.
+    let first = lab
+        .ctl(&["-o", "json", "show", "--ip", "10.80.0.49"])
+        .ok()
+        .json();
+    assert_eq!(first["handle"], "fixture.ctr-a1", "{first}");
+    assert_eq!(first["attributes"]["pod"], "ctr-a1", "{first}");
+    let first_block: IpNet = "10.80.0.48/28".parse().expect("cidr");
+    let owners_before = owner_keys(&lab);
+    assert!(
+        owners_before.contains(&keys::owner_key(&first_block, 1)),
+        "{owners_before:?}"
+    );
+    lab.ctl(&["upgrade", "status"])
+        .ok()
+        .stdout_has("stored format: format 6 (recorded)\nwriters write: format 6\n")
+        .stdout_has("\nfinalized: writers use this build's format\n");
+    lab.ctl(&["upgrade", "finalize"])
+        .ok()
+        .stdout_has("already finalized at format 6: nothing written\n");
+
+    let added = addresses(&plugin(&lab, "ADD", "node-a", "ctr-new"));
+    let v4 = added
+        .iter()
+        .find(|a| a.addr().is_ipv4())
+        .expect("an IPv4 address");
+    assert_eq!(
+        holder_of(&lab, Path::new(crate::common::BIN), *v4),
+        "fixture.ctr-new"
+    );
+    assert_eq!(format_of(&lab, &handle_key("ctr-new")), 6);
+    plugin(&lab, "DEL", "node-a", "ctr-a1");
+    let gone = lab
+        .ctl(&["-o", "json", "show", "--ip", "10.80.0.49"])
+        .ok()
+        .json();
+    assert!(
+        gone["handle"].is_null(),
+        "ctr-a1's address is still held: {gone}"
+    );
+    let owners_after = owner_keys(&lab);
+    assert!(
+        !owners_after.contains(&keys::owner_key(&first_block, 1)),
+        "ctr-a1's owner key outlived its DEL: {owners_after:?}"
+    );
+    lab.ctl(&["check"]).ok();
+}
+
 /// The netconf pools the fixture's pods were added with.
 fn fixture_pools() -> Value {
     serde_json::json!({
@@ -763,6 +838,7 @@ on_every_backend!(
     a_format_3_store_opens_checks_clean_and_keeps_working,
     a_format_4_store_opens_checks_clean_and_keeps_working,
     a_format_5_store_opens_checks_clean_and_keeps_working,
+    a_format_6_store_opens_as_written_and_keeps_working,
     a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize,
     a_format_5_store_keeps_attributes_in_blocks_until_finalize,
     a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks,
