@@ -12,11 +12,10 @@ use blockipam_store::DatastoreSettings;
 
 use crate::AgentError;
 
-/// The marker of the store at `store`: `<store>.created` in the same directory.
+/// The marker of the store at `store`: `<store>.created` in the same directory (the plugin and
+/// `blockipamctl` read the same marker before they create a store).
 pub fn marker_path(store: &Path) -> PathBuf {
-    let mut name = store.as_os_str().to_owned();
-    name.push(".created");
-    PathBuf::from(name)
+    blockipam_store::store_marker_path(store)
 }
 
 /// What is left to do once the store is open: write its marker, when it is missing.

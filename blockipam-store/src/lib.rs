@@ -819,6 +819,45 @@ impl DatastoreSettings {
         }
     }
 
+    /// Refuses, before a plugin call that may create the embedded store opens it, when the store
+    /// is missing and its marker ([`store_marker_path`]) says this node had one: the store was
+    /// deleted or its volume is not mounted, and a new empty one would hand out addresses running
+    /// pods still hold. The node agent refuses to start on the same evidence; this keeps a call
+    /// whose netconf lists pools from creating the store the agent refused to replace. Nothing to
+    /// check for etcd, for settings that may not create the store, or for a store that is there.
+    /// (An operator's `migrate` into the store's path, the documented restore, does not ask.)
+    ///
+    /// # Errors
+    /// [`KvError::Other`] naming the store and its marker; or when they cannot be inspected.
+    pub fn refuse_to_replace_a_lost_store(&self) -> Result<(), KvError> {
+        if !self.create_if_missing || matches!(self.backend, Backend::Etcd(_)) {
+            return Ok(());
+        }
+        let Some(path) = self.resolved_path() else {
+            return Ok(());
+        };
+        if !embedded_store_missing(&path)? {
+            return Ok(());
+        }
+        let marker = store_marker_path(&path);
+        match std::fs::symlink_metadata(&marker) {
+            Ok(_) => Err(KvError::other(format!(
+                "the store {} does not exist, but its marker {} says this node had a store \
+                 there: it was deleted or its volume is not mounted, and addresses recorded in it \
+                 may still be held by running pods, so no new empty store is created. Put the \
+                 store back (or mount its volume); only if no pod on this node holds an address \
+                 from it, remove the marker to start from a new empty store",
+                path.display(),
+                marker.display()
+            ))),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(err) => Err(KvError::other(format!(
+                "cannot inspect the store's marker {}: {err}",
+                marker.display()
+            ))),
+        }
+    }
+
     /// The embedded store's path, after [`check_store_path_ownership`].
     fn embedded_path(&self) -> Result<PathBuf, KvError> {
         let path = self
@@ -978,6 +1017,35 @@ fn is_stale_socket(socket: &Path) -> bool {
         std::os::unix::net::UnixStream::connect(socket),
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused
     )
+}
+
+/// The marker of the embedded store at `store`: `<store>.created` beside it. The node agent
+/// writes it once the store is open (`--create-on-first-start`); while it is there, a missing
+/// store is a lost one, never created anew.
+pub fn store_marker_path(store: &Path) -> PathBuf {
+    let mut name = store.as_os_str().to_owned();
+    name.push(".created");
+    PathBuf::from(name)
+}
+
+/// Whether no embedded store is at `path`: nothing there, or an empty directory (the mount point
+/// of a volume that is not mounted). Anything else is a store, or damage its backend names.
+fn embedded_store_missing(path: &Path) -> Result<bool, KvError> {
+    let inspect_failed = |err: std::io::Error| {
+        KvError::other(format!(
+            "cannot inspect the store path {}: {err}",
+            path.display()
+        ))
+    };
+    match std::fs::symlink_metadata(path) {
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(true),
+        Err(err) => Err(inspect_failed(err)),
+        Ok(metadata) if metadata.is_dir() => Ok(std::fs::read_dir(path)
+            .map_err(inspect_failed)?
+            .next()
+            .is_none()),
+        Ok(_) => Ok(false),
+    }
 }
 
 #[cfg(test)]
@@ -1253,6 +1321,50 @@ mod tests {
             .enable_all()
             .build()
             .expect("a tokio runtime")
+    }
+
+    #[test]
+    fn a_marked_store_that_is_gone_is_refused_only_to_settings_that_would_create_it() {
+        for datastore_type in [DatastoreType::Sled, DatastoreType::Redb] {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let path = dir.path().join("store");
+            let mut settings = DatastoreSettings {
+                backend: Backend::embedded(datastore_type, Some(path.clone()))
+                    .expect("an embedded type"),
+                create_if_missing: true,
+                ..DatastoreSettings::default()
+            };
+            // No store, no marker: a fresh node, nothing to refuse.
+            assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
+            let marker = store_marker_path(&path);
+            assert_eq!(marker, dir.path().join("store.created"));
+            std::fs::write(&marker, "created\n").expect("marker");
+            let refused = settings
+                .refuse_to_replace_a_lost_store()
+                .expect_err("a marked store that is gone");
+            let message = refused.to_string();
+            assert!(
+                message.contains(&path.display().to_string())
+                    && message.contains(&marker.display().to_string()),
+                "{datastore_type}: {message}"
+            );
+            // An empty directory (a volume not mounted) is as missing as nothing at all.
+            std::fs::create_dir(&path).expect("an empty directory");
+            assert!(settings.refuse_to_replace_a_lost_store().is_err());
+            // A store there (anything in the directory) is opened as it is, marker or not.
+            std::fs::write(path.join("db"), b"x").expect("a file in the store");
+            assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
+            std::fs::remove_dir_all(&path).expect("remove the store");
+            // Settings that may not create the store fail on the missing store anyway.
+            settings.create_if_missing = false;
+            assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
+        }
+        let etcd = DatastoreSettings {
+            backend: Backend::Etcd(EtcdSettings::default()),
+            create_if_missing: true,
+            ..DatastoreSettings::default()
+        };
+        assert_eq!(etcd.refuse_to_replace_a_lost_store(), Ok(()));
     }
 
     #[test]

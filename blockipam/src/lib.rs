@@ -431,6 +431,10 @@ async fn with_store(
     // creates the store. Any other call fails on a missing store rather than hand out addresses
     // from an empty new one while the lost store's (a deleted file, an unmounted volume) are in use.
     settings.create_if_missing = !conf.pools.is_empty();
+    // Nor over a store the node agent's marker says this node had (a lost one).
+    settings
+        .refuse_to_replace_a_lost_store()
+        .map_err(|e| from_kv(&e, true))?;
     // An embedded store's lock is waited for within the call's deadline: the call cannot return
     // before an open in progress does, so a longer wait would outlive `timeout_seconds`.
     settings.lock_wait = settings.lock_wait.min(conf.timeout);

@@ -155,3 +155,47 @@ fn add_with_netconf_pools_creates_a_missing_store_on_first_run() {
         second.success_json("ADD without pools on an existing store");
     }
 }
+
+/// A store the node agent marked (`<store>.created`, written once the agent opened it) and that
+/// is gone is a lost store: the agent refuses to start on it, and a call whose netconf lists pools
+/// must not create it anew either (it would hand out the addresses running pods hold). The call
+/// fails naming the store and the marker and creates nothing; with the marker removed (the
+/// operator's word that no pod holds an address from it) the same call creates the store. An
+/// empty mount point at a marked sled store's path is refused the same way and left empty.
+#[test]
+fn add_with_netconf_pools_does_not_recreate_a_store_its_marker_says_was_lost() {
+    for store_type in EMBEDDED {
+        let sandbox = Sandbox::with_store(store_type);
+        let with_pools = sandbox.netconf("1.0.0", json!({}));
+        cni("ADD", "c1", "eth0", &with_pools, &[]).success_json("first ADD");
+        let marker = blockipam_store::store_marker_path(&sandbox.store_path());
+        std::fs::write(&marker, "created by the agent\n").expect("write the marker");
+
+        delete_store(&sandbox);
+        if store_type == DatastoreType::Sled {
+            std::fs::create_dir(sandbox.store_path()).expect("an empty mount point");
+        }
+        let before = tree(sandbox.dir.path());
+        let add = cni("ADD", "c2", "eth0", &with_pools, &[]);
+        let message = add.assert_error(IO_FAILURE, &format!("{store_type}: ADD"));
+        for needle in [
+            sandbox.store_path().display().to_string(),
+            marker.display().to_string(),
+            "remove the marker".to_owned(),
+        ] {
+            assert!(
+                message.contains(&needle),
+                "{store_type}: {message:?} does not say {needle:?}"
+            );
+        }
+        assert_eq!(
+            tree(sandbox.dir.path()),
+            before,
+            "{store_type}: a refused call changed the files beside the store"
+        );
+
+        std::fs::remove_file(&marker).expect("remove the marker");
+        cni("ADD", "c3", "eth0", &with_pools, &[]).success_json("ADD once the marker is gone");
+        assert!(sandbox.store_path().exists(), "{store_type}: no store made");
+    }
+}
