@@ -414,7 +414,8 @@ pub struct ReleaseArgs {
 #[derive(Debug, Args)]
 pub struct CheckArgs {
     /// Fix what is safe to fix (handle counts, missing and damaged handles, claim index entries,
-    /// empty blocks without affinity, orphaned owner keys), then check again.
+    /// empty blocks without affinity, orphaned owner keys), then check again. Nothing is repaired
+    /// while an `import calico` is unfinished: run it again first.
     #[arg(long)]
     pub repair: bool,
 }

@@ -90,18 +90,25 @@ pub async fn run(
     args: &CheckArgs,
 ) -> Result<Outcome, CtlError> {
     let ipam = open_ipam(settings, OpenMode::Existing).await?;
-    ctx.progress(if args.repair {
+    let unfinished_import = unfinished_import(&ipam).await?;
+    // An import that did not finish is finished by running it again, which resumes from the
+    // store as the import left it: handles rewritten from the blocks written so far would differ
+    // from what it writes, and it would refuse to go on. So nothing is repaired until it is done.
+    let repair_held_back = args.repair && unfinished_import.is_some();
+    let repair = args.repair && !repair_held_back;
+    ctx.progress(if repair {
         "checking and repairing the store ..."
     } else {
         "checking the store ..."
     });
-    let mut report: CheckReport = ipam.check(args.repair).await?;
-    let unfinished_import = unfinished_import(&ipam).await?;
+    let mut report: CheckReport = ipam.check(repair).await?;
     report.problems.extend(unfinished_import.clone());
-    let remaining = if args.repair && !report.problems.is_empty() {
+    let remaining = if repair_held_back {
+        Some(report.problems.clone())
+    } else if args.repair && !report.problems.is_empty() {
         ctx.progress("checking the store again after the repair ...");
         let mut again = ipam.check(false).await?.problems;
-        again.extend(unfinished_import);
+        again.extend(unfinished_import.clone());
         Some(again)
     } else if args.repair {
         Some(Vec::new())
@@ -128,13 +135,18 @@ pub async fn run(
             counted(report.problems.len() as u64, "problem", "problems")
         ));
         text.push_str(&problems_table(&report.problems));
-        if !args.repair && repairable > 0 {
+        if !args.repair && repairable > 0 && unfinished_import.is_none() {
             text.push_str(
                 "Run `blockipamctl check --repair` to fix the repairable ones; the others need a person.\n",
             );
         }
     }
-    if args.repair && !report.problems.is_empty() {
+    if repair_held_back {
+        text.push_str(
+            "Nothing was repaired: an `import calico` did not finish. Run the same import again \
+             first (it resumes and completes the store), then check again.\n",
+        );
+    } else if args.repair && !report.problems.is_empty() {
         if report.repaired.is_empty() {
             text.push_str("Nothing was repaired.\n");
         } else {
@@ -144,7 +156,7 @@ pub async fn run(
             }
         }
     }
-    if let Some(left) = &remaining {
+    if let Some(left) = remaining.as_ref().filter(|_| !repair_held_back) {
         if !report.problems.is_empty() {
             if left.is_empty() {
                 text.push_str("Checked again after the repair: no problems.\n");

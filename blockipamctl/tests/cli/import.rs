@@ -432,6 +432,84 @@ fn interrupted_import_is_reported_by_check_and_resumed_by_the_next_run() {
     lab.ctl(&["check"]).ok();
 }
 
+/// An import that stopped after writing its blocks and before their handles: `check` reports the
+/// missing handles as repairable, but `check --repair` repairs nothing while the import is
+/// unfinished (handles rebuilt from the blocks written so far could differ from what the import
+/// writes, and it would refuse to resume) and says to run the import again; the import then
+/// resumes and finishes, and the store is clean.
+#[test]
+fn check_repair_leaves_an_unfinished_import_to_the_import() {
+    use blockipam_import::{marker_key, CalicoEtcdSource, ImportMarker};
+    use ipam_core::model::{encode, keys};
+
+    let calico = CalicoEtcd::holding(&sample_cluster());
+    // What the import writes, taken from a finished import into another store.
+    let finished = Lab::new(Backend::Sled);
+    let done = import(&finished, &calico, &["-o", "json"]).ok().json();
+    let revision = done["calico_revision"].as_i64().expect("a revision");
+    let written: Vec<(String, Vec<u8>)> = finished
+        .snapshot()
+        .into_iter()
+        .map(|(key, value, _)| (key, value))
+        .filter(|(key, _)| !key.starts_with(&keys::handles_dir()))
+        .collect();
+    assert!(
+        written
+            .iter()
+            .any(|(key, _)| key.starts_with(&keys::blocks_dir())),
+        "the import wrote no block"
+    );
+    let source = CalicoEtcdSource {
+        prefix: calico.prefix.clone(),
+        ..CalicoEtcdSource::new([calico.endpoint.clone()])
+    };
+    let marker = ImportMarker {
+        source: source.describe(),
+        calico_revision: revision,
+    };
+    let lab = Lab::new(Backend::Sled);
+    lab.with_store(|store| async move {
+        store
+            .put(&marker_key(), encode(&marker).expect("encode the marker"))
+            .await
+            .expect("write the marker");
+        for (key, value) in written {
+            store.put(&key, value).await.expect("write a key");
+        }
+    });
+
+    let checked = lab.ctl(&["-o", "json", "check"]);
+    checked.expect_code(1);
+    let problems = checked.json()["problems"].clone();
+    assert!(
+        problems
+            .as_array()
+            .is_some_and(|p| p.iter().any(|p| p["repairable"] == true)
+                && p.iter().any(|p| p["kind"] == "import-in-progress")),
+        "{problems:#}"
+    );
+    let before = lab.snapshot();
+    let held_back = lab.ctl(&["check", "--repair"]);
+    held_back
+        .expect_code(1)
+        .stdout_has("Nothing was repaired: an `import calico` did not finish.");
+    assert_eq!(
+        lab.snapshot(),
+        before,
+        "check --repair wrote during an import"
+    );
+    let json = lab.ctl(&["-o", "json", "check", "--repair"]);
+    json.expect_code(1);
+    let json = json.json();
+    assert_eq!(json["repaired"], serde_json::json!([]), "{json:#}");
+    assert_eq!(json["clean"], false, "{json:#}");
+
+    let doc = import(&lab, &calico, &["-o", "json"]).ok().json();
+    assert_eq!(doc["resumed"], true, "{doc:#}");
+    assert_eq!(doc["verified"], true, "{doc:#}");
+    lab.ctl(&["check"]).ok();
+}
+
 /// Calico's pools select nodes by the labels of Calico's Node resources: the import carries the
 /// labels, so after it each node's pods come from the pool that selected it under Calico, and a
 /// node no pool selects still gets none (code 109).
