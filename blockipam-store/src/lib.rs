@@ -1355,6 +1355,10 @@ mod tests {
             std::fs::write(path.join("db"), b"x").expect("a file in the store");
             assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
             std::fs::remove_dir_all(&path).expect("remove the store");
+            // A file there (a redb store, or damage its backend names) is not a missing store.
+            std::fs::write(&path, b"x").expect("a file at the store path");
+            assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
+            std::fs::remove_file(&path).expect("remove the file");
             // Settings that may not create the store fail on the missing store anyway.
             settings.create_if_missing = false;
             assert_eq!(settings.refuse_to_replace_a_lost_store(), Ok(()));
