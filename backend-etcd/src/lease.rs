@@ -13,13 +13,13 @@ use etcd_client::{
     Client, Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
-use ipam_core::kv::{validate_key, KvError};
+use ipam_core::kv::{validate_key, Condition, KvError};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::EtcdConfig;
 use crate::error::{map_error, Kind};
-use crate::store::connect_options;
+use crate::store::{comparisons, connect_options, failed_condition, reads_of_the_tested_keys};
 
 /// A lease's id as etcd numbers it.
 pub type LeaseId = i64;
@@ -158,38 +158,53 @@ impl LeaseSession {
     /// # Errors
     /// As [`grant`](Self::grant); an expired lease is an error from etcd.
     pub async fn put(&self, lease: LeaseId, key: &str, value: &[u8]) -> Result<u64, KvError> {
-        self.put_returning_previous_lease(lease, key, value)
+        self.put_returning_previous_lease(lease, key, value, &[])
             .await
             .map(|(revision, _)| revision)
     }
 
     /// As [`put`](Self::put), also returning the lease the key was attached to before this put
-    /// (`None` when it did not exist or had no lease).
+    /// (`None` when it did not exist or had no lease), and only while every condition of `guard`
+    /// holds (one etcd transaction).
     async fn put_returning_previous_lease(
         &self,
         lease: LeaseId,
         key: &str,
         value: &[u8],
+        guard: &[Condition],
     ) -> Result<(u64, Option<LeaseId>), KvError> {
         let full = self.full_key(key)?;
+        // The same write as a store transaction: validated as every transaction is (its keys,
+        // its size), and what names the failed condition.
+        let as_committed = ipam_core::kv::Txn {
+            conditions: guard.to_vec(),
+            ops: vec![ipam_core::kv::Op::put(key, value.to_vec())],
+        };
+        as_committed.validate()?;
+        let txn = Txn::new()
+            .when(comparisons(&self.prefix, guard))
+            .and_then([TxnOp::put(
+                full,
+                value,
+                Some(PutOptions::new().with_lease(lease).with_prev_key()),
+            )])
+            .or_else(reads_of_the_tested_keys(&self.prefix, guard));
         let mut client = self.client.clone();
-        let response = self
-            .bounded(
-                Kind::Write,
-                client.put(
-                    full,
-                    value,
-                    Some(PutOptions::new().with_lease(lease).with_prev_key()),
-                ),
-            )
-            .await?;
+        let response = self.bounded(Kind::Write, client.txn(txn)).await?;
+        if !response.succeeded() {
+            return Err(failed_condition(&self.prefix, &as_committed, response)?);
+        }
         let revision = response
             .header()
             .and_then(|h| u64::try_from(h.revision()).ok())
             .unwrap_or(0);
         let previous = response
-            .prev_key()
-            .map(|kv| kv.lease())
+            .op_responses()
+            .into_iter()
+            .find_map(|answer| match answer {
+                TxnOpResponse::Put(put) => put.prev_key().map(|kv| kv.lease()),
+                _ => None,
+            })
             .filter(|&previous| previous != 0);
         Ok((revision, previous))
     }
@@ -209,7 +224,8 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
     ) -> Result<u64, KvError> {
-        self.put_renewed_replacing(lease, key, value, false).await
+        self.put_renewed_replacing(lease, key, value, &[], false)
+            .await
     }
 
     /// As [`put_renewed`](Self::put_renewed), for a key whose every value lives on a lease of
@@ -226,7 +242,26 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
     ) -> Result<u64, KvError> {
-        self.put_renewed_replacing(lease, key, value, true).await
+        self.put_renewed_replacing(lease, key, value, &[], true)
+            .await
+    }
+
+    /// As [`put_renewed_revoking_the_replaced_lease`](Self::put_renewed_revoking_the_replaced_lease),
+    /// only while every condition of `guard` holds, tested in the put's own transaction: a
+    /// countdown that must not replace one started after its caller looked.
+    ///
+    /// # Errors
+    /// As [`put_renewed`](Self::put_renewed); [`KvError::Conflict`] naming the first condition of
+    /// `guard` that does not hold (nothing is written, `lease` is left as it is).
+    pub async fn put_renewed_if(
+        &self,
+        lease: LeaseId,
+        key: &str,
+        value: &[u8],
+        guard: &[Condition],
+    ) -> Result<u64, KvError> {
+        self.put_renewed_replacing(lease, key, value, guard, true)
+            .await
     }
 
     async fn put_renewed_replacing(
@@ -234,9 +269,12 @@ impl LeaseSession {
         lease: LeaseId,
         key: &str,
         value: &[u8],
+        guard: &[Condition],
         revoke_replaced: bool,
     ) -> Result<u64, KvError> {
-        let (revision, previous) = self.put_returning_previous_lease(lease, key, value).await?;
+        let (revision, previous) = self
+            .put_returning_previous_lease(lease, key, value, guard)
+            .await?;
         if self.open_keep_alive(lease).await?.is_none() {
             return Err(KvError::other(format!(
                 "the lease of {key} ran out before it could be renewed"

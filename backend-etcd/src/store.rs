@@ -184,21 +184,13 @@ impl EtcdStore {
     }
 
     fn full_key(&self, key: &str) -> Vec<u8> {
-        let mut full = Vec::with_capacity(self.prefix.len() + key.len());
-        full.extend_from_slice(self.prefix.as_bytes());
-        full.extend_from_slice(key.as_bytes());
-        full
+        full_key(&self.prefix, key)
     }
 
     /// The etcd range `[start, end)` holding every key that starts with `prefix` (after the
     /// store prefix). An `end` of `[0]` means "to the end of the key space".
     fn range_for(&self, prefix: &str) -> (Vec<u8>, Vec<u8>) {
-        let start = self.full_key(prefix);
-        if start.is_empty() {
-            return (vec![0], vec![0]);
-        }
-        let end = prefix_end(&start);
-        (start, end)
+        range_for(&self.prefix, prefix)
     }
 
     /// One read of a [`read_many`](KvStore::read_many) batch as a transaction operation, at
@@ -264,36 +256,7 @@ impl EtcdStore {
         value: Vec<u8>,
         revision: i64,
     ) -> Result<KeyValue, KvError> {
-        let shown = || String::from_utf8_lossy(&key).into_owned();
-        let Some(stripped) = key.strip_prefix(self.prefix.as_bytes()) else {
-            return Err(KvError::corrupt(
-                Some(&shown()),
-                format!("etcd returned a key outside the prefix {:?}", self.prefix),
-            ));
-        };
-        let key = match std::str::from_utf8(stripped) {
-            Ok(key) => key.to_owned(),
-            Err(_) => {
-                return Err(KvError::corrupt(
-                    Some(&shown()),
-                    "the key stored in etcd is not UTF-8",
-                ))
-            }
-        };
-        let revision = match u64::try_from(revision) {
-            Ok(r) if r > 0 => Revision(r),
-            _ => {
-                return Err(KvError::corrupt(
-                    Some(&key),
-                    format!("etcd reported mod_revision {revision}"),
-                ))
-            }
-        };
-        Ok(KeyValue {
-            key,
-            value,
-            revision,
-        })
+        decode_parts(&self.prefix, key, value, revision)
     }
 
     /// Runs `request` against the preferred endpoint, moving on to the next endpoint and retrying
@@ -630,22 +593,6 @@ impl KvStore for EtcdStore {
 
     async fn commit(&self, txn: Txn) -> Result<Revision, KvError> {
         txn.validate()?;
-        // The key a condition tests, or the range of its prefix (an empty end: one key).
-        let tested = |c: &Condition| {
-            if c.tests_a_prefix() {
-                self.range_for(c.key())
-            } else {
-                (self.full_key(c.key()), Vec::new())
-            }
-        };
-        let compares: Vec<Compare> = txn
-            .conditions
-            .iter()
-            .map(|c| {
-                let (key, end) = tested(c);
-                compare_for(c, key, end)
-            })
-            .collect();
         let ops: Vec<TxnOp> = txn
             .ops
             .iter()
@@ -654,24 +601,10 @@ impl KvStore for EtcdStore {
                 Op::Delete { key } => TxnOp::delete(self.full_key(key), None),
             })
             .collect();
-        // When a comparison fails, read every tested key (revisions only) in the same
-        // transaction, so that the first failed condition can be named exactly.
-        let on_failure: Vec<TxnOp> = txn
-            .conditions
-            .iter()
-            .map(|c| {
-                let (key, end) = tested(c);
-                let mut options = GetOptions::new().with_keys_only();
-                if !end.is_empty() {
-                    options = options.with_range(end);
-                }
-                TxnOp::get(key, Some(options))
-            })
-            .collect();
         let request = etcd_client::Txn::new()
-            .when(compares)
+            .when(comparisons(&self.prefix, &txn.conditions))
             .and_then(ops)
-            .or_else(on_failure);
+            .or_else(reads_of_the_tested_keys(&self.prefix, &txn.conditions));
 
         let response = self
             .run(Kind::Write, |mut kv| {
@@ -683,32 +616,143 @@ impl KvStore for EtcdStore {
         if response.succeeded() {
             return acknowledged_revision(response.header().map(|h| h.revision()).unwrap_or(0));
         }
+        Err(failed_condition(&self.prefix, &txn, response)?)
+    }
+}
 
-        let mut current: HashMap<String, Revision> = HashMap::new();
-        for op in response.op_responses() {
-            if let TxnOpResponse::Get(mut got) = op {
-                for kv in got.take_kvs() {
-                    let kv = self.decode(kv)?;
-                    current.insert(kv.key, kv.revision);
-                }
+/// `key` under the store prefix `prefix`.
+pub(crate) fn full_key(prefix: &str, key: &str) -> Vec<u8> {
+    let mut full = Vec::with_capacity(prefix.len() + key.len());
+    full.extend_from_slice(prefix.as_bytes());
+    full.extend_from_slice(key.as_bytes());
+    full
+}
+
+/// The etcd range `[start, end)` holding every key that starts with `key_prefix` under the store
+/// prefix `prefix`. An `end` of `[0]` means "to the end of the key space".
+fn range_for(prefix: &str, key_prefix: &str) -> (Vec<u8>, Vec<u8>) {
+    let start = full_key(prefix, key_prefix);
+    if start.is_empty() {
+        return (vec![0], vec![0]);
+    }
+    let end = prefix_end(&start);
+    (start, end)
+}
+
+/// The etcd key a condition tests (under the store prefix `prefix`), or the range of its prefix;
+/// an empty end: one key.
+fn tested(prefix: &str, condition: &Condition) -> (Vec<u8>, Vec<u8>) {
+    if condition.tests_a_prefix() {
+        range_for(prefix, condition.key())
+    } else {
+        (full_key(prefix, condition.key()), Vec::new())
+    }
+}
+
+/// The etcd comparisons of a transaction's `conditions`, with keys under the store prefix `prefix`.
+pub(crate) fn comparisons(prefix: &str, conditions: &[Condition]) -> Vec<Compare> {
+    conditions
+        .iter()
+        .map(|c| {
+            let (key, end) = tested(prefix, c);
+            compare_for(c, key, end)
+        })
+        .collect()
+}
+
+/// The reads a transaction makes when a comparison fails: every tested key (revisions only), in
+/// the same transaction, so that [`failed_condition`] can name the first failed condition exactly.
+pub(crate) fn reads_of_the_tested_keys(prefix: &str, conditions: &[Condition]) -> Vec<TxnOp> {
+    conditions
+        .iter()
+        .map(|c| {
+            let (key, end) = tested(prefix, c);
+            let mut options = GetOptions::new().with_keys_only();
+            if !end.is_empty() {
+                options = options.with_range(end);
+            }
+            TxnOp::get(key, Some(options))
+        })
+        .collect()
+}
+
+/// The conflict naming the first condition of `txn` that did not hold, from the answer to a
+/// transaction that failed its comparisons and made [`reads_of_the_tested_keys`].
+///
+/// # Errors
+/// [`KvError::Corrupt`] for a key etcd returned that the store cannot hold.
+pub(crate) fn failed_condition(
+    prefix: &str,
+    txn: &Txn,
+    response: etcd_client::TxnResponse,
+) -> Result<KvError, KvError> {
+    let mut current: HashMap<String, Revision> = HashMap::new();
+    for op in response.op_responses() {
+        if let TxnOpResponse::Get(mut got) = op {
+            for kv in got.take_kvs() {
+                let revision = kv.mod_revision();
+                let (key, value) = kv.into_key_value();
+                let kv = decode_parts(prefix, key, value, revision)?;
+                current.insert(kv.key, kv.revision);
             }
         }
-        let newest_under = |prefix: &str| {
-            Ok(current
-                .iter()
-                .filter(|(key, _)| key.starts_with(prefix))
-                .map(|(_, revision)| *revision)
-                .max())
-        };
-        match txn.first_failed_condition(|key| Ok(current.get(key).copied()), newest_under)? {
-            Some(failed) => Err(KvError::Conflict {
-                key: failed.key().to_owned(),
-            }),
-            None => Err(KvError::other(
-                "etcd reported a failed comparison, but every condition holds in its answer",
-            )),
-        }
     }
+    let newest_under = |key_prefix: &str| {
+        Ok(current
+            .iter()
+            .filter(|(key, _)| key.starts_with(key_prefix))
+            .map(|(_, revision)| *revision)
+            .max())
+    };
+    Ok(
+        match txn.first_failed_condition(|key| Ok(current.get(key).copied()), newest_under)? {
+            Some(failed) => KvError::Conflict {
+                key: failed.key().to_owned(),
+            },
+            None => KvError::other(
+                "etcd reported a failed comparison, but every condition holds in its answer",
+            ),
+        },
+    )
+}
+
+/// An etcd key-value pair in the store's terms: its key without the store prefix `prefix`.
+fn decode_parts(
+    prefix: &str,
+    key: Vec<u8>,
+    value: Vec<u8>,
+    revision: i64,
+) -> Result<KeyValue, KvError> {
+    let shown = || String::from_utf8_lossy(&key).into_owned();
+    let Some(stripped) = key.strip_prefix(prefix.as_bytes()) else {
+        return Err(KvError::corrupt(
+            Some(&shown()),
+            format!("etcd returned a key outside the prefix {:?}", prefix),
+        ));
+    };
+    let key = match std::str::from_utf8(stripped) {
+        Ok(key) => key.to_owned(),
+        Err(_) => {
+            return Err(KvError::corrupt(
+                Some(&shown()),
+                "the key stored in etcd is not UTF-8",
+            ))
+        }
+    };
+    let revision = match u64::try_from(revision) {
+        Ok(r) if r > 0 => Revision(r),
+        _ => {
+            return Err(KvError::corrupt(
+                Some(&key),
+                format!("etcd reported mod_revision {revision}"),
+            ))
+        }
+    };
+    Ok(KeyValue {
+        key,
+        value,
+        revision,
+    })
 }
 
 #[cfg(test)]

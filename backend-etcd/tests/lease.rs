@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use backend_etcd::lease::{Holder, LeaseSession, LeasedKey};
 use backend_etcd::EtcdStore;
-use ipam_core::kv::KvError;
-use ipam_core::KvStore;
+use ipam_core::kv::{Condition, KvError};
+use ipam_core::{KvStore, Revision};
 use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
 /// Polls `condition` every 50 ms for at most 30 s.
@@ -283,6 +283,106 @@ async fn a_countdown_put_again_revokes_the_lease_it_replaced_when_that_holds_not
     for lease in [second, shared, third, fourth, fifth] {
         session.revoke(lease).await.expect("revoke");
     }
+}
+
+/// A guarded countdown is put, renewed and replaces the one before only while its guard holds
+/// in the put's own transaction: a guard that does not hold names its first failed condition and
+/// writes nothing (the countdown there keeps its value, revision and lease).
+#[tokio::test]
+async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
+    let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(60)).await;
+    let endpoints = [EtcdServer::shared().endpoint()];
+    let grant = || session.grant_for(Duration::from_secs(60));
+    let registration = store
+        .put("agents/n1", b"registered".to_vec())
+        .await
+        .expect("a registration");
+
+    // Holding: the key absent, the registration at its revision, nothing under "live/".
+    let first = grant().await.expect("grant");
+    let revision = session
+        .put_renewed_if(
+            first,
+            "countdown/n1",
+            b"first",
+            &[
+                Condition::absent("countdown/n1"),
+                Condition::at_revision("agents/n1", registration),
+                Condition::no_put_after("live/", registration),
+            ],
+        )
+        .await
+        .expect("a countdown whose guard holds");
+    assert!(seconds_left(&endpoints, first).await > 0);
+
+    // Not holding: the first condition that fails is named, in the guard's order.
+    let registered_again = store
+        .put("agents/n1", b"registered again".to_vec())
+        .await
+        .expect("the registration rewritten");
+    for (guard, failed) in [
+        (
+            vec![
+                Condition::at_revision("countdown/n1", Revision(revision)),
+                Condition::at_revision("agents/n1", registration),
+            ],
+            "agents/n1",
+        ),
+        (
+            vec![
+                Condition::at_revision("agents/n1", registered_again),
+                Condition::absent("countdown/n1"),
+            ],
+            "countdown/n1",
+        ),
+    ] {
+        let second = grant().await.expect("grant");
+        match session
+            .put_renewed_if(second, "countdown/n1", b"second", &guard)
+            .await
+        {
+            Err(KvError::Conflict { key }) => assert_eq!(key, failed),
+            other => panic!("a guard that does not hold answered {other:?}"),
+        }
+        session.revoke(second).await.expect("revoke");
+    }
+    let stored = store
+        .get("countdown/n1")
+        .await
+        .expect("get")
+        .expect("the countdown");
+    assert_eq!(
+        (stored.value.as_slice(), stored.revision.get()),
+        (b"first".as_slice(), revision),
+        "a refused countdown wrote"
+    );
+    assert!(
+        seconds_left(&endpoints, first).await > 0,
+        "a refused countdown revoked the one it did not replace"
+    );
+
+    // Holding again, against the countdown seen: replaced, the replaced lease revoked.
+    let third = grant().await.expect("grant");
+    session
+        .put_renewed_if(
+            third,
+            "countdown/n1",
+            b"third",
+            &[Condition::at_revision("countdown/n1", Revision(revision))],
+        )
+        .await
+        .expect("a countdown replacing the one it saw");
+    assert_eq!(seconds_left(&endpoints, first).await, -1);
+    assert_eq!(
+        store
+            .get("countdown/n1")
+            .await
+            .expect("get")
+            .expect("the countdown")
+            .value,
+        b"third"
+    );
+    session.revoke(third).await.expect("revoke");
 }
 
 #[tokio::test]

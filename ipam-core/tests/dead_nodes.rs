@@ -24,7 +24,7 @@ use ipam_core::dead_nodes::{
 };
 use ipam_core::{
     AssignIpsRequest, AutoAssignRequest, Condition, Ipam, IpamError, KeyValue, KvError, KvStore,
-    MemoryStore, PoolSpec, Read, ReadResult, Revision, Txn,
+    MemoryStore, Op, PoolSpec, Read, ReadResult, Revision, Txn,
 };
 
 const GRACE: Duration = Duration::from_secs(900);
@@ -40,8 +40,13 @@ impl Countdowns for TestCountdowns {
         key: &str,
         value: Vec<u8>,
         _duration: Duration,
+        guard: &[Condition],
     ) -> Result<Revision, IpamError> {
-        Ok(self.0.put(key, value).await?)
+        let mut txn = Txn::new().then(Op::put(key, value));
+        for condition in guard {
+            txn = txn.when(condition.clone());
+        }
+        Ok(self.0.commit(txn).await?)
     }
 }
 
@@ -795,6 +800,88 @@ async fn lost_extra_guard_stops_the_marking_of_a_missing_node() {
             .missing_mark,
         None
     );
+    // Nor was its countdown started: a former leader cannot start one either.
+    assert!(store
+        .get(&countdown_key("node-b"))
+        .await
+        .expect("read the countdown")
+        .is_none());
+}
+
+/// Countdowns as plain keys that let another reclaimer (grace [`GRACE`]) mark `node-a` once,
+/// between this reclaimer's survey and its countdown's start: what a concurrent `gc --dead-nodes
+/// --apply --grace-seconds N`, or a former leader paused past its lease with another grace, does
+/// to the reclaimer that leads.
+struct AnotherReclaimerMarksFirst {
+    store: Arc<dyn KvStore>,
+    interjected: AtomicUsize,
+}
+
+#[async_trait]
+impl Countdowns for AnotherReclaimerMarksFirst {
+    async fn start(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        duration: Duration,
+        guard: &[Condition],
+    ) -> Result<Revision, IpamError> {
+        if self.interjected.fetch_add(1, Ordering::SeqCst) == 0 {
+            let outcomes = pass(&self.store).await;
+            assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+        }
+        TestCountdowns(Arc::clone(&self.store))
+            .start(key, value, duration, guard)
+            .await
+    }
+}
+
+#[tokio::test]
+async fn a_reclaimer_that_looked_before_another_marked_the_node_leaves_the_marked_countdown_alone()
+{
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    let ipam = ipam_with_pool(Arc::clone(&store)).await;
+    allocate(&ipam, "node-a", 2).await;
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    let shorter = ReclaimOptions {
+        grace: Duration::from_secs(10),
+        extra_guard: Vec::new(),
+    };
+    let late = AnotherReclaimerMarksFirst {
+        store: Arc::clone(&store),
+        interjected: AtomicUsize::new(0),
+    };
+    let outcomes = reclaim_pass(Arc::clone(&store), &late, &shorter)
+        .await
+        .expect("reclaim pass");
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::Changed);
+    // The countdown is the one the mark names, with the mark's grace: not replaced by a shorter
+    // one, which would have ended the grace 890 s before the mark says.
+    let mark = registration(store.as_ref(), "node-a")
+        .await
+        .expect("registered")
+        .missing_mark
+        .expect("marked by the other reclaimer");
+    assert_eq!(mark.grace_seconds, GRACE.as_secs());
+    let countdown = store
+        .get(&countdown_key("node-a"))
+        .await
+        .expect("read the countdown")
+        .expect("the countdown runs");
+    assert_eq!(countdown.revision.get(), mark.countdown_revision);
+    let record: CountdownRecord =
+        serde_json::from_slice(&countdown.value).expect("a countdown is JSON");
+    assert_eq!(record.grace_seconds, GRACE.as_secs());
+    // Still missing at the next pass, whatever its grace: nothing released.
+    assert_eq!(
+        action_of(&pass_with(&store, &shorter).await, "node-a"),
+        &NodeAction::StillMissing {
+            grace_seconds: GRACE.as_secs()
+        }
+    );
+    assert_eq!(addresses_of(&ipam, "node-a").await, 2);
 }
 
 #[tokio::test]
@@ -1196,6 +1283,7 @@ impl KvStore for InterjectsBeforeFirstCommit {
                             &countdown_key("node-a"),
                             serde_json::to_vec(&record).expect("encode the countdown"),
                             GRACE,
+                            &[],
                         )
                         .await
                         .expect("start the countdown");
@@ -1256,9 +1344,12 @@ impl Countdowns for PluginCommitsAfterTheCountdown {
         &self,
         key: &str,
         value: Vec<u8>,
-        _duration: Duration,
+        duration: Duration,
+        guard: &[Condition],
     ) -> Result<Revision, IpamError> {
-        let revision = self.store.put(key, value).await?;
+        let revision = TestCountdowns(Arc::clone(&self.store))
+            .start(key, value, duration, guard)
+            .await?;
         plugin_add(&self.plugin, "node-a", &self.handle).await;
         Ok(revision)
     }

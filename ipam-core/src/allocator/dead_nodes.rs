@@ -85,18 +85,22 @@ impl Activity {
 /// neither shorten nor stretch a grace period.
 #[async_trait]
 pub trait Countdowns: Send + Sync {
-    /// Puts `key` = `value` (replacing any earlier countdown there), to be deleted by the store
-    /// once `duration` has passed counted from the put (not from any earlier step: a plugin
-    /// commit after the put rewrites the node's activity record, one before it may not);
-    /// returns the revision of the put.
+    /// Puts `key` = `value` (replacing any earlier countdown there) while every condition of
+    /// `guard` holds, tested in the put's own transaction, to be deleted by the store once
+    /// `duration` has passed counted from the put (not from any earlier step: a plugin commit
+    /// after the put rewrites the node's activity record, one before it may not); returns the
+    /// revision of the put.
     ///
     /// # Errors
-    /// Store failures; [`IpamError::InvalidArgument`] when the store cannot time keys.
+    /// [`IpamError::Store`] with [`KvError::Conflict`] naming the first condition of `guard` that
+    /// does not hold (nothing written); store failures; [`IpamError::InvalidArgument`] when the
+    /// store cannot time keys.
     async fn start(
         &self,
         key: &str,
         value: Vec<u8>,
         duration: Duration,
+        guard: &[Condition],
     ) -> Result<Revision, IpamError>;
 }
 
@@ -107,7 +111,13 @@ pub struct NoCountdowns;
 
 #[async_trait]
 impl Countdowns for NoCountdowns {
-    async fn start(&self, _: &str, _: Vec<u8>, _: Duration) -> Result<Revision, IpamError> {
+    async fn start(
+        &self,
+        _: &str,
+        _: Vec<u8>,
+        _: Duration,
+        _: &[Condition],
+    ) -> Result<Revision, IpamError> {
         Err(IpamError::InvalidArgument(
             "dead-node reclaim needs a store that times keys itself (etcd leases)".into(),
         ))
@@ -686,7 +696,12 @@ async fn clear_mark(
 
 /// Starts the countdown of a node found without liveness key (replacing one that runs or ran for
 /// an earlier mark), then marks its registration with the countdown's revision and the activity
-/// record's, guarded by the evidence it saw and by the countdown being the one just put.
+/// record's, guarded by the evidence it saw and by the countdown being the one just put. The
+/// countdown itself is started only while the evidence and the countdown the survey saw are
+/// unchanged (and the extra guard holds): a reclaimer that looked before another one marked the
+/// node (a concurrent `gc --dead-nodes`, a former leader paused past its lease) cannot replace
+/// the marked countdown with one of its own, which, shorter, would end the grace before the mark
+/// says.
 async fn mark_missing(
     store: &dyn KvStore,
     countdowns: &dyn Countdowns,
@@ -699,9 +714,25 @@ async fn mark_missing(
         addresses_kept: false,
     }
     .encode()?;
-    let countdown_revision = countdowns
-        .start(&countdown_key(&node.host), value, options.grace)
-        .await?;
+    let mut start_guard = evidence_guard(node);
+    start_guard.push(match node.countdown {
+        Some(revision) => Condition::at_revision(countdown_key(&node.host), revision),
+        None => Condition::absent(countdown_key(&node.host)),
+    });
+    start_guard.extend(options.extra_guard.iter().cloned());
+    let countdown_revision = match countdowns
+        .start(
+            &countdown_key(&node.host),
+            value,
+            options.grace,
+            &start_guard,
+        )
+        .await
+    {
+        Ok(revision) => revision,
+        Err(IpamError::Store(KvError::Conflict { key })) => return Ok(Some(key)),
+        Err(e) => return Err(e),
+    };
     let registration = Registration {
         missing_since: None,
         missing_mark: Some(MissingMark {
@@ -854,7 +885,7 @@ mod tests {
     #[tokio::test]
     async fn stores_that_cannot_time_keys_start_no_countdown() {
         let refused = NoCountdowns
-            .start(&countdown_key("node-a"), Vec::new(), DEFAULT_GRACE)
+            .start(&countdown_key("node-a"), Vec::new(), DEFAULT_GRACE, &[])
             .await;
         assert!(
             matches!(refused, Err(IpamError::InvalidArgument(_))),
