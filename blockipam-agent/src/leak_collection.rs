@@ -198,10 +198,15 @@ async fn run_loop(
                         if settings.release && !decisions.leaked.is_empty() {
                             release(&ipam, &settings.node, &decisions, &counters).await;
                         }
-                        let recorded_again = if settings.release {
-                            reassert(&ipam, &settings, &decisions, &counters).await
-                        } else {
-                            BTreeSet::new()
+                        let recorded_again = match client.clone() {
+                            Some(runtime) if settings.release => {
+                                let still_ready = |id: String| {
+                                    let runtime = runtime.clone();
+                                    async move { runtime.sandbox_is_ready(&id).await }
+                                };
+                                reassert(&ipam, &settings, &decisions, &counters, still_ready).await
+                            }
+                            _ => BTreeSet::new(),
                         };
                         // What `blockipamctl check` reports: what this look found and did not
                         // settle itself.
@@ -397,12 +402,24 @@ async fn release(ipam: &Ipam, node: &str, decisions: &LeakDecisions, counters: &
 /// Records each live pod's address the store holds as free for it again, from libcni's cache of
 /// its ADD (the runtime's own record); an address without such a record is only reported. The
 /// addresses recorded again.
-async fn reassert(
+///
+/// The look saw the sandbox ready before it read the store: a pod deleted since (the runtime
+/// stops its sandbox, then its CNI DEL frees the address, then libcni drops the cache entry)
+/// would have its freed address recorded again for a sandbox that is gone, held until a later
+/// look finds it gone and its grace has passed. So each sandbox is asked again (`still_ready`,
+/// the runtime's `PodSandboxStatus`) after its cache entry is read and just before its address is
+/// recorded: one no longer ready, or one the runtime cannot answer for, is left alone.
+async fn reassert<F, Fut>(
     ipam: &Ipam,
     settings: &LeakSettings,
     decisions: &LeakDecisions,
     counters: &LeakCounters,
-) -> BTreeSet<IpAddr> {
+    still_ready: F,
+) -> BTreeSet<IpAddr>
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = Result<bool, CriError>>,
+{
     let now = ipam_core::model::timestamp::now_rfc3339();
     let mut recorded_again = BTreeSet::new();
     for disagreement in &decisions.disagreements {
@@ -425,6 +442,27 @@ async fn reassert(
             );
             continue;
         };
+        match still_ready(disagreement.sandbox_id.clone()).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!(
+                    address = %disagreement.address,
+                    pod = %disagreement.pod,
+                    "leak collection: the pod's sandbox stopped since the look: its address is \
+                     not recorded again"
+                );
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    address = %disagreement.address,
+                    pod = %disagreement.pod,
+                    "leak collection: the runtime cannot say whether the pod's sandbox still \
+                     runs ({e}): its address is not recorded again at this look"
+                );
+                continue;
+            }
+        }
         match ipam.reassert(&reassertion).await {
             Ok(true) => {
                 recorded_again.insert(disagreement.address);
@@ -630,6 +668,99 @@ mod tests {
         assert!(
             !unproven_logged,
             "nothing missing: nothing to warn of, and the next unproven look warns again"
+        );
+    }
+
+    /// A live pod's address the store holds free is recorded again only when its sandbox is
+    /// still ready when asked just before: one stopped since the look (its DEL freed the address
+    /// and libcni's cache entry is not yet gone) is left alone, as is one the runtime cannot
+    /// answer for.
+    #[tokio::test]
+    async fn an_address_is_recorded_again_only_for_a_sandbox_still_ready_when_asked_again() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let cache = dir.path().join("cni-cache");
+        std::fs::create_dir_all(cache.join("results")).expect("mkdir");
+        for octet in [10, 11, 12] {
+            let entry = serde_json::json!({
+                "kind": "cniCacheV1",
+                "containerId": format!("sandbox-{octet}"),
+                "config": "e30=",
+                "ifName": "eth0",
+                "networkName": "pods",
+                "cniArgs": [["K8S_POD_NAMESPACE", "default"], ["K8S_POD_NAME", "web"]],
+                "result": {"cniVersion": "1.0.0", "ips": [{"address": format!("10.9.0.{octet}/26")}]}
+            });
+            std::fs::write(
+                cache
+                    .join("results")
+                    .join(format!("pods-sandbox-{octet}-eth0")),
+                entry.to_string(),
+            )
+            .expect("a cache entry");
+        }
+        let store: Arc<dyn KvStore> = Arc::new(ipam_core::kv::memory::MemoryStore::new());
+        let ipam = Ipam::new(store);
+        ipam.create_pool(&ipam_core::PoolSpec {
+            cidr: "10.9.0.0/24".parse().expect("a cidr"),
+            name: Some("pool".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("a pool");
+        let settings = LeakSettings {
+            cni_cache_dir: cache,
+            ..settings(&[]).expect("on by default")
+        };
+        let decisions = LeakDecisions {
+            disagreements: vec![
+                disagreement(10, AddressHolder::Free),
+                disagreement(11, AddressHolder::Free),
+                disagreement(12, AddressHolder::Free),
+            ],
+            ..LeakDecisions::default()
+        };
+        let counters = LeakCounters::default();
+        let asked = std::sync::Mutex::new(Vec::new());
+        let still_ready = |id: String| {
+            asked
+                .lock()
+                .expect("the list of asked sandboxes")
+                .push(id.clone());
+            async move {
+                match id.as_str() {
+                    "sandbox-10" => Ok(true),
+                    "sandbox-11" => Ok(false),
+                    _ => Err(CriError::Answer {
+                        socket: PathBuf::from("/run/cri.sock"),
+                        method: "PodSandboxStatus",
+                        what: "no answer".into(),
+                    }),
+                }
+            }
+        };
+        let recorded = reassert(&ipam, &settings, &decisions, &counters, still_ready).await;
+        assert_eq!(recorded, BTreeSet::from([IpAddr::from([10, 9, 0, 10])]));
+        assert_eq!(counters.reasserted.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            asked.into_inner().expect("the list of asked sandboxes"),
+            ["sandbox-10", "sandbox-11", "sandbox-12"]
+        );
+        let holder = |octet: u8| {
+            let ipam = &ipam;
+            async move {
+                ipam.get_assignment(IpAddr::from([10, 9, 0, octet]))
+                    .await
+                    .expect("a lookup")
+                    .map(|allocation| allocation.handle)
+            }
+        };
+        assert_eq!(holder(10).await.as_deref(), Some("pods.sandbox-10"));
+        assert_eq!(holder(11).await, None, "recorded for a stopped sandbox");
+        assert_eq!(
+            holder(12).await,
+            None,
+            "recorded without the runtime's word"
         );
     }
 

@@ -200,6 +200,34 @@ impl CriClient {
         Ok(sandboxes)
     }
 
+    /// Whether sandbox `id` is ready now (one `PodSandboxStatus`): `false` once it was stopped
+    /// (its network torn down, or being torn down) or when the runtime no longer knows it.
+    ///
+    /// # Errors
+    /// [`CriError`] when the call fails or passes its deadline: then nothing is known.
+    pub async fn sandbox_is_ready(&self, id: &str) -> Result<bool, CriError> {
+        let request = PodSandboxStatusRequest {
+            pod_sandbox_id: id.to_owned(),
+            verbose: false,
+        };
+        match self
+            .call(
+                "PodSandboxStatus",
+                |mut client, request| async move { client.pod_sandbox_status(request).await },
+                request,
+            )
+            .await
+        {
+            Ok(answer) => Ok(answer
+                .status
+                .is_some_and(|status| status.state == PodSandboxState::SandboxReady as i32)),
+            Err(CriError::Call { status, .. }) if status.code() == tonic::Code::NotFound => {
+                Ok(false)
+            }
+            Err(other) => Err(other),
+        }
+    }
+
     /// The addresses of one sandbox's network, or `None` when the runtime no longer knows it.
     async fn sandbox_addresses(&self, id: &str) -> Result<Option<Vec<IpAddr>>, CriError> {
         let request = PodSandboxStatusRequest {

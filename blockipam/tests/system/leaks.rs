@@ -852,6 +852,43 @@ fn scan_pods() -> usize {
         .unwrap_or(8)
 }
 
+/// What the agent asks containerd just before it records a live pod's address again: a running
+/// pod's sandbox is ready; once stopped (its network torn down, the plugin's DEL sent) or removed
+/// it is not, nor is a sandbox containerd never had.
+#[test]
+fn containerd_says_a_sandbox_is_ready_until_it_is_stopped() {
+    require_environment();
+    let sandbox = Sandbox::new();
+    add_pool(&sandbox, "ready-pool", 28);
+    let mut cri = Cri::prepare(&sandbox);
+    let traces = cri.traces();
+    let mut direct = conflist(&sandbox, &traces.network, Path::new("none"));
+    direct["plugins"][0]["ipam"]["agent_socket"] = json!("");
+    cri.start(&direct);
+    let id = cri
+        .run_pod("ready", "default", &BTreeMap::new())
+        .unwrap_or_else(|e| panic!("RunPodSandbox ready: {e}\n{}", cri.log()));
+    let is_ready = |id: &str| {
+        test_kit::block_on(async {
+            cri_client::CriClient::connect(&traces.socket, Duration::from_secs(10))
+                .await
+                .expect("connect to containerd's CRI")
+                .sandbox_is_ready(id)
+                .await
+                .expect("containerd answers PodSandboxStatus")
+        })
+    };
+    assert!(is_ready(&id), "a running pod's sandbox");
+    cri.stop_pod(&id);
+    assert!(!is_ready(&id), "a stopped sandbox");
+    cri.remove_pod(&id);
+    assert!(!is_ready(&id), "a removed sandbox");
+    assert!(
+        !is_ready(&"ab".repeat(32)),
+        "a sandbox containerd never had"
+    );
+}
+
 /// What one leak look costs on a node with N running pods: the CRI calls (one ListPodSandbox, one
 /// PodSandboxStatus per ready sandbox) and the store's round trips, counted exactly (asserted);
 /// the time of each half printed (median of 7 looks), never asserted.
