@@ -65,6 +65,19 @@ fn plugin(lab: &Lab, command: &str, node: &str, container: &str) -> Value {
     stdout
 }
 
+/// Deletes the fixture's pod ctr-a1 through the plugin and asserts its first address came free.
+fn delete_ctr_a1(lab: &Lab) {
+    plugin(lab, "DEL", "node-a", "ctr-a1");
+    let gone = lab
+        .ctl(&["-o", "json", "show", "--ip", "10.80.0.49"])
+        .ok()
+        .json();
+    assert!(
+        gone["handle"].is_null(),
+        "ctr-a1's address is still held: {gone}"
+    );
+}
+
 fn addresses(result: &Value) -> Vec<IpNet> {
     result["ips"]
         .as_array()
@@ -175,15 +188,7 @@ fn an_old_store_opens_checks_clean_and_keeps_working(backend: Backend, version: 
         "{holder}"
     );
     // A pod the format-1 release added is deleted through the plugin: its addresses come free.
-    plugin(&lab, "DEL", "node-a", "ctr-a1");
-    let gone = lab
-        .ctl(&["-o", "json", "show", "--ip", "10.80.0.49"])
-        .ok()
-        .json();
-    assert!(
-        gone["handle"].is_null(),
-        "ctr-a1's address is still held: {gone}"
-    );
+    delete_ctr_a1(&lab);
     lab.ctl(&["check"]).ok();
 
     // Written blocks carry current-format claim entries with their free count; node-b's,
@@ -456,15 +461,7 @@ fn a_format_6_store_opens_as_written_and_keeps_working(backend: Backend) {
         "fixture.ctr-new"
     );
     assert_eq!(format_of(&lab, &handle_key("ctr-new")), 6);
-    plugin(&lab, "DEL", "node-a", "ctr-a1");
-    let gone = lab
-        .ctl(&["-o", "json", "show", "--ip", "10.80.0.49"])
-        .ok()
-        .json();
-    assert!(
-        gone["handle"].is_null(),
-        "ctr-a1's address is still held: {gone}"
-    );
+    delete_ctr_a1(&lab);
     let owners_after = owner_keys(&lab);
     assert!(
         !owners_after.contains(&keys::owner_key(&first_block, 1)),

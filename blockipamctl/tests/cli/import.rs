@@ -99,6 +99,18 @@ fn cni(lab: &Lab, command: &str, container: &str, node: &str) -> (i32, Value, St
     (output.status, value, output.stderr)
 }
 
+/// The marker an import from `calico` at `revision` leaves while it has not finished.
+fn import_marker(calico: &CalicoEtcd, revision: i64) -> blockipam_import::ImportMarker {
+    let source = blockipam_import::CalicoEtcdSource {
+        prefix: calico.prefix.clone(),
+        ..blockipam_import::CalicoEtcdSource::new([calico.endpoint.clone()])
+    };
+    blockipam_import::ImportMarker {
+        source: source.describe(),
+        calico_revision: revision,
+    }
+}
+
 fn holder(lab: &Lab, ip: &str) -> Option<String> {
     let doc = lab.ctl(&["-o", "json", "show", "--ip", ip]).ok().json();
     doc["handle"].as_str().map(str::to_owned)
@@ -390,7 +402,7 @@ fn import_reads_a_tls_etcd_with_client_certificates_and_a_user() {
 /// command run again resumes it (from the revision the marker names) and finishes.
 #[test]
 fn interrupted_import_is_reported_by_check_and_resumed_by_the_next_run() {
-    use blockipam_import::{marker_key, CalicoEtcdSource, ImportMarker};
+    use blockipam_import::marker_key;
     use ipam_core::model::encode;
 
     let calico = CalicoEtcd::holding(&sample_cluster());
@@ -399,14 +411,7 @@ fn interrupted_import_is_reported_by_check_and_resumed_by_the_next_run() {
         .ok()
         .json();
     let revision = planned["calico_revision"].as_i64().expect("a revision");
-    let source = CalicoEtcdSource {
-        prefix: calico.prefix.clone(),
-        ..CalicoEtcdSource::new([calico.endpoint.clone()])
-    };
-    let marker = ImportMarker {
-        source: source.describe(),
-        calico_revision: revision,
-    };
+    let marker = import_marker(&calico, revision);
     lab.with_store(|store| async move {
         store
             .put(&marker_key(), encode(&marker).expect("encode the marker"))
@@ -439,7 +444,7 @@ fn interrupted_import_is_reported_by_check_and_resumed_by_the_next_run() {
 /// resumes and finishes, and the store is clean.
 #[test]
 fn check_repair_leaves_an_unfinished_import_to_the_import() {
-    use blockipam_import::{marker_key, CalicoEtcdSource, ImportMarker};
+    use blockipam_import::marker_key;
     use ipam_core::model::{encode, keys};
 
     let calico = CalicoEtcd::holding(&sample_cluster());
@@ -459,14 +464,7 @@ fn check_repair_leaves_an_unfinished_import_to_the_import() {
             .any(|(key, _)| key.starts_with(&keys::blocks_dir())),
         "the import wrote no block"
     );
-    let source = CalicoEtcdSource {
-        prefix: calico.prefix.clone(),
-        ..CalicoEtcdSource::new([calico.endpoint.clone()])
-    };
-    let marker = ImportMarker {
-        source: source.describe(),
-        calico_revision: revision,
-    };
+    let marker = import_marker(&calico, revision);
     let lab = Lab::new(Backend::Sled);
     lab.with_store(|store| async move {
         store
