@@ -190,10 +190,12 @@ pub fn downgrade(key: &str, value: Vec<u8>, to: u8) -> Result<Vec<u8>, IpamError
         needs: OWNERS_APART_FORMAT,
         writes: to,
     };
-    if key.starts_with(&keys::owners_dir()) {
+    // Owner keys and handles' kept-apart metadata exist from format 6 on: only formats before it
+    // cannot hold them (a later format's own additions are gated by their own format).
+    if to < OWNERS_APART_FORMAT && key.starts_with(&keys::owners_dir()) {
         return Err(kept_apart());
     }
-    if key.starts_with(&keys::handles_dir()) {
+    if to < OWNERS_APART_FORMAT && key.starts_with(&keys::handles_dir()) {
         let handle: Handle = decode_body(key, body)?;
         if !handle.apart.is_empty() {
             return Err(kept_apart());
