@@ -8,11 +8,11 @@ use std::sync::Arc;
 use blockipam_store::DatastoreSettings;
 use ipam_core::allocator::ATTR_NODE;
 use ipam_core::dead_nodes::{
-    activity_key, forget_node, liveness_dir, liveness_key, preview_release, survey, validate_node,
-    NodeState, NodeStatus, ReleasePreview,
+    activity_key, agent_key, forget_node, liveness_dir, liveness_key, preview_release, survey,
+    validate_node, NodeState, NodeStatus, ReleasePreview,
 };
 use ipam_core::model::keys;
-use ipam_core::{KvStore, UndecodableObject};
+use ipam_core::{Condition, HostRelease, Ipam, IpamError, KvStore, Revision, UndecodableObject};
 use serde::Serialize;
 
 use super::gc::{state_name, state_text};
@@ -239,6 +239,56 @@ struct RetiredJson {
     activity_record_deleted: bool,
 }
 
+/// "The node is still as the decision saw it": its registration at the surveyed revision (or still
+/// none), no liveness key, its activity record at the revision read (or still none). Its agent
+/// starting again (it puts its liveness key, then registers) or its plugin recording work (a
+/// marked node's every commit moves the record) breaks it.
+fn idle_node_guard(
+    host: &str,
+    status: Option<&NodeStatus>,
+    activity: Option<Revision>,
+) -> Vec<Condition> {
+    vec![
+        match status {
+            Some(status) => Condition::at_revision(agent_key(host), status.revision),
+            None => Condition::absent(agent_key(host)),
+        },
+        Condition::absent(liveness_key(host)),
+        match activity {
+            Some(revision) => Condition::at_revision(activity_key(host), revision),
+            None => Condition::absent(activity_key(host)),
+        },
+    ]
+}
+
+/// Releases `host`'s addresses and blocks (as `node release --addresses`) with `guard` on every
+/// transaction: once it stops holding, nothing more is released and the retire fails, naming the
+/// key that changed.
+///
+/// # Errors
+/// [`CtlError::Failed`] when the guard stopped holding; store trouble.
+async fn release_while_idle(
+    ipam: &Ipam,
+    host: &str,
+    guard: Vec<Condition>,
+) -> Result<HostRelease, CtlError> {
+    match ipam
+        .clone()
+        .guarded_by(guard)
+        .release_host(host, true)
+        .await
+    {
+        Ok(released) => Ok(released),
+        Err(IpamError::GuardLost { key }) => Err(CtlError::failed(format!(
+            "node {host} is not retired: it was seen at work while being retired ({key} \
+             changed); the release stopped at that write, and its labels, registration and \
+             activity record are kept. Addresses released before it stay released. Check \
+             `blockipamctl node list`, stop the node's agent and runtime, and run it again"
+        ))),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// `node retire`: previews, or with `--apply` releases the node's addresses and blocks (as
 /// `node release --addresses`), removes its labels, and deletes its agent registration and its
 /// plugin's activity record. Refused while the node is seen at work (alive or active as `gc`
@@ -263,6 +313,12 @@ pub async fn retire(
         .find(|s| s.host == host);
     let liveness_key_present = store.get(&liveness_key(host)).await?.is_some();
     let liveness = Liveness::of(status.as_ref(), liveness_key_present);
+    // The activity record as the decision saw it (the survey's, or read now for a node no agent
+    // registered): what the release is guarded by, with the registration and the liveness key.
+    let activity = match &status {
+        Some(status) => status.activity,
+        None => store.get(&activity_key(host)).await?.map(|kv| kv.revision),
+    };
     if liveness.live && !args.force {
         ctx.progress_done();
         return Err(CtlError::failed(format!(
@@ -338,7 +394,14 @@ pub async fn retire(
         )));
     }
     ctx.progress(&format!("retiring node {host} ..."));
-    let released = ipam.release_host(host, true).await?;
+    // A node seen at work and retired with --force is released as it is; any other is released
+    // only while it stays as the decision saw it.
+    let guard = if liveness.live {
+        Vec::new()
+    } else {
+        idle_node_guard(host, status.as_ref(), activity)
+    };
+    let released = release_while_idle(&ipam, host, guard).await?;
     let labels_removed = ipam.remove_node_labels(host).await?;
     let registration_deleted = forget_node(store.as_ref(), host).await?;
     let activity_record_deleted = if registration_deleted || status.is_none() {
@@ -408,4 +471,119 @@ pub async fn retire(
         activity_record_deleted,
     });
     Ok(Outcome::ok(to_json(&json)?, text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipam_core::dead_nodes::register;
+    use ipam_core::{AutoAssignRequest, MemoryStore, PoolSpec};
+
+    /// A store with a pool, `node-a` registered by its agent (which then stopped: no liveness
+    /// key) and two of its pods' addresses.
+    async fn a_stopped_node() -> (Arc<dyn KvStore>, Ipam) {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let ipam = Ipam::new(Arc::clone(&store));
+        ipam.create_pool(&PoolSpec {
+            cidr: "10.0.0.0/16".parse().expect("a cidr"),
+            name: Some("pool".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("a pool");
+        register(store.as_ref(), "node-a", "test", 1)
+            .await
+            .expect("register");
+        for pod in ["net.a", "net.b"] {
+            ipam.auto_assign(&AutoAssignRequest {
+                handle: pod.into(),
+                host: "node-a".into(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+            .expect("an address");
+        }
+        (store, ipam)
+    }
+
+    async fn allocated(ipam: &Ipam) -> usize {
+        ipam.list_allocations().await.expect("list").len()
+    }
+
+    /// The guard built from what `node retire` decided on: the node as surveyed.
+    async fn guard_as_decided(store: &dyn KvStore) -> Vec<Condition> {
+        let status = survey(store)
+            .await
+            .expect("survey")
+            .into_iter()
+            .find(|s| s.host == "node-a")
+            .expect("registered");
+        idle_node_guard("node-a", Some(&status), status.activity)
+    }
+
+    /// Between `node retire`'s decision (the node idle) and its release, the node's agent starts
+    /// again (its liveness key, then its registration) or its plugin records work: the release
+    /// stops at its first write, and every address stays with its pod.
+    #[tokio::test]
+    async fn a_node_seen_at_work_after_the_decision_keeps_its_addresses() {
+        for (change, changed_key) in [
+            ("the agent puts its liveness key", liveness_key("node-a")),
+            ("the agent registers again", agent_key("node-a")),
+            ("the plugin records work", activity_key("node-a")),
+        ] {
+            let (store, ipam) = a_stopped_node().await;
+            let guard = guard_as_decided(store.as_ref()).await;
+            match changed_key.as_str() {
+                key if key == agent_key("node-a") => {
+                    register(store.as_ref(), "node-a", "test", 2)
+                        .await
+                        .expect("register again");
+                }
+                key => {
+                    store
+                        .put(key, b"{}".to_vec())
+                        .await
+                        .expect("the node's write");
+                }
+            }
+            match release_while_idle(&ipam, "node-a", guard).await {
+                Err(CtlError::Failed(message)) => assert!(
+                    message.contains(&changed_key) && message.contains("is not retired"),
+                    "{change}: {message}"
+                ),
+                other => panic!("{change}: the release answered {other:?}"),
+            }
+            assert_eq!(
+                allocated(&ipam).await,
+                2,
+                "{change}: an address was released"
+            );
+        }
+    }
+
+    /// The node as decided: everything is released.
+    #[tokio::test]
+    async fn a_node_still_as_decided_is_released() {
+        let (store, ipam) = a_stopped_node().await;
+        let guard = guard_as_decided(store.as_ref()).await;
+        let released = release_while_idle(&ipam, "node-a", guard)
+            .await
+            .expect("released");
+        assert_eq!(released.released_addresses.len(), 2);
+        assert_eq!(allocated(&ipam).await, 0);
+        // A node no agent registered: guarded by "still no registration".
+        let (store, ipam) = a_stopped_node().await;
+        store
+            .delete(&agent_key("node-a"))
+            .await
+            .expect("no registration");
+        let guard = idle_node_guard("node-a", None, None);
+        register(store.as_ref(), "node-a", "test", 2)
+            .await
+            .expect("an agent registers");
+        assert!(release_while_idle(&ipam, "node-a", guard).await.is_err());
+        assert_eq!(allocated(&ipam).await, 2);
+    }
 }
