@@ -23,6 +23,7 @@ macro_rules! upgrade_conformance_tests {
             a_store_in_use_without_a_record_is_written_in_format_3_and_recorded_so,
             settings_the_recorded_format_cannot_hold_are_refused_and_change_nothing,
             finalize_refuses_while_a_node_may_read_an_older_format_unless_forced,
+            finalize_decides_again_when_a_node_speaks_up_between_its_read_and_its_write,
             after_finalize_every_write_is_in_the_current_format,
             a_writer_that_learned_the_older_format_before_finalize_retries_in_the_new_one,
             a_record_newer_than_this_build_is_refused_clearly_and_nothing_is_written,
@@ -270,6 +271,59 @@ pub async fn finalize_refuses_while_a_node_may_read_an_older_format_unless_force
     let outcome = ipam.finalize_upgrade(true).await.expect("forced");
     assert_eq!(outcome.overridden.len(), 1, "{outcome:?}");
     assert_eq!(recorded(&t.store).await, Some(FORMAT_VERSION));
+}
+
+/// Between finalize's read of what every node reads and its write, an agent registers saying it
+/// reads only format 3 (an agent rolled back), or a plugin of an older release records its first
+/// call: the write is refused, and finalize, deciding again, refuses for that node; nothing is
+/// recorded.
+pub async fn finalize_decides_again_when_a_node_speaks_up_between_its_read_and_its_write<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    for (what, key, value) in [
+        (
+            "an agent rolled back registers",
+            "ipam/v1/agents/late",
+            br#"{"node":"late","registered_at":1,"agent_version":"0.1.0"}"#.to_vec(),
+        ),
+        (
+            "an older plugin records its first call",
+            "ipam/v1/activity/late",
+            br#"{"node":"late","plugin_version":"0.4.0","reads_format":5}"#.to_vec(),
+        ),
+    ] {
+        let (t, _) = store_of_the_previous_release(factory).await;
+        // old-1 is upgraded: nothing else holds finalize back.
+        Ipam::new(Arc::clone(&t.store))
+            .recording_activity("old-1", "0.2.0")
+            .expect("activity")
+            .auto_assign(&v4("upgraded", "old-1", 1))
+            .await
+            .expect("assign");
+        let before = recorded(&t.store).await;
+        assert_ne!(before, Some(FORMAT_VERSION));
+        let hooked = HookedStore::new(Arc::clone(&t.store));
+        let store = Arc::clone(&t.store);
+        hooked.before_commit(
+            |txn| txn.ops.iter().any(|op| op.key() == RECORD),
+            move || async move {
+                store.put(key, value).await.expect("the node's word");
+            },
+        );
+        let ipam = Ipam::new(hooked.clone());
+        let refused = ipam
+            .finalize_upgrade(false)
+            .await
+            .expect_err("finalized over a node that reads an older format");
+        assert!(
+            hooked.commit_hook_fired(),
+            "{what}: the race was not staged"
+        );
+        assert!(refused.to_string().contains("late"), "{what}: {refused}");
+        assert_eq!(recorded(&t.store).await, before, "{what}: recorded anyway");
+    }
 }
 
 /// After finalize every object written is in today's format, and settings that need it are accepted.

@@ -216,8 +216,12 @@ impl Ipam {
         Ok(self.upgrade_status_at().await?.0)
     }
 
-    /// [`Ipam::upgrade_status`], with the revision of the record it read.
-    async fn upgrade_status_at(&self) -> Result<(UpgradeStatus, Option<Revision>), IpamError> {
+    /// [`Ipam::upgrade_status`], with the revision of the record it read and the conditions "no
+    /// agent registration and no plugin activity record was put since this read" (what a node
+    /// says about the formats it reads).
+    async fn upgrade_status_at(
+        &self,
+    ) -> Result<(UpgradeStatus, Option<Revision>, Vec<Condition>), IpamError> {
         let answers = self
             .store()
             .read_many(&[
@@ -239,7 +243,19 @@ impl Ipam {
             None => FORMAT_VERSION,
         };
         let mut nodes: BTreeMap<String, NodeFormats> = BTreeMap::new();
-        for kv in next_listed(&mut answers)? {
+        let newest = |kvs: &[KeyValue]| {
+            kvs.iter()
+                .map(|kv| kv.revision)
+                .max()
+                .unwrap_or(Revision(0))
+        };
+        let registrations = next_listed(&mut answers)?;
+        let activities = next_listed(&mut answers)?;
+        let unchanged_since_read = vec![
+            Condition::no_put_after(keys::agents_dir(), newest(&registrations)),
+            Condition::no_put_after(keys::activity_dir(), newest(&activities)),
+        ];
+        for kv in registrations {
             let registration: Registration =
                 serde_json::from_slice(&kv.value).map_err(|e| IpamError::Corrupt {
                     key: kv.key.clone(),
@@ -251,7 +267,7 @@ impl Ipam {
                 reads_format: registration.reads_format,
             });
         }
-        for kv in next_listed(&mut answers)? {
+        for kv in activities {
             let activity: Activity =
                 serde_json::from_slice(&kv.value).map_err(|e| IpamError::Corrupt {
                     key: kv.key.clone(),
@@ -282,7 +298,7 @@ impl Ipam {
                 })
                 .collect(),
         };
-        Ok((status, revision))
+        Ok((status, revision, unchanged_since_read))
     }
 
     /// Records [`FORMAT_VERSION`] as the format every writer writes, and rewrites the IPAM
@@ -303,7 +319,7 @@ impl Ipam {
         &self,
         force: bool,
     ) -> Result<Attempt<FinalizeOutcome>, IpamError> {
-        let (status, revision) = self.upgrade_status_at().await?;
+        let (status, revision, unchanged_since_read) = self.upgrade_status_at().await?;
         // A newer release finalized the store: writing this build's format into the record
         // would take it back, and this build's writers would rewrite what they cannot read.
         if let Some(writes) = status.recorded {
@@ -345,9 +361,14 @@ impl Ipam {
             None => Condition::absent(keys::config()),
         };
         let (config, _) = Self::decode_config(config_kv)?;
-        let txn = Txn::new()
-            .when(condition)
-            .when(config_condition)
+        // What the decision rests on: a node whose agent registers (an agent rolled back) or
+        // whose plugin records a call (a plugin of an older release, called for the first time)
+        // after the read fails the write, and it is decided again with that node.
+        let mut txn = Txn::new().when(condition).when(config_condition);
+        for seen in unchanged_since_read {
+            txn = txn.when(seen);
+        }
+        let txn = txn
             .then(Op::put(
                 &key,
                 FormatRecord {
@@ -357,8 +378,8 @@ impl Ipam {
             ))
             .then(Op::put(keys::config(), encode(&config)?));
         // One compare-and-swap: a record or configuration changed since it was read (another
-        // finalize, the first write recording an unrecorded store, a `config set`) fails it, and
-        // it is decided again on what is there now.
+        // finalize, the first write recording an unrecorded store, a `config set`), or a node's
+        // word on its formats, fails it, and it is decided again on what is there now.
         match self.store().commit(txn).await {
             Ok(_) => {}
             Err(KvError::Conflict { .. }) => return Ok(Attempt::Conflict),
