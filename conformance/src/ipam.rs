@@ -152,6 +152,7 @@ macro_rules! ipam_conformance_tests {
         $crate::__expand_cases!(ipam, $crate::ipam, $factory;
             first_assign_claims_a_block_for_the_host,
             a_network_setup_skips_block_edges_exactly_when_a_wanted_pool_has_no_gateway,
+            a_call_whose_network_reservations_cannot_be_made_hands_none_of_them_out,
             a_namespaces_pools_replace_the_requests_family_by_family,
             a_namespaces_pools_status_names_the_pools_its_pods_cannot_use,
             specific_ips_are_assigned_one_to_32_at_a_time,
@@ -2565,6 +2566,93 @@ pub async fn concurrent_config_updates_lose_nothing<F: StoreFactory>(factory: &F
             ..IpamConfig::default()
         }
     );
+}
+
+/// A network whose reservations cannot be made (the store refuses their writes) at its first
+/// calls: each call goes on, and hands out none of the addresses the network reserves (its
+/// gateway, its pool's network and broadcast addresses) all the same; once the store takes them,
+/// the next call reserves them.
+pub async fn a_call_whose_network_reservations_cannot_be_made_hands_none_of_them_out<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::network_setup::NetworkSetup;
+
+    let t = factory.fresh().await;
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+    let reservation = keys::handle("net:gateway");
+    let refused = reservation.clone();
+    hooked.refuse_commits(move |txn| {
+        txn.ops
+            .iter()
+            .any(|op| op.key() == refused)
+            .then(|| ipam_core::KvError::unavailable("the test refuses the reservation"))
+    });
+    let ipam = Ipam::new(hooked.clone());
+    let request = |handle: &str, n: u32| AutoAssignRequest {
+        handle: handle.into(),
+        host: "node-a".into(),
+        num_v4: n,
+        setup: Some(NetworkSetup {
+            network: "net".into(),
+            pools: vec![spec("10.31.0.0/29", "v4", 29)],
+            gateways: vec![ip("10.31.0.1")],
+            reservation_handle: "net:gateway".into(),
+        }),
+        ..Default::default()
+    };
+    // 10.31.0.0/29 holds 8 addresses; the network reserves .0, .1 (the gateway) and .7.
+    let got = ipam
+        .auto_assign(&request("pod-a", 5))
+        .await
+        .expect("the call goes on without its reservations");
+    let handed_out: BTreeSet<IpAddr> = got.v4.iter().map(|a| a.ip).collect();
+    let hosts: BTreeSet<IpAddr> = [
+        "10.31.0.2",
+        "10.31.0.3",
+        "10.31.0.4",
+        "10.31.0.5",
+        "10.31.0.6",
+    ]
+    .into_iter()
+    .map(ip)
+    .collect();
+    assert_eq!(handed_out, hosts, "a reserved address was handed out");
+    let more = ipam.auto_assign(&request("pod-b", 1)).await;
+    assert!(
+        matches!(more, Err(IpamError::Exhausted { .. })),
+        "only reserved addresses are left: {more:?}"
+    );
+    assert!(
+        t.store.get(&reservation).await.expect("read").is_none(),
+        "the reservation was refused"
+    );
+
+    // The store takes the reservation's writes again: the next call makes it.
+    hooked.refuse_commits(|_| None);
+    ipam.release_handle("pod-a").await.expect("release");
+    let got = ipam
+        .auto_assign(&request("pod-c", 1))
+        .await
+        .expect("the network set up");
+    assert!(hosts.contains(&got.v4[0].ip), "{got:?}");
+    let reserved: BTreeSet<IpAddr> = ipam
+        .list_allocations()
+        .await
+        .expect("list")
+        .into_iter()
+        .filter(|a| a.handle == "net:gateway")
+        .map(|a| a.ip)
+        .collect();
+    assert_eq!(
+        reserved,
+        ["10.31.0.0", "10.31.0.1", "10.31.0.7"]
+            .into_iter()
+            .map(ip)
+            .collect(),
+    );
+    assert_clean(&ipam).await;
 }
 
 /// Auto-assign with a network set-up (as the CNI plugin asks): the set-up's pools are created,

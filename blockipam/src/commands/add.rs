@@ -78,6 +78,7 @@ pub async fn add(ipam: &Ipam, call: &Attachment<'_>) -> Result<IpamResult, CniEr
             skip_block_edges: false,
             purpose: ipam_core::AllowedUse::Workload,
             setup: Some(network_setup(conf)),
+            pass_over: Vec::new(),
         };
         // Everything the network needs is checked inside auto-assign's one read (the steady
         // state); a network's first call is set up there too.

@@ -79,11 +79,17 @@ impl Ipam {
                     ));
                 };
                 tracing::info!(network = %setup.network, "setting the network up");
-                let pools = self.prepare_network(setup).await?;
+                let (pools, reserved) = self.prepare_network_reporting(setup).await?;
                 // Set up now (or as far as it could be: a reservation that failed is tried again
                 // at the next call); the block edges are decided from the pools just prepared.
                 let mut again = request.clone();
                 again.setup = None;
+                if !reserved {
+                    // Not reserved yet: this call hands none of them out all the same.
+                    again
+                        .pass_over
+                        .extend(network_setup::reserved_addresses(&pools, &setup.gateways));
+                }
                 again.skip_block_edges = network_setup::block_prefix_reportable(
                     &pools,
                     &[
@@ -198,7 +204,8 @@ impl Ipam {
         let node_key = keys::node_key(&request.host);
         let node_labels =
             crate::model::nodes::decode_node_labels(&node_key, next_got(&mut results)?.as_ref())?;
-        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?;
+        let reserved = ReservedRanges::from_listed(&next_listed(&mut results)?)?
+            .with_addresses(&request.pass_over);
         // The pools each family draws from: the request's, unless the namespace's setting
         // replaces them.
         let mut v4_pools = request.v4_pools.clone();

@@ -128,6 +128,10 @@ pub struct AutoAssignRequest {
     /// ([`crate::allocator::network_setup`]): when something is missing, auto-assign sets it up
     /// ([`Ipam::prepare_network`]) and tries again, deciding `skip_block_edges` from the pools.
     pub setup: Option<NetworkSetup>,
+    /// Addresses this call never hands out, as if reserved (nothing is stored): what the call
+    /// passes over when its network's reservations could not be made, so that the network's
+    /// gateway, network and broadcast addresses go to no pod meanwhile.
+    pub pass_over: Vec<IpAddr>,
 }
 
 /// Which families a namespace's pools setting may decide (those a pod annotation did not).

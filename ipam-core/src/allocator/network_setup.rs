@@ -166,15 +166,30 @@ impl Ipam {
     /// # Errors
     /// A pool that clashes with a different existing one; store failures.
     pub async fn prepare_network(&self, setup: &NetworkSetup) -> Result<Vec<Pool>, IpamError> {
+        Ok(self.prepare_network_reporting(setup).await?.0)
+    }
+
+    /// [`Ipam::prepare_network`], also saying whether the network's reservations were made (the
+    /// addresses a container or the IP cooldown holds left aside, as there): `false` when they
+    /// could not be, and the caller should pass over [`reserved_addresses`] itself.
+    ///
+    /// # Errors
+    /// As [`Ipam::prepare_network`].
+    pub async fn prepare_network_reporting(
+        &self,
+        setup: &NetworkSetup,
+    ) -> Result<(Vec<Pool>, bool), IpamError> {
         let pools = self.ensure_network_pools(&setup.pools).await?;
         if let Err(e) = self.reserve_network_addresses(setup, &pools).await {
-            tracing::warn!(network = %setup.network, "the network's reservations could not be made ({e}); going on, they are tried again at the next ADD");
-        } else if !setup.gateways.is_empty() {
+            tracing::warn!(network = %setup.network, "the network's reservations could not be made ({e}); going on without handing them out, they are tried again at the next ADD");
+            return Ok((pools, false));
+        }
+        if !setup.gateways.is_empty() {
             if let Err(e) = self.confirm_reservations(&setup.reservation_handle).await {
                 tracing::warn!(network = %setup.network, "the network's reservations could not be confirmed ({e}); the next ADD checks them again");
             }
         }
-        Ok(pools)
+        Ok((pools, true))
     }
 
     /// The store's pools, after creating those of `specs` that do not exist yet: one read when

@@ -140,6 +140,25 @@ impl ReservedRanges {
         Ok(Self::new(&decode_reservations(listed)?))
     }
 
+    /// These ranges and `addresses`, merged: what a call passes over besides the stored
+    /// reservations.
+    pub fn with_addresses(mut self, addresses: &[IpAddr]) -> Self {
+        if addresses.is_empty() {
+            return self;
+        }
+        for ip in addresses {
+            let value = ip_to_u128(*ip);
+            match Family::of(*ip) {
+                Family::V4 => self.v4.push((value, value)),
+                Family::V6 => self.v6.push((value, value)),
+            }
+        }
+        ReservedRanges {
+            v4: merge(self.v4),
+            v6: merge(self.v6),
+        }
+    }
+
     /// True when nothing is reserved.
     pub fn is_empty(&self) -> bool {
         self.v4.is_empty() && self.v6.is_empty()
