@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use ipam_core::allocator::raising_pool_generation;
 use ipam_core::kv::{MAX_TXN_BYTES, MAX_TXN_CONDITIONS, MAX_TXN_OPS};
 use ipam_core::model::nodes::{decode_node_labels, node_key, nodes_dir, StoredNode};
 use ipam_core::model::{block_entries, decode, decode_pool, encode, keys, Block, Handle, ROOT};
@@ -284,10 +285,18 @@ pub async fn write(
 
     verify(target, plan).await?;
 
+    // The marker's removal opens the store to ADDs: it raises the pool generation, as every
+    // write of what an ADD decides from does.
+    let generation = target.get(&keys::pool_generation()).await?;
     let marker = target.get(&marker_key).await?.ok_or_else(|| {
         ImportError::Target("the import marker vanished during the import".into())
     })?;
-    target.delete_at(&marker_key, marker.revision).await?;
+    let removal = Txn::new()
+        .when(Condition::at_revision(&marker_key, marker.revision))
+        .then(Op::delete(&marker_key));
+    target
+        .commit(raising_pool_generation(removal, generation)?)
+        .await?;
     outcome.transactions += 1;
     Ok(outcome)
 }

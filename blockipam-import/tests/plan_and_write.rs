@@ -458,6 +458,23 @@ fn imported_store_verifies_and_the_allocator_continues_as_calico_would() {
             store.get(&marker_key()).await.expect("get").is_none(),
             "marker removed"
         );
+        // The marker's removal raised the pool generation (written as the count of pools), in
+        // the import's last transaction: an ADD that read the store before it tests it.
+        let generation = store
+            .get(&keys::pool_generation())
+            .await
+            .expect("get")
+            .expect("a pool generation");
+        let count: u64 = decode(&generation.key, &generation.value).expect("a count");
+        assert_eq!(count, plan.pools.len() as u64 + 1);
+        let newest = store
+            .list(ROOT)
+            .await
+            .expect("list")
+            .iter()
+            .map(|kv| kv.revision)
+            .max();
+        assert_eq!(Some(generation.revision), newest, "raised last");
 
         // Time stands still at 2026-06-01: .6's cooldown (released 2025) is over, .5's (released
         // 2126) is not, and c1's release below starts a cooldown that never ends.

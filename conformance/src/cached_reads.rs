@@ -30,6 +30,7 @@ macro_rules! cached_reads_conformance_tests {
             a_node_reading_through_its_cache_never_decides_from_what_another_writer_changed,
             hosts_assigning_concurrently_through_caches_of_their_own_get_distinct_addresses,
             a_steady_assign_through_the_cache_tests_the_pool_generation_for_every_pool,
+            every_write_an_assignment_decides_from_raises_the_pool_generation_with_it,
         );
     };
 }
@@ -332,4 +333,159 @@ pub async fn a_steady_assign_through_the_cache_tests_the_pool_generation_for_eve
         "allocated {after} from the disabled pool {disabled}"
     );
     assert_clean(&other).await;
+}
+
+/// The pool generation's count and revision (the test's store holds one).
+async fn pool_generation(store: &Arc<dyn KvStore>) -> (u64, Revision) {
+    let kv = store
+        .get(&keys::pool_generation())
+        .await
+        .expect("read the generation")
+        .expect("a pool generation");
+    let count = ipam_core::model::decode(&kv.key, &kv.value).expect("a count");
+    (count, kv.revision)
+}
+
+/// Every write of something an assignment decides from raises the pool generation, in the
+/// write's own transaction: the configuration, an IP reservation added and deleted, a node's
+/// labels set, replaced and removed, a namespace's pools set and removed, a network's
+/// reservations confirmed and their record dropped. A write that changes nothing raises nothing.
+/// (What lets a node's cache take the generation for all of them.)
+pub async fn every_write_an_assignment_decides_from_raises_the_pool_generation_with_it<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    use ipam_core::namespaces::{namespace_key, NamespacePools};
+    use ipam_core::nodes::node_key;
+    use ipam_core::reservations::reservation_key;
+
+    let (t, ipam) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    // Raised by one, and, for a key the write puts, at that key's revision: the same transaction.
+    let raised = |what: &'static str, before: (u64, Revision), put: Option<String>| {
+        let store = Arc::clone(&t.store);
+        async move {
+            let after = pool_generation(&store).await;
+            assert_eq!(after.0, before.0 + 1, "{what}: not raised by one");
+            assert!(after.1 > before.1, "{what}: {before:?} then {after:?}");
+            if let Some(key) = put {
+                let written = store
+                    .get(&key)
+                    .await
+                    .expect("read")
+                    .unwrap_or_else(|| panic!("{what}: {key} not written"));
+                assert_eq!(
+                    written.revision, after.1,
+                    "{what}: raised in another transaction than the one writing {key}"
+                );
+            }
+            after
+        }
+    };
+
+    let before = pool_generation(&t.store).await;
+    ipam.update_config(|config| config.ip_cooldown_seconds += 1)
+        .await
+        .expect("config");
+    let before = raised("a configuration change", before, Some(keys::config())).await;
+
+    let reservation = Reservation {
+        name: "gateways".into(),
+        cidrs: vec![net("10.0.0.250/31")],
+    };
+    ipam.add_reservation(&reservation).await.expect("reserve");
+    let before = raised(
+        "a reservation added",
+        before,
+        Some(reservation_key("gateways")),
+    )
+    .await;
+    ipam.delete_reservation("gateways")
+        .await
+        .expect("unreserve");
+    let before = raised("a reservation deleted", before, None).await;
+
+    ipam.set_node_labels("node-a", &[("rack".into(), "r1".into())], &[])
+        .await
+        .expect("label");
+    let before = raised("labels set", before, Some(node_key("node-a"))).await;
+    ipam.set_node_labels("node-a", &[("rack".into(), "r1".into())], &[])
+        .await
+        .expect("label again");
+    assert_eq!(
+        pool_generation(&t.store).await,
+        before,
+        "labels set as they were"
+    );
+    ipam.replace_node_labels("node-a", &[("rack".into(), "r2".into())])
+        .await
+        .expect("relabel");
+    let before = raised("labels replaced", before, Some(node_key("node-a"))).await;
+    assert!(ipam.remove_node_labels("node-a").await.expect("unlabel"));
+    let before = raised("labels removed", before, None).await;
+
+    let pools = NamespacePools {
+        ipv4_pools: vec!["pool".into()],
+        ipv6_pools: Vec::new(),
+    };
+    ipam.set_namespace_pools("team", &pools)
+        .await
+        .expect("namespace pools");
+    let before = raised(
+        "a namespace's pools set",
+        before,
+        Some(namespace_key("team")),
+    )
+    .await;
+    ipam.set_namespace_pools("team", &pools)
+        .await
+        .expect("the same pools");
+    assert_eq!(
+        pool_generation(&t.store).await,
+        before,
+        "a namespace's pools set as they were"
+    );
+    ipam.set_namespace_pools("team", &NamespacePools::default())
+        .await
+        .expect("namespace pools removed");
+    raised("a namespace's pools removed", before, None).await;
+
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec!["10.0.0.1".parse().expect("ip")],
+        handle: "net:gateway".into(),
+        host: "node-a".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("the gateway reserved");
+    let before = pool_generation(&t.store).await;
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("confirm");
+    let before = raised(
+        "a network's reservations confirmed",
+        before,
+        Some(keys::reservations_held("net:gateway")),
+    )
+    .await;
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("confirm again");
+    assert_eq!(
+        pool_generation(&t.store).await,
+        before,
+        "reservations confirmed as they were"
+    );
+    ipam.release_handle("net:gateway").await.expect("release");
+    let before = pool_generation(&t.store).await;
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("the record dropped");
+    assert!(t
+        .store
+        .get(&keys::reservations_held("net:gateway"))
+        .await
+        .expect("read")
+        .is_none());
+    raised("a network's confirmation dropped", before, None).await;
 }

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use ipam_core::allocator::AutoAssignRequest;
-use ipam_core::model::{keys, FORMAT_VERSION};
+use ipam_core::model::{decode, keys, FORMAT_VERSION};
 use ipam_core::store_format::FormatRecord;
-use ipam_core::{Ipam, IpamConfig, IpamError, KvStore};
+use ipam_core::{Ipam, IpamConfig, IpamError, KeyValue, KvStore};
 use ipnet::IpNet;
 
 use crate::hooked::HookedStore;
@@ -332,7 +332,26 @@ pub async fn after_finalize_every_write_is_in_the_current_format<F: StoreFactory
     ipam.auto_assign(&v4("in-3", "new-1", 1))
         .await
         .expect("assign");
+    let generation = |store: Arc<dyn KvStore>| async move {
+        store
+            .get(&keys::pool_generation())
+            .await
+            .expect("read")
+            .expect("a pool generation")
+    };
+    let before = generation(Arc::clone(&t.store)).await;
     ipam.finalize_upgrade(true).await.expect("finalize");
+    // The configuration rewritten raises the pool generation, in the same transaction.
+    let after = generation(Arc::clone(&t.store)).await;
+    let record = t
+        .store
+        .get(&keys::store_format())
+        .await
+        .expect("read")
+        .expect("a format record");
+    assert_eq!(after.revision, record.revision, "raised with the record");
+    let count = |kv: &KeyValue| -> u64 { decode(&kv.key, &kv.value).expect("a count") };
+    assert_eq!(count(&after), count(&before) + 1);
     let ipam = Ipam::new(Arc::clone(&t.store));
     ipam.auto_assign(&v4("in-4", "new-1", 1))
         .await

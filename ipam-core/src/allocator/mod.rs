@@ -51,6 +51,7 @@ pub use counts::{AllocationCounts, BlockCount};
 pub use lifecycle::{EmptyBlock, EmptyBlockFilter, EmptyBlockReason};
 pub use namespaces::UnusableNamespacePool;
 pub(crate) use pools::find_pool;
+pub use pools::raising_pool_generation;
 
 use self::network_setup::NetworkSetup;
 use crate::model::selector::Selector;

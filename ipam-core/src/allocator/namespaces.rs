@@ -54,7 +54,8 @@ impl Ipam {
         self.retrying(|| async {
             // One batch: the pools, their generation (which every pool add, delete and split
             // changes) and the setting. The write is conditioned on both revisions, so a setting
-            // never lands naming a pool deleted or split after this read.
+            // never lands naming a pool deleted or split after this read, and raises the
+            // generation, as every write of what an ADD decides from does.
             let mut results = self
                 .store()
                 .read_many(&[
@@ -90,7 +91,7 @@ impl Ipam {
             }
             let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
-            plan.expect(&keys::pool_generation(), generation.map(|kv| kv.revision));
+            self.bump_pool_generation(&mut plan, generation)?;
             if pools.ipv4_pools.is_empty() && pools.ipv6_pools.is_empty() {
                 plan.delete(&key);
             } else {

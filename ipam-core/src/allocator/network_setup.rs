@@ -26,7 +26,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::allocator::dead_nodes::RESERVATION_NODE;
-use crate::allocator::{AssignIpsRequest, Ipam, PoolSpec, Stored, ATTR_NETWORK, ATTR_PURPOSE};
+use crate::allocator::{
+    raising_pool_generation, AssignIpsRequest, Ipam, PoolSpec, Stored, ATTR_NETWORK, ATTR_PURPOSE,
+};
 use crate::kv::{Condition, KeyValue, Op, Read, ReadResult, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::{keys, Family, Pool};
@@ -268,7 +270,10 @@ impl Ipam {
     /// auto-assign can tell in memory that a network's reservations are in place. Reads the handle
     /// and its blocks, then writes the record on the condition that the handle has not changed
     /// since; when it has, nothing is written (the next call confirms again). A record already
-    /// current is left as it is; an unknown handle deletes any record.
+    /// current is left as it is; an unknown handle deletes any record (on the condition that the
+    /// handle is still unknown and the record as read). Either write raises the pool generation
+    /// (an ADD decides from the record), conditioned on it as read: a write it loses to is not
+    /// an error, the next call confirms again.
     ///
     /// # Errors
     /// Store failures; corrupt objects.
@@ -277,9 +282,18 @@ impl Ipam {
         let record_key = keys::reservations_held(handle_id);
         let mut results = self
             .store()
-            .read_many(&[Read::Get(key.clone()), Read::Get(record_key.clone())])
+            .read_many(&[
+                Read::Get(keys::pool_generation()),
+                Read::Get(key.clone()),
+                Read::Get(record_key.clone()),
+            ])
             .await?
             .into_iter();
+        let generation = results
+            .next()
+            .map(ReadResult::into_got)
+            .transpose()?
+            .flatten();
         let handle_kv = results
             .next()
             .map(ReadResult::into_got)
@@ -292,8 +306,13 @@ impl Ipam {
             .flatten();
         let (_, revision) = Self::decode_handle(handle_kv)?;
         let Some(revision) = revision else {
-            if record_kv.is_some() {
-                self.store().delete(&record_key).await?;
+            if let Some(record) = record_kv {
+                let txn = Txn::new()
+                    .when(Condition::absent(&key))
+                    .when(Condition::at_revision(&record_key, record.revision))
+                    .then(Op::delete(&record_key));
+                self.commit_confirmation(raising_pool_generation(txn, generation)?)
+                    .await?;
             }
             return Ok(());
         };
@@ -319,6 +338,13 @@ impl Ipam {
         let txn = Txn::new()
             .when(Condition::at_revision(&key, revision))
             .then(Op::put(&record_key, value));
+        self.commit_confirmation(raising_pool_generation(txn, generation)?)
+            .await
+    }
+
+    /// Commits a write of a confirmation record; one refused on its conditions is left to the
+    /// next call.
+    async fn commit_confirmation(&self, txn: Txn) -> Result<(), IpamError> {
         match self.store().commit(txn).await {
             Ok(_) | Err(crate::kv::KvError::Conflict { .. }) => Ok(()),
             Err(e) => Err(e.into()),

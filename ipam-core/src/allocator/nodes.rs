@@ -43,7 +43,7 @@ impl Ipam {
         validate_label_update(set, remove)?;
         let key = node_key(host);
         self.retrying(|| async {
-            let read = self.store().get(&key).await?;
+            let (read, generation) = self.read_with_generation(&key).await?;
             let before = decode_node_labels(&key, read.as_ref())?;
             let mut labels = before.clone();
             for name in remove {
@@ -64,6 +64,7 @@ impl Ipam {
             let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
             write_node_labels(&mut plan, &key, &labels)?;
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, labels).await
         })
         .await
@@ -95,13 +96,14 @@ impl Ipam {
         let labels: BTreeMap<String, String> = labels.iter().cloned().collect();
         let key = node_key(host);
         self.retrying(|| async {
-            let read = self.store().get(&key).await?;
+            let (read, generation) = self.read_with_generation(&key).await?;
             if decode_node_labels(&key, read.as_ref()).is_ok_and(|before| before == labels) {
                 return Ok(Attempt::Done(labels.clone()));
             }
             let mut plan = self.plan();
             plan.expect(&key, read.as_ref().map(|kv| kv.revision));
             write_node_labels(&mut plan, &key, &labels)?;
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, labels.clone()).await
         })
         .await
@@ -154,12 +156,14 @@ impl Ipam {
         validate_host(host)?;
         let key = node_key(host);
         self.retrying(|| async {
-            let Some(read) = self.store().get(&key).await? else {
+            let (read, generation) = self.read_with_generation(&key).await?;
+            let Some(read) = read else {
                 return Ok(Attempt::Done(false));
             };
             let mut plan = self.plan();
             plan.expect(&key, Some(read.revision));
             plan.delete(&key);
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, true).await
         })
         .await

@@ -4,7 +4,7 @@ use super::{
     decode_each, decode_stored, next_got, next_listed, sort_pools, Attempt, Ipam, Plan, PoolChange,
     PoolDeletion, PoolPolicy, PoolSpec, ReleaseRequest, Stored, UndecodableObject,
 };
-use crate::kv::{KeyValue, Read};
+use crate::kv::{Condition, KeyValue, Op, Read, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::selector::Selector;
 use crate::model::{
@@ -310,21 +310,39 @@ impl Ipam {
         Ok((pools, generation))
     }
 
+    /// `key` and the pool generation, in one batch (the generation first, as
+    /// [`read_pools_and_generation`](Self::read_pools_and_generation) reads it): what a write of
+    /// something an ADD decides from reads, to raise the generation in the same transaction.
+    pub(crate) async fn read_with_generation(
+        &self,
+        key: &str,
+    ) -> Result<(Option<KeyValue>, Option<KeyValue>), IpamError> {
+        let mut results = self
+            .store
+            .read_many(&[
+                Read::Get(keys::pool_generation()),
+                Read::Get(key.to_owned()),
+            ])
+            .await?
+            .into_iter();
+        let generation = next_got(&mut results)?;
+        let read = next_got(&mut results)?;
+        Ok((read, generation))
+    }
+
+    /// Adds to `plan` the raise of the pool generation read as `generation` (conditioned on that
+    /// read). Every write of something an allocation decides from raises it in the same
+    /// transaction: pools, the configuration, IP reservations, node labels and namespace
+    /// settings (and, outside the allocator, the end of an import and a format finalize), so an
+    /// allocation that tests the generation tests all of them.
     pub(crate) fn bump_pool_generation(
         &self,
         plan: &mut Plan,
         generation: Option<KeyValue>,
     ) -> Result<(), IpamError> {
-        let key = keys::pool_generation();
-        let (count, revision) = match generation {
-            None => (0u64, None),
-            Some(kv) => {
-                let stored: Stored<u64> = decode_stored(kv)?;
-                (stored.value, Some(stored.revision))
-            }
-        };
-        plan.expect(&key, revision);
-        plan.put(&key, encode(&(count + 1))?);
+        let (read_at, raised) = next_pool_generation(generation)?;
+        plan.expect(&keys::pool_generation(), read_at);
+        plan.put(&keys::pool_generation(), raised);
         Ok(())
     }
 
@@ -600,17 +618,49 @@ impl Ipam {
         F: Fn(&mut IpamConfig),
     {
         self.retrying(|| async {
-            let (mut config, revision) =
-                Self::decode_config(self.store.get(&keys::config()).await?)?;
+            let (read, generation) = self.read_with_generation(&keys::config()).await?;
+            let (mut config, revision) = Self::decode_config(read)?;
             change(&mut config);
             config.validate()?;
             let mut plan = self.plan();
             plan.expect(&keys::config(), revision);
             plan.put(&keys::config(), encode(&config)?);
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, config).await
         })
         .await
     }
+}
+
+/// `txn` with the raise of the pool generation read as `generation` (`None`: absent) added,
+/// for a transaction built by hand: the condition that the generation is still as read, and
+/// the put of its next value. Every write of something an allocation decides from raises it in
+/// the same transaction (see `Ipam::bump_pool_generation`).
+///
+/// # Errors
+/// [`IpamError::Corrupt`] when the stored generation does not decode; encoding failures.
+pub fn raising_pool_generation(txn: Txn, generation: Option<KeyValue>) -> Result<Txn, IpamError> {
+    let key = keys::pool_generation();
+    let (read_at, raised) = next_pool_generation(generation)?;
+    let condition = match read_at {
+        Some(revision) => Condition::at_revision(&key, revision),
+        None => Condition::absent(&key),
+    };
+    Ok(txn.when(condition).then(Op::put(&key, raised)))
+}
+
+/// The revision the pool generation was read at (`None`: absent) and its next value.
+fn next_pool_generation(
+    generation: Option<KeyValue>,
+) -> Result<(Option<Revision>, Vec<u8>), IpamError> {
+    let (count, read_at) = match generation {
+        None => (0u64, None),
+        Some(kv) => {
+            let stored: Stored<u64> = decode_stored(kv)?;
+            (stored.value, Some(stored.revision))
+        }
+    };
+    Ok((read_at, encode(&(count + 1))?))
 }
 
 /// Finds a pool by name or by CIDR text.

@@ -19,12 +19,14 @@ impl Ipam {
         let key = reservation_key(&reservation.name);
         let value = encode(reservation)?;
         self.retrying(|| async {
-            if self.store().get(&key).await?.is_some() {
+            let (read, generation) = self.read_with_generation(&key).await?;
+            if read.is_some() {
                 return Err(IpamError::ReservationExists(reservation.name.clone()));
             }
             let mut plan = self.plan();
             plan.expect(&key, None);
             plan.put(&key, value.clone());
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, ()).await
         })
         .await
@@ -73,7 +75,8 @@ impl Ipam {
         validate_reservation_name(name)?;
         let key = reservation_key(name);
         self.retrying(|| async {
-            let Some(read) = self.store().get(&key).await? else {
+            let (read, generation) = self.read_with_generation(&key).await?;
+            let Some(read) = read else {
                 return Err(IpamError::ReservationNotFound(name.to_owned()));
             };
             // A damaged record is deleted all the same: it names what the operator asked for.
@@ -84,6 +87,7 @@ impl Ipam {
             let mut plan = self.plan();
             plan.expect(&key, Some(read.revision));
             plan.delete(&key);
+            self.bump_pool_generation(&mut plan, generation)?;
             self.commit_plan(plan, held).await
         })
         .await

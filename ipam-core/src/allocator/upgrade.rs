@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 use crate::allocator::dead_nodes::{Activity, Registration};
-use crate::allocator::{next_got, next_listed, Attempt, Ipam};
+use crate::allocator::{next_got, next_listed, raising_pool_generation, Attempt, Ipam};
 use crate::kv::{Condition, KeyValue, KvError, Op, Read, Revision, Txn};
 use crate::model::error::IpamError;
 use crate::model::formats::downgrade;
@@ -355,7 +355,7 @@ impl Ipam {
         // binary that reads only older formats and reads it (ADDs; the format-4 and format-5
         // releases' DELs, for the cooldown) refuses the store at once, writing nothing, rather
         // than failing later, object by object. The format-3 release's DELs do not read it.
-        let config_kv = self.store().get(&keys::config()).await?;
+        let (config_kv, generation) = self.read_with_generation(&keys::config()).await?;
         let config_condition = match &config_kv {
             Some(kv) => Condition::at_revision(&kv.key, kv.revision),
             None => Condition::absent(keys::config()),
@@ -377,6 +377,9 @@ impl Ipam {
                 .encode()?,
             ))
             .then(Op::put(keys::config(), encode(&config)?));
+        // A configuration rewritten raises the pool generation, as every write of what an ADD
+        // decides from does.
+        let txn = raising_pool_generation(txn, generation)?;
         // One compare-and-swap: a record or configuration changed since it was read (another
         // finalize, the first write recording an unrecorded store, a `config set`), or a node's
         // word on its formats, fails it, and it is decided again on what is there now.
