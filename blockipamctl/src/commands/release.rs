@@ -8,7 +8,7 @@ use std::path::Path;
 
 use blockipam_store::DatastoreSettings;
 use ipam_core::model::{keys, validate_handle};
-use ipam_core::{AllocationInfo, Ipam, Read, ReleaseRequest};
+use ipam_core::{AllocationInfo, Condition, Ipam, IpamError, Read, ReleaseRequest};
 use serde::Serialize;
 
 use super::pool::invalid_text;
@@ -247,6 +247,82 @@ fn why_not(
     None
 }
 
+/// Releases `chosen`, each address only while it carries the sequence number the report
+/// recorded, and each handle's addresses only while that handle is still absent (one guarded
+/// release per handle): a handle that reappears after it was read (`check --repair` recreating it,
+/// its pod writing it) stops its release at the next write, and its addresses are left to its DEL.
+/// Returns what was released and what was left, with why.
+///
+/// # Errors
+/// Store trouble.
+async fn release_while_handles_absent(
+    ipam: &Ipam,
+    chosen: Vec<ReportedAddress>,
+) -> Result<(Vec<ReportedAddress>, Vec<SkippedAddress>), CtlError> {
+    let mut by_handle: BTreeMap<String, Vec<ReportedAddress>> = BTreeMap::new();
+    for address in chosen {
+        by_handle
+            .entry(address.handle.clone())
+            .or_default()
+            .push(address);
+    }
+    let (mut released, mut skipped) = (Vec::new(), Vec::new());
+    for (handle, addresses) in by_handle {
+        let requests: Vec<ReleaseRequest> = addresses
+            .iter()
+            .map(|a| ReleaseRequest {
+                ip: a.ip,
+                sequence: Some(a.sequence),
+            })
+            .collect();
+        let guarded = ipam
+            .clone()
+            .guarded_by(vec![Condition::absent(keys::handle(&handle))]);
+        match guarded.release_ips(&requests).await {
+            Ok(outcome) => {
+                let freed: BTreeSet<IpAddr> = outcome.released.into_iter().collect();
+                for address in addresses {
+                    if freed.contains(&address.ip) {
+                        released.push(address);
+                    } else if outcome.sequence_mismatch.contains(&address.ip) {
+                        skipped.push(SkippedAddress {
+                            address,
+                            reason: "allocated again while releasing (another sequence number)"
+                                .into(),
+                        });
+                    } else {
+                        skipped.push(SkippedAddress {
+                            address,
+                            reason: "released by someone else while releasing".into(),
+                        });
+                    }
+                }
+            }
+            Err(IpamError::GuardLost { .. }) => {
+                for address in addresses {
+                    let reason = match ipam.get_assignment(address.ip).await? {
+                        Some(now) if now.sequence == address.sequence => format!(
+                            "its handle {handle:?} was written while releasing (check --repair \
+                             recreated it, or its pod wrote it): its DEL releases it"
+                        ),
+                        Some(_) => {
+                            "allocated again while releasing (another sequence number)".into()
+                        }
+                        None => format!(
+                            "no longer allocated: released before its handle {handle:?} was \
+                             written again while releasing, or by its DEL since"
+                        ),
+                    };
+                    skipped.push(SkippedAddress { address, reason });
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    released.sort_by_key(|a| a.ip);
+    Ok((released, skipped))
+}
+
 /// The reported handles that exist now, in one batched read.
 async fn existing_handles(
     ipam: &Ipam,
@@ -313,31 +389,8 @@ async fn from_report(
         }
     }
     let released = if apply && !chosen.is_empty() {
-        let requests: Vec<ReleaseRequest> = chosen
-            .iter()
-            .map(|a| ReleaseRequest {
-                ip: a.ip,
-                sequence: Some(a.sequence),
-            })
-            .collect();
-        let outcome = ipam.release_ips(&requests).await?;
-        let freed: BTreeSet<IpAddr> = outcome.released.into_iter().collect();
-        let mut released = Vec::new();
-        for address in chosen {
-            if freed.contains(&address.ip) {
-                released.push(address);
-            } else if outcome.sequence_mismatch.contains(&address.ip) {
-                skipped.push(SkippedAddress {
-                    address,
-                    reason: "allocated again while releasing (another sequence number)".into(),
-                });
-            } else {
-                skipped.push(SkippedAddress {
-                    address,
-                    reason: "released by someone else while releasing".into(),
-                });
-            }
-        }
+        let (released, not_released) = release_while_handles_absent(&ipam, chosen).await?;
+        skipped.extend(not_released);
         released
     } else {
         chosen
@@ -413,4 +466,112 @@ async fn from_report(
         kinds_not_released,
     };
     Ok(Outcome::ok(to_json(&json)?, table))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ipam_core::model::{encode, Handle};
+    use ipam_core::{AutoAssignRequest, KvStore, MemoryStore, PoolSpec};
+    use std::sync::Arc;
+
+    /// A store whose pods `net.a` and `net.b` lost their handles (what `check` reports as
+    /// missing-handle), and their addresses as a report lists them.
+    async fn two_leaks() -> (Arc<dyn KvStore>, Ipam, Vec<ReportedAddress>) {
+        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+        let ipam = Ipam::new(Arc::clone(&store));
+        ipam.create_pool(&PoolSpec {
+            cidr: "10.0.0.0/16".parse().expect("a cidr"),
+            name: Some("pool".into()),
+            block_size: Some(26),
+            disabled: false,
+        })
+        .await
+        .expect("a pool");
+        for pod in ["net.a", "net.b"] {
+            ipam.auto_assign(&AutoAssignRequest {
+                handle: pod.into(),
+                host: "node-a".into(),
+                num_v4: 1,
+                ..AutoAssignRequest::default()
+            })
+            .await
+            .expect("an address");
+        }
+        let reported = ipam
+            .list_allocations()
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|a| ReportedAddress {
+                ip: a.ip,
+                handle: a.handle,
+                node: a.block_host,
+                block: a.block.to_string(),
+                sequence: a.sequence,
+                kind: ipam_core::check::kinds::MISSING_HANDLE.into(),
+            })
+            .collect();
+        for pod in ["net.a", "net.b"] {
+            store.delete(&keys::handle(pod)).await.expect("lose it");
+        }
+        (store, ipam, reported)
+    }
+
+    /// A handle written again after the report's handles were read (a repair recreating it) keeps
+    /// its addresses; the other leak is released.
+    #[tokio::test]
+    async fn a_handle_written_again_after_the_decision_keeps_its_addresses() {
+        let (store, ipam, reported) = two_leaks().await;
+        let recreated = Handle {
+            blocks: BTreeMap::from([(reported[0].block.parse().expect("a block"), 1)]),
+            ..Handle::default()
+        };
+        store
+            .put(&keys::handle("net.a"), encode(&recreated).expect("encode"))
+            .await
+            .expect("recreate net.a's handle");
+
+        let (released, skipped) = release_while_handles_absent(&ipam, reported.clone())
+            .await
+            .expect("release");
+        assert_eq!(
+            released.iter().map(|a| a.ip).collect::<Vec<_>>(),
+            vec![reported[1].ip],
+            "{skipped:?}"
+        );
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert_eq!(skipped[0].address.ip, reported[0].ip);
+        assert!(
+            skipped[0].reason.contains("was written while releasing"),
+            "{}",
+            skipped[0].reason
+        );
+        let kept = ipam
+            .get_assignment(reported[0].ip)
+            .await
+            .expect("read")
+            .expect("still allocated");
+        assert_eq!(kept.handle, "net.a");
+        assert!(ipam
+            .get_assignment(reported[1].ip)
+            .await
+            .expect("read")
+            .is_none());
+    }
+
+    /// Handles still absent: every reported address is released.
+    #[tokio::test]
+    async fn leaks_whose_handles_stay_absent_are_released() {
+        let (_store, ipam, reported) = two_leaks().await;
+        let (released, skipped) = release_while_handles_absent(&ipam, reported.clone())
+            .await
+            .expect("release");
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert_eq!(
+            released.iter().map(|a| a.ip).collect::<Vec<_>>(),
+            reported.iter().map(|a| a.ip).collect::<Vec<_>>()
+        );
+        assert!(ipam.list_allocations().await.expect("list").is_empty());
+    }
 }
