@@ -13,7 +13,7 @@ use etcd_client::{
     Client, Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     LeaseTimeToLiveOptions, PutOptions, Txn, TxnOp, TxnOpResponse,
 };
-use ipam_core::kv::{validate_key, Condition, KvError};
+use ipam_core::kv::{validate_key, Condition, KvError, Op};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -158,7 +158,7 @@ impl LeaseSession {
     /// # Errors
     /// As [`grant`](Self::grant); an expired lease is an error from etcd.
     pub async fn put(&self, lease: LeaseId, key: &str, value: &[u8]) -> Result<u64, KvError> {
-        self.put_returning_previous_lease(lease, key, value, &[])
+        self.put_returning_previous_lease(lease, key, value, &[], &[])
             .await
             .map(|(revision, _)| revision)
     }
@@ -172,22 +172,32 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<(u64, Option<LeaseId>), KvError> {
         let full = self.full_key(key)?;
         // The same write as a store transaction: validated as every transaction is (its keys,
         // its size), and what names the failed condition.
         let as_committed = ipam_core::kv::Txn {
             conditions: guard.to_vec(),
-            ops: vec![ipam_core::kv::Op::put(key, value.to_vec())],
+            ops: std::iter::once(Op::put(key, value.to_vec()))
+                .chain(also.iter().cloned())
+                .collect(),
         };
         as_committed.validate()?;
+        let mut ops = vec![TxnOp::put(
+            full,
+            value,
+            Some(PutOptions::new().with_lease(lease).with_prev_key()),
+        )];
+        for op in also {
+            ops.push(match op {
+                Op::Put { key, value } => TxnOp::put(self.full_key(key)?, value.clone(), None),
+                Op::Delete { key } => TxnOp::delete(self.full_key(key)?, None),
+            });
+        }
         let txn = Txn::new()
             .when(comparisons(&self.prefix, guard))
-            .and_then([TxnOp::put(
-                full,
-                value,
-                Some(PutOptions::new().with_lease(lease).with_prev_key()),
-            )])
+            .and_then(ops)
             .or_else(reads_of_the_tested_keys(&self.prefix, guard));
         let mut client = self.client.clone();
         let response = self.bounded(Kind::Write, client.txn(txn)).await?;
@@ -198,10 +208,12 @@ impl LeaseSession {
             .header()
             .and_then(|h| u64::try_from(h.revision()).ok())
             .unwrap_or(0);
+        // The leased put's answer comes first.
         let previous = response
             .op_responses()
             .into_iter()
-            .find_map(|answer| match answer {
+            .next()
+            .and_then(|answer| match answer {
                 TxnOpResponse::Put(put) => put.prev_key().map(|kv| kv.lease()),
                 _ => None,
             })
@@ -224,7 +236,7 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
     ) -> Result<u64, KvError> {
-        self.put_renewed_replacing(lease, key, value, &[], false)
+        self.put_renewed_replacing(lease, key, value, &[], &[], false)
             .await
     }
 
@@ -242,7 +254,7 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
     ) -> Result<u64, KvError> {
-        self.put_renewed_replacing(lease, key, value, &[], true)
+        self.put_renewed_replacing(lease, key, value, &[], &[], true)
             .await
     }
 
@@ -253,14 +265,17 @@ impl LeaseSession {
     /// # Errors
     /// As [`put_renewed`](Self::put_renewed); [`KvError::Conflict`] naming the first condition of
     /// `guard` that does not hold (nothing is written, `lease` is left as it is).
+    ///
+    /// `also` are written in the same transaction, without the lease.
     pub async fn put_renewed_if(
         &self,
         lease: LeaseId,
         key: &str,
         value: &[u8],
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<u64, KvError> {
-        self.put_renewed_replacing(lease, key, value, guard, true)
+        self.put_renewed_replacing(lease, key, value, guard, also, true)
             .await
     }
 
@@ -270,10 +285,11 @@ impl LeaseSession {
         key: &str,
         value: &[u8],
         guard: &[Condition],
+        also: &[Op],
         revoke_replaced: bool,
     ) -> Result<u64, KvError> {
         let (revision, previous) = self
-            .put_returning_previous_lease(lease, key, value, guard)
+            .put_returning_previous_lease(lease, key, value, guard, also)
             .await?;
         if self.open_keep_alive(lease).await?.is_none() {
             return Err(KvError::other(format!(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use backend_etcd::lease::{Holder, LeaseSession, LeasedKey};
 use backend_etcd::EtcdStore;
-use ipam_core::kv::{Condition, KvError};
+use ipam_core::kv::{Condition, KvError, Op};
 use ipam_core::{KvStore, Revision};
 use test_kit::etcd::{unique_prefix, EtcdServer, PrefixGuard};
 
@@ -287,7 +287,8 @@ async fn a_countdown_put_again_revokes_the_lease_it_replaced_when_that_holds_not
 
 /// A guarded countdown is put, renewed and replaces the one before only while its guard holds
 /// in the put's own transaction: a guard that does not hold names its first failed condition and
-/// writes nothing (the countdown there keeps its value, revision and lease).
+/// writes nothing (the countdown there keeps its value, revision and lease). The keys written
+/// with it are written in the same transaction, without its lease, or not at all.
 #[tokio::test]
 async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
     let (_guard, store, session) = under_fresh_prefix(Duration::from_secs(60)).await;
@@ -310,10 +311,20 @@ async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
                 Condition::at_revision("agents/n1", registration),
                 Condition::no_put_after("live/", registration),
             ],
+            &[Op::put("generation/n1", b"countdown".to_vec())],
         )
         .await
         .expect("a countdown whose guard holds");
     assert!(seconds_left(&endpoints, first).await > 0);
+    let generation = store
+        .get("generation/n1")
+        .await
+        .expect("get")
+        .expect("written with the countdown");
+    assert_eq!(
+        (generation.value.as_slice(), generation.revision.get()),
+        (b"countdown".as_slice(), revision)
+    );
 
     // Not holding: the first condition that fails is named, in the guard's order.
     let registered_again = store
@@ -338,7 +349,13 @@ async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
     ] {
         let second = grant().await.expect("grant");
         match session
-            .put_renewed_if(second, "countdown/n1", b"second", &guard)
+            .put_renewed_if(
+                second,
+                "countdown/n1",
+                b"second",
+                &guard,
+                &[Op::put("generation/n1", b"refused".to_vec())],
+            )
             .await
         {
             Err(KvError::Conflict { key }) => assert_eq!(key, failed),
@@ -360,6 +377,11 @@ async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
         seconds_left(&endpoints, first).await > 0,
         "a refused countdown revoked the one it did not replace"
     );
+    assert_eq!(
+        store.get("generation/n1").await.expect("get"),
+        Some(generation.clone()),
+        "a refused countdown wrote beside it"
+    );
 
     // Holding again, against the countdown seen: replaced, the replaced lease revoked.
     let third = grant().await.expect("grant");
@@ -369,6 +391,10 @@ async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
             "countdown/n1",
             b"third",
             &[Condition::at_revision("countdown/n1", Revision(revision))],
+            &[
+                Op::put("generation/n1", b"replaced".to_vec()),
+                Op::delete("other/n1"),
+            ],
         )
         .await
         .expect("a countdown replacing the one it saw");
@@ -383,6 +409,17 @@ async fn a_guarded_countdown_is_put_only_while_its_guard_holds() {
         b"third"
     );
     session.revoke(third).await.expect("revoke");
+    // Not on the lease: its end takes the countdown only.
+    assert_eq!(store.get("countdown/n1").await.expect("get"), None);
+    assert_eq!(
+        store
+            .get("generation/n1")
+            .await
+            .expect("get")
+            .expect("the generation outlives the lease")
+            .value,
+        b"replaced"
+    );
 }
 
 #[tokio::test]

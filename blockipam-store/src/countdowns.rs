@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use backend_etcd::lease::LeaseSession;
 use ipam_core::dead_nodes::{Countdowns, NoCountdowns};
-use ipam_core::{Condition, IpamError, KvError, Revision};
+use ipam_core::{Condition, IpamError, KvError, Op, Revision};
 
 use crate::DatastoreSettings;
 
@@ -35,11 +35,16 @@ impl Countdowns for LeaseCountdowns {
         value: Vec<u8>,
         duration: Duration,
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<Revision, IpamError> {
         let lease = self.session.grant_for(duration).await?;
         // A countdown started again replaces the one before on the same key: its lease, which
         // then holds nothing, is revoked rather than left running to its end.
-        match self.session.put_renewed_if(lease, key, &value, guard).await {
+        match self
+            .session
+            .put_renewed_if(lease, key, &value, guard, also)
+            .await
+        {
             Ok(revision) => Ok(Revision(revision)),
             Err(e) => {
                 // Refused by its guard, nothing was written: the lease just granted holds
@@ -104,6 +109,7 @@ mod tests {
             value: Vec<u8>,
             duration: Duration,
             guard: &[Condition],
+            also: &[Op],
         ) -> Result<Revision, IpamError> {
             if !self.interjected.swap(true, Ordering::SeqCst) {
                 reclaim_pass(
@@ -113,7 +119,9 @@ mod tests {
                 )
                 .await?;
             }
-            self.countdowns.start(key, value, duration, guard).await
+            self.countdowns
+                .start(key, value, duration, guard, also)
+                .await
         }
     }
 

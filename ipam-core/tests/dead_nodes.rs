@@ -41,8 +41,12 @@ impl Countdowns for TestCountdowns {
         value: Vec<u8>,
         _duration: Duration,
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<Revision, IpamError> {
         let mut txn = Txn::new().then(Op::put(key, value));
+        for op in also {
+            txn = txn.then(op.clone());
+        }
         for condition in guard {
             txn = txn.when(condition.clone());
         }
@@ -825,13 +829,14 @@ impl Countdowns for AnotherReclaimerMarksFirst {
         value: Vec<u8>,
         duration: Duration,
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<Revision, IpamError> {
         if self.interjected.fetch_add(1, Ordering::SeqCst) == 0 {
             let outcomes = pass(&self.store).await;
             assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
         }
         TestCountdowns(Arc::clone(&self.store))
-            .start(key, value, duration, guard)
+            .start(key, value, duration, guard, also)
             .await
     }
 }
@@ -1284,6 +1289,7 @@ impl KvStore for InterjectsBeforeFirstCommit {
                             serde_json::to_vec(&record).expect("encode the countdown"),
                             GRACE,
                             &[],
+                            &[],
                         )
                         .await
                         .expect("start the countdown");
@@ -1346,9 +1352,10 @@ impl Countdowns for PluginCommitsAfterTheCountdown {
         value: Vec<u8>,
         duration: Duration,
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<Revision, IpamError> {
         let revision = TestCountdowns(Arc::clone(&self.store))
-            .start(key, value, duration, guard)
+            .start(key, value, duration, guard, also)
             .await?;
         plugin_add(&self.plugin, "node-a", &self.handle).await;
         Ok(revision)
@@ -1486,4 +1493,133 @@ async fn a_countdown_started_between_the_plugins_read_and_its_commit_makes_the_c
     )
     .await;
     assert!(activity_revision(store.as_ref(), "node-a").await > moved);
+}
+
+/// `host`'s node generation as stored.
+async fn node_generation(store: &dyn KvStore, host: &str) -> Option<KeyValue> {
+    store
+        .get(&ipam_core::model::keys::node_generation(host))
+        .await
+        .expect("read the node generation")
+}
+
+/// Asserts that `host`'s node generation names `writer` and was put in the transaction that last
+/// wrote `key`.
+async fn assert_generation_put_with(store: &dyn KvStore, host: &str, writer: &str, key: &str) {
+    let generation = node_generation(store, host)
+        .await
+        .unwrap_or_else(|| panic!("{writer}: no node generation"));
+    let written = store
+        .get(key)
+        .await
+        .expect("read")
+        .unwrap_or_else(|| panic!("{writer}: {key} absent"));
+    assert_eq!(
+        (generation.value.as_slice(), generation.revision),
+        (writer.as_bytes(), written.revision),
+        "{writer}: the generation was not put with {key}"
+    );
+}
+
+/// Countdowns as [`TestCountdowns`] starts them, recording the node generation right after each
+/// start beside the start's revision.
+struct GenerationAfterEachCountdown {
+    store: Arc<dyn KvStore>,
+    seen: std::sync::Mutex<Vec<(Revision, Option<KeyValue>)>>,
+}
+
+#[async_trait]
+impl Countdowns for GenerationAfterEachCountdown {
+    async fn start(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        duration: Duration,
+        guard: &[Condition],
+        also: &[Op],
+    ) -> Result<Revision, IpamError> {
+        let revision = TestCountdowns(Arc::clone(&self.store))
+            .start(key, value, duration, guard, also)
+            .await?;
+        let generation = node_generation(self.store.as_ref(), "node-a").await;
+        self.seen
+            .lock()
+            .expect("not poisoned")
+            .push((revision, generation));
+        Ok(revision)
+    }
+}
+
+/// Every write of what decides whether a node's plugin rewrites its activity record puts the
+/// node's generation in its own transaction, naming the writer: the agent registering, the
+/// plugin's record (not a call that leaves it as it is), the grace countdown's start, the mark,
+/// its clearing, the reclaim; forgetting the node deletes it.
+#[tokio::test]
+async fn every_write_of_a_nodes_activity_evidence_changes_its_generation() {
+    let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    ipam_with_pool(Arc::clone(&store)).await;
+    let countdowns = GenerationAfterEachCountdown {
+        store: Arc::clone(&store),
+        seen: std::sync::Mutex::new(Vec::new()),
+    };
+    let pass = || async {
+        reclaim_pass(Arc::clone(&store), &countdowns, &options())
+            .await
+            .expect("reclaim pass")
+    };
+    let agent = agent_key("node-a");
+    let activity = activity_key("node-a");
+
+    register(store.as_ref(), "node-a", "test", T0)
+        .await
+        .expect("register");
+    assert_generation_put_with(store.as_ref(), "node-a", "registration", &agent).await;
+    plugin_commit(&store, "node-a", "net.a").await;
+    assert_generation_put_with(store.as_ref(), "node-a", "activity", &activity).await;
+    let before = node_generation(store.as_ref(), "node-a").await;
+    plugin_commit(&store, "node-a", "net.b").await;
+    assert_eq!(
+        node_generation(store.as_ref(), "node-a").await,
+        before,
+        "a call that leaves the record as it is"
+    );
+
+    // No liveness key: the countdown starts, then the mark.
+    let outcomes = pass().await;
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+    assert_generation_put_with(store.as_ref(), "node-a", "mark", &agent).await;
+    {
+        let seen = countdowns.seen.lock().expect("not poisoned");
+        let (revision, generation) = seen.last().expect("a countdown started");
+        let generation = generation.as_ref().expect("a generation");
+        assert_eq!(
+            (generation.value.as_slice(), generation.revision),
+            (b"countdown".as_slice(), *revision),
+            "the generation was not put with the countdown"
+        );
+    }
+
+    // The agent is back: the mark is cleared.
+    set_live(store.as_ref(), "node-a").await;
+    let outcomes = pass().await;
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::ClearedMark);
+    assert_generation_put_with(store.as_ref(), "node-a", "mark-cleared", &agent).await;
+
+    // Gone again for longer than the grace: reclaimed.
+    store
+        .delete(&liveness_key("node-a"))
+        .await
+        .expect("the agent stops");
+    let outcomes = pass().await;
+    assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
+    grace_passes(store.as_ref(), "node-a").await;
+    let outcomes = pass().await;
+    assert!(
+        matches!(action_of(&outcomes, "node-a"), NodeAction::Reclaimed(_)),
+        "{outcomes:?}"
+    );
+    assert_generation_put_with(store.as_ref(), "node-a", "reclaim", &agent).await;
+
+    assert!(forget_node(store.as_ref(), "node-a").await.expect("forget"));
+    assert_eq!(node_generation(store.as_ref(), "node-a").await, None);
 }

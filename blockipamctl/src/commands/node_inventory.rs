@@ -12,7 +12,9 @@ use ipam_core::dead_nodes::{
     validate_node, NodeState, NodeStatus, ReleasePreview,
 };
 use ipam_core::model::keys;
-use ipam_core::{Condition, HostRelease, Ipam, IpamError, KvStore, Revision, UndecodableObject};
+use ipam_core::{
+    Condition, HostRelease, Ipam, IpamError, KvStore, Op, Revision, Txn, UndecodableObject,
+};
 use serde::Serialize;
 
 use super::gc::{state_name, state_text};
@@ -406,7 +408,16 @@ pub async fn retire(
     let registration_deleted = forget_node(store.as_ref(), host).await?;
     let activity_record_deleted = if registration_deleted || status.is_none() {
         match store.get(&activity_key(host)).await? {
-            Some(kv) => match store.delete_at(&kv.key, kv.revision).await {
+            // With the node generation its writes put (gone with the registration, if any).
+            Some(kv) => match store
+                .commit(
+                    Txn::new()
+                        .when(Condition::at_revision(&kv.key, kv.revision))
+                        .then(Op::delete(&kv.key))
+                        .then(Op::delete(keys::node_generation(host))),
+                )
+                .await
+            {
                 Ok(_) => true,
                 Err(ipam_core::KvError::Conflict { .. }) => false,
                 Err(e) => return Err(e.into()),

@@ -95,12 +95,15 @@ pub trait Countdowns: Send + Sync {
     /// [`IpamError::Store`] with [`KvError::Conflict`] naming the first condition of `guard` that
     /// does not hold (nothing written); store failures; [`IpamError::InvalidArgument`] when the
     /// store cannot time keys.
+    ///
+    /// `also` are written in the same transaction, untimed (the node's generation).
     async fn start(
         &self,
         key: &str,
         value: Vec<u8>,
         duration: Duration,
         guard: &[Condition],
+        also: &[Op],
     ) -> Result<Revision, IpamError>;
 }
 
@@ -117,6 +120,7 @@ impl Countdowns for NoCountdowns {
         _: Vec<u8>,
         _: Duration,
         _: &[Condition],
+        _: &[Op],
     ) -> Result<Revision, IpamError> {
         Err(IpamError::InvalidArgument(
             "dead-node reclaim needs a store that times keys itself (etcd leases)".into(),
@@ -221,7 +225,17 @@ pub async fn register(
         missing_mark: None,
         blocks_released: false,
     };
-    Ok(store.put(&agent_key(host), registration.encode()?).await?)
+    let txn = Txn::new()
+        .then(Op::put(agent_key(host), registration.encode()?))
+        .then(node_generation_change(host, "registration"));
+    Ok(store.commit(txn).await?)
+}
+
+/// The put of `host`'s node generation ([`crate::model::keys::node_generation`]) that goes in
+/// the transaction of every write of its registration, grace countdown or activity record,
+/// naming the writer.
+pub(crate) fn node_generation_change(host: &str, writer: &str) -> Op {
+    Op::put(crate::model::keys::node_generation(host), writer.as_bytes())
 }
 
 /// True when `bytes` is a registration with no reclaimer's mark, stored exactly as this build
@@ -241,9 +255,9 @@ const FORGET_INDEX_BATCH: usize = 100;
 
 /// Forgets `host` once an operator released its addresses (`node release <node> --addresses`):
 /// deletes its borrowed-block index (also when it has no registration), then its registration,
-/// its agent's record of live disagreements and whatever is under its countdown's key, in one
-/// transaction guarded by "no liveness key, registration unchanged". A node an agent keeps live
-/// stays registered and keeps its index.
+/// its agent's record of live disagreements, whatever is under its countdown's key and its node
+/// generation, in one transaction guarded by "no liveness key, registration unchanged". A node an
+/// agent keeps live stays registered and keeps its index.
 /// Returns whether a registration was deleted (`false` also when there was none).
 ///
 /// # Errors
@@ -279,7 +293,8 @@ pub async fn forget_node(store: &dyn KvStore, host: &str) -> Result<bool, IpamEr
     let txn = Txn::new()
         .then(Op::delete(agent_key(host)))
         .then(Op::delete(countdown_key(host)))
-        .then(Op::delete(crate::model::keys::live_disagreements_key(host)));
+        .then(Op::delete(crate::model::keys::live_disagreements_key(host)))
+        .then(Op::delete(crate::model::keys::node_generation(host)));
     Ok(commit_guarded(store, txn, &guard, &[]).await?.is_none())
 }
 
@@ -686,7 +701,9 @@ async fn clear_mark(
         ..node.registration.clone()
     };
     let key = agent_key(&node.host);
-    let mut txn = Txn::new().then(Op::put(&key, registration.encode()?));
+    let mut txn = Txn::new()
+        .then(Op::put(&key, registration.encode()?))
+        .then(node_generation_change(&node.host, "mark-cleared"));
     if node.countdown.is_some() {
         txn = txn.then(Op::delete(countdown_key(&node.host)));
     }
@@ -726,6 +743,7 @@ async fn mark_missing(
             value,
             options.grace,
             &start_guard,
+            &[node_generation_change(&node.host, "countdown")],
         )
         .await
     {
@@ -743,7 +761,9 @@ async fn mark_missing(
         blocks_released: false,
         ..node.registration.clone()
     };
-    let txn = Txn::new().then(Op::put(agent_key(&node.host), registration.encode()?));
+    let txn = Txn::new()
+        .then(Op::put(agent_key(&node.host), registration.encode()?))
+        .then(node_generation_change(&node.host, "mark"));
     let mut guard = evidence_guard(node);
     guard.push(Condition::at_revision(
         countdown_key(&node.host),
@@ -835,7 +855,8 @@ async fn reclaim_dead(
     };
     let txn = Txn::new()
         .then(Op::put(agent_key(&node.host), registration.encode()?))
-        .then(Op::put(countdown_key(&node.host), hold.encode()?));
+        .then(Op::put(countdown_key(&node.host), hold.encode()?))
+        .then(node_generation_change(&node.host, "reclaim"));
     match commit_guarded(store.as_ref(), txn, &guard, &[]).await? {
         None => Ok(NodeAction::Reclaimed(released)),
         Some(key) => Ok(NodeAction::Stopped {
@@ -885,7 +906,13 @@ mod tests {
     #[tokio::test]
     async fn stores_that_cannot_time_keys_start_no_countdown() {
         let refused = NoCountdowns
-            .start(&countdown_key("node-a"), Vec::new(), DEFAULT_GRACE, &[])
+            .start(
+                &countdown_key("node-a"),
+                Vec::new(),
+                DEFAULT_GRACE,
+                &[],
+                &[],
+            )
             .await;
         assert!(
             matches!(refused, Err(IpamError::InvalidArgument(_))),

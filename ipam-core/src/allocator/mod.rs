@@ -709,6 +709,8 @@ struct ActivityRecording {
     registration_key: String,
     /// `ipam/v1/missing/<host>`: the grace countdown a reclaimer starts before it marks.
     countdown_key: String,
+    /// `ipam/v1/node-generation/<host>`: put with every write of the record.
+    generation_key: String,
 }
 
 impl Plan {
@@ -1064,6 +1066,7 @@ impl Ipam {
             value: record.encode()?,
             registration_key: crate::allocator::dead_nodes::agent_key(host),
             countdown_key: crate::allocator::dead_nodes::countdown_key(host),
+            generation_key: crate::model::keys::node_generation(host),
         }));
         Ok(self)
     }
@@ -1242,7 +1245,10 @@ impl Ipam {
                         plan.carry(condition);
                     }
                 }
-                None => plan.put(&activity.key, activity.value.clone()),
+                None => {
+                    plan.put(&activity.key, activity.value.clone());
+                    plan.put(&activity.generation_key, b"activity".to_vec());
+                }
             }
         }
         if !plan.fits_one_transaction() {

@@ -292,6 +292,15 @@ pub fn activity_key(host: &str) -> String {
     format!("{ROOT}activity/{host}")
 }
 
+/// `host`'s node generation: put (its value names the writer) in the same transaction as every
+/// write of what decides whether that node's plugin rewrites its activity record: the node's
+/// registration (an agent registering, a reclaimer's mark, its clearing, a reclaim), its grace
+/// countdown's start and its activity record; deleted when the node is forgotten or retired. A
+/// transaction that tests it at the revision read tests all of them.
+pub fn node_generation(host: &str) -> String {
+    format!("{ROOT}node-generation/{host}")
+}
+
 /// Prefix of every node's record of live addresses the store disagrees with.
 pub fn live_disagreements_dir() -> String {
     format!("{ROOT}live-disagreements/")
@@ -387,6 +396,7 @@ mod tests {
             agent_key("<node>"),
             liveness_key("<node>"),
             activity_key("<node>"),
+            node_generation("<node>"),
             countdown_key("<node>"),
             live_disagreements_key("<node>"),
             borrowed_key("<node>", &cidr),
