@@ -31,6 +31,7 @@ macro_rules! cached_reads_conformance_tests {
             hosts_assigning_concurrently_through_caches_of_their_own_get_distinct_addresses,
             a_steady_assign_through_the_cache_tests_the_pool_generation_for_every_pool,
             every_write_an_assignment_decides_from_raises_the_pool_generation_with_it,
+            a_confirmation_is_dropped_only_while_its_handle_is_still_gone,
         );
     };
 }
@@ -488,4 +489,55 @@ pub async fn every_write_an_assignment_decides_from_raises_the_pool_generation_w
         .expect("read")
         .is_none());
     raised("a network's confirmation dropped", before, None).await;
+}
+
+/// A network's confirmation record is dropped when its reservation handle is gone, but not when
+/// the handle is written again between the read that found it gone and the drop (the network set
+/// up again meanwhile): the drop is refused, the record stays, and the call is no error.
+pub async fn a_confirmation_is_dropped_only_while_its_handle_is_still_gone<F: StoreFactory>(
+    factory: &F,
+) {
+    let (t, _) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
+    let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
+    let ipam = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
+    let reserve = |ipam: Ipam| async move {
+        ipam.assign_ips(&AssignIpsRequest {
+            ips: vec!["10.0.0.1".parse().expect("ip")],
+            handle: "net:gateway".into(),
+            host: "node-a".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("the gateway reserved");
+    };
+    reserve(ipam.clone()).await;
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("confirm");
+    ipam.release_handle("net:gateway").await.expect("release");
+    let record_key = keys::reservations_held("net:gateway");
+    let record = t.store.get(&record_key).await.expect("read");
+    assert!(record.is_some(), "a confirmation to drop");
+
+    let again = Ipam::new(Arc::clone(&t.store));
+    hooked.before_commit(
+        crate::hooked::writes_key(record_key.clone(), false),
+        move || reserve(again),
+    );
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("a refused drop is no error");
+    assert!(hooked.commit_hook_fired(), "the race was not staged");
+    assert_eq!(
+        t.store.get(&record_key).await.expect("read"),
+        record,
+        "dropped although the handle was written again"
+    );
+
+    // Gone again, and nothing in between: dropped.
+    ipam.release_handle("net:gateway").await.expect("release");
+    ipam.confirm_reservations("net:gateway")
+        .await
+        .expect("drop");
+    assert_eq!(t.store.get(&record_key).await.expect("read"), None);
 }
