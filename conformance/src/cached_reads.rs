@@ -336,6 +336,18 @@ pub async fn a_steady_assign_through_the_cache_tests_the_pool_generation_for_eve
     assert_clean(&other).await;
 }
 
+/// Reserves 10.0.0.1 for the network `net` (its reservation handle `net:gateway`).
+async fn reserve_gateway(ipam: Ipam) {
+    ipam.assign_ips(&AssignIpsRequest {
+        ips: vec!["10.0.0.1".parse().expect("ip")],
+        handle: "net:gateway".into(),
+        host: "node-a".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("the gateway reserved");
+}
+
 /// The pool generation's count and revision (the test's store holds one).
 async fn pool_generation(store: &Arc<dyn KvStore>) -> (u64, Revision) {
     let kv = store
@@ -451,14 +463,7 @@ pub async fn every_write_an_assignment_decides_from_raises_the_pool_generation_w
         .expect("namespace pools removed");
     raised("a namespace's pools removed", before, None).await;
 
-    ipam.assign_ips(&AssignIpsRequest {
-        ips: vec!["10.0.0.1".parse().expect("ip")],
-        handle: "net:gateway".into(),
-        host: "node-a".into(),
-        ..Default::default()
-    })
-    .await
-    .expect("the gateway reserved");
+    reserve_gateway(ipam.clone()).await;
     let before = pool_generation(&t.store).await;
     ipam.confirm_reservations("net:gateway")
         .await
@@ -500,17 +505,7 @@ pub async fn a_confirmation_is_dropped_only_while_its_handle_is_still_gone<F: St
     let (t, _) = ipam_with_pool(factory, "10.0.0.0/24", 26).await;
     let hooked = crate::hooked::HookedStore::new(Arc::clone(&t.store));
     let ipam = Ipam::new(hooked.clone() as Arc<dyn KvStore>);
-    let reserve = |ipam: Ipam| async move {
-        ipam.assign_ips(&AssignIpsRequest {
-            ips: vec!["10.0.0.1".parse().expect("ip")],
-            handle: "net:gateway".into(),
-            host: "node-a".into(),
-            ..Default::default()
-        })
-        .await
-        .expect("the gateway reserved");
-    };
-    reserve(ipam.clone()).await;
+    reserve_gateway(ipam.clone()).await;
     ipam.confirm_reservations("net:gateway")
         .await
         .expect("confirm");
@@ -522,7 +517,7 @@ pub async fn a_confirmation_is_dropped_only_while_its_handle_is_still_gone<F: St
     let again = Ipam::new(Arc::clone(&t.store));
     hooked.before_commit(
         crate::hooked::writes_key(record_key.clone(), false),
-        move || reserve(again),
+        move || reserve_gateway(again),
     );
     ipam.confirm_reservations("net:gateway")
         .await

@@ -17,6 +17,8 @@ pub mod release;
 pub mod report;
 pub mod reservation;
 pub mod show;
+#[cfg(test)]
+mod test_support;
 pub mod tunnel;
 pub mod upgrade;
 

@@ -488,34 +488,14 @@ pub async fn retire(
 mod tests {
     use super::*;
     use ipam_core::dead_nodes::register;
-    use ipam_core::{AutoAssignRequest, MemoryStore, PoolSpec};
 
     /// A store with a pool, `node-a` registered by its agent (which then stopped: no liveness
     /// key) and two of its pods' addresses.
     async fn a_stopped_node() -> (Arc<dyn KvStore>, Ipam) {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let ipam = Ipam::new(Arc::clone(&store));
-        ipam.create_pool(&PoolSpec {
-            cidr: "10.0.0.0/16".parse().expect("a cidr"),
-            name: Some("pool".into()),
-            block_size: Some(26),
-            disabled: false,
-        })
-        .await
-        .expect("a pool");
+        let (store, ipam) = super::super::test_support::two_pods_on_node_a().await;
         register(store.as_ref(), "node-a", "test", 1)
             .await
             .expect("register");
-        for pod in ["net.a", "net.b"] {
-            ipam.auto_assign(&AutoAssignRequest {
-                handle: pod.into(),
-                host: "node-a".into(),
-                num_v4: 1,
-                ..AutoAssignRequest::default()
-            })
-            .await
-            .expect("an address");
-        }
         (store, ipam)
     }
 

@@ -472,32 +472,13 @@ async fn from_report(
 mod tests {
     use super::*;
     use ipam_core::model::{encode, Handle};
-    use ipam_core::{AutoAssignRequest, KvStore, MemoryStore, PoolSpec};
+    use ipam_core::KvStore;
     use std::sync::Arc;
 
     /// A store whose pods `net.a` and `net.b` lost their handles (what `check` reports as
     /// missing-handle), and their addresses as a report lists them.
     async fn two_leaks() -> (Arc<dyn KvStore>, Ipam, Vec<ReportedAddress>) {
-        let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
-        let ipam = Ipam::new(Arc::clone(&store));
-        ipam.create_pool(&PoolSpec {
-            cidr: "10.0.0.0/16".parse().expect("a cidr"),
-            name: Some("pool".into()),
-            block_size: Some(26),
-            disabled: false,
-        })
-        .await
-        .expect("a pool");
-        for pod in ["net.a", "net.b"] {
-            ipam.auto_assign(&AutoAssignRequest {
-                handle: pod.into(),
-                host: "node-a".into(),
-                num_v4: 1,
-                ..AutoAssignRequest::default()
-            })
-            .await
-            .expect("an address");
-        }
+        let (store, ipam) = super::super::test_support::two_pods_on_node_a().await;
         let reported = ipam
             .list_allocations()
             .await
