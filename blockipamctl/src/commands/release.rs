@@ -509,9 +509,12 @@ mod tests {
             ..Handle::default()
         };
         store
-            .put(&keys::handle("net.a"), encode(&recreated).expect("encode"))
+            .put(
+                &keys::handle(&reported[0].handle),
+                encode(&recreated).expect("encode"),
+            )
             .await
-            .expect("recreate net.a's handle");
+            .expect("recreate the first pod's handle");
 
         let (released, skipped) = release_while_handles_absent(&ipam, reported.clone())
             .await
@@ -533,7 +536,7 @@ mod tests {
             .await
             .expect("read")
             .expect("still allocated");
-        assert_eq!(kept.handle, "net.a");
+        assert_eq!(kept.handle, reported[0].handle);
         assert!(ipam
             .get_assignment(reported[1].ip)
             .await
