@@ -32,6 +32,16 @@
 //! the generation stays at that revision, nothing under the prefix changed since the listing
 //! was the store's. The promise is the configurer's: a writer that writes under the prefix
 //! without raising the generation is not seen by an answer so validated.
+//!
+//! A [`Covering`] extends the same to single keys under a prefix (read after their generation,
+//! they are known as of its revision), names a generation per key (`<dir><name>` for the key
+//! `<prefix><name>`), may hold for answers of absence only (keys the store deletes on its own,
+//! such as a lease's expiry, while every put writes the generation), and may be in force only
+//! once a *gate* key holds a value the configurer names (the allocator's format record: every
+//! writer keeps the promise only from a format on). A gated covering takes an answer as known as
+//! of the later of the generation's and the gate's revisions, and learns it only from a batch
+//! that read the gate (holding) before the generation before the answer: what an older writer
+//! wrote before the gate held is never taken for covered.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -111,9 +121,8 @@ impl KeptListing {
 
 /// The conditions that hold exactly when each of `results` is still what the store holds: for a
 /// key, absent or at its revision; for a listing, nothing put under its prefix after its newest
-/// revision and each listed key at its revision; none for the listings at the indexes in
-/// `covered` (each validated instead by a generation read in the same batch:
-/// [`CachingStore::covering`]). None when two results disagree on a key (read at different times)
+/// revision and each listed key at its revision; none for the answers at the indexes in
+/// `covered` (each validated instead by a generation read in the same batch: [`Covering`]). None when two results disagree on a key (read at different times)
 /// or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
 fn validators_except(
     reads: &[Read],
@@ -130,7 +139,7 @@ fn validators_except(
     };
     for (index, (read, result)) in reads.iter().zip(results).enumerate() {
         match (read, result) {
-            (Read::List(_), _) if covered.contains(&index) => {}
+            _ if covered.contains(&index) => {}
             (Read::Get(key), ReadResult::Got(Some(kv))) => {
                 validate(Condition::at_revision(key, kv.revision));
             }
@@ -151,13 +160,138 @@ fn validators_except(
     (agreed && validators.len() <= MAX_VALIDATORS).then(|| validators.into_values().collect())
 }
 
-/// The revision of `generation` as the batch read it, when it read it present.
-fn generation_read(reads: &[Read], results: &[ReadResult], generation: &str) -> Option<Revision> {
+/// Keys or a listing a generation key validates in place of their own validators: every
+/// transaction that writes them also writes the generation (see the module's documentation).
+#[derive(Clone)]
+pub struct Covering {
+    /// Keys under it, and its own listing when the generation is one key.
+    prefix: String,
+    generation: GenerationOf,
+    /// Only answers of absence are covered (the store deletes such keys on its own).
+    absent_only: bool,
+    /// In force only while this key holds a value `holds` accepts.
+    gate: Option<(String, fn(&[u8]) -> bool)>,
+}
+
+/// Where a covered key's generation is.
+#[derive(Debug, Clone)]
+enum GenerationOf {
+    /// One key for every key under the prefix, and for its listing.
+    Key(String),
+    /// `<dir><name>` for the key `<prefix><name>` (a name without `/`); listings not covered.
+    Named { dir: String },
+}
+
+impl std::fmt::Debug for Covering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Covering")
+            .field("prefix", &self.prefix)
+            .field("generation", &self.generation)
+            .field("absent_only", &self.absent_only)
+            .field("gate", &self.gate.as_ref().map(|(key, _)| key))
+            .finish()
+    }
+}
+
+impl Covering {
+    /// The listing of `prefix` and every key under it, covered by the one key `generation`.
+    pub fn listing(prefix: impl Into<String>, generation: impl Into<String>) -> Self {
+        Covering {
+            prefix: prefix.into(),
+            generation: GenerationOf::Key(generation.into()),
+            absent_only: false,
+            gate: None,
+        }
+    }
+
+    /// Each key `<prefix><name>` covered by its own generation `<generations_dir><name>`.
+    pub fn each_by_name(prefix: impl Into<String>, generations_dir: impl Into<String>) -> Self {
+        Covering {
+            prefix: prefix.into(),
+            generation: GenerationOf::Named {
+                dir: generations_dir.into(),
+            },
+            absent_only: false,
+            gate: None,
+        }
+    }
+
+    /// Covers answers of absence only: for keys the store deletes on its own (a lease's expiry)
+    /// while every put of one writes its generation.
+    pub fn absent_only(mut self) -> Self {
+        self.absent_only = true;
+        self
+    }
+
+    /// In force only in a batch that read `key` holding a value `holds` accepts (before the
+    /// generation, for what the batch teaches).
+    pub fn when(mut self, key: impl Into<String>, holds: fn(&[u8]) -> bool) -> Self {
+        self.gate = Some((key.into(), holds));
+        self
+    }
+
+    /// The generation key of the answer to `read`, when this covering applies to it.
+    fn generation_of(&self, read: &Read, result: &ReadResult) -> Option<String> {
+        let generation = match (read, &self.generation) {
+            (Read::Get(key), GenerationOf::Key(generation)) => {
+                (key.starts_with(&self.prefix) && key != generation).then(|| generation.clone())
+            }
+            (Read::Get(key), GenerationOf::Named { dir }) => key
+                .strip_prefix(&self.prefix)
+                .filter(|name| !name.is_empty() && !name.contains('/'))
+                .map(|name| format!("{dir}{name}"))
+                .filter(|generation| generation != key),
+            (Read::List(prefix), GenerationOf::Key(generation)) => {
+                (*prefix == self.prefix).then(|| generation.clone())
+            }
+            _ => None,
+        }?;
+        let absent = matches!(result, ReadResult::Got(None));
+        (!self.absent_only || absent).then_some(generation)
+    }
+
+    /// When this covering is in force for an answer whose generation is `generation`: the
+    /// revision the answer must be known as of (the later of the generation's and the gate's).
+    /// With `learning_at`, the index of an answer read from the store in this batch: only if the
+    /// generation was read before it, and the gate before the generation.
+    fn in_force(
+        &self,
+        reads: &[Read],
+        results: &[ReadResult],
+        generation: &str,
+        learning_at: Option<usize>,
+    ) -> Option<Revision> {
+        let upto = learning_at.unwrap_or(reads.len());
+        let (position, generation_revision) =
+            present_read(&reads[..upto], &results[..upto], generation)?;
+        let Some((gate, holds)) = &self.gate else {
+            return Some(generation_revision);
+        };
+        let gate_upto = if learning_at.is_some() {
+            position
+        } else {
+            reads.len()
+        };
+        reads[..gate_upto]
+            .iter()
+            .zip(&results[..gate_upto])
+            .find_map(|(read, result)| match (read, result) {
+                (Read::Get(key), ReadResult::Got(Some(kv))) if key == gate && holds(&kv.value) => {
+                    Some(kv.revision.max(generation_revision))
+                }
+                _ => None,
+            })
+    }
+}
+
+/// Where the batch read `key` present, and its revision.
+fn present_read(reads: &[Read], results: &[ReadResult], key: &str) -> Option<(usize, Revision)> {
     reads
         .iter()
         .zip(results)
-        .find_map(|(read, result)| match (read, result) {
-            (Read::Get(key), ReadResult::Got(Some(kv))) if key == generation => Some(kv.revision),
+        .enumerate()
+        .find_map(|(index, (read, result))| match (read, result) {
+            (Read::Get(k), ReadResult::Got(Some(kv))) if k == key => Some((index, kv.revision)),
             _ => None,
         })
 }
@@ -306,8 +440,8 @@ pub struct CachingStore {
     inner: Arc<dyn KvStore>,
     kept: Mutex<Kept>,
     speculating: Vec<String>,
-    /// (prefix, generation key): every write under the prefix also writes the generation.
-    covering: Vec<(String, String)>,
+    /// Keys and listings validated by a generation: see [`Covering`].
+    covering: Vec<Covering>,
     stats: Arc<CacheStats>,
 }
 
@@ -340,14 +474,20 @@ impl CachingStore {
     /// listing of `prefix` known as of the generation's revision or later is validated by the
     /// generation alone (see the module's documentation). Only for a prefix whose every writer
     /// keeps that promise.
-    pub fn covering(mut self, prefix: impl Into<String>, generation: impl Into<String>) -> Self {
-        self.covering.push((prefix.into(), generation.into()));
+    pub fn covering(self, prefix: impl Into<String>, generation: impl Into<String>) -> Self {
+        self.with_covering(Covering::listing(prefix, generation))
+    }
+
+    /// Adds `covering` (see [`Covering`]).
+    pub fn with_covering(mut self, covering: Covering) -> Self {
+        self.covering.push(covering);
         self
     }
 
-    /// The indexes of the listings among `reads` validated by their generation: a listing of a
-    /// covered prefix known as of (`current_as_of`) the revision of its generation, read present
-    /// in the same batch, or later.
+    /// The indexes of the answers among `results` validated by their generation: each a key or
+    /// listing a [`Covering`] applies to, in force in this batch (its gate read holding), whose
+    /// generation the batch read present, known (`current_as_of`) as of the later of the
+    /// generation's and the gate's revisions or later.
     fn covered(
         &self,
         reads: &[Read],
@@ -355,17 +495,22 @@ impl CachingStore {
         current_as_of: &[Revision],
     ) -> Vec<usize> {
         let mut covered = Vec::new();
-        for (prefix, generation) in &self.covering {
-            let Some(generation_revision) = generation_read(reads, results, generation) else {
+        for (index, (read, result)) in reads.iter().zip(results).enumerate() {
+            let Some(known_as_of) = current_as_of
+                .get(index)
+                .copied()
+                .filter(|r| *r != Revision::NONE)
+            else {
                 continue;
             };
-            for (index, read) in reads.iter().enumerate() {
-                let known_as_of = current_as_of.get(index).copied();
-                if matches!(read, Read::List(p) if p == prefix)
-                    && known_as_of.is_some_and(|r| r >= generation_revision)
-                {
-                    covered.push(index);
-                }
+            let is_covered = self.covering.iter().any(|covering| {
+                covering
+                    .generation_of(read, result)
+                    .and_then(|generation| covering.in_force(reads, results, &generation, None))
+                    .is_some_and(|needed| known_as_of >= needed)
+            });
+            if is_covered {
+                covered.push(index);
             }
         }
         covered
@@ -425,31 +570,37 @@ impl CachingStore {
                 _ => {}
             }
         }
-        // A covered listing read after its generation, in one batch: nothing was written under
-        // its prefix between the generation's revision and the read, or the generation would be
-        // later (and the read found its writes: its generation's validator then fails).
-        for (prefix, generation) in &self.covering {
-            let Some(position) = reads
+        // A covered key or listing read after its generation (and a gated covering's generation
+        // after its gate), in one batch: nothing was written there between the generation's
+        // revision and the read, or the generation would be later (and the read found its
+        // writes: its generation's validator then fails).
+        for (index, (read, result)) in reads.iter().zip(results).enumerate() {
+            let known_as_of = self
+                .covering
                 .iter()
-                .position(|r| matches!(r, Read::Get(k) if k == generation))
-            else {
+                .filter_map(|covering| {
+                    let generation = covering.generation_of(read, result)?;
+                    covering.in_force(reads, results, &generation, Some(index))
+                })
+                .max();
+            let Some(known_as_of) = known_as_of else {
                 continue;
             };
-            let Some(generation_revision) =
-                generation_read(&reads[..=position], &results[..=position], generation)
-            else {
-                continue;
-            };
-            let listed_after = reads[position + 1..]
-                .iter()
-                .zip(&results[position + 1..])
-                .any(|(read, result)| {
-                    matches!((read, result), (Read::List(p), ReadResult::Listed(_)) if p == prefix)
-                });
-            if listed_after {
-                if let Some(listing) = kept.listings.get_mut(prefix) {
-                    listing.current_as_of = listing.current_as_of.max(generation_revision);
+            match read {
+                Read::Get(key) if kept.keys.contains_key(key) => {
+                    let kept_as_of = kept
+                        .keys_current_as_of
+                        .get(key)
+                        .copied()
+                        .unwrap_or(Revision::NONE);
+                    kept.set_key_current_as_of(key, kept_as_of.max(known_as_of));
                 }
+                Read::List(prefix) => {
+                    if let Some(listing) = kept.listings.get_mut(prefix) {
+                        listing.current_as_of = listing.current_as_of.max(known_as_of);
+                    }
+                }
+                _ => {}
             }
         }
         kept.forget_everything_past_the_limit();
@@ -1779,5 +1930,212 @@ mod tests {
             .iter()
             .any(|c| c.tests_a_prefix() && c.key() == "pools/"));
         assert!(answered.validators.contains(&Condition::absent("gen")));
+    }
+
+    /// The format a gated covering waits for, as the gate's value.
+    fn format_7_or_later(value: &[u8]) -> bool {
+        value >= b"7".as_slice()
+    }
+
+    /// A store at format 6 with a configuration and its generation, and a node's record and its
+    /// generation; a cache over it whose coverings are in force from format 7 on: the
+    /// configuration by the generation, the node's record by its own, its countdown (a key the
+    /// store deletes on its own) while absent.
+    async fn store_with_gated_coverings() -> (Arc<MemoryStore>, CachingStore) {
+        let backing = Arc::new(MemoryStore::new());
+        backing.put("format", b"6".to_vec()).await.expect("put");
+        backing.put("config", b"c".to_vec()).await.expect("put");
+        backing.put("gen", b"1".to_vec()).await.expect("put");
+        backing.put("act/n1", b"a".to_vec()).await.expect("put");
+        backing.put("ngen/n1", b"x".to_vec()).await.expect("put");
+        let cached = CachingStore::new(Arc::clone(&backing) as Arc<dyn KvStore>)
+            .with_covering(Covering::listing("config", "gen").when("format", format_7_or_later))
+            .with_covering(
+                Covering::each_by_name("act/", "ngen/").when("format", format_7_or_later),
+            )
+            .with_covering(
+                Covering::each_by_name("missing/", "ngen/")
+                    .absent_only()
+                    .when("format", format_7_or_later),
+            );
+        (backing, cached)
+    }
+
+    /// The gate, the two generations, then what they cover.
+    fn gated_batch() -> Vec<Read> {
+        vec![
+            Read::Get("format".into()),
+            Read::Get("gen".into()),
+            Read::Get("ngen/n1".into()),
+            Read::Get("config".into()),
+            Read::Get("act/n1".into()),
+            Read::Get("missing/n1".into()),
+        ]
+    }
+
+    fn tested_keys(answered: &CachedRead) -> Vec<&str> {
+        answered.validators.iter().map(Condition::key).collect()
+    }
+
+    #[tokio::test]
+    async fn keys_are_validated_by_their_generations_only_once_the_gate_holds() {
+        let (backing, cached) = store_with_gated_coverings().await;
+        let before = cached
+            .read_many_cached(&gated_batch(), false)
+            .await
+            .expect("read");
+        assert_eq!(
+            tested_keys(&before),
+            ["act/n1", "config", "format", "gen", "missing/n1", "ngen/n1"],
+            "at format 6 every key keeps its own validator"
+        );
+        // Finalized: the gate holds from its revision on (the node's generation is not raised).
+        backing.put("format", b"7".to_vec()).await.expect("put");
+        let after = cached
+            .read_many_cached(&gated_batch(), false)
+            .await
+            .expect("read");
+        assert_eq!(
+            tested_keys(&after),
+            ["format", "gen", "ngen/n1"],
+            "read after the gate and their generations, each is known as of both"
+        );
+        let format = revision_of(&backing, "format").await;
+        assert_eq!(after.current_as_of[4], format, "the record as of the gate");
+        let again = cached
+            .read_many_cached(&gated_batch(), true)
+            .await
+            .expect("again");
+        assert!(again.from_cache);
+        assert_eq!(again.validators, after.validators);
+
+        // A countdown started (with the node's generation, as every writer from format 7 on):
+        // the kept absence is stale, and the generation refuses a commit decided from it.
+        backing
+            .commit(
+                Txn::new()
+                    .then(Op::put("missing/n1", b"m".to_vec()))
+                    .then(Op::put("ngen/n1", b"countdown".to_vec())),
+            )
+            .await
+            .expect("countdown");
+        let stale = cached
+            .read_many_cached(&gated_batch(), true)
+            .await
+            .expect("stale");
+        assert!(stale.from_cache);
+        let refused = cached
+            .commit(decided_from(
+                &stale,
+                Txn::new().then(Op::put("act/n1", b"b".to_vec())),
+            ))
+            .await;
+        assert!(
+            matches!(&refused, Err(KvError::Conflict { key }) if key == "ngen/n1"),
+            "{refused:?}"
+        );
+        // Read again: a countdown present is not covered (the store deletes it on its own).
+        let fresh = cached
+            .read_many_cached(&gated_batch(), true)
+            .await
+            .expect("fresh");
+        assert!(!fresh.from_cache);
+        assert_eq!(
+            tested_keys(&fresh),
+            ["format", "gen", "missing/n1", "ngen/n1"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_key_kept_from_before_the_gate_held_keeps_its_own_validator() {
+        let (backing, cached) = store_with_gated_coverings().await;
+        cached
+            .read_many_cached(&gated_batch(), false)
+            .await
+            .expect("every key read at format 6");
+        // This cache's own write of the record, at format 6, with the node's generation.
+        let generation = revision_of(&backing, "ngen/n1").await;
+        let record = revision_of(&backing, "act/n1").await;
+        cached
+            .commit(
+                Txn::new()
+                    .when(Condition::at_revision("act/n1", record))
+                    .when(Condition::at_revision("ngen/n1", generation))
+                    .then(Op::put("act/n1", b"mine".to_vec()))
+                    .then(Op::put("ngen/n1", b"activity".to_vec())),
+            )
+            .await
+            .expect("own write");
+        // An older writer rewrites the record without the generation, then the store is
+        // finalized (which does not raise the node's generation); this cache learns the gate alone.
+        backing.put("act/n1", b"older".to_vec()).await.expect("put");
+        backing.put("format", b"7".to_vec()).await.expect("put");
+        cached.get("format").await.expect("the gate read");
+        let answered = cached
+            .read_many_cached(&gated_batch(), true)
+            .await
+            .expect("read");
+        assert!(answered.from_cache, "every key kept");
+        assert!(
+            tested_keys(&answered).contains(&"act/n1"),
+            "known only from before the gate held: {:?}",
+            answered.validators
+        );
+        let refused = cached
+            .commit(decided_from(
+                &answered,
+                Txn::new().then(Op::put("config", b"c2".to_vec())),
+            ))
+            .await;
+        assert!(
+            matches!(&refused, Err(KvError::Conflict { key }) if key == "act/n1"),
+            "the older writer's record is found: {refused:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_teaches_a_gated_covering_only_in_the_gates_generations_keys_order() {
+        let (backing, cached) = store_with_gated_coverings().await;
+        backing.put("format", b"7".to_vec()).await.expect("put");
+        for misordered in [
+            // The gate read after the generations.
+            vec![
+                Read::Get("gen".into()),
+                Read::Get("ngen/n1".into()),
+                Read::Get("format".into()),
+                Read::Get("config".into()),
+                Read::Get("act/n1".into()),
+            ],
+            // The keys read before their generations.
+            vec![
+                Read::Get("format".into()),
+                Read::Get("config".into()),
+                Read::Get("act/n1".into()),
+                Read::Get("gen".into()),
+                Read::Get("ngen/n1".into()),
+            ],
+        ] {
+            cached.forget();
+            let answered = cached
+                .read_many_cached(&misordered, false)
+                .await
+                .expect("read");
+            assert_eq!(
+                tested_keys(&answered),
+                ["act/n1", "config", "format", "gen", "ngen/n1"],
+                "{misordered:?}"
+            );
+        }
+        // A generation never written covers nothing.
+        cached.forget();
+        backing.delete("ngen/n1").await.expect("delete");
+        let answered = cached
+            .read_many_cached(&gated_batch(), false)
+            .await
+            .expect("read");
+        assert_eq!(
+            tested_keys(&answered),
+            ["act/n1", "format", "gen", "missing/n1", "ngen/n1"]
+        );
     }
 }
