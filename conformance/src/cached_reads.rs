@@ -32,6 +32,7 @@ macro_rules! cached_reads_conformance_tests {
             a_steady_assign_through_the_cache_tests_the_pool_generation_for_every_pool,
             every_write_an_assignment_decides_from_raises_the_pool_generation_with_it,
             a_confirmation_is_dropped_only_while_its_handle_is_still_gone,
+            a_steady_assign_through_the_cache_tests_the_two_generations_once_finalized,
         );
     };
 }
@@ -535,4 +536,134 @@ pub async fn a_confirmation_is_dropped_only_while_its_handle_is_still_gone<F: St
         .await
         .expect("drop");
     assert_eq!(t.store.get(&record_key).await.expect("read"), None);
+}
+
+/// A store in use: a pool, the configuration, a reservation and node-a's labels written,
+/// node-a's agent registered; recorded at format 6 (its upgrade not finalized) when `format_6`.
+async fn store_in_use<F: StoreFactory>(factory: &F, format_6: bool) -> (crate::TestStore, Ipam) {
+    let t = factory.fresh().await;
+    if format_6 {
+        t.store
+            .put(&keys::store_format(), br#"{"writes":6}"#.to_vec())
+            .await
+            .expect("record format 6");
+    }
+    let other = Ipam::new(Arc::clone(&t.store));
+    other
+        .create_pool(&spec("10.0.0.0/24", "pool", 26))
+        .await
+        .expect("pool");
+    other
+        .update_config(|config| config.max_blocks_per_host = 4)
+        .await
+        .expect("config");
+    other
+        .add_reservation(&Reservation {
+            name: "gateways".into(),
+            cidrs: vec![net("10.0.0.250/31")],
+        })
+        .await
+        .expect("reservation");
+    other
+        .set_node_labels("node-a", &[("zone".into(), "a".into())], &[])
+        .await
+        .expect("labels");
+    ipam_core::dead_nodes::register(t.store.as_ref(), "node-a", "test", 1)
+        .await
+        .expect("register");
+    (t, other)
+}
+
+/// Through node-a's cache, node-a's plugin (recording its activity) assigns until an assign is
+/// answered from the cache; the conditions of that steady assign's commit.
+async fn steady_assign_conditions(store: &Arc<dyn KvStore>) -> Vec<Condition> {
+    let seen = Arc::new(ConditionsSeen {
+        inner: Arc::clone(store),
+        committed: std::sync::Mutex::new(Vec::new()),
+    });
+    let (node_a, cache, _counting) = cached_node(&(seen.clone() as Arc<dyn KvStore>));
+    let node_a = node_a
+        .recording_activity("node-a", "test")
+        .expect("record activity");
+    for handle in ["h0", "h1", "h2"] {
+        assign(&node_a, handle).await;
+    }
+    let hits = cache.answered_from_cache();
+    assign(&node_a, "h3").await;
+    assert_eq!(
+        cache.answered_from_cache(),
+        hits + 1,
+        "answered from the cache"
+    );
+    let last = seen.committed.lock().expect("seen").last().cloned();
+    last.expect("a commit")
+}
+
+/// Once the store is finalized at the format whose every writer of what an assignment decides
+/// from raises the pool generation or the node's generation, a steady assign through the node's
+/// cache tests those two generations instead of the configuration, the reservations, the node's
+/// labels, the import marker, and the node's registration, activity record and countdown: its
+/// commit tests the format record, the two generations, the node's open blocks (their prefix
+/// and the block it writes), the handle and nothing else. In a store still at format 6 the
+/// cache keeps testing each of them (an older release's writers do not raise the generations).
+/// Another writer's change to any of them moves a generation: the steady assign is refused and
+/// decided again (`every_write_an_assignment_decides_from_raises_the_pool_generation_with_it`).
+pub async fn a_steady_assign_through_the_cache_tests_the_two_generations_once_finalized<
+    F: StoreFactory,
+>(
+    factory: &F,
+) {
+    let covered = [
+        keys::config(),
+        keys::import_in_progress(),
+        keys::reservations_dir(),
+        keys::nodes_dir(),
+        keys::agents_dir(),
+        keys::activity_dir(),
+        keys::countdown_dir(),
+    ];
+    let tests_a_covered_key = |conditions: &[Condition], prefix: &str| {
+        conditions.iter().any(|c| c.key().starts_with(prefix))
+    };
+
+    let (t, other) = store_in_use(factory, false).await;
+    let conditions = steady_assign_conditions(&t.store).await;
+    for prefix in &covered {
+        assert!(
+            !tests_a_covered_key(&conditions, prefix),
+            "finalized: {prefix} tested: {conditions:?}"
+        );
+    }
+    let block = other
+        .store()
+        .list(&keys::host_open_blocks_dir("node-a"))
+        .await
+        .expect("list");
+    assert_eq!(block.len(), 1, "one block of node-a");
+    let mut tested: Vec<(bool, String)> = conditions
+        .iter()
+        .map(|c| (c.tests_a_prefix(), c.key().to_owned()))
+        .collect();
+    tested.sort();
+    let mut expected = vec![
+        (false, keys::store_format()),
+        (false, keys::pool_generation()),
+        (false, keys::node_generation("node-a")),
+        (true, keys::host_open_blocks_dir("node-a")),
+        (false, block[0].key.clone()),
+        (false, keys::handle("h3")),
+    ];
+    expected.sort();
+    assert_eq!(tested, expected, "{conditions:?}");
+    assert_clean(&other).await;
+
+    let (t, other) = store_in_use(factory, true).await;
+    let conditions = steady_assign_conditions(&t.store).await;
+    for prefix in &covered {
+        assert!(
+            tests_a_covered_key(&conditions, prefix),
+            "format 6: {prefix} not tested: {conditions:?}"
+        );
+    }
+    assert_clean(&other).await;
 }

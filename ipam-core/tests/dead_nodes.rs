@@ -1236,8 +1236,11 @@ async fn a_registration_this_build_cannot_read_whole_makes_every_commit_rewrite_
 enum Interjection {
     /// A whole reclaim pass, which marks the node.
     Mark,
-    /// Only the countdown's start (a plain key, as [`TestCountdowns`] puts), before any mark.
+    /// Only the countdown's start (a plain key, as [`TestCountdowns`] puts), before any mark,
+    /// with the node's generation, as every reclaimer of a store finalized at format 7 does.
     Countdown,
+    /// The same start without the node's generation, as a reclaimer of a format-6 release does.
+    CountdownOfAnOlderRelease,
 }
 
 /// A store whose first commit is preceded by `interjection`: a reclaimer acts between the
@@ -1277,7 +1280,15 @@ impl KvStore for InterjectsBeforeFirstCommit {
                     let outcomes = pass(&self.inner).await;
                     assert_eq!(action_of(&outcomes, "node-a"), &NodeAction::MarkedMissing);
                 }
-                Interjection::Countdown => {
+                Interjection::Countdown | Interjection::CountdownOfAnOlderRelease => {
+                    let generation = [Op::put(
+                        ipam_core::model::keys::node_generation("node-a"),
+                        b"countdown".to_vec(),
+                    )];
+                    let also: &[Op] = match self.interjection {
+                        Interjection::Countdown => &generation,
+                        _ => &[],
+                    };
                     let record = CountdownRecord {
                         node: "node-a".into(),
                         grace_seconds: GRACE.as_secs(),
@@ -1289,7 +1300,7 @@ impl KvStore for InterjectsBeforeFirstCommit {
                             serde_json::to_vec(&record).expect("encode the countdown"),
                             GRACE,
                             &[],
-                            &[],
+                            also,
                         )
                         .await
                         .expect("start the countdown");
@@ -1301,9 +1312,26 @@ impl KvStore for InterjectsBeforeFirstCommit {
 }
 
 /// A registered `node-a` with one allocation, then an ADD by its plugin with `interjection`
-/// between the ADD's read and its commit; asserts the ADD moved the activity record.
+/// between the ADD's read and its commit; asserts the ADD moved the activity record. The store
+/// is at this build's format, or at format 6 (not finalized) with `format_6`.
 async fn add_with_a_reclaimer_interjecting(interjection: Interjection) -> Arc<dyn KvStore> {
+    add_with_a_reclaimer_interjecting_at(interjection, false).await
+}
+
+async fn add_with_a_reclaimer_interjecting_at(
+    interjection: Interjection,
+    format_6: bool,
+) -> Arc<dyn KvStore> {
     let store: Arc<dyn KvStore> = Arc::new(MemoryStore::new());
+    if format_6 {
+        store
+            .put(
+                &ipam_core::model::keys::store_format(),
+                br#"{"writes":6}"#.to_vec(),
+            )
+            .await
+            .expect("record format 6");
+    }
     ipam_with_pool(Arc::clone(&store)).await;
     register(store.as_ref(), "node-a", "test", T0)
         .await
@@ -1478,6 +1506,21 @@ async fn a_plugin_commit_while_an_active_node_is_marked_again_keeps_it_from_bein
         addresses_of(&Ipam::new(Arc::clone(&store)), "node-a").await,
         2
     );
+}
+
+/// In a store not finalized at format 7, a reclaimer of the previous release starts countdowns
+/// without the node's generation: the plugin's commit still tests the countdown itself.
+#[tokio::test]
+async fn before_finalize_an_older_reclaimers_countdown_between_the_read_and_the_commit_moves_the_record(
+) {
+    let store =
+        add_with_a_reclaimer_interjecting_at(Interjection::CountdownOfAnOlderRelease, true).await;
+    let format = store
+        .get(&ipam_core::model::keys::store_format())
+        .await
+        .expect("read")
+        .expect("recorded");
+    assert_eq!(format.value, br#"{"writes":6}"#.to_vec(), "still format 6");
 }
 
 #[tokio::test]

@@ -139,13 +139,16 @@ impl Ipam {
         from_cache: Arc<AtomicBool>,
     ) -> Result<Attempt<Assignment>, IpamError> {
         let handle_key = keys::handle(&request.handle);
-        // The pool generation before the pools: every pool write raises it, so the decision
-        // tests it instead of each pool it used (and a cache validates the pools by it).
+        // The format record, then the pool generation, then what it covers: every pool write
+        // raises it, so the decision tests it instead of each pool it used (and a cache
+        // validates the pools by it); from the format whose every writer of the configuration,
+        // reservations, labels, namespace settings, confirmations and import marker raises it
+        // too, those as well (a cache learns that only in this order: `node_cache`).
         let mut reads = vec![
+            format_read(),
             Read::Get(keys::pool_generation()),
             Read::List(keys::pools_dir()),
             Read::Get(keys::config()),
-            format_read(),
             Read::List(keys::host_open_blocks_dir(&request.host)),
             Read::Get(handle_key.clone()),
             Read::Get(keys::import_in_progress()),
@@ -170,11 +173,11 @@ impl Ipam {
         let validators = answered.validators;
         let answered_from_cache = answered.from_cache;
         let mut results = answered.results.into_iter();
+        self.learn_format(next_got(&mut results)?).await?;
         // Only its revision counts: its value is the pool writers'.
         let pool_generation = next_got(&mut results)?.map(|kv| kv.revision);
         let pools = Self::decode_pools(next_listed(&mut results)?)?;
         let (config, config_revision) = Self::decode_config(next_got(&mut results)?)?;
-        self.learn_format(next_got(&mut results)?).await?;
         let lifetime = self.lifetime(&config);
         // A block of the host that cannot be decoded is passed over (never written; its claim
         // entry keeps its CIDR from being claimed again) and named if the request falls short.

@@ -55,6 +55,7 @@ pub use pools::raising_pool_generation;
 
 use self::network_setup::NetworkSetup;
 use crate::model::selector::Selector;
+use crate::model::store_format::FormatRecord;
 
 /// Metadata key recording the host an allocation was made for.
 pub const ATTR_NODE: &str = "node";
@@ -980,11 +981,40 @@ impl std::fmt::Debug for Clock {
 /// does not know is taken for absent (a new container's handle was never written), and the
 /// pools are validated by the pool generation alone, which every pool write raises in the same
 /// transaction (so a steady ADD tests one key for every pool instead of each pool and their
-/// prefix).
+/// prefix). In a store finalized at [`crate::model::GENERATIONS_COVER_FORMAT`] or later, the
+/// pool generation also validates the configuration, the import marker, reservations, node
+/// labels, namespace settings and confirmed reservations, and each node's generation its
+/// registration, its activity record and the absence of its grace countdown (which the store
+/// deletes on its own when the grace ends, so only its absence is covered).
 pub fn node_cache(inner: Arc<dyn KvStore>) -> crate::kv::caching::CachingStore {
-    crate::kv::caching::CachingStore::new(inner)
+    use crate::kv::caching::Covering;
+    let finalized =
+        |covering: Covering| covering.when(keys::store_format(), FormatRecord::generations_cover);
+    let mut cache = crate::kv::caching::CachingStore::new(inner)
         .speculating_absent_under(keys::handles_dir())
-        .covering(keys::pools_dir(), keys::pool_generation())
+        .covering(keys::pools_dir(), keys::pool_generation());
+    for prefix in [
+        keys::config(),
+        keys::import_in_progress(),
+        keys::reservations_dir(),
+        keys::nodes_dir(),
+        keys::namespaces_dir(),
+        keys::reservations_held_dir(),
+    ] {
+        cache = cache.with_covering(finalized(Covering::listing(
+            prefix,
+            keys::pool_generation(),
+        )));
+    }
+    for prefix in [keys::agents_dir(), keys::activity_dir()] {
+        cache = cache.with_covering(finalized(Covering::each_by_name(
+            prefix,
+            keys::node_generations_dir(),
+        )));
+    }
+    cache.with_covering(finalized(
+        Covering::each_by_name(keys::countdown_dir(), keys::node_generations_dir()).absent_only(),
+    ))
 }
 
 /// The allocator: every IPAM operation, over any [`KvStore`].
@@ -1072,14 +1102,17 @@ impl Ipam {
     }
 
     /// The reads a call's attempt adds to its batch so that its commit may leave the activity
-    /// record as it is (none when this allocator records no activity): the node's registration,
-    /// its activity record, then its grace countdown. Their answers go to
+    /// record as it is (none when this allocator records no activity): the store's format
+    /// record, the node's generation, its registration, its activity record, then its grace
+    /// countdown, in that order (see [`Ipam::activity_unchanged`]). Their answers go to
     /// [`Ipam::activity_unchanged`].
     pub(crate) fn activity_reads(&self) -> Vec<Read> {
         self.activity
             .iter()
             .flat_map(|activity| {
                 [
+                    crate::allocator::upgrade::format_read(),
+                    Read::Get(activity.generation_key.clone()),
                     Read::Get(activity.registration_key.clone()),
                     Read::Get(activity.key.clone()),
                     Read::Get(activity.countdown_key.clone()),
@@ -1102,6 +1135,13 @@ impl Ipam {
     /// a reclaimer starts it before it marks: the grace is timed from the countdown, so a commit
     /// after the countdown started that left the record as it was would let the node be
     /// reclaimed less than the grace after that commit.
+    ///
+    /// In a store finalized at [`crate::model::GENERATIONS_COVER_FORMAT`] or later (as the
+    /// format record read first says), every write of those three puts the node's generation
+    /// too, so the commit carries the generation as read (present at its revision, or absent)
+    /// instead of the three: the format record was read before the generation, and the
+    /// generation before the three, so a write of any of them after they were read moved the
+    /// generation.
     pub(crate) fn activity_unchanged(
         &self,
         results: &mut impl Iterator<Item = crate::kv::ReadResult>,
@@ -1109,6 +1149,8 @@ impl Ipam {
         let Some(activity) = &self.activity else {
             return Ok(None);
         };
+        let format = next_got(results)?;
+        let generation = next_got(results)?;
         let registration = next_got(results)?;
         let record = next_got(results)?;
         let countdown = next_got(results)?;
@@ -1125,6 +1167,12 @@ impl Ipam {
             }
             Some(_) => return Ok(None),
         };
+        if format.is_some_and(|kv| FormatRecord::generations_cover(&kv.value)) {
+            return Ok(Some(vec![match generation {
+                Some(kv) => Condition::at_revision(&activity.generation_key, kv.revision),
+                None => Condition::absent(&activity.generation_key),
+            }]));
+        }
         Ok(Some(vec![
             registration_condition,
             Condition::absent(&activity.countdown_key),

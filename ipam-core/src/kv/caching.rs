@@ -122,8 +122,9 @@ impl KeptListing {
 /// The conditions that hold exactly when each of `results` is still what the store holds: for a
 /// key, absent or at its revision; for a listing, nothing put under its prefix after its newest
 /// revision and each listed key at its revision; none for the answers at the indexes in
-/// `covered` (each validated instead by a generation read in the same batch: [`Covering`]). None when two results disagree on a key (read at different times)
-/// or more than [`MAX_VALIDATORS`] would be needed; ranges are not validated.
+/// `covered` (each validated instead by a generation read in the same batch: [`Covering`]).
+/// None when two results disagree on a key (read at different times) or more than
+/// [`MAX_VALIDATORS`] would be needed; ranges are not validated.
 fn validators_except(
     reads: &[Read],
     results: &[ReadResult],
@@ -169,9 +170,12 @@ pub struct Covering {
     generation: GenerationOf,
     /// Only answers of absence are covered (the store deletes such keys on its own).
     absent_only: bool,
-    /// In force only while this key holds a value `holds` accepts.
-    gate: Option<(String, fn(&[u8]) -> bool)>,
+    /// In force only while this key holds a value the function accepts.
+    gate: Option<(String, GateHolds)>,
 }
+
+/// Whether a gate key's value puts a [`Covering`] in force.
+type GateHolds = fn(&[u8]) -> bool;
 
 /// Where a covered key's generation is.
 #[derive(Debug, Clone)]
@@ -225,7 +229,7 @@ impl Covering {
 
     /// In force only in a batch that read `key` holding a value `holds` accepts (before the
     /// generation, for what the batch teaches).
-    pub fn when(mut self, key: impl Into<String>, holds: fn(&[u8]) -> bool) -> Self {
+    pub fn when(mut self, key: impl Into<String>, holds: GateHolds) -> Self {
         self.gate = Some((key.into(), holds));
         self
     }

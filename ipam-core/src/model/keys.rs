@@ -17,7 +17,9 @@ pub fn config() -> String {
     format!("{ROOT}config")
 }
 
-/// Bumped on every pool write, so that pool writes (and their overlap checks) serialise.
+/// Raised by every pool write, so that pool writes (and their overlap checks) serialise, and by
+/// every write of what else an assignment decides from (see
+/// [`crate::model::GENERATIONS_COVER_FORMAT`]).
 pub fn pool_generation() -> String {
     format!("{ROOT}pool-generation")
 }
@@ -26,6 +28,11 @@ pub fn pool_generation() -> String {
 /// `network_setup`).
 pub fn reservations_held(handle: &str) -> String {
     format!("{ROOT}reservations-held/{handle}")
+}
+
+/// Prefix of every record of confirmed reservations.
+pub fn reservations_held_dir() -> String {
+    format!("{ROOT}reservations-held/")
 }
 
 /// Prefix of every pool.
@@ -290,6 +297,11 @@ pub fn activity_dir() -> String {
 /// revision moves whenever the node's runtime gets work done, whatever the node's agent does.
 pub fn activity_key(host: &str) -> String {
     format!("{ROOT}activity/{host}")
+}
+
+/// Prefix of every node generation.
+pub fn node_generations_dir() -> String {
+    format!("{ROOT}node-generation/")
 }
 
 /// `host`'s node generation: put (its value names the writer) in the same transaction as every

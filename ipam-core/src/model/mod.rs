@@ -42,8 +42,19 @@ pub const ROOT: &str = "ipam/v1/";
 /// Version 6 keeps the attributes of allocations made from then on apart from their blocks, in
 /// owner keys ([`keys::owner_key`], [`APART`]), and each handle the metadata of its addresses so
 /// kept ([`Handle::apart`]).
+/// Version 7 changed no object's layout: from it on, every writer of what an assignment decides
+/// from raises a generation in the same transaction ([`GENERATIONS_COVER_FORMAT`]), so that an
+/// assignment tests the generations instead of each key.
 /// Older layouts are read by [`crate::model::formats`].
-pub const FORMAT_VERSION: u8 = 6;
+pub const FORMAT_VERSION: u8 = 7;
+/// The first stored format whose every writer of what an assignment decides from raises, in the
+/// same transaction, the pool generation ([`keys::pool_generation`]: pools, the configuration,
+/// reservations, node labels, namespace settings, confirmed reservations, the import marker) or
+/// the node's generation ([`keys::node_generation`]: its registration, grace countdown and
+/// activity record): a transaction that tests the two generations at the revisions its
+/// decision read them tests all of those. Writers of older formats do not all keep that promise,
+/// so an assignment relies on it only in a store finalized at this format or later.
+pub const GENERATIONS_COVER_FORMAT: u8 = 7;
 /// The newest format that changed how an object is laid out: a value of this format or a later
 /// one decodes as today's objects.
 pub const NEWEST_OBJECT_LAYOUT: u8 = 6;

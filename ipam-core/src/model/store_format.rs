@@ -10,9 +10,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::error::IpamError;
-use crate::model::FORMAT_VERSION;
 #[cfg(doc)]
 use crate::model::OLDEST_READABLE_FORMAT_VERSION;
+use crate::model::{FORMAT_VERSION, GENERATIONS_COVER_FORMAT};
 
 /// The format a store that predates the record counts as: the newest format written before the
 /// record existed (the previous release's).
@@ -60,6 +60,14 @@ impl FormatRecord {
             });
         }
         Ok(record)
+    }
+
+    /// True when `value`, the stored format record, names [`GENERATIONS_COVER_FORMAT`] or later:
+    /// every writer then raises the generations with what an assignment decides from. False for
+    /// anything else, a record that does not decode included.
+    pub fn generations_cover(value: &[u8]) -> bool {
+        serde_json::from_slice::<FormatRecord>(value)
+            .is_ok_and(|record| record.writes >= GENERATIONS_COVER_FORMAT)
     }
 
     /// The format this build writes for a store with this record.
