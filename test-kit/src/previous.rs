@@ -26,6 +26,14 @@ pub const FORMAT5_COMMIT: &str = "49656b3";
 /// (what `scripts/build-previous 5` prints); `scripts/test` sets it.
 pub const FORMAT5_BIN_ENV: &str = "BLOCKIPAM_FORMAT5_BIN";
 
+/// The commit of the release before format 7: the last one whose binaries write (and read up
+/// to) stored-format version 6. `scripts/build-previous 6` pins the same commit.
+pub const FORMAT6_COMMIT: &str = "f787698";
+
+/// Environment variable naming the directory that holds the format-6 release's executables
+/// (what `scripts/build-previous 6` prints); `scripts/test` sets it.
+pub const FORMAT6_BIN_ENV: &str = "BLOCKIPAM_FORMAT6_BIN";
+
 /// The script that builds the previous release, relative to the workspace.
 pub const BUILD_SCRIPT: &str = "scripts/build-previous";
 
@@ -57,6 +65,13 @@ const FORMAT5: Pinned = Pinned {
     commit: FORMAT5_COMMIT,
     build: "scripts/build-previous 5",
     env: FORMAT5_BIN_ENV,
+};
+
+/// The release before format 7 (writes format 6).
+const FORMAT6: Pinned = Pinned {
+    commit: FORMAT6_COMMIT,
+    build: "scripts/build-previous 6",
+    env: FORMAT6_BIN_ENV,
 };
 
 /// An earlier release's executables, all three present.
@@ -115,6 +130,17 @@ impl PreviousRelease {
     /// release fails, never skips.
     pub fn locate_format5() -> PreviousRelease {
         Self::pinned_in(FORMAT5, &FORMAT5.bin_dir_to_use())
+            .unwrap_or_else(|message| panic!("{message}"))
+    }
+
+    /// The release that writes format 6 (the one before format 7), in the directory
+    /// [`FORMAT6_BIN_ENV`] names, else where `scripts/build-previous 6` places it.
+    ///
+    /// # Panics
+    /// When a binary is missing, naming the command that builds them: a test that needs the
+    /// release fails, never skips.
+    pub fn locate_format6() -> PreviousRelease {
+        Self::pinned_in(FORMAT6, &FORMAT6.bin_dir_to_use())
             .unwrap_or_else(|message| panic!("{message}"))
     }
 
@@ -205,6 +231,7 @@ mod tests {
             ("format3_commit=", PREVIOUS_COMMIT),
             ("format4_commit=", FORMAT4_COMMIT),
             ("format5_commit=", FORMAT5_COMMIT),
+            ("format6_commit=", FORMAT6_COMMIT),
         ] {
             let pinned: Vec<&str> = script
                 .lines()

@@ -403,31 +403,35 @@ fn a_format_5_store_opens_checks_clean_and_keeps_working(backend: Backend) {
     an_old_store_opens_checks_clean_and_keeps_working(backend, 5);
 }
 
-/// A store written by format 6, this build's own format (`fixtures/format-v6`, made by
-/// `scripts/make-format-fixture 6` before any later format): it opens, checks clean and shows
+fn a_format_6_store_opens_checks_clean_and_keeps_working(backend: Backend) {
+    an_old_store_opens_checks_clean_and_keeps_working(backend, 6);
+}
+
+/// A store written by format 7, this build's own format (`fixtures/format-v7`, made by
+/// `scripts/make-format-fixture 7` before any later format): it opens, checks clean and shows
 /// what it showed when it was written, its pods' attributes kept apart in owner keys; it is
 /// already finalized, and it keeps working (a new pod's address named by its handle, a pod of the
 /// fixture deleted through the plugin with its owner keys). The next format's upgrade cases start
 /// from it, as the older formats' do from theirs.
-fn a_format_6_store_opens_as_written_and_keeps_working(backend: Backend) {
+fn a_format_7_store_opens_as_written_and_keeps_working(backend: Backend) {
     let lab = Lab::new(backend);
-    load_fixture(&lab, 6);
+    load_fixture(&lab, 7);
     let untouched_claim = claim_of(&lab, UNTOUCHED_BLOCK);
-    assert_eq!(untouched_claim.0, 6);
+    assert_eq!(untouched_claim.0, 7);
     assert!(untouched_claim.1.is_some(), "{untouched_claim:?}");
-    assert_eq!(format_of(&lab, &keys::pool("v4")), 6);
+    assert_eq!(format_of(&lab, &keys::pool("v4")), 7);
     lab.ctl(&["check"])
         .ok()
         .stdout_has("20 handles and 39 allocated addresses: no problems");
     let shown = lab.ctl(&["-o", "json", "show", "--blocks"]).ok().json();
     let then: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixture(6, "show-blocks.redb.json")).expect("read the fixture"),
+        &std::fs::read_to_string(fixture(7, "show-blocks.redb.json")).expect("read the fixture"),
     )
     .expect("fixture JSON");
     assert_eq!(
         only_fields_of(&then, &shown),
         then,
-        "format-6 store shown differently"
+        "format-7 store shown differently"
     );
     // ctr-a1's addresses (one per family) hold their attributes in owner keys, and `show --ip`
     // reads them from there.
@@ -445,11 +449,11 @@ fn a_format_6_store_opens_as_written_and_keeps_working(backend: Backend) {
     );
     lab.ctl(&["upgrade", "status"])
         .ok()
-        .stdout_has("stored format: format 6 (recorded)\nwriters write: format 6\n")
+        .stdout_has("stored format: format 7 (recorded)\nwriters write: format 7\n")
         .stdout_has("\nfinalized: writers use this build's format\n");
     lab.ctl(&["upgrade", "finalize"])
         .ok()
-        .stdout_has("already finalized at format 6: nothing written\n");
+        .stdout_has("already finalized at format 7: nothing written\n");
 
     let added = addresses(&plugin(&lab, "ADD", "node-a", "ctr-new"));
     let v4 = added
@@ -460,7 +464,7 @@ fn a_format_6_store_opens_as_written_and_keeps_working(backend: Backend) {
         holder_of(&lab, Path::new(crate::common::BIN), *v4),
         "fixture.ctr-new"
     );
-    assert_eq!(format_of(&lab, &handle_key("ctr-new")), 6);
+    assert_eq!(format_of(&lab, &handle_key("ctr-new")), 7);
     delete_ctr_a1(&lab);
     let owners_after = owner_keys(&lab);
     assert!(
@@ -538,7 +542,7 @@ fn holder_of(lab: &Lab, cli: &Path, ip: IpNet) -> Value {
 /// finds the store clean after today's writes, its `show` names the holders of today's
 /// addresses, and its plugin keeps allocating and releasing. Once finalized, today's ADD keeps
 /// the new pod's attribute apart, in an owner key, and its DEL deletes the key; the format-5
-/// plugin refuses new containers naming format 6 (CNI error 108) and writes nothing.
+/// plugin refuses new containers naming today's format (CNI error 108) and writes nothing.
 fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) {
     let previous = test_kit::previous::PreviousRelease::locate_format5();
     let today_cli = PathBuf::from(crate::common::BIN);
@@ -596,7 +600,10 @@ fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) 
             "{owners:?} lacks the owner key of {cidr} #{ordinal}"
         );
     }
-    assert_eq!(format_of(&lab, &handle_key("ctr-after")), 6);
+    assert_eq!(
+        format_of(&lab, &handle_key("ctr-after")),
+        ipam_core::model::FORMAT_VERSION
+    );
     assert_eq!(holder_of(&lab, &today_cli, after), "fixture.ctr-after");
     lab.ctl(&["check"]).ok();
     // The format-5 release's plugin now refuses new containers, naming the format, and writes
@@ -625,6 +632,72 @@ fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) 
     );
     plugin(&lab, "DEL", "node-a", "ctr-a1");
     assert!(holder_of(&lab, &today_cli, "10.80.0.49/32".parse().expect("ip")).is_null());
+    lab.ctl(&["check"]).ok();
+}
+
+/// A format-6 store in use beside the release that writes format 6 (its own plugin and CLI,
+/// built by `scripts/build-previous 6`). Until finalize, today's plugin writes format 6 (the
+/// layout is the same; only format 7's promise differs: every writer of what an ADD decides from
+/// raises a generation, which the format-6 release's writers do not all do), the format-6
+/// release's `check` finds the store clean after today's writes, its `show` names the holders of
+/// today's addresses, and its plugin keeps allocating and releasing. Finalize waits for node-b,
+/// which last ran the format-6 plugin, unless forced; once finalized, today's ADD writes format 7
+/// and the format-6 plugin refuses new containers naming format 7 (CNI error 108), writing
+/// nothing.
+fn a_format_6_store_beside_the_format_6_release_until_finalize(backend: Backend) {
+    let previous = test_kit::previous::PreviousRelease::locate_format6();
+    let today_cli = PathBuf::from(crate::common::BIN);
+    let lab = Lab::new(backend);
+    load_fixture(&lab, 6);
+    let before = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-before"));
+    assert_eq!(format_of(&lab, &handle_key("ctr-before")), 6);
+    lab.ctl(&["check"]).ok();
+    let old_check = lab.ctl_of(&previous.cli(), &["check"]);
+    assert_eq!(
+        old_check.code, 0,
+        "the format-6 release's check after today's writes: {} {}",
+        old_check.stdout, old_check.stderr
+    );
+    assert_eq!(
+        holder_of(&lab, &previous.cli(), before),
+        "fixture.ctr-before",
+        "the format-6 release's show"
+    );
+    let pools = fixture_pools();
+    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
+    plugin(&lab, "DEL", "node-a", "ctr-before");
+    assert!(holder_of(&lab, &today_cli, before).is_null());
+
+    // node-b last ran the format-6 plugin: finalize waits for it, unless forced.
+    let refused = lab.ctl(&["upgrade", "finalize"]);
+    refused.expect_code(1);
+    assert!(
+        refused.error_line().contains("node-b"),
+        "{}",
+        refused.stderr
+    );
+    lab.ctl(&["upgrade", "finalize", "--force"]).ok();
+    let after = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-after"));
+    assert_eq!(
+        format_of(&lab, &handle_key("ctr-after")),
+        ipam_core::model::FORMAT_VERSION
+    );
+    assert_eq!(holder_of(&lab, &today_cli, after), "fixture.ctr-after");
+    lab.ctl(&["check"]).ok();
+    let snapshot = lab.snapshot();
+    let (status, refused) =
+        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
+    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
+    assert!(
+        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
+        "the format-6 release's ADD after finalize: exit {status}, {refused}"
+    );
+    assert!(
+        snapshot == lab.snapshot(),
+        "the refused ADD wrote to the store"
+    );
+    plugin(&lab, "DEL", "node-a", "ctr-after");
+    assert!(holder_of(&lab, &today_cli, after).is_null());
     lab.ctl(&["check"]).ok();
 }
 
@@ -835,8 +908,10 @@ on_every_backend!(
     a_format_3_store_opens_checks_clean_and_keeps_working,
     a_format_4_store_opens_checks_clean_and_keeps_working,
     a_format_5_store_opens_checks_clean_and_keeps_working,
-    a_format_6_store_opens_as_written_and_keeps_working,
+    a_format_6_store_opens_checks_clean_and_keeps_working,
+    a_format_7_store_opens_as_written_and_keeps_working,
     a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize,
     a_format_5_store_keeps_attributes_in_blocks_until_finalize,
+    a_format_6_store_beside_the_format_6_release_until_finalize,
     a_format_3_store_takes_cooldown_and_releases_its_old_empty_blocks,
 );
