@@ -585,11 +585,27 @@ async fn steady_assign_conditions(store: &Arc<dyn KvStore>) -> Vec<Condition> {
     let node_a = node_a
         .recording_activity("node-a", "test")
         .expect("record activity");
+    // As the plugin asks: the pod's namespace may name its pools.
+    let assign_in_namespace = |handle: &'static str| {
+        let node_a = node_a.clone();
+        async move {
+            let request = ipam_core::AutoAssignRequest {
+                namespace: Some(ipam_core::NamespaceLookup {
+                    namespace: "default".into(),
+                    v4: true,
+                    v6: false,
+                }),
+                ..v4(handle, "node-a", 1)
+            };
+            let got = node_a.auto_assign(&request).await.expect("assign");
+            assert_eq!(got.v4.len(), 1, "{handle}");
+        }
+    };
     for handle in ["h0", "h1", "h2"] {
-        assign(&node_a, handle).await;
+        assign_in_namespace(handle).await;
     }
     let hits = cache.answered_from_cache();
-    assign(&node_a, "h3").await;
+    assign_in_namespace("h3").await;
     assert_eq!(
         cache.answered_from_cache(),
         hits + 1,
@@ -602,7 +618,8 @@ async fn steady_assign_conditions(store: &Arc<dyn KvStore>) -> Vec<Condition> {
 /// Once the store is finalized at the format whose every writer of what an assignment decides
 /// from raises the pool generation or the node's generation, a steady assign through the node's
 /// cache tests those two generations instead of the configuration, the reservations, the node's
-/// labels, the import marker, and the node's registration, activity record and countdown: its
+/// labels, the pod's namespace setting, the import marker, and the node's registration, activity
+/// record and countdown: its
 /// commit tests the format record, the two generations, the node's open blocks (their prefix
 /// and the block it writes), the handle and nothing else. In a store still at format 6 the
 /// cache keeps testing each of them (an older release's writers do not raise the generations).
@@ -618,6 +635,7 @@ pub async fn a_steady_assign_through_the_cache_tests_the_two_generations_once_fi
         keys::import_in_progress(),
         keys::reservations_dir(),
         keys::nodes_dir(),
+        keys::namespaces_dir(),
         keys::agents_dir(),
         keys::activity_dir(),
         keys::countdown_dir(),
