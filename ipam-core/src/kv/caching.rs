@@ -565,11 +565,14 @@ impl CachingStore {
                     got.as_ref().map(|kv| (kv.value.clone(), kv.revision)),
                     got.as_ref().map_or(Revision::NONE, |kv| kv.revision),
                 ),
-                (Read::List(prefix), ReadResult::Listed(listed))
-                    // Too many keys to validate: never answered from what is kept.
-                    if listed.len() < MAX_VALIDATORS =>
-                {
-                    kept.keep_listing(prefix, KeptListing::from_listed(listed));
+                (Read::List(prefix), ReadResult::Listed(listed)) => {
+                    if listed.len() < MAX_VALIDATORS {
+                        kept.keep_listing(prefix, KeptListing::from_listed(listed));
+                    } else {
+                        // Too many keys to validate: never answered from what is kept, and
+                        // what was kept of it is stale.
+                        kept.forget_listing(prefix);
+                    }
                 }
                 _ => {}
             }
@@ -600,6 +603,7 @@ impl CachingStore {
                     kept.set_key_current_as_of(key, kept_as_of.max(known_as_of));
                 }
                 Read::List(prefix) => {
+                    // The listing this batch read (one too long to keep was forgotten above).
                     if let Some(listing) = kept.listings.get_mut(prefix) {
                         listing.current_as_of = listing.current_as_of.max(known_as_of);
                     }
@@ -2141,5 +2145,36 @@ mod tests {
             tested_keys(&answered),
             ["act/n1", "format", "gen", "missing/n1", "ngen/n1"]
         );
+    }
+
+    #[tokio::test]
+    async fn a_listing_read_too_long_to_keep_leaves_no_older_one_covered_by_a_later_generation() {
+        let (backing, cached) = store_with_covered_pools().await;
+        let covered = vec![Read::Get("gen".into()), Read::List("pools/".into())];
+        cached
+            .read_many_cached(&covered, false)
+            .await
+            .expect("two pools kept");
+        // Another writer adds pools past what a listing may hold to be kept, with the generation.
+        let mut txn = Txn::new().then(Op::put("gen", b"2".to_vec()));
+        for n in 0..MAX_VALIDATORS {
+            txn = txn.then(Op::put(format!("pools/more-{n:03}"), b"p".to_vec()));
+        }
+        backing.commit(txn).await.expect("many pools");
+        let long = cached
+            .read_many_cached(&covered, false)
+            .await
+            .expect("read");
+        let ReadResult::Listed(listed) = &long.results[1] else {
+            panic!("a listing")
+        };
+        assert_eq!(listed.len(), MAX_VALIDATORS + 2);
+        // The generation is kept at its new revision: the two-pool listing kept before must not
+        // be answered, let alone as covered by it.
+        let again = cached
+            .read_many_cached(&covered, true)
+            .await
+            .expect("again");
+        assert!(!again.from_cache, "{:?}", again.results);
     }
 }
