@@ -536,6 +536,55 @@ fn holder_of(lab: &Lab, cli: &Path, ip: IpNet) -> Value {
     serde_json::from_str::<Value>(&shown.stdout).expect("show's JSON")["handle"].clone()
 }
 
+/// Beside today's writes (`today_added`, an address today's plugin just added on node-a), the
+/// release writing format `format` still works: its `check` finds the store clean, its `show`
+/// names the holder of today's address, and its plugin adds and deletes a pod on node-b.
+fn previous_release_works_beside_today(
+    lab: &Lab,
+    previous: &test_kit::previous::PreviousRelease,
+    today_added: IpNet,
+    format: u8,
+) {
+    let old_check = lab.ctl_of(&previous.cli(), &["check"]);
+    assert_eq!(
+        old_check.code, 0,
+        "the format-{format} release's check after today's writes: {} {}",
+        old_check.stdout, old_check.stderr
+    );
+    assert_eq!(
+        holder_of(lab, &previous.cli(), today_added),
+        "fixture.ctr-before",
+        "the format-{format} release's show"
+    );
+    previous_plugin_adds_and_deletes(lab, previous, &fixture_pools());
+}
+
+/// Once the store is finalized, the plugin of the release writing format `format` refuses a new
+/// container, naming today's format (CNI error 108), and writes nothing.
+fn previous_plugin_refused_after_finalize(
+    lab: &Lab,
+    previous: &test_kit::previous::PreviousRelease,
+    format: u8,
+) {
+    let snapshot = lab.snapshot();
+    let (status, refused) = lab.plugin_of(
+        &previous.plugin(),
+        "ADD",
+        "node-b",
+        "ctr-old-late",
+        fixture_pools(),
+    );
+    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
+    assert!(
+        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
+        "the format-{format} release's ADD after finalize: exit {status}, {refused}"
+    );
+    assert!(
+        snapshot == lab.snapshot(),
+        "the refused ADD wrote to the store"
+    );
+}
+
 /// A format-5 store in use beside the release that writes format 5 (its own plugin and CLI, built
 /// by `scripts/build-previous 5`). Until finalize, today's plugin keeps every attribute in its
 /// block and writes handles with their counts only, in format 5: the format-5 release's `check`
@@ -552,19 +601,7 @@ fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) 
     assert!(owner_keys(&lab).is_empty(), "{:?}", owner_keys(&lab));
     assert_eq!(format_of(&lab, &handle_key("ctr-before")), 5);
     lab.ctl(&["check"]).ok();
-    let old_check = lab.ctl_of(&previous.cli(), &["check"]);
-    assert_eq!(
-        old_check.code, 0,
-        "the format-5 release's check after today's writes: {} {}",
-        old_check.stdout, old_check.stderr
-    );
-    assert_eq!(
-        holder_of(&lab, &previous.cli(), before),
-        "fixture.ctr-before",
-        "the format-5 release's show"
-    );
-    let pools = fixture_pools();
-    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
+    previous_release_works_beside_today(&lab, &previous, before, 5);
     // Today's DEL of a pod whose attributes its block holds.
     plugin(&lab, "DEL", "node-a", "ctr-before");
     assert!(holder_of(&lab, &today_cli, before).is_null());
@@ -607,19 +644,8 @@ fn a_format_5_store_keeps_attributes_in_blocks_until_finalize(backend: Backend) 
     assert_eq!(holder_of(&lab, &today_cli, after), "fixture.ctr-after");
     lab.ctl(&["check"]).ok();
     // The format-5 release's plugin now refuses new containers, naming the format, and writes
-    // nothing; its CLI refuses what it cannot read rather than misreporting it.
-    let snapshot = lab.snapshot();
-    let (status, refused) =
-        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
-    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
-    assert!(
-        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
-        "the format-5 release's ADD after finalize: exit {status}, {refused}"
-    );
-    assert!(
-        snapshot == lab.snapshot(),
-        "the refused ADD wrote to the store"
-    );
+    // nothing.
+    previous_plugin_refused_after_finalize(&lab, &previous, 5);
     // Today's DEL frees the address and its owner key; a DEL of a pod added before finalize
     // (its attribute in its block) still frees its address.
     plugin(&lab, "DEL", "node-a", "ctr-after");
@@ -652,19 +678,7 @@ fn a_format_6_store_beside_the_format_6_release_until_finalize(backend: Backend)
     let before = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-before"));
     assert_eq!(format_of(&lab, &handle_key("ctr-before")), 6);
     lab.ctl(&["check"]).ok();
-    let old_check = lab.ctl_of(&previous.cli(), &["check"]);
-    assert_eq!(
-        old_check.code, 0,
-        "the format-6 release's check after today's writes: {} {}",
-        old_check.stdout, old_check.stderr
-    );
-    assert_eq!(
-        holder_of(&lab, &previous.cli(), before),
-        "fixture.ctr-before",
-        "the format-6 release's show"
-    );
-    let pools = fixture_pools();
-    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
+    previous_release_works_beside_today(&lab, &previous, before, 6);
     plugin(&lab, "DEL", "node-a", "ctr-before");
     assert!(holder_of(&lab, &today_cli, before).is_null());
 
@@ -684,18 +698,7 @@ fn a_format_6_store_beside_the_format_6_release_until_finalize(backend: Backend)
     );
     assert_eq!(holder_of(&lab, &today_cli, after), "fixture.ctr-after");
     lab.ctl(&["check"]).ok();
-    let snapshot = lab.snapshot();
-    let (status, refused) =
-        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
-    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
-    assert!(
-        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
-        "the format-6 release's ADD after finalize: exit {status}, {refused}"
-    );
-    assert!(
-        snapshot == lab.snapshot(),
-        "the refused ADD wrote to the store"
-    );
+    previous_plugin_refused_after_finalize(&lab, &previous, 6);
     plugin(&lab, "DEL", "node-a", "ctr-after");
     assert!(holder_of(&lab, &today_cli, after).is_null());
     lab.ctl(&["check"]).ok();
@@ -759,26 +762,14 @@ fn a_format_4_store_keeps_edge_blocks_where_format_4_reads_them_until_finalize(b
         "the format-4 release's check after today's writes: {} {}",
         old_check.stdout, old_check.stderr
     );
-    let pools = fixture_pools();
-    previous_plugin_adds_and_deletes(&lab, &previous, &pools);
+    previous_plugin_adds_and_deletes(&lab, &previous, &fixture_pools());
 
     // node-b last ran the format-4 plugin: finalize waits for it, unless forced.
     lab.ctl(&["upgrade", "finalize"]).expect_code(1);
     lab.ctl(&["upgrade", "finalize", "--force"]).ok();
     // The format-4 release's plugin now refuses new containers, naming the format, and writes
     // nothing.
-    let before = lab.snapshot();
-    let (status, refused) =
-        lab.plugin_of(&previous.plugin(), "ADD", "node-b", "ctr-old-late", pools);
-    let today = format!("format version {}", ipam_core::model::FORMAT_VERSION);
-    assert!(
-        status != 0 && refused["code"] == 108 && refused.to_string().contains(&today),
-        "the format-4 release's ADD after finalize: exit {status}, {refused}"
-    );
-    assert!(
-        before == lab.snapshot(),
-        "the refused ADD wrote to the store"
-    );
+    previous_plugin_refused_after_finalize(&lab, &previous, 4);
     let after = v4_of(&plugin(&lab, "ADD", "node-a", "ctr-after-finalize"));
     assert!(!second.contains(&after.addr()), "{after}");
     assert_eq!(placement_of_node_a_second(&lab), ["full"]);
