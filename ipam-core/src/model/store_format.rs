@@ -85,3 +85,75 @@ impl FormatRecord {
         Ok(self.writes.max(OLDEST_WRITABLE_FORMAT))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_generations_cover_only_a_record_that_decodes_and_names_their_format_or_later() {
+        let at = |writes: u8| FormatRecord { writes }.encode().expect("encode");
+        assert!(!FormatRecord::generations_cover(&at(
+            GENERATIONS_COVER_FORMAT - 1
+        )));
+        assert!(FormatRecord::generations_cover(&at(
+            GENERATIONS_COVER_FORMAT
+        )));
+        assert!(FormatRecord::generations_cover(&at(FORMAT_VERSION)));
+        // A later release may add fields to the record: what it names still counts.
+        let extended = format!(r#"{{"writes":{GENERATIONS_COVER_FORMAT},"later":true}}"#);
+        assert!(FormatRecord::generations_cover(extended.as_bytes()));
+        // Anything that is not a record: every key keeps its own validator.
+        for garbage in [
+            &b""[..],
+            b"\x07",
+            b"{}",
+            b"null",
+            b"{\"writes\":\"7\"}",
+            b"{\"writes\":-7}",
+            b"{\"writes\":700}",
+            b"{\"writes\":7",
+            b"\xff\xfe",
+        ] {
+            assert!(
+                !FormatRecord::generations_cover(garbage),
+                "{}",
+                String::from_utf8_lossy(garbage)
+            );
+        }
+    }
+
+    #[test]
+    fn a_record_that_does_not_decode_or_names_a_format_before_records_is_corrupt_naming_its_key() {
+        let key = &crate::model::keys::store_format();
+        for bad in [&b"{}"[..], b"garbage", b"{\"writes\":2}"] {
+            match FormatRecord::decode(key, bad) {
+                Err(IpamError::Corrupt { key: named, .. }) => assert_eq!(&named, key),
+                other => panic!("{}: {other:?}", String::from_utf8_lossy(bad)),
+            }
+        }
+        let record = FormatRecord {
+            writes: FORMAT_OF_UNRECORDED_STORES,
+        };
+        let bytes = record.encode().expect("encode");
+        assert_eq!(FormatRecord::decode(key, &bytes).expect("decode"), record);
+    }
+
+    #[test]
+    fn a_writer_writes_what_the_record_names_and_refuses_a_newer_one() {
+        let newer = FormatRecord {
+            writes: FORMAT_VERSION + 1,
+        };
+        assert!(matches!(
+            newer.writable(),
+            Err(IpamError::FormatTooNew { writes, newest })
+                if writes == FORMAT_VERSION + 1 && newest == FORMAT_VERSION
+        ));
+        for writes in OLDEST_WRITABLE_FORMAT..=FORMAT_VERSION {
+            assert_eq!(
+                FormatRecord { writes }.writable().expect("writable"),
+                writes
+            );
+        }
+    }
+}
