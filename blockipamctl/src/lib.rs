@@ -16,7 +16,7 @@ use std::ffi::OsString;
 use std::io::Write;
 
 use clap::error::ErrorKind;
-use clap::{CommandFactory, Parser};
+use clap::{CommandFactory, FromArgMatches};
 
 pub use cli::{Cli, OutputFormat};
 pub use error::{CtlError, EXIT_FAILURE, EXIT_OK, EXIT_USAGE};
@@ -60,7 +60,10 @@ pub async fn run_async(
     stderr_is_terminal: bool,
 ) -> i32 {
     let json_requested = wants_json(&args, env);
-    let cli = match Cli::try_parse_from(&args) {
+    let cli = match parser()
+        .try_get_matches_from(&args)
+        .and_then(|matches| Cli::from_arg_matches(&matches))
+    {
         Ok(cli) => cli,
         Err(e) => return clap_error(&e, &args, json_requested, stdout, stderr),
     };
@@ -150,6 +153,18 @@ fn wants_json(args: &[OsString], env: &Env) -> bool {
         }
     }
     found.unwrap_or_else(|| env.get(cli::ENV_OUTPUT) == Some("json"))
+}
+
+/// The command line's parser: every command takes a negative number as a value, so that a flag
+/// given `-1` is refused naming the flag and why (`invalid value '-1' for '--max-blocks-per-host
+/// <N>'`) rather than as an unknown argument `-1`.
+fn parser() -> clap::Command {
+    fn allow_negative_numbers(command: clap::Command) -> clap::Command {
+        command
+            .allow_negative_numbers(true)
+            .mut_subcommands(allow_negative_numbers)
+    }
+    allow_negative_numbers(Cli::command())
 }
 
 /// The subcommands `args` name, in order, after the program's name (`blockipamctl pool add`).

@@ -217,6 +217,18 @@ fn usage_errors_name_what_is_missing_the_usage_and_the_help_to_read() {
             "error: invalid value 'x' for '--max-blocks-per-host <N>': invalid digit found in \
              string; try 'blockipamctl config set --help'",
         ),
+        // A negative number is a value refused for what it is, naming its flag (not an unknown
+        // argument '-1').
+        (
+            &["config", "set", "--max-blocks-per-host", "-1"][..],
+            "error: invalid value '-1' for '--max-blocks-per-host <N>': -1 is not in \
+             0..=4294967295; try 'blockipamctl config set --help'",
+        ),
+        (
+            &["--lock-wait-seconds", "-5", "show"][..],
+            "error: invalid value \"-5\" for --lock-wait-seconds: expected 0 or more seconds up \
+             to one day",
+        ),
         (
             &["--lock-wait-seconds"][..],
             "error: a value is required for '--lock-wait-seconds <SECONDS>' but none was \
