@@ -187,7 +187,7 @@ pub struct Cli {
     /// The node holding the prefilled allocations [default: the first node]
     #[arg(long, value_name = "NAME")]
     pub prefill_node: Option<String>,
-    /// etcd: after the run, this many seconds of a raw etcd-client loop of one-key conditional Txn writes (--concurrency workers, own connections); reports raw_ceiling and allocation_to_raw_ratio
+    /// etcd: after the run, this many seconds of a raw etcd-client loop of one-key conditional Txn writes (--concurrency workers, own connections); reports raw_ceiling, allocation_to_raw_ratio and etcd_cpu (what etcd's members spent per operation and per raw write, from their /metrics)
     #[arg(long, value_name = "SECONDS")]
     pub raw_etcd_ceiling_seconds: Option<f64>,
     /// etcd: each raw Txn also puts this many more new keys of the same size (to measure what a put costs)

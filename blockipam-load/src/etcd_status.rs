@@ -179,3 +179,101 @@ impl StatusClient {
         Err(last_error)
     }
 }
+
+/// The CPU seconds etcd's members have used, summed over the members, each read from its
+/// `process_cpu_seconds_total` metric at `<endpoint>/metrics` (plain HTTP endpoints only: a TLS
+/// endpoint's metrics are not asked). Sampled before and after each measured phase, the
+/// difference is what etcd itself spent on it, whatever else shares the machine's cores.
+///
+/// # Errors
+/// A message naming the member that could not be asked or whose answer held no such metric.
+pub async fn cpu_seconds(endpoints: &[String]) -> Result<f64, String> {
+    let mut total = 0.0;
+    for endpoint in endpoints {
+        let address = endpoint.strip_prefix("http://").ok_or_else(|| {
+            format!("{endpoint}: only a plain http:// endpoint's metrics are read")
+        })?;
+        let address = address.trim_end_matches('/');
+        let text = tokio::time::timeout(STATUS_TIMEOUT, get_metrics(address))
+            .await
+            .map_err(|_| format!("{endpoint}/metrics: no answer within {STATUS_TIMEOUT:?}"))?
+            .map_err(|e| format!("{endpoint}/metrics: {e}"))?;
+        total += process_cpu_seconds(&text)
+            .ok_or_else(|| format!("{endpoint}/metrics: no process_cpu_seconds_total"))?;
+    }
+    Ok(total)
+}
+
+/// One HTTP/1.0 GET of `/metrics` from `address` (`host:port`): the whole answer as text.
+async fn get_metrics(address: &str) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream
+        .write_all(format!("GET /metrics HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+        .await?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await?;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
+/// The value of the `process_cpu_seconds_total` sample in a Prometheus text exposition (an
+/// HTTP answer's headers before it are skipped as lines that are not that sample).
+pub fn process_cpu_seconds(exposition: &str) -> Option<f64> {
+    exposition.lines().find_map(|line| {
+        let value = line.strip_prefix("process_cpu_seconds_total")?;
+        // The bare metric name, no labels: a space follows.
+        let value = value.strip_prefix(' ')?;
+        value.split_whitespace().next()?.parse::<f64>().ok()
+    })
+}
+
+impl StatusClient {
+    /// The CPU seconds this cluster's members have used so far ([`cpu_seconds`]).
+    ///
+    /// # Errors
+    /// As [`cpu_seconds`].
+    pub async fn cpu_seconds(&self) -> Result<f64, String> {
+        cpu_seconds(&self.endpoints).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_seconds_are_read_from_the_bare_sample_of_an_exposition_after_its_headers() {
+        let answer = "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n\r\n\
+            # HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.\n\
+            # TYPE process_cpu_seconds_total counter\n\
+            process_cpu_seconds_total_extra 9\n\
+            process_cpu_seconds_total 12.34\n\
+            process_open_fds 40\n";
+        assert_eq!(process_cpu_seconds(answer), Some(12.34));
+        assert_eq!(
+            process_cpu_seconds("process_cpu_seconds_total 1.5e+01\n"),
+            Some(15.0)
+        );
+        for without in [
+            "",
+            "process_open_fds 40\n",
+            "process_cpu_seconds_total_extra 9\n",
+            "process_cpu_seconds_total{x=\"1\"} 3\n",
+            "process_cpu_seconds_total not-a-number\n",
+        ] {
+            assert_eq!(process_cpu_seconds(without), None, "{without:?}");
+        }
+    }
+
+    #[test]
+    fn a_tls_endpoints_cpu_is_not_asked() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let error = runtime
+            .block_on(cpu_seconds(&["https://127.0.0.1:1".to_owned()]))
+            .expect_err("a TLS endpoint");
+        assert!(error.contains("only a plain http://"), "{error}");
+    }
+}

@@ -45,6 +45,11 @@ pub struct RawCeiling {
     /// Keys deleted afterwards (should equal `writes` × (1 + extra puts), plus each worker's
     /// extra-condition keys).
     pub keys_deleted: i64,
+    /// The CPU seconds etcd's members spent over the same span as `seconds`
+    /// ([`crate::etcd_status::cpu_seconds`]); `None` when they could not be asked.
+    pub etcd_cpu_seconds: Option<f64>,
+    /// Why they could not.
+    pub etcd_cpu_error: Option<String>,
 }
 
 /// One worker's loop: `raw-ceiling/<worker>/<n>` under `prefix`, each created only if absent,
@@ -146,6 +151,7 @@ pub async fn measure(
             duration,
         ));
     }
+    let cpu_before = client.cpu_seconds().await;
     start.wait().await;
     let began = Instant::now();
     let mut result = RawCeiling {
@@ -167,6 +173,10 @@ pub async fn measure(
         }
     }
     result.seconds = began.elapsed().as_secs_f64();
+    match (cpu_before, client.cpu_seconds().await) {
+        (Ok(before), Ok(after)) => result.etcd_cpu_seconds = Some(after - before),
+        (Err(e), _) | (_, Err(e)) => result.etcd_cpu_error = Some(e),
+    }
     result.writes_per_second = if result.seconds > 0.0 {
         result.writes as f64 / result.seconds
     } else {

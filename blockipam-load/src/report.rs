@@ -109,8 +109,58 @@ pub struct Report {
     pub raw_ceiling: Option<RawCeiling>,
     /// `operations_per_second` (ADDs and DELs) / the raw loop's `writes_per_second`.
     pub allocation_to_raw_ratio: Option<f64>,
+    /// What etcd's members themselves spent on the run's operations and on the raw loop's
+    /// writes (with `--raw-etcd-ceiling-seconds`).
+    pub etcd_cpu: Option<EtcdCpu>,
     /// No error, no duplicate, nothing missing or leaked, and a clean check.
     pub passed: bool,
+}
+
+/// The CPU etcd's members spent (summed over them, read from their `process_cpu_seconds_total`)
+/// during the allocation run and during the raw loop: each operation's cost to etcd itself,
+/// whatever else (the load generator standing in for every node's agent) shares the cores.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EtcdCpu {
+    /// CPU seconds over the allocation run (from before its first operation to after its last).
+    pub run_seconds: Option<f64>,
+    /// `run_seconds` per operation, in milliseconds.
+    pub per_operation_ms: Option<f64>,
+    /// CPU seconds over the raw loop's measured span.
+    pub raw_seconds: Option<f64>,
+    /// `raw_seconds` per raw write, in milliseconds.
+    pub per_raw_write_ms: Option<f64>,
+    /// `per_raw_write_ms / per_operation_ms`: the operations etcd's CPU serves for the cost of
+    /// one raw write (1 when an operation costs etcd what a raw write does).
+    pub raw_write_to_operation: Option<f64>,
+    /// Why a figure is missing (a member that could not be asked).
+    pub error: Option<String>,
+}
+
+impl EtcdCpu {
+    /// From the run's CPU seconds (or why they are unknown), its operations and the raw loop.
+    pub fn new(run: Result<f64, String>, operations: u64, raw: &RawCeiling) -> Self {
+        let per = |seconds: f64, count: u64| (count > 0).then(|| seconds * 1000.0 / count as f64);
+        let (run_seconds, mut error) = match run {
+            Ok(seconds) => (Some(seconds), None),
+            Err(e) => (None, Some(e)),
+        };
+        if error.is_none() {
+            error.clone_from(&raw.etcd_cpu_error);
+        }
+        let per_operation_ms = run_seconds.and_then(|s| per(s, operations));
+        let per_raw_write_ms = raw.etcd_cpu_seconds.and_then(|s| per(s, raw.writes));
+        EtcdCpu {
+            run_seconds,
+            per_operation_ms,
+            raw_seconds: raw.etcd_cpu_seconds,
+            per_raw_write_ms,
+            raw_write_to_operation: per_raw_write_ms
+                .zip(per_operation_ms)
+                .filter(|(_, operation)| *operation > 0.0)
+                .map(|(raw, operation)| raw / operation),
+            error,
+        }
+    }
 }
 
 impl Report {
@@ -326,8 +376,69 @@ impl Report {
                     ratio, self.operations_per_second, raw.writes_per_second
                 );
             }
+            if let Some(cpu) = &self.etcd_cpu {
+                let ms = |v: Option<f64>| v.map_or("unknown".to_owned(), |v| format!("{v:.3} ms"));
+                let _ = writeln!(
+                    out,
+                    "etcd CPU (its members, summed): {} per operation, {} per raw write; raw write to operation: {}{}",
+                    ms(cpu.per_operation_ms),
+                    ms(cpu.per_raw_write_ms),
+                    cpu.raw_write_to_operation
+                        .map_or("unknown".to_owned(), |r| format!("{r:.3}")),
+                    cpu.error
+                        .as_ref()
+                        .map_or(String::new(), |e| format!(" ({e})"))
+                );
+            }
         }
         let _ = writeln!(out, "result: {}", if self.passed { "PASS" } else { "FAIL" });
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(writes: u64, cpu: Result<f64, &str>) -> RawCeiling {
+        RawCeiling {
+            writes,
+            etcd_cpu_seconds: cpu.ok(),
+            etcd_cpu_error: cpu.err().map(str::to_owned),
+            ..RawCeiling::default()
+        }
+    }
+
+    #[test]
+    fn etcd_cpu_per_operation_and_per_raw_write_and_their_ratio() {
+        let cpu = EtcdCpu::new(Ok(3.0), 1_000, &raw(4_000, Ok(6.0)));
+        assert_eq!(cpu.per_operation_ms, Some(3.0));
+        assert_eq!(cpu.per_raw_write_ms, Some(1.5));
+        assert_eq!(cpu.raw_write_to_operation, Some(0.5));
+        assert_eq!(cpu.error, None);
+    }
+
+    #[test]
+    fn a_phase_etcd_could_not_be_asked_about_leaves_its_figures_and_the_ratio_unknown() {
+        let cpu = EtcdCpu::new(Err("member down".into()), 1_000, &raw(4_000, Ok(6.0)));
+        assert_eq!((cpu.run_seconds, cpu.per_operation_ms), (None, None));
+        assert_eq!(cpu.per_raw_write_ms, Some(1.5));
+        assert_eq!(cpu.raw_write_to_operation, None);
+        assert_eq!(cpu.error.as_deref(), Some("member down"));
+        let cpu = EtcdCpu::new(Ok(3.0), 1_000, &raw(4_000, Err("no metric")));
+        assert_eq!(cpu.per_operation_ms, Some(3.0));
+        assert_eq!((cpu.raw_seconds, cpu.per_raw_write_ms), (None, None));
+        assert_eq!(cpu.raw_write_to_operation, None);
+        assert_eq!(cpu.error.as_deref(), Some("no metric"));
+    }
+
+    #[test]
+    fn no_operations_or_no_cpu_spent_gives_no_ratio() {
+        let cpu = EtcdCpu::new(Ok(3.0), 0, &raw(0, Ok(6.0)));
+        assert_eq!((cpu.per_operation_ms, cpu.per_raw_write_ms), (None, None));
+        assert_eq!(cpu.raw_write_to_operation, None);
+        let cpu = EtcdCpu::new(Ok(0.0), 10, &raw(10, Ok(1.0)));
+        assert_eq!(cpu.per_operation_ms, Some(0.0));
+        assert_eq!(cpu.raw_write_to_operation, None);
     }
 }

@@ -20,7 +20,9 @@ use crate::driver::NodeDriver;
 use crate::error::LoadError;
 use crate::etcd_status::{MemberStatus, StatusClient};
 use crate::ledger::Ledger;
-use crate::report::{CheckSummary, EtcdSample, EtcdSizes, PoolState, Report, ERROR_SAMPLES};
+use crate::report::{
+    CheckSummary, EtcdCpu, EtcdSample, EtcdSizes, PoolState, Report, ERROR_SAMPLES,
+};
 use crate::rng::SplitMix64;
 use crate::schedule::{NodeSchedule, OpKind, PlannedOp, Step};
 use crate::stats::{OpSample, Stats};
@@ -151,7 +153,18 @@ pub async fn run(
     let drivers = build_drivers(config, settings.as_ref(), store, lock_dir.path()).await?;
     let store_clients = drivers.description;
 
+    let cpu_before = match &status_client {
+        Some(client) if config.raw_etcd_ceiling.is_some() => Some(client.cpu_seconds().await),
+        _ => None,
+    };
     let dispatched = dispatch(config, drivers.nodes, status_client.clone(), progress).await?;
+    let run_cpu = match (cpu_before, &status_client) {
+        (Some(before), Some(client)) => Some(match (before, client.cpu_seconds().await) {
+            (Ok(before), Ok(after)) => Ok(after - before),
+            (Err(e), _) | (_, Err(e)) => Err(e),
+        }),
+        _ => None,
+    };
 
     let verify_store = match drivers.keep_store {
         Some(store) => store,
@@ -269,6 +282,10 @@ pub async fn run(
                     0.0
                 }
             }),
+        etcd_cpu: raw_ceiling
+            .as_ref()
+            .zip(run_cpu)
+            .map(|(raw, run_cpu)| EtcdCpu::new(run_cpu, operations, raw)),
         raw_ceiling,
         passed: false,
     };

@@ -87,8 +87,30 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
         "{ratio} != {expected}"
     );
     assert!(text.contains("raw etcd ceiling"), "{text}");
+    // What etcd itself spent on each phase, read from its metrics before and after each.
+    let cpu = report.etcd_cpu.as_ref().expect("etcd_cpu is reported");
+    assert_eq!(cpu.error, None, "{text}");
+    let run_seconds = cpu.run_seconds.expect("the run's etcd CPU");
+    assert!(run_seconds >= 0.0, "{text}");
+    let per_operation = cpu.per_operation_ms.expect("per operation");
+    let expected = run_seconds * 1000.0 / report.operations as f64;
+    assert!((per_operation - expected).abs() <= 1e-9, "{text}");
+    // Half a second of raw writes costs etcd more than its metric's resolution (10 ms).
+    let raw_seconds = cpu.raw_seconds.expect("the raw loop's etcd CPU");
+    assert!(raw_seconds > 0.0, "{text}");
+    let per_raw = cpu.per_raw_write_ms.expect("per raw write");
+    assert!(
+        (per_raw - raw_seconds * 1000.0 / raw.writes as f64).abs() <= 1e-9,
+        "{text}"
+    );
+    if per_operation > 0.0 {
+        let ratio = cpu.raw_write_to_operation.expect("the CPU ratio");
+        assert!((ratio - per_raw / per_operation).abs() <= 1e-9, "{text}");
+    }
+    assert!(text.contains("etcd CPU (its members, summed)"), "{text}");
     let json = serde_json::to_value(&report).expect("JSON");
     assert!(json["raw_ceiling"]["writes_per_second"].is_number());
+    assert!(json["etcd_cpu"]["per_raw_write_ms"].is_number());
     // Nothing of the raw loop is left under the run's prefix.
     let left = etcd
         .etcdctl(
