@@ -67,7 +67,14 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
         raw_etcd_ceiling: Some(Duration::from_millis(500)),
         ..small()
     };
+    let cpu_at = || {
+        runtime()
+            .block_on(blockipam_load::etcd_status::cpu_seconds(&[etcd.endpoint()]))
+            .expect("etcd's CPU seconds")
+    };
+    let cpu_before = cpu_at();
     let report = run_load(&config, StoreTarget::from(settings)).expect("the run was made");
+    let cpu_after = cpu_at();
     let text = report.to_text();
     assert!(report.passed, "{text}");
     let raw = report
@@ -98,6 +105,11 @@ fn the_raw_etcd_ceiling_is_measured_beside_the_run_and_its_keys_are_deleted() {
     // Half a second of raw writes costs etcd more than its metric's resolution (10 ms).
     let raw_seconds = cpu.raw_seconds.expect("the raw loop's etcd CPU");
     assert!(raw_seconds > 0.0, "{text}");
+    // Each phase's figure is what etcd spent within it: the two spans lie inside the whole run.
+    assert!(
+        run_seconds + raw_seconds <= cpu_after - cpu_before + 1e-9,
+        "{run_seconds} + {raw_seconds} > {cpu_after} - {cpu_before}: {text}"
+    );
     let per_raw = cpu.per_raw_write_ms.expect("per raw write");
     assert!(
         (per_raw - raw_seconds * 1000.0 / raw.writes as f64).abs() <= 1e-9,
