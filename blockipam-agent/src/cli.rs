@@ -19,6 +19,8 @@ use crate::AgentError;
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "blockipam-agent",
+    // A negative number is a value, refused by its flag's own check, not an unknown argument.
+    allow_negative_numbers = true,
     version,
     about = "Holds a blockipam store open and serves it to the plugin and blockipamctl over a unix socket",
     after_help = "Stops cleanly on SIGTERM or SIGINT: stops accepting, lets requests in flight finish, \
@@ -345,6 +347,12 @@ mod tests {
             (&["--leak-scan-seconds", "0"][..], "--leak-scan-seconds"),
             (&["--leak-scan-seconds", "86401"][..], "--leak-scan-seconds"),
             (&["--cri-socket", ""][..], "--cri-socket"),
+            // A negative number is refused as that flag's value, not as an unknown argument.
+            (&["--leak-grace-seconds", "-1"][..], "--leak-grace-seconds"),
+            (
+                &["--shutdown-grace-seconds", "-1"][..],
+                "--shutdown-grace-seconds",
+            ),
         ] {
             let error = AgentArgs::try_parse_from(
                 std::iter::once("blockipam-agent").chain(args.iter().copied()),

@@ -53,6 +53,8 @@ pub enum ScenarioArg {
 #[derive(Debug, Parser)]
 #[command(
     name = "blockipam-load",
+    // A negative number is a value, refused by its flag's own check, not an unknown argument.
+    allow_negative_numbers = true,
     version,
     about = "Load generator for blockipam: simulated nodes churning pods against one store",
     args_override_self = true,
@@ -688,5 +690,13 @@ mod tests {
         let mut err = Vec::new();
         let code = run_cli(["x", "--nodes", "0"], &mut out, &mut err, false);
         assert_eq!(code, EXIT_USAGE, "{}", String::from_utf8_lossy(&err));
+        // A negative number is refused as that flag's value, not as an unknown argument.
+        let negative = Cli::try_parse_from(["x", "--nodes", "-1"])
+            .expect_err("a negative node count must be refused");
+        assert_eq!(negative.exit_code(), 2);
+        assert!(
+            negative.to_string().contains("'-1' for '--nodes"),
+            "{negative}"
+        );
     }
 }
